@@ -1,0 +1,1 @@
+//! phalanx-comm: process groups, collectives, transports and the rendezvous store.

@@ -1,0 +1,1 @@
+//! Phalanx: distributed training for candle models.
