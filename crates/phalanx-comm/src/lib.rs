@@ -1,1 +1,42 @@
-//! phalanx-comm: process groups, collectives, transports and the rendezvous store.
+//! phalanx-comm: process groups, collectives, transports and the rendezvous
+//! store of Phalanx. It knows nothing of tensors: collectives move slices of
+//! `f32`, `f64`, `f16`, `bf16`, `i32` and `i64`.
+//!
+//! Layers, bottom up:
+//! - `wire`: frames and the secret handshake;
+//! - `store`: the rendezvous key-value store (TCPStore);
+//! - `transport`: the TCP mesh between ranks, failure detection;
+//! - `algo`: ring, recursive doubling and tree algorithms;
+//! - `group`: `ProcessGroup`, its collectives, async `Work`, sub-groups;
+//! - `init`: start from torchrun / mpirun / srun variables;
+//! - `threads`: ranks as threads, for tests.
+//!
+//! ```
+//! use phalanx_comm::{threads, ReduceOp};
+//! let out = threads::run(2, |pg| {
+//!     let mut g = vec![1.0f32, 2.0];
+//!     pg.all_reduce(&mut g, ReduceOp::Avg).unwrap();
+//!     g
+//! });
+//! assert_eq!(out[1], vec![1.0, 2.0]);
+//! ```
+
+pub mod algo;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod group;
+pub mod init;
+pub mod store;
+pub mod threads;
+pub mod transport;
+pub mod wire;
+pub mod work;
+
+pub use config::{Algo, Config};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{CommError, Result};
+pub use group::ProcessGroup;
+pub use half::{bf16, f16};
+pub use init::{init_process_group, DistEnv};
+pub use work::Work;

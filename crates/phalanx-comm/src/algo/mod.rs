@@ -1,0 +1,123 @@
+//! Collective algorithms, written against `Ctx` (send/recv to group ranks),
+//! independent of the transport underneath.
+//!
+//! - `ring`: bandwidth-optimal reduce-scatter / all-gather / all-reduce,
+//!   each step pipelined in chunks so receiving and reducing overlap.
+//! - `rd`: recursive doubling all-reduce for small messages (log2 n rounds),
+//!   with the standard fold for world sizes that are not powers of two.
+//! - `tree`: binomial-tree broadcast and reduce for small messages, and a
+//!   pipelined chain broadcast for large ones.
+//!
+//! Every algorithm gives all ranks bitwise identical results: each reduced
+//! element is computed once and copied (ring), or by every rank in the same
+//! order up to operand swap, which IEEE addition and max/min do not notice (rd).
+
+pub mod rd;
+pub mod ring;
+pub mod tree;
+
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::transport::{Msg, Transport};
+use std::ops::Range;
+use std::time::Instant;
+
+/// What one collective call needs: who is in the group, which messages are
+/// its own (channel, sequence), and when to give up.
+pub struct Ctx<'a> {
+    pub t: &'a Transport,
+    /// Group rank -> global rank.
+    pub members: &'a [usize],
+    /// This process's rank in the group.
+    pub me: usize,
+    pub chan: u64,
+    pub seq: u64,
+    pub deadline: Instant,
+    pub op: &'static str,
+    /// Pipeline chunk size in elements for ring steps.
+    pub chunk_elems: usize,
+}
+
+impl Ctx<'_> {
+    pub fn n(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn send<T: Element>(&self, to: usize, data: &[T]) -> Result<()> {
+        self.t.send(
+            self.members[to],
+            self.chan,
+            self.seq,
+            bytemuck::cast_slice(data),
+            self.deadline,
+        )
+    }
+
+    pub fn recv(&self, from: usize) -> Result<Msg> {
+        let what = || format!("{} (collective #{})", self.op, self.seq);
+        self.t.recv(
+            self.members[from],
+            self.chan,
+            self.seq,
+            self.deadline,
+            &what,
+        )
+    }
+
+    fn check_len<T>(&self, from: usize, m: &Msg, want: usize) -> Result<()> {
+        let got = m.len / std::mem::size_of::<T>();
+        if m.len % std::mem::size_of::<T>() != 0 || got != want {
+            return Err(CommError::Desync(format!(
+                "{} #{}: rank {} sent {} bytes where {} elements were expected; \
+                 ranks called it with different sizes (set PHALANX_DEBUG=detail to see each call)",
+                self.op, self.seq, self.members[from], m.len, want
+            )));
+        }
+        Ok(())
+    }
+
+    /// Receive exactly `out.len()` elements from `from` into `out`.
+    pub fn recv_into<T: Element>(&self, from: usize, out: &mut [T]) -> Result<()> {
+        let m = self.recv(from)?;
+        self.check_len::<T>(from, &m, out.len())?;
+        out.copy_from_slice(m.as_slice());
+        self.t.recycle(m);
+        Ok(())
+    }
+
+    /// Receive `acc.len()` elements from `from` and reduce them into `acc`.
+    pub fn recv_reduce<T: Element>(&self, from: usize, acc: &mut [T], op: ReduceOp) -> Result<()> {
+        let m = self.recv(from)?;
+        self.check_len::<T>(from, &m, acc.len())?;
+        T::reduce_into(op, acc, m.as_slice());
+        self.t.recycle(m);
+        Ok(())
+    }
+}
+
+/// Split `len` elements into `n` contiguous parts, the first `len % n`
+/// one larger: any length works, including 0 and lengths below `n`.
+pub fn even_split(len: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|i| len / n + usize::from(i < len % n)).collect()
+}
+
+/// Offsets of consecutive blocks of the given sizes.
+pub fn ranges(counts: &[usize]) -> Vec<Range<usize>> {
+    let mut off = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            let r = off..off + c;
+            off += c;
+            r
+        })
+        .collect()
+}
+
+/// Sub-ranges of at most `chunk` elements covering `r` (none if empty).
+pub fn chunks(r: Range<usize>, chunk: usize) -> impl Iterator<Item = Range<usize>> {
+    let chunk = chunk.max(1);
+    (r.start..r.end)
+        .step_by(chunk)
+        .map(move |s| s..(s + chunk).min(r.end))
+}

@@ -1,0 +1,80 @@
+//! Tunables of a process group, read from the environment once.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `PHALANX_TIMEOUT` | seconds any blocking call may wait | 300 |
+//! | `PHALANX_DEBUG` | `detail`: check every collective's signature across ranks first | off |
+//! | `PHALANX_ALGO` | all-reduce algorithm: `auto`, `ring`, `rd` | auto |
+//! | `PHALANX_RD_MAX_BYTES` | `auto` uses recursive doubling up to this size | 256 KiB |
+//! | `PHALANX_CHUNK_BYTES` | ring pipeline chunk | 512 KiB |
+//! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
+
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algo {
+    Auto,
+    Ring,
+    RecursiveDoubling,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub timeout: Duration,
+    pub detail: bool,
+    pub algo: Algo,
+    pub rd_max_bytes: usize,
+    pub chunk_bytes: usize,
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            timeout: Duration::from_secs(300),
+            detail: false,
+            algo: Algo::Auto,
+            rd_max_bytes: 256 << 10,
+            chunk_bytes: 512 << 10,
+            heartbeat_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+fn env_f64(name: &str) -> Option<f64> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().parse::<f64>() {
+        Ok(x) if x > 0.0 => Some(x),
+        _ => {
+            eprintln!("[phalanx] ignoring {name}={v}: expected a positive number");
+            None
+        }
+    }
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        let mut c = Config::default();
+        if let Some(s) = env_f64("PHALANX_TIMEOUT") {
+            c.timeout = Duration::from_secs_f64(s);
+        }
+        if let Some(s) = env_f64("PHALANX_HEARTBEAT_TIMEOUT") {
+            c.heartbeat_timeout = Duration::from_secs_f64(s);
+        }
+        c.detail = std::env::var("PHALANX_DEBUG")
+            .map(|v| v.eq_ignore_ascii_case("detail"))
+            .unwrap_or(false);
+        c.algo = match std::env::var("PHALANX_ALGO").as_deref() {
+            Ok("ring") => Algo::Ring,
+            Ok("rd") => Algo::RecursiveDoubling,
+            _ => Algo::Auto,
+        };
+        if let Some(b) = env_f64("PHALANX_RD_MAX_BYTES") {
+            c.rd_max_bytes = b as usize;
+        }
+        if let Some(b) = env_f64("PHALANX_CHUNK_BYTES") {
+            c.chunk_bytes = (b as usize).max(64);
+        }
+        c
+    }
+}

@@ -1,0 +1,727 @@
+//! `ProcessGroup`: rank, size and the collectives over a set of processes.
+//!
+//! Collectives take slices and run on the calling thread (after any earlier
+//! asynchronous operation of the same group has finished, so issue order is
+//! execution order). The `*_async` variants take owned buffers, run on the
+//! group's communication thread and return a `Work` whose `wait()` gives the
+//! buffer back, so computation can overlap communication.
+//!
+//! ```
+//! use phalanx_comm::{threads, ReduceOp};
+//! let sums = threads::run(3, |pg| {
+//!     let mut x = vec![pg.rank() as f32; 4];
+//!     pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+//!     x
+//! });
+//! assert!(sums.iter().all(|x| x == &vec![3.0; 4]));
+//! ```
+
+use crate::algo::{self, even_split, ranges, Ctx};
+use crate::config::{Algo, Config};
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{invalid, CommError, Result};
+use crate::transport::Transport;
+use crate::work::{Queue, Work};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A group of processes that run collectives together. Cheap to clone.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    t: Arc<Transport>,
+    members: Vec<usize>,
+    me: usize,
+    gid: u64,
+    seq: AtomicU64,
+    children: AtomicU64,
+    exec: Mutex<()>,
+    queue: Queue,
+    p2p_queue: Queue,
+    cfg: Config,
+    /// Keeps a store server alive for as long as the group (rank 0 under mpirun).
+    _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+/// What a rank called, compared across ranks under PHALANX_DEBUG=detail.
+#[derive(Debug, Clone, PartialEq)]
+struct Signature {
+    op: &'static str,
+    dtype: DType,
+    count: u64,
+    reduce: Option<ReduceOp>,
+    root: Option<u64>,
+    /// A digest of per-rank counts for the uneven variants.
+    layout: u64,
+}
+
+impl Signature {
+    fn describe(&self) -> String {
+        let mut s = format!("{}({}, count={}", self.op, self.dtype.name(), self.count);
+        if let Some(r) = self.reduce {
+            s += &format!(", op={}", r.name());
+        }
+        if let Some(r) = self.root {
+            s += &format!(", root={r}");
+        }
+        s + ")"
+    }
+    fn encode(&self) -> Vec<u8> {
+        let mut v = vec![0u8; 16];
+        v[..self.op.len().min(16)].copy_from_slice(&self.op.as_bytes()[..self.op.len().min(16)]);
+        v.push(self.dtype.code());
+        v.push(self.reduce.map(|r| r.code()).unwrap_or(255));
+        v.extend_from_slice(&self.count.to_le_bytes());
+        v.extend_from_slice(&self.root.unwrap_or(u64::MAX).to_le_bytes());
+        v.extend_from_slice(&self.layout.to_le_bytes());
+        v
+    }
+}
+
+fn digest(xs: &[usize]) -> u64 {
+    // FNV-1a: a stable hash, the same in every process.
+    xs.iter().fold(0xcbf29ce484222325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+impl ProcessGroup {
+    pub(crate) fn from_transport(
+        t: Arc<Transport>,
+        cfg: Config,
+        keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) -> ProcessGroup {
+        let members: Vec<usize> = (0..t.world()).collect();
+        let me = t.rank();
+        ProcessGroup::make(t, members, me, 1, cfg, keep)
+    }
+
+    fn make(
+        t: Arc<Transport>,
+        members: Vec<usize>,
+        me: usize,
+        gid: u64,
+        cfg: Config,
+        keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) -> ProcessGroup {
+        let name = format!("phalanx-comm-{gid:x}");
+        ProcessGroup {
+            inner: Arc::new(Inner {
+                t,
+                members,
+                me,
+                gid,
+                seq: AtomicU64::new(0),
+                children: AtomicU64::new(0),
+                exec: Mutex::new(()),
+                queue: Queue::new(name.clone()),
+                p2p_queue: Queue::new(name + "-p2p"),
+                cfg,
+                _keep: keep,
+            }),
+        }
+    }
+
+    /// This process's rank within the group.
+    pub fn rank(&self) -> usize {
+        self.inner.me
+    }
+    /// Number of processes in the group.
+    pub fn size(&self) -> usize {
+        self.inner.members.len()
+    }
+    /// Global (world) rank of each group rank.
+    pub fn global_ranks(&self) -> &[usize] {
+        &self.inner.members
+    }
+    /// This process's global rank.
+    pub fn global_rank(&self) -> usize {
+        self.inner.t.rank()
+    }
+    pub fn config(&self) -> &Config {
+        &self.inner.cfg
+    }
+
+    fn chan(&self, kind: u64) -> u64 {
+        self.inner.gid.wrapping_mul(4).wrapping_add(kind)
+    }
+
+    /// Run one collective: take the next sequence number, optionally check
+    /// that every rank called the same thing, then run `f`.
+    fn collective<R>(&self, sig: Signature, f: impl FnOnce(&Ctx) -> Result<R>) -> Result<R> {
+        let inner = &*self.inner;
+        if let Some(e) = inner.t.failure() {
+            return Err(e);
+        }
+        let _g = inner.exec.lock().unwrap();
+        let seq = inner.seq.fetch_add(1, Ordering::SeqCst);
+        let elem = sig.dtype.size();
+        let ctx = Ctx {
+            t: &inner.t,
+            members: &inner.members,
+            me: inner.me,
+            chan: self.chan(0),
+            seq,
+            deadline: Instant::now() + inner.cfg.timeout,
+            op: sig.op,
+            chunk_elems: (inner.cfg.chunk_bytes / elem).max(1),
+        };
+        if inner.cfg.detail && ctx.n() > 1 {
+            self.check_signatures(&ctx, &sig)?;
+        }
+        f(&ctx)
+    }
+
+    fn check_signatures(&self, c: &Ctx, sig: &Signature) -> Result<()> {
+        let dc = Ctx {
+            chan: self.chan(2),
+            ..*c
+        };
+        let mine = sig.encode();
+        for j in (0..c.n()).filter(|&j| j != c.me) {
+            dc.t.send(c.members[j], dc.chan, dc.seq, &mine, dc.deadline)?;
+        }
+        let mut mismatch = false;
+        let mut lines = Vec::new();
+        for j in 0..c.n() {
+            if j == c.me {
+                lines.push(format!(
+                    "rank {} called {} as collective #{}",
+                    c.members[j],
+                    sig.describe(),
+                    c.seq
+                ));
+                continue;
+            }
+            let what = || {
+                format!(
+                    "{} #{} (waiting for rank {} to join)",
+                    sig.op, c.seq, c.members[j]
+                )
+            };
+            let m =
+                dc.t.recv(c.members[j], dc.chan, dc.seq, dc.deadline, &what)
+                    .map_err(|e| match e {
+                        CommError::Timeout(_) => CommError::Desync(format!(
+                            "rank {} never called collective #{} ({} on this rank {})",
+                            c.members[j],
+                            c.seq,
+                            sig.describe(),
+                            c.members[c.me]
+                        )),
+                        e => e,
+                    })?;
+            let theirs = m.bytes().to_vec();
+            if theirs != mine {
+                mismatch = true;
+            }
+            lines.push(format!(
+                "rank {} called {} as collective #{}",
+                c.members[j],
+                decode_sig(&theirs),
+                c.seq
+            ));
+        }
+        if mismatch {
+            return Err(CommError::Desync(lines.join("; ")));
+        }
+        Ok(())
+    }
+
+    fn sig<T: Element>(&self, op: &'static str, count: usize) -> Signature {
+        Signature {
+            op,
+            dtype: T::DTYPE,
+            count: count as u64,
+            reduce: None,
+            root: None,
+            layout: 0,
+        }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(invalid!(
+                "root {root} is out of range for a group of size {}",
+                self.size()
+            ));
+        }
+        Ok(())
+    }
+
+    // ---- synchronous collectives -------------------------------------
+
+    /// Reduce `buf` across the group in place; every rank gets the result.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.inner.queue.drain();
+        self.all_reduce_now(buf, op)
+    }
+
+    fn all_reduce_now<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let sig = Signature {
+            reduce: Some(op),
+            ..self.sig::<T>("all_reduce", buf.len())
+        };
+        let cfg = &self.inner.cfg;
+        self.collective(sig, |c| {
+            if c.n() == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let bytes = std::mem::size_of_val(buf);
+            let use_rd = match cfg.algo {
+                Algo::RecursiveDoubling => true,
+                Algo::Ring => false,
+                Algo::Auto => bytes <= cfg.rd_max_bytes || buf.len() < c.n(),
+            };
+            if use_rd {
+                algo::rd::all_reduce(c, buf, op)?;
+            } else {
+                algo::ring::all_reduce(c, buf, op)?;
+            }
+            if op == ReduceOp::Avg {
+                T::div_by(buf, c.n());
+            }
+            Ok(())
+        })
+    }
+
+    /// Reduce `input` (size * output.len() elements) across the group and
+    /// leave block `rank` of the result in `output`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let counts = vec![output.len(); self.size()];
+        self.reduce_scatter_v(input, &counts, output, op)
+    }
+
+    /// Reduce-scatter with uneven blocks: block k has `counts[k]` elements.
+    pub fn reduce_scatter_v<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.inner.queue.drain();
+        self.reduce_scatter_now(input, counts, output, op)
+    }
+
+    fn reduce_scatter_now<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.size();
+        if counts.len() != n
+            || counts.iter().sum::<usize>() != input.len()
+            || output.len() != counts[self.rank()]
+        {
+            return Err(invalid!(
+                "reduce_scatter: {} counts summing to {} for an input of {} and an output of {} (group size {n}, rank {})",
+                counts.len(),
+                counts.iter().sum::<usize>(),
+                input.len(),
+                output.len(),
+                self.rank()
+            ));
+        }
+        let sig = Signature {
+            reduce: Some(op),
+            layout: digest(counts),
+            ..self.sig::<T>("reduce_scatter", input.len())
+        };
+        self.collective(sig, |c| {
+            let blocks = ranges(counts);
+            if c.n() == 1 {
+                output.copy_from_slice(input);
+            } else {
+                let mut scratch = input.to_vec();
+                algo::ring::reduce_scatter(c, &mut scratch, &blocks, op)?;
+                output.copy_from_slice(&scratch[blocks[c.me].clone()]);
+            }
+            if op == ReduceOp::Avg {
+                T::div_by(output, c.n());
+            }
+            Ok(())
+        })
+    }
+
+    /// Gather every rank's `input` (all the same length) into `output`,
+    /// ordered by rank.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let counts = vec![input.len(); self.size()];
+        self.all_gather_v(input, &counts, output)
+    }
+
+    /// All-gather with uneven sizes: rank k contributes `counts[k]` elements.
+    pub fn all_gather_v<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> Result<()> {
+        self.inner.queue.drain();
+        self.all_gather_now(input, counts, output)
+    }
+
+    fn all_gather_now<T: Element>(
+        &self,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> Result<()> {
+        let n = self.size();
+        if counts.len() != n
+            || counts.iter().sum::<usize>() != output.len()
+            || input.len() != counts[self.rank()]
+        {
+            return Err(invalid!(
+                "all_gather: {} counts summing to {} for an output of {} and an input of {} (group size {n}, rank {})",
+                counts.len(),
+                counts.iter().sum::<usize>(),
+                output.len(),
+                input.len(),
+                self.rank()
+            ));
+        }
+        let sig = Signature {
+            layout: digest(counts),
+            ..self.sig::<T>("all_gather", output.len())
+        };
+        self.collective(sig, |c| {
+            let blocks = ranges(counts);
+            output[blocks[c.me].clone()].copy_from_slice(input);
+            if c.n() > 1 {
+                algo::ring::all_gather(c, output, &blocks)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Copy `buf` of rank `root` to every rank.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.inner.queue.drain();
+        self.broadcast_now(buf, root)
+    }
+
+    fn broadcast_now<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let sig = Signature {
+            root: Some(root as u64),
+            ..self.sig::<T>("broadcast", buf.len())
+        };
+        let rd_max = self.inner.cfg.rd_max_bytes;
+        self.collective(sig, |c| {
+            if c.n() == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            if std::mem::size_of_val(buf) <= rd_max {
+                algo::tree::broadcast_tree(c, buf, root)
+            } else {
+                algo::tree::broadcast_chain(c, buf, root)
+            }
+        })
+    }
+
+    /// Reduce `buf` across the group into rank `root`'s `buf`; other ranks'
+    /// buffers are left unchanged.
+    pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        self.inner.queue.drain();
+        self.check_root(root)?;
+        let sig = Signature {
+            reduce: Some(op),
+            root: Some(root as u64),
+            ..self.sig::<T>("reduce", buf.len())
+        };
+        let rd_max = self.inner.cfg.rd_max_bytes;
+        self.collective(sig, |c| {
+            let n = c.n();
+            if n == 1 || buf.is_empty() {
+                return Ok(());
+            }
+            let mut acc = buf.to_vec();
+            if std::mem::size_of_val(buf) <= rd_max {
+                algo::tree::reduce_tree(c, &mut acc, root, op)?;
+            } else {
+                // Large: ring reduce-scatter, then every block goes to root.
+                let blocks = ranges(&even_split(acc.len(), n));
+                algo::ring::reduce_scatter(c, &mut acc, &blocks, op)?;
+                if c.me != root {
+                    c.send(root, &acc[blocks[c.me].clone()])?;
+                } else {
+                    for (k, b) in blocks.iter().enumerate().filter(|(k, _)| *k != root) {
+                        c.recv_into(k, &mut acc[b.clone()])?;
+                    }
+                }
+            }
+            if c.me == root {
+                if op == ReduceOp::Avg {
+                    T::div_by(&mut acc, n);
+                }
+                buf.copy_from_slice(&acc);
+            }
+            Ok(())
+        })
+    }
+
+    /// Block j of `input` goes to rank j; block i of `output` comes from
+    /// rank i. Both hold size * k elements.
+    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.inner.queue.drain();
+        let n = self.size();
+        if input.len() != output.len() || input.len() % n != 0 {
+            return Err(invalid!(
+                "all_to_all: input ({}) and output ({}) must be equal and divisible by the group size {n}",
+                input.len(),
+                output.len()
+            ));
+        }
+        let k = input.len() / n;
+        self.collective(self.sig::<T>("all_to_all", input.len()), |c| {
+            let me = c.me;
+            output[me * k..(me + 1) * k].copy_from_slice(&input[me * k..(me + 1) * k]);
+            if k == 0 {
+                return Ok(());
+            }
+            for s in 1..n {
+                let to = (me + s) % n;
+                c.send(to, &input[to * k..(to + 1) * k])?;
+            }
+            for s in 1..n {
+                let from = (me + n - s) % n;
+                c.recv_into(from, &mut output[from * k..(from + 1) * k])?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Return once every rank of the group has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        let mut x = [1i32];
+        self.all_reduce(&mut x, ReduceOp::Sum)
+    }
+
+    // ---- point to point ------------------------------------------------
+
+    /// Send `buf` to group rank `dst` under `tag`; returns once the data is
+    /// handed to the transport (the receiver buffers it).
+    pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
+        self.check_peer(dst)?;
+        let deadline = Instant::now() + self.inner.cfg.timeout;
+        self.inner.t.send(
+            self.inner.members[dst],
+            self.chan(1),
+            tag,
+            bytemuck::cast_slice(buf),
+            deadline,
+        )
+    }
+
+    /// Receive exactly `buf.len()` elements from group rank `src` under `tag`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
+        self.check_peer(src)?;
+        let deadline = Instant::now() + self.inner.cfg.timeout;
+        let what = || format!("recv(tag={tag})");
+        let m = self
+            .inner
+            .t
+            .recv(self.inner.members[src], self.chan(1), tag, deadline, &what)?;
+        if m.len != std::mem::size_of_val(buf) {
+            return Err(invalid!(
+                "recv from rank {src} tag {tag}: expected {} bytes, got {}",
+                std::mem::size_of_val(buf),
+                m.len
+            ));
+        }
+        buf.copy_from_slice(m.as_slice());
+        self.inner.t.recycle(m);
+        Ok(())
+    }
+
+    fn check_peer(&self, p: usize) -> Result<()> {
+        if p >= self.size() || p == self.rank() {
+            return Err(invalid!(
+                "peer {p} is not another rank of this group (size {})",
+                self.size()
+            ));
+        }
+        Ok(())
+    }
+
+    // ---- asynchronous variants ------------------------------------------
+
+    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            g.all_reduce_now(&mut buf, op).map(|_| buf)
+        })
+    }
+
+    pub fn reduce_scatter_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            let mut out = vec![T::zeroed(); counts.get(g.rank()).copied().unwrap_or(0)];
+            g.reduce_scatter_now(&input, &counts, &mut out, op)
+                .map(|_| out)
+        })
+    }
+
+    pub fn all_gather_async<T: Element>(&self, input: Vec<T>, counts: Vec<usize>) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            let mut out = vec![T::zeroed(); counts.iter().sum()];
+            g.all_gather_now(&input, &counts, &mut out).map(|_| out)
+        })
+    }
+
+    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            g.broadcast_now(&mut buf, root).map(|_| buf)
+        })
+    }
+
+    /// Receive on the group's point-to-point thread; sends never wait behind
+    /// it, so a pipeline can post receives early without deadlocking.
+    pub fn recv_async<T: Element>(&self, mut buf: Vec<T>, src: usize, tag: u64) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner
+            .p2p_queue
+            .submit(self.inner.cfg.timeout, move || {
+                g.recv(&mut buf, src, tag).map(|_| buf)
+            })
+    }
+
+    /// Wait for every asynchronous operation issued so far.
+    pub fn synchronize(&self) {
+        self.inner.queue.drain();
+        self.inner.p2p_queue.drain();
+    }
+
+    // ---- sub-groups --------------------------------------------------
+
+    /// A group of the given ranks of this group (in ascending order). Every
+    /// rank of this group must call it, in the same order as other
+    /// `new_group` calls; ranks outside `ranks` get `None`.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let mut rs = ranks.to_vec();
+        rs.sort_unstable();
+        rs.dedup();
+        if rs.len() != ranks.len() || rs.iter().any(|&r| r >= self.size()) || rs.is_empty() {
+            return Err(invalid!(
+                "new_group: ranks {ranks:?} must be distinct ranks below {}",
+                self.size()
+            ));
+        }
+        let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
+        let gid = digest(&[self.inner.gid as usize, k as usize, 0x5b]) | 2;
+        Ok(self.child(&rs, gid))
+    }
+
+    fn child(&self, ranks: &[usize], gid: u64) -> Option<ProcessGroup> {
+        let me = ranks.iter().position(|&r| r == self.rank())?;
+        let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
+        Some(ProcessGroup::make(
+            self.inner.t.clone(),
+            members,
+            me,
+            gid,
+            self.inner.cfg.clone(),
+            None,
+        ))
+    }
+
+    /// Split into disjoint groups by `color` (MPI_Comm_split): ranks with the
+    /// same color form a group, ordered by (key, rank). A negative color
+    /// joins no group. Collective over this group.
+    pub fn split(&self, color: i64, key: i64) -> Result<Option<ProcessGroup>> {
+        let n = self.size();
+        let mut all = vec![0i64; 2 * n];
+        self.all_gather(&[color, key], &mut all)?;
+        let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
+        if color < 0 {
+            return Ok(None);
+        }
+        let mut ranks: Vec<usize> = (0..n).filter(|&r| all[2 * r] == color).collect();
+        ranks.sort_by_key(|&r| (all[2 * r + 1], r));
+        let gid = digest(&[self.inner.gid as usize, k as usize, color as usize]) | 2;
+        // The child orders ranks by key, so index by position, not rank.
+        let me = ranks
+            .iter()
+            .position(|&r| r == self.rank())
+            .expect("own color");
+        let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
+        Ok(Some(ProcessGroup::make(
+            self.inner.t.clone(),
+            members,
+            me,
+            gid,
+            self.inner.cfg.clone(),
+            None,
+        )))
+    }
+
+    /// Tear down the transport under this group (and every group sharing
+    /// it): pending and later calls here and on peers fail with `reason`.
+    pub fn abort(&self, reason: &str) {
+        self.inner.t.abort(reason);
+    }
+
+    #[doc(hidden)]
+    pub fn crash_for_test(&self) {
+        self.inner.t.crash_for_test();
+    }
+
+    /// The failure that broke this group, if any.
+    pub fn failure(&self) -> Option<CommError> {
+        self.inner.t.failure()
+    }
+}
+
+fn decode_sig(b: &[u8]) -> String {
+    if b.len() < 16 + 2 + 24 {
+        return "<malformed signature>".into();
+    }
+    let name = String::from_utf8_lossy(&b[..16])
+        .trim_end_matches('\0')
+        .to_string();
+    let dtype = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+    ]
+    .into_iter()
+    .find(|d| d.code() == b[16])
+    .map(|d| d.name())
+    .unwrap_or("?");
+    let red = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min]
+        .into_iter()
+        .find(|r| r.code() == b[17]);
+    let count = u64::from_le_bytes(b[18..26].try_into().unwrap());
+    let root = u64::from_le_bytes(b[26..34].try_into().unwrap());
+    let mut s = format!("{name}({dtype}, count={count}");
+    if let Some(r) = red {
+        s += &format!(", op={}", r.name());
+    }
+    if root != u64::MAX {
+        s += &format!(", root={root}");
+    }
+    s + ")"
+}

@@ -1,0 +1,186 @@
+//! The store's client: one authenticated connection, blocking requests.
+
+use super::*;
+use crate::error::{CommError, Result};
+use crate::wire::{self, Reader, Writer};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub struct StoreClient {
+    conn: Mutex<TcpStream>,
+    addr: String,
+    timeout: Duration,
+}
+
+impl StoreClient {
+    /// Connect, retrying until `timeout` (the server may start after us,
+    /// e.g. when rank 0 hosts it under mpirun), then authenticate.
+    pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<StoreClient> {
+        let deadline = Instant::now() + timeout;
+        let mut last_err;
+        loop {
+            match try_connect(addr, secret) {
+                Ok(s) => {
+                    return Ok(StoreClient {
+                        conn: Mutex::new(s),
+                        addr: addr.to_string(),
+                        timeout,
+                    })
+                }
+                Err(CommError::Auth(m)) => {
+                    return Err(CommError::Auth(format!("rendezvous store at {addr}: {m}")))
+                }
+                Err(e) => last_err = e.to_string(),
+            }
+            if Instant::now() >= deadline {
+                return Err(CommError::Timeout(format!(
+                    "could not reach the rendezvous store at {addr} within {:?}: {last_err}",
+                    timeout
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The local address this client uses to reach the store: the address
+    /// peers on other hosts can reach us at.
+    pub fn local_ip(&self) -> Result<std::net::IpAddr> {
+        Ok(self.conn.lock().unwrap().local_addr()?.ip())
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn request(&self, req: Writer, wait: Duration) -> Result<Vec<u8>> {
+        let mut s = self.conn.lock().unwrap();
+        s.set_read_timeout(Some(wait + Duration::from_secs(10)))?;
+        wire::write_frame(&mut *s, &req.buf)
+            .map_err(|e| CommError::Io(format!("rendezvous store at {}: {e}", self.addr)))?;
+        wire::read_frame(&mut *s, MAX_FRAME)
+            .map_err(|e| CommError::Io(format!("rendezvous store at {}: {e}", self.addr)))
+    }
+
+    fn ok<'a>(&self, reply: &'a [u8]) -> Result<Reader<'a>> {
+        let mut r = Reader::new(reply);
+        match r.u8()? {
+            R_OK => Ok(r),
+            R_ERROR => Err(CommError::Invalid(
+                String::from_utf8_lossy(r.bytes()?).into(),
+            )),
+            s => Err(CommError::Protocol(format!("unexpected store status {s}"))),
+        }
+    }
+
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let rep = self.request(
+            Writer::default()
+                .u8(OP_SET)
+                .bytes(key.as_bytes())
+                .bytes(value),
+            Duration::ZERO,
+        )?;
+        self.ok(&rep).map(|_| ())
+    }
+
+    /// Get a key, waiting for it up to the client's timeout (TCPStore's `get`).
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.wait(&[key], self.timeout)?;
+        self.try_get(key)?
+            .ok_or_else(|| CommError::Protocol(format!("key {key} vanished")))
+    }
+
+    /// Get a key if present, without waiting.
+    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let rep = self.request(
+            Writer::default().u8(OP_GET).bytes(key.as_bytes()),
+            Duration::ZERO,
+        )?;
+        let mut r = Reader::new(&rep);
+        match r.u8()? {
+            R_OK => Ok(Some(r.bytes()?.to_vec())),
+            R_NOT_FOUND => Ok(None),
+            s => Err(CommError::Protocol(format!("unexpected store status {s}"))),
+        }
+    }
+
+    /// Wait until all keys exist, or fail naming the missing ones.
+    pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let mut w = Writer::default().u8(OP_WAIT).u64(keys.len() as u64);
+        for k in keys {
+            w = w.bytes(k.as_bytes());
+        }
+        w = w.u64(timeout.as_millis() as u64);
+        let rep = self.request(w, timeout)?;
+        let mut r = Reader::new(&rep);
+        match r.u8()? {
+            R_OK => Ok(()),
+            R_TIMEOUT => Err(CommError::Timeout(format!(
+                "store keys not set within {:?}: {}",
+                timeout,
+                String::from_utf8_lossy(r.bytes()?)
+            ))),
+            s => Err(CommError::Protocol(format!("unexpected store status {s}"))),
+        }
+    }
+
+    /// Atomically add `delta` to a counter key (missing = 0); returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let rep = self.request(
+            Writer::default()
+                .u8(OP_ADD)
+                .bytes(key.as_bytes())
+                .i64(delta),
+            Duration::ZERO,
+        )?;
+        self.ok(&rep)?.i64()
+    }
+
+    /// Set `key` to `desired` if it currently equals `expected` (missing key
+    /// matches empty `expected`); returns the value after the call.
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let rep = self.request(
+            Writer::default()
+                .u8(OP_CAS)
+                .bytes(key.as_bytes())
+                .bytes(expected)
+                .bytes(desired),
+            Duration::ZERO,
+        )?;
+        Ok(self.ok(&rep)?.bytes()?.to_vec())
+    }
+
+    /// Delete a key; true if it existed.
+    pub fn delete(&self, key: &str) -> Result<bool> {
+        let rep = self.request(
+            Writer::default().u8(OP_DELETE).bytes(key.as_bytes()),
+            Duration::ZERO,
+        )?;
+        Ok(self.ok(&rep)?.u8()? == 1)
+    }
+
+    pub fn num_keys(&self) -> Result<u64> {
+        let rep = self.request(Writer::default().u8(OP_NUM_KEYS), Duration::ZERO)?;
+        self.ok(&rep)?.u64()
+    }
+}
+
+fn try_connect(addr: &str, secret: &[u8]) -> Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| CommError::Io(format!("cannot resolve {addr}: {e}")))?
+        .collect();
+    let mut last = CommError::Io(format!("no address for {addr}"));
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+            Ok(mut s) => {
+                s.set_nodelay(true)?;
+                wire::handshake(&mut s, secret, false, Duration::from_secs(10))?;
+                return Ok(s);
+            }
+            Err(e) => last = CommError::Io(e.to_string()),
+        }
+    }
+    Err(last)
+}

@@ -1,0 +1,360 @@
+//! Rank-to-rank transport: a full mesh of authenticated TCP connections.
+//!
+//! Each connection has a reader thread that drains the socket into an inbox
+//! keyed by (peer, channel, sequence). Because the reader always drains, a
+//! rank may write a large chunk while its peer writes one back: the classic
+//! ring deadlock ("both sides write, nobody reads, both socket buffers fill")
+//! cannot happen. Algorithms (`crate::algo`) only see `send` and `recv`.
+//!
+//! Failure: a peer that closes its socket without saying goodbye, sends an
+//! ABORT, or stops sending heartbeats marks the whole transport failed; every
+//! pending and later call then returns an error naming that peer.
+
+mod tcp;
+
+pub use tcp::connect_mesh;
+
+use crate::error::{CommError, Result};
+use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+pub(crate) const K_DATA: u8 = 1;
+pub(crate) const K_HEARTBEAT: u8 = 2;
+pub(crate) const K_ABORT: u8 = 3;
+pub(crate) const K_GOODBYE: u8 = 4;
+pub(crate) const HEADER: usize = 32;
+/// The largest single data frame; algorithms chunk far below this.
+pub const MAX_DATA_FRAME: usize = 1 << 30;
+
+/// A received message. The buffer is 8-byte aligned so that it can be viewed
+/// as any element type without copying.
+pub struct Msg {
+    pub(crate) words: Vec<u64>,
+    pub(crate) len: usize,
+}
+
+impl Msg {
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+    pub fn as_slice<T: bytemuck::Pod>(&self) -> &[T] {
+        bytemuck::cast_slice(self.bytes())
+    }
+}
+
+pub(crate) fn header(kind: u8, chan: u64, seq: u64, len: usize) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0] = kind;
+    h[8..16].copy_from_slice(&chan.to_le_bytes());
+    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    h[24..32].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+pub(crate) struct Peer {
+    pub host: String,
+    pub writer: Mutex<TcpStream>,
+}
+
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub queues: HashMap<(usize, u64, u64), VecDeque<Msg>>,
+    pub failed: Option<CommError>,
+    /// Peers that said goodbye (clean shutdown), with no error implied.
+    pub closed: HashMap<usize, ()>,
+}
+
+pub struct Transport {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) peers: Vec<Option<Peer>>,
+    pub(crate) inbox: Mutex<Inbox>,
+    pub(crate) arrived: Condvar,
+    pub(crate) failed_flag: AtomicBool,
+    pub(crate) closing: AtomicBool,
+    pool: Mutex<Vec<Vec<u64>>>,
+}
+
+impl Transport {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// "host:port" of a rank, for error messages.
+    pub fn host_of(&self, rank: usize) -> String {
+        match self.peers.get(rank).and_then(|p| p.as_ref()) {
+            Some(p) => p.host.clone(),
+            None => "this process".into(),
+        }
+    }
+
+    /// The error every call returns once the transport has failed.
+    pub fn failure(&self) -> Option<CommError> {
+        if !self.failed_flag.load(Ordering::Acquire) {
+            return None;
+        }
+        self.inbox.lock().unwrap().failed.clone()
+    }
+
+    /// Record the first failure and wake every waiter.
+    pub(crate) fn fail(&self, err: CommError) {
+        let mut ib = self.inbox.lock().unwrap();
+        if ib.failed.is_none() {
+            ib.failed = Some(err);
+            self.failed_flag.store(true, Ordering::Release);
+        }
+        drop(ib);
+        self.arrived.notify_all();
+    }
+
+    fn peer(&self, rank: usize) -> Result<&Peer> {
+        self.peers
+            .get(rank)
+            .and_then(|p| p.as_ref())
+            .ok_or_else(|| {
+                CommError::Invalid(format!(
+                    "no connection to rank {rank} (world size {})",
+                    self.world
+                ))
+            })
+    }
+
+    /// Send one data frame to `to`. Blocks while the socket is full, but
+    /// checks for failure every second and gives up at `deadline`.
+    pub fn send(
+        &self,
+        to: usize,
+        chan: u64,
+        seq: u64,
+        data: &[u8],
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        if data.len() > MAX_DATA_FRAME {
+            return Err(CommError::Invalid(format!(
+                "message of {} bytes exceeds the frame limit of {MAX_DATA_FRAME}",
+                data.len()
+            )));
+        }
+        let p = self.peer(to)?;
+        let h = header(K_DATA, chan, seq, data.len());
+        let mut w = p.writer.lock().unwrap();
+        let res = if data.len() <= 64 << 10 {
+            // One write for small messages: one packet, lower latency.
+            let mut buf = Vec::with_capacity(HEADER + data.len());
+            buf.extend_from_slice(&h);
+            buf.extend_from_slice(data);
+            self.write_all(&mut w, &buf, deadline)
+        } else {
+            self.write_all(&mut w, &h, deadline)
+                .and_then(|_| self.write_all(&mut w, data, deadline))
+        };
+        res.map_err(|e| match self.failure() {
+            Some(f) => f,
+            None => match e {
+                CommError::Timeout(m) => {
+                    CommError::Timeout(format!("sending to rank {to} ({}): {m}", p.host))
+                }
+                other => CommError::PeerDead {
+                    rank: to,
+                    host: p.host.clone(),
+                    reason: format!("send failed: {other}"),
+                },
+            },
+        })
+    }
+
+    pub(crate) fn write_all(
+        &self,
+        s: &mut TcpStream,
+        mut buf: &[u8],
+        deadline: Instant,
+    ) -> Result<()> {
+        while !buf.is_empty() {
+            match s.write(buf) {
+                Ok(0) => return Err(CommError::Io("connection closed".into())),
+                Ok(n) => buf = &buf[n..],
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if let Some(f) = self.failure() {
+                        return Err(f);
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(CommError::Timeout("peer stopped reading".into()));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receive the next frame from `from` on (chan, seq), waiting until
+    /// `deadline`. `what` describes the operation for a timeout message.
+    pub fn recv(
+        &self,
+        from: usize,
+        chan: u64,
+        seq: u64,
+        deadline: Instant,
+        what: &dyn Fn() -> String,
+    ) -> Result<Msg> {
+        let key = (from, chan, seq);
+        let mut ib = self.inbox.lock().unwrap();
+        loop {
+            if let Some(q) = ib.queues.get_mut(&key) {
+                if let Some(m) = q.pop_front() {
+                    if q.is_empty() {
+                        ib.queues.remove(&key);
+                    }
+                    return Ok(m);
+                }
+            }
+            if let Some(e) = &ib.failed {
+                return Err(e.clone());
+            }
+            if ib.closed.contains_key(&from) {
+                return Err(CommError::PeerDead {
+                    rank: from,
+                    host: self.host_of(from),
+                    reason: format!("shut down before sending the data for {}", what()),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout(format!(
+                    "{} waited for rank {from} ({}) past the deadline (PHALANX_TIMEOUT)",
+                    what(),
+                    self.host_of(from)
+                )));
+            }
+            ib = self
+                .arrived
+                .wait_timeout(ib, (deadline - now).min(Duration::from_secs(1)))
+                .unwrap()
+                .0;
+        }
+    }
+
+    /// Take a buffer of at least `words` u64s from the pool.
+    pub(crate) fn take_buf(&self, words: usize) -> Vec<u64> {
+        let mut pool = self.pool.lock().unwrap();
+        if let Some(i) = pool.iter().position(|b| b.capacity() >= words) {
+            let mut b = pool.swap_remove(i);
+            b.resize(words, 0);
+            return b;
+        }
+        drop(pool);
+        vec![0u64; words]
+    }
+
+    /// Return a message's buffer for reuse, so steady-state collectives do
+    /// not allocate (fresh pages cost page faults).
+    pub fn recycle(&self, m: Msg) {
+        let mut pool = self.pool.lock().unwrap();
+        if pool.len() < 32 {
+            pool.push(m.words);
+        }
+    }
+
+    /// Close every socket without a word, as a crashed process does. For
+    /// failure tests of ranks-as-threads.
+    #[doc(hidden)]
+    pub fn crash_for_test(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        for p in self.peers.iter().flatten() {
+            if let Ok(w) = p.writer.lock() {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
+    /// Tear the transport down: tell peers why, then close every socket.
+    pub fn abort(&self, reason: &str) {
+        self.fail(CommError::Aborted(format!(
+            "aborted on this rank ({}): {reason}",
+            self.rank
+        )));
+        self.closing.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_millis(500);
+        for p in self.peers.iter().flatten() {
+            if let Ok(mut w) = p.writer.try_lock() {
+                let h = header(K_ABORT, 0, 0, reason.len());
+                let _ = self.write_raw(&mut w, &h, reason.as_bytes(), deadline);
+            }
+            if let Ok(w) = p.writer.try_lock() {
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+
+    fn write_raw(
+        &self,
+        w: &mut TcpStream,
+        h: &[u8],
+        body: &[u8],
+        deadline: Instant,
+    ) -> std::io::Result<()> {
+        w.set_write_timeout(Some(Duration::from_millis(200)))?;
+        let mut buf = h.to_vec();
+        buf.extend_from_slice(body);
+        let mut off = 0;
+        while off < buf.len() && Instant::now() < deadline {
+            match w.write(&buf[off..]) {
+                Ok(n) => off += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        w.set_write_timeout(Some(Duration::from_secs(1)))
+    }
+
+    pub(crate) fn new(rank: usize, world: usize, peers: Vec<Option<Peer>>) -> Transport {
+        Transport {
+            rank,
+            world,
+            peers,
+            inbox: Mutex::new(Inbox::default()),
+            arrived: Condvar::new(),
+            failed_flag: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            pool: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        // Clean shutdown: a goodbye lets peers tell "finished" from "crashed".
+        if self.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_millis(500);
+        let why = self.failure().map(|e| e.to_string()).unwrap_or_default();
+        for p in self.peers.iter().flatten() {
+            if let Ok(mut w) = p.writer.lock() {
+                let h = header(K_GOODBYE, 0, 0, why.len());
+                let _ = self.write_raw(&mut w, &h, why.as_bytes(), deadline);
+                let _ = w.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}

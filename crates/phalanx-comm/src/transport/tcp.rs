@@ -1,0 +1,380 @@
+//! Building the TCP mesh through the store, and the per-connection threads.
+
+use super::*;
+use crate::store::StoreClient;
+use crate::wire;
+use std::io::Read;
+use std::net::{IpAddr, Ipv4Addr, TcpListener};
+use std::sync::{Arc, Weak};
+
+/// Connect this rank to every other rank of a `world`-sized job.
+///
+/// Each rank listens on an ephemeral port of the interface it uses to reach
+/// the store and publishes "ip:port" under `{prefix}/addr/{rank}`. Rank i
+/// dials every lower rank and accepts every higher one; both sides run the
+/// secret handshake, then the dialer says who it is. Ranks that disagree on
+/// the world size, or two processes that claim one rank, are errors.
+pub fn connect_mesh(
+    store: &StoreClient,
+    prefix: &str,
+    rank: usize,
+    world: usize,
+    secret: &[u8],
+    timeout: Duration,
+    heartbeat_timeout: Duration,
+) -> Result<Arc<Transport>> {
+    if rank >= world {
+        return Err(CommError::Invalid(format!(
+            "rank {rank} is out of range for world size {world}"
+        )));
+    }
+    let ws = world.to_string();
+    let agreed = store.compare_set(&format!("{prefix}/world_size"), b"", ws.as_bytes())?;
+    if agreed != ws.as_bytes() {
+        return Err(publish(
+            store,
+            prefix,
+            CommError::Invalid(format!(
+                "ranks disagree on the world size: rank {rank} has {world}, another rank registered {}",
+                String::from_utf8_lossy(&agreed)
+            )),
+        ));
+    }
+    if store.add(&format!("{prefix}/claim/{rank}"), 1)? > 1 {
+        return Err(publish(
+            store,
+            prefix,
+            CommError::Invalid(format!("two processes claim rank {rank}")),
+        ));
+    }
+    let deadline = Instant::now() + timeout;
+
+    let ip = match store.local_ip()? {
+        ip if ip.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        ip => ip,
+    };
+    let listener = TcpListener::bind((ip, 0))?;
+    let me = listener.local_addr()?.to_string();
+    store.set(&format!("{prefix}/addr/{rank}"), me.as_bytes())?;
+
+    // Accept higher ranks on a thread while we dial the lower ones.
+    let secret_acc = secret.to_vec();
+    let acceptor =
+        std::thread::spawn(move || accept_higher(listener, rank, world, &secret_acc, deadline));
+
+    let mut peers: Vec<Option<(TcpStream, String)>> = (0..world).map(|_| None).collect();
+    for j in 0..rank {
+        let key = format!("{prefix}/addr/{j}");
+        wait_key(store, prefix, &key, deadline).map_err(|e| {
+            e.unwrap_or_else(|| {
+                CommError::Timeout(format!(
+                    "rank {j} never published its address (world size {world})"
+                ))
+            })
+        })?;
+        let host = String::from_utf8_lossy(&store.try_get(&key)?.unwrap_or_default()).to_string();
+        let mut s = dial(&host, deadline).map_err(|e| CommError::PeerDead {
+            rank: j,
+            host: host.clone(),
+            reason: format!("cannot connect: {e}"),
+        })?;
+        wire::handshake(
+            &mut s,
+            secret,
+            false,
+            deadline.saturating_duration_since(Instant::now()),
+        )?;
+        let mut hello = [0u8; 16];
+        hello[..8].copy_from_slice(&(rank as u64).to_le_bytes());
+        hello[8..].copy_from_slice(&(world as u64).to_le_bytes());
+        s.write_all(&hello)?;
+        peers[j] = Some((s, host));
+    }
+    let accepted = acceptor
+        .join()
+        .map_err(|_| CommError::Io("acceptor thread panicked".into()))??;
+    for (j, s, _ephemeral) in accepted {
+        // Name the peer by its listening address, as every other rank does.
+        let host = store
+            .try_get(&format!("{prefix}/addr/{j}"))?
+            .unwrap_or_default();
+        peers[j] = Some((s, String::from_utf8_lossy(&host).to_string()));
+    }
+
+    let mut conns = Vec::with_capacity(world);
+    let mut readers = Vec::new();
+    for (j, p) in peers.into_iter().enumerate() {
+        match p {
+            None => conns.push(None),
+            Some((s, host)) => {
+                s.set_nodelay(true)?;
+                s.set_write_timeout(Some(Duration::from_secs(1)))?;
+                s.set_read_timeout(Some(heartbeat_timeout))?;
+                set_buffers(&s);
+                readers.push((j, s.try_clone()?, host.clone()));
+                conns.push(Some(Peer {
+                    host,
+                    writer: Mutex::new(s),
+                }));
+            }
+        }
+    }
+    let t = Arc::new(Transport::new(rank, world, conns));
+    for (j, s, host) in readers {
+        let w = Arc::downgrade(&t);
+        std::thread::Builder::new()
+            .name(format!("phalanx-rx-{j}"))
+            .spawn(move || reader_loop(w, s, j, host, heartbeat_timeout))?;
+    }
+    if world > 1 {
+        let w = Arc::downgrade(&t);
+        let every = heartbeat_timeout / 5;
+        std::thread::Builder::new()
+            .name("phalanx-heartbeat".into())
+            .spawn(move || heartbeat_loop(w, every))?;
+    }
+    Ok(t)
+}
+
+/// Record a set-up error where every rank looks, so that ranks waiting for
+/// this one report the cause instead of a timeout.
+fn publish(store: &StoreClient, prefix: &str, e: CommError) -> CommError {
+    let _ = store.set(&format!("{prefix}/error"), e.to_string().as_bytes());
+    e
+}
+
+/// Wait for `key`, giving up early if another rank published an error.
+/// `Err(None)` means the deadline passed.
+fn wait_key(
+    store: &StoreClient,
+    prefix: &str,
+    key: &str,
+    deadline: Instant,
+) -> std::result::Result<(), Option<CommError>> {
+    let err_key = format!("{prefix}/error");
+    loop {
+        if let Ok(Some(e)) = store.try_get(&err_key) {
+            return Err(Some(CommError::Invalid(format!(
+                "another rank failed to start: {}",
+                String::from_utf8_lossy(&e)
+            ))));
+        }
+        let slice = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(200));
+        match store.wait(&[key], slice) {
+            Ok(()) => return Ok(()),
+            Err(CommError::Timeout(_)) if Instant::now() < deadline => {}
+            Err(CommError::Timeout(_)) => return Err(None),
+            Err(e) => return Err(Some(e)),
+        }
+    }
+}
+
+fn dial(host: &str, deadline: Instant) -> std::io::Result<TcpStream> {
+    let addr: std::net::SocketAddr = host.parse().map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("bad address {host}"),
+        )
+    })?;
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn accept_higher(
+    listener: TcpListener,
+    rank: usize,
+    world: usize,
+    secret: &[u8],
+    deadline: Instant,
+) -> Result<Vec<(usize, TcpStream, String)>> {
+    listener.set_nonblocking(true)?;
+    let mut got: Vec<(usize, TcpStream, String)> = Vec::new();
+    let expected = world - rank - 1;
+    while got.len() < expected {
+        match listener.accept() {
+            Ok((mut s, addr)) => {
+                s.set_nonblocking(false)?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if let Err(e) =
+                    wire::handshake(&mut s, secret, true, left.min(Duration::from_secs(30)))
+                {
+                    eprintln!("[phalanx] rank {rank}: refused a connection from {addr}: {e}");
+                    continue;
+                }
+                let mut hello = [0u8; 16];
+                s.set_read_timeout(Some(Duration::from_secs(10)))?;
+                if s.read_exact(&mut hello).is_err() {
+                    eprintln!("[phalanx] rank {rank}: connection from {addr} closed during hello");
+                    continue;
+                }
+                let j = u64::from_le_bytes(hello[..8].try_into().unwrap()) as usize;
+                let their_world = u64::from_le_bytes(hello[8..].try_into().unwrap()) as usize;
+                if their_world != world {
+                    return Err(CommError::Invalid(format!(
+                        "ranks disagree on the world size: rank {j} has {their_world}, rank {rank} has {world}"
+                    )));
+                }
+                if j <= rank || j >= world || got.iter().any(|g| g.0 == j) {
+                    eprintln!(
+                        "[phalanx] rank {rank}: unexpected hello from rank {j} at {addr}; dropped"
+                    );
+                    continue;
+                }
+                got.push((j, s, addr.to_string()));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (rank + 1..world)
+                        .filter(|j| !got.iter().any(|g| g.0 == *j))
+                        .collect();
+                    return Err(CommError::Timeout(format!(
+                        "rank {rank}: ranks {missing:?} never connected (world size {world})"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(got)
+}
+
+/// Larger socket buffers let a whole pipeline chunk sit in flight.
+fn set_buffers(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let size: libc::c_int = 4 << 20;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: plain setsockopt on a socket we own, with a valid int pointer.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &size as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+}
+
+fn reader_loop(t: Weak<Transport>, mut s: TcpStream, peer: usize, host: String, hb: Duration) {
+    let err = loop {
+        let mut h = [0u8; HEADER];
+        if let Err(e) = s.read_exact(&mut h) {
+            break describe_read_error(e, hb);
+        }
+        let kind = h[0];
+        let chan = u64::from_le_bytes(h[8..16].try_into().unwrap());
+        let seq = u64::from_le_bytes(h[16..24].try_into().unwrap());
+        let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
+        if len > MAX_DATA_FRAME {
+            break format!("sent a frame of {len} bytes (limit {MAX_DATA_FRAME})");
+        }
+        let Some(tr) = t.upgrade() else { return };
+        match kind {
+            K_DATA => {
+                let mut words = tr.take_buf(len.div_ceil(8));
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+                if let Err(e) = read_fully(&mut s, &mut bytes[..len]) {
+                    break describe_read_error(e, hb);
+                }
+                let mut ib = tr.inbox.lock().unwrap();
+                ib.queues
+                    .entry((peer, chan, seq))
+                    .or_default()
+                    .push_back(Msg { words, len });
+                drop(ib);
+                tr.arrived.notify_all();
+            }
+            K_HEARTBEAT => {}
+            K_ABORT => {
+                let mut reason = vec![0u8; len.min(1 << 16)];
+                let _ = s.read_exact(&mut reason);
+                tr.fail(CommError::Aborted(format!(
+                    "rank {peer} ({host}) aborted: {}",
+                    String::from_utf8_lossy(&reason)
+                )));
+                return;
+            }
+            K_GOODBYE => {
+                // A goodbye after an error carries that error: pass it on,
+                // so the rank that really failed is named everywhere.
+                let mut why = vec![0u8; len.min(1 << 16)];
+                let _ = s.read_exact(&mut why);
+                if why.is_empty() {
+                    tr.inbox.lock().unwrap().closed.insert(peer, ());
+                    tr.arrived.notify_all();
+                } else {
+                    tr.fail(CommError::Aborted(format!(
+                        "rank {peer} ({host}) stopped after an error: {}",
+                        String::from_utf8_lossy(&why)
+                    )));
+                }
+                return;
+            }
+            other => break format!("sent an unknown frame kind {other}"),
+        }
+    };
+    if let Some(tr) = t.upgrade() {
+        if tr.closing.load(Ordering::SeqCst) || tr.inbox.lock().unwrap().closed.contains_key(&peer)
+        {
+            return;
+        }
+        tr.fail(CommError::PeerDead {
+            rank: peer,
+            host,
+            reason: err,
+        });
+    }
+}
+
+/// read_exact that tolerates read timeouts in the middle of a payload as
+/// long as bytes keep coming (the timeout is for a silent peer).
+fn read_fully(s: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match s.read(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn describe_read_error(e: std::io::Error, hb: Duration) -> String {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => "connection closed (process exited or crashed)".into(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            format!(
+                "no heartbeat for {:.1} s (host down or process stopped)",
+                hb.as_secs_f64()
+            )
+        }
+        _ => format!("connection error: {e}"),
+    }
+}
+
+fn heartbeat_loop(t: Weak<Transport>, every: Duration) {
+    let h = header(K_HEARTBEAT, 0, 0, 0);
+    loop {
+        std::thread::sleep(every);
+        let Some(tr) = t.upgrade() else { return };
+        if tr.closing.load(Ordering::SeqCst) || tr.failed_flag.load(Ordering::Acquire) {
+            return;
+        }
+        for p in tr.peers.iter().flatten() {
+            // A busy writer is already sending bytes, which is as good.
+            if let Ok(mut w) = p.writer.try_lock() {
+                let _ = tr.write_all(&mut w, &h, Instant::now() + every);
+            }
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Length-prefixed frames and the challenge-response handshake.
+//!
+//! Both the rendezvous store and the rank-to-rank transport start every
+//! connection with a mutual HMAC-SHA256 challenge-response over the job
+//! secret: each side sends a random nonce and must answer the other's with
+//! `HMAC(secret, nonce || role)`. The secret itself never crosses the wire,
+//! and a replayed answer is useless because nonces are fresh.
+
+use crate::error::{CommError, Result};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+type HmacSha256 = Hmac<Sha256>;
+
+const HELLO: &[u8; 8] = b"PHALANX1";
+const NONCE: usize = 32;
+
+/// Fresh random bytes from the operating system.
+pub fn random_bytes(n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    getrandom::getrandom(&mut v).expect("operating system random source failed");
+    v
+}
+
+/// A new job secret as hex, for launchers.
+pub fn new_secret_hex() -> String {
+    to_hex(&random_bytes(32))
+}
+
+pub fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+pub fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn mac(secret: &[u8], nonce: &[u8], role: &[u8]) -> HmacSha256 {
+    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC accepts any key length");
+    m.update(nonce);
+    m.update(role);
+    m
+}
+
+/// Run the mutual handshake. `server` says which side of the connection we
+/// are (the roles are mixed into the MACs so one side's answer cannot be
+/// reflected back as the other's). Fails with `Auth` on a wrong secret.
+pub fn handshake(s: &mut TcpStream, secret: &[u8], server: bool, timeout: Duration) -> Result<()> {
+    let old = s.read_timeout()?;
+    s.set_read_timeout(Some(timeout))?;
+    let (my_role, peer_role): (&[u8], &[u8]) = if server {
+        (b"server", b"client")
+    } else {
+        (b"client", b"server")
+    };
+    let my_nonce = random_bytes(NONCE);
+    let mut out = Vec::with_capacity(HELLO.len() + NONCE);
+    out.extend_from_slice(HELLO);
+    out.extend_from_slice(&my_nonce);
+    s.write_all(&out)?;
+
+    let mut hello = [0u8; 8 + NONCE];
+    read_exact_ctx(s, &mut hello, "handshake hello")?;
+    if &hello[..8] != HELLO {
+        return Err(CommError::Protocol(
+            "peer is not speaking the Phalanx protocol".into(),
+        ));
+    }
+    let peer_nonce = &hello[8..];
+    // Answer the peer's challenge, then check its answer to ours.
+    let answer = mac(secret, peer_nonce, my_role).finalize().into_bytes();
+    s.write_all(&answer)?;
+    let mut theirs = [0u8; 32];
+    read_exact_ctx(s, &mut theirs, "handshake answer")?;
+    mac(secret, &my_nonce, peer_role)
+        .verify_slice(&theirs)
+        .map_err(|_| CommError::Auth("peer does not hold the job secret".into()))?;
+    s.set_read_timeout(old)?;
+    Ok(())
+}
+
+fn read_exact_ctx(s: &mut TcpStream, buf: &mut [u8], what: &str) -> Result<()> {
+    s.read_exact(buf).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            CommError::Timeout(format!("{what}: peer sent nothing in time"))
+        }
+        std::io::ErrorKind::UnexpectedEof => {
+            CommError::Protocol(format!("{what}: connection closed"))
+        }
+        _ => CommError::Io(format!("{what}: {e}")),
+    })
+}
+
+/// Write one frame: u32 little-endian length, then the payload.
+pub fn write_frame(s: &mut impl Write, payload: &[u8]) -> Result<()> {
+    let len =
+        u32::try_from(payload.len()).map_err(|_| CommError::Protocol("frame too large".into()))?;
+    let mut buf = Vec::with_capacity(4 + payload.len());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(payload);
+    s.write_all(&buf)?;
+    Ok(())
+}
+
+/// Read one frame, refusing any longer than `max` bytes before allocating.
+pub fn read_frame(s: &mut impl Read, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {max}"),
+        ));
+    }
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// A cursor over a received frame that turns short or bad input into errors.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf }
+    }
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.buf.len() < n {
+            return Err(CommError::Protocol("truncated frame".into()));
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Ok(a)
+    }
+    pub fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    pub fn i64(&mut self) -> Result<i64> {
+        Ok(self.u64()? as i64)
+    }
+    pub fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.u64()? as usize;
+        self.take(n)
+    }
+    pub fn string(&mut self) -> Result<String> {
+        String::from_utf8(self.bytes()?.to_vec())
+            .map_err(|_| CommError::Protocol("key is not UTF-8".into()))
+    }
+    pub fn finish(&self) -> Result<()> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(CommError::Protocol("trailing bytes in frame".into()))
+        }
+    }
+}
+
+/// Builder for outgoing frames, the mirror of `Reader`.
+#[derive(Default)]
+pub struct Writer {
+    pub buf: Vec<u8>,
+}
+
+impl Writer {
+    pub fn u8(mut self, v: u8) -> Self {
+        self.buf.push(v);
+        self
+    }
+    pub fn u64(mut self, v: u64) -> Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn i64(self, v: i64) -> Self {
+        self.u64(v as u64)
+    }
+    pub fn bytes(mut self, b: &[u8]) -> Self {
+        self.buf.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        self.buf.extend_from_slice(b);
+        self
+    }
+}

@@ -1,0 +1,128 @@
+//! `Work`: the handle of an asynchronous collective, and the per-group
+//! communication thread that runs them in issue order (like an NCCL stream).
+
+use crate::error::{CommError, Result};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+struct Slot<T> {
+    value: Mutex<Option<Result<T>>>,
+    done: Condvar,
+}
+
+/// The result of an asynchronous operation, available once it completes.
+///
+/// ```
+/// use phalanx_comm::{threads, ReduceOp};
+/// let out = threads::run(2, |pg| {
+///     let work = pg.all_reduce_async(vec![pg.rank() as f32 + 1.0; 3], ReduceOp::Sum);
+///     // ... compute something else here while the reduction runs ...
+///     work.wait().unwrap()
+/// });
+/// assert_eq!(out[0], vec![3.0; 3]);
+/// ```
+pub struct Work<T> {
+    slot: Arc<Slot<T>>,
+    limit: Duration,
+}
+
+impl<T> Work<T> {
+    /// Block until the operation finishes; returns its output (for example
+    /// the reduced buffer) or its error.
+    pub fn wait(self) -> Result<T> {
+        let deadline = Instant::now() + self.limit;
+        let mut v = self.slot.value.lock().unwrap();
+        loop {
+            if let Some(r) = v.take() {
+                return r;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout(
+                    "asynchronous operation did not complete".into(),
+                ));
+            }
+            v = self.slot.done.wait_timeout(v, deadline - now).unwrap().0;
+        }
+    }
+
+    /// True once `wait` would return without blocking.
+    pub fn is_completed(&self) -> bool {
+        self.slot.value.lock().unwrap().is_some()
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A FIFO of jobs run by one thread, with a count of jobs not yet finished so
+/// that synchronous calls can wait for earlier asynchronous ones.
+pub(crate) struct Queue {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    pending: Arc<(Mutex<usize>, Condvar)>,
+    name: String,
+}
+
+impl Queue {
+    pub fn new(name: String) -> Queue {
+        Queue {
+            tx: Mutex::new(None),
+            pending: Arc::new((Mutex::new(0), Condvar::new())),
+            name,
+        }
+    }
+
+    /// Queue `f`; its result goes to the returned `Work`.
+    pub fn submit<T: Send + 'static>(
+        &self,
+        limit: Duration,
+        f: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Work<T> {
+        let slot = Arc::new(Slot {
+            value: Mutex::new(None),
+            done: Condvar::new(),
+        });
+        let s2 = slot.clone();
+        let pending = self.pending.clone();
+        *pending.0.lock().unwrap() += 1;
+        let job: Job = Box::new(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .unwrap_or_else(|_| Err(CommError::Io("communication job panicked".into())));
+            *s2.value.lock().unwrap() = Some(r);
+            s2.done.notify_all();
+            let (m, cv) = &*pending;
+            *m.lock().unwrap() -= 1;
+            cv.notify_all();
+        });
+        let mut tx = self.tx.lock().unwrap();
+        if tx.is_none() {
+            let (t, rx) = mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name(self.name.clone())
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job();
+                    }
+                })
+                .expect("spawn communication thread");
+            *tx = Some(t);
+        }
+        tx.as_ref()
+            .unwrap()
+            .send(job)
+            .expect("communication thread alive");
+        Work {
+            slot,
+            limit: limit * 2 + Duration::from_secs(5),
+        }
+    }
+
+    /// Wait until every queued job has finished.
+    pub fn drain(&self) {
+        let (m, cv) = &*self.pending;
+        let mut n = m.lock().unwrap();
+        while *n > 0 {
+            n = cv.wait(n).unwrap();
+        }
+    }
+}

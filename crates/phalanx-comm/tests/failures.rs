@@ -1,0 +1,155 @@
+//! Deadlines, dead peers, aborts, desync detection and bad set-up.
+
+use phalanx_comm::{threads, CommError, Config, ReduceOp};
+use std::time::{Duration, Instant};
+
+fn cfg(timeout_s: f64) -> Config {
+    Config {
+        timeout: Duration::from_secs_f64(timeout_s),
+        ..Config::default()
+    }
+}
+
+#[test]
+fn missing_rank_times_out_with_its_name() {
+    let out = threads::run_with(2, cfg(1.0), Duration::from_secs(30), |pg| {
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(2500));
+            return Ok(String::new());
+        }
+        let t0 = Instant::now();
+        let err = pg.all_reduce(&mut [1.0f32; 8], ReduceOp::Sum).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        Ok(err.to_string())
+    });
+    let msg = out[0].as_ref().unwrap();
+    assert!(msg.contains("timeout") && msg.contains("rank 1"), "{msg}");
+}
+
+#[test]
+fn crashed_rank_fails_everyone_fast_naming_it() {
+    let out = threads::run_with(4, cfg(60.0), Duration::from_secs(60), |pg| {
+        pg.barrier()?;
+        if pg.rank() == 2 {
+            // Die in the middle of a large all-reduce the others are in.
+            std::thread::sleep(Duration::from_millis(200));
+            pg.crash_for_test();
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let mut x = vec![1.0f32; 4_000_000];
+        let mut res = Ok(());
+        for _ in 0..20 {
+            res = pg.all_reduce(&mut x, ReduceOp::Sum);
+            if res.is_err() {
+                break;
+            }
+        }
+        let err = res.unwrap_err();
+        let took = t0.elapsed();
+        // Later calls fail at once too.
+        let again = pg.barrier().unwrap_err();
+        Ok(Some((err, again, took)))
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        let (err, again, took) = o.unwrap().unwrap();
+        assert!(took < Duration::from_secs(5), "rank {r} took {took:?}");
+        // The dead rank and its host are named, whether this rank saw the
+        // crash itself or heard of it from a peer that stopped first.
+        let m = err.to_string();
+        assert!(m.contains("rank 2 (127.0.0.1:"), "rank {r}: {m}");
+        assert!(
+            matches!(
+                err,
+                CommError::PeerDead { rank: 2, .. } | CommError::Aborted(_)
+            ),
+            "rank {r}: {m}"
+        );
+        assert_eq!(err, again);
+    }
+}
+
+#[test]
+fn abort_reaches_peers_with_its_reason() {
+    let out = threads::run_with(3, cfg(60.0), Duration::from_secs(30), |pg| {
+        pg.barrier()?;
+        if pg.rank() == 0 {
+            pg.abort("loss became NaN");
+            return Ok(String::new());
+        }
+        let err = pg.all_reduce(&mut [0i32; 4], ReduceOp::Sum).unwrap_err();
+        Ok(err.to_string())
+    });
+    for o in &out[1..] {
+        let m = o.as_ref().unwrap();
+        assert!(m.contains("rank 0") && m.contains("loss became NaN"), "{m}");
+    }
+}
+
+#[test]
+fn desync_is_reported_with_each_ranks_call() {
+    let c = Config {
+        detail: true,
+        timeout: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let out = threads::run_with(2, c, Duration::from_secs(30), |pg| {
+        pg.barrier()?;
+        let mut x = vec![0f32; 16];
+        let err = if pg.rank() == 0 {
+            pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err()
+        } else {
+            pg.broadcast(&mut x[..8], 0).unwrap_err()
+        };
+        Ok(err)
+    });
+    for o in out {
+        let e = o.unwrap();
+        let m = e.to_string();
+        assert!(matches!(e, CommError::Desync(_)), "{m}");
+        assert!(
+            m.contains("rank 0 called all_reduce(f32, count=16, op=sum)"),
+            "{m}"
+        );
+        assert!(
+            m.contains("rank 1 called broadcast(f32, count=8, root=0)"),
+            "{m}"
+        );
+    }
+}
+
+#[test]
+fn size_mismatch_without_detail_is_an_error_not_corruption() {
+    let out = threads::run_with(2, cfg(3.0), Duration::from_secs(30), |pg| {
+        let n = if pg.rank() == 0 { 10 } else { 12 };
+        let mut x = vec![1.0f32; n];
+        Ok(pg.all_reduce(&mut x, ReduceOp::Sum).is_err())
+    });
+    assert!(out.into_iter().all(|r| r.unwrap()));
+}
+
+#[test]
+fn ranks_that_disagree_on_world_size_are_refused() {
+    use phalanx_comm::store::{StoreClient, StoreServer};
+    let secret = b"s".to_vec();
+    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
+    let addr = server.addr().to_string();
+    let a = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    let b = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    let t = std::thread::spawn(move || {
+        phalanx_comm::init::from_store(&a, "p", 0, 2, b"s", cfg(20.0), None).err()
+    });
+    let t0 = Instant::now();
+    let err = phalanx_comm::init::from_store(&b, "p", 1, 3, b"s", cfg(20.0), None)
+        .err()
+        .unwrap();
+    let other = t.join().unwrap().unwrap();
+    // Whichever registered second detects it; the other hears of it at once.
+    for e in [&err, &other] {
+        assert!(e.to_string().contains("disagree on the world size"), "{e}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5));
+}

@@ -1,0 +1,119 @@
+//! The rendezvous store: operations, authentication, bad frames.
+
+use phalanx_comm::store::{StoreClient, StoreServer};
+use phalanx_comm::CommError;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+fn server() -> (StoreServer, String, Vec<u8>) {
+    let secret = phalanx_comm::wire::random_bytes(32);
+    let s = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
+    let a = s.addr().to_string();
+    (s, a, secret)
+}
+
+#[test]
+fn operations() {
+    let (_s, addr, secret) = server();
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    c.set("a", b"1").unwrap();
+    assert_eq!(c.get("a").unwrap(), b"1");
+    assert_eq!(c.try_get("nope").unwrap(), None);
+    assert_eq!(c.add("ctr", 5).unwrap(), 5);
+    assert_eq!(c.add("ctr", -2).unwrap(), 3);
+    assert!(c.add("a", 1).is_ok()); // "1" is a counter too
+    c.set("txt", b"x").unwrap();
+    assert!(c.add("txt", 1).is_err());
+    assert_eq!(c.compare_set("cas", b"", b"first").unwrap(), b"first");
+    assert_eq!(c.compare_set("cas", b"wrong", b"second").unwrap(), b"first");
+    assert_eq!(
+        c.compare_set("cas", b"first", b"second").unwrap(),
+        b"second"
+    );
+    assert!(c.delete("cas").unwrap());
+    assert!(!c.delete("cas").unwrap());
+    let n = c.num_keys().unwrap();
+    assert_eq!(n, 3);
+
+    // wait: times out naming the key, and wakes when another client sets it.
+    let t0 = Instant::now();
+    let e = c.wait(&["later"], Duration::from_millis(300)).unwrap_err();
+    assert!(
+        matches!(e, CommError::Timeout(ref m) if m.contains("later")),
+        "{e}"
+    );
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    let (addr2, secret2) = (addr.clone(), secret.clone());
+    let h = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        let d = StoreClient::connect(&addr2, &secret2, Duration::from_secs(5)).unwrap();
+        d.set("later", b"now").unwrap();
+    });
+    assert_eq!(c.get("later").unwrap(), b"now");
+    h.join().unwrap();
+}
+
+#[test]
+fn wrong_secret_is_refused_and_others_keep_working() {
+    let (_s, addr, secret) = server();
+    let good = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    let err = StoreClient::connect(&addr, b"not the secret", Duration::from_secs(5))
+        .err()
+        .unwrap();
+    assert!(matches!(err, CommError::Auth(_)), "{err}");
+    good.set("k", b"v").unwrap();
+    assert_eq!(good.get("k").unwrap(), b"v");
+}
+
+#[test]
+fn garbage_and_oversized_frames_are_dropped() {
+    let (_s, addr, secret) = server();
+    let good = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    // Garbage instead of a handshake.
+    let mut raw = TcpStream::connect(&addr).unwrap();
+    raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut sink = Vec::new();
+    let _ = raw.read_to_end(&mut sink); // the server closes the connection
+                                        // An authenticated client that announces a 1 GiB frame.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    phalanx_comm::wire::handshake(&mut s, &secret, false, Duration::from_secs(5)).unwrap();
+    s.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 4];
+    assert!(
+        matches!(s.read(&mut buf), Ok(0) | Err(_)),
+        "oversized frame must close the connection"
+    );
+    // A malformed request (unknown opcode) is dropped too.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    phalanx_comm::wire::handshake(&mut s, &secret, false, Duration::from_secs(5)).unwrap();
+    phalanx_comm::wire::write_frame(&mut s, &[200, 1, 2]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)));
+    good.set("still", b"serving").unwrap();
+    assert_eq!(good.get("still").unwrap(), b"serving");
+}
+
+#[test]
+fn port_in_use_is_a_clear_error() {
+    let (s, addr, secret) = server();
+    let err = StoreServer::bind(&addr, secret).err().unwrap();
+    assert!(
+        err.to_string().contains("cannot bind") && err.to_string().contains(&addr),
+        "{err}"
+    );
+    drop(s);
+}
+
+#[test]
+fn transport_refuses_wrong_secret() {
+    // A rank with the wrong secret cannot join the mesh; the store itself
+    // refuses it first.
+    let (_s, addr, _secret) = server();
+    let err = StoreClient::connect(&addr, b"bad", Duration::from_secs(2))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("authentication"), "{err}");
+}
