@@ -1,1 +1,2 @@
 //! Phalanx: distributed training for candle models.
+pub mod data;

@@ -1,0 +1,199 @@
+//! Token files, tokenizers and the shipped corpus of `phalanx::data`.
+
+use phalanx::data::source::{LLMC_MAGIC_GPT2, LLMC_MAGIC_LLAMA3};
+use phalanx::data::{DataError, DataLoader, Format, LoaderConfig, TokenData, Tokenizer};
+use std::path::{Path, PathBuf};
+
+/// A fresh directory per test (tests run in parallel threads).
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("phalanx-data-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes an llm.c token file: 256 int32 header, then the tokens.
+fn write_llmc(path: &Path, magic: u32, version: u32, count: u32, tokens: &[u32], width: usize) {
+    let mut header = [0u32; 256];
+    header[0] = magic;
+    header[1] = version;
+    header[2] = count;
+    let mut bytes: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
+    for &t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes()[..width]);
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn tokens_of(d: &TokenData) -> Vec<u32> {
+    let mut out = Vec::new();
+    d.copy_range(0, d.len(), &mut out);
+    out
+}
+
+#[test]
+fn llmc_uint16_file() {
+    let dir = temp_dir("llmc16");
+    let path = dir.join("train.bin");
+    let tokens: Vec<u32> = vec![50256, 15496, 995, 0, 65535];
+    write_llmc(&path, LLMC_MAGIC_GPT2, 1, 5, &tokens, 2);
+    let d = TokenData::open(&path, Tokenizer::Byte).unwrap();
+    assert_eq!(d.format(), Format::LlmcU16);
+    assert_eq!(tokens_of(&d), tokens);
+    assert_eq!(d.get(1), 15496);
+    assert!(d.as_u32_slice().is_none()); // uint16 on disk: read through accessors
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn llmc_uint32_file() {
+    let dir = temp_dir("llmc32");
+    let path = dir.join("train.bin");
+    let tokens: Vec<u32> = vec![128000, 70000, 1, 2];
+    write_llmc(&path, LLMC_MAGIC_LLAMA3, 7, 4, &tokens, 4);
+    let d = TokenData::open(&path, Tokenizer::Byte).unwrap();
+    assert_eq!(d.format(), Format::LlmcU32);
+    assert_eq!(tokens_of(&d), tokens);
+    if cfg!(target_endian = "little") {
+        assert_eq!(d.as_u32_slice().unwrap(), &tokens[..]); // zero-copy view of the map
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn llmc_bad_headers_are_errors() {
+    let dir = temp_dir("llmcbad");
+    let path = dir.join("bad.bin");
+    write_llmc(&path, LLMC_MAGIC_GPT2, 2, 3, &[1, 2, 3], 2);
+    let m = TokenData::open(&path, Tokenizer::Byte)
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("version 1") && m.contains("found 2"), "{m}");
+    write_llmc(&path, LLMC_MAGIC_GPT2, 1, 4, &[1, 2, 3], 2); // header says 4, file holds 3
+    let m = TokenData::open(&path, Tokenizer::Byte)
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("4 tokens") && m.contains("1030 bytes"), "{m}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn nanogpt_raw_uint16_file() {
+    let dir = temp_dir("nanogpt");
+    let path = dir.join("val.BIN");
+    let tokens: Vec<u32> = (0..600).map(|i| i * 100 % 50257).collect();
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| (t as u16).to_le_bytes())
+        .collect();
+    std::fs::write(&path, &bytes).unwrap();
+    let d = TokenData::open(&path, Tokenizer::Byte).unwrap();
+    assert_eq!(d.format(), Format::NanoGpt);
+    assert_eq!(tokens_of(&d), tokens);
+    let mut part = Vec::new();
+    d.copy_range(10, 13, &mut part);
+    assert_eq!(part, tokens[10..13]);
+    // An odd number of bytes cannot be uint16 tokens.
+    std::fs::write(&path, &bytes[..5]).unwrap();
+    let e = TokenData::open(&path, Tokenizer::Byte).unwrap_err();
+    assert!(matches!(e, DataError::Format { .. }), "{e}");
+    // An empty file has no tokens, and a loader says it is too short.
+    std::fs::write(&path, []).unwrap();
+    let e = DataLoader::open(&path, Tokenizer::Byte, LoaderConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("0 tokens"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn text_files_use_the_tokenizer() {
+    let dir = temp_dir("text");
+    let path = dir.join("tiny.txt");
+    std::fs::write(&path, "Hello world").unwrap();
+    let gpt2 = Tokenizer::from_name("gpt2").unwrap();
+    let d = TokenData::open(&path, gpt2).unwrap();
+    assert_eq!(d.format(), Format::Text);
+    assert_eq!(d.as_u32_slice().unwrap(), &[15496, 995]);
+    let d = TokenData::open(&path, Tokenizer::Byte).unwrap();
+    assert_eq!(d.len(), 11);
+    // Invalid UTF-8 is an error for gpt2 but fine for bytes.
+    std::fs::write(&path, [b'a', 0xFF, b'b']).unwrap();
+    let m = TokenData::open(&path, gpt2).unwrap_err().to_string();
+    assert!(m.contains("UTF-8 at byte 1"), "{m}");
+    assert_eq!(TokenData::open(&path, Tokenizer::Byte).unwrap().get(1), 255);
+    // A missing file names its path.
+    let m = TokenData::open(dir.join("missing.txt"), gpt2)
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("missing.txt"), "{m}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn byte_tokenizer_round_trip() {
+    let t = Tokenizer::from_name("byte").unwrap();
+    let text = "Hello, wörld! ✓ \n\t end";
+    let ids = t.encode(text);
+    assert_eq!(ids.len(), text.len());
+    assert_eq!(ids[0], b'H' as u32);
+    assert_eq!(t.decode(&ids).unwrap(), text);
+    assert_eq!(t.vocab_size(), 256);
+    assert!(t.decode(&[300]).is_err());
+}
+
+#[test]
+fn gpt2_known_ids() {
+    let t = Tokenizer::from_name("gpt2").unwrap();
+    assert_eq!(t.name(), "gpt2");
+    assert_eq!(t.vocab_size(), 50257);
+    assert_eq!(t.eot_token(), Some(50256));
+    assert_eq!(t.encode("Hello world"), vec![15496, 995]);
+    assert_eq!(t.encode("\n\n"), vec![628]);
+    assert_eq!(t.decode(&[15496, 995]).unwrap(), "Hello world");
+    // The special token's text is plain text here (encode_ordinary).
+    assert_ne!(t.encode("<|endoftext|>"), vec![50256]);
+    assert_eq!(t.decode(&[50256]).unwrap(), "<|endoftext|>");
+    let m = Tokenizer::from_name("bpe").unwrap_err().to_string();
+    assert!(m.contains("\"bpe\"") && m.contains("gpt2"), "{m}");
+}
+
+#[test]
+fn gpt2_chunked_encoding_equals_whole_encoding() {
+    // Texts long enough to be cut into chunks, with the cases that could
+    // break at a cut: blank lines, trailing and leading spaces, tabs,
+    // non-ASCII whitespace and letters.
+    let bpe = tiktoken_rs::r50k_base_singleton();
+    let t = Tokenizer::from_name("gpt2").unwrap();
+    let unit = "Word, 'tis  \n\n  indented line\t\n\u{3000}ideographic space\nÉcole 123\n\n\n";
+    let text = unit.repeat(20_000);
+    assert_eq!(t.encode(&text), bpe.encode_ordinary(&text));
+    let corpus = std::fs::read_to_string(corpus_path()).unwrap();
+    let ids = t.encode(&corpus);
+    assert_eq!(ids, bpe.encode_ordinary(&corpus));
+    assert_eq!(t.decode(&ids).unwrap(), corpus);
+}
+
+fn corpus_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus.txt")
+}
+
+#[test]
+fn shipped_corpus_loads() {
+    let path = corpus_path();
+    let size = std::fs::metadata(&path).unwrap().len();
+    assert!(
+        (1_000_000..=5_000_000).contains(&size),
+        "corpus is {size} bytes"
+    );
+    let readme = std::fs::read_to_string(path.with_file_name("README.md")).unwrap();
+    assert!(readme.contains("corpus.txt") && readme.to_lowercase().contains("public domain"));
+    let cfg = LoaderConfig {
+        seq_len: 64,
+        vocab_size: Some(256),
+        ..Default::default()
+    };
+    let l = DataLoader::open(&path, Tokenizer::Byte, cfg).unwrap();
+    assert_eq!(l.train_tokens() + l.val_tokens(), size as usize);
+    let b = l.micro_batch(3, 1, 2, 1, 4, 2).unwrap();
+    assert_eq!(b.inputs.len(), 4 * 64);
+    assert!(l.val_batches(2, 8).count() == 2);
+}
