@@ -1,1 +1,109 @@
-fn main() {}
+//! The `phalanx` command.
+//!
+//! - `phalanx run --nproc-per-node N -- PROGRAM ARGS`: launch a job (torchrun's flags).
+//! - `phalanx bench collectives`: nccl-tests style collective sweep.
+
+mod bench_collectives;
+mod launch;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "phalanx",
+    version,
+    about = "Distributed training for candle models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Launch PROGRAM on several ranks (torchrun's flags and environment).
+    Run {
+        #[command(flatten)]
+        launch: launch::LaunchOpts,
+        /// The program and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// A worker used by the launcher's own tests: all-reduces in a loop and
+    /// can crash on purpose.
+    #[command(name = "_test-worker", hide = true)]
+    TestWorker {
+        #[arg(long)]
+        die_rank: Option<usize>,
+        #[arg(long, default_value_t = 300)]
+        die_after_ms: u64,
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Sweep collective sizes and report time, algbw and busbw.
+    Collectives {
+        #[command(flatten)]
+        opts: bench_collectives::BenchOpts,
+        #[command(flatten)]
+        launch: launch::LaunchOpts,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Run { launch, cmd } => launch::run(&launch, &cmd),
+        Cmd::TestWorker {
+            die_rank,
+            die_after_ms,
+            iters,
+        } => test_worker(die_rank, die_after_ms, iters),
+        Cmd::Bench {
+            what: BenchCmd::Collectives { opts, launch },
+        } => bench_collectives::main(&opts, &launch),
+    };
+    std::process::exit(code);
+}
+
+fn test_worker(die_rank: Option<usize>, die_after_ms: u64, iters: usize) -> i32 {
+    let pg = match phalanx_comm::init_process_group() {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            return 1;
+        }
+    };
+    let r = pg.rank();
+    if let Err(e) = pg.barrier() {
+        eprintln!("rank {r}: barrier failed: {e}");
+        return 1;
+    }
+    let t0 = std::time::Instant::now();
+    let mut x = vec![1.0f32; 1 << 20];
+    for i in 0..iters {
+        if Some(r) == die_rank && t0.elapsed().as_millis() as u64 >= die_after_ms {
+            std::process::abort();
+        }
+        if let Err(e) = pg.all_reduce(&mut x, phalanx_comm::ReduceOp::Avg) {
+            eprintln!(
+                "rank {r}: failed at iteration {i} after {} ms: {e}",
+                t0.elapsed().as_millis()
+            );
+            return 1;
+        }
+        if Some(r) == die_rank {
+            std::thread::sleep(std::time::Duration::from_millis(die_after_ms / 4 + 1));
+        }
+    }
+    println!("rank {r}: ok x[0]={}", x[0]);
+    0
+}

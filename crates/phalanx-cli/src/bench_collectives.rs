@@ -1,0 +1,338 @@
+//! `phalanx bench collectives`: an nccl-tests style sweep over message sizes.
+//!
+//! Started outside a job it launches `--nproc` local ranks of itself through
+//! the launcher; inside a job every rank runs the sweep and rank 0 prints
+//! one row per (op, size): bytes, count, time, algbw and busbw, where
+//! busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather,
+//! reduce_scatter and all_to_all, x 1 for broadcast and sendrecv.
+//!
+//! With `--check`, every iteration's buffers are filled with a hash of
+//! (rank, index, iteration) and every result is verified, so a wrong or
+//! misplaced chunk is caught; any error makes the command exit non-zero.
+
+use clap::Args;
+use phalanx_comm::{bf16, f16, DType, Element, ProcessGroup, ReduceOp};
+use std::time::Instant;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchOpts {
+    /// Local ranks to start (when not already inside a job).
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, sendrecv, or all.
+    #[arg(long, default_value = "all_reduce")]
+    pub op: String,
+    /// Sizes in bytes: a list "8,1M,64M" or a range "8:256M" (times --factor).
+    #[arg(long, default_value = "8:64M")]
+    pub sizes: String,
+    #[arg(long, default_value_t = 4)]
+    pub factor: usize,
+    /// Timed iterations per size (fewer are run for sizes above 16 MB).
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Transport: tcp (the only one built so far).
+    #[arg(long, default_value = "tcp")]
+    pub backend: String,
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Verify every iteration's result.
+    #[arg(long)]
+    pub check: bool,
+    /// Print a JSON array instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const OPS: [&str; 6] = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "sendrecv",
+];
+
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mul) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => {
+            let mul = match s[i..].to_ascii_uppercase().as_str() {
+                "B" => 1,
+                "K" | "KB" | "KIB" => 1 << 10,
+                "M" | "MB" | "MIB" => 1 << 20,
+                "G" | "GB" | "GIB" => 1 << 30,
+                u => return Err(format!("unknown size unit {u:?} in {s:?}")),
+            };
+            (&s[..i], mul)
+        }
+        None => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mul)
+        .map_err(|_| format!("bad size {s:?}"))
+}
+
+pub fn parse_sizes(spec: &str, factor: usize) -> Result<Vec<usize>, String> {
+    if let Some((lo, hi)) = spec.split_once(':') {
+        let (lo, hi) = (parse_size(lo)?, parse_size(hi)?);
+        if lo == 0 || factor < 2 || lo > hi {
+            return Err(format!("bad size range {spec:?} (factor {factor})"));
+        }
+        let mut v = vec![];
+        let mut s = lo;
+        while s <= hi {
+            v.push(s);
+            s *= factor;
+        }
+        Ok(v)
+    } else {
+        spec.split(',').map(parse_size).collect()
+    }
+}
+
+pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
+    if opts.backend != "tcp" {
+        eprintln!(
+            "phalanx bench: backend {:?} is not built; available: tcp",
+            opts.backend
+        );
+        return 2;
+    }
+    let ops: Vec<&str> = if opts.op == "all" {
+        OPS.to_vec()
+    } else {
+        vec![opts.op.as_str()]
+    };
+    if let Some(bad) = ops.iter().find(|o| !OPS.contains(o)) {
+        eprintln!("phalanx bench: unknown op {bad:?}; choose from {OPS:?} or all");
+        return 2;
+    }
+    let sizes = match parse_sizes(&opts.sizes, opts.factor) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("phalanx bench: {e}");
+            return 2;
+        }
+    };
+    let Some(dtype) = DType::parse(&opts.dtype) else {
+        eprintln!("phalanx bench: unknown dtype {:?}", opts.dtype);
+        return 2;
+    };
+    // Outside a job: start the ranks through the launcher.
+    if std::env::var_os("RANK").is_none() && std::env::var_os("OMPI_COMM_WORLD_RANK").is_none() {
+        let exe = std::env::current_exe()
+            .expect("own path")
+            .to_string_lossy()
+            .to_string();
+        let mut cmd = vec![exe];
+        cmd.extend(std::env::args().skip(1));
+        let lo = crate::launch::LaunchOpts {
+            nproc_per_node: opts.nproc,
+            ..launch.clone()
+        };
+        return crate::launch::run(&lo, &cmd);
+    }
+    let pg = match phalanx_comm::init_process_group() {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("phalanx bench: {e}");
+            return 1;
+        }
+    };
+    let r = match dtype {
+        DType::F32 => sweep::<f32>(&pg, opts, &ops, &sizes),
+        DType::F64 => sweep::<f64>(&pg, opts, &ops, &sizes),
+        DType::F16 => sweep::<f16>(&pg, opts, &ops, &sizes),
+        DType::BF16 => sweep::<bf16>(&pg, opts, &ops, &sizes),
+        DType::I32 => sweep::<i32>(&pg, opts, &ops, &sizes),
+        DType::I64 => sweep::<i64>(&pg, opts, &ops, &sizes),
+    };
+    match r {
+        Ok(0) => 0,
+        Ok(wrong) => {
+            eprintln!("phalanx bench: {wrong} wrong results");
+            1
+        }
+        Err(e) => {
+            eprintln!("phalanx bench: rank {}: {e}", pg.rank());
+            1
+        }
+    }
+}
+
+/// A value that depends on (rank, index, iteration) through a hash, small
+/// enough that sums over up to 16 ranks are exact even in bf16.
+fn fill_value(rank: usize, i: usize, iter: usize) -> i64 {
+    let mut h = (rank as u64).wrapping_mul(0x9E3779B97F4A7C15)
+        ^ (i as u64).wrapping_mul(0xBF58476D1CE4E5B9)
+        ^ (iter as u64);
+    h ^= h >> 31;
+    h = h.wrapping_mul(0x94D049BB133111EB);
+    ((h >> 33) % 16) as i64
+}
+
+fn fill<T: Element>(buf: &mut [T], rank: usize, offset: usize, iter: usize) {
+    for (k, x) in buf.iter_mut().enumerate() {
+        *x = T::from_i64(fill_value(rank, offset + k, iter));
+    }
+}
+
+struct Row {
+    op: &'static str,
+    bytes: usize,
+    count: usize,
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: usize,
+}
+
+fn sweep<T: Element>(
+    pg: &ProcessGroup,
+    opts: &BenchOpts,
+    ops: &[&str],
+    sizes: &[usize],
+) -> phalanx_comm::Result<usize> {
+    let n = pg.size();
+    let mut rows = Vec::new();
+    for &op in ops {
+        let op: &'static str = OPS.iter().find(|o| **o == op).unwrap();
+        for &bytes in sizes {
+            let esz = std::mem::size_of::<T>();
+            let mut count = (bytes / esz).max(1);
+            if matches!(op, "all_gather" | "reduce_scatter" | "all_to_all") {
+                count = (count / n).max(1) * n;
+            }
+            let iters = if count * esz > 16 << 20 {
+                opts.iters.div_ceil(4).max(2)
+            } else {
+                opts.iters
+            };
+            let (secs, wrong) = run_op::<T>(pg, op, count, opts.warmup, iters, opts.check)?;
+            // Report the slowest rank's mean, as nccl-tests does.
+            let mut t = [secs / iters as f64];
+            pg.all_reduce(&mut t, ReduceOp::Max)?;
+            let mut w = [wrong as i64];
+            pg.all_reduce(&mut w, ReduceOp::Sum)?;
+            let b = count * esz;
+            let algbw = b as f64 / t[0] / 1e9;
+            let f = match op {
+                "all_reduce" => 2.0 * (n - 1) as f64 / n as f64,
+                "all_gather" | "reduce_scatter" | "all_to_all" => (n - 1) as f64 / n as f64,
+                _ => 1.0,
+            };
+            rows.push(Row {
+                op,
+                bytes: b,
+                count,
+                time_us: t[0] * 1e6,
+                algbw,
+                busbw: algbw * f,
+                wrong: w[0] as usize,
+            });
+        }
+    }
+    if pg.rank() == 0 {
+        print_rows::<T>(&rows, n, opts);
+    }
+    Ok(rows.iter().map(|r| r.wrong).sum())
+}
+
+fn print_rows<T: Element>(rows: &[Row], n: usize, opts: &BenchOpts) {
+    let dt = T::DTYPE.name();
+    if opts.json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({"op": r.op, "bytes": r.bytes, "count": r.count, "dtype": dt, "nproc": n,
+                    "time_us": r.time_us, "algbw_gbps": r.algbw, "busbw_gbps": r.busbw, "wrong": r.wrong})
+            })
+            .collect();
+        println!("{}", serde_json::Value::Array(v));
+    } else {
+        println!(
+            "# phalanx bench collectives: {n} ranks, backend tcp, check {}",
+            if opts.check { "on" } else { "off" }
+        );
+        println!("# op              size(B)      count  type   time(us)  algbw(GB/s)  busbw(GB/s)  #wrong");
+        for r in rows {
+            println!(
+                "  {:<14} {:>10} {:>10}  {:>4} {:>10.1} {:>12.3} {:>12.3} {:>7}",
+                r.op, r.bytes, r.count, dt, r.time_us, r.algbw, r.busbw, r.wrong
+            );
+        }
+    }
+}
+
+/// Run one op `warmup + iters` times; returns (timed seconds, wrong elements).
+fn run_op<T: Element>(
+    pg: &ProcessGroup,
+    op: &str,
+    count: usize,
+    warmup: usize,
+    iters: usize,
+    check: bool,
+) -> phalanx_comm::Result<(f64, usize)> {
+    let (r, n) = (pg.rank(), pg.size());
+    let per = count / n;
+    let mut a = vec![T::zeroed(); count];
+    let mut b = vec![T::zeroed(); count];
+    let mut small = vec![T::zeroed(); per];
+    let mut total = 0.0;
+    let mut wrong = 0;
+    let sum_at =
+        |i: usize, it: usize| -> T { T::from_i64((0..n).map(|k| fill_value(k, i, it)).sum()) };
+    for it in 0..warmup + iters {
+        if check || it == 0 {
+            match op {
+                "all_gather" => fill(&mut small, r, r * per, it),
+                "broadcast" => fill(&mut a, 0, 0, it),
+                _ => fill(&mut a, r, 0, it),
+            }
+        }
+        let t0 = Instant::now();
+        match op {
+            "all_reduce" => pg.all_reduce(&mut a, ReduceOp::Sum)?,
+            "all_gather" => pg.all_gather(&small, &mut b)?,
+            "reduce_scatter" => pg.reduce_scatter(&a, &mut small, ReduceOp::Sum)?,
+            "broadcast" => pg.broadcast(&mut a, 0)?,
+            "all_to_all" => pg.all_to_all(&a, &mut b)?,
+            "sendrecv" if n > 1 => {
+                pg.send(&a, (r + 1) % n, it as u64)?;
+                pg.recv(&mut b, (r + n - 1) % n, it as u64)?;
+            }
+            _ => b.copy_from_slice(&a),
+        }
+        if it >= warmup {
+            total += t0.elapsed().as_secs_f64();
+        }
+        if !check {
+            continue;
+        }
+        wrong += match op {
+            "all_reduce" => (0..count).filter(|&i| a[i] != sum_at(i, it)).count(),
+            "all_gather" => (0..count)
+                .filter(|&i| b[i] != T::from_i64(fill_value(i / per, i, it)))
+                .count(),
+            "reduce_scatter" => (0..per)
+                .filter(|&k| small[k] != sum_at(r * per + k, it))
+                .count(),
+            "broadcast" => (0..count)
+                .filter(|&i| a[i] != T::from_i64(fill_value(0, i, it)))
+                .count(),
+            // Block j of rank i's input is value(i, j*per + t).
+            "all_to_all" => (0..count)
+                .filter(|&i| b[i] != T::from_i64(fill_value(i / per, r * per + i % per, it)))
+                .count(),
+            _ => {
+                let src = if n > 1 { (r + n - 1) % n } else { r };
+                (0..count)
+                    .filter(|&i| b[i] != T::from_i64(fill_value(src, i, it)))
+                    .count()
+            }
+        };
+    }
+    Ok((total, wrong))
+}

@@ -1,0 +1,362 @@
+//! `phalanx run`: a torchrun-style launcher.
+//!
+//! It hosts the rendezvous store (node 0), starts `nproc_per_node` workers
+//! with torchrun's environment plus the job secret, prefixes their output
+//! with `[rank N]`, forwards Ctrl-C / SIGTERM, and when one worker fails it
+//! stops the others, names the failed rank with the tail of its stderr, and
+//! exits non-zero (or restarts the whole group, up to `--max-restarts`).
+
+use clap::Args;
+use phalanx_comm::store::StoreServer;
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug, Clone)]
+pub struct LaunchOpts {
+    /// Worker processes on this node.
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Number of nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This node's index, 0..nnodes.
+    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0 (hosts the rendezvous store).
+    #[arg(
+        long = "master-addr",
+        alias = "master_addr",
+        default_value = "127.0.0.1"
+    )]
+    pub master_addr: String,
+    /// Store port on node 0. Default: 29500 for multi-node jobs, a free port
+    /// for single-node jobs.
+    #[arg(long = "master-port", alias = "master_port")]
+    pub master_port: Option<u16>,
+    /// Restart the whole group up to K times after a failure.
+    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
+    pub max_restarts: usize,
+}
+
+/// Lines of stderr kept per rank for the failure report.
+const TAIL: usize = 20;
+/// How long workers get between SIGTERM and SIGKILL.
+const GRACE: Duration = Duration::from_secs(3);
+
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+struct Worker {
+    rank: usize,
+    child: Child,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    pumps: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Run `cmd` as a distributed job; returns the process exit code.
+pub fn run(opts: &LaunchOpts, cmd: &[String]) -> i32 {
+    match run_inner(opts, cmd) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("phalanx run: error: {e}");
+            2
+        }
+    }
+}
+
+fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
+    if cmd.is_empty() {
+        return Err(
+            "no command given; usage: phalanx run --nproc-per-node N -- PROGRAM [ARGS...]".into(),
+        );
+    }
+    if opts.nproc_per_node == 0 {
+        return Err("--nproc-per-node must be at least 1".into());
+    }
+    if opts.nnodes == 0 || opts.node_rank >= opts.nnodes {
+        return Err(format!(
+            "--node-rank {} must be below --nnodes {}",
+            opts.node_rank, opts.nnodes
+        ));
+    }
+    let multi = opts.nnodes > 1;
+    let secret = match std::env::var("PHALANX_SECRET") {
+        Ok(s) if !s.is_empty() => {
+            phalanx_comm::wire::from_hex(&s).ok_or("PHALANX_SECRET must be hex")?;
+            s
+        }
+        _ if multi => {
+            return Err(
+                "multi-node jobs need the same PHALANX_SECRET (hex) exported on every node, \
+                        e.g. `export PHALANX_SECRET=$(openssl rand -hex 32)`"
+                    .into(),
+            )
+        }
+        _ => phalanx_comm::wire::new_secret_hex(),
+    };
+    // Node 0 hosts the store: on loopback unless the job spans hosts.
+    let mut port = opts.master_port.unwrap_or(if multi { 29500 } else { 0 });
+    let _server = if opts.node_rank == 0 {
+        let bind = if multi {
+            format!("0.0.0.0:{port}")
+        } else {
+            format!("127.0.0.1:{port}")
+        };
+        let s = StoreServer::bind(&bind, phalanx_comm::wire::from_hex(&secret).unwrap())
+            .map_err(|e| e.to_string())?;
+        port = s.addr().port();
+        Some(s)
+    } else {
+        None
+    };
+    let master_addr = if multi {
+        opts.master_addr.clone()
+    } else {
+        "127.0.0.1".to_string()
+    };
+
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let threads = (cores / opts.nproc_per_node).max(1);
+
+    let mut attempt = 0;
+    loop {
+        let env = JobEnv {
+            opts,
+            secret: &secret,
+            master_addr: &master_addr,
+            port,
+            threads,
+            run_id: attempt,
+        };
+        let outcome = run_group(&env, cmd)?;
+        match outcome {
+            Outcome::Success => return Ok(0),
+            Outcome::Signalled(sig) => return Ok(128 + sig),
+            Outcome::Failed(code) if attempt < opts.max_restarts => {
+                attempt += 1;
+                eprintln!(
+                    "phalanx run: restarting the group (restart {attempt} of {}), last exit code {code}",
+                    opts.max_restarts
+                );
+            }
+            Outcome::Failed(code) => return Ok(if code == 0 { 1 } else { code }),
+        }
+    }
+}
+
+struct JobEnv<'a> {
+    opts: &'a LaunchOpts,
+    secret: &'a str,
+    master_addr: &'a str,
+    port: u16,
+    threads: usize,
+    run_id: usize,
+}
+
+enum Outcome {
+    Success,
+    Failed(i32),
+    Signalled(i32),
+}
+
+fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
+    let o = env.opts;
+    let world = o.nproc_per_node * o.nnodes;
+    let mut workers = Vec::new();
+    for local in 0..o.nproc_per_node {
+        let rank = o.node_rank * o.nproc_per_node + local;
+        let mut c = Command::new(&cmd[0]);
+        c.args(&cmd[1..])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
+            .env("GROUP_RANK", o.node_rank.to_string())
+            .env("MASTER_ADDR", env.master_addr)
+            .env("MASTER_PORT", env.port.to_string())
+            .env("PHALANX_SECRET", env.secret)
+            .env("PHALANX_STORE_HOSTED", "1")
+            .env("PHALANX_RUN_ID", env.run_id.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+            if std::env::var_os(var).is_none() {
+                c.env(var, env.threads.to_string());
+            }
+        }
+        // Each worker leads its own process group, so stopping it also stops
+        // whatever it started (a shell's children hold its pipes open); and
+        // workers die with the launcher even if it is SIGKILLed.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            c.pre_exec(|| {
+                libc::setpgid(0, 0);
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = match c.spawn() {
+            Ok(ch) => ch,
+            Err(e) => {
+                stop_all(&mut workers);
+                return Err(format!("cannot start {:?}: {e}", cmd[0]));
+            }
+        };
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let pumps = vec![
+            pump(out, rank, false, None),
+            pump(err, rank, true, Some(tail.clone())),
+        ];
+        workers.push(Worker {
+            rank,
+            child,
+            tail,
+            pumps,
+        });
+    }
+
+    loop {
+        let sig = SIGNALLED.load(Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!("phalanx run: received signal {sig}; stopping the workers");
+            stop_all(&mut workers);
+            return Ok(Outcome::Signalled(sig));
+        }
+        let mut running = 0;
+        let mut failed = None;
+        for w in workers.iter_mut() {
+            match w.child.try_wait() {
+                Ok(None) => running += 1,
+                Ok(Some(st)) if st.success() => {}
+                Ok(Some(st)) => {
+                    failed = Some((w.rank, describe(st)));
+                    break;
+                }
+                Err(e) => return Err(format!("waiting for rank {}: {e}", w.rank)),
+            }
+        }
+        if let Some((rank, (code, how))) = failed {
+            stop_all(&mut workers);
+            let w = workers.iter().find(|w| w.rank == rank).unwrap();
+            let tail: Vec<String> = w.tail.lock().unwrap().iter().cloned().collect();
+            let mut e = std::io::stderr().lock();
+            let _ = writeln!(
+                e,
+                "phalanx run: rank {rank} failed ({how}); the other ranks were stopped."
+            );
+            if !tail.is_empty() {
+                let _ = writeln!(
+                    e,
+                    "phalanx run: last {} lines of rank {rank}'s stderr:",
+                    tail.len()
+                );
+                for l in tail {
+                    let _ = writeln!(e, "  | {l}");
+                }
+            }
+            return Ok(Outcome::Failed(code));
+        }
+        if running == 0 {
+            for w in workers.iter_mut() {
+                for p in w.pumps.drain(..) {
+                    let _ = p.join();
+                }
+            }
+            return Ok(Outcome::Success);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn describe(st: std::process::ExitStatus) -> (i32, String) {
+    use std::os::unix::process::ExitStatusExt;
+    match (st.code(), st.signal()) {
+        (Some(c), _) => (c, format!("exit code {c}")),
+        (None, Some(s)) => (128 + s, format!("killed by signal {s}")),
+        _ => (1, "unknown status".into()),
+    }
+}
+
+/// SIGTERM everyone still running, SIGKILL after the grace period, reap.
+fn stop_all(workers: &mut [Worker]) {
+    for w in workers.iter() {
+        // SAFETY: signalling the process group our child leads.
+        unsafe {
+            libc::kill(-(w.child.id() as i32), libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + GRACE;
+    for w in workers.iter_mut() {
+        loop {
+            match w.child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = w.child.kill();
+                    let _ = w.child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    }
+    for w in workers.iter_mut() {
+        // Grandchildren that ignored SIGTERM go now.
+        unsafe {
+            libc::kill(-(w.child.id() as i32), libc::SIGKILL);
+        }
+        for p in w.pumps.drain(..) {
+            let _ = p.join();
+        }
+    }
+}
+
+/// Copy a worker's output line by line with a `[rank N]` prefix.
+fn pump(
+    src: impl std::io::Read + Send + 'static,
+    rank: usize,
+    is_err: bool,
+    tail: Option<Arc<Mutex<VecDeque<String>>>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(src);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            match r.read_until(b'\n', &mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let line = String::from_utf8_lossy(&buf);
+            let line = line.trim_end_matches(['\n', '\r']);
+            if is_err {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {line}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {line}");
+            }
+            if let Some(t) = &tail {
+                let mut t = t.lock().unwrap();
+                if t.len() == TAIL {
+                    t.pop_front();
+                }
+                t.push_back(line.to_string());
+            }
+        }
+    })
+}
