@@ -1,2 +1,3 @@
 //! Phalanx: distributed training for candle models.
 pub mod data;
+pub mod config;

@@ -1,0 +1,360 @@
+//! Typed training configuration: sections `model`, `data`, `train`, `optim`,
+//! `parallel`, `log`, with presets, a TOML file and `--set section.key=value`
+//! overrides, applied in that order. Unknown keys and wrong types are
+//! errors that name the key.
+//!
+//! ```
+//! use phalanx::config::TrainConfig;
+//! let cfg = TrainConfig::build(None, &["train.steps=5".into(), "model.n_layer=2".into()]).unwrap();
+//! assert_eq!(cfg.train.steps, 5);
+//! assert_eq!(cfg.model.n_layer, 2);
+//! assert!(TrainConfig::build(None, &["train.stepz=5".into()]).is_err());
+//! ```
+
+mod presets;
+
+pub use presets::{model_preset, PRESETS};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainSection,
+    pub optim: OptimConfig,
+    pub parallel: ParallelConfig,
+    pub log: LogConfig,
+}
+
+/// The model's shape. `preset` fills every field; fields given explicitly
+/// (in the file or with --set) override the preset.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub preset: String,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub vocab_size: usize,
+    pub block_size: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A text file, a nanoGPT .bin (uint16) or an llm.c .bin.
+    pub path: String,
+    /// `byte` (vocab 256) or `gpt2` (BPE, vocab 50257).
+    pub tokenizer: String,
+    pub shuffle: bool,
+    pub seed: u64,
+    /// The tail fraction of the tokens kept for validation.
+    pub val_fraction: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSection {
+    pub steps: usize,
+    pub micro_batch_size: usize,
+    pub grad_accum_steps: usize,
+    /// Seed of the parameter initialisation.
+    pub seed: u64,
+    /// Evaluate the validation loss every this many steps (0: never).
+    pub eval_interval: usize,
+    pub eval_batches: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// `adamw` or `sgd`.
+    pub name: String,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub weight_decay: f64,
+    pub momentum: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    /// Clip gradients to this global norm (0 disables).
+    pub grad_clip: f64,
+    pub warmup_steps: usize,
+    /// `cosine` (after warmup) or `constant`.
+    pub schedule: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Data-parallel ranks; 0 infers it from the world size.
+    pub dp: usize,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Pipeline stages.
+    pub pp: usize,
+    /// DDP gradient bucket size in MB (as PyTorch's bucket_cap_mb).
+    pub bucket_mb: f64,
+    /// Check every K steps that all ranks hold identical parameters (0: off).
+    pub check_params_every: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// Print a progress line every this many steps.
+    pub interval: usize,
+    /// One JSON object per step (also `--log-json`).
+    pub json: String,
+    /// Loss-curve image written at the end ("" disables).
+    pub plot: String,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        let mut model = ModelConfig::default();
+        model_preset("gpt-tiny", &mut model).expect("default preset exists");
+        TrainConfig {
+            model,
+            data: DataConfig::default(),
+            train: TrainSection::default(),
+            optim: OptimConfig::default(),
+            parallel: ParallelConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig { preset: "gpt-tiny".into(), n_layer: 0, n_head: 0, n_embd: 0, vocab_size: 0, block_size: 0 }
+    }
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            path: "data/corpus.txt".into(),
+            tokenizer: "byte".into(),
+            shuffle: true,
+            seed: 1337,
+            val_fraction: 0.02,
+        }
+    }
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection { steps: 300, micro_batch_size: 8, grad_accum_steps: 1, seed: 0, eval_interval: 100, eval_batches: 8 }
+    }
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            name: "adamw".into(),
+            lr: 3e-3,
+            min_lr: 3e-4,
+            weight_decay: 0.1,
+            momentum: 0.9,
+            betas: [0.9, 0.95],
+            eps: 1e-8,
+            grad_clip: 1.0,
+            warmup_steps: 20,
+            schedule: "cosine".into(),
+        }
+    }
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig { dp: 0, tp: 1, pp: 1, bucket_mb: 25.0, check_params_every: 0 }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { interval: 10, json: String::new(), plot: "loss.svg".into() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "config: {}", self.0)
+    }
+}
+impl std::error::Error for ConfigError {}
+
+type Result<T> = std::result::Result<T, ConfigError>;
+
+impl TrainConfig {
+    /// Defaults <- model preset <- TOML file <- `section.key=value` overrides,
+    /// then validation.
+    pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        let mut table = toml::Table::new();
+        if let Some(p) = file {
+            let text = std::fs::read_to_string(p).map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
+            table = text.parse::<toml::Table>().map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;
+        }
+        for o in overrides {
+            apply_override(&mut table, o)?;
+        }
+        // The preset is read first so that explicit model keys win over it.
+        let preset = table
+            .get("model")
+            .and_then(|m| m.get("preset"))
+            .and_then(|p| p.as_str())
+            .unwrap_or("gpt-tiny")
+            .to_string();
+        let mut base = TrainConfig::default();
+        base.model.preset = preset.clone();
+        model_preset(&preset, &mut base.model)?;
+        let mut merged = toml::Table::try_from(&base).map_err(|e| ConfigError(e.to_string()))?;
+        merge(&mut merged, table, "")?;
+        let cfg: TrainConfig = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError(e.message().to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks that do not depend on the world size.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        let bad = |s: String| Err(ConfigError(s));
+        if m.n_layer == 0 || m.n_head == 0 || m.n_embd == 0 || m.vocab_size == 0 || m.block_size == 0 {
+            return bad(format!("model sizes must be positive: {m:?}"));
+        }
+        if m.n_embd % m.n_head != 0 {
+            return bad(format!("model.n_embd ({}) must be divisible by model.n_head ({})", m.n_embd, m.n_head));
+        }
+        if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
+            return bad("train.micro_batch_size and train.grad_accum_steps must be at least 1".into());
+        }
+        if !matches!(self.data.tokenizer.as_str(), "byte" | "gpt2") {
+            return bad(format!("data.tokenizer must be \"byte\" or \"gpt2\", not {:?}", self.data.tokenizer));
+        }
+        if !(0.0..1.0).contains(&self.data.val_fraction) {
+            return bad(format!("data.val_fraction must be in [0, 1), not {}", self.data.val_fraction));
+        }
+        if !matches!(self.optim.name.as_str(), "adamw" | "sgd") {
+            return bad(format!("optim.name must be \"adamw\" or \"sgd\", not {:?}", self.optim.name));
+        }
+        if !matches!(self.optim.schedule.as_str(), "cosine" | "constant") {
+            return bad(format!("optim.schedule must be \"cosine\" or \"constant\", not {:?}", self.optim.schedule));
+        }
+        if self.optim.lr <= 0.0 || self.optim.grad_clip < 0.0 {
+            return bad("optim.lr must be positive and optim.grad_clip non-negative".into());
+        }
+        if self.parallel.bucket_mb <= 0.0 {
+            return bad("parallel.bucket_mb must be positive".into());
+        }
+        if self.parallel.tp != 1 {
+            return bad("tensor parallel (parallel.tp > 1) is not available in this build".into());
+        }
+        if self.parallel.pp != 1 {
+            return bad("pipeline parallel (parallel.pp > 1) is not available in this build".into());
+        }
+        Ok(())
+    }
+
+    /// The data-parallel size for a world size, with the batch checks that
+    /// depend on it.
+    pub fn dp_for_world(&self, world: usize) -> Result<usize> {
+        let per = self.parallel.tp * self.parallel.pp;
+        if world % per != 0 {
+            return Err(ConfigError(format!("world size {world} is not divisible by tp x pp = {per}")));
+        }
+        let dp = world / per;
+        if self.parallel.dp != 0 && self.parallel.dp != dp {
+            return Err(ConfigError(format!(
+                "parallel.dp = {} but the world size {world} / (tp x pp) gives {dp}",
+                self.parallel.dp
+            )));
+        }
+        Ok(dp)
+    }
+
+    /// Global batch in samples: micro_batch x dp x grad_accum.
+    pub fn global_batch(&self, dp: usize) -> usize {
+        self.train.micro_batch_size * dp * self.train.grad_accum_steps
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_default()
+    }
+}
+
+/// Parse `section.key=value` and set it in `table`. The value is read as a
+/// TOML value (numbers, booleans, arrays) or, failing that, as a string.
+fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
+    let (key, value) = o
+        .split_once('=')
+        .ok_or_else(|| ConfigError(format!("override {o:?} must look like section.key=value")))?;
+    let (section, field) = key
+        .trim()
+        .split_once('.')
+        .ok_or_else(|| ConfigError(format!("override key {key:?} must look like section.key")))?;
+    let v = format!("v = {}", value.trim())
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.trim().to_string()));
+    let sec = table
+        .entry(section.to_string())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let sec = sec
+        .as_table_mut()
+        .ok_or_else(|| ConfigError(format!("{section} is not a section")))?;
+    sec.insert(field.to_string(), v);
+    Ok(())
+}
+
+/// Merge `over` into `base`, naming unknown keys and mismatched types.
+fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Result<()> {
+    for (k, v) in over {
+        let full = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+        match base.get_mut(&k) {
+            None => {
+                let known: Vec<&String> = base.keys().collect();
+                return Err(ConfigError(format!("unknown key `{full}` (known here: {known:?})")));
+            }
+            Some(toml::Value::Table(b)) => match v {
+                toml::Value::Table(t) => merge(b, t, &full)?,
+                other => return Err(ConfigError(format!("`{full}` is a section, not a value ({other})"))),
+            },
+            Some(slot) => {
+                let ok = match (&*slot, &v) {
+                    (toml::Value::Float(_), toml::Value::Integer(i)) => {
+                        *slot = toml::Value::Float(*i as f64);
+                        continue;
+                    }
+                    (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
+                };
+                if !ok {
+                    return Err(ConfigError(format!(
+                        "`{full}` expects {}, got {v}",
+                        type_name(slot)
+                    )));
+                }
+                *slot = v;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn type_name(v: &toml::Value) -> &'static str {
+    match v {
+        toml::Value::String(_) => "a string",
+        toml::Value::Integer(_) => "an integer",
+        toml::Value::Float(_) => "a number",
+        toml::Value::Boolean(_) => "true or false",
+        toml::Value::Array(_) => "an array",
+        _ => "a table",
+    }
+}
