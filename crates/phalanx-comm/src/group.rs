@@ -675,6 +675,13 @@ impl ProcessGroup {
         )))
     }
 
+    /// Leave the job cleanly (`destroy_process_group`): peers see a goodbye,
+    /// not a crash. Every group sharing the transport stops working.
+    pub fn shutdown(&self) {
+        self.synchronize();
+        self.inner.t.close();
+    }
+
     /// Tear down the transport under this group (and every group sharing
     /// it): pending and later calls here and on peers fail with `reason`.
     pub fn abort(&self, reason: &str) {

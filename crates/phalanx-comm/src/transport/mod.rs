@@ -341,9 +341,10 @@ impl Transport {
     }
 }
 
-impl Drop for Transport {
-    fn drop(&mut self) {
-        // Clean shutdown: a goodbye lets peers tell "finished" from "crashed".
+impl Transport {
+    /// Clean shutdown: a goodbye lets peers tell "finished" from "crashed"
+    /// (after a failure, the goodbye carries it). Idempotent.
+    pub fn close(&self) {
         if self.closing.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -357,4 +358,34 @@ impl Drop for Transport {
             }
         }
     }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Transports alive in this process, closed cleanly at exit: a rank that
+/// finishes and calls `std::process::exit` must not look crashed to peers
+/// still completing their last collective.
+static LIVE: Mutex<Vec<std::sync::Weak<Transport>>> = Mutex::new(Vec::new());
+
+extern "C" fn close_all_at_exit() {
+    if let Ok(live) = LIVE.lock() {
+        for t in live.iter().filter_map(|w| w.upgrade()) {
+            t.close();
+        }
+    }
+}
+
+pub(crate) fn register(t: &std::sync::Arc<Transport>) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registering a plain extern "C" function with the C runtime.
+    ONCE.call_once(|| unsafe {
+        libc::atexit(close_all_at_exit);
+    });
+    let mut live = LIVE.lock().unwrap();
+    live.retain(|w| w.strong_count() > 0);
+    live.push(std::sync::Arc::downgrade(t));
 }

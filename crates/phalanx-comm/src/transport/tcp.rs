@@ -120,6 +120,7 @@ pub fn connect_mesh(
         }
     }
     let t = Arc::new(Transport::new(rank, world, conns));
+    super::register(&t);
     for (j, s, host) in readers {
         let w = Arc::downgrade(&t);
         std::thread::Builder::new()
