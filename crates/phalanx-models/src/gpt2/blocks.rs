@@ -1,0 +1,251 @@
+//! GPT-2's three kinds of block, with Hugging Face's architecture and names:
+//!
+//! ```text
+//! Embedding (block 0):        x = wte[idx] + wpe[0..T]     (B, T) u32 -> (B, T, C)
+//! Layer (blocks 1..=L), pre-LayerNorm:
+//!     x = x + attn.c_proj(causal_self_attention(attn.c_attn(ln_1(x))))
+//!     x = x + mlp.c_proj(gelu_tanh(mlp.c_fc(ln_2(x))))
+//! Head (block L+1):           logits = ln_f(x) @ wte^T; loss = mean cross-entropy
+//! ```
+//!
+//! Tied embedding: the head asks for `transformer.wte.weight`, the same name
+//! as the embedding, so the engine's layout makes it one parameter owned by
+//! block 0. The head's gradient for it is added to the embedding's slot of the
+//! flat gradient buffer during the head's backward; the embedding's own
+//! contribution is added during block 0's backward. Block 0's "grads ready"
+//! hook therefore sees the sum of both uses.
+//!
+//! Weights are stored as candle `Linear`s: (out, in). HF's `Conv1D` stores
+//! (in, out); the transposition happens in `hf.rs` only.
+//!
+//! The math runs on `phalanx::ops` (linear, layer_norm, causal_attention,
+//! gelu, cross_entropy): one autograd node each with a hand-written backward,
+//! which is both correct (candle-nn's fused LayerNorm has no backward) and
+//! much cheaper in candle's backward than the same layers as small ops.
+//!
+//! Init (GPT-2 / nanoGPT): weights N(0, 0.02), the residual projections
+//! (`attn.c_proj`, `mlp.c_proj`) N(0, 0.02 / sqrt(2 n_layer)), biases 0,
+//! LayerNorm weight 1 and bias 0. LayerNorm eps 1e-5, dropout 0.
+//!
+//! ```
+//! use phalanx_models::gpt2::{blocks, Gpt2Config};
+//! let b = blocks(&Gpt2Config::gpt_tiny()).unwrap();
+//! assert_eq!(b.len(), 4 + 2);
+//! ```
+
+use candle_core::{bail, Result, Tensor};
+use candle_nn::{Init, VarBuilder};
+use phalanx::engine::{Block, BlockModule, Ctx};
+use phalanx::ops;
+
+use super::config::Gpt2Config;
+
+const LN_EPS: f32 = 1e-5;
+const STD: f64 = 0.02;
+
+fn normal(stdev: f64) -> Init {
+    Init::Randn { mean: 0.0, stdev }
+}
+
+/// A Linear: weight (out, in), bias (out,); GPT-2 init.
+struct Linear {
+    w: Tensor,
+    b: Tensor,
+}
+
+impl Linear {
+    fn new(vb: &VarBuilder, name: &str, in_dim: usize, out_dim: usize, stdev: f64) -> Result<Self> {
+        Ok(Self {
+            w: vb.get_with_hints((out_dim, in_dim), &format!("{name}.weight"), normal(stdev))?,
+            b: vb.get_with_hints(out_dim, &format!("{name}.bias"), Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::linear(x, &self.w, Some(&self.b))
+    }
+}
+
+/// LayerNorm parameters; applied with the fused `phalanx::ops::layer_norm`.
+struct LayerNorm {
+    w: Tensor,
+    b: Tensor,
+}
+
+impl LayerNorm {
+    fn new(vb: &VarBuilder, name: &str, c: usize) -> Result<Self> {
+        Ok(Self {
+            w: vb.get_with_hints(c, &format!("{name}.weight"), Init::Const(1.0))?,
+            b: vb.get_with_hints(c, &format!("{name}.bias"), Init::Const(0.0))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::layer_norm(x, &self.w, &self.b, LN_EPS)
+    }
+}
+
+// ---------------------------------------------------------------- embedding
+
+pub struct Embedding {
+    cfg: Gpt2Config,
+}
+
+struct EmbeddingModule {
+    wte: Tensor,
+    wpe: Tensor,
+    block_size: usize,
+}
+
+impl Block for Embedding {
+    fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
+        let c = &self.cfg;
+        Ok(Box::new(EmbeddingModule {
+            wte: vb.get_with_hints(
+                (c.vocab_size, c.n_embd),
+                "transformer.wte.weight",
+                normal(STD),
+            )?,
+            wpe: vb.get_with_hints(
+                (c.block_size, c.n_embd),
+                "transformer.wpe.weight",
+                normal(STD),
+            )?,
+            block_size: c.block_size,
+        }))
+    }
+}
+
+impl BlockModule for EmbeddingModule {
+    fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        if t > self.block_size {
+            bail!(
+                "sequence length {t} exceeds the context length {}",
+                self.block_size
+            )
+        }
+        let c = self.wte.dim(1)?;
+        let tok = self
+            .wte
+            .index_select(&idx.flatten_all()?, 0)?
+            .reshape((b, t, c))?; // (B, T, C)
+        let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
+        ops::add_bias(&tok, &pos)
+    }
+}
+
+// ---------------------------------------------------------- transformer layer
+
+pub struct Layer {
+    cfg: Gpt2Config,
+    index: usize,
+}
+
+struct LayerModule {
+    ln_1: LayerNorm,
+    c_attn_w: Tensor, // (3C, C): rows [q | k | v]
+    c_attn_b: Tensor, // (3C,)
+    attn_proj: Linear,
+    ln_2: LayerNorm,
+    c_fc: Linear,
+    mlp_proj: Linear,
+    n_head: usize,
+}
+
+impl Block for Layer {
+    fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
+        let c = self.cfg.n_embd;
+        let vb = vb.pp(format!("transformer.h.{}", self.index));
+        // Residual projections are scaled so the residual stream's variance
+        // does not grow with depth (GPT-2 paper, section 2.3).
+        let proj_std = STD / (2.0 * self.cfg.n_layer as f64).sqrt();
+        Ok(Box::new(LayerModule {
+            ln_1: LayerNorm::new(&vb, "ln_1", c)?,
+            c_attn_w: vb.get_with_hints((3 * c, c), "attn.c_attn.weight", normal(STD))?,
+            c_attn_b: vb.get_with_hints(3 * c, "attn.c_attn.bias", Init::Const(0.0))?,
+            attn_proj: Linear::new(&vb, "attn.c_proj", c, c, proj_std)?,
+            ln_2: LayerNorm::new(&vb, "ln_2", c)?,
+            c_fc: Linear::new(&vb, "mlp.c_fc", c, 4 * c, STD)?,
+            mlp_proj: Linear::new(&vb, "mlp.c_proj", 4 * c, c, proj_std)?,
+            n_head: self.cfg.n_head,
+        }))
+    }
+}
+
+impl LayerModule {
+    fn attention(&self, x: &Tensor) -> Result<Tensor> {
+        let qkv = ops::linear(x, &self.c_attn_w, Some(&self.c_attn_b))?; // (B, T, 3C)
+        let y = ops::causal_attention(&qkv, self.n_head)?; // (B, T, C)
+        self.attn_proj.forward(&y)
+    }
+
+    fn mlp(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.c_fc.forward(x)?; // (B, T, 4C)
+        self.mlp_proj.forward(&ops::gelu(&h)?) // (B, T, C)
+    }
+}
+
+impl BlockModule for LayerModule {
+    fn forward(&self, x: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
+        &x + self.mlp(&self.ln_2.forward(&x)?)?
+    }
+}
+
+// --------------------------------------------------------------------- head
+
+pub struct Head {
+    cfg: Gpt2Config,
+}
+
+struct HeadModule {
+    ln_f: LayerNorm,
+    wte: Tensor,
+}
+
+impl Block for Head {
+    fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
+        let c = &self.cfg;
+        Ok(Box::new(HeadModule {
+            ln_f: LayerNorm::new(&vb, "transformer.ln_f", c.n_embd)?,
+            // Tied: the same name as the embedding's table (see module doc).
+            wte: vb.get_with_hints(
+                (c.vocab_size, c.n_embd),
+                "transformer.wte.weight",
+                normal(STD),
+            )?,
+        }))
+    }
+}
+
+impl BlockModule for HeadModule {
+    /// With targets: the scalar mean cross-entropy. Without: logits (B, T, V).
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let (b, t, _c) = x.dims3()?;
+        let logits = ops::linear(&self.ln_f.forward(x)?, &self.wte, None)?; // (B, T, V)
+        match ctx.targets {
+            Some(targets) => {
+                if targets.dims() != [b, t] {
+                    bail!(
+                        "targets {:?} do not match inputs ({b}, {t})",
+                        targets.shape()
+                    )
+                }
+                ops::cross_entropy(&logits, targets)
+            }
+            None => Ok(logits),
+        }
+    }
+}
+
+/// The blocks of a GPT-2: embedding, `n_layer` layers, head.
+pub fn blocks(cfg: &Gpt2Config) -> Result<Vec<Box<dyn Block>>> {
+    cfg.validate()?;
+    let mut out: Vec<Box<dyn Block>> = vec![Box::new(Embedding { cfg: *cfg })];
+    for index in 0..cfg.n_layer {
+        out.push(Box::new(Layer { cfg: *cfg, index }));
+    }
+    out.push(Box::new(Head { cfg: *cfg }));
+    Ok(out)
+}

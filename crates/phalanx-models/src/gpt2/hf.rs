@@ -1,0 +1,158 @@
+//! Hugging Face `GPT2LMHeadModel` safetensors: import and export.
+//!
+//! Names are HF's: `transformer.wte.weight`, `transformer.wpe.weight`,
+//! `transformer.h.{i}.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}.{weight,bias}`,
+//! `transformer.ln_f.{weight,bias}`. The engine uses the same names.
+//!
+//! Layouts: HF's `Conv1D` (c_attn, c_proj, c_fc weights) stores (in, out), the
+//! engine stores candle `Linear`s (out, in): those four weights are
+//! transposed on the way in and out; everything else is copied as is.
+//!
+//! Import accepts what HF files contain in practice: names with or without
+//! the `transformer.` prefix, `lm_head.weight` present or absent (it is tied
+//! to wte; when present only its shape is checked), and the non-parameter
+//! buffers `h.{i}.attn.bias` / `h.{i}.attn.masked_bias` (ignored). f16/bf16
+//! files are converted to f32. A missing or mis-shaped tensor, or a tensor
+//! the model does not have (e.g. a deeper model's layer), is an error naming
+//! it. Export writes the names with the prefix and no `lm_head.weight`, as
+//! `save_pretrained` does for tied weights.
+//!
+//! ```no_run
+//! use phalanx_models::gpt2::{self, Gpt2Config};
+//! let mut engine = gpt2::engine(&Gpt2Config::gpt2_124m(), &candle_core::Device::Cpu, Default::default()).unwrap();
+//! gpt2::hf::load_safetensors(&mut engine, "model.safetensors").unwrap();
+//! gpt2::hf::save_safetensors(&engine, "out.safetensors").unwrap();
+//! ```
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+use phalanx::engine::Engine;
+
+const CONV1D_SUFFIXES: [&str; 4] = [
+    ".attn.c_attn.weight",
+    ".attn.c_proj.weight",
+    ".mlp.c_fc.weight",
+    ".mlp.c_proj.weight",
+];
+
+/// Is this (engine or HF) name one of HF's `Conv1D` weights, stored (in, out)?
+pub fn is_conv1d(name: &str) -> bool {
+    CONV1D_SUFFIXES.iter().any(|s| name.ends_with(s))
+}
+
+/// The name without the `transformer.` prefix (how many HF files spell it).
+fn short(name: &str) -> &str {
+    name.strip_prefix("transformer.").unwrap_or(name)
+}
+
+/// Non-parameter tensors HF files may carry.
+fn is_ignored_buffer(short_name: &str) -> bool {
+    short_name.ends_with(".attn.bias") || short_name.ends_with(".attn.masked_bias")
+}
+
+/// The shape a parameter has in an HF file.
+fn hf_shape(name: &str, shape: &[usize]) -> Vec<usize> {
+    if is_conv1d(name) {
+        vec![shape[1], shape[0]]
+    } else {
+        shape.to_vec()
+    }
+}
+
+/// The engine's parameters as HF tensors (CPU, f32), Conv1D weights transposed.
+pub fn export_tensors(engine: &Engine) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for p in engine.layout().params() {
+        let t = Tensor::from_slice(engine.param(&p.name)?, p.shape.as_slice(), &Device::Cpu)?;
+        let t = if is_conv1d(&p.name) {
+            t.t()?.contiguous()?
+        } else {
+            t
+        };
+        out.insert(p.name.clone(), t);
+    }
+    Ok(out)
+}
+
+/// Write the engine's parameters as an HF `GPT2LMHeadModel` safetensors file.
+pub fn save_safetensors(engine: &Engine, path: impl AsRef<Path>) -> Result<()> {
+    candle_core::safetensors::save(&export_tensors(engine)?, path)
+}
+
+/// Load HF tensors (name -> tensor) into the engine's parameters.
+pub fn import_tensors(engine: &mut Engine, tensors: HashMap<String, Tensor>) -> Result<()> {
+    // Index the file by short name; refuse a name given twice (with and
+    // without the prefix) since we could not tell which one is meant.
+    let mut by_short: HashMap<String, (String, Tensor)> = HashMap::new();
+    for (name, t) in tensors {
+        let s = short(&name).to_string();
+        if let Some((other, _)) = by_short.get(&s) {
+            bail!("tensors `{name}` and `{other}` name the same parameter")
+        }
+        by_short.insert(s, (name, t));
+    }
+    let params: Vec<(String, Vec<usize>)> = engine
+        .layout()
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect();
+    for (name, shape) in &params {
+        let want = hf_shape(name, shape);
+        let Some((file_name, t)) = by_short.remove(short(name)) else {
+            bail!("missing tensor `{name}` (expected shape {want:?})")
+        };
+        if t.dims() != want.as_slice() {
+            bail!(
+                "tensor `{file_name}`: expected shape {want:?}, found {:?}",
+                t.dims()
+            )
+        }
+        let t = t.to_dtype(DType::F32)?;
+        let t = if is_conv1d(name) { t.t()? } else { t };
+        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        engine.param_mut(name)?.copy_from_slice(&values);
+    }
+    // What is left must be the tied head or known buffers.
+    let wte = engine
+        .layout()
+        .find("transformer.wte.weight")
+        .map(|p| p.shape.clone());
+    let mut leftover: Vec<String> = Vec::new();
+    for (s, (file_name, t)) in by_short {
+        if s == "lm_head.weight" {
+            if Some(t.dims().to_vec()) != wte {
+                bail!(
+                    "tensor `lm_head.weight`: expected shape {:?} (tied to wte), found {:?}",
+                    wte.unwrap_or_default(),
+                    t.dims()
+                )
+            }
+        } else if !is_ignored_buffer(&s) {
+            leftover.push(file_name);
+        }
+    }
+    if !leftover.is_empty() {
+        leftover.sort();
+        bail!("tensors not in this model: {leftover:?} (wrong config?)")
+    }
+    Ok(())
+}
+
+/// Load an HF `GPT2LMHeadModel` safetensors file into the engine.
+pub fn load_safetensors(engine: &mut Engine, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| e.context(format!("reading {}", path.display())))?;
+    import_tensors(engine, tensors)
+}
+
+/// As [`load_safetensors`], from bytes in memory.
+pub fn load_safetensors_bytes(engine: &mut Engine, bytes: &[u8]) -> Result<()> {
+    import_tensors(
+        engine,
+        candle_core::safetensors::load_buffer(bytes, &Device::Cpu)?,
+    )
+}

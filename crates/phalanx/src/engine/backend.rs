@@ -1,0 +1,204 @@
+//! `VarBuilder` backends: how a block's candle code meets the flat buffers.
+//!
+//! - [`Recorder`] answers every `vb.get*` with zeros and writes down the
+//!   request (name, shape, init hint): the engine builds its layout from it.
+//! - [`Server`] answers from a [`ParamSource`]: it copies the parameter out of
+//!   the flat buffer into a fresh candle tensor, a `Var` when gradients are
+//!   wanted, and remembers the `Var` so the engine can read its gradient.
+//!   A name asked twice returns the same tensor (like candle-nn's `VarMap`).
+//!
+//! The copy is deliberate: candle cannot alias memory it does not own, and
+//! viewing parameters as `narrow`s of one big tensor makes every backward pay
+//! a full-size zero-padded gradient per parameter. A copy per block forward is
+//! O(params), negligible next to the O(params x tokens) matmuls.
+//!
+//! ```
+//! use phalanx::engine::backend::Recorder;
+//! use candle_core::{DType, Device};
+//! let rec = Recorder::new();
+//! let vb = candle_nn::VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, Device::Cpu);
+//! let _l = candle_nn::linear(3, 2, vb.pp("fc")).unwrap();
+//! let names: Vec<String> = rec.take().into_iter().map(|d| d.name).collect();
+//! assert_eq!(names, vec!["fc.weight", "fc.bias"]);
+//! ```
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{bail, DType, Device, Result, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::Init;
+
+use super::layout::{Layout, ParamDecl};
+
+/// Where a block's parameters come from: the engine's flat buffer, or (for
+/// ZeRO-3 / FSDP) a buffer gathered from shards just before the forward.
+pub trait ParamSource: Sync {
+    /// The parameters owned by block `b`, flat, in layout order
+    /// (`layout.block(b).range.len()` elements).
+    fn block_params(&self, b: usize) -> Result<&[f32]>;
+}
+
+/// Records parameter requests; serves zeros.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    decls: Arc<Mutex<Vec<ParamDecl>>>,
+}
+
+impl Recorder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The requests so far, in request order.
+    pub fn take(&self) -> Vec<ParamDecl> {
+        std::mem::take(&mut *self.decls.lock().unwrap())
+    }
+}
+
+impl SimpleBackend for Recorder {
+    fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.decls.lock().unwrap().push(ParamDecl {
+            name: name.to_string(),
+            shape: s.dims().to_vec(),
+            init: h,
+        });
+        Tensor::zeros(s, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
+        bail!(
+            "parameter `{name}`: blocks must give shapes (vb.get), get_unchecked is not supported"
+        )
+    }
+
+    fn contains_tensor(&self, _name: &str) -> bool {
+        false
+    }
+}
+
+/// What a [`Server`] handed out: the tensors, and the `Var`s to read grads from.
+#[derive(Default)]
+pub struct Served {
+    cache: HashMap<usize, Tensor>,
+    /// (parameter index, variable), in request order.
+    pub vars: Vec<(usize, Var)>,
+    /// Bytes materialised (for the ledger's `Working` count).
+    pub bytes: usize,
+}
+
+/// Serves parameters from a [`ParamSource`].
+pub struct Server<'a> {
+    layout: &'a Layout,
+    src: &'a dyn ParamSource,
+    /// The blocks whose parameters may be asked for; `None` = any (whole model).
+    block: Option<usize>,
+    grad: bool,
+    device: Device,
+    served: Arc<Mutex<Served>>,
+}
+
+impl<'a> Server<'a> {
+    /// A server for block `block` (or the whole model with `None`); `grad`
+    /// makes the tensors `Var`s. Read the result from the returned handle
+    /// after building.
+    pub fn new(
+        layout: &'a Layout,
+        src: &'a dyn ParamSource,
+        block: Option<usize>,
+        grad: bool,
+        device: &Device,
+    ) -> (Self, Arc<Mutex<Served>>) {
+        let served = Arc::new(Mutex::new(Served::default()));
+        let server = Self {
+            layout,
+            src,
+            block,
+            grad,
+            device: device.clone(),
+            served: served.clone(),
+        };
+        (server, served)
+    }
+
+    fn materialise(&self, k: usize, dev: &Device) -> Result<Tensor> {
+        let p = &self.layout.params()[k];
+        let owner = self.layout.block(p.block);
+        let flat = self.src.block_params(p.block)?;
+        if flat.len() != owner.range.len() {
+            bail!(
+                "parameter source gave {} values for block {}, layout says {}",
+                flat.len(),
+                p.block,
+                owner.range.len()
+            );
+        }
+        let lo = p.offset - owner.range.start;
+        let data = &flat[lo..lo + p.numel];
+        if self.grad {
+            let v = Var::from_slice(data, p.shape.as_slice(), dev)?;
+            let t = v.as_tensor().clone();
+            self.served.lock().unwrap().vars.push((k, v));
+            Ok(t)
+        } else {
+            Tensor::from_slice(data, p.shape.as_slice(), dev)
+        }
+    }
+}
+
+impl SimpleBackend for Server<'_> {
+    fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let Some(k) = self.layout.index_of(name) else {
+            bail!("parameter `{name}` was not declared when the model was built")
+        };
+        if let Some(b) = self.block {
+            if !self.layout.block_param_indices(b).any(|i| i == k) {
+                bail!(
+                    "block {b} asks for parameter `{name}` which it did not ask for at build time"
+                )
+            }
+        }
+        let p = &self.layout.params()[k];
+        if s.dims() != p.shape.as_slice() {
+            bail!(
+                "parameter `{name}`: asked with shape {:?}, the layout has {:?}",
+                s.dims(),
+                p.shape
+            )
+        }
+        if !dev.same_device(&self.device) {
+            bail!(
+                "parameter `{name}`: asked on {dev:?}, the engine runs on {:?}",
+                self.device
+            )
+        }
+        let cached = self.served.lock().unwrap().cache.get(&k).cloned();
+        let t = match cached {
+            Some(t) => t,
+            None => {
+                let t = self.materialise(k, dev)?;
+                let mut served = self.served.lock().unwrap();
+                served.bytes += p.numel * 4;
+                served.cache.insert(k, t.clone());
+                t
+            }
+        };
+        // Master weights are f32; a block asking for another dtype gets a cast
+        // (autograd flows through it back to the f32 variable).
+        if dtype == DType::F32 {
+            Ok(t)
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
+        bail!(
+            "parameter `{name}`: blocks must give shapes (vb.get), get_unchecked is not supported"
+        )
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.layout.index_of(name).is_some()
+    }
+}

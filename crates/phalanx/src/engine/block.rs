@@ -1,0 +1,123 @@
+//! Blocks: the unit the engine runs, checkpoints, shards and pipelines.
+//!
+//! A model is a sequence of blocks: typically an embedding (input: token ids),
+//! N transformer blocks (activation in, activation out) and a head (activation
+//! in, scalar mean loss out when targets are given, logits otherwise).
+//!
+//! A block is ordinary candle / candle-nn code. `Block::build` receives a
+//! `candle_nn::VarBuilder` and constructs the block's module exactly as a
+//! candle model's `new(vb)` would; the engine calls it
+//! - once at start-up with a recording backend, to learn the parameters'
+//!   names, shapes and init hints (that is how the flat layout is built), and
+//! - before each forward (and recompute) with a backend that serves the
+//!   parameters from the flat buffer, as candle `Var`s when gradients are
+//!   needed. Building is cheap (a few map look-ups and a copy of the block's
+//!   parameters), and it is what lets ZeRO-3/FSDP gather a block's parameters
+//!   just before its forward and drop them right after.
+//!
+//! Parameter names are global (e.g. `transformer.h.3.attn.c_attn.weight`): a
+//! name used by two blocks is one tied parameter (see `layout`). Tensor
+//! parallel blocks get their tp rank/size from their own constructor.
+//!
+//! Beware: candle-nn's fused `layer_norm`, `rms_norm` and `softmax_last_dim`
+//! (used by `candle_nn::LayerNorm` on contiguous input) have no backward; a
+//! block using them trains nothing. Use `phalanx::ops` instead. The engine
+//! reports a parameter that receives no gradient as an error.
+//!
+//! ```
+//! use phalanx::engine::{Block, FnBlock};
+//! use candle_nn::{linear, Module, VarBuilder};
+//! // A residual MLP block from plain candle-nn code.
+//! struct Mlp(candle_nn::Linear, candle_nn::Linear);
+//! impl Module for Mlp {
+//!     fn forward(&self, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+//!         x + x.apply(&self.0)?.relu()?.apply(&self.1)?
+//!     }
+//! }
+//! let block = FnBlock::new(|vb: VarBuilder| {
+//!     Ok(Mlp(linear(8, 32, vb.pp("mlp0.fc1"))?, linear(32, 8, vb.pp("mlp0.fc2"))?))
+//! });
+//! let _boxed: Box<dyn Block> = Box::new(block);
+//! ```
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+/// Per-call context handed to every block's forward.
+#[derive(Clone, Copy, Default)]
+pub struct Ctx<'a> {
+    /// Targets for the loss (the head uses them; other blocks ignore them).
+    /// `None` asks the head for logits instead of the loss.
+    pub targets: Option<&'a Tensor>,
+    /// Training (dropout on) or evaluation. Dropout is 0 in the reference
+    /// models, so this is informational for now.
+    pub train: bool,
+}
+
+/// A built block: runs its forward with parameters already bound.
+pub trait BlockModule {
+    /// `x`: token ids (first block) or an activation. Returns the next
+    /// activation, or for the head the scalar mean loss (targets given) or
+    /// the logits (no targets).
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor>;
+}
+
+/// A block of the model: knows how to build its module from a VarBuilder.
+pub trait Block: Send + Sync {
+    fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>>;
+}
+
+/// Adapts a candle-nn style constructor `Fn(VarBuilder) -> Result<M>` with
+/// `M: candle_core::Module` into a [`Block`] (for blocks that need no targets).
+pub struct FnBlock<F>(F);
+
+impl<F> FnBlock<F> {
+    pub fn new(f: F) -> Self {
+        Self(f)
+    }
+}
+
+struct ModuleAdapter<M>(M);
+
+impl<M: Module> BlockModule for ModuleAdapter<M> {
+    fn forward(&self, x: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        self.0.forward(x)
+    }
+}
+
+impl<F, M> Block for FnBlock<F>
+where
+    F: Fn(VarBuilder) -> Result<M> + Send + Sync,
+    M: Module + 'static,
+{
+    fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
+        Ok(Box::new(ModuleAdapter((self.0)(vb)?)))
+    }
+}
+
+/// Adapts a constructor whose module needs the context (e.g. a loss head):
+/// `Fn(VarBuilder) -> Result<M>` with `M: BlockModule`.
+pub struct CtxBlock<F>(F);
+
+impl<F> CtxBlock<F> {
+    pub fn new(f: F) -> Self {
+        Self(f)
+    }
+}
+
+impl<F, M> Block for CtxBlock<F>
+where
+    F: Fn(VarBuilder) -> Result<M> + Send + Sync,
+    M: BlockModule + 'static,
+{
+    fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
+        Ok(Box::new((self.0)(vb)?))
+    }
+}
+
+/// Any closure `Fn(&Tensor, &Ctx) -> Result<Tensor>` is a built block.
+impl<F: Fn(&Tensor, &Ctx) -> Result<Tensor>> BlockModule for F {
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        self(x, ctx)
+    }
+}

@@ -1,0 +1,260 @@
+//! `Engine`: a block stack plus the flat parameter and gradient buffers of one
+//! rank. This is what a trainer, or a DDP / ZeRO / pipeline layer, drives.
+//!
+//! One training step, single process (gradient accumulation over micro-steps):
+//!
+//! ```
+//! use phalanx::engine::{Block, Engine, EngineConfig, FnBlock};
+//! use phalanx::optim::{AdamW, AdamWConfig, Optimizer};
+//! use candle_core::{Device, Tensor, Module};
+//! # struct Head;
+//! # impl phalanx::engine::BlockModule for Head {
+//! #     fn forward(&self, x: &Tensor, ctx: &phalanx::engine::Ctx) -> candle_core::Result<Tensor> {
+//! #         (x - ctx.targets.unwrap())?.sqr()?.mean_all()
+//! #     }
+//! # }
+//! let blocks: Vec<Box<dyn Block>> = vec![
+//!     Box::new(FnBlock::new(|vb: candle_nn::VarBuilder| candle_nn::linear(4, 4, vb.pp("fc")))),
+//!     Box::new(phalanx::engine::CtxBlock::new(|_vb: candle_nn::VarBuilder| Ok(Head))),
+//! ];
+//! let mut engine = Engine::new(blocks, &Device::Cpu, EngineConfig::default()).unwrap();
+//! let mut opt = AdamW::new(AdamWConfig::default(), engine.layout(), 0..engine.num_params(), engine.ledger());
+//! let x = Tensor::ones((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+//! let y = Tensor::zeros((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+//! engine.zero_grad();
+//! for _micro in 0..2 {
+//!     engine.forward_backward(&x, &y, 0.5).unwrap(); // loss scale 1 / micro-steps
+//! }
+//! let (params, grads) = engine.params_and_grads_mut();
+//! opt.step(params, grads, 1e-3, 1.0);
+//! ```
+
+use std::ops::Range;
+
+use candle_core::{bail, Device, Result, Tensor};
+
+use super::backend::ParamSource;
+use super::block::Block;
+use super::flat::FlatBuffer;
+use super::layout::{Layout, ParamInfo};
+use super::stack::{Activations, Stack, Stash};
+use crate::ledger::{Ledger, Mem};
+
+/// How an [`Engine`] is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Seed of the parameter initialisation (same on every rank).
+    pub seed: u64,
+    pub activations: Activations,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            seed: 1337,
+            activations: Activations::KeepGraph,
+        }
+    }
+}
+
+/// Blocks + flat parameters + flat gradients + the rank's memory ledger.
+pub struct Engine {
+    stack: Stack,
+    params: FlatBuffer,
+    grads: FlatBuffer,
+    ledger: Ledger,
+}
+
+impl Engine {
+    /// Discover the blocks' parameters, allocate the flat buffers and
+    /// initialise the parameters.
+    pub fn new(blocks: Vec<Box<dyn Block>>, device: &Device, cfg: EngineConfig) -> Result<Self> {
+        let ledger = Ledger::new();
+        let stack = Stack::new(blocks, device, cfg.activations, &ledger)?;
+        let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+        stack.init_params(params.as_mut_slice(), cfg.seed);
+        let grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+        Ok(Self {
+            stack,
+            params,
+            grads,
+            ledger,
+        })
+    }
+
+    pub fn stack(&self) -> &Stack {
+        &self.stack
+    }
+
+    pub fn stack_mut(&mut self) -> &mut Stack {
+        &mut self.stack
+    }
+
+    pub fn layout(&self) -> &Layout {
+        self.stack.layout()
+    }
+
+    pub fn device(&self) -> &Device {
+        self.stack.device()
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.stack.num_blocks()
+    }
+
+    /// Number of scalar parameters (tied ones once).
+    pub fn num_params(&self) -> usize {
+        self.layout().num_params()
+    }
+
+    pub fn params_flat(&self) -> &[f32] {
+        self.params.as_slice()
+    }
+
+    pub fn params_flat_mut(&mut self) -> &mut [f32] {
+        self.params.as_mut_slice()
+    }
+
+    pub fn grads_flat(&self) -> &[f32] {
+        self.grads.as_slice()
+    }
+
+    /// The flat gradient buffer, for in-place all-reduce of buckets.
+    pub fn grads_flat_mut(&mut self) -> &mut [f32] {
+        self.grads.as_mut_slice()
+    }
+
+    /// Both buffers at once, for the optimizer step.
+    pub fn params_and_grads_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        (self.params.as_mut_slice(), self.grads.as_mut_slice())
+    }
+
+    /// The flat parameter buffer as a [`ParamSource`] (e.g. to run the stack
+    /// with another gradient sink).
+    pub fn param_source(&self) -> &dyn ParamSource {
+        &self.params
+    }
+
+    /// Start a new accumulation: gradients are added by every backward.
+    pub fn zero_grad(&mut self) {
+        self.grads.fill(0.0);
+    }
+
+    fn find(&self, name: &str) -> Result<&ParamInfo> {
+        match self.layout().find(name) {
+            Some(p) => Ok(p),
+            None => bail!("no parameter named `{name}`"),
+        }
+    }
+
+    /// One parameter's values, flat.
+    pub fn param(&self, name: &str) -> Result<&[f32]> {
+        let r = self.find(name)?.range();
+        Ok(&self.params.as_slice()[r])
+    }
+
+    pub fn param_mut(&mut self, name: &str) -> Result<&mut [f32]> {
+        let r = self.find(name)?.range();
+        Ok(&mut self.params.as_mut_slice()[r])
+    }
+
+    /// One parameter's gradient, flat.
+    pub fn grad(&self, name: &str) -> Result<&[f32]> {
+        let r = self.find(name)?.range();
+        Ok(&self.grads.as_slice()[r])
+    }
+
+    /// One parameter as a candle tensor (a copy).
+    pub fn param_tensor(&self, name: &str) -> Result<Tensor> {
+        let p = self.find(name)?;
+        Tensor::from_slice(self.param(name)?, p.shape.as_slice(), self.device())
+    }
+
+    /// Forward and backward of one micro-batch over all blocks; gradients of
+    /// `loss * loss_scale` are added to the flat gradient buffer. Returns the
+    /// (unscaled) mean loss.
+    pub fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f32,
+    ) -> Result<f32> {
+        self.forward_backward_with(inputs, targets, loss_scale, &mut |_, _| Ok(()))
+    }
+
+    /// As [`Engine::forward_backward`], calling `hook(block, grads_flat)`
+    /// after each block's backward (blocks in reverse order). When it runs,
+    /// the gradients of the parameters block `block` owns
+    /// (`layout().block(block).range`) are final for this micro-batch.
+    pub fn forward_backward_with(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f32,
+        hook: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<f32> {
+        let all = 0..self.num_blocks();
+        let (loss, stash) = self
+            .stack
+            .forward(all, inputs, Some(targets), &self.params)?;
+        let loss_value = loss.to_scalar::<f32>()?;
+        let gy = Tensor::new(loss_scale, self.device())?;
+        self.backward_range(stash, &gy, hook)?;
+        Ok(loss_value)
+    }
+
+    /// Pipeline building block: forward of blocks `range` from activation (or
+    /// token ids) `x`. Keep the stash until the matching backward.
+    pub fn forward_range(
+        &self,
+        range: Range<usize>,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> Result<(Tensor, Stash)> {
+        self.stack.forward(range, x, targets, &self.params)
+    }
+
+    /// Pipeline building block: backward of a stash with upstream gradient
+    /// `gy` (the loss scale, as a scalar tensor, for a range ending with the
+    /// head). Returns the gradient of the range's input.
+    pub fn backward_range(
+        &mut self,
+        stash: Stash,
+        gy: &Tensor,
+        hook: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<Option<Tensor>> {
+        let mut h = |b: usize, g: &mut FlatBuffer| hook(b, g.as_mut_slice());
+        self.stack
+            .backward(stash, gy, &self.params, &mut self.grads, &mut h)
+    }
+
+    /// Mean loss without autograd.
+    pub fn eval_loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
+        let all = 0..self.num_blocks();
+        self.stack
+            .forward_eval(all, inputs, Some(targets), &self.params)?
+            .to_scalar::<f32>()
+    }
+
+    /// The model output without targets (logits for a language model).
+    pub fn forward(&self, inputs: &Tensor) -> Result<Tensor> {
+        let all = 0..self.num_blocks();
+        self.stack.forward_eval(all, inputs, None, &self.params)
+    }
+
+    /// Whole-model autograd reference: (loss, flat grads of loss * scale).
+    /// Does not touch the gradient buffer.
+    pub fn reference_grads(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f32,
+    ) -> Result<(f32, Vec<f32>)> {
+        self.stack
+            .reference_grads(inputs, targets, loss_scale, &self.params)
+    }
+}

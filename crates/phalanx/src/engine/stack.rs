@@ -1,0 +1,393 @@
+//! The block stack: forward and backward block by block over any sub-range.
+//!
+//! Backward of block b with upstream gradient gy (llm.c's layer-by-layer
+//! backward, done with candle autograd inside the block):
+//!   1. the block input x becomes a `Var` (token ids do not: no input grad),
+//!      the parameters are materialised as `Var`s from the parameter source;
+//!   2. y = block(x);  (y * gy).sum_all().backward()
+//!      (for the head, y is the scalar mean loss and gy the loss scale, e.g.
+//!      1 / grad_accum_steps);
+//!   3. the `GradStore` holds d/dx (the next gy, going down) and d/dparams,
+//!      which are added into the gradient sink (ties included);
+//!   4. the block's graph and working parameters are dropped, then
+//!      `hook(b, sink)` runs: every parameter *owned* by block b now has its
+//!      final gradient for this micro-batch, so DDP can launch the all-reduce
+//!      of the buckets that just completed while blocks b-1.. still compute.
+//!
+//! Activations, two modes ([`Activations`]):
+//! - `KeepGraph` (default, fastest): the forward runs with `Var`s and keeps
+//!   each block's autograd graph until its backward.
+//! - `Recompute` (activation checkpointing per block): the forward runs
+//!   without autograd and saves only each block's input; the backward runs the
+//!   block's forward again. Costs one more forward; saves all the inner
+//!   activations. The ledger's `Activations` count is exact here.
+//!
+//! In `KeepGraph` the ledger counts the block boundary tensors (inputs and
+//! outputs); candle does not expose its graph, so the inner tensors a graph
+//! keeps are not counted.
+//!
+//! A range's forward returns a [`Stash`] (what its backward needs); several
+//! stashes may be alive at once, which is what pipeline schedules (1F1B) need.
+//!
+//! ```
+//! use phalanx::engine::{Activations, FlatBuffer, FnBlock, Stack, Block};
+//! use phalanx::ledger::{Ledger, Mem};
+//! use candle_core::{Device, Tensor};
+//! let dev = Device::Cpu;
+//! let blocks: Vec<Box<dyn Block>> = vec![
+//!     Box::new(FnBlock::new(|vb: candle_nn::VarBuilder| candle_nn::linear(3, 3, vb.pp("l0")))),
+//!     Box::new(FnBlock::new(|vb: candle_nn::VarBuilder| candle_nn::linear(3, 1, vb.pp("l1")))),
+//! ];
+//! let ledger = Ledger::new();
+//! let stack = Stack::new(blocks, &dev, Activations::Recompute, &ledger).unwrap();
+//! let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+//! stack.init_params(params.as_mut_slice(), 0);
+//! let mut grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+//! let x = Tensor::ones((2, 3), candle_core::DType::F32, &dev).unwrap();
+//! let (y, stash) = stack.forward(0..2, &x, None, &params).unwrap();
+//! let gy = Tensor::ones(y.shape(), y.dtype(), &dev).unwrap();
+//! let mut order = vec![];
+//! let dx = stack.backward(stash, &gy, &params, &mut grads, &mut |b, _| { order.push(b); Ok(()) }).unwrap();
+//! assert_eq!(order, vec![1, 0]);
+//! assert_eq!(dx.unwrap().dims(), &[2, 3]);
+//! ```
+
+use std::ops::Range;
+
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_nn::VarBuilder;
+
+use super::backend::{ParamSource, Recorder, Served, Server};
+use super::block::{Block, BlockModule, Ctx};
+use super::flat::GradSink;
+use super::init;
+use super::layout::Layout;
+use crate::ledger::{Charge, Ledger, Mem};
+use crate::ops::cpu::with_f32;
+
+/// What the forward keeps for the backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// Keep every block's autograd graph (fast, more memory).
+    #[default]
+    KeepGraph,
+    /// Keep block inputs only, recompute each block in its backward.
+    Recompute,
+}
+
+/// One block's saved state.
+enum Saved {
+    /// Recompute mode: the block's input.
+    Input(Tensor),
+    /// KeepGraph mode: the input variable, the parameter variables, the output.
+    Graph {
+        x: Option<Var>,
+        vars: Vec<(usize, Var)>,
+        y: Tensor,
+        _working: Charge,
+    },
+}
+
+/// Everything the backward of a forwarded range needs.
+pub struct Stash {
+    range: Range<usize>,
+    saved: Vec<Saved>,
+    targets: Option<Tensor>,
+    _activations: Charge,
+}
+
+impl Stash {
+    /// The blocks this stash covers.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+}
+
+/// The model's blocks, their parameter layout, and how to run them.
+pub struct Stack {
+    blocks: Vec<Box<dyn Block>>,
+    layout: Layout,
+    device: Device,
+    activations: Activations,
+    ledger: Ledger,
+}
+
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl Stack {
+    /// Build each block once with a recording backend to learn its parameters.
+    pub fn new(
+        blocks: Vec<Box<dyn Block>>,
+        device: &Device,
+        activations: Activations,
+        ledger: &Ledger,
+    ) -> Result<Self> {
+        let mut requests = Vec::with_capacity(blocks.len());
+        for (b, block) in blocks.iter().enumerate() {
+            let rec = Recorder::new();
+            let vb = VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, device.clone());
+            block
+                .build(vb)
+                .map_err(|e| e.context(format!("building block {b}")))?;
+            requests.push(rec.take());
+        }
+        Ok(Self {
+            layout: Layout::new(requests)?,
+            blocks,
+            device: device.clone(),
+            activations,
+            ledger: ledger.clone(),
+        })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn activations(&self) -> Activations {
+        self.activations
+    }
+
+    pub fn set_activations(&mut self, a: Activations) {
+        self.activations = a;
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Write the initial parameters (from the blocks' init hints, seeded by
+    /// `(seed, name)`) into a flat buffer of `layout().num_params()` values.
+    pub fn init_params(&self, flat: &mut [f32], seed: u64) {
+        for p in self.layout.params() {
+            init::fill(&mut flat[p.range()], &p.shape, &p.init, seed, &p.name);
+        }
+    }
+
+    /// Build block `b` from `src`; `grad` binds `Var`s.
+    fn build(
+        &self,
+        b: usize,
+        src: &dyn ParamSource,
+        grad: bool,
+    ) -> Result<(Box<dyn BlockModule>, Served, Charge)> {
+        let (server, served) = Server::new(&self.layout, src, Some(b), grad, &self.device);
+        let vb = VarBuilder::from_backend(Box::new(server), DType::F32, self.device.clone());
+        let module = self.blocks[b].build(vb)?;
+        let served = std::mem::take(&mut *served.lock().unwrap());
+        let working = self.ledger.charge(Mem::Working, served.bytes);
+        Ok((module, served, working))
+    }
+
+    fn check_range(&self, range: &Range<usize>) -> Result<()> {
+        if range.start >= range.end || range.end > self.blocks.len() {
+            bail!(
+                "block range {range:?} is empty or outside 0..{}",
+                self.blocks.len()
+            )
+        }
+        Ok(())
+    }
+
+    /// Forward without autograd (evaluation, generation). `targets` reach the
+    /// head; without them the head returns logits.
+    pub fn forward_eval(
+        &self,
+        range: Range<usize>,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+        src: &dyn ParamSource,
+    ) -> Result<Tensor> {
+        self.check_range(&range)?;
+        let ctx = Ctx {
+            targets,
+            train: false,
+        };
+        let mut x = x.clone();
+        for b in range {
+            let (m, _served, _working) = self.build(b, src, false)?;
+            x = m.forward(&x, &ctx)?;
+        }
+        Ok(x)
+    }
+
+    /// Forward of blocks `range` for training: returns the output (the loss
+    /// if the range ends with the head and targets are given) and the stash
+    /// its backward needs.
+    pub fn forward(
+        &self,
+        range: Range<usize>,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+        src: &dyn ParamSource,
+    ) -> Result<(Tensor, Stash)> {
+        self.check_range(&range)?;
+        let ctx = Ctx {
+            targets,
+            train: true,
+        };
+        let mut saved = Vec::with_capacity(range.len());
+        let mut act_bytes = 0;
+        let mut x = x.detach();
+        for b in range.clone() {
+            match self.activations {
+                Activations::Recompute => {
+                    act_bytes += tensor_bytes(&x);
+                    saved.push(Saved::Input(x.clone()));
+                    let (m, _served, _working) = self.build(b, src, false)?;
+                    x = m.forward(&x, &ctx)?;
+                }
+                Activations::KeepGraph => {
+                    let xv = if x.dtype().is_float() {
+                        Some(Var::from_tensor(&x)?)
+                    } else {
+                        None
+                    };
+                    let xin = xv.as_ref().map_or(&x, |v| v.as_tensor());
+                    act_bytes += tensor_bytes(xin);
+                    let (m, served, working) = self.build(b, src, true)?;
+                    let y = m.forward(xin, &ctx)?;
+                    act_bytes += tensor_bytes(&y);
+                    x = y.detach();
+                    saved.push(Saved::Graph {
+                        x: xv,
+                        vars: served.vars,
+                        y,
+                        _working: working,
+                    });
+                }
+            }
+        }
+        let stash = Stash {
+            range,
+            saved,
+            targets: targets.cloned(),
+            _activations: self.ledger.charge(Mem::Activations, act_bytes),
+        };
+        Ok((x, stash))
+    }
+
+    /// Backward of a stash with upstream gradient `gy` (same shape as the
+    /// range's output; for the loss a scalar: the loss scale). Parameter
+    /// gradients are added into `sink`; `hook(b, sink)` runs after each block,
+    /// in backward order. Returns the gradient of the range's input (`None`
+    /// when the input is token ids).
+    pub fn backward<S: GradSink>(
+        &self,
+        stash: Stash,
+        gy: &Tensor,
+        src: &dyn ParamSource,
+        sink: &mut S,
+        hook: &mut dyn FnMut(usize, &mut S) -> Result<()>,
+    ) -> Result<Option<Tensor>> {
+        let Stash {
+            range,
+            saved,
+            targets,
+            _activations,
+        } = stash;
+        let ctx = Ctx {
+            targets: targets.as_ref(),
+            train: true,
+        };
+        let mut gy = gy.detach();
+        let mut dx = None;
+        for (b, saved) in range.rev().zip(saved.into_iter().rev()) {
+            let (xv, vars, y, working) = match saved {
+                Saved::Input(x) => {
+                    let xv = if x.dtype().is_float() {
+                        Some(Var::from_tensor(&x)?)
+                    } else {
+                        None
+                    };
+                    let (m, served, working) = self.build(b, src, true)?;
+                    let y = m.forward(xv.as_ref().map_or(&x, |v| v.as_tensor()), &ctx)?;
+                    (xv, served.vars, y, working)
+                }
+                Saved::Graph {
+                    x,
+                    vars,
+                    y,
+                    _working,
+                } => (x, vars, y, _working),
+            };
+            if y.shape() != gy.shape() {
+                bail!(
+                    "block {b}: output {:?} but upstream gradient {:?}",
+                    y.shape(),
+                    gy.shape()
+                )
+            }
+            let grads = (y * &gy)?.sum_all()?.backward()?;
+            for (k, var) in &vars {
+                let p = &self.layout.params()[*k];
+                let Some(g) = grads.get(var.as_tensor()) else {
+                    bail!(
+                        "parameter `{}` (block {b}) received no gradient: it is unused, or an op \
+                         without backward (candle-nn's fused layer_norm/softmax_last_dim) cut it \
+                         off; use phalanx::ops",
+                        p.name
+                    )
+                };
+                with_f32(g, |g| sink.accumulate(p, g))??;
+            }
+            dx = match &xv {
+                Some(v) => match grads.get(v.as_tensor()) {
+                    Some(g) => Some(g.detach()),
+                    None => bail!("block {b}: its input received no gradient"),
+                },
+                None => None,
+            };
+            // Free the graph and the working parameters before the hook runs.
+            drop((grads, vars, xv, working));
+            hook(b, sink)?;
+            if let Some(g) = &dx {
+                gy = g.clone();
+            }
+        }
+        Ok(dx)
+    }
+
+    /// Whole-model autograd in one graph (no block boundaries, ties are one
+    /// `Var`): the reference the block-by-block backward is tested against.
+    /// Returns the loss and the flat gradient of `loss * loss_scale`.
+    pub fn reference_grads(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        loss_scale: f32,
+        src: &dyn ParamSource,
+    ) -> Result<(f32, Vec<f32>)> {
+        let (server, served) = Server::new(&self.layout, src, None, true, &self.device);
+        let vb = VarBuilder::from_backend(Box::new(server), DType::F32, self.device.clone());
+        let ctx = Ctx {
+            targets: Some(targets),
+            train: true,
+        };
+        let mut h = x.clone();
+        for block in &self.blocks {
+            h = block.build(vb.clone())?.forward(&h, &ctx)?;
+        }
+        let loss = h.to_scalar::<f32>()?;
+        let grads = (h * loss_scale as f64)?.backward()?;
+        let mut flat = vec![0f32; self.layout.num_params()];
+        for (k, var) in &served.lock().unwrap().vars {
+            let p = &self.layout.params()[*k];
+            match grads.get(var.as_tensor()) {
+                Some(g) => with_f32(g, |g| flat[p.range()].copy_from_slice(g))?,
+                None => bail!("parameter `{}` received no gradient", p.name),
+            }
+        }
+        Ok((loss, flat))
+    }
+}

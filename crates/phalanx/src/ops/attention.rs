@@ -1,0 +1,289 @@
+//! Causal multi-head self-attention as one op, from the fused qkv projection
+//! (llm.c's attention_forward / attention_backward, with gemm per head):
+//!
+//!   qkv (B, T, 3C) -> q, k, v heads (T, hs) for each (b, h), hs = C / nh
+//!   S = q k^T / sqrt(hs);  P = causal_softmax(S);  y_h = P v      -> y (B, T, C)
+//! Backward, per (b, h), with P kept from the forward:
+//!   dP = dy_h v^T;  dv = P^T dy_h;  dS = P * (dP - rowsum(P * dP)) / sqrt(hs)
+//!   dq = dS k;  dk = dS^T q
+//!
+//! Why: the same computation in candle ops is ~15 graph nodes (splits,
+//! reshapes, transposes, copies, two batched matmuls, softmax), each of which
+//! costs a zero-filled gradient plus an add in candle's backward. Here it is
+//! one node; the (b, h) pairs run in parallel on candle's thread pool.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! // T = 2, C = 2, one head: the first position only sees itself.
+//! let qkv = Tensor::new(&[[[0f32, 0., 0., 0., 1., 2.], [0., 0., 0., 0., 3., 4.]]], &Device::Cpu).unwrap();
+//! let y = phalanx::ops::causal_attention(&qkv, 1).unwrap().to_vec3::<f32>().unwrap();
+//! assert_eq!(y[0], vec![vec![1., 2.], vec![2., 3.]]);
+//! ```
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu::{cpu_slice, dot_lanes, max_lanes, sum_lanes, with_f32};
+use super::gelu::exp_approx;
+use super::linear::{sgemm_strided, Mat};
+use crate::simd_dispatch;
+
+struct Attention {
+    n_head: usize,
+    /// Softmax probabilities (B, nh, T, T) from the forward, for the backward.
+    probs: Mutex<Option<Vec<f32>>>,
+}
+
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+    hs: usize,
+}
+
+/// A pointer shared by the (b, h) tasks; each writes its own elements.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// Scatter `src` (T, w) into rows of stride `rs` starting at `off`.
+    /// SAFETY: the caller guarantees no other task writes these elements and
+    /// that they lie inside the buffer.
+    unsafe fn scatter(self, off: usize, rs: usize, w: usize, src: &[f32]) {
+        for (i, row) in src.chunks_exact(w).enumerate() {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), self.0.add(off + i * rs), w);
+        }
+    }
+}
+
+/// Row i of the causal softmax of `scale * s` (in place, zeros beyond i).
+#[inline(always)]
+fn softmax_causal_rows(s: &mut [f32], t: usize, scale: f32) {
+    for (i, row) in s.chunks_exact_mut(t).enumerate() {
+        let (vis, masked) = row.split_at_mut(i + 1);
+        let max = max_lanes(vis) * scale;
+        vis.iter_mut()
+            .for_each(|v| *v = exp_approx(*v * scale - max));
+        let inv = 1.0 / sum_lanes(vis);
+        vis.iter_mut().for_each(|v| *v *= inv);
+        masked.fill(0.0);
+    }
+}
+
+/// P for head (b, h) of `qkv`, (T, T).
+fn head_probs(qkv: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
+    let (t, c3) = (d.t, 3 * d.c);
+    let base = b * t * c3 + h * d.hs;
+    let q = Mat {
+        data: &qkv[base..],
+        rs: c3,
+        cs: 1,
+    };
+    let kt = Mat {
+        data: &qkv[base + d.c..],
+        rs: 1,
+        cs: c3,
+    };
+    let mut p = vec![0f32; t * t];
+    sgemm_strided(t, t, d.hs, &mut p, t, false, q, kt, false);
+    simd_dispatch!(softmax_causal_rows(&mut p, t, 1.0 / (d.hs as f32).sqrt()));
+    p
+}
+
+fn dims_of(l: &Layout, nh: usize) -> Result<Dims> {
+    let (b, t, c3) = match *l.dims() {
+        [b, t, c3] => (b, t, c3),
+        _ => bail!(
+            "causal_attention: qkv must be (B, T, 3C), got {:?}",
+            l.dims()
+        ),
+    };
+    if nh == 0 || c3 % (3 * nh) != 0 {
+        bail!(
+            "causal_attention: 3C = {c3} is not divisible by 3 * n_head = {}",
+            3 * nh
+        )
+    }
+    let c = c3 / 3;
+    Ok(Dims {
+        b,
+        t,
+        c,
+        nh,
+        hs: c / nh,
+    })
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "phalanx-causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qkv = cpu_slice(s, l)?;
+        let d = dims_of(l, self.n_head)?;
+        let (t, c) = (d.t, d.c);
+        let mut y = vec![0f32; d.b * t * c];
+        let mut probs = vec![0f32; d.b * d.nh * t * t];
+        let (yp, pp) = (Out(y.as_mut_ptr()), Out(probs.as_mut_ptr()));
+        candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
+            for task in tasks {
+                let (b, h) = (task / d.nh, task % d.nh);
+                let p = head_probs(qkv, d, b, h);
+                let v = Mat {
+                    data: &qkv[b * t * 3 * c + 2 * c + h * d.hs..],
+                    rs: 3 * c,
+                    cs: 1,
+                };
+                let mut yh = vec![0f32; t * d.hs];
+                sgemm_strided(
+                    t,
+                    d.hs,
+                    t,
+                    &mut yh,
+                    d.hs,
+                    false,
+                    Mat {
+                        data: &p,
+                        rs: t,
+                        cs: 1,
+                    },
+                    v,
+                    false,
+                );
+                // SAFETY: task (b, h) owns y[b, :, h*hs..(h+1)*hs] and probs[b, h].
+                unsafe {
+                    yp.scatter(b * t * c + h * d.hs, c, d.hs, &yh);
+                    pp.scatter(task * t * t, t, t, &p);
+                }
+            }
+        });
+        *self.probs.lock().unwrap() = Some(probs);
+        Ok((CpuStorage::F32(y), Shape::from((d.b, t, c))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let saved = self.probs.lock().unwrap().take();
+        let dqkv = with_f32(arg, |qkv| {
+            with_f32(grad, |dy| {
+                let d = dims_of(arg.layout(), self.n_head)?;
+                Ok::<_, candle_core::Error>(backward(qkv, dy, saved.as_deref(), d))
+            })
+        })???;
+        Ok(Some(Tensor::from_vec(dqkv, arg.shape(), arg.device())?))
+    }
+}
+
+fn backward(qkv: &[f32], dy: &[f32], saved: Option<&[f32]>, d: Dims) -> Vec<f32> {
+    let (t, c, hs) = (d.t, d.c, d.hs);
+    let c3 = 3 * c;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let mut dqkv = vec![0f32; qkv.len()];
+    let out = Out(dqkv.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
+        for task in tasks {
+            let (b, h) = (task / d.nh, task % d.nh);
+            let p_owned;
+            let p: &[f32] = match saved {
+                Some(s) => &s[task * t * t..(task + 1) * t * t],
+                None => {
+                    p_owned = head_probs(qkv, d, b, h);
+                    &p_owned
+                }
+            };
+            let base = b * t * c3 + h * hs;
+            let q = Mat {
+                data: &qkv[base..],
+                rs: c3,
+                cs: 1,
+            };
+            let k = Mat {
+                data: &qkv[base + c..],
+                rs: c3,
+                cs: 1,
+            };
+            let vt = Mat {
+                data: &qkv[base + 2 * c..],
+                rs: 1,
+                cs: c3,
+            };
+            let dyh = Mat {
+                data: &dy[b * t * c + h * hs..],
+                rs: c,
+                cs: 1,
+            };
+            // dP = dy_h v^T, then dS in place.
+            let mut ds = vec![0f32; t * t];
+            sgemm_strided(t, t, hs, &mut ds, t, false, dyh, vt, false);
+            for i in 0..t {
+                let (pr, dr) = (&p[i * t..i * t + i + 1], &mut ds[i * t..(i + 1) * t]);
+                let dot = dot_lanes(pr, &dr[..i + 1]);
+                for j in 0..=i {
+                    dr[j] = scale * pr[j] * (dr[j] - dot);
+                }
+                dr[i + 1..].fill(0.0);
+            }
+            let (mut dq, mut dk, mut dv) =
+                (vec![0f32; t * hs], vec![0f32; t * hs], vec![0f32; t * hs]);
+            // Tasks already run in parallel: no threading inside.
+            let mm = |dst: &mut [f32], a: Mat, b: Mat| {
+                sgemm_strided(t, hs, t, dst, hs, false, a, b, false)
+            };
+            mm(
+                &mut dv,
+                Mat {
+                    data: p,
+                    rs: 1,
+                    cs: t,
+                },
+                dyh,
+            );
+            mm(
+                &mut dq,
+                Mat {
+                    data: &ds,
+                    rs: t,
+                    cs: 1,
+                },
+                k,
+            );
+            mm(
+                &mut dk,
+                Mat {
+                    data: &ds,
+                    rs: 1,
+                    cs: t,
+                },
+                q,
+            );
+            // SAFETY: task (b, h) owns columns h*hs.. of q, k and v in row block b.
+            unsafe {
+                out.scatter(base, c3, hs, &dq);
+                out.scatter(base + c, c3, hs, &dk);
+                out.scatter(base + 2 * c, c3, hs, &dv);
+            }
+        }
+    });
+    dqkv
+}
+
+/// Causal self-attention of `qkv` (B, T, 3C) = [q | k | v] with `n_head`
+/// heads; returns (B, T, C), heads concatenated. f32 on CPU.
+pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    if qkv.dtype() != DType::F32 || !qkv.device().is_cpu() {
+        bail!(
+            "causal_attention: only f32 on CPU is built (got {:?} on {:?})",
+            qkv.dtype(),
+            qkv.device()
+        )
+    }
+    qkv.contiguous()?.apply_op1(Attention {
+        n_head,
+        probs: Mutex::new(None),
+    })
+}

@@ -1,0 +1,212 @@
+//! CPU plumbing for the fused ops and the engine: borrowing a tensor's f32
+//! data, splitting row loops over candle's thread pool, and compiling hot
+//! loops for AVX-512 / AVX2 with a run-time check (the binary still runs on
+//! machines without them).
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! let t = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
+//! let s = phalanx::ops::cpu::with_f32(&t.t().unwrap(), |s| s.to_vec()).unwrap();
+//! assert_eq!(s, vec![1., 3., 2., 4.]); // made contiguous first
+//! ```
+
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
+
+/// Call `f` with the tensor's elements as one contiguous f32 slice (row-major).
+/// Borrows CPU storage when contiguous; copies otherwise (or off-CPU).
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    if t.dtype() != DType::F32 {
+        bail!("expected an f32 tensor, got {:?}", t.dtype())
+    }
+    let t = if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => Ok(f(cpu_slice(cpu, layout)?)),
+        _ => {
+            drop(storage);
+            let v = t.flatten_all()?.to_vec1::<f32>()?;
+            Ok(f(&v))
+        }
+    }
+}
+
+/// The f32 elements of a contiguous CPU storage under `layout`.
+pub fn cpu_slice<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+    let s = storage.as_slice::<f32>()?;
+    match layout.contiguous_offsets() {
+        Some((lo, hi)) => Ok(&s[lo..hi]),
+        None => bail!("expected a contiguous tensor"),
+    }
+}
+
+/// The u32 elements of a contiguous CPU storage under `layout`.
+pub fn cpu_slice_u32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [u32]> {
+    let s = storage.as_slice::<u32>()?;
+    match layout.contiguous_offsets() {
+        Some((lo, hi)) => Ok(&s[lo..hi]),
+        None => bail!("expected a contiguous tensor"),
+    }
+}
+
+/// Lanes of the partial reductions below: 16 = one AVX-512 register of f32.
+/// Float reductions only vectorise when written with independent partial
+/// accumulators (the compiler may not reassociate a serial sum).
+const LANES: usize = 16;
+
+/// Sum of a slice with 16 partial sums.
+#[inline(always)]
+pub fn sum_lanes(x: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Dot product with 16 partial sums.
+#[inline(always)]
+pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Maximum of a slice (-inf for an empty one) with 16 partial maxima.
+#[inline(always)]
+pub fn max_lanes(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] = acc[i].max(c[i]);
+        }
+    }
+    acc.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// A raw pointer that may cross threads: each thread writes a disjoint range.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Below this many elements, threading costs more than it saves.
+const PAR_MIN: usize = 1 << 15;
+
+/// Run `f(rows, out_rows)` over `out` split into rows of `row_len`, in
+/// parallel on candle's thread pool when the work is large enough.
+pub fn par_rows(
+    out: &mut [f32],
+    row_len: usize,
+    f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+) {
+    let n_rows = out.len().checked_div(row_len).unwrap_or(0);
+    if out.len() < PAR_MIN || n_rows < 2 {
+        f(0..n_rows, out);
+        return;
+    }
+    let ptr = SendPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n_rows, |rows| {
+        let p = ptr;
+        // SAFETY: the pool hands out disjoint row ranges within `out`.
+        let chunk = unsafe {
+            std::slice::from_raw_parts_mut(p.0.add(rows.start * row_len), rows.len() * row_len)
+        };
+        f(rows, chunk)
+    });
+}
+
+/// Run `f(range, out_chunk)` over an elementwise output in parallel chunks.
+pub fn par_elems(out: &mut [f32], f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) {
+    const CHUNK: usize = 1 << 12;
+    let n = out.len();
+    if n < PAR_MIN {
+        f(0..n, out);
+        return;
+    }
+    let n_chunks = n.div_ceil(CHUNK);
+    let ptr = SendPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n_chunks, |chunks| {
+        let p = ptr;
+        let lo = chunks.start * CHUNK;
+        let hi = (chunks.end * CHUNK).min(n);
+        // SAFETY: disjoint element ranges within `out`.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(p.0.add(lo), hi - lo) };
+        f(lo..hi, chunk)
+    });
+}
+
+/// `out[r] = f(r)` for `r in 0..n_rows`, in parallel when `n_rows * row_work`
+/// (elements touched) is large enough.
+pub fn par_map_rows(n_rows: usize, row_work: usize, f: impl Fn(usize) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; n_rows];
+    if n_rows * row_work < PAR_MIN || n_rows < 2 {
+        out.iter_mut().enumerate().for_each(|(r, o)| *o = f(r));
+        return out;
+    }
+    let ptr = SendPtr(out.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n_rows, |rows| {
+        let p = ptr;
+        for r in rows {
+            // SAFETY: each row index is handed out once.
+            unsafe { *p.0.add(r) = f(r) };
+        }
+    });
+    out
+}
+
+/// Compile `$body` (a call to an `#[inline(always)]` kernel) three times,
+/// for AVX-512, AVX2+FMA and the baseline, and pick at run time.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! simd_dispatch {
+    ($body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+            unsafe fn v4<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn v3<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+            {
+                unsafe { v4(|| $body) }
+            } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+            {
+                unsafe { v3(|| $body) }
+            } else {
+                $body
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $body
+        }
+    }};
+}

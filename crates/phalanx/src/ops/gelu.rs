@@ -1,0 +1,129 @@
+//! GELU, tanh approximation (GPT-2's `gelu_new`), as a fused op with its own
+//! backward:
+//!
+//!   y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//!   dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+//!
+//! Why: candle's GELU calls the scalar libm `tanhf` per element and builds its
+//! backward from half a dozen elementwise tensors; on the project's machine
+//! that was ~17% of a GPT-2 step. Here tanh is computed from a branch-free
+//! polynomial `exp` that the compiler vectorises (AVX-512 when present), and
+//! the backward is one pass. Accuracy: ~1e-7 absolute against f64.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! let x = Tensor::new(&[-1.0f32, 0.0, 2.0], &Device::Cpu).unwrap();
+//! let y = phalanx::ops::gelu(&x).unwrap().to_vec1::<f32>().unwrap();
+//! assert!((y[0] + 0.158808).abs() < 1e-5 && y[1] == 0.0 && (y[2] - 1.954597).abs() < 1e-5);
+//! ```
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::cpu::{cpu_slice, par_elems, with_f32};
+use crate::simd_dispatch;
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const COEF: f32 = 0.044_715;
+
+/// e^x for x in about [-87, 87]: Cody-Waite range reduction to r in
+/// [-ln2/2, ln2/2], a degree-6 Taylor polynomial (rel. error ~1e-7), and
+/// 2^n built in the exponent bits. No branches, so it vectorises.
+#[inline(always)]
+pub fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let x = x.clamp(-87.0, 87.0);
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    // n sits in the low mantissa bits of `shifted` (its bits are 0x4B40_0000 + n):
+    // integer ops on those bits build 2^n without a float->int conversion,
+    // whose saturating semantics would stop vectorisation.
+    let pow2n = (shifted
+        .to_bits()
+        .wrapping_sub(0x4B40_0000)
+        .wrapping_add(127))
+        << 23;
+    p * f32::from_bits(pow2n)
+}
+
+/// tanh(u) = 1 - 2 / (e^{2u} + 1); |u| > 9 is +-1 to f32 precision.
+#[inline(always)]
+pub fn tanh_approx(u: f32) -> f32 {
+    let u = u.clamp(-9.0, 9.0);
+    1.0 - 2.0 / (exp_approx(2.0 * u) + 1.0)
+}
+
+#[inline(always)]
+fn gelu_fwd_kernel(x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
+        *y = 0.5 * x * (1.0 + tanh_approx(u));
+    }
+}
+
+#[inline(always)]
+fn gelu_bwd_kernel(x: &[f32], g: &[f32], dx: &mut [f32]) {
+    for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+        let x2 = x * x;
+        let t = tanh_approx(SQRT_2_OVER_PI * (x + COEF * x2 * x));
+        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x2);
+        *dx = g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du);
+    }
+}
+
+/// GELU forward over slices (used by the op; public for benchmarks).
+pub fn gelu_forward(x: &[f32], y: &mut [f32]) {
+    par_elems(y, |r, y| simd_dispatch!(gelu_fwd_kernel(&x[r.clone()], y)));
+}
+
+/// GELU backward over slices: `dx = g * gelu'(x)`.
+pub fn gelu_backward(x: &[f32], g: &[f32], dx: &mut [f32]) {
+    par_elems(dx, |r, dx| {
+        simd_dispatch!(gelu_bwd_kernel(&x[r.clone()], &g[r.clone()], dx))
+    });
+}
+
+struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "phalanx-gelu-tanh"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = cpu_slice(s, l)?;
+        let mut y = vec![0f32; x.len()];
+        gelu_forward(x, &mut y);
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let dx = with_f32(arg, |x| {
+            with_f32(grad, |g| {
+                let mut dx = vec![0f32; x.len()];
+                gelu_backward(x, g, &mut dx);
+                dx
+            })
+        })??;
+        Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
+    }
+}
+
+/// GELU (tanh approximation) with a fused, vectorised forward and backward.
+/// f32 on CPU; other dtypes/devices fall back to candle's `gelu`.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+        return x.gelu();
+    }
+    x.contiguous()?.apply_op1(Gelu)
+}

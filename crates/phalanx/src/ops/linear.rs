@@ -1,0 +1,364 @@
+//! `y = x @ w^T + b` as one op (llm.c's matmul_forward / matmul_backward),
+//! calling the `gemm` crate directly:
+//!
+//!   forward:  y (N, out) = b + x (N, in) . w^T          N = all leading dims of x
+//!   backward: dx = dy . w;   dw = dy^T . x;   db = sum_rows(dy)
+//!
+//! Why: candle records a linear layer as reshape, transpose, matmul,
+//! broadcast-add and reshape; its backward then allocates a zeroed gradient
+//! and adds into it for each of those nodes (five full-size passes or more).
+//! One node here: three gemms backward, nothing else.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! let dev = Device::Cpu;
+//! let x = Tensor::new(&[[[1f32, 2.]]], &dev).unwrap();            // (1, 1, 2)
+//! let w = Tensor::new(&[[1f32, 0.], [0., 1.], [1., 1.]], &dev).unwrap(); // (3, 2)
+//! let b = Tensor::new(&[0f32, 10., 100.], &dev).unwrap();
+//! let y = phalanx::ops::linear(&x, &w, Some(&b)).unwrap();
+//! assert_eq!(y.to_vec3::<f32>().unwrap(), vec![vec![vec![1., 12., 103.]]]);
+//! ```
+
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu::{cpu_slice, with_f32};
+
+/// Row-major (rs = row stride, cs = column stride) view of a matrix in a slice.
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + (cols - 1) * cs + 1
+    }
+}
+
+/// `dst (m, n) = [dst +] a (m, k) . b (k, n)`, dst row-major contiguous.
+pub fn sgemm(m: usize, n: usize, k: usize, dst: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+    sgemm_strided(m, n, k, dst, n, accumulate, a, b, true)
+}
+
+/// As [`sgemm`] with a destination row stride `dst_rs` (columns contiguous),
+/// and a choice of threading (`par`: use candle's thread count when big).
+/// Bounds are checked here, so the unsafe gemm call only sees valid memory.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    a: Mat,
+    b: Mat,
+    par: bool,
+) {
+    assert!(dst.len() >= span(m, n, dst_rs, 1), "sgemm: dst too small");
+    assert!(
+        a.data.len() >= span(m, k, a.rs, a.cs),
+        "sgemm: lhs too small"
+    );
+    assert!(
+        b.data.len() >= span(k, n, b.rs, b.cs),
+        "sgemm: rhs too small"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(dst_rs)
+                .take(m)
+                .for_each(|r| r[..n].fill(0.0));
+        }
+        return;
+    }
+    // The pool's workers plus the calling thread (CANDLE_NUM_THREADS).
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    // Small products are not worth waking the pool for.
+    if !par || threads < 2 || m < 2 * 16 || m * n * k < 1 << 18 {
+        gemm_block(m, n, k, dst.as_mut_ptr(), dst_rs, accumulate, a, b);
+        return;
+    }
+    // Split the output rows over candle's barrier pool rather than gemm's
+    // rayon pool: one pool means no two sets of workers spinning for the
+    // same cores (which made 2 threads slower than 1 on a 2-core machine).
+    let chunk = m.div_ceil(threads * 2).next_multiple_of(16);
+    let n_chunks = m.div_ceil(chunk);
+    let dst_ptr = DstPtr(dst.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n_chunks, |chunks| {
+        let p = dst_ptr;
+        for ci in chunks {
+            let (r0, r1) = (ci * chunk, ((ci + 1) * chunk).min(m));
+            let a_rows = Mat {
+                data: &a.data[r0 * a.rs..],
+                ..a
+            };
+            // SAFETY: rows r0..r1 of dst belong to this chunk only, and lie
+            // inside dst (its span was asserted above).
+            gemm_block(
+                r1 - r0,
+                n,
+                k,
+                unsafe { p.0.add(r0 * dst_rs) },
+                dst_rs,
+                accumulate,
+                a_rows,
+                b,
+            );
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct DstPtr(*mut f32);
+unsafe impl Send for DstPtr {}
+unsafe impl Sync for DstPtr {}
+
+/// One single-threaded gemm call; `dst` must be valid for the (m, n, dst_rs) span.
+#[allow(clippy::too_many_arguments)]
+fn gemm_block(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    a: Mat,
+    b: Mat,
+) {
+    assert!(a.data.len() >= span(m, k, a.rs, a.cs) && b.data.len() >= span(k, n, b.rs, b.cs));
+    // SAFETY: lhs/rhs spans checked here, dst by the callers.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// (rows, in, out) of a linear on x with weight w (out, in).
+fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
+    let (wd, xd) = (w.dims(), x.dims());
+    if wd.len() != 2 || xd.is_empty() || xd[xd.len() - 1] != wd[1] {
+        bail!(
+            "linear: x {:?} and weight {:?} (out, in) do not match",
+            xd,
+            wd
+        )
+    }
+    Ok((x.shape().elem_count() / wd[1], wd[1], wd[0]))
+}
+
+fn out_shape(x: &Layout, out: usize) -> Shape {
+    let mut d = x.dims().to_vec();
+    let last = d.len() - 1;
+    d[last] = out;
+    Shape::from(d)
+}
+
+fn forward(
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    (rows, k, n): (usize, usize, usize),
+) -> Vec<f32> {
+    let mut y = vec![0f32; rows * n];
+    if let Some(b) = b {
+        y.chunks_exact_mut(n).for_each(|r| r.copy_from_slice(b));
+    }
+    // w^T (in, out) as a strided view of w (out, in).
+    let a = Mat {
+        data: x,
+        rs: k,
+        cs: 1,
+    };
+    let wt = Mat {
+        data: w,
+        rs: 1,
+        cs: k,
+    };
+    sgemm(rows, n, k, &mut y, b.is_some(), a, wt);
+    y
+}
+
+/// (dx, dw, db) of a linear.
+fn backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    bias: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (k, n) = (w.dim(1)?, w.dim(0)?);
+    let rows = x.elem_count() / k;
+    let (dx, dw, db) = with_f32(x, |x| {
+        with_f32(w, |w| {
+            with_f32(dy, |dy| {
+                let g = Mat {
+                    data: dy,
+                    rs: n,
+                    cs: 1,
+                };
+                let mut dx = vec![0f32; rows * k];
+                sgemm(
+                    rows,
+                    k,
+                    n,
+                    &mut dx,
+                    false,
+                    g,
+                    Mat {
+                        data: w,
+                        rs: k,
+                        cs: 1,
+                    },
+                );
+                let gt = Mat {
+                    data: dy,
+                    rs: 1,
+                    cs: n,
+                };
+                let mut dw = vec![0f32; n * k];
+                sgemm(
+                    n,
+                    k,
+                    rows,
+                    &mut dw,
+                    false,
+                    gt,
+                    Mat {
+                        data: x,
+                        rs: k,
+                        cs: 1,
+                    },
+                );
+                let db = bias.then(|| {
+                    let mut db = vec![0f32; n];
+                    for r in dy.chunks_exact(n) {
+                        db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
+                    }
+                    db
+                });
+                (dx, dw, db)
+            })
+        })
+    })???;
+    let dev = x.device();
+    Ok((
+        Tensor::from_vec(dx, x.shape(), dev)?,
+        Tensor::from_vec(dw, w.shape(), dev)?,
+        db.map(|db| Tensor::from_vec(db, n, dev)).transpose()?,
+    ))
+}
+
+struct LinearBias;
+struct LinearNoBias;
+
+impl CustomOp3 for LinearBias {
+    fn name(&self) -> &'static str {
+        "phalanx-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = dims(l1, l2)?;
+        let y = forward(
+            cpu_slice(s1, l1)?,
+            cpu_slice(s2, l2)?,
+            Some(cpu_slice(s3, l3)?),
+            d,
+        );
+        Ok((CpuStorage::F32(y), out_shape(l1, d.2)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = backward(x, w, dy, true)?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+impl CustomOp2 for LinearNoBias {
+    fn name(&self) -> &'static str {
+        "phalanx-linear-nobias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = dims(l1, l2)?;
+        let y = forward(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, None, d);
+        Ok((CpuStorage::F32(y), out_shape(l1, d.2)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = backward(x, w, dy, false)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// `x @ w^T + b` for x (.., in), w (out, in), b (out,): a candle-nn `Linear`
+/// as one op. f32 CPU; elsewhere candle's matmul.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    if !cpu_f32 {
+        let lin = candle_nn::Linear::new(w.clone(), b.cloned());
+        return candle_core::Module::forward(&lin, x);
+    }
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    match b {
+        Some(b) => {
+            if b.dims() != [w.dim(0)?] {
+                bail!("linear: bias {:?} for weight {:?}", b.shape(), w.shape())
+            }
+            x.apply_op3(&w, &b.contiguous()?, LinearBias)
+        }
+        None => x.apply_op2(&w, LinearNoBias),
+    }
+}

@@ -1,0 +1,32 @@
+//! Fused ops with their own backward, for training on CPU.
+//!
+//! candle-nn's fused `layer_norm` and `softmax_last_dim` have no backward,
+//! and the composed versions allocate many full-size tensors. These ops do
+//! one pass forward and one pass backward, vectorised and threaded on
+//! candle's pool. All take and return f32 CPU tensors (other devices fall
+//! back to candle's composed ops where one exists, or return an error).
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! let x = Var::new(&[0.5f32, -1.0], &Device::Cpu).unwrap();
+//! let y = phalanx::ops::gelu(x.as_tensor()).unwrap().sum_all().unwrap();
+//! let g = y.backward().unwrap();
+//! assert!(g.get(x.as_tensor()).is_some());
+//! ```
+
+mod attention;
+mod bias;
+pub mod cpu;
+mod cross_entropy;
+mod gelu;
+mod layer_norm;
+mod linear;
+mod softmax;
+
+pub use attention::causal_attention;
+pub use bias::add_bias;
+pub use cross_entropy::cross_entropy;
+pub use gelu::{exp_approx, gelu, gelu_backward, gelu_forward, tanh_approx};
+pub use layer_norm::{layer_norm, layer_norm_backward};
+pub use linear::{linear, sgemm, sgemm_strided, Mat};
+pub use softmax::{causal_softmax, softmax_last_dim};

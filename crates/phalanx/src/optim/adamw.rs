@@ -1,0 +1,169 @@
+//! AdamW (decoupled weight decay, Loshchilov & Hutter), PyTorch semantics,
+//! one fused loop over a range of the flat buffers:
+//!
+//!   g = grad * grad_scale
+//!   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+//!   p = p (1 - lr wd)                         (matrices only, as nanoGPT)
+//!   p = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+//!
+//! The state (m, v) covers `range` only, so a ZeRO-1 rank builds it with its
+//! shard `[lo, hi)`; the weight-decay mask comes from the layout (elements of
+//! parameters with ndim >= 2), run-length encoded.
+//!
+//! ```
+//! use phalanx::engine::{Layout, ParamDecl};
+//! use phalanx::ledger::{Ledger, Mem};
+//! use phalanx::optim::{AdamW, AdamWConfig, Optimizer};
+//! let layout = Layout::new(vec![vec![ParamDecl::new("w", &[4, 4])]]).unwrap();
+//! let ledger = Ledger::new();
+//! let opt = AdamW::new(AdamWConfig::default(), &layout, 0..16, &ledger);
+//! assert_eq!(ledger.current(Mem::OptState), 16 * 8);
+//! assert_eq!(opt.state_bytes(), 128);
+//! ```
+
+use std::ops::Range;
+
+use super::{check_lens, Optimizer};
+use crate::engine::Layout;
+use crate::ledger::{Charge, Ledger, Mem};
+use crate::simd_dispatch;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Decoupled weight decay, applied to matrices (ndim >= 2) only.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamWConfig {
+    /// PyTorch's defaults.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+pub struct AdamW {
+    cfg: AdamWConfig,
+    range: Range<usize>,
+    /// Weight-decay segments, relative to `range.start`.
+    segments: Vec<(Range<usize>, bool)>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    t: u64,
+    _charge: Charge,
+}
+
+/// Constants of one step, shared by every element.
+#[derive(Clone, Copy)]
+struct StepConsts {
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    scale: f32,
+    /// lr / (1 - b1^t)
+    step_size: f32,
+    /// 1 / sqrt(1 - b2^t)
+    inv_bc2_sqrt: f32,
+    /// 1 - lr wd (1.0 where no decay)
+    decay: f32,
+}
+
+#[inline(always)]
+fn adamw_kernel(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: StepConsts) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = g * k.scale;
+        *m = k.b1 * *m + (1.0 - k.b1) * g;
+        *v = k.b2 * *v + (1.0 - k.b2) * g * g;
+        let denom = v.sqrt() * k.inv_bc2_sqrt + k.eps;
+        *p = *p * k.decay - k.step_size * *m / denom;
+    }
+}
+
+impl AdamW {
+    /// State for `range` of the flat buffer described by `layout`.
+    pub fn new(cfg: AdamWConfig, layout: &Layout, range: Range<usize>, ledger: &Ledger) -> Self {
+        assert!(
+            range.end <= layout.num_params(),
+            "range {range:?} beyond the layout"
+        );
+        let n = range.len();
+        Self {
+            cfg,
+            segments: layout.decay_segments(range.clone()),
+            range,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            t: 0,
+            _charge: ledger.charge(Mem::OptState, n * 8),
+        }
+    }
+
+    pub fn config(&self) -> &AdamWConfig {
+        &self.cfg
+    }
+
+    /// Steps taken so far (the t of the bias correction).
+    pub fn step_count(&self) -> u64 {
+        self.t
+    }
+
+    /// First and second moments, for checkpoints.
+    pub fn state(&self) -> (&[f32], &[f32]) {
+        (&self.m, &self.v)
+    }
+
+    /// Restore moments and step count (from a checkpoint).
+    pub fn set_state(&mut self, m: &[f32], v: &[f32], t: u64) {
+        self.m.copy_from_slice(m);
+        self.v.copy_from_slice(v);
+        self.t = t;
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
+        check_lens("AdamW", &self.range, params.len(), grads.len());
+        self.t += 1;
+        let c = &self.cfg;
+        let bc1 = 1.0 - (c.beta1 as f64).powi(self.t as i32);
+        let bc2 = 1.0 - (c.beta2 as f64).powi(self.t as i32);
+        let base = StepConsts {
+            b1: c.beta1,
+            b2: c.beta2,
+            eps: c.eps,
+            scale: grad_scale,
+            step_size: (lr as f64 / bc1) as f32,
+            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
+            decay: 1.0,
+        };
+        for (seg, decays) in &self.segments {
+            let k = StepConsts {
+                decay: if *decays {
+                    1.0 - lr * c.weight_decay
+                } else {
+                    1.0
+                },
+                ..base
+            };
+            let r = seg.clone();
+            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
+            let (m, v) = (&mut self.m[r.clone()], &mut self.v[r]);
+            simd_dispatch!(adamw_kernel(p, g, m, v, k));
+        }
+    }
+
+    fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    fn state_bytes(&self) -> usize {
+        (self.m.len() + self.v.len()) * 4
+    }
+}

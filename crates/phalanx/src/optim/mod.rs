@@ -1,0 +1,54 @@
+//! Optimizers over flat f32 buffers, each one fused loop, able to update any
+//! `[lo, hi)` range of the flat buffer (a ZeRO-1/2 shard) with state for that
+//! range only; learning-rate schedules; global-norm gradient clipping whose
+//! sum of squares can be reduced across shards before the scale is taken.
+//!
+//! ```
+//! use phalanx::engine::{Layout, ParamDecl};
+//! use phalanx::ledger::Ledger;
+//! use phalanx::optim::{clip, AdamW, AdamWConfig, LrSchedule, Optimizer};
+//! let layout = Layout::new(vec![vec![ParamDecl::new("w", &[2, 2]), ParamDecl::new("b", &[2])]]).unwrap();
+//! let (mut params, mut grads) = (vec![1.0f32; 6], vec![3.0f32; 6]);
+//! let mut opt = AdamW::new(AdamWConfig::default(), &layout, 0..6, &Ledger::new());
+//! let sched = LrSchedule::Constant { lr: 1e-2 };
+//! // The norm of a shard is all-reduced first in ZeRO; here there is one shard.
+//! let (norm, scale) = clip::clip_scale(clip::sum_squares(&grads), 1.0);
+//! assert!((norm - 6f32.sqrt() * 3.0).abs() < 1e-5);
+//! opt.step(&mut params, &grads, sched.lr(0), scale);
+//! assert!(params.iter().all(|&p| p < 1.0));
+//! ```
+
+pub mod adamw;
+pub mod clip;
+pub mod schedule;
+pub mod sgd;
+
+use std::ops::Range;
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use schedule::LrSchedule;
+pub use sgd::{Sgd, SgdConfig};
+
+/// An optimizer owning the state of `range()` of the flat parameter buffer.
+pub trait Optimizer {
+    /// Update `params` from `grads`, both exactly `range()` of the flat
+    /// buffers. Gradients are multiplied by `grad_scale` first (the clipping
+    /// factor, fused into the same loop; 1.0 for none).
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32);
+
+    /// The range of the flat buffer this optimizer updates.
+    fn range(&self) -> Range<usize>;
+
+    /// Bytes of optimizer state held.
+    fn state_bytes(&self) -> usize;
+}
+
+/// Panic with a clear message when a step is given the wrong slices: this is
+/// a caller bug, not a run-time condition.
+fn check_lens(name: &str, range: &Range<usize>, params: usize, grads: usize) {
+    assert!(
+        params == range.len() && grads == range.len(),
+        "{name}: range {range:?} needs {} params and grads, got {params} and {grads}",
+        range.len()
+    );
+}
