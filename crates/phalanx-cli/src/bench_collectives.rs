@@ -129,7 +129,7 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         let mut cmd = vec![exe];
         cmd.extend(std::env::args().skip(1));
         let lo = crate::launch::LaunchOpts {
-            nproc_per_node: opts.nproc,
+            nproc_per_node: Some(launch.nproc_per_node.unwrap_or(opts.nproc)),
             ..launch.clone()
         };
         return crate::launch::run(&lo, &cmd);

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 #[derive(Args, Debug, Clone)]
 pub struct LaunchOpts {
-    /// Worker processes on this node.
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node", default_value_t = 1)]
-    pub nproc_per_node: usize,
+    /// Worker processes on this node (default 1; `phalanx train` defaults to 2).
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node")]
+    pub nproc_per_node: Option<usize>,
     /// Number of nodes in the job.
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
@@ -77,7 +77,8 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             "no command given; usage: phalanx run --nproc-per-node N -- PROGRAM [ARGS...]".into(),
         );
     }
-    if opts.nproc_per_node == 0 {
+    let nproc = opts.nproc_per_node.unwrap_or(1);
+    if nproc == 0 {
         return Err("--nproc-per-node must be at least 1".into());
     }
     if opts.nnodes == 0 || opts.node_rank >= opts.nnodes {
@@ -130,7 +131,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let threads = (cores / opts.nproc_per_node).max(1);
+    let threads = (cores / nproc).max(1);
 
     let mut attempt = 0;
     loop {
@@ -175,16 +176,17 @@ enum Outcome {
 
 fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
     let o = env.opts;
-    let world = o.nproc_per_node * o.nnodes;
+    let nproc = o.nproc_per_node.unwrap_or(1);
+    let world = nproc * o.nnodes;
     let mut workers = Vec::new();
-    for local in 0..o.nproc_per_node {
-        let rank = o.node_rank * o.nproc_per_node + local;
+    for local in 0..nproc {
+        let rank = o.node_rank * nproc + local;
         let mut c = Command::new(&cmd[0]);
         c.args(&cmd[1..])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("GROUP_RANK", o.node_rank.to_string())
             .env("MASTER_ADDR", env.master_addr)
             .env("MASTER_PORT", env.port.to_string())

@@ -1,10 +1,14 @@
 //! The `phalanx` command.
 //!
 //! - `phalanx run --nproc-per-node N -- PROGRAM ARGS`: launch a job (torchrun's flags).
+//! - `phalanx train`: train GPT-2 (data parallel over local ranks by default).
+//! - `phalanx generate`: sample text from a model.
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
 
 mod bench_collectives;
+mod generate;
 mod launch;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +32,18 @@ enum Cmd {
         /// The program and its arguments (after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<String>,
+    },
+    /// Train a GPT-2 (default: gpt-tiny on data/corpus.txt, 2 local ranks).
+    Train {
+        #[command(flatten)]
+        opts: train::TrainOpts,
+        #[command(flatten)]
+        launch: launch::LaunchOpts,
+    },
+    /// Sample text from a trained (or Hugging Face) GPT-2.
+    Generate {
+        #[command(flatten)]
+        opts: generate::GenerateOpts,
     },
     /// A worker used by the launcher's own tests: all-reduces in a loop and
     /// can crash on purpose.
@@ -62,6 +78,8 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Run { launch, cmd } => launch::run(&launch, &cmd),
+        Cmd::Train { opts, launch } => train::main(&opts, &launch),
+        Cmd::Generate { opts } => generate::main(&opts),
         Cmd::TestWorker {
             die_rank,
             die_after_ms,

@@ -2,6 +2,11 @@
 pub mod config;
 pub mod data;
 pub mod engine;
+pub mod error;
 pub mod ledger;
 pub mod ops;
 pub mod optim;
+pub mod strategy;
+pub mod trainer;
+
+pub use error::{Error, Result};

@@ -22,6 +22,7 @@
 pub mod blocks;
 pub mod config;
 pub mod hf;
+pub mod train;
 
 pub use blocks::blocks;
 pub use config::Gpt2Config;

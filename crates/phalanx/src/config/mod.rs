@@ -128,7 +128,14 @@ impl Default for TrainConfig {
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        ModelConfig { preset: "gpt-tiny".into(), n_layer: 0, n_head: 0, n_embd: 0, vocab_size: 0, block_size: 0 }
+        ModelConfig {
+            preset: "gpt-tiny".into(),
+            n_layer: 0,
+            n_head: 0,
+            n_embd: 0,
+            vocab_size: 0,
+            block_size: 0,
+        }
     }
 }
 
@@ -146,7 +153,14 @@ impl Default for DataConfig {
 
 impl Default for TrainSection {
     fn default() -> Self {
-        TrainSection { steps: 300, micro_batch_size: 8, grad_accum_steps: 1, seed: 0, eval_interval: 100, eval_batches: 8 }
+        TrainSection {
+            steps: 600,
+            micro_batch_size: 8,
+            grad_accum_steps: 1,
+            seed: 0,
+            eval_interval: 100,
+            eval_batches: 8,
+        }
     }
 }
 
@@ -169,13 +183,23 @@ impl Default for OptimConfig {
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        ParallelConfig { dp: 0, tp: 1, pp: 1, bucket_mb: 25.0, check_params_every: 0 }
+        ParallelConfig {
+            dp: 0,
+            tp: 1,
+            pp: 1,
+            bucket_mb: 25.0,
+            check_params_every: 0,
+        }
     }
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { interval: 10, json: String::new(), plot: "loss.svg".into() }
+        LogConfig {
+            interval: 10,
+            json: String::new(),
+            plot: "runs/loss.svg".into(),
+        }
     }
 }
 
@@ -197,8 +221,11 @@ impl TrainConfig {
     pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
         let mut table = toml::Table::new();
         if let Some(p) = file {
-            let text = std::fs::read_to_string(p).map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
-            table = text.parse::<toml::Table>().map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
+            table = text
+                .parse::<toml::Table>()
+                .map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;
         }
         for o in overrides {
             apply_override(&mut table, o)?;
@@ -226,26 +253,48 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let m = &self.model;
         let bad = |s: String| Err(ConfigError(s));
-        if m.n_layer == 0 || m.n_head == 0 || m.n_embd == 0 || m.vocab_size == 0 || m.block_size == 0 {
+        if m.n_layer == 0
+            || m.n_head == 0
+            || m.n_embd == 0
+            || m.vocab_size == 0
+            || m.block_size == 0
+        {
             return bad(format!("model sizes must be positive: {m:?}"));
         }
         if m.n_embd % m.n_head != 0 {
-            return bad(format!("model.n_embd ({}) must be divisible by model.n_head ({})", m.n_embd, m.n_head));
+            return bad(format!(
+                "model.n_embd ({}) must be divisible by model.n_head ({})",
+                m.n_embd, m.n_head
+            ));
         }
         if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
-            return bad("train.micro_batch_size and train.grad_accum_steps must be at least 1".into());
+            return bad(
+                "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),
+            );
         }
         if !matches!(self.data.tokenizer.as_str(), "byte" | "gpt2") {
-            return bad(format!("data.tokenizer must be \"byte\" or \"gpt2\", not {:?}", self.data.tokenizer));
+            return bad(format!(
+                "data.tokenizer must be \"byte\" or \"gpt2\", not {:?}",
+                self.data.tokenizer
+            ));
         }
         if !(0.0..1.0).contains(&self.data.val_fraction) {
-            return bad(format!("data.val_fraction must be in [0, 1), not {}", self.data.val_fraction));
+            return bad(format!(
+                "data.val_fraction must be in [0, 1), not {}",
+                self.data.val_fraction
+            ));
         }
         if !matches!(self.optim.name.as_str(), "adamw" | "sgd") {
-            return bad(format!("optim.name must be \"adamw\" or \"sgd\", not {:?}", self.optim.name));
+            return bad(format!(
+                "optim.name must be \"adamw\" or \"sgd\", not {:?}",
+                self.optim.name
+            ));
         }
         if !matches!(self.optim.schedule.as_str(), "cosine" | "constant") {
-            return bad(format!("optim.schedule must be \"cosine\" or \"constant\", not {:?}", self.optim.schedule));
+            return bad(format!(
+                "optim.schedule must be \"cosine\" or \"constant\", not {:?}",
+                self.optim.schedule
+            ));
         }
         if self.optim.lr <= 0.0 || self.optim.grad_clip < 0.0 {
             return bad("optim.lr must be positive and optim.grad_clip non-negative".into());
@@ -257,7 +306,9 @@ impl TrainConfig {
             return bad("tensor parallel (parallel.tp > 1) is not available in this build".into());
         }
         if self.parallel.pp != 1 {
-            return bad("pipeline parallel (parallel.pp > 1) is not available in this build".into());
+            return bad(
+                "pipeline parallel (parallel.pp > 1) is not available in this build".into(),
+            );
         }
         Ok(())
     }
@@ -267,7 +318,9 @@ impl TrainConfig {
     pub fn dp_for_world(&self, world: usize) -> Result<usize> {
         let per = self.parallel.tp * self.parallel.pp;
         if world % per != 0 {
-            return Err(ConfigError(format!("world size {world} is not divisible by tp x pp = {per}")));
+            return Err(ConfigError(format!(
+                "world size {world} is not divisible by tp x pp = {per}"
+            )));
         }
         let dp = world / per;
         if self.parallel.dp != 0 && self.parallel.dp != dp {
@@ -317,15 +370,25 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
 /// Merge `over` into `base`, naming unknown keys and mismatched types.
 fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Result<()> {
     for (k, v) in over {
-        let full = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+        let full = if path.is_empty() {
+            k.clone()
+        } else {
+            format!("{path}.{k}")
+        };
         match base.get_mut(&k) {
             None => {
                 let known: Vec<&String> = base.keys().collect();
-                return Err(ConfigError(format!("unknown key `{full}` (known here: {known:?})")));
+                return Err(ConfigError(format!(
+                    "unknown key `{full}` (known here: {known:?})"
+                )));
             }
             Some(toml::Value::Table(b)) => match v {
                 toml::Value::Table(t) => merge(b, t, &full)?,
-                other => return Err(ConfigError(format!("`{full}` is a section, not a value ({other})"))),
+                other => {
+                    return Err(ConfigError(format!(
+                        "`{full}` is a section, not a value ({other})"
+                    )))
+                }
             },
             Some(slot) => {
                 let ok = match (&*slot, &v) {

@@ -18,7 +18,9 @@ pub const PRESETS: &[(&str, usize, usize, usize, usize, usize)] = &[
 pub fn model_preset(name: &str, m: &mut ModelConfig) -> Result<(), ConfigError> {
     let p = PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
         let names: Vec<&str> = PRESETS.iter().map(|p| p.0).collect();
-        ConfigError(format!("unknown model.preset {name:?}; choose one of {names:?}"))
+        ConfigError(format!(
+            "unknown model.preset {name:?}; choose one of {names:?}"
+        ))
     })?;
     m.preset = name.to_string();
     (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size) = (p.1, p.2, p.3, p.4, p.5);

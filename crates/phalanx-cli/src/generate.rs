@@ -1,0 +1,151 @@
+//! `phalanx generate`: sample text from a trained or downloaded GPT-2.
+
+use candle_core::{Device, IndexOp, Tensor};
+use clap::Args;
+use phalanx::config::TrainConfig;
+use phalanx::data::Tokenizer;
+use phalanx_models::gpt2::{hf, train};
+use std::path::PathBuf;
+
+#[derive(Args, Debug, Clone)]
+pub struct GenerateOpts {
+    /// Model weights (Hugging Face GPT-2 safetensors). `config.json` beside
+    /// it, if present, gives the shape; otherwise --config / --set do.
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub set: Vec<String>,
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub tokens: usize,
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+pub fn main(o: &GenerateOpts) -> i32 {
+    match run(o) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("phalanx generate: error: {e}");
+            1
+        }
+    }
+}
+
+/// Model keys read from an HF config.json, as --set overrides.
+fn hf_overrides(path: &std::path::Path) -> Vec<String> {
+    let Some(dir) = path.parent() else {
+        return vec![];
+    };
+    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+        return vec![];
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return vec![];
+    };
+    let mut out = vec![];
+    for (ours, theirs) in [
+        ("n_layer", "n_layer"),
+        ("n_head", "n_head"),
+        ("n_embd", "n_embd"),
+        ("vocab_size", "vocab_size"),
+        ("block_size", "n_positions"),
+    ] {
+        if let Some(n) = v.get(theirs).and_then(|x| x.as_u64()) {
+            out.push(format!("model.{ours}={n}"));
+        }
+    }
+    let tok = v
+        .get("phalanx_tokenizer")
+        .and_then(|t| t.as_str())
+        .unwrap_or(
+            if v.get("vocab_size").and_then(|x| x.as_u64()) == Some(256) {
+                "byte"
+            } else {
+                "gpt2"
+            },
+        );
+    out.push(format!("data.tokenizer=\"{tok}\""));
+    out
+}
+
+fn run(o: &GenerateOpts) -> phalanx::Result<()> {
+    let mut sets = hf_overrides(&o.model);
+    sets.extend(o.set.iter().cloned());
+    let cfg = TrainConfig::build(o.config.as_deref(), &sets)?;
+    let mut engine = train::build_engine(&cfg)?;
+    hf::load_safetensors(&mut engine, &o.model)
+        .map_err(|e| phalanx::Error::Check(format!("{}: {e}", o.model.display())))?;
+    let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
+    let mut ids = tok.encode(&o.prompt);
+    if ids.is_empty() {
+        return Err(phalanx::Error::Check(
+            "the prompt encodes to no tokens".into(),
+        ));
+    }
+    let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
+    let t = cfg.model.block_size;
+    print!("{}", o.prompt);
+    let mut printed = ids.len();
+    for _ in 0..o.tokens {
+        let ctx = &ids[ids.len().saturating_sub(t)..];
+        let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
+        let logits = engine.forward(&x)?; // (1, T, V)
+        let last: Vec<f32> = logits.i((0, ctx.len() - 1))?.to_vec1()?;
+        ids.push(sample(&last, o.temperature, o.top_k, &mut rng));
+        // Print whole UTF-8 characters as they complete.
+        if let Ok(s) = tok.decode(&ids[printed..]) {
+            if !s.ends_with('\u{FFFD}') {
+                print!("{s}");
+                printed = ids.len();
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+            }
+        }
+    }
+    println!();
+    Ok(())
+}
+
+fn sample(
+    logits: &[f32],
+    temperature: f64,
+    top_k: usize,
+    rng: &mut phalanx::data::shuffle::SplitMix64,
+) -> u32 {
+    if temperature <= 0.0 {
+        return logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+            .0 as u32;
+    }
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if top_k > 0 {
+        idx.truncate(top_k);
+    }
+    let max = logits[idx[0]] as f64;
+    let w: Vec<f64> = idx
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) / temperature).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+    for (k, wk) in w.iter().enumerate() {
+        if u < *wk {
+            return idx[k] as u32;
+        }
+        u -= wk;
+    }
+    idx[idx.len() - 1] as u32
+}

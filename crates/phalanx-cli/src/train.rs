@@ -1,0 +1,144 @@
+//! `phalanx train`: train a GPT-2 from a config on one or more ranks.
+//!
+//! Outside a job it launches itself through `phalanx run` with
+//! `--nproc-per-node` ranks (default 2); inside one, every rank trains its
+//! data-parallel slice and rank 0 reports.
+
+use clap::Args;
+use phalanx::config::TrainConfig;
+use phalanx::trainer::RunOptions;
+use phalanx_models::gpt2::train::{self, GptRun};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Debug, Clone)]
+pub struct TrainOpts {
+    /// A TOML file with sections model, data, train, optim, parallel, log.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override one key, e.g. `--set train.steps=100` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Start from Hugging Face GPT-2 weights (safetensors).
+    #[arg(long = "init-from")]
+    pub init_from: Option<PathBuf>,
+    /// Save the trained model in Hugging Face layout (with config.json beside it).
+    #[arg(long = "save-final")]
+    pub save_final: Option<PathBuf>,
+    /// One JSON object per step: step, loss, lr, tokens_per_s, step_ms.
+    #[arg(long = "log-json")]
+    pub log_json: Option<PathBuf>,
+    /// Print the resolved config and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+pub fn in_job() -> bool {
+    ["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
+    let cfg = match TrainConfig::build(opts.config.as_deref(), &opts.set) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("phalanx train: {e}");
+            return 2;
+        }
+    };
+    if opts.print_config {
+        print!("{}", cfg.to_toml());
+        return 0;
+    }
+    if !in_job() {
+        let n = launch.nproc_per_node.unwrap_or(2);
+        // Check what can be checked before starting any process.
+        if n == 0 {
+            eprintln!("phalanx train: --nproc-per-node must be at least 1");
+            return 2;
+        }
+        if let Err(e) = cfg.dp_for_world(n).and_then(|dp| {
+            phalanx::data::micro_batch_size(cfg.global_batch(dp), dp, cfg.train.grad_accum_steps)
+                .map_err(|e| phalanx::config::ConfigError(e.to_string()))
+        }) {
+            eprintln!("phalanx train: {e}");
+            return 2;
+        }
+        let exe = std::env::current_exe()
+            .expect("own path")
+            .to_string_lossy()
+            .to_string();
+        let mut cmd = vec![exe];
+        cmd.extend(std::env::args().skip(1));
+        let lo = crate::launch::LaunchOpts {
+            nproc_per_node: Some(n),
+            ..launch.clone()
+        };
+        return crate::launch::run(&lo, &cmd);
+    }
+    match run(&cfg, opts) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("phalanx train: error: {e}");
+            1
+        }
+    }
+}
+
+fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
+    let pg = phalanx_comm::init_process_group()?;
+    let lead = pg.rank() == 0;
+    let loader = Arc::new(train::open_data(cfg)?);
+    if lead {
+        println!(
+            "model {} ({} layers, {} heads, {} wide, vocab {}, context {}), data {} ({} tokenizer): {} train / {} val tokens",
+            cfg.model.preset,
+            cfg.model.n_layer,
+            cfg.model.n_head,
+            cfg.model.n_embd,
+            cfg.model.vocab_size,
+            cfg.model.block_size,
+            cfg.data.path,
+            cfg.data.tokenizer,
+            loader.train_tokens(),
+            loader.val_tokens()
+        );
+    }
+    let log_json = opts
+        .log_json
+        .clone()
+        .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
+    let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
+    let run = GptRun {
+        init_from: opts.init_from.clone(),
+        save_final: opts.save_final.clone(),
+        run: RunOptions {
+            progress: true,
+            log_interval: cfg.log.interval,
+            log_json,
+            plot,
+        },
+    };
+    let t0 = std::time::Instant::now();
+    let (report, _trainer) = train::train(cfg, pg.clone(), loader, &run)?;
+    if lead {
+        let first = report.losses.first().copied().unwrap_or(f32::NAN);
+        let last = report.losses.last().copied().unwrap_or(f32::NAN);
+        print!(
+            "done: {} steps in {:.1} s, loss {first:.4} -> {last:.4}, {:.0} tokens/s",
+            report.losses.len(),
+            t0.elapsed().as_secs_f64(),
+            report.tokens_per_s
+        );
+        if let Some((_, v)) = report.val_losses.last() {
+            print!(", val loss {v:.4}");
+        }
+        println!();
+        if let Some(p) = &opts.save_final {
+            println!("saved {} (Hugging Face GPT-2 layout)", p.display());
+        }
+    }
+    pg.shutdown();
+    Ok(())
+}

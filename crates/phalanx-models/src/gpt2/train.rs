@@ -1,0 +1,114 @@
+//! Training GPT-2 from a `TrainConfig`: the path `phalanx train` takes, and
+//! the one the equivalence tests drive with ranks as threads.
+//!
+//! ```no_run
+//! use phalanx::config::TrainConfig;
+//! use phalanx_models::gpt2::train::{self, GptRun};
+//! let cfg = TrainConfig::build(None, &["train.steps=10".into()]).unwrap();
+//! let pg = phalanx_comm::init_process_group().unwrap();
+//! let loader = std::sync::Arc::new(train::open_data(&cfg).unwrap());
+//! let (report, trainer) = train::train(&cfg, pg, loader, &GptRun::default()).unwrap();
+//! println!("final loss {}", report.losses.last().unwrap());
+//! ```
+
+use super::{hf, Gpt2Config};
+use candle_core::Device;
+use phalanx::config::TrainConfig;
+use phalanx::data::{DataLoader, LoaderConfig, Tokenizer};
+use phalanx::engine::{Engine, EngineConfig};
+use phalanx::trainer::{Report, RunOptions, Trainer};
+use phalanx::{Error, Result};
+use phalanx_comm::ProcessGroup;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Default)]
+pub struct GptRun {
+    /// Start from a Hugging Face GPT-2 safetensors file.
+    pub init_from: Option<PathBuf>,
+    /// Save the trained model (HF layout) here, with `config.json` beside it.
+    pub save_final: Option<PathBuf>,
+    pub run: RunOptions,
+}
+
+pub fn model_config(cfg: &TrainConfig) -> Gpt2Config {
+    let m = &cfg.model;
+    Gpt2Config::new(m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size)
+}
+
+/// A GPT-2 engine for the config, initialised with `train.seed`.
+pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
+    let g = model_config(cfg);
+    g.validate()?;
+    let ecfg = EngineConfig {
+        seed: cfg.train.seed,
+        ..EngineConfig::default()
+    };
+    Ok(super::engine(&g, &Device::Cpu, ecfg)?)
+}
+
+/// The data loader the config describes (tokens checked against the vocabulary).
+pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
+    let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
+    let lc = LoaderConfig {
+        seq_len: cfg.model.block_size,
+        val_fraction: cfg.data.val_fraction,
+        shuffle: cfg.data.shuffle,
+        seed: cfg.data.seed,
+        vocab_size: Some(cfg.model.vocab_size),
+    };
+    Ok(DataLoader::open(&cfg.data.path, tok, lc)?)
+}
+
+/// Build, optionally load, train on `pg` (data parallel), optionally save.
+pub fn train(
+    cfg: &TrainConfig,
+    pg: ProcessGroup,
+    loader: Arc<DataLoader>,
+    run: &GptRun,
+) -> Result<(Report, Trainer)> {
+    let mut engine = build_engine(cfg)?;
+    if let Some(p) = &run.init_from {
+        hf::load_safetensors(&mut engine, p)
+            .map_err(|e| Error::Check(format!("--init-from {}: {e}", p.display())))?;
+    }
+    let mut trainer = Trainer::new(cfg, engine, loader, pg)?;
+    let report = trainer.run(&run.run)?;
+    if let Some(p) = &run.save_final {
+        if trainer.group().global_rank() == 0 {
+            save(trainer.engine(), cfg, p)?;
+        }
+    }
+    Ok((report, trainer))
+}
+
+/// Write the model in HF layout, atomically (temp file + rename), and a
+/// `config.json` beside it, so the directory opens with
+/// `GPT2LMHeadModel.from_pretrained`.
+pub fn save(engine: &Engine, cfg: &TrainConfig, path: &Path) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("safetensors.tmp");
+    hf::save_safetensors(engine, &tmp)?;
+    std::fs::rename(&tmp, path)?;
+    let m = &cfg.model;
+    let hf_cfg = serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd,
+        "vocab_size": m.vocab_size, "n_positions": m.block_size, "n_ctx": m.block_size,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "initializer_range": 0.02, "tie_word_embeddings": true,
+        "bos_token_id": 50256, "eos_token_id": 50256,
+        "phalanx_tokenizer": cfg.data.tokenizer,
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&hf_cfg).unwrap(),
+    )?;
+    Ok(())
+}

@@ -1,0 +1,178 @@
+//! What a run shows: a progress line on rank 0, a JSON log (one object per
+//! step), and a loss-curve image (SVG) at the end.
+
+use super::{Report, StepStats};
+use crate::error::Result;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Print progress lines (rank 0).
+    pub progress: bool,
+    /// Print a line every this many steps.
+    pub log_interval: usize,
+    /// `{"step", "loss", "lr", "tokens_per_s", "step_ms"}` per line.
+    pub log_json: Option<PathBuf>,
+    /// Loss curve (SVG) written at the end.
+    pub plot: Option<PathBuf>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            progress: false,
+            log_interval: 10,
+            log_json: None,
+            plot: None,
+        }
+    }
+}
+
+pub struct StepLog {
+    lead: bool,
+    opts: RunOptions,
+    steps: usize,
+    json: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl StepLog {
+    pub fn new(opts: &RunOptions, lead: bool, steps: usize) -> Result<StepLog> {
+        let json = match (&opts.log_json, lead) {
+            (Some(p), true) => {
+                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir)?;
+                }
+                Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
+                    |e| crate::error::Error::Io(format!("cannot create {}: {e}", p.display())),
+                )?))
+            }
+            _ => None,
+        };
+        Ok(StepLog {
+            lead,
+            opts: opts.clone(),
+            steps,
+            json,
+        })
+    }
+
+    pub fn step(&mut self, s: &StepStats, val: Option<f32>) -> Result<()> {
+        if !self.lead {
+            return Ok(());
+        }
+        if let Some(j) = &mut self.json {
+            let mut v = serde_json::json!({
+                "step": s.step, "loss": s.loss, "lr": s.lr,
+                "tokens_per_s": s.tokens_per_s, "step_ms": s.step_ms, "grad_norm": s.grad_norm,
+            });
+            if let Some(val) = val {
+                v["val_loss"] = serde_json::json!(val);
+            }
+            writeln!(j, "{v}")?;
+            j.flush()?;
+        }
+        let every = self.opts.log_interval.max(1);
+        if self.opts.progress && (s.step % every == 0 || s.step + 1 == self.steps || val.is_some())
+        {
+            let done = (s.step + 1) as f64 / self.steps.max(1) as f64;
+            let filled = (done * 20.0).round() as usize;
+            let bar: String = "#".repeat(filled) + &"-".repeat(20 - filled.min(20));
+            let mut line = format!(
+                "[{bar}] step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>8.0} tok/s | {:>6.1} ms",
+                s.step + 1,
+                self.steps,
+                s.loss,
+                s.lr,
+                s.tokens_per_s,
+                s.step_ms
+            );
+            if let Some(v) = val {
+                line += &format!(" | val {v:.4}");
+            }
+            println!("{line}");
+        }
+        Ok(())
+    }
+
+    pub fn finish(&mut self, r: &Report) -> Result<()> {
+        if !self.lead {
+            return Ok(());
+        }
+        if let Some(p) = &self.opts.plot {
+            write_loss_svg(p, &r.losses, &r.val_losses)?;
+            if self.opts.progress {
+                println!("loss curve written to {}", p.display());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A self-contained SVG line chart of training (and validation) loss.
+pub fn write_loss_svg(path: &std::path::Path, losses: &[f32], val: &[(usize, f32)]) -> Result<()> {
+    let (w, h, m) = (640.0f64, 400.0f64, 50.0f64);
+    let n = losses.len().max(2) as f64;
+    let all = losses
+        .iter()
+        .copied()
+        .chain(val.iter().map(|v| v.1))
+        .filter(|x| x.is_finite());
+    let (lo, hi) = all.fold((f32::MAX, f32::MIN), |(a, b), x| (a.min(x), b.max(x)));
+    let (lo, hi) = if lo <= hi {
+        (lo as f64, (hi as f64).max(lo as f64 + 1e-6))
+    } else {
+        (0.0, 1.0)
+    };
+    let x = |i: f64| m + i / (n - 1.0) * (w - 2.0 * m);
+    let y = |v: f64| h - m - (v - lo) / (hi - lo) * (h - 2.0 * m);
+    let pts = |it: &mut dyn Iterator<Item = (f64, f64)>| {
+        it.map(|(i, v)| format!("{:.1},{:.1}", x(i), y(v)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let train = pts(&mut losses
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (i as f64, *v as f64)));
+    let valp = pts(&mut val.iter().map(|(i, v)| (*i as f64, *v as f64)));
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <line x1=\"{m}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{cx}\" y=\"{t}\" text-anchor=\"middle\">step</text>\n\
+         <text x=\"12\" y=\"{cy}\" transform=\"rotate(-90 12 {cy})\" text-anchor=\"middle\">loss</text>\n\
+         <text x=\"{m}\" y=\"{lt}\" text-anchor=\"end\">{hi:.3}</text>\n\
+         <text x=\"{m}\" y=\"{bb}\" text-anchor=\"end\">{lo:.3}</text>\n\
+         <text x=\"{r}\" y=\"{t}\" text-anchor=\"end\">{last}</text>\n",
+        b = h - m,
+        r = w - m,
+        cx = w / 2.0,
+        t = h - m + 30.0,
+        cy = h / 2.0,
+        lt = m - 5.0,
+        bb = h - m + 15.0,
+        last = losses.len().saturating_sub(1),
+    );
+    s += &format!(
+        "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{train}\"/>\n"
+    );
+    if !val.is_empty() {
+        s += &format!(
+            "<polyline fill=\"none\" stroke=\"#d62728\" stroke-width=\"2\" points=\"{valp}\"/>\n"
+        );
+    }
+    s += &format!(
+        "<text x=\"{}\" y=\"{}\" fill=\"#1f77b4\">train</text><text x=\"{}\" y=\"{}\" fill=\"#d62728\">validation</text>\n</svg>\n",
+        w - m - 120.0,
+        m - 10.0,
+        w - m - 70.0,
+        m - 10.0
+    );
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, s)?;
+    Ok(())
+}
