@@ -83,8 +83,13 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     sets.extend(o.set.iter().cloned());
     let cfg = TrainConfig::build(o.config.as_deref(), &sets)?;
     let mut engine = train::build_engine(&cfg)?;
-    hf::load_safetensors(&mut engine, &o.model)
-        .map_err(|e| phalanx::Error::Check(format!("{}: {e}", o.model.display())))?;
+    hf::load_safetensors(&mut engine, &o.model).map_err(|e| {
+        phalanx::Error::Check(format!(
+            "{}: {}",
+            o.model.display(),
+            phalanx::Error::from(e)
+        ))
+    })?;
     let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
     let mut ids = tok.encode(&o.prompt);
     if ids.is_empty() {

@@ -31,7 +31,12 @@ impl std::error::Error for Error {}
 
 impl From<candle_core::Error> for Error {
     fn from(e: candle_core::Error) -> Self {
-        Error::Tensor(e)
+        // Candle attaches a backtrace when RUST_BACKTRACE is set; a user
+        // needs the message, not the frames.
+        match e {
+            candle_core::Error::WithBacktrace { inner, .. } => Error::Tensor(*inner),
+            e => Error::Tensor(e),
+        }
     }
 }
 impl From<phalanx_comm::CommError> for Error {

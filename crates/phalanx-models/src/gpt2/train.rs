@@ -69,8 +69,9 @@ pub fn train(
 ) -> Result<(Report, Trainer)> {
     let mut engine = build_engine(cfg)?;
     if let Some(p) = &run.init_from {
-        hf::load_safetensors(&mut engine, p)
-            .map_err(|e| Error::Check(format!("--init-from {}: {e}", p.display())))?;
+        hf::load_safetensors(&mut engine, p).map_err(|e| {
+            Error::Check(format!("--init-from {}: {}", p.display(), Error::from(e)))
+        })?;
     }
     let mut trainer = Trainer::new(cfg, engine, loader, pg)?;
     let report = trainer.run(&run.run)?;

@@ -1,0 +1,232 @@
+//! `phalanx train` and `phalanx generate` end to end, as a user runs them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("phalanx-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small model so that the end-to-end runs take a second.
+const SMALL: &[&str] = &[
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.block_size=32",
+    "--set",
+    "train.micro_batch_size=4",
+    "--set",
+    "train.eval_interval=10",
+    "--set",
+    "train.eval_batches=2",
+    "--set",
+    "log.plot=\"\"",
+];
+
+fn train(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(BIN)
+        .arg("train")
+        .args(SMALL)
+        .args(args)
+        .current_dir(repo())
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn json_log_has_one_object_per_step() {
+    let d = tmpdir("json");
+    let log = d.join("log.jsonl");
+    let (code, out, err) = train(&[
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "train.steps=12",
+        "--log-json",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("[rank 0] [") && out.contains("tok/s") && out.contains("val "),
+        "{out}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 12);
+    for (k, v) in lines.iter().enumerate() {
+        assert_eq!(v["step"].as_u64(), Some(k as u64));
+        for key in ["loss", "lr", "tokens_per_s", "step_ms"] {
+            assert!(
+                v[key].as_f64().is_some_and(|x| x.is_finite() && x > 0.0),
+                "{key} in {v}"
+            );
+        }
+    }
+    // Byte-level start: ln(256) = 5.55; the loss falls.
+    let first = lines[0]["loss"].as_f64().unwrap();
+    let last = lines[11]["loss"].as_f64().unwrap();
+    assert!(
+        (first - 256f64.ln()).abs() < 0.5 && last < first - 0.5,
+        "{first} -> {last}"
+    );
+    assert!(lines[9]["val_loss"].as_f64().is_some());
+}
+
+#[test]
+fn save_generate_and_init_from() {
+    let d = tmpdir("save");
+    let model = d.join("model.safetensors");
+    let plot = d.join("loss.svg");
+    let plot_set = format!("log.plot=\"{}\"", plot.display());
+    let (code, out, err) = train(&[
+        "--nproc-per-node",
+        "1",
+        "--set",
+        "train.steps=40",
+        "--save-final",
+        model.to_str().unwrap(),
+        "--set",
+        &plot_set,
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(model.exists() && d.join("config.json").exists());
+    assert!(std::fs::read_to_string(&plot)
+        .unwrap()
+        .contains("<polyline"));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["n_embd"], 32);
+    assert_eq!(cfg["model_type"], "gpt2");
+
+    // Sampling reads the shape from config.json.
+    let g = Command::new(BIN)
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "And God said",
+            "--tokens",
+            "40",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&g.stdout);
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    assert!(
+        text.starts_with("And God said") && text.len() > "And God said".len() + 10,
+        "{text}"
+    );
+
+    // Starting from the saved weights starts from a trained loss.
+    let log = d.join("init.jsonl");
+    let (code, out, err) = train(&[
+        "--nproc-per-node",
+        "1",
+        "--set",
+        "train.steps=1",
+        "--init-from",
+        model.to_str().unwrap(),
+        "--log-json",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(v["loss"].as_f64().unwrap() < 4.0, "{v}");
+}
+
+#[test]
+fn bad_config_is_a_clear_error() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--set", "train.stepz=3"], "unknown key `train.stepz`"),
+        (
+            &["--set", "train.steps=many"],
+            "`train.steps` expects an integer",
+        ),
+        (&["--set", "nosuch.key=1"], "unknown key `nosuch`"),
+        (
+            &["--set", "model.preset=\"gpt-huge\""],
+            "unknown model.preset",
+        ),
+        (&["--set", "model.n_head=3"], "divisible by model.n_head"),
+        (
+            &["--set", "parallel.dp=3", "--nproc-per-node", "2"],
+            "parallel.dp = 3",
+        ),
+        (&["--set", "optim.name=\"lion\""], "optim.name"),
+    ];
+    for (args, want) in cases {
+        let (code, out, err) = train(args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: expected {want:?} in {err}");
+    }
+}
+
+#[test]
+fn bad_data_and_weights_are_clear_errors() {
+    let d = tmpdir("bad");
+    let short = d.join("short.txt");
+    std::fs::write(&short, "too short").unwrap();
+    let set = format!("data.path=\"{}\"", short.display());
+    let (code, _, err) = train(&["--nproc-per-node", "1", "--set", &set]);
+    assert_eq!(code, 1);
+    eprintln!("{err}");
+    assert!(
+        err.contains("phalanx train: error") && err.contains("short.txt"),
+        "{err}"
+    );
+
+    // A safetensors file without the model's tensors.
+    let bogus = d.join("bogus.safetensors");
+    let t = candle_core::Tensor::zeros((2, 2), candle_core::DType::F32, &candle_core::Device::Cpu)
+        .unwrap();
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([("something.else".to_string(), t)]),
+        &bogus,
+    )
+    .unwrap();
+    let (code, _, err) = train(&[
+        "--nproc-per-node",
+        "1",
+        "--init-from",
+        bogus.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("bogus.safetensors: missing tensor `transformer."),
+        "{err}"
+    );
+    assert!(
+        !err.contains("candle_core::error"),
+        "no backtrace for users: {err}"
+    );
+}
