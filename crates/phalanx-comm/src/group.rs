@@ -478,7 +478,7 @@ impl ProcessGroup {
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         self.inner.queue.drain();
         let n = self.size();
-        if input.len() != output.len() || input.len() % n != 0 {
+        if input.len() != output.len() || !input.len().is_multiple_of(n) {
             return Err(invalid!(
                 "all_to_all: input ({}) and output ({}) must be equal and divisible by the group size {n}",
                 input.len(),

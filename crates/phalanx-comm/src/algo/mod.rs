@@ -66,7 +66,7 @@ impl Ctx<'_> {
 
     fn check_len<T>(&self, from: usize, m: &Msg, want: usize) -> Result<()> {
         let got = m.len / std::mem::size_of::<T>();
-        if m.len % std::mem::size_of::<T>() != 0 || got != want {
+        if !m.len.is_multiple_of(std::mem::size_of::<T>()) || got != want {
             return Err(CommError::Desync(format!(
                 "{} #{}: rank {} sent {} bytes where {} elements were expected; \
                  ranks called it with different sizes (set PHALANX_DEBUG=detail to see each call)",

@@ -18,7 +18,7 @@ pub fn all_reduce<T: Element>(c: &Ctx, buf: &mut [T], op: ReduceOp) -> Result<()
     let rem = n - p;
     // Fold: even ranks below 2*rem pass their data up and wait.
     let vrank = if r < 2 * rem {
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             c.send(r + 1, buf)?;
             None
         } else {

@@ -63,6 +63,7 @@ pub fn connect_mesh(
         std::thread::spawn(move || accept_higher(listener, rank, world, &secret_acc, deadline));
 
     let mut peers: Vec<Option<(TcpStream, String)>> = (0..world).map(|_| None).collect();
+    #[allow(clippy::needless_range_loop)] // j is a rank, not just an index
     for j in 0..rank {
         let key = format!("{prefix}/addr/{j}");
         wait_key(store, prefix, &key, deadline).map_err(|e| {

@@ -261,7 +261,7 @@ impl TrainConfig {
         {
             return bad(format!("model sizes must be positive: {m:?}"));
         }
-        if m.n_embd % m.n_head != 0 {
+        if !m.n_embd.is_multiple_of(m.n_head) {
             return bad(format!(
                 "model.n_embd ({}) must be divisible by model.n_head ({})",
                 m.n_embd, m.n_head
@@ -317,7 +317,7 @@ impl TrainConfig {
     /// depend on it.
     pub fn dp_for_world(&self, world: usize) -> Result<usize> {
         let per = self.parallel.tp * self.parallel.pp;
-        if world % per != 0 {
+        if !world.is_multiple_of(per) {
             return Err(ConfigError(format!(
                 "world size {world} is not divisible by tp x pp = {per}"
             )));

@@ -165,7 +165,7 @@ impl Ddp {
     /// Every `check_every` steps: verify that all ranks hold bitwise
     /// identical parameters; the error names the ranks that diverged.
     pub fn maybe_check(&self, engine: &Engine, step: usize) -> Result<()> {
-        if self.cfg.check_every == 0 || step % self.cfg.check_every != 0 {
+        if self.cfg.check_every == 0 || !step.is_multiple_of(self.cfg.check_every) {
             return Ok(());
         }
         check_identical(&self.pg, engine.params_flat(), step)

@@ -73,7 +73,8 @@ impl StepLog {
             j.flush()?;
         }
         let every = self.opts.log_interval.max(1);
-        if self.opts.progress && (s.step % every == 0 || s.step + 1 == self.steps || val.is_some())
+        if self.opts.progress
+            && (s.step.is_multiple_of(every) || s.step + 1 == self.steps || val.is_some())
         {
             let done = (s.step + 1) as f64 / self.steps.max(1) as f64;
             let filled = (done * 20.0).round() as usize;
