@@ -84,6 +84,12 @@ fn json_log_has_one_object_per_step() {
             );
         }
     }
+    // The first step carries each rank's memory report.
+    let mem = lines[0]["memory"]
+        .as_array()
+        .expect("memory report at step 1");
+    assert_eq!(mem.len(), 2);
+    assert!(mem[1]["params"].as_u64().unwrap() > 0 && mem[1]["peak_rss"].as_u64().unwrap() > 0);
     // Byte-level start: ln(256) = 5.55; the loss falls.
     let first = lines[0]["loss"].as_f64().unwrap();
     let last = lines[11]["loss"].as_f64().unwrap();
@@ -183,6 +189,27 @@ fn bad_config_is_a_clear_error() {
             "parallel.dp = 3",
         ),
         (&["--set", "optim.name=\"lion\""], "optim.name"),
+        (
+            &["--set", "zero_optimization.stage=4"],
+            "zero_optimization.stage must be 0 to 3",
+        ),
+        (
+            &[
+                "--set",
+                "parallel.sharding_strategy=FULL_SHARD",
+                "--set",
+                "zero_optimization.stage=2",
+            ],
+            "means ZeRO stage 3",
+        ),
+        (
+            &["--set", "parallel.sharding_strategy=PARTIAL"],
+            "is not FULL_SHARD",
+        ),
+        (
+            &["--set", "zero_optimization.offload_optimizer.device=tape"],
+            "must be none, cpu or nvme",
+        ),
     ];
     for (args, want) in cases {
         let (code, out, err) = train(args);

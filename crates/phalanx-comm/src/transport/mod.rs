@@ -349,7 +349,12 @@ impl Transport {
             return;
         }
         let deadline = Instant::now() + Duration::from_millis(500);
-        let why = self.failure().map(|e| e.to_string()).unwrap_or_default();
+        let why = match self.failure() {
+            Some(e) => e.to_string(),
+            // Unwinding from a panic is a failure, not a clean exit.
+            None if std::thread::panicking() => format!("rank {} panicked", self.rank),
+            None => String::new(),
+        };
         for p in self.peers.iter().flatten() {
             if let Ok(mut w) = p.writer.lock() {
                 let h = header(K_GOODBYE, 0, 0, why.len());

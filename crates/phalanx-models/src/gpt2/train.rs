@@ -76,6 +76,8 @@ pub fn train(
     let mut trainer = Trainer::new(cfg, engine, loader, pg)?;
     let report = trainer.run(&run.run)?;
     if let Some(p) = &run.save_final {
+        // ZeRO-3 holds shards: gather the whole model first (every rank).
+        trainer.materialize_params()?;
         if trainer.group().global_rank() == 0 {
             save(trainer.engine(), cfg, p)?;
         }

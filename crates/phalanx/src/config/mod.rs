@@ -25,7 +25,45 @@ pub struct TrainConfig {
     pub train: TrainSection,
     pub optim: OptimConfig,
     pub parallel: ParallelConfig,
+    /// ZeRO in DeepSpeed's words (`parallel.sharding_strategy` says the same in FSDP's).
+    pub zero_optimization: ZeroOptimization,
     pub log: LogConfig,
+}
+
+/// DeepSpeed's `zero_optimization` block.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ZeroOptimization {
+    /// 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
+    pub stage: u8,
+    pub offload_optimizer: OffloadOptimizer,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OffloadOptimizer {
+    /// `none`, `cpu` (host memory: on CPU training the state is already
+    /// there) or `nvme` (files under `nvme_path`, streamed in chunks).
+    pub device: String,
+    pub nvme_path: String,
+}
+
+impl Default for OffloadOptimizer {
+    fn default() -> Self {
+        OffloadOptimizer {
+            device: "none".into(),
+            nvme_path: "runs/offload".into(),
+        }
+    }
+}
+
+/// How the data-parallel axis shards the model states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    /// ZeRO stage 0-3.
+    pub stage: u8,
+    /// HYBRID_SHARD: shard inside groups of this size (0: no replication).
+    pub hybrid_group: usize,
 }
 
 /// The model's shape. `preset` fills every field; fields given explicitly
@@ -98,6 +136,15 @@ pub struct ParallelConfig {
     pub bucket_mb: f64,
     /// Check every K steps that all ranks hold identical parameters (0: off).
     pub check_params_every: usize,
+    /// FSDP's names: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD
+    /// (DDP), HYBRID_SHARD (ZeRO-3 inside groups, replicated across them).
+    /// Empty: use `zero_optimization.stage`.
+    pub sharding_strategy: String,
+    /// ZeRO-3 / FSDP: blocks gathered ahead in forward and in backward.
+    pub forward_prefetch: usize,
+    pub backward_prefetch: usize,
+    /// HYBRID_SHARD group size (0: the ranks of one node, LOCAL_WORLD_SIZE).
+    pub hybrid_shard_size: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -121,6 +168,7 @@ impl Default for TrainConfig {
             train: TrainSection::default(),
             optim: OptimConfig::default(),
             parallel: ParallelConfig::default(),
+            zero_optimization: ZeroOptimization::default(),
             log: LogConfig::default(),
         }
     }
@@ -189,6 +237,10 @@ impl Default for ParallelConfig {
             pp: 1,
             bucket_mb: 25.0,
             check_params_every: 0,
+            sharding_strategy: String::new(),
+            forward_prefetch: 1,
+            backward_prefetch: 1,
+            hybrid_shard_size: 0,
         }
     }
 }
@@ -302,6 +354,19 @@ impl TrainConfig {
         if self.parallel.bucket_mb <= 0.0 {
             return bad("parallel.bucket_mb must be positive".into());
         }
+        self.sharding()?;
+        if !matches!(
+            self.zero_optimization.offload_optimizer.device.as_str(),
+            "none" | "cpu" | "nvme"
+        ) {
+            return bad(format!(
+                "zero_optimization.offload_optimizer.device must be none, cpu or nvme, not {:?}",
+                self.zero_optimization.offload_optimizer.device
+            ));
+        }
+        if self.offload_dir().is_some() && self.optim.name != "adamw" {
+            return bad("optimizer offload is built for optim.name = adamw".into());
+        }
         if self.parallel.tp != 1 {
             return bad("tensor parallel (parallel.tp > 1) is not available in this build".into());
         }
@@ -311,6 +376,57 @@ impl TrainConfig {
             );
         }
         Ok(())
+    }
+
+    /// The sharding the config asks for, from `parallel.sharding_strategy`
+    /// (FSDP) or `zero_optimization.stage` (DeepSpeed); both given and
+    /// different is an error.
+    pub fn sharding(&self) -> Result<Sharding> {
+        let ds = self.zero_optimization.stage;
+        if ds > 3 {
+            return Err(ConfigError(format!(
+                "zero_optimization.stage must be 0 to 3, not {ds}"
+            )));
+        }
+        let (stage, hybrid) = match self.parallel.sharding_strategy.to_ascii_uppercase().as_str() {
+            "" => return Ok(Sharding { stage: ds, hybrid_group: 0 }),
+            "NO_SHARD" => (0, false),
+            "SHARD_GRAD_OP" => (2, false),
+            "FULL_SHARD" => (3, false),
+            "HYBRID_SHARD" => (3, true),
+            other => {
+                return Err(ConfigError(format!(
+                    "parallel.sharding_strategy {other:?} is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"
+                )))
+            }
+        };
+        if ds != 0 && ds != stage {
+            return Err(ConfigError(format!(
+                "parallel.sharding_strategy = {} means ZeRO stage {stage}, but zero_optimization.stage = {ds}",
+                self.parallel.sharding_strategy
+            )));
+        }
+        let group = if hybrid {
+            match self.parallel.hybrid_shard_size {
+                0 => std::env::var("LOCAL_WORLD_SIZE")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(1),
+                g => g,
+            }
+        } else {
+            0
+        };
+        Ok(Sharding {
+            stage,
+            hybrid_group: group,
+        })
+    }
+
+    /// Where optimizer state is offloaded to (nvme), if anywhere.
+    pub fn offload_dir(&self) -> Option<std::path::PathBuf> {
+        let o = &self.zero_optimization.offload_optimizer;
+        (o.device == "nvme").then(|| o.nvme_path.clone().into())
     }
 
     /// The data-parallel size for a world size, with the batch checks that
@@ -348,22 +464,29 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
     let (key, value) = o
         .split_once('=')
         .ok_or_else(|| ConfigError(format!("override {o:?} must look like section.key=value")))?;
-    let (section, field) = key
-        .trim()
-        .split_once('.')
-        .ok_or_else(|| ConfigError(format!("override key {key:?} must look like section.key")))?;
+    // `a.b.c=v` sets key c of table a.b (nested sections such as
+    // zero_optimization.offload_optimizer).
+    let path: Vec<&str> = key.trim().split('.').collect();
+    if path.len() < 2 || path.iter().any(|p| p.is_empty()) {
+        return Err(ConfigError(format!(
+            "override key {key:?} must look like section.key"
+        )));
+    }
     let v = format!("v = {}", value.trim())
         .parse::<toml::Table>()
         .ok()
         .and_then(|mut t| t.remove("v"))
         .unwrap_or_else(|| toml::Value::String(value.trim().to_string()));
-    let sec = table
-        .entry(section.to_string())
-        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    let sec = sec
-        .as_table_mut()
-        .ok_or_else(|| ConfigError(format!("{section} is not a section")))?;
-    sec.insert(field.to_string(), v);
+    let mut t = table;
+    for (i, name) in path[..path.len() - 1].iter().enumerate() {
+        let entry = t
+            .entry(name.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        t = entry
+            .as_table_mut()
+            .ok_or_else(|| ConfigError(format!("{} is not a section", path[..=i].join("."))))?;
+    }
+    t.insert(path[path.len() - 1].to_string(), v);
     Ok(())
 }
 

@@ -52,6 +52,26 @@ impl FlatBuffer {
         }
     }
 
+    /// A buffer holding `data` for all of `layout`'s parameters.
+    pub fn from_vec(layout: &Layout, ledger: &Ledger, kind: Mem, data: Vec<f32>) -> Self {
+        assert_eq!(data.len(), layout.num_params(), "flat buffer size");
+        let n = data.len();
+        Self {
+            data,
+            blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
+            _charge: ledger.charge(kind, n * 4),
+        }
+    }
+
+    /// An empty stand-in for a buffer a sharding strategy released.
+    pub fn released(ledger: &Ledger, kind: Mem) -> Self {
+        Self {
+            data: Vec::new(),
+            blocks: Vec::new(),
+            _charge: ledger.charge(kind, 0),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.data.len()
     }

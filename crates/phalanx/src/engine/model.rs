@@ -139,6 +139,23 @@ impl Engine {
         &self.params
     }
 
+    /// Drop the full gradient buffer: ZeRO-2/3 keep only a shard of the
+    /// gradients, outside the engine. `grads_flat` is empty afterwards.
+    pub fn release_grads(&mut self) {
+        self.grads = FlatBuffer::released(&self.ledger, Mem::Grads);
+    }
+
+    /// Drop the full parameter buffer: ZeRO-3 keeps only a shard and gathers
+    /// each block's parameters when it runs. `params_flat` is empty afterwards.
+    pub fn release_params(&mut self) {
+        self.params = FlatBuffer::released(&self.ledger, Mem::Params);
+    }
+
+    /// Put a full parameter buffer back (e.g. gathered from shards to save).
+    pub fn restore_params(&mut self, flat: Vec<f32>) {
+        self.params = FlatBuffer::from_vec(self.stack.layout(), &self.ledger, Mem::Params, flat);
+    }
+
     /// Start a new accumulation: gradients are added by every backward.
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);

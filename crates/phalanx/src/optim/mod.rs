@@ -20,12 +20,14 @@
 
 pub mod adamw;
 pub mod clip;
+pub mod offload;
 pub mod schedule;
 pub mod sgd;
 
 use std::ops::Range;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use offload::{from_config, DiskAdamW};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 

@@ -57,7 +57,12 @@ impl StepLog {
         })
     }
 
-    pub fn step(&mut self, s: &StepStats, val: Option<f32>) -> Result<()> {
+    pub fn step(
+        &mut self,
+        s: &StepStats,
+        val: Option<f32>,
+        memory: Option<&[super::MemoryReport]>,
+    ) -> Result<()> {
         if !self.lead {
             return Ok(());
         }
@@ -68,6 +73,9 @@ impl StepLog {
             });
             if let Some(val) = val {
                 v["val_loss"] = serde_json::json!(val);
+            }
+            if let Some(m) = memory {
+                v["memory"] = serde_json::to_value(m).unwrap_or_default();
             }
             writeln!(j, "{v}")?;
             j.flush()?;

@@ -23,8 +23,9 @@ use crate::config::TrainConfig;
 use crate::data::{micro_batch_size, DataLoader};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::optim::{clip, AdamW, AdamWConfig, LrSchedule, Optimizer, Sgd, SgdConfig};
-use crate::strategy::{Ddp, DdpConfig};
+use crate::ledger::Mem;
+use crate::optim::{clip, LrSchedule, Optimizer};
+use crate::strategy::{Ddp, DdpConfig, Zero, ZeroConfig};
 use phalanx_comm::{ProcessGroup, ReduceOp};
 use std::sync::Arc;
 use std::time::Instant;
@@ -50,20 +51,64 @@ pub struct Report {
     pub tokens_per_s: f64,
 }
 
+/// How the data-parallel axis is run.
+enum Strategy {
+    /// Full replicas (ZeRO stage 0, FSDP NO_SHARD).
+    Ddp {
+        ddp: Ddp,
+        opt: Box<dyn Optimizer + Send>,
+    },
+    /// ZeRO-1/2/3, FSDP.
+    Zero(Zero),
+}
+
 pub struct Trainer {
     cfg: TrainConfig,
     engine: Engine,
     loader: Arc<DataLoader>,
-    ddp: Ddp,
-    opt: Box<dyn Optimizer + Send>,
+    strat: Strategy,
+    pg: ProcessGroup,
     sched: LrSchedule,
     micro: usize,
     global_batch: usize,
+    memory: Option<Vec<MemoryReport>>,
+}
+
+/// One rank's memory at the end of the first step.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct MemoryReport {
+    pub rank: usize,
+    pub params: usize,
+    pub grads: usize,
+    pub optimizer: usize,
+    pub activations_peak: usize,
+    pub working_peak: usize,
+    /// Peak resident set of the process (VmHWM), 0 where unknown.
+    pub peak_rss: usize,
+}
+
+impl MemoryReport {
+    pub fn model_states(&self) -> usize {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+fn peak_rss() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<usize>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 impl Trainer {
     /// Set up data-parallel training over `pg` (every rank of `pg` is a
-    /// data-parallel replica). Rank 0's initial parameters are broadcast.
+    /// data-parallel replica), sharded as the config says (DDP, ZeRO-1/2/3,
+    /// FSDP). Rank 0's initial parameters are broadcast.
     pub fn new(
         cfg: &TrainConfig,
         mut engine: Engine,
@@ -90,36 +135,35 @@ impl Trainer {
                 cfg.train.grad_accum_steps
             )));
         }
-        let ddp_cfg = DdpConfig {
-            bucket_bytes: (cfg.parallel.bucket_mb * (1 << 20) as f64) as usize,
-            check_every: cfg.parallel.check_params_every,
+        let bucket_bytes = (cfg.parallel.bucket_mb * (1 << 20) as f64) as usize;
+        let sharding = cfg.sharding()?;
+        let offload = cfg.offload_dir();
+        let tag = format!("rank{}", pg.global_rank());
+        let make_opt =
+            |e: &Engine, range: std::ops::Range<usize>| -> Result<Box<dyn Optimizer + Send>> {
+                let off = offload.as_deref().map(|d| (d, tag.as_str()));
+                crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
+                    .map_err(|e| Error::Io(format!("optimizer offload: {e}")))
+            };
+        let strat = if sharding.stage == 0 {
+            let ddp_cfg = DdpConfig {
+                bucket_bytes,
+                check_every: cfg.parallel.check_params_every,
+            };
+            let ddp = Ddp::new(&mut engine, pg.clone(), ddp_cfg)?;
+            let opt = make_opt(&engine, 0..engine.num_params())?;
+            Strategy::Ddp { ddp, opt }
+        } else {
+            let zcfg = ZeroConfig {
+                stage: sharding.stage,
+                bucket_bytes,
+                forward_prefetch: cfg.parallel.forward_prefetch,
+                backward_prefetch: cfg.parallel.backward_prefetch,
+                shard_group_size: sharding.hybrid_group,
+            };
+            Strategy::Zero(Zero::new(&mut engine, pg.clone(), zcfg, make_opt)?)
         };
-        let ddp = Ddp::new(&mut engine, pg, ddp_cfg)?;
         let o = &cfg.optim;
-        let all = 0..engine.num_params();
-        let opt: Box<dyn Optimizer + Send> = match o.name.as_str() {
-            "adamw" => Box::new(AdamW::new(
-                AdamWConfig {
-                    beta1: o.betas[0] as f32,
-                    beta2: o.betas[1] as f32,
-                    eps: o.eps as f32,
-                    weight_decay: o.weight_decay as f32,
-                },
-                engine.layout(),
-                all,
-                engine.ledger(),
-            )),
-            _ => Box::new(Sgd::new(
-                SgdConfig {
-                    momentum: o.momentum as f32,
-                    nesterov: false,
-                    weight_decay: o.weight_decay as f32,
-                },
-                engine.layout(),
-                all,
-                engine.ledger(),
-            )),
-        };
         let sched = match o.schedule.as_str() {
             "constant" => LrSchedule::Constant { lr: o.lr as f32 },
             _ => LrSchedule::WarmupCosine {
@@ -133,11 +177,12 @@ impl Trainer {
             cfg: cfg.clone(),
             engine,
             loader,
-            ddp,
-            opt,
+            strat,
+            pg,
             sched,
             micro,
             global_batch,
+            memory: None,
         })
     }
 
@@ -147,64 +192,90 @@ impl Trainer {
     pub fn engine_mut(&mut self) -> &mut Engine {
         &mut self.engine
     }
+    /// The data-parallel group.
     pub fn group(&self) -> &ProcessGroup {
-        self.ddp.group()
-    }
-    pub fn ddp(&self) -> &Ddp {
-        &self.ddp
+        &self.pg
     }
     pub fn global_batch(&self) -> usize {
         self.global_batch
     }
+    /// Per-rank memory after the first step (on every rank), once run.
+    pub fn memory_report(&self) -> Option<&[MemoryReport]> {
+        self.memory.as_deref()
+    }
+
+    /// The full flat parameters on every rank (ZeRO-3 gathers them: every
+    /// rank must call this).
+    pub fn full_params(&self) -> Result<Vec<f32>> {
+        match &self.strat {
+            Strategy::Ddp { .. } => Ok(self.engine.params_flat().to_vec()),
+            Strategy::Zero(z) => z.full_params(&self.engine),
+        }
+    }
+
+    /// Make the engine hold full parameters again (after ZeRO-3), e.g. to
+    /// save them. Collective.
+    pub fn materialize_params(&mut self) -> Result<()> {
+        if self.engine.params_flat().is_empty() {
+            let full = self.full_params()?;
+            self.engine.restore_params(full);
+        }
+        Ok(())
+    }
 
     /// One optimizer step: `grad_accum` micro-batches of this rank's slice,
-    /// gradient all-reduce on the last, clip, update.
+    /// gradient reduction, clip, update.
     pub fn step(&mut self, step: usize) -> Result<StepStats> {
         let t0 = Instant::now();
         let accum = self.cfg.train.grad_accum_steps;
-        let (dp_rank, dp) = (self.ddp.group().rank(), self.ddp.group().size());
+        let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
         let device = self.engine.device().clone();
-        self.engine.zero_grad();
+        match &mut self.strat {
+            Strategy::Ddp { .. } => self.engine.zero_grad(),
+            Strategy::Zero(z) => z.zero_grad(&mut self.engine),
+        }
         let mut loss_sum = 0.0f64;
         for a in 0..accum {
             let batch = self
                 .loader
                 .micro_batch(step as u64, dp_rank, dp, a, self.micro, accum)?;
             let (x, y) = batch.to_tensors(&device)?;
-            let loss = self.ddp.forward_backward(
-                &mut self.engine,
-                &x,
-                &y,
-                1.0 / accum as f32,
-                a + 1 == accum,
-            )?;
+            let (scale, last) = (1.0 / accum as f32, a + 1 == accum);
+            let loss = match &mut self.strat {
+                Strategy::Ddp { ddp, .. } => {
+                    ddp.forward_backward(&mut self.engine, &x, &y, scale, last)?
+                }
+                Strategy::Zero(z) => z.forward_backward(&mut self.engine, &x, &y, scale, last)?,
+            };
             if !loss.is_finite() {
                 return Err(Error::Check(format!(
                     "loss is {loss} at step {step} (rank {}); lower optim.lr or enable optim.grad_clip",
-                    self.ddp.group().global_rank()
+                    self.pg.global_rank()
                 )));
             }
             loss_sum += loss as f64;
         }
         // The step's loss: mean over micro-steps here, then over ranks.
         let mut l = [loss_sum / accum as f64];
-        self.ddp.group().all_reduce(&mut l, ReduceOp::Avg)?;
-        // Gradients are identical on every rank after the all-reduce, so the
-        // norm is too: no extra communication.
-        let (norm, scale) = {
-            let g = self.engine.grads_flat();
-            let (n, s) = clip::clip_scale(clip::sum_squares(g), self.cfg.optim.grad_clip as f32);
-            if self.cfg.optim.grad_clip > 0.0 {
-                (n, s)
-            } else {
-                (n, 1.0)
-            }
-        };
+        self.pg.all_reduce(&mut l, ReduceOp::Avg)?;
         let lr = self.sched.lr(step);
-        let (p, g) = self.engine.params_and_grads_mut();
-        self.opt.step(p, g, lr, scale);
-        self.ddp.maybe_check(&self.engine, step + 1)?;
+        let clip_to = self.cfg.optim.grad_clip as f32;
+        let norm = match &mut self.strat {
+            Strategy::Ddp { ddp, opt } => {
+                // Gradients are identical on every rank after the all-reduce,
+                // so the norm is too: no extra communication.
+                let (n, s) = clip::clip_scale(clip::sum_squares(self.engine.grads_flat()), clip_to);
+                let (p, g) = self.engine.params_and_grads_mut();
+                opt.step(p, g, lr, if clip_to > 0.0 { s } else { 1.0 });
+                ddp.maybe_check(&self.engine, step + 1)?;
+                n
+            }
+            Strategy::Zero(z) => z.step(&mut self.engine, lr, clip_to)?,
+        };
         let secs = t0.elapsed().as_secs_f64();
+        if step == 0 {
+            self.memory = Some(self.gather_memory()?);
+        }
         let tokens = (self.global_batch * self.cfg.model.block_size) as f64;
         Ok(StepStats {
             step,
@@ -214,6 +285,34 @@ impl Trainer {
             step_ms: secs * 1e3,
             tokens_per_s: tokens / secs,
         })
+    }
+
+    /// Every rank's ledger and peak RSS, gathered on every rank.
+    fn gather_memory(&self) -> Result<Vec<MemoryReport>> {
+        let l = self.engine.ledger();
+        let mine = [
+            self.pg.global_rank() as i64,
+            l.current(Mem::Params) as i64,
+            l.current(Mem::Grads) as i64,
+            l.current(Mem::OptState) as i64,
+            l.peak(Mem::Activations) as i64,
+            l.peak(Mem::Working) as i64,
+            peak_rss() as i64,
+        ];
+        let mut all = vec![0i64; 7 * self.pg.size()];
+        self.pg.all_gather(&mine, &mut all)?;
+        Ok(all
+            .chunks(7)
+            .map(|c| MemoryReport {
+                rank: c[0] as usize,
+                params: c[1] as usize,
+                grads: c[2] as usize,
+                optimizer: c[3] as usize,
+                activations_peak: c[4] as usize,
+                working_peak: c[5] as usize,
+                peak_rss: c[6] as usize,
+            })
+            .collect())
     }
 
     /// Mean validation loss over up to `train.eval_batches` batches of
@@ -227,14 +326,24 @@ impl Trainer {
         if n == 0 {
             return Ok(None);
         }
-        let pg = self.ddp.group();
+        let pg = &self.pg;
         let mut acc = [0.0f64, 0.0];
-        for i in (pg.rank()..n).step_by(pg.size()) {
+        // ZeRO-3 gathers collectively: every rank runs every batch there.
+        let stride = if matches!(&self.strat, Strategy::Zero(z) if z.stage() == 3) {
+            1
+        } else {
+            pg.size()
+        };
+        let first = if stride == 1 { 0 } else { pg.rank() };
+        for i in (first..n).step_by(stride) {
             let (x, y) = self
                 .loader
                 .val_batch(i, bs)?
                 .to_tensors(self.engine.device())?;
-            acc[0] += self.engine.eval_loss(&x, &y)? as f64;
+            acc[0] += match &self.strat {
+                Strategy::Ddp { .. } => self.engine.eval_loss(&x, &y)?,
+                Strategy::Zero(z) => z.eval_loss(&self.engine, &x, &y)?,
+            } as f64;
             acc[1] += 1.0;
         }
         pg.all_reduce(&mut acc, ReduceOp::Sum)?;
@@ -244,14 +353,14 @@ impl Trainer {
     /// Train for `train.steps` steps, logging on global rank 0.
     pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
         let steps = self.cfg.train.steps;
-        let lead = self.ddp.group().global_rank() == 0;
+        let lead = self.pg.global_rank() == 0;
         let mut log = StepLog::new(opts, lead, steps)?;
         if lead && opts.progress {
             println!(
                 "training {} parameters on {} data-parallel rank(s): global batch {} x {} tokens \
                  (micro-batch {} x grad_accum {}), {} steps",
                 self.engine.num_params(),
-                self.ddp.group().size(),
+                self.pg.size(),
                 self.global_batch,
                 self.cfg.model.block_size,
                 self.micro,
@@ -273,7 +382,11 @@ impl Trainer {
             if let Some(v) = val {
                 report.val_losses.push((k, v));
             }
-            log.step(&s, val)?;
+            let mem = if k == 0 { self.memory.as_deref() } else { None };
+            if let (Some(m), true, true) = (mem, lead, opts.progress) {
+                print_memory(m);
+            }
+            log.step(&s, val, mem)?;
         }
         report.tokens_per_s = if tok_s.is_empty() {
             0.0
@@ -282,5 +395,27 @@ impl Trainer {
         };
         log.finish(&report)?;
         Ok(report)
+    }
+}
+
+fn mib(b: usize) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+/// The per-rank memory table printed after the first step.
+pub fn print_memory(m: &[MemoryReport]) {
+    println!("memory after step 1 (MiB)   params     grads optimizer  model states  activations(peak)  unsharded(peak)  peak RSS");
+    for r in m {
+        println!(
+            "  rank {:<20} {:>9.2} {:>9.2} {:>9.2} {:>13.2} {:>18.2} {:>16.2} {:>9.1}",
+            r.rank,
+            mib(r.params),
+            mib(r.grads),
+            mib(r.optimizer),
+            mib(r.model_states()),
+            mib(r.activations_peak),
+            mib(r.working_peak),
+            mib(r.peak_rss)
+        );
     }
 }

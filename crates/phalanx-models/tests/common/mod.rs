@@ -1,0 +1,97 @@
+//! Shared by the equivalence tests: a small GPT-2, a slice of the corpus,
+//! and a runner that trains on N ranks (threads) and returns what each rank
+//! ended with.
+
+#![allow(dead_code)]
+
+use phalanx::config::TrainConfig;
+use phalanx::data::{DataLoader, LoaderConfig, TokenData};
+use phalanx::trainer::MemoryReport;
+use phalanx_models::gpt2::train::{self, GptRun};
+use std::sync::Arc;
+
+/// Global batch of every equivalence run.
+pub const G: usize = 24;
+pub const STEPS: usize = 6;
+
+pub fn corpus() -> Vec<u32> {
+    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/corpus.txt");
+    let bytes = std::fs::read(p).unwrap();
+    bytes[..60_000].iter().map(|&b| b as u32).collect()
+}
+
+/// A 2-layer GPT-2 (35 wide, 5 heads, context 15: 39,865 parameters, a
+/// count no world size of 2-4 divides) at global batch G; `extra` are
+/// further `section.key=value` overrides.
+pub fn config(world: usize, accum: usize, extra: &[String]) -> TrainConfig {
+    let mut sets: Vec<String> = vec![
+        "model.n_layer=2".into(),
+        "model.n_head=5".into(),
+        "model.n_embd=35".into(),
+        "model.block_size=15".into(),
+        format!("train.steps={STEPS}"),
+        format!("train.micro_batch_size={}", G / world / accum),
+        format!("train.grad_accum_steps={accum}"),
+        "train.eval_interval=0".into(),
+        "optim.lr=0.01".into(),
+        "optim.warmup_steps=2".into(),
+        "log.plot=\"\"".into(),
+    ];
+    sets.extend_from_slice(extra);
+    TrainConfig::build(None, &sets).unwrap()
+}
+
+pub struct RankResult {
+    pub losses: Vec<f32>,
+    /// The full flat parameters at the end (gathered under ZeRO-3).
+    pub params: Vec<f32>,
+    pub memory: Vec<MemoryReport>,
+}
+
+/// Train `cfg` on `world` ranks as threads.
+pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
+    let lc = LoaderConfig {
+        seq_len: 15,
+        val_fraction: 0.0,
+        shuffle: true,
+        seed: 7,
+        vocab_size: Some(256),
+    };
+    let loader = Arc::new(DataLoader::new(TokenData::from_tokens(corpus()), lc).unwrap());
+    phalanx_comm::threads::run(world, move |pg| {
+        let (report, trainer) = train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        RankResult {
+            losses: report.losses,
+            params: trainer.full_params().unwrap(),
+            memory: trainer.memory_report().unwrap().to_vec(),
+        }
+    })
+}
+
+/// Norm-relative difference ||a - b|| / ||b||.
+pub fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n).sqrt()
+}
+
+/// Every rank of `out` matches the 1-rank `base`: losses within 1e-5
+/// relative, parameters within 1e-5 norm-relative.
+pub fn assert_matches(what: &str, out: &[RankResult], base: &RankResult) {
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!(o.losses.len(), STEPS, "{what}");
+        for (k, (a, b)) in o.losses.iter().zip(&base.losses).enumerate() {
+            assert!(
+                ((a - b) / b).abs() < 1e-5,
+                "{what}: rank {r} step {k} loss {a} vs {b}"
+            );
+        }
+        let e = rel(&o.params, &base.params);
+        assert!(e < 1e-5, "{what}: rank {r} parameters differ by {e:e}");
+    }
+    assert!(
+        base.losses[STEPS - 1] < base.losses[0],
+        "training should lower the loss"
+    );
+}

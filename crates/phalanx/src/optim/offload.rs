@@ -1,0 +1,181 @@
+//! Optimizer state offloaded to disk (DeepSpeed's `offload_optimizer.device
+//! = nvme`): AdamW's moments live in two files and the update streams
+//! through them chunk by chunk, so the memory held for optimizer state is
+//! one chunk, whatever the model size.
+//!
+//! Explicit positioned reads and writes are used rather than a memory map:
+//! mapped pages stay resident (and count in RSS) until the kernel decides to
+//! evict them, while a bounded buffer is bounded. The update itself is the
+//! in-memory AdamW's, so the results are identical.
+//!
+//! ```
+//! use phalanx::engine::{Layout, ParamDecl};
+//! use phalanx::ledger::{Ledger, Mem};
+//! use phalanx::optim::{AdamWConfig, DiskAdamW, Optimizer};
+//! let layout = Layout::new(vec![vec![ParamDecl::new("w", &[100, 10])]]).unwrap();
+//! let dir = std::env::temp_dir().join(format!("phalanx-doc-offload-{}", std::process::id()));
+//! let ledger = Ledger::new();
+//! let mut opt = DiskAdamW::new(AdamWConfig::default(), &layout, 0..1000, &ledger, &dir, "r0", 128).unwrap();
+//! let (mut p, g) = (vec![1.0f32; 1000], vec![0.5f32; 1000]);
+//! opt.step(&mut p, &g, 1e-2, 1.0);
+//! assert!(p.iter().all(|&x| x < 1.0));
+//! assert!(ledger.peak(Mem::OptState) <= 2 * 128 * 4); // one chunk of m and v
+//! ```
+
+use super::{AdamW, AdamWConfig, Optimizer};
+use crate::engine::Layout;
+use crate::ledger::Ledger;
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+pub struct DiskAdamW {
+    cfg: AdamWConfig,
+    layout: Layout,
+    range: Range<usize>,
+    ledger: Ledger,
+    m: File,
+    v: File,
+    paths: [PathBuf; 2],
+    chunk: usize,
+    t: u64,
+}
+
+impl DiskAdamW {
+    /// State for `range` in `dir/{tag}.adam_m.bin` and `.adam_v.bin`,
+    /// streamed `chunk` elements at a time.
+    pub fn new(
+        cfg: AdamWConfig,
+        layout: &Layout,
+        range: Range<usize>,
+        ledger: &Ledger,
+        dir: &Path,
+        tag: &str,
+        chunk: usize,
+    ) -> std::io::Result<DiskAdamW> {
+        std::fs::create_dir_all(dir)?;
+        let bytes = range.len() as u64 * 4;
+        let open = |name: &str| -> std::io::Result<(File, PathBuf)> {
+            let p = dir.join(format!("{tag}.{name}.bin"));
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&p)?;
+            f.set_len(bytes)?; // sparse zeros: the initial moments
+            Ok((f, p))
+        };
+        let (m, pm) = open("adam_m")?;
+        let (v, pv) = open("adam_v")?;
+        Ok(DiskAdamW {
+            cfg,
+            layout: layout.clone(),
+            range,
+            ledger: ledger.clone(),
+            m,
+            v,
+            paths: [pm, pv],
+            chunk: chunk.max(1),
+            t: 0,
+        })
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.t
+    }
+}
+
+fn read(f: &File, at: usize, out: &mut [f32]) {
+    f.read_exact_at(bytemuck::cast_slice_mut(out), at as u64 * 4)
+        .expect("reading offloaded optimizer state");
+}
+
+fn write(f: &File, at: usize, data: &[f32]) {
+    f.write_all_at(bytemuck::cast_slice(data), at as u64 * 4)
+        .expect("writing offloaded optimizer state");
+}
+
+impl Optimizer for DiskAdamW {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
+        super::check_lens("DiskAdamW", &self.range, params.len(), grads.len());
+        let start = self.range.start;
+        let mut m = vec![0f32; 0];
+        let mut v = vec![0f32; 0];
+        for lo in (0..self.range.len()).step_by(self.chunk) {
+            let hi = (lo + self.chunk).min(self.range.len());
+            m.resize(hi - lo, 0.0);
+            v.resize(hi - lo, 0.0);
+            read(&self.m, lo, &mut m);
+            read(&self.v, lo, &mut v);
+            // The in-memory AdamW on this chunk (its state charged while it lives).
+            let mut a = AdamW::new(self.cfg, &self.layout, start + lo..start + hi, &self.ledger);
+            a.set_state(&m, &v, self.t);
+            a.step(&mut params[lo..hi], &grads[lo..hi], lr, grad_scale);
+            let (m2, v2) = a.state();
+            write(&self.m, lo, m2);
+            write(&self.v, lo, v2);
+        }
+        self.t += 1;
+    }
+
+    fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    fn state_bytes(&self) -> usize {
+        0
+    }
+}
+
+impl Drop for DiskAdamW {
+    fn drop(&mut self) {
+        for p in &self.paths {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// The optimizer a training config asks for, over `range` of the flat buffer.
+pub fn from_config(
+    o: &crate::config::OptimConfig,
+    layout: &Layout,
+    range: Range<usize>,
+    ledger: &Ledger,
+    offload: Option<(&Path, &str)>,
+) -> std::io::Result<Box<dyn Optimizer + Send>> {
+    let adam = AdamWConfig {
+        beta1: o.betas[0] as f32,
+        beta2: o.betas[1] as f32,
+        eps: o.eps as f32,
+        weight_decay: o.weight_decay as f32,
+    };
+    Ok(match (o.name.as_str(), offload) {
+        ("adamw", None) => Box::new(AdamW::new(adam, layout, range, ledger)),
+        ("adamw", Some((dir, tag))) => Box::new(DiskAdamW::new(
+            adam,
+            layout,
+            range,
+            ledger,
+            dir,
+            tag,
+            1 << 20,
+        )?),
+        (_, Some(_)) => {
+            return Err(std::io::Error::other(
+                "optimizer offload is built for adamw only",
+            ));
+        }
+        _ => Box::new(super::Sgd::new(
+            super::SgdConfig {
+                momentum: o.momentum as f32,
+                nesterov: false,
+                weight_decay: o.weight_decay as f32,
+            },
+            layout,
+            range,
+            ledger,
+        )),
+    })
+}

@@ -1,0 +1,554 @@
+//! ZeRO-1/2/3 (and FSDP's names for them): data parallel with the model
+//! states sharded across the data-parallel ranks.
+//!
+//! | stage | FSDP | parameters | gradients | optimizer state |
+//! |---|---|---|---|---|
+//! | 1 | — | full | full, all-reduced | shard |
+//! | 2 | SHARD_GRAD_OP | full | shard, reduce-scattered in backward | shard |
+//! | 3 | FULL_SHARD | shard, gathered per block | shard | shard |
+//! | 3 + replicas | HYBRID_SHARD | as 3 inside a shard group, gradients all-reduced across groups | | |
+//!
+//! Every stage uses one geometry (`Shards`): rank r owns a contiguous range
+//! of the flat parameter buffer, and its optimizer updates only that range.
+//! Stage 1 all-reduces full gradients (DDP's buckets) and all-gathers the
+//! updated parameters. Stage 2 reduce-scatters each gradient bucket as soon
+//! as backward completes it, into the rank's gradient shard (every
+//! micro-step: full gradients never outlive a bucket). Stage 3 runs the
+//! model block by block: a block's parameters (and those it ties to) are
+//! all-gathered just before its forward and again before its backward,
+//! recomputing its forward (FSDP with activation checkpointing), then freed;
+//! the next `prefetch` blocks' gathers are already in flight. Gradients are
+//! reduce-scattered per block.
+//!
+//! Gradient clipping uses the global norm: each rank's shard sum of squares
+//! is all-reduced.
+
+use super::shard::Shards;
+use super::{Ddp, DdpConfig};
+use crate::engine::{Engine, GradSink, ParamInfo, ParamSource, Stash};
+use crate::error::{Error, Result};
+use crate::ledger::{Charge, Mem};
+use crate::optim::{clip, Optimizer};
+use candle_core::Tensor;
+use phalanx_comm::{ProcessGroup, ReduceOp, Work};
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ZeroConfig {
+    /// 1, 2 or 3.
+    pub stage: u8,
+    /// Gradient bucket size (stages 1 and 2).
+    pub bucket_bytes: usize,
+    /// Blocks whose parameters are gathered ahead, in forward and backward (stage 3).
+    pub forward_prefetch: usize,
+    pub backward_prefetch: usize,
+    /// HYBRID_SHARD: shard inside groups of this many consecutive ranks and
+    /// replicate across groups (0: shard across all ranks).
+    pub shard_group_size: usize,
+}
+
+/// A unit of gradient reduction: a contiguous range of the flat buffer that
+/// is complete once block `ready_at` has run its backward.
+#[derive(Debug, Clone)]
+struct Unit {
+    range: Range<usize>,
+    ready_at: usize,
+}
+
+pub struct Zero {
+    cfg: ZeroConfig,
+    /// All data-parallel ranks (losses are averaged over these).
+    dp: ProcessGroup,
+    /// The ranks the states are sharded over.
+    shard_pg: ProcessGroup,
+    /// HYBRID_SHARD: the same shard on the other groups.
+    replica_pg: Option<ProcessGroup>,
+    shards: Shards,
+    units: Vec<Unit>,
+    unit_of_block: Vec<usize>,
+    /// Stage 3: this rank's parameter shard.
+    param_shard: Vec<f32>,
+    /// Stages 2-3: this rank's gradient shard.
+    grad_shard: Vec<f32>,
+    opt: Box<dyn Optimizer + Send>,
+    /// Stage 1: DDP's bucketed all-reduce.
+    ddp: Option<Ddp>,
+    _charges: Vec<Charge>,
+    /// Bytes sent through collectives by this rank's last step, by theory
+    /// of the algorithms (for reports).
+    pub bytes_last_step: usize,
+}
+
+impl Zero {
+    /// Shard `engine` over `dp` (every rank of `dp` calls this). `make_opt`
+    /// builds the optimizer for a range of the flat buffer.
+    pub fn new(
+        engine: &mut Engine,
+        dp: ProcessGroup,
+        cfg: ZeroConfig,
+        make_opt: impl FnOnce(&Engine, Range<usize>) -> Result<Box<dyn Optimizer + Send>>,
+    ) -> Result<Zero> {
+        if !(1..=3).contains(&cfg.stage) {
+            return Err(Error::Check(format!(
+                "ZeRO stage {} is not 1, 2 or 3",
+                cfg.stage
+            )));
+        }
+        let n = dp.size();
+        let g = if cfg.shard_group_size == 0 {
+            n
+        } else {
+            cfg.shard_group_size
+        };
+        if n % g != 0 {
+            return Err(Error::Check(format!(
+                "HYBRID_SHARD: {n} data-parallel ranks do not split into shard groups of {g}"
+            )));
+        }
+        if g != n && cfg.stage != 3 {
+            return Err(Error::Check(
+                "hybrid sharding is built for full sharding (stage 3) only".into(),
+            ));
+        }
+        // Shard groups are consecutive ranks (a node); replica groups take the
+        // same position in every shard group. Every rank creates every group.
+        let (r, groups) = (dp.rank(), n / g);
+        let mut shard_pg = None;
+        let mut replica_pg = None;
+        for k in 0..groups {
+            if let Some(pg) = dp.new_group(&(k * g..(k + 1) * g).collect::<Vec<_>>())? {
+                shard_pg = Some(pg);
+            }
+        }
+        if groups > 1 {
+            for j in 0..g {
+                if let Some(pg) =
+                    dp.new_group(&(0..groups).map(|k| k * g + j).collect::<Vec<_>>())?
+                {
+                    replica_pg = Some(pg);
+                }
+            }
+        }
+        let shard_pg = if groups == 1 {
+            dp.clone()
+        } else {
+            shard_pg.expect("own shard group")
+        };
+        let _ = r;
+
+        // Identical initial parameters everywhere, then shard.
+        dp.broadcast(engine.params_flat_mut(), 0)?;
+        let layout = engine.layout().clone();
+        let shards = Shards::new(layout.num_params(), shard_pg.size(), shard_pg.rank());
+        let mine = shards.mine();
+        let ranges: Vec<Range<usize>> = layout.blocks().iter().map(|b| b.range.clone()).collect();
+        let units: Vec<Unit> = if cfg.stage == 3 {
+            ranges
+                .iter()
+                .enumerate()
+                .rev()
+                .map(|(b, r)| Unit {
+                    range: r.clone(),
+                    ready_at: b,
+                })
+                .collect()
+        } else {
+            super::ddp::plan_buckets(&ranges, cfg.bucket_bytes.max(4))
+                .into_iter()
+                .map(|b| Unit {
+                    range: b.range,
+                    ready_at: b.ready_at,
+                })
+                .collect()
+        };
+        let mut unit_of_block = vec![0; ranges.len()];
+        for (u, unit) in units.iter().enumerate() {
+            for (b, r) in ranges.iter().enumerate() {
+                if r.start >= unit.range.start && r.end <= unit.range.end {
+                    unit_of_block[b] = u;
+                }
+            }
+        }
+        let ledger = engine.ledger().clone();
+        let mut charges = Vec::new();
+        let mut param_shard = Vec::new();
+        let mut grad_shard = Vec::new();
+        let mut ddp = None;
+        if cfg.stage >= 2 {
+            grad_shard = vec![0f32; mine.len()];
+            charges.push(ledger.charge(Mem::Grads, mine.len() * 4));
+            engine.release_grads();
+        }
+        if cfg.stage == 3 {
+            param_shard = engine.params_flat()[mine.clone()].to_vec();
+            charges.push(ledger.charge(Mem::Params, mine.len() * 4));
+            engine.release_params();
+            engine
+                .stack_mut()
+                .set_activations(crate::engine::Activations::Recompute);
+        }
+        if cfg.stage == 1 {
+            let dcfg = DdpConfig {
+                bucket_bytes: cfg.bucket_bytes,
+                check_every: 0,
+            };
+            ddp = Some(Ddp::new(engine, dp.clone(), dcfg)?);
+        }
+        let opt = make_opt(engine, mine)?;
+        Ok(Zero {
+            cfg,
+            dp,
+            shard_pg,
+            replica_pg,
+            shards,
+            units,
+            unit_of_block,
+            param_shard,
+            grad_shard,
+            opt,
+            ddp,
+            _charges: charges,
+            bytes_last_step: 0,
+        })
+    }
+
+    pub fn stage(&self) -> u8 {
+        self.cfg.stage
+    }
+
+    pub fn shards(&self) -> &Shards {
+        &self.shards
+    }
+
+    /// Zero the gradients before the first micro-step of a step.
+    pub fn zero_grad(&mut self, engine: &mut Engine) {
+        engine.zero_grad();
+        self.grad_shard.fill(0.0);
+        self.bytes_last_step = 0;
+    }
+
+    /// Forward and backward of one micro-batch; `last` marks the final
+    /// micro-step of the step (stage 1 communicates only then).
+    pub fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        x: &Tensor,
+        y: &Tensor,
+        scale: f32,
+        last: bool,
+    ) -> Result<f32> {
+        match self.cfg.stage {
+            1 => {
+                let ddp = self.ddp.as_ref().unwrap();
+                if last {
+                    self.bytes_last_step += 2 * engine.num_params() * 4;
+                }
+                ddp.forward_backward(engine, x, y, scale, last)
+            }
+            2 => self.backward_sharded(engine, x, y, scale, false),
+            _ => self.backward_sharded(engine, x, y, scale, true),
+        }
+    }
+
+    /// Stages 2 and 3: gradients go to per-unit staging buffers and each
+    /// unit is reduce-scattered into the shard as soon as it is complete.
+    fn backward_sharded(
+        &mut self,
+        engine: &mut Engine,
+        x: &Tensor,
+        y: &Tensor,
+        scale: f32,
+        gather: bool,
+    ) -> Result<f32> {
+        let nb = engine.num_blocks();
+        let gy = Tensor::new(scale, engine.device())?;
+        let mut sink = Staging {
+            units: &self.units,
+            unit_of_block: &self.unit_of_block,
+            bufs: HashMap::new(),
+            ledger: engine.ledger().clone(),
+        };
+        let mut inflight: Vec<(usize, Work<Vec<f32>>)> = Vec::new();
+        let (units, shards, pg) = (&self.units, &self.shards, &self.shard_pg);
+        let mut next = 0;
+        let mut hook = |b: usize, s: &mut Staging| -> candle_core::Result<()> {
+            while next < units.len() && units[next].ready_at >= b {
+                let (buf, _charge) = s
+                    .bufs
+                    .remove(&next)
+                    .unwrap_or_else(|| (vec![0f32; units[next].range.len()], None));
+                let counts = shards.counts(&units[next].range);
+                inflight.push((next, pg.reduce_scatter_async(buf, counts, ReduceOp::Avg)));
+                next += 1;
+            }
+            Ok(())
+        };
+        let loss = if !gather {
+            let (loss, stash) = engine
+                .stack()
+                .forward(0..nb, x, Some(y), engine.param_source())?;
+            engine
+                .stack()
+                .backward(stash, &gy, engine.param_source(), &mut sink, &mut hook)?;
+            loss.to_scalar::<f32>()?
+        } else {
+            let mut g = Gatherer::new(self, engine, self.cfg.forward_prefetch, (0..nb).collect());
+            let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
+            let mut h = x.clone();
+            for b in 0..nb {
+                let src = g.take(b)?;
+                let targets = (b + 1 == nb).then_some(y);
+                let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
+                h = out;
+                stashes.push(stash);
+            }
+            let loss = h.to_scalar::<f32>()?;
+            let mut g = Gatherer::new(
+                self,
+                engine,
+                self.cfg.backward_prefetch,
+                (0..nb).rev().collect(),
+            );
+            let mut gy = gy;
+            for b in (0..nb).rev() {
+                let src = g.take(b)?;
+                let stash = stashes.pop().unwrap();
+                if let Some(dx) = engine
+                    .stack()
+                    .backward(stash, &gy, &src, &mut sink, &mut hook)?
+                {
+                    gy = dx;
+                }
+            }
+            loss
+        };
+        drop(hook);
+        if next != self.units.len() {
+            return Err(Error::Check(format!(
+                "ZeRO: {next} of {} gradient units reduced",
+                self.units.len()
+            )));
+        }
+        for (u, w) in inflight {
+            let mut piece = w.wait()?;
+            if let Some(rp) = &self.replica_pg {
+                rp.all_reduce(&mut piece, ReduceOp::Avg)?;
+            }
+            let local = self.shards.local(&self.units[u].range);
+            for (d, s) in self.grad_shard[local].iter_mut().zip(&piece) {
+                *d += s;
+            }
+        }
+        let n = engine.num_params() * 4;
+        self.bytes_last_step += n * (self.shard_pg.size() - 1) / self.shard_pg.size().max(1)
+            * if gather { 3 } else { 1 };
+        Ok(loss)
+    }
+
+    /// Clip by the global norm and update this rank's shard, then make the
+    /// parameters whole again where the stage keeps them whole. Returns the
+    /// pre-clip norm.
+    pub fn step(&mut self, engine: &mut Engine, lr: f32, max_norm: f32) -> Result<f32> {
+        let mine = self.shards.mine();
+        let grads: &[f32] = if self.cfg.stage == 1 {
+            &engine.grads_flat()[mine.clone()]
+        } else {
+            &self.grad_shard
+        };
+        let mut ss = [clip::sum_squares(grads)];
+        self.shard_pg.all_reduce(&mut ss, ReduceOp::Sum)?;
+        let (norm, scale) = clip::clip_scale(ss[0], max_norm);
+        let scale = if max_norm > 0.0 { scale } else { 1.0 };
+        match self.cfg.stage {
+            1 => {
+                let (p, g) = engine.params_and_grads_mut();
+                self.opt
+                    .step(&mut p[mine.clone()], &g[mine.clone()], lr, scale);
+                self.gather_params(engine)?;
+            }
+            2 => {
+                self.opt.step(
+                    &mut engine.params_flat_mut()[mine.clone()],
+                    &self.grad_shard,
+                    lr,
+                    scale,
+                );
+                self.gather_params(engine)?;
+            }
+            _ => self
+                .opt
+                .step(&mut self.param_shard, &self.grad_shard, lr, scale),
+        }
+        Ok(norm)
+    }
+
+    /// All-gather the updated shards into the engine's full parameters.
+    fn gather_params(&mut self, engine: &mut Engine) -> Result<()> {
+        let all = 0..engine.num_params();
+        let mine = self.shards.mine();
+        let piece = engine.params_flat()[mine].to_vec();
+        self.shard_pg
+            .all_gather_v(&piece, &self.shards.counts(&all), engine.params_flat_mut())?;
+        self.bytes_last_step +=
+            engine.num_params() * 4 * (self.shard_pg.size() - 1) / self.shard_pg.size();
+        Ok(())
+    }
+
+    /// The full flat parameters (stage 3 gathers them; others copy).
+    pub fn full_params(&self, engine: &Engine) -> Result<Vec<f32>> {
+        if self.cfg.stage != 3 {
+            return Ok(engine.params_flat().to_vec());
+        }
+        let all = 0..engine.num_params();
+        let mut out = vec![0f32; all.len()];
+        self.shard_pg
+            .all_gather_v(&self.param_shard, &self.shards.counts(&all), &mut out)?;
+        Ok(out)
+    }
+
+    /// Validation loss without autograd (stage 3 gathers block by block).
+    pub fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
+        if self.cfg.stage != 3 {
+            return Ok(engine.eval_loss(x, y)?);
+        }
+        let nb = engine.num_blocks();
+        let mut g = Gatherer::new(self, engine, self.cfg.forward_prefetch, (0..nb).collect());
+        let mut h = x.clone();
+        for b in 0..nb {
+            let src = g.take(b)?;
+            h = engine
+                .stack()
+                .forward_eval(b..b + 1, &h, (b + 1 == nb).then_some(y), &src)?;
+        }
+        Ok(h.to_scalar::<f32>()?)
+    }
+
+    /// The data-parallel group (all replicas).
+    pub fn group(&self) -> &ProcessGroup {
+        &self.dp
+    }
+}
+
+/// Gradient staging for stages 2-3: one buffer per reduction unit, created
+/// when the unit's first gradient arrives (a tied weight's unit may open
+/// early, from the head) and handed to the reduce-scatter when complete.
+struct Staging<'a> {
+    units: &'a [Unit],
+    unit_of_block: &'a [usize],
+    bufs: HashMap<usize, (Vec<f32>, Option<Charge>)>,
+    ledger: crate::ledger::Ledger,
+}
+
+impl GradSink for Staging<'_> {
+    fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> candle_core::Result<()> {
+        let u = self.unit_of_block[p.block];
+        let unit = &self.units[u];
+        let ledger = &self.ledger;
+        let (buf, _) = self.bufs.entry(u).or_insert_with(|| {
+            (
+                vec![0f32; unit.range.len()],
+                Some(ledger.charge(Mem::Grads, unit.range.len() * 4)),
+            )
+        });
+        let lo = p.offset - unit.range.start;
+        for (d, g) in buf[lo..lo + p.numel].iter_mut().zip(grad) {
+            *d += g;
+        }
+        Ok(())
+    }
+}
+
+/// Stage 3: all-gathers of block parameters, issued `ahead` blocks in
+/// advance in the order the blocks will run (each block with the blocks it
+/// ties to, e.g. GPT-2's head with the embedding).
+struct Gatherer<'a> {
+    zero: &'a Zero,
+    engine: &'a Engine,
+    /// Remaining requests: (block that needs it, block to gather).
+    todo: VecDeque<(usize, usize)>,
+    pending: VecDeque<(usize, usize, Work<Vec<f32>>)>,
+    ahead: usize,
+}
+
+impl<'a> Gatherer<'a> {
+    fn new(zero: &'a Zero, engine: &'a Engine, ahead: usize, order: Vec<usize>) -> Self {
+        let layout = engine.layout();
+        let mut todo = VecDeque::new();
+        for b in order {
+            todo.push_back((b, b));
+            // `tied` lists parameter indices; gather each owner block once.
+            let mut owners: Vec<usize> = layout
+                .block(b)
+                .tied
+                .iter()
+                .map(|&k| layout.params()[k].block)
+                .collect();
+            owners.sort_unstable();
+            owners.dedup();
+            for o in owners.into_iter().filter(|&o| o != b) {
+                todo.push_back((b, o));
+            }
+        }
+        Gatherer {
+            zero,
+            engine,
+            todo,
+            pending: VecDeque::new(),
+            ahead,
+        }
+    }
+
+    fn issue(&mut self) {
+        let (b, owner) = self.todo.pop_front().unwrap();
+        let r = self.engine.layout().block(owner).range.clone();
+        let piece = self.zero.param_shard[self.zero.shards.local(&r)].to_vec();
+        let w = self
+            .zero
+            .shard_pg
+            .all_gather_async(piece, self.zero.shards.counts(&r));
+        self.pending.push_back((b, owner, w));
+    }
+
+    /// The parameters block `b` needs, gathered (blocks after it keep
+    /// gathering in the background).
+    fn take(&mut self, b: usize) -> Result<Gathered> {
+        let blocks_ahead = |p: &VecDeque<(usize, usize, Work<Vec<f32>>)>| {
+            let mut seen: Vec<usize> = p.iter().map(|x| x.0).collect();
+            seen.dedup();
+            seen.len()
+        };
+        while !self.todo.is_empty()
+            && (self.todo.front().unwrap().0 == b || blocks_ahead(&self.pending) <= self.ahead)
+        {
+            self.issue();
+        }
+        let mut out = Gathered {
+            blocks: HashMap::new(),
+            _charge: Vec::new(),
+        };
+        while self.pending.front().is_some_and(|p| p.0 == b) {
+            let (_, owner, w) = self.pending.pop_front().unwrap();
+            let v = w.wait()?;
+            out._charge
+                .push(self.engine.ledger().charge(Mem::Working, v.len() * 4));
+            out.blocks.insert(owner, v);
+        }
+        Ok(out)
+    }
+}
+
+/// Gathered block parameters, freed when dropped.
+struct Gathered {
+    blocks: HashMap<usize, Vec<f32>>,
+    _charge: Vec<Charge>,
+}
+
+impl ParamSource for Gathered {
+    fn block_params(&self, b: usize) -> candle_core::Result<&[f32]> {
+        match self.blocks.get(&b) {
+            Some(v) => Ok(v),
+            None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
+        }
+    }
+}
