@@ -142,6 +142,12 @@ impl ProcessGroup {
     pub fn global_rank(&self) -> usize {
         self.inner.t.rank()
     }
+    /// Payload bytes this process has sent to peers so far, over every
+    /// group sharing this group's transport (to measure a step's traffic).
+    pub fn bytes_sent(&self) -> u64 {
+        self.inner.t.bytes_sent()
+    }
+
     pub fn config(&self) -> &Config {
         &self.inner.cfg
     }

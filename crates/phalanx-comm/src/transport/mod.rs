@@ -77,6 +77,8 @@ pub struct Transport {
     pub(crate) failed_flag: AtomicBool,
     pub(crate) closing: AtomicBool,
     pool: Mutex<Vec<Vec<u64>>>,
+    /// Payload bytes handed to peers so far (every group on this transport).
+    sent: std::sync::atomic::AtomicU64,
 }
 
 impl Transport {
@@ -93,6 +95,11 @@ impl Transport {
             Some(p) => p.host.clone(),
             None => "this process".into(),
         }
+    }
+
+    /// Payload bytes this process has sent to peers so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
     }
 
     /// The error every call returns once the transport has failed.
@@ -146,6 +153,7 @@ impl Transport {
             )));
         }
         let p = self.peer(to)?;
+        self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         let h = header(K_DATA, chan, seq, data.len());
         let mut w = p.writer.lock().unwrap();
         let res = if data.len() <= 64 << 10 {
@@ -337,6 +345,7 @@ impl Transport {
             failed_flag: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             pool: Mutex::new(Vec::new()),
+            sent: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }

@@ -83,8 +83,6 @@ pub struct Ddp {
     pg: ProcessGroup,
     cfg: DdpConfig,
     buckets: Vec<Bucket>,
-    /// Bytes all-reduced per step (for reports: 4 bytes x params).
-    pub bytes_per_step: usize,
 }
 
 impl Ddp {
@@ -98,12 +96,10 @@ impl Ddp {
             .collect();
         let buckets = plan_buckets(&ranges, cfg.bucket_bytes.max(4));
         pg.broadcast(engine.params_flat_mut(), 0)?;
-        let bytes_per_step = engine.num_params() * 4;
         Ok(Ddp {
             pg,
             cfg,
             buckets,
-            bytes_per_step,
         })
     }
 

@@ -75,9 +75,6 @@ pub struct Zero {
     /// Stage 1: DDP's bucketed all-reduce.
     ddp: Option<Ddp>,
     _charges: Vec<Charge>,
-    /// Bytes sent through collectives by this rank's last step, by theory
-    /// of the algorithms (for reports).
-    pub bytes_last_step: usize,
 }
 
 impl Zero {
@@ -101,7 +98,7 @@ impl Zero {
         } else {
             cfg.shard_group_size
         };
-        if n % g != 0 {
+        if !n.is_multiple_of(g) {
             return Err(Error::Check(format!(
                 "HYBRID_SHARD: {n} data-parallel ranks do not split into shard groups of {g}"
             )));
@@ -209,7 +206,6 @@ impl Zero {
             opt,
             ddp,
             _charges: charges,
-            bytes_last_step: 0,
         })
     }
 
@@ -225,7 +221,6 @@ impl Zero {
     pub fn zero_grad(&mut self, engine: &mut Engine) {
         engine.zero_grad();
         self.grad_shard.fill(0.0);
-        self.bytes_last_step = 0;
     }
 
     /// Forward and backward of one micro-batch; `last` marks the final
@@ -241,9 +236,6 @@ impl Zero {
         match self.cfg.stage {
             1 => {
                 let ddp = self.ddp.as_ref().unwrap();
-                if last {
-                    self.bytes_last_step += 2 * engine.num_params() * 4;
-                }
                 ddp.forward_backward(engine, x, y, scale, last)
             }
             2 => self.backward_sharded(engine, x, y, scale, false),
@@ -323,7 +315,6 @@ impl Zero {
             }
             loss
         };
-        drop(hook);
         if next != self.units.len() {
             return Err(Error::Check(format!(
                 "ZeRO: {next} of {} gradient units reduced",
@@ -340,9 +331,6 @@ impl Zero {
                 *d += s;
             }
         }
-        let n = engine.num_params() * 4;
-        self.bytes_last_step += n * (self.shard_pg.size() - 1) / self.shard_pg.size().max(1)
-            * if gather { 3 } else { 1 };
         Ok(loss)
     }
 
@@ -390,8 +378,6 @@ impl Zero {
         let piece = engine.params_flat()[mine].to_vec();
         self.shard_pg
             .all_gather_v(&piece, &self.shards.counts(&all), engine.params_flat_mut())?;
-        self.bytes_last_step +=
-            engine.num_params() * 4 * (self.shard_pg.size() - 1) / self.shard_pg.size();
         Ok(())
     }
 

@@ -70,6 +70,7 @@ impl StepLog {
             let mut v = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr,
                 "tokens_per_s": s.tokens_per_s, "step_ms": s.step_ms, "grad_norm": s.grad_norm,
+                "comm_bytes": s.comm_bytes,
             });
             if let Some(val) = val {
                 v["val_loss"] = serde_json::json!(val);

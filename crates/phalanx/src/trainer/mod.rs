@@ -40,6 +40,8 @@ pub struct StepStats {
     pub grad_norm: f32,
     pub step_ms: f64,
     pub tokens_per_s: f64,
+    /// Bytes this rank sent to peers during the step (all collectives).
+    pub comm_bytes: u64,
 }
 
 /// What a run produced.
@@ -59,7 +61,7 @@ enum Strategy {
         opt: Box<dyn Optimizer + Send>,
     },
     /// ZeRO-1/2/3, FSDP.
-    Zero(Zero),
+    Zero(Box<Zero>),
 }
 
 pub struct Trainer {
@@ -161,7 +163,7 @@ impl Trainer {
                 backward_prefetch: cfg.parallel.backward_prefetch,
                 shard_group_size: sharding.hybrid_group,
             };
-            Strategy::Zero(Zero::new(&mut engine, pg.clone(), zcfg, make_opt)?)
+            Strategy::Zero(Box::new(Zero::new(&mut engine, pg.clone(), zcfg, make_opt)?))
         };
         let o = &cfg.optim;
         let sched = match o.schedule.as_str() {
@@ -227,6 +229,7 @@ impl Trainer {
     /// gradient reduction, clip, update.
     pub fn step(&mut self, step: usize) -> Result<StepStats> {
         let t0 = Instant::now();
+        let sent0 = self.pg.bytes_sent();
         let accum = self.cfg.train.grad_accum_steps;
         let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
         let device = self.engine.device().clone();
@@ -273,6 +276,7 @@ impl Trainer {
             Strategy::Zero(z) => z.step(&mut self.engine, lr, clip_to)?,
         };
         let secs = t0.elapsed().as_secs_f64();
+        let comm_bytes = self.pg.bytes_sent() - sent0;
         if step == 0 {
             self.memory = Some(self.gather_memory()?);
         }
@@ -284,6 +288,7 @@ impl Trainer {
             grad_norm: norm,
             step_ms: secs * 1e3,
             tokens_per_s: tokens / secs,
+            comm_bytes,
         })
     }
 
