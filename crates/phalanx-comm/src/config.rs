@@ -5,7 +5,7 @@
 //! | `PHALANX_TIMEOUT` | seconds any blocking call may wait | 300 |
 //! | `PHALANX_DEBUG` | `detail`: check every collective's signature across ranks first | off |
 //! | `PHALANX_ALGO` | all-reduce algorithm: `auto`, `ring`, `rd` | auto |
-//! | `PHALANX_RD_MAX_BYTES` | `auto` uses recursive doubling up to this size | 256 KiB |
+//! | `PHALANX_RD_MAX_BYTES` | `auto` uses recursive doubling / trees up to this size | 2 MiB for 2 ranks, 128 KiB for more (measured crossovers on loopback) |
 //! | `PHALANX_CHUNK_BYTES` | ring pipeline chunk | 512 KiB |
 //! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
 
@@ -34,7 +34,7 @@ impl Default for Config {
             timeout: Duration::from_secs(300),
             detail: false,
             algo: Algo::Auto,
-            rd_max_bytes: 256 << 10,
+            rd_max_bytes: 0,
             chunk_bytes: 512 << 10,
             heartbeat_timeout: Duration::from_secs(5),
         }
@@ -53,6 +53,18 @@ fn env_f64(name: &str) -> Option<f64> {
 }
 
 impl Config {
+    /// The size up to which latency-optimal algorithms (recursive doubling,
+    /// trees) beat the pipelined ring / chain for `n` ranks. Measured here:
+    /// with 2 ranks one exchange beats the ring's two steps up to ~2 MB;
+    /// with 3-4 ranks the ring wins from ~128 KB.
+    pub fn small_message_bytes(&self, n: usize) -> usize {
+        match (self.rd_max_bytes, n) {
+            (0, 2) => 2 << 20,
+            (0, _) => 128 << 10,
+            (b, _) => b,
+        }
+    }
+
     pub fn from_env() -> Config {
         let mut c = Config::default();
         if let Some(s) = env_f64("PHALANX_TIMEOUT") {

@@ -281,7 +281,7 @@ impl ProcessGroup {
             let use_rd = match cfg.algo {
                 Algo::RecursiveDoubling => true,
                 Algo::Ring => false,
-                Algo::Auto => bytes <= cfg.rd_max_bytes || buf.len() < c.n(),
+                Algo::Auto => bytes <= cfg.small_message_bytes(c.n()) || buf.len() < c.n(),
             };
             if use_rd {
                 algo::rd::all_reduce(c, buf, op)?;
@@ -425,12 +425,12 @@ impl ProcessGroup {
             root: Some(root as u64),
             ..self.sig::<T>("broadcast", buf.len())
         };
-        let rd_max = self.inner.cfg.rd_max_bytes;
+        let cfg = &self.inner.cfg;
         self.collective(sig, |c| {
             if c.n() == 1 || buf.is_empty() {
                 return Ok(());
             }
-            if std::mem::size_of_val(buf) <= rd_max {
+            if std::mem::size_of_val(buf) <= cfg.small_message_bytes(c.n()) {
                 algo::tree::broadcast_tree(c, buf, root)
             } else {
                 algo::tree::broadcast_chain(c, buf, root)
@@ -448,14 +448,14 @@ impl ProcessGroup {
             root: Some(root as u64),
             ..self.sig::<T>("reduce", buf.len())
         };
-        let rd_max = self.inner.cfg.rd_max_bytes;
+        let cfg = &self.inner.cfg;
         self.collective(sig, |c| {
             let n = c.n();
             if n == 1 || buf.is_empty() {
                 return Ok(());
             }
             let mut acc = buf.to_vec();
-            if std::mem::size_of_val(buf) <= rd_max {
+            if std::mem::size_of_val(buf) <= cfg.small_message_bytes(n) {
                 algo::tree::reduce_tree(c, &mut acc, root, op)?;
             } else {
                 // Large: ring reduce-scatter, then every block goes to root.
