@@ -4,6 +4,7 @@ pub mod data;
 pub mod engine;
 pub mod error;
 pub mod ledger;
+pub mod mesh;
 pub mod ops;
 pub mod optim;
 pub mod strategy;
