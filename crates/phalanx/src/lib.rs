@@ -8,6 +8,7 @@ pub mod mesh;
 pub mod ops;
 pub mod optim;
 pub mod strategy;
+pub mod tp;
 pub mod trainer;
 
 pub use error::{Error, Result};

@@ -37,6 +37,10 @@ use candle_core::{bail, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use phalanx::engine::{Block, BlockModule, Ctx};
 use phalanx::ops;
+use phalanx::tp::{
+    padded_vocab, vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, Tp,
+    VocabParallelEmbedding,
+};
 
 use super::config::Gpt2Config;
 
@@ -89,6 +93,7 @@ impl LayerNorm {
 
 pub struct Embedding {
     cfg: Gpt2Config,
+    tp: Option<Tp>,
 }
 
 struct EmbeddingModule {
@@ -97,9 +102,35 @@ struct EmbeddingModule {
     block_size: usize,
 }
 
+/// Tensor parallel: wte's rows split over the ranks (vocabulary padded to
+/// a multiple of tp), wpe replicated; under sequence parallelism each rank
+/// keeps its chunk of the sequence.
+struct TpEmbeddingModule {
+    wte: VocabParallelEmbedding,
+    wpe: Tensor,
+    tp: Tp,
+}
+
 impl Block for Embedding {
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
+        if let Some(tp) = &self.tp {
+            return Ok(Box::new(TpEmbeddingModule {
+                wte: VocabParallelEmbedding::new(
+                    tp,
+                    &vb,
+                    "transformer.wte.weight",
+                    c.vocab_size,
+                    c.n_embd,
+                )?,
+                wpe: vb.get_with_hints(
+                    (c.block_size, c.n_embd),
+                    "transformer.wpe.weight",
+                    normal(STD),
+                )?,
+                tp: tp.clone(),
+            }));
+        }
         Ok(Box::new(EmbeddingModule {
             wte: vb.get_with_hints(
                 (c.vocab_size, c.n_embd),
@@ -135,11 +166,49 @@ impl BlockModule for EmbeddingModule {
     }
 }
 
+impl BlockModule for TpEmbeddingModule {
+    fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        let (_b, t) = idx.dims2()?;
+        let tok = self.wte.forward(idx)?; // (B, T, C), or (B, T/tp, C) sequence-parallel
+        let pos = if self.tp.sequence_parallel {
+            let tl = self.tp.part(t, "sequence length")?;
+            self.wpe.narrow(0, self.tp.rank() * tl, tl)?
+        } else {
+            self.wpe.narrow(0, 0, t)?
+        };
+        ops::add_bias(&tok, &pos)
+    }
+}
+
 // ---------------------------------------------------------- transformer layer
 
 pub struct Layer {
     cfg: Gpt2Config,
     index: usize,
+    tp: Option<Tp>,
+}
+
+/// Tensor parallel (Megatron): heads split over the ranks (c_attn
+/// column-parallel, attn.c_proj row-parallel), the MLP's hidden units too
+/// (c_fc column-, mlp.c_proj row-parallel); LayerNorms replicated.
+struct TpLayerModule {
+    ln_1: LayerNorm,
+    c_attn: ColumnParallelLinear, // (3C/tp, C): rows [q | k | v] of this rank's heads
+    attn_proj: RowParallelLinear,
+    ln_2: LayerNorm,
+    c_fc: ColumnParallelLinear,
+    mlp_proj: RowParallelLinear,
+    n_head_local: usize,
+}
+
+impl BlockModule for TpLayerModule {
+    fn forward(&self, x: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?; // (B, T, 3C/tp)
+        let y = ops::causal_attention(&qkv, self.n_head_local)?; // (B, T, C/tp)
+        let x = (x + self.attn_proj.forward(&y)?)?;
+        let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?; // (B, T, 4C/tp)
+        &x + self.mlp_proj.forward(&ops::gelu(&h)?)?
+    }
 }
 
 struct LayerModule {
@@ -160,6 +229,30 @@ impl Block for Layer {
         // Residual projections are scaled so the residual stream's variance
         // does not grow with depth (GPT-2 paper, section 2.3).
         let proj_std = STD / (2.0 * self.cfg.n_layer as f64).sqrt();
+        if let Some(tp) = &self.tp {
+            let n_head_local = tp.part(self.cfg.n_head, "model.n_head")?;
+            let (c3, c4) = (tp.part(3 * c, "3 n_embd")?, tp.part(4 * c, "4 n_embd")?);
+            let cl = c / tp.size();
+            let lin = |name: &str, o: usize, i: usize, std: f64| -> Result<(Tensor, Tensor)> {
+                Ok((
+                    vb.get_with_hints((o, i), &format!("{name}.weight"), normal(std))?,
+                    vb.get_with_hints(o, &format!("{name}.bias"), Init::Const(0.0))?,
+                ))
+            };
+            let (aw, ab) = lin("attn.c_attn", c3, c, STD)?;
+            let (pw, pb) = lin("attn.c_proj", c, cl, proj_std)?;
+            let (fw, fb) = lin("mlp.c_fc", c4, c, STD)?;
+            let (mw, mb) = lin("mlp.c_proj", c, c4, proj_std)?;
+            return Ok(Box::new(TpLayerModule {
+                ln_1: LayerNorm::new(&vb, "ln_1", c)?,
+                c_attn: ColumnParallelLinear::from_parts(tp, aw, Some(ab)),
+                attn_proj: RowParallelLinear::from_parts(tp, pw, Some(pb)),
+                ln_2: LayerNorm::new(&vb, "ln_2", c)?,
+                c_fc: ColumnParallelLinear::from_parts(tp, fw, Some(fb)),
+                mlp_proj: RowParallelLinear::from_parts(tp, mw, Some(mb)),
+                n_head_local,
+            }));
+        }
         Ok(Box::new(LayerModule {
             ln_1: LayerNorm::new(&vb, "ln_1", c)?,
             c_attn_w: vb.get_with_hints((3 * c, c), "attn.c_attn.weight", normal(STD))?,
@@ -197,6 +290,29 @@ impl BlockModule for LayerModule {
 
 pub struct Head {
     cfg: Gpt2Config,
+    tp: Option<Tp>,
+}
+
+/// Tensor parallel: logits sharded over the (padded) vocabulary and a
+/// vocabulary-parallel cross-entropy: no rank holds the full logits.
+struct TpHeadModule {
+    ln_f: LayerNorm,
+    wte: Tensor, // (V_pad/tp, C), tied with the embedding's shard
+    tp: Tp,
+    vocab: usize,
+}
+
+impl BlockModule for TpHeadModule {
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let h = self.tp.enter(&self.ln_f.forward(x)?)?; // (B, T, C)
+        let (b, t, _c) = h.dims3()?;
+        let logits = ops::linear(&h, &self.wte, None)?; // (B, T, V_pad/tp)
+        let Some(targets) = ctx.targets else {
+            bail!("full logits are not assembled under tensor parallelism (generate with tp = 1)")
+        };
+        let vl = logits.dim(2)?;
+        vocab_parallel_cross_entropy(&logits.reshape((b * t, vl))?, targets, &self.tp, self.vocab)
+    }
 }
 
 struct HeadModule {
@@ -207,6 +323,15 @@ struct HeadModule {
 impl Block for Head {
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
+        if let Some(tp) = &self.tp {
+            let rows = padded_vocab(c.vocab_size, tp.size()) / tp.size();
+            return Ok(Box::new(TpHeadModule {
+                ln_f: LayerNorm::new(&vb, "transformer.ln_f", c.n_embd)?,
+                wte: vb.get_with_hints((rows, c.n_embd), "transformer.wte.weight", normal(STD))?,
+                tp: tp.clone(),
+                vocab: c.vocab_size,
+            }));
+        }
         Ok(Box::new(HeadModule {
             ln_f: LayerNorm::new(&vb, "transformer.ln_f", c.n_embd)?,
             // Tied: the same name as the embedding's table (see module doc).
@@ -241,11 +366,33 @@ impl BlockModule for HeadModule {
 
 /// The blocks of a GPT-2: embedding, `n_layer` layers, head.
 pub fn blocks(cfg: &Gpt2Config) -> Result<Vec<Box<dyn Block>>> {
+    blocks_tp(cfg, None)
+}
+
+/// The blocks for one tensor-parallel rank (`tp` = None: the whole model).
+pub fn blocks_tp(cfg: &Gpt2Config, tp: Option<Tp>) -> Result<Vec<Box<dyn Block>>> {
+    let tp = tp.filter(|t| t.size() > 1);
     cfg.validate()?;
-    let mut out: Vec<Box<dyn Block>> = vec![Box::new(Embedding { cfg: *cfg })];
-    for index in 0..cfg.n_layer {
-        out.push(Box::new(Layer { cfg: *cfg, index }));
+    if let Some(t) = &tp {
+        if cfg.n_head % t.size() != 0 {
+            bail!(
+                "model.n_head ({}) is not divisible by the tensor-parallel size {}",
+                cfg.n_head,
+                t.size()
+            )
+        }
     }
-    out.push(Box::new(Head { cfg: *cfg }));
+    let mut out: Vec<Box<dyn Block>> = vec![Box::new(Embedding {
+        cfg: *cfg,
+        tp: tp.clone(),
+    })];
+    for index in 0..cfg.n_layer {
+        out.push(Box::new(Layer {
+            cfg: *cfg,
+            index,
+            tp: tp.clone(),
+        }));
+    }
+    out.push(Box::new(Head { cfg: *cfg, tp }));
     Ok(out)
 }

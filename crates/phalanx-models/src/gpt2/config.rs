@@ -20,10 +20,6 @@ pub struct Gpt2Config {
     pub vocab_size: usize,
     /// Context length (number of learned positions).
     pub block_size: usize,
-    /// Tensor-parallel rank and size the blocks are built for. Only
-    /// `tp_size == 1` is built so far.
-    pub tp_rank: usize,
-    pub tp_size: usize,
 }
 
 impl Gpt2Config {
@@ -50,8 +46,6 @@ impl Gpt2Config {
             n_embd,
             vocab_size,
             block_size,
-            tp_rank: 0,
-            tp_size: 1,
         }
     }
 
@@ -76,13 +70,6 @@ impl Gpt2Config {
                 "n_embd {} is not divisible by n_head {}",
                 self.n_embd,
                 self.n_head
-            )
-        }
-        if self.tp_size != 1 || self.tp_rank != 0 {
-            bail!(
-                "tensor parallel GPT-2 is not built yet (tp rank {} of {})",
-                self.tp_rank,
-                self.tp_size
             )
         }
         Ok(())

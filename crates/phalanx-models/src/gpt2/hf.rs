@@ -63,17 +63,27 @@ fn hf_shape(name: &str, shape: &[usize]) -> Vec<usize> {
 
 /// The engine's parameters as HF tensors (CPU, f32), Conv1D weights transposed.
 pub fn export_tensors(engine: &Engine) -> Result<HashMap<String, Tensor>> {
-    let mut out = HashMap::new();
+    let mut named = HashMap::new();
     for p in engine.layout().params() {
         let t = Tensor::from_slice(engine.param(&p.name)?, p.shape.as_slice(), &Device::Cpu)?;
-        let t = if is_conv1d(&p.name) {
-            t.t()?.contiguous()?
-        } else {
-            t
-        };
-        out.insert(p.name.clone(), t);
+        named.insert(p.name.clone(), t);
     }
-    Ok(out)
+    to_hf(named)
+}
+
+/// Full parameters in engine orientation -> HF tensors (Conv1D transposed).
+pub fn to_hf(named: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    named
+        .into_iter()
+        .map(|(name, t)| {
+            let t = if is_conv1d(&name) {
+                t.t()?.contiguous()?
+            } else {
+                t
+            };
+            Ok((name, t))
+        })
+        .collect()
 }
 
 /// Write the engine's parameters as an HF `GPT2LMHeadModel` safetensors file.

@@ -22,9 +22,10 @@
 pub mod blocks;
 pub mod config;
 pub mod hf;
+pub mod tp;
 pub mod train;
 
-pub use blocks::blocks;
+pub use blocks::{blocks, blocks_tp};
 pub use config::Gpt2Config;
 
 use candle_core::{Device, Result};

@@ -16,6 +16,8 @@ use candle_core::Device;
 use phalanx::config::TrainConfig;
 use phalanx::data::{DataLoader, LoaderConfig, Tokenizer};
 use phalanx::engine::{Engine, EngineConfig};
+use phalanx::mesh::DeviceMesh;
+use phalanx::tp::Tp;
 use phalanx::trainer::{Report, RunOptions, Trainer};
 use phalanx::{Error, Result};
 use phalanx_comm::ProcessGroup;
@@ -60,42 +62,109 @@ pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
     Ok(DataLoader::open(&cfg.data.path, tok, lc)?)
 }
 
-/// Build, optionally load, train on `pg` (data parallel), optionally save.
+/// Build, optionally load, train on `pg` (data parallel, and tensor
+/// parallel when `parallel.tp` > 1), optionally save.
 pub fn train(
     cfg: &TrainConfig,
     pg: ProcessGroup,
     loader: Arc<DataLoader>,
     run: &GptRun,
 ) -> Result<(Report, Trainer)> {
-    let mut engine = build_engine(cfg)?;
-    if let Some(p) = &run.init_from {
-        hf::load_safetensors(&mut engine, p).map_err(|e| {
-            Error::Check(format!("--init-from {}: {}", p.display(), Error::from(e)))
-        })?;
-    }
-    let mut trainer = Trainer::new(cfg, engine, loader, pg)?;
+    let tp_size = cfg.parallel.tp;
+    let dp = cfg.dp_for_world(pg.size())?;
+    let mesh = DeviceMesh::new(&pg, dp, 1, tp_size)?;
+    let g = model_config(cfg);
+    let ecfg = EngineConfig {
+        seed: cfg.train.seed,
+        ..EngineConfig::default()
+    };
+    let tp = (tp_size > 1).then(|| Tp::new(mesh.tp().clone(), cfg.parallel.sequence_parallel));
+    let init_err = |p: &Path, e: candle_core::Error| {
+        Error::Check(format!("--init-from {}: {}", p.display(), Error::from(e)))
+    };
+    let (engine, replicated) = match &tp {
+        None => {
+            let mut engine = build_engine(cfg)?;
+            if let Some(p) = &run.init_from {
+                hf::load_safetensors(&mut engine, p).map_err(|e| init_err(p, e))?;
+            }
+            (engine, Vec::new())
+        }
+        Some(t) => {
+            if cfg.model.block_size % t.size() != 0 && cfg.parallel.sequence_parallel {
+                return Err(Error::Check(format!(
+                    "sequence parallel: model.block_size {} is not divisible by parallel.tp {}",
+                    cfg.model.block_size,
+                    t.size()
+                )));
+            }
+            let engine = match &run.init_from {
+                Some(p) => super::tp::load_engine(&g, t, ecfg, p).map_err(|e| init_err(p, e))?,
+                None => super::tp::init_engine(&g, t, ecfg)?,
+            };
+            let rep = super::tp::replicated_ranges(&engine, &g, t.size());
+            (engine, rep)
+        }
+    };
+    let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
     let report = trainer.run(&run.run)?;
     if let Some(p) = &run.save_final {
         // ZeRO-3 holds shards: gather the whole model first (every rank).
         trainer.materialize_params()?;
+        let full = match &tp {
+            Some(t) => Some(super::tp::gather_full(trainer.engine(), &g, t)?),
+            None => None,
+        };
         if trainer.group().global_rank() == 0 {
-            save(trainer.engine(), cfg, p)?;
+            match full {
+                Some(f) => save_tensors(hf::to_hf(f)?, cfg, p)?,
+                None => save(trainer.engine(), cfg, p)?,
+            }
         }
     }
     Ok((report, trainer))
+}
+
+/// The whole model's parameters by name (engine orientation) on every rank:
+/// gathered from tensor-parallel and ZeRO-3 shards (collective).
+pub fn full_named_params(
+    trainer: &mut Trainer,
+    cfg: &TrainConfig,
+) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    trainer.materialize_params()?;
+    let g = model_config(cfg);
+    if cfg.parallel.tp > 1 {
+        let t = Tp::new(trainer.mesh().tp().clone(), cfg.parallel.sequence_parallel);
+        return super::tp::gather_full(trainer.engine(), &g, &t);
+    }
+    let e = trainer.engine();
+    e.layout()
+        .params()
+        .iter()
+        .map(|p| Ok((p.name.clone(), e.param_tensor(&p.name)?)))
+        .collect()
 }
 
 /// Write the model in HF layout, atomically (temp file + rename), and a
 /// `config.json` beside it, so the directory opens with
 /// `GPT2LMHeadModel.from_pretrained`.
 pub fn save(engine: &Engine, cfg: &TrainConfig, path: &Path) -> Result<()> {
+    save_tensors(hf::export_tensors(engine)?, cfg, path)
+}
+
+/// Write HF tensors atomically, with `config.json` beside them.
+pub fn save_tensors(
+    tensors: std::collections::HashMap<String, candle_core::Tensor>,
+    cfg: &TrainConfig,
+    path: &Path,
+) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     let tmp = path.with_extension("safetensors.tmp");
-    hf::save_safetensors(engine, &tmp)?;
+    candle_core::safetensors::save(&tensors, &tmp)?;
     std::fs::rename(&tmp, path)?;
     let m = &cfg.model;
     let hf_cfg = serde_json::json!({

@@ -21,16 +21,16 @@ pub fn corpus() -> Vec<u32> {
 }
 
 /// A 2-layer GPT-2 (35 wide, 5 heads, context 15: 39,865 parameters, a
-/// count no world size of 2-4 divides) at global batch G; `extra` are
-/// further `section.key=value` overrides.
-pub fn config(world: usize, accum: usize, extra: &[String]) -> TrainConfig {
+/// count no world size of 2-4 divides) at global batch G over `dp`
+/// data-parallel ranks; `extra` are further `section.key=value` overrides.
+pub fn config(dp: usize, accum: usize, extra: &[String]) -> TrainConfig {
     let mut sets: Vec<String> = vec![
         "model.n_layer=2".into(),
         "model.n_head=5".into(),
         "model.n_embd=35".into(),
         "model.block_size=15".into(),
         format!("train.steps={STEPS}"),
-        format!("train.micro_batch_size={}", G / world / accum),
+        format!("train.micro_batch_size={}", G / dp / accum),
         format!("train.grad_accum_steps={accum}"),
         "train.eval_interval=0".into(),
         "optim.lr=0.01".into(),
@@ -46,24 +46,39 @@ pub struct RankResult {
     /// The full flat parameters at the end (gathered under ZeRO-3).
     pub params: Vec<f32>,
     pub memory: Vec<MemoryReport>,
+    /// The whole model by parameter name (gathered from tp / ZeRO-3 shards).
+    pub named: std::collections::HashMap<String, Vec<f32>>,
 }
 
-/// Train `cfg` on `world` ranks as threads.
-pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
+/// The equivalence tests' data: 60 KB of the corpus as byte tokens, in
+/// samples of `seq_len`.
+pub fn loader(seq_len: usize) -> Arc<DataLoader> {
     let lc = LoaderConfig {
-        seq_len: 15,
+        seq_len,
         val_fraction: 0.0,
         shuffle: true,
         seed: 7,
         vocab_size: Some(256),
     };
-    let loader = Arc::new(DataLoader::new(TokenData::from_tokens(corpus()), lc).unwrap());
+    Arc::new(DataLoader::new(TokenData::from_tokens(corpus()), lc).unwrap())
+}
+
+/// Train `cfg` on `world` ranks as threads.
+pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
+    let loader = loader(cfg.model.block_size);
     phalanx_comm::threads::run(world, move |pg| {
-        let (report, trainer) = train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        let (report, mut trainer) =
+            train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        let named = train::full_named_params(&mut trainer, &cfg)
+            .unwrap()
+            .into_iter()
+            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .collect();
         RankResult {
             losses: report.losses,
             params: trainer.full_params().unwrap(),
             memory: trainer.memory_report().unwrap().to_vec(),
+            named,
         }
     })
 }
@@ -94,4 +109,37 @@ pub fn assert_matches(what: &str, out: &[RankResult], base: &RankResult) {
         base.losses[STEPS - 1] < base.losses[0],
         "training should lower the loss"
     );
+}
+
+/// As `assert_matches`, for runs whose ranks hold different shards: the
+/// whole model (gathered, by name) within `tol` norm-relative, and every
+/// parameter within 1e-3 (AdamW turns rounding noise in gradients that are
+/// zero in exact arithmetic, such as the attention key bias's, into
+/// lr-sized steps, so single small parameters are compared loosely; the
+/// SGD gradient test compares every parameter tightly).
+pub fn assert_named_match(what: &str, out: &[RankResult], base: &RankResult, tol: f64) {
+    let mut names: Vec<&String> = base.named.keys().collect();
+    names.sort();
+    let flat = |m: &std::collections::HashMap<String, Vec<f32>>| -> Vec<f32> {
+        names.iter().flat_map(|n| m[*n].iter().copied()).collect()
+    };
+    let want = flat(&base.named);
+    for (r, o) in out.iter().enumerate() {
+        for (k, (a, b)) in o.losses.iter().zip(&base.losses).enumerate() {
+            assert!(
+                ((a - b) / b).abs() < 1e-5,
+                "{what}: rank {r} step {k} loss {a} vs {b}"
+            );
+        }
+        assert_eq!(o.named.len(), base.named.len(), "{what}");
+        for name in &names {
+            let e = rel(&o.named[*name], &base.named[*name]);
+            assert!(
+                e < 1e-3f64.max(tol),
+                "{what}: rank {r} `{name}` differs by {e:e}"
+            );
+        }
+        let e = rel(&flat(&o.named), &want);
+        assert!(e < tol, "{what}: rank {r}: the model differs by {e:e}");
+    }
 }

@@ -145,6 +145,8 @@ pub struct ParallelConfig {
     pub backward_prefetch: usize,
     /// HYBRID_SHARD group size (0: the ranks of one node, LOCAL_WORLD_SIZE).
     pub hybrid_shard_size: usize,
+    /// Megatron sequence parallelism (with tp > 1).
+    pub sequence_parallel: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -241,6 +243,7 @@ impl Default for ParallelConfig {
             forward_prefetch: 1,
             backward_prefetch: 1,
             hybrid_shard_size: 0,
+            sequence_parallel: false,
         }
     }
 }
@@ -367,8 +370,14 @@ impl TrainConfig {
         if self.offload_dir().is_some() && self.optim.name != "adamw" {
             return bad("optimizer offload is built for optim.name = adamw".into());
         }
-        if self.parallel.tp != 1 {
-            return bad("tensor parallel (parallel.tp > 1) is not available in this build".into());
+        if self.parallel.tp == 0 {
+            return bad("parallel.tp must be at least 1".into());
+        }
+        if self.parallel.sequence_parallel && self.sharding()?.stage >= 2 {
+            return bad(
+                "sequence parallel composes with DDP and ZeRO-1 in this build (zero stage <= 1)"
+                    .into(),
+            );
         }
         if self.parallel.pp != 1 {
             return bad(

@@ -75,6 +75,9 @@ pub struct Zero {
     /// Stage 1: DDP's bucketed all-reduce.
     ddp: Option<Ddp>,
     _charges: Vec<Charge>,
+    /// Tensor parallel: the tp group and the flat ranges every tp rank holds
+    /// whole, for the global gradient norm.
+    pub tp_norm: Option<(ProcessGroup, Vec<Range<usize>>)>,
 }
 
 impl Zero {
@@ -206,6 +209,7 @@ impl Zero {
             opt,
             ddp,
             _charges: charges,
+            tp_norm: None,
         })
     }
 
@@ -344,8 +348,19 @@ impl Zero {
         } else {
             &self.grad_shard
         };
-        let mut ss = [clip::sum_squares(grads)];
+        let mut ss = [match &self.tp_norm {
+            Some((_, rep)) => crate::trainer::weighted_sum_squares(
+                grads,
+                mine.start,
+                rep,
+                self.shard_pg_tp_size(),
+            ),
+            None => clip::sum_squares(grads),
+        }];
         self.shard_pg.all_reduce(&mut ss, ReduceOp::Sum)?;
+        if let Some((tp, _)) = &self.tp_norm {
+            tp.all_reduce(&mut ss, ReduceOp::Sum)?;
+        }
         let (norm, scale) = clip::clip_scale(ss[0], max_norm);
         let scale = if max_norm > 0.0 { scale } else { 1.0 };
         match self.cfg.stage {
@@ -369,6 +384,10 @@ impl Zero {
                 .step(&mut self.param_shard, &self.grad_shard, lr, scale),
         }
         Ok(norm)
+    }
+
+    fn shard_pg_tp_size(&self) -> usize {
+        self.tp_norm.as_ref().map_or(1, |(tp, _)| tp.size())
     }
 
     /// All-gather the updated shards into the engine's full parameters.

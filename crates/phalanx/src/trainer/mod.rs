@@ -24,6 +24,7 @@ use crate::data::{micro_batch_size, DataLoader};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::ledger::Mem;
+use crate::mesh::DeviceMesh;
 use crate::optim::{clip, LrSchedule, Optimizer};
 use crate::strategy::{Ddp, DdpConfig, Zero, ZeroConfig};
 use phalanx_comm::{ProcessGroup, ReduceOp};
@@ -69,7 +70,11 @@ pub struct Trainer {
     engine: Engine,
     loader: Arc<DataLoader>,
     strat: Strategy,
+    /// The data-parallel group (replicas of this rank's model shard).
     pg: ProcessGroup,
+    mesh: DeviceMesh,
+    /// Tensor parallel: flat ranges of parameters every tp rank holds whole.
+    tp_replicated: Vec<std::ops::Range<usize>>,
     sched: LrSchedule,
     micro: usize,
     global_batch: usize,
@@ -113,11 +118,35 @@ impl Trainer {
     /// FSDP). Rank 0's initial parameters are broadcast.
     pub fn new(
         cfg: &TrainConfig,
-        mut engine: Engine,
+        engine: Engine,
         loader: Arc<DataLoader>,
         pg: ProcessGroup,
     ) -> Result<Trainer> {
-        let dp = cfg.dp_for_world(pg.size())?;
+        let mesh = DeviceMesh::new(&pg, pg.size(), 1, 1)?;
+        Trainer::with_mesh(cfg, engine, loader, &mesh, Vec::new())
+    }
+
+    /// Training on a device mesh: the engine holds this rank's tensor-parallel
+    /// shard (built with `mesh.tp()`), data parallelism (DDP / ZeRO / FSDP)
+    /// runs over `mesh.dp()`. `tp_replicated` lists the flat ranges of
+    /// parameters every tp rank holds whole (their gradients are summed over
+    /// tp under sequence parallelism, and counted once in the global norm).
+    pub fn with_mesh(
+        cfg: &TrainConfig,
+        mut engine: Engine,
+        loader: Arc<DataLoader>,
+        mesh: &DeviceMesh,
+        tp_replicated: Vec<std::ops::Range<usize>>,
+    ) -> Result<Trainer> {
+        let pg = mesh.dp().clone();
+        let world = mesh.world().size();
+        let dp = cfg.dp_for_world(world)?;
+        if dp != pg.size() {
+            return Err(Error::Check(format!(
+                "the mesh's data-parallel size {} differs from the config's {dp}",
+                pg.size()
+            )));
+        }
         let global_batch = cfg.global_batch(dp);
         let micro = micro_batch_size(global_batch, dp, cfg.train.grad_accum_steps)?;
         if loader.seq_len() != cfg.model.block_size {
@@ -163,7 +192,11 @@ impl Trainer {
                 backward_prefetch: cfg.parallel.backward_prefetch,
                 shard_group_size: sharding.hybrid_group,
             };
-            Strategy::Zero(Box::new(Zero::new(&mut engine, pg.clone(), zcfg, make_opt)?))
+            let mut z = Zero::new(&mut engine, pg.clone(), zcfg, make_opt)?;
+            if mesh.tp_size > 1 {
+                z.tp_norm = Some((mesh.tp().clone(), tp_replicated.clone()));
+            }
+            Strategy::Zero(Box::new(z))
         };
         let o = &cfg.optim;
         let sched = match o.schedule.as_str() {
@@ -181,6 +214,8 @@ impl Trainer {
             loader,
             strat,
             pg,
+            mesh: mesh.clone(),
+            tp_replicated,
             sched,
             micro,
             global_batch,
@@ -197,6 +232,9 @@ impl Trainer {
     /// The data-parallel group.
     pub fn group(&self) -> &ProcessGroup {
         &self.pg
+    }
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
     }
     pub fn global_batch(&self) -> usize {
         self.global_batch
@@ -258,6 +296,14 @@ impl Trainer {
             }
             loss_sum += loss as f64;
         }
+        // Sequence parallel: replicated parameters saw only this rank's
+        // sequence chunk; their gradients are summed over tp.
+        if self.mesh.tp_size > 1 && self.cfg.parallel.sequence_parallel {
+            let tp = self.mesh.tp().clone();
+            for r in &self.tp_replicated {
+                tp.all_reduce(&mut self.engine.grads_flat_mut()[r.clone()], ReduceOp::Sum)?;
+            }
+        }
         // The step's loss: mean over micro-steps here, then over ranks.
         let mut l = [loss_sum / accum as f64];
         self.pg.all_reduce(&mut l, ReduceOp::Avg)?;
@@ -265,9 +311,18 @@ impl Trainer {
         let clip_to = self.cfg.optim.grad_clip as f32;
         let norm = match &mut self.strat {
             Strategy::Ddp { ddp, opt } => {
-                // Gradients are identical on every rank after the all-reduce,
-                // so the norm is too: no extra communication.
-                let (n, s) = clip::clip_scale(clip::sum_squares(self.engine.grads_flat()), clip_to);
+                // Gradients are identical on every dp rank after the
+                // all-reduce, so the norm is too; tp shards add up.
+                let mut ss = [weighted_sum_squares(
+                    self.engine.grads_flat(),
+                    0,
+                    &self.tp_replicated,
+                    self.mesh.tp_size,
+                )];
+                if self.mesh.tp_size > 1 {
+                    self.mesh.tp().all_reduce(&mut ss, ReduceOp::Sum)?;
+                }
+                let (n, s) = clip::clip_scale(ss[0], clip_to);
                 let (p, g) = self.engine.params_and_grads_mut();
                 opt.step(p, g, lr, if clip_to > 0.0 { s } else { 1.0 });
                 ddp.maybe_check(&self.engine, step + 1)?;
@@ -304,8 +359,9 @@ impl Trainer {
             l.peak(Mem::Working) as i64,
             peak_rss() as i64,
         ];
-        let mut all = vec![0i64; 7 * self.pg.size()];
-        self.pg.all_gather(&mine, &mut all)?;
+        let world = self.mesh.world();
+        let mut all = vec![0i64; 7 * world.size()];
+        world.all_gather(&mine, &mut all)?;
         Ok(all
             .chunks(7)
             .map(|c| MemoryReport {
@@ -359,13 +415,16 @@ impl Trainer {
     pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
         let steps = self.cfg.train.steps;
         let lead = self.pg.global_rank() == 0;
+        let m = &self.mesh;
         let mut log = StepLog::new(opts, lead, steps)?;
         if lead && opts.progress {
             println!(
-                "training {} parameters on {} data-parallel rank(s): global batch {} x {} tokens \
+                "training {} parameters per rank on {} rank(s) (dp {} x tp {}): global batch {} x {} tokens \
                  (micro-batch {} x grad_accum {}), {} steps",
                 self.engine.num_params(),
-                self.pg.size(),
+                m.world().size(),
+                m.dp_size,
+                m.tp_size,
                 self.global_batch,
                 self.cfg.model.block_size,
                 self.micro,
@@ -423,4 +482,26 @@ pub fn print_memory(m: &[MemoryReport]) {
             mib(r.peak_rss)
         );
     }
+}
+
+/// Sum of squares of `g` (flat positions `offset..`), where elements in
+/// `replicated` count 1/tp: they are held whole by every tensor-parallel
+/// rank, so after a sum over tp they count once.
+pub fn weighted_sum_squares(
+    g: &[f32],
+    offset: usize,
+    replicated: &[std::ops::Range<usize>],
+    tp: usize,
+) -> f64 {
+    let mut ss = clip::sum_squares(g);
+    if tp > 1 {
+        for r in replicated {
+            let lo = r.start.max(offset);
+            let hi = r.end.min(offset + g.len());
+            if lo < hi {
+                ss -= (1.0 - 1.0 / tp as f64) * clip::sum_squares(&g[lo - offset..hi - offset]);
+            }
+        }
+    }
+    ss
 }

@@ -1,0 +1,268 @@
+//! GPT-2 under tensor parallelism: which slice of each full parameter a
+//! tensor-parallel rank holds, and moving whole models in and out of shards
+//! (initialisation, Hugging Face import and export).
+//!
+//! | parameter (engine layout, `Linear` = (out, in)) | rank t of tp holds |
+//! |---|---|
+//! | `wte` (V, C) | rows [t V'/tp, (t+1) V'/tp) of the vocabulary padded to V' (zeros past V) |
+//! | `attn.c_attn` weight (3C, C), bias (3C) | the q, k and v rows of its heads: three row ranges |
+//! | `attn.c_proj` weight (C, C) | columns [t C/tp, (t+1) C/tp); bias replicated |
+//! | `mlp.c_fc` weight (4C, C), bias | rows [t 4C/tp, ...) |
+//! | `mlp.c_proj` weight (C, 4C) | columns; bias replicated |
+//! | `wpe`, LayerNorms | replicated |
+//!
+//! Initialisation builds the whole model with the run's seed and keeps each
+//! rank's slice, so a tensor-parallel run starts from exactly the
+//! parameters of a single-rank run (and reproduces it).
+//!
+//! ```
+//! use phalanx_models::gpt2::tp::{rule, Rule};
+//! // Rank 1 of 2, C = 4: its q, k and v rows of c_attn.
+//! assert_eq!(rule("transformer.h.0.attn.c_attn.weight", &[12, 4], 256, 1, 2), Rule::Rows(vec![2..4, 6..8, 10..12]));
+//! assert_eq!(rule("transformer.h.0.attn.c_proj.bias", &[4], 256, 1, 2), Rule::Full);
+//! ```
+
+use super::{hf, Gpt2Config};
+use candle_core::{Device, Result, Tensor};
+use phalanx::engine::{Engine, EngineConfig};
+use phalanx::tp::{padded_vocab, Tp};
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// How rank t's shard is cut from the full parameter (engine orientation).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rule {
+    Full,
+    /// Rows (dim 0), possibly several ranges concatenated; rows past the
+    /// full tensor's end are zero padding.
+    Rows(Vec<Range<usize>>),
+    /// Columns (dim 1).
+    Cols(Range<usize>),
+}
+
+/// The rule for parameter `name` of full shape `full` on rank `t` of `tp`.
+pub fn rule(name: &str, full: &[usize], vocab: usize, t: usize, tp: usize) -> Rule {
+    let part = |n: usize| (t * n / tp)..((t + 1) * n / tp);
+    if tp == 1 {
+        return Rule::Full;
+    }
+    if name.ends_with("wte.weight") {
+        let rows = padded_vocab(vocab, tp) / tp;
+        return Rule::Rows(vec![t * rows..(t + 1) * rows]);
+    }
+    if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
+        let c = full[0] / 3;
+        let p = part(c);
+        return Rule::Rows((0..3).map(|k| k * c + p.start..k * c + p.end).collect());
+    }
+    if name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
+        return Rule::Rows(vec![part(full[0])]);
+    }
+    if name.ends_with("attn.c_proj.weight") || name.ends_with("mlp.c_proj.weight") {
+        return Rule::Cols(part(full[1]));
+    }
+    Rule::Full
+}
+
+/// Cut rank t's shard from the full tensor.
+pub fn extract(full: &Tensor, r: &Rule) -> Result<Tensor> {
+    match r {
+        Rule::Full => Ok(full.clone()),
+        Rule::Cols(c) => full.narrow(1, c.start, c.len())?.contiguous(),
+        Rule::Rows(ranges) => {
+            let n = full.dims()[0];
+            let mut parts = Vec::new();
+            for rg in ranges {
+                let have = rg.start.min(n)..rg.end.min(n);
+                if !have.is_empty() {
+                    parts.push(full.narrow(0, have.start, have.len())?);
+                }
+                if have.len() < rg.len() {
+                    let mut shape = full.dims().to_vec();
+                    shape[0] = rg.len() - have.len();
+                    parts.push(Tensor::zeros(shape, full.dtype(), full.device())?);
+                }
+            }
+            Tensor::cat(&parts, 0)
+        }
+    }
+}
+
+/// Reassemble a full tensor of shape `full` from every rank's shard.
+pub fn assemble(name: &str, full: &[usize], vocab: usize, shards: &[Tensor]) -> Result<Tensor> {
+    let tp = shards.len();
+    match rule(name, full, vocab, 0, tp) {
+        Rule::Full => Ok(shards[0].clone()),
+        Rule::Cols(_) => Tensor::cat(shards, 1),
+        Rule::Rows(_) => {
+            // Place each rank's row ranges, then drop the padding.
+            let mut rows: Vec<(usize, Tensor)> = Vec::new();
+            for (t, s) in shards.iter().enumerate() {
+                let Rule::Rows(ranges) = rule(name, full, vocab, t, tp) else {
+                    unreachable!()
+                };
+                let mut off = 0;
+                for rg in ranges {
+                    rows.push((rg.start, s.narrow(0, off, rg.len())?));
+                    off += rg.len();
+                }
+            }
+            rows.sort_by_key(|r| r.0);
+            let all = Tensor::cat(&rows.into_iter().map(|r| r.1).collect::<Vec<_>>(), 0)?;
+            all.narrow(0, 0, full[0])
+        }
+    }
+}
+
+/// A tensor-parallel GPT-2 engine whose shards are cut from `full`'s
+/// parameters (engine names and orientation).
+pub fn shard_engine(
+    cfg: &Gpt2Config,
+    tp: &Tp,
+    ecfg: EngineConfig,
+    full: &dyn Fn(&str) -> Result<Tensor>,
+) -> Result<Engine> {
+    let mut engine = Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?;
+    let names: Vec<(String, Vec<usize>)> = engine
+        .layout()
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect();
+    for (name, shape) in names {
+        let f = full(&name)?;
+        let s = extract(
+            &f,
+            &rule(&name, f.dims(), cfg.vocab_size, tp.rank(), tp.size()),
+        )?;
+        if s.dims() != shape.as_slice() {
+            candle_core::bail!(
+                "shard of `{name}`: {:?}, the block declared {shape:?}",
+                s.dims()
+            )
+        }
+        engine
+            .param_mut(&name)?
+            .copy_from_slice(&s.flatten_all()?.to_vec1::<f32>()?);
+    }
+    Ok(engine)
+}
+
+/// Initialise: the whole model with `ecfg.seed`, then this rank's slices.
+pub fn init_engine(cfg: &Gpt2Config, tp: &Tp, ecfg: EngineConfig) -> Result<Engine> {
+    let full = super::engine(cfg, &Device::Cpu, ecfg)?;
+    shard_engine(cfg, tp, ecfg, &|name| full.param_tensor(name))
+}
+
+/// The full shape of a parameter from one shard's shape.
+pub fn full_shape(name: &str, local: &[usize], vocab: usize, tp: usize) -> Vec<usize> {
+    let mut f = local.to_vec();
+    match rule(
+        name,
+        &[local[0] * tp, *local.get(1).unwrap_or(&0) * tp],
+        vocab,
+        0,
+        tp,
+    ) {
+        Rule::Full => {}
+        Rule::Cols(_) => f[1] *= tp,
+        Rule::Rows(_) if name.ends_with("wte.weight") => f[0] = vocab,
+        Rule::Rows(_) => f[0] *= tp,
+    }
+    f
+}
+
+/// Load an HF safetensors file: the file is memory-mapped and each rank
+/// copies out only its slices, one parameter at a time. Missing or
+/// mis-shaped tensors are errors naming them.
+pub fn load_engine(
+    cfg: &Gpt2Config,
+    tp: &Tp,
+    ecfg: EngineConfig,
+    path: &std::path::Path,
+) -> Result<Engine> {
+    // SAFETY: the file is only read, and not expected to change while mapped.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path)? };
+    let names: HashMap<String, Vec<usize>> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.shape().to_vec()))
+        .collect();
+    let local: HashMap<String, Vec<usize>> =
+        Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?
+            .layout()
+            .params()
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect();
+    shard_engine(cfg, tp, ecfg, &|name| {
+        let short = name.strip_prefix("transformer.").unwrap_or(name);
+        let file_name = if names.contains_key(name) {
+            name
+        } else {
+            short
+        };
+        let want = full_shape(name, &local[name], cfg.vocab_size, tp.size());
+        let want_file: Vec<usize> = if hf::is_conv1d(name) {
+            vec![want[1], want[0]]
+        } else {
+            want.clone()
+        };
+        match names.get(file_name) {
+            None => candle_core::bail!("missing tensor `{name}` (expected shape {want_file:?})"),
+            Some(s) if *s != want_file => {
+                candle_core::bail!(
+                    "tensor `{file_name}`: expected shape {want_file:?}, found {s:?}"
+                )
+            }
+            Some(_) => {}
+        }
+        let t = st
+            .load(file_name, &Device::Cpu)?
+            .to_dtype(candle_core::DType::F32)?;
+        if hf::is_conv1d(name) {
+            t.t()?.contiguous()
+        } else {
+            Ok(t)
+        }
+    })
+}
+
+/// The whole model's parameters (engine names and orientation), gathered
+/// from every tensor-parallel rank (collective over the tp group).
+pub fn gather_full(
+    engine: &Engine,
+    cfg: &Gpt2Config,
+    tp: &Tp,
+) -> phalanx::Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for p in engine.layout().params() {
+        let local = engine.param(&p.name)?;
+        let mut all = vec![0f32; local.len() * tp.size()];
+        tp.pg.all_gather(local, &mut all)?;
+        let shards: Vec<Tensor> = all
+            .chunks(local.len().max(1))
+            .map(|c| Tensor::from_slice(c, p.shape.as_slice(), &Device::Cpu))
+            .collect::<Result<_>>()?;
+        let full = full_shape(&p.name, &p.shape, cfg.vocab_size, tp.size());
+        out.insert(
+            p.name.clone(),
+            assemble(&p.name, &full, cfg.vocab_size, &shards)?,
+        );
+    }
+    Ok(out)
+}
+
+/// Flat ranges of the parameters every tensor-parallel rank holds whole
+/// (LayerNorms, wpe, row-parallel biases). Under sequence parallelism their
+/// gradients are partial sums over the sequence chunks and must be summed
+/// over the tp group; and in the global gradient norm they count once.
+pub fn replicated_ranges(engine: &Engine, cfg: &Gpt2Config, tp: usize) -> Vec<Range<usize>> {
+    engine
+        .layout()
+        .params()
+        .iter()
+        .filter(|p| rule(&p.name, &p.shape, cfg.vocab_size, 0, tp) == Rule::Full)
+        .map(|p| p.range())
+        .collect()
+}

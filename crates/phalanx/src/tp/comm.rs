@@ -1,0 +1,175 @@
+//! Collectives inside autograd: the communication operators of Megatron-LM
+//! tensor and sequence parallelism, as candle custom ops with a backward.
+//!
+//! | op | forward | backward |
+//! |---|---|---|
+//! | `copy_to_tp` (Megatron's f) | identity | all-reduce |
+//! | `reduce_from_tp` (g) | all-reduce | identity |
+//! | `gather_seq` | all-gather along the sequence | reduce-scatter |
+//! | `reduce_scatter_seq` | reduce-scatter along the sequence | all-gather |
+//! | `split_seq` | keep this rank's sequence chunk | all-gather |
+//!
+//! Activations are (B, T, C); the sequence ops move the T axis to the front
+//! (contiguous per-rank chunks), call the flat collective, and move it back.
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! let out = phalanx_comm::threads::run(2, |pg| {
+//!     let x = Var::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+//!     let y = phalanx::tp::reduce_from_tp(x.as_tensor(), &pg).unwrap(); // sum over ranks
+//!     let g = phalanx::tp::copy_to_tp(&y, &pg).unwrap().sum_all().unwrap().backward().unwrap();
+//!     (y.to_vec1::<f32>().unwrap(), g.get(x.as_tensor()).unwrap().to_vec1::<f32>().unwrap())
+//! });
+//! assert_eq!(out[0].0, vec![2.0, 4.0]);
+//! assert_eq!(out[0].1, vec![2.0, 2.0]); // f's backward summed the ranks' gradients
+//! ```
+
+use crate::ops::cpu::cpu_slice;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use phalanx_comm::{ProcessGroup, ReduceOp};
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Identity forward, all-reduce backward.
+    Copy,
+    /// All-reduce forward, identity backward.
+    Reduce,
+    /// All-gather dim 0 forward, reduce-scatter backward.
+    Gather,
+    /// Reduce-scatter dim 0 forward, all-gather backward.
+    Scatter,
+    /// Local chunk of dim 0 forward, all-gather backward.
+    Split,
+}
+
+struct TpOp {
+    pg: ProcessGroup,
+    kind: Kind,
+}
+
+fn comm_err(e: phalanx_comm::CommError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("tensor-parallel collective: {e}"))
+}
+
+impl TpOp {
+    /// The flat operation on `x` with leading dimension `rows` (after the
+    /// sequence axis was moved to the front).
+    fn run(&self, kind: Kind, x: &[f32], shape: &[usize]) -> Result<(Vec<f32>, Vec<usize>)> {
+        let n = self.pg.size();
+        let r = self.pg.rank();
+        let mut out_shape = shape.to_vec();
+        let v = match kind {
+            Kind::Copy => x.to_vec(),
+            Kind::Reduce => {
+                let mut v = x.to_vec();
+                self.pg
+                    .all_reduce(&mut v, ReduceOp::Sum)
+                    .map_err(comm_err)?;
+                v
+            }
+            Kind::Gather => {
+                out_shape[0] *= n;
+                let mut v = vec![0f32; x.len() * n];
+                self.pg.all_gather(x, &mut v).map_err(comm_err)?;
+                v
+            }
+            Kind::Scatter | Kind::Split => {
+                if shape[0] % n != 0 {
+                    candle_core::bail!(
+                        "sequence length {} is not divisible by the tensor-parallel size {n}",
+                        shape[0]
+                    );
+                }
+                out_shape[0] /= n;
+                let k = x.len() / n;
+                if kind == Kind::Split {
+                    x[r * k..(r + 1) * k].to_vec()
+                } else {
+                    let mut v = vec![0f32; k];
+                    self.pg
+                        .reduce_scatter(x, &mut v, ReduceOp::Sum)
+                        .map_err(comm_err)?;
+                    v
+                }
+            }
+        };
+        Ok((v, out_shape))
+    }
+}
+
+impl CustomOp1 for TpOp {
+    fn name(&self) -> &'static str {
+        match self.kind {
+            Kind::Copy => "tp-copy",
+            Kind::Reduce => "tp-reduce",
+            Kind::Gather => "tp-gather-seq",
+            Kind::Scatter => "tp-reduce-scatter-seq",
+            Kind::Split => "tp-split-seq",
+        }
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = cpu_slice(s, l)?;
+        let (v, shape) = self.run(self.kind, x, l.dims())?;
+        Ok((CpuStorage::F32(v), Shape::from(shape)))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let back = match self.kind {
+            Kind::Copy => Kind::Reduce,
+            Kind::Reduce => Kind::Copy,
+            Kind::Gather => Kind::Scatter,
+            Kind::Scatter | Kind::Split => Kind::Gather,
+        };
+        let g = g.contiguous()?;
+        let x: Vec<f32> = g.flatten_all()?.to_vec1()?;
+        let (v, shape) = self.run(back, &x, g.dims())?;
+        Ok(Some(Tensor::from_vec(v, shape, g.device())?))
+    }
+}
+
+fn apply(x: &Tensor, pg: &ProcessGroup, kind: Kind) -> Result<Tensor> {
+    if pg.size() == 1 {
+        return Ok(x.clone());
+    }
+    x.contiguous()?.apply_op1(TpOp {
+        pg: pg.clone(),
+        kind,
+    })
+}
+
+/// Along the sequence axis (dim 1 of (B, T, C)): move it to the front, apply, move back.
+fn along_seq(x: &Tensor, pg: &ProcessGroup, kind: Kind) -> Result<Tensor> {
+    if pg.size() == 1 {
+        return Ok(x.clone());
+    }
+    let y = apply(&x.transpose(0, 1)?.contiguous()?, pg, kind)?;
+    y.transpose(0, 1)?.contiguous()
+}
+
+/// Megatron's f: identity forward, all-reduce of the gradient backward
+/// (before a column-parallel layer whose input is replicated).
+pub fn copy_to_tp(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    apply(x, pg, Kind::Copy)
+}
+
+/// Megatron's g: all-reduce forward (after a row-parallel layer's partial
+/// sums), identity backward.
+pub fn reduce_from_tp(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    apply(x, pg, Kind::Reduce)
+}
+
+/// Sequence parallel: (B, T/tp, C) -> (B, T, C); backward reduce-scatters.
+pub fn gather_seq(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    along_seq(x, pg, Kind::Gather)
+}
+
+/// Sequence parallel: partial (B, T, C) -> summed (B, T/tp, C); backward all-gathers.
+pub fn reduce_scatter_seq(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    along_seq(x, pg, Kind::Scatter)
+}
+
+/// Sequence parallel: replicated (B, T, C) -> this rank's (B, T/tp, C); backward all-gathers.
+pub fn split_seq(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    along_seq(x, pg, Kind::Split)
+}

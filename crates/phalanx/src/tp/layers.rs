@@ -1,0 +1,368 @@
+//! Megatron-LM's tensor-parallel layers, built from a `VarBuilder` like any
+//! candle-nn layer, so they serve any model (GPT-2 in `phalanx-models` uses
+//! them). Each rank declares only its shard; parameter names are the full
+//! model's, so checkpoints map onto shards by name (see `shard`).
+//!
+//! - `ColumnParallelLinear`: weight (out/tp, in); input replicated (or
+//!   gathered from sequence shards), output split over `out`.
+//! - `RowParallelLinear`: weight (out, in/tp); input split over `in`, partial
+//!   outputs all-reduced (or reduce-scattered over the sequence); the bias is
+//!   replicated and added once, after the reduction.
+//! - `VocabParallelEmbedding`: rows [lo, hi) of the (padded) vocabulary.
+//! - `vocab_parallel_cross_entropy`: the loss from vocabulary-sharded logits,
+//!   never materialising the full logits on one rank.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use phalanx::tp::{ColumnParallelLinear, RowParallelLinear, Tp};
+//! let out = phalanx_comm::threads::run(2, |pg| {
+//!     let tp = Tp::new(pg, false);
+//!     let vb = candle_nn::VarBuilder::zeros(DType::F32, &Device::Cpu);
+//!     let up = ColumnParallelLinear::new(&tp, &vb, "up", 4, 8, true).unwrap();   // weight (4, 4) here
+//!     let down = RowParallelLinear::new(&tp, &vb, "down", 8, 4, true).unwrap(); // weight (4, 4) here
+//!     let x = Tensor::ones((1, 3, 4), DType::F32, &Device::Cpu).unwrap();
+//!     let y = down.forward(&up.forward(&x).unwrap()).unwrap();
+//!     (up.weight().dims().to_vec(), y.dims().to_vec())
+//! });
+//! assert_eq!(out[0], (vec![4, 4], vec![1, 3, 4]));
+//! ```
+
+use super::comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq};
+use crate::ops;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_nn::{Init, VarBuilder};
+use phalanx_comm::{ProcessGroup, ReduceOp};
+use std::sync::Mutex;
+
+/// The tensor-parallel group and mode a layer is built for.
+#[derive(Clone)]
+pub struct Tp {
+    pub pg: ProcessGroup,
+    /// Megatron sequence parallelism: activations between the parallel
+    /// regions are split along the sequence.
+    pub sequence_parallel: bool,
+}
+
+impl Tp {
+    pub fn new(pg: ProcessGroup, sequence_parallel: bool) -> Tp {
+        Tp {
+            pg,
+            sequence_parallel,
+        }
+    }
+    pub fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+    pub fn size(&self) -> usize {
+        self.pg.size()
+    }
+    /// This rank's part of `n` (which must divide).
+    pub fn part(&self, n: usize, what: &str) -> Result<usize> {
+        if n % self.size() != 0 {
+            bail!(
+                "{what} ({n}) is not divisible by the tensor-parallel size {}",
+                self.size()
+            )
+        }
+        Ok(n / self.size())
+    }
+    /// Into a column-parallel region: f, or all-gather of sequence shards.
+    pub fn enter(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel {
+            gather_seq(x, &self.pg)
+        } else {
+            copy_to_tp(x, &self.pg)
+        }
+    }
+    /// Out of a row-parallel region: g, or reduce-scatter over the sequence.
+    pub fn leave(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sequence_parallel {
+            reduce_scatter_seq(x, &self.pg)
+        } else {
+            reduce_from_tp(x, &self.pg)
+        }
+    }
+}
+
+fn normal(stdev: f64) -> Init {
+    Init::Randn { mean: 0.0, stdev }
+}
+
+pub struct ColumnParallelLinear {
+    tp: Tp,
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl ColumnParallelLinear {
+    /// `name.weight` (out/tp, in) and `name.bias` (out/tp,).
+    pub fn new(
+        tp: &Tp,
+        vb: &VarBuilder,
+        name: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let o = tp.part(out_dim, &format!("{name} output size"))?;
+        Ok(Self {
+            tp: tp.clone(),
+            w: vb.get_with_hints((o, in_dim), &format!("{name}.weight"), normal(0.02))?,
+            b: if bias {
+                Some(vb.get_with_hints(o, &format!("{name}.bias"), Init::Const(0.0))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// From given tensors (e.g. a block that declares its own names).
+    pub fn from_parts(tp: &Tp, w: Tensor, b: Option<Tensor>) -> Self {
+        Self {
+            tp: tp.clone(),
+            w,
+            b,
+        }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.w
+    }
+
+    /// (B, T, in) replicated, or (B, T/tp, in) under sequence parallelism
+    /// -> (B, T, out/tp).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::linear(&self.tp.enter(x)?, &self.w, self.b.as_ref())
+    }
+}
+
+pub struct RowParallelLinear {
+    tp: Tp,
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+impl RowParallelLinear {
+    /// `name.weight` (out, in/tp) and the replicated `name.bias` (out,).
+    pub fn new(
+        tp: &Tp,
+        vb: &VarBuilder,
+        name: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let i = tp.part(in_dim, &format!("{name} input size"))?;
+        Ok(Self {
+            tp: tp.clone(),
+            w: vb.get_with_hints((out_dim, i), &format!("{name}.weight"), normal(0.02))?,
+            b: if bias {
+                Some(vb.get_with_hints(out_dim, &format!("{name}.bias"), Init::Const(0.0))?)
+            } else {
+                None
+            },
+        })
+    }
+
+    pub fn from_parts(tp: &Tp, w: Tensor, b: Option<Tensor>) -> Self {
+        Self {
+            tp: tp.clone(),
+            w,
+            b,
+        }
+    }
+
+    /// (B, T, in/tp) -> (B, T, out), or (B, T/tp, out) under sequence parallelism.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.tp.leave(&ops::linear(x, &self.w, None)?)?;
+        match &self.b {
+            Some(b) => ops::add_bias(&y, b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Rows [lo, hi) of an embedding table of `vocab` rows, padded up to a
+/// multiple of tp (padding rows are never looked up and never win a softmax).
+pub struct VocabParallelEmbedding {
+    tp: Tp,
+    w: Tensor,
+    lo: usize,
+}
+
+/// The vocabulary padded to a multiple of `tp` (GPT-2's 50257 -> 50258 for tp 2).
+pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
+    vocab.div_ceil(tp) * tp
+}
+
+impl VocabParallelEmbedding {
+    pub fn new(tp: &Tp, vb: &VarBuilder, name: &str, vocab: usize, dim: usize) -> Result<Self> {
+        let rows = padded_vocab(vocab, tp.size()) / tp.size();
+        let w = vb.get_with_hints((rows, dim), name, normal(0.02))?;
+        Ok(Self::from_parts(tp, w))
+    }
+
+    pub fn from_parts(tp: &Tp, w: Tensor) -> Self {
+        let rows = w.dims()[0];
+        Self {
+            tp: tp.clone(),
+            lo: tp.rank() * rows,
+            w,
+        }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.w
+    }
+
+    /// The first vocabulary row this rank holds.
+    pub fn lo(&self) -> usize {
+        self.lo
+    }
+
+    /// Token ids (B, T) -> embeddings (B, T, C) (replicated), or (B, T/tp, C)
+    /// under sequence parallelism. Each rank looks up the ids it holds,
+    /// zeros elsewhere; the partial sums are reduced.
+    pub fn forward(&self, idx: &Tensor) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        let rows = self.w.dims()[0];
+        let ids: Vec<u32> = idx.flatten_all()?.to_vec1()?;
+        let (local, mask): (Vec<u32>, Vec<f32>) = ids
+            .iter()
+            .map(|&i| {
+                let i = i as usize;
+                if (self.lo..self.lo + rows).contains(&i) {
+                    ((i - self.lo) as u32, 1.0)
+                } else {
+                    (0, 0.0)
+                }
+            })
+            .unzip();
+        let dev = self.w.device();
+        let local = Tensor::from_vec(local, b * t, dev)?;
+        let mask = Tensor::from_vec(mask, (b * t, 1), dev)?;
+        let c = self.w.dims()[1];
+        let e = self
+            .w
+            .index_select(&local, 0)?
+            .broadcast_mul(&mask)?
+            .reshape((b, t, c))?;
+        self.tp.leave(&e)
+    }
+}
+
+/// Mean cross-entropy over N rows from vocabulary-sharded logits
+/// (N, V_pad/tp) on each rank; `vocab` is the real vocabulary (columns at or
+/// past it are padding and masked out). Three small all-reduces of N values
+/// (max, sum of exponentials, target logit) replace gathering the logits.
+pub fn vocab_parallel_cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    tp: &Tp,
+    vocab: usize,
+) -> Result<Tensor> {
+    let (n, v) = logits.dims2()?;
+    let t: Vec<u32> = targets.flatten_all()?.to_vec1()?;
+    if t.len() != n {
+        bail!(
+            "vocab_parallel_cross_entropy: {} targets for {n} rows",
+            t.len()
+        )
+    }
+    let op = VocabCe {
+        pg: tp.pg.clone(),
+        lo: tp.rank() * v,
+        vocab,
+        targets: t,
+        saved: Mutex::new(None),
+    };
+    logits.contiguous()?.apply_op1(op)
+}
+
+struct VocabCe {
+    pg: ProcessGroup,
+    lo: usize,
+    vocab: usize,
+    targets: Vec<u32>,
+    /// Per row: global max and sum of exp(x - max), for the backward.
+    saved: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl VocabCe {
+    fn valid(&self, v: usize) -> usize {
+        // Columns of this shard that are real vocabulary.
+        self.vocab.saturating_sub(self.lo).min(v)
+    }
+}
+
+impl CustomOp1 for VocabCe {
+    fn name(&self) -> &'static str {
+        "vocab-parallel-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = ops::cpu::cpu_slice(s, l)?;
+        let (n, v) = l.shape().dims2()?;
+        let valid = self.valid(v);
+        let err = |e: phalanx_comm::CommError| {
+            candle_core::Error::Msg(format!("vocab-parallel loss: {e}"))
+        };
+        // (N,) per-row max over this shard, then over all shards.
+        let mut max: Vec<f32> = (0..n)
+            .map(|r| {
+                x[r * v..r * v + valid]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &a| m.max(a))
+            })
+            .collect();
+        self.pg.all_reduce(&mut max, ReduceOp::Max).map_err(err)?;
+        let mut sum: Vec<f32> = (0..n)
+            .map(|r| {
+                x[r * v..r * v + valid]
+                    .iter()
+                    .map(|&a| (a - max[r]).exp())
+                    .sum()
+            })
+            .collect();
+        // The target's logit lives on exactly one shard.
+        let mut tgt: Vec<f32> = (0..n)
+            .map(|r| {
+                let j = self.targets[r] as usize;
+                if (self.lo..self.lo + valid).contains(&j) {
+                    x[r * v + j - self.lo]
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        self.pg.all_reduce(&mut sum, ReduceOp::Sum).map_err(err)?;
+        self.pg.all_reduce(&mut tgt, ReduceOp::Sum).map_err(err)?;
+        let loss: f64 = (0..n)
+            .map(|r| (sum[r].ln() + max[r] - tgt[r]) as f64)
+            .sum::<f64>()
+            / n as f64;
+        *self.saved.lock().unwrap() = Some((max, sum));
+        Ok((CpuStorage::F32(vec![loss as f32]), Shape::from(())))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (n, v) = arg.dims2()?;
+        let valid = self.valid(v);
+        let g = grad.to_scalar::<f32>()? / n as f32;
+        let saved = self.saved.lock().unwrap();
+        let Some((max, sum)) = saved.as_ref() else {
+            bail!("vocab-parallel loss: backward before forward")
+        };
+        let x: Vec<f32> = arg.flatten_all()?.to_vec1()?;
+        let mut dx = vec![0f32; n * v];
+        for r in 0..n {
+            let j = self.targets[r] as usize;
+            for c in 0..valid {
+                let p = (x[r * v + c] - max[r]).exp() / sum[r];
+                let hot = if self.lo + c == j { 1.0 } else { 0.0 };
+                dx[r * v + c] = g * (p - hot);
+            }
+        }
+        Ok(Some(Tensor::from_vec(dx, (n, v), arg.device())?))
+    }
+}

@@ -1,0 +1,15 @@
+//! Tensor parallelism (Megatron-LM) and sequence parallelism: the
+//! differentiable communication operators, the parallel layers, and how a
+//! full checkpoint maps onto shards.
+//!
+//! Reusable for any candle model: build the layers from a `VarBuilder` with
+//! a [`Tp`] (the tensor-parallel group from the `DeviceMesh`).
+
+mod comm;
+mod layers;
+
+pub use comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq};
+pub use layers::{
+    padded_vocab, vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, Tp,
+    VocabParallelEmbedding,
+};
