@@ -137,3 +137,81 @@ fn n_head_not_divisible_by_tp_is_a_clear_error() {
         );
     }
 }
+
+#[test]
+fn hf_weights_round_trip_under_tensor_parallel() {
+    use phalanx_models::gpt2::train::{self, GptRun};
+    let dir = std::env::temp_dir().join(format!("phalanx-tp-hf-{}", std::process::id()));
+    let path = dir.join("model.safetensors");
+    // Train with tp 2 and save: the file holds the whole model in HF layout.
+    let cfg = config(1, 1, &with(shape(6), &["parallel.tp=2", "train.steps=2"]));
+    let save = GptRun {
+        save_final: Some(path.clone()),
+        ..Default::default()
+    };
+    let (c2, p2) = (cfg.clone(), path.clone());
+    let trained = phalanx_comm::threads::run(2, move |pg| {
+        let (_, mut t) = train::train(&c2, pg, loader(15), &save).unwrap();
+        train::full_named_params(&mut t, &c2).unwrap()
+    });
+    // A single-rank engine loads it and holds exactly the gathered model.
+    let one = config(1, 1, &with(shape(6), &["train.steps=2"]));
+    let mut e = train::build_engine(&one).unwrap();
+    phalanx_models::gpt2::hf::load_safetensors(&mut e, &p2).unwrap();
+    for (name, t) in &trained[0] {
+        assert_eq!(
+            e.param(name).unwrap(),
+            &t.flatten_all().unwrap().to_vec1::<f32>().unwrap()[..],
+            "{name}"
+        );
+    }
+    // A tp 4 model of another shape cannot load it: a clear error.
+    let init = GptRun {
+        init_from: Some(path.clone()),
+        ..Default::default()
+    };
+    let c4 = config(
+        1,
+        1,
+        &[
+            shape(4),
+            vec!["parallel.tp=4".into(), "train.steps=1".into()],
+        ]
+        .concat(),
+    );
+    let err = phalanx_comm::threads::run(4, move |pg| {
+        train::train(&c4, pg, loader(15), &init)
+            .err()
+            .map(|e| e.to_string())
+    });
+    for e in err {
+        let e = e.expect("mismatched shapes must fail");
+        assert!(e.contains("expected shape"), "{e}");
+    }
+    // tp 2 ranks each load their shard of it and start from the same loss
+    // as a single rank that loads it whole.
+    let init = GptRun {
+        init_from: Some(path.clone()),
+        ..Default::default()
+    };
+    let c2b = config(1, 1, &with(shape(6), &["parallel.tp=2", "train.steps=1"]));
+    let one1 = config(1, 1, &with(shape(6), &["train.steps=1"]));
+    let init1 = init.clone();
+    let l2 = phalanx_comm::threads::run(2, move |pg| {
+        train::train(&c2b, pg, loader(15), &init).unwrap().0.losses[0]
+    });
+    let l1 = phalanx_comm::threads::run(1, move |pg| {
+        train::train(&one1, pg, loader(15), &init1)
+            .unwrap()
+            .0
+            .losses[0]
+    });
+    assert!(
+        (l2[0] - l1[0]).abs() / l1[0] < 1e-5,
+        "{} vs {}",
+        l2[0],
+        l1[0]
+    );
+    assert!(l1[0] < 5.5, "started from the trained weights: {}", l1[0]);
+    let _ = std::fs::remove_dir_all(dir);
+}
