@@ -114,13 +114,13 @@ pub fn assemble(name: &str, full: &[usize], vocab: usize, shards: &[Tensor]) -> 
     }
 }
 
-/// A tensor-parallel GPT-2 engine whose shards are cut from `full`'s
-/// parameters (engine names and orientation).
+/// A tensor-parallel GPT-2 engine whose parameters come from `shard(name,
+/// rule, full_shape)`, which returns this rank's slice (engine orientation).
 pub fn shard_engine(
     cfg: &Gpt2Config,
     tp: &Tp,
     ecfg: EngineConfig,
-    full: &dyn Fn(&str) -> Result<Tensor>,
+    shard: &dyn Fn(&str, &Rule, &[usize]) -> Result<Tensor>,
 ) -> Result<Engine> {
     let mut engine = Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?;
     let names: Vec<(String, Vec<usize>)> = engine
@@ -130,10 +130,11 @@ pub fn shard_engine(
         .map(|p| (p.name.clone(), p.shape.clone()))
         .collect();
     for (name, shape) in names {
-        let f = full(&name)?;
-        let s = extract(
-            &f,
-            &rule(&name, f.dims(), cfg.vocab_size, tp.rank(), tp.size()),
+        let full = full_shape(&name, &shape, cfg.vocab_size, tp.size());
+        let s = shard(
+            &name,
+            &rule(&name, &full, cfg.vocab_size, tp.rank(), tp.size()),
+            &full,
         )?;
         if s.dims() != shape.as_slice() {
             candle_core::bail!(
@@ -151,7 +152,9 @@ pub fn shard_engine(
 /// Initialise: the whole model with `ecfg.seed`, then this rank's slices.
 pub fn init_engine(cfg: &Gpt2Config, tp: &Tp, ecfg: EngineConfig) -> Result<Engine> {
     let full = super::engine(cfg, &Device::Cpu, ecfg)?;
-    shard_engine(cfg, tp, ecfg, &|name| full.param_tensor(name))
+    shard_engine(cfg, tp, ecfg, &|name, r, _| {
+        extract(&full.param_tensor(name)?, r)
+    })
 }
 
 /// The full shape of a parameter from one shard's shape.
@@ -173,8 +176,9 @@ pub fn full_shape(name: &str, local: &[usize], vocab: usize, tp: usize) -> Vec<u
 }
 
 /// Load an HF safetensors file: the file is memory-mapped and each rank
-/// copies out only its slices, one parameter at a time. Missing or
-/// mis-shaped tensors are errors naming them.
+/// copies out only the bytes of its slices (rows, or the column range of
+/// every row), so it reads only its shard. Missing or mis-shaped tensors are
+/// errors naming them.
 pub fn load_engine(
     cfg: &Gpt2Config,
     tp: &Tp,
@@ -188,25 +192,19 @@ pub fn load_engine(
         .into_iter()
         .map(|(n, v)| (n, v.shape().to_vec()))
         .collect();
-    let local: HashMap<String, Vec<usize>> =
-        Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?
-            .layout()
-            .params()
-            .iter()
-            .map(|p| (p.name.clone(), p.shape.clone()))
-            .collect();
-    shard_engine(cfg, tp, ecfg, &|name| {
+    shard_engine(cfg, tp, ecfg, &|name, r, want| {
         let short = name.strip_prefix("transformer.").unwrap_or(name);
         let file_name = if names.contains_key(name) {
             name
         } else {
             short
         };
-        let want = full_shape(name, &local[name], cfg.vocab_size, tp.size());
-        let want_file: Vec<usize> = if hf::is_conv1d(name) {
+        let conv = hf::is_conv1d(name);
+        // HF's Conv1D stores (in, out): the engine's rows are its columns.
+        let want_file: Vec<usize> = if conv {
             vec![want[1], want[0]]
         } else {
-            want.clone()
+            want.to_vec()
         };
         match names.get(file_name) {
             None => candle_core::bail!("missing tensor `{name}` (expected shape {want_file:?})"),
@@ -217,15 +215,86 @@ pub fn load_engine(
             }
             Some(_) => {}
         }
-        let t = st
-            .load(file_name, &Device::Cpu)?
-            .to_dtype(candle_core::DType::F32)?;
-        if hf::is_conv1d(name) {
+        let file_rule = match (conv, r) {
+            (true, Rule::Rows(rs)) => {
+                // Conv1D weights are only ever split in one range per output
+                // block; c_attn's three (q, k, v) become three column ranges.
+                return read_cols_multi(&st.get(file_name)?, rs)?.t()?.contiguous();
+            }
+            (true, Rule::Cols(c)) => Rule::Rows(vec![c.clone()]),
+            (_, r) => r.clone(),
+        };
+        let t = read_slice(&st.get(file_name)?, &file_rule)?;
+        if conv {
             t.t()?.contiguous()
         } else {
             Ok(t)
         }
     })
+}
+
+/// The f32 values of `n` elements starting at element `at` of a tensor view.
+fn view_f32(v: &safetensors::tensor::TensorView<'_>, at: usize, n: usize) -> Result<Vec<f32>> {
+    use safetensors::Dtype;
+    let size = match v.dtype() {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        d => candle_core::bail!("unsupported dtype {d:?} in checkpoint"),
+    };
+    let b = &v.data()[at * size..(at + n) * size];
+    Ok(match v.dtype() {
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    })
+}
+
+/// Read a slice of a tensor view (file orientation): all of it, row ranges
+/// (past-the-end rows are zero padding) or a column range of every row.
+fn read_slice(v: &safetensors::tensor::TensorView<'_>, r: &Rule) -> Result<Tensor> {
+    let shape = v.shape().to_vec();
+    let row = shape.iter().skip(1).product::<usize>();
+    let (data, out_shape) = match r {
+        Rule::Full => (view_f32(v, 0, shape.iter().product())?, shape.clone()),
+        Rule::Rows(ranges) => {
+            let mut d = Vec::new();
+            for rg in ranges {
+                let have = rg.start.min(shape[0])..rg.end.min(shape[0]);
+                d.extend(view_f32(v, have.start * row, have.len() * row)?);
+                d.resize(d.len() + (rg.len() - have.len()) * row, 0.0);
+            }
+            let mut s = shape.clone();
+            s[0] = ranges.iter().map(|x| x.len()).sum();
+            (d, s)
+        }
+        Rule::Cols(c) => return read_cols_multi(v, std::slice::from_ref(c)),
+    };
+    Tensor::from_vec(data, out_shape, &Device::Cpu)
+}
+
+/// Column ranges of every row of a 2-D view, concatenated along columns.
+fn read_cols_multi(
+    v: &safetensors::tensor::TensorView<'_>,
+    cols: &[Range<usize>],
+) -> Result<Tensor> {
+    let (rows, width) = (v.shape()[0], v.shape()[1]);
+    let n: usize = cols.iter().map(|c| c.len()).sum();
+    let mut d = Vec::with_capacity(rows * n);
+    for r in 0..rows {
+        for c in cols {
+            d.extend(view_f32(v, r * width + c.start, c.len())?);
+        }
+    }
+    Tensor::from_vec(d, (rows, n), &Device::Cpu)
 }
 
 /// The whole model's parameters (engine names and orientation), gathered
