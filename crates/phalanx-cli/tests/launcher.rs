@@ -153,31 +153,27 @@ fn collectives_across_processes_are_correct() {
     }
 }
 
-/// Start `n` workers by hand with Open MPI's variables (rank 0 hosts the
-/// store, as under mpirun); one aborts mid-collective.
-#[test]
-fn killed_rank_fails_the_others_within_5s_naming_it() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let n = 3;
+/// A free port for a store that rank 0 will host.
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Start `n` `_test-worker` processes by hand, as mpirun or srun would:
+/// `env(rank)` gives each one's launcher variables; rank 0 hosts the store.
+fn spawn_workers(
+    n: usize,
+    args: &[&str],
+    env: impl Fn(usize) -> Vec<(String, String)>,
+) -> Vec<std::process::Output> {
+    let port = free_port();
     let kids: Vec<_> = (0..n)
         .map(|r| {
             Command::new(BIN)
-                .args([
-                    "_test-worker",
-                    "--die-rank",
-                    "1",
-                    "--die-after-ms",
-                    "400",
-                    "--iters",
-                    "100000",
-                ])
+                .arg("_test-worker")
+                .args(args)
                 .env_remove("RANK")
-                .env("OMPI_COMM_WORLD_RANK", r.to_string())
-                .env("OMPI_COMM_WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
+                .envs(env(r))
                 .env("MASTER_PORT", port.to_string())
                 .env("PHALANX_SECRET", "00112233")
                 .stdout(Stdio::piped())
@@ -186,8 +182,33 @@ fn killed_rank_fails_the_others_within_5s_naming_it() {
                 .unwrap()
         })
         .collect();
-    for (r, k) in kids.into_iter().enumerate() {
-        let out = k.wait_with_output().unwrap();
+    kids.into_iter()
+        .map(|k| k.wait_with_output().unwrap())
+        .collect()
+}
+
+/// Open MPI's variables; one rank aborts mid-collective.
+#[test]
+fn killed_rank_fails_the_others_within_5s_naming_it() {
+    let n = 3;
+    let outs = spawn_workers(
+        n,
+        &[
+            "--die-rank",
+            "1",
+            "--die-after-ms",
+            "400",
+            "--iters",
+            "100000",
+        ],
+        |r| {
+            vec![
+                ("OMPI_COMM_WORLD_RANK".into(), r.to_string()),
+                ("OMPI_COMM_WORLD_SIZE".into(), n.to_string()),
+            ]
+        },
+    );
+    for (r, out) in outs.into_iter().enumerate() {
         let err = String::from_utf8_lossy(&out.stderr);
         if r == 1 {
             assert!(!out.status.success());
@@ -208,28 +229,14 @@ fn killed_rank_fails_the_others_within_5s_naming_it() {
 
 #[test]
 fn slurm_variables_start_a_job_too() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let kids: Vec<_> = (0..2)
-        .map(|r| {
-            Command::new(BIN)
-                .args(["_test-worker", "--iters", "3"])
-                .env_remove("RANK")
-                .env("SLURM_PROCID", r.to_string())
-                .env("SLURM_NTASKS", "2")
-                .env("SLURM_LOCALID", r.to_string())
-                .env("MASTER_PORT", port.to_string())
-                .env("PHALANX_SECRET", "abcd")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (r, k) in kids.into_iter().enumerate() {
-        let out = k.wait_with_output().unwrap();
+    let outs = spawn_workers(2, &["--iters", "3"], |r| {
+        vec![
+            ("SLURM_PROCID".into(), r.to_string()),
+            ("SLURM_NTASKS".into(), "2".into()),
+            ("SLURM_LOCALID".into(), r.to_string()),
+        ]
+    });
+    for (r, out) in outs.into_iter().enumerate() {
         let so = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),

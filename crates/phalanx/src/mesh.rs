@@ -49,11 +49,17 @@ impl DeviceMesh {
     pub fn new(world: &ProcessGroup, dp: usize, pp: usize, tp: usize) -> Result<DeviceMesh> {
         let n = world.size();
         if dp * pp * tp != n || dp == 0 || pp == 0 || tp == 0 {
-            return Err(Error::Check(format!("mesh dp {dp} x pp {pp} x tp {tp} does not cover the world of {n} ranks")));
+            return Err(Error::Check(format!(
+                "mesh dp {dp} x pp {pp} x tp {tp} does not cover the world of {n} ranks"
+            )));
         }
-        let rank_of = |c: Coords| (c.pp * dp + c.dp) * tp + c.tp;
-        let r = world.rank();
-        let coords = Coords { tp: r % tp, dp: (r / tp) % dp, pp: r / (tp * dp) };
+        // rank = (pp * dp_size + dp) * tp_size + tp
+        let coords_of = |r: usize| Coords {
+            tp: r % tp,
+            dp: (r / tp) % dp,
+            pp: r / (tp * dp),
+        };
+        let coords = coords_of(world.rank());
         // Every rank creates every group, in the same order (new_group is
         // collective in that sense), and keeps the ones it belongs to.
         let mine = |groups: Vec<Vec<usize>>| -> Result<ProcessGroup> {
@@ -65,19 +71,33 @@ impl DeviceMesh {
             }
             Ok(own.expect("every rank is on every axis"))
         };
-        let tp_groups = (0..pp)
-            .flat_map(|p| (0..dp).map(move |d| (0..tp).map(|t| rank_of(Coords { dp: d, pp: p, tp: t })).collect()))
-            .collect();
-        let dp_groups = (0..pp)
-            .flat_map(|p| (0..tp).map(move |t| (0..dp).map(|d| rank_of(Coords { dp: d, pp: p, tp: t })).collect()))
-            .collect();
-        let pp_groups = (0..dp)
-            .flat_map(|d| (0..tp).map(move |t| (0..pp).map(|p| rank_of(Coords { dp: d, pp: p, tp: t })).collect()))
-            .collect();
+        // The groups along one axis: ranks that agree on the other two
+        // coordinates, in rank order (so in order along the axis).
+        let along = |axis: fn(Coords) -> Coords| -> Vec<Vec<usize>> {
+            let mut groups: std::collections::BTreeMap<(usize, usize, usize), Vec<usize>> =
+                Default::default();
+            for r in 0..n {
+                let k = axis(coords_of(r));
+                groups.entry((k.pp, k.dp, k.tp)).or_default().push(r);
+            }
+            groups.into_values().collect()
+        };
+        let tp_groups = along(|c| Coords { tp: 0, ..c });
+        let dp_groups = along(|c| Coords { dp: 0, ..c });
+        let pp_groups = along(|c| Coords { pp: 0, ..c });
         let tp_pg = mine(tp_groups)?;
         let dp_pg = mine(dp_groups)?;
         let pp_pg = mine(pp_groups)?;
-        Ok(DeviceMesh { dp_size: dp, pp_size: pp, tp_size: tp, coords, world: world.clone(), dp: dp_pg, pp: pp_pg, tp: tp_pg })
+        Ok(DeviceMesh {
+            dp_size: dp,
+            pp_size: pp,
+            tp_size: tp,
+            coords,
+            world: world.clone(),
+            dp: dp_pg,
+            pp: pp_pg,
+            tp: tp_pg,
+        })
     }
 
     pub fn coords(&self) -> Coords {

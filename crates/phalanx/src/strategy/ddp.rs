@@ -96,11 +96,7 @@ impl Ddp {
             .collect();
         let buckets = plan_buckets(&ranges, cfg.bucket_bytes.max(4));
         pg.broadcast(engine.params_flat_mut(), 0)?;
-        Ok(Ddp {
-            pg,
-            cfg,
-            buckets,
-        })
+        Ok(Ddp { pg, cfg, buckets })
     }
 
     pub fn buckets(&self) -> &[Bucket] {

@@ -88,6 +88,21 @@ fn normal(stdev: f64) -> Init {
     Init::Randn { mean: 0.0, stdev }
 }
 
+/// `name.weight` of `shape` (out, in), N(0, 0.02), and `name.bias` (out,) = 0.
+fn linear_params(
+    vb: &VarBuilder,
+    name: &str,
+    shape: (usize, usize),
+    bias: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let w = vb.get_with_hints(shape, &format!("{name}.weight"), normal(0.02))?;
+    let b = match bias {
+        true => Some(vb.get_with_hints(shape.0, &format!("{name}.bias"), Init::Const(0.0))?),
+        false => None,
+    };
+    Ok((w, b))
+}
+
 pub struct ColumnParallelLinear {
     tp: Tp,
     w: Tensor,
@@ -105,15 +120,8 @@ impl ColumnParallelLinear {
         bias: bool,
     ) -> Result<Self> {
         let o = tp.part(out_dim, &format!("{name} output size"))?;
-        Ok(Self {
-            tp: tp.clone(),
-            w: vb.get_with_hints((o, in_dim), &format!("{name}.weight"), normal(0.02))?,
-            b: if bias {
-                Some(vb.get_with_hints(o, &format!("{name}.bias"), Init::Const(0.0))?)
-            } else {
-                None
-            },
-        })
+        let (w, b) = linear_params(vb, name, (o, in_dim), bias)?;
+        Ok(Self::from_parts(tp, w, b))
     }
 
     /// From given tensors (e.g. a block that declares its own names).
@@ -153,15 +161,8 @@ impl RowParallelLinear {
         bias: bool,
     ) -> Result<Self> {
         let i = tp.part(in_dim, &format!("{name} input size"))?;
-        Ok(Self {
-            tp: tp.clone(),
-            w: vb.get_with_hints((out_dim, i), &format!("{name}.weight"), normal(0.02))?,
-            b: if bias {
-                Some(vb.get_with_hints(out_dim, &format!("{name}.bias"), Init::Const(0.0))?)
-            } else {
-                None
-            },
-        })
+        let (w, b) = linear_params(vb, name, (out_dim, i), bias)?;
+        Ok(Self::from_parts(tp, w, b))
     }
 
     pub fn from_parts(tp: &Tp, w: Tensor, b: Option<Tensor>) -> Self {
