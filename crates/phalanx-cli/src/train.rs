@@ -28,6 +28,9 @@ pub struct TrainOpts {
     /// One JSON object per step: step, loss, lr, tokens_per_s, step_ms.
     #[arg(long = "log-json")]
     pub log_json: Option<PathBuf>,
+    /// Write a Chrome / Perfetto trace of the pipeline schedule (pp > 1).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     /// Print the resolved config and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -118,6 +121,7 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
             log_interval: cfg.log.interval,
             log_json,
             plot,
+            trace: opts.trace.clone(),
         },
     };
     let t0 = std::time::Instant::now();

@@ -72,7 +72,7 @@ pub fn train(
 ) -> Result<(Report, Trainer)> {
     let tp_size = cfg.parallel.tp;
     let dp = cfg.dp_for_world(pg.size())?;
-    let mesh = DeviceMesh::new(&pg, dp, 1, tp_size)?;
+    let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, tp_size)?;
     let g = model_config(cfg);
     let ecfg = EngineConfig {
         seed: cfg.train.seed,

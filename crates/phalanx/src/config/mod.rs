@@ -147,6 +147,12 @@ pub struct ParallelConfig {
     pub hybrid_shard_size: usize,
     /// Megatron sequence parallelism (with tp > 1).
     pub sequence_parallel: bool,
+    /// Pipeline schedule: gpipe, 1f1b, interleaved (or interleaved:V), zb-h1.
+    pub pp_schedule: String,
+    /// Model chunks per rank for the interleaved schedule.
+    pub pp_virtual_stages: usize,
+    /// Blocks per stage: "balanced" (by parameter count) or counts "2,3,3".
+    pub pp_partition: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -244,6 +250,9 @@ impl Default for ParallelConfig {
             backward_prefetch: 1,
             hybrid_shard_size: 0,
             sequence_parallel: false,
+            pp_schedule: "1f1b".into(),
+            pp_virtual_stages: 2,
+            pp_partition: "balanced".into(),
         }
     }
 }
@@ -379,10 +388,27 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if self.parallel.pp != 1 {
+        if self.parallel.pp == 0 {
+            return bad("parallel.pp must be at least 1".into());
+        }
+        if self.parallel.pp > 1 && self.sharding()?.stage >= 2 {
             return bad(
-                "pipeline parallel (parallel.pp > 1) is not available in this build".into(),
+                "pipeline parallel composes with DDP and ZeRO-1 on the dp axis (zero stage <= 1)"
+                    .into(),
             );
+        }
+        if !matches!(
+            self.parallel
+                .pp_schedule
+                .to_ascii_lowercase()
+                .split(':')
+                .next(),
+            Some("gpipe" | "1f1b" | "interleaved" | "zb-h1")
+        ) {
+            return bad(format!(
+                "parallel.pp_schedule must be gpipe, 1f1b, interleaved or zb-h1, not {:?}",
+                self.parallel.pp_schedule
+            ));
         }
         Ok(())
     }

@@ -37,7 +37,7 @@ use super::backend::ParamSource;
 use super::block::Block;
 use super::flat::FlatBuffer;
 use super::layout::{Layout, ParamInfo};
-use super::stack::{Activations, Stack, Stash};
+use super::stack::{Activations, Stack, Stash, WeightStash};
 use crate::ledger::{Ledger, Mem};
 
 /// How an [`Engine`] is set up.
@@ -247,6 +247,40 @@ impl Engine {
         let mut h = |b: usize, g: &mut FlatBuffer| hook(b, g.as_mut_slice());
         self.stack
             .backward(stash, gy, &self.params, &mut self.grads, &mut h)
+    }
+
+    /// Zero-bubble building block: forward of blocks `range` with the
+    /// parameters as constants, for [`Engine::backward_input_range`] (B) and
+    /// [`Engine::backward_weight_range`] (W) instead of `backward_range`.
+    pub fn forward_range_frozen(
+        &self,
+        range: Range<usize>,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> Result<(Tensor, Stash)> {
+        self.stack.forward_frozen(range, x, targets, &self.params)
+    }
+
+    /// B: the gradient of the range's input only (no parameter gradient is
+    /// touched), and the stash its weight pass needs.
+    pub fn backward_input_range(
+        &self,
+        stash: Stash,
+        gy: &Tensor,
+    ) -> Result<(Option<Tensor>, WeightStash)> {
+        self.stack.backward_input(stash, gy, &self.params)
+    }
+
+    /// W: add the range's parameter gradients to the flat gradient buffer,
+    /// calling `hook(block, grads_flat)` after each block (top first).
+    pub fn backward_weight_range(
+        &mut self,
+        stash: WeightStash,
+        hook: &mut dyn FnMut(usize, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let mut h = |b: usize, g: &mut FlatBuffer| hook(b, g.as_mut_slice());
+        self.stack
+            .backward_weight(stash, &self.params, &mut self.grads, &mut h)
     }
 
     /// Mean loss without autograd.

@@ -29,6 +29,12 @@
 //! A range's forward returns a [`Stash`] (what its backward needs); several
 //! stashes may be alive at once, which is what pipeline schedules (1F1B) need.
 //!
+//! Split backward (zero-bubble schedules, [`split`]): `forward_frozen` keeps a
+//! graph whose parameters are constants; `backward_input` (B) then gives the
+//! input gradient only, and `backward_weight` (W) recomputes each block's
+//! forward from its detached input with the parameters as `Var`s to give the
+//! parameter gradients only, as late as the schedule wants.
+//!
 //! ```
 //! use phalanx::engine::{Activations, FlatBuffer, FnBlock, Stack, Block};
 //! use phalanx::ledger::{Ledger, Mem};
@@ -64,6 +70,9 @@ use super::init;
 use super::layout::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::ops::cpu::with_f32;
+
+mod split;
+pub use split::WeightStash;
 
 /// What the forward keeps for the backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -231,6 +240,19 @@ impl Stack {
         targets: Option<&Tensor>,
         src: &dyn ParamSource,
     ) -> Result<(Tensor, Stash)> {
+        self.forward_impl(range, x, targets, src, true)
+    }
+
+    /// The training forward; `param_vars = false` binds the parameters as
+    /// constants (the input stays a `Var`), for the split backward.
+    fn forward_impl(
+        &self,
+        range: Range<usize>,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+        src: &dyn ParamSource,
+        param_vars: bool,
+    ) -> Result<(Tensor, Stash)> {
         self.check_range(&range)?;
         let ctx = Ctx {
             targets,
@@ -247,6 +269,14 @@ impl Stack {
                     let (m, _served, _working) = self.build(b, src, false)?;
                     x = m.forward(&x, &ctx)?;
                 }
+                Activations::KeepGraph if !param_vars && !x.dtype().is_float() => {
+                    // Token ids under a split backward: B has nothing to do
+                    // for this block and W recomputes it from the ids.
+                    act_bytes += tensor_bytes(&x);
+                    saved.push(Saved::Input(x.clone()));
+                    let (m, _served, _working) = self.build(b, src, false)?;
+                    x = m.forward(&x, &ctx)?;
+                }
                 Activations::KeepGraph => {
                     let xv = if x.dtype().is_float() {
                         Some(Var::from_tensor(&x)?)
@@ -255,7 +285,7 @@ impl Stack {
                     };
                     let xin = xv.as_ref().map_or(&x, |v| v.as_tensor());
                     act_bytes += tensor_bytes(xin);
-                    let (m, served, working) = self.build(b, src, true)?;
+                    let (m, served, working) = self.build(b, src, param_vars)?;
                     let y = m.forward(xin, &ctx)?;
                     act_bytes += tensor_bytes(&y);
                     x = y.detach();

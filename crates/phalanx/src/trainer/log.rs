@@ -16,6 +16,8 @@ pub struct RunOptions {
     pub log_json: Option<PathBuf>,
     /// Loss curve (SVG) written at the end.
     pub plot: Option<PathBuf>,
+    /// Chrome / Perfetto trace of the pipeline schedule, written at the end.
+    pub trace: Option<PathBuf>,
 }
 
 impl Default for RunOptions {
@@ -25,6 +27,7 @@ impl Default for RunOptions {
             log_interval: 10,
             log_json: None,
             plot: None,
+            trace: None,
         }
     }
 }

@@ -16,6 +16,7 @@
 //! ```
 
 mod log;
+mod pipe;
 
 pub use log::{write_loss_svg, RunOptions, StepLog};
 
@@ -52,6 +53,10 @@ pub struct Report {
     /// (step, validation loss)
     pub val_losses: Vec<(usize, f32)>,
     pub tokens_per_s: f64,
+    /// Pipeline runs: the measured bubble (idle / step time) of every world
+    /// rank, and the peak micro-batches in flight of every world rank.
+    pub bubble: Option<Vec<f64>>,
+    pub in_flight: Option<Vec<usize>>,
 }
 
 /// How the data-parallel axis is run.
@@ -63,6 +68,8 @@ enum Strategy {
     },
     /// ZeRO-1/2/3, FSDP.
     Zero(Box<Zero>),
+    /// Pipeline parallel over the mesh's pp axis (DDP or ZeRO-1 on dp).
+    Pipe(Box<pipe::PipeStrategy>),
 }
 
 pub struct Trainer {
@@ -176,7 +183,11 @@ impl Trainer {
                 crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
                     .map_err(|e| Error::Io(format!("optimizer offload: {e}")))
             };
-        let strat = if sharding.stage == 0 {
+        let strat = if mesh.pp_size > 1 {
+            let ps =
+                pipe::PipeStrategy::new(cfg, &mut engine, mesh, sharding.stage == 1, &make_opt)?;
+            Strategy::Pipe(Box::new(ps))
+        } else if sharding.stage == 0 {
             let ddp_cfg = DdpConfig {
                 bucket_bytes,
                 check_every: cfg.parallel.check_params_every,
@@ -250,12 +261,16 @@ impl Trainer {
         match &self.strat {
             Strategy::Ddp { .. } => Ok(self.engine.params_flat().to_vec()),
             Strategy::Zero(z) => z.full_params(&self.engine),
+            Strategy::Pipe(p) => Ok(p.pipe.full_params(&self.engine)?),
         }
     }
 
     /// Make the engine hold full parameters again (after ZeRO-3), e.g. to
     /// save them. Collective.
     pub fn materialize_params(&mut self) -> Result<()> {
+        if let Strategy::Pipe(p) = &self.strat {
+            return p.sync_params(&mut self.engine);
+        }
         if self.engine.params_flat().is_empty() {
             let full = self.full_params()?;
             self.engine.restore_params(full);
@@ -272,11 +287,23 @@ impl Trainer {
         let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
         let device = self.engine.device().clone();
         match &mut self.strat {
-            Strategy::Ddp { .. } => self.engine.zero_grad(),
+            Strategy::Ddp { .. } | Strategy::Pipe(_) => self.engine.zero_grad(),
             Strategy::Zero(z) => z.zero_grad(&mut self.engine),
         }
         let mut loss_sum = 0.0f64;
-        for a in 0..accum {
+        // Pipeline: the m micro-batches are the pipeline's, run by its schedule.
+        let pipelined = matches!(self.strat, Strategy::Pipe(_));
+        if let Strategy::Pipe(p) = &mut self.strat {
+            let (loader, micro) = (&self.loader, self.micro);
+            let mut batch = |a: usize| -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+                Ok(loader
+                    .micro_batch(step as u64, dp_rank, dp, a, micro, accum)?
+                    .to_tensors(&device)?)
+            };
+            // Already the mean over micro-batches and dp replicas.
+            loss_sum = p.pipe.forward_backward(&mut self.engine, &mut batch)? as f64 * accum as f64;
+        }
+        for a in (0..accum).filter(|_| !pipelined) {
             let batch = self
                 .loader
                 .micro_batch(step as u64, dp_rank, dp, a, self.micro, accum)?;
@@ -287,6 +314,7 @@ impl Trainer {
                     ddp.forward_backward(&mut self.engine, &x, &y, scale, last)?
                 }
                 Strategy::Zero(z) => z.forward_backward(&mut self.engine, &x, &y, scale, last)?,
+                Strategy::Pipe(_) => unreachable!("pipelined steps run above"),
             };
             if !loss.is_finite() {
                 return Err(Error::Check(format!(
@@ -329,6 +357,7 @@ impl Trainer {
                 n
             }
             Strategy::Zero(z) => z.step(&mut self.engine, lr, clip_to)?,
+            Strategy::Pipe(p) => p.step(&mut self.engine, lr, clip_to, &self.tp_replicated)?,
         };
         let secs = t0.elapsed().as_secs_f64();
         let comm_bytes = self.pg.bytes_sent() - sent0;
@@ -345,6 +374,39 @@ impl Trainer {
             tokens_per_s: tokens / secs,
             comm_bytes,
         })
+    }
+
+    /// Gather every rank's measured bubble and in-flight peak; print them
+    /// against the schedule's theory.
+    fn report_pipeline(
+        &self,
+        p: &pipe::PipeStrategy,
+        report: &mut Report,
+        print: bool,
+    ) -> Result<()> {
+        let world = self.mesh.world();
+        let t = p.pipe.timeline();
+        let mine = [
+            t.bubble_fraction().unwrap_or(f64::NAN),
+            t.peak_in_flight() as f64,
+        ];
+        let mut all = vec![0f64; 2 * world.size()];
+        world.all_gather(&mine, &mut all)?;
+        let bubble: Vec<f64> = all.chunks(2).map(|c| c[0]).collect();
+        let flight: Vec<usize> = all.chunks(2).map(|c| c[1] as usize).collect();
+        if print {
+            let (pp, m) = (self.mesh.pp_size, self.cfg.train.grad_accum_steps);
+            let theory = (pp - 1) as f64 / (m + pp - 1) as f64;
+            let sched = p.pipe.config().schedule;
+            println!(
+                "pipeline {sched}: p = {pp}, m = {m}; measured bubble per rank {:?} (GPipe/1F1B theory (p-1)/(m+p-1) = {theory:.3}); \
+                 peak micro-batches in flight per rank {flight:?}",
+                bubble.iter().map(|b| (b * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+            );
+        }
+        report.bubble = Some(bubble);
+        report.in_flight = Some(flight);
+        Ok(())
     }
 
     /// Every rank's ledger and peak RSS, gathered on every rank.
@@ -378,7 +440,7 @@ impl Trainer {
 
     /// Mean validation loss over up to `train.eval_batches` batches of
     /// `micro_batch_size`, split across the data-parallel ranks.
-    pub fn evaluate(&self) -> Result<Option<f32>> {
+    pub fn evaluate(&mut self) -> Result<Option<f32>> {
         let bs = self.micro;
         let n = self
             .loader
@@ -386,6 +448,11 @@ impl Trainer {
             .min(self.cfg.train.eval_batches);
         if n == 0 {
             return Ok(None);
+        }
+        // Pipeline stages update only their own blocks: bring the rest up to
+        // date, then every rank can run the whole model.
+        if let Strategy::Pipe(p) = &self.strat {
+            p.sync_params(&mut self.engine)?;
         }
         let pg = &self.pg;
         let mut acc = [0.0f64, 0.0];
@@ -402,7 +469,7 @@ impl Trainer {
                 .val_batch(i, bs)?
                 .to_tensors(self.engine.device())?;
             acc[0] += match &self.strat {
-                Strategy::Ddp { .. } => self.engine.eval_loss(&x, &y)?,
+                Strategy::Ddp { .. } | Strategy::Pipe(_) => self.engine.eval_loss(&x, &y)?,
                 Strategy::Zero(z) => z.eval_loss(&self.engine, &x, &y)?,
             } as f64;
             acc[1] += 1.0;
@@ -419,11 +486,12 @@ impl Trainer {
         let mut log = StepLog::new(opts, lead, steps)?;
         if lead && opts.progress {
             println!(
-                "training {} parameters per rank on {} rank(s) (dp {} x tp {}): global batch {} x {} tokens \
+                "training {} parameters per rank on {} rank(s) (dp {} x pp {} x tp {}): global batch {} x {} tokens \
                  (micro-batch {} x grad_accum {}), {} steps",
                 self.engine.num_params(),
                 m.world().size(),
                 m.dp_size,
+                m.pp_size,
                 m.tp_size,
                 self.global_batch,
                 self.cfg.model.block_size,
@@ -457,6 +525,20 @@ impl Trainer {
         } else {
             tok_s.iter().sum::<f64>() / tok_s.len() as f64
         };
+        if let Strategy::Pipe(p) = &self.strat {
+            self.report_pipeline(p, &mut report, lead && opts.progress)?;
+            if let Some(path) = &opts.trace {
+                p.pipe.write_trace(path)?;
+                if lead && opts.progress {
+                    println!(
+                        "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
+                        path.display()
+                    );
+                }
+            }
+        } else if let (Some(path), true) = (&opts.trace, lead) {
+            println!("no trace written to {}: timelines are recorded for pipeline runs (parallel.pp > 1)", path.display());
+        }
         log.finish(&report)?;
         Ok(report)
     }

@@ -1,0 +1,214 @@
+//! The split backward of zero-bubble pipeline schedules (ZB-H1): the
+//! backward of a range becomes two passes that a schedule can run apart.
+//!
+//! - B, [`Stack::backward_input`]: the input gradient only. The forward ran
+//!   with the parameters as constants ([`Stack::forward_frozen`]), so candle's
+//!   backward walks the activation path and computes no weight gradient. Each
+//!   block's input and upstream gradient are kept in a [`WeightStash`].
+//! - W, [`Stack::backward_weight`]: the parameter gradients only. candle
+//!   computes all gradients of a graph in one backward, so W rebuilds each
+//!   block with its parameters as `Var`s, runs its forward again from the
+//!   detached input and backpropagates the kept upstream gradient. The cost is
+//!   one more forward per block; what stays alive between B and W is two
+//!   boundary tensors per block instead of the block's graph.
+//!
+//! B then W gives the same gradients as [`Stack::backward`] (same ops on the
+//! same values), which the pipeline equivalence tests check end to end.
+//!
+//! ```
+//! use phalanx::engine::{Activations, Block, FlatBuffer, FnBlock, Stack};
+//! use phalanx::ledger::{Ledger, Mem};
+//! use candle_core::{Device, Tensor};
+//! let dev = Device::Cpu;
+//! let blocks = || -> Vec<Box<dyn Block>> { vec![
+//!     Box::new(FnBlock::new(|vb: candle_nn::VarBuilder| candle_nn::linear(3, 3, vb.pp("l0")))),
+//!     Box::new(FnBlock::new(|vb: candle_nn::VarBuilder| candle_nn::linear(3, 1, vb.pp("l1")))),
+//! ]};
+//! let ledger = Ledger::new();
+//! let stack = Stack::new(blocks(), &dev, Activations::KeepGraph, &ledger).unwrap();
+//! let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+//! stack.init_params(params.as_mut_slice(), 0);
+//! let x = Tensor::ones((2, 3), candle_core::DType::F32, &dev).unwrap();
+//! // Reference: the fused backward.
+//! let mut full = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+//! let (y, stash) = stack.forward(0..2, &x, None, &params).unwrap();
+//! let gy = Tensor::ones(y.shape(), y.dtype(), &dev).unwrap();
+//! let dx = stack.backward(stash, &gy, &params, &mut full, &mut |_, _| Ok(())).unwrap().unwrap();
+//! // Split: B gives dx and no parameter gradient, W gives the rest later.
+//! let mut split = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+//! let (_, stash) = stack.forward_frozen(0..2, &x, None, &params).unwrap();
+//! let (dx2, w) = stack.backward_input(stash, &gy, &params).unwrap();
+//! assert!(split.as_slice().iter().all(|&g| g == 0.0));
+//! stack.backward_weight(w, &params, &mut split, &mut |_, _| Ok(())).unwrap();
+//! let d = (dx - dx2.unwrap()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+//! assert!(d < 1e-6);
+//! for (a, b) in full.as_slice().iter().zip(split.as_slice()) {
+//!     assert!((a - b).abs() < 1e-6);
+//! }
+//! ```
+
+use std::ops::Range;
+
+use candle_core::{bail, Result, Tensor, Var};
+
+use super::{tensor_bytes, Saved, Stack, Stash};
+use crate::engine::backend::ParamSource;
+use crate::engine::block::Ctx;
+use crate::engine::flat::GradSink;
+use crate::ledger::{Charge, Mem};
+use crate::ops::cpu::with_f32;
+
+/// What a weight-gradient pass (W) needs once the input-gradient pass (B)
+/// has run: per block, its input and the gradient of its output.
+pub struct WeightStash {
+    range: Range<usize>,
+    /// (input, upstream gradient) per block, in block order.
+    saved: Vec<(Tensor, Tensor)>,
+    targets: Option<Tensor>,
+    _activations: Charge,
+}
+
+impl WeightStash {
+    /// The blocks this stash covers.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+}
+
+impl Stack {
+    /// Forward of blocks `range` for a split backward: as [`Stack::forward`],
+    /// but in `KeepGraph` mode the parameters enter the graph as constants,
+    /// so that [`Stack::backward_input`] computes no parameter gradient.
+    pub fn forward_frozen(
+        &self,
+        range: Range<usize>,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+        src: &dyn ParamSource,
+    ) -> Result<(Tensor, Stash)> {
+        self.forward_impl(range, x, targets, src, false)
+    }
+
+    /// B: the gradient of the range's input (`None` for token ids), block by
+    /// block from the top, without parameter gradients. Returns it with the
+    /// stash of the matching [`Stack::backward_weight`].
+    pub fn backward_input(
+        &self,
+        stash: Stash,
+        gy: &Tensor,
+        src: &dyn ParamSource,
+    ) -> Result<(Option<Tensor>, WeightStash)> {
+        let Stash {
+            range,
+            saved,
+            targets,
+            _activations,
+        } = stash;
+        let ctx = Ctx {
+            targets: targets.as_ref(),
+            train: true,
+        };
+        let mut gy = gy.detach();
+        let mut dx = None;
+        let mut keep = Vec::with_capacity(range.len());
+        let mut bytes = 0;
+        for (b, saved) in range.clone().rev().zip(saved.into_iter().rev()) {
+            // The input (detached, for W) and, for a float input, the graph
+            // from the input `Var` to the output.
+            let (x, graph) = match saved {
+                Saved::Input(x) if !x.dtype().is_float() => (x, None),
+                Saved::Input(x) => {
+                    let xv = Var::from_tensor(&x)?;
+                    let (m, _served, _working) = self.build(b, src, false)?;
+                    let y = m.forward(xv.as_tensor(), &ctx)?;
+                    (x, Some((xv, y)))
+                }
+                Saved::Graph { x: None, .. } => bail!(
+                    "block {b}: its token-id input was not kept; run the range with \
+                     `forward_frozen` (not `forward`) before `backward_input`"
+                ),
+                Saved::Graph { x: Some(xv), y, .. } => (xv.as_tensor().detach(), Some((xv, y))),
+            };
+            if let Some((_, y)) = &graph {
+                if y.shape() != gy.shape() {
+                    bail!(
+                        "block {b}: output {:?} but upstream gradient {:?}",
+                        y.shape(),
+                        gy.shape()
+                    )
+                }
+            }
+            dx = match graph {
+                Some((xv, y)) => {
+                    let grads = (y * &gy)?.sum_all()?.backward()?;
+                    match grads.get(xv.as_tensor()) {
+                        Some(g) => Some(g.detach()),
+                        None => bail!("block {b}: its input received no gradient"),
+                    }
+                }
+                None => None,
+            };
+            bytes += tensor_bytes(&x) + tensor_bytes(&gy);
+            keep.push((x, gy.clone()));
+            if let Some(g) = &dx {
+                gy = g.clone();
+            }
+        }
+        keep.reverse();
+        let w = WeightStash {
+            range,
+            saved: keep,
+            targets,
+            _activations: self.ledger.charge(Mem::Activations, bytes),
+        };
+        Ok((dx, w))
+    }
+
+    /// W: the parameter gradients of a range whose B has run, added into
+    /// `sink`; `hook(b, sink)` runs after each block (top block first), as in
+    /// [`Stack::backward`].
+    pub fn backward_weight<S: GradSink>(
+        &self,
+        stash: WeightStash,
+        src: &dyn ParamSource,
+        sink: &mut S,
+        hook: &mut dyn FnMut(usize, &mut S) -> Result<()>,
+    ) -> Result<()> {
+        let WeightStash {
+            range,
+            saved,
+            targets,
+            _activations,
+        } = stash;
+        let ctx = Ctx {
+            targets: targets.as_ref(),
+            train: true,
+        };
+        for (b, (x, gy)) in range.rev().zip(saved.into_iter().rev()) {
+            let (m, served, working) = self.build(b, src, true)?;
+            let y = m.forward(&x, &ctx)?;
+            if y.shape() != gy.shape() {
+                bail!(
+                    "block {b}: output {:?} but upstream gradient {:?}",
+                    y.shape(),
+                    gy.shape()
+                )
+            }
+            let grads = (y * &gy)?.sum_all()?.backward()?;
+            for (k, var) in &served.vars {
+                let p = &self.layout.params()[*k];
+                let Some(g) = grads.get(var.as_tensor()) else {
+                    bail!(
+                        "parameter `{}` (block {b}) received no gradient: it is unused, or an op \
+                         without backward cut it off; use phalanx::ops",
+                        p.name
+                    )
+                };
+                with_f32(g, |g| sink.accumulate(p, g))??;
+            }
+            drop((grads, served, working));
+            hook(b, sink)?;
+        }
+        Ok(())
+    }
+}
