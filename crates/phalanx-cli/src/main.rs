@@ -56,6 +56,22 @@ enum Cmd {
         #[arg(long, default_value_t = 20)]
         iters: usize,
     },
+    /// Print a pipeline schedule's table of actions per rank, check it, and
+    /// simulate its bubble.
+    Schedule {
+        /// gpipe, 1f1b, interleaved:V, zb-h1
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
+        /// Pipeline stages.
+        #[arg(long, default_value_t = 4)]
+        pp: usize,
+        /// Micro-batches per step.
+        #[arg(long = "micro-batches", default_value_t = 8)]
+        micro_batches: usize,
+        /// Also list the sends and receives.
+        #[arg(long)]
+        comm: bool,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -85,6 +101,12 @@ fn main() {
             die_after_ms,
             iters,
         } => test_worker(die_rank, die_after_ms, iters),
+        Cmd::Schedule {
+            schedule,
+            pp,
+            micro_batches,
+            comm,
+        } => print_schedule(&schedule, pp, micro_batches, comm),
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },
         } => bench_collectives::main(&opts, &launch),
@@ -124,4 +146,33 @@ fn test_worker(die_rank: Option<usize>, die_after_ms: u64, iters: usize) -> i32 
     }
     println!("rank {r}: ok x[0]={}", x[0]);
     0
+}
+
+fn print_schedule(kind: &str, pp: usize, m: usize, comm: bool) -> i32 {
+    use phalanx::strategy::pipeline::{Costs, Schedule, ScheduleKind};
+    let run = || -> phalanx::Result<()> {
+        let kind: ScheduleKind = kind.parse()?;
+        let s = Schedule::new(kind, pp, m)?;
+        s.validate()?;
+        if comm {
+            println!("{s:#}");
+        } else {
+            println!("{s}");
+        }
+        let sim = s.simulate(&Costs::default())?;
+        let bubble: Vec<String> = sim.bubble.iter().map(|b| format!("{b:.3}")).collect();
+        println!(
+            "valid; simulated bubble per rank [{}] (GPipe/1F1B theory (p-1)/(m+p-1) = {:.3})",
+            bubble.join(", "),
+            (pp - 1) as f64 / (m + pp - 1) as f64
+        );
+        Ok(())
+    };
+    match run() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("phalanx schedule: {e}");
+            2
+        }
+    }
 }

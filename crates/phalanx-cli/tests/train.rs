@@ -257,3 +257,74 @@ fn bad_data_and_weights_are_clear_errors() {
         "no backtrace for users: {err}"
     );
 }
+
+#[test]
+fn pipeline_training_prints_the_bubble_and_writes_a_trace() {
+    let d = tmpdir("pp");
+    let trace = d.join("trace.json");
+    let (code, out, err) = train(&[
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "train.grad_accum_steps=4",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.steps=3",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("pipeline 1f1b: p = 2, m = 4; measured bubble per rank ["),
+        "{out}"
+    );
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    // Both ranks' forwards and backwards are in it.
+    for pid in [0, 1] {
+        for kind in ["F", "B"] {
+            assert!(
+                events
+                    .iter()
+                    .any(|e| e["pid"] == pid
+                        && e["name"].as_str().is_some_and(|n| n.starts_with(kind))),
+                "rank {pid} {kind} missing"
+            );
+        }
+    }
+}
+
+#[test]
+fn schedule_command_prints_a_valid_table() {
+    let out = Command::new(BIN)
+        .args([
+            "schedule",
+            "--schedule",
+            "gpipe",
+            "--pp",
+            "2",
+            "--micro-batches",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.contains("rank 0: F0 F1 F2 B0 B1 B2") || text.contains("rank 0: F0 F1 F2 B2 B1 B0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("valid; simulated bubble per rank [0.250, 0.250]"),
+        "{text}"
+    );
+    let bad = Command::new(BIN)
+        .args(["schedule", "--schedule", "zigzag"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
