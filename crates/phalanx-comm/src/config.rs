@@ -8,6 +8,7 @@
 //! | `PHALANX_RD_MAX_BYTES` | `auto` uses recursive doubling / trees up to this size | 2 MiB for 2 ranks, 128 KiB for more (measured crossovers on loopback) |
 //! | `PHALANX_CHUNK_BYTES` | ring pipeline chunk | 512 KiB |
 //! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
+//! | `PHALANX_TRANSPORT` | `auto`: Unix domain sockets to ranks on the same host, TCP to others; `tcp`: TCP everywhere | auto |
 
 use std::time::Duration;
 
@@ -18,6 +19,15 @@ pub enum Algo {
     RecursiveDoubling,
 }
 
+/// Which sockets the rank-to-rank mesh may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportPref {
+    /// Unix domain sockets to ranks on the same host, TCP to the others.
+    Auto,
+    /// TCP to every rank, even on the same host.
+    Tcp,
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub timeout: Duration,
@@ -26,6 +36,7 @@ pub struct Config {
     pub rd_max_bytes: usize,
     pub chunk_bytes: usize,
     pub heartbeat_timeout: Duration,
+    pub transport: TransportPref,
 }
 
 impl Default for Config {
@@ -37,6 +48,7 @@ impl Default for Config {
             rd_max_bytes: 0,
             chunk_bytes: 512 << 10,
             heartbeat_timeout: Duration::from_secs(5),
+            transport: TransportPref::Auto,
         }
     }
 }
@@ -80,6 +92,15 @@ impl Config {
             Ok("ring") => Algo::Ring,
             Ok("rd") => Algo::RecursiveDoubling,
             _ => Algo::Auto,
+        };
+        c.transport = match std::env::var("PHALANX_TRANSPORT") {
+            Err(_) => TransportPref::Auto,
+            Ok(v) if v.eq_ignore_ascii_case("tcp") => TransportPref::Tcp,
+            Ok(v) if v.is_empty() || v.eq_ignore_ascii_case("auto") => TransportPref::Auto,
+            Ok(v) => {
+                eprintln!("[phalanx] ignoring PHALANX_TRANSPORT={v}: expected auto or tcp");
+                TransportPref::Auto
+            }
         };
         if let Some(b) = env_f64("PHALANX_RD_MAX_BYTES") {
             c.rd_max_bytes = b as usize;

@@ -148,10 +148,21 @@ impl ProcessGroup {
         self.inner.t.bytes_sent()
     }
 
+    /// The kind of socket between this process and group rank `rank`:
+    /// `Link::Unix` for a peer on this host, `Link::Tcp` for one elsewhere
+    /// or under `PHALANX_TRANSPORT=tcp`; `None` for this process itself.
+    pub fn link(&self, rank: usize) -> Option<crate::transport::Link> {
+        let g = *self.inner.members.get(rank)?;
+        self.inner.t.link(g)
+    }
+
     pub fn config(&self) -> &Config {
         &self.inner.cfg
     }
 
+    /// This group's channel of a kind: 0 collectives, 1 point-to-point,
+    /// 2 signature checks (PHALANX_DEBUG=detail), 3 the all-gather phase of
+    /// ring collectives (kept apart so its frames can land in place).
     fn chan(&self, kind: u64) -> u64 {
         self.inner.gid.wrapping_mul(4).wrapping_add(kind)
     }
@@ -171,6 +182,7 @@ impl ProcessGroup {
             members: &inner.members,
             me: inner.me,
             chan: self.chan(0),
+            chan2: self.chan(3),
             seq,
             deadline: Instant::now() + inner.cfg.timeout,
             op: sig.op,

@@ -197,14 +197,6 @@ pub fn from_store(
     cfg: Config,
     keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
 ) -> Result<ProcessGroup> {
-    let t = connect_mesh(
-        store,
-        prefix,
-        rank,
-        world,
-        secret,
-        cfg.timeout,
-        cfg.heartbeat_timeout,
-    )?;
+    let t = connect_mesh(store, prefix, rank, world, secret, &cfg)?;
     Ok(ProcessGroup::from_transport(t, cfg, keep))
 }

@@ -5,7 +5,8 @@
 //! Layers, bottom up:
 //! - `wire`: frames and the secret handshake;
 //! - `store`: the rendezvous key-value store (TCPStore);
-//! - `transport`: the TCP mesh between ranks, failure detection;
+//! - `transport`: the mesh between ranks (Unix sockets on one host, TCP
+//!   across hosts), failure detection;
 //! - `algo`: ring, recursive doubling and tree algorithms;
 //! - `group`: `ProcessGroup`, its collectives, async `Work`, sub-groups;
 //! - `init`: start from torchrun / mpirun / srun variables;
@@ -33,10 +34,11 @@ pub mod transport;
 pub mod wire;
 pub mod work;
 
-pub use config::{Algo, Config};
+pub use config::{Algo, Config, TransportPref};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;
 pub use half::{bf16, f16};
 pub use init::{init_process_group, DistEnv};
+pub use transport::Link;
 pub use work::Work;

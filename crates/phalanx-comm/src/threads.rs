@@ -1,6 +1,8 @@
 //! Ranks as threads: a whole process group inside one process, for tests
-//! and examples. Each thread gets its own transport over loopback TCP, so
-//! the code under test is exactly what runs across processes.
+//! and examples. Each thread gets its own transport over real sockets (Unix
+//! domain sockets, or loopback TCP under `PHALANX_TRANSPORT=tcp` /
+//! `Config::transport`), so the code under test is exactly what runs across
+//! processes.
 //!
 //! ```
 //! let ranks = phalanx_comm::threads::run(4, |pg| pg.rank());

@@ -11,6 +11,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 type HmacSha256 = Hmac<Sha256>;
@@ -51,10 +52,41 @@ fn mac(secret: &[u8], nonce: &[u8], role: &[u8]) -> HmacSha256 {
     m
 }
 
+/// A byte stream whose read timeout can be read and set: what the handshake
+/// needs from a connection (TCP or Unix domain).
+pub trait ReadTimeout {
+    fn read_timeout(&self) -> std::io::Result<Option<Duration>>;
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl ReadTimeout for TcpStream {
+    fn read_timeout(&self) -> std::io::Result<Option<Duration>> {
+        TcpStream::read_timeout(self)
+    }
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, t)
+    }
+}
+
+impl ReadTimeout for UnixStream {
+    fn read_timeout(&self) -> std::io::Result<Option<Duration>> {
+        UnixStream::read_timeout(self)
+    }
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_read_timeout(self, t)
+    }
+}
+
 /// Run the mutual handshake. `server` says which side of the connection we
 /// are (the roles are mixed into the MACs so one side's answer cannot be
 /// reflected back as the other's). Fails with `Auth` on a wrong secret.
-pub fn handshake(s: &mut TcpStream, secret: &[u8], server: bool, timeout: Duration) -> Result<()> {
+/// The same handshake runs on TCP and Unix domain connections.
+pub fn handshake<S: Read + Write + ReadTimeout>(
+    s: &mut S,
+    secret: &[u8],
+    server: bool,
+    timeout: Duration,
+) -> Result<()> {
     let old = s.read_timeout()?;
     s.set_read_timeout(Some(timeout))?;
     let (my_role, peer_role): (&[u8], &[u8]) = if server {
@@ -88,7 +120,7 @@ pub fn handshake(s: &mut TcpStream, secret: &[u8], server: bool, timeout: Durati
     Ok(())
 }
 
-fn read_exact_ctx(s: &mut TcpStream, buf: &mut [u8], what: &str) -> Result<()> {
+fn read_exact_ctx(s: &mut impl Read, buf: &mut [u8], what: &str) -> Result<()> {
     s.read_exact(buf).map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
             CommError::Timeout(format!("{what}: peer sent nothing in time"))

@@ -153,3 +153,29 @@ fn ranks_that_disagree_on_world_size_are_refused() {
     }
     assert!(t0.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn a_rank_that_only_accepts_hears_of_a_set_up_error_at_once() {
+    // Rank 0 registers first and waits for rank 1 to connect; rank 1 then
+    // finds the world sizes differ and never connects. Rank 0 must not wait
+    // out its timeout.
+    use phalanx_comm::store::{StoreClient, StoreServer};
+    let secret = b"s".to_vec();
+    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
+    let addr = server.addr().to_string();
+    let a = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    let b = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    let t0 = Instant::now();
+    let t = std::thread::spawn(move || {
+        phalanx_comm::init::from_store(&a, "p", 0, 2, b"s", cfg(20.0), None).err()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let err = phalanx_comm::init::from_store(&b, "p", 1, 3, b"s", cfg(20.0), None)
+        .err()
+        .unwrap();
+    let other = t.join().unwrap().unwrap();
+    for e in [&err, &other] {
+        assert!(e.to_string().contains("disagree on the world size"), "{e}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}

@@ -18,7 +18,7 @@ pub mod tree;
 
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::transport::{Msg, Transport};
+use crate::transport::{Msg, Posts, Transport};
 use std::ops::Range;
 use std::time::Instant;
 
@@ -31,6 +31,10 @@ pub struct Ctx<'a> {
     /// This process's rank in the group.
     pub me: usize,
     pub chan: u64,
+    /// A second channel for the all-gather phase of ring collectives: its
+    /// frames are received in place (posted ahead), which is only safe if
+    /// no frame of the other phase can be taken for one of them.
+    pub chan2: u64,
     pub seq: u64,
     pub deadline: Instant,
     pub op: &'static str,
@@ -38,7 +42,7 @@ pub struct Ctx<'a> {
     pub chunk_elems: usize,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
     pub fn n(&self) -> usize {
         self.members.len()
     }
@@ -82,6 +86,52 @@ impl Ctx<'_> {
         self.check_len::<T>(from, &m, out.len())?;
         out.copy_from_slice(m.as_slice());
         self.t.recycle(m);
+        Ok(())
+    }
+
+    /// Send on another channel of this collective (see `chan2`).
+    pub fn send_on<T: Element>(&self, chan: u64, to: usize, data: &[T]) -> Result<()> {
+        self.t.send(
+            self.members[to],
+            chan,
+            self.seq,
+            bytemuck::cast_slice(data),
+            self.deadline,
+        )
+    }
+
+    /// Receive on another channel of this collective (see `chan2`).
+    pub fn recv_on(&self, chan: u64, from: usize) -> Result<Msg> {
+        let what = || format!("{} (collective #{})", self.op, self.seq);
+        self.t
+            .recv(self.members[from], chan, self.seq, self.deadline, &what)
+    }
+
+    /// Receives from `from` on `chan` that the reader thread places straight
+    /// into the caller's buffer (see `Posts`).
+    pub(crate) fn posts(&self, chan: u64, from: usize) -> Posts<'a> {
+        self.t.posts(self.members[from], chan, self.seq)
+    }
+
+    /// Wait for the next receive posted in `posts` (from `from`), which
+    /// covers `base[r]`; a frame that arrived before it was posted is copied.
+    ///
+    /// # Safety
+    /// `base[r]` must be the region posted next in `posts`.
+    pub(crate) unsafe fn wait_posted<T: Element>(
+        &self,
+        posts: &mut Posts,
+        from: usize,
+        base: *mut T,
+        r: Range<usize>,
+    ) -> Result<()> {
+        let what = || format!("{} (collective #{})", self.op, self.seq);
+        if let Some(m) = posts.wait(self.deadline, &what)? {
+            self.check_len::<T>(from, &m, r.len())?;
+            std::slice::from_raw_parts_mut(base.add(r.start), r.len())
+                .copy_from_slice(m.as_slice());
+            self.t.recycle(m);
+        }
         Ok(())
     }
 

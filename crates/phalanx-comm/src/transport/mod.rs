@@ -1,4 +1,8 @@
-//! Rank-to-rank transport: a full mesh of authenticated TCP connections.
+//! Rank-to-rank transport: a full mesh of authenticated connections, Unix
+//! domain stream sockets to ranks on the same host and TCP to the others
+//! (`PHALANX_TRANSPORT=tcp` forces TCP everywhere). Both kinds are a
+//! `Stream`, so framing, readers, heartbeats and failure handling are one
+//! code path.
 //!
 //! Each connection has a reader thread that drains the socket into an inbox
 //! keyed by (peer, channel, sequence). Because the reader always drains, a
@@ -10,14 +14,15 @@
 //! ABORT, or stops sending heartbeats marks the whole transport failed; every
 //! pending and later call then returns an error naming that peer.
 
-mod tcp;
+mod mesh;
+mod stream;
 
-pub use tcp::connect_mesh;
+pub use mesh::connect_mesh;
+pub use stream::{Link, Stream};
 
 use crate::error::{CommError, Result};
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -56,13 +61,46 @@ pub(crate) fn header(kind: u8, chan: u64, seq: u64, len: usize) -> [u8; HEADER] 
 }
 
 pub(crate) struct Peer {
+    /// The peer's TCP listening address, its label in messages.
     pub host: String,
-    pub writer: Mutex<TcpStream>,
+    pub link: Link,
+    pub writer: Mutex<Stream>,
+}
+
+/// (peer, channel, sequence): what a message is matched by.
+pub(crate) type Key = (usize, u64, u64);
+
+/// A receive posted before its data arrived: the reader thread reads the
+/// frame straight into `ptr..ptr+len` (the caller's buffer) instead of a
+/// pooled buffer, saving a copy.
+#[derive(Clone, Copy)]
+pub(crate) struct Posted {
+    pub id: u64,
+    pub ptr: usize,
+    pub len: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Slot {
+    /// Waiting for its frame.
+    Posted,
+    /// The reader thread is writing into it.
+    Filling,
+    /// Filled.
+    Done,
+    /// The connection failed while filling it.
+    Failed,
 }
 
 #[derive(Default)]
 pub(crate) struct Inbox {
-    pub queues: HashMap<(usize, u64, u64), VecDeque<Msg>>,
+    pub queues: HashMap<Key, VecDeque<Msg>>,
+    /// Posted receives per key, oldest first. A frame goes into the oldest
+    /// one only when no earlier frame of that key is queued (so frames
+    /// stay in order) and the lengths agree.
+    pub posted: HashMap<Key, VecDeque<Posted>>,
+    pub slots: HashMap<u64, Slot>,
+    pub next_slot: u64,
     pub failed: Option<CommError>,
     /// Peers that said goodbye (clean shutdown), with no error implied.
     pub closed: HashMap<usize, ()>,
@@ -95,6 +133,15 @@ impl Transport {
             Some(p) => p.host.clone(),
             None => "this process".into(),
         }
+    }
+
+    /// The kind of socket that connects this process to `rank` (`None` for
+    /// itself).
+    pub fn link(&self, rank: usize) -> Option<Link> {
+        self.peers
+            .get(rank)
+            .and_then(|p| p.as_ref())
+            .map(|p| p.link)
     }
 
     /// Payload bytes this process has sent to peers so far.
@@ -183,7 +230,7 @@ impl Transport {
 
     pub(crate) fn write_all(
         &self,
-        s: &mut TcpStream,
+        s: &mut Stream,
         mut buf: &[u8],
         deadline: Instant,
     ) -> Result<()> {
@@ -279,6 +326,17 @@ impl Transport {
         }
     }
 
+    /// An empty set of posted receives from `from` on (chan, seq); add
+    /// regions with `Posts::post` in the order the frames will be sent.
+    pub(crate) fn posts(&self, from: usize, chan: u64, seq: u64) -> Posts<'_> {
+        Posts {
+            t: self,
+            key: (from, chan, seq),
+            ids: Vec::new(),
+            next: 0,
+        }
+    }
+
     /// Close every socket without a word, as a crashed process does. For
     /// failure tests of ranks-as-threads.
     #[doc(hidden)]
@@ -312,7 +370,7 @@ impl Transport {
 
     fn write_raw(
         &self,
-        w: &mut TcpStream,
+        w: &mut Stream,
         h: &[u8],
         body: &[u8],
         deadline: Instant,
@@ -346,6 +404,144 @@ impl Transport {
             closing: AtomicBool::new(false),
             pool: Mutex::new(Vec::new()),
             sent: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+/// Receives posted ahead of their frames (see `Transport::posts`); dropping
+/// it withdraws the ones not yet received (waiting for any being written).
+pub(crate) struct Posts<'a> {
+    t: &'a Transport,
+    key: Key,
+    ids: Vec<u64>,
+    next: usize,
+}
+
+impl Posts<'_> {
+    /// Post the next receive: its frame will be read from the socket
+    /// straight into `ptr..ptr+len`.
+    ///
+    /// # Safety
+    /// The region must stay valid, and must be neither read nor written by
+    /// anyone else, until `wait` has returned for it or `self` is dropped
+    /// (dropping waits for a reader thread that is still writing into it).
+    pub unsafe fn post(&mut self, ptr: *mut u8, len: usize) {
+        let mut ib = self.t.inbox.lock().unwrap();
+        let id = ib.next_slot;
+        ib.next_slot += 1;
+        ib.slots.insert(id, Slot::Posted);
+        ib.posted.entry(self.key).or_default().push_back(Posted {
+            id,
+            ptr: ptr as usize,
+            len,
+        });
+        self.ids.push(id);
+    }
+
+    /// Wait for the next posted receive, in the order they were posted.
+    /// `Ok(None)`: its region holds the frame. `Ok(Some(m))`: the frame came
+    /// before the receive was posted, or with another length; the caller
+    /// checks and copies `m` itself.
+    pub fn wait(&mut self, deadline: Instant, what: &dyn Fn() -> String) -> Result<Option<Msg>> {
+        let t = self.t;
+        let id = *self
+            .ids
+            .get(self.next)
+            .ok_or_else(|| CommError::Invalid("no posted receive left to wait for".into()))?;
+        self.next += 1;
+        let from = self.key.0;
+        let mut ib = t.inbox.lock().unwrap();
+        loop {
+            match ib.slots.get(&id).copied() {
+                Some(Slot::Done) => {
+                    ib.slots.remove(&id);
+                    return Ok(None);
+                }
+                Some(Slot::Failed) => {
+                    ib.slots.remove(&id);
+                    return Err(ib.failed.clone().unwrap_or_else(|| CommError::PeerDead {
+                        rank: from,
+                        host: t.host_of(from),
+                        reason: format!("connection closed during {}", what()),
+                    }));
+                }
+                Some(Slot::Filling) => {}
+                Some(Slot::Posted) | None => {
+                    // Frames queued for this key precede every posted one,
+                    // and this is the oldest posted receive still waiting:
+                    // the first queued frame is its frame.
+                    if let Some(q) = ib.queues.get_mut(&self.key) {
+                        if let Some(m) = q.pop_front() {
+                            if q.is_empty() {
+                                ib.queues.remove(&self.key);
+                            }
+                            withdraw(&mut ib, self.key, id);
+                            return Ok(Some(m));
+                        }
+                    }
+                    if let Some(e) = &ib.failed {
+                        return Err(e.clone());
+                    }
+                    if ib.closed.contains_key(&from) {
+                        return Err(CommError::PeerDead {
+                            rank: from,
+                            host: t.host_of(from),
+                            reason: format!("shut down before sending the data for {}", what()),
+                        });
+                    }
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout(format!(
+                    "{} waited for rank {from} ({}) past the deadline (PHALANX_TIMEOUT)",
+                    what(),
+                    t.host_of(from)
+                )));
+            }
+            ib = t
+                .arrived
+                .wait_timeout(ib, (deadline - now).min(Duration::from_secs(1)))
+                .unwrap()
+                .0;
+        }
+    }
+}
+
+fn withdraw(ib: &mut Inbox, key: Key, id: u64) {
+    if let Some(q) = ib.posted.get_mut(&key) {
+        q.retain(|p| p.id != id);
+        if q.is_empty() {
+            ib.posted.remove(&key);
+        }
+    }
+    ib.slots.remove(&id);
+}
+
+impl Drop for Posts<'_> {
+    fn drop(&mut self) {
+        let mut ib = self.t.inbox.lock().unwrap();
+        loop {
+            let mut filling = false;
+            for &id in &self.ids {
+                match ib.slots.get(&id) {
+                    // The reader thread is writing into the region: it must
+                    // finish (or fail: reads time out) before the region is
+                    // given back.
+                    Some(Slot::Filling) => filling = true,
+                    Some(_) => withdraw(&mut ib, self.key, id),
+                    None => {}
+                }
+            }
+            if !filling {
+                return;
+            }
+            ib = self
+                .t
+                .arrived
+                .wait_timeout(ib, Duration::from_millis(100))
+                .unwrap()
+                .0;
         }
     }
 }

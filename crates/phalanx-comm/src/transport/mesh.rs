@@ -1,28 +1,42 @@
-//! Building the TCP mesh through the store, and the per-connection threads.
+//! Building the mesh through the store, and the per-connection threads.
 
+use super::stream::local;
 use super::*;
+use crate::config::{Config, TransportPref};
 use crate::store::StoreClient;
 use crate::wire;
 use std::io::Read;
-use std::net::{IpAddr, Ipv4Addr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
+use std::os::unix::net::UnixListener;
 use std::sync::{Arc, Weak};
+
+/// Socket buffer size asked for on every connection (SO_SNDBUF/SO_RCVBUF):
+/// larger buffers let a whole pipeline chunk sit in flight. Measured for
+/// Unix sockets too: 256 KiB, 1 MiB, the kernel default and 4 MiB were
+/// within noise of each other for 1-64 MB all-reduces here.
+const SOCKET_BUFFER: usize = 4 << 20;
 
 /// Connect this rank to every other rank of a `world`-sized job.
 ///
-/// Each rank listens on an ephemeral port of the interface it uses to reach
-/// the store and publishes "ip:port" under `{prefix}/addr/{rank}`. Rank i
-/// dials every lower rank and accepts every higher one; both sides run the
-/// secret handshake, then the dialer says who it is. Ranks that disagree on
-/// the world size, or two processes that claim one rank, are errors.
+/// Each rank listens on an ephemeral TCP port of the interface it uses to
+/// reach the store and publishes "ip:port" under `{prefix}/addr/{rank}`.
+/// Unless `PHALANX_TRANSPORT=tcp`, it also listens on a Unix socket with a
+/// random abstract name and publishes "host identity\nname" under
+/// `{prefix}/local/{rank}` (before the address, so a reader of the address
+/// sees both). Rank i dials every lower rank, over the Unix socket when both
+/// share a host identity (falling back to TCP if that fails), over TCP
+/// otherwise, and accepts every higher one on either listener; both sides run
+/// the secret handshake, then the dialer says who it is. Ranks that disagree
+/// on the world size, or two processes that claim one rank, are errors.
 pub fn connect_mesh(
     store: &StoreClient,
     prefix: &str,
     rank: usize,
     world: usize,
     secret: &[u8],
-    timeout: Duration,
-    heartbeat_timeout: Duration,
+    cfg: &Config,
 ) -> Result<Arc<Transport>> {
+    let (timeout, heartbeat_timeout) = (cfg.timeout, cfg.heartbeat_timeout);
     if rank >= world {
         return Err(CommError::Invalid(format!(
             "rank {rank} is out of range for world size {world}"
@@ -55,14 +69,47 @@ pub fn connect_mesh(
     };
     let listener = TcpListener::bind((ip, 0))?;
     let me = listener.local_addr()?.to_string();
+    // Same-host peers: a Unix listener, unless TCP is forced or there is no
+    // way to tell which peers share this host.
+    let mut local_id = None;
+    let mut unix_listener = None;
+    if cfg.transport == TransportPref::Auto && world > 1 {
+        if let Some(id) = local::host_identity() {
+            match local::listen(rank) {
+                Ok((l, name)) => {
+                    store.set(
+                        &format!("{prefix}/local/{rank}"),
+                        format!("{id}\n{name}").as_bytes(),
+                    )?;
+                    local_id = Some(id);
+                    unix_listener = Some(l);
+                }
+                Err(e) => eprintln!(
+                    "[phalanx] rank {rank}: no Unix socket ({e}); using TCP to every rank"
+                ),
+            }
+        }
+    }
     store.set(&format!("{prefix}/addr/{rank}"), me.as_bytes())?;
 
     // Accept higher ranks on a thread while we dial the lower ones.
     let secret_acc = secret.to_vec();
-    let acceptor =
-        std::thread::spawn(move || accept_higher(listener, rank, world, &secret_acc, deadline));
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_acceptor = StopOnDrop(stop.clone());
+    let stop_acc = stop.clone();
+    let acceptor = std::thread::spawn(move || {
+        accept_higher(
+            listener,
+            unix_listener,
+            rank,
+            world,
+            &secret_acc,
+            deadline,
+            &stop_acc,
+        )
+    });
 
-    let mut peers: Vec<Option<(TcpStream, String)>> = (0..world).map(|_| None).collect();
+    let mut peers: Vec<Option<(Stream, String)>> = (0..world).map(|_| None).collect();
     #[allow(clippy::needless_range_loop)] // j is a rank, not just an index
     for j in 0..rank {
         let key = format!("{prefix}/addr/{j}");
@@ -74,11 +121,29 @@ pub fn connect_mesh(
             })
         })?;
         let host = String::from_utf8_lossy(&store.try_get(&key)?.unwrap_or_default()).to_string();
-        let mut s = dial(&host, deadline).map_err(|e| CommError::PeerDead {
-            rank: j,
-            host: host.clone(),
-            reason: format!("cannot connect: {e}"),
-        })?;
+        let mut s = None;
+        if let Some(id) = &local_id {
+            let theirs = store.try_get(&format!("{prefix}/local/{j}"))?;
+            let theirs = String::from_utf8_lossy(theirs.as_deref().unwrap_or_default());
+            if let Some((their_id, name)) = theirs.split_once('\n') {
+                if their_id == id {
+                    match local::dial(name) {
+                        Ok(u) => s = Some(Stream::Unix(u)),
+                        Err(e) => eprintln!(
+                            "[phalanx] rank {rank}: Unix socket to rank {j} ({host}) failed ({e}); using TCP"
+                        ),
+                    }
+                }
+            }
+        }
+        let mut s = match s {
+            Some(s) => s,
+            None => Stream::Tcp(dial(&host, deadline).map_err(|e| CommError::PeerDead {
+                rank: j,
+                host: host.clone(),
+                reason: format!("cannot connect: {e}"),
+            })?),
+        };
         wire::handshake(
             &mut s,
             secret,
@@ -91,10 +156,26 @@ pub fn connect_mesh(
         s.write_all(&hello)?;
         peers[j] = Some((s, host));
     }
+    // Wait for the higher ranks, giving up at once if one of them failed
+    // to start (it will never connect).
+    let err_key = format!("{prefix}/error");
+    while !acceptor.is_finished() {
+        match store.wait(&[&err_key], Duration::from_millis(20)) {
+            Ok(()) => {
+                let e = store.try_get(&err_key)?.unwrap_or_default();
+                return Err(CommError::Invalid(format!(
+                    "another rank failed to start: {}",
+                    String::from_utf8_lossy(&e)
+                )));
+            }
+            Err(CommError::Timeout(_)) => {}
+            Err(e) => return Err(e),
+        }
+    }
     let accepted = acceptor
         .join()
         .map_err(|_| CommError::Io("acceptor thread panicked".into()))??;
-    for (j, s, _ephemeral) in accepted {
+    for (j, s, _from) in accepted {
         // Name the peer by its listening address, as every other rank does.
         let host = store
             .try_get(&format!("{prefix}/addr/{j}"))?
@@ -111,10 +192,11 @@ pub fn connect_mesh(
                 s.set_nodelay(true)?;
                 s.set_write_timeout(Some(Duration::from_secs(1)))?;
                 s.set_read_timeout(Some(heartbeat_timeout))?;
-                set_buffers(&s);
+                s.set_buffers(SOCKET_BUFFER);
                 readers.push((j, s.try_clone()?, host.clone()));
                 conns.push(Some(Peer {
                     host,
+                    link: s.link(),
                     writer: Mutex::new(s),
                 }));
             }
@@ -189,18 +271,43 @@ fn dial(host: &str, deadline: Instant) -> std::io::Result<TcpStream> {
     }
 }
 
+/// Sets the flag when dropped: stops the acceptor thread when set-up
+/// returns early.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 fn accept_higher(
     listener: TcpListener,
+    unix: Option<UnixListener>,
     rank: usize,
     world: usize,
     secret: &[u8],
     deadline: Instant,
-) -> Result<Vec<(usize, TcpStream, String)>> {
+    stop: &AtomicBool,
+) -> Result<Vec<(usize, Stream, String)>> {
     listener.set_nonblocking(true)?;
-    let mut got: Vec<(usize, TcpStream, String)> = Vec::new();
+    if let Some(u) = &unix {
+        u.set_nonblocking(true)?;
+    }
+    let mut got: Vec<(usize, Stream, String)> = Vec::new();
     let expected = world - rank - 1;
     while got.len() < expected {
-        match listener.accept() {
+        let next = match listener.accept() {
+            Ok((s, addr)) => Ok((Stream::Tcp(s), addr.to_string())),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => match &unix {
+                Some(u) => u
+                    .accept()
+                    .map(|(s, _)| (Stream::Unix(s), "a local Unix socket".to_string())),
+                None => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        match next {
             Ok((mut s, addr)) => {
                 s.set_nonblocking(false)?;
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -229,9 +336,12 @@ fn accept_higher(
                     );
                     continue;
                 }
-                got.push((j, s, addr.to_string()));
+                got.push((j, s, addr));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if stop.load(Ordering::SeqCst) {
+                    return Err(CommError::Aborted("set-up abandoned".into()));
+                }
                 if Instant::now() >= deadline {
                     let missing: Vec<usize> = (rank + 1..world)
                         .filter(|j| !got.iter().any(|g| g.0 == *j))
@@ -248,25 +358,7 @@ fn accept_higher(
     Ok(got)
 }
 
-/// Larger socket buffers let a whole pipeline chunk sit in flight.
-fn set_buffers(s: &TcpStream) {
-    use std::os::fd::AsRawFd;
-    let size: libc::c_int = 4 << 20;
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: plain setsockopt on a socket we own, with a valid int pointer.
-        unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                &size as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
-    }
-}
-
-fn reader_loop(t: Weak<Transport>, mut s: TcpStream, peer: usize, host: String, hb: Duration) {
+fn reader_loop(t: Weak<Transport>, mut s: Stream, peer: usize, host: String, hb: Duration) {
     let err = loop {
         let mut h = [0u8; HEADER];
         if let Err(e) = s.read_exact(&mut h) {
@@ -282,6 +374,42 @@ fn reader_loop(t: Weak<Transport>, mut s: TcpStream, peer: usize, host: String, 
         let Some(tr) = t.upgrade() else { return };
         match kind {
             K_DATA => {
+                let key = (peer, chan, seq);
+                let mut ib = tr.inbox.lock().unwrap();
+                let direct = if ib.queues.get(&key).is_none_or(|q| q.is_empty()) {
+                    match ib.posted.get_mut(&key) {
+                        Some(q) if q.front().is_some_and(|p| p.len == len) => {
+                            let p = q.pop_front();
+                            if q.is_empty() {
+                                ib.posted.remove(&key);
+                            }
+                            p
+                        }
+                        _ => None,
+                    }
+                } else {
+                    None
+                };
+                if let Some(p) = direct {
+                    ib.slots.insert(p.id, Slot::Filling);
+                    drop(ib);
+                    // SAFETY: whoever posted the region keeps it valid and
+                    // untouched while its slot is Filling (`Posts` waits).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(p.ptr as *mut u8, p.len) };
+                    let res = read_fully(&mut s, dst);
+                    let state = if res.is_ok() {
+                        Slot::Done
+                    } else {
+                        Slot::Failed
+                    };
+                    tr.inbox.lock().unwrap().slots.insert(p.id, state);
+                    tr.arrived.notify_all();
+                    match res {
+                        Ok(()) => continue,
+                        Err(e) => break describe_read_error(e, hb),
+                    }
+                }
+                drop(ib);
                 let mut words = tr.take_buf(len.div_ceil(8));
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
                 if let Err(e) = read_fully(&mut s, &mut bytes[..len]) {
@@ -339,7 +467,7 @@ fn reader_loop(t: Weak<Transport>, mut s: TcpStream, peer: usize, host: String, 
 
 /// read_exact that tolerates read timeouts in the middle of a payload as
 /// long as bytes keep coming (the timeout is for a silent peer).
-fn read_fully(s: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
+fn read_fully(s: &mut Stream, mut buf: &mut [u8]) -> std::io::Result<()> {
     while !buf.is_empty() {
         match s.read(buf) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
