@@ -121,18 +121,8 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         return 2;
     };
     // Outside a job: start the ranks through the launcher.
-    if std::env::var_os("RANK").is_none() && std::env::var_os("OMPI_COMM_WORLD_RANK").is_none() {
-        let exe = std::env::current_exe()
-            .expect("own path")
-            .to_string_lossy()
-            .to_string();
-        let mut cmd = vec![exe];
-        cmd.extend(std::env::args().skip(1));
-        let lo = crate::launch::LaunchOpts {
-            nproc_per_node: Some(launch.nproc_per_node.unwrap_or(opts.nproc)),
-            ..launch.clone()
-        };
-        return crate::launch::run(&lo, &cmd);
+    if !crate::launch::in_job() {
+        return crate::launch::relaunch_self(launch, launch.nproc_per_node.unwrap_or(opts.nproc));
     }
     let pg = match phalanx_comm::init_process_group() {
         Ok(pg) => pg,

@@ -60,6 +60,30 @@ struct Worker {
     pumps: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// Whether this process was started as a rank of a job (by `phalanx run`,
+/// torchrun, mpirun or srun).
+pub fn in_job() -> bool {
+    ["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Run this very command again as `nproc` local ranks of a job (commands
+/// such as `phalanx train` launch themselves when started by hand).
+pub fn relaunch_self(launch: &LaunchOpts, nproc: usize) -> i32 {
+    let exe = std::env::current_exe()
+        .expect("own path")
+        .to_string_lossy()
+        .to_string();
+    let mut cmd = vec![exe];
+    cmd.extend(std::env::args().skip(1));
+    let lo = LaunchOpts {
+        nproc_per_node: Some(nproc),
+        ..launch.clone()
+    };
+    run(&lo, &cmd)
+}
+
 /// Run `cmd` as a distributed job; returns the process exit code.
 pub fn run(opts: &LaunchOpts, cmd: &[String]) -> i32 {
     match run_inner(opts, cmd) {

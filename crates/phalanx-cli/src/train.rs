@@ -36,12 +36,6 @@ pub struct TrainOpts {
     pub print_config: bool,
 }
 
-pub fn in_job() -> bool {
-    ["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
 pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     let cfg = match TrainConfig::build(opts.config.as_deref(), &opts.set) {
         Ok(c) => c,
@@ -54,7 +48,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         print!("{}", cfg.to_toml());
         return 0;
     }
-    if !in_job() {
+    if !crate::launch::in_job() {
         let n = launch.nproc_per_node.unwrap_or(2);
         // Check what can be checked before starting any process.
         if n == 0 {
@@ -68,17 +62,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             eprintln!("phalanx train: {e}");
             return 2;
         }
-        let exe = std::env::current_exe()
-            .expect("own path")
-            .to_string_lossy()
-            .to_string();
-        let mut cmd = vec![exe];
-        cmd.extend(std::env::args().skip(1));
-        let lo = crate::launch::LaunchOpts {
-            nproc_per_node: Some(n),
-            ..launch.clone()
-        };
-        return crate::launch::run(&lo, &cmd);
+        return crate::launch::relaunch_self(launch, n);
     }
     match run(&cfg, opts) {
         Ok(()) => 0,

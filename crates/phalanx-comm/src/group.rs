@@ -261,6 +261,21 @@ impl ProcessGroup {
         }
     }
 
+    /// The per-rank `counts` of an uneven collective must cover the `full`
+    /// buffer (one count per rank) and this rank's count its `part`.
+    fn check_counts(&self, op: &str, counts: &[usize], full: usize, part: usize) -> Result<()> {
+        let (n, r) = (self.size(), self.rank());
+        let total: usize = counts.iter().sum();
+        if counts.len() != n || total != full || counts[r] != part {
+            return Err(invalid!(
+                "{op}: {} counts summing to {total} for a full buffer of {full} and this rank's part of {part} \
+                 (group size {n}, rank {r})",
+                counts.len()
+            ));
+        }
+        Ok(())
+    }
+
     fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.size() {
             return Err(invalid!(
@@ -338,20 +353,7 @@ impl ProcessGroup {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let n = self.size();
-        if counts.len() != n
-            || counts.iter().sum::<usize>() != input.len()
-            || output.len() != counts[self.rank()]
-        {
-            return Err(invalid!(
-                "reduce_scatter: {} counts summing to {} for an input of {} and an output of {} (group size {n}, rank {})",
-                counts.len(),
-                counts.iter().sum::<usize>(),
-                input.len(),
-                output.len(),
-                self.rank()
-            ));
-        }
+        self.check_counts("reduce_scatter", counts, input.len(), output.len())?;
         let sig = Signature {
             reduce: Some(op),
             layout: digest(counts),
@@ -397,20 +399,7 @@ impl ProcessGroup {
         counts: &[usize],
         output: &mut [T],
     ) -> Result<()> {
-        let n = self.size();
-        if counts.len() != n
-            || counts.iter().sum::<usize>() != output.len()
-            || input.len() != counts[self.rank()]
-        {
-            return Err(invalid!(
-                "all_gather: {} counts summing to {} for an output of {} and an input of {} (group size {n}, rank {})",
-                counts.len(),
-                counts.iter().sum::<usize>(),
-                output.len(),
-                input.len(),
-                self.rank()
-            ));
-        }
+        self.check_counts("all_gather", counts, output.len(), input.len())?;
         let sig = Signature {
             layout: digest(counts),
             ..self.sig::<T>("all_gather", output.len())

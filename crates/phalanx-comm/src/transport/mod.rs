@@ -258,6 +258,38 @@ impl Transport {
         Ok(())
     }
 
+    /// Why a wait for data from `from` cannot succeed any more, if it
+    /// cannot: the transport failed, or the peer left without sending it.
+    fn gone(&self, ib: &Inbox, from: usize, what: &dyn Fn() -> String) -> Option<CommError> {
+        if let Some(e) = &ib.failed {
+            return Some(e.clone());
+        }
+        ib.closed.contains_key(&from).then(|| CommError::PeerDead {
+            rank: from,
+            host: self.host_of(from),
+            reason: format!("shut down before sending the data for {}", what()),
+        })
+    }
+
+    /// How long to sleep before looking again (at most 1 s), or the timeout
+    /// error naming the awaited peer once `deadline` has passed.
+    fn wait_slice(
+        &self,
+        from: usize,
+        deadline: Instant,
+        what: &dyn Fn() -> String,
+    ) -> Result<Duration> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(CommError::Timeout(format!(
+                "{} waited for rank {from} ({}) past the deadline (PHALANX_TIMEOUT)",
+                what(),
+                self.host_of(from)
+            )));
+        }
+        Ok((deadline - now).min(Duration::from_secs(1)))
+    }
+
     /// Receive the next frame from `from` on (chan, seq), waiting until
     /// `deadline`. `what` describes the operation for a timeout message.
     pub fn recv(
@@ -279,29 +311,11 @@ impl Transport {
                     return Ok(m);
                 }
             }
-            if let Some(e) = &ib.failed {
-                return Err(e.clone());
+            if let Some(e) = self.gone(&ib, from, what) {
+                return Err(e);
             }
-            if ib.closed.contains_key(&from) {
-                return Err(CommError::PeerDead {
-                    rank: from,
-                    host: self.host_of(from),
-                    reason: format!("shut down before sending the data for {}", what()),
-                });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CommError::Timeout(format!(
-                    "{} waited for rank {from} ({}) past the deadline (PHALANX_TIMEOUT)",
-                    what(),
-                    self.host_of(from)
-                )));
-            }
-            ib = self
-                .arrived
-                .wait_timeout(ib, (deadline - now).min(Duration::from_secs(1)))
-                .unwrap()
-                .0;
+            let slice = self.wait_slice(from, deadline, what)?;
+            ib = self.arrived.wait_timeout(ib, slice).unwrap().0;
         }
     }
 
@@ -479,31 +493,13 @@ impl Posts<'_> {
                             return Ok(Some(m));
                         }
                     }
-                    if let Some(e) = &ib.failed {
-                        return Err(e.clone());
-                    }
-                    if ib.closed.contains_key(&from) {
-                        return Err(CommError::PeerDead {
-                            rank: from,
-                            host: t.host_of(from),
-                            reason: format!("shut down before sending the data for {}", what()),
-                        });
+                    if let Some(e) = t.gone(&ib, from, what) {
+                        return Err(e);
                     }
                 }
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CommError::Timeout(format!(
-                    "{} waited for rank {from} ({}) past the deadline (PHALANX_TIMEOUT)",
-                    what(),
-                    t.host_of(from)
-                )));
-            }
-            ib = t
-                .arrived
-                .wait_timeout(ib, (deadline - now).min(Duration::from_secs(1)))
-                .unwrap()
-                .0;
+            let slice = t.wait_slice(from, deadline, what)?;
+            ib = t.arrived.wait_timeout(ib, slice).unwrap().0;
         }
     }
 }

@@ -374,7 +374,7 @@ pub fn blocks_tp(cfg: &Gpt2Config, tp: Option<Tp>) -> Result<Vec<Box<dyn Block>>
     let tp = tp.filter(|t| t.size() > 1);
     cfg.validate()?;
     if let Some(t) = &tp {
-        if cfg.n_head % t.size() != 0 {
+        if !cfg.n_head.is_multiple_of(t.size()) {
             bail!(
                 "model.n_head ({}) is not divisible by the tensor-parallel size {}",
                 cfg.n_head,

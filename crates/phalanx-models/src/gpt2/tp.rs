@@ -29,6 +29,9 @@ use phalanx::tp::{padded_vocab, Tp};
 use std::collections::HashMap;
 use std::ops::Range;
 
+/// Returns this rank's slice of parameter `name` given its rule and full shape.
+pub type ShardFn<'a> = dyn Fn(&str, &Rule, &[usize]) -> Result<Tensor> + 'a;
+
 /// How rank t's shard is cut from the full parameter (engine orientation).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Rule {
@@ -48,7 +51,7 @@ pub fn rule(name: &str, full: &[usize], vocab: usize, t: usize, tp: usize) -> Ru
     }
     if name.ends_with("wte.weight") {
         let rows = padded_vocab(vocab, tp) / tp;
-        return Rule::Rows(vec![t * rows..(t + 1) * rows]);
+        return Rule::Rows(std::iter::once(t * rows..(t + 1) * rows).collect());
     }
     if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
         let c = full[0] / 3;
@@ -120,7 +123,7 @@ pub fn shard_engine(
     cfg: &Gpt2Config,
     tp: &Tp,
     ecfg: EngineConfig,
-    shard: &dyn Fn(&str, &Rule, &[usize]) -> Result<Tensor>,
+    shard: &ShardFn,
 ) -> Result<Engine> {
     let mut engine = Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?;
     let names: Vec<(String, Vec<usize>)> = engine

@@ -91,7 +91,7 @@ pub fn train(
             (engine, Vec::new())
         }
         Some(t) => {
-            if cfg.model.block_size % t.size() != 0 && cfg.parallel.sequence_parallel {
+            if !cfg.model.block_size.is_multiple_of(t.size()) && cfg.parallel.sequence_parallel {
                 return Err(Error::Check(format!(
                     "sequence parallel: model.block_size {} is not divisible by parallel.tp {}",
                     cfg.model.block_size,

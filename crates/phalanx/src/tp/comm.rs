@@ -74,7 +74,7 @@ impl TpOp {
                 v
             }
             Kind::Scatter | Kind::Split => {
-                if shape[0] % n != 0 {
+                if !shape[0].is_multiple_of(n) {
                     candle_core::bail!(
                         "sequence length {} is not divisible by the tensor-parallel size {n}",
                         shape[0]

@@ -58,7 +58,7 @@ impl Tp {
     }
     /// This rank's part of `n` (which must divide).
     pub fn part(&self, n: usize, what: &str) -> Result<usize> {
-        if n % self.size() != 0 {
+        if !n.is_multiple_of(self.size()) {
             bail!(
                 "{what} ({n}) is not divisible by the tensor-parallel size {}",
                 self.size()

@@ -11,6 +11,10 @@ use crate::strategy::pipeline::{Partition, Pipeline, PipelineConfig, ScheduleKin
 use phalanx_comm::ReduceOp;
 use std::ops::Range;
 
+/// Builds the optimizer for a range of the flat buffer.
+pub type MakeOptimizer<'a> =
+    dyn Fn(&Engine, Range<usize>) -> Result<Box<dyn Optimizer + Send>> + 'a;
+
 pub struct PipeStrategy {
     pub pipe: Pipeline,
     /// (range of the flat buffer, its optimizer): with ZeRO-1, this dp
@@ -55,7 +59,7 @@ impl PipeStrategy {
         engine: &mut Engine,
         mesh: &DeviceMesh,
         zero1: bool,
-        make_opt: &dyn Fn(&Engine, Range<usize>) -> Result<Box<dyn Optimizer + Send>>,
+        make_opt: &MakeOptimizer,
     ) -> Result<PipeStrategy> {
         // Replicas along dp start from dp rank 0's parameters.
         mesh.dp().broadcast(engine.params_flat_mut(), 0)?;
