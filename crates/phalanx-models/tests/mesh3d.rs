@@ -68,3 +68,23 @@ fn pipeline_with_zero2_is_refused_clearly() {
         .to_string()
         .contains("pipeline parallel composes with DDP and ZeRO-1"));
 }
+
+#[test]
+fn time_balanced_partition_trains_the_same() {
+    check(
+        "pp 2, partition by measured time",
+        1,
+        2,
+        1,
+        2,
+        &["parallel.pp_partition=time"],
+    );
+    check(
+        "pp 2, partition by hand",
+        1,
+        2,
+        1,
+        2,
+        &["parallel.pp_partition=1,3"],
+    );
+}

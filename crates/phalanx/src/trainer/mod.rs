@@ -183,9 +183,29 @@ impl Trainer {
                 crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
                     .map_err(|e| Error::Io(format!("optimizer offload: {e}")))
             };
+        // A micro-batch to time the blocks on, for a time-balanced pipeline.
+        let sample = if mesh.pp_size > 1 && cfg.parallel.pp_partition.trim() == "time" {
+            let b = loader.micro_batch(
+                0,
+                pg.rank(),
+                pg.size(),
+                0,
+                micro,
+                cfg.train.grad_accum_steps,
+            )?;
+            Some(b.to_tensors(engine.device())?)
+        } else {
+            None
+        };
         let strat = if mesh.pp_size > 1 {
-            let ps =
-                pipe::PipeStrategy::new(cfg, &mut engine, mesh, sharding.stage == 1, &make_opt)?;
+            let ps = pipe::PipeStrategy::new(
+                cfg,
+                &mut engine,
+                mesh,
+                sharding.stage == 1,
+                &make_opt,
+                sample,
+            )?;
             Strategy::Pipe(Box::new(ps))
         } else if sharding.stage == 0 {
             let ddp_cfg = DdpConfig {

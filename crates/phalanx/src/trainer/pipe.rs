@@ -38,11 +38,17 @@ pub fn pipeline_config(cfg: &TrainConfig) -> Result<PipelineConfig> {
     };
     let partition = match p.pp_partition.trim() {
         "" | "balanced" => Partition::Balanced,
+        // Replaced by measured costs in `PipeStrategy::new`.
+        "time" => Partition::Balanced,
         list => Partition::Sizes(
             list.split(',')
                 .map(|s| s.trim().parse::<usize>())
                 .collect::<std::result::Result<_, _>>()
-                .map_err(|_| Error::Check(format!("parallel.pp_partition {list:?}: expected \"balanced\" or block counts like \"2,3,3\"")))?,
+                .map_err(|_| {
+                    Error::Check(format!(
+                        "parallel.pp_partition {list:?}: expected \"balanced\", \"time\" or block counts like \"2,3,3\""
+                    ))
+                })?,
         ),
     };
     Ok(PipelineConfig {
@@ -60,10 +66,18 @@ impl PipeStrategy {
         mesh: &DeviceMesh,
         zero1: bool,
         make_opt: &MakeOptimizer,
+        sample: Option<(candle_core::Tensor, candle_core::Tensor)>,
     ) -> Result<PipeStrategy> {
         // Replicas along dp start from dp rank 0's parameters.
         mesh.dp().broadcast(engine.params_flat_mut(), 0)?;
-        let pipe = Pipeline::new(engine, mesh, pipeline_config(cfg)?)?;
+        let mut pcfg = pipeline_config(cfg)?;
+        // "time": balance the measured forward + backward time of each block
+        // on one micro-batch (world rank 0's measurement is used everywhere).
+        if let (Some((x, y)), "time") = (&sample, cfg.parallel.pp_partition.trim()) {
+            let costs = crate::strategy::pipeline::partition::measure_block_costs(engine, x, y, 2)?;
+            pcfg.partition = Partition::Costs(costs);
+        }
+        let pipe = Pipeline::new(engine, mesh, pcfg)?;
         let (dp, r) = (mesh.dp().size(), mesh.dp().rank());
         let mut opts = Vec::new();
         let mut pieces = Vec::new();
