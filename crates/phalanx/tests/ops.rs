@@ -302,3 +302,58 @@ fn large_linear_split_over_threads_matches_candle() {
         .unwrap();
     assert!(max_abs_diff(g.get(wv.as_tensor()).unwrap(), &want) < 1e-3);
 }
+
+/// The zero-bubble input pass holds the weights constant and the weight
+/// pass the input: the linear's backward computes only what takes part in
+/// autograd, and what it computes is still exact.
+#[test]
+fn linear_backward_only_for_tracked_inputs() {
+    use candle_core::{Device, Tensor, Var};
+    let dev = Device::Cpu;
+    let xv: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin()).collect();
+    let wv: Vec<f32> = (0..8).map(|i| (i as f32 * 0.61).cos()).collect();
+    let full = {
+        let (x, w) = (
+            Var::from_vec(xv.clone(), (3, 4), &dev).unwrap(),
+            Var::from_vec(wv.clone(), (2, 4), &dev).unwrap(),
+        );
+        let g = phalanx::ops::linear(x.as_tensor(), w.as_tensor(), None)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        (
+            g.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap(),
+            g.get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap(),
+        )
+    };
+    // Input pass: weights constant.
+    let x = Var::from_vec(xv.clone(), (3, 4), &dev).unwrap();
+    let w = Tensor::from_vec(wv.clone(), (2, 4), &dev).unwrap();
+    let g = phalanx::ops::linear(x.as_tensor(), &w, None)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(
+        g.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap(),
+        full.0
+    );
+    assert!(g.get(&w).is_none());
+    // Weight pass: input constant.
+    let x = Tensor::from_vec(xv, (3, 4), &dev).unwrap();
+    let w = Var::from_vec(wv, (2, 4), &dev).unwrap();
+    let g = phalanx::ops::linear(&x, w.as_tensor(), None)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(
+        g.get(w.as_tensor()).unwrap().to_vec2::<f32>().unwrap(),
+        full.1
+    );
+    assert!(g.get(&x).is_none());
+}

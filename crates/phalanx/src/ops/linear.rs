@@ -206,12 +206,17 @@ fn forward(
 }
 
 /// (dx, dw, db) of a linear.
+/// Gradients of a linear: dx = dy w, dw = dy^T x, db = sum(dy). Each is
+/// computed only where the input takes part in autograd (`track_op`): the
+/// zero-bubble schedule's input pass holds the weights constant and its
+/// weight pass the input, and each then costs one matmul instead of two.
 fn backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     bias: bool,
-) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (need_dx, need_dw) = (x.track_op(), w.track_op());
     let (k, n) = (w.dim(1)?, w.dim(0)?);
     let rows = x.elem_count() / k;
     let (dx, dw, db) = with_f32(x, |x| {
@@ -222,39 +227,43 @@ fn backward(
                     rs: n,
                     cs: 1,
                 };
-                let mut dx = vec![0f32; rows * k];
-                sgemm(
-                    rows,
-                    k,
-                    n,
-                    &mut dx,
-                    false,
-                    g,
-                    Mat {
-                        data: w,
-                        rs: k,
-                        cs: 1,
-                    },
-                );
+                let mut dx = vec![0f32; if need_dx { rows * k } else { 0 }];
+                if need_dx {
+                    sgemm(
+                        rows,
+                        k,
+                        n,
+                        &mut dx,
+                        false,
+                        g,
+                        Mat {
+                            data: w,
+                            rs: k,
+                            cs: 1,
+                        },
+                    );
+                }
                 let gt = Mat {
                     data: dy,
                     rs: 1,
                     cs: n,
                 };
-                let mut dw = vec![0f32; n * k];
-                sgemm(
-                    n,
-                    k,
-                    rows,
-                    &mut dw,
-                    false,
-                    gt,
-                    Mat {
-                        data: x,
-                        rs: k,
-                        cs: 1,
-                    },
-                );
+                let mut dw = vec![0f32; if need_dw { n * k } else { 0 }];
+                if need_dw {
+                    sgemm(
+                        n,
+                        k,
+                        rows,
+                        &mut dw,
+                        false,
+                        gt,
+                        Mat {
+                            data: x,
+                            rs: k,
+                            cs: 1,
+                        },
+                    );
+                }
                 let db = bias.then(|| {
                     let mut db = vec![0f32; n];
                     for r in dy.chunks_exact(n) {
@@ -268,8 +277,12 @@ fn backward(
     })???;
     let dev = x.device();
     Ok((
-        Tensor::from_vec(dx, x.shape(), dev)?,
-        Tensor::from_vec(dw, w.shape(), dev)?,
+        need_dx
+            .then(|| Tensor::from_vec(dx, x.shape(), dev))
+            .transpose()?,
+        need_dw
+            .then(|| Tensor::from_vec(dw, w.shape(), dev))
+            .transpose()?,
         db.map(|db| Tensor::from_vec(db, n, dev)).transpose()?,
     ))
 }
@@ -305,12 +318,11 @@ impl CustomOp3 for LinearBias {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = backward(x, w, dy, true)?;
-        Ok((Some(dx), Some(dw), db))
+        backward(x, w, dy, b.track_op())
     }
 }
 
@@ -339,7 +351,7 @@ impl CustomOp2 for LinearNoBias {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = backward(x, w, dy, false)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((dx, dw))
     }
 }
 
