@@ -282,10 +282,14 @@ impl DataLoader {
     /// The `global_batch` sample indices of step `step`, in order.
     pub fn step_samples(&self, step: u64, global_batch: usize) -> Result<Vec<u64>> {
         self.check_global_batch(global_batch)?;
-        let first = step * global_batch as u64;
-        Ok((first..first + global_batch as u64)
+        Ok(self.samples_from(step * global_batch as u64, global_batch))
+    }
+
+    /// The sample indices of `n` consecutive global positions from `first`.
+    fn samples_from(&self, first: u64, n: usize) -> Vec<u64> {
+        (first..first + n as u64)
             .map(|g| self.sample_index(g))
-            .collect())
+            .collect()
     }
 
     /// The sample indices of one micro-batch (see the module docs for the rule).
@@ -309,9 +313,7 @@ impl DataLoader {
         let rank_first = dp_rank * (global_batch / dp_size);
         let first =
             step * global_batch as u64 + (rank_first + micro_step * micro_batch_size) as u64;
-        Ok((first..first + micro_batch_size as u64)
-            .map(|g| self.sample_index(g))
-            .collect())
+        Ok(self.samples_from(first, micro_batch_size))
     }
 
     /// The micro-batch that rank `dp_rank` runs at `micro_step` of `step`.
