@@ -7,6 +7,7 @@ pub mod ledger;
 pub mod mesh;
 pub mod ops;
 pub mod optim;
+pub mod precision;
 pub mod strategy;
 pub mod tp;
 pub mod trainer;

@@ -579,3 +579,82 @@ fn type_name(v: &toml::Value) -> &'static str {
         _ => "a table",
     }
 }
+
+// --- TEMPORARY shim until the config branch lands (replaced by config/precision.rs) ---
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    Bf16,
+    Fp16,
+}
+impl Precision {
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            Precision::Fp32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+            Precision::Fp16 => candle_core::DType::F16,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    #[default]
+    None,
+    Full,
+    Every(usize),
+}
+impl Recompute {
+    pub fn recomputes(&self, block: usize) -> bool {
+        match *self {
+            Recompute::None => false,
+            Recompute::Full => true,
+            Recompute::Every(k) => k > 0 && block.is_multiple_of(k),
+        }
+    }
+}
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp16Section {
+    pub enabled: bool,
+    pub loss_scale: f64,
+    pub initial_scale_power: u32,
+    pub loss_scale_window: usize,
+    pub hysteresis: usize,
+    pub min_loss_scale: f64,
+}
+impl TrainConfig {
+    pub fn precision(&self) -> Precision {
+        std::env::var("PHALANX_SHIM_PRECISION")
+            .ok()
+            .and_then(|p| match p.as_str() {
+                "bf16" => Some(Precision::Bf16),
+                "fp16" => Some(Precision::Fp16),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+    pub fn recompute(&self) -> Recompute {
+        Recompute::None
+    }
+    pub fn reduce_dtype(&self) -> Precision {
+        Precision::Fp32
+    }
+    pub fn fp16_section(&self) -> Fp16Section {
+        Fp16Section {
+            enabled: false,
+            loss_scale: 0.0,
+            initial_scale_power: 16,
+            loss_scale_window: 1000,
+            hysteresis: 2,
+            min_loss_scale: 1.0,
+        }
+    }
+}

@@ -23,6 +23,7 @@ pub mod clip;
 pub mod offload;
 pub mod schedule;
 pub mod sgd;
+pub mod step;
 
 use std::ops::Range;
 

@@ -8,27 +8,27 @@
 //! - no communication on the non-final micro-steps of gradient accumulation
 //!   (`no_sync`): gradients accumulate locally and are reduced once;
 //! - initial parameters are broadcast from rank 0;
+//! - the optimizer (whole model) belongs to the strategy, and the step ends
+//!   through the shared finish path (`optim::step`);
 //! - optionally, every K steps, a check that all ranks hold identical
 //!   parameters, with an error naming the diverged rank.
 //!
-//! Buckets are contiguous ranges of the flat gradient buffer covering whole
-//! blocks: blocks are laid out in order, so blocks `lo..=hi` are one range.
-//!
-//! ```
-//! use phalanx::strategy::ddp::plan_buckets;
-//! // Three blocks of 10, 20 and 30 floats; buckets of at most 100 bytes.
-//! let ranges = vec![0..10, 10..30, 30..60];
-//! let b = plan_buckets(&ranges, 100);
-//! // Backward order: block 2 alone (120 B), then blocks 0-1 together (40 +
-//! // 80 B): a bucket closes once it reaches the cap.
-//! assert_eq!(b.iter().map(|b| b.range.clone()).collect::<Vec<_>>(), vec![30..60, 0..30]);
-//! assert_eq!(b.iter().map(|b| b.ready_at).collect::<Vec<_>>(), vec![2, 0]);
-//! ```
+//! Buckets are [`Bucket`]s of the gradient-reduction seam ([`super::reduce`]):
+//! contiguous ranges of the flat gradient buffer covering whole blocks.
 
+use super::reduce::{Collective, CommHook, DefaultHook, ReadyCursor, Reducer};
+use super::{dp_mean, BatchFn, Strategy};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use phalanx_comm::{ProcessGroup, ReduceOp, Work};
+use crate::mesh::DeviceMesh;
+use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::Optimizer;
+use crate::precision::LossScaler;
+use candle_core::Tensor;
+use phalanx_comm::ProcessGroup;
 use std::ops::Range;
+
+pub use super::reduce::{plan_buckets, Bucket};
 
 #[derive(Debug, Clone)]
 pub struct DdpConfig {
@@ -47,47 +47,29 @@ impl Default for DdpConfig {
     }
 }
 
-/// A bucket: a contiguous range of the flat gradient buffer, ready when
-/// block `ready_at` (its lowest block) has run its backward.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Bucket {
-    pub range: Range<usize>,
-    pub ready_at: usize,
-}
-
-/// Group blocks, last to first, into buckets of at least `cap` bytes (the
-/// last bucket may be smaller). Empty blocks join their neighbours.
-pub fn plan_buckets(block_ranges: &[Range<usize>], cap: usize) -> Vec<Bucket> {
-    let mut out = Vec::new();
-    let mut cur: Option<Bucket> = None;
-    for (b, r) in block_ranges.iter().enumerate().rev() {
-        let bucket = cur.get_or_insert(Bucket {
-            range: r.clone(),
-            ready_at: b,
-        });
-        bucket.range.start = r.start;
-        bucket.ready_at = b;
-        if bucket.range.len() * 4 >= cap {
-            out.push(cur.take().unwrap());
-        }
-    }
-    if let Some(b) = cur {
-        if !b.range.is_empty() || out.is_empty() {
-            out.push(b);
-        }
-    }
-    out
-}
-
 pub struct Ddp {
     pg: ProcessGroup,
+    mesh: DeviceMesh,
     cfg: DdpConfig,
     buckets: Vec<Bucket>,
+    reducer: Reducer,
+    opt: Box<dyn Optimizer + Send>,
+    tp_replicated: Vec<Range<usize>>,
+    steps: usize,
 }
 
 impl Ddp {
-    /// Plan the buckets for `engine` and broadcast rank 0's parameters.
-    pub fn new(engine: &mut Engine, pg: ProcessGroup, cfg: DdpConfig) -> Result<Ddp> {
+    /// Plan the buckets for `engine` and broadcast dp rank 0's parameters.
+    /// `opt` updates the whole flat buffer; `tp_replicated` lists the flat
+    /// ranges every tensor-parallel rank holds whole (for the norm).
+    pub fn new(
+        engine: &mut Engine,
+        mesh: &DeviceMesh,
+        cfg: DdpConfig,
+        opt: Box<dyn Optimizer + Send>,
+        tp_replicated: Vec<Range<usize>>,
+    ) -> Result<Ddp> {
+        let pg = mesh.dp().clone();
         let ranges: Vec<Range<usize>> = engine
             .layout()
             .blocks()
@@ -96,7 +78,17 @@ impl Ddp {
             .collect();
         let buckets = plan_buckets(&ranges, cfg.bucket_bytes.max(4));
         pg.broadcast(engine.params_flat_mut(), 0)?;
-        Ok(Ddp { pg, cfg, buckets })
+        let reducer = Reducer::new(pg.clone(), Box::new(DefaultHook::default()));
+        Ok(Ddp {
+            pg,
+            mesh: mesh.clone(),
+            cfg,
+            buckets,
+            reducer,
+            opt,
+            tp_replicated,
+            steps: 0,
+        })
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -108,50 +100,28 @@ impl Ddp {
     }
 
     /// Forward and backward of one micro-batch. With `sync` (the last
-    /// micro-step), each bucket's all-reduce (average) is launched as soon as
-    /// it is ready and all are awaited before returning; otherwise gradients
-    /// only accumulate locally.
-    pub fn forward_backward(
-        &self,
+    /// micro-step), each bucket's reduction is launched as soon as it is
+    /// ready and all are awaited before returning; otherwise gradients only
+    /// accumulate locally (`no_sync`).
+    pub fn micro_step(
+        &mut self,
         engine: &mut Engine,
-        inputs: &candle_core::Tensor,
-        targets: &candle_core::Tensor,
+        inputs: &Tensor,
+        targets: &Tensor,
         loss_scale: f32,
         sync: bool,
     ) -> Result<f32> {
         if !sync || self.pg.size() == 1 {
             return Ok(engine.forward_backward(inputs, targets, loss_scale)?);
         }
-        let mut inflight: Vec<(Range<usize>, Work<Vec<f32>>)> =
-            Vec::with_capacity(self.buckets.len());
-        let mut next = 0;
-        let buckets = &self.buckets;
-        let pg = &self.pg;
-        let loss = engine.forward_backward_with(inputs, targets, loss_scale, &mut |b, grads| {
-            // Hooks run for blocks last to first, so every bucket whose lowest
-            // block is >= b is complete: launch those not yet launched.
-            while next < buckets.len() && buckets[next].ready_at >= b {
-                let r = buckets[next].range.clone();
-                inflight.push((
-                    r.clone(),
-                    pg.all_reduce_async(grads[r].to_vec(), ReduceOp::Avg),
-                ));
-                next += 1;
-            }
-            Ok(())
-        })?;
-        let grads = engine.grads_flat_mut();
-        for (r, w) in inflight {
-            let g = w.wait()?;
-            grads[r].copy_from_slice(&g);
-        }
-        if next != buckets.len() {
-            return Err(Error::Check(format!(
-                "DDP: only {next} of {} buckets were reduced",
-                buckets.len()
-            )));
-        }
-        Ok(loss)
+        all_reduce_micro_step(
+            engine,
+            inputs,
+            targets,
+            loss_scale,
+            &self.buckets,
+            &mut self.reducer,
+        )
     }
 
     /// Every `check_every` steps: verify that all ranks hold bitwise
@@ -161,6 +131,99 @@ impl Ddp {
             return Ok(());
         }
         check_identical(&self.pg, engine.params_flat(), step)
+    }
+}
+
+/// One micro-step whose buckets are all-reduced as backward completes them
+/// (DDP, ZeRO-1), results written back into the flat gradient buffer.
+pub(crate) fn all_reduce_micro_step(
+    engine: &mut Engine,
+    inputs: &Tensor,
+    targets: &Tensor,
+    loss_scale: f32,
+    buckets: &[Bucket],
+    reducer: &mut Reducer,
+) -> Result<f32> {
+    let mut cursor = ReadyCursor::default();
+    let loss = engine.forward_backward_with(inputs, targets, loss_scale, &mut |b, grads| {
+        for id in cursor.advance(buckets, b) {
+            let r = buckets[id].range.clone();
+            reducer.launch(id, grads[r].to_vec(), &Collective::AllReduce);
+        }
+        Ok(())
+    });
+    // Collect what was launched even when backward failed.
+    let reduced = reducer.wait_all();
+    let loss = loss?;
+    let grads = engine.grads_flat_mut();
+    for (id, g) in reduced? {
+        grads[buckets[id].range.clone()].copy_from_slice(&g);
+    }
+    cursor.check_all(buckets, "DDP")?;
+    Ok(loss)
+}
+
+impl Strategy for Ddp {
+    fn name(&self) -> String {
+        "DDP".into()
+    }
+
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        batch: &mut BatchFn,
+        accum: usize,
+        loss_scale: f32,
+    ) -> Result<f32> {
+        engine.zero_grad();
+        let mut sum = 0.0f64;
+        for a in 0..accum {
+            let (x, y) = batch(a)?;
+            sum +=
+                self.micro_step(engine, &x, &y, loss_scale / accum as f32, a + 1 == accum)? as f64;
+        }
+        dp_mean(&self.pg, sum / accum as f64)
+    }
+
+    fn finish_step(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        // Every dp replica holds the same reduced gradients: each counts
+        // 1/dp of them; tp shards add up, tp-replicated ranges count once.
+        let w = 1.0 / self.pg.size() as f64;
+        let tp = self.mesh.tp_size;
+        let ss = weighted_sum_squares(engine.grads_flat(), 0, w, &self.tp_replicated, tp);
+        let (p, g) = engine.params_and_grads_mut();
+        let u = vec![Update {
+            params: p,
+            grads: g,
+            opt: self.opt.as_mut(),
+        }];
+        let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
+        self.steps += 1;
+        self.maybe_check(engine, step + 1)?;
+        Ok(out)
+    }
+
+    fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
+        Ok(engine.eval_loss(x, y)?)
+    }
+
+    fn full_params(&self, engine: &Engine) -> Result<Vec<f32>> {
+        Ok(engine.params_flat().to_vec())
+    }
+
+    fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {
+        vec![self.opt.as_ref()]
+    }
+
+    fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
+        self.reducer.set_hook(make());
     }
 }
 

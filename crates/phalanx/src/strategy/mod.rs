@@ -1,17 +1,186 @@
-//! Parallel strategies, applied to a plain `Engine` and a process group.
+//! Parallel strategies, applied to a plain `Engine` and a device mesh, all
+//! behind one trait, [`Strategy`], that the trainer drives:
 //!
 //! - [`ddp`]: data parallel with bucketed, overlapped gradient all-reduce;
 //! - [`zero`]: ZeRO-1/2/3 and FSDP sharding over the same data axis;
 //! - [`pipeline`]: pipeline parallelism over the mesh's `pp` axis (GPipe,
-//!   1F1B, interleaved 1F1B, ZB-H1).
+//!   1F1B, interleaved 1F1B, ZB-H1), with DDP or ZeRO-1 on dp.
 //!
-//! Order of application (when more exist): data axis last, around whatever
-//! the model axes (tensor, pipeline) did to the engine.
+//! The seams every strategy shares:
+//! - [`reduce`]: a ready bucket of gradients is handed to a communication
+//!   hook (all-reduce, reduce-scatter, in fp32 / bf16 / fp16);
+//! - [`crate::optim::step::finish_step`]: unscale → non-finite check agreed
+//!   by all ranks → global norm → clip → optimizer step, written once;
+//! - state access: the flat ranges whose parameters and optimizer state a
+//!   rank owns ([`Strategy::owned`]), so a checkpoint writes exactly those.
+//!
+//! Order of application: model axes first (tensor parallel builds the
+//! blocks' shards, the pipeline picks this rank's blocks), the data axis
+//! last, around them. [`build`] picks the strategy from a config.
 
 pub mod ddp;
 pub mod pipeline;
+pub mod reduce;
 pub mod shard;
 pub mod zero;
 
 pub use ddp::{Ddp, DdpConfig};
 pub use zero::{Zero, ZeroConfig};
+
+use crate::config::TrainConfig;
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::mesh::DeviceMesh;
+use crate::optim::step::StepOutcome;
+use crate::optim::Optimizer;
+use crate::precision::LossScaler;
+use candle_core::Tensor;
+use phalanx_comm::{ProcessGroup, ReduceOp};
+use reduce::CommHook;
+use std::ops::Range;
+
+/// Micro-batch `a` of the current step: (inputs, targets).
+pub type BatchFn<'a> = dyn FnMut(usize) -> Result<(Tensor, Tensor)> + 'a;
+
+/// Builds the optimizer for a range of the flat buffer.
+pub type MakeOptimizer<'a> =
+    dyn Fn(&Engine, Range<usize>) -> Result<Box<dyn Optimizer + Send>> + 'a;
+
+/// One way of running the data (and pipeline) axes of training.
+pub trait Strategy: Send {
+    /// What the progress line calls it (e.g. "DDP", "ZeRO-3", "pipeline 1f1b + DDP").
+    fn name(&self) -> String;
+
+    /// Zero the gradients, then forward and backward over `accum`
+    /// micro-batches `batch(0..accum)`, each micro-batch's loss multiplied
+    /// by `loss_scale / accum`; gradients reduced over the data axis.
+    /// Returns the step's mean loss over the global batch, on every rank.
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        batch: &mut BatchFn,
+        accum: usize,
+        loss_scale: f32,
+    ) -> Result<f32>;
+
+    /// Finish the step through [`crate::optim::step::finish_step`].
+    fn finish_step(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome>;
+
+    /// Validation loss of one batch without autograd.
+    fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32>;
+
+    /// Evaluation is collective (ZeRO-3 gathers): every data-parallel rank
+    /// must run every validation batch.
+    fn collective_eval(&self) -> bool {
+        false
+    }
+
+    /// Make the engine's parameters current everywhere before evaluation
+    /// (pipeline stages update only their own blocks). Collective.
+    fn prepare_eval(&mut self, _engine: &mut Engine) -> Result<()> {
+        Ok(())
+    }
+
+    /// The whole model's flat parameters on every rank. Collective.
+    fn full_params(&self, engine: &Engine) -> Result<Vec<f32>>;
+
+    /// Make the engine hold the full, current parameters (to save or
+    /// generate). Collective.
+    fn materialize_params(&mut self, engine: &mut Engine) -> Result<()> {
+        let full = self.full_params(engine)?;
+        if engine.params_flat().is_empty() {
+            engine.restore_params(full);
+        } else {
+            engine.params_flat_mut().copy_from_slice(&full);
+        }
+        Ok(())
+    }
+
+    /// The flat ranges this rank owns: its optimizers update exactly these
+    /// (a checkpoint saves them, with [`Strategy::optimizers`]' state).
+    fn owned(&self) -> Vec<Range<usize>> {
+        self.optimizers().iter().map(|o| o.range()).collect()
+    }
+
+    /// The optimizers of the owned ranges, in flat order.
+    fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)>;
+
+    /// Replace the gradient communication hook (`register_comm_hook`).
+    fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>);
+
+    /// The pipeline, for pipeline strategies (timelines and traces).
+    fn pipeline(&self) -> Option<&pipeline::Pipeline> {
+        None
+    }
+}
+
+/// The loss averaged over the data-parallel replicas.
+pub fn dp_mean(dp: &ProcessGroup, loss: f64) -> Result<f32> {
+    let mut l = [loss];
+    dp.all_reduce(&mut l, ReduceOp::Avg)?;
+    Ok(l[0] as f32)
+}
+
+/// What [`build`] needs besides the config.
+pub struct BuildArgs<'a> {
+    pub mesh: &'a DeviceMesh,
+    /// Flat ranges every tensor-parallel rank holds whole.
+    pub tp_replicated: Vec<Range<usize>>,
+    pub make_opt: &'a MakeOptimizer<'a>,
+    /// A micro-batch to time the blocks on (`parallel.pp_partition = time`).
+    pub sample: Option<(Tensor, Tensor)>,
+}
+
+/// The strategy a config asks for: pipeline when `parallel.pp > 1`, else
+/// DDP (ZeRO stage 0, FSDP NO_SHARD) or ZeRO-1/2/3 (FSDP's names).
+pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<Box<dyn Strategy>> {
+    let mesh = args.mesh;
+    let sharding = cfg.sharding()?;
+    let bucket_bytes = (cfg.parallel.bucket_mb * (1 << 20) as f64) as usize;
+    let hook = reduce::DefaultHook {
+        dtype: cfg.reduce_dtype(),
+    };
+    let mut s: Box<dyn Strategy> = if mesh.pp_size > 1 {
+        Box::new(pipeline::PipeStrategy::new(
+            cfg,
+            engine,
+            mesh,
+            sharding.stage == 1,
+            args.make_opt,
+            args.sample,
+            args.tp_replicated,
+        )?)
+    } else if sharding.stage == 0 {
+        let dcfg = DdpConfig {
+            bucket_bytes,
+            check_every: cfg.parallel.check_params_every,
+        };
+        let opt_range = 0..engine.num_params();
+        let opt = (args.make_opt)(engine, opt_range)?;
+        Box::new(Ddp::new(engine, mesh, dcfg, opt, args.tp_replicated)?)
+    } else {
+        let zcfg = ZeroConfig {
+            stage: sharding.stage,
+            bucket_bytes,
+            forward_prefetch: cfg.parallel.forward_prefetch,
+            backward_prefetch: cfg.parallel.backward_prefetch,
+            shard_group_size: sharding.hybrid_group,
+        };
+        Box::new(Zero::new(
+            engine,
+            mesh,
+            zcfg,
+            args.make_opt,
+            args.tp_replicated,
+        )?)
+    };
+    s.set_comm_hook(&|| Box::new(hook));
+    Ok(s)
+}

@@ -23,12 +23,19 @@
 //! Gradient clipping uses the global norm: each rank's shard sum of squares
 //! is all-reduced.
 
+use super::ddp::all_reduce_micro_step;
+use super::reduce::{
+    plan_buckets, Bucket, Collective, CommHook, DefaultHook, ReadyCursor, Reducer,
+};
 use super::shard::Shards;
-use super::{Ddp, DdpConfig};
+use super::{dp_mean, BatchFn, MakeOptimizer, Strategy};
 use crate::engine::{Engine, GradSink, ParamInfo, ParamSource, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
-use crate::optim::{clip, Optimizer};
+use crate::mesh::DeviceMesh;
+use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::Optimizer;
+use crate::precision::LossScaler;
 use candle_core::Tensor;
 use phalanx_comm::{ProcessGroup, ReduceOp, Work};
 use std::collections::{HashMap, VecDeque};
@@ -48,14 +55,6 @@ pub struct ZeroConfig {
     pub shard_group_size: usize,
 }
 
-/// A unit of gradient reduction: a contiguous range of the flat buffer that
-/// is complete once block `ready_at` has run its backward.
-#[derive(Debug, Clone)]
-struct Unit {
-    range: Range<usize>,
-    ready_at: usize,
-}
-
 pub struct Zero {
     cfg: ZeroConfig,
     /// All data-parallel ranks (losses are averaged over these).
@@ -65,19 +64,19 @@ pub struct Zero {
     /// HYBRID_SHARD: the same shard on the other groups.
     replica_pg: Option<ProcessGroup>,
     shards: Shards,
-    units: Vec<Unit>,
+    /// Gradient buckets: DDP's (stages 1-2) or one per block (stage 3).
+    units: Vec<Bucket>,
     unit_of_block: Vec<usize>,
+    reducer: Reducer,
     /// Stage 3: this rank's parameter shard.
     param_shard: Vec<f32>,
     /// Stages 2-3: this rank's gradient shard.
     grad_shard: Vec<f32>,
     opt: Box<dyn Optimizer + Send>,
-    /// Stage 1: DDP's bucketed all-reduce.
-    ddp: Option<Ddp>,
     _charges: Vec<Charge>,
-    /// Tensor parallel: the tp group and the flat ranges every tp rank holds
-    /// whole, for the global gradient norm.
-    pub tp_norm: Option<(ProcessGroup, Vec<Range<usize>>)>,
+    mesh: DeviceMesh,
+    /// Flat ranges every tensor-parallel rank holds whole (for the norm).
+    tp_replicated: Vec<Range<usize>>,
 }
 
 impl Zero {
@@ -85,10 +84,12 @@ impl Zero {
     /// builds the optimizer for a range of the flat buffer.
     pub fn new(
         engine: &mut Engine,
-        dp: ProcessGroup,
+        mesh: &DeviceMesh,
         cfg: ZeroConfig,
-        make_opt: impl FnOnce(&Engine, Range<usize>) -> Result<Box<dyn Optimizer + Send>>,
+        make_opt: &MakeOptimizer,
+        tp_replicated: Vec<Range<usize>>,
     ) -> Result<Zero> {
+        let dp = mesh.dp().clone();
         if !(1..=3).contains(&cfg.stage) {
             return Err(Error::Check(format!(
                 "ZeRO stage {} is not 1, 2 or 3",
@@ -113,7 +114,7 @@ impl Zero {
         }
         // Shard groups are consecutive ranks (a node); replica groups take the
         // same position in every shard group. Every rank creates every group.
-        let (r, groups) = (dp.rank(), n / g);
+        let groups = n / g;
         let mut shard_pg = None;
         let mut replica_pg = None;
         for k in 0..groups {
@@ -135,7 +136,6 @@ impl Zero {
         } else {
             shard_pg.expect("own shard group")
         };
-        let _ = r;
 
         // Identical initial parameters everywhere, then shard.
         dp.broadcast(engine.params_flat_mut(), 0)?;
@@ -143,25 +143,13 @@ impl Zero {
         let shards = Shards::new(layout.num_params(), shard_pg.size(), shard_pg.rank());
         let mine = shards.mine();
         let ranges: Vec<Range<usize>> = layout.blocks().iter().map(|b| b.range.clone()).collect();
-        let units: Vec<Unit> = if cfg.stage == 3 {
-            ranges
-                .iter()
-                .enumerate()
-                .rev()
-                .map(|(b, r)| Unit {
-                    range: r.clone(),
-                    ready_at: b,
-                })
-                .collect()
+        // Stage 3 reduces block by block (cap 0: a bucket per block).
+        let cap = if cfg.stage == 3 {
+            0
         } else {
-            super::ddp::plan_buckets(&ranges, cfg.bucket_bytes.max(4))
-                .into_iter()
-                .map(|b| Unit {
-                    range: b.range,
-                    ready_at: b.ready_at,
-                })
-                .collect()
+            cfg.bucket_bytes.max(4)
         };
+        let units = plan_buckets(&ranges, cap);
         let mut unit_of_block = vec![0; ranges.len()];
         for (u, unit) in units.iter().enumerate() {
             for (b, r) in ranges.iter().enumerate() {
@@ -174,7 +162,6 @@ impl Zero {
         let mut charges = Vec::new();
         let mut param_shard = Vec::new();
         let mut grad_shard = Vec::new();
-        let mut ddp = None;
         if cfg.stage >= 2 {
             grad_shard = vec![0f32; mine.len()];
             charges.push(ledger.charge(Mem::Grads, mine.len() * 4));
@@ -188,14 +175,8 @@ impl Zero {
                 .stack_mut()
                 .set_activations(crate::engine::Activations::Recompute);
         }
-        if cfg.stage == 1 {
-            let dcfg = DdpConfig {
-                bucket_bytes: cfg.bucket_bytes,
-                check_every: 0,
-            };
-            ddp = Some(Ddp::new(engine, dp.clone(), dcfg)?);
-        }
         let opt = make_opt(engine, mine)?;
+        let reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
         Ok(Zero {
             cfg,
             dp,
@@ -207,9 +188,10 @@ impl Zero {
             param_shard,
             grad_shard,
             opt,
-            ddp,
             _charges: charges,
-            tp_norm: None,
+            mesh: mesh.clone(),
+            tp_replicated,
+            reducer,
         })
     }
 
@@ -229,7 +211,7 @@ impl Zero {
 
     /// Forward and backward of one micro-batch; `last` marks the final
     /// micro-step of the step (stage 1 communicates only then).
-    pub fn forward_backward(
+    pub fn micro_step(
         &mut self,
         engine: &mut Engine,
         x: &Tensor,
@@ -238,10 +220,8 @@ impl Zero {
         last: bool,
     ) -> Result<f32> {
         match self.cfg.stage {
-            1 => {
-                let ddp = self.ddp.as_ref().unwrap();
-                ddp.forward_backward(engine, x, y, scale, last)
-            }
+            1 if !last || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
+            1 => all_reduce_micro_step(engine, x, y, scale, &self.units, &mut self.reducer),
             2 => self.backward_sharded(engine, x, y, scale, false),
             _ => self.backward_sharded(engine, x, y, scale, true),
         }
@@ -265,18 +245,17 @@ impl Zero {
             bufs: HashMap::new(),
             ledger: engine.ledger().clone(),
         };
-        let mut inflight: Vec<(usize, Work<Vec<f32>>)> = Vec::new();
-        let (units, shards, pg) = (&self.units, &self.shards, &self.shard_pg);
-        let mut next = 0;
+        let (units, shards) = (&self.units, &self.shards);
+        let reducer = &mut self.reducer;
+        let mut cursor = ReadyCursor::default();
         let mut hook = |b: usize, s: &mut Staging| -> candle_core::Result<()> {
-            while next < units.len() && units[next].ready_at >= b {
+            for u in cursor.advance(units, b) {
                 let (buf, _charge) = s
                     .bufs
-                    .remove(&next)
-                    .unwrap_or_else(|| (vec![0f32; units[next].range.len()], None));
-                let counts = shards.counts(&units[next].range);
-                inflight.push((next, pg.reduce_scatter_async(buf, counts, ReduceOp::Avg)));
-                next += 1;
+                    .remove(&u)
+                    .unwrap_or_else(|| (vec![0f32; units[u].range.len()], None));
+                let counts = shards.counts(&units[u].range);
+                reducer.launch(u, buf, &Collective::ReduceScatter { counts });
             }
             Ok(())
         };
@@ -289,7 +268,8 @@ impl Zero {
                 .backward(stash, &gy, engine.param_source(), &mut sink, &mut hook)?;
             loss.to_scalar::<f32>()?
         } else {
-            let mut g = Gatherer::new(self, engine, self.cfg.forward_prefetch, (0..nb).collect());
+            let src = (&self.param_shard[..], &self.shards, &self.shard_pg);
+            let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect());
             let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
             let mut h = x.clone();
             for b in 0..nb {
@@ -300,8 +280,8 @@ impl Zero {
                 stashes.push(stash);
             }
             let loss = h.to_scalar::<f32>()?;
-            let mut g = Gatherer::new(
-                self,
+            let mut g = Gatherer::over(
+                src,
                 engine,
                 self.cfg.backward_prefetch,
                 (0..nb).rev().collect(),
@@ -319,14 +299,8 @@ impl Zero {
             }
             loss
         };
-        if next != self.units.len() {
-            return Err(Error::Check(format!(
-                "ZeRO: {next} of {} gradient units reduced",
-                self.units.len()
-            )));
-        }
-        for (u, w) in inflight {
-            let mut piece = w.wait()?;
+        cursor.check_all(&self.units, "ZeRO")?;
+        for (u, mut piece) in self.reducer.wait_all()? {
             if let Some(rp) = &self.replica_pg {
                 rp.all_reduce(&mut piece, ReduceOp::Avg)?;
             }
@@ -338,56 +312,51 @@ impl Zero {
         Ok(loss)
     }
 
-    /// Clip by the global norm and update this rank's shard, then make the
-    /// parameters whole again where the stage keeps them whole. Returns the
-    /// pre-clip norm.
-    pub fn step(&mut self, engine: &mut Engine, lr: f32, max_norm: f32) -> Result<f32> {
+    /// The finish path over this rank's shard, then make the parameters
+    /// whole again where the stage keeps them whole.
+    fn finish(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
         let mine = self.shards.mine();
-        let grads: &[f32] = if self.cfg.stage == 1 {
-            &engine.grads_flat()[mine.clone()]
+        // Each shard counts on its owner; HYBRID_SHARD replicas of a shard
+        // count 1/replicas each; tp-replicated ranges once over tp.
+        let w = 1.0 / self.replica_pg.as_ref().map_or(1, |r| r.size()) as f64;
+        let tp = self.mesh.tp_size;
+        let rep = &self.tp_replicated;
+        let world = self.mesh.world().clone();
+        let stage = self.cfg.stage;
+        let out = if stage == 1 {
+            let (p, g) = engine.params_and_grads_mut();
+            let ss = weighted_sum_squares(&g[mine.clone()], mine.start, w, rep, tp);
+            let u = Update {
+                params: &mut p[mine.clone()],
+                grads: &g[mine.clone()],
+                opt: self.opt.as_mut(),
+            };
+            finish_step(&world, ss, vec![u], scaler, lr, max_norm, step)?
         } else {
-            &self.grad_shard
+            let ss = weighted_sum_squares(&self.grad_shard, mine.start, w, rep, tp);
+            let params = if stage == 2 {
+                &mut engine.params_flat_mut()[mine.clone()]
+            } else {
+                &mut self.param_shard[..]
+            };
+            let u = Update {
+                params,
+                grads: &self.grad_shard,
+                opt: self.opt.as_mut(),
+            };
+            finish_step(&world, ss, vec![u], scaler, lr, max_norm, step)?
         };
-        let mut ss = [match &self.tp_norm {
-            Some((_, rep)) => crate::trainer::weighted_sum_squares(
-                grads,
-                mine.start,
-                rep,
-                self.shard_pg_tp_size(),
-            ),
-            None => clip::sum_squares(grads),
-        }];
-        self.shard_pg.all_reduce(&mut ss, ReduceOp::Sum)?;
-        if let Some((tp, _)) = &self.tp_norm {
-            tp.all_reduce(&mut ss, ReduceOp::Sum)?;
+        if stage < 3 && !out.skipped {
+            self.gather_params(engine)?;
         }
-        let (norm, scale) = clip::clip_scale(ss[0], max_norm);
-        let scale = if max_norm > 0.0 { scale } else { 1.0 };
-        match self.cfg.stage {
-            1 => {
-                let (p, g) = engine.params_and_grads_mut();
-                self.opt
-                    .step(&mut p[mine.clone()], &g[mine.clone()], lr, scale);
-                self.gather_params(engine)?;
-            }
-            2 => {
-                self.opt.step(
-                    &mut engine.params_flat_mut()[mine.clone()],
-                    &self.grad_shard,
-                    lr,
-                    scale,
-                );
-                self.gather_params(engine)?;
-            }
-            _ => self
-                .opt
-                .step(&mut self.param_shard, &self.grad_shard, lr, scale),
-        }
-        Ok(norm)
-    }
-
-    fn shard_pg_tp_size(&self) -> usize {
-        self.tp_norm.as_ref().map_or(1, |(tp, _)| tp.size())
+        Ok(out)
     }
 
     /// All-gather the updated shards into the engine's full parameters.
@@ -435,11 +404,68 @@ impl Zero {
     }
 }
 
+impl Strategy for Zero {
+    fn name(&self) -> String {
+        match (self.cfg.stage, self.replica_pg.is_some()) {
+            (3, true) => "ZeRO-3 (HYBRID_SHARD)".into(),
+            (s, _) => format!("ZeRO-{s}"),
+        }
+    }
+
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        batch: &mut BatchFn,
+        accum: usize,
+        loss_scale: f32,
+    ) -> Result<f32> {
+        self.zero_grad(engine);
+        let mut sum = 0.0f64;
+        for a in 0..accum {
+            let (x, y) = batch(a)?;
+            sum +=
+                self.micro_step(engine, &x, &y, loss_scale / accum as f32, a + 1 == accum)? as f64;
+        }
+        dp_mean(&self.dp, sum / accum as f64)
+    }
+
+    fn finish_step(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        self.finish(engine, scaler, lr, max_norm, step)
+    }
+
+    fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
+        Zero::eval_loss(self, engine, x, y)
+    }
+
+    fn collective_eval(&self) -> bool {
+        self.cfg.stage == 3
+    }
+
+    fn full_params(&self, engine: &Engine) -> Result<Vec<f32>> {
+        Zero::full_params(self, engine)
+    }
+
+    fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {
+        vec![self.opt.as_ref()]
+    }
+
+    fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
+        self.reducer.set_hook(make());
+    }
+}
+
 /// Gradient staging for stages 2-3: one buffer per reduction unit, created
 /// when the unit's first gradient arrives (a tied weight's unit may open
 /// early, from the head) and handed to the reduce-scatter when complete.
 struct Staging<'a> {
-    units: &'a [Unit],
+    units: &'a [Bucket],
     unit_of_block: &'a [usize],
     bufs: HashMap<usize, (Vec<f32>, Option<Charge>)>,
     ledger: crate::ledger::Ledger,
@@ -468,7 +494,8 @@ impl GradSink for Staging<'_> {
 /// advance in the order the blocks will run (each block with the blocks it
 /// ties to, e.g. GPT-2's head with the embedding).
 struct Gatherer<'a> {
-    zero: &'a Zero,
+    /// The shard gathered from, its geometry and group.
+    shard: (&'a [f32], &'a Shards, &'a ProcessGroup),
     engine: &'a Engine,
     /// Remaining requests: (block that needs it, block to gather).
     todo: VecDeque<(usize, usize)>,
@@ -478,6 +505,20 @@ struct Gatherer<'a> {
 
 impl<'a> Gatherer<'a> {
     fn new(zero: &'a Zero, engine: &'a Engine, ahead: usize, order: Vec<usize>) -> Self {
+        Self::over(
+            (&zero.param_shard, &zero.shards, &zero.shard_pg),
+            engine,
+            ahead,
+            order,
+        )
+    }
+
+    fn over(
+        shard: (&'a [f32], &'a Shards, &'a ProcessGroup),
+        engine: &'a Engine,
+        ahead: usize,
+        order: Vec<usize>,
+    ) -> Self {
         let layout = engine.layout();
         let mut todo = VecDeque::new();
         for b in order {
@@ -496,7 +537,7 @@ impl<'a> Gatherer<'a> {
             }
         }
         Gatherer {
-            zero,
+            shard,
             engine,
             todo,
             pending: VecDeque::new(),
@@ -507,11 +548,9 @@ impl<'a> Gatherer<'a> {
     fn issue(&mut self) {
         let (b, owner) = self.todo.pop_front().unwrap();
         let r = self.engine.layout().block(owner).range.clone();
-        let piece = self.zero.param_shard[self.zero.shards.local(&r)].to_vec();
-        let w = self
-            .zero
-            .shard_pg
-            .all_gather_async(piece, self.zero.shards.counts(&r));
+        let (param_shard, shards, pg) = self.shard;
+        let piece = param_shard[shards.local(&r)].to_vec();
+        let w = pg.all_gather_async(piece, shards.counts(&r));
         self.pending.push_back((b, owner, w));
     }
 

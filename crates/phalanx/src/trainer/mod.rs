@@ -16,7 +16,6 @@
 //! ```
 
 mod log;
-mod pipe;
 
 pub use log::{write_loss_svg, RunOptions, StepLog};
 
@@ -26,9 +25,10 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::ledger::Mem;
 use crate::mesh::DeviceMesh;
-use crate::optim::{clip, LrSchedule, Optimizer};
-use crate::strategy::{Ddp, DdpConfig, Zero, ZeroConfig};
-use phalanx_comm::{ProcessGroup, ReduceOp};
+use crate::optim::{LrSchedule, Optimizer};
+use crate::precision::{LossScaler, ScalerConfig};
+use crate::strategy::{BuildArgs, Strategy};
+use phalanx_comm::ProcessGroup;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -44,6 +44,10 @@ pub struct StepStats {
     pub tokens_per_s: f64,
     /// Bytes this rank sent to peers during the step (all collectives).
     pub comm_bytes: u64,
+    /// The loss scale the step ran with (1 unless fp16).
+    pub loss_scale: f64,
+    /// A non-finite gradient on some rank skipped the update (fp16).
+    pub skipped: bool,
 }
 
 /// What a run produced.
@@ -59,30 +63,20 @@ pub struct Report {
     pub in_flight: Option<Vec<usize>>,
 }
 
-/// How the data-parallel axis is run.
-enum Strategy {
-    /// Full replicas (ZeRO stage 0, FSDP NO_SHARD).
-    Ddp {
-        ddp: Ddp,
-        opt: Box<dyn Optimizer + Send>,
-    },
-    /// ZeRO-1/2/3, FSDP.
-    Zero(Box<Zero>),
-    /// Pipeline parallel over the mesh's pp axis (DDP or ZeRO-1 on dp).
-    Pipe(Box<pipe::PipeStrategy>),
-}
-
 pub struct Trainer {
     cfg: TrainConfig,
     engine: Engine,
     loader: Arc<DataLoader>,
-    strat: Strategy,
+    strat: Box<dyn Strategy>,
+    scaler: LossScaler,
     /// The data-parallel group (replicas of this rank's model shard).
     pg: ProcessGroup,
     mesh: DeviceMesh,
     /// Tensor parallel: flat ranges of parameters every tp rank holds whole.
     tp_replicated: Vec<std::ops::Range<usize>>,
     sched: LrSchedule,
+    /// Test hook: make the given rank's gradients non-finite at a step.
+    inject_overflow: Option<(usize, usize)>,
     micro: usize,
     global_batch: usize,
     memory: Option<Vec<MemoryReport>>,
@@ -173,8 +167,6 @@ impl Trainer {
                 cfg.train.grad_accum_steps
             )));
         }
-        let bucket_bytes = (cfg.parallel.bucket_mb * (1 << 20) as f64) as usize;
-        let sharding = cfg.sharding()?;
         let offload = cfg.offload_dir();
         let tag = format!("rank{}", pg.global_rank());
         let make_opt =
@@ -197,53 +189,21 @@ impl Trainer {
         } else {
             None
         };
-        let strat = if mesh.pp_size > 1 {
-            let ps = pipe::PipeStrategy::new(
-                cfg,
-                &mut engine,
-                mesh,
-                sharding.stage == 1,
-                &make_opt,
-                sample,
-            )?;
-            Strategy::Pipe(Box::new(ps))
-        } else if sharding.stage == 0 {
-            let ddp_cfg = DdpConfig {
-                bucket_bytes,
-                check_every: cfg.parallel.check_params_every,
-            };
-            let ddp = Ddp::new(&mut engine, pg.clone(), ddp_cfg)?;
-            let opt = make_opt(&engine, 0..engine.num_params())?;
-            Strategy::Ddp { ddp, opt }
-        } else {
-            let zcfg = ZeroConfig {
-                stage: sharding.stage,
-                bucket_bytes,
-                forward_prefetch: cfg.parallel.forward_prefetch,
-                backward_prefetch: cfg.parallel.backward_prefetch,
-                shard_group_size: sharding.hybrid_group,
-            };
-            let mut z = Zero::new(&mut engine, pg.clone(), zcfg, make_opt)?;
-            if mesh.tp_size > 1 {
-                z.tp_norm = Some((mesh.tp().clone(), tp_replicated.clone()));
-            }
-            Strategy::Zero(Box::new(z))
+        let args = BuildArgs {
+            mesh,
+            tp_replicated: tp_replicated.clone(),
+            make_opt: &make_opt,
+            sample,
         };
-        let o = &cfg.optim;
-        let sched = match o.schedule.as_str() {
-            "constant" => LrSchedule::Constant { lr: o.lr as f32 },
-            _ => LrSchedule::WarmupCosine {
-                max_lr: o.lr as f32,
-                min_lr: o.min_lr as f32,
-                warmup: o.warmup_steps,
-                decay_steps: cfg.train.steps.max(o.warmup_steps + 1),
-            },
-        };
+        let strat = crate::strategy::build(cfg, &mut engine, args)?;
+        let scaler = loss_scaler(cfg);
+        let sched = lr_schedule(cfg);
         Ok(Trainer {
             cfg: cfg.clone(),
             engine,
             loader,
             strat,
+            scaler,
             pg,
             mesh: mesh.clone(),
             tp_replicated,
@@ -251,7 +211,25 @@ impl Trainer {
             micro,
             global_batch,
             memory: None,
+            inject_overflow: None,
         })
+    }
+
+    /// The strategy running this trainer's data (and pipeline) axes.
+    pub fn strategy(&self) -> &dyn Strategy {
+        self.strat.as_ref()
+    }
+
+    /// The loss scaler (its scale and history are checkpoint state).
+    pub fn loss_scaler(&self) -> &LossScaler {
+        &self.scaler
+    }
+
+    /// Fault injection for tests: at `step`, data-parallel rank `rank`'s
+    /// backward runs with an infinite loss scale, so its gradients overflow
+    /// exactly as an fp16 overflow does.
+    pub fn inject_overflow(&mut self, step: usize, rank: usize) {
+        self.inject_overflow = Some((step, rank));
     }
 
     pub fn engine(&self) -> &Engine {
@@ -278,107 +256,59 @@ impl Trainer {
     /// The full flat parameters on every rank (ZeRO-3 gathers them: every
     /// rank must call this).
     pub fn full_params(&self) -> Result<Vec<f32>> {
-        match &self.strat {
-            Strategy::Ddp { .. } => Ok(self.engine.params_flat().to_vec()),
-            Strategy::Zero(z) => z.full_params(&self.engine),
-            Strategy::Pipe(p) => Ok(p.pipe.full_params(&self.engine)?),
-        }
+        self.strat.full_params(&self.engine)
     }
 
-    /// Make the engine hold full parameters again (after ZeRO-3), e.g. to
-    /// save them. Collective.
+    /// Make the engine hold full, current parameters (after ZeRO-3, or on a
+    /// pipeline stage), e.g. to save them. Collective.
     pub fn materialize_params(&mut self) -> Result<()> {
-        if let Strategy::Pipe(p) = &self.strat {
-            return p.sync_params(&mut self.engine);
-        }
-        if self.engine.params_flat().is_empty() {
-            let full = self.full_params()?;
-            self.engine.restore_params(full);
-        }
-        Ok(())
+        self.strat.materialize_params(&mut self.engine)
     }
 
     /// One optimizer step: `grad_accum` micro-batches of this rank's slice,
-    /// gradient reduction, clip, update.
+    /// gradient reduction, then the finish path (unscale, non-finite check,
+    /// clip, update).
     pub fn step(&mut self, step: usize) -> Result<StepStats> {
         let t0 = Instant::now();
         let sent0 = self.pg.bytes_sent();
         let accum = self.cfg.train.grad_accum_steps;
         let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
         let device = self.engine.device().clone();
-        match &mut self.strat {
-            Strategy::Ddp { .. } | Strategy::Pipe(_) => self.engine.zero_grad(),
-            Strategy::Zero(z) => z.zero_grad(&mut self.engine),
+        let (loader, micro) = (&self.loader, self.micro);
+        let mut batch = |a: usize| -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+            Ok(loader
+                .micro_batch(step as u64, dp_rank, dp, a, micro, accum)?
+                .to_tensors(&device)?)
+        };
+        let mut scale = self.scaler.scale() as f32;
+        if self.inject_overflow == Some((step, dp_rank)) {
+            scale = f32::INFINITY;
         }
-        let mut loss_sum = 0.0f64;
-        // Pipeline: the m micro-batches are the pipeline's, run by its schedule.
-        let pipelined = matches!(self.strat, Strategy::Pipe(_));
-        if let Strategy::Pipe(p) = &mut self.strat {
-            let (loader, micro) = (&self.loader, self.micro);
-            let mut batch = |a: usize| -> Result<(candle_core::Tensor, candle_core::Tensor)> {
-                Ok(loader
-                    .micro_batch(step as u64, dp_rank, dp, a, micro, accum)?
-                    .to_tensors(&device)?)
-            };
-            // Already the mean over micro-batches and dp replicas.
-            loss_sum = p.pipe.forward_backward(&mut self.engine, &mut batch)? as f64 * accum as f64;
-        }
-        for a in (0..accum).filter(|_| !pipelined) {
-            let batch = self
-                .loader
-                .micro_batch(step as u64, dp_rank, dp, a, self.micro, accum)?;
-            let (x, y) = batch.to_tensors(&device)?;
-            let (scale, last) = (1.0 / accum as f32, a + 1 == accum);
-            let loss = match &mut self.strat {
-                Strategy::Ddp { ddp, .. } => {
-                    ddp.forward_backward(&mut self.engine, &x, &y, scale, last)?
-                }
-                Strategy::Zero(z) => z.forward_backward(&mut self.engine, &x, &y, scale, last)?,
-                Strategy::Pipe(_) => unreachable!("pipelined steps run above"),
-            };
-            if !loss.is_finite() {
-                return Err(Error::Check(format!(
-                    "loss is {loss} at step {step} (rank {}); lower optim.lr or enable optim.grad_clip",
-                    self.pg.global_rank()
-                )));
-            }
-            loss_sum += loss as f64;
+        let loss = self
+            .strat
+            .forward_backward(&mut self.engine, &mut batch, accum, scale)?;
+        if !loss.is_finite() && !self.scaler.skips_on_overflow() {
+            return Err(Error::Check(format!(
+                "loss is {loss} at step {step} (rank {}); lower optim.lr or enable optim.grad_clip",
+                self.pg.global_rank()
+            )));
         }
         // Sequence parallel: replicated parameters saw only this rank's
         // sequence chunk; their gradients are summed over tp.
         if self.mesh.tp_size > 1 && self.cfg.parallel.sequence_parallel {
             let tp = self.mesh.tp().clone();
             for r in &self.tp_replicated {
-                tp.all_reduce(&mut self.engine.grads_flat_mut()[r.clone()], ReduceOp::Sum)?;
+                tp.all_reduce(
+                    &mut self.engine.grads_flat_mut()[r.clone()],
+                    phalanx_comm::ReduceOp::Sum,
+                )?;
             }
         }
-        // The step's loss: mean over micro-steps here, then over ranks.
-        let mut l = [loss_sum / accum as f64];
-        self.pg.all_reduce(&mut l, ReduceOp::Avg)?;
         let lr = self.sched.lr(step);
         let clip_to = self.cfg.optim.grad_clip as f32;
-        let norm = match &mut self.strat {
-            Strategy::Ddp { ddp, opt } => {
-                // Gradients are identical on every dp rank after the
-                // all-reduce, so the norm is too; tp shards add up.
-                let mut ss = [weighted_sum_squares(
-                    self.engine.grads_flat(),
-                    0,
-                    &self.tp_replicated,
-                    self.mesh.tp_size,
-                )];
-                if self.mesh.tp_size > 1 {
-                    self.mesh.tp().all_reduce(&mut ss, ReduceOp::Sum)?;
-                }
-                let (n, s) = clip::clip_scale(ss[0], clip_to);
-                let (p, g) = self.engine.params_and_grads_mut();
-                opt.step(p, g, lr, if clip_to > 0.0 { s } else { 1.0 });
-                ddp.maybe_check(&self.engine, step + 1)?;
-                n
-            }
-            Strategy::Zero(z) => z.step(&mut self.engine, lr, clip_to)?,
-            Strategy::Pipe(p) => p.step(&mut self.engine, lr, clip_to, &self.tp_replicated)?,
-        };
+        let out = self
+            .strat
+            .finish_step(&mut self.engine, &mut self.scaler, lr, clip_to, step)?;
         let secs = t0.elapsed().as_secs_f64();
         let comm_bytes = self.pg.bytes_sent() - sent0;
         if step == 0 {
@@ -387,12 +317,14 @@ impl Trainer {
         let tokens = (self.global_batch * self.cfg.model.block_size) as f64;
         Ok(StepStats {
             step,
-            loss: l[0] as f32,
+            loss,
             lr,
-            grad_norm: norm,
+            grad_norm: out.grad_norm,
             step_ms: secs * 1e3,
             tokens_per_s: tokens / secs,
             comm_bytes,
+            loss_scale: out.loss_scale,
+            skipped: out.skipped,
         })
     }
 
@@ -400,12 +332,12 @@ impl Trainer {
     /// against the schedule's theory.
     fn report_pipeline(
         &self,
-        p: &pipe::PipeStrategy,
+        p: &crate::strategy::pipeline::Pipeline,
         report: &mut Report,
         print: bool,
     ) -> Result<()> {
         let world = self.mesh.world();
-        let t = p.pipe.timeline();
+        let t = p.timeline();
         let mine = [
             t.bubble_fraction().unwrap_or(f64::NAN),
             t.peak_in_flight() as f64,
@@ -417,7 +349,7 @@ impl Trainer {
         if print {
             let (pp, m) = (self.mesh.pp_size, self.cfg.train.grad_accum_steps);
             let theory = (pp - 1) as f64 / (m + pp - 1) as f64;
-            let sched = p.pipe.config().schedule;
+            let sched = p.config().schedule;
             println!(
                 "pipeline {sched}: p = {pp}, m = {m}; measured bubble per rank {:?} (GPipe/1F1B theory (p-1)/(m+p-1) = {theory:.3}); \
                  peak micro-batches in flight per rank {flight:?}",
@@ -471,13 +403,11 @@ impl Trainer {
         }
         // Pipeline stages update only their own blocks: bring the rest up to
         // date, then every rank can run the whole model.
-        if let Strategy::Pipe(p) = &self.strat {
-            p.sync_params(&mut self.engine)?;
-        }
+        self.strat.prepare_eval(&mut self.engine)?;
         let pg = &self.pg;
         let mut acc = [0.0f64, 0.0];
         // ZeRO-3 gathers collectively: every rank runs every batch there.
-        let stride = if matches!(&self.strat, Strategy::Zero(z) if z.stage() == 3) {
+        let stride = if self.strat.collective_eval() {
             1
         } else {
             pg.size()
@@ -488,13 +418,10 @@ impl Trainer {
                 .loader
                 .val_batch(i, bs)?
                 .to_tensors(self.engine.device())?;
-            acc[0] += match &self.strat {
-                Strategy::Ddp { .. } | Strategy::Pipe(_) => self.engine.eval_loss(&x, &y)?,
-                Strategy::Zero(z) => z.eval_loss(&self.engine, &x, &y)?,
-            } as f64;
+            acc[0] += self.strat.eval_loss(&self.engine, &x, &y)? as f64;
             acc[1] += 1.0;
         }
-        pg.all_reduce(&mut acc, ReduceOp::Sum)?;
+        pg.all_reduce(&mut acc, phalanx_comm::ReduceOp::Sum)?;
         Ok(Some((acc[0] / acc[1]) as f32))
     }
 
@@ -545,10 +472,10 @@ impl Trainer {
         } else {
             tok_s.iter().sum::<f64>() / tok_s.len() as f64
         };
-        if let Strategy::Pipe(p) = &self.strat {
+        if let Some(p) = self.strat.pipeline() {
             self.report_pipeline(p, &mut report, lead && opts.progress)?;
             if let Some(path) = &opts.trace {
-                p.pipe.write_trace(path)?;
+                p.write_trace(path)?;
                 if lead && opts.progress {
                     println!(
                         "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
@@ -586,24 +513,34 @@ pub fn print_memory(m: &[MemoryReport]) {
     }
 }
 
-/// Sum of squares of `g` (flat positions `offset..`), where elements in
-/// `replicated` count 1/tp: they are held whole by every tensor-parallel
-/// rank, so after a sum over tp they count once.
-pub fn weighted_sum_squares(
-    g: &[f32],
-    offset: usize,
-    replicated: &[std::ops::Range<usize>],
-    tp: usize,
-) -> f64 {
-    let mut ss = clip::sum_squares(g);
-    if tp > 1 {
-        for r in replicated {
-            let lo = r.start.max(offset);
-            let hi = r.end.min(offset + g.len());
-            if lo < hi {
-                ss -= (1.0 - 1.0 / tp as f64) * clip::sum_squares(&g[lo - offset..hi - offset]);
-            }
-        }
+/// The loss scaler the config asks for: dynamic or fixed for fp16
+/// (`fp16.loss_scale` 0 = dynamic), none for fp32 and bf16.
+pub fn loss_scaler(cfg: &TrainConfig) -> LossScaler {
+    if cfg.precision() != crate::config::Precision::Fp16 {
+        return LossScaler::none();
     }
-    ss
+    let f = cfg.fp16_section();
+    if f.loss_scale > 0.0 {
+        return LossScaler::fixed(f.loss_scale);
+    }
+    LossScaler::dynamic(ScalerConfig {
+        initial_scale_power: f.initial_scale_power,
+        window: f.loss_scale_window,
+        hysteresis: f.hysteresis,
+        min_scale: f.min_loss_scale,
+    })
+}
+
+/// The learning-rate schedule of a config.
+pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
+    let o = &cfg.optim;
+    match o.schedule.as_str() {
+        "constant" => LrSchedule::Constant { lr: o.lr as f32 },
+        _ => LrSchedule::WarmupCosine {
+            max_lr: o.lr as f32,
+            min_lr: o.min_lr as f32,
+            warmup: o.warmup_steps,
+            decay_steps: cfg.train.steps.max(o.warmup_steps + 1),
+        },
+    }
 }

@@ -65,6 +65,7 @@ pub mod p2p;
 pub mod partition;
 pub mod runtime;
 pub mod schedule;
+pub mod strategy;
 mod ties;
 pub mod trace;
 
@@ -78,12 +79,14 @@ pub use check::{Costs, Simulation};
 pub use partition::Partition;
 pub use runtime::{BatchFn, ChunkDoneFn};
 pub use schedule::{Action, Schedule, ScheduleKind};
+pub use strategy::{pipeline_config, PipeStrategy};
 pub use trace::{StepRecord, Timeline};
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
 use crate::optim::clip;
+use crate::strategy::reduce::{Collective, CommHook, DefaultHook, Reducer};
 use trace::{Event, EventKind};
 
 /// How to pipeline.
@@ -127,6 +130,9 @@ pub struct Pipeline {
     dp_buckets: BTreeMap<usize, Vec<Range<usize>>>,
     timeline: Timeline,
     step: u64,
+    /// Data-parallel gradient reduction (the shared seam), over `mesh.dp()`.
+    reducer: Reducer,
+    loss_scale: f32,
 }
 
 impl Pipeline {
@@ -173,6 +179,8 @@ impl Pipeline {
             dp_buckets,
             timeline,
             step: 0,
+            reducer: Reducer::new(mesh.dp().clone(), Box::new(DefaultHook::default())),
+            loss_scale: 1.0,
         })
     }
 
@@ -215,6 +223,16 @@ impl Pipeline {
         &self.ties.primary
     }
 
+    /// The loss scale of the next steps' backward (fp16 loss scaling).
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
+    }
+
+    /// Replace the data-parallel communication hook.
+    pub fn set_comm_hook(&mut self, hook: Box<dyn CommHook>) {
+        self.reducer.set_hook(hook);
+    }
+
     pub fn timeline(&self) -> &Timeline {
         &self.timeline
     }
@@ -235,36 +253,31 @@ impl Pipeline {
         // Each chunk's all-reduce runs on the dp group's thread while the
         // schedule goes on; only what is left at the end is waited for.
         let buckets = std::mem::take(&mut self.dp_buckets);
-        let mut works = Vec::new();
+        let mut reducer = std::mem::replace(
+            &mut self.reducer,
+            Reducer::new(dp.clone(), Box::new(DefaultHook::default())),
+        );
         let mut done = |c: usize, g: &mut [f32]| {
             if let Some(rs) = buckets.get(&c) {
-                let mut buf = Vec::with_capacity(rs.iter().map(|r| r.len()).sum());
-                for r in rs {
-                    buf.extend_from_slice(&g[r.clone()]);
-                }
-                works.push((rs, dp.all_reduce_async(buf, ReduceOp::Avg)));
+                reducer.launch(c, gather_ranges(g, rs), &Collective::AllReduce);
             }
             Ok(())
         };
         let loss = self.run_schedule_with(engine, batch, &mut done);
         let t0 = self.timeline.now_us();
+        // Wait for every launched reduction, even after a failure.
+        let reduced = reducer.wait_all();
+        self.reducer = reducer;
         let mut waited = Ok(());
-        if loss.is_ok() {
-            let g = engine.grads_flat_mut();
-            for (rs, w) in works {
-                let buf = match w.wait() {
-                    Ok(b) => b,
-                    Err(e) => {
-                        waited = Err(e);
-                        break;
-                    }
-                };
-                let mut at = 0;
-                for r in rs {
-                    g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
-                    at += r.len();
+        match reduced {
+            Ok(list) if loss.is_ok() => {
+                let g = engine.grads_flat_mut();
+                for (c, buf) in list {
+                    scatter_ranges(&buf, g, &buckets[&c]);
                 }
             }
+            Ok(_) => {}
+            Err(e) => waited = Err(e),
         }
         self.dp_buckets = buckets;
         let loss = loss?;
@@ -313,6 +326,7 @@ impl Pipeline {
             timeline: &mut self.timeline,
             step: self.step,
             lookahead: self.cfg.recv_lookahead,
+            loss_scale: self.loss_scale,
         };
         let out = runtime::run(step, batch, done)?;
         // ... and end together: the loss (last stage) reaches every stage.
@@ -342,15 +356,10 @@ impl Pipeline {
         }
         let t0 = self.timeline.now_us();
         let g = engine.grads_flat_mut();
-        let mut buf: Vec<f32> = Vec::with_capacity(self.ties.owned_len());
-        for r in &self.ties.owned {
-            buf.extend_from_slice(&g[r.clone()]);
-        }
-        dp.all_reduce(&mut buf, ReduceOp::Avg)?;
-        let mut at = 0;
-        for r in &self.ties.owned {
-            g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
-            at += r.len();
+        let buf = gather_ranges(g, &self.ties.owned);
+        self.reducer.launch(usize::MAX, buf, &Collective::AllReduce);
+        for (_, buf) in self.reducer.wait_all()? {
+            scatter_ranges(&buf, g, &self.ties.owned);
         }
         self.event(EventKind::DpReduce, t0);
         Ok(())
@@ -419,5 +428,23 @@ impl Pipeline {
             &self.timeline,
             path,
         )
+    }
+}
+
+/// The elements of `rs` (ranges of `g`), concatenated.
+fn gather_ranges(g: &[f32], rs: &[Range<usize>]) -> Vec<f32> {
+    let mut buf = Vec::with_capacity(rs.iter().map(|r| r.len()).sum());
+    for r in rs {
+        buf.extend_from_slice(&g[r.clone()]);
+    }
+    buf
+}
+
+/// The inverse of [`gather_ranges`].
+fn scatter_ranges(buf: &[f32], g: &mut [f32], rs: &[Range<usize>]) {
+    let mut at = 0;
+    for r in rs {
+        g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+        at += r.len();
     }
 }

@@ -47,6 +47,9 @@ pub(super) struct Step<'a> {
     pub timeline: &'a mut Timeline,
     pub step: u64,
     pub lookahead: usize,
+    /// The fp16 loss scale (1 otherwise): the last chunk's backward starts
+    /// from `loss_scale / m`.
+    pub loss_scale: f32,
 }
 
 /// What a step leaves behind.
@@ -75,7 +78,7 @@ pub(super) fn run(s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Resul
         .filter(|a| matches!(a, Action::RecvAct { .. } | Action::RecvGrad { .. }))
         .copied()
         .collect();
-    let scale = Tensor::new(1.0 / m as f32, &dev)?;
+    let scale = Tensor::new(s.loss_scale / m as f32, &dev)?;
 
     let mut data: HashMap<usize, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
     let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();

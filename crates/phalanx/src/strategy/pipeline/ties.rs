@@ -100,11 +100,6 @@ impl Ties {
         })
     }
 
-    /// Elements in the owned ranges.
-    pub fn owned_len(&self) -> usize {
-        self.owned.iter().map(|r| r.len()).sum()
-    }
-
     /// Sum the shared gradients over each group of stages sharing them.
     pub fn reduce(&self, grads: &mut [f32]) -> Result<()> {
         for g in &self.groups {

@@ -1,0 +1,127 @@
+//! The one finish-step path every strategy ends its step with:
+//!
+//! 1. unscale: gradients hold `loss_scale` times the true gradient (fp16);
+//! 2. non-finite check, agreed by every rank of the world: one rank's inf or
+//!    NaN skips the step everywhere (fp16) or fails the run (fp32, bf16);
+//! 3. the global gradient norm, each parameter counted once: a strategy
+//!    gives its local sum of squares already weighted (sharded pieces count
+//!    on the rank that holds them, a piece every rank of a replica group
+//!    holds counts 1/replicas on each) and one all-reduce over the world
+//!    adds them up — the same collective carries the non-finite verdict;
+//! 4. clip by that norm; 5. the optimizer steps on each piece this rank
+//!    updates, with unscale and clip fused into its gradient factor.
+//!
+//! ```
+//! use phalanx::optim::step::{finish_step, Update};
+//! use phalanx::optim::{clip, Sgd, SgdConfig};
+//! use phalanx::precision::LossScaler;
+//! let layout = phalanx::engine::Layout::new(vec![vec![phalanx::engine::ParamDecl::new("w", &[2])]]).unwrap();
+//! let p = phalanx_comm::threads::run(1, move |world| {
+//!     let cfg = SgdConfig { momentum: 0.0, nesterov: false, weight_decay: 0.0 };
+//!     let mut opt = Sgd::new(cfg, &layout, 0..2, &Default::default());
+//!     let (mut p, g) = (vec![1.0f32, 1.0], vec![3.0f32 * 8.0, 4.0 * 8.0]); // scaled by 8
+//!     let mut scaler = LossScaler::fixed(8.0);
+//!     let u = vec![Update { params: &mut p, grads: &g, opt: &mut opt }];
+//!     let out = finish_step(&world, clip::sum_squares(&g), u, &mut scaler, 0.1, 0.0, 0).unwrap();
+//!     assert!((out.grad_norm - 5.0).abs() < 1e-4 && !out.skipped);
+//!     p
+//! });
+//! assert!((p[0][0] - 0.7).abs() < 1e-6); // 1 - 0.1 * 3
+//! //! ```
+
+use super::clip;
+use super::Optimizer;
+use crate::error::{Error, Result};
+use crate::precision::LossScaler;
+use phalanx_comm::{ProcessGroup, ReduceOp};
+use std::ops::Range;
+
+/// One piece this rank updates: its parameters, its (scaled, reduced)
+/// gradients and the optimizer that owns that range's state.
+pub struct Update<'a> {
+    pub params: &'a mut [f32],
+    pub grads: &'a [f32],
+    pub opt: &'a mut (dyn Optimizer + Send),
+}
+
+/// What the finish path did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// The global gradient norm before clipping (unscaled); NaN or inf on a
+    /// skipped step.
+    pub grad_norm: f32,
+    /// The step was skipped (a non-finite gradient on some rank).
+    pub skipped: bool,
+    /// The loss scale the step's gradients were computed with.
+    pub loss_scale: f64,
+}
+
+/// Unscale, agree on finiteness, take the global norm, clip and step.
+/// `local_ss` is this rank's weighted sum of squares of its *scaled*
+/// gradients; `world` must hold every rank of the job (collective there).
+pub fn finish_step(
+    world: &ProcessGroup,
+    local_ss: f64,
+    updates: Vec<Update>,
+    scaler: &mut LossScaler,
+    lr: f32,
+    max_norm: f32,
+    step: usize,
+) -> Result<StepOutcome> {
+    let mut ss = [if local_ss.is_finite() {
+        local_ss
+    } else {
+        f64::INFINITY
+    }];
+    world.all_reduce(&mut ss, ReduceOp::Sum)?;
+    let loss_scale = scaler.scale();
+    if !ss[0].is_finite() {
+        if !scaler.skips_on_overflow() {
+            return Err(Error::Check(format!(
+                "the gradients hold inf or NaN at step {step}; lower optim.lr or enable optim.grad_clip"
+            )));
+        }
+        scaler.update(true);
+        return Ok(StepOutcome {
+            grad_norm: f32::INFINITY,
+            skipped: true,
+            loss_scale,
+        });
+    }
+    let inv = 1.0 / loss_scale;
+    let (norm, clip_factor) = clip::clip_scale(ss[0] * inv * inv, max_norm);
+    let clip_factor = if max_norm > 0.0 { clip_factor } else { 1.0 };
+    let factor = (clip_factor as f64 * inv) as f32;
+    for u in updates {
+        u.opt.step(u.params, u.grads, lr, factor);
+    }
+    scaler.update(false);
+    Ok(StepOutcome {
+        grad_norm: norm,
+        skipped: false,
+        loss_scale,
+    })
+}
+
+/// Sum of squares of `g` (flat positions `offset..`), each element weighted
+/// by `weight`, and elements inside `replicated` by `weight / tp`: every
+/// tensor-parallel rank holds those whole, so summed over tp they count once.
+pub fn weighted_sum_squares(
+    g: &[f32],
+    offset: usize,
+    weight: f64,
+    replicated: &[Range<usize>],
+    tp: usize,
+) -> f64 {
+    let mut ss = clip::sum_squares(g);
+    if tp > 1 {
+        for r in replicated {
+            let lo = r.start.max(offset);
+            let hi = r.end.min(offset + g.len());
+            if lo < hi {
+                ss -= (1.0 - 1.0 / tp as f64) * clip::sum_squares(&g[lo - offset..hi - offset]);
+            }
+        }
+    }
+    ss * weight
+}

@@ -1,0 +1,195 @@
+//! Mixed precision: the loss scaler.
+//!
+//! fp16 has 5 exponent bits: small gradients underflow to zero. As PyTorch's
+//! `GradScaler` and DeepSpeed's `DynamicLossScaler`, the loss is multiplied
+//! by a scale before backward (so gradients are too), and the optimizer sees
+//! them divided by it again. A step whose gradients hold an inf or NaN on
+//! any rank is skipped on every rank and the scale is lowered; after
+//! `window` clean steps in a row it is raised again.
+//!
+//! DeepSpeed's semantics, key for key (`fp16.loss_scale` 0 = dynamic,
+//! `initial_scale_power`, `loss_scale_window`, `hysteresis`,
+//! `min_loss_scale`): with hysteresis h, the scale is only halved on the
+//! h-th overflow since the last halving (the first h-1 overflows are
+//! tolerated: the step is still skipped); the hysteresis count is restored
+//! when the scale is raised.
+//!
+//! bf16 and fp32 have fp32's exponent range and need no scaling: their
+//! scaler is [`LossScaler::none`], a constant 1 that never skips a step
+//! (a non-finite gradient there is an error, not an overflow).
+//!
+//! ```
+//! use phalanx::precision::{LossScaler, ScalerConfig};
+//! let mut s = LossScaler::dynamic(ScalerConfig { initial_scale_power: 4, window: 2, hysteresis: 1, min_scale: 1.0 });
+//! assert_eq!(s.scale(), 16.0);
+//! s.update(true);               // overflow: skip, halve
+//! assert_eq!(s.scale(), 8.0);
+//! s.update(false);
+//! s.update(false);              // two clean steps: double
+//! assert_eq!(s.scale(), 16.0);
+//! ```
+
+/// The dynamic scaler's settings (DeepSpeed's `fp16` section).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScalerConfig {
+    pub initial_scale_power: u32,
+    /// Clean steps before the scale is doubled.
+    pub window: usize,
+    /// Overflows tolerated before the scale is halved (1: halve on each).
+    pub hysteresis: usize,
+    pub min_scale: f64,
+}
+
+impl Default for ScalerConfig {
+    fn default() -> Self {
+        ScalerConfig {
+            initial_scale_power: 16,
+            window: 1000,
+            hysteresis: 2,
+            min_scale: 1.0,
+        }
+    }
+}
+
+/// The loss scale and its history; part of a checkpoint's state.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScaler {
+    scale: f64,
+    /// None: a static scale (never changes, overflow still skips).
+    dynamic: Option<DynamicState>,
+    /// Skipping is what a scaler is for; without one (fp32, bf16) a
+    /// non-finite gradient is an error.
+    skips: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+struct DynamicState {
+    window: usize,
+    hysteresis: usize,
+    min_scale: f64,
+    /// Overflows left before the next halving.
+    cur_hysteresis: usize,
+    /// Steps seen, and the step of the last overflow (DeepSpeed's counters).
+    iter: u64,
+    last_overflow: i64,
+}
+
+impl LossScaler {
+    /// No scaling (fp32, bf16).
+    pub fn none() -> LossScaler {
+        LossScaler {
+            scale: 1.0,
+            dynamic: None,
+            skips: false,
+        }
+    }
+
+    /// A constant scale (`fp16.loss_scale` > 0); overflowing steps are
+    /// still skipped.
+    pub fn fixed(scale: f64) -> LossScaler {
+        LossScaler {
+            scale,
+            dynamic: None,
+            skips: true,
+        }
+    }
+
+    pub fn dynamic(c: ScalerConfig) -> LossScaler {
+        LossScaler {
+            scale: 2f64.powi(c.initial_scale_power as i32),
+            dynamic: Some(DynamicState {
+                window: c.window.max(1),
+                hysteresis: c.hysteresis.max(1),
+                min_scale: c.min_scale,
+                cur_hysteresis: c.hysteresis.max(1),
+                iter: 0,
+                last_overflow: -1,
+            }),
+            skips: true,
+        }
+    }
+
+    /// The factor the loss is multiplied by before backward.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// Whether an overflow skips the step (fp16) or is an error (fp32, bf16).
+    pub fn skips_on_overflow(&self) -> bool {
+        self.skips
+    }
+
+    /// After a step: `overflow` says whether any rank saw a non-finite
+    /// gradient (the step was skipped).
+    pub fn update(&mut self, overflow: bool) {
+        let scale = &mut self.scale;
+        let Some(d) = &mut self.dynamic else {
+            return;
+        };
+        if overflow {
+            if d.hysteresis == 1 || d.cur_hysteresis == 1 {
+                *scale = (*scale / 2.0).max(d.min_scale);
+            } else {
+                d.cur_hysteresis -= 1;
+            }
+            d.last_overflow = d.iter as i64;
+        } else if (d.iter as i64 - d.last_overflow).rem_euclid(d.window as i64) == 0 {
+            d.cur_hysteresis = d.hysteresis;
+            *scale *= 2.0;
+        }
+        d.iter += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hysteresis_delays_the_halving() {
+        let c = ScalerConfig {
+            initial_scale_power: 10,
+            window: 1000,
+            hysteresis: 2,
+            min_scale: 1.0,
+        };
+        let mut s = LossScaler::dynamic(c);
+        s.update(true);
+        assert_eq!(s.scale(), 1024.0, "first overflow tolerated");
+        s.update(true);
+        assert_eq!(s.scale(), 512.0, "second halves");
+        s.update(true);
+        assert_eq!(s.scale(), 256.0, "hysteresis stays spent until a raise");
+    }
+
+    #[test]
+    fn window_counts_from_the_last_overflow_and_min_holds() {
+        let c = ScalerConfig {
+            initial_scale_power: 1,
+            window: 3,
+            hysteresis: 1,
+            min_scale: 1.0,
+        };
+        let mut s = LossScaler::dynamic(c);
+        s.update(true); // iter 0 overflows: 2 -> 1
+        s.update(true); // min holds
+        assert_eq!(s.scale(), 1.0);
+        s.update(false); // iter 2: 1 since overflow
+        s.update(false); // iter 3: 2
+        assert_eq!(s.scale(), 1.0);
+        s.update(false); // iter 4: 3 since overflow -> double
+        assert_eq!(s.scale(), 2.0);
+    }
+
+    #[test]
+    fn none_and_fixed() {
+        let mut n = LossScaler::none();
+        n.update(true);
+        assert_eq!(n.scale(), 1.0);
+        assert!(!n.skips_on_overflow());
+        let mut f = LossScaler::fixed(128.0);
+        f.update(true);
+        assert_eq!(f.scale(), 128.0);
+        assert!(f.skips_on_overflow());
+    }
+}

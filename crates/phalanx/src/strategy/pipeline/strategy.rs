@@ -1,0 +1,237 @@
+//! The pipeline-parallel strategy: a [`Pipeline`] over the mesh's pp axis,
+//! plain data parallel or ZeRO-1 over its dp axis, one optimizer per range
+//! of the flat buffer this rank's stages own.
+
+use super::{Partition, Pipeline, PipelineConfig, ScheduleKind};
+use crate::config::TrainConfig;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::mesh::DeviceMesh;
+use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::Optimizer;
+use crate::precision::LossScaler;
+use crate::strategy::reduce::CommHook;
+use crate::strategy::{BatchFn, MakeOptimizer, Strategy};
+use candle_core::Tensor;
+use std::ops::Range;
+
+pub struct PipeStrategy {
+    pub pipe: Pipeline,
+    /// (range of the flat buffer, its optimizer): with ZeRO-1, this dp
+    /// rank's piece of each owned range.
+    opts: Vec<(Range<usize>, Box<dyn Optimizer + Send>)>,
+    /// ZeRO-1: each owned range and the dp ranks' pieces of it.
+    zero1: Option<Vec<(Range<usize>, Vec<usize>)>>,
+    mesh: DeviceMesh,
+    /// Flat ranges every tensor-parallel rank holds whole (for the norm).
+    tp_replicated: Vec<Range<usize>>,
+}
+
+/// The pipeline settings of a training config.
+pub fn pipeline_config(cfg: &TrainConfig) -> Result<PipelineConfig> {
+    let p = &cfg.parallel;
+    let schedule = match p.pp_schedule.parse::<ScheduleKind>()? {
+        ScheduleKind::Interleaved { .. } if !p.pp_schedule.contains(':') => {
+            ScheduleKind::Interleaved {
+                v: p.pp_virtual_stages,
+            }
+        }
+        s => s,
+    };
+    let partition = match p.pp_partition.trim() {
+        "" | "balanced" => Partition::Balanced,
+        // Replaced by measured costs in `PipeStrategy::new`.
+        "time" => Partition::Balanced,
+        list => Partition::Sizes(
+            list.split(',')
+                .map(|s| s.trim().parse::<usize>())
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|_| {
+                    Error::Check(format!(
+                        "parallel.pp_partition {list:?}: expected \"balanced\", \"time\" or block counts like \"2,3,3\""
+                    ))
+                })?,
+        ),
+    };
+    Ok(PipelineConfig {
+        schedule,
+        micro_batches: cfg.train.grad_accum_steps,
+        partition,
+        ..PipelineConfig::default()
+    })
+}
+
+impl PipeStrategy {
+    pub fn new(
+        cfg: &TrainConfig,
+        engine: &mut Engine,
+        mesh: &DeviceMesh,
+        zero1: bool,
+        make_opt: &MakeOptimizer,
+        sample: Option<(Tensor, Tensor)>,
+        tp_replicated: Vec<Range<usize>>,
+    ) -> Result<PipeStrategy> {
+        // Replicas along dp start from dp rank 0's parameters.
+        mesh.dp().broadcast(engine.params_flat_mut(), 0)?;
+        let mut pcfg = pipeline_config(cfg)?;
+        // "time": balance the measured forward + backward time of each block
+        // on one micro-batch (world rank 0's measurement is used everywhere).
+        if let (Some((x, y)), "time") = (&sample, cfg.parallel.pp_partition.trim()) {
+            let costs = super::partition::measure_block_costs(engine, x, y, 2)?;
+            pcfg.partition = Partition::Costs(costs);
+        }
+        let pipe = Pipeline::new(engine, mesh, pcfg)?;
+        let (dp, r) = (mesh.dp().size(), mesh.dp().rank());
+        let mut opts = Vec::new();
+        let mut pieces = Vec::new();
+        for range in pipe.owned_ranges().to_vec() {
+            let mine = if zero1 {
+                let counts: Vec<usize> = (0..dp)
+                    .map(|k| crate::engine::shard_range(range.len(), k, dp).len())
+                    .collect();
+                let s = crate::engine::shard_range(range.len(), r, dp);
+                pieces.push((range.clone(), counts));
+                range.start + s.start..range.start + s.end
+            } else {
+                range
+            };
+            opts.push((mine.clone(), make_opt(engine, mine)?));
+        }
+        // Disjoint and in flat order (the finish path splits the buffers).
+        opts.sort_by_key(|(r, _)| r.start);
+        Ok(PipeStrategy {
+            pipe,
+            opts,
+            zero1: zero1.then_some(pieces),
+            mesh: mesh.clone(),
+            tp_replicated,
+        })
+    }
+
+    /// The finish path over the owned ranges, then (ZeRO-1) the dp ranks
+    /// put their updated pieces back together.
+    fn finish(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        // Global norm: every parameter once — primary ranges over pp (tied
+        // copies elsewhere count 0), 1/dp on each dp replica, tp shards add
+        // up, tp-replicated ranges once.
+        let (tp, dp) = (self.mesh.tp_size, self.mesh.dp().size());
+        let w = 1.0 / dp as f64;
+        let rep = &self.tp_replicated;
+        let ss: f64 = {
+            let g = engine.grads_flat();
+            self.pipe
+                .primary_ranges()
+                .iter()
+                .map(|r| weighted_sum_squares(&g[r.clone()], r.start, w, rep, tp))
+                .sum()
+        };
+        let (p, g) = engine.params_and_grads_mut();
+        // The owned ranges are disjoint and in flat order: split the
+        // buffers into them.
+        let mut updates = Vec::with_capacity(self.opts.len());
+        let (mut prest, mut grest, mut at) = (&mut p[..], &g[..], 0);
+        for (r, opt) in &mut self.opts {
+            let (_, ptail) = std::mem::take(&mut prest).split_at_mut(r.start - at);
+            let (pr, ptail) = ptail.split_at_mut(r.len());
+            let (gr, gtail) = grest[r.start - at..].split_at(r.len());
+            updates.push(Update {
+                params: pr,
+                grads: gr,
+                opt: opt.as_mut(),
+            });
+            (prest, grest, at) = (ptail, gtail, r.end);
+        }
+        let out = finish_step(self.mesh.world(), ss, updates, scaler, lr, max_norm, step)?;
+        if let (Some(pieces), false) = (&self.zero1, out.skipped) {
+            let p = engine.params_flat_mut();
+            for (range, counts) in pieces {
+                let r = self.mesh.dp().rank();
+                let s = crate::engine::shard_range(range.len(), r, counts.len());
+                let piece = p[range.start + s.start..range.start + s.end].to_vec();
+                self.mesh
+                    .dp()
+                    .all_gather_v(&piece, counts, &mut p[range.clone()])?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Bring every block's parameters up to date on this rank (each stage
+    /// updates only its own): for evaluation on one rank, or saving.
+    pub fn sync_params(&self, engine: &mut Engine) -> Result<()> {
+        let full = self.pipe.full_params(engine)?;
+        engine.params_flat_mut().copy_from_slice(&full);
+        Ok(())
+    }
+}
+
+impl Strategy for PipeStrategy {
+    fn name(&self) -> String {
+        let dp = if self.zero1.is_some() {
+            "ZeRO-1"
+        } else {
+            "DDP"
+        };
+        format!("pipeline {} + {dp}", self.pipe.config().schedule)
+    }
+
+    fn forward_backward(
+        &mut self,
+        engine: &mut Engine,
+        batch: &mut BatchFn,
+        accum: usize,
+        loss_scale: f32,
+    ) -> Result<f32> {
+        if accum != self.pipe.config().micro_batches {
+            return Err(Error::Check(format!(
+                "pipeline built for {} micro-batches, asked for {accum}",
+                self.pipe.config().micro_batches
+            )));
+        }
+        self.pipe.set_loss_scale(loss_scale);
+        // Already the mean over micro-batches and dp replicas.
+        self.pipe.forward_backward(engine, batch)
+    }
+
+    fn finish_step(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        self.finish(engine, scaler, lr, max_norm, step)
+    }
+
+    fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
+        Ok(engine.eval_loss(x, y)?)
+    }
+
+    fn prepare_eval(&mut self, engine: &mut Engine) -> Result<()> {
+        self.sync_params(engine)
+    }
+
+    fn full_params(&self, engine: &Engine) -> Result<Vec<f32>> {
+        self.pipe.full_params(engine)
+    }
+
+    fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {
+        self.opts.iter().map(|(_, o)| o.as_ref()).collect()
+    }
+
+    fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
+        self.pipe.set_comm_hook(make());
+    }
+
+    fn pipeline(&self) -> Option<&Pipeline> {
+        Some(&self.pipe)
+    }
+}

@@ -1,0 +1,266 @@
+//! The gradient-reduction seam: where a ready bucket of gradients is handed
+//! to communication. DDP (all-reduce), ZeRO-2/3 (reduce-scatter into the
+//! owner's shard) and the pipeline's data-parallel axis all go through one
+//! [`Reducer`]; what travels and how is a [`CommHook`] (PyTorch's
+//! `register_comm_hook`): the default one reduces in `reduce_dtype`
+//! (fp32, or bf16 / fp16 to halve the bytes, FSDP's `reduce_dtype`).
+//!
+//! A [`Bucket`] is a contiguous range of the flat gradient buffer that is
+//! complete once block `ready_at` (its lowest block) has run its backward:
+//! DDP's 25 MB buckets and ZeRO-3's per-block units are both buckets.
+//!
+//! ```
+//! use phalanx::strategy::reduce::plan_buckets;
+//! // Three blocks of 10, 20 and 30 floats; buckets of at most 100 bytes.
+//! let ranges = vec![0..10, 10..30, 30..60];
+//! let b = plan_buckets(&ranges, 100);
+//! // Backward order: block 2 alone (120 B), then blocks 0-1 together (40 +
+//! // 80 B): a bucket closes once it reaches the cap.
+//! assert_eq!(b.iter().map(|b| b.range.clone()).collect::<Vec<_>>(), vec![30..60, 0..30]);
+//! assert_eq!(b.iter().map(|b| b.ready_at).collect::<Vec<_>>(), vec![2, 0]);
+//! // A cap of 0 gives one bucket per block (ZeRO-3's units).
+//! assert_eq!(plan_buckets(&ranges, 0).len(), 3);
+//! ```
+
+use crate::config::Precision;
+use crate::error::Result;
+use phalanx_comm::{ProcessGroup, ReduceOp, Work};
+use std::ops::Range;
+
+/// A contiguous range of the flat gradient buffer, ready when block
+/// `ready_at` (its lowest block) has run its backward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bucket {
+    pub range: Range<usize>,
+    pub ready_at: usize,
+}
+
+/// Group blocks, last to first, into buckets of at least `cap` bytes (the
+/// last bucket may be smaller). Empty blocks join their neighbours. A cap
+/// of 0 makes every non-empty block its own bucket.
+pub fn plan_buckets(block_ranges: &[Range<usize>], cap: usize) -> Vec<Bucket> {
+    let mut out = Vec::new();
+    let mut cur: Option<Bucket> = None;
+    for (b, r) in block_ranges.iter().enumerate().rev() {
+        let bucket = cur.get_or_insert(Bucket {
+            range: r.clone(),
+            ready_at: b,
+        });
+        bucket.range.start = r.start;
+        bucket.ready_at = b;
+        if bucket.range.len() * 4 >= cap.max(1) {
+            out.push(cur.take().unwrap());
+        }
+    }
+    if let Some(b) = cur {
+        if !b.range.is_empty() || out.is_empty() {
+            out.push(b);
+        }
+    }
+    out
+}
+
+/// Which buckets backward has completed: blocks run their backward last to
+/// first, so once block `b` is done every bucket whose lowest block is
+/// `>= b` is complete. One cursor per micro-step.
+#[derive(Debug, Default)]
+pub struct ReadyCursor {
+    next: usize,
+}
+
+impl ReadyCursor {
+    /// The buckets that became complete when block `b` finished, in order.
+    pub fn advance(&mut self, buckets: &[Bucket], b: usize) -> Range<usize> {
+        let lo = self.next;
+        while self.next < buckets.len() && buckets[self.next].ready_at >= b {
+            self.next += 1;
+        }
+        lo..self.next
+    }
+
+    /// Error unless every bucket was launched.
+    pub fn check_all(&self, buckets: &[Bucket], who: &str) -> Result<()> {
+        if self.next == buckets.len() {
+            Ok(())
+        } else {
+            Err(crate::error::Error::Check(format!(
+                "{who}: only {} of {} gradient buckets were reduced",
+                self.next,
+                buckets.len()
+            )))
+        }
+    }
+}
+
+/// How a bucket is reduced over the group.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Collective {
+    /// Every rank gets the average of the whole bucket.
+    AllReduce,
+    /// Rank r gets the average of its `counts[r]` elements (in rank order).
+    ReduceScatter { counts: Vec<usize> },
+}
+
+/// A reduction in flight; `wait` gives this rank's averaged gradients.
+pub struct Pending(Box<dyn FnOnce() -> Result<Vec<f32>> + Send>);
+
+impl Pending {
+    pub fn new(f: impl FnOnce() -> Result<Vec<f32>> + Send + 'static) -> Pending {
+        Pending(Box::new(f))
+    }
+    /// A finished reduction.
+    pub fn ready(v: Vec<f32>) -> Pending {
+        Pending::new(move || Ok(v))
+    }
+    /// Wrap a communication `Work`.
+    pub fn work(w: Work<Vec<f32>>) -> Pending {
+        Pending::new(move || Ok(w.wait()?))
+    }
+    pub fn wait(self) -> Result<Vec<f32>> {
+        (self.0)()
+    }
+}
+
+/// A communication hook: given a ready bucket's gradients (`grads`, f32,
+/// this rank's local sum over its micro-batches) and the group, start their
+/// reduction (the average over the group) and return it in flight. `bucket`
+/// identifies the bucket across steps, for hooks that keep state per bucket
+/// (error feedback, warm starts).
+pub trait CommHook: Send {
+    fn reduce(
+        &mut self,
+        bucket: usize,
+        grads: Vec<f32>,
+        coll: &Collective,
+        pg: &ProcessGroup,
+    ) -> Pending;
+}
+
+/// The default hook: the collective in `dtype` (f32 as is; bf16 / fp16:
+/// cast before sending and back after, dividing by the group size first so
+/// that fp16 sums cannot overflow).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultHook {
+    pub dtype: Precision,
+}
+
+impl CommHook for DefaultHook {
+    fn reduce(
+        &mut self,
+        _bucket: usize,
+        grads: Vec<f32>,
+        coll: &Collective,
+        pg: &ProcessGroup,
+    ) -> Pending {
+        match self.dtype {
+            Precision::Fp32 => Pending::work(launch(pg, grads, coll, ReduceOp::Avg)),
+            Precision::Bf16 => cast_reduce::<half::bf16>(pg, grads, coll),
+            Precision::Fp16 => cast_reduce::<half::f16>(pg, grads, coll),
+        }
+    }
+}
+
+fn launch<T: phalanx_comm::Element>(
+    pg: &ProcessGroup,
+    buf: Vec<T>,
+    coll: &Collective,
+    op: ReduceOp,
+) -> Work<Vec<T>> {
+    match coll {
+        Collective::AllReduce => pg.all_reduce_async(buf, op),
+        Collective::ReduceScatter { counts } => pg.reduce_scatter_async(buf, counts.clone(), op),
+    }
+}
+
+trait Half: phalanx_comm::Element + Copy {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+impl Half for half::bf16 {
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+impl Half for half::f16 {
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+fn cast_reduce<T: Half>(pg: &ProcessGroup, grads: Vec<f32>, coll: &Collective) -> Pending {
+    let inv = 1.0 / pg.size() as f32;
+    let buf: Vec<T> = grads.iter().map(|&g| T::from_f32(g * inv)).collect();
+    let w = launch(pg, buf, coll, ReduceOp::Sum);
+    Pending::new(move || Ok(w.wait()?.into_iter().map(T::to_f32).collect()))
+}
+
+/// Hands ready buckets to the hook and collects the results.
+pub struct Reducer {
+    pg: ProcessGroup,
+    hook: Box<dyn CommHook>,
+    inflight: Vec<(usize, Pending)>,
+}
+
+impl Reducer {
+    pub fn new(pg: ProcessGroup, hook: Box<dyn CommHook>) -> Reducer {
+        Reducer {
+            pg,
+            hook,
+            inflight: Vec::new(),
+        }
+    }
+
+    /// Replace the communication hook (`register_comm_hook`).
+    pub fn set_hook(&mut self, hook: Box<dyn CommHook>) {
+        self.hook = hook;
+    }
+
+    pub fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// Start reducing bucket `id`'s gradients.
+    pub fn launch(&mut self, id: usize, grads: Vec<f32>, coll: &Collective) {
+        let p = if self.pg.size() == 1 {
+            // One rank: the average is the gradient itself.
+            Pending::ready(match coll {
+                Collective::AllReduce => grads,
+                Collective::ReduceScatter { .. } => grads,
+            })
+        } else {
+            self.hook.reduce(id, grads, coll, &self.pg)
+        };
+        self.inflight.push((id, p));
+    }
+
+    /// How many reductions are in flight.
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Wait for every launched reduction, in launch order: (bucket id, this
+    /// rank's reduced gradients).
+    pub fn wait_all(&mut self) -> Result<Vec<(usize, Vec<f32>)>> {
+        let mut out = Vec::with_capacity(self.inflight.len());
+        let mut first_err = None;
+        for (id, p) in self.inflight.drain(..) {
+            // Wait for all, even after an error, so no work outlives the step.
+            match p.wait() {
+                Ok(v) => out.push((id, v)),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}
