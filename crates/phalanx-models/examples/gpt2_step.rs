@@ -27,6 +27,7 @@ fn main() -> candle_core::Result<()> {
         EngineConfig {
             seed: 1,
             activations,
+            ..Default::default()
         },
     )?;
     let n = engine.num_params();

@@ -16,6 +16,7 @@ fn engine(cfg: &Gpt2Config, activations: Activations) -> Engine {
     let ecfg = EngineConfig {
         seed: 42,
         activations,
+        ..Default::default()
     };
     gpt2::engine(cfg, &Device::Cpu, ecfg).unwrap()
 }

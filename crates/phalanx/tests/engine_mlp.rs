@@ -64,6 +64,7 @@ fn engine(activations: Activations) -> Engine {
     let cfg = EngineConfig {
         seed: 7,
         activations,
+        ..Default::default()
     };
     Engine::new(blocks(), &Device::Cpu, cfg).unwrap()
 }

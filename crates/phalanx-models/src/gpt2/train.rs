@@ -15,7 +15,7 @@ use super::{hf, Gpt2Config};
 use candle_core::Device;
 use phalanx::config::TrainConfig;
 use phalanx::data::{DataLoader, LoaderConfig, Tokenizer};
-use phalanx::engine::{Engine, EngineConfig};
+use phalanx::engine::Engine;
 use phalanx::mesh::DeviceMesh;
 use phalanx::tp::Tp;
 use phalanx::trainer::{Report, RunOptions, Trainer};
@@ -42,10 +42,7 @@ pub fn model_config(cfg: &TrainConfig) -> Gpt2Config {
 pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
     let g = model_config(cfg);
     g.validate()?;
-    let ecfg = EngineConfig {
-        seed: cfg.train.seed,
-        ..EngineConfig::default()
-    };
+    let ecfg = phalanx::trainer::engine_config(cfg);
     Ok(super::engine(&g, &Device::Cpu, ecfg)?)
 }
 
@@ -74,10 +71,7 @@ pub fn train(
     let dp = cfg.dp_for_world(pg.size())?;
     let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, tp_size)?;
     let g = model_config(cfg);
-    let ecfg = EngineConfig {
-        seed: cfg.train.seed,
-        ..EngineConfig::default()
-    };
+    let ecfg = phalanx::trainer::engine_config(cfg);
     let tp = (tp_size > 1).then(|| Tp::new(mesh.tp().clone(), cfg.parallel.sequence_parallel));
     let init_err = |p: &Path, e: candle_core::Error| {
         Error::Check(format!("--init-from {}: {}", p.display(), Error::from(e)))

@@ -46,6 +46,9 @@ pub struct EngineConfig {
     /// Seed of the parameter initialisation (same on every rank).
     pub seed: u64,
     pub activations: Activations,
+    /// The dtype blocks compute in: F32, or BF16 / F16 for mixed precision
+    /// (master parameters, gradients and optimizer state stay f32).
+    pub compute_dtype: candle_core::DType,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
         Self {
             seed: 1337,
             activations: Activations::KeepGraph,
+            compute_dtype: candle_core::DType::F32,
         }
     }
 }
@@ -70,7 +74,8 @@ impl Engine {
     /// initialise the parameters.
     pub fn new(blocks: Vec<Box<dyn Block>>, device: &Device, cfg: EngineConfig) -> Result<Self> {
         let ledger = Ledger::new();
-        let stack = Stack::new(blocks, device, cfg.activations, &ledger)?;
+        let mut stack = Stack::new(blocks, device, cfg.activations, &ledger)?;
+        stack.set_compute_dtype(cfg.compute_dtype);
         let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
         stack.init_params(params.as_mut_slice(), cfg.seed);
         let grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);

@@ -74,14 +74,29 @@ use crate::ops::cpu::with_f32;
 mod split;
 pub use split::WeightStash;
 
-/// What the forward keeps for the backward.
+/// What the forward keeps for the backward (activation checkpointing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activations {
     /// Keep every block's autograd graph (fast, more memory).
     #[default]
     KeepGraph,
-    /// Keep block inputs only, recompute each block in its backward.
+    /// Keep block inputs only, recompute each block in its backward
+    /// (`checkpoint()` around every block; Megatron's full recomputation).
     Recompute,
+    /// Recompute every k-th block (blocks 0, k, 2k, ...), keep the others'
+    /// graphs: Megatron's `--recompute-method uniform` trade-off.
+    RecomputeEvery(usize),
+}
+
+impl Activations {
+    /// Whether block `b` is recomputed in its backward.
+    pub fn recomputes(self, b: usize) -> bool {
+        match self {
+            Activations::KeepGraph => false,
+            Activations::Recompute => true,
+            Activations::RecomputeEvery(k) => k > 0 && b.is_multiple_of(k),
+        }
+    }
 }
 
 /// One block's saved state.
@@ -118,7 +133,20 @@ pub struct Stack {
     layout: Layout,
     device: Device,
     activations: Activations,
+    /// The dtype blocks compute in (parameters are cast to it, block inputs
+    /// too); master parameters and gradients stay f32.
+    compute: DType,
     ledger: Ledger,
+}
+
+/// `sum(y * gy)`, whose backward gives the vector-Jacobian product; `gy`
+/// is cast to `y`'s dtype (the head's loss is f32 whatever blocks compute in).
+pub(super) fn weighted_sum(y: &Tensor, gy: &Tensor) -> Result<Tensor> {
+    if gy.dtype() != y.dtype() {
+        (y * gy.to_dtype(y.dtype())?)?.sum_all()
+    } else {
+        (y * gy)?.sum_all()
+    }
 }
 
 fn tensor_bytes(t: &Tensor) -> usize {
@@ -147,6 +175,7 @@ impl Stack {
             blocks,
             device: device.clone(),
             activations,
+            compute: DType::F32,
             ledger: ledger.clone(),
         })
     }
@@ -171,6 +200,24 @@ impl Stack {
         self.activations = a;
     }
 
+    /// Mixed precision: blocks compute in `dtype` (F32, BF16 or F16).
+    pub fn set_compute_dtype(&mut self, dtype: DType) {
+        self.compute = dtype;
+    }
+
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    /// A float activation in the compute dtype (token ids pass unchanged).
+    fn to_compute(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype().is_float() && x.dtype() != self.compute {
+            x.to_dtype(self.compute)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
     }
@@ -191,7 +238,7 @@ impl Stack {
         grad: bool,
     ) -> Result<(Box<dyn BlockModule>, Served, Charge)> {
         let (server, served) = Server::new(&self.layout, src, Some(b), grad, &self.device);
-        let vb = VarBuilder::from_backend(Box::new(server), DType::F32, self.device.clone());
+        let vb = VarBuilder::from_backend(Box::new(server), self.compute, self.device.clone());
         let module = self.blocks[b].build(vb)?;
         let served = std::mem::take(&mut *served.lock().unwrap());
         let working = self.ledger.charge(Mem::Working, served.bytes);
@@ -222,10 +269,14 @@ impl Stack {
             targets,
             train: false,
         };
-        let mut x = x.clone();
+        let mut x = self.to_compute(x)?;
         for b in range {
             let (m, _served, _working) = self.build(b, src, false)?;
             x = m.forward(&x, &ctx)?;
+        }
+        // Callers read logits and losses as f32.
+        if x.dtype().is_float() && x.dtype() != DType::F32 {
+            x = x.to_dtype(DType::F32)?;
         }
         Ok(x)
     }
@@ -260,16 +311,16 @@ impl Stack {
         };
         let mut saved = Vec::with_capacity(range.len());
         let mut act_bytes = 0;
-        let mut x = x.detach();
+        let mut x = self.to_compute(&x.detach())?;
         for b in range.clone() {
             match self.activations {
-                Activations::Recompute => {
+                a if a.recomputes(b) => {
                     act_bytes += tensor_bytes(&x);
                     saved.push(Saved::Input(x.clone()));
                     let (m, _served, _working) = self.build(b, src, false)?;
                     x = m.forward(&x, &ctx)?;
                 }
-                Activations::KeepGraph if !param_vars && !x.dtype().is_float() => {
+                _ if !param_vars && !x.dtype().is_float() => {
                     // Token ids under a split backward: B has nothing to do
                     // for this block and W recomputes it from the ids.
                     act_bytes += tensor_bytes(&x);
@@ -277,7 +328,7 @@ impl Stack {
                     let (m, _served, _working) = self.build(b, src, false)?;
                     x = m.forward(&x, &ctx)?;
                 }
-                Activations::KeepGraph => {
+                _ => {
                     let xv = if x.dtype().is_float() {
                         Some(Var::from_tensor(&x)?)
                     } else {
@@ -358,7 +409,7 @@ impl Stack {
                     gy.shape()
                 )
             }
-            let grads = (y * &gy)?.sum_all()?.backward()?;
+            let grads = weighted_sum(&y, &gy)?.backward()?;
             for (k, var) in &vars {
                 let p = &self.layout.params()[*k];
                 let Some(g) = grads.get(var.as_tensor()) else {
@@ -399,7 +450,7 @@ impl Stack {
         src: &dyn ParamSource,
     ) -> Result<(f32, Vec<f32>)> {
         let (server, served) = Server::new(&self.layout, src, None, true, &self.device);
-        let vb = VarBuilder::from_backend(Box::new(server), DType::F32, self.device.clone());
+        let vb = VarBuilder::from_backend(Box::new(server), self.compute, self.device.clone());
         let ctx = Ctx {
             targets: Some(targets),
             train: true,

@@ -531,6 +531,23 @@ pub fn loss_scaler(cfg: &TrainConfig) -> LossScaler {
     })
 }
 
+/// The engine settings a config asks for: the init seed, the compute dtype
+/// (`train.precision`) and activation checkpointing
+/// (`train.activation_checkpointing`).
+pub fn engine_config(cfg: &TrainConfig) -> crate::engine::EngineConfig {
+    use crate::config::Recompute;
+    use crate::engine::Activations;
+    crate::engine::EngineConfig {
+        seed: cfg.train.seed,
+        activations: match cfg.recompute() {
+            Recompute::None => Activations::KeepGraph,
+            Recompute::Full => Activations::Recompute,
+            Recompute::Every(k) => Activations::RecomputeEvery(k),
+        },
+        compute_dtype: cfg.precision().dtype(),
+    }
+}
+
 /// The learning-rate schedule of a config.
 pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
     let o = &cfg.optim;

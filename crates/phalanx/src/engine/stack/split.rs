@@ -140,7 +140,7 @@ impl Stack {
             }
             dx = match graph {
                 Some((xv, y)) => {
-                    let grads = (y * &gy)?.sum_all()?.backward()?;
+                    let grads = super::weighted_sum(&y, &gy)?.backward()?;
                     match grads.get(xv.as_tensor()) {
                         Some(g) => Some(g.detach()),
                         None => bail!("block {b}: its input received no gradient"),
@@ -194,7 +194,7 @@ impl Stack {
                     gy.shape()
                 )
             }
-            let grads = (y * &gy)?.sum_all()?.backward()?;
+            let grads = super::weighted_sum(&y, &gy)?.backward()?;
             for (k, var) in &served.vars {
                 let p = &self.layout.params()[*k];
                 let Some(g) = grads.get(var.as_tensor()) else {
