@@ -11,11 +11,19 @@
 //! assert!(TrainConfig::build(None, &["train.stepz=5".into()]).is_err());
 //! ```
 
+mod batch;
+mod deepspeed;
+mod merge;
+mod precision;
 mod presets;
+mod validate;
 
+pub use precision::{
+    ActivationCheckpointingSection, Bf16Section, Fp16Section, Precision, Recompute,
+};
 pub use presets::{model_preset, PRESETS};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -28,15 +36,68 @@ pub struct TrainConfig {
     /// ZeRO in DeepSpeed's words (`parallel.sharding_strategy` says the same in FSDP's).
     pub zero_optimization: ZeroOptimization,
     pub log: LogConfig,
+    /// DeepSpeed's fp16 section (loss scaling); see [`TrainConfig::precision`].
+    pub fp16: Fp16Section,
+    /// DeepSpeed's bf16 section.
+    pub bf16: Bf16Section,
+    /// DeepSpeed's activation_checkpointing section (where saved inputs live).
+    pub activation_checkpointing: ActivationCheckpointingSection,
+    /// Which batch number is derived from `train.global_batch_size` (set by
+    /// `build` from the keys given; see the `batch` module).
+    #[serde(skip)]
+    derive: batch::Derive,
 }
 
 /// DeepSpeed's `zero_optimization` block.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ZeroOptimization {
     /// 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
     pub stage: u8,
     pub offload_optimizer: OffloadOptimizer,
+    /// ZeRO-3 parameter offload: `none`, `cpu` or `nvme`.
+    pub offload_param: OffloadParam,
+    /// Overlap gradient reduction with backward.
+    pub overlap_comm: bool,
+    /// Gradients in one contiguous buffer (Phalanx always does this).
+    pub contiguous_gradients: bool,
+    /// Gradient bucket size in elements, as DeepSpeed counts it (bytes =
+    /// elements x 4); 0 uses `parallel.bucket_mb`.
+    pub reduce_bucket_size: f64,
+    /// ZeRO-3 prefetch size in elements; 0 uses `parallel.forward_prefetch`.
+    pub stage3_prefetch_bucket_size: f64,
+}
+
+impl Default for ZeroOptimization {
+    fn default() -> Self {
+        ZeroOptimization {
+            stage: 0,
+            offload_optimizer: OffloadOptimizer::default(),
+            offload_param: OffloadParam::default(),
+            overlap_comm: true,
+            contiguous_gradients: true,
+            reduce_bucket_size: 0.0,
+            stage3_prefetch_bucket_size: 0.0,
+        }
+    }
+}
+
+/// DeepSpeed's `zero_optimization.offload_param` (ZeRO-3 only).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OffloadParam {
+    /// `none`, `cpu` or `nvme` (files under `nvme_path`).
+    pub device: String,
+    pub nvme_path: String,
+}
+
+impl Default for OffloadParam {
+    fn default() -> Self {
+        OffloadParam {
+            device: "none".into(),
+            nvme_path: "runs/offload".into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -103,12 +164,24 @@ pub struct TrainSection {
     /// Evaluate the validation loss every this many steps (0: never).
     pub eval_interval: usize,
     pub eval_batches: usize,
+    /// Compute dtype: fp32, bf16 or fp16 (also set by `fp16.enabled` /
+    /// `bf16.enabled`; read it through [`TrainConfig::precision`]).
+    pub precision: Precision,
+    /// The dtype gradients are reduced in (DeepSpeed's communication_data_type).
+    pub reduce_dtype: Precision,
+    /// "none", "full" or k: recompute every k-th block (see [`Recompute`]).
+    pub activation_checkpointing: Recompute,
+    /// Samples per optimizer step over all ranks (DeepSpeed's
+    /// train_batch_size); 0: micro_batch_size x dp x grad_accum_steps.
+    pub global_batch_size: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimConfig {
-    /// `adamw` or `sgd`.
+    /// `adamw`, `adam` or `sgd`. `adam` is DeepSpeed's Adam with its default
+    /// `adam_w_mode = true`, i.e. AdamW (decoupled weight decay): the same
+    /// update as `adamw`.
     pub name: String,
     pub lr: f64,
     pub min_lr: f64,
@@ -119,8 +192,16 @@ pub struct OptimConfig {
     /// Clip gradients to this global norm (0 disables).
     pub grad_clip: f64,
     pub warmup_steps: usize,
-    /// `cosine` (after warmup) or `constant`.
+    /// `cosine` (warmup then cosine to min_lr), `constant`, `warmup_constant`
+    /// (DeepSpeed's WarmupLR) or `warmup_linear` (DeepSpeed's WarmupDecayLR);
+    /// see [`crate::optim::LrSchedule`].
     pub schedule: String,
+    /// The learning rate warmup starts from (DeepSpeed's warmup_min_lr).
+    pub warmup_min_lr: f64,
+    /// `linear` or `log` (DeepSpeed's warmup_type).
+    pub warmup_type: String,
+    /// Step at which decay reaches min_lr (0: train.steps).
+    pub decay_steps: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -178,6 +259,10 @@ impl Default for TrainConfig {
             parallel: ParallelConfig::default(),
             zero_optimization: ZeroOptimization::default(),
             log: LogConfig::default(),
+            fp16: Fp16Section::default(),
+            bf16: Bf16Section::default(),
+            activation_checkpointing: ActivationCheckpointingSection::default(),
+            derive: batch::Derive::Nothing,
         }
     }
 }
@@ -216,6 +301,10 @@ impl Default for TrainSection {
             seed: 0,
             eval_interval: 100,
             eval_batches: 8,
+            precision: Precision::Fp32,
+            reduce_dtype: Precision::Fp32,
+            activation_checkpointing: Recompute::None,
+            global_batch_size: 0,
         }
     }
 }
@@ -233,6 +322,9 @@ impl Default for OptimConfig {
             grad_clip: 1.0,
             warmup_steps: 20,
             schedule: "cosine".into(),
+            warmup_min_lr: 0.0,
+            warmup_type: "linear".into(),
+            decay_steps: 0,
         }
     }
 }
@@ -280,20 +372,48 @@ impl std::error::Error for ConfigError {}
 type Result<T> = std::result::Result<T, ConfigError>;
 
 impl TrainConfig {
-    /// Defaults <- model preset <- TOML file <- `section.key=value` overrides,
-    /// then validation.
+    /// Defaults <- model preset <- file <- `section.key=value` overrides,
+    /// then validation. A file named `*.json` is a DeepSpeed config
+    /// (translated to the same keys, see the `deepspeed` module); any other
+    /// is TOML. Warnings (DeepSpeed keys accepted without effect) are
+    /// printed to stderr; [`TrainConfig::build_with_warnings`] returns them.
     pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        let (cfg, warnings) = Self::build_with_warnings(file, overrides)?;
+        for w in &warnings {
+            eprintln!("warning: {w}");
+        }
+        Ok(cfg)
+    }
+
+    /// [`TrainConfig::build`], returning the warnings instead of printing them.
+    pub fn build_with_warnings(
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<(TrainConfig, Vec<String>)> {
         let mut table = toml::Table::new();
+        let mut warnings = Vec::new();
+        let mut ds = deepspeed::Extra::default();
         if let Some(p) = file {
             let text = std::fs::read_to_string(p)
                 .map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
-            table = text
-                .parse::<toml::Table>()
-                .map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;
+            if p.extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+            {
+                (table, ds) = deepspeed::translate(&text, &p.display().to_string(), &mut warnings)?;
+            } else {
+                table = text
+                    .parse::<toml::Table>()
+                    .map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;
+            }
         }
         for o in overrides {
-            apply_override(&mut table, o)?;
+            merge::apply_override(&mut table, o)?;
         }
+        let derive = batch::Derive::from_table(&table);
+        let recompute_given = table
+            .get("train")
+            .and_then(|t| t.get("activation_checkpointing"))
+            .is_some();
         // The preset is read first so that explicit model keys win over it.
         let preset = table
             .get("model")
@@ -305,167 +425,59 @@ impl TrainConfig {
         base.model.preset = preset.clone();
         model_preset(&preset, &mut base.model)?;
         let mut merged = toml::Table::try_from(&base).map_err(|e| ConfigError(e.to_string()))?;
-        merge(&mut merged, table, "")?;
-        let cfg: TrainConfig = toml::Value::Table(merged)
+        merge::merge(&mut merged, table, "")?;
+        let mut cfg: TrainConfig = toml::Value::Table(merged)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError(e.message().to_string()))?;
+        cfg.derive = derive;
+        if !recompute_given {
+            ds.apply_recompute(&mut cfg);
+        }
         cfg.validate()?;
-        Ok(cfg)
+        cfg.resolve_batch_from_env()?;
+        Ok((cfg, warnings))
     }
 
-    /// Checks that do not depend on the world size.
-    pub fn validate(&self) -> Result<()> {
-        let m = &self.model;
-        let bad = |s: String| Err(ConfigError(s));
-        if m.n_layer == 0
-            || m.n_head == 0
-            || m.n_embd == 0
-            || m.vocab_size == 0
-            || m.block_size == 0
-        {
-            return bad(format!("model sizes must be positive: {m:?}"));
-        }
-        if !m.n_embd.is_multiple_of(m.n_head) {
-            return bad(format!(
-                "model.n_embd ({}) must be divisible by model.n_head ({})",
-                m.n_embd, m.n_head
-            ));
-        }
-        if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
-            return bad(
-                "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),
-            );
-        }
-        if !matches!(self.data.tokenizer.as_str(), "byte" | "gpt2") {
-            return bad(format!(
-                "data.tokenizer must be \"byte\" or \"gpt2\", not {:?}",
-                self.data.tokenizer
-            ));
-        }
-        if !(0.0..1.0).contains(&self.data.val_fraction) {
-            return bad(format!(
-                "data.val_fraction must be in [0, 1), not {}",
-                self.data.val_fraction
-            ));
-        }
-        if !matches!(self.optim.name.as_str(), "adamw" | "sgd") {
-            return bad(format!(
-                "optim.name must be \"adamw\" or \"sgd\", not {:?}",
-                self.optim.name
-            ));
-        }
-        if !matches!(self.optim.schedule.as_str(), "cosine" | "constant") {
-            return bad(format!(
-                "optim.schedule must be \"cosine\" or \"constant\", not {:?}",
-                self.optim.schedule
-            ));
-        }
-        if self.optim.lr <= 0.0 || self.optim.grad_clip < 0.0 {
-            return bad("optim.lr must be positive and optim.grad_clip non-negative".into());
-        }
-        if self.parallel.bucket_mb <= 0.0 {
-            return bad("parallel.bucket_mb must be positive".into());
-        }
-        self.sharding()?;
-        if !matches!(
-            self.zero_optimization.offload_optimizer.device.as_str(),
-            "none" | "cpu" | "nvme"
-        ) {
-            return bad(format!(
-                "zero_optimization.offload_optimizer.device must be none, cpu or nvme, not {:?}",
-                self.zero_optimization.offload_optimizer.device
-            ));
-        }
-        if self.offload_dir().is_some() && self.optim.name != "adamw" {
-            return bad("optimizer offload is built for optim.name = adamw".into());
-        }
-        if self.parallel.tp == 0 {
-            return bad("parallel.tp must be at least 1".into());
-        }
-        if self.parallel.sequence_parallel && self.sharding()?.stage >= 2 {
-            return bad(
-                "sequence parallel composes with DDP and ZeRO-1 in this build (zero stage <= 1)"
-                    .into(),
-            );
-        }
-        if self.parallel.pp == 0 {
-            return bad("parallel.pp must be at least 1".into());
-        }
-        if self.parallel.pp > 1 && self.sharding()?.stage >= 2 {
-            return bad(
-                "pipeline parallel composes with DDP and ZeRO-1 on the dp axis (zero stage <= 1)"
-                    .into(),
-            );
-        }
-        if !matches!(
-            self.parallel
-                .pp_schedule
-                .to_ascii_lowercase()
-                .split(':')
-                .next(),
-            Some("gpipe" | "1f1b" | "interleaved" | "zb-h1")
-        ) {
-            return bad(format!(
-                "parallel.pp_schedule must be gpipe, 1f1b, interleaved or zb-h1, not {:?}",
-                self.parallel.pp_schedule
-            ));
-        }
-        Ok(())
+    /// The compute precision: `train.precision` when not fp32, else fp16 when
+    /// `fp16.enabled`, bf16 when `bf16.enabled`, else fp32. (Conflicts are
+    /// rejected by `validate`.)
+    pub fn precision(&self) -> Precision {
+        self.checked_precision().unwrap_or(Precision::Fp16)
     }
 
-    /// The sharding the config asks for, from `parallel.sharding_strategy`
-    /// (FSDP) or `zero_optimization.stage` (DeepSpeed); both given and
-    /// different is an error.
-    pub fn sharding(&self) -> Result<Sharding> {
-        let ds = self.zero_optimization.stage;
-        if ds > 3 {
-            return Err(ConfigError(format!(
-                "zero_optimization.stage must be 0 to 3, not {ds}"
-            )));
-        }
-        let (stage, hybrid) = match self.parallel.sharding_strategy.to_ascii_uppercase().as_str() {
-            "" => return Ok(Sharding { stage: ds, hybrid_group: 0 }),
-            "NO_SHARD" => (0, false),
-            "SHARD_GRAD_OP" => (2, false),
-            "FULL_SHARD" => (3, false),
-            "HYBRID_SHARD" => (3, true),
-            other => {
-                return Err(ConfigError(format!(
-                    "parallel.sharding_strategy {other:?} is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"
-                )))
-            }
-        };
-        if ds != 0 && ds != stage {
-            return Err(ConfigError(format!(
-                "parallel.sharding_strategy = {} means ZeRO stage {stage}, but zero_optimization.stage = {ds}",
-                self.parallel.sharding_strategy
-            )));
-        }
-        let group = if hybrid {
-            match self.parallel.hybrid_shard_size {
-                0 => std::env::var("LOCAL_WORLD_SIZE")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(1),
-                g => g,
-            }
+    /// The activation checkpointing policy (`train.activation_checkpointing`).
+    pub fn recompute(&self) -> Recompute {
+        self.train.activation_checkpointing
+    }
+
+    /// Gradient bucket size in bytes: `zero_optimization.reduce_bucket_size`
+    /// (DeepSpeed counts elements: bytes = elements x 4) when nonzero, else
+    /// `parallel.bucket_mb` MiB.
+    pub fn bucket_bytes(&self) -> usize {
+        let z = self.zero_optimization.reduce_bucket_size;
+        if z > 0.0 {
+            (z * 4.0) as usize
         } else {
-            0
-        };
-        Ok(Sharding {
-            stage,
-            hybrid_group: group,
-        })
+            (self.parallel.bucket_mb * (1 << 20) as f64) as usize
+        }
+    }
+
+    /// Where ZeRO-3 parameters are offloaded to (nvme), if anywhere.
+    pub fn param_offload_dir(&self) -> Option<PathBuf> {
+        let o = &self.zero_optimization.offload_param;
+        (o.device == "nvme").then(|| o.nvme_path.clone().into())
     }
 
     /// Where optimizer state is offloaded to (nvme), if anywhere.
-    pub fn offload_dir(&self) -> Option<std::path::PathBuf> {
+    pub fn offload_dir(&self) -> Option<PathBuf> {
         let o = &self.zero_optimization.offload_optimizer;
         (o.device == "nvme").then(|| o.nvme_path.clone().into())
     }
 
     /// The data-parallel size for a world size, with the batch checks that
-    /// depend on it.
+    /// depend on it: with `train.global_batch_size` set, the identity
+    /// global = micro x dp x accum, or that the missing one can be derived
+    /// (see [`TrainConfig::batch_for_dp`]).
     pub fn dp_for_world(&self, world: usize) -> Result<usize> {
         let per = self.parallel.tp * self.parallel.pp;
         if !world.is_multiple_of(per) {
@@ -480,6 +492,7 @@ impl TrainConfig {
                 self.parallel.dp
             )));
         }
+        self.batch_for_dp(dp)?;
         Ok(dp)
     }
 
@@ -490,171 +503,5 @@ impl TrainConfig {
 
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_default()
-    }
-}
-
-/// Parse `section.key=value` and set it in `table`. The value is read as a
-/// TOML value (numbers, booleans, arrays) or, failing that, as a string.
-fn apply_override(table: &mut toml::Table, o: &str) -> Result<()> {
-    let (key, value) = o
-        .split_once('=')
-        .ok_or_else(|| ConfigError(format!("override {o:?} must look like section.key=value")))?;
-    // `a.b.c=v` sets key c of table a.b (nested sections such as
-    // zero_optimization.offload_optimizer).
-    let path: Vec<&str> = key.trim().split('.').collect();
-    if path.len() < 2 || path.iter().any(|p| p.is_empty()) {
-        return Err(ConfigError(format!(
-            "override key {key:?} must look like section.key"
-        )));
-    }
-    let v = format!("v = {}", value.trim())
-        .parse::<toml::Table>()
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(value.trim().to_string()));
-    let mut t = table;
-    for (i, name) in path[..path.len() - 1].iter().enumerate() {
-        let entry = t
-            .entry(name.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        t = entry
-            .as_table_mut()
-            .ok_or_else(|| ConfigError(format!("{} is not a section", path[..=i].join("."))))?;
-    }
-    t.insert(path[path.len() - 1].to_string(), v);
-    Ok(())
-}
-
-/// Merge `over` into `base`, naming unknown keys and mismatched types.
-fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Result<()> {
-    for (k, v) in over {
-        let full = if path.is_empty() {
-            k.clone()
-        } else {
-            format!("{path}.{k}")
-        };
-        match base.get_mut(&k) {
-            None => {
-                let known: Vec<&String> = base.keys().collect();
-                return Err(ConfigError(format!(
-                    "unknown key `{full}` (known here: {known:?})"
-                )));
-            }
-            Some(toml::Value::Table(b)) => match v {
-                toml::Value::Table(t) => merge(b, t, &full)?,
-                other => {
-                    return Err(ConfigError(format!(
-                        "`{full}` is a section, not a value ({other})"
-                    )))
-                }
-            },
-            Some(slot) => {
-                let ok = match (&*slot, &v) {
-                    (toml::Value::Float(_), toml::Value::Integer(i)) => {
-                        *slot = toml::Value::Float(*i as f64);
-                        continue;
-                    }
-                    (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
-                };
-                if !ok {
-                    return Err(ConfigError(format!(
-                        "`{full}` expects {}, got {v}",
-                        type_name(slot)
-                    )));
-                }
-                *slot = v;
-            }
-        }
-    }
-    Ok(())
-}
-
-fn type_name(v: &toml::Value) -> &'static str {
-    match v {
-        toml::Value::String(_) => "a string",
-        toml::Value::Integer(_) => "an integer",
-        toml::Value::Float(_) => "a number",
-        toml::Value::Boolean(_) => "true or false",
-        toml::Value::Array(_) => "an array",
-        _ => "a table",
-    }
-}
-
-// --- TEMPORARY shim until the config branch lands (replaced by config/precision.rs) ---
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    #[default]
-    Fp32,
-    Bf16,
-    Fp16,
-}
-impl Precision {
-    pub fn dtype(self) -> candle_core::DType {
-        match self {
-            Precision::Fp32 => candle_core::DType::F32,
-            Precision::Bf16 => candle_core::DType::BF16,
-            Precision::Fp16 => candle_core::DType::F16,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        }
-    }
-}
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Recompute {
-    #[default]
-    None,
-    Full,
-    Every(usize),
-}
-impl Recompute {
-    pub fn recomputes(&self, block: usize) -> bool {
-        match *self {
-            Recompute::None => false,
-            Recompute::Full => true,
-            Recompute::Every(k) => k > 0 && block.is_multiple_of(k),
-        }
-    }
-}
-#[derive(Debug, Clone, PartialEq)]
-pub struct Fp16Section {
-    pub enabled: bool,
-    pub loss_scale: f64,
-    pub initial_scale_power: u32,
-    pub loss_scale_window: usize,
-    pub hysteresis: usize,
-    pub min_loss_scale: f64,
-}
-impl TrainConfig {
-    pub fn precision(&self) -> Precision {
-        std::env::var("PHALANX_SHIM_PRECISION")
-            .ok()
-            .and_then(|p| match p.as_str() {
-                "bf16" => Some(Precision::Bf16),
-                "fp16" => Some(Precision::Fp16),
-                _ => None,
-            })
-            .unwrap_or_default()
-    }
-    pub fn recompute(&self) -> Recompute {
-        Recompute::None
-    }
-    pub fn reduce_dtype(&self) -> Precision {
-        Precision::Fp32
-    }
-    pub fn fp16_section(&self) -> Fp16Section {
-        Fp16Section {
-            enabled: false,
-            loss_scale: 0.0,
-            initial_scale_power: 16,
-            loss_scale_window: 1000,
-            hysteresis: 2,
-            min_loss_scale: 1.0,
-        }
     }
 }

@@ -151,9 +151,10 @@ pub fn from_config(
         eps: o.eps as f32,
         weight_decay: o.weight_decay as f32,
     };
+    // "adam" is DeepSpeed's Adam with its default adam_w_mode = true: AdamW.
     Ok(match (o.name.as_str(), offload) {
-        ("adamw", None) => Box::new(AdamW::new(adam, layout, range, ledger)),
-        ("adamw", Some((dir, tag))) => Box::new(DiskAdamW::new(
+        ("adamw" | "adam", None) => Box::new(AdamW::new(adam, layout, range, ledger)),
+        ("adamw" | "adam", Some((dir, tag))) => Box::new(DiskAdamW::new(
             adam,
             layout,
             range,
@@ -164,7 +165,7 @@ pub fn from_config(
         )?),
         (_, Some(_)) => {
             return Err(std::io::Error::other(
-                "optimizer offload is built for adamw only",
+                "optimizer offload is built for adamw (and adam) only",
             ));
         }
         _ => Box::new(super::Sgd::new(

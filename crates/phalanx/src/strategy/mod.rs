@@ -143,9 +143,9 @@ pub struct BuildArgs<'a> {
 pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<Box<dyn Strategy>> {
     let mesh = args.mesh;
     let sharding = cfg.sharding()?;
-    let bucket_bytes = (cfg.parallel.bucket_mb * (1 << 20) as f64) as usize;
+    let bucket_bytes = cfg.bucket_bytes();
     let hook = reduce::DefaultHook {
-        dtype: cfg.reduce_dtype(),
+        dtype: cfg.train.reduce_dtype,
     };
     let mut s: Box<dyn Strategy> = if mesh.pp_size > 1 {
         Box::new(pipeline::PipeStrategy::new(

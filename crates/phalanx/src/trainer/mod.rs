@@ -197,7 +197,7 @@ impl Trainer {
         };
         let strat = crate::strategy::build(cfg, &mut engine, args)?;
         let scaler = loss_scaler(cfg);
-        let sched = lr_schedule(cfg);
+        let sched = LrSchedule::from_config(&cfg.optim, cfg.train.steps);
         Ok(Trainer {
             cfg: cfg.clone(),
             engine,
@@ -519,7 +519,7 @@ pub fn loss_scaler(cfg: &TrainConfig) -> LossScaler {
     if cfg.precision() != crate::config::Precision::Fp16 {
         return LossScaler::none();
     }
-    let f = cfg.fp16_section();
+    let f = &cfg.fp16;
     if f.loss_scale > 0.0 {
         return LossScaler::fixed(f.loss_scale);
     }
@@ -548,16 +548,3 @@ pub fn engine_config(cfg: &TrainConfig) -> crate::engine::EngineConfig {
     }
 }
 
-/// The learning-rate schedule of a config.
-pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
-    let o = &cfg.optim;
-    match o.schedule.as_str() {
-        "constant" => LrSchedule::Constant { lr: o.lr as f32 },
-        _ => LrSchedule::WarmupCosine {
-            max_lr: o.lr as f32,
-            min_lr: o.min_lr as f32,
-            warmup: o.warmup_steps,
-            decay_steps: cfg.train.steps.max(o.warmup_steps + 1),
-        },
-    }
-}

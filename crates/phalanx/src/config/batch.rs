@@ -1,0 +1,135 @@
+//! The batch identity `global = micro x dp x accum`, as DeepSpeed's
+//! `train_batch_size = train_micro_batch_size_per_gpu x world x
+//! gradient_accumulation_steps`.
+//!
+//! `train.global_batch_size` (0: unset) may be given with any of the other
+//! two, as in DeepSpeed:
+//! - with both: `dp_for_world` checks the identity;
+//! - with one: the other is derived once dp is known (micro with accum
+//!   given, accum with micro given);
+//! - alone: accum stays `train.grad_accum_steps` (1 unless given) and micro
+//!   is derived (DeepSpeed sets accum to 1 and derives micro).
+//!
+//! Which one is derived is decided when the config is built, from the keys
+//! the file and the overrides set (a private flag, not serialised). The
+//! derivation is applied by [`TrainConfig::resolve_batch`]; `build` applies
+//! it itself when it runs inside a job (`WORLD_SIZE` set), so that the
+//! trainer sees resolved numbers.
+//!
+//! ```
+//! use phalanx::config::TrainConfig;
+//! let set = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+//! let mut c = TrainConfig::build(None, &set(&["train.global_batch_size=16", "train.micro_batch_size=4"])).unwrap();
+//! assert_eq!(c.dp_for_world(2).unwrap(), 2);
+//! c.resolve_batch(2).unwrap();
+//! assert_eq!(c.train.grad_accum_steps, 2);
+//! let c = TrainConfig::build(None, &set(&["train.global_batch_size=10", "train.micro_batch_size=4", "train.grad_accum_steps=2"])).unwrap();
+//! assert!(c.dp_for_world(2).unwrap_err().to_string().contains("10 != 4 * 2 * 2"));
+//! ```
+
+use super::{ConfigError, Result, TrainConfig};
+
+/// Which batch number is derived from `train.global_batch_size`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Derive {
+    #[default]
+    Nothing,
+    Micro,
+    Accum,
+}
+
+impl Derive {
+    /// From which of the three keys the (file + overrides) table sets.
+    pub(crate) fn from_table(t: &toml::Table) -> Derive {
+        let train = t.get("train").and_then(|v| v.as_table());
+        let has = |k: &str| train.is_some_and(|s| s.contains_key(k));
+        let global = train
+            .and_then(|s| s.get("global_batch_size"))
+            .and_then(|v| v.as_integer())
+            .unwrap_or(0);
+        match (
+            global != 0,
+            has("micro_batch_size"),
+            has("grad_accum_steps"),
+        ) {
+            (false, _, _) | (true, true, true) => Derive::Nothing,
+            (true, true, false) => Derive::Accum,
+            (true, false, _) => Derive::Micro,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// `(micro_batch_size, grad_accum_steps)` for `dp` data-parallel ranks,
+    /// derived from `train.global_batch_size` where the config left one to
+    /// derive, with DeepSpeed's identity check.
+    pub fn batch_for_dp(&self, dp: usize) -> Result<(usize, usize)> {
+        let t = &self.train;
+        let (g, m, a) = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps);
+        if g == 0 {
+            return Ok((m, a));
+        }
+        let dp = dp.max(1);
+        let uneven = |what: &str, by: usize| {
+            Err(ConfigError(format!(
+                "train.global_batch_size (train_batch_size) {g} is not divisible by {what} = {by}, \
+                 so {} cannot be derived",
+                if what.starts_with("micro") {
+                    "train.grad_accum_steps (gradient_accumulation_steps)"
+                } else {
+                    "train.micro_batch_size (train_micro_batch_size_per_gpu)"
+                }
+            )))
+        };
+        match self.derive {
+            Derive::Nothing => {
+                if m * dp * a != g {
+                    return Err(ConfigError(format!(
+                        "check batch related parameters: train_batch_size (train.global_batch_size) is not equal to \
+                         micro_batch_per_gpu (train.micro_batch_size) * gradient_acc_step (train.grad_accum_steps) \
+                         * data-parallel size: {g} != {m} * {a} * {dp}"
+                    )));
+                }
+                Ok((m, a))
+            }
+            Derive::Micro => {
+                if !g.is_multiple_of(dp * a) {
+                    return uneven("grad_accum_steps x dp", dp * a);
+                }
+                Ok((g / (dp * a), a))
+            }
+            Derive::Accum => {
+                if !g.is_multiple_of(m * dp) {
+                    return uneven("micro_batch_size x dp", m * dp);
+                }
+                Ok((m, g / (m * dp)))
+            }
+        }
+    }
+
+    /// Set the derived batch number for `dp` ranks (see [`batch_for_dp`]).
+    ///
+    /// [`batch_for_dp`]: TrainConfig::batch_for_dp
+    pub fn resolve_batch(&mut self, dp: usize) -> Result<()> {
+        let (m, a) = self.batch_for_dp(dp)?;
+        self.train.micro_batch_size = m;
+        self.train.grad_accum_steps = a;
+        self.derive = Derive::Nothing;
+        Ok(())
+    }
+
+    /// Inside a job (`WORLD_SIZE` set), resolve the batch for its dp size.
+    pub(crate) fn resolve_batch_from_env(&mut self) -> Result<()> {
+        if self.derive == Derive::Nothing {
+            return Ok(());
+        }
+        if let Some(world) = std::env::var("WORLD_SIZE")
+            .ok()
+            .and_then(|w| w.parse::<usize>().ok())
+        {
+            let dp = self.dp_for_world(world)?;
+            self.resolve_batch(dp)?;
+        }
+        Ok(())
+    }
+}

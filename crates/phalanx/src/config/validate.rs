@@ -1,0 +1,211 @@
+//! Checks of a built config that do not depend on the world size.
+
+use super::{ConfigError, Precision, Result, Sharding, TrainConfig};
+
+impl TrainConfig {
+    /// Checks that do not depend on the world size.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        let bad = |s: String| Err(ConfigError(s));
+        if m.n_layer == 0
+            || m.n_head == 0
+            || m.n_embd == 0
+            || m.vocab_size == 0
+            || m.block_size == 0
+        {
+            return bad(format!("model sizes must be positive: {m:?}"));
+        }
+        if !m.n_embd.is_multiple_of(m.n_head) {
+            return bad(format!(
+                "model.n_embd ({}) must be divisible by model.n_head ({})",
+                m.n_embd, m.n_head
+            ));
+        }
+        if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
+            return bad(
+                "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),
+            );
+        }
+        if !matches!(self.data.tokenizer.as_str(), "byte" | "gpt2") {
+            return bad(format!(
+                "data.tokenizer must be \"byte\" or \"gpt2\", not {:?}",
+                self.data.tokenizer
+            ));
+        }
+        if !(0.0..1.0).contains(&self.data.val_fraction) {
+            return bad(format!(
+                "data.val_fraction must be in [0, 1), not {}",
+                self.data.val_fraction
+            ));
+        }
+        if !matches!(self.optim.name.as_str(), "adamw" | "adam" | "sgd") {
+            return bad(format!(
+                "optim.name must be \"adamw\", \"adam\" or \"sgd\", not {:?}",
+                self.optim.name
+            ));
+        }
+        if !matches!(
+            self.optim.schedule.as_str(),
+            "cosine" | "constant" | "warmup_constant" | "warmup_linear"
+        ) {
+            return bad(format!(
+                "optim.schedule must be \"cosine\", \"constant\", \"warmup_constant\" or \"warmup_linear\", not {:?}",
+                self.optim.schedule
+            ));
+        }
+        if !matches!(self.optim.warmup_type.as_str(), "linear" | "log") {
+            return bad(format!(
+                "optim.warmup_type must be \"linear\" or \"log\", not {:?}",
+                self.optim.warmup_type
+            ));
+        }
+        if self.optim.warmup_min_lr < 0.0 || self.optim.warmup_min_lr > self.optim.lr {
+            return bad(format!(
+                "optim.warmup_min_lr ({}) must be in [0, optim.lr = {}]",
+                self.optim.warmup_min_lr, self.optim.lr
+            ));
+        }
+        if self.optim.lr <= 0.0 || self.optim.grad_clip < 0.0 {
+            return bad("optim.lr must be positive and optim.grad_clip non-negative".into());
+        }
+        if self.parallel.bucket_mb <= 0.0 {
+            return bad("parallel.bucket_mb must be positive".into());
+        }
+        self.sharding()?;
+        if !matches!(
+            self.zero_optimization.offload_optimizer.device.as_str(),
+            "none" | "cpu" | "nvme"
+        ) {
+            return bad(format!(
+                "zero_optimization.offload_optimizer.device must be none, cpu or nvme, not {:?}",
+                self.zero_optimization.offload_optimizer.device
+            ));
+        }
+        if self.offload_dir().is_some() && self.optim.name == "sgd" {
+            return bad("optimizer offload is built for optim.name = adamw (or adam)".into());
+        }
+        let op = &self.zero_optimization.offload_param;
+        if !matches!(op.device.as_str(), "none" | "cpu" | "nvme") {
+            return bad(format!(
+                "zero_optimization.offload_param.device must be none, cpu or nvme, not {:?}",
+                op.device
+            ));
+        }
+        if op.device != "none" && self.sharding()?.stage != 3 {
+            return bad(format!(
+                "zero_optimization.offload_param.device = {:?} needs ZeRO stage 3 (zero_optimization.stage = 3), \
+                 the stage that partitions parameters; this config is stage {}",
+                op.device,
+                self.sharding()?.stage
+            ));
+        }
+        if self.zero_optimization.reduce_bucket_size < 0.0
+            || self.zero_optimization.stage3_prefetch_bucket_size < 0.0
+        {
+            return bad("zero_optimization bucket sizes must not be negative".into());
+        }
+        self.fp16.check().map_err(ConfigError)?;
+        self.checked_precision()?;
+        if self.parallel.tp == 0 {
+            return bad("parallel.tp must be at least 1".into());
+        }
+        if self.parallel.sequence_parallel && self.sharding()?.stage >= 2 {
+            return bad(
+                "sequence parallel composes with DDP and ZeRO-1 in this build (zero stage <= 1)"
+                    .into(),
+            );
+        }
+        if self.parallel.pp == 0 {
+            return bad("parallel.pp must be at least 1".into());
+        }
+        if self.parallel.pp > 1 && self.sharding()?.stage >= 2 {
+            return bad(
+                "pipeline parallel composes with DDP and ZeRO-1 on the dp axis (zero stage <= 1)"
+                    .into(),
+            );
+        }
+        if !matches!(
+            self.parallel
+                .pp_schedule
+                .to_ascii_lowercase()
+                .split(':')
+                .next(),
+            Some("gpipe" | "1f1b" | "interleaved" | "zb-h1")
+        ) {
+            return bad(format!(
+                "parallel.pp_schedule must be gpipe, 1f1b, interleaved or zb-h1, not {:?}",
+                self.parallel.pp_schedule
+            ));
+        }
+        Ok(())
+    }
+
+    /// The sharding the config asks for, from `parallel.sharding_strategy`
+    /// (FSDP) or `zero_optimization.stage` (DeepSpeed); both given and
+    /// different is an error.
+    pub fn sharding(&self) -> Result<Sharding> {
+        let ds = self.zero_optimization.stage;
+        if ds > 3 {
+            return Err(ConfigError(format!(
+                "zero_optimization.stage must be 0 to 3, not {ds}"
+            )));
+        }
+        let (stage, hybrid) = match self.parallel.sharding_strategy.to_ascii_uppercase().as_str() {
+            "" => return Ok(Sharding { stage: ds, hybrid_group: 0 }),
+            "NO_SHARD" => (0, false),
+            "SHARD_GRAD_OP" => (2, false),
+            "FULL_SHARD" => (3, false),
+            "HYBRID_SHARD" => (3, true),
+            other => {
+                return Err(ConfigError(format!(
+                    "parallel.sharding_strategy {other:?} is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"
+                )))
+            }
+        };
+        if ds != 0 && ds != stage {
+            return Err(ConfigError(format!(
+                "parallel.sharding_strategy = {} means ZeRO stage {stage}, but zero_optimization.stage = {ds}",
+                self.parallel.sharding_strategy
+            )));
+        }
+        let group = if hybrid {
+            match self.parallel.hybrid_shard_size {
+                0 => std::env::var("LOCAL_WORLD_SIZE")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(1),
+                g => g,
+            }
+        } else {
+            0
+        };
+        Ok(Sharding {
+            stage,
+            hybrid_group: group,
+        })
+    }
+
+    pub(crate) fn checked_precision(&self) -> Result<Precision> {
+        let (f16, b16) = (self.fp16.enabled, self.bf16.enabled);
+        if f16 && b16 {
+            return Err(ConfigError(
+                "fp16.enabled and bf16.enabled are both true; enable one".into(),
+            ));
+        }
+        let section = if f16 {
+            Some((Precision::Fp16, "fp16.enabled"))
+        } else if b16 {
+            Some((Precision::Bf16, "bf16.enabled"))
+        } else {
+            None
+        };
+        match (self.train.precision, section) {
+            (p, None) => Ok(p),
+            (Precision::Fp32, Some((s, _))) => Ok(s),
+            (p, Some((s, _))) if p == s => Ok(p),
+            (p, Some((_, key))) => Err(ConfigError(format!(
+                "train.precision = {p} disagrees with {key} = true"
+            ))),
+        }
+    }
+}

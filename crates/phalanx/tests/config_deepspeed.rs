@@ -1,0 +1,449 @@
+//! DeepSpeed JSON configs and the new typed keys: configs are built only,
+//! nothing trains.
+
+use phalanx::config::{Precision, Recompute, TrainConfig};
+use phalanx::optim::schedule::WarmupType;
+use phalanx::optim::LrSchedule;
+use std::path::{Path, PathBuf};
+
+fn tmp(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("phalanx-cfg-ds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn set(s: &[&str]) -> Vec<String> {
+    s.iter().map(|s| s.to_string()).collect()
+}
+
+fn json(name: &str, text: &str) -> Result<(TrainConfig, Vec<String>), String> {
+    TrainConfig::build_with_warnings(Some(&tmp(name, text)), &[]).map_err(|e| e.to_string())
+}
+
+fn err(name: &str, text: &str) -> String {
+    json(name, text).unwrap_err()
+}
+
+const TUTORIAL: &str = r#"{
+  "train_batch_size": 16,
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_accumulation_steps": 2,
+  "gradient_clipping": 1.0,
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.00015, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.00015, "warmup_num_steps": 1000}},
+  "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "contiguous_gradients": true, "overlap_comm": true}
+}"#;
+
+const TUTORIAL_TOML: &str = r#"
+[train]
+global_batch_size = 16
+micro_batch_size = 4
+grad_accum_steps = 2
+[optim]
+name = "adamw"
+lr = 0.00015
+betas = [0.8, 0.999]
+eps = 1e-8
+weight_decay = 3e-7
+grad_clip = 1.0
+schedule = "warmup_constant"
+warmup_min_lr = 0
+warmup_steps = 1000
+warmup_type = "log"
+[fp16]
+enabled = true
+loss_scale = 0
+initial_scale_power = 16
+loss_scale_window = 1000
+hysteresis = 2
+min_loss_scale = 1
+[zero_optimization]
+stage = 2
+contiguous_gradients = true
+overlap_comm = true
+[zero_optimization.offload_optimizer]
+device = "cpu"
+"#;
+
+#[test]
+fn tutorial_json_equals_toml() {
+    let (j, warnings) = json("tutorial.json", TUTORIAL).unwrap();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    let t = TrainConfig::build(Some(&tmp("tutorial.toml", TUTORIAL_TOML)), &[]).unwrap();
+    assert_eq!(j, t);
+    assert_eq!(j.precision(), Precision::Fp16);
+    assert_eq!(j.sharding().unwrap().stage, 2);
+    assert_eq!(j.dp_for_world(2).unwrap(), 2);
+    assert!(j.dp_for_world(4).is_err());
+    let s = LrSchedule::from_config(&j.optim, j.train.steps);
+    assert_eq!(s.lr(0), 0.0);
+    assert_eq!(s.lr(5000), 0.00015);
+    assert!((s.lr(99) - 0.00015 * (100f32.ln() / 1000f32.ln())).abs() < 1e-9);
+}
+
+#[test]
+fn shipped_example_json_equals_toml() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    let (j, warnings) =
+        TrainConfig::build_with_warnings(Some(&root.join("ds_config.json")), &[]).unwrap();
+    let t = TrainConfig::build(Some(&root.join("ds_config.toml")), &[]).unwrap();
+    assert_eq!(j, t);
+    // pin_memory and allgather_bucket_size are accepted with a warning each.
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings
+        .iter()
+        .any(|w| w.contains("zero_optimization.offload_optimizer.pin_memory")));
+    assert!(warnings
+        .iter()
+        .any(|w| w.contains("zero_optimization.allgather_bucket_size")));
+    assert_eq!(j.bucket_bytes(), 2_000_000_000);
+    assert_eq!(j.log.interval, 10);
+}
+
+#[test]
+fn set_overrides_win_over_json() {
+    let p = tmp("over.json", TUTORIAL);
+    let c = TrainConfig::build(
+        Some(&p),
+        &set(&["optim.lr=0.5", "zero_optimization.stage=1"]),
+    )
+    .unwrap();
+    assert_eq!(c.optim.lr, 0.5);
+    assert_eq!(c.zero_optimization.stage, 1);
+}
+
+#[test]
+fn unknown_key_errors_with_its_path() {
+    let e = err(
+        "unknown.json",
+        r#"{"zero_optimization": {"stage": 1, "foo": 3}}"#,
+    );
+    assert!(
+        e.contains("unknown DeepSpeed key \"zero_optimization.foo\""),
+        "{e}"
+    );
+    assert!(e.contains("unknown.json"), "{e}");
+    let e = err("unknown2.json", r#"{"train_batch_sise": 8}"#);
+    assert!(e.contains("\"train_batch_sise\""), "{e}");
+    let e = err(
+        "unknown3.json",
+        r#"{"optimizer": {"type": "Lamb", "params": {}}}"#,
+    );
+    assert!(e.contains("optimizer.type") && e.contains("Lamb"), "{e}");
+    let e = err("unknown4.json", r#"{"amp": {"enabled": true}}"#);
+    assert!(e.contains("\"amp\"") && e.contains("bf16"), "{e}");
+    let e = err(
+        "unknown5.json",
+        r#"{"fp16": {"enabled": true, "consecutive_hysteresis": true}}"#,
+    );
+    assert!(e.contains("fp16.consecutive_hysteresis"), "{e}");
+}
+
+#[test]
+fn no_effect_keys_warn_once_with_their_name() {
+    let (_, w) = json(
+        "warn.json",
+        r#"{"wall_clock_breakdown": true, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9,
+            "stage3_param_persistence_threshold": 1e5}, "activation_checkpointing": {"profile": true}}"#,
+    )
+    .unwrap();
+    for key in [
+        "\"wall_clock_breakdown\"",
+        "\"zero_optimization.stage3_max_live_parameters\"",
+        "\"zero_optimization.stage3_param_persistence_threshold\"",
+        "\"activation_checkpointing.profile\"",
+    ] {
+        assert_eq!(
+            w.iter().filter(|w| w.contains(key)).count(),
+            1,
+            "{key}: {w:?}"
+        );
+    }
+}
+
+#[test]
+fn auto_values_error() {
+    let e = err("auto.json", r#"{"train_micro_batch_size_per_gpu": "auto"}"#);
+    assert!(
+        e.contains("\"train_micro_batch_size_per_gpu\"") && e.contains("auto"),
+        "{e}"
+    );
+    let e = err(
+        "auto2.json",
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#,
+    );
+    assert!(e.contains("optimizer.params.lr"), "{e}");
+}
+
+#[test]
+fn batch_identity_is_checked_like_deepspeed() {
+    let (c, _) = json(
+        "mismatch.json",
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}"#,
+    )
+    .unwrap();
+    let e = c.dp_for_world(2).unwrap_err().to_string();
+    for n in ["10", "4", "2"] {
+        assert!(e.contains(n), "{e}");
+    }
+    assert!(e.contains("10 != 4 * 2 * 2"), "{e}");
+}
+
+#[test]
+fn the_missing_batch_number_is_derived() {
+    // train_batch_size + micro: accum derived.
+    let (mut c, _) = json(
+        "derive_accum.json",
+        r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}"#,
+    )
+    .unwrap();
+    assert_eq!(c.batch_for_dp(2).unwrap(), (4, 4));
+    assert_eq!(c.dp_for_world(4).unwrap(), 4);
+    c.resolve_batch(4).unwrap();
+    assert_eq!((c.train.micro_batch_size, c.train.grad_accum_steps), (4, 2));
+    assert_eq!(c.global_batch(4), 32);
+    // train_batch_size + accum: micro derived.
+    let (c, _) = json(
+        "derive_micro.json",
+        r#"{"train_batch_size": 32, "gradient_accumulation_steps": 4}"#,
+    )
+    .unwrap();
+    assert_eq!(c.batch_for_dp(2).unwrap(), (4, 4));
+    // train_batch_size alone: accum 1, micro derived.
+    let (c, _) = json("derive_alone.json", r#"{"train_batch_size": 24}"#).unwrap();
+    assert_eq!(c.batch_for_dp(3).unwrap(), (8, 1));
+    let e = c.dp_for_world(5).unwrap_err().to_string();
+    assert!(e.contains("24") && e.contains("5"), "{e}");
+    // The same rule holds in TOML / --set.
+    let c = TrainConfig::build(
+        None,
+        &set(&["train.global_batch_size=16", "train.grad_accum_steps=2"]),
+    )
+    .unwrap();
+    assert_eq!(c.batch_for_dp(2).unwrap(), (4, 2));
+}
+
+#[test]
+fn recompute_parses_from_set_and_toml() {
+    let r = |v: &str| {
+        TrainConfig::build(None, &[format!("train.activation_checkpointing={v}")])
+            .map(|c| c.recompute())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(r("none").unwrap(), Recompute::None);
+    assert_eq!(r("full").unwrap(), Recompute::Full);
+    assert_eq!(r("\"full\"").unwrap(), Recompute::Full);
+    assert_eq!(r("2").unwrap(), Recompute::Every(2));
+    assert_eq!(r("\"3\"").unwrap(), Recompute::Every(3));
+    assert_eq!(r("1").unwrap(), Recompute::Full);
+    for bad in ["0", "half", "-1"] {
+        let e = r(bad).unwrap_err();
+        assert!(e.contains("train.activation_checkpointing"), "{bad}: {e}");
+    }
+    let toml = |v: &str| {
+        let p = tmp(
+            "recompute.toml",
+            &format!("[train]\nactivation_checkpointing = {v}\n"),
+        );
+        TrainConfig::build(Some(&p), &[])
+            .map(|c| c.recompute())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(toml("2").unwrap(), Recompute::Every(2));
+    assert_eq!(toml("\"full\"").unwrap(), Recompute::Full);
+    assert_eq!(toml("\"none\"").unwrap(), Recompute::None);
+    assert!(toml("0")
+        .unwrap_err()
+        .contains("train.activation_checkpointing"));
+    assert!(toml("\"half\"")
+        .unwrap_err()
+        .contains("train.activation_checkpointing"));
+    // Every(k): blocks 0, k, 2k, ...
+    let e = Recompute::Every(2);
+    assert_eq!(
+        (0..5).filter(|&b| e.recomputes(b)).collect::<Vec<_>>(),
+        [0, 2, 4]
+    );
+    // Round trip through the printed TOML.
+    let c = TrainConfig::build(None, &set(&["train.activation_checkpointing=2"])).unwrap();
+    let back = TrainConfig::build(Some(&tmp("roundtrip.toml", &c.to_toml())), &[]).unwrap();
+    assert_eq!(back, c);
+}
+
+#[test]
+fn deepspeed_checkpointing_section_turns_recompute_on() {
+    let (c, _) = json(
+        "ckpt.json",
+        r#"{"activation_checkpointing": {"partition_activations": true}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.recompute(), Recompute::Full);
+    assert!(c.activation_checkpointing.partition_activations);
+    // gpt-tiny has 4 layers: 2 checkpoints = every 2nd block.
+    let (c, _) = json(
+        "ckpt2.json",
+        r#"{"activation_checkpointing": {"number_checkpoints": 2}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.recompute(), Recompute::Every(2));
+    // An explicit key wins.
+    let p = tmp(
+        "ckpt3.json",
+        r#"{"activation_checkpointing": {"number_checkpoints": 2}}"#,
+    );
+    let c = TrainConfig::build(Some(&p), &set(&["train.activation_checkpointing=none"])).unwrap();
+    assert_eq!(c.recompute(), Recompute::None);
+}
+
+#[test]
+fn precision_from_sections() {
+    let c = TrainConfig::build(None, &set(&["fp16.enabled=true"])).unwrap();
+    assert_eq!(c.precision(), Precision::Fp16);
+    let c = TrainConfig::build(None, &set(&["bf16.enabled=true"])).unwrap();
+    assert_eq!(c.precision(), Precision::Bf16);
+    let c = TrainConfig::build(None, &set(&["train.precision=bfloat16"])).unwrap();
+    assert_eq!(c.precision(), Precision::Bf16);
+    assert_eq!(
+        TrainConfig::build(None, &[]).unwrap().precision(),
+        Precision::Fp32
+    );
+    let e = TrainConfig::build(None, &set(&["fp16.enabled=true", "bf16.enabled=true"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("fp16.enabled") && e.contains("bf16.enabled"),
+        "{e}"
+    );
+    let e = TrainConfig::build(None, &set(&["train.precision=bf16", "fp16.enabled=true"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("train.precision") && e.contains("fp16.enabled"),
+        "{e}"
+    );
+    let e = TrainConfig::build(None, &set(&["train.precision=fp8"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.precision"), "{e}");
+    let (c, _) = json(
+        "comm.json",
+        r#"{"communication_data_type": "bf16", "bf16": {"enabled": true}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.train.reduce_dtype, c.precision()),
+        (Precision::Bf16, Precision::Bf16)
+    );
+}
+
+#[test]
+fn validation_of_new_keys() {
+    let e = |s: &[&str]| TrainConfig::build(None, &set(s)).unwrap_err().to_string();
+    assert!(e(&["zero_optimization.offload_param.device=cpu"]).contains("stage 3"));
+    assert!(e(&["zero_optimization.offload_param.device=disk"]).contains("offload_param.device"));
+    assert!(e(&["fp16.hysteresis=0"]).contains("fp16.hysteresis"));
+    assert!(e(&["fp16.loss_scale_window=0"]).contains("fp16.loss_scale_window"));
+    assert!(e(&["fp16.min_loss_scale=0"]).contains("fp16.min_loss_scale"));
+    assert!(e(&["fp16.loss_scale=-1"]).contains("fp16.loss_scale"));
+    assert!(e(&["optim.warmup_type=exp"]).contains("optim.warmup_type"));
+    assert!(e(&["optim.schedule=onecycle"]).contains("optim.schedule"));
+    let c = TrainConfig::build(
+        None,
+        &set(&[
+            "zero_optimization.stage=3",
+            "zero_optimization.offload_param.device=nvme",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.param_offload_dir(), Some(PathBuf::from("runs/offload")));
+    let c = TrainConfig::build(None, &set(&["optim.name=adam"])).unwrap();
+    assert_eq!(c.optim.name, "adam");
+    assert_eq!(c.bucket_bytes(), 25 << 20);
+}
+
+#[test]
+fn schedules_follow_deepspeed_formulas() {
+    // WarmupDecayLR from JSON: warmup_min_lr 0.001 -> 0.01 over 10 steps, decay to 0.001 at 110.
+    let (c, _) = json(
+        "decay.json",
+        r#"{"optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+            "warmup_num_steps": 10, "total_num_steps": 110, "warmup_type": "linear"}}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.optim.name, "adam");
+    assert_eq!(c.optim.weight_decay, 0.0); // FusedAdam's default
+    let s = LrSchedule::from_config(&c.optim, c.train.steps);
+    let ds = |step: usize| {
+        // DeepSpeed: min + (max - min) * gamma.
+        let gamma = if step < 10 {
+            step as f64 / 10.0
+        } else {
+            ((110.0 - step as f64) / 100.0).max(0.0)
+        };
+        0.001 + 0.009 * gamma
+    };
+    for step in [0, 1, 5, 9, 10, 11, 60, 109, 110, 500] {
+        assert!(
+            (s.lr(step) as f64 - ds(step)).abs() < 1e-7,
+            "step {step}: {} vs {}",
+            s.lr(step),
+            ds(step)
+        );
+    }
+    // WarmupLR's log warmup: min + (max - min) ln(s + 1) / ln(warmup).
+    let w = LrSchedule::WarmupConstant {
+        warmup_min_lr: 0.0,
+        max_lr: 1.0,
+        warmup: 100,
+        warmup_type: WarmupType::Log,
+    };
+    for step in [0, 1, 9, 50, 99] {
+        let want = ((step + 1) as f64).ln() / 100f64.ln();
+        assert!((w.lr(step) as f64 - want).abs() < 1e-6);
+    }
+    assert_eq!(w.lr(100), 1.0);
+    // The scheduler's warmup_max_lr wins over optimizer.params.lr, with a warning.
+    let (c, warn) = json(
+        "lrwins.json",
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01}}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.optim.lr, 0.01);
+    assert!(warn.iter().any(|w| w.contains("warmup_max_lr")), "{warn:?}");
+    // WarmupCosineLR -> cosine with min_lr = lr * cos_min_ratio.
+    let (c, _) = json(
+        "cos.json",
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 200, "cos_min_ratio": 0.1,
+            "warmup_num_steps": 10, "warmup_type": "linear"}}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        (c.optim.schedule.as_str(), c.optim.decay_steps),
+        ("cosine", 200)
+    );
+    assert!((c.optim.min_lr - 0.001).abs() < 1e-12);
+    // Cosine from a default config keeps its old numbers.
+    let c = TrainConfig::build(None, &[]).unwrap();
+    let s = LrSchedule::from_config(&c.optim, c.train.steps);
+    let old = LrSchedule::WarmupCosine {
+        max_lr: c.optim.lr as f32,
+        min_lr: c.optim.min_lr as f32,
+        warmup: c.optim.warmup_steps,
+        decay_steps: c.train.steps.max(c.optim.warmup_steps + 1),
+    };
+    assert_eq!(s, old);
+}
+
+#[test]
+fn json_without_scheduler_or_clipping_takes_deepspeed_defaults() {
+    let (c, _) = json("bare.json", r#"{"train_micro_batch_size_per_gpu": 2}"#).unwrap();
+    assert_eq!(c.optim.schedule, "constant");
+    assert_eq!(c.optim.grad_clip, 0.0);
+    assert_eq!(c.train.micro_batch_size, 2);
+}
