@@ -3,6 +3,12 @@
 //! loops for AVX-512 / AVX2 with a run-time check (the binary still runs on
 //! machines without them).
 //!
+//! Mixed precision: the fused ops keep f16 / bf16 tensors in half precision
+//! (what autograd stores) but compute in f32. [`cpu_f32`] and
+//! [`with_f32_any`] borrow f32 data and widen half data into a temporary;
+//! [`storage_in`] and [`tensor_in`] narrow an f32 result to the caller's
+//! dtype. The f32 path copies nothing extra.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! let t = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
@@ -10,7 +16,12 @@
 //! assert_eq!(s, vec![1., 3., 2., 4.]); // made contiguous first
 //! ```
 
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
+use std::borrow::Cow;
+use std::ops::Range;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 /// Call `f` with the tensor's elements as one contiguous f32 slice (row-major).
 /// Borrows CPU storage when contiguous; copies otherwise (or off-CPU).
@@ -40,6 +51,103 @@ pub fn cpu_slice<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f3
     match layout.contiguous_offsets() {
         Some((lo, hi)) => Ok(&s[lo..hi]),
         None => bail!("expected a contiguous tensor"),
+    }
+}
+
+/// Whether the fused ops take this dtype on CPU: f32, or f16 / bf16 (widened
+/// to f32 inside the kernels).
+pub fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Elements `range` of a CPU storage as f32: borrowed for F32, widened into
+/// a new buffer for F16 / BF16 (vectorised conversions of the `half` crate).
+pub fn storage_f32(storage: &CpuStorage, range: Range<usize>) -> Result<Cow<'_, [f32]>> {
+    Ok(match storage {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[range]),
+        CpuStorage::F16(v) => {
+            let src = &v[range];
+            let mut out = vec![0f32; src.len()];
+            src.convert_to_f32_slice(&mut out);
+            Cow::Owned(out)
+        }
+        CpuStorage::BF16(v) => {
+            let src = &v[range];
+            let mut out = vec![0f32; src.len()];
+            src.convert_to_f32_slice(&mut out);
+            Cow::Owned(out)
+        }
+        s => bail!("expected an f32, f16 or bf16 tensor, got {:?}", s.dtype()),
+    })
+}
+
+/// The elements of a contiguous CPU storage under `layout` as f32 (see
+/// [`storage_f32`]): the kernel-boundary widening of the half-precision ops.
+pub fn cpu_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
+    match layout.contiguous_offsets() {
+        Some((lo, hi)) => storage_f32(storage, lo..hi),
+        None => bail!("expected a contiguous tensor"),
+    }
+}
+
+/// As [`with_f32`] for f32, f16 or bf16 tensors: f32 data is borrowed, half
+/// data widened into a temporary f32 buffer.
+pub fn with_f32_any<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    if t.dtype() == DType::F32 {
+        return with_f32(t, f);
+    }
+    if !is_float(t.dtype()) {
+        bail!("expected an f32, f16 or bf16 tensor, got {:?}", t.dtype())
+    }
+    let t = if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => Ok(f(&cpu_f32(cpu, layout)?)),
+        _ => {
+            drop(storage);
+            let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok(f(&v))
+        }
+    }
+}
+
+/// Narrow an f32 result to `dtype` (f32: moved, no copy; f16 / bf16: rounded
+/// to nearest, vectorised).
+pub fn storage_in(dtype: DType, v: Vec<f32>) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v),
+        DType::F16 => {
+            let mut out = vec![f16::ZERO; v.len()];
+            out.convert_from_f32_slice(&v);
+            CpuStorage::F16(out)
+        }
+        DType::BF16 => {
+            let mut out = vec![bf16::ZERO; v.len()];
+            out.convert_from_f32_slice(&v);
+            CpuStorage::BF16(out)
+        }
+        d => bail!("cannot narrow f32 results to {d:?}"),
+    })
+}
+
+/// A CPU tensor of `dtype` from f32 values (see [`storage_in`]); for the
+/// gradients the backward passes return in their forward input's dtype.
+pub fn tensor_in(
+    v: Vec<f32>,
+    dtype: DType,
+    shape: impl Into<Shape>,
+    dev: &Device,
+) -> Result<Tensor> {
+    let shape = shape.into();
+    match storage_in(dtype, v)? {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
+        _ => unreachable!("storage_in only builds float storages"),
     }
 }
 

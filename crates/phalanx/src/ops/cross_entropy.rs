@@ -10,6 +10,10 @@
 //! the model. Here the forward keeps nothing and the backward recomputes the
 //! softmax row by row, writing the gradient once.
 //!
+//! f16 / bf16 logits: widened to f32 at the kernel boundary (logsumexp and
+//! the mean in f32 / f64); the loss is f32 whatever the logits' dtype, the
+//! gradient comes back in the logits' dtype.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! let dev = Device::Cpu;
@@ -21,7 +25,9 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
-use super::cpu::{cpu_slice, cpu_slice_u32, max_lanes, par_map_rows, par_rows, with_f32};
+use super::cpu::{
+    cpu_f32, cpu_slice_u32, is_float, max_lanes, par_map_rows, par_rows, tensor_in, with_f32_any,
+};
 use super::gelu::exp_approx;
 use crate::simd_dispatch;
 
@@ -76,7 +82,7 @@ impl CustomOp2 for CrossEntropy {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, t) = (cpu_slice(s1, l1)?, cpu_slice_u32(s2, l2)?);
+        let (x, t) = (cpu_f32(s1, l1)?, cpu_slice_u32(s2, l2)?);
         let (n, v) = (t.len(), l1.dims()[l1.dims().len() - 1]);
         check_targets(t, v)?;
         let losses = par_map_rows(n, v, |r| {
@@ -103,7 +109,7 @@ impl CustomOp2 for CrossEntropy {
             Storage::Cpu(c) => cpu_slice_u32(c, tl)?,
             _ => bail!("cross_entropy: CPU only"),
         };
-        let dx = with_f32(logits, |x| {
+        let dx = with_f32_any(logits, |x| {
             let mut dx = vec![0f32; x.len()];
             par_rows(&mut dx, v, |rows, dx| {
                 for (r, dx) in rows.zip(dx.chunks_exact_mut(v)) {
@@ -114,13 +120,18 @@ impl CustomOp2 for CrossEntropy {
             dx
         })?;
         Ok((
-            Some(Tensor::from_vec(dx, logits.shape(), logits.device())?),
+            Some(tensor_in(
+                dx,
+                logits.dtype(),
+                logits.shape(),
+                logits.device(),
+            )?),
             None,
         ))
     }
 }
 
-/// Mean cross-entropy of `logits` (.., V) f32 against `targets` (..) u32
+/// Mean cross-entropy (an f32 scalar) of `logits` (.., V) f32 / f16 / bf16 against `targets` (..) u32
 /// (the same leading dims, e.g. (B, T, V) and (B, T), or (N, V) and (N,)).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let ld = logits.dims();
@@ -133,9 +144,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             targets.dtype()
         )
     }
-    if logits.dtype() != DType::F32 || !logits.device().is_cpu() {
+    if !is_float(logits.dtype()) || !logits.device().is_cpu() {
         let v = ld[ld.len() - 1];
-        let lp = candle_nn::ops::log_softmax(&logits.reshape(((), v))?, 1)?;
+        let x = logits.reshape(((), v))?.to_dtype(DType::F32)?;
+        let lp = candle_nn::ops::log_softmax(&x, 1)?;
         return candle_nn::loss::nll(&lp, &targets.flatten_all()?);
     }
     logits
