@@ -142,13 +142,111 @@ pub fn tensor_in(
     shape: impl Into<Shape>,
     dev: &Device,
 ) -> Result<Tensor> {
-    let shape = shape.into();
-    match storage_in(dtype, v)? {
+    tensor_of(storage_in(dtype, v)?, shape, dev)
+}
+
+/// A tensor holding a float CPU storage (f32, f16 or bf16) built by a kernel.
+pub fn tensor_of(s: CpuStorage, shape: impl Into<Shape>, dev: &Device) -> Result<Tensor> {
+    match s {
         CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
         CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
         CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
-        _ => unreachable!("storage_in only builds float storages"),
+        s => bail!("expected an f32, f16 or bf16 storage, got {:?}", s.dtype()),
     }
+}
+
+/// A contiguous run of f32, f16 or bf16 elements, read as f32 one range at
+/// a time: for kernels that go row by row and should not widen a whole
+/// half tensor at once (cross-entropy's (N, V) logits).
+#[derive(Clone, Copy)]
+pub enum FloatSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl<'a> FloatSlice<'a> {
+    /// The elements of a contiguous CPU storage under `layout`.
+    pub fn new(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+        let Some((lo, hi)) = layout.contiguous_offsets() else {
+            bail!("expected a contiguous tensor")
+        };
+        Ok(match storage {
+            CpuStorage::F32(v) => Self::F32(&v[lo..hi]),
+            CpuStorage::F16(v) => Self::F16(&v[lo..hi]),
+            CpuStorage::BF16(v) => Self::BF16(&v[lo..hi]),
+            s => bail!("expected an f32, f16 or bf16 tensor, got {:?}", s.dtype()),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+            Self::BF16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `r` as f32: borrowed for f32, otherwise widened into the
+    /// front of `buf` (which must hold `r.len()` elements).
+    pub fn get<'b>(&'b self, r: Range<usize>, buf: &'b mut [f32]) -> &'b [f32] {
+        let out = &mut buf[..r.len()];
+        match self {
+            Self::F32(v) => return &v[r],
+            Self::F16(v) => v[r].convert_to_f32_slice(out),
+            Self::BF16(v) => v[r].convert_to_f32_slice(out),
+        }
+        out
+    }
+}
+
+/// `n_rows` rows of `row_len` computed in f32 by `f(row, out_row)` (which
+/// must write the whole row) and stored in `dtype`, in parallel: written in
+/// place for f32, through one f32 scratch row per thread chunk for f16 /
+/// bf16, so no full-size f32 buffer exists.
+pub fn rows_in(
+    dtype: DType,
+    n_rows: usize,
+    row_len: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) -> Result<CpuStorage> {
+    fn half_rows<T: Send + Copy>(
+        zero: T,
+        n_rows: usize,
+        row_len: usize,
+        f: &(impl Fn(usize, &mut [f32]) + Sync),
+    ) -> Vec<T>
+    where
+        [T]: HalfFloatSliceExt,
+    {
+        let mut out = vec![zero; n_rows * row_len];
+        par_rows(&mut out, row_len, |rows, out| {
+            let mut row = vec![0f32; row_len];
+            for (r, o) in rows.zip(out.chunks_exact_mut(row_len)) {
+                f(r, &mut row);
+                o.convert_from_f32_slice(&row);
+            }
+        });
+        out
+    }
+    Ok(match dtype {
+        DType::F32 => {
+            let mut out = vec![0f32; n_rows * row_len];
+            par_rows(&mut out, row_len, |rows, out| {
+                for (r, o) in rows.zip(out.chunks_exact_mut(row_len)) {
+                    f(r, o);
+                }
+            });
+            CpuStorage::F32(out)
+        }
+        DType::F16 => CpuStorage::F16(half_rows(f16::ZERO, n_rows, row_len, &f)),
+        DType::BF16 => CpuStorage::BF16(half_rows(bf16::ZERO, n_rows, row_len, &f)),
+        d => bail!("cannot store f32 rows as {d:?}"),
+    })
 }
 
 /// The u32 elements of a contiguous CPU storage under `layout`.
@@ -216,20 +314,25 @@ pub fn max_lanes(x: &[f32]) -> f32 {
 }
 
 /// A raw pointer that may cross threads: each thread writes a disjoint range.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+struct SendPtr<T>(*mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T: Send> Send for SendPtr<T> {}
+unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 /// Below this many elements, threading costs more than it saves.
 const PAR_MIN: usize = 1 << 15;
 
 /// Run `f(rows, out_rows)` over `out` split into rows of `row_len`, in
 /// parallel on candle's thread pool when the work is large enough.
-pub fn par_rows(
-    out: &mut [f32],
+pub fn par_rows<T: Send>(
+    out: &mut [T],
     row_len: usize,
-    f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+    f: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
 ) {
     let n_rows = out.len().checked_div(row_len).unwrap_or(0);
     if out.len() < PAR_MIN || n_rows < 2 {
