@@ -23,6 +23,11 @@
 //! which is both correct (candle-nn's fused LayerNorm has no backward) and
 //! much cheaper in candle's backward than the same layers as small ops.
 //!
+//! Mixed precision: every tensor follows the dtype of the `VarBuilder` a
+//! block is built with (f32, f16 or bf16: the engine casts f32 master
+//! weights); the fused ops compute in f32 inside, activations stay in that
+//! dtype, the loss (and the logits returned for generation) are f32.
+//!
 //! Init (GPT-2 / nanoGPT): weights N(0, 0.02), the residual projections
 //! (`attn.c_proj`, `mlp.c_proj`) N(0, 0.02 / sqrt(2 n_layer)), biases 0,
 //! LayerNorm weight 1 and bias 0. LayerNorm eps 1e-5, dropout 0.
@@ -359,7 +364,8 @@ impl BlockModule for HeadModule {
                 }
                 ops::cross_entropy(&logits, targets)
             }
-            None => Ok(logits),
+            // Generation reads f32 logits whatever the compute dtype.
+            None => logits.to_dtype(candle_core::DType::F32),
         }
     }
 }

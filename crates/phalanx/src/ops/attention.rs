@@ -12,6 +12,11 @@
 //! costs a zero-filled gradient plus an add in candle's backward. Here it is
 //! one node; the (b, h) pairs run in parallel on candle's thread pool.
 //!
+//! f16 / bf16: qkv is widened to f32 at the kernel boundary, scores, softmax
+//! and products are f32, y and dqkv are narrowed to qkv's dtype. The saved
+//! probabilities P are kept in qkv's dtype too (half the memory of the
+//! largest attention activation) and widened one head at a time backward.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! // T = 2, C = 2, one head: the first position only sees itself.
@@ -22,17 +27,22 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::cpu::{cpu_slice, dot_lanes, max_lanes, sum_lanes, with_f32};
+use super::cpu::{
+    cpu_f32, dot_lanes, is_float, max_lanes, storage_f32, storage_in, sum_lanes, tensor_in,
+    with_f32_any,
+};
 use super::gelu::exp_approx;
 use super::linear::{sgemm_strided, Mat};
 use crate::simd_dispatch;
 
 struct Attention {
     n_head: usize,
-    /// Softmax probabilities (B, nh, T, T) from the forward, for the backward.
-    probs: Mutex<Option<Vec<f32>>>,
+    /// Softmax probabilities (B, nh, T, T) from the forward, for the
+    /// backward; in the input's dtype.
+    probs: Mutex<Option<CpuStorage>>,
 }
 
 #[derive(Clone, Copy)]
@@ -125,7 +135,8 @@ impl CustomOp1 for Attention {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = cpu_slice(s, l)?;
+        let qkv = cpu_f32(s, l)?;
+        let qkv = &qkv[..];
         let d = dims_of(l, self.n_head)?;
         let (t, c) = (d.t, d.c);
         let mut y = vec![0f32; d.b * t * c];
@@ -163,23 +174,32 @@ impl CustomOp1 for Attention {
                 }
             }
         });
-        *self.probs.lock().unwrap() = Some(probs);
-        Ok((CpuStorage::F32(y), Shape::from((d.b, t, c))))
+        *self.probs.lock().unwrap() = Some(storage_in(s.dtype(), probs)?);
+        Ok((storage_in(s.dtype(), y)?, Shape::from((d.b, t, c))))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let saved = self.probs.lock().unwrap().take();
-        let dqkv = with_f32(arg, |qkv| {
-            with_f32(grad, |dy| {
+        let dqkv = with_f32_any(arg, |qkv| {
+            with_f32_any(grad, |dy| {
                 let d = dims_of(arg.layout(), self.n_head)?;
-                Ok::<_, candle_core::Error>(backward(qkv, dy, saved.as_deref(), d))
+                backward(qkv, dy, saved.as_ref(), d)
             })
         })???;
-        Ok(Some(Tensor::from_vec(dqkv, arg.shape(), arg.device())?))
+        Ok(Some(tensor_in(
+            dqkv,
+            arg.dtype(),
+            arg.shape(),
+            arg.device(),
+        )?))
     }
 }
 
-fn backward(qkv: &[f32], dy: &[f32], saved: Option<&[f32]>, d: Dims) -> Vec<f32> {
+fn backward(qkv: &[f32], dy: &[f32], saved: Option<&CpuStorage>, d: Dims) -> Result<Vec<f32>> {
+    if let Some(s) = saved {
+        // The dtype is checked here so the tasks below cannot fail.
+        storage_f32(s, 0..0)?;
+    }
     let (t, c, hs) = (d.t, d.c, d.hs);
     let c3 = 3 * c;
     let scale = 1.0 / (hs as f32).sqrt();
@@ -188,14 +208,13 @@ fn backward(qkv: &[f32], dy: &[f32], saved: Option<&[f32]>, d: Dims) -> Vec<f32>
     candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
         for task in tasks {
             let (b, h) = (task / d.nh, task % d.nh);
-            let p_owned;
-            let p: &[f32] = match saved {
-                Some(s) => &s[task * t * t..(task + 1) * t * t],
-                None => {
-                    p_owned = head_probs(qkv, d, b, h);
-                    &p_owned
-                }
+            let p = match saved {
+                // Borrowed for f32, one head widened for f16 / bf16.
+                Some(s) => storage_f32(s, task * t * t..(task + 1) * t * t)
+                    .expect("dtype checked before the tasks"),
+                None => head_probs(qkv, d, b, h).into(),
             };
+            let p = &p[..];
             let base = b * t * c3 + h * hs;
             let q = Mat {
                 data: &qkv[base..],
@@ -269,15 +288,16 @@ fn backward(qkv: &[f32], dy: &[f32], saved: Option<&[f32]>, d: Dims) -> Vec<f32>
             }
         }
     });
-    dqkv
+    Ok(dqkv)
 }
 
 /// Causal self-attention of `qkv` (B, T, 3C) = [q | k | v] with `n_head`
-/// heads; returns (B, T, C), heads concatenated. f32 on CPU.
+/// heads; returns (B, T, C), heads concatenated, in qkv's dtype. f32, f16
+/// or bf16 on CPU.
 pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    if qkv.dtype() != DType::F32 || !qkv.device().is_cpu() {
+    if !is_float(qkv.dtype()) || !qkv.device().is_cpu() {
         bail!(
-            "causal_attention: only f32 on CPU is built (got {:?} on {:?})",
+            "causal_attention: only f32 / f16 / bf16 on CPU is built (got {:?} on {:?})",
             qkv.dtype(),
             qkv.device()
         )

@@ -3,6 +3,12 @@
 //! loops for AVX-512 / AVX2 with a run-time check (the binary still runs on
 //! machines without them).
 //!
+//! Mixed precision: the fused ops keep f16 / bf16 tensors in half precision
+//! (what autograd stores) but compute in f32. [`cpu_f32`] and
+//! [`with_f32_any`] borrow f32 data and widen half data into a temporary;
+//! [`storage_in`] and [`tensor_in`] narrow an f32 result to the caller's
+//! dtype. The f32 path copies nothing extra.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! let t = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap();
@@ -10,7 +16,12 @@
 //! assert_eq!(s, vec![1., 3., 2., 4.]); // made contiguous first
 //! ```
 
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
+use std::borrow::Cow;
+use std::ops::Range;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 /// Call `f` with the tensor's elements as one contiguous f32 slice (row-major).
 /// Borrows CPU storage when contiguous; copies otherwise (or off-CPU).
@@ -41,6 +52,201 @@ pub fn cpu_slice<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f3
         Some((lo, hi)) => Ok(&s[lo..hi]),
         None => bail!("expected a contiguous tensor"),
     }
+}
+
+/// Whether the fused ops take this dtype on CPU: f32, or f16 / bf16 (widened
+/// to f32 inside the kernels).
+pub fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Elements `range` of a CPU storage as f32: borrowed for F32, widened into
+/// a new buffer for F16 / BF16 (vectorised conversions of the `half` crate).
+pub fn storage_f32(storage: &CpuStorage, range: Range<usize>) -> Result<Cow<'_, [f32]>> {
+    Ok(match storage {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[range]),
+        CpuStorage::F16(v) => {
+            let src = &v[range];
+            let mut out = vec![0f32; src.len()];
+            src.convert_to_f32_slice(&mut out);
+            Cow::Owned(out)
+        }
+        CpuStorage::BF16(v) => {
+            let src = &v[range];
+            let mut out = vec![0f32; src.len()];
+            src.convert_to_f32_slice(&mut out);
+            Cow::Owned(out)
+        }
+        s => bail!("expected an f32, f16 or bf16 tensor, got {:?}", s.dtype()),
+    })
+}
+
+/// The elements of a contiguous CPU storage under `layout` as f32 (see
+/// [`storage_f32`]): the kernel-boundary widening of the half-precision ops.
+pub fn cpu_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
+    match layout.contiguous_offsets() {
+        Some((lo, hi)) => storage_f32(storage, lo..hi),
+        None => bail!("expected a contiguous tensor"),
+    }
+}
+
+/// As [`with_f32`] for f32, f16 or bf16 tensors: f32 data is borrowed, half
+/// data widened into a temporary f32 buffer.
+pub fn with_f32_any<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    if t.dtype() == DType::F32 {
+        return with_f32(t, f);
+    }
+    if !is_float(t.dtype()) {
+        bail!("expected an f32, f16 or bf16 tensor, got {:?}", t.dtype())
+    }
+    let t = if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => Ok(f(&cpu_f32(cpu, layout)?)),
+        _ => {
+            drop(storage);
+            let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok(f(&v))
+        }
+    }
+}
+
+/// Narrow an f32 result to `dtype` (f32: moved, no copy; f16 / bf16: rounded
+/// to nearest, vectorised).
+pub fn storage_in(dtype: DType, v: Vec<f32>) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v),
+        DType::F16 => {
+            let mut out = vec![f16::ZERO; v.len()];
+            out.convert_from_f32_slice(&v);
+            CpuStorage::F16(out)
+        }
+        DType::BF16 => {
+            let mut out = vec![bf16::ZERO; v.len()];
+            out.convert_from_f32_slice(&v);
+            CpuStorage::BF16(out)
+        }
+        d => bail!("cannot narrow f32 results to {d:?}"),
+    })
+}
+
+/// A CPU tensor of `dtype` from f32 values (see [`storage_in`]); for the
+/// gradients the backward passes return in their forward input's dtype.
+pub fn tensor_in(
+    v: Vec<f32>,
+    dtype: DType,
+    shape: impl Into<Shape>,
+    dev: &Device,
+) -> Result<Tensor> {
+    tensor_of(storage_in(dtype, v)?, shape, dev)
+}
+
+/// A tensor holding a float CPU storage (f32, f16 or bf16) built by a kernel.
+pub fn tensor_of(s: CpuStorage, shape: impl Into<Shape>, dev: &Device) -> Result<Tensor> {
+    match s {
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
+        s => bail!("expected an f32, f16 or bf16 storage, got {:?}", s.dtype()),
+    }
+}
+
+/// A contiguous run of f32, f16 or bf16 elements, read as f32 one range at
+/// a time: for kernels that go row by row and should not widen a whole
+/// half tensor at once (cross-entropy's (N, V) logits).
+#[derive(Clone, Copy)]
+pub enum FloatSlice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl<'a> FloatSlice<'a> {
+    /// The elements of a contiguous CPU storage under `layout`.
+    pub fn new(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+        let Some((lo, hi)) = layout.contiguous_offsets() else {
+            bail!("expected a contiguous tensor")
+        };
+        Ok(match storage {
+            CpuStorage::F32(v) => Self::F32(&v[lo..hi]),
+            CpuStorage::F16(v) => Self::F16(&v[lo..hi]),
+            CpuStorage::BF16(v) => Self::BF16(&v[lo..hi]),
+            s => bail!("expected an f32, f16 or bf16 tensor, got {:?}", s.dtype()),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+            Self::BF16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `r` as f32: borrowed for f32, otherwise widened into the
+    /// front of `buf` (which must hold `r.len()` elements).
+    pub fn get<'b>(&'b self, r: Range<usize>, buf: &'b mut [f32]) -> &'b [f32] {
+        let out = &mut buf[..r.len()];
+        match self {
+            Self::F32(v) => return &v[r],
+            Self::F16(v) => v[r].convert_to_f32_slice(out),
+            Self::BF16(v) => v[r].convert_to_f32_slice(out),
+        }
+        out
+    }
+}
+
+/// `n_rows` rows of `row_len` computed in f32 by `f(row, out_row)` (which
+/// must write the whole row) and stored in `dtype`, in parallel: written in
+/// place for f32, through one f32 scratch row per thread chunk for f16 /
+/// bf16, so no full-size f32 buffer exists.
+pub fn rows_in(
+    dtype: DType,
+    n_rows: usize,
+    row_len: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) -> Result<CpuStorage> {
+    fn half_rows<T: Send + Copy>(
+        zero: T,
+        n_rows: usize,
+        row_len: usize,
+        f: &(impl Fn(usize, &mut [f32]) + Sync),
+    ) -> Vec<T>
+    where
+        [T]: HalfFloatSliceExt,
+    {
+        let mut out = vec![zero; n_rows * row_len];
+        par_rows(&mut out, row_len, |rows, out| {
+            let mut row = vec![0f32; row_len];
+            for (r, o) in rows.zip(out.chunks_exact_mut(row_len)) {
+                f(r, &mut row);
+                o.convert_from_f32_slice(&row);
+            }
+        });
+        out
+    }
+    Ok(match dtype {
+        DType::F32 => {
+            let mut out = vec![0f32; n_rows * row_len];
+            par_rows(&mut out, row_len, |rows, out| {
+                for (r, o) in rows.zip(out.chunks_exact_mut(row_len)) {
+                    f(r, o);
+                }
+            });
+            CpuStorage::F32(out)
+        }
+        DType::F16 => CpuStorage::F16(half_rows(f16::ZERO, n_rows, row_len, &f)),
+        DType::BF16 => CpuStorage::BF16(half_rows(bf16::ZERO, n_rows, row_len, &f)),
+        d => bail!("cannot store f32 rows as {d:?}"),
+    })
 }
 
 /// The u32 elements of a contiguous CPU storage under `layout`.
@@ -108,20 +314,25 @@ pub fn max_lanes(x: &[f32]) -> f32 {
 }
 
 /// A raw pointer that may cross threads: each thread writes a disjoint range.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+struct SendPtr<T>(*mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+unsafe impl<T: Send> Send for SendPtr<T> {}
+unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 /// Below this many elements, threading costs more than it saves.
 const PAR_MIN: usize = 1 << 15;
 
 /// Run `f(rows, out_rows)` over `out` split into rows of `row_len`, in
 /// parallel on candle's thread pool when the work is large enough.
-pub fn par_rows(
-    out: &mut [f32],
+pub fn par_rows<T: Send>(
+    out: &mut [T],
     row_len: usize,
-    f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+    f: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
 ) {
     let n_rows = out.len().checked_div(row_len).unwrap_or(0);
     if out.len() < PAR_MIN || n_rows < 2 {

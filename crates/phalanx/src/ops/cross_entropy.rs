@@ -10,6 +10,11 @@
 //! the model. Here the forward keeps nothing and the backward recomputes the
 //! softmax row by row, writing the gradient once.
 //!
+//! f16 / bf16 logits: widened to f32 at the kernel boundary one row at a
+//! time (no f32 copy of the (N, V) logits), logsumexp in f32 and the mean in
+//! f64; the loss is f32 whatever the logits' dtype, the gradient is written
+//! row by row in the logits' dtype.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! let dev = Device::Cpu;
@@ -21,11 +26,33 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 
-use super::cpu::{cpu_slice, cpu_slice_u32, max_lanes, par_map_rows, par_rows, with_f32};
+use std::cell::RefCell;
+
+use super::cpu::{
+    cpu_slice_u32, is_float, max_lanes, par_map_rows, rows_in, tensor_of, FloatSlice,
+};
 use super::gelu::exp_approx;
 use crate::simd_dispatch;
 
 struct CrossEntropy;
+
+thread_local! {
+    /// One widened row of half logits per thread.
+    static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `f` on row `r` (length `v`) of `x` as f32 (borrowed, or widened into
+/// this thread's scratch row).
+fn with_row<R>(x: FloatSlice, r: usize, v: usize, f: impl FnOnce(&[f32]) -> R) -> R {
+    if let FloatSlice::F32(s) = x {
+        return f(&s[r * v..(r + 1) * v]);
+    }
+    ROW.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(v, 0.0);
+        f(x.get(r * v..(r + 1) * v, &mut buf))
+    })
+}
 
 /// log(sum(exp(x))) of one row, shifted by the max for stability; the
 /// vectorised `exp_approx` matters here: N * V exps per pass.
@@ -76,12 +103,13 @@ impl CustomOp2 for CrossEntropy {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, t) = (cpu_slice(s1, l1)?, cpu_slice_u32(s2, l2)?);
+        let (x, t) = (FloatSlice::new(s1, l1)?, cpu_slice_u32(s2, l2)?);
         let (n, v) = (t.len(), l1.dims()[l1.dims().len() - 1]);
         check_targets(t, v)?;
         let losses = par_map_rows(n, v, |r| {
-            let row = &x[r * v..(r + 1) * v];
-            simd_dispatch!(row_lse(row)) - row[t[r] as usize]
+            with_row(x, r, v, |row| {
+                simd_dispatch!(row_lse(row)) - row[t[r] as usize]
+            })
         });
         // Sum in f64: N can be large and the mean should not drift.
         let mean = losses.iter().map(|&l| l as f64).sum::<f64>() / n as f64;
@@ -103,24 +131,23 @@ impl CustomOp2 for CrossEntropy {
             Storage::Cpu(c) => cpu_slice_u32(c, tl)?,
             _ => bail!("cross_entropy: CPU only"),
         };
-        let dx = with_f32(logits, |x| {
-            let mut dx = vec![0f32; x.len()];
-            par_rows(&mut dx, v, |rows, dx| {
-                for (r, dx) in rows.zip(dx.chunks_exact_mut(v)) {
-                    let row = &x[r * v..(r + 1) * v];
-                    simd_dispatch!(row_grad(row, dx, t[r] as usize, g));
-                }
-            });
-            dx
+        let (xstore, xl) = logits.storage_and_layout();
+        let x = match &*xstore {
+            Storage::Cpu(c) => FloatSlice::new(c, xl)?,
+            _ => bail!("cross_entropy: CPU only"),
+        };
+        // The gradient in the logits' dtype, row by row.
+        let dx = rows_in(logits.dtype(), n, v, |r, dx| {
+            with_row(x, r, v, |row| {
+                simd_dispatch!(row_grad(row, dx, t[r] as usize, g))
+            })
         })?;
-        Ok((
-            Some(Tensor::from_vec(dx, logits.shape(), logits.device())?),
-            None,
-        ))
+        let dx = tensor_of(dx, logits.shape(), logits.device())?;
+        Ok((Some(dx), None))
     }
 }
 
-/// Mean cross-entropy of `logits` (.., V) f32 against `targets` (..) u32
+/// Mean cross-entropy (an f32 scalar) of `logits` (.., V) f32 / f16 / bf16 against `targets` (..) u32
 /// (the same leading dims, e.g. (B, T, V) and (B, T), or (N, V) and (N,)).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let ld = logits.dims();
@@ -133,9 +160,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             targets.dtype()
         )
     }
-    if logits.dtype() != DType::F32 || !logits.device().is_cpu() {
+    if !is_float(logits.dtype()) || !logits.device().is_cpu() {
         let v = ld[ld.len() - 1];
-        let lp = candle_nn::ops::log_softmax(&logits.reshape(((), v))?, 1)?;
+        let x = logits.reshape(((), v))?.to_dtype(DType::F32)?;
+        let lp = candle_nn::ops::log_softmax(&x, 1)?;
         return candle_nn::loss::nll(&lp, &targets.flatten_all()?);
     }
     logits

@@ -10,6 +10,10 @@
 //! silently stop), and its composed fallback allocates ~8 tensors per call.
 //! The backward recomputes mean/rstd from x instead of saving them.
 //!
+//! f16 / bf16 (mixed precision): x, w and b may each be f32, f16 or bf16;
+//! all are widened to f32 at the kernel boundary, statistics and sums are in
+//! f32, y and dx come back in x's dtype, dw in w's and db in b's.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! let dev = Device::Cpu;
@@ -22,9 +26,12 @@
 
 use std::sync::Mutex;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::cpu::{cpu_slice, dot_lanes, par_rows, sum_lanes, with_f32};
+use super::cpu::{
+    cpu_f32, dot_lanes, is_float, par_rows, storage_in, sum_lanes, tensor_in, with_f32_any,
+};
 use crate::simd_dispatch;
 
 struct LayerNorm {
@@ -104,7 +111,8 @@ impl CustomOp3 for LayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w, b) = (cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, cpu_slice(s3, l3)?);
+        let (x, w, b) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?, cpu_f32(s3, l3)?);
+        let (w, b) = (&w[..], &b[..]);
         let c = w.len();
         let mut y = vec![0f32; x.len()];
         par_rows(&mut y, c, |rows, y| {
@@ -113,28 +121,28 @@ impl CustomOp3 for LayerNorm {
                 simd_dispatch!(row_fwd(x, w, b, y, self.eps));
             }
         });
-        Ok((CpuStorage::F32(y), l1.shape().clone()))
+        Ok((storage_in(s1.dtype(), y)?, l1.shape().clone()))
     }
 
     fn bwd(
         &self,
         x_t: &Tensor,
         w_t: &Tensor,
-        _b: &Tensor,
+        b_t: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let c = w_t.elem_count();
-        let (dx, dw, db) = with_f32(x_t, |x| {
-            with_f32(w_t, |w| {
-                with_f32(grad, |dy| layer_norm_backward(x, w, dy, self.eps))
+        let (dx, dw, db) = with_f32_any(x_t, |x| {
+            with_f32_any(w_t, |w| {
+                with_f32_any(grad, |dy| layer_norm_backward(x, w, dy, self.eps))
             })
         })????;
         let dev = x_t.device();
         Ok((
-            Some(Tensor::from_vec(dx, x_t.shape(), dev)?),
-            Some(Tensor::from_vec(dw, c, dev)?),
-            Some(Tensor::from_vec(db, c, dev)?),
+            Some(tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?),
+            Some(tensor_in(dw, w_t.dtype(), c, dev)?),
+            Some(tensor_in(db, b_t.dtype(), c, dev)?),
         ))
     }
 }
@@ -181,7 +189,8 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> Result<Tensor
             b.shape()
         )
     }
-    if x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+    let float = [x, w, b].iter().all(|t| is_float(t.dtype()));
+    if !float || !x.device().is_cpu() {
         return candle_nn::ops::layer_norm_slow(x, w, b, eps);
     }
     x.contiguous()?

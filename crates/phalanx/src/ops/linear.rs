@@ -9,6 +9,11 @@
 //! and adds into it for each of those nodes (five full-size passes or more).
 //! One node here: three gemms backward, nothing else.
 //!
+//! f16 / bf16: x, w and b are widened to f32 at the kernel boundary (the
+//! widened weight costs O(out * in), small next to the O(N * out * in)
+//! product), the gemm accumulates in f32, and y is narrowed to x's dtype;
+//! dx, dw and db come back in the dtypes of x, w and b. f32 copies nothing.
+//!
 //! ```
 //! use candle_core::{Device, Tensor};
 //! let dev = Device::Cpu;
@@ -19,9 +24,10 @@
 //! assert_eq!(y.to_vec3::<f32>().unwrap(), vec![vec![vec![1., 12., 103.]]]);
 //! ```
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{cpu_slice, with_f32};
+use super::cpu::{cpu_f32, is_float, storage_in, tensor_in, with_f32_any};
 
 /// Row-major (rs = row stride, cs = column stride) view of a matrix in a slice.
 #[derive(Clone, Copy)]
@@ -214,14 +220,14 @@ fn backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
-    bias: bool,
+    bias: Option<DType>,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let (need_dx, need_dw) = (x.track_op(), w.track_op());
     let (k, n) = (w.dim(1)?, w.dim(0)?);
     let rows = x.elem_count() / k;
-    let (dx, dw, db) = with_f32(x, |x| {
-        with_f32(w, |w| {
-            with_f32(dy, |dy| {
+    let (dx, dw, db) = with_f32_any(x, |x| {
+        with_f32_any(w, |w| {
+            with_f32_any(dy, |dy| {
                 let g = Mat {
                     data: dy,
                     rs: n,
@@ -264,7 +270,7 @@ fn backward(
                         },
                     );
                 }
-                let db = bias.then(|| {
+                let db = bias.is_some().then(|| {
                     let mut db = vec![0f32; n];
                     for r in dy.chunks_exact(n) {
                         db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
@@ -278,12 +284,14 @@ fn backward(
     let dev = x.device();
     Ok((
         need_dx
-            .then(|| Tensor::from_vec(dx, x.shape(), dev))
+            .then(|| tensor_in(dx, x.dtype(), x.shape(), dev))
             .transpose()?,
         need_dw
-            .then(|| Tensor::from_vec(dw, w.shape(), dev))
+            .then(|| tensor_in(dw, w.dtype(), w.shape(), dev))
             .transpose()?,
-        db.map(|db| Tensor::from_vec(db, n, dev)).transpose()?,
+        db.zip(bias)
+            .map(|(db, dt)| tensor_in(db, dt, n, dev))
+            .transpose()?,
     ))
 }
 
@@ -306,12 +314,12 @@ impl CustomOp3 for LinearBias {
     ) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
         let y = forward(
-            cpu_slice(s1, l1)?,
-            cpu_slice(s2, l2)?,
-            Some(cpu_slice(s3, l3)?),
+            &cpu_f32(s1, l1)?,
+            &cpu_f32(s2, l2)?,
+            Some(&cpu_f32(s3, l3)?),
             d,
         );
-        Ok((CpuStorage::F32(y), out_shape(l1, d.2)))
+        Ok((storage_in(s1.dtype(), y)?, out_shape(l1, d.2)))
     }
 
     fn bwd(
@@ -322,7 +330,7 @@ impl CustomOp3 for LinearBias {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        backward(x, w, dy, b.track_op())
+        backward(x, w, dy, b.track_op().then(|| b.dtype()))
     }
 }
 
@@ -339,8 +347,8 @@ impl CustomOp2 for LinearNoBias {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
-        let y = forward(cpu_slice(s1, l1)?, cpu_slice(s2, l2)?, None, d);
-        Ok((CpuStorage::F32(y), out_shape(l1, d.2)))
+        let y = forward(&cpu_f32(s1, l1)?, &cpu_f32(s2, l2)?, None, d);
+        Ok((storage_in(s1.dtype(), y)?, out_shape(l1, d.2)))
     }
 
     fn bwd(
@@ -350,16 +358,17 @@ impl CustomOp2 for LinearNoBias {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = backward(x, w, dy, false)?;
+        let (dx, dw, _) = backward(x, w, dy, None)?;
         Ok((dx, dw))
     }
 }
 
 /// `x @ w^T + b` for x (.., in), w (out, in), b (out,): a candle-nn `Linear`
-/// as one op. f32 CPU; elsewhere candle's matmul.
+/// as one op. f32, f16 or bf16 on CPU (any mix; y in x's dtype); elsewhere
+/// candle's matmul.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32;
-    if !cpu_f32 {
+    let float = is_float(x.dtype()) && is_float(w.dtype()) && b.is_none_or(|b| is_float(b.dtype()));
+    if !x.device().is_cpu() || !float {
         let lin = candle_nn::Linear::new(w.clone(), b.cloned());
         return candle_core::Module::forward(&lin, x);
     }

@@ -3,8 +3,15 @@
 //! candle-nn's fused `layer_norm` and `softmax_last_dim` have no backward,
 //! and the composed versions allocate many full-size tensors. These ops do
 //! one pass forward and one pass backward, vectorised and threaded on
-//! candle's pool. All take and return f32 CPU tensors (other devices fall
+//! candle's pool. All take f32, f16 or bf16 CPU tensors (other devices fall
 //! back to candle's composed ops where one exists, or return an error).
+//!
+//! Mixed precision: half tensors stay half in storage (what autograd keeps),
+//! but every kernel widens its inputs to f32 at the boundary, computes and
+//! accumulates in f32 exactly as the f32 path does, and narrows its output
+//! (and each gradient) to the dtype of the corresponding input. The
+//! cross-entropy loss is always f32. Helpers: `cpu::{cpu_f32, with_f32_any,
+//! storage_in, tensor_in}`.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};

@@ -7,7 +7,8 @@
 //! Why our own: candle-nn's `softmax_last_dim` has no backward, and the
 //! composed softmax plus a -inf mask tensor costs five full-size tensors.
 //! For the causal form the input's last two dims must be (T, T); row i of
-//! each (T, T) matrix sees columns 0..=i.
+//! each (T, T) matrix sees columns 0..=i. f16 / bf16: computed in f32 at the
+//! kernel boundary (max, exp and sum in f32), y and dx narrowed to x's dtype.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -16,9 +17,13 @@
 //! assert_eq!(y, vec![vec![1.0, 0.0], vec![0.5, 0.5]]);
 //! ```
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
 
-use super::cpu::{cpu_slice, dot_lanes, max_lanes, par_rows, sum_lanes, with_f32};
+use super::cpu::{
+    cpu_f32, dot_lanes, is_float, max_lanes, par_rows, storage_in, sum_lanes, tensor_in,
+    with_f32_any,
+};
 use super::gelu::exp_approx;
 use crate::simd_dispatch;
 
@@ -62,7 +67,7 @@ impl CustomOp1 for Softmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = cpu_slice(s, l)?;
+        let x = cpu_f32(s, l)?;
         let n = l.dims()[l.dims().len() - 1];
         let mut y = vec![0f32; x.len()];
         par_rows(&mut y, n, |rows, y| {
@@ -73,13 +78,13 @@ impl CustomOp1 for Softmax {
                 simd_dispatch!(softmax_row(x, &mut y[..k], self.scale));
             }
         });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((storage_in(s.dtype(), y)?, l.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let n = res.dim(D::Minus1)?;
-        let dx = with_f32(res, |y| {
-            with_f32(grad, |dy| {
+        let dx = with_f32_any(res, |y| {
+            with_f32_any(grad, |dy| {
                 let mut dx = vec![0f32; y.len()];
                 par_rows(&mut dx, n, |rows, dx| {
                     for (r, dx) in rows.zip(dx.chunks_exact_mut(n)) {
@@ -91,7 +96,7 @@ impl CustomOp1 for Softmax {
                 dx
             })
         })??;
-        Ok(Some(Tensor::from_vec(dx, res.shape(), res.device())?))
+        Ok(Some(tensor_in(dx, res.dtype(), res.shape(), res.device())?))
     }
 }
 
@@ -100,9 +105,9 @@ fn apply(x: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
     if scale.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
         bail!("softmax scale must be positive, got {scale}")
     }
-    if x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+    if !is_float(x.dtype()) || !x.device().is_cpu() {
         bail!(
-            "phalanx softmax: only f32 on CPU is built (got {:?} on {:?})",
+            "phalanx softmax: only f32 / f16 / bf16 on CPU is built (got {:?} on {:?})",
             x.dtype(),
             x.device()
         )

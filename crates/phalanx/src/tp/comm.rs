@@ -12,6 +12,10 @@
 //! Activations are (B, T, C); the sequence ops move the T axis to the front
 //! (contiguous per-rank chunks), call the flat collective, and move it back.
 //!
+//! Mixed precision: f16 / bf16 tensors are communicated in their own dtype
+//! (half the bytes of f32); `phalanx_comm` reduces half elements in f32 and
+//! rounds once per reduction step, as gloo does. f32 and f64 work too.
+//!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
 //! let out = phalanx_comm::threads::run(2, |pg| {
@@ -24,9 +28,10 @@
 //! assert_eq!(out[0].1, vec![2.0, 2.0]); // f's backward summed the ranks' gradients
 //! ```
 
-use crate::ops::cpu::cpu_slice;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
-use phalanx_comm::{ProcessGroup, ReduceOp};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use phalanx_comm::{Element, ProcessGroup, ReduceOp};
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -54,7 +59,12 @@ fn comm_err(e: phalanx_comm::CommError) -> candle_core::Error {
 impl TpOp {
     /// The flat operation on `x` with leading dimension `rows` (after the
     /// sequence axis was moved to the front).
-    fn run(&self, kind: Kind, x: &[f32], shape: &[usize]) -> Result<(Vec<f32>, Vec<usize>)> {
+    fn run<T: Element + Default>(
+        &self,
+        kind: Kind,
+        x: &[T],
+        shape: &[usize],
+    ) -> Result<(Vec<T>, Vec<usize>)> {
         let n = self.pg.size();
         let r = self.pg.rank();
         let mut out_shape = shape.to_vec();
@@ -69,7 +79,7 @@ impl TpOp {
             }
             Kind::Gather => {
                 out_shape[0] *= n;
-                let mut v = vec![0f32; x.len() * n];
+                let mut v = vec![T::default(); x.len() * n];
                 self.pg.all_gather(x, &mut v).map_err(comm_err)?;
                 v
             }
@@ -85,7 +95,7 @@ impl TpOp {
                 if kind == Kind::Split {
                     x[r * k..(r + 1) * k].to_vec()
                 } else {
-                    let mut v = vec![0f32; k];
+                    let mut v = vec![T::default(); k];
                     self.pg
                         .reduce_scatter(x, &mut v, ReduceOp::Sum)
                         .map_err(comm_err)?;
@@ -109,9 +119,33 @@ impl CustomOp1 for TpOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = cpu_slice(s, l)?;
-        let (v, shape) = self.run(self.kind, x, l.dims())?;
-        Ok((CpuStorage::F32(v), Shape::from(shape)))
+        let Some((lo, hi)) = l.contiguous_offsets() else {
+            bail!("tensor-parallel collective: expected a contiguous tensor")
+        };
+        let dims = l.dims();
+        let (storage, shape) = match s {
+            CpuStorage::F32(x) => {
+                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
+                (CpuStorage::F32(v), sh)
+            }
+            CpuStorage::F16(x) => {
+                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
+                (CpuStorage::F16(v), sh)
+            }
+            CpuStorage::BF16(x) => {
+                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
+                (CpuStorage::BF16(v), sh)
+            }
+            CpuStorage::F64(x) => {
+                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
+                (CpuStorage::F64(v), sh)
+            }
+            other => bail!(
+                "tensor-parallel collective: unsupported dtype {:?}",
+                other.dtype()
+            ),
+        };
+        Ok((storage, Shape::from(shape)))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
@@ -122,9 +156,29 @@ impl CustomOp1 for TpOp {
             Kind::Scatter | Kind::Split => Kind::Gather,
         };
         let g = g.contiguous()?;
-        let x: Vec<f32> = g.flatten_all()?.to_vec1()?;
-        let (v, shape) = self.run(back, &x, g.dims())?;
-        Ok(Some(Tensor::from_vec(v, shape, g.device())?))
+        let flat = g.flatten_all()?;
+        let dev = g.device();
+        // The gradient is communicated in its own dtype (the forward input's).
+        let t = match g.dtype() {
+            DType::F32 => {
+                let (v, sh) = self.run(back, &flat.to_vec1::<f32>()?, g.dims())?;
+                Tensor::from_vec(v, sh, dev)?
+            }
+            DType::F16 => {
+                let (v, sh) = self.run(back, &flat.to_vec1::<f16>()?, g.dims())?;
+                Tensor::from_vec(v, sh, dev)?
+            }
+            DType::BF16 => {
+                let (v, sh) = self.run(back, &flat.to_vec1::<bf16>()?, g.dims())?;
+                Tensor::from_vec(v, sh, dev)?
+            }
+            DType::F64 => {
+                let (v, sh) = self.run(back, &flat.to_vec1::<f64>()?, g.dims())?;
+                Tensor::from_vec(v, sh, dev)?
+            }
+            d => bail!("tensor-parallel collective: unsupported dtype {d:?}"),
+        };
+        Ok(Some(t))
     }
 }
 

@@ -12,6 +12,10 @@
 //! - `vocab_parallel_cross_entropy`: the loss from vocabulary-sharded logits,
 //!   never materialising the full logits on one rank.
 //!
+//! Mixed precision: everything follows the dtype of the parameters the
+//! `VarBuilder` hands out (f32, f16 or bf16); the loss is computed in f32
+//! from widened logits and returned as f32.
+//!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
 //! use phalanx::tp::{ColumnParallelLinear, RowParallelLinear, Tp};
@@ -29,7 +33,7 @@
 
 use super::comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq};
 use crate::ops;
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, VarBuilder};
 use phalanx_comm::{ProcessGroup, ReduceOp};
 use std::sync::Mutex;
@@ -241,7 +245,7 @@ impl VocabParallelEmbedding {
             .unzip();
         let dev = self.w.device();
         let local = Tensor::from_vec(local, b * t, dev)?;
-        let mask = Tensor::from_vec(mask, (b * t, 1), dev)?;
+        let mask = Tensor::from_vec(mask, (b * t, 1), dev)?.to_dtype(self.w.dtype())?;
         let c = self.w.dims()[1];
         let e = self
             .w
@@ -302,7 +306,8 @@ impl CustomOp1 for VocabCe {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = ops::cpu::cpu_slice(s, l)?;
+        let x = ops::cpu::cpu_f32(s, l)?;
+        let x = &x[..];
         let (n, v) = l.shape().dims2()?;
         let valid = self.valid(v);
         let err = |e: phalanx_comm::CommError| {
@@ -354,7 +359,7 @@ impl CustomOp1 for VocabCe {
         let Some((max, sum)) = saved.as_ref() else {
             bail!("vocab-parallel loss: backward before forward")
         };
-        let x: Vec<f32> = arg.flatten_all()?.to_vec1()?;
+        let x: Vec<f32> = arg.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
         let mut dx = vec![0f32; n * v];
         for r in 0..n {
             let j = self.targets[r] as usize;
@@ -364,6 +369,12 @@ impl CustomOp1 for VocabCe {
                 dx[r * v + c] = g * (p - hot);
             }
         }
-        Ok(Some(Tensor::from_vec(dx, (n, v), arg.device())?))
+        // The gradient in the logits' dtype.
+        Ok(Some(ops::cpu::tensor_in(
+            dx,
+            arg.dtype(),
+            (n, v),
+            arg.device(),
+        )?))
     }
 }

@@ -1,0 +1,362 @@
+//! The fused ops on f16 / bf16 inputs against the f32 ops on the same
+//! (rounded) inputs: values, gradients and dtypes.
+//!
+//! Why the tolerances: a half op widens its inputs to f32, runs exactly the
+//! f32 kernel and rounds the result once. With identical (already rounded)
+//! inputs, every output and every gradient computed only from the inputs is
+//! therefore the f32 result rounded to nearest: elementwise error at most
+//! u |y|, u the unit roundoff (bf16: 8 significant bits, u = 2^-8; f16: 11
+//! bits, u = 2^-11), plus a few f32 ulps where threaded sums run in another
+//! order. Backward passes that use a saved half activation (softmax's y,
+//! attention's P) see inputs perturbed by u as well, so they are checked
+//! normwise at 4u.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use phalanx::ops;
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    // Deterministic pseudo-random values in about [-2, 2].
+    let n: usize = shape.iter().product();
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Unit roundoff of a dtype: 2^-(significant bits).
+fn unit(dt: DType) -> f32 {
+    match dt {
+        DType::BF16 => 2f32.powi(-8),
+        DType::F16 => 2f32.powi(-11),
+        _ => 2f32.powi(-24),
+    }
+}
+
+fn f32s(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Value and input gradients of `sum(f(inputs) * w)`, `w` random (rounded
+/// to `w_dt` so both runs receive the same upstream gradient).
+fn run(
+    inputs: &[Tensor],
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+    w_dt: DType,
+) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts).unwrap();
+    let w = randn(y.dims(), 99)
+        .to_dtype(w_dt)
+        .unwrap()
+        .to_dtype(y.dtype())
+        .unwrap();
+    let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = ts
+        .iter()
+        .map(|t| grads.get(t).expect("no gradient").clone())
+        .collect();
+    (y, g)
+}
+
+/// Elementwise: |a - b| <= u |b| + 1e-6 max|b| (+ f16's subnormal spacing).
+fn check_rounded(what: &str, half: &Tensor, reference: &Tensor, dt: DType) {
+    let (a, b) = (f32s(half), f32s(reference));
+    assert_eq!(a.len(), b.len(), "{what}: sizes");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let u = unit(dt);
+    let mut worst = 0f32;
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let tol = u * y.abs() + 1e-6 * scale + 1e-7;
+        assert!(
+            (x - y).abs() <= tol,
+            "{what} {dt:?}: element {i}: {x} vs {y} (tolerance {tol})"
+        );
+        worst = worst.max((x - y).abs() / (y.abs() + 1e-6 * scale + 1e-7));
+    }
+    eprintln!("{what} {dt:?}: worst relative error {worst:.2e} (u = {u:.2e})");
+}
+
+/// Normwise: |a - b|_2 <= k u |b|_2.
+fn check_norm(what: &str, half: &Tensor, reference: &Tensor, dt: DType, k: f32) {
+    let (a, b) = (f32s(half), f32s(reference));
+    let num: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    let rel = (num / den).sqrt() as f32;
+    eprintln!(
+        "{what} {dt:?}: normwise relative error {rel:.2e} (u = {:.2e})",
+        unit(dt)
+    );
+    assert!(rel <= k * unit(dt), "{what} {dt:?}: relative error {rel}");
+}
+
+/// Run `f` on `inputs` cast to `dts` (one per input) and on the same rounded
+/// values in f32; check the output (in `out_dt`, or the first input's dtype)
+/// and every gradient (in its input's dtype). `saved_half`: the backward
+/// reads a saved half activation, so gradients are checked normwise.
+fn compare(
+    name: &str,
+    inputs: &[Tensor],
+    dts: &[DType],
+    out_dt: Option<DType>,
+    saved_half: bool,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) {
+    let dt = dts[0];
+    let half: Vec<Tensor> = inputs
+        .iter()
+        .zip(dts)
+        .map(|(t, &d)| t.to_dtype(d).unwrap())
+        .collect();
+    let rounded: Vec<Tensor> = half
+        .iter()
+        .map(|t| t.to_dtype(DType::F32).unwrap())
+        .collect();
+    let (y_ref, g_ref) = run(&rounded, f, dt);
+    let (y, g) = run(&half, f, dt);
+    assert_eq!(y.dtype(), out_dt.unwrap_or(dt), "{name}: output dtype");
+    check_rounded(&format!("{name} forward"), &y, &y_ref, dt);
+    for (i, ((g, gr), h)) in g.iter().zip(&g_ref).zip(&half).enumerate() {
+        assert_eq!(g.dtype(), h.dtype(), "{name}: gradient {i} dtype");
+        let what = format!("{name} grad {i}");
+        if saved_half {
+            check_norm(&what, g, gr, dt, 4.0);
+        } else {
+            check_rounded(&what, g, gr, h.dtype().max_by_unit(dt));
+        }
+    }
+}
+
+/// The coarser of two dtypes (for mixed-dtype inputs).
+trait Coarser {
+    fn max_by_unit(self, other: DType) -> DType;
+}
+impl Coarser for DType {
+    fn max_by_unit(self, other: DType) -> DType {
+        if unit(self) >= unit(other) {
+            self
+        } else {
+            other
+        }
+    }
+}
+
+const HALVES: [DType; 2] = [DType::BF16, DType::F16];
+
+#[test]
+fn gelu_half() {
+    let x = (randn(&[4, 64, 160], 1) * 2.0).unwrap(); // 40960: the threaded path
+    for dt in HALVES {
+        compare("gelu", std::slice::from_ref(&x), &[dt], None, false, &|t| {
+            ops::gelu(&t[0])
+        });
+    }
+}
+
+#[test]
+fn add_bias_half() {
+    let x = randn(&[4, 64, 160], 2);
+    let b = randn(&[64, 160], 3);
+    for dt in HALVES {
+        compare(
+            "add_bias",
+            &[x.clone(), b.clone()],
+            &[dt, dt],
+            None,
+            false,
+            &|t| ops::add_bias(&t[0], &t[1]),
+        );
+    }
+}
+
+#[test]
+fn softmax_half() {
+    let x = (randn(&[2, 4, 64, 64], 4) * 3.0).unwrap();
+    for dt in HALVES {
+        compare(
+            "softmax",
+            std::slice::from_ref(&x),
+            &[dt],
+            None,
+            true,
+            &|t| ops::softmax_last_dim(&t[0]),
+        );
+        compare(
+            "causal_softmax",
+            std::slice::from_ref(&x),
+            &[dt],
+            None,
+            true,
+            &|t| ops::causal_softmax(&t[0], 0.125),
+        );
+    }
+}
+
+#[test]
+fn layer_norm_half() {
+    let x = randn(&[4, 64, 160], 5).affine(3.0, 1.0).unwrap();
+    let w = randn(&[160], 6).affine(0.5, 1.0).unwrap();
+    let b = randn(&[160], 7);
+    for dt in HALVES {
+        compare(
+            "layer_norm",
+            &[x.clone(), w.clone(), b.clone()],
+            &[dt, dt, dt],
+            None,
+            false,
+            &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        );
+        // Half activations with f32 LayerNorm parameters.
+        compare(
+            "layer_norm (f32 w, b)",
+            &[x.clone(), w.clone(), b.clone()],
+            &[dt, DType::F32, DType::F32],
+            None,
+            false,
+            &|t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        );
+    }
+}
+
+#[test]
+fn linear_half() {
+    let x = randn(&[4, 48, 96], 8);
+    let w = (randn(&[160, 96], 9) * 0.1).unwrap();
+    let b = randn(&[160], 10);
+    for dt in HALVES {
+        compare(
+            "linear",
+            &[x.clone(), w.clone(), b.clone()],
+            &[dt, dt, dt],
+            None,
+            false,
+            &|t| ops::linear(&t[0], &t[1], Some(&t[2])),
+        );
+        compare(
+            "linear (no bias)",
+            &[x.clone(), w.clone()],
+            &[dt, dt],
+            None,
+            false,
+            &|t| ops::linear(&t[0], &t[1], None),
+        );
+    }
+}
+
+#[test]
+fn attention_half() {
+    let qkv = randn(&[2, 48, 3 * 64], 11);
+    for dt in HALVES {
+        compare(
+            "causal_attention",
+            std::slice::from_ref(&qkv),
+            &[dt],
+            None,
+            true,
+            &|t| ops::causal_attention(&t[0], 4),
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_half() {
+    let logits = (randn(&[3, 40, 517], 12) * 4.0).unwrap();
+    let targets: Vec<u32> = (0..120u32).map(|i| (i * 37) % 517).collect();
+    let targets = Tensor::from_vec(targets, (3, 40), &Device::Cpu).unwrap();
+    for dt in HALVES {
+        compare(
+            "cross_entropy",
+            std::slice::from_ref(&logits),
+            &[dt],
+            Some(DType::F32),
+            false,
+            &|t| ops::cross_entropy(&t[0], &targets),
+        );
+    }
+}
+
+/// f32 master weights cast to half (what a half `VarBuilder` hands a block):
+/// the gradient reaches the f32 Var, in f32.
+#[test]
+fn gradients_reach_f32_master_weights() {
+    let w = Var::from_tensor(&(randn(&[32, 16], 13) * 0.1).unwrap()).unwrap();
+    let x = randn(&[2, 8, 16], 14).to_dtype(DType::BF16).unwrap();
+    let y = ops::linear(&x, &w.as_tensor().to_dtype(DType::BF16).unwrap(), None).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    let g = y.sum_all().unwrap().backward().unwrap();
+    let gw = g.get(w.as_tensor()).unwrap();
+    assert_eq!(gw.dtype(), DType::F32);
+    assert_eq!(gw.dims(), &[32, 16]);
+}
+
+/// Timing of a few ops in bf16 vs f32 (`--ignored --nocapture`).
+#[test]
+#[ignore]
+fn time_half_vs_f32() {
+    use std::time::Instant;
+    let time = |f: &dyn Fn()| {
+        f();
+        let t = Instant::now();
+        for _ in 0..5 {
+            f();
+        }
+        t.elapsed().as_secs_f64() / 5.0 * 1e3
+    };
+    let x = randn(&[8, 256, 768], 1);
+    let w = (randn(&[3072, 768], 2) * 0.02).unwrap();
+    let b = randn(&[3072], 3);
+    let qkv = randn(&[8, 256, 3 * 768], 4);
+    let ln_w = randn(&[768], 5);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let (xv, wv, bv) = (
+            Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap(),
+            Var::from_tensor(&w.to_dtype(dt).unwrap()).unwrap(),
+            Var::from_tensor(&b.to_dtype(dt).unwrap()).unwrap(),
+        );
+        let lin = time(&|| {
+            let y = ops::linear(xv.as_tensor(), wv.as_tensor(), Some(bv.as_tensor())).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+        });
+        let qv = Var::from_tensor(&qkv.to_dtype(dt).unwrap()).unwrap();
+        let att = time(&|| {
+            let y = ops::causal_attention(qv.as_tensor(), 12).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+        });
+        let (lw, lb) = (
+            ln_w.to_dtype(dt).unwrap(),
+            b.narrow(0, 0, 768).unwrap().to_dtype(dt).unwrap(),
+        );
+        let ln = time(&|| {
+            let y = ops::layer_norm(xv.as_tensor(), &lw, &lb, 1e-5).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+        });
+        let ge = time(&|| {
+            let y = ops::gelu(xv.as_tensor()).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+        });
+        eprintln!(
+            "{dt:?}: linear 6144x768->3072 fwd+bwd {lin:.1} ms; attention B8 T256 C768 {att:.1} ms; \
+             layer_norm {ln:.1} ms; gelu {ge:.1} ms"
+        );
+    }
+}
