@@ -26,7 +26,12 @@ fn check(what: &str, dp: usize, pp: usize, tp: usize, accum: usize, extra: &[&st
         e.push(format!("parallel.tp={tp}"));
         e.push(format!("train.activation_checkpointing={policy}"));
         let out = run(dp * pp * tp, config(dp, accum, &e));
-        assert_named_match(&format!("{what}, checkpointing {policy}"), &out, &base, 1e-5);
+        assert_named_match(
+            &format!("{what}, checkpointing {policy}"),
+            &out,
+            &base,
+            1e-5,
+        );
     }
 }
 

@@ -59,14 +59,14 @@ pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
     Ok(DataLoader::open(&cfg.data.path, tok, lc)?)
 }
 
-/// Build, optionally load, train on `pg` (data parallel, and tensor
-/// parallel when `parallel.tp` > 1), optionally save.
-pub fn train(
+/// The trainer for `cfg` on `pg` (data parallel, and tensor parallel when
+/// `parallel.tp` > 1), with `--init-from` loaded; not yet run.
+pub fn trainer(
     cfg: &TrainConfig,
     pg: ProcessGroup,
     loader: Arc<DataLoader>,
     run: &GptRun,
-) -> Result<(Report, Trainer)> {
+) -> Result<Trainer> {
     let tp_size = cfg.parallel.tp;
     let dp = cfg.dp_for_world(pg.size())?;
     let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, tp_size)?;
@@ -100,7 +100,21 @@ pub fn train(
             (engine, rep)
         }
     };
-    let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
+    Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)
+}
+
+/// Build, optionally load, train on `pg` (data parallel, and tensor
+/// parallel when `parallel.tp` > 1), optionally save.
+pub fn train(
+    cfg: &TrainConfig,
+    pg: ProcessGroup,
+    loader: Arc<DataLoader>,
+    run: &GptRun,
+) -> Result<(Report, Trainer)> {
+    let mut trainer = self::trainer(cfg, pg, loader, run)?;
+    let tp = (cfg.parallel.tp > 1)
+        .then(|| Tp::new(trainer.mesh().tp().clone(), cfg.parallel.sequence_parallel));
+    let g = model_config(cfg);
     let report = trainer.run(&run.run)?;
     if let Some(p) = &run.save_final {
         // ZeRO-3 holds shards: gather the whole model first (every rank).

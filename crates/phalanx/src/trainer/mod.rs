@@ -547,4 +547,3 @@ pub fn engine_config(cfg: &TrainConfig) -> crate::engine::EngineConfig {
         compute_dtype: cfg.precision().dtype(),
     }
 }
-
