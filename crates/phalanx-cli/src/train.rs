@@ -13,9 +13,18 @@ use std::sync::Arc;
 
 #[derive(Args, Debug, Clone)]
 pub struct TrainOpts {
-    /// A TOML file with sections model, data, train, optim, parallel, log.
+    /// A TOML file with sections model, data, train, optim, parallel, log,
+    /// or a DeepSpeed config (a `.json` file).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// A DeepSpeed config (ds_config.json); the same as `--config FILE.json`.
+    #[arg(
+        long = "deepspeed-config",
+        visible_alias = "deepspeed_config",
+        value_name = "FILE",
+        conflicts_with = "config"
+    )]
+    pub deepspeed_config: Option<PathBuf>,
     /// Override one key, e.g. `--set train.steps=100` (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub set: Vec<String>,
@@ -37,7 +46,8 @@ pub struct TrainOpts {
 }
 
 pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
-    let cfg = match TrainConfig::build(opts.config.as_deref(), &opts.set) {
+    let file = opts.config.as_deref().or(opts.deepspeed_config.as_deref());
+    let cfg = match TrainConfig::build(file, &opts.set) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("phalanx train: {e}");
@@ -55,9 +65,18 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             eprintln!("phalanx train: --nproc-per-node must be at least 1");
             return 2;
         }
+        // The batch numbers a DeepSpeed-style config leaves to derive are
+        // derived for this dp size (each rank derives them again when it
+        // builds its config inside the job).
+        let mut resolved = cfg.clone();
         if let Err(e) = cfg.dp_for_world(n).and_then(|dp| {
-            phalanx::data::micro_batch_size(cfg.global_batch(dp), dp, cfg.train.grad_accum_steps)
-                .map_err(|e| phalanx::config::ConfigError(e.to_string()))
+            resolved.resolve_batch(dp)?;
+            phalanx::data::micro_batch_size(
+                resolved.global_batch(dp),
+                dp,
+                resolved.train.grad_accum_steps,
+            )
+            .map_err(|e| phalanx::config::ConfigError(e.to_string()))
         }) {
             eprintln!("phalanx train: {e}");
             return 2;

@@ -376,11 +376,15 @@ impl TrainConfig {
     /// then validation. A file named `*.json` is a DeepSpeed config
     /// (translated to the same keys, see the `deepspeed` module); any other
     /// is TOML. Warnings (DeepSpeed keys accepted without effect) are
-    /// printed to stderr; [`TrainConfig::build_with_warnings`] returns them.
+    /// printed to stderr (by rank 0 only inside a job);
+    /// [`TrainConfig::build_with_warnings`] returns them.
     pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
         let (cfg, warnings) = Self::build_with_warnings(file, overrides)?;
-        for w in &warnings {
-            eprintln!("warning: {w}");
+        // Inside a job every rank builds the config: rank 0 speaks for all.
+        if std::env::var("RANK").map_or(true, |r| r == "0") {
+            for w in &warnings {
+                eprintln!("warning: {w}");
+            }
         }
         Ok(cfg)
     }
