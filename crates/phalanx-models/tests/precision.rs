@@ -55,17 +55,28 @@ fn bf16_under_tensor_and_pipeline_parallel() {
     let mk = |extra: &[&str]| -> Vec<String> {
         shape.iter().chain(extra).map(|s| s.to_string()).collect()
     };
-    let base = run(1, config(1, 1, &mk(&[]))).remove(0);
     for (what, world, dp, accum, extra) in [
         (
             "tp 2 + sp",
             2,
             1,
             1,
-            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+            &[
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "model.block_size=16",
+            ][..],
         ),
         ("pp 2, 1f1b", 2, 1, 2, &["parallel.pp=2"][..]),
     ] {
+        // The fp32 baseline of the same shape (sequence parallel needs a
+        // context divisible by tp).
+        let plain: Vec<&str> = extra
+            .iter()
+            .copied()
+            .filter(|s| s.starts_with("model."))
+            .collect();
+        let base = run(1, config(1, 1, &mk(&plain))).remove(0);
         let mut e = mk(extra);
         e.push("train.precision=bf16".into());
         let out = run(world, config(dp, accum, &e));
@@ -143,12 +154,22 @@ fn fp16_overflow_skips_the_step_everywhere_and_halves_the_scale() {
                 "stage {stage}: the scale is halved after it"
             );
             assert!(re.2.iter().all(|&s| s == 4096.0));
-            // Afterwards: the same as never having seen step k's batch
-            // (scales differ by a power of two, which fp16 rounding does
-            // not see except at the underflow edge).
+            // Up to step k the runs are the same run, bit for bit.
+            assert_eq!(
+                h.0[..k],
+                re.0[..k],
+                "stage {stage} rank {r}: losses before the overflow"
+            );
+            // Afterwards: the same as never having seen step k's batch.
+            // The scales differ by a power of two, which fp16 rounding does
+            // not see except for gradients at the subnormal edge (below
+            // 2^-14 / scale), which then round differently: 1e-3
+            // norm-relative allows that and nothing else (an update made
+            // from the overflowing step's inf/NaN gradients gives NaN; a
+            // missed unscale, a factor of 2048).
             let e = rel(&h.3, &re.3);
             assert!(
-                e < 1e-4,
+                e < 1e-3,
                 "stage {stage} rank {r}: parameters differ by {e:e}"
             );
             let later: Vec<f32> =
@@ -159,7 +180,7 @@ fn fp16_overflow_skips_the_step_everywhere_and_halves_the_scale() {
                     .collect();
             for (a, b) in later.iter().zip(&re.0) {
                 assert!(
-                    ((a - b) / b).abs() < 1e-4,
+                    ((a - b) / b).abs() < 1e-3,
                     "stage {stage} rank {r}: loss {a} vs {b}"
                 );
             }
