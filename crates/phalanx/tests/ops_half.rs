@@ -309,7 +309,9 @@ fn gradients_reach_f32_master_weights() {
     assert_eq!(gw.dims(), &[32, 16]);
 }
 
-/// Timing of a few ops in bf16 vs f32 (`--ignored --nocapture`).
+/// Timing of a few ops in f32, bf16 and f16 (`--ignored --nocapture`):
+/// forward alone (the kernel and its conversions), and forward + backward
+/// through candle's autograd (which adds candle's own half arithmetic).
 #[test]
 #[ignore]
 fn time_half_vs_f32() {
@@ -327,36 +329,135 @@ fn time_half_vs_f32() {
     let b = randn(&[3072], 3);
     let qkv = randn(&[8, 256, 3 * 768], 4);
     let ln_w = randn(&[768], 5);
+    let logits = randn(&[8, 128, 8192], 6);
+    let targets = Tensor::zeros((8, 128), DType::U32, &Device::Cpu).unwrap();
     for dt in [DType::F32, DType::BF16, DType::F16] {
-        let (xv, wv, bv) = (
-            Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap(),
-            Var::from_tensor(&w.to_dtype(dt).unwrap()).unwrap(),
-            Var::from_tensor(&b.to_dtype(dt).unwrap()).unwrap(),
+        let (xh, wh, bh, qh, lh) = (
+            x.to_dtype(dt).unwrap(),
+            w.to_dtype(dt).unwrap(),
+            b.to_dtype(dt).unwrap(),
+            qkv.to_dtype(dt).unwrap(),
+            logits.to_dtype(dt).unwrap(),
         );
-        let lin = time(&|| {
-            let y = ops::linear(xv.as_tensor(), wv.as_tensor(), Some(bv.as_tensor())).unwrap();
-            y.sum_all().unwrap().backward().unwrap();
-        });
-        let qv = Var::from_tensor(&qkv.to_dtype(dt).unwrap()).unwrap();
-        let att = time(&|| {
-            let y = ops::causal_attention(qv.as_tensor(), 12).unwrap();
-            y.sum_all().unwrap().backward().unwrap();
-        });
-        let (lw, lb) = (
-            ln_w.to_dtype(dt).unwrap(),
-            b.narrow(0, 0, 768).unwrap().to_dtype(dt).unwrap(),
+        let (lw, lb) = (ln_w.to_dtype(dt).unwrap(), bh.narrow(0, 0, 768).unwrap());
+        let fwd = [
+            time(&|| drop(ops::linear(&xh, &wh, Some(&bh)).unwrap())),
+            time(&|| drop(ops::causal_attention(&qh, 12).unwrap())),
+            time(&|| drop(ops::layer_norm(&xh, &lw, &lb, 1e-5).unwrap())),
+            time(&|| drop(ops::gelu(&xh).unwrap())),
+            time(&|| drop(ops::cross_entropy(&lh, &targets).unwrap())),
+        ];
+        let (xv, wv, qv, lv) = (
+            Var::from_tensor(&xh).unwrap(),
+            Var::from_tensor(&wh).unwrap(),
+            Var::from_tensor(&qh).unwrap(),
+            Var::from_tensor(&lh).unwrap(),
         );
-        let ln = time(&|| {
-            let y = ops::layer_norm(xv.as_tensor(), &lw, &lb, 1e-5).unwrap();
-            y.sum_all().unwrap().backward().unwrap();
-        });
-        let ge = time(&|| {
-            let y = ops::gelu(xv.as_tensor()).unwrap();
-            y.sum_all().unwrap().backward().unwrap();
-        });
+        let bwd = [
+            time(&|| {
+                let y = ops::linear(xv.as_tensor(), wv.as_tensor(), Some(&bh)).unwrap();
+                y.sum_all().unwrap().backward().unwrap();
+            }),
+            time(&|| {
+                let y = ops::causal_attention(qv.as_tensor(), 12).unwrap();
+                y.sum_all().unwrap().backward().unwrap();
+            }),
+            time(&|| {
+                let y = ops::layer_norm(xv.as_tensor(), &lw, &lb, 1e-5).unwrap();
+                y.sum_all().unwrap().backward().unwrap();
+            }),
+            time(&|| {
+                ops::gelu(xv.as_tensor())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+            }),
+            time(&|| {
+                ops::cross_entropy(lv.as_tensor(), &targets)
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+            }),
+        ];
         eprintln!(
-            "{dt:?}: linear 6144x768->3072 fwd+bwd {lin:.1} ms; attention B8 T256 C768 {att:.1} ms; \
-             layer_norm {ln:.1} ms; gelu {ge:.1} ms"
+            "{dt:?} ms, forward / forward+backward: linear (2048x768 -> 3072) {:.1} / {:.1}; \
+             attention (B8 T256 C768 12 heads) {:.1} / {:.1}; layer_norm {:.1} / {:.1}; \
+             gelu {:.1} / {:.1}; cross_entropy (1024 x 8192) {:.1} / {:.1}",
+            fwd[0], bwd[0], fwd[1], bwd[1], fwd[2], bwd[2], fwd[3], bwd[3], fwd[4], bwd[4]
         );
+    }
+}
+
+#[test]
+#[ignore]
+fn time_conversions() {
+    use half::slice::HalfFloatSliceExt;
+    use std::time::Instant;
+    let n = 8 << 20;
+    let src: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
+    let mut hb = vec![half::bf16::ZERO; n];
+    let mut hf = vec![half::f16::ZERO; n];
+    let mut back = vec![0f32; n];
+    hb.convert_from_f32_slice(&src);
+    hb.convert_to_f32_slice(&mut back);
+    let t = Instant::now();
+    hb.convert_from_f32_slice(&src);
+    let a = t.elapsed();
+    let t = Instant::now();
+    hb.convert_to_f32_slice(&mut back);
+    let b = t.elapsed();
+    let t = Instant::now();
+    phalanx::ops::cpu::f32_to_bf16(&src, &mut hb);
+    let a2 = t.elapsed();
+    let t = Instant::now();
+    phalanx::ops::cpu::bf16_to_f32(&hb, &mut back);
+    let b2 = t.elapsed();
+    eprintln!("8M: phalanx bf16 narrow {a2:?} widen {b2:?}");
+    let t = Instant::now();
+    hf.convert_from_f32_slice(&src);
+    let c = t.elapsed();
+    let t = Instant::now();
+    hf.convert_to_f32_slice(&mut back);
+    let d = t.elapsed();
+    eprintln!("8M: bf16 narrow {a:?} widen {b:?}; f16 narrow {c:?} widen {d:?}");
+}
+
+/// The vectorised bf16 conversions agree bit for bit with `half`'s.
+#[test]
+fn bf16_conversions_match_half() {
+    use half::bf16;
+    let mut v: Vec<f32> = (0..100_000)
+        .map(|i| f32::from_bits((i as u32).wrapping_mul(2654435761)))
+        .collect();
+    v.extend([
+        0.0,
+        -0.0,
+        1.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1.0 + f32::EPSILON * 64.0,   // a tie
+        f32::from_bits(0x3F80_8000), // a tie, rounds to even
+        f32::from_bits(0x3F81_8000),
+        f32::from_bits(0x7F7F_FFFF), // rounds to infinity
+    ]);
+    let mut ours = vec![bf16::ZERO; v.len()];
+    phalanx::ops::cpu::f32_to_bf16(&v, &mut ours);
+    for (x, o) in v.iter().zip(&ours) {
+        assert_eq!(
+            o.to_bits(),
+            bf16::from_f32(*x).to_bits(),
+            "{x} ({:#x})",
+            x.to_bits()
+        );
+    }
+    let mut back = vec![0f32; v.len()];
+    phalanx::ops::cpu::bf16_to_f32(&ours, &mut back);
+    for (b, o) in back.iter().zip(&ours) {
+        assert_eq!(b.to_bits(), o.to_f32().to_bits());
     }
 }

@@ -54,6 +54,40 @@ pub fn cpu_slice<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f3
     }
 }
 
+#[inline(always)]
+fn bf16_widen_kernel(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+}
+
+#[inline(always)]
+fn bf16_narrow_kernel(src: &[f32], dst: &mut [bf16]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        let b = s.to_bits();
+        // Round to nearest, ties to even; NaNs stay (quiet) NaNs.
+        let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16;
+        let nan = (b & 0x7FFF_FFFF) > 0x7F80_0000;
+        let h = if nan { (b >> 16) | 0x0040 } else { rounded };
+        *d = bf16::from_bits(h as u16);
+    }
+}
+
+/// bf16 -> f32 (exact), vectorised (AVX-512 / AVX2 at run time). The
+/// `half` crate's slice conversions go element by element for bf16; f16
+/// uses theirs (F16C instructions).
+pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "bf16_to_f32: lengths");
+    crate::simd_dispatch!(bf16_widen_kernel(src, dst))
+}
+
+/// f32 -> bf16, rounded to nearest even (bit-identical to `bf16::from_f32`),
+/// vectorised.
+pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len(), "f32_to_bf16: lengths");
+    crate::simd_dispatch!(bf16_narrow_kernel(src, dst))
+}
+
 /// Whether the fused ops take this dtype on CPU: f32, or f16 / bf16 (widened
 /// to f32 inside the kernels).
 pub fn is_float(dtype: DType) -> bool {
@@ -74,7 +108,7 @@ pub fn storage_f32(storage: &CpuStorage, range: Range<usize>) -> Result<Cow<'_, 
         CpuStorage::BF16(v) => {
             let src = &v[range];
             let mut out = vec![0f32; src.len()];
-            src.convert_to_f32_slice(&mut out);
+            bf16_to_f32(src, &mut out);
             Cow::Owned(out)
         }
         s => bail!("expected an f32, f16 or bf16 tensor, got {:?}", s.dtype()),
@@ -127,7 +161,7 @@ pub fn storage_in(dtype: DType, v: Vec<f32>) -> Result<CpuStorage> {
         }
         DType::BF16 => {
             let mut out = vec![bf16::ZERO; v.len()];
-            out.convert_from_f32_slice(&v);
+            f32_to_bf16(&v, &mut out);
             CpuStorage::BF16(out)
         }
         d => bail!("cannot narrow f32 results to {d:?}"),
@@ -198,7 +232,7 @@ impl<'a> FloatSlice<'a> {
         match self {
             Self::F32(v) => return &v[r],
             Self::F16(v) => v[r].convert_to_f32_slice(out),
-            Self::BF16(v) => v[r].convert_to_f32_slice(out),
+            Self::BF16(v) => bf16_to_f32(&v[r], out),
         }
         out
     }
@@ -216,19 +250,17 @@ pub fn rows_in(
 ) -> Result<CpuStorage> {
     fn half_rows<T: Send + Copy>(
         zero: T,
+        narrow: fn(&[f32], &mut [T]),
         n_rows: usize,
         row_len: usize,
         f: &(impl Fn(usize, &mut [f32]) + Sync),
-    ) -> Vec<T>
-    where
-        [T]: HalfFloatSliceExt,
-    {
+    ) -> Vec<T> {
         let mut out = vec![zero; n_rows * row_len];
         par_rows(&mut out, row_len, |rows, out| {
             let mut row = vec![0f32; row_len];
             for (r, o) in rows.zip(out.chunks_exact_mut(row_len)) {
                 f(r, &mut row);
-                o.convert_from_f32_slice(&row);
+                narrow(&row, o);
             }
         });
         out
@@ -243,8 +275,11 @@ pub fn rows_in(
             });
             CpuStorage::F32(out)
         }
-        DType::F16 => CpuStorage::F16(half_rows(f16::ZERO, n_rows, row_len, &f)),
-        DType::BF16 => CpuStorage::BF16(half_rows(bf16::ZERO, n_rows, row_len, &f)),
+        DType::F16 => {
+            let narrow = |s: &[f32], d: &mut [f16]| d.convert_from_f32_slice(s);
+            CpuStorage::F16(half_rows(f16::ZERO, narrow, n_rows, row_len, &f))
+        }
+        DType::BF16 => CpuStorage::BF16(half_rows(bf16::ZERO, f32_to_bf16, n_rows, row_len, &f)),
         d => bail!("cannot store f32 rows as {d:?}"),
     })
 }
