@@ -73,8 +73,11 @@ impl StepLog {
             let mut v = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr,
                 "tokens_per_s": s.tokens_per_s, "step_ms": s.step_ms, "grad_norm": s.grad_norm,
-                "comm_bytes": s.comm_bytes,
+                "comm_bytes": s.comm_bytes, "loss_scale": s.loss_scale,
             });
+            if s.skipped {
+                v["skipped"] = serde_json::json!(true);
+            }
             if let Some(val) = val {
                 v["val_loss"] = serde_json::json!(val);
             }
@@ -86,7 +89,10 @@ impl StepLog {
         }
         let every = self.opts.log_interval.max(1);
         if self.opts.progress
-            && (s.step.is_multiple_of(every) || s.step + 1 == self.steps || val.is_some())
+            && (s.step.is_multiple_of(every)
+                || s.step + 1 == self.steps
+                || val.is_some()
+                || s.skipped)
         {
             let done = (s.step + 1) as f64 / self.steps.max(1) as f64;
             let filled = (done * 20.0).round() as usize;
@@ -102,6 +108,13 @@ impl StepLog {
             );
             if let Some(v) = val {
                 line += &format!(" | val {v:.4}");
+            }
+            // fp16: the loss scale, and why a step did not update.
+            if s.loss_scale != 1.0 {
+                line += &format!(" | scale {}", s.loss_scale);
+            }
+            if s.skipped {
+                line += " | skipped: inf/NaN gradients, scale lowered";
             }
             println!("{line}");
         }

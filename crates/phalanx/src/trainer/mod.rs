@@ -434,7 +434,7 @@ impl Trainer {
         if lead && opts.progress {
             println!(
                 "training {} parameters per rank on {} rank(s) (dp {} x pp {} x tp {}): global batch {} x {} tokens \
-                 (micro-batch {} x grad_accum {}), {} steps",
+                 (micro-batch {} x grad_accum {}), {} steps; {}, {} compute{}{}",
                 self.engine.num_params(),
                 m.world().size(),
                 m.dp_size,
@@ -444,7 +444,17 @@ impl Trainer {
                 self.cfg.model.block_size,
                 self.micro,
                 self.cfg.train.grad_accum_steps,
-                steps
+                steps,
+                self.strat.name(),
+                self.cfg.precision(),
+                match self.cfg.train.reduce_dtype {
+                    crate::config::Precision::Fp32 => String::new(),
+                    r => format!(", gradients reduced in {r}"),
+                },
+                match self.cfg.recompute() {
+                    crate::config::Recompute::None => String::new(),
+                    r => format!(", activation checkpointing {r}"),
+                },
             );
         }
         let mut report = Report::default();

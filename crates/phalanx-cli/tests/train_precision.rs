@@ -1,0 +1,82 @@
+//! `phalanx train` with mixed precision, as a user runs it: an fp16 run
+//! whose initial loss scale is far too large overflows, skips those steps
+//! on every rank, lowers the scale, and then trains; the JSON log and the
+//! progress line say so.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+#[test]
+fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {
+    let d = std::env::temp_dir().join(format!("phalanx-test-fp16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let log = d.join("log.jsonl");
+    let sets = [
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "train.micro_batch_size=4",
+        "train.steps=14",
+        "train.eval_interval=0",
+        "log.plot=\"\"",
+        "log.interval=1",
+        "train.precision=fp16",
+        // 2^24 times the gradients overflows fp16 (max 65504).
+        "fp16.initial_scale_power=24",
+        "fp16.hysteresis=1",
+    ];
+    let mut cmd = Command::new(BIN);
+    cmd.args(["train", "--nproc-per-node", "2", "--log-json"])
+        .arg(&log)
+        .current_dir(repo())
+        .env_remove("RANK");
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("skipped: inf/NaN gradients"), "{stdout}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 14);
+    let scale: Vec<f64> = lines
+        .iter()
+        .map(|v| v["loss_scale"].as_f64().unwrap())
+        .collect();
+    let skipped: Vec<bool> = lines.iter().map(|v| v["skipped"] == true).collect();
+    assert_eq!(scale[0], (1u64 << 24) as f64);
+    assert!(skipped[0], "2^24 must overflow: {scale:?}");
+    // Each skip halves the scale; once it fits, steps run and the scale
+    // stays (the window of 1000 clean steps is far away).
+    let first_ok = skipped.iter().position(|s| !s).expect("a step ran");
+    assert!(skipped[first_ok..].iter().all(|s| !s), "{skipped:?}");
+    for k in 1..lines.len() {
+        let want = if skipped[k - 1] {
+            scale[k - 1] / 2.0
+        } else {
+            scale[k - 1]
+        };
+        assert_eq!(scale[k], want, "step {k}: {scale:?}");
+    }
+    let (l0, l1) = (
+        lines[first_ok]["loss"].as_f64().unwrap(),
+        lines[13]["loss"].as_f64().unwrap(),
+    );
+    assert!(l1.is_finite() && l1 < l0, "loss {l0} -> {l1}");
+    let _ = std::fs::remove_dir_all(&d);
+}
