@@ -59,3 +59,27 @@ fn checkpointing_lowers_the_activation_peak() {
         "activation peak: none {none} B, every 2nd block {every2} B, full {full} B"
     );
 }
+
+/// DeepSpeed's `partition_activations`: each tp rank keeps 1/tp of a
+/// checkpointed block input and all-gathers it before recomputing.
+#[test]
+fn partitioned_checkpoints_reproduce_the_run_and_hold_less() {
+    let base = run(1, config(1, 1, &shape(&[]))).remove(0);
+    let tp2 = |extra: &[&str]| {
+        let mut e = shape(extra);
+        e.push("parallel.tp=2".into());
+        e.push("train.activation_checkpointing=full".into());
+        run(2, config(1, 1, &e))
+    };
+    let plain = tp2(&[]);
+    let parted = tp2(&["activation_checkpointing.partition_activations=true"]);
+    assert_named_match("tp 2, partitioned checkpoints", &parted, &base, 1e-5);
+    let (a, b) = (
+        plain[0].memory[0].activations_peak,
+        parted[0].memory[0].activations_peak,
+    );
+    assert!(
+        b < a,
+        "activation peak: whole inputs {a} B, partitioned {b} B"
+    );
+}

@@ -71,6 +71,7 @@ use super::layout::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::ops::cpu::with_f32;
 
+mod partition;
 mod split;
 pub use split::WeightStash;
 
@@ -103,6 +104,8 @@ impl Activations {
 enum Saved {
     /// Recompute mode: the block's input.
     Input(Tensor),
+    /// Recompute mode with partitioned checkpoints: this tp rank's slice.
+    Part(partition::Piece),
     /// KeepGraph mode: the input variable, the parameter variables, the output.
     Graph {
         x: Option<Var>,
@@ -136,6 +139,8 @@ pub struct Stack {
     /// The dtype blocks compute in (parameters are cast to it, block inputs
     /// too); master parameters and gradients stay f32.
     compute: DType,
+    /// Partitioned checkpoints: the tp group whose ranks each keep a slice.
+    partition: Option<phalanx_comm::ProcessGroup>,
     ledger: Ledger,
 }
 
@@ -176,6 +181,7 @@ impl Stack {
             device: device.clone(),
             activations,
             compute: DType::F32,
+            partition: None,
             ledger: ledger.clone(),
         })
     }
@@ -203,6 +209,13 @@ impl Stack {
     /// Mixed precision: blocks compute in `dtype` (F32, BF16 or F16).
     pub fn set_compute_dtype(&mut self, dtype: DType) {
         self.compute = dtype;
+    }
+
+    /// Keep only this rank's 1/tp slice of each checkpointed (recomputed)
+    /// block input, all-gathered over `tp` before recomputation
+    /// (`activation_checkpointing.partition_activations`).
+    pub fn set_partition_group(&mut self, tp: Option<phalanx_comm::ProcessGroup>) {
+        self.partition = tp.filter(|g| g.size() > 1);
     }
 
     pub fn compute_dtype(&self) -> DType {
@@ -315,8 +328,17 @@ impl Stack {
         for b in range.clone() {
             match self.activations {
                 a if a.recomputes(b) => {
-                    act_bytes += tensor_bytes(&x);
-                    saved.push(Saved::Input(x.clone()));
+                    match &self.partition {
+                        Some(pg) if x.dtype().is_float() => {
+                            let piece = partition::split(&x, pg)?;
+                            act_bytes += piece.bytes();
+                            saved.push(Saved::Part(piece));
+                        }
+                        _ => {
+                            act_bytes += tensor_bytes(&x);
+                            saved.push(Saved::Input(x.clone()));
+                        }
+                    }
                     let (m, _served, _working) = self.build(b, src, false)?;
                     x = m.forward(&x, &ctx)?;
                 }
@@ -384,6 +406,7 @@ impl Stack {
         let mut gy = gy.detach();
         let mut dx = None;
         for (b, saved) in range.rev().zip(saved.into_iter().rev()) {
+            let saved = partition::restore(saved, self.partition.as_ref())?;
             let (xv, vars, y, working) = match saved {
                 Saved::Input(x) => {
                     let xv = if x.dtype().is_float() {
@@ -401,6 +424,7 @@ impl Stack {
                     y,
                     _working,
                 } => (x, vars, y, _working),
+                Saved::Part(_) => unreachable!("restored above"),
             };
             if y.shape() != gy.shape() {
                 bail!(

@@ -189,6 +189,21 @@ impl Trainer {
         } else {
             None
         };
+        // DeepSpeed's activation-checkpointing options.
+        let ac = &cfg.activation_checkpointing;
+        let lead = mesh.world().rank() == 0;
+        if ac.partition_activations {
+            if mesh.tp_size > 1 {
+                engine
+                    .stack_mut()
+                    .set_partition_group(Some(mesh.tp().clone()));
+            } else if lead {
+                eprintln!("note: activation_checkpointing.partition_activations splits checkpoints over tensor-parallel ranks; with parallel.tp = 1 it has no effect");
+            }
+        }
+        if ac.cpu_checkpointing && lead {
+            eprintln!("note: activation_checkpointing.cpu_checkpointing: on CPU training the checkpoints are already in host memory; nothing changes");
+        }
         let args = BuildArgs {
             mesh,
             tp_replicated: tp_replicated.clone(),

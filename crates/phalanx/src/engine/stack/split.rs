@@ -115,7 +115,9 @@ impl Stack {
         for (b, saved) in range.clone().rev().zip(saved.into_iter().rev()) {
             // The input (detached, for W) and, for a float input, the graph
             // from the input `Var` to the output.
+            let saved = super::partition::restore(saved, self.partition.as_ref())?;
             let (x, graph) = match saved {
+                Saved::Part(_) => unreachable!("restored above"),
                 Saved::Input(x) if !x.dtype().is_float() => (x, None),
                 Saved::Input(x) => {
                     let xv = Var::from_tensor(&x)?;
