@@ -91,35 +91,64 @@ pub fn save_safetensors(engine: &Engine, path: impl AsRef<Path>) -> Result<()> {
     candle_core::safetensors::save(&export_tensors(engine)?, path)
 }
 
-/// Load HF tensors (name -> tensor) into the engine's parameters.
+/// Put the file's tensors into the engine (names and shapes checked).
 pub fn import_tensors(engine: &mut Engine, tensors: HashMap<String, Tensor>) -> Result<()> {
+    let entries = tensors
+        .into_iter()
+        .map(|(name, t)| (name, (t.dims().to_vec(), Some(t))))
+        .collect();
+    import_entries(engine, entries, &|_| {
+        unreachable!("every tensor is in memory")
+    })
+}
+
+/// A file's tensor: its shape, and its values when already in memory.
+type Entry = (Vec<usize>, Option<Tensor>);
+
+/// The import: every engine parameter must be in `entries` with its HF
+/// shape; the values of those the engine holds are read (`read(name)` for
+/// entries not in memory), the others are checked by shape only (a
+/// pipeline stage reads only its own blocks' tensors).
+fn import_entries(
+    engine: &mut Engine,
+    entries: HashMap<String, Entry>,
+    read: &dyn Fn(&str) -> Result<Tensor>,
+) -> Result<()> {
     // Index the file by short name; refuse a name given twice (with and
     // without the prefix) since we could not tell which one is meant.
-    let mut by_short: HashMap<String, (String, Tensor)> = HashMap::new();
-    for (name, t) in tensors {
+    let mut by_short: HashMap<String, (String, Entry)> = HashMap::new();
+    for (name, e) in entries {
         let s = short(&name).to_string();
         if let Some((other, _)) = by_short.get(&s) {
             bail!("tensors `{name}` and `{other}` name the same parameter")
         }
-        by_short.insert(s, (name, t));
+        by_short.insert(s, (name, e));
     }
-    let params: Vec<(String, Vec<usize>)> = engine
+    let held = engine.held().map(|h| h.to_vec());
+    let params: Vec<(String, Vec<usize>, std::ops::Range<usize>)> = engine
         .layout()
         .params()
         .iter()
-        .map(|p| (p.name.clone(), p.shape.clone()))
+        .map(|p| (p.name.clone(), p.shape.clone(), p.range()))
         .collect();
-    for (name, shape) in &params {
+    for (name, shape, range) in &params {
         let want = hf_shape(name, shape);
-        let Some((file_name, t)) = by_short.remove(short(name)) else {
+        let Some((file_name, (dims, t))) = by_short.remove(short(name)) else {
             bail!("missing tensor `{name}` (expected shape {want:?})")
         };
-        if t.dims() != want.as_slice() {
-            bail!(
-                "tensor `{file_name}`: expected shape {want:?}, found {:?}",
-                t.dims()
-            )
+        if dims != want {
+            bail!("tensor `{file_name}`: expected shape {want:?}, found {dims:?}")
         }
+        let needed = held
+            .as_ref()
+            .is_none_or(|h| h.iter().any(|k| k.start < range.end && range.start < k.end));
+        if !needed {
+            continue;
+        }
+        let t = match t {
+            Some(t) => t,
+            None => read(&file_name)?,
+        };
         let t = t.to_dtype(DType::F32)?;
         let t = if is_conv1d(name) { t.t()? } else { t };
         let values = t.flatten_all()?.to_vec1::<f32>()?;
@@ -131,13 +160,13 @@ pub fn import_tensors(engine: &mut Engine, tensors: HashMap<String, Tensor>) -> 
         .find("transformer.wte.weight")
         .map(|p| p.shape.clone());
     let mut leftover: Vec<String> = Vec::new();
-    for (s, (file_name, t)) in by_short {
+    for (s, (file_name, (dims, _))) in by_short {
         if s == "lm_head.weight" {
-            if Some(t.dims().to_vec()) != wte {
+            if Some(dims.clone()) != wte {
                 bail!(
                     "tensor `lm_head.weight`: expected shape {:?} (tied to wte), found {:?}",
                     wte.unwrap_or_default(),
-                    t.dims()
+                    dims
                 )
             }
         } else if !is_ignored_buffer(&s) {
@@ -151,12 +180,22 @@ pub fn import_tensors(engine: &mut Engine, tensors: HashMap<String, Tensor>) -> 
     Ok(())
 }
 
-/// Load an HF `GPT2LMHeadModel` safetensors file into the engine.
+/// Load an HF `GPT2LMHeadModel` safetensors file into the engine. The file
+/// is memory-mapped and only the tensors the engine holds are read (all of
+/// them, unless the engine is a pipeline stage).
 pub fn load_safetensors(engine: &mut Engine, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-        .map_err(|e| e.context(format!("reading {}", path.display())))?;
-    import_tensors(engine, tensors)
+    let ctx = |e: candle_core::Error| e.context(format!("reading {}", path.display()));
+    // Safety: the file is only read, and not expected to change while loading.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(ctx)?;
+    let entries = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, (view.shape().to_vec(), None)))
+        .collect();
+    import_entries(engine, entries, &|name| {
+        st.load(name, &Device::Cpu).map_err(ctx)
+    })
 }
 
 /// As [`load_safetensors`], from bytes in memory.

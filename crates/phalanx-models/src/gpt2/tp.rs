@@ -154,7 +154,11 @@ pub fn shard_engine(
 
 /// Initialise: the whole model with `ecfg.seed`, then this rank's slices.
 pub fn init_engine(cfg: &Gpt2Config, tp: &Tp, ecfg: EngineConfig) -> Result<Engine> {
-    let full = super::engine(cfg, &Device::Cpu, ecfg)?;
+    let eager = EngineConfig {
+        defer_init: false,
+        ..ecfg
+    };
+    let full = super::engine(cfg, &Device::Cpu, eager)?;
     shard_engine(cfg, tp, ecfg, &|name, r, _| {
         extract(&full.param_tensor(name)?, r)
     })

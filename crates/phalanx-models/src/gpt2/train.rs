@@ -79,7 +79,9 @@ pub fn trainer(
     let (engine, replicated) = match &tp {
         None => {
             let mut engine = build_engine(cfg)?;
-            if let Some(p) = &run.init_from {
+            // A pipeline stage reads its own tensors once it knows them
+            // (below); other layouts read the whole file now.
+            if let (Some(p), 1) = (&run.init_from, cfg.parallel.pp) {
                 hf::load_safetensors(&mut engine, p).map_err(|e| init_err(p, e))?;
             }
             (engine, Vec::new())
@@ -92,15 +94,22 @@ pub fn trainer(
                     t.size()
                 )));
             }
-            let engine = match &run.init_from {
+            let mut engine = match &run.init_from {
                 Some(p) => super::tp::load_engine(&g, t, ecfg, p).map_err(|e| init_err(p, e))?,
                 None => super::tp::init_engine(&g, t, ecfg)?,
             };
+            // The slices copied in are the initial values (a pipeline stage
+            // must not overwrite them with a fresh initialisation).
+            engine.init_params(Some(&[]));
             let rep = super::tp::replicated_ranges(&engine, &g, t.size());
             (engine, rep)
         }
     };
-    Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)
+    let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
+    if let (Some(p), None, true) = (&run.init_from, &tp, cfg.parallel.pp > 1) {
+        hf::load_safetensors(trainer.engine_mut(), p).map_err(|e| init_err(p, e))?;
+    }
+    Ok(trainer)
 }
 
 /// Build, optionally load, train on `pg` (data parallel, and tensor

@@ -34,10 +34,46 @@ pub trait GradSink {
     fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> Result<()>;
 }
 
+/// Where the values live: the heap, or an anonymous mapping whose pages
+/// the kernel provides zeroed on first touch (so ranges never touched cost
+/// address space, not memory: what a pipeline stage relies on).
+enum Storage {
+    Heap(Vec<f32>),
+    Anon(memmap2::MmapMut),
+}
+
+impl Storage {
+    fn anon_zeros(n: usize) -> Storage {
+        match memmap2::MmapMut::map_anon(n * 4) {
+            Ok(m) if n > 0 => Storage::Anon(m),
+            _ => Storage::Heap(vec![0.0; n]),
+        }
+    }
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Storage::Heap(v) => v,
+            Storage::Anon(m) => bytemuck::cast_slice(&m[..]),
+        }
+    }
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        match self {
+            Storage::Heap(v) => v,
+            Storage::Anon(m) => bytemuck::cast_slice_mut(&mut m[..]),
+        }
+    }
+}
+
 /// A flat f32 buffer laid out by a [`Layout`], charged to a [`Ledger`].
+/// Offsets are global (the same on every rank); a buffer may hold only some
+/// ranges ([`FlatBuffer::hold_only`]), the rest reading as zeros and costing
+/// no memory.
 pub struct FlatBuffer {
-    data: Vec<f32>,
+    data: Storage,
     blocks: Vec<Range<usize>>,
+    /// The ranges held (sorted, disjoint); `None`: all of it.
+    held: Option<Vec<Range<usize>>>,
+    ledger: Ledger,
+    kind: Mem,
     _charge: Charge,
 }
 
@@ -46,8 +82,11 @@ impl FlatBuffer {
     pub fn zeros(layout: &Layout, ledger: &Ledger, kind: Mem) -> Self {
         let n = layout.num_params();
         Self {
-            data: vec![0.0; n],
+            data: Storage::anon_zeros(n),
             blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
+            held: None,
+            ledger: ledger.clone(),
+            kind,
             _charge: ledger.charge(kind, n * 4),
         }
     }
@@ -57,8 +96,11 @@ impl FlatBuffer {
         assert_eq!(data.len(), layout.num_params(), "flat buffer size");
         let n = data.len();
         Self {
-            data,
+            data: Storage::Heap(data),
             blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
+            held: None,
+            ledger: ledger.clone(),
+            kind,
             _charge: ledger.charge(kind, n * 4),
         }
     }
@@ -66,46 +108,87 @@ impl FlatBuffer {
     /// An empty stand-in for a buffer a sharding strategy released.
     pub fn released(ledger: &Ledger, kind: Mem) -> Self {
         Self {
-            data: Vec::new(),
+            data: Storage::Heap(Vec::new()),
             blocks: Vec::new(),
+            held: None,
+            ledger: ledger.clone(),
+            kind,
             _charge: ledger.charge(kind, 0),
         }
     }
 
+    /// Keep only `keep` (ranges of the flat buffer): the values there stay,
+    /// the memory of everything else is given back (it reads as zeros), and
+    /// the ledger counts the held bytes only. For a pipeline stage, which
+    /// holds its own blocks (and the tied parameters it reads).
+    pub fn hold_only(&mut self, keep: &[Range<usize>]) {
+        let mut keep: Vec<Range<usize>> = keep.iter().filter(|r| !r.is_empty()).cloned().collect();
+        keep.sort_by_key(|r| r.start);
+        let n = self.len();
+        // A fresh mapping with the held values copied in: nothing outside
+        // them is ever touched, on any storage the buffer had before.
+        let mut data = Storage::anon_zeros(n);
+        {
+            let (src, dst) = (self.data.as_slice(), data.as_mut_slice());
+            for r in &keep {
+                dst[r.clone()].copy_from_slice(&src[r.clone()]);
+            }
+        }
+        self.data = data;
+        let bytes = keep.iter().map(|r| r.len() * 4).sum();
+        self._charge = self.ledger.charge(self.kind, bytes);
+        self.held = Some(keep);
+    }
+
+    /// The ranges held, `None` when all of it is.
+    pub fn held(&self) -> Option<&[Range<usize>]> {
+        self.held.as_deref()
+    }
+
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.data.as_slice().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len() == 0
     }
 
     pub fn as_slice(&self) -> &[f32] {
-        &self.data
+        self.data.as_slice()
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.data
+        self.data.as_mut_slice()
     }
 
     /// Block `b`'s part of the buffer.
     pub fn block(&self, b: usize) -> &[f32] {
-        &self.data[self.blocks[b].clone()]
+        &self.as_slice()[self.blocks[b].clone()]
     }
 
     pub fn block_mut(&mut self, b: usize) -> &mut [f32] {
-        &mut self.data[self.blocks[b].clone()]
+        let r = self.blocks[b].clone();
+        &mut self.as_mut_slice()[r]
     }
 
+    /// Set every held value to `v`.
     pub fn fill(&mut self, v: f32) {
-        self.data.fill(v);
+        match self.held.take() {
+            None => self.as_mut_slice().fill(v),
+            Some(keep) => {
+                for r in &keep {
+                    self.as_mut_slice()[r.clone()].fill(v);
+                }
+                self.held = Some(keep);
+            }
+        }
     }
 }
 
 impl ParamSource for FlatBuffer {
     fn block_params(&self, b: usize) -> Result<&[f32]> {
         match self.blocks.get(b) {
-            Some(r) => Ok(&self.data[r.clone()]),
+            Some(r) => Ok(&self.as_slice()[r.clone()]),
             None => bail!("no block {b} (model has {})", self.blocks.len()),
         }
     }
@@ -121,7 +204,7 @@ impl GradSink for FlatBuffer {
                 p.numel
             )
         }
-        let dst = &mut self.data[p.range()];
+        let dst = &mut self.as_mut_slice()[p.range()];
         for (d, g) in dst.iter_mut().zip(grad) {
             *d += g;
         }

@@ -49,6 +49,9 @@ pub struct EngineConfig {
     /// The dtype blocks compute in: F32, or BF16 / F16 for mixed precision
     /// (master parameters, gradients and optimizer state stay f32).
     pub compute_dtype: candle_core::DType,
+    /// Leave the parameters zero until [`Engine::init_params`] names the
+    /// ranges to initialise (a pipeline stage initialises only its own).
+    pub defer_init: bool,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +60,7 @@ impl Default for EngineConfig {
             seed: 1337,
             activations: Activations::KeepGraph,
             compute_dtype: candle_core::DType::F32,
+            defer_init: false,
         }
     }
 }
@@ -67,6 +71,8 @@ pub struct Engine {
     params: FlatBuffer,
     grads: FlatBuffer,
     ledger: Ledger,
+    /// The init seed while the parameters await [`Engine::init_params`].
+    pending_init: Option<u64>,
 }
 
 impl Engine {
@@ -77,14 +83,47 @@ impl Engine {
         let mut stack = Stack::new(blocks, device, cfg.activations, &ledger)?;
         stack.set_compute_dtype(cfg.compute_dtype);
         let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
-        stack.init_params(params.as_mut_slice(), cfg.seed);
+        if !cfg.defer_init {
+            stack.init_params(params.as_mut_slice(), cfg.seed);
+        }
         let grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
         Ok(Self {
             stack,
             params,
             grads,
             ledger,
+            pending_init: cfg.defer_init.then_some(cfg.seed),
         })
+    }
+
+    /// Initialise the parameters overlapping `ranges` (all of them with
+    /// `None`) if the engine was built with `defer_init`; a no-op otherwise.
+    pub fn init_params(&mut self, ranges: Option<&[Range<usize>]>) {
+        let Some(seed) = self.pending_init.take() else {
+            return;
+        };
+        let all = [0..self.num_params()];
+        let ranges = ranges.unwrap_or(&all);
+        self.stack
+            .init_params_in(self.params.as_mut_slice(), seed, ranges);
+    }
+
+    /// Whether the parameters still await [`Engine::init_params`].
+    pub fn init_pending(&self) -> bool {
+        self.pending_init.is_some()
+    }
+
+    /// Hold only `ranges` of the parameters and gradients (a pipeline
+    /// stage's blocks and the tied parameters they read): the rest of the
+    /// flat index space costs no memory and the ledger counts only these.
+    pub fn hold_only(&mut self, ranges: &[Range<usize>]) {
+        self.params.hold_only(ranges);
+        self.grads.hold_only(ranges);
+    }
+
+    /// The ranges held, `None` when the whole model is.
+    pub fn held(&self) -> Option<&[Range<usize>]> {
+        self.params.held()
     }
 
     pub fn stack(&self) -> &Stack {

@@ -238,8 +238,18 @@ impl Stack {
     /// Write the initial parameters (from the blocks' init hints, seeded by
     /// `(seed, name)`) into a flat buffer of `layout().num_params()` values.
     pub fn init_params(&self, flat: &mut [f32], seed: u64) {
+        self.init_params_in(flat, seed, &[0..self.layout.num_params()]);
+    }
+
+    /// As [`Stack::init_params`], for the parameters overlapping `ranges`
+    /// only (each is seeded by its name, so the values are the same as in a
+    /// whole-model initialisation).
+    pub fn init_params_in(&self, flat: &mut [f32], seed: u64, ranges: &[Range<usize>]) {
         for p in self.layout.params() {
-            init::fill(&mut flat[p.range()], &p.shape, &p.init, seed, &p.name);
+            let r = p.range();
+            if ranges.iter().any(|k| k.start < r.end && r.start < k.end) {
+                init::fill(&mut flat[r], &p.shape, &p.init, seed, &p.name);
+            }
         }
     }
 

@@ -147,6 +147,9 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
     let hook = reduce::DefaultHook {
         dtype: cfg.train.reduce_dtype,
     };
+    if mesh.pp_size == 1 {
+        engine.init_params(None);
+    }
     let mut s: Box<dyn Strategy> = if mesh.pp_size > 1 {
         Box::new(pipeline::PipeStrategy::new(
             cfg,

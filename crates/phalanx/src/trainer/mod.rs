@@ -570,5 +570,8 @@ pub fn engine_config(cfg: &TrainConfig) -> crate::engine::EngineConfig {
             Recompute::Every(k) => Activations::RecomputeEvery(k),
         },
         compute_dtype: cfg.precision().dtype(),
+        // A pipeline stage initialises only its own blocks, once the
+        // partition is known.
+        defer_init: cfg.parallel.pp > 1,
     }
 }

@@ -61,6 +61,7 @@
 //! ```
 
 pub mod check;
+mod eval;
 pub mod p2p;
 pub mod partition;
 pub mod runtime;

@@ -71,16 +71,26 @@ impl PipeStrategy {
         sample: Option<(Tensor, Tensor)>,
         tp_replicated: Vec<Range<usize>>,
     ) -> Result<PipeStrategy> {
-        // Replicas along dp start from dp rank 0's parameters.
-        mesh.dp().broadcast(engine.params_flat_mut(), 0)?;
         let mut pcfg = pipeline_config(cfg)?;
         // "time": balance the measured forward + backward time of each block
         // on one micro-batch (world rank 0's measurement is used everywhere).
+        // Timing runs the whole model, so it initialises all of it once.
         if let (Some((x, y)), "time") = (&sample, cfg.parallel.pp_partition.trim()) {
+            engine.init_params(None);
             let costs = super::partition::measure_block_costs(engine, x, y, 2)?;
             pcfg.partition = Partition::Costs(costs);
         }
         let pipe = Pipeline::new(engine, mesh, pcfg)?;
+        // This stage holds, initialises and updates only its own blocks and
+        // the tied parameters they read.
+        let owned = pipe.owned_ranges().to_vec();
+        engine.init_params(Some(&owned));
+        engine.hold_only(&owned);
+        // Replicas along dp start from dp rank 0's parameters.
+        for r in &owned {
+            mesh.dp()
+                .broadcast(&mut engine.params_flat_mut()[r.clone()], 0)?;
+        }
         let (dp, r) = (mesh.dp().size(), mesh.dp().rank());
         let mut opts = Vec::new();
         let mut pieces = Vec::new();
@@ -212,11 +222,7 @@ impl Strategy for PipeStrategy {
     }
 
     fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
-        Ok(engine.eval_loss(x, y)?)
-    }
-
-    fn prepare_eval(&mut self, engine: &mut Engine) -> Result<()> {
-        self.sync_params(engine)
+        self.pipe.eval_loss(engine, x, y)
     }
 
     fn full_params(&self, engine: &Engine) -> Result<Vec<f32>> {
