@@ -213,7 +213,7 @@ impl Transport {
             self.write_all(&mut w, &h, deadline)
                 .and_then(|_| self.write_all(&mut w, data, deadline))
         };
-        res.map_err(|e| match self.failure() {
+        res.map_err(|e| match self.failure_after_send_error() {
             Some(f) => f,
             None => match e {
                 CommError::Timeout(m) => {
@@ -226,6 +226,24 @@ impl Transport {
                 },
             },
         })
+    }
+
+    /// The recorded failure after a send failed. A peer that aborted wrote
+    /// its reason and then closed: our send may see the closed socket before
+    /// our reader thread has read that reason, so give the reader a moment
+    /// (error path only) to record it, and report the reason, not the
+    /// broken pipe.
+    fn failure_after_send_error(&self) -> Option<CommError> {
+        let until = Instant::now() + Duration::from_millis(500);
+        loop {
+            if let Some(f) = self.failure() {
+                return Some(f);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     pub(crate) fn write_all(
