@@ -359,6 +359,19 @@ fn validation_of_new_keys() {
     )
     .unwrap();
     assert_eq!(c.param_offload_dir(), Some(PathBuf::from("runs/offload")));
+    assert_eq!(c.zero_optimization.offload_param.buffer_size, 1 << 20);
+    assert!(e(&[
+        "zero_optimization.stage=3",
+        "zero_optimization.offload_param.buffer_size=0"
+    ])
+    .contains("offload_param.buffer_size"));
+    // DeepSpeed's offload_param.buffer_size is the streamed chunk.
+    let (c, _) = json(
+        "param_offload.json",
+        r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_size": 4096}}}"#,
+    ).unwrap();
+    assert_eq!(c.zero_optimization.offload_param.buffer_size, 4096);
+    assert_eq!(c.param_offload_dir(), Some(PathBuf::from("/tmp/x")));
     let c = TrainConfig::build(None, &set(&["optim.name=adam"])).unwrap();
     assert_eq!(c.optim.name, "adam");
     assert_eq!(c.bucket_bytes(), 25 << 20);

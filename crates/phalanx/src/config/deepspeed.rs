@@ -305,6 +305,9 @@ impl<'a> Tx<'a> {
                     match key {
                         "device" => tx.text(p, v, &to("device")),
                         "nvme_path" => tx.text(p, v, &to("nvme_path")),
+                        "buffer_size" if p.contains("offload_param") => {
+                            tx.int(p, v, &to("buffer_size"))
+                        }
                         "pin_memory" => {
                             tx.warn(p, "pinned host memory matters for GPU copies; on CPU the state is already in host memory");
                             Ok(())

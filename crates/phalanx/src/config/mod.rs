@@ -86,9 +86,14 @@ impl Default for ZeroOptimization {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct OffloadParam {
-    /// `none`, `cpu` or `nvme` (files under `nvme_path`).
+    /// `none`, `cpu` (host memory: on CPU training the parameters are
+    /// already there, so it behaves as `none`) or `nvme` (one file per rank
+    /// under `nvme_path`, read block by block and streamed by the update).
     pub device: String,
     pub nvme_path: String,
+    /// Elements per chunk of the streamed optimizer update with `nvme`
+    /// (DeepSpeed's `offload_param.buffer_size`); 2^20 = 4 MiB of f32.
+    pub buffer_size: usize,
 }
 
 impl Default for OffloadParam {
@@ -96,6 +101,7 @@ impl Default for OffloadParam {
         OffloadParam {
             device: "none".into(),
             nvme_path: "runs/offload".into(),
+            buffer_size: 1 << 20,
         }
     }
 }

@@ -91,6 +91,9 @@ impl TrainConfig {
                 op.device
             ));
         }
+        if op.buffer_size == 0 {
+            return bad("zero_optimization.offload_param.buffer_size must be at least 1".into());
+        }
         if op.device != "none" && self.sharding()?.stage != 3 {
             return bad(format!(
                 "zero_optimization.offload_param.device = {:?} needs ZeRO stage 3 (zero_optimization.stage = 3), \

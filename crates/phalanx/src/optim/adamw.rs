@@ -23,7 +23,7 @@
 
 use std::ops::Range;
 
-use super::{check_lens, Optimizer};
+use super::{check_lens, check_sub, segments_in, Optimizer};
 use crate::engine::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::simd_dispatch;
@@ -130,7 +130,28 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
         check_lens("AdamW", &self.range, params.len(), grads.len());
+        self.begin_step();
+        self.step_range(0..self.range.len(), params, grads, lr, grad_scale);
+    }
+
+    fn steps_in_ranges(&self) -> bool {
+        true
+    }
+
+    fn begin_step(&mut self) {
         self.t += 1;
+    }
+
+    fn step_range(
+        &mut self,
+        sub: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) {
+        check_sub("AdamW", &self.range, &sub, params.len(), grads.len());
+        assert!(self.t > 0, "AdamW: step_range before begin_step");
         let c = &self.cfg;
         let bc1 = 1.0 - (c.beta1 as f64).powi(self.t as i32);
         let bc2 = 1.0 - (c.beta2 as f64).powi(self.t as i32);
@@ -143,9 +164,9 @@ impl Optimizer for AdamW {
             inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
             decay: 1.0,
         };
-        for (seg, decays) in &self.segments {
+        for (seg, decays) in segments_in(&self.segments, &sub) {
             let k = StepConsts {
-                decay: if *decays {
+                decay: if decays {
                     1.0 - lr * c.weight_decay
                 } else {
                     1.0
@@ -153,8 +174,9 @@ impl Optimizer for AdamW {
                 ..base
             };
             let r = seg.clone();
-            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
-            let (m, v) = (&mut self.m[r.clone()], &mut self.v[r]);
+            let s = sub.start + r.start..sub.start + r.end;
+            let (p, g) = (&mut params[r.clone()], &grads[r]);
+            let (m, v) = (&mut self.m[s.clone()], &mut self.v[s]);
             simd_dispatch!(adamw_kernel(p, g, m, v, k));
         }
     }

@@ -44,6 +44,57 @@ pub trait Optimizer {
 
     /// Bytes of optimizer state held.
     fn state_bytes(&self) -> usize;
+
+    /// Whether [`Optimizer::begin_step`] / [`Optimizer::step_range`] work.
+    fn steps_in_ranges(&self) -> bool {
+        false
+    }
+
+    /// Start a step applied in pieces by [`Optimizer::step_range`] (a
+    /// parameter shard streamed from disk): the step count advances here,
+    /// once. Panics for optimizers that cannot step in pieces.
+    fn begin_step(&mut self) {
+        panic!("this optimizer cannot step in pieces (begin_step)");
+    }
+
+    /// Apply the step begun by [`Optimizer::begin_step`] to `sub`, a range
+    /// relative to `range()` (`params` and `grads` are exactly `sub`). The
+    /// pieces of one step, together covering `range()` once, give the same
+    /// result, bit for bit, as one [`Optimizer::step`].
+    fn step_range(
+        &mut self,
+        sub: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) {
+        let _ = (sub, params, grads, lr, grad_scale);
+        panic!("this optimizer cannot step in pieces (step_range)");
+    }
+}
+
+/// Panic unless `sub` lies in `range` and the slices are `sub`'s length.
+fn check_sub(name: &str, range: &Range<usize>, sub: &Range<usize>, params: usize, grads: usize) {
+    assert!(
+        sub.start <= sub.end && sub.end <= range.len() && params == sub.len() && grads == sub.len(),
+        "{name}: piece {sub:?} of range {range:?} needs {} params and grads inside it, got {params} and {grads}",
+        sub.len()
+    );
+}
+
+/// The parts of run-length `segments` (relative to an optimizer's range)
+/// inside `sub`, relative to `sub.start`.
+fn segments_in<'a>(
+    segments: &'a [(Range<usize>, bool)],
+    sub: &Range<usize>,
+) -> impl Iterator<Item = (Range<usize>, bool)> + 'a {
+    let sub = sub.clone();
+    segments.iter().filter_map(move |(r, d)| {
+        let lo = r.start.max(sub.start);
+        let hi = r.end.min(sub.end);
+        (lo < hi).then(|| (lo - sub.start..hi - sub.start, *d))
+    })
 }
 
 /// Panic with a clear message when a step is given the wrong slices: this is

@@ -100,24 +100,50 @@ fn write(f: &File, at: usize, data: &[f32]) {
 impl Optimizer for DiskAdamW {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
         super::check_lens("DiskAdamW", &self.range, params.len(), grads.len());
+        self.begin_step();
+        self.step_range(0..self.range.len(), params, grads, lr, grad_scale);
+    }
+
+    fn steps_in_ranges(&self) -> bool {
+        true
+    }
+
+    fn begin_step(&mut self) {
+        self.t += 1;
+    }
+
+    fn step_range(
+        &mut self,
+        sub: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) {
+        super::check_sub("DiskAdamW", &self.range, &sub, params.len(), grads.len());
+        assert!(self.t > 0, "DiskAdamW: step_range before begin_step");
         let start = self.range.start;
         let mut m = vec![0f32; 0];
         let mut v = vec![0f32; 0];
-        for lo in (0..self.range.len()).step_by(self.chunk) {
-            let hi = (lo + self.chunk).min(self.range.len());
+        for lo in (sub.start..sub.end).step_by(self.chunk) {
+            let hi = (lo + self.chunk).min(sub.end);
             m.resize(hi - lo, 0.0);
             v.resize(hi - lo, 0.0);
             read(&self.m, lo, &mut m);
             read(&self.v, lo, &mut v);
-            // The in-memory AdamW on this chunk (its state charged while it lives).
+            // The in-memory AdamW on this chunk (its state charged while it
+            // lives), at the step count `begin_step` set.
             let mut a = AdamW::new(self.cfg, &self.layout, start + lo..start + hi, &self.ledger);
-            a.set_state(&m, &v, self.t);
-            a.step(&mut params[lo..hi], &grads[lo..hi], lr, grad_scale);
+            a.set_state(&m, &v, self.t - 1);
+            let (p, g) = (
+                lo - sub.start..hi - sub.start,
+                lo - sub.start..hi - sub.start,
+            );
+            a.step(&mut params[p], &grads[g], lr, grad_scale);
             let (m2, v2) = a.state();
             write(&self.m, lo, m2);
             write(&self.v, lo, v2);
         }
-        self.t += 1;
     }
 
     fn range(&self) -> Range<usize> {

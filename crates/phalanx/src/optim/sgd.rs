@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use super::{check_lens, Optimizer};
+use super::{check_lens, check_sub, segments_in, Optimizer};
 use crate::engine::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
 
@@ -68,19 +68,40 @@ impl Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
         check_lens("SGD", &self.range, params.len(), grads.len());
+        self.begin_step();
+        self.step_range(0..self.range.len(), params, grads, lr, grad_scale);
+    }
+
+    fn steps_in_ranges(&self) -> bool {
+        true
+    }
+
+    fn begin_step(&mut self) {
         self.t += 1;
+    }
+
+    fn step_range(
+        &mut self,
+        sub: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) {
+        check_sub("SGD", &self.range, &sub, params.len(), grads.len());
+        assert!(self.t > 0, "SGD: step_range before begin_step");
         let SgdConfig {
             momentum,
             nesterov,
             weight_decay,
         } = self.cfg;
         let first = self.t == 1;
-        for (seg, decays) in &self.segments {
-            let wd = if *decays { weight_decay } else { 0.0 };
-            for i in seg.clone() {
+        for (seg, decays) in segments_in(&self.segments, &sub) {
+            let wd = if decays { weight_decay } else { 0.0 };
+            for i in seg {
                 let mut g = grads[i] * grad_scale + wd * params[i];
                 if momentum != 0.0 {
-                    let b = &mut self.buf[i];
+                    let b = &mut self.buf[sub.start + i];
                     *b = if first { g } else { momentum * *b + g };
                     g = if nesterov { g + momentum * *b } else { *b };
                 }

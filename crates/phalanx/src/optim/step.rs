@@ -68,6 +68,28 @@ pub fn finish_step(
     max_norm: f32,
     step: usize,
 ) -> Result<StepOutcome> {
+    let (out, factor) = agree_and_clip(world, local_ss, scaler, max_norm, step)?;
+    if let Some(factor) = factor {
+        for u in updates {
+            u.opt.step(u.params, u.grads, lr, factor);
+        }
+    }
+    Ok(out)
+}
+
+/// Steps 1-4 of the finish path, without the update: agree on finiteness
+/// over `world`, take the global norm and the clip factor, and update the
+/// loss scaler. Returns the outcome and, unless the step is skipped, the
+/// factor to multiply the scaled gradients by (unscale and clip fused) —
+/// for callers that update in pieces, e.g. a parameter shard streamed from
+/// disk chunk by chunk with [`crate::optim::Optimizer::step_range`].
+pub fn agree_and_clip(
+    world: &ProcessGroup,
+    local_ss: f64,
+    scaler: &mut LossScaler,
+    max_norm: f32,
+    step: usize,
+) -> Result<(StepOutcome, Option<f32>)> {
     let mut ss = [if local_ss.is_finite() {
         local_ss
     } else {
@@ -82,25 +104,24 @@ pub fn finish_step(
             )));
         }
         scaler.update(true);
-        return Ok(StepOutcome {
+        let out = StepOutcome {
             grad_norm: f32::INFINITY,
             skipped: true,
             loss_scale,
-        });
+        };
+        return Ok((out, None));
     }
     let inv = 1.0 / loss_scale;
     let (norm, clip_factor) = clip::clip_scale(ss[0] * inv * inv, max_norm);
     let clip_factor = if max_norm > 0.0 { clip_factor } else { 1.0 };
     let factor = (clip_factor as f64 * inv) as f32;
-    for u in updates {
-        u.opt.step(u.params, u.grads, lr, factor);
-    }
     scaler.update(false);
-    Ok(StepOutcome {
+    let out = StepOutcome {
         grad_norm: norm,
         skipped: false,
         loss_scale,
-    })
+    };
+    Ok((out, Some(factor)))
 }
 
 /// Sum of squares of `g` (flat positions `offset..`), each element weighted

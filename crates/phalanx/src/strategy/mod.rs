@@ -128,6 +128,21 @@ pub fn dp_mean(dp: &ProcessGroup, loss: f64) -> Result<f32> {
     Ok(l[0] as f32)
 }
 
+/// `offload_param.device = "cpu"` behaves as `none`: on CPU training the
+/// ZeRO-3 parameter shard already lives in host memory, so there is nothing
+/// to move. Rank 0 says so, once per process.
+fn note_cpu_param_offload(mesh: &DeviceMesh) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if mesh.world().rank() == 0 {
+        ONCE.call_once(|| {
+            println!(
+                "note: zero_optimization.offload_param.device = \"cpu\": on CPU training the parameter \
+                 shard is already in host memory, so this runs as \"none\" (use \"nvme\" to keep it on disk)"
+            )
+        });
+    }
+}
+
 /// What [`build`] needs besides the config.
 pub struct BuildArgs<'a> {
     pub mesh: &'a DeviceMesh,
@@ -175,7 +190,12 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             forward_prefetch: cfg.parallel.forward_prefetch,
             backward_prefetch: cfg.parallel.backward_prefetch,
             shard_group_size: sharding.hybrid_group,
+            param_offload: cfg.param_offload_dir(),
+            offload_chunk: cfg.zero_optimization.offload_param.buffer_size,
         };
+        if cfg.zero_optimization.offload_param.device == "cpu" {
+            note_cpu_param_offload(mesh);
+        }
         Box::new(Zero::new(
             engine,
             mesh,

@@ -22,6 +22,17 @@
 //!
 //! Gradient clipping uses the global norm: each rank's shard sum of squares
 //! is all-reduced.
+//!
+//! Stage 3's parameter shard lives in a [`offload::ShardStore`]: memory, or
+//! a file with `offload_param.device = "nvme"` (ZeRO-Infinity's parameter
+//! offload). Offloaded, a block's piece is read from the file when its
+//! gather is issued, and the optimizer step streams the shard through one
+//! chunk at a time ([`crate::optim::step::agree_and_clip`] then
+//! [`Optimizer::step_range`] per chunk), so the parameters held are the
+//! pieces in flight plus one chunk, never the shard.
+
+mod gather;
+pub mod offload;
 
 use super::ddp::all_reduce_micro_step;
 use super::reduce::{
@@ -29,17 +40,20 @@ use super::reduce::{
 };
 use super::shard::Shards;
 use super::{dp_mean, BatchFn, MakeOptimizer, Strategy};
-use crate::engine::{Engine, GradSink, ParamInfo, ParamSource, Stash};
+use crate::engine::{Engine, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::step::{agree_and_clip, finish_step, weighted_sum_squares, StepOutcome, Update};
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
-use phalanx_comm::{ProcessGroup, ReduceOp, Work};
-use std::collections::{HashMap, VecDeque};
+use gather::{Gatherer, Staging};
+use offload::{InMemory, OnDisk, ShardStore};
+use phalanx_comm::{ProcessGroup, ReduceOp};
+use std::collections::HashMap;
 use std::ops::Range;
+use std::path::PathBuf;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ZeroConfig {
@@ -53,6 +67,11 @@ pub struct ZeroConfig {
     /// HYBRID_SHARD: shard inside groups of this many consecutive ranks and
     /// replicate across groups (0: shard across all ranks).
     pub shard_group_size: usize,
+    /// Stage 3: keep the parameter shard in a file under this directory
+    /// (`offload_param.device = "nvme"`); `None` keeps it in memory.
+    pub param_offload: Option<PathBuf>,
+    /// Elements per chunk of the offloaded shard's streamed update.
+    pub offload_chunk: usize,
 }
 
 pub struct Zero {
@@ -68,8 +87,8 @@ pub struct Zero {
     units: Vec<Bucket>,
     unit_of_block: Vec<usize>,
     reducer: Reducer,
-    /// Stage 3: this rank's parameter shard.
-    param_shard: Vec<f32>,
+    /// Stage 3: this rank's parameter shard (empty for stages 1-2).
+    store: Box<dyn ShardStore>,
     /// Stages 2-3: this rank's gradient shard.
     grad_shard: Vec<f32>,
     opt: Box<dyn Optimizer + Send>,
@@ -160,22 +179,44 @@ impl Zero {
         }
         let ledger = engine.ledger().clone();
         let mut charges = Vec::new();
-        let mut param_shard = Vec::new();
+        let mut store: Box<dyn ShardStore> = Box::new(InMemory(Vec::new()));
         let mut grad_shard = Vec::new();
         if cfg.stage >= 2 {
             grad_shard = vec![0f32; mine.len()];
             charges.push(ledger.charge(Mem::Grads, mine.len() * 4));
             engine.release_grads();
         }
+        if cfg.param_offload.is_some() && cfg.stage != 3 {
+            return Err(Error::Check(format!(
+                "parameter offload needs ZeRO stage 3, not {}",
+                cfg.stage
+            )));
+        }
         if cfg.stage == 3 {
-            param_shard = engine.params_flat()[mine.clone()].to_vec();
-            charges.push(ledger.charge(Mem::Params, mine.len() * 4));
+            let shard = &engine.params_flat()[mine.clone()];
+            store = match &cfg.param_offload {
+                Some(dir) => {
+                    let tag = format!("rank{}", mesh.world().rank());
+                    Box::new(
+                        OnDisk::create(dir, &tag, shard).map_err(|e| Error::Io(e.to_string()))?,
+                    )
+                }
+                None => {
+                    charges.push(ledger.charge(Mem::Params, mine.len() * 4));
+                    Box::new(InMemory(shard.to_vec()))
+                }
+            };
             engine.release_params();
             engine
                 .stack_mut()
                 .set_activations(crate::engine::Activations::Recompute);
         }
         let opt = make_opt(engine, mine)?;
+        if !store.is_resident() && !opt.steps_in_ranges() {
+            return Err(Error::Check(
+                "ZeRO-3 parameter offload streams the update in chunks, which this optimizer cannot do".into(),
+            ));
+        }
         let reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
         Ok(Zero {
             cfg,
@@ -185,7 +226,7 @@ impl Zero {
             shards,
             units,
             unit_of_block,
-            param_shard,
+            store,
             grad_shard,
             opt,
             _charges: charges,
@@ -268,7 +309,7 @@ impl Zero {
                 .backward(stash, &gy, engine.param_source(), &mut sink, &mut hook)?;
             loss.to_scalar::<f32>()?
         } else {
-            let src = (&self.param_shard[..], &self.shards, &self.shard_pg);
+            let src = (&*self.store, &self.shards, &self.shard_pg);
             let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect());
             let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
             let mut h = x.clone();
@@ -330,7 +371,14 @@ impl Zero {
         let rep = &self.tp_replicated;
         let world = self.mesh.world().clone();
         let stage = self.cfg.stage;
-        let out = if stage == 1 {
+        let out = if stage == 3 && !self.store.is_resident() {
+            let ss = weighted_sum_squares(&self.grad_shard, mine.start, w, rep, tp);
+            let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
+            if let Some(factor) = factor {
+                self.stream_update(engine, lr, factor)?;
+            }
+            out
+        } else if stage == 1 {
             let (p, g) = engine.params_and_grads_mut();
             let ss = weighted_sum_squares(&g[mine.clone()], mine.start, w, rep, tp);
             let u = Update {
@@ -344,7 +392,7 @@ impl Zero {
             let params = if stage == 2 {
                 &mut engine.params_flat_mut()[mine.clone()]
             } else {
-                &mut self.param_shard[..]
+                self.store.resident_mut().expect("a resident shard")
             };
             let u = Update {
                 params,
@@ -357,6 +405,27 @@ impl Zero {
             self.gather_params(engine)?;
         }
         Ok(out)
+    }
+
+    /// The offloaded shard's update: read a chunk, step it with its
+    /// gradients and optimizer state range, write it back. One chunk of
+    /// parameters is held (and charged) at a time.
+    fn stream_update(&mut self, engine: &Engine, lr: f32, factor: f32) -> Result<()> {
+        let n = self.store.len();
+        let chunk = self.cfg.offload_chunk.clamp(1, n.max(1));
+        let _held = engine.ledger().charge(Mem::Params, chunk * 4);
+        let mut buf = vec![0f32; chunk];
+        let io = |e: std::io::Error| Error::Io(e.to_string());
+        self.opt.begin_step();
+        for lo in (0..n).step_by(chunk) {
+            let hi = (lo + chunk).min(n);
+            let p = &mut buf[..hi - lo];
+            self.store.read(lo..hi, p).map_err(io)?;
+            self.opt
+                .step_range(lo..hi, p, &self.grad_shard[lo..hi], lr, factor);
+            self.store.write(lo..hi, p).map_err(io)?;
+        }
+        Ok(())
     }
 
     /// All-gather the updated shards into the engine's full parameters.
@@ -376,8 +445,24 @@ impl Zero {
         }
         let all = 0..engine.num_params();
         let mut out = vec![0f32; all.len()];
-        self.shard_pg
-            .all_gather_v(&self.param_shard, &self.shards.counts(&all), &mut out)?;
+        if let Some(shard) = self.store.resident() {
+            self.shard_pg
+                .all_gather_v(shard, &self.shards.counts(&all), &mut out)?;
+            return Ok(out);
+        }
+        // Offloaded: window by window, each rank reading at most a chunk.
+        let step = self.cfg.offload_chunk.max(1);
+        let mut piece = Vec::new();
+        for lo in (0..all.end).step_by(step) {
+            let r = lo..(lo + step).min(all.end);
+            let local = self.shards.local(&r);
+            piece.resize(local.len(), 0.0);
+            self.store
+                .read(local, &mut piece)
+                .map_err(|e| Error::Io(e.to_string()))?;
+            self.shard_pg
+                .all_gather_v(&piece, &self.shards.counts(&r), &mut out[r])?;
+        }
         Ok(out)
     }
 
@@ -387,7 +472,8 @@ impl Zero {
             return Ok(engine.eval_loss(x, y)?);
         }
         let nb = engine.num_blocks();
-        let mut g = Gatherer::new(self, engine, self.cfg.forward_prefetch, (0..nb).collect());
+        let src = (&*self.store, &self.shards, &self.shard_pg);
+        let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect());
         let mut h = x.clone();
         for b in 0..nb {
             let src = g.take(b)?;
@@ -458,141 +544,5 @@ impl Strategy for Zero {
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.reducer.set_hook(make());
-    }
-}
-
-/// Gradient staging for stages 2-3: one buffer per reduction unit, created
-/// when the unit's first gradient arrives (a tied weight's unit may open
-/// early, from the head) and handed to the reduce-scatter when complete.
-struct Staging<'a> {
-    units: &'a [Bucket],
-    unit_of_block: &'a [usize],
-    bufs: HashMap<usize, (Vec<f32>, Option<Charge>)>,
-    ledger: crate::ledger::Ledger,
-}
-
-impl GradSink for Staging<'_> {
-    fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> candle_core::Result<()> {
-        let u = self.unit_of_block[p.block];
-        let unit = &self.units[u];
-        let ledger = &self.ledger;
-        let (buf, _) = self.bufs.entry(u).or_insert_with(|| {
-            (
-                vec![0f32; unit.range.len()],
-                Some(ledger.charge(Mem::Grads, unit.range.len() * 4)),
-            )
-        });
-        let lo = p.offset - unit.range.start;
-        for (d, g) in buf[lo..lo + p.numel].iter_mut().zip(grad) {
-            *d += g;
-        }
-        Ok(())
-    }
-}
-
-/// Stage 3: all-gathers of block parameters, issued `ahead` blocks in
-/// advance in the order the blocks will run (each block with the blocks it
-/// ties to, e.g. GPT-2's head with the embedding).
-struct Gatherer<'a> {
-    /// The shard gathered from, its geometry and group.
-    shard: (&'a [f32], &'a Shards, &'a ProcessGroup),
-    engine: &'a Engine,
-    /// Remaining requests: (block that needs it, block to gather).
-    todo: VecDeque<(usize, usize)>,
-    pending: VecDeque<(usize, usize, Work<Vec<f32>>)>,
-    ahead: usize,
-}
-
-impl<'a> Gatherer<'a> {
-    fn new(zero: &'a Zero, engine: &'a Engine, ahead: usize, order: Vec<usize>) -> Self {
-        Self::over(
-            (&zero.param_shard, &zero.shards, &zero.shard_pg),
-            engine,
-            ahead,
-            order,
-        )
-    }
-
-    fn over(
-        shard: (&'a [f32], &'a Shards, &'a ProcessGroup),
-        engine: &'a Engine,
-        ahead: usize,
-        order: Vec<usize>,
-    ) -> Self {
-        let layout = engine.layout();
-        let mut todo = VecDeque::new();
-        for b in order {
-            todo.push_back((b, b));
-            // `tied` lists parameter indices; gather each owner block once.
-            let mut owners: Vec<usize> = layout
-                .block(b)
-                .tied
-                .iter()
-                .map(|&k| layout.params()[k].block)
-                .collect();
-            owners.sort_unstable();
-            owners.dedup();
-            for o in owners.into_iter().filter(|&o| o != b) {
-                todo.push_back((b, o));
-            }
-        }
-        Gatherer {
-            shard,
-            engine,
-            todo,
-            pending: VecDeque::new(),
-            ahead,
-        }
-    }
-
-    fn issue(&mut self) {
-        let (b, owner) = self.todo.pop_front().unwrap();
-        let r = self.engine.layout().block(owner).range.clone();
-        let (param_shard, shards, pg) = self.shard;
-        let piece = param_shard[shards.local(&r)].to_vec();
-        let w = pg.all_gather_async(piece, shards.counts(&r));
-        self.pending.push_back((b, owner, w));
-    }
-
-    /// The parameters block `b` needs, gathered (blocks after it keep
-    /// gathering in the background).
-    fn take(&mut self, b: usize) -> Result<Gathered> {
-        let blocks_ahead = |p: &VecDeque<(usize, usize, Work<Vec<f32>>)>| {
-            let mut seen: Vec<usize> = p.iter().map(|x| x.0).collect();
-            seen.dedup();
-            seen.len()
-        };
-        while !self.todo.is_empty()
-            && (self.todo.front().unwrap().0 == b || blocks_ahead(&self.pending) <= self.ahead)
-        {
-            self.issue();
-        }
-        let mut out = Gathered {
-            blocks: HashMap::new(),
-            _charge: Vec::new(),
-        };
-        while self.pending.front().is_some_and(|p| p.0 == b) {
-            let (_, owner, w) = self.pending.pop_front().unwrap();
-            let v = w.wait()?;
-            out._charge
-                .push(self.engine.ledger().charge(Mem::Working, v.len() * 4));
-            out.blocks.insert(owner, v);
-        }
-        Ok(out)
-    }
-}
-
-/// Gathered block parameters, freed when dropped.
-struct Gathered {
-    blocks: HashMap<usize, Vec<f32>>,
-    _charge: Vec<Charge>,
-}
-
-impl ParamSource for Gathered {
-    fn block_params(&self, b: usize) -> candle_core::Result<&[f32]> {
-        match self.blocks.get(&b) {
-            Some(v) => Ok(v),
-            None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
-        }
     }
 }

@@ -1,0 +1,154 @@
+//! Stage 3's movement of block parameters and gradients: the staging of a
+//! block's gradients until its reduce-scatter, and the all-gathers that
+//! bring a block's parameters in just before it runs and free them after.
+
+use super::offload::ShardStore;
+use crate::engine::{Engine, GradSink, ParamInfo, ParamSource};
+use crate::error::{Error, Result};
+use crate::ledger::{Charge, Mem};
+use crate::strategy::reduce::Bucket;
+use crate::strategy::shard::Shards;
+use phalanx_comm::{ProcessGroup, Work};
+use std::collections::{HashMap, VecDeque};
+
+/// Gradient staging for stages 2-3: one buffer per reduction unit, created
+/// when the unit's first gradient arrives (a tied weight's unit may open
+/// early, from the head) and handed to the reduce-scatter when complete.
+pub(super) struct Staging<'a> {
+    pub units: &'a [Bucket],
+    pub unit_of_block: &'a [usize],
+    pub bufs: HashMap<usize, (Vec<f32>, Option<Charge>)>,
+    pub ledger: crate::ledger::Ledger,
+}
+
+impl GradSink for Staging<'_> {
+    fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> candle_core::Result<()> {
+        let u = self.unit_of_block[p.block];
+        let unit = &self.units[u];
+        let ledger = &self.ledger;
+        let (buf, _) = self.bufs.entry(u).or_insert_with(|| {
+            (
+                vec![0f32; unit.range.len()],
+                Some(ledger.charge(Mem::Grads, unit.range.len() * 4)),
+            )
+        });
+        let lo = p.offset - unit.range.start;
+        for (d, g) in buf[lo..lo + p.numel].iter_mut().zip(grad) {
+            *d += g;
+        }
+        Ok(())
+    }
+}
+
+/// Stage 3: all-gathers of block parameters, issued `ahead` blocks in
+/// advance in the order the blocks will run (each block with the blocks it
+/// ties to, e.g. GPT-2's head with the embedding). Issuing a gather reads
+/// this rank's piece of the block from the shard store (from the file when
+/// offloaded, so the read is as far ahead as the gather); that piece is
+/// charged as parameters until the gather completes when the store is not
+/// resident (a resident store is charged whole already).
+pub(super) struct Gatherer<'a> {
+    /// The shard gathered from, its geometry and group.
+    shard: (&'a dyn ShardStore, &'a Shards, &'a ProcessGroup),
+    engine: &'a Engine,
+    /// Remaining requests: (block that needs it, block to gather).
+    todo: VecDeque<(usize, usize)>,
+    pending: VecDeque<Pending>,
+    ahead: usize,
+}
+
+/// A gather in flight: (block that needs it, block gathered, the gather,
+/// the charge for the piece read from an offloaded shard).
+type Pending = (usize, usize, Work<Vec<f32>>, Option<Charge>);
+
+impl<'a> Gatherer<'a> {
+    pub(super) fn over(
+        shard: (&'a dyn ShardStore, &'a Shards, &'a ProcessGroup),
+        engine: &'a Engine,
+        ahead: usize,
+        order: Vec<usize>,
+    ) -> Self {
+        let layout = engine.layout();
+        let mut todo = VecDeque::new();
+        for b in order {
+            todo.push_back((b, b));
+            // `tied` lists parameter indices; gather each owner block once.
+            let mut owners: Vec<usize> = layout
+                .block(b)
+                .tied
+                .iter()
+                .map(|&k| layout.params()[k].block)
+                .collect();
+            owners.sort_unstable();
+            owners.dedup();
+            for o in owners.into_iter().filter(|&o| o != b) {
+                todo.push_back((b, o));
+            }
+        }
+        Gatherer {
+            shard,
+            engine,
+            todo,
+            pending: VecDeque::new(),
+            ahead,
+        }
+    }
+
+    fn issue(&mut self) -> Result<()> {
+        let (b, owner) = self.todo.pop_front().unwrap();
+        let r = self.engine.layout().block(owner).range.clone();
+        let (store, shards, pg) = self.shard;
+        let local = shards.local(&r);
+        let charge = (!store.is_resident())
+            .then(|| self.engine.ledger().charge(Mem::Params, local.len() * 4));
+        let mut piece = vec![0f32; local.len()];
+        store
+            .read(local, &mut piece)
+            .map_err(|e| Error::Io(e.to_string()))?;
+        let w = pg.all_gather_async(piece, shards.counts(&r));
+        self.pending.push_back((b, owner, w, charge));
+        Ok(())
+    }
+
+    /// The parameters block `b` needs, gathered (blocks after it keep
+    /// gathering in the background).
+    pub(super) fn take(&mut self, b: usize) -> Result<Gathered> {
+        let blocks_ahead = |p: &VecDeque<Pending>| {
+            let mut seen: Vec<usize> = p.iter().map(|x| x.0).collect();
+            seen.dedup();
+            seen.len()
+        };
+        while !self.todo.is_empty()
+            && (self.todo.front().unwrap().0 == b || blocks_ahead(&self.pending) <= self.ahead)
+        {
+            self.issue()?;
+        }
+        let mut out = Gathered {
+            blocks: HashMap::new(),
+            _charge: Vec::new(),
+        };
+        while self.pending.front().is_some_and(|p| p.0 == b) {
+            let (_, owner, w, _piece) = self.pending.pop_front().unwrap();
+            let v = w.wait()?;
+            out._charge
+                .push(self.engine.ledger().charge(Mem::Working, v.len() * 4));
+            out.blocks.insert(owner, v);
+        }
+        Ok(out)
+    }
+}
+
+/// Gathered block parameters, freed when dropped.
+pub(super) struct Gathered {
+    blocks: HashMap<usize, Vec<f32>>,
+    _charge: Vec<Charge>,
+}
+
+impl ParamSource for Gathered {
+    fn block_params(&self, b: usize) -> candle_core::Result<&[f32]> {
+        match self.blocks.get(&b) {
+            Some(v) => Ok(v),
+            None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
+        }
+    }
+}
