@@ -3,7 +3,6 @@
 use candle_core::{Device, IndexOp, Tensor};
 use clap::Args;
 use phalanx::config::TrainConfig;
-use phalanx::data::Tokenizer;
 use phalanx_models::gpt2::{hf, train};
 use std::path::PathBuf;
 
@@ -90,7 +89,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             phalanx::Error::from(e)
         ))
     })?;
-    let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
+    let tok = cfg.data.tokenizer;
     let mut ids = tok.encode(&o.prompt);
     if ids.is_empty() {
         return Err(phalanx::Error::Check(

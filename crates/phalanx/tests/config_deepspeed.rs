@@ -1,7 +1,7 @@
 //! DeepSpeed JSON configs and the new typed keys: configs are built only,
 //! nothing trains.
 
-use phalanx::config::{Precision, Recompute, TrainConfig};
+use phalanx::config::{LrScheduleKind, OptimName, Precision, Recompute, TrainConfig};
 use phalanx::optim::schedule::WarmupType;
 use phalanx::optim::LrSchedule;
 use std::path::{Path, PathBuf};
@@ -360,7 +360,7 @@ fn validation_of_new_keys() {
     .unwrap();
     assert_eq!(c.param_offload_dir(), Some(PathBuf::from("runs/offload")));
     let c = TrainConfig::build(None, &set(&["optim.name=adam"])).unwrap();
-    assert_eq!(c.optim.name, "adam");
+    assert_eq!(c.optim.name, OptimName::Adam);
     assert_eq!(c.bucket_bytes(), 25 << 20);
 }
 
@@ -374,7 +374,7 @@ fn schedules_follow_deepspeed_formulas() {
             "warmup_num_steps": 10, "total_num_steps": 110, "warmup_type": "linear"}}}"#,
     )
     .unwrap();
-    assert_eq!(c.optim.name, "adam");
+    assert_eq!(c.optim.name, OptimName::Adam);
     assert_eq!(c.optim.weight_decay, 0.0); // FusedAdam's default
     let s = LrSchedule::from_config(&c.optim, c.train.steps);
     let ds = |step: usize| {
@@ -424,8 +424,8 @@ fn schedules_follow_deepspeed_formulas() {
     )
     .unwrap();
     assert_eq!(
-        (c.optim.schedule.as_str(), c.optim.decay_steps),
-        ("cosine", 200)
+        (c.optim.schedule, c.optim.decay_steps),
+        (LrScheduleKind::Cosine, 200)
     );
     assert!((c.optim.min_lr - 0.001).abs() < 1e-12);
     // Cosine from a default config keeps its old numbers.
@@ -443,7 +443,7 @@ fn schedules_follow_deepspeed_formulas() {
 #[test]
 fn json_without_scheduler_or_clipping_takes_deepspeed_defaults() {
     let (c, _) = json("bare.json", r#"{"train_micro_batch_size_per_gpu": 2}"#).unwrap();
-    assert_eq!(c.optim.schedule, "constant");
+    assert_eq!(c.optim.schedule, LrScheduleKind::Constant);
     assert_eq!(c.optim.grad_clip, 0.0);
     assert_eq!(c.train.micro_batch_size, 2);
 }

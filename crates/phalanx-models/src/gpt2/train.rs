@@ -14,7 +14,7 @@
 use super::{hf, Gpt2Config};
 use candle_core::Device;
 use phalanx::config::TrainConfig;
-use phalanx::data::{DataLoader, LoaderConfig, Tokenizer};
+use phalanx::data::{DataLoader, LoaderConfig};
 use phalanx::engine::Engine;
 use phalanx::mesh::DeviceMesh;
 use phalanx::tp::Tp;
@@ -48,7 +48,7 @@ pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
 
 /// The data loader the config describes (tokens checked against the vocabulary).
 pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
-    let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
+    let tok = cfg.data.tokenizer;
     let lc = LoaderConfig {
         seq_len: cfg.model.block_size,
         val_fraction: cfg.data.val_fraction,
@@ -184,7 +184,7 @@ pub fn save_tensors(
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "initializer_range": 0.02, "tie_word_embeddings": true,
         "bos_token_id": 50256, "eos_token_id": 50256,
-        "phalanx_tokenizer": cfg.data.tokenizer,
+        "phalanx_tokenizer": cfg.data.tokenizer.name(),
     });
     std::fs::write(
         dir.join("config.json"),

@@ -12,12 +12,18 @@
 //! ```
 
 mod batch;
+mod choices;
 mod deepspeed;
 mod merge;
 mod precision;
 mod presets;
 mod validate;
 
+pub use crate::data::Tokenizer;
+pub use choices::{
+    Choice, LrScheduleKind, OffloadDevice, OptimName, PpPartition, PpSchedule, ShardingStrategy,
+    WarmupType,
+};
 pub use precision::{
     ActivationCheckpointingSection, Bf16Section, Fp16Section, Precision, Recompute,
 };
@@ -87,14 +93,14 @@ impl Default for ZeroOptimization {
 #[serde(deny_unknown_fields, default)]
 pub struct OffloadParam {
     /// `none`, `cpu` or `nvme` (files under `nvme_path`).
-    pub device: String,
+    pub device: OffloadDevice,
     pub nvme_path: String,
 }
 
 impl Default for OffloadParam {
     fn default() -> Self {
         OffloadParam {
-            device: "none".into(),
+            device: OffloadDevice::None,
             nvme_path: "runs/offload".into(),
         }
     }
@@ -105,14 +111,14 @@ impl Default for OffloadParam {
 pub struct OffloadOptimizer {
     /// `none`, `cpu` (host memory: on CPU training the state is already
     /// there) or `nvme` (files under `nvme_path`, streamed in chunks).
-    pub device: String,
+    pub device: OffloadDevice,
     pub nvme_path: String,
 }
 
 impl Default for OffloadOptimizer {
     fn default() -> Self {
         OffloadOptimizer {
-            device: "none".into(),
+            device: OffloadDevice::None,
             nvme_path: "runs/offload".into(),
         }
     }
@@ -146,7 +152,7 @@ pub struct DataConfig {
     /// A text file, a nanoGPT .bin (uint16) or an llm.c .bin.
     pub path: String,
     /// `byte` (vocab 256) or `gpt2` (BPE, vocab 50257).
-    pub tokenizer: String,
+    pub tokenizer: Tokenizer,
     pub shuffle: bool,
     pub seed: u64,
     /// The tail fraction of the tokens kept for validation.
@@ -182,7 +188,7 @@ pub struct OptimConfig {
     /// `adamw`, `adam` or `sgd`. `adam` is DeepSpeed's Adam with its default
     /// `adam_w_mode = true`, i.e. AdamW (decoupled weight decay): the same
     /// update as `adamw`.
-    pub name: String,
+    pub name: OptimName,
     pub lr: f64,
     pub min_lr: f64,
     pub weight_decay: f64,
@@ -195,11 +201,11 @@ pub struct OptimConfig {
     /// `cosine` (warmup then cosine to min_lr), `constant`, `warmup_constant`
     /// (DeepSpeed's WarmupLR) or `warmup_linear` (DeepSpeed's WarmupDecayLR);
     /// see [`crate::optim::LrSchedule`].
-    pub schedule: String,
+    pub schedule: LrScheduleKind,
     /// The learning rate warmup starts from (DeepSpeed's warmup_min_lr).
     pub warmup_min_lr: f64,
     /// `linear` or `log` (DeepSpeed's warmup_type).
-    pub warmup_type: String,
+    pub warmup_type: WarmupType,
     /// Step at which decay reaches min_lr (0: train.steps).
     pub decay_steps: usize,
 }
@@ -219,8 +225,8 @@ pub struct ParallelConfig {
     pub check_params_every: usize,
     /// FSDP's names: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD
     /// (DDP), HYBRID_SHARD (ZeRO-3 inside groups, replicated across them).
-    /// Empty: use `zero_optimization.stage`.
-    pub sharding_strategy: String,
+    /// Empty: use `zero_optimization.stage`. Case-insensitive.
+    pub sharding_strategy: ShardingStrategy,
     /// ZeRO-3 / FSDP: blocks gathered ahead in forward and in backward.
     pub forward_prefetch: usize,
     pub backward_prefetch: usize,
@@ -229,11 +235,12 @@ pub struct ParallelConfig {
     /// Megatron sequence parallelism (with tp > 1).
     pub sequence_parallel: bool,
     /// Pipeline schedule: gpipe, 1f1b, interleaved (or interleaved:V), zb-h1.
-    pub pp_schedule: String,
+    pub pp_schedule: PpSchedule,
     /// Model chunks per rank for the interleaved schedule.
     pub pp_virtual_stages: usize,
-    /// Blocks per stage: "balanced" (by parameter count) or counts "2,3,3".
-    pub pp_partition: String,
+    /// Blocks per stage: "balanced" (by parameter count), "time" (by the
+    /// measured time of each block) or counts "2,3,3".
+    pub pp_partition: PpPartition,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -284,7 +291,7 @@ impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
             path: "data/corpus.txt".into(),
-            tokenizer: "byte".into(),
+            tokenizer: Tokenizer::Byte,
             shuffle: true,
             seed: 1337,
             val_fraction: 0.02,
@@ -312,7 +319,7 @@ impl Default for TrainSection {
 impl Default for OptimConfig {
     fn default() -> Self {
         OptimConfig {
-            name: "adamw".into(),
+            name: OptimName::AdamW,
             lr: 3e-3,
             min_lr: 3e-4,
             weight_decay: 0.1,
@@ -321,9 +328,9 @@ impl Default for OptimConfig {
             eps: 1e-8,
             grad_clip: 1.0,
             warmup_steps: 20,
-            schedule: "cosine".into(),
+            schedule: LrScheduleKind::Cosine,
             warmup_min_lr: 0.0,
-            warmup_type: "linear".into(),
+            warmup_type: WarmupType::Linear,
             decay_steps: 0,
         }
     }
@@ -337,14 +344,14 @@ impl Default for ParallelConfig {
             pp: 1,
             bucket_mb: 25.0,
             check_params_every: 0,
-            sharding_strategy: String::new(),
+            sharding_strategy: ShardingStrategy::Unset,
             forward_prefetch: 1,
             backward_prefetch: 1,
             hybrid_shard_size: 0,
             sequence_parallel: false,
-            pp_schedule: "1f1b".into(),
+            pp_schedule: PpSchedule::default(),
             pp_virtual_stages: 2,
-            pp_partition: "balanced".into(),
+            pp_partition: PpPartition::Balanced,
         }
     }
 }
@@ -469,13 +476,13 @@ impl TrainConfig {
     /// Where ZeRO-3 parameters are offloaded to (nvme), if anywhere.
     pub fn param_offload_dir(&self) -> Option<PathBuf> {
         let o = &self.zero_optimization.offload_param;
-        (o.device == "nvme").then(|| o.nvme_path.clone().into())
+        (o.device == OffloadDevice::Nvme).then(|| o.nvme_path.clone().into())
     }
 
     /// Where optimizer state is offloaded to (nvme), if anywhere.
     pub fn offload_dir(&self) -> Option<PathBuf> {
         let o = &self.zero_optimization.offload_optimizer;
-        (o.device == "nvme").then(|| o.nvme_path.clone().into())
+        (o.device == OffloadDevice::Nvme).then(|| o.nvme_path.clone().into())
     }
 
     /// The data-parallel size for a world size, with the batch checks that

@@ -176,19 +176,20 @@ impl Trainer {
                     .map_err(|e| Error::Io(format!("optimizer offload: {e}")))
             };
         // A micro-batch to time the blocks on, for a time-balanced pipeline.
-        let sample = if mesh.pp_size > 1 && cfg.parallel.pp_partition.trim() == "time" {
-            let b = loader.micro_batch(
-                0,
-                pg.rank(),
-                pg.size(),
-                0,
-                micro,
-                cfg.train.grad_accum_steps,
-            )?;
-            Some(b.to_tensors(engine.device())?)
-        } else {
-            None
-        };
+        let sample =
+            if mesh.pp_size > 1 && cfg.parallel.pp_partition == crate::config::PpPartition::Time {
+                let b = loader.micro_batch(
+                    0,
+                    pg.rank(),
+                    pg.size(),
+                    0,
+                    micro,
+                    cfg.train.grad_accum_steps,
+                )?;
+                Some(b.to_tensors(engine.device())?)
+            } else {
+                None
+            };
         let args = BuildArgs {
             mesh,
             tp_replicated: tp_replicated.clone(),
