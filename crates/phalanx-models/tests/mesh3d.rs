@@ -59,7 +59,7 @@ fn three_d_2x2x2_on_8_ranks() {
 
 #[test]
 fn pipeline_with_zero2_is_refused_clearly() {
-    let e = phalanx::config::TrainConfig::build(
+    let e = phalanx_models::gpt2::config::build(
         None,
         &["parallel.pp=2".into(), "zero_optimization.stage=2".into()],
     );

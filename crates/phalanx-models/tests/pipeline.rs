@@ -39,7 +39,7 @@ fn config(n_layer: usize) -> TrainConfig {
         "optim.lr=0.01".into(),
         "log.plot=\"\"".into(),
     ];
-    TrainConfig::build(None, &sets).unwrap()
+    phalanx_models::gpt2::config::build(None, &sets).unwrap()
 }
 
 fn loader() -> Arc<DataLoader> {
@@ -400,7 +400,7 @@ fn bubble_report() {
         "model.n_embd=128".into(),
         "model.block_size=64".into(),
     ];
-    let cfg = TrainConfig::build(None, &sets).unwrap();
+    let cfg = phalanx_models::gpt2::config::build(None, &sets).unwrap();
     let lc = LoaderConfig {
         seq_len: 64,
         val_fraction: 0.0,

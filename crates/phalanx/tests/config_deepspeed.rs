@@ -1,7 +1,10 @@
 //! DeepSpeed JSON configs and the new typed keys: configs are built only,
 //! nothing trains.
 
-use phalanx::config::{LrScheduleKind, OptimName, Precision, Recompute, TrainConfig};
+use phalanx::config::{
+    ConfigError, LrScheduleKind, ModelFacts, ModelSchema, OptimName, Precision, Recompute,
+    TrainConfig,
+};
 use phalanx::optim::schedule::WarmupType;
 use phalanx::optim::LrSchedule;
 use std::path::{Path, PathBuf};
@@ -20,6 +23,21 @@ fn set(s: &[&str]) -> Vec<String> {
 
 fn json(name: &str, text: &str) -> Result<(TrainConfig, Vec<String>), String> {
     TrainConfig::build_with_warnings(Some(&tmp(name, text)), &[]).map_err(|e| e.to_string())
+}
+
+/// A model section with 4 layers and no keys.
+struct FourLayers;
+
+impl ModelSchema for FourLayers {
+    fn section(&self, _: Option<&str>) -> Result<toml::Table, ConfigError> {
+        Ok(toml::Table::new())
+    }
+    fn check(&self, _: &toml::Table) -> Result<ModelFacts, ConfigError> {
+        Ok(ModelFacts {
+            seq_len: None,
+            n_layer: Some(4),
+        })
+    }
 }
 
 fn err(name: &str, text: &str) -> String {
@@ -282,13 +300,21 @@ fn deepspeed_checkpointing_section_turns_recompute_on() {
     .unwrap();
     assert_eq!(c.recompute(), Recompute::Full);
     assert!(c.activation_checkpointing.partition_activations);
-    // gpt-tiny has 4 layers: 2 checkpoints = every 2nd block.
-    let (c, _) = json(
+    // A model of 4 layers: 2 checkpoints = every 2nd block.
+    let p = tmp(
         "ckpt2.json",
+        r#"{"activation_checkpointing": {"number_checkpoints": 2}}"#,
+    );
+    let c = TrainConfig::build_for(&FourLayers, Some(&p), &[]).unwrap();
+    assert_eq!(c.recompute(), Recompute::Every(2));
+    // Without a model section the layer count is unknown: every block, said.
+    let (c, w) = json(
+        "ckpt2b.json",
         r#"{"activation_checkpointing": {"number_checkpoints": 2}}"#,
     )
     .unwrap();
-    assert_eq!(c.recompute(), Recompute::Every(2));
+    assert_eq!(c.recompute(), Recompute::Full);
+    assert!(w[0].contains("number_checkpoints"), "{w:?}");
     // An explicit key wins.
     let p = tmp(
         "ckpt3.json",

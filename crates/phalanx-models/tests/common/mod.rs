@@ -38,7 +38,7 @@ pub fn config(dp: usize, accum: usize, extra: &[String]) -> TrainConfig {
         "log.plot=\"\"".into(),
     ];
     sets.extend_from_slice(extra);
-    TrainConfig::build(None, &sets).unwrap()
+    phalanx_models::gpt2::config::build(None, &sets).unwrap()
 }
 
 pub struct RankResult {
@@ -65,7 +65,7 @@ pub fn loader(seq_len: usize) -> Arc<DataLoader> {
 
 /// Train `cfg` on `world` ranks as threads.
 pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
-    let loader = loader(cfg.model.block_size);
+    let loader = loader(cfg.seq_len().unwrap());
     phalanx_comm::threads::run(world, move |pg| {
         let (report, mut trainer) =
             train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();

@@ -1,13 +1,17 @@
-//! Typed training configuration: sections `model`, `data`, `train`, `optim`,
-//! `parallel`, `log`, with presets, a TOML file and `--set section.key=value`
-//! overrides, applied in that order. Unknown keys and wrong types are
-//! errors that name the key.
+//! Typed training configuration: sections `data`, `train`, `optim`,
+//! `parallel`, `log` (and DeepSpeed's), from defaults, a TOML file and
+//! `--set section.key=value` overrides, applied in that order. Unknown keys
+//! and wrong types are errors that name the key.
+//!
+//! The `model` section belongs to the model crate (see [`ModelSchema`]):
+//! `phalanx_models::gpt2::config::build` builds a config with GPT-2's
+//! section and presets.
 //!
 //! ```
 //! use phalanx::config::TrainConfig;
-//! let cfg = TrainConfig::build(None, &["train.steps=5".into(), "model.n_layer=2".into()]).unwrap();
+//! let cfg = TrainConfig::build(None, &["train.steps=5".into()]).unwrap();
 //! assert_eq!(cfg.train.steps, 5);
-//! assert_eq!(cfg.model.n_layer, 2);
+//! assert!(cfg.model.is_empty());
 //! assert!(TrainConfig::build(None, &["train.stepz=5".into()]).is_err());
 //! ```
 
@@ -15,8 +19,8 @@ mod batch;
 mod choices;
 mod deepspeed;
 mod merge;
+mod model;
 mod precision;
-mod presets;
 mod validate;
 
 pub use crate::data::Tokenizer;
@@ -24,17 +28,18 @@ pub use choices::{
     Choice, LrScheduleKind, OffloadDevice, OptimName, PpPartition, PpSchedule, ShardingStrategy,
     WarmupType,
 };
+pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
     ActivationCheckpointingSection, Bf16Section, Fp16Section, Precision, Recompute,
 };
-pub use presets::{model_preset, PRESETS};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    pub model: ModelConfig,
+    /// The model's section, as its crate defines it (see [`ModelSchema`]).
+    pub model: toml::Table,
     pub data: DataConfig,
     pub train: TrainSection,
     pub optim: OptimConfig,
@@ -52,6 +57,9 @@ pub struct TrainConfig {
     /// `build` from the keys given; see the `batch` module).
     #[serde(skip)]
     derive: batch::Derive,
+    /// What the model's schema said of its section (set by `build_for`).
+    #[serde(skip)]
+    model_facts: ModelFacts,
 }
 
 /// DeepSpeed's `zero_optimization` block.
@@ -131,19 +139,6 @@ pub struct Sharding {
     pub stage: u8,
     /// HYBRID_SHARD: shard inside groups of this size (0: no replication).
     pub hybrid_group: usize,
-}
-
-/// The model's shape. `preset` fills every field; fields given explicitly
-/// (in the file or with --set) override the preset.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelConfig {
-    pub preset: String,
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_embd: usize,
-    pub vocab_size: usize,
-    pub block_size: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -256,10 +251,8 @@ pub struct LogConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        let mut model = ModelConfig::default();
-        model_preset("gpt-tiny", &mut model).expect("default preset exists");
         TrainConfig {
-            model,
+            model: toml::Table::new(),
             data: DataConfig::default(),
             train: TrainSection::default(),
             optim: OptimConfig::default(),
@@ -270,19 +263,7 @@ impl Default for TrainConfig {
             bf16: Bf16Section::default(),
             activation_checkpointing: ActivationCheckpointingSection::default(),
             derive: batch::Derive::Nothing,
-        }
-    }
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            preset: "gpt-tiny".into(),
-            n_layer: 0,
-            n_head: 0,
-            n_embd: 0,
-            vocab_size: 0,
-            block_size: 0,
+            model_facts: ModelFacts::default(),
         }
     }
 }
@@ -379,14 +360,31 @@ impl std::error::Error for ConfigError {}
 type Result<T> = std::result::Result<T, ConfigError>;
 
 impl TrainConfig {
+    /// [`TrainConfig::build_for`] without a model section ([`NoModel`]).
+    pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        Self::build_for(&NoModel, file, overrides)
+    }
+
+    /// [`TrainConfig::build`], returning the warnings instead of printing them.
+    pub fn build_with_warnings(
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<(TrainConfig, Vec<String>)> {
+        Self::build_with_warnings_for(&NoModel, file, overrides)
+    }
+
     /// Defaults <- model preset <- file <- `section.key=value` overrides,
-    /// then validation. A file named `*.json` is a DeepSpeed config
+    /// then validation; `model` is the section `schema` defines. A file named `*.json` is a DeepSpeed config
     /// (translated to the same keys, see the `deepspeed` module); any other
     /// is TOML. Warnings (DeepSpeed keys accepted without effect) are
     /// printed to stderr (by rank 0 only inside a job);
-    /// [`TrainConfig::build_with_warnings`] returns them.
-    pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
-        let (cfg, warnings) = Self::build_with_warnings(file, overrides)?;
+    /// [`TrainConfig::build_with_warnings_for`] returns them.
+    pub fn build_for(
+        schema: &dyn ModelSchema,
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<TrainConfig> {
+        let (cfg, warnings) = Self::build_with_warnings_for(schema, file, overrides)?;
         // Inside a job every rank builds the config: rank 0 speaks for all.
         if std::env::var("RANK").map_or(true, |r| r == "0") {
             for w in &warnings {
@@ -396,8 +394,9 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// [`TrainConfig::build`], returning the warnings instead of printing them.
-    pub fn build_with_warnings(
+    /// [`TrainConfig::build_for`], returning the warnings instead of printing them.
+    pub fn build_with_warnings_for(
+        schema: &dyn ModelSchema,
         file: Option<&Path>,
         overrides: &[String],
     ) -> Result<(TrainConfig, Vec<String>)> {
@@ -429,24 +428,34 @@ impl TrainConfig {
         let preset = table
             .get("model")
             .and_then(|m| m.get("preset"))
-            .and_then(|p| p.as_str())
-            .unwrap_or("gpt-tiny")
-            .to_string();
-        let mut base = TrainConfig::default();
-        base.model.preset = preset.clone();
-        model_preset(&preset, &mut base.model)?;
+            .and_then(|p| p.as_str());
+        let base = TrainConfig {
+            model: schema.section(preset)?,
+            ..TrainConfig::default()
+        };
         let mut merged = toml::Table::try_from(&base).map_err(|e| ConfigError(e.to_string()))?;
         merge::merge(&mut merged, table, "")?;
         let mut cfg: TrainConfig = toml::Value::Table(merged)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError(e.message().to_string()))?;
         cfg.derive = derive;
+        cfg.model_facts = schema.check(&cfg.model)?;
         if !recompute_given {
-            ds.apply_recompute(&mut cfg);
+            ds.apply_recompute(&mut cfg, &mut warnings);
         }
         cfg.validate()?;
         cfg.resolve_batch_from_env()?;
         Ok((cfg, warnings))
+    }
+
+    /// What the model's schema said of its section.
+    pub fn model_facts(&self) -> ModelFacts {
+        self.model_facts
+    }
+
+    /// Tokens per sample the model takes, where its section says.
+    pub fn seq_len(&self) -> Option<usize> {
+        self.model_facts.seq_len
     }
 
     /// The compute precision: `train.precision` when not fp32, else fp16 when

@@ -5,22 +5,7 @@ use super::{ConfigError, OffloadDevice, Precision, Result, Sharding, TrainConfig
 impl TrainConfig {
     /// Checks that do not depend on the world size.
     pub fn validate(&self) -> Result<()> {
-        let m = &self.model;
         let bad = |s: String| Err(ConfigError(s));
-        if m.n_layer == 0
-            || m.n_head == 0
-            || m.n_embd == 0
-            || m.vocab_size == 0
-            || m.block_size == 0
-        {
-            return bad(format!("model sizes must be positive: {m:?}"));
-        }
-        if !m.n_embd.is_multiple_of(m.n_head) {
-            return bad(format!(
-                "model.n_embd ({}) must be divisible by model.n_head ({})",
-                m.n_embd, m.n_head
-            ));
-        }
         if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
             return bad(
                 "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),

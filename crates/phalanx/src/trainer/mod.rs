@@ -150,11 +150,10 @@ impl Trainer {
         }
         let global_batch = cfg.global_batch(dp);
         let micro = micro_batch_size(global_batch, dp, cfg.train.grad_accum_steps)?;
-        if loader.seq_len() != cfg.model.block_size {
+        if let Some(t) = cfg.seq_len().filter(|&t| t != loader.seq_len()) {
             return Err(Error::Check(format!(
-                "data sequence length {} differs from model.block_size {}",
+                "data sequence length {} differs from the model's {t} (model section)",
                 loader.seq_len(),
-                cfg.model.block_size
             )));
         }
         if (loader.train_samples() as usize) < global_batch {
@@ -315,7 +314,7 @@ impl Trainer {
         if step == 0 {
             self.memory = Some(self.gather_memory()?);
         }
-        let tokens = (self.global_batch * self.cfg.model.block_size) as f64;
+        let tokens = (self.global_batch * self.loader.seq_len()) as f64;
         Ok(StepStats {
             step,
             loss,
@@ -442,7 +441,7 @@ impl Trainer {
                 m.pp_size,
                 m.tp_size,
                 self.global_batch,
-                self.cfg.model.block_size,
+                self.loader.seq_len(),
                 self.micro,
                 self.cfg.train.grad_accum_steps,
                 steps
