@@ -2,8 +2,6 @@
 
 use candle_core::{Device, IndexOp, Tensor};
 use clap::Args;
-use phalanx::config::TrainConfig;
-use phalanx::data::Tokenizer;
 use phalanx_models::gpt2::{hf, train};
 use std::path::PathBuf;
 
@@ -81,7 +79,7 @@ fn hf_overrides(path: &std::path::Path) -> Vec<String> {
 fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     let mut sets = hf_overrides(&o.model);
     sets.extend(o.set.iter().cloned());
-    let cfg = TrainConfig::build(o.config.as_deref(), &sets)?;
+    let cfg = phalanx_models::gpt2::config::build(o.config.as_deref(), &sets)?;
     let mut engine = train::build_engine(&cfg)?;
     hf::load_safetensors(&mut engine, &o.model).map_err(|e| {
         phalanx::Error::Check(format!(
@@ -90,7 +88,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             phalanx::Error::from(e)
         ))
     })?;
-    let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
+    let tok = cfg.data.tokenizer;
     let mut ids = tok.encode(&o.prompt);
     if ids.is_empty() {
         return Err(phalanx::Error::Check(
@@ -98,7 +96,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
         ));
     }
     let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
-    let t = cfg.model.block_size;
+    let t = train::model_config(&cfg)?.block_size;
     print!("{}", o.prompt);
     let mut printed = ids.len();
     for _ in 0..o.tokens {

@@ -7,6 +7,8 @@
 use clap::Args;
 use phalanx::config::TrainConfig;
 use phalanx::trainer::RunOptions;
+use phalanx_models::gpt2;
+use phalanx_models::gpt2::config::Gpt2Section;
 use phalanx_models::gpt2::train::{self, GptRun};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -47,7 +49,7 @@ pub struct TrainOpts {
 
 pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     let file = opts.config.as_deref().or(opts.deepspeed_config.as_deref());
-    let cfg = match TrainConfig::build(file, &opts.set) {
+    let cfg = match gpt2::config::build(file, &opts.set) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("phalanx train: {e}");
@@ -97,14 +99,15 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
     let lead = pg.rank() == 0;
     let loader = Arc::new(train::open_data(cfg)?);
     if lead {
+        let m = Gpt2Section::of(cfg)?;
         println!(
             "model {} ({} layers, {} heads, {} wide, vocab {}, context {}), data {} ({} tokenizer): {} train / {} val tokens",
-            cfg.model.preset,
-            cfg.model.n_layer,
-            cfg.model.n_head,
-            cfg.model.n_embd,
-            cfg.model.vocab_size,
-            cfg.model.block_size,
+            m.preset,
+            m.n_layer,
+            m.n_head,
+            m.n_embd,
+            m.vocab_size,
+            m.block_size,
             cfg.data.path,
             cfg.data.tokenizer,
             loader.train_tokens(),

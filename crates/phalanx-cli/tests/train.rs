@@ -188,7 +188,10 @@ fn bad_config_is_a_clear_error() {
             &["--set", "parallel.dp=3", "--nproc-per-node", "2"],
             "parallel.dp = 3",
         ),
-        (&["--set", "optim.name=\"lion\""], "optim.name"),
+        (
+            &["--set", "optim.name=\"lion\""],
+            r#"optim.name must be "adamw", "adam" or "sgd", not "lion""#,
+        ),
         (
             &["--set", "zero_optimization.stage=4"],
             "zero_optimization.stage must be 0 to 3",
@@ -204,11 +207,11 @@ fn bad_config_is_a_clear_error() {
         ),
         (
             &["--set", "parallel.sharding_strategy=PARTIAL"],
-            "is not FULL_SHARD",
+            r#"parallel.sharding_strategy must be "FULL_SHARD""#,
         ),
         (
             &["--set", "zero_optimization.offload_optimizer.device=tape"],
-            "must be none, cpu or nvme",
+            r#"zero_optimization.offload_optimizer.device must be "none", "cpu" or "nvme", not "tape""#,
         ),
     ];
     for (args, want) in cases {

@@ -4,13 +4,22 @@
 
 mod common;
 use common::*;
+use phalanx::strategy::pipeline::partition;
+use std::ops::Range;
 
 /// 6 heads of 6: divisible by tp 2.
 fn shape() -> Vec<String> {
     vec!["model.n_head=6".into(), "model.n_embd=36".into()]
 }
 
-fn check(what: &str, dp: usize, pp: usize, tp: usize, accum: usize, extra: &[&str]) {
+fn check(
+    what: &str,
+    dp: usize,
+    pp: usize,
+    tp: usize,
+    accum: usize,
+    extra: &[&str],
+) -> Vec<RankResult> {
     let base = run(1, config(1, 1, &shape())).remove(0);
     let mut e = shape();
     e.push(format!("parallel.pp={pp}"));
@@ -18,6 +27,7 @@ fn check(what: &str, dp: usize, pp: usize, tp: usize, accum: usize, extra: &[&st
     e.extend(extra.iter().map(|s| s.to_string()));
     let out = run(dp * pp * tp, config(dp, accum, &e));
     assert_named_match(what, &out, &base, 1e-5);
+    out
 }
 
 #[test]
@@ -59,7 +69,7 @@ fn three_d_2x2x2_on_8_ranks() {
 
 #[test]
 fn pipeline_with_zero2_is_refused_clearly() {
-    let e = phalanx::config::TrainConfig::build(
+    let e = phalanx_models::gpt2::config::build(
         None,
         &["parallel.pp=2".into(), "zero_optimization.stage=2".into()],
     );
@@ -69,22 +79,80 @@ fn pipeline_with_zero2_is_refused_clearly() {
         .contains("pipeline parallel composes with DDP and ZeRO-1"));
 }
 
+/// 4 layers 32 wide with a 16384-token vocabulary: by parameters the
+/// embedding and the head (which reads the tied embedding) weigh the same
+/// and the layers little, but in time the embedding is a lookup and the
+/// head a (B*T x 32) x (32 x 16384) product and its cross-entropy, more
+/// than everything before it together (about 5x the flops of the 4 layers).
+fn head_heavy() -> Vec<String> {
+    vec![
+        "model.n_layer=4".into(),
+        "model.n_head=4".into(),
+        "model.n_embd=32".into(),
+        "model.vocab_size=16384".into(),
+    ]
+}
+
+/// A valid split of `n` blocks into `k` contiguous non-empty chunks.
+fn assert_valid_split(what: &str, chunks: &[Range<usize>], n: usize, k: usize) {
+    assert_eq!(chunks.len(), k, "{what}: {chunks:?}");
+    assert_eq!(chunks[0].start, 0, "{what}: {chunks:?}");
+    assert_eq!(chunks[k - 1].end, n, "{what}: {chunks:?}");
+    for w in chunks.windows(2) {
+        assert_eq!(w[0].end, w[1].start, "{what}: {chunks:?}");
+    }
+    assert!(chunks.iter().all(|c| !c.is_empty()), "{what}: {chunks:?}");
+}
+
+/// The chunks every rank holds: one split, the same on all ranks.
+fn agreed_chunks(what: &str, out: &[RankResult]) -> Vec<Range<usize>> {
+    let c = out[0].chunks.clone().expect("a pipeline run");
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!(o.chunks.as_ref(), Some(&c), "{what}: rank {r}");
+    }
+    c
+}
+
 #[test]
-fn time_balanced_partition_trains_the_same() {
-    check(
-        "pp 2, partition by measured time",
-        1,
-        2,
-        1,
-        2,
-        &["parallel.pp_partition=time"],
+fn time_balanced_partition_follows_measured_cost() {
+    let what = "pp 2, partition by measured time";
+    let shape = head_heavy();
+    let base = run(1, config(1, 1, &shape)).remove(0);
+    let mut e = shape.clone();
+    e.extend(["parallel.pp=2".into(), "parallel.pp_partition=time".into()]);
+    let cfg = config(1, 2, &e);
+    // The split the parameter-count cost model predicts.
+    let engine = phalanx_models::gpt2::train::build_engine(&cfg).unwrap();
+    let n = engine.num_blocks();
+    let by_params = partition::balanced(&partition::param_costs(engine.layout()), 2).unwrap();
+    assert_eq!(n, 6);
+    assert_eq!(by_params, vec![0..3, 3..6]);
+    let out = run(2, cfg);
+    assert_named_match(what, &out, &base, 1e-5);
+    let chunks = agreed_chunks(what, &out);
+    assert_valid_split(what, &chunks, n, 2);
+    // Measured, the head outweighs the rest: the last stage holds fewer
+    // blocks than the parameter count would give it (the head alone).
+    assert!(
+        chunks[1].len() < by_params[1].len(),
+        "{what}: measured split {chunks:?}, by parameters {by_params:?}"
     );
-    check(
-        "pp 2, partition by hand",
+}
+
+#[test]
+fn hand_partition_is_the_one_given() {
+    let what = "pp 2, partition by hand";
+    let out = check(what, 1, 2, 1, 2, &["parallel.pp_partition=1,3"]);
+    assert_eq!(agreed_chunks(what, &out), vec![0..1, 1..4]);
+    let out = check(
+        "pp 2, balanced",
         1,
         2,
         1,
         2,
-        &["parallel.pp_partition=1,3"],
+        &["parallel.pp_partition=balanced"],
     );
+    // Balanced by the parameters each block reads (the head reads the
+    // tied embedding): embedding + layer 1 | layer 2 + head.
+    assert_eq!(agreed_chunks("balanced", &out), vec![0..2, 2..4]);
 }

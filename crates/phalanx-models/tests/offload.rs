@@ -101,7 +101,7 @@ fn an_unwritable_nvme_path_is_an_error_naming_it() {
     e.extend(offload(&bad, 1 << 20));
     let cfg = config(2, 1, &e);
     let errs = phalanx_comm::threads::run(2, move |pg| {
-        match train::train(&cfg, pg, loader(cfg.model.block_size), &GptRun::default()) {
+        match train::train(&cfg, pg, loader(cfg.seq_len().unwrap()), &GptRun::default()) {
             Ok(_) => String::new(),
             Err(e) => e.to_string(),
         }

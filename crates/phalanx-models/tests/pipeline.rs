@@ -3,7 +3,8 @@
 //! 1-rank training of a small GPT-2 with AdamW; so does pp x dp = 2 x 2.
 //! Schedule tables are valid for many (p, m, v) and broken ones are
 //! rejected; the stashes held match each schedule's bound; the simulated
-//! bubble matches theory; the measured bubble and a trace are produced.
+//! bubble matches theory; a trace is produced. (The measured bubble is a
+//! timing: `cargo run --release -p phalanx-models --example pipeline_bubble`.)
 //!
 //! The training loop in `run_pipeline` is the example of driving the API:
 //! `Pipeline::forward_backward`, clipping with `grad_sum_squares`, one
@@ -39,7 +40,7 @@ fn config(n_layer: usize) -> TrainConfig {
         "optim.lr=0.01".into(),
         "log.plot=\"\"".into(),
     ];
-    TrainConfig::build(None, &sets).unwrap()
+    phalanx_models::gpt2::config::build(None, &sets).unwrap()
 }
 
 fn loader() -> Arc<DataLoader> {
@@ -384,78 +385,4 @@ fn measured_bubble_and_trace_are_reported() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// The measured bubble against the simulated one (F = 1, B = 2 = I + W,
-/// free messages; for GPipe and 1F1B that is (p-1)/(m+p-1)) for a model
-/// large enough that compute dominates messages. Timing, so not run by
-/// default; the median over steps 1.. of each rank's bubble is printed:
-/// `RAYON_NUM_THREADS=1 cargo test --release -p phalanx-models --test pipeline -- --ignored --nocapture bubble_report`
-#[test]
-#[ignore]
-fn bubble_report() {
-    let sets: Vec<String> = vec![
-        "model.n_layer=4".into(),
-        "model.n_head=4".into(),
-        "model.n_embd=128".into(),
-        "model.block_size=64".into(),
-    ];
-    let cfg = TrainConfig::build(None, &sets).unwrap();
-    let lc = LoaderConfig {
-        seq_len: 64,
-        val_fraction: 0.0,
-        shuffle: true,
-        seed: 7,
-        vocab_size: Some(256),
-    };
-    let data = Arc::new(DataLoader::new(TokenData::from_tokens(common::corpus()), lc).unwrap());
-    let (micro, p, steps) = (4, 2, 6u64);
-    println!("schedule        p  m  bubble r0  bubble r1  simulated  step ms");
-    let kinds = [
-        ScheduleKind::Gpipe,
-        ScheduleKind::OneFOneB,
-        ScheduleKind::Interleaved { v: 2 },
-        ScheduleKind::ZbH1,
-    ];
-    for kind in kinds {
-        for m in [1, 2, 4, 8] {
-            let (cfg, data) = (cfg.clone(), data.clone());
-            let out = phalanx_comm::threads::run(p, move |pg| {
-                let mesh = DeviceMesh::new(&pg, 1, p, 1).unwrap();
-                let mut engine = build_engine(&cfg).unwrap();
-                let pc = PipelineConfig {
-                    schedule: kind,
-                    micro_batches: m,
-                    trace_steps: 1,
-                    ..Default::default()
-                };
-                let mut pipe = Pipeline::new(&engine, &mesh, pc).unwrap();
-                for step in 0..steps {
-                    let mut batch = |a: usize| {
-                        Ok(data
-                            .micro_batch(step, 0, 1, a, micro, m)?
-                            .to_tensors(&Device::Cpu)?)
-                    };
-                    pipe.forward_backward(&mut engine, &mut batch).unwrap();
-                }
-                let median = |mut v: Vec<f64>| {
-                    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                    v[v.len() / 2]
-                };
-                let st = &pipe.timeline().steps()[1..];
-                let b = median(st.iter().map(|s| s.bubble()).collect());
-                (b, median(st.iter().map(|s| s.window_us / 1e3).collect()))
-            });
-            let sim = Schedule::new(kind, p, m).unwrap();
-            let sim = sim.simulate(&Default::default()).unwrap().bubble[0];
-            println!(
-                "{:<15} {p}  {m}  {:>9.3}  {:>9.3}  {:>9.3}  {:>7.1}",
-                kind.to_string(),
-                out[0].0,
-                out[1].0,
-                sim,
-                out[0].1
-            );
-        }
-    }
 }

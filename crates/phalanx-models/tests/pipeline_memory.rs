@@ -47,7 +47,7 @@ fn evaluation_and_init_from_run_through_the_stages() {
     hf::save_safetensors(&src, &file).unwrap();
     let want = src.params_flat().to_vec();
     let cfg = config(1, 2, &sets(&["parallel.pp=2"]));
-    let loader = loader(cfg.model.block_size);
+    let loader = loader(cfg.seq_len().unwrap());
     let batch = loader.micro_batch(0, 0, 1, 0, 4, 1).unwrap();
     let (x, y) = batch.to_tensors(&candle_core::Device::Cpu).unwrap();
     let expect = src.eval_loss(&x, &y).unwrap();

@@ -104,7 +104,7 @@ fn drive(
     steps: Vec<usize>,
     inject: Option<(usize, usize)>,
 ) -> Vec<Trace> {
-    let loader = loader(cfg.model.block_size);
+    let loader = loader(cfg.seq_len().unwrap());
     phalanx_comm::threads::run(world, move |pg| {
         let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
         if let Some((k, r)) = inject {
@@ -203,7 +203,7 @@ fn gradients_reduced_in_bf16_track_fp32_and_send_half_the_bytes() {
     );
     let bytes = |reduce: &str| -> u64 {
         let cfg = config(2, 1, &[format!("train.reduce_dtype={reduce}")]);
-        let loader = loader(cfg.model.block_size);
+        let loader = loader(cfg.seq_len().unwrap());
         phalanx_comm::threads::run(2, move |pg| {
             let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
             t.step(0).unwrap();

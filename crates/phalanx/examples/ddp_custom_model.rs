@@ -77,7 +77,6 @@ pub fn blocks() -> Vec<Box<dyn Block>> {
 /// The training settings, in `phalanx train`'s config language.
 pub fn config(steps: usize, micro_batch: usize, grad_accum: usize) -> TrainConfig {
     let sets = [
-        format!("model.block_size={CONTEXT}"),
         format!("train.steps={steps}"),
         format!("train.micro_batch_size={micro_batch}"),
         format!("train.grad_accum_steps={grad_accum}"),

@@ -1,7 +1,10 @@
 //! DeepSpeed JSON configs and the new typed keys: configs are built only,
 //! nothing trains.
 
-use phalanx::config::{Precision, Recompute, TrainConfig};
+use phalanx::config::{
+    ConfigError, LrScheduleKind, ModelFacts, ModelSchema, OptimName, Precision, Recompute,
+    TrainConfig,
+};
 use phalanx::optim::schedule::WarmupType;
 use phalanx::optim::LrSchedule;
 use std::path::{Path, PathBuf};
@@ -20,6 +23,21 @@ fn set(s: &[&str]) -> Vec<String> {
 
 fn json(name: &str, text: &str) -> Result<(TrainConfig, Vec<String>), String> {
     TrainConfig::build_with_warnings(Some(&tmp(name, text)), &[]).map_err(|e| e.to_string())
+}
+
+/// A model section with 4 layers and no keys.
+struct FourLayers;
+
+impl ModelSchema for FourLayers {
+    fn section(&self, _: Option<&str>) -> Result<toml::Table, ConfigError> {
+        Ok(toml::Table::new())
+    }
+    fn check(&self, _: &toml::Table) -> Result<ModelFacts, ConfigError> {
+        Ok(ModelFacts {
+            seq_len: None,
+            n_layer: Some(4),
+        })
+    }
 }
 
 fn err(name: &str, text: &str) -> String {
@@ -282,13 +300,21 @@ fn deepspeed_checkpointing_section_turns_recompute_on() {
     .unwrap();
     assert_eq!(c.recompute(), Recompute::Full);
     assert!(c.activation_checkpointing.partition_activations);
-    // gpt-tiny has 4 layers: 2 checkpoints = every 2nd block.
-    let (c, _) = json(
+    // A model of 4 layers: 2 checkpoints = every 2nd block.
+    let p = tmp(
         "ckpt2.json",
+        r#"{"activation_checkpointing": {"number_checkpoints": 2}}"#,
+    );
+    let c = TrainConfig::build_for(&FourLayers, Some(&p), &[]).unwrap();
+    assert_eq!(c.recompute(), Recompute::Every(2));
+    // Without a model section the layer count is unknown: every block, said.
+    let (c, w) = json(
+        "ckpt2b.json",
         r#"{"activation_checkpointing": {"number_checkpoints": 2}}"#,
     )
     .unwrap();
-    assert_eq!(c.recompute(), Recompute::Every(2));
+    assert_eq!(c.recompute(), Recompute::Full);
+    assert!(w[0].contains("number_checkpoints"), "{w:?}");
     // An explicit key wins.
     let p = tmp(
         "ckpt3.json",
@@ -373,7 +399,7 @@ fn validation_of_new_keys() {
     assert_eq!(c.zero_optimization.offload_param.buffer_size, 4096);
     assert_eq!(c.param_offload_dir(), Some(PathBuf::from("/tmp/x")));
     let c = TrainConfig::build(None, &set(&["optim.name=adam"])).unwrap();
-    assert_eq!(c.optim.name, "adam");
+    assert_eq!(c.optim.name, OptimName::Adam);
     assert_eq!(c.bucket_bytes(), 25 << 20);
 }
 
@@ -387,7 +413,7 @@ fn schedules_follow_deepspeed_formulas() {
             "warmup_num_steps": 10, "total_num_steps": 110, "warmup_type": "linear"}}}"#,
     )
     .unwrap();
-    assert_eq!(c.optim.name, "adam");
+    assert_eq!(c.optim.name, OptimName::Adam);
     assert_eq!(c.optim.weight_decay, 0.0); // FusedAdam's default
     let s = LrSchedule::from_config(&c.optim, c.train.steps);
     let ds = |step: usize| {
@@ -437,8 +463,8 @@ fn schedules_follow_deepspeed_formulas() {
     )
     .unwrap();
     assert_eq!(
-        (c.optim.schedule.as_str(), c.optim.decay_steps),
-        ("cosine", 200)
+        (c.optim.schedule, c.optim.decay_steps),
+        (LrScheduleKind::Cosine, 200)
     );
     assert!((c.optim.min_lr - 0.001).abs() < 1e-12);
     // Cosine from a default config keeps its old numbers.
@@ -456,7 +482,7 @@ fn schedules_follow_deepspeed_formulas() {
 #[test]
 fn json_without_scheduler_or_clipping_takes_deepspeed_defaults() {
     let (c, _) = json("bare.json", r#"{"train_micro_batch_size_per_gpu": 2}"#).unwrap();
-    assert_eq!(c.optim.schedule, "constant");
+    assert_eq!(c.optim.schedule, LrScheduleKind::Constant);
     assert_eq!(c.optim.grad_clip, 0.0);
     assert_eq!(c.train.micro_batch_size, 2);
 }

@@ -2,19 +2,19 @@
 //! the one the equivalence tests drive with ranks as threads.
 //!
 //! ```no_run
-//! use phalanx::config::TrainConfig;
-//! use phalanx_models::gpt2::train::{self, GptRun};
-//! let cfg = TrainConfig::build(None, &["train.steps=10".into()]).unwrap();
+//! use phalanx_models::gpt2::{config, train::{self, GptRun}};
+//! let cfg = config::build(None, &["train.steps=10".into()]).unwrap();
 //! let pg = phalanx_comm::init_process_group().unwrap();
 //! let loader = std::sync::Arc::new(train::open_data(&cfg).unwrap());
 //! let (report, trainer) = train::train(&cfg, pg, loader, &GptRun::default()).unwrap();
 //! println!("final loss {}", report.losses.last().unwrap());
 //! ```
 
+use super::config::Gpt2Section;
 use super::{hf, Gpt2Config};
 use candle_core::Device;
 use phalanx::config::TrainConfig;
-use phalanx::data::{DataLoader, LoaderConfig, Tokenizer};
+use phalanx::data::{DataLoader, LoaderConfig};
 use phalanx::engine::Engine;
 use phalanx::mesh::DeviceMesh;
 use phalanx::tp::Tp;
@@ -33,14 +33,14 @@ pub struct GptRun {
     pub run: RunOptions,
 }
 
-pub fn model_config(cfg: &TrainConfig) -> Gpt2Config {
-    let m = &cfg.model;
-    Gpt2Config::new(m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size)
+/// The model of a config built with [`super::config::build`].
+pub fn model_config(cfg: &TrainConfig) -> Result<Gpt2Config> {
+    Ok(Gpt2Section::of(cfg)?.model())
 }
 
 /// A GPT-2 engine for the config, initialised with `train.seed`.
 pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
-    let g = model_config(cfg);
+    let g = model_config(cfg)?;
     g.validate()?;
     let ecfg = phalanx::trainer::engine_config(cfg);
     Ok(super::engine(&g, &Device::Cpu, ecfg)?)
@@ -48,13 +48,14 @@ pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
 
 /// The data loader the config describes (tokens checked against the vocabulary).
 pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
-    let tok = Tokenizer::from_name(&cfg.data.tokenizer)?;
+    let tok = cfg.data.tokenizer;
+    let m = model_config(cfg)?;
     let lc = LoaderConfig {
-        seq_len: cfg.model.block_size,
+        seq_len: m.block_size,
         val_fraction: cfg.data.val_fraction,
         shuffle: cfg.data.shuffle,
         seed: cfg.data.seed,
-        vocab_size: Some(cfg.model.vocab_size),
+        vocab_size: Some(m.vocab_size),
     };
     Ok(DataLoader::open(&cfg.data.path, tok, lc)?)
 }
@@ -70,7 +71,7 @@ pub fn trainer(
     let tp_size = cfg.parallel.tp;
     let dp = cfg.dp_for_world(pg.size())?;
     let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, tp_size)?;
-    let g = model_config(cfg);
+    let g = model_config(cfg)?;
     let ecfg = phalanx::trainer::engine_config(cfg);
     let tp = (tp_size > 1).then(|| Tp::new(mesh.tp().clone(), cfg.parallel.sequence_parallel));
     let init_err = |p: &Path, e: candle_core::Error| {
@@ -87,10 +88,10 @@ pub fn trainer(
             (engine, Vec::new())
         }
         Some(t) => {
-            if !cfg.model.block_size.is_multiple_of(t.size()) && cfg.parallel.sequence_parallel {
+            if !g.block_size.is_multiple_of(t.size()) && cfg.parallel.sequence_parallel {
                 return Err(Error::Check(format!(
                     "sequence parallel: model.block_size {} is not divisible by parallel.tp {}",
-                    cfg.model.block_size,
+                    g.block_size,
                     t.size()
                 )));
             }
@@ -123,7 +124,7 @@ pub fn train(
     let mut trainer = self::trainer(cfg, pg, loader, run)?;
     let tp = (cfg.parallel.tp > 1)
         .then(|| Tp::new(trainer.mesh().tp().clone(), cfg.parallel.sequence_parallel));
-    let g = model_config(cfg);
+    let g = model_config(cfg)?;
     let report = trainer.run(&run.run)?;
     if let Some(p) = &run.save_final {
         // ZeRO-3 holds shards: gather the whole model first (every rank).
@@ -149,7 +150,7 @@ pub fn full_named_params(
     cfg: &TrainConfig,
 ) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
     trainer.materialize_params()?;
-    let g = model_config(cfg);
+    let g = model_config(cfg)?;
     if cfg.parallel.tp > 1 {
         let t = Tp::new(trainer.mesh().tp().clone(), cfg.parallel.sequence_parallel);
         return super::tp::gather_full(trainer.engine(), &g, &t);
@@ -183,7 +184,7 @@ pub fn save_tensors(
     let tmp = path.with_extension("safetensors.tmp");
     candle_core::safetensors::save(&tensors, &tmp)?;
     std::fs::rename(&tmp, path)?;
-    let m = &cfg.model;
+    let m = model_config(cfg)?;
     let hf_cfg = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -193,7 +194,7 @@ pub fn save_tensors(
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "initializer_range": 0.02, "tie_word_embeddings": true,
         "bos_token_id": 50256, "eos_token_id": 50256,
-        "phalanx_tokenizer": cfg.data.tokenizer,
+        "phalanx_tokenizer": cfg.data.tokenizer.name(),
     });
     std::fs::write(
         dir.join("config.json"),

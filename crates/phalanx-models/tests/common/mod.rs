@@ -38,7 +38,7 @@ pub fn config(dp: usize, accum: usize, extra: &[String]) -> TrainConfig {
         "log.plot=\"\"".into(),
     ];
     sets.extend_from_slice(extra);
-    TrainConfig::build(None, &sets).unwrap()
+    phalanx_models::gpt2::config::build(None, &sets).unwrap()
 }
 
 pub struct RankResult {
@@ -48,6 +48,8 @@ pub struct RankResult {
     pub memory: Vec<MemoryReport>,
     /// The whole model by parameter name (gathered from tp / ZeRO-3 shards).
     pub named: std::collections::HashMap<String, Vec<f32>>,
+    /// Pipeline runs: the block range of every chunk, as this rank holds it.
+    pub chunks: Option<Vec<std::ops::Range<usize>>>,
 }
 
 /// The equivalence tests' data: 60 KB of the corpus as byte tokens, in
@@ -65,7 +67,7 @@ pub fn loader(seq_len: usize) -> Arc<DataLoader> {
 
 /// Train `cfg` on `world` ranks as threads.
 pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
-    let loader = loader(cfg.model.block_size);
+    let loader = loader(cfg.seq_len().unwrap());
     phalanx_comm::threads::run(world, move |pg| {
         let (report, mut trainer) =
             train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
@@ -74,11 +76,13 @@ pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
             .into_iter()
             .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
             .collect();
+        let chunks = trainer.strategy().pipeline().map(|p| p.chunks().to_vec());
         RankResult {
             losses: report.losses,
             params: trainer.full_params().unwrap(),
             memory: trainer.memory_report().unwrap().to_vec(),
             named,
+            chunks,
         }
     })
 }
@@ -124,7 +128,18 @@ pub fn assert_named_match(what: &str, out: &[RankResult], base: &RankResult, tol
         names.iter().flat_map(|n| m[*n].iter().copied()).collect()
     };
     let want = flat(&base.named);
+    assert!(
+        !base.losses.is_empty(),
+        "{what}: the 1-rank run has no losses"
+    );
     for (r, o) in out.iter().enumerate() {
+        assert_eq!(
+            o.losses.len(),
+            base.losses.len(),
+            "{what}: rank {r} ran {} steps, the 1-rank run {}",
+            o.losses.len(),
+            base.losses.len()
+        );
         for (k, (a, b)) in o.losses.iter().zip(&base.losses).enumerate() {
             assert!(
                 ((a - b) / b).abs() < 1e-5,

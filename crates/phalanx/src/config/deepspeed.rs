@@ -37,13 +37,22 @@ pub(crate) struct Extra {
 }
 
 impl Extra {
-    pub(crate) fn apply_recompute(&self, cfg: &mut TrainConfig) {
+    pub(crate) fn apply_recompute(&self, cfg: &mut TrainConfig, warnings: &mut Vec<String>) {
         cfg.train.activation_checkpointing = match self.recompute {
             None => return,
             Some(None) => Recompute::Full,
-            Some(Some(n)) => match cfg.model.n_layer.div_ceil(n.max(1)) {
-                0 | 1 => Recompute::Full,
-                k => Recompute::Every(k),
+            Some(Some(n)) => match cfg.model_facts.n_layer {
+                Some(layers) => match layers.div_ceil(n.max(1)) {
+                    0 | 1 => Recompute::Full,
+                    k => Recompute::Every(k),
+                },
+                None => {
+                    warnings.push(format!(
+                        "DeepSpeed key \"activation_checkpointing.number_checkpoints\" = {n}: the model \
+                         section does not say how many layers there are; recomputing every block"
+                    ));
+                    Recompute::Full
+                }
             },
         };
     }

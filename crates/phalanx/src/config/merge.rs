@@ -123,6 +123,9 @@ fn typed_value(full: &str, v: &toml::Value) -> Result<Option<toml::Value>> {
                 .map_err(|e| ConfigError(format!("`{full}`: {e}")))?;
             Ok(Some(toml::Value::String(p.name().into())))
         }
-        _ => Ok(None),
+        _ => match super::choices::parser(full) {
+            Some(parse) => parse(full, &text).map(Some).map_err(ConfigError),
+            None => Ok(None),
+        },
     }
 }

@@ -1,34 +1,45 @@
-//! Typed training configuration: sections `model`, `data`, `train`, `optim`,
-//! `parallel`, `log`, with presets, a TOML file and `--set section.key=value`
-//! overrides, applied in that order. Unknown keys and wrong types are
-//! errors that name the key.
+//! Typed training configuration: sections `data`, `train`, `optim`,
+//! `parallel`, `log` (and DeepSpeed's), from defaults, a TOML file and
+//! `--set section.key=value` overrides, applied in that order. Unknown keys
+//! and wrong types are errors that name the key.
+//!
+//! The `model` section belongs to the model crate (see [`ModelSchema`]):
+//! `phalanx_models::gpt2::config::build` builds a config with GPT-2's
+//! section and presets.
 //!
 //! ```
 //! use phalanx::config::TrainConfig;
-//! let cfg = TrainConfig::build(None, &["train.steps=5".into(), "model.n_layer=2".into()]).unwrap();
+//! let cfg = TrainConfig::build(None, &["train.steps=5".into()]).unwrap();
 //! assert_eq!(cfg.train.steps, 5);
-//! assert_eq!(cfg.model.n_layer, 2);
+//! assert!(cfg.model.is_empty());
 //! assert!(TrainConfig::build(None, &["train.stepz=5".into()]).is_err());
 //! ```
 
 mod batch;
+mod choices;
 mod deepspeed;
 mod merge;
+mod model;
 mod precision;
-mod presets;
 mod validate;
 
+pub use crate::data::Tokenizer;
+pub use choices::{
+    Choice, LrScheduleKind, OffloadDevice, OptimName, PpPartition, PpSchedule, ShardingStrategy,
+    WarmupType,
+};
+pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
     ActivationCheckpointingSection, Bf16Section, Fp16Section, Precision, Recompute,
 };
-pub use presets::{model_preset, PRESETS};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    pub model: ModelConfig,
+    /// The model's section, as its crate defines it (see [`ModelSchema`]).
+    pub model: toml::Table,
     pub data: DataConfig,
     pub train: TrainSection,
     pub optim: OptimConfig,
@@ -46,6 +57,9 @@ pub struct TrainConfig {
     /// `build` from the keys given; see the `batch` module).
     #[serde(skip)]
     derive: batch::Derive,
+    /// What the model's schema said of its section (set by `build_for`).
+    #[serde(skip)]
+    model_facts: ModelFacts,
 }
 
 /// DeepSpeed's `zero_optimization` block.
@@ -89,7 +103,7 @@ pub struct OffloadParam {
     /// `none`, `cpu` (host memory: on CPU training the parameters are
     /// already there, so it behaves as `none`) or `nvme` (one file per rank
     /// under `nvme_path`, read block by block and streamed by the update).
-    pub device: String,
+    pub device: OffloadDevice,
     pub nvme_path: String,
     /// Elements per chunk of the streamed optimizer update with `nvme`
     /// (DeepSpeed's `offload_param.buffer_size`); 2^20 = 4 MiB of f32.
@@ -99,7 +113,7 @@ pub struct OffloadParam {
 impl Default for OffloadParam {
     fn default() -> Self {
         OffloadParam {
-            device: "none".into(),
+            device: OffloadDevice::None,
             nvme_path: "runs/offload".into(),
             buffer_size: 1 << 20,
         }
@@ -111,14 +125,14 @@ impl Default for OffloadParam {
 pub struct OffloadOptimizer {
     /// `none`, `cpu` (host memory: on CPU training the state is already
     /// there) or `nvme` (files under `nvme_path`, streamed in chunks).
-    pub device: String,
+    pub device: OffloadDevice,
     pub nvme_path: String,
 }
 
 impl Default for OffloadOptimizer {
     fn default() -> Self {
         OffloadOptimizer {
-            device: "none".into(),
+            device: OffloadDevice::None,
             nvme_path: "runs/offload".into(),
         }
     }
@@ -133,26 +147,13 @@ pub struct Sharding {
     pub hybrid_group: usize,
 }
 
-/// The model's shape. `preset` fills every field; fields given explicitly
-/// (in the file or with --set) override the preset.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelConfig {
-    pub preset: String,
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_embd: usize,
-    pub vocab_size: usize,
-    pub block_size: usize,
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     /// A text file, a nanoGPT .bin (uint16) or an llm.c .bin.
     pub path: String,
     /// `byte` (vocab 256) or `gpt2` (BPE, vocab 50257).
-    pub tokenizer: String,
+    pub tokenizer: Tokenizer,
     pub shuffle: bool,
     pub seed: u64,
     /// The tail fraction of the tokens kept for validation.
@@ -188,7 +189,7 @@ pub struct OptimConfig {
     /// `adamw`, `adam` or `sgd`. `adam` is DeepSpeed's Adam with its default
     /// `adam_w_mode = true`, i.e. AdamW (decoupled weight decay): the same
     /// update as `adamw`.
-    pub name: String,
+    pub name: OptimName,
     pub lr: f64,
     pub min_lr: f64,
     pub weight_decay: f64,
@@ -201,11 +202,11 @@ pub struct OptimConfig {
     /// `cosine` (warmup then cosine to min_lr), `constant`, `warmup_constant`
     /// (DeepSpeed's WarmupLR) or `warmup_linear` (DeepSpeed's WarmupDecayLR);
     /// see [`crate::optim::LrSchedule`].
-    pub schedule: String,
+    pub schedule: LrScheduleKind,
     /// The learning rate warmup starts from (DeepSpeed's warmup_min_lr).
     pub warmup_min_lr: f64,
     /// `linear` or `log` (DeepSpeed's warmup_type).
-    pub warmup_type: String,
+    pub warmup_type: WarmupType,
     /// Step at which decay reaches min_lr (0: train.steps).
     pub decay_steps: usize,
 }
@@ -225,8 +226,8 @@ pub struct ParallelConfig {
     pub check_params_every: usize,
     /// FSDP's names: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD
     /// (DDP), HYBRID_SHARD (ZeRO-3 inside groups, replicated across them).
-    /// Empty: use `zero_optimization.stage`.
-    pub sharding_strategy: String,
+    /// Empty: use `zero_optimization.stage`. Case-insensitive.
+    pub sharding_strategy: ShardingStrategy,
     /// ZeRO-3 / FSDP: blocks gathered ahead in forward and in backward.
     pub forward_prefetch: usize,
     pub backward_prefetch: usize,
@@ -235,11 +236,12 @@ pub struct ParallelConfig {
     /// Megatron sequence parallelism (with tp > 1).
     pub sequence_parallel: bool,
     /// Pipeline schedule: gpipe, 1f1b, interleaved (or interleaved:V), zb-h1.
-    pub pp_schedule: String,
+    pub pp_schedule: PpSchedule,
     /// Model chunks per rank for the interleaved schedule.
     pub pp_virtual_stages: usize,
-    /// Blocks per stage: "balanced" (by parameter count) or counts "2,3,3".
-    pub pp_partition: String,
+    /// Blocks per stage: "balanced" (by parameter count), "time" (by the
+    /// measured time of each block) or counts "2,3,3".
+    pub pp_partition: PpPartition,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -255,10 +257,8 @@ pub struct LogConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        let mut model = ModelConfig::default();
-        model_preset("gpt-tiny", &mut model).expect("default preset exists");
         TrainConfig {
-            model,
+            model: toml::Table::new(),
             data: DataConfig::default(),
             train: TrainSection::default(),
             optim: OptimConfig::default(),
@@ -269,19 +269,7 @@ impl Default for TrainConfig {
             bf16: Bf16Section::default(),
             activation_checkpointing: ActivationCheckpointingSection::default(),
             derive: batch::Derive::Nothing,
-        }
-    }
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            preset: "gpt-tiny".into(),
-            n_layer: 0,
-            n_head: 0,
-            n_embd: 0,
-            vocab_size: 0,
-            block_size: 0,
+            model_facts: ModelFacts::default(),
         }
     }
 }
@@ -290,7 +278,7 @@ impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
             path: "data/corpus.txt".into(),
-            tokenizer: "byte".into(),
+            tokenizer: Tokenizer::Byte,
             shuffle: true,
             seed: 1337,
             val_fraction: 0.02,
@@ -318,7 +306,7 @@ impl Default for TrainSection {
 impl Default for OptimConfig {
     fn default() -> Self {
         OptimConfig {
-            name: "adamw".into(),
+            name: OptimName::AdamW,
             lr: 3e-3,
             min_lr: 3e-4,
             weight_decay: 0.1,
@@ -327,9 +315,9 @@ impl Default for OptimConfig {
             eps: 1e-8,
             grad_clip: 1.0,
             warmup_steps: 20,
-            schedule: "cosine".into(),
+            schedule: LrScheduleKind::Cosine,
             warmup_min_lr: 0.0,
-            warmup_type: "linear".into(),
+            warmup_type: WarmupType::Linear,
             decay_steps: 0,
         }
     }
@@ -343,14 +331,14 @@ impl Default for ParallelConfig {
             pp: 1,
             bucket_mb: 25.0,
             check_params_every: 0,
-            sharding_strategy: String::new(),
+            sharding_strategy: ShardingStrategy::Unset,
             forward_prefetch: 1,
             backward_prefetch: 1,
             hybrid_shard_size: 0,
             sequence_parallel: false,
-            pp_schedule: "1f1b".into(),
+            pp_schedule: PpSchedule::default(),
             pp_virtual_stages: 2,
-            pp_partition: "balanced".into(),
+            pp_partition: PpPartition::Balanced,
         }
     }
 }
@@ -378,14 +366,31 @@ impl std::error::Error for ConfigError {}
 type Result<T> = std::result::Result<T, ConfigError>;
 
 impl TrainConfig {
+    /// [`TrainConfig::build_for`] without a model section ([`NoModel`]).
+    pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
+        Self::build_for(&NoModel, file, overrides)
+    }
+
+    /// [`TrainConfig::build`], returning the warnings instead of printing them.
+    pub fn build_with_warnings(
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<(TrainConfig, Vec<String>)> {
+        Self::build_with_warnings_for(&NoModel, file, overrides)
+    }
+
     /// Defaults <- model preset <- file <- `section.key=value` overrides,
-    /// then validation. A file named `*.json` is a DeepSpeed config
+    /// then validation; `model` is the section `schema` defines. A file named `*.json` is a DeepSpeed config
     /// (translated to the same keys, see the `deepspeed` module); any other
     /// is TOML. Warnings (DeepSpeed keys accepted without effect) are
     /// printed to stderr (by rank 0 only inside a job);
-    /// [`TrainConfig::build_with_warnings`] returns them.
-    pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
-        let (cfg, warnings) = Self::build_with_warnings(file, overrides)?;
+    /// [`TrainConfig::build_with_warnings_for`] returns them.
+    pub fn build_for(
+        schema: &dyn ModelSchema,
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<TrainConfig> {
+        let (cfg, warnings) = Self::build_with_warnings_for(schema, file, overrides)?;
         // Inside a job every rank builds the config: rank 0 speaks for all.
         if std::env::var("RANK").map_or(true, |r| r == "0") {
             for w in &warnings {
@@ -395,8 +400,9 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// [`TrainConfig::build`], returning the warnings instead of printing them.
-    pub fn build_with_warnings(
+    /// [`TrainConfig::build_for`], returning the warnings instead of printing them.
+    pub fn build_with_warnings_for(
+        schema: &dyn ModelSchema,
         file: Option<&Path>,
         overrides: &[String],
     ) -> Result<(TrainConfig, Vec<String>)> {
@@ -428,24 +434,34 @@ impl TrainConfig {
         let preset = table
             .get("model")
             .and_then(|m| m.get("preset"))
-            .and_then(|p| p.as_str())
-            .unwrap_or("gpt-tiny")
-            .to_string();
-        let mut base = TrainConfig::default();
-        base.model.preset = preset.clone();
-        model_preset(&preset, &mut base.model)?;
+            .and_then(|p| p.as_str());
+        let base = TrainConfig {
+            model: schema.section(preset)?,
+            ..TrainConfig::default()
+        };
         let mut merged = toml::Table::try_from(&base).map_err(|e| ConfigError(e.to_string()))?;
         merge::merge(&mut merged, table, "")?;
         let mut cfg: TrainConfig = toml::Value::Table(merged)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError(e.message().to_string()))?;
         cfg.derive = derive;
+        cfg.model_facts = schema.check(&cfg.model)?;
         if !recompute_given {
-            ds.apply_recompute(&mut cfg);
+            ds.apply_recompute(&mut cfg, &mut warnings);
         }
         cfg.validate()?;
         cfg.resolve_batch_from_env()?;
         Ok((cfg, warnings))
+    }
+
+    /// What the model's schema said of its section.
+    pub fn model_facts(&self) -> ModelFacts {
+        self.model_facts
+    }
+
+    /// Tokens per sample the model takes, where its section says.
+    pub fn seq_len(&self) -> Option<usize> {
+        self.model_facts.seq_len
     }
 
     /// The compute precision: `train.precision` when not fp32, else fp16 when
@@ -475,13 +491,13 @@ impl TrainConfig {
     /// Where ZeRO-3 parameters are offloaded to (nvme), if anywhere.
     pub fn param_offload_dir(&self) -> Option<PathBuf> {
         let o = &self.zero_optimization.offload_param;
-        (o.device == "nvme").then(|| o.nvme_path.clone().into())
+        (o.device == OffloadDevice::Nvme).then(|| o.nvme_path.clone().into())
     }
 
     /// Where optimizer state is offloaded to (nvme), if anywhere.
     pub fn offload_dir(&self) -> Option<PathBuf> {
         let o = &self.zero_optimization.offload_optimizer;
-        (o.device == "nvme").then(|| o.nvme_path.clone().into())
+        (o.device == OffloadDevice::Nvme).then(|| o.nvme_path.clone().into())
     }
 
     /// The data-parallel size for a world size, with the batch checks that

@@ -1,62 +1,20 @@
 //! Checks of a built config that do not depend on the world size.
 
-use super::{ConfigError, Precision, Result, Sharding, TrainConfig};
+use super::{ConfigError, OffloadDevice, Precision, Result, Sharding, TrainConfig};
 
 impl TrainConfig {
     /// Checks that do not depend on the world size.
     pub fn validate(&self) -> Result<()> {
-        let m = &self.model;
         let bad = |s: String| Err(ConfigError(s));
-        if m.n_layer == 0
-            || m.n_head == 0
-            || m.n_embd == 0
-            || m.vocab_size == 0
-            || m.block_size == 0
-        {
-            return bad(format!("model sizes must be positive: {m:?}"));
-        }
-        if !m.n_embd.is_multiple_of(m.n_head) {
-            return bad(format!(
-                "model.n_embd ({}) must be divisible by model.n_head ({})",
-                m.n_embd, m.n_head
-            ));
-        }
         if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
             return bad(
                 "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),
             );
         }
-        if !matches!(self.data.tokenizer.as_str(), "byte" | "gpt2") {
-            return bad(format!(
-                "data.tokenizer must be \"byte\" or \"gpt2\", not {:?}",
-                self.data.tokenizer
-            ));
-        }
         if !(0.0..1.0).contains(&self.data.val_fraction) {
             return bad(format!(
                 "data.val_fraction must be in [0, 1), not {}",
                 self.data.val_fraction
-            ));
-        }
-        if !matches!(self.optim.name.as_str(), "adamw" | "adam" | "sgd") {
-            return bad(format!(
-                "optim.name must be \"adamw\", \"adam\" or \"sgd\", not {:?}",
-                self.optim.name
-            ));
-        }
-        if !matches!(
-            self.optim.schedule.as_str(),
-            "cosine" | "constant" | "warmup_constant" | "warmup_linear"
-        ) {
-            return bad(format!(
-                "optim.schedule must be \"cosine\", \"constant\", \"warmup_constant\" or \"warmup_linear\", not {:?}",
-                self.optim.schedule
-            ));
-        }
-        if !matches!(self.optim.warmup_type.as_str(), "linear" | "log") {
-            return bad(format!(
-                "optim.warmup_type must be \"linear\" or \"log\", not {:?}",
-                self.optim.warmup_type
             ));
         }
         if self.optim.warmup_min_lr < 0.0 || self.optim.warmup_min_lr > self.optim.lr {
@@ -72,31 +30,16 @@ impl TrainConfig {
             return bad("parallel.bucket_mb must be positive".into());
         }
         self.sharding()?;
-        if !matches!(
-            self.zero_optimization.offload_optimizer.device.as_str(),
-            "none" | "cpu" | "nvme"
-        ) {
-            return bad(format!(
-                "zero_optimization.offload_optimizer.device must be none, cpu or nvme, not {:?}",
-                self.zero_optimization.offload_optimizer.device
-            ));
-        }
-        if self.offload_dir().is_some() && self.optim.name == "sgd" {
+        if self.offload_dir().is_some() && !self.optim.name.is_adam() {
             return bad("optimizer offload is built for optim.name = adamw (or adam)".into());
         }
         let op = &self.zero_optimization.offload_param;
-        if !matches!(op.device.as_str(), "none" | "cpu" | "nvme") {
-            return bad(format!(
-                "zero_optimization.offload_param.device must be none, cpu or nvme, not {:?}",
-                op.device
-            ));
-        }
         if op.buffer_size == 0 {
             return bad("zero_optimization.offload_param.buffer_size must be at least 1".into());
         }
-        if op.device != "none" && self.sharding()?.stage != 3 {
+        if op.device != OffloadDevice::None && self.sharding()?.stage != 3 {
             return bad(format!(
-                "zero_optimization.offload_param.device = {:?} needs ZeRO stage 3 (zero_optimization.stage = 3), \
+                "zero_optimization.offload_param.device = {} needs ZeRO stage 3 (zero_optimization.stage = 3), \
                  the stage that partitions parameters; this config is stage {}",
                 op.device,
                 self.sharding()?.stage
@@ -127,19 +70,6 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if !matches!(
-            self.parallel
-                .pp_schedule
-                .to_ascii_lowercase()
-                .split(':')
-                .next(),
-            Some("gpipe" | "1f1b" | "interleaved" | "zb-h1")
-        ) {
-            return bad(format!(
-                "parallel.pp_schedule must be gpipe, 1f1b, interleaved or zb-h1, not {:?}",
-                self.parallel.pp_schedule
-            ));
-        }
         Ok(())
     }
 
@@ -153,17 +83,11 @@ impl TrainConfig {
                 "zero_optimization.stage must be 0 to 3, not {ds}"
             )));
         }
-        let (stage, hybrid) = match self.parallel.sharding_strategy.to_ascii_uppercase().as_str() {
-            "" => return Ok(Sharding { stage: ds, hybrid_group: 0 }),
-            "NO_SHARD" => (0, false),
-            "SHARD_GRAD_OP" => (2, false),
-            "FULL_SHARD" => (3, false),
-            "HYBRID_SHARD" => (3, true),
-            other => {
-                return Err(ConfigError(format!(
-                    "parallel.sharding_strategy {other:?} is not FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"
-                )))
-            }
+        let Some((stage, hybrid)) = self.parallel.sharding_strategy.stage() else {
+            return Ok(Sharding {
+                stage: ds,
+                hybrid_group: 0,
+            });
         };
         if ds != 0 && ds != stage {
             return Err(ConfigError(format!(

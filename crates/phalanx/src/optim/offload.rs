@@ -178,9 +178,9 @@ pub fn from_config(
         weight_decay: o.weight_decay as f32,
     };
     // "adam" is DeepSpeed's Adam with its default adam_w_mode = true: AdamW.
-    Ok(match (o.name.as_str(), offload) {
-        ("adamw" | "adam", None) => Box::new(AdamW::new(adam, layout, range, ledger)),
-        ("adamw" | "adam", Some((dir, tag))) => Box::new(DiskAdamW::new(
+    Ok(match (o.name.is_adam(), offload) {
+        (true, None) => Box::new(AdamW::new(adam, layout, range, ledger)),
+        (true, Some((dir, tag))) => Box::new(DiskAdamW::new(
             adam,
             layout,
             range,

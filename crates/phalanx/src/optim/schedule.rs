@@ -39,27 +39,11 @@
 //! assert_eq!((d.lr(5), d.lr(10), d.lr(60), d.lr(110), d.lr(200)), (0.5, 1.0, 0.5, 0.0, 0.0));
 //! ```
 
-use crate::config::OptimConfig;
+use crate::config::{LrScheduleKind, OptimConfig};
 
-/// How a warmup rises (DeepSpeed's `warmup_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WarmupType {
-    #[default]
-    Linear,
-    /// `ln(s + 1) / ln(warmup)`: fast at first.
-    Log,
-}
+pub use crate::config::WarmupType;
 
 impl WarmupType {
-    /// "linear" or "log" (anything else is linear; the config validates it).
-    pub fn parse(s: &str) -> WarmupType {
-        if s.eq_ignore_ascii_case("log") {
-            WarmupType::Log
-        } else {
-            WarmupType::Linear
-        }
-    }
-
     /// The warmup fraction at step `s < warmup`; `plus_one` is the cosine
     /// schedule's linear warmup, `(s + 1) / warmup`.
     fn gamma(self, s: usize, warmup: usize, plus_one: bool) -> f64 {
@@ -147,21 +131,21 @@ impl LrSchedule {
     pub fn from_config(o: &OptimConfig, total_steps: usize) -> LrSchedule {
         let (min_lr, max_lr, start) = (o.min_lr as f32, o.lr as f32, o.warmup_min_lr as f32);
         let warmup = o.warmup_steps;
-        let warmup_type = WarmupType::parse(&o.warmup_type);
+        let warmup_type = o.warmup_type;
         let decay = if o.decay_steps == 0 {
             total_steps
         } else {
             o.decay_steps
         };
-        match o.schedule.as_str() {
-            "constant" => LrSchedule::Constant { lr: max_lr },
-            "warmup_constant" => LrSchedule::WarmupConstant {
+        match o.schedule {
+            LrScheduleKind::Constant => LrSchedule::Constant { lr: max_lr },
+            LrScheduleKind::WarmupConstant => LrSchedule::WarmupConstant {
                 warmup_min_lr: start,
                 max_lr,
                 warmup,
                 warmup_type,
             },
-            "warmup_linear" => LrSchedule::WarmupLinear {
+            LrScheduleKind::WarmupLinear => LrSchedule::WarmupLinear {
                 warmup_min_lr: start,
                 max_lr,
                 min_lr,
@@ -169,13 +153,15 @@ impl LrSchedule {
                 warmup_type,
                 decay_steps: decay,
             },
-            _ if start == 0.0 && warmup_type == WarmupType::Linear => LrSchedule::WarmupCosine {
-                max_lr,
-                min_lr,
-                warmup,
-                decay_steps: decay.max(warmup + 1),
-            },
-            _ => LrSchedule::WarmupCosineFrom {
+            LrScheduleKind::Cosine if start == 0.0 && warmup_type == WarmupType::Linear => {
+                LrSchedule::WarmupCosine {
+                    max_lr,
+                    min_lr,
+                    warmup,
+                    decay_steps: decay.max(warmup + 1),
+                }
+            }
+            LrScheduleKind::Cosine => LrSchedule::WarmupCosineFrom {
                 warmup_min_lr: start,
                 max_lr,
                 min_lr,

@@ -193,7 +193,7 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             param_offload: cfg.param_offload_dir(),
             offload_chunk: cfg.zero_optimization.offload_param.buffer_size,
         };
-        if cfg.zero_optimization.offload_param.device == "cpu" {
+        if cfg.zero_optimization.offload_param.device == crate::config::OffloadDevice::Cpu {
             note_cpu_param_offload(mesh);
         }
         Box::new(Zero::new(

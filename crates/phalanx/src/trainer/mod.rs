@@ -150,11 +150,10 @@ impl Trainer {
         }
         let global_batch = cfg.global_batch(dp);
         let micro = micro_batch_size(global_batch, dp, cfg.train.grad_accum_steps)?;
-        if loader.seq_len() != cfg.model.block_size {
+        if let Some(t) = cfg.seq_len().filter(|&t| t != loader.seq_len()) {
             return Err(Error::Check(format!(
-                "data sequence length {} differs from model.block_size {}",
+                "data sequence length {} differs from the model's {t} (model section)",
                 loader.seq_len(),
-                cfg.model.block_size
             )));
         }
         if (loader.train_samples() as usize) < global_batch {
@@ -176,19 +175,20 @@ impl Trainer {
                     .map_err(|e| Error::Io(format!("optimizer offload: {e}")))
             };
         // A micro-batch to time the blocks on, for a time-balanced pipeline.
-        let sample = if mesh.pp_size > 1 && cfg.parallel.pp_partition.trim() == "time" {
-            let b = loader.micro_batch(
-                0,
-                pg.rank(),
-                pg.size(),
-                0,
-                micro,
-                cfg.train.grad_accum_steps,
-            )?;
-            Some(b.to_tensors(engine.device())?)
-        } else {
-            None
-        };
+        let sample =
+            if mesh.pp_size > 1 && cfg.parallel.pp_partition == crate::config::PpPartition::Time {
+                let b = loader.micro_batch(
+                    0,
+                    pg.rank(),
+                    pg.size(),
+                    0,
+                    micro,
+                    cfg.train.grad_accum_steps,
+                )?;
+                Some(b.to_tensors(engine.device())?)
+            } else {
+                None
+            };
         // DeepSpeed's activation-checkpointing options.
         let ac = &cfg.activation_checkpointing;
         let lead = mesh.world().rank() == 0;
@@ -329,7 +329,7 @@ impl Trainer {
         if step == 0 {
             self.memory = Some(self.gather_memory()?);
         }
-        let tokens = (self.global_batch * self.cfg.model.block_size) as f64;
+        let tokens = (self.global_batch * self.loader.seq_len()) as f64;
         Ok(StepStats {
             step,
             loss,
@@ -456,7 +456,7 @@ impl Trainer {
                 m.pp_size,
                 m.tp_size,
                 self.global_batch,
-                self.cfg.model.block_size,
+                self.loader.seq_len(),
                 self.micro,
                 self.cfg.train.grad_accum_steps,
                 steps,

@@ -2,8 +2,8 @@
 //! plain data parallel or ZeRO-1 over its dp axis, one optimizer per range
 //! of the flat buffer this rank's stages own.
 
-use super::{Partition, Pipeline, PipelineConfig, ScheduleKind};
-use crate::config::TrainConfig;
+use super::{Partition, Pipeline, PipelineConfig};
+use crate::config::{PpPartition, TrainConfig};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
@@ -30,28 +30,11 @@ pub struct PipeStrategy {
 /// The pipeline settings of a training config.
 pub fn pipeline_config(cfg: &TrainConfig) -> Result<PipelineConfig> {
     let p = &cfg.parallel;
-    let schedule = match p.pp_schedule.parse::<ScheduleKind>()? {
-        ScheduleKind::Interleaved { .. } if !p.pp_schedule.contains(':') => {
-            ScheduleKind::Interleaved {
-                v: p.pp_virtual_stages,
-            }
-        }
-        s => s,
-    };
-    let partition = match p.pp_partition.trim() {
-        "" | "balanced" => Partition::Balanced,
-        // Replaced by measured costs in `PipeStrategy::new`.
-        "time" => Partition::Balanced,
-        list => Partition::Sizes(
-            list.split(',')
-                .map(|s| s.trim().parse::<usize>())
-                .collect::<std::result::Result<_, _>>()
-                .map_err(|_| {
-                    Error::Check(format!(
-                        "parallel.pp_partition {list:?}: expected \"balanced\", \"time\" or block counts like \"2,3,3\""
-                    ))
-                })?,
-        ),
+    let schedule = p.pp_schedule.kind(p.pp_virtual_stages);
+    let partition = match &p.pp_partition {
+        // "time" is replaced by measured costs in `PipeStrategy::new`.
+        PpPartition::Balanced | PpPartition::Time => Partition::Balanced,
+        PpPartition::Counts(c) => Partition::Sizes(c.clone()),
     };
     Ok(PipelineConfig {
         schedule,
@@ -75,7 +58,7 @@ impl PipeStrategy {
         // "time": balance the measured forward + backward time of each block
         // on one micro-batch (world rank 0's measurement is used everywhere).
         // Timing runs the whole model, so it initialises all of it once.
-        if let (Some((x, y)), "time") = (&sample, cfg.parallel.pp_partition.trim()) {
+        if let (Some((x, y)), PpPartition::Time) = (&sample, &cfg.parallel.pp_partition) {
             engine.init_params(None);
             let costs = super::partition::measure_block_costs(engine, x, y, 2)?;
             pcfg.partition = Partition::Costs(costs);

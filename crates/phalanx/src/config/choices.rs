@@ -1,0 +1,381 @@
+//! Options that name one of a few choices, parsed once when the config is
+//! built. In TOML and `--set` they stay strings (the same strings as
+//! before, serialised by their canonical names, so `to_toml()` round-trips);
+//! a bad value is an error that names the key:
+//! `data.tokenizer must be "byte" or "gpt2", not "bpe"`.
+//!
+//! ```
+//! use phalanx::config::{OffloadDevice, OptimName, PpPartition, PpSchedule, ShardingStrategy, TrainConfig};
+//! use phalanx::data::Tokenizer;
+//! let c = TrainConfig::build(None, &[
+//!     "data.tokenizer=gpt2".into(), "optim.name=sgd".into(),
+//!     "parallel.sharding_strategy=full_shard".into(),
+//!     "parallel.pp_schedule=interleaved:3".into(), "parallel.pp_partition=\"2,3\"".into(),
+//!     "zero_optimization.offload_param.device=cpu".into(),
+//! ]).unwrap();
+//! assert_eq!(c.data.tokenizer, Tokenizer::Gpt2);
+//! assert_eq!(c.optim.name, OptimName::Sgd);
+//! assert_eq!(c.parallel.sharding_strategy, ShardingStrategy::FullShard);
+//! assert_eq!(c.parallel.pp_schedule.to_string(), "interleaved:3");
+//! assert_eq!(c.parallel.pp_partition, PpPartition::Counts(vec![2, 3]));
+//! assert_eq!(c.zero_optimization.offload_param.device, OffloadDevice::Cpu);
+//! assert_eq!(TrainConfig::build(None, &[]).unwrap().parallel.pp_schedule.to_string(), "1f1b");
+//! assert_eq!("interleaved".parse::<PpSchedule>().unwrap(), PpSchedule::Interleaved);
+//! let e = TrainConfig::build(None, &["data.tokenizer=bpe".into()]).unwrap_err().to_string();
+//! assert!(e.contains(r#"data.tokenizer must be "byte" or "gpt2", not "bpe""#), "{e}");
+//! ```
+
+use crate::data::Tokenizer;
+use crate::strategy::pipeline::ScheduleKind;
+use std::fmt;
+use std::str::FromStr;
+
+/// An option with a fixed set of names (matched case-insensitively).
+pub trait Choice: Sized + Copy + PartialEq + 'static {
+    /// The canonical names, in the order error messages list them.
+    const NAMES: &'static [(&'static str, Self)];
+    /// Other names accepted on input.
+    const ALIASES: &'static [(&'static str, Self)] = &[];
+
+    fn name(self) -> &'static str {
+        Self::NAMES
+            .iter()
+            .find(|(_, v)| *v == self)
+            .map(|(n, _)| *n)
+            .unwrap_or("?")
+    }
+
+    /// Parse a name; the error reads `must be "a", "b" or "c", not "x"`.
+    fn parse_name(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        Self::NAMES
+            .iter()
+            .chain(Self::ALIASES)
+            .find(|(n, _)| n.eq_ignore_ascii_case(t))
+            .map(|(_, v)| *v)
+            .ok_or_else(|| {
+                let names: Vec<String> =
+                    Self::NAMES.iter().map(|(n, _)| format!("{n:?}")).collect();
+                format!("must be {}, not {s:?}", one_of(&names))
+            })
+    }
+}
+
+/// "a", "a or b", "a, b or c".
+pub(crate) fn one_of(names: &[String]) -> String {
+    match names {
+        [] => String::new(),
+        [a] => a.clone(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
+/// Display, FromStr and serde (as a string) through [`Choice`].
+macro_rules! choice_impls {
+    ($($t:ty),*) => {$(
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(Choice::name(*self))
+            }
+        }
+        impl FromStr for $t {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                <$t as Choice>::parse_name(s)
+            }
+        }
+        serde_as_str!($t);
+    )*};
+}
+
+/// serde through Display / FromStr (a TOML string).
+macro_rules! serde_as_str {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                s.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+/// `data.tokenizer`: [`Tokenizer`] itself.
+impl Choice for Tokenizer {
+    const NAMES: &'static [(&'static str, Self)] =
+        &[("byte", Tokenizer::Byte), ("gpt2", Tokenizer::Gpt2)];
+    const ALIASES: &'static [(&'static str, Self)] = &[("r50k_base", Tokenizer::Gpt2)];
+}
+
+/// `optim.name`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OptimName {
+    #[default]
+    AdamW,
+    /// DeepSpeed's Adam with its default `adam_w_mode = true`: the same
+    /// update as AdamW (decoupled weight decay).
+    Adam,
+    Sgd,
+}
+
+impl OptimName {
+    /// AdamW or Adam (the same update here).
+    pub fn is_adam(self) -> bool {
+        matches!(self, OptimName::AdamW | OptimName::Adam)
+    }
+}
+
+impl Choice for OptimName {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("adamw", OptimName::AdamW),
+        ("adam", OptimName::Adam),
+        ("sgd", OptimName::Sgd),
+    ];
+}
+
+/// `optim.schedule` (see [`crate::optim::LrSchedule::from_config`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LrScheduleKind {
+    /// Warmup, then cosine to `optim.min_lr`.
+    #[default]
+    Cosine,
+    Constant,
+    /// DeepSpeed's WarmupLR.
+    WarmupConstant,
+    /// DeepSpeed's WarmupDecayLR.
+    WarmupLinear,
+}
+
+impl Choice for LrScheduleKind {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("cosine", LrScheduleKind::Cosine),
+        ("constant", LrScheduleKind::Constant),
+        ("warmup_constant", LrScheduleKind::WarmupConstant),
+        ("warmup_linear", LrScheduleKind::WarmupLinear),
+    ];
+}
+
+/// How a warmup rises (`optim.warmup_type`, DeepSpeed's `warmup_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WarmupType {
+    #[default]
+    Linear,
+    /// `ln(s + 1) / ln(warmup)`: fast at first.
+    Log,
+}
+
+impl Choice for WarmupType {
+    const NAMES: &'static [(&'static str, Self)] =
+        &[("linear", WarmupType::Linear), ("log", WarmupType::Log)];
+}
+
+/// `parallel.sharding_strategy`: FSDP's names for the ZeRO stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShardingStrategy {
+    /// `""`: `zero_optimization.stage` decides.
+    #[default]
+    Unset,
+    /// ZeRO-3.
+    FullShard,
+    /// ZeRO-2.
+    ShardGradOp,
+    /// DDP.
+    NoShard,
+    /// ZeRO-3 inside groups, replicated across them.
+    HybridShard,
+}
+
+impl Choice for ShardingStrategy {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("FULL_SHARD", ShardingStrategy::FullShard),
+        ("SHARD_GRAD_OP", ShardingStrategy::ShardGradOp),
+        ("NO_SHARD", ShardingStrategy::NoShard),
+        ("HYBRID_SHARD", ShardingStrategy::HybridShard),
+        ("", ShardingStrategy::Unset),
+    ];
+}
+
+impl ShardingStrategy {
+    /// (ZeRO stage, hybrid), or `None` when unset.
+    pub fn stage(self) -> Option<(u8, bool)> {
+        match self {
+            ShardingStrategy::Unset => None,
+            ShardingStrategy::NoShard => Some((0, false)),
+            ShardingStrategy::ShardGradOp => Some((2, false)),
+            ShardingStrategy::FullShard => Some((3, false)),
+            ShardingStrategy::HybridShard => Some((3, true)),
+        }
+    }
+}
+
+/// `zero_optimization.offload_optimizer.device` / `offload_param.device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadDevice {
+    #[default]
+    None,
+    /// Host memory (on CPU training the state is already there).
+    Cpu,
+    /// Files under `nvme_path`, streamed in chunks.
+    Nvme,
+}
+
+impl Choice for OffloadDevice {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("none", OffloadDevice::None),
+        ("cpu", OffloadDevice::Cpu),
+        ("nvme", OffloadDevice::Nvme),
+    ];
+}
+
+choice_impls!(
+    Tokenizer,
+    OptimName,
+    LrScheduleKind,
+    WarmupType,
+    ShardingStrategy,
+    OffloadDevice
+);
+
+/// `parallel.pp_schedule`: a [`ScheduleKind`], or `interleaved` without a
+/// chunk count (`parallel.pp_virtual_stages` chunks per rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PpSchedule {
+    /// `interleaved`: `parallel.pp_virtual_stages` chunks per rank.
+    Interleaved,
+    /// A schedule given in full (`gpipe`, `1f1b`, `interleaved:V`, `zb-h1`).
+    Kind(ScheduleKind),
+}
+
+impl Default for PpSchedule {
+    fn default() -> Self {
+        PpSchedule::Kind(ScheduleKind::OneFOneB)
+    }
+}
+
+impl PpSchedule {
+    pub fn new(kind: ScheduleKind) -> Self {
+        PpSchedule::Kind(kind)
+    }
+
+    /// The schedule, with `interleaved` taking `virtual_stages` chunks.
+    pub fn kind(self, virtual_stages: usize) -> ScheduleKind {
+        match self {
+            PpSchedule::Interleaved => ScheduleKind::Interleaved { v: virtual_stages },
+            PpSchedule::Kind(k) => k,
+        }
+    }
+}
+
+impl fmt::Display for PpSchedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PpSchedule::Interleaved => f.write_str("interleaved"),
+            PpSchedule::Kind(k) => write!(f, "{k}"),
+        }
+    }
+}
+
+impl FromStr for PpSchedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let l = s.trim().to_ascii_lowercase().replace('_', "-");
+        if l == "interleaved" || l == "interleaved-1f1b" {
+            return Ok(PpSchedule::Interleaved);
+        }
+        match l.parse::<ScheduleKind>() {
+            Ok(ScheduleKind::Interleaved { v }) if v < 2 => Err(format!(
+                "must have at least 2 chunks per rank (interleaved:V with V >= 2), not {s:?}"
+            )),
+            Ok(k) => Ok(PpSchedule::new(k)),
+            Err(_) => Err(format!(
+                "must be \"gpipe\", \"1f1b\", \"interleaved\", \"interleaved:V\" or \"zb-h1\", not {s:?}"
+            )),
+        }
+    }
+}
+
+serde_as_str!(PpSchedule);
+
+/// `parallel.pp_partition`: how blocks are split into pipeline stages.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PpPartition {
+    /// Balanced by parameter count (`"balanced"`, or `""`).
+    #[default]
+    Balanced,
+    /// Balanced by the measured time of each block on one micro-batch.
+    Time,
+    /// Blocks per stage, e.g. `"2,3,3"`.
+    Counts(Vec<usize>),
+}
+
+impl fmt::Display for PpPartition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PpPartition::Balanced => f.write_str("balanced"),
+            PpPartition::Time => f.write_str("time"),
+            PpPartition::Counts(c) => {
+                let s: Vec<String> = c.iter().map(usize::to_string).collect();
+                f.write_str(&s.join(","))
+            }
+        }
+    }
+}
+
+impl FromStr for PpPartition {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        match t.to_ascii_lowercase().as_str() {
+            "" | "balanced" => Ok(PpPartition::Balanced),
+            "time" => Ok(PpPartition::Time),
+            list => list
+                .trim_matches(|c| c == '[' || c == ']')
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+                .map(PpPartition::Counts)
+                .map_err(|_| {
+                    format!(
+                        "must be \"balanced\", \"time\" or block counts per stage like \"2,3,3\", not {s:?}"
+                    )
+                }),
+        }
+    }
+}
+
+serde_as_str!(PpPartition);
+
+/// The canonical TOML string of `text` parsed as `T`, or the error naming `key`.
+pub(crate) fn canonical<T>(key: &str, text: &str) -> Result<toml::Value, String>
+where
+    T: FromStr<Err = String> + fmt::Display,
+{
+    text.parse::<T>()
+        .map(|v| toml::Value::String(v.to_string()))
+        .map_err(|e| format!("{key} {e}"))
+}
+
+/// Parses a key's text into its canonical TOML value.
+pub(crate) type Parser = fn(&str, &str) -> Result<toml::Value, String>;
+
+/// The parser of each key that holds a choice.
+pub(crate) fn parser(key: &str) -> Option<Parser> {
+    Some(match key {
+        "data.tokenizer" => canonical::<Tokenizer>,
+        "optim.name" => canonical::<OptimName>,
+        "optim.schedule" => canonical::<LrScheduleKind>,
+        "optim.warmup_type" => canonical::<WarmupType>,
+        "parallel.sharding_strategy" => canonical::<ShardingStrategy>,
+        "parallel.pp_schedule" => canonical::<PpSchedule>,
+        "parallel.pp_partition" => canonical::<PpPartition>,
+        "zero_optimization.offload_optimizer.device" | "zero_optimization.offload_param.device" => {
+            canonical::<OffloadDevice>
+        }
+        _ => return None,
+    })
+}
