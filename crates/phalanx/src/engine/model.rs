@@ -102,8 +102,8 @@ impl Engine {
         let Some(seed) = self.pending_init.take() else {
             return;
         };
-        let all = [0..self.num_params()];
-        let ranges = ranges.unwrap_or(&all);
+        let all = 0..self.num_params();
+        let ranges = ranges.unwrap_or(std::slice::from_ref(&all));
         self.stack
             .init_params_in(self.params.as_mut_slice(), seed, ranges);
     }

@@ -238,7 +238,8 @@ impl Stack {
     /// Write the initial parameters (from the blocks' init hints, seeded by
     /// `(seed, name)`) into a flat buffer of `layout().num_params()` values.
     pub fn init_params(&self, flat: &mut [f32], seed: u64) {
-        self.init_params_in(flat, seed, &[0..self.layout.num_params()]);
+        let all = 0..self.layout.num_params();
+        self.init_params_in(flat, seed, std::slice::from_ref(&all));
     }
 
     /// As [`Stack::init_params`], for the parameters overlapping `ranges`

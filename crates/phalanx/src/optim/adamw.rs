@@ -23,7 +23,7 @@
 
 use std::ops::Range;
 
-use super::{check_lens, check_sub, segments_in, Optimizer};
+use super::{check_sub, segments_in, Optimizer};
 use crate::engine::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::simd_dispatch;
@@ -128,12 +128,6 @@ impl AdamW {
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
-        check_lens("AdamW", &self.range, params.len(), grads.len());
-        self.begin_step();
-        self.step_range(0..self.range.len(), params, grads, lr, grad_scale);
-    }
-
     fn steps_in_ranges(&self) -> bool {
         true
     }

@@ -36,8 +36,15 @@ pub use sgd::{Sgd, SgdConfig};
 pub trait Optimizer {
     /// Update `params` from `grads`, both exactly `range()` of the flat
     /// buffers. Gradients are multiplied by `grad_scale` first (the clipping
-    /// factor, fused into the same loop; 1.0 for none).
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32);
+    /// factor, fused into the same loop; 1.0 for none). By default one
+    /// [`Optimizer::begin_step`] and one [`Optimizer::step_range`] over all
+    /// of it (optimizers that cannot step in pieces implement this instead).
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
+        let range = self.range();
+        check_lens("optimizer", &range, params.len(), grads.len());
+        self.begin_step();
+        self.step_range(0..range.len(), params, grads, lr, grad_scale);
+    }
 
     /// The range of the flat buffer this optimizer updates.
     fn range(&self) -> Range<usize>;

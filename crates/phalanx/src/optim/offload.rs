@@ -98,12 +98,6 @@ fn write(f: &File, at: usize, data: &[f32]) {
 }
 
 impl Optimizer for DiskAdamW {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
-        super::check_lens("DiskAdamW", &self.range, params.len(), grads.len());
-        self.begin_step();
-        self.step_range(0..self.range.len(), params, grads, lr, grad_scale);
-    }
-
     fn steps_in_ranges(&self) -> bool {
         true
     }

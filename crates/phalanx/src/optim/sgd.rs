@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use super::{check_lens, check_sub, segments_in, Optimizer};
+use super::{check_sub, segments_in, Optimizer};
 use crate::engine::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
 
@@ -66,12 +66,6 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, grad_scale: f32) {
-        check_lens("SGD", &self.range, params.len(), grads.len());
-        self.begin_step();
-        self.step_range(0..self.range.len(), params, grads, lr, grad_scale);
-    }
-
     fn steps_in_ranges(&self) -> bool {
         true
     }

@@ -17,7 +17,7 @@
 //! contiguous ranges of the flat gradient buffer covering whole blocks.
 
 use super::reduce::{Collective, CommHook, DefaultHook, ReadyCursor, Reducer};
-use super::{dp_mean, BatchFn, Strategy};
+use super::{accumulate, BatchFn, Strategy};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
@@ -176,13 +176,10 @@ impl Strategy for Ddp {
         loss_scale: f32,
     ) -> Result<f32> {
         engine.zero_grad();
-        let mut sum = 0.0f64;
-        for a in 0..accum {
-            let (x, y) = batch(a)?;
-            sum +=
-                self.micro_step(engine, &x, &y, loss_scale / accum as f32, a + 1 == accum)? as f64;
-        }
-        dp_mean(&self.pg, sum / accum as f64)
+        let dp = self.pg.clone();
+        accumulate(&dp, batch, accum, loss_scale, &mut |x, y, scale, last| {
+            self.micro_step(engine, x, y, scale, last)
+        })
     }
 
     fn finish_step(

@@ -121,6 +121,24 @@ pub trait Strategy: Send {
     }
 }
 
+/// Gradient accumulation: micro-batches `0..accum`, each run by
+/// `micro(x, y, loss_scale / accum, last)`; returns the mean of their
+/// losses averaged over the data-parallel replicas `dp`.
+pub fn accumulate(
+    dp: &ProcessGroup,
+    batch: &mut BatchFn,
+    accum: usize,
+    loss_scale: f32,
+    micro: &mut dyn FnMut(&Tensor, &Tensor, f32, bool) -> Result<f32>,
+) -> Result<f32> {
+    let mut sum = 0.0f64;
+    for a in 0..accum {
+        let (x, y) = batch(a)?;
+        sum += micro(&x, &y, loss_scale / accum as f32, a + 1 == accum)? as f64;
+    }
+    dp_mean(dp, sum / accum as f64)
+}
+
 /// The loss averaged over the data-parallel replicas.
 pub fn dp_mean(dp: &ProcessGroup, loss: f64) -> Result<f32> {
     let mut l = [loss];

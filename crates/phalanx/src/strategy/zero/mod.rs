@@ -39,7 +39,7 @@ use super::reduce::{
     plan_buckets, Bucket, Collective, CommHook, DefaultHook, ReadyCursor, Reducer,
 };
 use super::shard::Shards;
-use super::{dp_mean, BatchFn, MakeOptimizer, Strategy};
+use super::{accumulate, BatchFn, MakeOptimizer, Strategy};
 use crate::engine::{Engine, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
@@ -506,13 +506,10 @@ impl Strategy for Zero {
         loss_scale: f32,
     ) -> Result<f32> {
         self.zero_grad(engine);
-        let mut sum = 0.0f64;
-        for a in 0..accum {
-            let (x, y) = batch(a)?;
-            sum +=
-                self.micro_step(engine, &x, &y, loss_scale / accum as f32, a + 1 == accum)? as f64;
-        }
-        dp_mean(&self.dp, sum / accum as f64)
+        let dp = self.dp.clone();
+        accumulate(&dp, batch, accum, loss_scale, &mut |x, y, scale, last| {
+            self.micro_step(engine, x, y, scale, last)
+        })
     }
 
     fn finish_step(
