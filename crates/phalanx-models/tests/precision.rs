@@ -29,11 +29,13 @@ fn worst(out: &[RankResult], base: &RankResult) -> (f64, f64) {
 /// differences of a few percent (bf16) and below 1% (fp16) are rounding,
 /// while a wrong gradient (a missing scale, a lost block) gives O(1).
 #[test]
-fn bf16_and_fp16_track_fp32_under_ddp_and_zero3() {
+fn bf16_and_fp16_track_fp32_under_ddp_and_zero_1_2_3() {
     let base = run(1, config(1, 1, &[])).remove(0);
     for (prec, loss_tol, param_tol) in [("bf16", 0.02, 0.08), ("fp16", 0.005, 0.02)] {
         for (what, extra) in [
             ("DDP", "zero_optimization.stage=0"),
+            ("ZeRO-1", "zero_optimization.stage=1"),
+            ("ZeRO-2", "zero_optimization.stage=2"),
             ("ZeRO-3", "zero_optimization.stage=3"),
         ] {
             let e = vec![format!("train.precision={prec}"), extra.to_string()];
@@ -201,19 +203,56 @@ fn gradients_reduced_in_bf16_track_fp32_and_send_half_the_bytes() {
         dl < 0.01 && dp < 0.05,
         "reduce in bf16: loss {dl:e}, params {dp:e}"
     );
-    let bytes = |reduce: &str| -> u64 {
-        let cfg = config(2, 1, &[format!("train.reduce_dtype={reduce}")]);
-        let loader = loader(cfg.seq_len().unwrap());
-        phalanx_comm::threads::run(2, move |pg| {
-            let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
-            t.step(0).unwrap();
-            t.step(1).unwrap().comm_bytes
-        })[0]
-    };
-    let (f32b, bf16b) = (bytes("fp32"), bytes("bf16"));
+    let (f32b, bf16b) = (
+        step_bytes(&["train.reduce_dtype=fp32"]),
+        step_bytes(&["train.reduce_dtype=bf16"]),
+    );
     // Gradients dominate a DDP step's traffic: bf16 halves them.
     assert!(
         (bf16b as f64) < 0.6 * f32b as f64,
         "bytes per step: fp32 {f32b}, bf16 {bf16b}"
+    );
+}
+
+/// Bytes rank 0 sends in its second step, 2 ranks.
+fn step_bytes(extra: &[&str]) -> u64 {
+    let e: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let cfg = config(2, 1, &e);
+    let loader = loader(cfg.seq_len().unwrap());
+    phalanx_comm::threads::run(2, move |pg| {
+        let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        t.step(0).unwrap();
+        t.step(1).unwrap().comm_bytes
+    })[0]
+}
+
+/// ZeRO-3 gathers parameters in the compute dtype: the block casts them to
+/// it anyway, so training is that of DDP in bf16, with fewer bytes.
+#[test]
+fn zero3_gathers_in_the_compute_dtype() {
+    let ddp = run(2, config(2, 1, &["train.precision=bf16".into()]));
+    let z3 = run(
+        2,
+        config(
+            2,
+            1,
+            &[
+                "train.precision=bf16".into(),
+                "zero_optimization.stage=3".into(),
+            ],
+        ),
+    );
+    let (dl, dp) = worst(&z3, &ddp[0]);
+    assert!(
+        dl < 1e-4 && dp < 1e-3,
+        "ZeRO-3 vs DDP in bf16: loss {dl:e}, params {dp:e}"
+    );
+    let f = step_bytes(&["zero_optimization.stage=3"]);
+    let h = step_bytes(&["zero_optimization.stage=3", "train.precision=bf16"]);
+    // Two gathers (forward, backward) and one reduce-scatter per block: the
+    // gathers at half size give 2/3 of the bytes.
+    assert!(
+        (h as f64) < 0.75 * f as f64,
+        "ZeRO-3 bytes per step: fp32 {f}, bf16 {h}"
     );
 }

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
 use crate::strategy::reduce::Bucket;
 use crate::strategy::shard::Shards;
-use phalanx_comm::{ProcessGroup, Work};
+use phalanx_comm::ProcessGroup;
 use std::collections::{HashMap, VecDeque};
 
 /// Gradient staging for stages 2-3: one buffer per reduction unit, created
@@ -59,7 +59,12 @@ pub(super) struct Gatherer<'a> {
 
 /// A gather in flight: (block that needs it, block gathered, the gather,
 /// the charge for the piece read from an offloaded shard).
-type Pending = (usize, usize, Work<Vec<f32>>, Option<Charge>);
+type Pending = (
+    usize,
+    usize,
+    crate::strategy::reduce::Pending,
+    Option<Charge>,
+);
 
 impl<'a> Gatherer<'a> {
     pub(super) fn over(
@@ -105,7 +110,12 @@ impl<'a> Gatherer<'a> {
         store
             .read(local, &mut piece)
             .map_err(|e| Error::Io(e.to_string()))?;
-        let w = pg.all_gather_async(piece, shards.counts(&r));
+        let w = gather_in(
+            pg,
+            piece,
+            shards.counts(&r),
+            self.engine.stack().compute_dtype(),
+        );
         self.pending.push_back((b, owner, w, charge));
         Ok(())
     }
@@ -150,5 +160,45 @@ impl ParamSource for Gathered {
             Some(v) => Ok(v),
             None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
         }
+    }
+}
+
+/// All-gather `piece` in the compute dtype (mixed precision halves the
+/// bytes): a block casts its parameters to that dtype anyway, and rounding
+/// to it is idempotent, so the block sees exactly what a full-precision
+/// gather would have given it.
+fn gather_in(
+    pg: &ProcessGroup,
+    piece: Vec<f32>,
+    counts: Vec<usize>,
+    dtype: candle_core::DType,
+) -> crate::strategy::reduce::Pending {
+    use crate::strategy::reduce::Pending as P;
+    use candle_core::DType;
+    use half::slice::HalfFloatSliceExt;
+    match dtype {
+        DType::BF16 => {
+            let mut h = vec![half::bf16::ZERO; piece.len()];
+            crate::ops::cpu::f32_to_bf16(&piece, &mut h);
+            let w = pg.all_gather_async(h, counts);
+            P::new(move || {
+                let h = w.wait()?;
+                let mut out = vec![0f32; h.len()];
+                crate::ops::cpu::bf16_to_f32(&h, &mut out);
+                Ok(out)
+            })
+        }
+        DType::F16 => {
+            let mut h = vec![half::f16::ZERO; piece.len()];
+            h.convert_from_f32_slice(&piece);
+            let w = pg.all_gather_async(h, counts);
+            P::new(move || {
+                let h = w.wait()?;
+                let mut out = vec![0f32; h.len()];
+                h.convert_to_f32_slice(&mut out);
+                Ok(out)
+            })
+        }
+        _ => P::work(pg.all_gather_async(piece, counts)),
     }
 }
