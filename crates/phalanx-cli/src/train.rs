@@ -6,7 +6,7 @@
 
 use clap::Args;
 use phalanx::config::TrainConfig;
-use phalanx::trainer::RunOptions;
+use phalanx::trainer::{Resume, RunOptions};
 use phalanx_models::gpt2;
 use phalanx_models::gpt2::config::Gpt2Section;
 use phalanx_models::gpt2::train::{self, GptRun};
@@ -42,6 +42,11 @@ pub struct TrainOpts {
     /// Write a Chrome / Perfetto trace of the pipeline schedule (pp > 1).
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Continue from a checkpoint: a checkpoint directory, a directory of
+    /// checkpoints (its latest complete one), or `auto` (the latest under
+    /// `checkpoint.dir`, else a fresh start).
+    #[arg(long, value_name = "PATH|auto")]
+    pub resume: Option<String>,
     /// Print the resolved config and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -128,6 +133,10 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
             log_json,
             plot,
             trace: opts.trace.clone(),
+            resume: opts.resume.as_deref().map(|r| match r {
+                "auto" => Resume::Auto,
+                p => Resume::Path(p.into()),
+            }),
         },
     };
     let t0 = std::time::Instant::now();

@@ -1,4 +1,5 @@
 //! Phalanx: distributed training for candle models.
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod engine;

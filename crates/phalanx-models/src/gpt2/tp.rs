@@ -342,3 +342,43 @@ pub fn replicated_ranges(engine: &Engine, cfg: &Gpt2Config, tp: usize) -> Vec<Ra
         .map(|p| p.range())
         .collect()
 }
+
+/// Where this tp rank's parameters sit in the full tensors, for
+/// checkpoints: the slices of [`rule`] (c_attn's three row ranges, the
+/// vocab-parallel rows without their padding, the row-parallel columns).
+pub struct TpPlacement {
+    pub vocab: usize,
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl phalanx::checkpoint::Placement for TpPlacement {
+    fn place(&self, p: &phalanx::engine::ParamInfo) -> phalanx::checkpoint::Placed {
+        use phalanx::checkpoint::Placed;
+        let full = full_shape(&p.name, &p.shape, self.vocab, self.size);
+        match rule(&p.name, &full, self.vocab, self.rank, self.size) {
+            Rule::Full => Placed::whole(&p.shape),
+            Rule::Cols(c) => Placed {
+                blocks: vec![(0..p.shape[0], vec![0, c.start])],
+                shape: full,
+            },
+            Rule::Rows(ranges) => {
+                let mut at = 0;
+                let mut blocks = Vec::new();
+                for rg in ranges {
+                    let have = rg.start.min(full[0])..rg.end.min(full[0]);
+                    if !have.is_empty() {
+                        let mut off = vec![0; full.len()];
+                        off[0] = have.start;
+                        blocks.push((at..at + have.len(), off));
+                    }
+                    at += rg.len();
+                }
+                Placed {
+                    shape: full,
+                    blocks,
+                }
+            }
+        }
+    }
+}

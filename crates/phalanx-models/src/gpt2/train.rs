@@ -107,6 +107,13 @@ pub fn trainer(
         }
     };
     let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
+    if let Some(t) = &tp {
+        trainer.set_placement(Arc::new(super::tp::TpPlacement {
+            vocab: g.vocab_size,
+            rank: t.rank(),
+            size: t.size(),
+        }));
+    }
     if let (Some(p), None, true) = (&run.init_from, &tp, cfg.parallel.pp > 1) {
         hf::load_safetensors(trainer.engine_mut(), p).map_err(|e| init_err(p, e))?;
     }

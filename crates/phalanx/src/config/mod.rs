@@ -47,6 +47,7 @@ pub struct TrainConfig {
     /// ZeRO in DeepSpeed's words (`parallel.sharding_strategy` says the same in FSDP's).
     pub zero_optimization: ZeroOptimization,
     pub log: LogConfig,
+    pub checkpoint: CheckpointConfig,
     /// DeepSpeed's fp16 section (loss scaling); see [`TrainConfig::precision`].
     pub fp16: Fp16Section,
     /// DeepSpeed's bf16 section.
@@ -255,6 +256,33 @@ pub struct LogConfig {
     pub plot: String,
 }
 
+/// Distributed checkpoints (`phalanx::checkpoint`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Where checkpoints go (`step-NNNNNNNN/` directories and `latest`).
+    pub dir: String,
+    /// Save every this many steps, and at the end (0: never).
+    pub interval: usize,
+    /// How many checkpoints to keep (the newest).
+    pub keep: usize,
+    /// Write in the background (DCP's `async_save`): the step pays for a
+    /// staging copy only.
+    #[serde(rename = "async")]
+    pub async_save: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            dir: "runs/checkpoints".into(),
+            interval: 0,
+            keep: 3,
+            async_save: false,
+        }
+    }
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
@@ -265,6 +293,7 @@ impl Default for TrainConfig {
             parallel: ParallelConfig::default(),
             zero_optimization: ZeroOptimization::default(),
             log: LogConfig::default(),
+            checkpoint: CheckpointConfig::default(),
             fp16: Fp16Section::default(),
             bf16: Bf16Section::default(),
             activation_checkpointing: ActivationCheckpointingSection::default(),

@@ -11,6 +11,12 @@ impl TrainConfig {
                 "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),
             );
         }
+        if self.checkpoint.interval > 0 && self.checkpoint.keep == 0 {
+            return bad("checkpoint.keep must be at least 1".into());
+        }
+        if self.checkpoint.interval > 0 && self.checkpoint.dir.trim().is_empty() {
+            return bad("checkpoint.dir must name a directory".into());
+        }
         if !(0.0..1.0).contains(&self.data.val_fraction) {
             return bad(format!(
                 "data.val_fraction must be in [0, 1), not {}",

@@ -182,4 +182,27 @@ impl Optimizer for AdamW {
     fn state_bytes(&self) -> usize {
         (self.m.len() + self.v.len()) * 4
     }
+
+    fn kind(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)> {
+        Ok((
+            vec![("exp_avg", self.m.clone()), ("exp_avg_sq", self.v.clone())],
+            self.t,
+        ))
+    }
+
+    fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
+        match name {
+            "exp_avg" => super::load_into("adamw", name, &mut self.m, values),
+            "exp_avg_sq" => super::load_into("adamw", name, &mut self.v, values),
+            _ => Err(super::unknown_state("adamw", name)),
+        }
+    }
+
+    fn set_step_count(&mut self, t: u64) {
+        self.t = t;
+    }
 }

@@ -52,6 +52,19 @@ pub trait Optimizer {
     /// Bytes of optimizer state held.
     fn state_bytes(&self) -> usize;
 
+    /// The optimizer's name in checkpoints (`adamw`, `sgd`).
+    fn kind(&self) -> &'static str;
+
+    /// Its state for a checkpoint: each buffer by name (PyTorch's names:
+    /// `exp_avg`, `exp_avg_sq`, `momentum_buffer`), `range().len()` values
+    /// each, and the number of steps taken.
+    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)>;
+
+    /// Restore a buffer [`Optimizer::state`] named (`values` is
+    /// `range().len()` long), and the step count.
+    fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()>;
+    fn set_step_count(&mut self, t: u64);
+
     /// Whether [`Optimizer::begin_step`] / [`Optimizer::step_range`] work.
     fn steps_in_ranges(&self) -> bool {
         false
@@ -112,4 +125,22 @@ fn check_lens(name: &str, range: &Range<usize>, params: usize, grads: usize) {
         "{name}: range {range:?} needs {} params and grads, got {params} and {grads}",
         range.len()
     );
+}
+
+/// The error for a state buffer an optimizer does not have.
+fn unknown_state(kind: &str, name: &str) -> std::io::Error {
+    std::io::Error::other(format!("{kind} has no state buffer {name:?}"))
+}
+
+/// Copy `values` into `dst`, checking the length.
+fn load_into(kind: &str, name: &str, dst: &mut [f32], values: &[f32]) -> std::io::Result<()> {
+    if dst.len() != values.len() {
+        return Err(std::io::Error::other(format!(
+            "{kind} state {name:?}: {} values for a range of {}",
+            values.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(values);
+    Ok(())
 }

@@ -147,6 +147,39 @@ impl Optimizer for DiskAdamW {
     fn state_bytes(&self) -> usize {
         0
     }
+
+    fn kind(&self) -> &'static str {
+        "adamw"
+    }
+
+    /// Reads the offloaded moments into memory (a checkpoint's staging copy).
+    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)> {
+        let n = self.range.len();
+        let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+        self.m.read_exact_at(bytemuck::cast_slice_mut(&mut m), 0)?;
+        self.v.read_exact_at(bytemuck::cast_slice_mut(&mut v), 0)?;
+        Ok((vec![("exp_avg", m), ("exp_avg_sq", v)], self.t))
+    }
+
+    fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
+        let f = match name {
+            "exp_avg" => &self.m,
+            "exp_avg_sq" => &self.v,
+            _ => return Err(super::unknown_state("adamw", name)),
+        };
+        if values.len() != self.range.len() {
+            return Err(std::io::Error::other(format!(
+                "adamw state {name:?}: {} values for a range of {}",
+                values.len(),
+                self.range.len()
+            )));
+        }
+        f.write_all_at(bytemuck::cast_slice(values), 0)
+    }
+
+    fn set_step_count(&mut self, t: u64) {
+        self.t = t;
+    }
 }
 
 impl Drop for DiskAdamW {

@@ -111,4 +111,23 @@ impl Optimizer for Sgd {
     fn state_bytes(&self) -> usize {
         self.buf.len() * 4
     }
+
+    fn kind(&self) -> &'static str {
+        "sgd"
+    }
+
+    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)> {
+        Ok((vec![("momentum_buffer", self.buf.clone())], self.t))
+    }
+
+    fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
+        match name {
+            "momentum_buffer" => super::load_into("sgd", name, &mut self.buf, values),
+            _ => Err(super::unknown_state("sgd", name)),
+        }
+    }
+
+    fn set_step_count(&mut self, t: u64) {
+        self.t = t;
+    }
 }

@@ -17,6 +17,7 @@
 //! contiguous ranges of the flat gradient buffer covering whole blocks.
 
 use super::reduce::{Collective, CommHook, DefaultHook, ReadyCursor, Reducer};
+use super::state::{fill_params, restore_optimizer, snapshot, StateFill, StateRange};
 use super::{accumulate, BatchFn, Strategy};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -217,6 +218,25 @@ impl Strategy for Ddp {
 
     fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {
         vec![self.opt.as_ref()]
+    }
+
+    fn save_state(&self, engine: &Engine) -> Result<Vec<StateRange>> {
+        // Every replica holds the same state: dp rank 0 writes it.
+        if self.pg.rank() != 0 {
+            return Ok(Vec::new());
+        }
+        Ok(vec![snapshot(self.opt.as_ref(), engine.params_flat())?])
+    }
+
+    fn load_state(
+        &mut self,
+        engine: &mut Engine,
+        fill: &mut StateFill,
+        optim_step: u64,
+    ) -> Result<()> {
+        let p = fill_params(fill, 0..engine.num_params())?;
+        engine.params_flat_mut().copy_from_slice(&p);
+        restore_optimizer(self.opt.as_mut(), fill, optim_step)
     }
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {

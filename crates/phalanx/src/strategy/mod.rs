@@ -22,6 +22,7 @@ pub mod ddp;
 pub mod pipeline;
 pub mod reduce;
 pub mod shard;
+pub mod state;
 pub mod zero;
 
 pub use ddp::{Ddp, DdpConfig};
@@ -111,6 +112,21 @@ pub trait Strategy: Send {
 
     /// The optimizers of the owned ranges, in flat order.
     fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)>;
+
+    /// Copy out the state this rank writes to a checkpoint: the ranges it
+    /// owns, each value written by exactly one rank of the job (replicas
+    /// leave it to their first rank).
+    fn save_state(&self, engine: &Engine) -> Result<Vec<state::StateRange>>;
+
+    /// Fill every range this rank owns from a checkpoint (`fill` reads any
+    /// flat range, whatever layout saved it), set the optimizers' step
+    /// count, and make the parameters consistent again. Collective.
+    fn load_state(
+        &mut self,
+        engine: &mut Engine,
+        fill: &mut state::StateFill,
+        optim_step: u64,
+    ) -> Result<()>;
 
     /// Replace the gradient communication hook (`register_comm_hook`).
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>);

@@ -18,6 +18,18 @@ pub struct RunOptions {
     pub plot: Option<PathBuf>,
     /// Chrome / Perfetto trace of the pipeline schedule, written at the end.
     pub trace: Option<PathBuf>,
+    /// Continue from a checkpoint (`--resume`).
+    pub resume: Option<Resume>,
+}
+
+/// Where `--resume` continues from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Resume {
+    /// A checkpoint, or a directory of them (its latest complete one).
+    Path(PathBuf),
+    /// The latest complete checkpoint under `checkpoint.dir`, if any; a
+    /// fresh start otherwise.
+    Auto,
 }
 
 impl Default for RunOptions {
@@ -28,6 +40,7 @@ impl Default for RunOptions {
             log_json: None,
             plot: None,
             trace: None,
+            resume: None,
         }
     }
 }
@@ -40,15 +53,23 @@ pub struct StepLog {
 }
 
 impl StepLog {
-    pub fn new(opts: &RunOptions, lead: bool, steps: usize) -> Result<StepLog> {
+    /// `append`: a resumed run adds to the JSON log of the run it continues.
+    pub fn new(opts: &RunOptions, lead: bool, steps: usize, append: bool) -> Result<StepLog> {
         let json = match (&opts.log_json, lead) {
             (Some(p), true) => {
                 if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir)?;
                 }
-                Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
-                    |e| crate::error::Error::Io(format!("cannot create {}: {e}", p.display())),
-                )?))
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(append)
+                    .truncate(!append)
+                    .open(p)
+                    .map_err(|e| {
+                        crate::error::Error::Io(format!("cannot create {}: {e}", p.display()))
+                    })?;
+                Some(std::io::BufWriter::new(f))
             }
             _ => None,
         };

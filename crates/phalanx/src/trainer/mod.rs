@@ -15,9 +15,10 @@
 //! let report = t.run(&Default::default()).unwrap();
 //! ```
 
+mod ckpt;
 mod log;
 
-pub use log::{write_loss_svg, RunOptions, StepLog};
+pub use log::{write_loss_svg, Resume, RunOptions, StepLog};
 
 use crate::config::TrainConfig;
 use crate::data::{micro_batch_size, DataLoader};
@@ -77,6 +78,12 @@ pub struct Trainer {
     sched: LrSchedule,
     /// Test hook: make the given rank's gradients non-finite at a step.
     inject_overflow: Option<(usize, usize)>,
+    /// Where local parameters sit in the global tensors (checkpoints).
+    placement: std::sync::Arc<dyn crate::checkpoint::Placement>,
+    /// `checkpoint.async`: the background writer (its own process group).
+    ckpt_async: Option<crate::checkpoint::AsyncWriter>,
+    /// The first step `run` trains (after a resume).
+    start_step: usize,
     micro: usize,
     global_batch: usize,
     memory: Option<Vec<MemoryReport>>,
@@ -212,6 +219,16 @@ impl Trainer {
         };
         let strat = crate::strategy::build(cfg, &mut engine, args)?;
         let scaler = loss_scaler(cfg);
+        // Background checkpoints talk over a group of their own, so their
+        // collectives never interleave with training's.
+        let ckpt_async = if cfg.checkpoint.async_save && cfg.checkpoint.interval > 0 {
+            let world = mesh.world();
+            let all: Vec<usize> = (0..world.size()).collect();
+            let g = world.new_group(&all)?.expect("every rank is a member");
+            Some(crate::checkpoint::AsyncWriter::new(g))
+        } else {
+            None
+        };
         let sched = LrSchedule::from_config(&cfg.optim, cfg.train.steps);
         Ok(Trainer {
             cfg: cfg.clone(),
@@ -227,6 +244,9 @@ impl Trainer {
             global_batch,
             memory: None,
             inject_overflow: None,
+            placement: std::sync::Arc::new(crate::checkpoint::Whole),
+            ckpt_async,
+            start_step: 0,
         })
     }
 
@@ -326,7 +346,7 @@ impl Trainer {
             .finish_step(&mut self.engine, &mut self.scaler, lr, clip_to, step)?;
         let secs = t0.elapsed().as_secs_f64();
         let comm_bytes = self.pg.bytes_sent() - sent0;
-        if step == 0 {
+        if self.memory.is_none() {
             self.memory = Some(self.gather_memory()?);
         }
         let tokens = (self.global_batch * self.loader.seq_len()) as f64;
@@ -444,8 +464,11 @@ impl Trainer {
     pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
         let steps = self.cfg.train.steps;
         let lead = self.pg.global_rank() == 0;
+        self.preflight_checkpoints()?;
+        let resumed = self.resume(opts.resume.as_ref())?;
+        let first = self.start_step;
+        let mut log = StepLog::new(opts, lead, steps, resumed)?;
         let m = &self.mesh;
-        let mut log = StepLog::new(opts, lead, steps)?;
         if lead && opts.progress {
             println!(
                 "training {} parameters per rank on {} rank(s) (dp {} x pp {} x tp {}): global batch {} x {} tokens \
@@ -474,10 +497,11 @@ impl Trainer {
         }
         let mut report = Report::default();
         let mut tok_s = Vec::new();
-        for k in 0..steps {
+        let every = self.cfg.checkpoint.interval;
+        for k in first..steps {
             let s = self.step(k)?;
             report.losses.push(s.loss);
-            if k >= 2 {
+            if k >= first + 2 {
                 tok_s.push(s.tokens_per_s);
             }
             let eval_now = self.cfg.train.eval_interval > 0
@@ -486,11 +510,37 @@ impl Trainer {
             if let Some(v) = val {
                 report.val_losses.push((k, v));
             }
-            let mem = if k == 0 { self.memory.as_deref() } else { None };
+            let mem = if k == first {
+                self.memory.as_deref()
+            } else {
+                None
+            };
             if let (Some(m), true, true) = (mem, lead, opts.progress) {
                 print_memory(m);
             }
             log.step(&s, val, mem)?;
+            if every > 0 && ((k + 1) % every == 0 || k + 1 == steps) {
+                let t0 = Instant::now();
+                let done = self.save_checkpoint(k + 1)?;
+                if lead && opts.progress {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    match (&self.ckpt_async, done) {
+                        (Some(_), _) => println!(
+                            "checkpoint of step {} staged in {ms:.1} ms, writing in the background",
+                            k + 1
+                        ),
+                        (None, Some(d)) => {
+                            println!("checkpoint {} written in {ms:.1} ms", d.display())
+                        }
+                        (None, None) => {}
+                    }
+                }
+            }
+        }
+        if let Some(d) = self.wait_checkpoint()? {
+            if lead && opts.progress {
+                println!("checkpoint {} written", d.display());
+            }
         }
         report.tokens_per_s = if tok_s.is_empty() {
             0.0

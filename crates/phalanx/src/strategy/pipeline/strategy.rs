@@ -11,6 +11,7 @@ use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update}
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use crate::strategy::reduce::CommHook;
+use crate::strategy::state::{fill_params, restore_optimizer, snapshot, StateFill, StateRange};
 use crate::strategy::{BatchFn, MakeOptimizer, Strategy};
 use candle_core::Tensor;
 use std::ops::Range;
@@ -142,18 +143,28 @@ impl PipeStrategy {
             (prest, grest, at) = (ptail, gtail, r.end);
         }
         let out = finish_step(self.mesh.world(), ss, updates, scaler, lr, max_norm, step)?;
-        if let (Some(pieces), false) = (&self.zero1, out.skipped) {
-            let p = engine.params_flat_mut();
-            for (range, counts) in pieces {
-                let r = self.mesh.dp().rank();
-                let s = crate::engine::shard_range(range.len(), r, counts.len());
-                let piece = p[range.start + s.start..range.start + s.end].to_vec();
-                self.mesh
-                    .dp()
-                    .all_gather_v(&piece, counts, &mut p[range.clone()])?;
-            }
+        if !out.skipped {
+            self.regather(engine)?;
         }
         Ok(out)
+    }
+
+    /// ZeRO-1: the dp ranks put their pieces of each owned range back
+    /// together (after an update or a load).
+    fn regather(&self, engine: &mut Engine) -> Result<()> {
+        let Some(pieces) = &self.zero1 else {
+            return Ok(());
+        };
+        let p = engine.params_flat_mut();
+        for (range, counts) in pieces {
+            let r = self.mesh.dp().rank();
+            let s = crate::engine::shard_range(range.len(), r, counts.len());
+            let piece = p[range.start + s.start..range.start + s.end].to_vec();
+            self.mesh
+                .dp()
+                .all_gather_v(&piece, counts, &mut p[range.clone()])?;
+        }
+        Ok(())
     }
 
     /// Bring every block's parameters up to date on this rank (each stage
@@ -214,6 +225,36 @@ impl Strategy for PipeStrategy {
 
     fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {
         self.opts.iter().map(|(_, o)| o.as_ref()).collect()
+    }
+
+    fn save_state(&self, engine: &Engine) -> Result<Vec<StateRange>> {
+        // With DDP on dp the replicas hold the same ranges: dp rank 0
+        // writes; ZeRO-1 pieces are each written by their owner. A tied
+        // weight's copies are written once, from its primary stage.
+        if self.zero1.is_none() && self.mesh.dp().rank() != 0 {
+            return Ok(Vec::new());
+        }
+        let p = engine.params_flat();
+        let mut out = Vec::new();
+        for (r, opt) in &self.opts {
+            let s = snapshot(opt.as_ref(), &p[r.clone()])?;
+            out.extend(s.keep_only(self.pipe.primary_ranges()));
+        }
+        Ok(out)
+    }
+
+    fn load_state(
+        &mut self,
+        engine: &mut Engine,
+        fill: &mut StateFill,
+        optim_step: u64,
+    ) -> Result<()> {
+        for (r, opt) in &mut self.opts {
+            let v = fill_params(fill, r.clone())?;
+            engine.params_flat_mut()[r.clone()].copy_from_slice(&v);
+            restore_optimizer(opt.as_mut(), fill, optim_step)?;
+        }
+        self.regather(engine)
     }
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {

@@ -39,6 +39,7 @@ use super::reduce::{
     plan_buckets, Bucket, Collective, CommHook, DefaultHook, ReadyCursor, Reducer,
 };
 use super::shard::Shards;
+use super::state::{fill_params, restore_optimizer, snapshot, StateFill, StateRange};
 use super::{accumulate, BatchFn, MakeOptimizer, Strategy};
 use crate::engine::{Engine, Stash};
 use crate::error::{Error, Result};
@@ -537,6 +538,43 @@ impl Strategy for Zero {
 
     fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {
         vec![self.opt.as_ref()]
+    }
+
+    fn save_state(&self, engine: &Engine) -> Result<Vec<StateRange>> {
+        // HYBRID_SHARD: the replicas of a shard leave it to the first.
+        if self.replica_pg.as_ref().is_some_and(|r| r.rank() != 0) {
+            return Ok(Vec::new());
+        }
+        let mine = self.shards.mine();
+        let params = if self.cfg.stage == 3 {
+            let mut v = vec![0f32; mine.len()];
+            self.store
+                .read(0..mine.len(), &mut v)
+                .map_err(|e| Error::Io(format!("ZeRO-3 parameter shard: {e}")))?;
+            v
+        } else {
+            engine.params_flat()[mine].to_vec()
+        };
+        Ok(vec![snapshot(self.opt.as_ref(), &params)?])
+    }
+
+    fn load_state(
+        &mut self,
+        engine: &mut Engine,
+        fill: &mut StateFill,
+        optim_step: u64,
+    ) -> Result<()> {
+        let mine = self.shards.mine();
+        let p = fill_params(fill, mine.clone())?;
+        if self.cfg.stage == 3 {
+            self.store
+                .write(0..mine.len(), &p)
+                .map_err(|e| Error::Io(format!("ZeRO-3 parameter shard: {e}")))?;
+        } else {
+            engine.params_flat_mut()[mine].copy_from_slice(&p);
+            self.gather_params(engine)?;
+        }
+        restore_optimizer(self.opt.as_mut(), fill, optim_step)
     }
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {

@@ -1,0 +1,216 @@
+//! Distributed checkpoints, as PyTorch's DCP: every rank writes only what it
+//! owns, in parallel, to one safetensors file; rank 0 writes one
+//! `metadata.json` that names every global tensor (shape) and, for each
+//! saved piece, its file, key and [`region::Region`] of the global tensor.
+//! The layout that saved (dp, pp, tp, ZeRO stage) is recorded but a loader
+//! does not need it: each rank of any layout reads, memory-mapped, only the
+//! pieces that overlap what it owns.
+//!
+//! A checkpoint directory `step-00000042/` holds `metadata.json` and
+//! `rank-00000.safetensors`, … It is written as `.tmp-step-00000042-<nonce>/`
+//! and renamed into place once every rank's file is complete, fsynced and
+//! hashed (sha256 in the metadata); the `latest` file beside the
+//! checkpoints is replaced last. A run killed during a save leaves at most a
+//! `.tmp-*` directory, never a checkpoint that looks complete.
+//!
+//! ```no_run
+//! # fn demo(trainer: &mut phalanx::trainer::Trainer) -> phalanx::Result<()> {
+//! let dir = phalanx::checkpoint::find(std::path::Path::new("runs/checkpoints"))?;
+//! # Ok(()) }
+//! ```
+
+pub mod read;
+pub mod region;
+pub mod write;
+
+pub use read::{find, find_latest, Reader};
+pub use write::Header;
+pub use write::{AsyncWriter, Snapshot};
+
+use crate::engine::{Layout, ParamInfo};
+use region::Region;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Version of the on-disk format.
+pub const FORMAT: &str = "phalanx-checkpoint/1";
+
+/// Where a rank's local parameter sits in its global tensor: the global
+/// shape, and the local tensor as a stack of row blocks, each a box of the
+/// global tensor (`(local rows, global offsets of the block)`). Local rows
+/// in no block (tensor-parallel padding) are not saved or loaded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placed {
+    pub shape: Vec<usize>,
+    pub blocks: Vec<(std::ops::Range<usize>, Vec<usize>)>,
+}
+
+impl Placed {
+    /// A local parameter that is the whole global tensor.
+    pub fn whole(shape: &[usize]) -> Placed {
+        let rows = shape.first().copied().unwrap_or(1);
+        Placed {
+            shape: shape.to_vec(),
+            blocks: vec![(0..rows, vec![0; shape.len()])],
+        }
+    }
+}
+
+/// How a layout's local parameters map to global tensors.
+pub trait Placement: Send + Sync {
+    fn place(&self, p: &ParamInfo) -> Placed;
+}
+
+/// Local parameters are whole global tensors (no tensor parallelism).
+pub struct Whole;
+
+impl Placement for Whole {
+    fn place(&self, p: &ParamInfo) -> Placed {
+        Placed::whole(&p.shape)
+    }
+}
+
+/// The regions of global tensors that flat range `range` of `layout` covers:
+/// (parameter index, region, positions in `range` it comes from).
+pub fn regions_of(
+    layout: &Layout,
+    placement: &dyn Placement,
+    range: &std::ops::Range<usize>,
+) -> Vec<(usize, Region, std::ops::Range<usize>)> {
+    let mut out = Vec::new();
+    for (k, p) in layout.params().iter().enumerate() {
+        let pr = p.range();
+        let (lo, hi) = (pr.start.max(range.start), pr.end.min(range.end));
+        if lo >= hi {
+            continue;
+        }
+        let placed = placement.place(p);
+        // Elements per local row.
+        let stride: usize = p.shape.iter().skip(1).product();
+        for (rows, offsets) in placed.blocks {
+            // The block's span of the flat buffer, cut to [lo, hi).
+            let (bs, be) = (pr.start + rows.start * stride, pr.start + rows.end * stride);
+            let (a, b) = (bs.max(lo), be.min(hi));
+            if a >= b {
+                continue;
+            }
+            let mut sizes = p.shape.clone();
+            if let Some(s) = sizes.first_mut() {
+                *s = rows.len();
+            }
+            out.push((
+                k,
+                Region {
+                    shape: placed.shape.clone(),
+                    offsets,
+                    sizes,
+                    flat: a - bs..b - bs,
+                },
+                a - range.start..b - range.start,
+            ));
+        }
+    }
+    out
+}
+
+/// One saved piece: `values` of `kind` ("param" or an optimizer buffer)
+/// for `region` of tensor `tensor`, under `key` in file `file`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub file: usize,
+    pub key: String,
+    pub tensor: String,
+    pub kind: String,
+    pub region: Region,
+}
+
+/// A rank file: name, size and sha256 (hex).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileInfo {
+    pub name: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// How the saving job was laid out (informational: loading needs none of it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SavedLayout {
+    pub world: usize,
+    pub dp: usize,
+    pub pp: usize,
+    pub tp: usize,
+    pub zero_stage: u8,
+    pub strategy: String,
+}
+
+/// `metadata.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Metadata {
+    pub format: String,
+    /// Optimizer steps completed: a resumed run starts at this step index.
+    pub step: usize,
+    pub layout: SavedLayout,
+    pub precision: String,
+    /// The optimizer (`adamw`, `sgd`) and its step count (steps applied:
+    /// skipped fp16 steps are not counted), if its state was saved.
+    pub optimizer: Option<(String, u64)>,
+    /// The loss scaler (scale and history).
+    pub loss_scaler: crate::precision::LossScaler,
+    /// Samples of the training split consumed (step x global batch); the
+    /// batch order is a function of the step, so this is the data position.
+    pub samples_consumed: u64,
+    pub global_batch: usize,
+    /// No training-time random state exists (initialisation and the batch
+    /// order are seeded by the config; no dropout): said here, not guessed.
+    pub rng: String,
+    /// The run's config (TOML).
+    pub config: String,
+    /// Every global tensor: name -> shape.
+    pub tensors: BTreeMap<String, Vec<usize>>,
+    pub files: Vec<FileInfo>,
+    pub entries: Vec<Entry>,
+}
+
+impl Metadata {
+    /// Parse and check `metadata.json` text (format, regions, file indices).
+    pub fn parse(text: &str) -> Result<Metadata, String> {
+        let m: Metadata = serde_json::from_str(text).map_err(|e| format!("metadata.json: {e}"))?;
+        if m.format != FORMAT {
+            return Err(format!(
+                "metadata.json: format {:?}, this build reads {FORMAT:?}",
+                m.format
+            ));
+        }
+        for e in &m.entries {
+            e.region.check()?;
+            if e.file >= m.files.len() {
+                return Err(format!(
+                    "entry {} names file {} of {}",
+                    e.key,
+                    e.file,
+                    m.files.len()
+                ));
+            }
+            match m.tensors.get(&e.tensor) {
+                Some(s) if *s == e.region.shape => {}
+                _ => {
+                    return Err(format!(
+                        "entry {} of tensor {} disagrees with its shape",
+                        e.key, e.tensor
+                    ))
+                }
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// The name of the checkpoint of `step`.
+pub fn step_dir_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+/// The file rank `r` writes.
+pub fn rank_file_name(r: usize) -> String {
+    format!("rank-{r:05}.safetensors")
+}

@@ -1,0 +1,286 @@
+//! Reading a checkpoint into any layout: [`find`] picks a complete
+//! checkpoint, [`Reader`] checks it (metadata, file sizes, checksums of the
+//! files it reads) and fills any flat range of a rank's layout from the
+//! saved pieces that overlap it, memory-mapped.
+
+use super::region::copy_overlap;
+use super::{regions_of, Metadata, Placement};
+use crate::engine::Layout;
+use crate::error::{Error, Result};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Whether `dir` is a checkpoint (it holds `metadata.json`).
+fn is_checkpoint(dir: &Path) -> bool {
+    dir.join("metadata.json").is_file()
+}
+
+/// The complete checkpoints under `root`, newest first.
+fn candidates(root: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+                        && is_checkpoint(p)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v.reverse();
+    // `latest` first, when it names one of them.
+    if let Ok(l) = std::fs::read_to_string(root.join("latest")) {
+        let l = root.join(l.trim());
+        if let Some(i) = v.iter().position(|p| *p == l) {
+            let p = v.remove(i);
+            v.insert(0, p);
+        }
+    }
+    v
+}
+
+/// The checkpoint `path` names: itself if it is one, else the latest
+/// complete one in it (an error if there is none).
+pub fn find(path: &Path) -> Result<PathBuf> {
+    if is_checkpoint(path) {
+        return Ok(path.to_path_buf());
+    }
+    if !path.is_dir() {
+        return Err(Error::Check(format!(
+            "--resume {}: no such checkpoint or checkpoint directory",
+            path.display()
+        )));
+    }
+    candidates(path).into_iter().next().ok_or_else(|| {
+        Error::Check(format!(
+            "--resume {}: no complete checkpoint in it (step-*/metadata.json)",
+            path.display()
+        ))
+    })
+}
+
+/// The newest checkpoint under `root` that opens and verifies; a broken
+/// newer one is skipped with a warning naming what is wrong. `None` when
+/// there is none (a fresh start).
+pub fn find_latest(root: &Path) -> Option<(PathBuf, Reader)> {
+    for c in candidates(root) {
+        match Reader::open(&c).and_then(|r| r.verify_all().map(|_| r)) {
+            Ok(r) => return Some((c, r)),
+            Err(e) => eprintln!(
+                "warning: skipping checkpoint {}: {e}; trying an earlier one",
+                c.display()
+            ),
+        }
+    }
+    None
+}
+
+/// An open checkpoint.
+pub struct Reader {
+    dir: PathBuf,
+    pub meta: Metadata,
+    /// Entries by (tensor, kind).
+    by_tensor: HashMap<(String, String), Vec<usize>>,
+    /// Files mapped (and verified) so far.
+    mapped: Mutex<HashMap<usize, std::sync::Arc<memmap2::Mmap>>>,
+}
+
+impl Reader {
+    /// Read and check the metadata, and that every file has its size.
+    pub fn open(dir: &Path) -> Result<Reader> {
+        let mp = dir.join("metadata.json");
+        let text = std::fs::read_to_string(&mp)
+            .map_err(|e| Error::Check(format!("{}: {e}", mp.display())))?;
+        let meta =
+            Metadata::parse(&text).map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
+        for f in &meta.files {
+            let p = dir.join(&f.name);
+            let len = std::fs::metadata(&p)
+                .map_err(|e| Error::Check(format!("checkpoint file {}: {e}", p.display())))?
+                .len();
+            if len != f.bytes {
+                return Err(Error::Check(format!(
+                    "checkpoint file {} is {len} bytes, the metadata says {} (truncated or replaced)",
+                    p.display(),
+                    f.bytes
+                )));
+            }
+        }
+        let mut by_tensor: HashMap<(String, String), Vec<usize>> = HashMap::new();
+        for (i, e) in meta.entries.iter().enumerate() {
+            by_tensor
+                .entry((e.tensor.clone(), e.kind.clone()))
+                .or_default()
+                .push(i);
+        }
+        Ok(Reader {
+            dir: dir.to_path_buf(),
+            meta,
+            by_tensor,
+            mapped: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// File `i`, memory-mapped, its checksum verified on first use.
+    fn file(&self, i: usize) -> Result<std::sync::Arc<memmap2::Mmap>> {
+        if let Some(m) = self.mapped.lock().unwrap().get(&i) {
+            return Ok(m.clone());
+        }
+        let info = &self.meta.files[i];
+        let p = self.dir.join(&info.name);
+        let f =
+            std::fs::File::open(&p).map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;
+        // Safety: checkpoint files are written once and never modified.
+        let m = unsafe { memmap2::Mmap::map(&f) }
+            .map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;
+        let sum = super::write::hex(&Sha256::digest(&m[..]));
+        if m.len() as u64 != info.bytes || sum != info.sha256 {
+            return Err(Error::Check(format!(
+                "checkpoint file {} is corrupt: its sha256 is {sum}, the metadata says {}",
+                p.display(),
+                info.sha256
+            )));
+        }
+        let m = std::sync::Arc::new(m);
+        self.mapped.lock().unwrap().insert(i, m.clone());
+        Ok(m)
+    }
+
+    /// Verify every file's checksum.
+    pub fn verify_all(&self) -> Result<()> {
+        (0..self.meta.files.len()).try_for_each(|i| self.file(i).map(|_| ()))
+    }
+
+    /// The values of one entry.
+    fn values(&self, entry: usize) -> Result<Vec<f32>> {
+        let e = &self.meta.entries[entry];
+        let m = self.file(e.file)?;
+        let st = safetensors::SafeTensors::deserialize(&m[..]).map_err(|err| {
+            Error::Check(format!(
+                "{}: {err}",
+                self.dir.join(&self.meta.files[e.file].name).display()
+            ))
+        })?;
+        let view = st.tensor(&e.key).map_err(|err| {
+            Error::Check(format!(
+                "{}: entry {}: {err}",
+                self.dir.join(&self.meta.files[e.file].name).display(),
+                e.key
+            ))
+        })?;
+        if view.dtype() != safetensors::Dtype::F32 || view.shape() != [e.region.len()] {
+            return Err(Error::Check(format!(
+                "checkpoint entry {} has the wrong dtype or size",
+                e.key
+            )));
+        }
+        Ok(view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect())
+    }
+
+    /// Whether the checkpoint holds any `kind` ("param", `exp_avg`, …).
+    pub fn has_kind(&self, kind: &str) -> bool {
+        self.meta.entries.iter().any(|e| e.kind == kind)
+    }
+
+    /// Check that every parameter of `layout` (placed by `placement`) is a
+    /// tensor of the checkpoint with the same global shape.
+    pub fn check_model(&self, layout: &Layout, placement: &dyn Placement) -> Result<()> {
+        for p in layout.params() {
+            let shape = placement.place(p).shape;
+            match self.meta.tensors.get(&p.name) {
+                None => {
+                    return Err(Error::Check(format!(
+                        "checkpoint {} has no tensor `{}` (a different model?)",
+                        self.dir.display(),
+                        p.name
+                    )))
+                }
+                Some(s) if *s != shape => {
+                    return Err(Error::Check(format!(
+                        "checkpoint {}: tensor `{}` has shape {s:?}, this model's is {shape:?}",
+                        self.dir.display(),
+                        p.name
+                    )))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The values of `kind` for flat range `range` of `layout`, assembled
+    /// from every saved piece that overlaps it; `None` if the checkpoint
+    /// holds no `kind` at all. Every value must be found.
+    pub fn fill(
+        &self,
+        layout: &Layout,
+        placement: &dyn Placement,
+        range: Range<usize>,
+        kind: &str,
+    ) -> Result<Option<Vec<f32>>> {
+        if !self.has_kind(kind) {
+            return Ok(None);
+        }
+        let mut out = vec![0f32; range.len()];
+        let mut cache: HashMap<usize, Vec<f32>> = HashMap::new();
+        for (k, region, at) in regions_of(layout, placement, &range) {
+            let name = &layout.params()[k].name;
+            let want = region.runs();
+            let mut got = 0;
+            let key = (name.clone(), kind.to_string());
+            for &i in self
+                .by_tensor
+                .get(&key)
+                .map(|v| v.as_slice())
+                .unwrap_or(&[])
+            {
+                let e = &self.meta.entries[i];
+                if e.region.shape != region.shape {
+                    return Err(Error::Check(format!(
+                        "checkpoint: tensor `{name}` has shape {:?}, this model's is {:?}",
+                        e.region.shape, region.shape
+                    )));
+                }
+                let have = e.region.runs();
+                // Only read pieces that overlap.
+                if !overlaps(&have, &want) {
+                    continue;
+                }
+                if !cache.contains_key(&i) {
+                    cache.insert(i, self.values(i)?);
+                }
+                got += copy_overlap(&have, &cache[&i], &want, &mut out[at.clone()]);
+            }
+            if got != region.len() {
+                return Err(Error::Check(format!(
+                    "checkpoint {}: {kind} of `{name}` covers {got} of the {} values this rank needs",
+                    self.dir.display(),
+                    region.len()
+                )));
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
+fn overlaps(a: &[(usize, usize, usize)], b: &[(usize, usize, usize)]) -> bool {
+    let (Some(a0), Some(a1), Some(b0), Some(b1)) = (a.first(), a.last(), b.first(), b.last())
+    else {
+        return false;
+    };
+    a0.0 < b1.0 + b1.2 && b0.0 < a1.0 + a1.2
+}

@@ -1,0 +1,381 @@
+//! Writing a checkpoint: each rank's staging copy ([`Snapshot`]) becomes one
+//! safetensors file, written in parallel; rank 0 then writes the metadata
+//! and renames the directory into place (see the module docs). [`save`] is
+//! collective over its group; [`AsyncWriter`] runs it on a thread of its
+//! own (DCP's `async_save`), over a group of its own, so training goes on.
+
+use super::{rank_file_name, regions_of, step_dir_name, Entry, FileInfo, Metadata, Placement};
+use crate::engine::Layout;
+use crate::error::{Error, Result};
+use crate::strategy::state::StateRange;
+use phalanx_comm::ProcessGroup;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// One rank's share of a checkpoint, copied out of training.
+pub struct Snapshot {
+    /// (key, tensor, kind, region, values)
+    pieces: Vec<(String, String, String, super::region::Region, Vec<f32>)>,
+    tensors: BTreeMap<String, Vec<usize>>,
+    optimizer: Option<(String, u64)>,
+}
+
+impl Snapshot {
+    /// Cut the state ranges into per-tensor pieces.
+    pub fn new(layout: &Layout, placement: &dyn Placement, ranges: &[StateRange]) -> Snapshot {
+        let mut pieces = Vec::new();
+        let mut tensors = BTreeMap::new();
+        for p in layout.params() {
+            tensors.insert(p.name.clone(), placement.place(p).shape);
+        }
+        let mut optimizer = None;
+        for s in ranges {
+            optimizer.get_or_insert((s.optim_kind.to_string(), s.optim_step));
+            for (k, region, at) in regions_of(layout, placement, &s.range) {
+                let name = &layout.params()[k].name;
+                let mut add = |kind: &str, values: &[f32]| {
+                    let key = format!("{kind}/{}", pieces.len());
+                    pieces.push((
+                        key,
+                        name.clone(),
+                        kind.to_string(),
+                        region.clone(),
+                        values[at.clone()].to_vec(),
+                    ));
+                };
+                add("param", &s.params);
+                for (kind, v) in &s.optim {
+                    add(kind, v);
+                }
+            }
+        }
+        Snapshot {
+            pieces,
+            tensors,
+            optimizer,
+        }
+    }
+
+    /// Bytes of values held.
+    pub fn bytes(&self) -> usize {
+        self.pieces.iter().map(|p| p.4.len() * 4).sum()
+    }
+}
+
+/// What every rank reports to rank 0 after writing its file.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Manifest {
+    error: Option<String>,
+    file: Option<FileInfo>,
+    entries: Vec<Entry>,
+    tensors: BTreeMap<String, Vec<usize>>,
+    optimizer: Option<(String, u64)>,
+}
+
+/// Write `bytes` to `path` and fsync it.
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// This rank's file and manifest.
+fn write_rank(dir: &Path, rank: usize, snap: &Snapshot) -> std::result::Result<Manifest, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let name = rank_file_name(rank);
+    let bytes_of: Vec<&[u8]> = snap
+        .pieces
+        .iter()
+        .map(|p| bytemuck::cast_slice::<f32, u8>(&p.4))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = snap
+        .pieces
+        .iter()
+        .zip(&bytes_of)
+        .map(|(p, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![p.4.len()], b)
+                .map(|v| (p.0.clone(), v))
+                .map_err(|e| e.to_string())
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    let data = safetensors::serialize(views, None).map_err(|e| e.to_string())?;
+    let path = dir.join(&name);
+    write_synced(&path, &data).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    let file = FileInfo {
+        name,
+        bytes: data.len() as u64,
+        sha256: hex(&Sha256::digest(&data)),
+    };
+    let entries = snap
+        .pieces
+        .iter()
+        .map(|p| Entry {
+            file: rank,
+            key: p.0.clone(),
+            tensor: p.1.clone(),
+            kind: p.2.clone(),
+            region: p.3.clone(),
+        })
+        .collect();
+    Ok(Manifest {
+        error: None,
+        file: Some(file),
+        entries,
+        tensors: snap.tensors.clone(),
+        optimizer: snap.optimizer.clone(),
+    })
+}
+
+pub(crate) fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// All-gather byte strings (packed 8 to an i64) on every rank.
+fn all_gather_bytes(pg: &ProcessGroup, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let mut lens = vec![0i64; pg.size()];
+    pg.all_gather(&[mine.len() as i64], &mut lens)?;
+    let words = |n: usize| n.div_ceil(8);
+    let mut padded = mine.to_vec();
+    padded.resize(words(mine.len()) * 8, 0);
+    let packed: Vec<i64> = padded
+        .chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    let counts: Vec<usize> = lens.iter().map(|&n| words(n as usize)).collect();
+    let mut all = vec![0i64; counts.iter().sum()];
+    pg.all_gather_v(&packed, &counts, &mut all)?;
+    let bytes: Vec<u8> = all.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for (&n, &w) in lens.iter().zip(&counts) {
+        out.push(bytes[at..at + n as usize].to_vec());
+        at += w * 8;
+    }
+    Ok(out)
+}
+
+/// What goes into the metadata besides the pieces.
+#[derive(Clone)]
+pub struct Header {
+    pub step: usize,
+    pub layout: super::SavedLayout,
+    pub precision: String,
+    pub loss_scaler: crate::precision::LossScaler,
+    pub global_batch: usize,
+    pub config: String,
+}
+
+/// Write a checkpoint of `snap` under `root` (collective over `pg`, every
+/// rank of the job): returns the checkpoint's directory on every rank, or
+/// the same error everywhere. Keeps the newest `keep` checkpoints.
+pub fn save(
+    pg: &ProcessGroup,
+    root: &Path,
+    snap: &Snapshot,
+    header: &Header,
+    keep: usize,
+) -> Result<PathBuf> {
+    let mut nonce = [i64::from_le_bytes(
+        phalanx_comm::wire::random_bytes(8)
+            .try_into()
+            .expect("8 bytes"),
+    ) & i64::MAX];
+    pg.broadcast(&mut nonce, 0)?;
+    let name = step_dir_name(header.step);
+    let tmp = root.join(format!(".tmp-{name}-{:016x}", nonce[0]));
+    let manifest = write_rank(&tmp, pg.rank(), snap).unwrap_or_else(|e| Manifest {
+        error: Some(e),
+        file: None,
+        entries: Vec::new(),
+        tensors: BTreeMap::new(),
+        optimizer: None,
+    });
+    let mine = serde_json::to_vec(&manifest).expect("manifest serialises");
+    let all = all_gather_bytes(pg, &mine)?;
+    let mut status = [0i64];
+    let mut outcome: Result<PathBuf> = Err(Error::Check("checkpoint not written".into()));
+    if pg.rank() == 0 {
+        outcome = commit(root, &tmp, &name, header, &all, keep);
+        if outcome.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            status[0] = 1;
+        }
+    }
+    pg.broadcast(&mut status, 0)?;
+    match (pg.rank(), status[0]) {
+        (0, _) => outcome,
+        (_, 0) => Ok(root.join(&name)),
+        _ => Err(Error::Check(format!(
+            "checkpoint of step {} under {} failed (rank 0 has the reason)",
+            header.step,
+            root.display()
+        ))),
+    }
+}
+
+/// Rank 0: check every rank's manifest, write the metadata, rename into
+/// place, update `latest`, prune.
+fn commit(
+    root: &Path,
+    tmp: &Path,
+    name: &str,
+    header: &Header,
+    all: &[Vec<u8>],
+    keep: usize,
+) -> Result<PathBuf> {
+    let mut files = Vec::new();
+    let mut entries = Vec::new();
+    let mut tensors = BTreeMap::new();
+    let mut optimizer = None;
+    for (r, bytes) in all.iter().enumerate() {
+        let m: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| Error::Check(format!("checkpoint manifest of rank {r}: {e}")))?;
+        if let Some(e) = m.error {
+            return Err(Error::Io(format!("checkpoint: rank {r}: {e}")));
+        }
+        files.push(m.file.expect("a file when no error"));
+        entries.extend(m.entries);
+        for (t, s) in m.tensors {
+            if let Some(prev) = tensors.insert(t.clone(), s.clone()) {
+                if prev != s {
+                    return Err(Error::Check(format!(
+                        "checkpoint: ranks disagree on the shape of {t}: {prev:?} vs {s:?}"
+                    )));
+                }
+            }
+        }
+        if m.optimizer.is_some() {
+            optimizer = m.optimizer;
+        }
+    }
+    let meta = Metadata {
+        format: super::FORMAT.into(),
+        step: header.step,
+        layout: header.layout.clone(),
+        precision: header.precision.clone(),
+        optimizer,
+        loss_scaler: header.loss_scaler,
+        samples_consumed: (header.step * header.global_batch) as u64,
+        global_batch: header.global_batch,
+        rng: "none: initialisation and batch order are seeded by the config; no dropout".into(),
+        config: header.config.clone(),
+        tensors,
+        files,
+        entries,
+    };
+    let io = |what: &str, p: &Path, e: std::io::Error| {
+        Error::Io(format!("checkpoint: {what} {}: {e}", p.display()))
+    };
+    let text = serde_json::to_vec_pretty(&meta).expect("metadata serialises");
+    let mp = tmp.join("metadata.json");
+    write_synced(&mp, &text).map_err(|e| io("cannot write", &mp, e))?;
+    sync_dir(tmp).map_err(|e| io("cannot sync", tmp, e))?;
+    let dst = root.join(name);
+    if dst.exists() {
+        // A checkpoint of the same step from an earlier run: replaced.
+        let old = root.join(format!(".old-{name}"));
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(&dst, &old).map_err(|e| io("cannot move aside", &dst, e))?;
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    std::fs::rename(tmp, &dst).map_err(|e| io("cannot rename into", &dst, e))?;
+    sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
+    let latest_tmp = root.join(".latest.tmp");
+    write_synced(&latest_tmp, format!("{name}\n").as_bytes())
+        .map_err(|e| io("cannot write", &latest_tmp, e))?;
+    std::fs::rename(&latest_tmp, root.join("latest"))
+        .map_err(|e| io("cannot update", &root.join("latest"), e))?;
+    sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
+    prune(root, name, keep);
+    Ok(dst)
+}
+
+/// Remove all but the newest `keep` checkpoints (never `current`), and
+/// leftovers of interrupted saves.
+fn prune(root: &Path, current: &str, keep: usize) {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut steps: Vec<String> = Vec::new();
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if n.starts_with("step-") {
+            steps.push(n);
+        } else if n.starts_with(".tmp-step-") || n.starts_with(".old-step-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    steps.sort();
+    let keep = keep.max(1);
+    if steps.len() > keep {
+        for n in &steps[..steps.len() - keep] {
+            if n != current {
+                let _ = std::fs::remove_dir_all(root.join(n));
+            }
+        }
+    }
+}
+
+/// At most one checkpoint in flight, written by a thread of its own over
+/// its own process group: the step only pays for the staging copy. The next
+/// submission (or [`AsyncWriter::wait`]) waits for the previous one and
+/// returns its error, if it failed.
+pub struct AsyncWriter {
+    pg: ProcessGroup,
+    inflight: Option<std::thread::JoinHandle<Result<PathBuf>>>,
+}
+
+impl AsyncWriter {
+    /// `pg`: a group of every rank used for nothing else.
+    pub fn new(pg: ProcessGroup) -> AsyncWriter {
+        AsyncWriter { pg, inflight: None }
+    }
+
+    /// Start writing `snap` after the previous save has finished.
+    pub fn submit(
+        &mut self,
+        root: PathBuf,
+        snap: Snapshot,
+        header: Header,
+        keep: usize,
+    ) -> Result<Option<PathBuf>> {
+        let prev = self.wait()?;
+        let pg = self.pg.clone();
+        self.inflight = Some(
+            std::thread::Builder::new()
+                .name("phalanx-checkpoint".into())
+                .spawn(move || save(&pg, &root, &snap, &header, keep))
+                .map_err(|e| Error::Io(format!("checkpoint thread: {e}")))?,
+        );
+        Ok(prev)
+    }
+
+    /// Wait for the save in flight, if any.
+    pub fn wait(&mut self) -> Result<Option<PathBuf>> {
+        match self.inflight.take() {
+            None => Ok(None),
+            Some(h) => match h.join() {
+                Ok(r) => r.map(Some),
+                Err(_) => Err(Error::Check("the checkpoint thread panicked".into())),
+            },
+        }
+    }
+
+    pub fn in_flight(&self) -> bool {
+        self.inflight.is_some()
+    }
+}
+
+impl Drop for AsyncWriter {
+    fn drop(&mut self) {
+        // Never leave a writer behind the run: finish (errors were the
+        // caller's to collect with `wait`).
+        let _ = self.wait();
+    }
+}

@@ -1,0 +1,141 @@
+//! Training state for checkpoints, as the strategies hold it: each rank
+//! copies out the flat ranges it writes ([`StateRange`]: parameters and the
+//! optimizer buffers of that range) and fills the ranges it owns from any
+//! saved layout through a callback, so the checkpoint format never needs to
+//! know how a strategy shards.
+
+use crate::error::{Error, Result};
+use crate::optim::Optimizer;
+use std::ops::Range;
+
+/// A flat range of this rank's training state, copied out (a staging copy:
+/// training may go on while it is written).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateRange {
+    pub range: Range<usize>,
+    pub params: Vec<f32>,
+    /// Optimizer buffers by name, `range.len()` values each.
+    pub optim: Vec<(&'static str, Vec<f32>)>,
+    pub optim_kind: &'static str,
+    pub optim_step: u64,
+}
+
+/// Gives the values of a flat range for `"param"` or an optimizer buffer
+/// name; `None` when the checkpoint holds no such state (e.g. weights only).
+pub type StateFill<'a> = dyn FnMut(Range<usize>, &str) -> Result<Option<Vec<f32>>> + 'a;
+
+impl StateRange {
+    /// The part of this range inside `sub`.
+    pub fn slice(&self, sub: &Range<usize>) -> StateRange {
+        let lo = sub.start.max(self.range.start);
+        let hi = sub.end.min(self.range.end).max(lo);
+        let local = lo - self.range.start..hi - self.range.start;
+        StateRange {
+            range: lo..hi,
+            params: self.params[local.clone()].to_vec(),
+            optim: self
+                .optim
+                .iter()
+                .map(|(n, v)| (*n, v[local.clone()].to_vec()))
+                .collect(),
+            optim_kind: self.optim_kind,
+            optim_step: self.optim_step,
+        }
+    }
+
+    /// The parts of this range inside `keep` (sorted, disjoint ranges).
+    pub fn keep_only(&self, keep: &[Range<usize>]) -> Vec<StateRange> {
+        keep.iter()
+            .filter(|k| k.start < self.range.end && self.range.start < k.end)
+            .map(|k| self.slice(k))
+            .collect()
+    }
+
+    /// The parts of this range outside `drop` (sorted, disjoint ranges).
+    pub fn without(&self, drop: &[Range<usize>]) -> Vec<StateRange> {
+        let mut keep = Vec::new();
+        let mut at = self.range.start;
+        let mut sorted: Vec<&Range<usize>> = drop.iter().collect();
+        sorted.sort_by_key(|r| r.start);
+        for d in sorted {
+            if d.start > at {
+                keep.push(at..d.start.min(self.range.end));
+            }
+            at = at.max(d.end);
+        }
+        if at < self.range.end {
+            keep.push(at..self.range.end);
+        }
+        keep.retain(|r| !r.is_empty());
+        self.keep_only(&keep)
+    }
+}
+
+/// Copy out an optimizer's range: its parameters (`params`, exactly
+/// `opt.range()`) and state.
+pub fn snapshot(opt: &(dyn Optimizer + Send), params: &[f32]) -> Result<StateRange> {
+    let (optim, optim_step) = opt
+        .state()
+        .map_err(|e| Error::Io(format!("optimizer state: {e}")))?;
+    Ok(StateRange {
+        range: opt.range(),
+        params: params.to_vec(),
+        optim,
+        optim_kind: opt.kind(),
+        optim_step,
+    })
+}
+
+/// Fill an optimizer's state from a checkpoint: every buffer it has (left
+/// as it is when the checkpoint holds none) and its step count.
+pub fn restore_optimizer(
+    opt: &mut (dyn Optimizer + Send),
+    fill: &mut StateFill,
+    step: u64,
+) -> Result<()> {
+    let (names, _) = opt
+        .state()
+        .map_err(|e| Error::Io(format!("optimizer state: {e}")))?;
+    let mut any = false;
+    for (name, _) in names {
+        if let Some(v) = fill(opt.range(), name)? {
+            opt.load_state(name, &v)
+                .map_err(|e| Error::Io(format!("optimizer state: {e}")))?;
+            any = true;
+        }
+    }
+    if any {
+        opt.set_step_count(step);
+    }
+    Ok(())
+}
+
+/// The parameters of a flat range from a checkpoint (which must hold them).
+pub fn fill_params(fill: &mut StateFill, range: Range<usize>) -> Result<Vec<f32>> {
+    fill(range.clone(), "param")?.ok_or_else(|| {
+        Error::Check(format!(
+            "the checkpoint holds no parameters for flat range {range:?}"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slicing_keeps_params_and_state_aligned() {
+        let s = StateRange {
+            range: 10..20,
+            params: (10..20).map(|x| x as f32).collect(),
+            optim: vec![("exp_avg", (110..120).map(|x| x as f32).collect())],
+            optim_kind: "adamw",
+            optim_step: 3,
+        };
+        let parts = s.without(&[12..14, 18..30]);
+        let ranges: Vec<_> = parts.iter().map(|p| p.range.clone()).collect();
+        assert_eq!(ranges, vec![10..12, 14..18]);
+        assert_eq!(parts[1].params, vec![14., 15., 16., 17.]);
+        assert_eq!(parts[1].optim[0].1, vec![114., 115., 116., 117.]);
+    }
+}
