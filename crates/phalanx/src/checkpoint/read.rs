@@ -260,8 +260,8 @@ impl Reader {
                 if !overlaps(&have, &want) {
                     continue;
                 }
-                if !cache.contains_key(&i) {
-                    cache.insert(i, self.values(i)?);
+                if let std::collections::hash_map::Entry::Vacant(v) = cache.entry(i) {
+                    v.insert(self.values(i)?);
                 }
                 got += copy_overlap(&have, &cache[&i], &want, &mut out[at.clone()]);
             }

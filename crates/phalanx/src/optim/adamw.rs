@@ -187,7 +187,7 @@ impl Optimizer for AdamW {
         "adamw"
     }
 
-    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)> {
+    fn state(&self) -> std::io::Result<super::OptimState> {
         Ok((
             vec![("exp_avg", self.m.clone()), ("exp_avg_sq", self.v.clone())],
             self.t,

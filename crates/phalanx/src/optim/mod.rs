@@ -32,6 +32,9 @@ pub use offload::{from_config, DiskAdamW};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
+/// An optimizer's state buffers by name and its step count.
+pub type OptimState = (Vec<(&'static str, Vec<f32>)>, u64);
+
 /// An optimizer owning the state of `range()` of the flat parameter buffer.
 pub trait Optimizer {
     /// Update `params` from `grads`, both exactly `range()` of the flat
@@ -58,7 +61,7 @@ pub trait Optimizer {
     /// Its state for a checkpoint: each buffer by name (PyTorch's names:
     /// `exp_avg`, `exp_avg_sq`, `momentum_buffer`), `range().len()` values
     /// each, and the number of steps taken.
-    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)>;
+    fn state(&self) -> std::io::Result<OptimState>;
 
     /// Restore a buffer [`Optimizer::state`] named (`values` is
     /// `range().len()` long), and the step count.

@@ -153,7 +153,7 @@ impl Optimizer for DiskAdamW {
     }
 
     /// Reads the offloaded moments into memory (a checkpoint's staging copy).
-    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)> {
+    fn state(&self) -> std::io::Result<super::OptimState> {
         let n = self.range.len();
         let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
         self.m.read_exact_at(bytemuck::cast_slice_mut(&mut m), 0)?;

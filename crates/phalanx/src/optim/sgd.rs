@@ -116,7 +116,7 @@ impl Optimizer for Sgd {
         "sgd"
     }
 
-    fn state(&self) -> std::io::Result<(Vec<(&'static str, Vec<f32>)>, u64)> {
+    fn state(&self) -> std::io::Result<super::OptimState> {
         Ok((vec![("momentum_buffer", self.buf.clone())], self.t))
     }
 
