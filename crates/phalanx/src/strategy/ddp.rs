@@ -221,11 +221,11 @@ impl Strategy for Ddp {
     }
 
     fn save_state(&self, engine: &Engine) -> Result<Vec<StateRange>> {
-        // Every replica holds the same state: dp rank 0 writes it.
-        if self.pg.rank() != 0 {
-            return Ok(Vec::new());
-        }
-        Ok(vec![snapshot(self.opt.as_ref(), engine.params_flat())?])
+        // Every replica holds the same state: each writes its 1/dp of it,
+        // so the replicas write in parallel (DCP's de-duplication).
+        let all = snapshot(self.opt.as_ref(), engine.params_flat())?;
+        let mine = crate::engine::shard_range(all.range.len(), self.pg.rank(), self.pg.size());
+        Ok(vec![all.slice(&mine)])
     }
 
     fn load_state(

@@ -84,6 +84,7 @@ impl Trainer {
     /// optimizer state of every range this rank owns, the loss scaler, and
     /// the step to continue from. Collective.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let reader = Reader::open(dir)?;
         let layout = self.engine.layout().clone();
         let placement = self.placement.clone();
@@ -109,11 +110,12 @@ impl Trainer {
         self.start_step = reader.meta.step;
         if self.mesh.world().rank() == 0 {
             println!(
-                "resumed from {} (step {}, saved by {} on {} rank(s))",
+                "resumed from {} (step {}, saved by {} on {} rank(s)) in {:.1} ms",
                 dir.display(),
                 reader.meta.step,
                 reader.meta.layout.strategy,
-                reader.meta.layout.world
+                reader.meta.layout.world,
+                t0.elapsed().as_secs_f64() * 1e3
             );
         }
         Ok(())

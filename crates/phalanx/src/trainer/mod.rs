@@ -572,7 +572,7 @@ fn mib(b: usize) -> f64 {
 
 /// The per-rank memory table printed after the first step.
 pub fn print_memory(m: &[MemoryReport]) {
-    println!("memory after step 1 (MiB)   params     grads optimizer  model states  activations(peak)  unsharded(peak)  peak RSS");
+    println!("memory after a step (MiB)   params     grads optimizer  model states  activations(peak)  unsharded(peak)  peak RSS");
     for r in m {
         println!(
             "  rank {:<20} {:>9.2} {:>9.2} {:>9.2} {:>13.2} {:>18.2} {:>16.2} {:>9.1}",

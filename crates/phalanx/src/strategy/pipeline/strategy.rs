@@ -228,16 +228,19 @@ impl Strategy for PipeStrategy {
     }
 
     fn save_state(&self, engine: &Engine) -> Result<Vec<StateRange>> {
-        // With DDP on dp the replicas hold the same ranges: dp rank 0
-        // writes; ZeRO-1 pieces are each written by their owner. A tied
+        // With DDP on dp the replicas hold the same ranges and each writes
+        // 1/dp; ZeRO-1 pieces are each written by their owner. A tied
         // weight's copies are written once, from its primary stage.
-        if self.zero1.is_none() && self.mesh.dp().rank() != 0 {
-            return Ok(Vec::new());
-        }
+        let (dp, dr) = (self.mesh.dp().size(), self.mesh.dp().rank());
         let p = engine.params_flat();
         let mut out = Vec::new();
         for (r, opt) in &self.opts {
-            let s = snapshot(opt.as_ref(), &p[r.clone()])?;
+            let mut s = snapshot(opt.as_ref(), &p[r.clone()])?;
+            if self.zero1.is_none() {
+                // DDP replicas each write 1/dp of the range.
+                let k = crate::engine::shard_range(r.len(), dr, dp);
+                s = s.slice(&(r.start + k.start..r.start + k.end));
+            }
             out.extend(s.keep_only(self.pipe.primary_ranges()));
         }
         Ok(out)
