@@ -39,17 +39,20 @@ pub fn main(o: &GenerateOpts) -> i32 {
     }
 }
 
-/// Model keys read from an HF config.json, as --set overrides.
-fn hf_overrides(path: &std::path::Path) -> Vec<String> {
+/// Model keys read from an HF config.json beside the model, as --set
+/// overrides (none without one; a config.json that does not parse is an
+/// error naming it, never silently ignored).
+fn hf_overrides(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
     let Some(dir) = path.parent() else {
-        return vec![];
+        return Ok(vec![]);
     };
-    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
-        return vec![];
-    };
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return vec![];
-    };
+    let cj = dir.join("config.json");
+    if !cj.exists() {
+        return Ok(vec![]);
+    }
+    let bad = |e: String| phalanx::Error::Check(format!("{}: {e}", cj.display()));
+    let text = std::fs::read_to_string(&cj).map_err(|e| bad(e.to_string()))?;
+    let v = serde_json::from_str::<serde_json::Value>(&text).map_err(|e| bad(e.to_string()))?;
     let mut out = vec![];
     for (ours, theirs) in [
         ("n_layer", "n_layer"),
@@ -73,11 +76,17 @@ fn hf_overrides(path: &std::path::Path) -> Vec<String> {
             },
         );
     out.push(format!("data.tokenizer=\"{tok}\""));
-    out
+    Ok(out)
 }
 
 fn run(o: &GenerateOpts) -> phalanx::Result<()> {
-    let mut sets = hf_overrides(&o.model);
+    if !(o.temperature.is_finite() && o.temperature >= 0.0) {
+        return Err(phalanx::Error::Check(format!(
+            "--temperature must be a number >= 0 (0 = greedy), not {}",
+            o.temperature
+        )));
+    }
+    let mut sets = hf_overrides(&o.model)?;
     sets.extend(o.set.iter().cloned());
     let cfg = phalanx_models::gpt2::config::build(o.config.as_deref(), &sets)?;
     let mut engine = train::build_engine(&cfg)?;
@@ -94,6 +103,14 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
         return Err(phalanx::Error::Check(
             "the prompt encodes to no tokens".into(),
         ));
+    }
+    let vocab = train::model_config(&cfg)?.vocab_size;
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        return Err(phalanx::Error::Check(format!(
+            "the prompt's token {bad} is outside the model's vocabulary of {vocab}: \
+             data.tokenizer = {} does not match this model (set --set data.tokenizer=...)",
+            tok
+        )));
     }
     let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
     let t = train::model_config(&cfg)?.block_size;

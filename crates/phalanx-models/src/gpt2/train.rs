@@ -14,7 +14,7 @@ use super::config::Gpt2Section;
 use super::{hf, Gpt2Config};
 use candle_core::Device;
 use phalanx::config::TrainConfig;
-use phalanx::data::{DataLoader, LoaderConfig};
+use phalanx::data::{DataLoader, LoaderConfig, TokenData};
 use phalanx::engine::Engine;
 use phalanx::mesh::DeviceMesh;
 use phalanx::tp::Tp;
@@ -57,8 +57,21 @@ pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
         seed: cfg.data.seed,
         vocab_size: Some(m.vocab_size),
     };
-    Ok(DataLoader::open(&cfg.data.path, tok, lc)?)
+    let path = Path::new(&cfg.data.path);
+    // The default corpus is built in, so `phalanx train` works from any
+    // directory; a file at the path (the repository's copy) is used first.
+    if cfg.data.path == DEFAULT_CORPUS_PATH && !path.exists() {
+        let data = TokenData::from_text(BUILTIN_CORPUS.to_vec(), tok, path)?;
+        return Ok(DataLoader::new(data, lc)?);
+    }
+    Ok(DataLoader::open(path, tok, lc)?)
 }
+
+/// `data.path`'s default.
+pub const DEFAULT_CORPUS_PATH: &str = "data/corpus.txt";
+
+/// The shipped corpus (World English Bible, public domain; 4.7 MiB).
+pub static BUILTIN_CORPUS: &[u8] = include_bytes!("../../../../data/corpus.txt");
 
 /// The trainer for `cfg` on `pg` (data parallel, and tensor parallel when
 /// `parallel.tp` > 1), with `--init-from` loaded; not yet run.

@@ -23,6 +23,7 @@ impl TrainConfig {
                 self.data.val_fraction
             ));
         }
+        self.check_numbers()?;
         if self.optim.warmup_min_lr < 0.0 || self.optim.warmup_min_lr > self.optim.lr {
             return bad(format!(
                 "optim.warmup_min_lr ({}) must be in [0, optim.lr = {}]",
@@ -140,5 +141,55 @@ impl TrainConfig {
                 "train.precision = {p} disagrees with {key} = true"
             ))),
         }
+    }
+
+    /// Every number a run depends on is finite and in its range, checked
+    /// in one place (NaN compares false with everything, so each check is
+    /// written to fail on NaN).
+    fn check_numbers(&self) -> Result<()> {
+        let o = &self.optim;
+        let positive = [
+            ("optim.lr", o.lr),
+            ("optim.eps", o.eps),
+            ("parallel.bucket_mb", self.parallel.bucket_mb),
+        ];
+        for (k, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(ConfigError(format!(
+                    "{k} must be a positive number, not {v}"
+                )));
+            }
+        }
+        let non_negative = [
+            ("optim.min_lr", o.min_lr),
+            ("optim.weight_decay", o.weight_decay),
+            ("optim.grad_clip", o.grad_clip),
+            ("optim.momentum", o.momentum),
+            ("optim.warmup_min_lr", o.warmup_min_lr),
+        ];
+        for (k, v) in non_negative {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError(format!(
+                    "{k} must be a non-negative number, not {v}"
+                )));
+            }
+        }
+        for (i, b) in o.betas.iter().enumerate() {
+            if !(b.is_finite() && (0.0..1.0).contains(b)) {
+                return Err(ConfigError(format!(
+                    "optim.betas[{i}] must be in [0, 1), not {b}"
+                )));
+            }
+        }
+        if o.min_lr > o.lr {
+            return Err(ConfigError(format!(
+                "optim.min_lr ({}) must not exceed optim.lr ({})",
+                o.min_lr, o.lr
+            )));
+        }
+        if self.train.steps == 0 {
+            return Err(ConfigError("train.steps must be at least 1".into()));
+        }
+        Ok(())
     }
 }

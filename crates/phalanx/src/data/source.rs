@@ -206,23 +206,33 @@ fn format_err(path: &Path, msg: String) -> DataError {
 
 fn open_text(path: &Path, tokenizer: Tokenizer) -> Result<TokenData> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
-    let tokens = match tokenizer {
-        // Any bytes are valid input for the byte tokenizer.
-        Tokenizer::Byte => bytes.into_iter().map(u32::from).collect(),
-        _ => {
-            let text = String::from_utf8(bytes).map_err(|e| {
-                let at = e.utf8_error().valid_up_to();
-                format_err(path, format!("text is not valid UTF-8 at byte {at}"))
-            })?;
-            tokenizer.encode(&text)
-        }
-    };
-    Ok(TokenData {
-        len: tokens.len(),
-        storage: Storage::Owned(tokens),
-        format: Format::Text,
-        path: Some(path.to_path_buf()),
-    })
+    let mut d = TokenData::from_text(bytes, tokenizer, path)?;
+    d.path = Some(path.to_path_buf());
+    Ok(d)
+}
+
+impl TokenData {
+    /// Tokenize text held in memory (`name` is for messages; the built-in
+    /// corpus is one).
+    pub fn from_text(bytes: Vec<u8>, tokenizer: Tokenizer, name: &Path) -> Result<TokenData> {
+        let tokens: Vec<u32> = match tokenizer {
+            // Any bytes are valid input for the byte tokenizer.
+            Tokenizer::Byte => bytes.into_iter().map(u32::from).collect(),
+            _ => {
+                let text = String::from_utf8(bytes).map_err(|e| {
+                    let at = e.utf8_error().valid_up_to();
+                    format_err(name, format!("text is not valid UTF-8 at byte {at}"))
+                })?;
+                tokenizer.encode(&text)
+            }
+        };
+        Ok(TokenData {
+            len: tokens.len(),
+            storage: Storage::Owned(tokens),
+            format: Format::Text,
+            path: None,
+        })
+    }
 }
 
 fn open_bin(path: &Path) -> Result<TokenData> {

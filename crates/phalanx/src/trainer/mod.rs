@@ -498,9 +498,11 @@ impl Trainer {
         let mut report = Report::default();
         let mut tok_s = Vec::new();
         let every = self.cfg.checkpoint.interval;
+        let mut short_run_tok_s = Vec::new();
         for k in first..steps {
             let s = self.step(k)?;
             report.losses.push(s.loss);
+            short_run_tok_s.push(s.tokens_per_s);
             if k >= first + 2 {
                 tok_s.push(s.tokens_per_s);
             }
@@ -541,6 +543,10 @@ impl Trainer {
             if lead && opts.progress {
                 println!("checkpoint {} written", d.display());
             }
+        }
+        // After two warm-up steps; a shorter run averages what it has.
+        if tok_s.is_empty() {
+            tok_s = short_run_tok_s;
         }
         report.tokens_per_s = if tok_s.is_empty() {
             0.0

@@ -1,0 +1,127 @@
+//! Bad input through the CLI, one table per command: each case exits
+//! non-zero at once with a message naming what is wrong. And two things
+//! that must simply work: `phalanx train` from any directory (the default
+//! corpus is built in), and a tokens/s figure for a 2-step run.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn phalanx(dir: &Path, args: &[&str]) -> (i32, String, String, Duration) {
+    let t0 = Instant::now();
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+        t0.elapsed(),
+    )
+}
+
+const SMALL: &[&str] = &[
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.block_size=32",
+    "--set",
+    "train.micro_batch_size=4",
+    "--set",
+    "train.eval_interval=0",
+    "--set",
+    "log.plot=\"\"",
+];
+
+#[test]
+fn bad_training_numbers_name_the_key() {
+    // (override, words the message must hold)
+    let cases: &[(&str, &str)] = &[
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.grad_clip=nan", "optim.grad_clip"),
+        ("parallel.bucket_mb=nan", "parallel.bucket_mb"),
+        ("optim.betas=[0.9,1.0]", "optim.betas[1]"),
+        ("optim.betas=[-0.1,0.9]", "optim.betas[0]"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("optim.min_lr=1.0", "optim.min_lr"),
+        ("train.steps=0", "train.steps"),
+    ];
+    for (set, want) in cases {
+        let mut args = vec!["train", "--nproc-per-node", "1"];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(&["--set", set]);
+        let (code, out, err, took) = phalanx(&repo(), &args);
+        assert_eq!(code, 2, "{set}: {out}{err}");
+        assert!(
+            err.contains(want),
+            "{set}: the message should name {want}: {err}"
+        );
+        assert!(took < Duration::from_secs(10), "{set}: took {took:?}");
+    }
+}
+
+#[test]
+fn bad_generate_input_names_it() {
+    let d = std::env::temp_dir().join(format!("phalanx-badgen-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let model = d.join("model.safetensors");
+    std::fs::write(&model, b"not a model").unwrap();
+    let m = model.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["generate", "--model", m, "--temperature", "nan"],
+            "--temperature",
+        ),
+        (
+            vec!["generate", "--model", m, "--temperature=-1"],
+            "--temperature",
+        ),
+    ];
+    for (args, want) in &cases {
+        let (code, out, err, _) = phalanx(&repo(), args);
+        assert_ne!(code, 0, "{args:?}: {out}{err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    // A config.json beside the model that does not parse is named.
+    std::fs::write(d.join("config.json"), b"{ broken").unwrap();
+    let (code, _, err, _) = phalanx(&repo(), &["generate", "--model", m]);
+    assert_ne!(code, 0);
+    assert!(err.contains("config.json"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn train_runs_from_any_directory_and_reports_tokens_per_second() {
+    let d = std::env::temp_dir().join(format!("phalanx-anydir-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let mut args = vec!["train", "--nproc-per-node", "1", "--set", "train.steps=2"];
+    args.extend_from_slice(SMALL);
+    let (code, out, err, _) = phalanx(&d, &args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("done:"))
+        .expect("a summary");
+    let tok: f64 = line
+        .split(',')
+        .find(|p| p.contains("tokens/s"))
+        .and_then(|p| p.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("a tokens/s figure");
+    assert!(tok > 0.0, "{line}");
+    let _ = std::fs::remove_dir_all(&d);
+}
