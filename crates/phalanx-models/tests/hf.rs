@@ -212,3 +212,42 @@ fn unknown_tensors_and_bad_lm_head_are_errors() {
         .to_string();
     assert!(err.contains("/nonexistent/model.safetensors"), "{err}");
 }
+
+/// One set of rules for every layout: an integer tensor and a tensor the
+/// model lacks are refused by the whole-model load and by the tensor-
+/// parallel load alike, naming the tensor.
+#[test]
+fn the_same_file_rules_under_tp_1_and_tp_2() {
+    let cases: Vec<(&str, Tensor)> = vec![
+        (
+            "transformer.ln_f.weight",
+            Tensor::zeros(8, DType::I64, &Device::Cpu).unwrap(),
+        ),
+        (
+            "transformer.h.7.ln_1.weight",
+            Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap(),
+        ),
+    ];
+    for (i, (name, bad)) in cases.into_iter().enumerate() {
+        let mut t = hf::export_tensors(&engine(1)).unwrap();
+        t.insert(name.to_string(), bad);
+        let path = tmp(&format!("rules{i}"));
+        candle_core::safetensors::save(&t, &path).unwrap();
+        let whole = hf::load_safetensors(&mut engine(1), &path)
+            .unwrap_err()
+            .to_string();
+        assert!(whole.contains(name), "tp 1: {whole}");
+        let p = path.clone();
+        let errs = phalanx_comm::threads::run(2, move |pg| {
+            let t = phalanx::tp::Tp::new(pg, false);
+            gpt2::tp::load_engine(&cfg(), &t, EngineConfig::default(), &p)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        });
+        for e in errs {
+            assert!(e.contains(name), "tp 2: {e}");
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}

@@ -52,6 +52,35 @@ fn is_ignored_buffer(short_name: &str) -> bool {
     short_name.ends_with(".attn.bias") || short_name.ends_with(".attn.masked_bias")
 }
 
+/// The rules every load follows, whatever the layout: parameters are float
+/// tensors (f32, f16, bf16; an integer tensor is refused, not converted),
+/// and a file may hold only this model's parameters, the tied
+/// `lm_head.weight` and HF's attention buffers (checked when `params` is
+/// given). Returns the first breach.
+pub fn check_file(
+    tensors: &[(String, safetensors::Dtype)],
+    params: Option<&std::collections::HashSet<String>>,
+) -> Result<()> {
+    use safetensors::Dtype;
+    let mut foreign = Vec::new();
+    for (name, dtype) in tensors {
+        let s = short(name);
+        if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) && !is_ignored_buffer(s) {
+            bail!("tensor `{name}` is {dtype:?}; parameters must be f32, f16 or bf16")
+        }
+        let Some(params) = params else { continue };
+        let known = params.contains(s) || params.contains(&format!("transformer.{s}"));
+        if !known && s != "lm_head.weight" && !is_ignored_buffer(s) {
+            foreign.push(name.clone());
+        }
+    }
+    if !foreign.is_empty() {
+        foreign.sort();
+        bail!("tensors not in this model: {foreign:?} (wrong config?)")
+    }
+    Ok(())
+}
+
 /// The shape a parameter has in an HF file.
 fn hf_shape(name: &str, shape: &[usize]) -> Vec<usize> {
     if is_conv1d(name) {
@@ -188,6 +217,18 @@ pub fn load_safetensors(engine: &mut Engine, path: impl AsRef<Path>) -> Result<(
     let ctx = |e: candle_core::Error| e.context(format!("reading {}", path.display()));
     // Safety: the file is only read, and not expected to change while loading.
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(ctx)?;
+    let params: std::collections::HashSet<String> = engine
+        .layout()
+        .params()
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
+    let kinds: Vec<(String, safetensors::Dtype)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype()))
+        .collect();
+    check_file(&kinds, Some(&params))?;
     let entries = st
         .tensors()
         .into_iter()

@@ -199,7 +199,13 @@ pub fn load_engine(
         .into_iter()
         .map(|(n, v)| (n, v.shape().to_vec()))
         .collect();
-    shard_engine(cfg, tp, ecfg, &|name, r, want| {
+    let kinds: Vec<(String, safetensors::Dtype)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype()))
+        .collect();
+    hf::check_file(&kinds, None)?;
+    let engine = shard_engine(cfg, tp, ecfg, &|name, r, want| {
         let short = name.strip_prefix("transformer.").unwrap_or(name);
         let file_name = if names.contains_key(name) {
             name
@@ -237,7 +243,16 @@ pub fn load_engine(
         } else {
             Ok(t)
         }
-    })
+    })?;
+    // The same rules as a whole-model load (the names are global).
+    let params = engine
+        .layout()
+        .params()
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
+    hf::check_file(&kinds, Some(&params))?;
+    Ok(engine)
 }
 
 /// The f32 values of `n` elements starting at element `at` of a tensor view.
