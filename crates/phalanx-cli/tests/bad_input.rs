@@ -125,3 +125,34 @@ fn train_runs_from_any_directory_and_reports_tokens_per_second() {
     assert!(tok > 0.0, "{line}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Saved models take the process umask's permissions (not 0600), and no
+/// temporary file is left beside them.
+#[test]
+fn saved_models_use_the_umask_and_leave_no_temporary() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = std::env::temp_dir().join(format!("phalanx-perm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let out = d.join("model.safetensors");
+    let mut args = vec![
+        "train",
+        "--nproc-per-node",
+        "1",
+        "--set",
+        "train.steps=1",
+        "--save-final",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(SMALL);
+    let (code, o, e, _) = phalanx(&repo(), &args);
+    assert_eq!(code, 0, "{o}{e}");
+    // Tests run with the usual umask 022: 0644.
+    let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644, "model file mode {mode:o}");
+    let names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains("tmp")), "{names:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -201,9 +201,13 @@ pub fn save_tensors(
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("safetensors.tmp");
-    candle_core::safetensors::save(&tensors, &tmp)?;
-    std::fs::rename(&tmp, path)?;
+    // Written whole, with the umask's permissions; no temporary is left on
+    // an error.
+    let mut sorted: Vec<(&String, &candle_core::Tensor)> = tensors.iter().collect();
+    sorted.sort_by_key(|(n, _)| *n);
+    let bytes = safetensors::serialize(sorted, None)
+        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    phalanx::fsutil::write_atomic(path, &bytes)?;
     let m = model_config(cfg)?;
     let hf_cfg = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
@@ -216,9 +220,9 @@ pub fn save_tensors(
         "bos_token_id": 50256, "eos_token_id": 50256,
         "phalanx_tokenizer": cfg.data.tokenizer.name(),
     });
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&hf_cfg).unwrap(),
+    phalanx::fsutil::write_atomic(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&hf_cfg).unwrap().as_bytes(),
     )?;
     Ok(())
 }
