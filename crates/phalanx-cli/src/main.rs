@@ -8,6 +8,7 @@
 mod bench_collectives;
 mod generate;
 mod launch;
+mod outputs;
 mod train;
 
 use clap::{Parser, Subcommand};

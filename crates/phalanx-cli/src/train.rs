@@ -66,6 +66,10 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         return 0;
     }
     if !crate::launch::in_job() {
+        if let Err(e) = check_outputs(&cfg, opts) {
+            eprintln!("phalanx train: {e}");
+            return 2;
+        }
         let n = launch.nproc_per_node.unwrap_or(2);
         // Check what can be checked before starting any process.
         if n == 0 {
@@ -97,6 +101,34 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             1
         }
     }
+}
+
+/// Every output path, checked before any rank starts.
+fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
+    let log_json = opts
+        .log_json
+        .clone()
+        .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
+    let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
+    let mut outs: Vec<(&str, &std::path::Path)> = Vec::new();
+    if let Some(p) = &opts.save_final {
+        outs.push(("--save-final", p));
+    }
+    if let Some(p) = &log_json {
+        outs.push(("--log-json", p));
+    }
+    if let Some(p) = &opts.trace {
+        outs.push(("--trace", p));
+    }
+    if let Some(p) = &plot {
+        outs.push(("log.plot", p));
+    }
+    let data = PathBuf::from(&cfg.data.path);
+    let mut ins: Vec<(&str, &std::path::Path)> = vec![("data file (data.path)", &data)];
+    if let Some(p) = &opts.init_from {
+        ins.push(("--init-from model", p));
+    }
+    crate::outputs::check(&outs, &ins)
 }
 
 fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {

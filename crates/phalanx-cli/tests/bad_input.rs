@@ -169,3 +169,50 @@ fn saved_models_use_the_umask_and_leave_no_temporary() {
     assert!(names.iter().all(|n| !n.contains("tmp")), "{names:?}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Outputs are checked before training starts, and an output that is an
+/// input is refused (table: arguments, words the message must hold).
+#[test]
+fn outputs_are_checked_before_training() {
+    let d = std::env::temp_dir().join(format!("phalanx-outs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("adir")).unwrap();
+    let data = d.join("data.txt");
+    std::fs::write(&data, "x".repeat(20_000)).unwrap();
+    let data_set = format!("data.path=\"{}\"", data.display());
+    let s = |p: &str| d.join(p).to_str().unwrap().to_string();
+    let (adir, data_s) = (s("adir"), s("data.txt"));
+    let under_file = format!("{}/sub/m.safetensors", data_s);
+    let log_same = s("same.json");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--save-final", &adir], "is a directory"),
+        (
+            vec!["--log-json", &data_s],
+            "refusing to overwrite an input",
+        ),
+        (vec!["--save-final", &under_file], "--save-final"),
+        (
+            vec!["--log-json", &log_same, "--trace", &log_same],
+            "same file",
+        ),
+    ];
+    for (extra, want) in &cases {
+        let mut args = vec!["train", "--nproc-per-node", "1", "--set", &data_set];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(extra);
+        let (code, out, err, took) = phalanx(&repo(), &args);
+        assert_eq!(code, 2, "{extra:?}: {out}{err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert!(
+            !out.contains("step "),
+            "{extra:?}: no training before the check"
+        );
+        assert!(took < Duration::from_secs(5), "{extra:?}: {took:?}");
+    }
+    assert_eq!(
+        std::fs::read(&data).unwrap().len(),
+        20_000,
+        "the input is intact"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
