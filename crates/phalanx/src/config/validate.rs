@@ -181,7 +181,11 @@ impl TrainConfig {
                 )));
             }
         }
-        if o.min_lr > o.lr {
+        let decays_to_min = matches!(
+            o.schedule,
+            super::LrScheduleKind::Cosine | super::LrScheduleKind::WarmupLinear
+        );
+        if decays_to_min && o.min_lr > o.lr {
             return Err(ConfigError(format!(
                 "optim.min_lr ({}) must not exceed optim.lr ({})",
                 o.min_lr, o.lr
