@@ -197,3 +197,40 @@ fn shipped_corpus_loads() {
     assert_eq!(b.inputs.len(), 4 * 64);
     assert!(l.val_batches(2, 8).count() == 2);
 }
+
+/// A memory-mapped token file truncated during training is reported naming
+/// the file (reading it would end the process with SIGBUS).
+#[test]
+fn a_truncated_mapped_file_is_named_not_a_sigbus() {
+    use phalanx::data::{DataLoader, LoaderConfig, Tokenizer};
+    let p = std::env::temp_dir().join(format!("phalanx-trunc-{}.bin", std::process::id()));
+    // nanoGPT format: raw uint16 tokens.
+    let tokens: Vec<u8> = (0..20_000u32)
+        .flat_map(|t| ((t % 200) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(&p, &tokens).unwrap();
+    let lc = LoaderConfig {
+        seq_len: 16,
+        val_fraction: 0.0,
+        shuffle: false,
+        seed: 0,
+        vocab_size: Some(256),
+    };
+    let l = DataLoader::open(&p, Tokenizer::Byte, lc).unwrap();
+    l.micro_batch(0, 0, 1, 0, 4, 1).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    let err = match l.micro_batch(500, 0, 1, 0, 4, 1) {
+        Ok(_) => panic!("a truncated file must be an error"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(p.to_str().unwrap()) && err.contains("truncated"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(&p);
+}

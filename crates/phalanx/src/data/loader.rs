@@ -334,6 +334,7 @@ impl DataLoader {
             micro_batch_size,
             grad_accum,
         )?;
+        self.train.data.check_unchanged()?;
         Ok(self.gather(&self.train, &samples))
     }
 
@@ -357,6 +358,7 @@ impl DataLoader {
         }
         let first = (index * batch_size) as u64;
         let samples: Vec<u64> = (first..first + batch_size as u64).collect();
+        self.val.data.check_unchanged()?;
         Ok(self.gather(&self.val, &samples))
     }
 

@@ -58,6 +58,10 @@ enum Storage {
         map: Mmap,
         offset: usize,
         width: usize,
+        /// The mapped file and its size when opened: a file truncated under
+        /// the map would kill the process with SIGBUS on the next read.
+        file: std::fs::File,
+        bytes: u64,
     },
 }
 
@@ -121,12 +125,30 @@ impl TokenData {
         self.path.as_deref()
     }
 
+    /// An error naming the file if a memory-mapped file shrank since it
+    /// was opened (reading it would end the process with SIGBUS).
+    pub fn check_unchanged(&self) -> Result<()> {
+        if let Storage::Mapped { file, bytes, .. } = &self.storage {
+            let path = self.path.as_deref().unwrap_or(Path::new("?"));
+            let now = file.metadata().map_err(io_err(path))?.len();
+            if now < *bytes {
+                return Err(format_err(
+                    path,
+                    format!("the file was truncated during training ({bytes} bytes when opened, {now} now); token files must not change while they are read"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Token `i`. Panics if `i >= len()`, like slice indexing.
     pub fn get(&self, i: usize) -> u32 {
         assert!(i < self.len, "token index {i} out of range {}", self.len);
         match &self.storage {
             Storage::Owned(v) => v[i],
-            Storage::Mapped { map, offset, width } => read_le(&map[offset + i * width..], *width),
+            Storage::Mapped {
+                map, offset, width, ..
+            } => read_le(&map[offset + i * width..], *width),
         }
     }
 
@@ -139,7 +161,9 @@ impl TokenData {
         );
         match &self.storage {
             Storage::Owned(v) => out.extend_from_slice(&v[start..end]),
-            Storage::Mapped { map, offset, width } => {
+            Storage::Mapped {
+                map, offset, width, ..
+            } => {
                 let bytes = &map[offset + start * width..offset + end * width];
                 out.extend(bytes.chunks_exact(*width).map(|b| read_le(b, *width)));
             }
@@ -155,6 +179,7 @@ impl TokenData {
                 map,
                 offset,
                 width: 4,
+                ..
             } if cfg!(target_endian = "little") => {
                 bytemuck::try_cast_slice(&map[*offset..offset + self.len * 4]).ok()
             }
@@ -252,7 +277,13 @@ fn open_bin(path: &Path) -> Result<TokenData> {
     let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
     let (format, offset, width, len) = detect_bin(path, &map)?;
     Ok(TokenData {
-        storage: Storage::Mapped { map, offset, width },
+        storage: Storage::Mapped {
+            map,
+            offset,
+            width,
+            file,
+            bytes: size as u64,
+        },
         len,
         format,
         path: Some(path.to_path_buf()),
