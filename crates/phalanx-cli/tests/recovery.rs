@@ -378,3 +378,35 @@ fn restart_without_checkpoints_starts_over_with_a_note() {
     let steps: Vec<u64> = log_lines(&log).iter().map(|l| l.0).collect();
     assert_eq!(steps, vec![0, 1, 2]);
 }
+
+/// Every worker of a restarted group gets the attempt number, ours and
+/// torchrun's, and the launcher says why it restarts.
+#[test]
+fn restarted_workers_get_the_restart_count() {
+    let out = Command::new(BIN)
+        .args(["run", "--nproc-per-node", "2", "--max-restarts", "2", "--"])
+        .args([
+            "sh",
+            "-c",
+            "echo attempt $PHALANX_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS; \
+             [ $PHALANX_RESTART_COUNT = 2 ] || [ $RANK = 1 ] || exit 5",
+        ])
+        .env_remove("RANK")
+        .env_remove("PHALANX_SECRET")
+        .output()
+        .unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{o}{e}");
+    for (k, r) in [(0, 0), (1, 0), (2, 0), (2, 1)] {
+        let want = format!("[rank {r}] attempt {k} {k} 2");
+        assert!(o.lines().any(|l| l == want), "missing {want:?}:\n{o}");
+    }
+    assert!(
+        e.contains("restarting the group (restart 1 of 2) because rank 0 failed (exit code 5)")
+            && e.contains("restart 2 of 2"),
+        "{e}"
+    );
+}
