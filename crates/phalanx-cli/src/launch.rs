@@ -37,7 +37,10 @@ pub struct LaunchOpts {
     /// for single-node jobs.
     #[arg(long = "master-port", alias = "master_port")]
     pub master_port: Option<u16>,
-    /// Restart the whole group up to K times after a failure.
+    /// Restart the whole group up to K times after a failure; workers of a
+    /// restarted group get PHALANX_RESTART_COUNT (and torchrun's
+    /// TORCHELASTIC_RESTART_COUNT) = the attempt number, and `phalanx train`
+    /// resumes from its latest checkpoint.
     #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: usize,
 }
@@ -171,14 +174,15 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         match outcome {
             Outcome::Success => return Ok(0),
             Outcome::Signalled(sig) => return Ok(128 + sig),
-            Outcome::Failed(code) if attempt < opts.max_restarts => {
+            Outcome::Failed(_, why) if attempt < opts.max_restarts => {
                 attempt += 1;
                 eprintln!(
-                    "phalanx run: restarting the group (restart {attempt} of {}), last exit code {code}",
+                    "phalanx run: restarting the group (restart {attempt} of {}) because {why}; \
+                     its workers get PHALANX_RESTART_COUNT={attempt}",
                     opts.max_restarts
                 );
             }
-            Outcome::Failed(code) => return Ok(if code == 0 { 1 } else { code }),
+            Outcome::Failed(code, _) => return Ok(if code == 0 { 1 } else { code }),
         }
     }
 }
@@ -194,7 +198,8 @@ struct JobEnv<'a> {
 
 enum Outcome {
     Success,
-    Failed(i32),
+    /// Exit code, and which rank failed how.
+    Failed(i32, String),
     Signalled(i32),
 }
 
@@ -217,6 +222,11 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             .env("PHALANX_SECRET", env.secret)
             .env("PHALANX_STORE_HOSTED", "1")
             .env("PHALANX_RUN_ID", env.run_id.to_string())
+            // Which attempt this is (0 first): a restarted trainer resumes
+            // from its latest checkpoint. torchrun's names too.
+            .env("PHALANX_RESTART_COUNT", env.run_id.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", env.run_id.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", o.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -297,7 +307,7 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
                     let _ = writeln!(e, "  | {l}");
                 }
             }
-            return Ok(Outcome::Failed(code));
+            return Ok(Outcome::Failed(code, format!("rank {rank} failed ({how})")));
         }
         if running == 0 {
             for w in workers.iter_mut() {

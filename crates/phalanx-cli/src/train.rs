@@ -3,6 +3,10 @@
 //! Outside a job it launches itself through `phalanx run` with
 //! `--nproc-per-node` ranks (default 2); inside one, every rank trains its
 //! data-parallel slice and rank 0 reports.
+//!
+//! `--max-restarts K` is passed to that launch: a failed group is restarted
+//! up to K times, and with `checkpoint.interval` > 0 the restarted ranks
+//! resume from the latest complete checkpoint (see `phalanx::trainer`).
 
 use clap::Args;
 use phalanx::config::TrainConfig;

@@ -11,7 +11,13 @@
 //! and renamed into place once every rank's file is complete, fsynced and
 //! hashed (sha256 in the metadata); the `latest` file beside the
 //! checkpoints is replaced last. A run killed during a save leaves at most a
-//! `.tmp-*` directory, never a checkpoint that looks complete.
+//! `.tmp-*` directory, never a checkpoint that looks complete (tests show
+//! it with the `PHALANX_FAULT=exit-in-save:STEP` hook, see
+//! [`crate::trainer::fault`]).
+//!
+//! Recovery: a worker group restarted by `phalanx run --max-restarts`
+//! (`PHALANX_RESTART_COUNT` or `TORCHELASTIC_RESTART_COUNT` > 0) resumes
+//! from [`find_latest`], which skips broken checkpoints with a warning.
 //!
 //! ```no_run
 //! # fn demo(trainer: &mut phalanx::trainer::Trainer) -> phalanx::Result<()> {

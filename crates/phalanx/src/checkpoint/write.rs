@@ -276,6 +276,10 @@ fn commit(
     let mp = tmp.join("metadata.json");
     write_synced(&mp, &text).map_err(|e| io("cannot write", &mp, e))?;
     sync_dir(tmp).map_err(|e| io("cannot sync", tmp, e))?;
+    // Test hook (`PHALANX_FAULT=exit-in-save:STEP`): die here, with every
+    // file written and nothing renamed, to show that a killed save leaves
+    // no checkpoint that looks complete.
+    crate::trainer::fault::in_save(header.step);
     let dst = root.join(name);
     if dst.exists() {
         // A checkpoint of the same step from an earlier run: replaced.

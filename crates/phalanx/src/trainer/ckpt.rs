@@ -3,21 +3,11 @@
 //! resume from a checkpoint of any layout (`--resume PATH | auto`, and
 //! automatically after a restart by the launcher).
 
+use super::fault::restart_count;
 use super::{Resume, Trainer};
 use crate::checkpoint::{self, write::Header, Reader, SavedLayout, Snapshot};
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
-
-/// The launcher's restart count (torchrun's and ours): > 0 in a restarted
-/// worker group.
-fn restart_count() -> usize {
-    ["PHALANX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"]
-        .iter()
-        .filter_map(|k| std::env::var(k).ok())
-        .filter_map(|v| v.parse().ok())
-        .max()
-        .unwrap_or(0)
-}
 
 impl Trainer {
     /// Check before training that checkpoints can be written (the
@@ -42,41 +32,72 @@ impl Trainer {
     /// The checkpoint `--resume` asks for (collective: rank 0 decides for
     /// `auto`, so every rank loads the same one), loaded. Returns whether a
     /// checkpoint was loaded.
+    ///
+    /// A worker group restarted by the launcher (restart count > 0) with
+    /// checkpoints on continues from the latest checkpoint under
+    /// `checkpoint.dir`, whatever `--resume` says (that is where this job
+    /// got to); only if there is none yet does it start as the first
+    /// attempt did. With checkpoints off it starts over, and says so.
     pub(super) fn resume(&mut self, resume: Option<&Resume>) -> Result<bool> {
-        let auto = Resume::Auto;
-        let resume = match resume {
-            Some(r) => r,
-            // A group restarted by the launcher continues where it stopped.
-            None if restart_count() > 0 && self.cfg.checkpoint.interval > 0 => &auto,
-            None => return Ok(false),
-        };
-        let dir = match resume {
-            Resume::Path(p) => checkpoint::find(p)?,
-            Resume::Auto => {
-                let root = PathBuf::from(&self.cfg.checkpoint.dir);
-                let world = self.mesh.world();
-                // Rank 0 verifies and picks; the others follow.
-                let mut pick = [-1i64];
-                if world.rank() == 0 {
-                    if let Some((dir, r)) = checkpoint::find_latest(&root) {
-                        let _ = dir;
-                        pick[0] = r.meta.step as i64;
-                    }
-                }
-                world.broadcast(&mut pick, 0)?;
-                if pick[0] < 0 {
-                    if world.rank() == 0 {
-                        println!(
-                            "--resume auto: no checkpoint under {}; starting fresh",
-                            root.display()
-                        );
-                    }
-                    return Ok(false);
-                }
-                root.join(checkpoint::step_dir_name(pick[0] as usize))
+        let restart = restart_count();
+        let on = self.cfg.checkpoint.interval > 0;
+        let lead = self.mesh.world().rank() == 0;
+        if restart > 0 && lead {
+            if on {
+                println!(
+                    "restart {restart} of this job: resuming from the latest checkpoint under {}",
+                    self.cfg.checkpoint.dir
+                );
+            } else {
+                println!(
+                    "note: restart {restart} of this job: checkpoints are off (checkpoint.interval = 0), \
+                     so the restarted group starts from {}; set checkpoint.interval to lose at most one interval",
+                    if resume.is_some() { "its --resume checkpoint" } else { "step 0" }
+                );
             }
-        };
-        self.load_checkpoint(&dir)?;
+        }
+        if restart > 0 && on {
+            let explicit = matches!(resume, Some(Resume::Path(_)));
+            let loaded = self.resume_auto(!explicit)?;
+            if loaded || !explicit {
+                return Ok(loaded);
+            }
+        }
+        match resume {
+            None => Ok(false),
+            Some(Resume::Auto) => self.resume_auto(true),
+            Some(Resume::Path(p)) => {
+                let dir = checkpoint::find(p)?;
+                self.load_checkpoint(&dir)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// `--resume auto`: load the latest checkpoint under `checkpoint.dir`
+    /// that verifies (rank 0 picks, every rank loads it). Returns whether
+    /// one was loaded; `fresh_note`: say so on rank 0 when there is none.
+    fn resume_auto(&mut self, fresh_note: bool) -> Result<bool> {
+        let root = PathBuf::from(&self.cfg.checkpoint.dir);
+        let world = self.mesh.world();
+        // Rank 0 verifies and picks; the others follow.
+        let mut pick = [-1i64];
+        if world.rank() == 0 {
+            if let Some((_, r)) = checkpoint::find_latest(&root) {
+                pick[0] = r.meta.step as i64;
+            }
+        }
+        world.broadcast(&mut pick, 0)?;
+        if pick[0] < 0 {
+            if fresh_note && world.rank() == 0 {
+                println!(
+                    "--resume auto: no checkpoint under {}; starting fresh",
+                    root.display()
+                );
+            }
+            return Ok(false);
+        }
+        self.load_checkpoint(&root.join(checkpoint::step_dir_name(pick[0] as usize)))?;
         Ok(true)
     }
 

@@ -53,22 +53,35 @@ pub struct StepLog {
 }
 
 impl StepLog {
-    /// `append`: a resumed run adds to the JSON log of the run it continues.
-    pub fn new(opts: &RunOptions, lead: bool, steps: usize, append: bool) -> Result<StepLog> {
+    /// `resumed_at`: a run resumed at that step continues the JSON log of
+    /// the run it continues: the lines of steps before it are kept, later
+    /// ones (written after the checkpoint by a run that then died) and a
+    /// torn last line are dropped, so every step appears once. Otherwise
+    /// the log starts empty.
+    pub fn new(
+        opts: &RunOptions,
+        lead: bool,
+        steps: usize,
+        resumed_at: Option<usize>,
+    ) -> Result<StepLog> {
         let json = match (&opts.log_json, lead) {
             (Some(p), true) => {
                 if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir)?;
                 }
+                let err = |e: std::io::Error| {
+                    crate::error::Error::Io(format!("cannot create {}: {e}", p.display()))
+                };
+                if let Some(at) = resumed_at {
+                    keep_steps_before(p, at).map_err(err)?;
+                }
                 let f = std::fs::OpenOptions::new()
                     .create(true)
                     .write(true)
-                    .append(append)
-                    .truncate(!append)
+                    .append(resumed_at.is_some())
+                    .truncate(resumed_at.is_none())
                     .open(p)
-                    .map_err(|e| {
-                        crate::error::Error::Io(format!("cannot create {}: {e}", p.display()))
-                    })?;
+                    .map_err(err)?;
                 Some(std::io::BufWriter::new(f))
             }
             _ => None,
@@ -154,6 +167,35 @@ impl StepLog {
         }
         Ok(())
     }
+}
+
+/// Keep the lines of JSON log `p` whose step is below `at` (rewritten
+/// through a temporary file and a rename, so a crash leaves the old log or
+/// the new one).
+fn keep_steps_before(p: &std::path::Path, at: usize) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let step = |l: &str| {
+        serde_json::from_str::<serde_json::Value>(l)
+            .ok()
+            .and_then(|v| v["step"].as_u64())
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| step(l).is_some_and(|s| (s as usize) < at))
+        .flat_map(|l| [l, "\n"])
+        .collect();
+    if kept == text {
+        return Ok(());
+    }
+    let mut name = p.file_name().unwrap_or_default().to_os_string();
+    name.push(".tmp");
+    let tmp = p.with_file_name(name);
+    std::fs::write(&tmp, kept)?;
+    std::fs::rename(&tmp, p)
 }
 
 /// A self-contained SVG line chart of training (and validation) loss.

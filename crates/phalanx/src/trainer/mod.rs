@@ -16,6 +16,7 @@
 //! ```
 
 mod ckpt;
+pub mod fault;
 mod log;
 
 pub use log::{write_loss_svg, Resume, RunOptions, StepLog};
@@ -467,7 +468,7 @@ impl Trainer {
         self.preflight_checkpoints()?;
         let resumed = self.resume(opts.resume.as_ref())?;
         let first = self.start_step;
-        let mut log = StepLog::new(opts, lead, steps, resumed)?;
+        let mut log = StepLog::new(opts, lead, steps, resumed.then_some(first))?;
         let m = &self.mesh;
         if lead && opts.progress {
             println!(
@@ -500,6 +501,7 @@ impl Trainer {
         let every = self.cfg.checkpoint.interval;
         let mut short_run_tok_s = Vec::new();
         for k in first..steps {
+            fault::at_step(self.mesh.world().rank(), k);
             let s = self.step(k)?;
             report.losses.push(s.loss);
             short_run_tok_s.push(s.tokens_per_s);

@@ -1,0 +1,412 @@
+//! Recovery end to end: workers killed during training and during
+//! checkpoint saves (the `PHALANX_FAULT` test hook), restarts by the
+//! launcher, broken checkpoints, and resuming on a different number of
+//! ranks.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+/// No run of these tests takes more than a few seconds; a hang fails.
+const DEADLINE: Duration = Duration::from_secs(180);
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("phalanx-recovery-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small model so that a run takes a second or two.
+const MODEL: &[&str] = &[
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.block_size=32",
+    "--set",
+    "train.eval_interval=0",
+    "--set",
+    "log.plot=\"\"",
+];
+
+struct Run {
+    code: i32,
+    out: String,
+    err: String,
+}
+
+impl std::fmt::Display for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "exit {}\n--- stdout\n{}--- stderr\n{}",
+            self.code, self.out, self.err
+        )
+    }
+}
+
+/// `phalanx train MODEL ARGS` with `fault` in `PHALANX_FAULT`, killed (and
+/// failed) past the deadline. The launcher's workers die with it.
+fn train(args: &[&str], fault: Option<&str>) -> Run {
+    let mut c = Command::new(BIN);
+    c.arg("train")
+        .args(MODEL)
+        .args(args)
+        .current_dir(repo())
+        .env_remove("RANK")
+        .env_remove("PHALANX_RESTART_COUNT")
+        .env_remove("TORCHELASTIC_RESTART_COUNT")
+        .env_remove("PHALANX_FAULT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(f) = fault {
+        c.env("PHALANX_FAULT", f);
+    }
+    let mut child = c.spawn().unwrap();
+    let read = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = read(Box::new(child.stdout.take().unwrap()));
+    let err = read(Box::new(child.stderr.take().unwrap()));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if t0.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let run = Run {
+        code: status.and_then(|s| s.code()).unwrap_or(-1),
+        out: out.join().unwrap(),
+        err: err.join().unwrap(),
+    };
+    assert!(
+        status.is_some(),
+        "phalanx train {args:?} hung past {DEADLINE:?}:\n{run}"
+    );
+    run
+}
+
+/// The JSON log: (step, loss) per line.
+fn log_lines(p: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn set(kv: String) -> [String; 2] {
+    ["--set".to_string(), kv]
+}
+
+/// Training settings: `steps` steps, checkpoints every `interval` under `d/ckpt`.
+fn settings(d: &Path, steps: usize, interval: usize) -> Vec<String> {
+    [
+        set(format!("train.steps={steps}")),
+        set(format!("checkpoint.interval={interval}")),
+        set(format!("checkpoint.dir=\"{}\"", d.join("ckpt").display())),
+    ]
+    .concat()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(|s| s.as_str()).collect()
+}
+
+fn latest(d: &Path) -> String {
+    std::fs::read_to_string(d.join("ckpt/latest"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// Kill rank 1 at step 5 of 8 (checkpoints every 2 steps): the launcher
+/// restarts the group, which resumes from step 4 and ends exactly where an
+/// uninterrupted run ends; the JSON log holds every step once.
+#[test]
+fn killed_worker_restarts_from_the_last_checkpoint_bitwise() {
+    let d = tmpdir("kill");
+    let mut base = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    base.push("--log-json");
+    let (a, b) = (d.join("a"), d.join("b"));
+    let (log_a, log_b) = (a.join("log.jsonl"), b.join("log.jsonl"));
+
+    let sa = settings(&a, 8, 2);
+    let mut args = base.clone();
+    args.push(log_a.to_str().unwrap());
+    args.extend(strs(&sa));
+    let ref_run = train(&args, None);
+    assert_eq!(ref_run.code, 0, "{ref_run}");
+
+    let sb = settings(&b, 8, 2);
+    let mut args = base.clone();
+    args.push(log_b.to_str().unwrap());
+    args.extend(strs(&sb));
+    args.extend(["--max-restarts", "1"]);
+    let r = train(&args, Some("exit-at-step:1:5"));
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.err.contains(
+            "restarting the group (restart 1 of 1) because rank 1 failed (exit code 137)"
+        ),
+        "{r}"
+    );
+    assert!(
+        r.out
+            .contains("restart 1 of this job: resuming from the latest checkpoint"),
+        "{r}"
+    );
+    assert!(
+        r.out.contains("step-00000004 (step 4, saved by"),
+        "the restart must resume from step 4:\n{r}"
+    );
+    let (la, lb) = (log_lines(&log_a), log_lines(&log_b));
+    let steps: Vec<u64> = lb.iter().map(|l| l.0).collect();
+    assert_eq!(steps, (0..8).collect::<Vec<_>>(), "{r}");
+    // Bitwise: the log holds the f32 losses exactly.
+    assert_eq!(la, lb);
+    assert_eq!(lb.last().unwrap().1.to_bits(), la[7].1.to_bits());
+    assert_eq!(latest(&b), "step-00000008");
+}
+
+/// A killed save (rank 0 dies after every file is written, before the
+/// rename) leaves `latest` on the previous checkpoint and no `step-N` of
+/// the killed one; `--resume auto` continues from the previous one.
+fn killed_save(name: &str, extra: &[&str]) {
+    let d = tmpdir(name);
+    let s = settings(&d, 8, 2);
+    let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    args.extend(strs(&s));
+    args.extend(extra);
+    let r = train(&args, Some("exit-in-save:4"));
+    assert_eq!(
+        r.code, 137,
+        "the job fails with the killed rank's code:\n{r}"
+    );
+    assert!(r.err.contains("rank 0 failed (exit code 137)"), "{r}");
+    assert_eq!(latest(&d), "step-00000002", "{r}");
+    let ck = d.join("ckpt");
+    assert!(!ck.join("step-00000004").exists(), "{r}");
+    assert!(ck.join("step-00000002/metadata.json").is_file());
+    // The save got as far as its metadata: only the rename was missing.
+    let tmp: Vec<PathBuf> = std::fs::read_dir(&ck)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(".tmp-step-00000004-")
+        })
+        .collect();
+    assert_eq!(tmp.len(), 1, "{tmp:?}");
+    assert!(
+        tmp[0].join("metadata.json").is_file() && tmp[0].join("rank-00001.safetensors").is_file()
+    );
+
+    args.extend(["--resume", "auto"]);
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.out.contains("step-00000002 (step 2, saved by"), "{r}");
+    assert!(r.out.contains("done: 6 steps"), "{r}");
+    assert_eq!(latest(&d), "step-00000008");
+    // The next save cleared the leftover.
+    assert!(!tmp[0].exists());
+}
+
+#[test]
+fn killed_sync_save_leaves_the_previous_checkpoint() {
+    killed_save("sync-save", &[]);
+}
+
+#[test]
+fn killed_async_save_leaves_the_previous_checkpoint() {
+    killed_save("async-save", &["--set", "checkpoint.async=true"]);
+}
+
+/// With `--max-restarts`, a killed (async) save costs the steps since the
+/// previous checkpoint and the job completes.
+#[test]
+fn killed_async_save_is_recovered_by_a_restart() {
+    let d = tmpdir("async-restart");
+    let s = settings(&d, 8, 2);
+    let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    args.extend(strs(&s));
+    args.extend(["--set", "checkpoint.async=true", "--max-restarts", "1"]);
+    let r = train(&args, Some("exit-in-save:4"));
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.err.contains("PHALANX_FAULT: in the save of step 4"),
+        "{r}"
+    );
+    assert!(r.out.contains("step-00000002 (step 2, saved by"), "{r}");
+    assert_eq!(latest(&d), "step-00000008");
+}
+
+/// `--resume auto` skips a latest checkpoint with a truncated file, with a
+/// warning naming the file, and continues from the one before.
+#[test]
+fn truncated_checkpoint_falls_back_to_the_previous_one() {
+    let d = tmpdir("truncated");
+    let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    let s = settings(&d, 4, 2);
+    args.extend(strs(&s));
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert_eq!(latest(&d), "step-00000004");
+    let f = d.join("ckpt/step-00000004/rank-00001.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+
+    let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    let s = settings(&d, 6, 2);
+    args.extend(strs(&s));
+    args.extend(["--resume", "auto"]);
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.err.contains("warning: skipping checkpoint")
+            && r.err.contains("step-00000004/rank-00001.safetensors")
+            && r.err.contains("truncated"),
+        "{r}"
+    );
+    assert!(r.out.contains("step-00000002 (step 2, saved by"), "{r}");
+    assert!(r.out.contains("done: 4 steps"), "{r}");
+    assert_eq!(latest(&d), "step-00000006");
+}
+
+/// A job saved on 2 ranks continues on 3 (dp 3, the same global batch of
+/// 12): the resharded state gives the loss the 2-rank run had at the step
+/// it continues from (up to the order of the reductions).
+#[test]
+fn resumes_on_a_different_number_of_ranks() {
+    let d = tmpdir("elastic");
+    let log = d.join("log.jsonl");
+    let s = settings(&d, 8, 2);
+    let mut args = vec!["--set", "train.global_batch_size=12", "--log-json"];
+    args.push(log.to_str().unwrap());
+    args.extend(strs(&s));
+    let mut first = args.clone();
+    first.extend(["--nproc-per-node", "2"]);
+    // Rank 0 dies at step 5: step 4 is logged, the checkpoint of step 4 saved.
+    let r = train(&first, Some("exit-at-step:0:5"));
+    assert_eq!(r.code, 137, "{r}");
+    assert!(r.out.contains("micro-batch 6 x grad_accum 1"), "{r}");
+    let two = log_lines(&log);
+    let at4 = two.iter().find(|l| l.0 == 4).expect("step 4 logged").1;
+
+    args.extend(["--nproc-per-node", "3", "--resume", "auto"]);
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.out.contains("micro-batch 4 x grad_accum 1"), "{r}");
+    assert!(
+        r.out.contains("step-00000004 (step 4, saved by") && r.out.contains("on 2 rank(s))"),
+        "{r}"
+    );
+    assert!(r.out.contains("done: 4 steps"), "{r}");
+    let three = log_lines(&log);
+    assert_eq!(
+        three.iter().map(|l| l.0).collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>()
+    );
+    assert_eq!(&three[..4], &two[..4]);
+    let rel = (three[4].1 - at4).abs() / at4;
+    assert!(
+        rel < 1e-4,
+        "step 4: {} on 3 ranks vs {at4} on 2",
+        three[4].1
+    );
+    assert_eq!(latest(&d), "step-00000008");
+}
+
+/// Without checkpoints a restarted group starts over, and says so.
+#[test]
+fn restart_without_checkpoints_starts_over_with_a_note() {
+    let d = tmpdir("nockpt");
+    let log = d.join("log.jsonl");
+    let r = train(
+        &[
+            "--nproc-per-node",
+            "2",
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            "train.steps=3",
+            "--max-restarts",
+            "1",
+            "--log-json",
+            log.to_str().unwrap(),
+        ],
+        Some("exit-at-step:1:2"),
+    );
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.out
+            .contains("note: restart 1 of this job: checkpoints are off (checkpoint.interval = 0), so the restarted group starts from step 0"),
+        "{r}"
+    );
+    let steps: Vec<u64> = log_lines(&log).iter().map(|l| l.0).collect();
+    assert_eq!(steps, vec![0, 1, 2]);
+}
+
+/// Every worker of a restarted group gets the attempt number, ours and
+/// torchrun's, and the launcher says why it restarts.
+#[test]
+fn restarted_workers_get_the_restart_count() {
+    let out = Command::new(BIN)
+        .args(["run", "--nproc-per-node", "2", "--max-restarts", "2", "--"])
+        .args([
+            "sh",
+            "-c",
+            "echo attempt $PHALANX_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS; \
+             [ $PHALANX_RESTART_COUNT = 2 ] || [ $RANK = 1 ] || exit 5",
+        ])
+        .env_remove("RANK")
+        .env_remove("PHALANX_SECRET")
+        .output()
+        .unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{o}{e}");
+    for (k, r) in [(0, 0), (1, 0), (2, 0), (2, 1)] {
+        let want = format!("[rank {r}] attempt {k} {k} 2");
+        assert!(o.lines().any(|l| l == want), "missing {want:?}:\n{o}");
+    }
+    assert!(
+        e.contains("restarting the group (restart 1 of 2) because rank 0 failed (exit code 5)")
+            && e.contains("restart 2 of 2"),
+        "{e}"
+    );
+}
