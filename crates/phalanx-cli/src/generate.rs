@@ -40,7 +40,7 @@ pub fn main(o: &GenerateOpts) -> i32 {
 }
 
 /// Model keys read from an HF config.json, as --set overrides.
-fn hf_overrides(path: &std::path::Path) -> Vec<String> {
+pub(crate) fn hf_overrides(path: &std::path::Path) -> Vec<String> {
     let Some(dir) = path.parent() else {
         return vec![];
     };

@@ -51,7 +51,10 @@ impl Trainer {
             None => return Ok(false),
         };
         let dir = match resume {
-            Resume::Path(p) => checkpoint::find(p)?,
+            Resume::Path(p) => checkpoint::find(p).map_err(|e| match e {
+                Error::Check(m) => Error::Check(format!("--resume {m}")),
+                e => e,
+            })?,
             Resume::Auto => {
                 let root = PathBuf::from(&self.cfg.checkpoint.dir);
                 let world = self.mesh.world();
