@@ -250,6 +250,22 @@ fn zero3_checkpoint_converts_and_imports_bitwise() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+#[test]
+fn tensor_and_pipeline_parallel_checkpoints_convert_bitwise() {
+    for (what, layout) in [("tp", "parallel.tp=2"), ("pp", "parallel.pp=2")] {
+        let d = tmpdir(what);
+        // Two layers, so that two pipeline stages each hold one.
+        let ck = train_with_checkpoints(&d, &["model.n_layer=2", layout]);
+        let (code, v) = inspect_json(&ck);
+        assert_eq!(code, 0, "{what}: {v}");
+        let conv = d.join("converted.safetensors");
+        let o = phalanx(&["checkpoint", "convert", &s(&ck), &s(&conv)]);
+        assert_eq!(o.code, 0, "{what}: {}", o.all());
+        assert_same_tensors(&conv, &d.join("final.safetensors"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
 /// Flip one bit in the middle of a file.
 fn flip_bit(p: &Path) {
     let mut b = std::fs::read(p).unwrap();
