@@ -42,7 +42,7 @@ pub fn main(o: &GenerateOpts) -> i32 {
 /// Model keys read from an HF config.json beside the model, as --set
 /// overrides (none without one; a config.json that does not parse is an
 /// error naming it, never silently ignored).
-fn hf_overrides(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
+pub(crate) fn hf_overrides(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
     let Some(dir) = path.parent() else {
         return Ok(vec![]);
     };

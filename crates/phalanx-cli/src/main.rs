@@ -4,8 +4,10 @@
 //! - `phalanx train`: train GPT-2 (data parallel over local ranks by default).
 //! - `phalanx generate`: sample text from a model.
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
+//! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
 
 mod bench_collectives;
+mod checkpoint_cmd;
 mod generate;
 mod launch;
 mod outputs;
@@ -73,6 +75,12 @@ enum Cmd {
         #[arg(long)]
         comm: bool,
     },
+    /// Inspect and verify distributed checkpoints, convert them to and
+    /// from Hugging Face GPT-2 files.
+    Checkpoint {
+        #[command(subcommand)]
+        what: checkpoint_cmd::CheckpointCmd,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -108,6 +116,7 @@ fn main() {
             micro_batches,
             comm,
         } => print_schedule(&schedule, pp, micro_batches, comm),
+        Cmd::Checkpoint { what } => checkpoint_cmd::main(&what),
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },
         } => bench_collectives::main(&opts, &launch),

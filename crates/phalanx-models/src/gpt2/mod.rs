@@ -2,7 +2,8 @@
 //!
 //! - [`config`]: hyper-parameters, presets `gpt-tiny` and `gpt2-124m`;
 //! - [`blocks`]: embedding, transformer layers, head (tied wte);
-//! - [`hf`]: `GPT2LMHeadModel` safetensors import / export.
+//! - [`hf`]: `GPT2LMHeadModel` safetensors import / export;
+//! - [`dcp`]: distributed checkpoints to and from HF files.
 //!
 //! Inputs are token ids (B, T) u32, targets (B, T) u32; the loss is the mean
 //! cross-entropy over all B*T targets.
@@ -21,6 +22,7 @@
 
 pub mod blocks;
 pub mod config;
+pub mod dcp;
 pub mod hf;
 pub mod tp;
 pub mod train;

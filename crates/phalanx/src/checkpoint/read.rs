@@ -53,13 +53,13 @@ pub fn find(path: &Path) -> Result<PathBuf> {
     }
     if !path.is_dir() {
         return Err(Error::Check(format!(
-            "--resume {}: no such checkpoint or checkpoint directory",
+            "{}: no such checkpoint or checkpoint directory",
             path.display()
         )));
     }
     candidates(path).into_iter().next().ok_or_else(|| {
         Error::Check(format!(
-            "--resume {}: no complete checkpoint in it (step-*/metadata.json)",
+            "{}: no complete checkpoint in it (step-*/metadata.json)",
             path.display()
         ))
     })
@@ -102,7 +102,16 @@ impl Reader {
         for f in &meta.files {
             let p = dir.join(&f.name);
             let len = std::fs::metadata(&p)
-                .map_err(|e| Error::Check(format!("checkpoint file {}: {e}", p.display())))?
+                .map_err(|e| {
+                    Error::Check(if e.kind() == std::io::ErrorKind::NotFound {
+                        format!(
+                            "checkpoint file {} is missing (the metadata lists it)",
+                            p.display()
+                        )
+                    } else {
+                        format!("checkpoint file {}: {e}", p.display())
+                    })
+                })?
                 .len();
             if len != f.bytes {
                 return Err(Error::Check(format!(
@@ -156,9 +165,14 @@ impl Reader {
         Ok(m)
     }
 
+    /// Verify file `i`'s checksum (an error naming the file).
+    pub fn verify(&self, i: usize) -> Result<()> {
+        self.file(i).map(|_| ())
+    }
+
     /// Verify every file's checksum.
     pub fn verify_all(&self) -> Result<()> {
-        (0..self.meta.files.len()).try_for_each(|i| self.file(i).map(|_| ()))
+        (0..self.meta.files.len()).try_for_each(|i| self.verify(i))
     }
 
     /// The values of one entry.
@@ -197,8 +211,15 @@ impl Reader {
     }
 
     /// Check that every parameter of `layout` (placed by `placement`) is a
-    /// tensor of the checkpoint with the same global shape.
+    /// tensor of the checkpoint with the same global shape, and that the
+    /// checkpoint holds no tensor the model lacks (a deeper model's layer).
     pub fn check_model(&self, layout: &Layout, placement: &dyn Placement) -> Result<()> {
+        if let Some(extra) = self.meta.tensors.keys().find(|t| layout.find(t).is_none()) {
+            return Err(Error::Check(format!(
+                "checkpoint {} holds tensor `{extra}`, which this model does not have (a different model?)",
+                self.dir.display()
+            )));
+        }
         for p in layout.params() {
             let shape = placement.place(p).shape;
             match self.meta.tensors.get(&p.name) {

@@ -58,6 +58,14 @@ impl Snapshot {
         }
     }
 
+    /// The same pieces, recorded as holding no optimizer state (a
+    /// parameters-only checkpoint, e.g. imported weights: a run loading it
+    /// starts its optimizer fresh).
+    pub fn without_optimizer(mut self) -> Snapshot {
+        self.optimizer = None;
+        self
+    }
+
     /// Bytes of values held.
     pub fn bytes(&self) -> usize {
         self.pieces.iter().map(|p| p.4.len() * 4).sum()

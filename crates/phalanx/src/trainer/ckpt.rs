@@ -67,7 +67,10 @@ impl Trainer {
             None => Ok(false),
             Some(Resume::Auto) => self.resume_auto(true),
             Some(Resume::Path(p)) => {
-                let dir = checkpoint::find(p)?;
+                let dir = checkpoint::find(p).map_err(|e| match e {
+                    Error::Check(m) => Error::Check(format!("--resume {m}")),
+                    e => e,
+                })?;
                 self.load_checkpoint(&dir)?;
                 Ok(true)
             }

@@ -1,0 +1,136 @@
+//! GPT-2 distributed checkpoints to and from Hugging Face files (what
+//! PyTorch's `dcp_to_torch_save` / DeepSpeed's `zero_to_fp32` do).
+//!
+//! - [`export`]: the whole model of a checkpoint saved by any layout (DDP,
+//!   ZeRO shards, tensor or pipeline parallel), gathered into a one-rank
+//!   engine and written as a `GPT2LMHeadModel` safetensors file. The
+//!   model's shape comes from the run config the checkpoint records.
+//! - [`import`]: an HF file as a checkpoint of step 0 holding parameters
+//!   only: a run resuming from it starts its optimizer fresh.
+//!
+//! ```no_run
+//! use phalanx_models::gpt2::dcp;
+//! use std::path::Path;
+//! let dir = phalanx::checkpoint::find(Path::new("runs/checkpoints")).unwrap();
+//! let reader = phalanx::checkpoint::Reader::open(&dir).unwrap();
+//! dcp::export(&reader, Path::new("model.safetensors")).unwrap();
+//! let cfg = dcp::config_of(&reader.meta).unwrap();
+//! dcp::import(&cfg, Path::new("model.safetensors"), Path::new("imported")).unwrap();
+//! ```
+
+use super::{hf, train};
+use phalanx::checkpoint::write::{self, Header, Snapshot};
+use phalanx::checkpoint::{Metadata, Reader, SavedLayout, Whole};
+use phalanx::config::TrainConfig;
+use phalanx::engine::Engine;
+use phalanx::strategy::state::StateRange;
+use phalanx::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// What [`import`] records as the saving strategy.
+pub const IMPORTED: &str = "imported from Hugging Face";
+
+/// The model part of the run config a checkpoint records (its `model`
+/// section and `data.tokenizer`), as `section.key=value` overrides.
+pub fn model_overrides(meta: &Metadata) -> Result<Vec<String>> {
+    let table: toml::Table = meta
+        .config
+        .parse()
+        .map_err(|e| Error::Check(format!("the checkpoint's config does not parse: {e}")))?;
+    let model = table
+        .get("model")
+        .and_then(|m| m.as_table())
+        .ok_or_else(|| Error::Check("the checkpoint's config has no [model] section".into()))?;
+    let mut out: Vec<String> = model
+        .iter()
+        .map(|(k, v)| format!("model.{k}={v}"))
+        .collect();
+    if let Some(t) = table
+        .get("data")
+        .and_then(|d| d.get("tokenizer"))
+        .and_then(|t| t.as_str())
+    {
+        out.push(format!("data.tokenizer={}", toml::Value::from(t)));
+    }
+    Ok(out)
+}
+
+/// A config for the model a checkpoint holds (its recorded model section,
+/// everything else default).
+pub fn config_of(meta: &Metadata) -> Result<TrainConfig> {
+    let sets = model_overrides(meta)?;
+    super::config::build(None, &sets)
+        .map_err(|e| Error::Check(format!("the checkpoint's model config: {e}")))
+}
+
+/// The whole model of a checkpoint of any layout, in a one-rank (fp32)
+/// engine built for `cfg`. A checkpoint of another model is refused naming
+/// the first tensor that differs.
+pub fn gather(reader: &Reader, cfg: &TrainConfig) -> Result<Engine> {
+    let mut engine = train::build_engine(cfg)?;
+    let layout = engine.layout().clone();
+    reader.check_model(&layout, &Whole)?;
+    let n = engine.num_params();
+    let values = reader
+        .fill(&layout, &Whole, 0..n, "param")?
+        .ok_or_else(|| {
+            Error::Check(format!(
+                "checkpoint {} holds no parameters",
+                reader.dir().display()
+            ))
+        })?;
+    engine.params_flat_mut().copy_from_slice(&values);
+    Ok(engine)
+}
+
+/// Write the checkpoint's model as an HF `GPT2LMHeadModel` safetensors file
+/// (Conv1D weights transposed, `config.json` beside it, atomically).
+/// Returns the config it was built with.
+pub fn export(reader: &Reader, out: &Path) -> Result<TrainConfig> {
+    let cfg = config_of(&reader.meta)?;
+    let engine = gather(reader, &cfg)?;
+    train::save(&engine, &cfg, out)?;
+    Ok(cfg)
+}
+
+/// Write the HF file `input` (the model `cfg` describes) as a checkpoint of
+/// step 0 under `root` holding parameters only, and point `root/latest` at
+/// it. Other checkpoints under `root` are kept. Returns its directory.
+pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
+    let mut engine = train::build_engine(cfg)?;
+    hf::load_safetensors(&mut engine, input)
+        .map_err(|e| Error::Check(format!("{}: {}", input.display(), Error::from(e))))?;
+    let layout = engine.layout().clone();
+    let state = StateRange {
+        range: 0..engine.num_params(),
+        params: engine.params_flat().to_vec(),
+        optim: Vec::new(),
+        optim_kind: "none",
+        optim_step: 0,
+    };
+    let snap = Snapshot::new(&layout, &Whole, &[state]).without_optimizer();
+    let header = Header {
+        step: 0,
+        layout: SavedLayout {
+            world: 1,
+            dp: 1,
+            pp: 1,
+            tp: 1,
+            zero_stage: 0,
+            strategy: IMPORTED.into(),
+        },
+        precision: cfg.precision().to_string(),
+        loss_scaler: phalanx::trainer::loss_scaler(cfg),
+        global_batch: cfg.global_batch(1),
+        config: cfg.to_toml(),
+    };
+    let root = root.to_path_buf();
+    // `save` is collective: run it over a group of one.
+    let mut results = phalanx_comm::threads::run_with(
+        1,
+        phalanx_comm::Config::from_env(),
+        std::time::Duration::from_secs(24 * 3600),
+        move |pg| Ok(write::save(&pg, &root, &snap, &header, usize::MAX)),
+    );
+    results.pop().expect("one rank")?
+}
