@@ -276,18 +276,20 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             return Ok(Outcome::Signalled(sig));
         }
         let mut running = 0;
-        let mut failed = None;
+        let mut failures = Vec::new();
         for w in workers.iter_mut() {
             match w.child.try_wait() {
                 Ok(None) => running += 1,
                 Ok(Some(st)) if st.success() => {}
-                Ok(Some(st)) => {
-                    failed = Some((w.rank, describe(st)));
-                    break;
-                }
+                Ok(Some(st)) => failures.push((w.rank, describe(st))),
                 Err(e) => return Err(format!("waiting for rank {}: {e}", w.rank)),
             }
         }
+        // Several ranks seen dead in one round: the root cause is the one
+        // killed by a signal or exiting with its own code, not one that
+        // exited 1 because its peer died (which it reports as an error).
+        failures.sort_by_key(|(rank, (code, _))| (*code == 1, *rank));
+        let failed = failures.into_iter().next();
         if let Some((rank, (code, how))) = failed {
             stop_all(&mut workers);
             let w = workers.iter().find(|w| w.rank == rank).unwrap();
