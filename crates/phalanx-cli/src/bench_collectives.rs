@@ -54,11 +54,13 @@ const OPS: [&str; 6] = [
     "sendrecv",
 ];
 
+/// Parse one size: a number of bytes with an optional unit (B, K/KB/KiB,
+/// M/MB/MiB, G/GB/GiB, all powers of 1024). Overflow is an error.
 pub fn parse_size(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let (num, mul) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
         Some((i, _)) => {
-            let mul = match s[i..].to_ascii_uppercase().as_str() {
+            let mul: usize = match s[i..].to_ascii_uppercase().as_str() {
                 "B" => 1,
                 "K" | "KB" | "KIB" => 1 << 10,
                 "M" | "MB" | "MIB" => 1 << 20,
@@ -69,22 +71,30 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         }
         None => (s, 1),
     };
-    num.parse::<usize>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("bad size {s:?}"))
+    let n = num
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| format!("bad size {s:?}: expected a number of bytes such as 8, 64K or 1M"))?;
+    n.checked_mul(mul)
+        .ok_or_else(|| format!("size {s:?} is too large (it does not fit in 64 bits)"))
 }
 
+/// Expand `--sizes` (a list "8,1M" or a range "8:64M" stepped by
+/// `factor`) into byte counts, without checking them against the element
+/// type or memory: `plan` does that.
 pub fn parse_sizes(spec: &str, factor: usize) -> Result<Vec<usize>, String> {
     if let Some((lo, hi)) = spec.split_once(':') {
         let (lo, hi) = (parse_size(lo)?, parse_size(hi)?);
         if lo == 0 || factor < 2 || lo > hi {
-            return Err(format!("bad size range {spec:?} (factor {factor})"));
+            return Err(format!(
+                "bad size range {spec:?} (factor {factor}): want 0 < LOW <= HIGH and --factor >= 2"
+            ));
         }
         let mut v = vec![];
-        let mut s = lo;
-        while s <= hi {
-            v.push(s);
-            s *= factor;
+        let mut s = Some(lo);
+        while let Some(x) = s.filter(|x| *x <= hi) {
+            v.push(x);
+            s = x.checked_mul(factor);
         }
         Ok(v)
     } else {
@@ -92,36 +102,136 @@ pub fn parse_sizes(spec: &str, factor: usize) -> Result<Vec<usize>, String> {
     }
 }
 
-pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
-    if opts.backend != "tcp" {
-        eprintln!(
-            "phalanx bench: backend {:?} is not built; available: tcp",
-            opts.backend
-        );
-        return 2;
+/// Buffers of the message size a rank holds at once while timing one op
+/// (send, receive and the transport's copy), for the memory check.
+const BUFFERS_PER_RANK: usize = 3;
+
+/// What the sweep will run, every input checked.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub ops: Vec<&'static str>,
+    pub sizes: Vec<usize>,
+    pub dtype: DType,
+}
+
+/// Bytes of memory available on this host (MemAvailable), if known.
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+fn human(bytes: f64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    if bytes >= GIB {
+        format!("{:.1} GiB", bytes / GIB)
+    } else {
+        format!("{:.1} MiB", bytes / (1u64 << 20) as f64)
     }
-    let ops: Vec<&str> = if opts.op == "all" {
+}
+
+/// Check every option of the benchmark in one place: ops, dtype, sizes
+/// (each positive, a whole number of elements, and small enough that
+/// `local_ranks` ranks fit in `available` bytes of memory), iterations.
+/// Errors name the option and the bad value.
+pub fn plan(
+    opts: &BenchOpts,
+    local_ranks: usize,
+    available: Option<usize>,
+) -> Result<Plan, String> {
+    if opts.backend != "tcp" {
+        return Err(format!(
+            "backend {:?} is not built; available: tcp",
+            opts.backend
+        ));
+    }
+    let ops: Vec<&'static str> = if opts.op == "all" {
         OPS.to_vec()
     } else {
-        vec![opts.op.as_str()]
+        match OPS.iter().find(|o| **o == opts.op) {
+            Some(o) => vec![*o],
+            None => {
+                return Err(format!(
+                    "unknown op {:?}; choose from {OPS:?} or all",
+                    opts.op
+                ))
+            }
+        }
     };
-    if let Some(bad) = ops.iter().find(|o| !OPS.contains(o)) {
-        eprintln!("phalanx bench: unknown op {bad:?}; choose from {OPS:?} or all");
-        return 2;
+    let dtype = DType::parse(&opts.dtype).ok_or_else(|| {
+        format!(
+            "unknown --dtype {:?}; choose from f32, f64, f16, bf16, i32, i64",
+            opts.dtype
+        )
+    })?;
+    if opts.iters == 0 {
+        return Err("--iters must be at least 1 (got 0)".into());
     }
-    let sizes = match parse_sizes(&opts.sizes, opts.factor) {
-        Ok(s) => s,
+    let sizes = parse_sizes(&opts.sizes, opts.factor).map_err(|e| format!("--sizes: {e}"))?;
+    let esz = dtype.size();
+    // Where the host does not say (no /proc/meminfo), assume 1 TiB.
+    let available = available.unwrap_or(1 << 40);
+    let per_rank_limit = available / BUFFERS_PER_RANK / local_ranks.max(1);
+    let fits = |b: usize| -> Result<(), String> {
+        match per_rank_limit {
+            limit if b > limit => Err(format!(
+                "--sizes: size {b} B ({}) needs about {} on this host ({local_ranks} local rank(s) \
+                 x {BUFFERS_PER_RANK} buffers of the message size), but only {} of memory is available",
+                human(b as f64),
+                human(b as f64 * (BUFFERS_PER_RANK * local_ranks.max(1)) as f64),
+                human(available as f64)
+            )),
+            _ => Ok(()),
+        }
+    };
+    // A range's upper bound is named as given, before the sizes under it.
+    if let Some(hi) = opts
+        .sizes
+        .split_once(':')
+        .and_then(|(_, h)| parse_size(h).ok())
+    {
+        fits(hi)?;
+    }
+    for &b in &sizes {
+        if b == 0 {
+            return Err(format!(
+                "--sizes: size 0 is empty; sizes must be at least one {} element ({esz} B)",
+                dtype.name()
+            ));
+        }
+        if b % esz != 0 {
+            return Err(format!(
+                "--sizes: size {b} B is not a multiple of the {} element size ({esz} B)",
+                dtype.name()
+            ));
+        }
+        fits(b)?;
+    }
+    Ok(Plan { ops, sizes, dtype })
+}
+
+pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
+    let in_job = crate::launch::in_job();
+    // Ranks that share this host's memory.
+    let local_ranks = if in_job {
+        std::env::var("LOCAL_WORLD_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+    } else {
+        launch.nproc_per_node.unwrap_or(opts.nproc)
+    };
+    let plan = match plan(opts, local_ranks, available_memory()) {
+        Ok(p) => p,
         Err(e) => {
             eprintln!("phalanx bench: {e}");
             return 2;
         }
     };
-    let Some(dtype) = DType::parse(&opts.dtype) else {
-        eprintln!("phalanx bench: unknown dtype {:?}", opts.dtype);
-        return 2;
-    };
+    let (ops, sizes, dtype) = (&plan.ops, &plan.sizes, plan.dtype);
     // Outside a job: start the ranks through the launcher.
-    if !crate::launch::in_job() {
+    if !in_job {
         return crate::launch::relaunch_self(launch, launch.nproc_per_node.unwrap_or(opts.nproc));
     }
     let pg = match phalanx_comm::init_process_group() {
@@ -132,12 +242,12 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
     };
     let r = match dtype {
-        DType::F32 => sweep::<f32>(&pg, opts, &ops, &sizes),
-        DType::F64 => sweep::<f64>(&pg, opts, &ops, &sizes),
-        DType::F16 => sweep::<f16>(&pg, opts, &ops, &sizes),
-        DType::BF16 => sweep::<bf16>(&pg, opts, &ops, &sizes),
-        DType::I32 => sweep::<i32>(&pg, opts, &ops, &sizes),
-        DType::I64 => sweep::<i64>(&pg, opts, &ops, &sizes),
+        DType::F32 => sweep::<f32>(&pg, opts, ops, sizes),
+        DType::F64 => sweep::<f64>(&pg, opts, ops, sizes),
+        DType::F16 => sweep::<f16>(&pg, opts, ops, sizes),
+        DType::BF16 => sweep::<bf16>(&pg, opts, ops, sizes),
+        DType::I32 => sweep::<i32>(&pg, opts, ops, sizes),
+        DType::I64 => sweep::<i64>(&pg, opts, ops, sizes),
     };
     match r {
         Ok(0) => 0,
@@ -182,13 +292,12 @@ struct Row {
 fn sweep<T: Element>(
     pg: &ProcessGroup,
     opts: &BenchOpts,
-    ops: &[&str],
+    ops: &[&'static str],
     sizes: &[usize],
 ) -> phalanx_comm::Result<usize> {
     let n = pg.size();
     let mut rows = Vec::new();
     for &op in ops {
-        let op: &'static str = OPS.iter().find(|o| **o == op).unwrap();
         for &bytes in sizes {
             let esz = std::mem::size_of::<T>();
             let mut count = (bytes / esz).max(1);

@@ -175,7 +175,7 @@ fn spawn_workers(
                 .env_remove("RANK")
                 .envs(env(r))
                 .env("MASTER_PORT", port.to_string())
-                .env("PHALANX_SECRET", "00112233")
+                .env("PHALANX_SECRET", "00112233445566778899aabbccddeeff")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -9,7 +9,11 @@
 //!
 //! The store lives at `MASTER_ADDR:MASTER_PORT` (defaults 127.0.0.1:29500).
 //! `phalanx run` hosts it and sets `PHALANX_STORE_HOSTED=1`; otherwise rank 0
-//! hosts it. The job secret comes from `PHALANX_SECRET` (hex).
+//! hosts it. The job secret comes from `PHALANX_SECRET`: hex, at least 16
+//! bytes. A job that may span hosts (fewer local ranks than ranks, or a
+//! `MASTER_ADDR` that is not loopback) refuses to start without it; a
+//! single-host job without it binds loopback only and uses a key derived
+//! from the job id, which keeps other jobs out but not other local users.
 //!
 //! ```no_run
 //! let pg = phalanx_comm::init_process_group().unwrap();
@@ -114,25 +118,35 @@ impl DistEnv {
                 .map_err(|_| invalid!("MASTER_PORT={p} is not a port number"))?,
         };
         let store_hosted = var("PHALANX_STORE_HOSTED").as_deref() == Some("1");
+        let may_span_hosts = local_world_size < world_size || !is_loopback(&master_addr);
         let secret = match var("PHALANX_SECRET") {
-            Some(h) => wire::from_hex(&h).ok_or_else(|| invalid!("PHALANX_SECRET is not hex"))?,
+            Some(h) => wire::parse_secret(&h).map_err(CommError::Invalid)?,
             None if store_hosted => {
                 return Err(invalid!(
                     "PHALANX_STORE_HOSTED is set but PHALANX_SECRET is missing"
                 ))
             }
+            None if world_size > 1 && may_span_hosts => {
+                return Err(invalid!(
+                    "{source}: this job may span hosts ({}) but PHALANX_SECRET is not set, so \
+                     anyone who can reach {master_addr}:{master_port} could join it. Export the \
+                     same secret to every rank, e.g. `export PHALANX_SECRET=$(openssl rand -hex 32)` \
+                     (`phalanx run` makes one for single-node jobs)",
+                    if local_world_size < world_size {
+                        format!("{local_world_size} of its {world_size} ranks are local")
+                    } else {
+                        format!("MASTER_ADDR={master_addr} is not a loopback address")
+                    }
+                ))
+            }
             None => {
-                // mpirun/srun without a secret: derive one from the job id, so
-                // stray processes of other jobs cannot join by accident.
+                // One host, loopback only: every connection comes from this
+                // machine. The key is derived from the job id so that stray
+                // processes of other jobs cannot join by accident; it is no
+                // protection against other users of this host.
                 let job = var("OMPI_MCA_ess_base_jobid")
                     .or_else(|| var("SLURM_JOB_ID"))
                     .unwrap_or_default();
-                if world_size > 1 {
-                    eprintln!(
-                        "[phalanx] PHALANX_SECRET is not set; using a key derived from the job id. \
-                         Export PHALANX_SECRET (e.g. `openssl rand -hex 32`) for real authentication."
-                    );
-                }
                 format!("phalanx-job-{job}-{master_addr}-{master_port}").into_bytes()
             }
         };
@@ -152,6 +166,15 @@ impl DistEnv {
     }
 }
 
+/// Whether `addr` (a host name or IP address, as in MASTER_ADDR) names this
+/// host's loopback interface.
+pub fn is_loopback(addr: &str) -> bool {
+    let a = addr.trim().trim_start_matches('[').trim_end_matches(']');
+    a.eq_ignore_ascii_case("localhost")
+        || a.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// Initialise the world group from the environment (see the module docs).
 pub fn init_process_group() -> Result<ProcessGroup> {
     let env = DistEnv::from_env()?;
@@ -163,8 +186,8 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let mut keep: Option<Arc<dyn std::any::Any + Send + Sync>> = None;
     if !env.store_hosted && env.rank == 0 && env.world_size > 1 {
-        let loopback = matches!(env.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1");
-        let bind = if loopback {
+        // A single-host job's store is reachable from this host only.
+        let bind = if is_loopback(&env.master_addr) {
             addr.clone()
         } else {
             format!("0.0.0.0:{}", env.master_port)

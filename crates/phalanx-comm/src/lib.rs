@@ -28,6 +28,7 @@ pub mod dtype;
 pub mod error;
 pub mod group;
 pub mod init;
+mod ratelog;
 pub mod store;
 pub mod threads;
 pub mod transport;

@@ -12,7 +12,7 @@ use sha2::Sha256;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -36,7 +36,7 @@ pub fn to_hex(b: &[u8]) -> String {
 }
 
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..s.len())
@@ -77,23 +77,39 @@ impl ReadTimeout for UnixStream {
     }
 }
 
-/// Run the mutual handshake. `server` says which side of the connection we
-/// are (the roles are mixed into the MACs so one side's answer cannot be
-/// reflected back as the other's). Fails with `Auth` on a wrong secret.
-/// The same handshake runs on TCP and Unix domain connections.
+/// Run the mutual handshake within `timeout` in all (see `handshake_until`).
 pub fn handshake<S: Read + Write + ReadTimeout>(
     s: &mut S,
     secret: &[u8],
     server: bool,
     timeout: Duration,
 ) -> Result<()> {
+    handshake_until(s, secret, server, Instant::now() + timeout)
+}
+
+/// Run the mutual handshake. `server` says which side of the connection we
+/// are (the roles are mixed into the MACs so one side's answer cannot be
+/// reflected back as the other's). Fails with `Auth` on a wrong secret, and
+/// with `Timeout` once `deadline` passes: the deadline bounds the whole
+/// exchange, so a peer that sends one byte at a time cannot stretch it.
+/// The same handshake runs on TCP and Unix domain connections.
+pub fn handshake_until<S: Read + Write + ReadTimeout>(
+    s: &mut S,
+    secret: &[u8],
+    server: bool,
+    deadline: Instant,
+) -> Result<()> {
     let old = s.read_timeout()?;
-    s.set_read_timeout(Some(timeout))?;
     let (my_role, peer_role): (&[u8], &[u8]) = if server {
         (b"server", b"client")
     } else {
         (b"client", b"server")
     };
+    if Instant::now() >= deadline {
+        return Err(CommError::Timeout(
+            "handshake: no time left before the set-up deadline".into(),
+        ));
+    }
     let my_nonce = random_bytes(NONCE);
     let mut out = Vec::with_capacity(HELLO.len() + NONCE);
     out.extend_from_slice(HELLO);
@@ -101,7 +117,7 @@ pub fn handshake<S: Read + Write + ReadTimeout>(
     s.write_all(&out)?;
 
     let mut hello = [0u8; 8 + NONCE];
-    read_exact_ctx(s, &mut hello, "handshake hello")?;
+    read_exact_until(s, &mut hello, deadline, "handshake hello")?;
     if &hello[..8] != HELLO {
         return Err(CommError::Protocol(
             "peer is not speaking the Phalanx protocol".into(),
@@ -112,7 +128,7 @@ pub fn handshake<S: Read + Write + ReadTimeout>(
     let answer = mac(secret, peer_nonce, my_role).finalize().into_bytes();
     s.write_all(&answer)?;
     let mut theirs = [0u8; 32];
-    read_exact_ctx(s, &mut theirs, "handshake answer")?;
+    read_exact_until(s, &mut theirs, deadline, "handshake answer")?;
     mac(secret, &my_nonce, peer_role)
         .verify_slice(&theirs)
         .map_err(|_| CommError::Auth("peer does not hold the job secret".into()))?;
@@ -120,16 +136,62 @@ pub fn handshake<S: Read + Write + ReadTimeout>(
     Ok(())
 }
 
-fn read_exact_ctx(s: &mut impl Read, buf: &mut [u8], what: &str) -> Result<()> {
-    s.read_exact(buf).map_err(|e| match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            CommError::Timeout(format!("{what}: peer sent nothing in time"))
+/// `read_exact` that gives up at `deadline` in total, however the bytes
+/// trickle in. Leaves the read timeout set to at most what was left.
+pub fn read_exact_until<S: Read + ReadTimeout>(
+    s: &mut S,
+    mut buf: &mut [u8],
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // A zero timeout is refused by the socket API ("cannot set a 0
+        // duration timeout"): a spent deadline is a timeout of ours.
+        if left.is_zero() {
+            return Err(CommError::Timeout(format!(
+                "{what}: peer did not send it in time"
+            )));
         }
-        std::io::ErrorKind::UnexpectedEof => {
-            CommError::Protocol(format!("{what}: connection closed"))
+        s.set_read_timeout(Some(left))?;
+        match s.read(buf) {
+            Ok(0) => return Err(CommError::Protocol(format!("{what}: connection closed"))),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) => match e.kind() {
+                std::io::ErrorKind::Interrupted
+                | std::io::ErrorKind::WouldBlock
+                | std::io::ErrorKind::TimedOut => {}
+                _ => return Err(CommError::Io(format!("{what}: {e}"))),
+            },
         }
-        _ => CommError::Io(format!("{what}: {e}")),
-    })
+    }
+    Ok(())
+}
+
+/// The shortest job secret accepted from the environment, in bytes.
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// Parse a job secret given as hex (`PHALANX_SECRET`): at least
+/// `MIN_SECRET_BYTES` bytes of it. The error says what is wrong and how to
+/// make a good one, without echoing the secret.
+pub fn parse_secret(hex: &str) -> std::result::Result<Vec<u8>, String> {
+    let how = "e.g. `export PHALANX_SECRET=$(openssl rand -hex 32)`";
+    let hex = hex.trim();
+    let bytes = from_hex(hex).ok_or_else(|| {
+        format!(
+            "PHALANX_SECRET is not hex (want an even number of the digits 0-9 a-f, {} characters given); {how}",
+            hex.len()
+        )
+    })?;
+    if bytes.len() < MIN_SECRET_BYTES {
+        return Err(format!(
+            "PHALANX_SECRET is too short: {} bytes ({} hex digits), at least {MIN_SECRET_BYTES} bytes ({} hex digits) are needed; {how}",
+            bytes.len(),
+            hex.len(),
+            2 * MIN_SECRET_BYTES
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Write one frame: u32 little-endian length, then the payload.

@@ -101,6 +101,9 @@ impl StoreClient {
         match r.u8()? {
             R_OK => Ok(Some(r.bytes()?.to_vec())),
             R_NOT_FOUND => Ok(None),
+            R_ERROR => Err(CommError::Invalid(
+                String::from_utf8_lossy(r.bytes()?).into(),
+            )),
             s => Err(CommError::Protocol(format!("unexpected store status {s}"))),
         }
     }
@@ -121,6 +124,9 @@ impl StoreClient {
                 timeout,
                 String::from_utf8_lossy(r.bytes()?)
             ))),
+            R_ERROR => Err(CommError::Invalid(
+                String::from_utf8_lossy(r.bytes()?).into(),
+            )),
             s => Err(CommError::Protocol(format!("unexpected store status {s}"))),
         }
     }

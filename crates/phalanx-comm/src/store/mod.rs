@@ -20,7 +20,7 @@ mod client;
 mod server;
 
 pub use client::StoreClient;
-pub use server::StoreServer;
+pub use server::{StoreLimits, StoreServer};
 
 /// Frames larger than this are refused before any memory is allocated.
 pub const MAX_FRAME: usize = 16 << 20;

@@ -3,6 +3,7 @@
 use super::stream::local;
 use super::*;
 use crate::config::{Config, TransportPref};
+use crate::ratelog::RateLimitedLog;
 use crate::store::StoreClient;
 use crate::wire;
 use std::io::Read;
@@ -144,12 +145,13 @@ pub fn connect_mesh(
                 reason: format!("cannot connect: {e}"),
             })?),
         };
-        wire::handshake(
-            &mut s,
-            secret,
-            false,
-            deadline.saturating_duration_since(Instant::now()),
-        )?;
+        wire::handshake_until(&mut s, secret, false, deadline).map_err(|e| {
+            CommError::PeerDead {
+                rank: j,
+                host: host.clone(),
+                reason: format!("handshake failed: {e}"),
+            }
+        })?;
         let mut hello = [0u8; 16];
         hello[..8].copy_from_slice(&(rank as u64).to_le_bytes());
         hello[8..].copy_from_slice(&(world as u64).to_le_bytes());
@@ -281,6 +283,49 @@ impl Drop for StopOnDrop {
     }
 }
 
+/// Most connections in their handshake at once on one rank's listeners.
+const MAX_PENDING: usize = 64;
+/// Each connection must finish the handshake and hello within this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a handshake thread found on one accepted connection.
+enum Admitted {
+    /// A peer with the secret that says it is rank `j` of `world`.
+    Rank {
+        j: usize,
+        world: usize,
+        s: Stream,
+        addr: String,
+    },
+    Refused {
+        addr: String,
+        why: CommError,
+    },
+}
+
+/// Handshake and hello on one accepted connection, within `until`.
+fn admit(mut s: Stream, addr: String, secret: &[u8], until: Instant) -> Admitted {
+    let res = (|| -> Result<(usize, usize)> {
+        s.set_nonblocking(false)?;
+        s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        wire::handshake_until(&mut s, secret, true, until)?;
+        let mut hello = [0u8; 16];
+        wire::read_exact_until(&mut s, &mut hello, until, "hello")?;
+        let j = u64::from_le_bytes(hello[..8].try_into().unwrap()) as usize;
+        let world = u64::from_le_bytes(hello[8..].try_into().unwrap()) as usize;
+        Ok((j, world))
+    })();
+    match res {
+        Ok((j, world)) => Admitted::Rank { j, world, s, addr },
+        Err(why) => Admitted::Refused { addr, why },
+    }
+}
+
+/// Accept the higher ranks. Every connection is handshaken on its own
+/// thread with its own deadline, so strangers (port scanners, idle or slow
+/// clients, wrong secrets) neither delay the real ranks nor get counted as
+/// them; at most `MAX_PENDING` are in flight, and those still pending when
+/// set-up ends are shut down.
 fn accept_higher(
     listener: TcpListener,
     unix: Option<UnixListener>,
@@ -294,68 +339,116 @@ fn accept_higher(
     if let Some(u) = &unix {
         u.set_nonblocking(true)?;
     }
-    let mut got: Vec<(usize, Stream, String)> = Vec::new();
-    let expected = world - rank - 1;
-    while got.len() < expected {
-        let next = match listener.accept() {
-            Ok((s, addr)) => Ok((Stream::Tcp(s), addr.to_string())),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => match &unix {
-                Some(u) => u
-                    .accept()
-                    .map(|(s, _)| (Stream::Unix(s), "a local Unix socket".to_string())),
-                None => Err(e),
-            },
-            Err(e) => Err(e),
-        };
-        match next {
-            Ok((mut s, addr)) => {
-                s.set_nonblocking(false)?;
-                let left = deadline.saturating_duration_since(Instant::now());
-                if let Err(e) =
-                    wire::handshake(&mut s, secret, true, left.min(Duration::from_secs(30)))
-                {
-                    eprintln!("[phalanx] rank {rank}: refused a connection from {addr}: {e}");
+    let log = RateLimitedLog::new(
+        format!("[phalanx] rank {rank}:"),
+        5,
+        Duration::from_secs(10),
+    );
+    let secret: Arc<[u8]> = secret.into();
+    let (tx, rx) = std::sync::mpsc::channel::<(u64, Admitted)>();
+    // Connections in their handshake, to shut down if set-up ends first.
+    let mut pending: std::collections::HashMap<u64, Stream> = Default::default();
+    let mut next_id = 0u64;
+    let result = (|| {
+        let mut got: Vec<(usize, Stream, String)> = Vec::new();
+        let expected = world - rank - 1;
+        while got.len() < expected {
+            // Take every connection waiting on either listener.
+            loop {
+                let next = match listener.accept() {
+                    Ok((s, addr)) => Ok((Stream::Tcp(s), addr.to_string())),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => match &unix {
+                        Some(u) => u
+                            .accept()
+                            .map(|(s, _)| (Stream::Unix(s), "a local Unix socket".to_string())),
+                        None => Err(e),
+                    },
+                    Err(e) => Err(e),
+                };
+                let (s, addr) = match next {
+                    Ok(x) => x,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
+                    Err(e) => return Err(e.into()),
+                };
+                if pending.len() >= MAX_PENDING {
+                    log.log(format_args!(
+                        "refused a connection from {addr}: {MAX_PENDING} handshakes already pending"
+                    ));
                     continue;
                 }
-                let mut hello = [0u8; 16];
-                s.set_read_timeout(Some(Duration::from_secs(10)))?;
-                if s.read_exact(&mut hello).is_err() {
-                    eprintln!("[phalanx] rank {rank}: connection from {addr} closed during hello");
-                    continue;
+                let id = next_id;
+                next_id += 1;
+                if let Ok(c) = s.try_clone() {
+                    pending.insert(id, c);
                 }
-                let j = u64::from_le_bytes(hello[..8].try_into().unwrap()) as usize;
-                let their_world = u64::from_le_bytes(hello[8..].try_into().unwrap()) as usize;
-                if their_world != world {
-                    return Err(CommError::Invalid(format!(
-                        "ranks disagree on the world size: rank {j} has {their_world}, rank {rank} has {world}"
-                    )));
+                let until = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+                let (tx, secret) = (tx.clone(), secret.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("phalanx-handshake".into())
+                    .spawn(move || {
+                        let _ = tx.send((id, admit(s, addr, &secret, until)));
+                    });
+                if let Err(e) = spawned {
+                    pending.remove(&id);
+                    log.log(format_args!("cannot start a handshake thread: {e}"));
                 }
-                if j <= rank || j >= world || got.iter().any(|g| g.0 == j) {
-                    eprintln!(
-                        "[phalanx] rank {rank}: unexpected hello from rank {j} at {addr}; dropped"
-                    );
-                    continue;
-                }
-                got.push((j, s, addr));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if stop.load(Ordering::SeqCst) {
-                    return Err(CommError::Aborted("set-up abandoned".into()));
+            // Collect finished handshakes, waiting a little for one.
+            let mut wait = Duration::from_millis(5);
+            while let Ok((id, a)) = rx.recv_timeout(wait) {
+                wait = Duration::ZERO;
+                pending.remove(&id);
+                match a {
+                    Admitted::Refused { addr, why } => {
+                        log.log(format_args!("refused a connection from {addr}: {why}"))
+                    }
+                    Admitted::Rank {
+                        j,
+                        world: their_world,
+                        s,
+                        addr,
+                    } => {
+                        if their_world != world {
+                            return Err(CommError::Invalid(format!(
+                                "ranks disagree on the world size: rank {j} has {their_world}, rank {rank} has {world}"
+                            )));
+                        }
+                        if j <= rank || j >= world || got.iter().any(|g| g.0 == j) {
+                            log.log(format_args!(
+                                "unexpected hello from rank {j} at {addr}; dropped"
+                            ));
+                            continue;
+                        }
+                        got.push((j, s, addr));
+                    }
                 }
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..world)
-                        .filter(|j| !got.iter().any(|g| g.0 == *j))
-                        .collect();
-                    return Err(CommError::Timeout(format!(
-                        "rank {rank}: ranks {missing:?} never connected (world size {world})"
-                    )));
+                if got.len() == expected {
+                    break;
                 }
-                std::thread::sleep(Duration::from_millis(5));
             }
-            Err(e) => return Err(e.into()),
+            if got.len() == expected {
+                break;
+            }
+            if stop.load(Ordering::SeqCst) {
+                return Err(CommError::Aborted("set-up abandoned".into()));
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<usize> = (rank + 1..world)
+                    .filter(|j| !got.iter().any(|g| g.0 == *j))
+                    .collect();
+                return Err(CommError::Timeout(format!(
+                    "rank {rank}: ranks {missing:?} never connected (world size {world})"
+                )));
+            }
         }
+        Ok(got)
+    })();
+    // Strangers still in their handshake: end them now.
+    for s in pending.values() {
+        let _ = s.shutdown(std::net::Shutdown::Both);
     }
-    Ok(got)
+    result
 }
 
 fn reader_loop(t: Weak<Transport>, mut s: Stream, peer: usize, host: String, hb: Duration) {

@@ -13,6 +13,46 @@
 //! Failure: a peer that closes its socket without saying goodbye, sends an
 //! ABORT, or stops sending heartbeats marks the whole transport failed; every
 //! pending and later call then returns an error naming that peer.
+//!
+//! # Security: what is authenticated, and what an on-path attacker can do
+//!
+//! Every connection, rank to rank and rank to store, starts with the mutual
+//! HMAC-SHA256 challenge-response of `crate::wire::handshake` over the job
+//! secret. Without the secret nobody can open a connection that is accepted,
+//! join as a rank, read or write the store, or learn the secret by watching
+//! handshakes. Strangers that connect anyway are handshaken concurrently,
+//! each within a deadline, and never counted as ranks.
+//!
+//! After the handshake, frames carry **no integrity check and no
+//! encryption**. Someone who can read and rewrite the traffic between two
+//! hosts (root on a router or switch, ARP or DNS spoofing on the LAN, a
+//! compromised host on the path) can therefore:
+//! - read every tensor, gradient and parameter that crosses hosts;
+//! - change payload bytes undetected, silently corrupting gradients,
+//!   broadcast weights or anything else a collective carries;
+//! - rewrite headers or inject frames into an established TCP connection:
+//!   make a rank abort or stop the job with an ABORT / GOODBYE frame that
+//!   names any reason, swap or replay messages between channels, or
+//!   announce a frame of up to `MAX_DATA_FRAME` (1 GiB) that the receiver
+//!   allocates;
+//! - drop or delay traffic, which shows as a dead peer after the heartbeat
+//!   timeout (that much no authentication could prevent).
+//!
+//! They cannot join the job, read or write the rendezvous store, or obtain
+//! the secret. Between ranks on one host, Unix sockets (abstract names,
+//! reachable only from the same network namespace) and loopback TCP have no
+//! path to sit on: only root on that host, which can read the processes'
+//! memory anyway, could interfere.
+//!
+//! This is accepted for now because multi-host training runs on a cluster's
+//! private network, the same assumption NCCL, Gloo and PyTorch's TCPStore
+//! make (and they do not authenticate connections at all); and because a MAC
+//! over every byte would need a second pass over each buffer that the
+//! reader now receives straight into the caller's memory. Jobs that cross a
+//! network you do not trust should run inside a tunnel that provides
+//! integrity and confidentiality at line rate (WireGuard, IPsec). The way to
+//! close this in Phalanx itself is a session key derived from both
+//! handshake nonces and a MAC with a sequence number on every frame.
 
 mod mesh;
 mod stream;

@@ -1,0 +1,129 @@
+//! `phalanx bench collectives`: bad input is refused at once, naming the
+//! option and value, before any rank starts.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+
+/// Processes of ours still carrying `mark` in their environment.
+fn leftovers(mark: &str) -> Vec<String> {
+    let needle = format!("PHALANX_TEST_MARK={mark}");
+    let mut left = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if !name.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        if let Ok(env) = std::fs::read(e.path().join("environ")) {
+            if env.split(|b| *b == 0).any(|v| v == needle.as_bytes()) {
+                left.push(name);
+            }
+        }
+    }
+    left
+}
+
+/// Run `phalanx bench collectives ARGS` outside a job; (exit code, stderr, time).
+fn bench(args: &[&str]) -> (i32, String, Duration) {
+    let mark = format!("bench-{}-{}", std::process::id(), args.join("_"));
+    let t0 = Instant::now();
+    let out = Command::new(BIN)
+        .args(["bench", "collectives", "--nproc", "2"])
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("PHALANX_SECRET")
+        .env("PHALANX_TEST_MARK", &mark)
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    let left = leftovers(&mark);
+    assert!(left.is_empty(), "{args:?} left processes {left:?} running");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into(),
+        took,
+    )
+}
+
+#[test]
+fn bad_sizes_and_iterations_are_refused_naming_them() {
+    // (arguments, what the message must contain)
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["--sizes", "8:18446744073709551615", "--iters", "1"],
+            &["--sizes", "18446744073709551615 B", "memory"],
+        ),
+        (
+            &["--sizes", "18446744073709551615G"],
+            &["--sizes", "18446744073709551615G", "too large"],
+        ),
+        (
+            &["--sizes", "100000G"],
+            &["--sizes", "size 107374182400000 B", "available"],
+        ),
+        (&["--sizes", "0"], &["--sizes", "size 0"]),
+        (
+            &["--sizes", "7"],
+            &["--sizes", "size 7 B", "multiple", "f32"],
+        ),
+        (&["--sizes", "8,1K,7"], &["size 7 B", "multiple"]),
+        (&["--sizes", "12", "--dtype", "f64"], &["size 12 B", "f64"]),
+        (&["--sizes", "6:64"], &["size 6 B", "multiple"]),
+        (&["--sizes", "0:64"], &["--sizes", "range"]),
+        (&["--sizes", "64:8"], &["--sizes", "range"]),
+        (
+            &["--sizes", "8:64", "--factor", "1"],
+            &["--sizes", "factor"],
+        ),
+        (&["--sizes", "1T"], &["--sizes", "unit"]),
+        (&["--sizes", "abc"], &["--sizes", "\"abc\""]),
+        (&["--sizes=-8"], &["--sizes", "\"-8\""]),
+        (&["--iters", "0"], &["--iters"]),
+        (&["--dtype", "f8"], &["--dtype", "f8"]),
+        (&["--op", "all_sum"], &["all_sum"]),
+        (&["--backend", "nccl"], &["nccl"]),
+    ];
+    for (args, want) in cases {
+        let (code, err, took) = bench(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        for w in *want {
+            assert!(err.contains(w), "{args:?}: {w:?} missing from: {err}");
+        }
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(err.lines().count() == 1, "{args:?}: want one line: {err}");
+        assert!(took < Duration::from_secs(5), "{args:?} took {took:?}");
+    }
+}
+
+#[test]
+fn a_small_sweep_still_runs() {
+    let mark = format!("bench-ok-{}", std::process::id());
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "collectives",
+            "--nproc",
+            "2",
+            "--sizes",
+            "4:64",
+            "--iters",
+            "1",
+        ])
+        .args(["--warmup", "0", "--check", "--json"])
+        .env_remove("RANK")
+        .env_remove("PHALANX_SECRET")
+        .env("PHALANX_TEST_MARK", &mark)
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{so}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for b in ["\"bytes\":4,", "\"bytes\":16,", "\"bytes\":64,"] {
+        assert!(so.contains(b), "{b} missing from {so}");
+    }
+    assert!(leftovers(&mark).is_empty());
+}

@@ -1,0 +1,145 @@
+//! Strangers on a rank's listeners during mesh set-up (port scanners, idle
+//! or slow clients, wrong secrets) neither delay nor mislabel the real ranks.
+
+use phalanx_comm::init::from_store;
+use phalanx_comm::store::{StoreClient, StoreServer};
+use phalanx_comm::{CommError, Config, TransportPref};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// Connections that sit on `addr` doing nothing useful: idle, a correct
+/// hello and then silence, a slow trickle, garbage, a wrong secret.
+fn strangers(addr: &str) -> Vec<TcpStream> {
+    let mut v = vec![];
+    for kind in 0..5 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        match kind {
+            0 | 1 => {}
+            2 => s.write_all(b"PHALANX1").unwrap(),
+            3 => s.write_all(&[7u8; 40]).unwrap(),
+            _ => {
+                let secret = b"not the job secret";
+                let s2 = s.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    let mut s2 = s2;
+                    let _ = phalanx_comm::wire::handshake(
+                        &mut s2,
+                        secret,
+                        false,
+                        Duration::from_secs(5),
+                    );
+                });
+            }
+        }
+        v.push(s);
+    }
+    v
+}
+
+#[cfg(target_os = "linux")]
+fn unix_stranger(store: &StoreClient, key: &str) -> Option<std::os::unix::net::UnixStream> {
+    use std::os::linux::net::SocketAddrExt;
+    let v = store.try_get(key).unwrap()?;
+    let v = String::from_utf8(v).unwrap();
+    let name = v.split_once('\n')?.1.to_string();
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    Some(std::os::unix::net::UnixStream::connect_addr(&a).unwrap())
+}
+
+#[test]
+fn idle_strangers_neither_delay_nor_mislabel_set_up() {
+    for transport in [TransportPref::Tcp, TransportPref::Auto] {
+        let secret = phalanx_comm::wire::random_bytes(32);
+        let server = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
+        let addr = server.addr().to_string();
+        let cfg = Config {
+            timeout: Duration::from_secs(30),
+            transport,
+            ..Config::default()
+        };
+        let spawn_rank = |rank: usize| {
+            let (addr, secret, cfg) = (addr.clone(), secret.clone(), cfg.clone());
+            std::thread::spawn(move || {
+                let store = StoreClient::connect(&addr, &secret, Duration::from_secs(5))?;
+                let pg = from_store(&store, "p", rank, 2, &secret, cfg, None)?;
+                pg.barrier()?;
+                Ok::<_, CommError>(())
+            })
+        };
+        let r0 = spawn_rank(0);
+        // Strangers reach rank 0 as soon as it publishes its address, before
+        // rank 1 exists, so they are first in its accept queue.
+        let watch = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+        watch.wait(&["p/addr/0"], Duration::from_secs(10)).unwrap();
+        let host = String::from_utf8(watch.get("p/addr/0").unwrap()).unwrap();
+        let tcp = strangers(&host);
+        #[cfg(target_os = "linux")]
+        let _unix = unix_stranger(&watch, "p/local/0");
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        let r1 = spawn_rank(1);
+        r1.join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{transport:?}: rank 1: {e}"));
+        r0.join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{transport:?}: rank 0: {e}"));
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_secs(3),
+            "{transport:?}: set-up took {took:?}"
+        );
+        // The strangers still pending were shut out when set-up finished.
+        for (i, mut s) in tcp.into_iter().enumerate() {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut sink = Vec::new();
+            let r = s.read_to_end(&mut sink);
+            assert!(r.is_ok(), "{transport:?}: stranger {i} still open: {r:?}");
+        }
+    }
+}
+
+#[test]
+fn a_missing_rank_is_named_within_the_deadline_despite_strangers() {
+    let secret = phalanx_comm::wire::random_bytes(32);
+    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
+    let addr = server.addr().to_string();
+    let cfg = Config {
+        timeout: Duration::from_millis(1500),
+        transport: TransportPref::Tcp,
+        ..Config::default()
+    };
+    let t0 = Instant::now();
+    let (a, s) = (addr.clone(), secret.clone());
+    let r0 = std::thread::spawn(move || {
+        let store = StoreClient::connect(&a, &s, Duration::from_secs(5))?;
+        from_store(&store, "p", 0, 2, &s, cfg, None).map(|_| ())
+    });
+    let watch = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    watch.wait(&["p/addr/0"], Duration::from_secs(10)).unwrap();
+    let host = String::from_utf8(watch.get("p/addr/0").unwrap()).unwrap();
+    let _tcp = strangers(&host);
+    let err = r0.join().unwrap().expect_err("rank 1 never came");
+    let took = t0.elapsed();
+    let msg = err.to_string();
+    assert!(matches!(err, CommError::Timeout(_)), "{msg}");
+    assert!(msg.contains("ranks [1] never connected"), "{msg}");
+    assert!(!msg.contains("0 duration"), "{msg}");
+    assert!(took < Duration::from_secs(4), "took {took:?}: {msg}");
+}
+
+#[test]
+fn a_spent_deadline_is_a_timeout_not_an_io_error() {
+    // The handshake with no time left must say so, never "cannot set a 0
+    // duration timeout".
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    for left in [Duration::ZERO, Duration::from_millis(1)] {
+        let err = phalanx_comm::wire::handshake(&mut s, b"secret", false, left)
+            .err()
+            .unwrap();
+        assert!(matches!(err, CommError::Timeout(_)), "{err}");
+        assert!(!err.to_string().contains("0 duration"), "{err}");
+    }
+}
