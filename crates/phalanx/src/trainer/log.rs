@@ -159,10 +159,16 @@ impl StepLog {
         if !self.lead {
             return Ok(());
         }
+        // The loss curve is cosmetic: failing to write it is a warning,
+        // never what costs the run its model.
         if let Some(p) = &self.opts.plot {
-            write_loss_svg(p, &r.losses, &r.val_losses)?;
-            if self.opts.progress {
-                println!("loss curve written to {}", p.display());
+            match write_loss_svg(p, &r.losses, &r.val_losses) {
+                Ok(()) if self.opts.progress => println!("loss curve written to {}", p.display()),
+                Ok(()) => {}
+                Err(e) => eprintln!(
+                    "warning: the loss curve was not written to {}: {e}",
+                    p.display()
+                ),
             }
         }
         Ok(())

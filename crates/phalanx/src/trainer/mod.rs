@@ -558,7 +558,16 @@ impl Trainer {
         if let Some(p) = self.strat.pipeline() {
             self.report_pipeline(p, &mut report, lead && opts.progress)?;
             if let Some(path) = &opts.trace {
-                p.write_trace(path)?;
+                // Cosmetic too: a warning, never the run's end. (Collective:
+                // every rank takes part whatever happens on rank 0.)
+                if let Err(e) = p.write_trace(path) {
+                    if lead {
+                        eprintln!(
+                            "warning: the trace was not written to {}: {e}",
+                            path.display()
+                        );
+                    }
+                }
                 if lead && opts.progress {
                     println!(
                         "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
