@@ -3,15 +3,12 @@
 //! that must simply work: `phalanx train` from any directory (the default
 //! corpus is built in), and a tokens/s figure for a 2-step run.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::*;
+
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn phalanx(dir: &Path, args: &[&str]) -> (i32, String, String, Duration) {
     let t0 = Instant::now();

@@ -4,21 +4,15 @@
 //! and import back bitwise; broken checkpoints and checkpoints of another
 //! model are refused naming the file or the tensor.
 
+mod common;
+use common::*;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("phalanx-ckcmd-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    fresh_dir("phalanx-ckcmd", name)
 }
 
 /// A small model so that the end-to-end runs take a second.

@@ -3,24 +3,19 @@
 //! launcher, broken checkpoints, and resuming on a different number of
 //! ranks.
 
+mod common;
+use common::*;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
 /// No run of these tests takes more than a few seconds; a hang fails.
 const DEADLINE: Duration = Duration::from_secs(180);
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("phalanx-recovery-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    fresh_dir("phalanx-recovery", name)
 }
 
 /// A small model so that a run takes a second or two.

@@ -1,19 +1,13 @@
 //! `phalanx train` and `phalanx generate` end to end, as a user runs them.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::*;
+
+use std::path::PathBuf;
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("phalanx-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    fresh_dir("phalanx-test", name)
 }
 
 /// A small model so that the end-to-end runs take a second.

@@ -1,14 +1,10 @@
 //! `phalanx train` with DeepSpeed JSON configs: `--config FILE.json`,
 //! `--deepspeed_config` / `--deepspeed-config`.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::*;
+
 use std::process::Command;
-
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn phalanx(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(BIN)

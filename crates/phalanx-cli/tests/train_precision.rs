@@ -3,14 +3,10 @@
 //! on every rank, lowers the scale, and then trains; the JSON log and the
 //! progress line say so.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::*;
+
 use std::process::Command;
-
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 #[test]
 fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {

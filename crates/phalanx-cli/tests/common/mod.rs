@@ -1,0 +1,21 @@
+//! Shared by the CLI tests: the binary, the repository, and fresh
+//! temporary directories.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+
+/// The repository root (the default corpus is at `data/corpus.txt` there).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A fresh, empty directory for one test (`prefix-name-pid`).
+pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("{prefix}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
