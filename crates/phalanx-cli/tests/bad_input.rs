@@ -26,23 +26,6 @@ fn phalanx(dir: &Path, args: &[&str]) -> (i32, String, String, Duration) {
     )
 }
 
-const SMALL: &[&str] = &[
-    "--set",
-    "model.n_layer=1",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "model.n_embd=32",
-    "--set",
-    "model.block_size=32",
-    "--set",
-    "train.micro_batch_size=4",
-    "--set",
-    "train.eval_interval=0",
-    "--set",
-    "log.plot=\"\"",
-];
-
 #[test]
 fn bad_training_numbers_name_the_key() {
     // (override, words the message must hold)

@@ -15,24 +15,6 @@ fn tmpdir(name: &str) -> PathBuf {
     fresh_dir("phalanx-ckcmd", name)
 }
 
-/// A small model so that the end-to-end runs take a second.
-const SMALL: &[&str] = &[
-    "--set",
-    "model.n_layer=1",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "model.n_embd=32",
-    "--set",
-    "model.block_size=32",
-    "--set",
-    "train.micro_batch_size=4",
-    "--set",
-    "train.eval_interval=0",
-    "--set",
-    "log.plot=\"\"",
-];
-
 struct Out {
     code: i32,
     stdout: String,

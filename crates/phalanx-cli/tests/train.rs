@@ -10,30 +10,19 @@ fn tmpdir(name: &str) -> PathBuf {
     fresh_dir("phalanx-test", name)
 }
 
-/// A small model so that the end-to-end runs take a second.
-const SMALL: &[&str] = &[
-    "--set",
-    "model.n_layer=1",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "model.n_embd=32",
-    "--set",
-    "model.block_size=32",
-    "--set",
-    "train.micro_batch_size=4",
+/// Validation every 10 steps on 2 batches, on top of the small model.
+const EVAL: &[&str] = &[
     "--set",
     "train.eval_interval=10",
     "--set",
     "train.eval_batches=2",
-    "--set",
-    "log.plot=\"\"",
 ];
 
 fn train(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(BIN)
         .arg("train")
         .args(SMALL)
+        .args(EVAL)
         .args(args)
         .current_dir(repo())
         .env_remove("RANK")

@@ -1,5 +1,5 @@
-//! Shared by the CLI tests: the binary, the repository, and fresh
-//! temporary directories.
+//! Shared by the CLI tests: the binary, the repository, fresh temporary
+//! directories, and the flags of a small model that trains in a second.
 
 #![allow(dead_code)]
 
@@ -19,3 +19,21 @@ pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// A small model so that the end-to-end runs take a second.
+pub const SMALL: &[&str] = &[
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.block_size=32",
+    "--set",
+    "train.micro_batch_size=4",
+    "--set",
+    "train.eval_interval=0",
+    "--set",
+    "log.plot=\"\"",
+];
