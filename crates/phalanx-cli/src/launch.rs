@@ -154,6 +154,8 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        // A closed terminal stops the job as Ctrl-C would.
+        libc::signal(libc::SIGHUP, on_signal as *const () as libc::sighandler_t);
     }
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -312,11 +314,10 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             return Ok(Outcome::Failed(code, format!("rank {rank} failed ({how})")));
         }
         if running == 0 {
-            for w in workers.iter_mut() {
-                for p in w.pumps.drain(..) {
-                    let _ = p.join();
-                }
-            }
+            // The job is done when its workers are: what they left behind
+            // in their process groups is ended, and what escaped them
+            // (e.g. `setsid`) is not waited for.
+            end_leftovers(&mut workers);
             return Ok(Outcome::Success);
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -354,13 +355,29 @@ fn stop_all(workers: &mut [Worker]) {
             }
         }
     }
-    for w in workers.iter_mut() {
-        // Grandchildren that ignored SIGTERM go now.
+    end_leftovers(workers);
+}
+
+/// After the workers exited: SIGKILL what is left in their process groups,
+/// and let the output pumps finish, but at most briefly: a process that
+/// escaped the group may hold the pipe open for as long as it likes.
+fn end_leftovers(workers: &mut [Worker]) {
+    for w in workers.iter() {
+        // SAFETY: signalling the process group our (exited) child led.
         unsafe {
             libc::kill(-(w.child.id() as i32), libc::SIGKILL);
         }
+    }
+    let deadline = Instant::now() + Duration::from_millis(500);
+    for w in workers.iter_mut() {
         for p in w.pumps.drain(..) {
-            let _ = p.join();
+            while !p.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if p.is_finished() {
+                let _ = p.join();
+            }
+            // Otherwise the pump is left to end with the process.
         }
     }
 }

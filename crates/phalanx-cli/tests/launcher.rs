@@ -246,3 +246,61 @@ fn slurm_variables_start_a_job_too() {
         assert!(so.contains(&format!("rank {r}: ok x[0]=1")), "{so}");
     }
 }
+
+/// Processes whose command line holds `mark`.
+fn with_mark(mark: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(mark))
+                .unwrap_or(false)
+        })
+        .count()
+}
+
+/// The launcher's job is done when its workers are: a grandchild that
+/// escaped the worker's process group (`setsid`) is not waited for, and
+/// what stayed in the group is ended.
+#[test]
+fn leftovers_of_finished_workers_neither_hold_nor_outlive_the_job() {
+    for (code, script) in [
+        (3, "setsid sleep 23.17 & sleep 31.71 & sleep 0.5; exit 3"),
+        (0, "setsid sleep 23.17 & sleep 31.71 & sleep 0.5; exit 0"),
+    ] {
+        let (c, _, err, took) =
+            phalanx(&["run", "--nproc-per-node", "1", "--", "sh", "-c", script]);
+        assert_eq!(c, code, "{err}");
+        assert!(
+            took < Duration::from_secs(5),
+            "waited {took:?} for an escaped process"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(with_mark("31.71"), 0, "the worker's group was ended");
+        // The escaped one is not ours to end; tidy up after the test.
+        let _ = Command::new("pkill").args(["-f", "sleep 23.17"]).status();
+    }
+}
+
+/// SIGHUP (a closed terminal) stops the job as SIGTERM does.
+#[test]
+fn sighup_stops_the_workers() {
+    let mut child = Command::new(BIN)
+        .args(["run", "--nproc-per-node", "2", "--", "sleep", "47.31"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(with_mark("47.31") >= 2, "workers started");
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGHUP);
+    }
+    let t0 = Instant::now();
+    let st = child.wait().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(6));
+    assert_eq!(st.code(), Some(128 + libc::SIGHUP));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(with_mark("47.31"), 0, "no worker left");
+}
