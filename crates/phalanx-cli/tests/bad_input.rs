@@ -196,3 +196,29 @@ fn outputs_are_checked_before_training() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A JSON log on a full device: the run stops with an error naming the
+/// file and the step (lines are written whole or not at all).
+#[test]
+fn a_full_disk_under_the_json_log_is_named() {
+    if !Path::new("/dev/full").exists() {
+        return;
+    }
+    let mut args = vec![
+        "train",
+        "--nproc-per-node",
+        "1",
+        "--set",
+        "train.steps=3",
+        "--log-json",
+        "/dev/full",
+    ];
+    args.extend_from_slice(SMALL);
+    let (code, out, err, took) = phalanx(&repo(), &args);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("/dev/full") && err.contains("JSON log line of step 0"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(20));
+}

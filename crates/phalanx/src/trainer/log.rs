@@ -49,7 +49,8 @@ pub struct StepLog {
     lead: bool,
     opts: RunOptions,
     steps: usize,
-    json: Option<std::io::BufWriter<std::fs::File>>,
+    /// The JSON log and the path (for messages).
+    json: Option<(std::fs::File, PathBuf)>,
 }
 
 impl StepLog {
@@ -82,7 +83,7 @@ impl StepLog {
                     .truncate(resumed_at.is_none())
                     .open(p)
                     .map_err(err)?;
-                Some(std::io::BufWriter::new(f))
+                Some((f, p.clone()))
             }
             _ => None,
         };
@@ -103,7 +104,7 @@ impl StepLog {
         if !self.lead {
             return Ok(());
         }
-        if let Some(j) = &mut self.json {
+        if let Some((f, path)) = &mut self.json {
             let mut v = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr,
                 "tokens_per_s": s.tokens_per_s, "step_ms": s.step_ms, "grad_norm": s.grad_norm,
@@ -118,8 +119,18 @@ impl StepLog {
             if let Some(m) = memory {
                 v["memory"] = serde_json::to_value(m).unwrap_or_default();
             }
-            writeln!(j, "{v}")?;
-            j.flush()?;
+            // One write per line, and on failure (a full disk) the file is
+            // cut back: a line is in the log whole or not at all.
+            let line = format!("{v}\n");
+            let at = f.metadata().map(|m| m.len()).unwrap_or(0);
+            if let Err(e) = f.write_all(line.as_bytes()) {
+                let _ = f.set_len(at);
+                return Err(crate::error::Error::Io(format!(
+                    "{}: the JSON log line of step {} was not written: {e}",
+                    path.display(),
+                    s.step
+                )));
+            }
         }
         let every = self.opts.log_interval.max(1);
         if self.opts.progress
