@@ -1,7 +1,9 @@
 //! Writing files whole: a temporary file beside the target (created with
 //! the process umask, like every other tool), fsynced, then renamed over
 //! the target; on any error the temporary is removed and the target is
-//! untouched.
+//! untouched. On Linux the temporary has no name while it is written
+//! (`O_TMPFILE`) and is linked in only for the rename, so a process killed
+//! mid-write (Ctrl-C, SIGKILL) leaves nothing behind.
 //!
 //! ```
 //! let d = std::env::temp_dir().join(format!("phalanx-fsutil-doc-{}", std::process::id()));
@@ -27,6 +29,17 @@ fn temp_for(path: &Path) -> PathBuf {
 /// Write `bytes` to `path` whole (see the module docs). Errors name the path.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = temp_for(path);
+    match write_unnamed(path, &tmp, bytes) {
+        Ok(true) => return Ok(()),
+        Ok(false) => {} // no O_TMPFILE here: a named temporary
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", path.display()),
+            ));
+        }
+    }
     let named =
         |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
     let result = (|| {
@@ -39,4 +52,59 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result.map_err(named)
+}
+
+/// Write through an unnamed file (`O_TMPFILE`) linked in at the end as
+/// `tmp`, then renamed to `path`. `Ok(false)`: the file system has no
+/// unnamed files; the caller falls back to a named temporary.
+#[cfg(target_os = "linux")]
+fn write_unnamed(path: &Path, tmp: &Path, bytes: &[u8]) -> std::io::Result<bool> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::io::FromRawFd;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let cdir = CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: plain syscalls on owned C strings; the fd is owned by `f`.
+    let fd = unsafe {
+        libc::open(
+            cdir.as_ptr(),
+            libc::O_TMPFILE | libc::O_WRONLY | libc::O_CLOEXEC,
+            0o666,
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::EINVAL) => Ok(false),
+            _ => Err(e),
+        };
+    }
+    let mut f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    let proc_path = CString::new(format!("/proc/self/fd/{fd}"))?;
+    let ctmp = CString::new(tmp.as_os_str().as_bytes())?;
+    let r = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            proc_path.as_ptr(),
+            libc::AT_FDCWD,
+            ctmp.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if r != 0 {
+        // No /proc to link through: the caller writes a named temporary.
+        return Ok(false);
+    }
+    std::fs::rename(tmp, path)?;
+    Ok(true)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn write_unnamed(_: &Path, _: &Path, _: &[u8]) -> std::io::Result<bool> {
+    Ok(false)
 }
