@@ -39,6 +39,8 @@ fn bad_training_numbers_name_the_key() {
         ("optim.weight_decay=-0.1", "optim.weight_decay"),
         ("optim.min_lr=1.0", "optim.min_lr"),
         ("train.steps=0", "train.steps"),
+        ("train.micro_batch_size=-5", "train.micro_batch_size"),
+        ("model.n_layer=-2", "model.n_layer"),
     ];
     for (set, want) in cases {
         let mut args = vec!["train", "--nproc-per-node", "1"];

@@ -66,6 +66,14 @@ pub(crate) fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Re
                     *slot = v;
                     continue;
                 }
+                // Every integer setting is a count, size or seed: never negative.
+                if let (toml::Value::Integer(_), toml::Value::Integer(i)) = (&*slot, &v) {
+                    if *i < 0 {
+                        return Err(ConfigError(format!(
+                            "`{full}` must be a non-negative integer, not {i}"
+                        )));
+                    }
+                }
                 let ok = match (&*slot, &v) {
                     (toml::Value::Float(_), toml::Value::Integer(i)) => {
                         *slot = toml::Value::Float(*i as f64);

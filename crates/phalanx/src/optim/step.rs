@@ -100,7 +100,8 @@ pub fn agree_and_clip(
     if !ss[0].is_finite() {
         if !scaler.skips_on_overflow() {
             return Err(Error::Check(format!(
-                "the gradients hold inf or NaN at step {step}; lower optim.lr or enable optim.grad_clip"
+                "the gradients hold inf or NaN at step {step}; {}",
+                diverged_hint(max_norm)
             )));
         }
         scaler.update(true);
@@ -145,4 +146,13 @@ pub fn weighted_sum_squares(
         }
     }
     ss * weight
+}
+
+/// What to try when training diverges, given the clipping in force.
+pub fn diverged_hint(max_norm: f32) -> String {
+    if max_norm > 0.0 {
+        format!("lower optim.lr (gradients are already clipped to norm {max_norm})")
+    } else {
+        "lower optim.lr or enable optim.grad_clip".into()
+    }
 }

@@ -325,8 +325,9 @@ impl Trainer {
             .forward_backward(&mut self.engine, &mut batch, accum, scale)?;
         if !loss.is_finite() && !self.scaler.skips_on_overflow() {
             return Err(Error::Check(format!(
-                "loss is {loss} at step {step} (rank {}); lower optim.lr or enable optim.grad_clip",
-                self.pg.global_rank()
+                "loss is {loss} at step {step} (rank {}); {}",
+                self.pg.global_rank(),
+                crate::optim::step::diverged_hint(self.cfg.optim.grad_clip as f32)
             )));
         }
         // Sequence parallel: replicated parameters saw only this rank's
