@@ -224,3 +224,34 @@ fn a_full_disk_under_the_json_log_is_named() {
     );
     assert!(took < Duration::from_secs(20));
 }
+
+/// Messages name what is wrong: a directory given as the data file, and a
+/// pipeline too deep for the model says what a block is.
+#[test]
+fn messages_name_the_file_and_explain_blocks() {
+    let d = std::env::temp_dir().join(format!("phalanx-msgs-{}", std::process::id()));
+    std::fs::create_dir_all(d.join("x.bin")).unwrap();
+    let data = format!("data.path=\"{}\"", d.join("x.bin").display());
+    let mut args = vec!["train", "--nproc-per-node", "1", "--set", &data];
+    args.extend_from_slice(SMALL);
+    let (code, _, err, _) = phalanx(&repo(), &args);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("x.bin") && err.contains("is a directory"),
+        "{err}"
+    );
+    let mut args = vec![
+        "train",
+        "--nproc-per-node",
+        "4",
+        "--set",
+        "parallel.pp=4",
+        "--set",
+        "train.grad_accum_steps=4",
+    ];
+    args.extend_from_slice(SMALL);
+    let (code, _, err, _) = phalanx(&repo(), &args);
+    assert_ne!(code, 0);
+    assert!(err.contains("n_layer + 2 blocks"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -98,6 +98,12 @@ impl TokenData {
     /// tokenizer is used only for text files.
     pub fn open(path: impl AsRef<Path>, tokenizer: Tokenizer) -> Result<Self> {
         let path = path.as_ref();
+        if path.is_dir() {
+            return Err(format_err(
+                path,
+                "is a directory, not a token or text file".into(),
+            ));
+        }
         let is_bin = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("bin"));

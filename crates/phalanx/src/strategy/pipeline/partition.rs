@@ -52,7 +52,8 @@ impl Partition {
                 if s.len() != chunks || s.contains(&0) || s.iter().sum::<usize>() != n {
                     return Err(Error::Check(format!(
                         "pipeline partition {s:?}: need {chunks} non-zero sizes summing to the \
-                         model's {n} blocks"
+                         model's {n} blocks (a block is a pipeline unit: for GPT-2 the embedding, \
+                         each of the n_layer transformer layers, and the head)"
                     )));
                 }
                 let mut lo = 0;
@@ -85,7 +86,9 @@ pub fn balanced(costs: &[f64], k: usize) -> Result<Vec<Range<usize>>> {
     let n = costs.len();
     if k == 0 || k > n {
         return Err(Error::Check(format!(
-            "cannot split {n} blocks into {k} pipeline chunks (each needs at least one block)"
+            "cannot split {n} blocks into {k} pipeline chunks (each needs at least one block; \
+             a block is a pipeline unit: for GPT-2 the embedding, each of the n_layer layers, \
+             and the head, so n_layer + 2 blocks)"
         )));
     }
     let mut prefix = vec![0.0; n + 1];
