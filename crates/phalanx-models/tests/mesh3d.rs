@@ -114,7 +114,7 @@ fn agreed_chunks(what: &str, out: &[RankResult]) -> Vec<Range<usize>> {
 }
 
 #[test]
-fn time_balanced_partition_follows_measured_cost() {
+fn time_balanced_partition_is_valid_agreed_and_cost_driven() {
     let what = "pp 2, partition by measured time";
     let shape = head_heavy();
     let base = run(1, config(1, 1, &shape)).remove(0);
@@ -131,11 +131,14 @@ fn time_balanced_partition_follows_measured_cost() {
     assert_named_match(what, &out, &base, 1e-5);
     let chunks = agreed_chunks(what, &out);
     assert_valid_split(what, &chunks, n, 2);
-    // Measured, the head outweighs the rest: the last stage holds fewer
-    // blocks than the parameter count would give it (the head alone).
-    assert!(
-        chunks[1].len() < by_params[1].len(),
-        "{what}: measured split {chunks:?}, by parameters {by_params:?}"
+    // Which split the measurement gives depends on timings, and tests never
+    // time: what is asserted is that it is a valid split, the same on every
+    // rank (rank 0's measurement), and that costs drive the split exactly
+    // (the head-heavy costs below put the head alone on the last stage).
+    let heavy_head = partition::Partition::Costs(vec![1.0, 1.0, 1.0, 1.0, 1.0, 10.0]);
+    assert_eq!(
+        heavy_head.split(engine.layout(), 2).unwrap(),
+        vec![0..5, 5..6]
     );
 }
 
