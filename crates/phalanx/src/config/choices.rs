@@ -232,13 +232,39 @@ impl Choice for OffloadDevice {
     ];
 }
 
+/// `parallel.comm_hook`: how gradient buckets travel (PyTorch's DDP
+/// communication hooks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommHookKind {
+    #[default]
+    None,
+    Fp16,
+    Bf16,
+    /// Block-wise (256) scaled int8, with error feedback.
+    Int8,
+    /// The largest-magnitude `parallel.topk_ratio` of each bucket, with
+    /// error feedback.
+    Topk,
+}
+
+impl Choice for CommHookKind {
+    const NAMES: &'static [(&'static str, Self)] = &[
+        ("none", CommHookKind::None),
+        ("fp16", CommHookKind::Fp16),
+        ("bf16", CommHookKind::Bf16),
+        ("int8", CommHookKind::Int8),
+        ("topk", CommHookKind::Topk),
+    ];
+}
+
 choice_impls!(
     Tokenizer,
     OptimName,
     LrScheduleKind,
     WarmupType,
     ShardingStrategy,
-    OffloadDevice
+    OffloadDevice,
+    CommHookKind
 );
 
 /// `parallel.pp_schedule`: a [`ScheduleKind`], or `interleaved` without a
@@ -373,6 +399,7 @@ pub(crate) fn parser(key: &str) -> Option<Parser> {
         "parallel.sharding_strategy" => canonical::<ShardingStrategy>,
         "parallel.pp_schedule" => canonical::<PpSchedule>,
         "parallel.pp_partition" => canonical::<PpPartition>,
+        "parallel.comm_hook" => canonical::<CommHookKind>,
         "zero_optimization.offload_optimizer.device" | "zero_optimization.offload_param.device" => {
             canonical::<OffloadDevice>
         }

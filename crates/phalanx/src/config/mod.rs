@@ -25,8 +25,8 @@ mod validate;
 
 pub use crate::data::Tokenizer;
 pub use choices::{
-    Choice, LrScheduleKind, OffloadDevice, OptimName, PpPartition, PpSchedule, ShardingStrategy,
-    WarmupType,
+    Choice, CommHookKind, LrScheduleKind, OffloadDevice, OptimName, PpPartition, PpSchedule,
+    ShardingStrategy, WarmupType,
 };
 pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
@@ -243,6 +243,12 @@ pub struct ParallelConfig {
     /// Blocks per stage: "balanced" (by parameter count), "time" (by the
     /// measured time of each block) or counts "2,3,3".
     pub pp_partition: PpPartition,
+    /// Gradient compression (communication hook): none, fp16, bf16, int8, topk.
+    pub comm_hook: CommHookKind,
+    /// `topk`: the fraction of each bucket's entries sent.
+    pub topk_ratio: f64,
+    /// Compressing hooks add what they left out to the next step's gradient.
+    pub error_feedback: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -368,6 +374,9 @@ impl Default for ParallelConfig {
             pp_schedule: PpSchedule::default(),
             pp_virtual_stages: 2,
             pp_partition: PpPartition::Balanced,
+            comm_hook: CommHookKind::None,
+            topk_ratio: 0.01,
+            error_feedback: true,
         }
     }
 }

@@ -24,6 +24,19 @@ impl TrainConfig {
             ));
         }
         self.check_numbers()?;
+        let p = &self.parallel;
+        if !(p.topk_ratio.is_finite() && p.topk_ratio > 0.0 && p.topk_ratio <= 1.0) {
+            return bad(format!(
+                "parallel.topk_ratio must be in (0, 1], not {}",
+                p.topk_ratio
+            ));
+        }
+        if p.comm_hook != super::CommHookKind::None && self.train.reduce_dtype != Precision::Fp32 {
+            return bad(format!(
+                "parallel.comm_hook = {} and train.reduce_dtype = {} both choose how gradients travel; set one",
+                p.comm_hook, self.train.reduce_dtype
+            ));
+        }
         if self.optim.warmup_min_lr < 0.0 || self.optim.warmup_min_lr > self.optim.lr {
             return bad(format!(
                 "optim.warmup_min_lr ({}) must be in [0, optim.lr = {}]",

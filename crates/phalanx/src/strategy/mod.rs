@@ -19,6 +19,7 @@
 //! last, around them. [`build`] picks the strategy from a config.
 
 pub mod ddp;
+pub mod hooks;
 pub mod pipeline;
 pub mod reduce;
 pub mod shard;
@@ -28,7 +29,7 @@ pub mod zero;
 pub use ddp::{Ddp, DdpConfig};
 pub use zero::{Zero, ZeroConfig};
 
-use crate::config::TrainConfig;
+use crate::config::{CommHookKind, TrainConfig};
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::mesh::DeviceMesh;
@@ -238,6 +239,22 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             args.tp_replicated,
         )?)
     };
-    s.set_comm_hook(&|| Box::new(hook));
+    let p = &cfg.parallel;
+    let (ratio, ef) = (p.topk_ratio, p.error_feedback);
+    match p.comm_hook {
+        CommHookKind::None => s.set_comm_hook(&|| Box::new(hook)),
+        CommHookKind::Fp16 => s.set_comm_hook(&|| {
+            Box::new(reduce::DefaultHook {
+                dtype: crate::config::Precision::Fp16,
+            })
+        }),
+        CommHookKind::Bf16 => s.set_comm_hook(&|| {
+            Box::new(reduce::DefaultHook {
+                dtype: crate::config::Precision::Bf16,
+            })
+        }),
+        CommHookKind::Topk => s.set_comm_hook(&|| Box::new(hooks::TopK::new(ratio, ef))),
+        CommHookKind::Int8 => s.set_comm_hook(&|| Box::new(hooks::Int8::new(ef))),
+    }
     Ok(s)
 }
