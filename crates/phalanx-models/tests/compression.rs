@@ -9,7 +9,10 @@ use phalanx_models::gpt2::train::{self, GptRun};
 
 /// Train `steps` steps on `world` ranks; every rank's (losses, parameters)
 /// and the bytes rank 0 sent in its second step.
-fn train_run(world: usize, steps: usize, extra: &[&str]) -> (Vec<(Vec<f32>, Vec<f32>)>, u64) {
+/// One rank's losses and final parameters.
+type RankRun = (Vec<f32>, Vec<f32>);
+
+fn train_run(world: usize, steps: usize, extra: &[&str]) -> (Vec<RankRun>, u64) {
     let mut e: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
     e.push(format!("train.steps={steps}"));
     let cfg = config(world, 1, &e);
@@ -31,7 +34,7 @@ fn train_run(world: usize, steps: usize, extra: &[&str]) -> (Vec<(Vec<f32>, Vec<
     (out.into_iter().map(|(l, p, _)| (l, p)).collect(), bytes)
 }
 
-fn last_loss(r: &[(Vec<f32>, Vec<f32>)]) -> f32 {
+fn last_loss(r: &[RankRun]) -> f32 {
     *r[0].0.last().unwrap()
 }
 
