@@ -9,6 +9,7 @@
 //! | `PHALANX_CHUNK_BYTES` | ring pipeline chunk | 512 KiB |
 //! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
 //! | `PHALANX_TRANSPORT` | `auto`: Unix domain sockets to ranks on the same host, TCP to others; `tcp`: TCP everywhere | auto |
+//! | `PHALANX_NET_EMULATE` | emulate a slow network on every link, e.g. `bandwidth=1gbit,latency=100us` (see [`NetEmulate`]); a bad value fails process-group init | off |
 
 use std::time::Duration;
 
@@ -37,6 +38,13 @@ pub struct Config {
     pub chunk_bytes: usize,
     pub heartbeat_timeout: Duration,
     pub transport: TransportPref,
+    /// Network emulation on every rank-to-rank link (`PHALANX_NET_EMULATE`);
+    /// `None`: off, at the cost of one branch per send.
+    pub net_emulate: Option<NetEmulate>,
+    /// A `PHALANX_NET_EMULATE` value that did not parse: reported as an
+    /// error when a process group is initialised with this configuration.
+    #[doc(hidden)]
+    pub net_emulate_error: Option<String>,
 }
 
 impl Default for Config {
@@ -49,6 +57,8 @@ impl Default for Config {
             chunk_bytes: 512 << 10,
             heartbeat_timeout: Duration::from_secs(5),
             transport: TransportPref::Auto,
+            net_emulate: None,
+            net_emulate_error: None,
         }
     }
 }
@@ -108,6 +118,147 @@ impl Config {
         if let Some(b) = env_f64("PHALANX_CHUNK_BYTES") {
             c.chunk_bytes = (b as usize).max(64);
         }
+        if let Ok(v) = std::env::var("PHALANX_NET_EMULATE") {
+            match NetEmulate::parse(&v) {
+                Ok(n) => c.net_emulate = n,
+                Err(e) => c.net_emulate_error = Some(format!("PHALANX_NET_EMULATE={v:?}: {e}")),
+            }
+        }
         c
+    }
+
+    /// The configuration error, if any, that must stop process-group init
+    /// (today: an unparsable `PHALANX_NET_EMULATE`).
+    pub fn validate(&self) -> crate::error::Result<()> {
+        match &self.net_emulate_error {
+            Some(e) => Err(crate::error::CommError::Invalid(e.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// An emulated network link (`PHALANX_NET_EMULATE`), applied on the sending
+/// side of every connection between two ranks, each direction separately.
+///
+/// Model: a message (frame) handed to the transport at time `t` starts
+/// transmission no earlier than `t + latency` (one sleep per message before
+/// its first byte; messages queued behind it on the same link do not add
+/// their latencies to its, they overlap), then its bytes (header included)
+/// leave through a token bucket of `bandwidth` bits/s, in chunks of at most
+/// 64 KiB, so that a 64 MB message streams at the rate. The data of a
+/// message therefore arrives no earlier than `t + latency + size /
+/// bandwidth`, plus the real cost of the socket. Heartbeats are not shaped.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NetEmulate {
+    /// Bits per second; `None`: unlimited.
+    pub bandwidth_bps: Option<f64>,
+    /// One-way delay added to each message.
+    pub latency: Duration,
+}
+
+impl NetEmulate {
+    /// Parse `bandwidth=<n>{kbit,mbit,gbit},latency=<n>{us,ms}` (either key
+    /// optional, in any order). `Ok(None)` for an empty string. Errors name
+    /// the bad part.
+    pub fn parse(s: &str) -> std::result::Result<Option<NetEmulate>, String> {
+        let mut n = NetEmulate {
+            bandwidth_bps: None,
+            latency: Duration::ZERO,
+        };
+        let mut any = false;
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("`{part}` is not key=value (keys: bandwidth, latency)"))?;
+            let (k, v) = (k.trim(), v.trim());
+            match k.to_ascii_lowercase().as_str() {
+                "bandwidth" => {
+                    let x = number_with_unit(v, &[("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9)])
+                        .map_err(|e| format!("bandwidth `{v}`: {e}"))?;
+                    if x == 0.0 {
+                        return Err(format!("bandwidth `{v}`: expected a positive rate"));
+                    }
+                    n.bandwidth_bps = Some(x);
+                }
+                "latency" => {
+                    let x = number_with_unit(v, &[("us", 1e-6), ("ms", 1e-3)])
+                        .map_err(|e| format!("latency `{v}`: {e}"))?;
+                    n.latency = Duration::from_secs_f64(x);
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown key `{k}` in `{part}` (keys: bandwidth, latency)"
+                    ))
+                }
+            }
+            any = true;
+        }
+        Ok(any.then_some(n))
+    }
+}
+
+/// `v` as a positive number followed by one of `units` (case-insensitive),
+/// scaled by the unit's factor.
+fn number_with_unit(v: &str, units: &[(&str, f64)]) -> std::result::Result<f64, String> {
+    let names: Vec<&str> = units.iter().map(|u| u.0).collect();
+    let lower = v.to_ascii_lowercase();
+    let split = lower
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(lower.len());
+    let (num, unit) = lower.split_at(split);
+    let factor = units
+        .iter()
+        .find(|u| u.0 == unit.trim())
+        .map(|u| u.1)
+        .ok_or_else(|| format!("expected a number with a unit in {names:?}"))?;
+    match num.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x * factor),
+        _ => Err(format!("expected a number with a unit in {names:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn net_emulate_parses() {
+        let n = NetEmulate::parse("bandwidth=1gbit,latency=100us")
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.bandwidth_bps, Some(1e9));
+        assert_eq!(n.latency, Duration::from_micros(100));
+        let n = NetEmulate::parse(" latency = 20ms ").unwrap().unwrap();
+        assert_eq!(
+            (n.bandwidth_bps, n.latency),
+            (None, Duration::from_millis(20))
+        );
+        let n = NetEmulate::parse("bandwidth=100Mbit").unwrap().unwrap();
+        assert_eq!(n.bandwidth_bps, Some(1e8));
+        assert_eq!(NetEmulate::parse("").unwrap(), None);
+    }
+
+    #[test]
+    fn net_emulate_errors_name_the_bad_part() {
+        let e = NetEmulate::parse("bandwidth=fast").unwrap_err();
+        assert!(e.contains("bandwidth") && e.contains("fast"), "{e}");
+        let e = NetEmulate::parse("latency=5parsecs").unwrap_err();
+        assert!(e.contains("latency") && e.contains("5parsecs"), "{e}");
+        let e = NetEmulate::parse("bandwidth=1gbit,jitter=1ms").unwrap_err();
+        assert!(e.contains("unknown key `jitter`"), "{e}");
+        let e = NetEmulate::parse("bandwidth").unwrap_err();
+        assert!(e.contains("key=value"), "{e}");
+        let e = NetEmulate::parse("bandwidth=0mbit").unwrap_err();
+        assert!(e.contains("positive"), "{e}");
+    }
+
+    #[test]
+    fn bad_net_emulate_fails_validate_naming_the_variable() {
+        let c = Config {
+            net_emulate_error: Some("PHALANX_NET_EMULATE=\"x\": bad".into()),
+            ..Config::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("PHALANX_NET_EMULATE"), "{e}");
     }
 }

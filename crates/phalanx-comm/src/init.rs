@@ -183,6 +183,7 @@ pub fn init_process_group() -> Result<ProcessGroup> {
 
 /// Initialise the world group from an explicit environment.
 pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
+    cfg.validate()?;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let mut keep: Option<Arc<dyn std::any::Any + Send + Sync>> = None;
     if !env.store_hosted && env.rank == 0 && env.world_size > 1 {
@@ -220,6 +221,7 @@ pub fn from_store(
     cfg: Config,
     keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
 ) -> Result<ProcessGroup> {
+    cfg.validate()?;
     let t = connect_mesh(store, prefix, rank, world, secret, &cfg)?;
     Ok(ProcessGroup::from_transport(t, cfg, keep))
 }

@@ -35,7 +35,7 @@ pub mod transport;
 pub mod wire;
 pub mod work;
 
-pub use config::{Algo, Config, TransportPref};
+pub use config::{Algo, Config, NetEmulate, TransportPref};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;

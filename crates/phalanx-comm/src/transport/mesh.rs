@@ -200,11 +200,14 @@ pub fn connect_mesh(
                     host,
                     link: s.link(),
                     writer: Mutex::new(s),
+                    bucket: Mutex::new(super::Bucket::full()),
                 }));
             }
         }
     }
-    let t = Arc::new(Transport::new(rank, world, conns));
+    let mut t = Transport::new(rank, world, conns);
+    t.netem = cfg.net_emulate;
+    let t = Arc::new(t);
     super::register(&t);
     for (j, s, host) in readers {
         let w = Arc::downgrade(&t);

@@ -10,6 +10,14 @@
 //! ring deadlock ("both sides write, nobody reads, both socket buffers fill")
 //! cannot happen. Algorithms (`crate::algo`) only see `send` and `recv`.
 //!
+//! Network emulation (`PHALANX_NET_EMULATE` / `Config::net_emulate`, see
+//! `crate::config::NetEmulate`): each connection's sending side delays every
+//! data frame's first byte to `latency` after it was handed to `send`, then
+//! paces its bytes in chunks of at most 64 KiB through a token bucket of
+//! `bandwidth`, so a frame arrives no earlier than send time + latency +
+//! size / bandwidth and one host behaves like a cluster on a slow network.
+//! Off (one branch per send) when unset.
+//!
 //! Failure: a peer that closes its socket without saying goodbye, sends an
 //! ABORT, or stops sending heartbeats marks the whole transport failed; every
 //! pending and later call then returns an error naming that peer.
@@ -105,6 +113,42 @@ pub(crate) struct Peer {
     pub host: String,
     pub link: Link,
     pub writer: Mutex<Stream>,
+    /// Token bucket of the emulated link to this peer; used only under
+    /// `writer`'s lock and only when network emulation is on.
+    pub bucket: Mutex<Bucket>,
+}
+
+/// Largest chunk the emulated link paces at once (and the bucket's depth).
+const NETEM_CHUNK: usize = 64 << 10;
+
+/// Token bucket of one emulated link direction, in bytes.
+pub(crate) struct Bucket {
+    tokens: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    pub(crate) fn full() -> Bucket {
+        Bucket {
+            tokens: NETEM_CHUNK as f64,
+            last: Instant::now(),
+        }
+    }
+
+    /// When `n` bytes (at most the depth) may leave at `rate` bytes/s;
+    /// takes them from the bucket, which may go negative until then.
+    fn take(&mut self, n: usize, rate: f64) -> Instant {
+        let now = Instant::now();
+        let cap = NETEM_CHUNK as f64;
+        self.tokens = (self.tokens + (now - self.last).as_secs_f64() * rate).min(cap);
+        self.last = now;
+        self.tokens -= n as f64;
+        if self.tokens >= 0.0 {
+            now
+        } else {
+            now + Duration::from_secs_f64(-self.tokens / rate)
+        }
+    }
 }
 
 /// (peer, channel, sequence): what a message is matched by.
@@ -157,6 +201,8 @@ pub struct Transport {
     pool: Mutex<Vec<Vec<u64>>>,
     /// Payload bytes handed to peers so far (every group on this transport).
     sent: std::sync::atomic::AtomicU64,
+    /// Emulated network on every link (`None`: off).
+    pub(crate) netem: Option<crate::config::NetEmulate>,
 }
 
 impl Transport {
@@ -242,8 +288,11 @@ impl Transport {
         let p = self.peer(to)?;
         self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         let h = header(K_DATA, chan, seq, data.len());
+        let handed = self.netem.map(|_| Instant::now());
         let mut w = p.writer.lock().unwrap();
-        let res = if data.len() <= 64 << 10 {
+        let res = if let (Some(ne), Some(t0)) = (self.netem, handed) {
+            self.send_emulated(&mut w, p, ne, t0, &h, data, deadline)
+        } else if data.len() <= 64 << 10 {
             // One write for small messages: one packet, lower latency.
             let mut buf = Vec::with_capacity(HEADER + data.len());
             buf.extend_from_slice(&h);
@@ -266,6 +315,58 @@ impl Transport {
                 },
             },
         })
+    }
+
+    /// `send` over an emulated link (see the module docs): wait until
+    /// `latency` after `t0`, then write header and data paced by the bucket.
+    #[allow(clippy::too_many_arguments)]
+    fn send_emulated(
+        &self,
+        w: &mut Stream,
+        p: &Peer,
+        ne: crate::config::NetEmulate,
+        t0: Instant,
+        h: &[u8],
+        data: &[u8],
+        deadline: Instant,
+    ) -> Result<()> {
+        self.sleep_until(t0 + ne.latency, deadline)?;
+        let Some(bps) = ne.bandwidth_bps else {
+            return self
+                .write_all(w, h, deadline)
+                .and_then(|_| self.write_all(w, data, deadline));
+        };
+        let rate = bps / 8.0;
+        let mut bucket = p.bucket.lock().unwrap();
+        for part in [h, data] {
+            for chunk in part.chunks(NETEM_CHUNK) {
+                let at = bucket.take(chunk.len(), rate);
+                self.sleep_until(at, deadline)?;
+                self.write_all(w, chunk, deadline)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sleep until `t` in steps of at most 10 ms, giving up early if the
+    /// transport fails or `deadline` passes.
+    fn sleep_until(&self, t: Instant, deadline: Instant) -> Result<()> {
+        loop {
+            let now = Instant::now();
+            if now >= t {
+                return Ok(());
+            }
+            if let Some(f) = self.failure() {
+                return Err(f);
+            }
+            if now >= deadline {
+                return Err(CommError::Timeout(
+                    "emulated network (PHALANX_NET_EMULATE) held the message past the deadline"
+                        .into(),
+                ));
+            }
+            std::thread::sleep((t - now).min(Duration::from_millis(10)));
+        }
     }
 
     /// The recorded failure after a send failed. A peer that aborted wrote
@@ -476,6 +577,7 @@ impl Transport {
             closing: AtomicBool::new(false),
             pool: Mutex::new(Vec::new()),
             sent: std::sync::atomic::AtomicU64::new(0),
+            netem: None,
         }
     }
 }
