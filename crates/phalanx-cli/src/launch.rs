@@ -277,19 +277,20 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             stop_all(&mut workers);
             return Ok(Outcome::Signalled(sig));
         }
-        let mut running = 0;
-        let mut failures = Vec::new();
-        for w in workers.iter_mut() {
-            match w.child.try_wait() {
-                Ok(None) => running += 1,
-                Ok(Some(st)) if st.success() => {}
-                Ok(Some(st)) => failures.push((w.rank, describe(st))),
-                Err(e) => return Err(format!("waiting for rank {}: {e}", w.rank)),
-            }
+        let (running, mut failures) = poll(&mut workers)?;
+        // A rank that exited 1 may have done so because its peer died (it
+        // reports that as an error): give the peer a moment to be seen, so
+        // the root cause is named.
+        let grace = Instant::now() + Duration::from_millis(300);
+        while !failures.is_empty()
+            && failures.iter().all(|(_, (code, _))| *code == 1)
+            && Instant::now() < grace
+        {
+            std::thread::sleep(Duration::from_millis(10));
+            failures = poll(&mut workers)?.1;
         }
-        // Several ranks seen dead in one round: the root cause is the one
-        // killed by a signal or exiting with its own code, not one that
-        // exited 1 because its peer died (which it reports as an error).
+        // The root cause is one killed by a signal or exiting with its own
+        // code, before one that exited 1.
         failures.sort_by_key(|(rank, (code, _))| (*code == 1, *rank));
         let failed = failures.into_iter().next();
         if let Some((rank, (code, how))) = failed {
@@ -322,6 +323,22 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// (workers still running, failed workers with their status).
+type Failures = Vec<(usize, (i32, String))>;
+fn poll(workers: &mut [Worker]) -> Result<(usize, Failures), String> {
+    let mut running = 0;
+    let mut failures = Vec::new();
+    for w in workers.iter_mut() {
+        match w.child.try_wait() {
+            Ok(None) => running += 1,
+            Ok(Some(st)) if st.success() => {}
+            Ok(Some(st)) => failures.push((w.rank, describe(st))),
+            Err(e) => return Err(format!("waiting for rank {}: {e}", w.rank)),
+        }
+    }
+    Ok((running, failures))
 }
 
 fn describe(st: std::process::ExitStatus) -> (i32, String) {
