@@ -81,14 +81,21 @@ pub fn find_latest(root: &Path) -> Option<(PathBuf, Reader)> {
     None
 }
 
+/// A verified rank file: its bytes and each key's byte range (1-D f32
+/// tensors only: nothing else is a checkpoint piece).
+struct MappedFile {
+    map: memmap2::Mmap,
+    index: HashMap<String, Range<usize>>,
+}
+
 /// An open checkpoint.
 pub struct Reader {
     dir: PathBuf,
     pub meta: Metadata,
     /// Entries by (tensor, kind).
     by_tensor: HashMap<(String, String), Vec<usize>>,
-    /// Files mapped (and verified) so far.
-    mapped: Mutex<HashMap<usize, std::sync::Arc<memmap2::Mmap>>>,
+    /// Files mapped (and verified, and their keys indexed) so far.
+    mapped: Mutex<HashMap<usize, std::sync::Arc<MappedFile>>>,
 }
 
 impl Reader {
@@ -140,8 +147,9 @@ impl Reader {
         &self.dir
     }
 
-    /// File `i`, memory-mapped, its checksum verified on first use.
-    fn file(&self, i: usize) -> Result<std::sync::Arc<memmap2::Mmap>> {
+    /// File `i`, memory-mapped, its checksum verified and its header read
+    /// on first use.
+    fn file(&self, i: usize) -> Result<std::sync::Arc<MappedFile>> {
         if let Some(m) = self.mapped.lock().unwrap().get(&i) {
             return Ok(m.clone());
         }
@@ -160,9 +168,18 @@ impl Reader {
                 info.sha256
             )));
         }
-        let m = std::sync::Arc::new(m);
-        self.mapped.lock().unwrap().insert(i, m.clone());
-        Ok(m)
+        // The header, once: each key's byte range.
+        let (n, header) = safetensors::SafeTensors::read_metadata(&m[..])
+            .map_err(|err| Error::Check(format!("{}: {err}", p.display())))?;
+        let index = header
+            .tensors()
+            .into_iter()
+            .filter(|(_, t)| t.dtype == safetensors::Dtype::F32 && t.shape.len() == 1)
+            .map(|(k, t)| (k, 8 + n + t.data_offsets.0..8 + n + t.data_offsets.1))
+            .collect();
+        let f = std::sync::Arc::new(MappedFile { map: m, index });
+        self.mapped.lock().unwrap().insert(i, f.clone());
+        Ok(f)
     }
 
     /// Verify file `i`'s checksum (an error naming the file).
@@ -178,28 +195,21 @@ impl Reader {
     /// The values of one entry.
     fn values(&self, entry: usize) -> Result<Vec<f32>> {
         let e = &self.meta.entries[entry];
-        let m = self.file(e.file)?;
-        let st = safetensors::SafeTensors::deserialize(&m[..]).map_err(|err| {
-            Error::Check(format!(
-                "{}: {err}",
-                self.dir.join(&self.meta.files[e.file].name).display()
-            ))
-        })?;
-        let view = st.tensor(&e.key).map_err(|err| {
-            Error::Check(format!(
-                "{}: entry {}: {err}",
-                self.dir.join(&self.meta.files[e.file].name).display(),
-                e.key
-            ))
-        })?;
-        if view.dtype() != safetensors::Dtype::F32 || view.shape() != [e.region.len()] {
-            return Err(Error::Check(format!(
-                "checkpoint entry {} has the wrong dtype or size",
-                e.key
-            )));
-        }
-        Ok(view
-            .data()
+        let f = self.file(e.file)?;
+        let bytes = f
+            .index
+            .get(&e.key)
+            .and_then(|r| f.map.get(r.clone()))
+            .filter(|b| b.len() == e.region.len() * 4)
+            .ok_or_else(|| {
+                Error::Check(format!(
+                    "{}: entry {} is missing, or not {} f32 values",
+                    self.dir.join(&self.meta.files[e.file].name).display(),
+                    e.key,
+                    e.region.len()
+                ))
+            })?;
+        Ok(bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect())

@@ -56,7 +56,6 @@ pub struct Ddp {
     reducer: Reducer,
     opt: Box<dyn Optimizer + Send>,
     tp_replicated: Vec<Range<usize>>,
-    steps: usize,
 }
 
 impl Ddp {
@@ -88,7 +87,6 @@ impl Ddp {
             reducer,
             opt,
             tp_replicated,
-            steps: 0,
         })
     }
 
@@ -203,7 +201,6 @@ impl Strategy for Ddp {
             opt: self.opt.as_mut(),
         }];
         let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
-        self.steps += 1;
         self.maybe_check(engine, step + 1)?;
         Ok(out)
     }

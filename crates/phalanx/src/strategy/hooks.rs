@@ -33,13 +33,19 @@ use phalanx_comm::ProcessGroup;
 use std::collections::HashMap;
 
 /// Error-feedback residuals, per bucket.
-#[derive(Default)]
 struct Residuals {
     on: bool,
     by_bucket: HashMap<usize, Vec<f32>>,
 }
 
 impl Residuals {
+    fn new(on: bool) -> Residuals {
+        Residuals {
+            on,
+            by_bucket: HashMap::new(),
+        }
+    }
+
     /// `g` plus the bucket's residual.
     fn add_to(&mut self, bucket: usize, g: &mut [f32]) {
         if let Some(r) = self.by_bucket.get(&bucket).filter(|r| r.len() == g.len()) {
@@ -55,8 +61,12 @@ impl Residuals {
     }
 }
 
-/// This rank's share of a full-length reduced vector.
-fn mine(full: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
+/// `sum` (of every rank's contribution) averaged, and this rank's share
+/// of it.
+fn averaged_share(mut sum: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
+    let inv = 1.0 / pg.size() as f32;
+    sum.iter_mut().for_each(|x| *x *= inv);
+    let full = sum;
     match coll {
         Collective::AllReduce => full,
         Collective::ReduceScatter { counts } => {
@@ -76,10 +86,7 @@ impl TopK {
     pub fn new(ratio: f64, error_feedback: bool) -> TopK {
         TopK {
             ratio,
-            res: Residuals {
-                on: error_feedback,
-                ..Default::default()
-            },
+            res: Residuals::new(error_feedback),
         }
     }
 }
@@ -124,9 +131,7 @@ impl CommHook for TopK {
             for (i, v) in idx.iter().zip(&vals) {
                 sum[*i as usize] += v;
             }
-            let inv = 1.0 / w as f32;
-            sum.iter_mut().for_each(|x| *x *= inv);
-            Ok(mine(sum, &coll, &pg))
+            Ok(averaged_share(sum, &coll, &pg))
         })
     }
 }
@@ -142,10 +147,7 @@ pub struct Int8 {
 impl Int8 {
     pub fn new(error_feedback: bool) -> Int8 {
         Int8 {
-            res: Residuals {
-                on: error_feedback,
-                ..Default::default()
-            },
+            res: Residuals::new(error_feedback),
         }
     }
 }
@@ -207,9 +209,7 @@ impl CommHook for Int8 {
                     *x += bytes[i] as f32 * s[r * ns + i / INT8_BLOCK];
                 }
             }
-            let inv = 1.0 / w as f32;
-            sum.iter_mut().for_each(|x| *x *= inv);
-            Ok(mine(sum, &coll, &pg))
+            Ok(averaged_share(sum, &coll, &pg))
         })
     }
 }

@@ -11,8 +11,9 @@
 //!   hook (all-reduce, reduce-scatter, in fp32 / bf16 / fp16);
 //! - [`crate::optim::step::finish_step`]: unscale → non-finite check agreed
 //!   by all ranks → global norm → clip → optimizer step, written once;
-//! - state access: the flat ranges whose parameters and optimizer state a
-//!   rank owns ([`Strategy::owned`]), so a checkpoint writes exactly those.
+//! - state access: the state a rank owns ([`Strategy::save_state`],
+//!   [`Strategy::load_state`]), so a checkpoint writes exactly that and a
+//!   loader fills it from any layout.
 //!
 //! Order of application: model axes first (tensor parallel builds the
 //! blocks' shards, the pipeline picks this rank's blocks), the data axis
@@ -103,12 +104,6 @@ pub trait Strategy: Send {
             engine.params_flat_mut().copy_from_slice(&full);
         }
         Ok(())
-    }
-
-    /// The flat ranges this rank owns: its optimizers update exactly these
-    /// (a checkpoint saves them, with [`Strategy::optimizers`]' state).
-    fn owned(&self) -> Vec<Range<usize>> {
-        self.optimizers().iter().map(|o| o.range()).collect()
     }
 
     /// The optimizers of the owned ranges, in flat order.

@@ -228,11 +228,9 @@ impl Reducer {
     /// Start reducing bucket `id`'s gradients.
     pub fn launch(&mut self, id: usize, grads: Vec<f32>, coll: &Collective) {
         let p = if self.pg.size() == 1 {
-            // One rank: the average is the gradient itself.
-            Pending::ready(match coll {
-                Collective::AllReduce => grads,
-                Collective::ReduceScatter { .. } => grads,
-            })
+            // One rank: the average is the gradient itself (and its
+            // reduce-scatter piece is all of it).
+            Pending::ready(grads)
         } else {
             self.hook.reduce(id, grads, coll, &self.pg)
         };

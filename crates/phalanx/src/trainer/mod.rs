@@ -498,17 +498,13 @@ impl Trainer {
             );
         }
         let mut report = Report::default();
-        let mut tok_s = Vec::new();
         let every = self.cfg.checkpoint.interval;
-        let mut short_run_tok_s = Vec::new();
+        let mut tok_s = Vec::new();
         for k in first..steps {
             fault::at_step(self.mesh.world().rank(), k);
             let s = self.step(k)?;
             report.losses.push(s.loss);
-            short_run_tok_s.push(s.tokens_per_s);
-            if k >= first + 2 {
-                tok_s.push(s.tokens_per_s);
-            }
+            tok_s.push(s.tokens_per_s);
             let eval_now = self.cfg.train.eval_interval > 0
                 && ((k + 1) % self.cfg.train.eval_interval == 0 || k + 1 == steps);
             let val = if eval_now { self.evaluate()? } else { None };
@@ -548,13 +544,15 @@ impl Trainer {
             }
         }
         // After two warm-up steps; a shorter run averages what it has.
-        if tok_s.is_empty() {
-            tok_s = short_run_tok_s;
-        }
-        report.tokens_per_s = if tok_s.is_empty() {
+        let timed = if tok_s.len() > 2 {
+            &tok_s[2..]
+        } else {
+            &tok_s[..]
+        };
+        report.tokens_per_s = if timed.is_empty() {
             0.0
         } else {
-            tok_s.iter().sum::<f64>() / tok_s.len() as f64
+            timed.iter().sum::<f64>() / timed.len() as f64
         };
         if let Some(p) = self.strat.pipeline() {
             self.report_pipeline(p, &mut report, lead && opts.progress)?;

@@ -166,14 +166,6 @@ impl PipeStrategy {
         }
         Ok(())
     }
-
-    /// Bring every block's parameters up to date on this rank (each stage
-    /// updates only its own): for evaluation on one rank, or saving.
-    pub fn sync_params(&self, engine: &mut Engine) -> Result<()> {
-        let full = self.pipe.full_params(engine)?;
-        engine.params_flat_mut().copy_from_slice(&full);
-        Ok(())
-    }
 }
 
 impl Strategy for PipeStrategy {
