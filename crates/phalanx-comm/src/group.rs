@@ -484,6 +484,10 @@ impl ProcessGroup {
     /// rank i. Both hold size * k elements.
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         self.inner.queue.drain();
+        self.all_to_all_now(input, output)
+    }
+
+    fn all_to_all_now<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         let n = self.size();
         if input.len() != output.len() || !input.len().is_multiple_of(n) {
             return Err(invalid!(
@@ -492,20 +496,75 @@ impl ProcessGroup {
                 output.len()
             ));
         }
-        let k = input.len() / n;
-        self.collective(self.sig::<T>("all_to_all", input.len()), |c| {
-            let me = c.me;
-            output[me * k..(me + 1) * k].copy_from_slice(&input[me * k..(me + 1) * k]);
-            if k == 0 {
-                return Ok(());
-            }
+        let k = vec![input.len() / n; n];
+        self.all_to_all_v_now(input, &k, output, &k, input.len())
+    }
+
+    /// All-to-all with sizes per rank: `input` holds `send[j]` elements for
+    /// rank j, in rank order; `output` receives `recv[i]` from rank i.
+    pub fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> Result<()> {
+        self.inner.queue.drain();
+        self.all_to_all_v_now(input, send, output, recv, self.size())
+    }
+
+    fn all_to_all_v_now<T: Element>(
+        &self,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+        sig_count: usize,
+    ) -> Result<()> {
+        let n = self.size();
+        let me = self.rank();
+        if send.len() != n
+            || recv.len() != n
+            || send.iter().sum::<usize>() != input.len()
+            || recv.iter().sum::<usize>() != output.len()
+            || send[me] != recv[me]
+        {
+            return Err(invalid!(
+                "all_to_all_v: {} send and {} receive counts for {n} ranks, summing to {} and {} \
+                 for buffers of {} and {} (and this rank's own count must match)",
+                send.len(),
+                recv.len(),
+                send.iter().sum::<usize>(),
+                recv.iter().sum::<usize>(),
+                input.len(),
+                output.len()
+            ));
+        }
+        let offsets = |c: &[usize]| -> Vec<usize> {
+            c.iter()
+                .scan(0, |a, &x| {
+                    let o = *a;
+                    *a += x;
+                    Some(o)
+                })
+                .collect()
+        };
+        let (so, ro) = (offsets(send), offsets(recv));
+        // Ranks of a v-collective send different amounts: its signature
+        // (`sig_count`) is the group size, and each receive checks its size.
+        self.collective(self.sig::<T>("all_to_all", sig_count), |c| {
+            output[ro[me]..ro[me] + recv[me]].copy_from_slice(&input[so[me]..so[me] + send[me]]);
             for s in 1..n {
                 let to = (me + s) % n;
-                c.send(to, &input[to * k..(to + 1) * k])?;
+                if send[to] > 0 {
+                    c.send(to, &input[so[to]..so[to] + send[to]])?;
+                }
             }
             for s in 1..n {
                 let from = (me + n - s) % n;
-                c.recv_into(from, &mut output[from * k..(from + 1) * k])?;
+                if recv[from] > 0 {
+                    c.recv_into(from, &mut output[ro[from]..ro[from] + recv[from]])?;
+                }
             }
             Ok(())
         })
@@ -592,6 +651,22 @@ impl ProcessGroup {
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
             let mut out = vec![T::zeroed(); counts.iter().sum()];
             g.all_gather_now(&input, &counts, &mut out).map(|_| out)
+        })
+    }
+
+    /// [`ProcessGroup::all_to_all_v`] on the communication thread.
+    pub fn all_to_all_v_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        send: Vec<usize>,
+        recv: Vec<usize>,
+    ) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            let mut out = vec![T::zeroed(); recv.iter().sum()];
+            let n = g.size();
+            g.all_to_all_v_now(&input, &send, &mut out, &recv, n)
+                .map(|_| out)
         })
     }
 

@@ -245,6 +245,9 @@ pub enum CommHookKind {
     /// The largest-magnitude `parallel.topk_ratio` of each bucket, with
     /// error feedback.
     Topk,
+    /// A rank-`parallel.powersgd_rank` approximation of each matrix, with
+    /// error feedback and warm start.
+    Powersgd,
 }
 
 impl Choice for CommHookKind {
@@ -254,6 +257,7 @@ impl Choice for CommHookKind {
         ("bf16", CommHookKind::Bf16),
         ("int8", CommHookKind::Int8),
         ("topk", CommHookKind::Topk),
+        ("powersgd", CommHookKind::Powersgd),
     ];
 }
 

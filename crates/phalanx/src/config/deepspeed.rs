@@ -335,6 +335,11 @@ impl<'a> Tx<'a> {
             "stage3_prefetch_bucket_size" => {
                 tx.num(p, v, "zero_optimization.stage3_prefetch_bucket_size")
             }
+            "zero_quantized_weights" => tx.boolean(p, v, "zero_optimization.zero_quantized_weights"),
+            "zero_quantized_gradients" => {
+                tx.boolean(p, v, "zero_optimization.zero_quantized_gradients")
+            }
+            "zero_hpz_partition_size" => tx.int(p, v, "zero_optimization.zero_hpz_partition_size"),
             "reduce_scatter" => tx.only(p, v, true),
             "allgather_bucket_size" | "allgather_partitions" => {
                 tx.warn(p, "Phalanx gathers parameters per block");

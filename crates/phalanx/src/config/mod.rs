@@ -81,6 +81,16 @@ pub struct ZeroOptimization {
     pub reduce_bucket_size: f64,
     /// ZeRO-3 prefetch size in elements; 0 uses `parallel.forward_prefetch`.
     pub stage3_prefetch_bucket_size: f64,
+    /// ZeRO++ qwZ: stage 3's parameter all-gathers carry block-wise int8
+    /// (256 values and one scale per block).
+    pub zero_quantized_weights: bool,
+    /// ZeRO++ qgZ: stage 3's gradient reduce-scatter carries block-wise
+    /// int8, through an all-to-all (the `int8` communication hook).
+    pub zero_quantized_gradients: bool,
+    /// ZeRO++ hpZ: after the forward gather each rank keeps a secondary
+    /// shard of the parameters within groups of this many consecutive
+    /// ranks, and the backward gathers inside its group (1: off).
+    pub zero_hpz_partition_size: usize,
 }
 
 impl Default for ZeroOptimization {
@@ -93,6 +103,9 @@ impl Default for ZeroOptimization {
             contiguous_gradients: true,
             reduce_bucket_size: 0.0,
             stage3_prefetch_bucket_size: 0.0,
+            zero_quantized_weights: false,
+            zero_quantized_gradients: false,
+            zero_hpz_partition_size: 1,
         }
     }
 }
@@ -243,10 +256,16 @@ pub struct ParallelConfig {
     /// Blocks per stage: "balanced" (by parameter count), "time" (by the
     /// measured time of each block) or counts "2,3,3".
     pub pp_partition: PpPartition,
-    /// Gradient compression (communication hook): none, fp16, bf16, int8, topk.
+    /// Gradient compression (communication hook): none, fp16, bf16, int8,
+    /// topk, powersgd.
     pub comm_hook: CommHookKind,
     /// `topk`: the fraction of each bucket's entries sent.
     pub topk_ratio: f64,
+    /// `powersgd`: the rank of each matrix's approximation.
+    pub powersgd_rank: usize,
+    /// `powersgd`: steps of plain all-reduce before compressing (PyTorch's
+    /// `start_powerSGD_iter`).
+    pub powersgd_start_iter: usize,
     /// Compressing hooks add what they left out to the next step's gradient.
     pub error_feedback: bool,
 }
@@ -376,6 +395,8 @@ impl Default for ParallelConfig {
             pp_partition: PpPartition::Balanced,
             comm_hook: CommHookKind::None,
             topk_ratio: 0.01,
+            powersgd_rank: 1,
+            powersgd_start_iter: 1000,
             error_feedback: true,
         }
     }

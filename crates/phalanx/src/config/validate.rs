@@ -37,6 +37,7 @@ impl TrainConfig {
                 p.comm_hook, self.train.reduce_dtype
             ));
         }
+        self.check_compression()?;
         if self.optim.warmup_min_lr < 0.0 || self.optim.warmup_min_lr > self.optim.lr {
             return bad(format!(
                 "optim.warmup_min_lr ({}) must be in [0, optim.lr = {}]",
@@ -87,6 +88,54 @@ impl TrainConfig {
         if self.parallel.pp > 1 && self.sharding()?.stage >= 2 {
             return bad(
                 "pipeline parallel composes with DDP and ZeRO-1 on the dp axis (zero stage <= 1)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Which compression goes with which strategy (the README's table).
+    fn check_compression(&self) -> Result<()> {
+        use super::CommHookKind as H;
+        let p = &self.parallel;
+        let z = &self.zero_optimization;
+        let stage = self.sharding()?.stage;
+        let bad = |s: String| Err(ConfigError(s));
+        if p.powersgd_rank == 0 {
+            return bad("parallel.powersgd_rank must be at least 1".into());
+        }
+        if p.comm_hook == H::Powersgd && p.pp > 1 {
+            return bad(format!(
+                "parallel.comm_hook = powersgd needs to see each bucket's matrices, which the pipeline's \
+                 dp reduction (parallel.pp = {}) does not describe; use fp16, bf16, int8 or topk there",
+                p.pp
+            ));
+        }
+        let zpp = z.zero_quantized_weights
+            || z.zero_quantized_gradients
+            || z.zero_hpz_partition_size != 1;
+        if zpp && stage != 3 {
+            return bad(format!(
+                "ZeRO++ (zero_optimization.zero_quantized_weights / zero_quantized_gradients / \
+                 zero_hpz_partition_size) is built on ZeRO stage 3; zero_optimization.stage is {stage}"
+            ));
+        }
+        if z.zero_quantized_gradients && !matches!(p.comm_hook, H::None | H::Int8) {
+            return bad(format!(
+                "zero_optimization.zero_quantized_gradients = true is the int8 hook; \
+                 parallel.comm_hook = {} asks for another",
+                p.comm_hook
+            ));
+        }
+        if z.zero_hpz_partition_size == 0 {
+            return bad(
+                "zero_optimization.zero_hpz_partition_size must be at least 1 (1: off)".into(),
+            );
+        }
+        if z.zero_hpz_partition_size > 1 && self.sharding()?.hybrid_group > 0 {
+            return bad(
+                "zero_optimization.zero_hpz_partition_size and parallel.sharding_strategy = HYBRID_SHARD \
+                 both choose groups inside the data-parallel ranks; set one"
                     .into(),
             );
         }

@@ -78,7 +78,8 @@ impl Ddp {
             .collect();
         let buckets = plan_buckets(&ranges, cfg.bucket_bytes.max(4));
         pg.broadcast(engine.params_flat_mut(), 0)?;
-        let reducer = Reducer::new(pg.clone(), Box::new(DefaultHook::default()));
+        let mut reducer = Reducer::new(pg.clone(), Box::new(DefaultHook::default()));
+        reducer.describe(super::reduce::describe(engine.layout(), &buckets));
         Ok(Ddp {
             pg,
             mesh: mesh.clone(),

@@ -15,12 +15,12 @@
 //! A user hook is a [`CommHook`]; `Strategy::set_comm_hook` installs it:
 //!
 //! ```
-//! use phalanx::strategy::reduce::{Collective, CommHook, Pending};
+//! use phalanx::strategy::reduce::{Collective, CommHook, GradBucket, Pending};
 //! use phalanx_comm::{ProcessGroup, ReduceOp};
 //! /// Sum in f64 (more precise, twice the bytes).
 //! struct F64Hook;
 //! impl CommHook for F64Hook {
-//!     fn reduce(&mut self, _b: usize, g: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Pending {
+//!     fn reduce(&mut self, _b: &GradBucket, g: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Pending {
 //!         assert!(matches!(coll, Collective::AllReduce), "DDP only");
 //!         let w = pg.all_reduce_async(g.iter().map(|&x| x as f64).collect::<Vec<_>>(), ReduceOp::Avg);
 //!         Pending::new(move || Ok(w.wait()?.into_iter().map(|x| x as f32).collect()))
@@ -28,7 +28,7 @@
 //! }
 //! ```
 
-use super::reduce::{Collective, CommHook, Pending};
+use super::reduce::{Collective, CommHook, GradBucket, Pending};
 use phalanx_comm::ProcessGroup;
 use std::collections::HashMap;
 
@@ -94,13 +94,13 @@ impl TopK {
 impl CommHook for TopK {
     fn reduce(
         &mut self,
-        bucket: usize,
+        bucket: &GradBucket,
         mut g: Vec<f32>,
         coll: &Collective,
         pg: &ProcessGroup,
     ) -> Pending {
         let n = g.len();
-        self.res.add_to(bucket, &mut g);
+        self.res.add_to(bucket.id, &mut g);
         let k = ((n as f64 * self.ratio).ceil() as usize).clamp(1.min(n), n);
         // The k largest magnitudes (ties by index, so every rank's choice is
         // deterministic).
@@ -120,7 +120,7 @@ impl CommHook for TopK {
         for &i in &idx {
             residual[i as usize] = 0.0;
         }
-        self.res.keep(bucket, residual);
+        self.res.keep(bucket.id, residual);
         let w = pg.size();
         let wi = pg.all_gather_async(idx, vec![k; w]);
         let wv = pg.all_gather_async(vals, vec![k; w]);
@@ -153,7 +153,7 @@ impl Int8 {
 }
 
 /// (int8 values packed 4 to an i32, one scale per block, what they decode to).
-fn quantise(g: &[f32]) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
+pub(crate) fn quantise(g: &[f32]) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
     let mut q = vec![0i8; g.len().div_ceil(4) * 4];
     let mut scales = Vec::with_capacity(g.len().div_ceil(INT8_BLOCK));
     let mut decoded = vec![0f32; g.len()];
@@ -178,38 +178,91 @@ fn quantise(g: &[f32]) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
     (packed, scales, decoded)
 }
 
+/// Add the values that `q` (int8 packed 4 to an i32) and `scales` (one per
+/// block) decode to into `sum`.
+pub(crate) fn add_dequantised(sum: &mut [f32], q: &[i32], scales: &[f32]) {
+    for (k, word) in q.iter().enumerate() {
+        for (j, b) in word.to_le_bytes().into_iter().enumerate() {
+            if let Some(x) = sum.get_mut(k * 4 + j) {
+                *x += (b as i8) as f32 * scales[(k * 4 + j) / INT8_BLOCK];
+            }
+        }
+    }
+}
+
 impl CommHook for Int8 {
     fn reduce(
         &mut self,
-        bucket: usize,
+        bucket: &GradBucket,
         mut g: Vec<f32>,
         coll: &Collective,
         pg: &ProcessGroup,
     ) -> Pending {
         let n = g.len();
-        self.res.add_to(bucket, &mut g);
-        let (packed, scales, decoded) = quantise(&g);
-        let residual: Vec<f32> = g.iter().zip(&decoded).map(|(x, d)| x - d).collect();
-        self.res.keep(bucket, residual);
+        self.res.add_to(bucket.id, &mut g);
         let w = pg.size();
-        let (np, ns) = (packed.len(), scales.len());
-        let wq = pg.all_gather_async(packed, vec![np; w]);
-        let ws = pg.all_gather_async(scales, vec![ns; w]);
-        let (coll, pg) = (coll.clone(), pg.clone());
-        Pending::new(move || {
-            let (q, s) = (wq.wait()?, ws.wait()?);
-            let mut sum = vec![0f32; n];
-            for r in 0..w {
-                let bytes: Vec<i8> = q[r * np..(r + 1) * np]
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .map(|b| b as i8)
-                    .collect();
-                for (i, x) in sum.iter_mut().enumerate() {
-                    *x += bytes[i] as f32 * s[r * ns + i / INT8_BLOCK];
-                }
+        match coll {
+            // Every rank's quantised bucket, all-gathered; each rank adds
+            // them all in rank order (int8 sums would overflow).
+            Collective::AllReduce => {
+                let (packed, scales, decoded) = quantise(&g);
+                let residual: Vec<f32> = g.iter().zip(&decoded).map(|(x, d)| x - d).collect();
+                self.res.keep(bucket.id, residual);
+                let (np, ns) = (packed.len(), scales.len());
+                let wq = pg.all_gather_async(packed, vec![np; w]);
+                let ws = pg.all_gather_async(scales, vec![ns; w]);
+                let (coll, pg) = (coll.clone(), pg.clone());
+                Pending::new(move || {
+                    let (q, s) = (wq.wait()?, ws.wait()?);
+                    let mut sum = vec![0f32; n];
+                    for r in 0..w {
+                        add_dequantised(
+                            &mut sum,
+                            &q[r * np..(r + 1) * np],
+                            &s[r * ns..(r + 1) * ns],
+                        );
+                    }
+                    Ok(averaged_share(sum, &coll, &pg))
+                })
             }
-            Ok(averaged_share(sum, &coll, &pg))
-        })
+            // ZeRO's reduce-scatter (ZeRO++ qgZ): rank r's piece is
+            // quantised on its own and sent to r alone (all-to-all), which
+            // adds what it receives in rank order.
+            Collective::ReduceScatter { counts } => {
+                let mut q = Vec::new();
+                let mut s = Vec::new();
+                let mut decoded = Vec::with_capacity(n);
+                let mut lo = 0;
+                for &c in counts {
+                    let (p, sc, d) = quantise(&g[lo..lo + c]);
+                    q.extend(p);
+                    s.extend(sc);
+                    decoded.extend(d);
+                    lo += c;
+                }
+                let residual: Vec<f32> = g.iter().zip(&decoded).map(|(x, d)| x - d).collect();
+                self.res.keep(bucket.id, residual);
+                let me = counts[pg.rank()];
+                let (np, ns) = (me.div_ceil(4), me.div_ceil(INT8_BLOCK));
+                let qc: Vec<usize> = counts.iter().map(|c| c.div_ceil(4)).collect();
+                let sc: Vec<usize> = counts.iter().map(|c| c.div_ceil(INT8_BLOCK)).collect();
+                let wq = pg.all_to_all_v_async(q, qc, vec![np; w]);
+                let ws = pg.all_to_all_v_async(s, sc, vec![ns; w]);
+                Pending::new(move || {
+                    let (q, s) = (wq.wait()?, ws.wait()?);
+                    let mut sum = vec![0f32; me];
+                    for r in 0..w {
+                        add_dequantised(
+                            &mut sum,
+                            &q[r * np..(r + 1) * np],
+                            &s[r * ns..(r + 1) * ns],
+                        );
+                    }
+                    let inv = 1.0 / w as f32;
+                    sum.iter_mut().for_each(|x| *x *= inv);
+                    Ok(sum)
+                })
+            }
+        }
     }
 }

@@ -22,6 +22,7 @@
 pub mod ddp;
 pub mod hooks;
 pub mod pipeline;
+pub mod powersgd;
 pub mod reduce;
 pub mod shard;
 pub mod state;
@@ -222,6 +223,8 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             shard_group_size: sharding.hybrid_group,
             param_offload: cfg.param_offload_dir(),
             offload_chunk: cfg.zero_optimization.offload_param.buffer_size,
+            quantized_weights: cfg.zero_optimization.zero_quantized_weights,
+            hpz_partition_size: cfg.zero_optimization.zero_hpz_partition_size,
         };
         if cfg.zero_optimization.offload_param.device == crate::config::OffloadDevice::Cpu {
             note_cpu_param_offload(mesh);
@@ -236,7 +239,12 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
     };
     let p = &cfg.parallel;
     let (ratio, ef) = (p.topk_ratio, p.error_feedback);
-    match p.comm_hook {
+    // ZeRO++ qgZ is the int8 hook on stage 3's reduce-scatter.
+    let kind = match p.comm_hook {
+        CommHookKind::None if cfg.zero_optimization.zero_quantized_gradients => CommHookKind::Int8,
+        k => k,
+    };
+    match kind {
         CommHookKind::None => s.set_comm_hook(&|| Box::new(hook)),
         CommHookKind::Fp16 => s.set_comm_hook(&|| {
             Box::new(reduce::DefaultHook {
@@ -250,6 +258,10 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
         }),
         CommHookKind::Topk => s.set_comm_hook(&|| Box::new(hooks::TopK::new(ratio, ef))),
         CommHookKind::Int8 => s.set_comm_hook(&|| Box::new(hooks::Int8::new(ef))),
+        CommHookKind::Powersgd => {
+            let (rank, start) = (p.powersgd_rank, p.powersgd_start_iter);
+            s.set_comm_hook(&|| Box::new(powersgd::PowerSgd::new(rank, start, ef)))
+        }
     }
     Ok(s)
 }

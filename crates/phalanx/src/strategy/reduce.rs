@@ -121,15 +121,56 @@ impl Pending {
     }
 }
 
+/// One parameter inside a bucket (PyTorch's `GradBucket.parameters()`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketParam {
+    /// Start within the bucket's gradients, in elements.
+    pub offset: usize,
+    pub shape: Vec<usize>,
+}
+
+impl BucketParam {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// What a hook is told about the bucket it reduces: `id` is stable across
+/// steps (for state kept per bucket: error feedback, warm starts), `params`
+/// the parameters laid out in it (empty where the strategy does not say).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GradBucket {
+    pub id: usize,
+    pub params: Vec<BucketParam>,
+}
+
+/// The parameters of `layout` that lie inside each of `buckets`.
+pub fn describe(layout: &crate::engine::Layout, buckets: &[Bucket]) -> Vec<GradBucket> {
+    buckets
+        .iter()
+        .enumerate()
+        .map(|(id, b)| GradBucket {
+            id,
+            params: layout
+                .params()
+                .iter()
+                .filter(|p| p.offset >= b.range.start && p.offset + p.numel <= b.range.end)
+                .map(|p| BucketParam {
+                    offset: p.offset - b.range.start,
+                    shape: p.shape.clone(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
 /// A communication hook: given a ready bucket's gradients (`grads`, f32,
 /// this rank's local sum over its micro-batches) and the group, start their
-/// reduction (the average over the group) and return it in flight. `bucket`
-/// identifies the bucket across steps, for hooks that keep state per bucket
-/// (error feedback, warm starts).
+/// reduction (the average over the group) and return it in flight.
 pub trait CommHook: Send {
     fn reduce(
         &mut self,
-        bucket: usize,
+        bucket: &GradBucket,
         grads: Vec<f32>,
         coll: &Collective,
         pg: &ProcessGroup,
@@ -147,7 +188,7 @@ pub struct DefaultHook {
 impl CommHook for DefaultHook {
     fn reduce(
         &mut self,
-        _bucket: usize,
+        _bucket: &GradBucket,
         grads: Vec<f32>,
         coll: &Collective,
         pg: &ProcessGroup,
@@ -205,6 +246,8 @@ pub struct Reducer {
     pg: ProcessGroup,
     hook: Box<dyn CommHook>,
     inflight: Vec<(usize, Pending)>,
+    /// What each bucket holds, by id (see [`Reducer::describe`]).
+    described: std::collections::HashMap<usize, GradBucket>,
 }
 
 impl Reducer {
@@ -213,7 +256,13 @@ impl Reducer {
             pg,
             hook,
             inflight: Vec::new(),
+            described: Default::default(),
         }
+    }
+
+    /// Tell hooks which parameters each bucket holds (from [`describe`]).
+    pub fn describe(&mut self, buckets: Vec<GradBucket>) {
+        self.described = buckets.into_iter().map(|b| (b.id, b)).collect();
     }
 
     /// Replace the communication hook (`register_comm_hook`).
@@ -232,7 +281,18 @@ impl Reducer {
             // reduce-scatter piece is all of it).
             Pending::ready(grads)
         } else {
-            self.hook.reduce(id, grads, coll, &self.pg)
+            let fallback;
+            let bucket = match self.described.get(&id) {
+                Some(b) => b,
+                None => {
+                    fallback = GradBucket {
+                        id,
+                        params: Vec::new(),
+                    };
+                    &fallback
+                }
+            };
+            self.hook.reduce(bucket, grads, coll, &self.pg)
         };
         self.inflight.push((id, p));
     }

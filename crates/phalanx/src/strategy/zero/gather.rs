@@ -55,6 +55,8 @@ pub(super) struct Gatherer<'a> {
     todo: VecDeque<(usize, usize)>,
     pending: VecDeque<Pending>,
     ahead: usize,
+    /// ZeRO++ qwZ: gather block-wise int8.
+    quantized: bool,
 }
 
 /// A gather in flight: (block that needs it, block gathered, the gather,
@@ -96,7 +98,14 @@ impl<'a> Gatherer<'a> {
             todo,
             pending: VecDeque::new(),
             ahead,
+            quantized: false,
         }
+    }
+
+    /// Gather int8 blocks and scales instead of values (ZeRO++ qwZ).
+    pub(super) fn quantized(mut self, on: bool) -> Self {
+        self.quantized = on;
+        self
     }
 
     fn issue(&mut self) -> Result<()> {
@@ -110,12 +119,12 @@ impl<'a> Gatherer<'a> {
         store
             .read(local, &mut piece)
             .map_err(|e| Error::Io(e.to_string()))?;
-        let w = gather_in(
-            pg,
-            piece,
-            shards.counts(&r),
-            self.engine.stack().compute_dtype(),
-        );
+        let counts = shards.counts(&r);
+        let w = if self.quantized {
+            gather_quantized(pg, piece, counts)
+        } else {
+            gather_in(pg, piece, counts, self.engine.stack().compute_dtype())
+        };
         self.pending.push_back((b, owner, w, charge));
         Ok(())
     }
@@ -150,7 +159,7 @@ impl<'a> Gatherer<'a> {
 
 /// Gathered block parameters, freed when dropped.
 pub(super) struct Gathered {
-    blocks: HashMap<usize, Vec<f32>>,
+    pub blocks: HashMap<usize, Vec<f32>>,
     _charge: Vec<Charge>,
 }
 
@@ -161,6 +170,37 @@ impl ParamSource for Gathered {
             None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
         }
     }
+}
+
+/// All-gather `piece` as block-wise int8 (ZeRO++ qwZ): each rank's piece
+/// is quantised on its own (256 values and one f32 scale per block), and
+/// every rank, the owner included, uses what the gathered bytes decode to,
+/// so all ranks compute with identical parameters.
+fn gather_quantized(
+    pg: &ProcessGroup,
+    piece: Vec<f32>,
+    counts: Vec<usize>,
+) -> crate::strategy::reduce::Pending {
+    use crate::strategy::hooks::{add_dequantised, quantise, INT8_BLOCK};
+    let (packed, scales, _) = quantise(&piece);
+    let qc: Vec<usize> = counts.iter().map(|c| c.div_ceil(4)).collect();
+    let sc: Vec<usize> = counts.iter().map(|c| c.div_ceil(INT8_BLOCK)).collect();
+    let wq = pg.all_gather_async(packed, qc.clone());
+    let ws = pg.all_gather_async(scales, sc.clone());
+    crate::strategy::reduce::Pending::new(move || {
+        let (q, s) = (wq.wait()?, ws.wait()?);
+        let mut out = vec![0f32; counts.iter().sum()];
+        let (mut o, mut qo, mut so) = (0, 0, 0);
+        for r in 0..counts.len() {
+            add_dequantised(
+                &mut out[o..o + counts[r]],
+                &q[qo..qo + qc[r]],
+                &s[so..so + sc[r]],
+            );
+            (o, qo, so) = (o + counts[r], qo + qc[r], so + sc[r]);
+        }
+        Ok(out)
+    })
 }
 
 /// All-gather `piece` in the compute dtype (mixed precision halves the

@@ -73,6 +73,38 @@ pub struct ZeroConfig {
     pub param_offload: Option<PathBuf>,
     /// Elements per chunk of the offloaded shard's streamed update.
     pub offload_chunk: usize,
+    /// ZeRO++ qwZ: stage 3's parameter gathers carry block-wise int8.
+    pub quantized_weights: bool,
+    /// ZeRO++ hpZ: keep a secondary shard within groups of this many
+    /// consecutive ranks and gather inside them in backward (0 or 1: off).
+    pub hpz_partition_size: usize,
+}
+
+/// ZeRO++ hpZ's secondary partition: this rank's piece of the parameters
+/// among the `pg.size()` ranks of its group, kept from the forward gather
+/// (already dequantised under qwZ) so that the backward gathers inside the
+/// group only, from values identical to the forward's.
+struct Secondary {
+    pg: ProcessGroup,
+    shards: Shards,
+    store: InMemory,
+    _charge: Charge,
+}
+
+impl Secondary {
+    /// Keep this rank's piece of every block in `g`.
+    fn keep(&mut self, engine: &Engine, g: &gather::Gathered) {
+        let mine = self.shards.mine();
+        for (&b, vals) in &g.blocks {
+            let r = engine.layout().block(b).range.clone();
+            let local = self.shards.local(&r);
+            if local.is_empty() {
+                continue;
+            }
+            let from = mine.start + local.start - r.start;
+            self.store.0[local.clone()].copy_from_slice(&vals[from..from + local.len()]);
+        }
+    }
 }
 
 pub struct Zero {
@@ -97,6 +129,8 @@ pub struct Zero {
     mesh: DeviceMesh,
     /// Flat ranges every tensor-parallel rank holds whole (for the norm).
     tp_replicated: Vec<Range<usize>>,
+    /// ZeRO++ hpZ.
+    secondary: Option<Secondary>,
 }
 
 impl Zero {
@@ -212,13 +246,49 @@ impl Zero {
                 .stack_mut()
                 .set_activations(crate::engine::Activations::Recompute);
         }
+        let hpz = cfg.hpz_partition_size;
+        let mut secondary = None;
+        if hpz > 1 {
+            let n = shard_pg.size();
+            if cfg.stage != 3 || !n.is_multiple_of(hpz) {
+                return Err(Error::Check(format!(
+                    "zero_hpz_partition_size = {hpz} needs ZeRO stage 3 over a multiple of {hpz} ranks \
+                     (stage {}, {n} ranks)",
+                    cfg.stage
+                )));
+            }
+            let mut pg = None;
+            for k in 0..n / hpz {
+                if let Some(g) =
+                    shard_pg.new_group(&(k * hpz..(k + 1) * hpz).collect::<Vec<_>>())?
+                {
+                    pg = Some(g);
+                }
+            }
+            let pg = pg.expect("own hpZ group");
+            let shards = Shards::new(layout.num_params(), hpz, pg.rank());
+            let len = shards.mine().len();
+            secondary = Some(Secondary {
+                pg,
+                shards,
+                store: InMemory(vec![0f32; len]),
+                _charge: ledger.charge(Mem::Params, len * 4),
+            });
+        }
+        if cfg.quantized_weights && cfg.stage != 3 {
+            return Err(Error::Check(format!(
+                "zero_quantized_weights needs ZeRO stage 3, not {}",
+                cfg.stage
+            )));
+        }
         let opt = make_opt(engine, mine)?;
         if !store.is_resident() && !opt.steps_in_ranges() {
             return Err(Error::Check(
                 "ZeRO-3 parameter offload streams the update in chunks, which this optimizer cannot do".into(),
             ));
         }
-        let reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
+        let mut reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
+        reducer.describe(super::reduce::describe(&layout, &units));
         Ok(Zero {
             cfg,
             dp,
@@ -234,6 +304,7 @@ impl Zero {
             mesh: mesh.clone(),
             tp_replicated,
             reducer,
+            secondary,
         })
     }
 
@@ -311,23 +382,35 @@ impl Zero {
             loss.to_scalar::<f32>()?
         } else {
             let src = (&*self.store, &self.shards, &self.shard_pg);
-            let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect());
+            let qw = self.cfg.quantized_weights;
+            let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect())
+                .quantized(qw);
             let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
             let mut h = x.clone();
             for b in 0..nb {
                 let src = g.take(b)?;
+                if let Some(s) = &mut self.secondary {
+                    s.keep(engine, &src);
+                }
                 let targets = (b + 1 == nb).then_some(y);
                 let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
                 h = out;
                 stashes.push(stash);
             }
             let loss = h.to_scalar::<f32>()?;
+            // hpZ: gather from the secondary partition, inside the group
+            // (exact: it holds what the forward gathered).
+            let (src, qw) = match &self.secondary {
+                Some(s) => ((&s.store as &dyn ShardStore, &s.shards, &s.pg), false),
+                None => (src, qw),
+            };
             let mut g = Gatherer::over(
                 src,
                 engine,
                 self.cfg.backward_prefetch,
                 (0..nb).rev().collect(),
-            );
+            )
+            .quantized(qw);
             let mut gy = gy;
             for b in (0..nb).rev() {
                 let src = g.take(b)?;

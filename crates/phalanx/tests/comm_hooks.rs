@@ -1,0 +1,106 @@
+//! The compressing hooks on their own, on 2 ranks (threads): with error
+//! feedback, what a hook delivers over many steps adds up to the true
+//! average gradient (what was left out is sent later); without it, the
+//! same part is left out every step and the sum drifts away linearly.
+
+use phalanx::strategy::hooks::TopK;
+use phalanx::strategy::powersgd::PowerSgd;
+use phalanx::strategy::reduce::{BucketParam, Collective, CommHook, GradBucket};
+
+/// Each rank's fixed gradient: a 12 x 10 matrix of rank 3 and a vector.
+fn grad(rank: usize) -> Vec<f32> {
+    let (n, m) = (12, 10);
+    let mut g = vec![0f32; n * m + 6];
+    for k in 0..3 {
+        for a in 0..n {
+            for b in 0..m {
+                let u = ((a * (k + 2) + rank) as f32 * 0.7).sin();
+                let v = ((b * (k + 3)) as f32 * 0.3 + k as f32).cos();
+                g[a * m + b] += u * v / (k + 1) as f32;
+            }
+        }
+    }
+    for (i, x) in g[n * m..].iter_mut().enumerate() {
+        *x = i as f32 - rank as f32;
+    }
+    g
+}
+
+/// Run `steps` reductions of the fixed gradients through the hook `make`
+/// builds; (relative error of the mean delivered gradient, whether both
+/// ranks got identical results every step).
+fn mean_error(make: fn() -> Box<dyn CommHook>, steps: usize) -> (f64, bool) {
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let bucket = GradBucket {
+            id: 0,
+            params: vec![
+                BucketParam {
+                    offset: 0,
+                    shape: vec![12, 10],
+                },
+                BucketParam {
+                    offset: 120,
+                    shape: vec![6],
+                },
+            ],
+        };
+        let mut hook = make();
+        let g = grad(pg.rank());
+        let mut sum = vec![0f64; g.len()];
+        let mut each = Vec::new();
+        for _ in 0..steps {
+            let got = hook
+                .reduce(&bucket, g.clone(), &Collective::AllReduce, &pg)
+                .wait()
+                .unwrap();
+            for (s, x) in sum.iter_mut().zip(&got) {
+                *s += *x as f64;
+            }
+            each.push(got);
+        }
+        (sum, each)
+    });
+    let truth: Vec<f64> = grad(0)
+        .iter()
+        .zip(grad(1))
+        .map(|(a, b)| (*a as f64 + b as f64) / 2.0)
+        .collect();
+    let mean: Vec<f64> = out[0].0.iter().map(|s| s / steps as f64).collect();
+    let d: f64 = mean.iter().zip(&truth).map(|(a, b)| (a - b).powi(2)).sum();
+    let n: f64 = truth.iter().map(|b| b.powi(2)).sum();
+    ((d / n).sqrt(), out[0].1 == out[1].1)
+}
+
+#[test]
+fn powersgd_error_feedback_delivers_the_whole_gradient_over_time() {
+    let (ef, same_ef) = mean_error(|| Box::new(PowerSgd::new(1, 0, true)), 40);
+    let (no_ef, same) = mean_error(|| Box::new(PowerSgd::new(1, 0, false)), 40);
+    eprintln!("PowerSGD rank 1, mean of 40 steps vs the true gradient: {ef:.4} with error feedback, {no_ef:.4} without");
+    assert!(same_ef && same, "ranks must get identical gradients");
+    assert!(ef < 0.1, "with error feedback the mean converges: {ef}");
+    assert!(
+        no_ef > 3.0 * ef,
+        "without it a part is lost for good: {no_ef} vs {ef}"
+    );
+}
+
+#[test]
+fn top_k_error_feedback_delivers_the_whole_gradient_over_time() {
+    let (ef, same_ef) = mean_error(|| Box::new(TopK::new(0.1, true)), 40);
+    let (no_ef, same) = mean_error(|| Box::new(TopK::new(0.1, false)), 40);
+    eprintln!("top-10%, mean of 40 steps vs the true gradient: {ef:.4} with error feedback, {no_ef:.4} without");
+    assert!(same_ef && same, "ranks must get identical gradients");
+    assert!(ef < 0.1, "with error feedback the mean converges: {ef}");
+    assert!(
+        no_ef > 3.0 * ef,
+        "without it a part is lost for good: {no_ef} vs {ef}"
+    );
+}
+
+#[test]
+fn powersgd_starts_with_plain_all_reduces() {
+    // start_iter = 3: the first three reductions are exact averages.
+    let (err, same) = mean_error(|| Box::new(PowerSgd::new(1, 3, true)), 3);
+    assert!(same);
+    assert!(err < 1e-6, "plain all-reduce: {err}");
+}
