@@ -170,6 +170,7 @@ impl ProcessGroup {
     /// Run one collective: take the next sequence number, optionally check
     /// that every rank called the same thing, then run `f`.
     fn collective<R>(&self, sig: Signature, f: impl FnOnce(&Ctx) -> Result<R>) -> Result<R> {
+        let _blocked = crate::work::BlockedTimer::start();
         let inner = &*self.inner;
         if let Some(e) = inner.t.failure() {
             return Err(e);

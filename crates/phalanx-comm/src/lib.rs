@@ -42,4 +42,4 @@ pub use group::ProcessGroup;
 pub use half::{bf16, f16};
 pub use init::{init_process_group, DistEnv};
 pub use transport::Link;
-pub use work::Work;
+pub use work::{blocked_seconds, Work};

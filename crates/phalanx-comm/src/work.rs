@@ -6,6 +6,49 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+thread_local! {
+    /// Nanoseconds this thread spent blocked in communication, and how
+    /// deep in nested timers it is (only the outermost one counts).
+    static BLOCKED: std::cell::Cell<(u64, u32)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Seconds the calling thread has spent blocked in communication so far:
+/// waiting for asynchronous work, draining its group's queue, or running a
+/// blocking collective (including the wait for its peers). A training step
+/// minus the change in this is the step's compute time, which is what
+/// straggler detection compares between ranks (a slow rank waits little;
+/// the others wait for it).
+pub fn blocked_seconds() -> f64 {
+    BLOCKED.with(|c| c.get().0) as f64 * 1e-9
+}
+
+/// Counts the time until it is dropped into [`blocked_seconds`].
+pub(crate) struct BlockedTimer(Instant);
+
+impl BlockedTimer {
+    pub(crate) fn start() -> BlockedTimer {
+        BLOCKED.with(|c| {
+            let (ns, depth) = c.get();
+            c.set((ns, depth + 1));
+        });
+        BlockedTimer(Instant::now())
+    }
+}
+
+impl Drop for BlockedTimer {
+    fn drop(&mut self) {
+        let dt = self.0.elapsed().as_nanos() as u64;
+        BLOCKED.with(|c| {
+            let (ns, depth) = c.get();
+            c.set(if depth == 1 {
+                (ns + dt, 0)
+            } else {
+                (ns, depth - 1)
+            });
+        });
+    }
+}
+
 struct Slot<T> {
     value: Mutex<Option<Result<T>>>,
     done: Condvar,
@@ -31,6 +74,7 @@ impl<T> Work<T> {
     /// Block until the operation finishes; returns its output (for example
     /// the reduced buffer) or its error.
     pub fn wait(self) -> Result<T> {
+        let _blocked = BlockedTimer::start();
         let deadline = Instant::now() + self.limit;
         let mut v = self.slot.value.lock().unwrap();
         loop {
@@ -119,6 +163,7 @@ impl Queue {
 
     /// Wait until every queued job has finished.
     pub fn drain(&self) {
+        let _blocked = BlockedTimer::start();
         let (m, cv) = &*self.pending;
         let mut n = m.lock().unwrap();
         while *n > 0 {

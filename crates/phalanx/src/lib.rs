@@ -7,6 +7,7 @@ pub mod error;
 pub mod fsutil;
 pub mod ledger;
 pub mod mesh;
+pub mod monitor;
 pub mod ops;
 pub mod optim;
 pub mod precision;

@@ -261,7 +261,23 @@ impl Choice for CommHookKind {
     ];
 }
 
+/// `train.on_nonfinite`: what a non-finite loss or gradient does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnNonfinite {
+    /// Stop the run, naming the rank and step.
+    #[default]
+    Stop,
+    /// Skip the step (no update) and go on, as fp16 loss scaling does.
+    Skip,
+}
+
+impl Choice for OnNonfinite {
+    const NAMES: &'static [(&'static str, Self)] =
+        &[("stop", OnNonfinite::Stop), ("skip", OnNonfinite::Skip)];
+}
+
 choice_impls!(
+    OnNonfinite,
     Tokenizer,
     OptimName,
     LrScheduleKind,
@@ -404,6 +420,7 @@ pub(crate) fn parser(key: &str) -> Option<Parser> {
         "parallel.pp_schedule" => canonical::<PpSchedule>,
         "parallel.pp_partition" => canonical::<PpPartition>,
         "parallel.comm_hook" => canonical::<CommHookKind>,
+        "train.on_nonfinite" => canonical::<OnNonfinite>,
         "zero_optimization.offload_optimizer.device" | "zero_optimization.offload_param.device" => {
             canonical::<OffloadDevice>
         }

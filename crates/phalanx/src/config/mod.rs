@@ -25,8 +25,8 @@ mod validate;
 
 pub use crate::data::Tokenizer;
 pub use choices::{
-    Choice, CommHookKind, LrScheduleKind, OffloadDevice, OptimName, PpPartition, PpSchedule,
-    ShardingStrategy, WarmupType,
+    Choice, CommHookKind, LrScheduleKind, OffloadDevice, OnNonfinite, OptimName, PpPartition,
+    PpSchedule, ShardingStrategy, WarmupType,
 };
 pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
@@ -48,6 +48,8 @@ pub struct TrainConfig {
     pub zero_optimization: ZeroOptimization,
     pub log: LogConfig,
     pub checkpoint: CheckpointConfig,
+    /// Health of a running job: Prometheus metrics, stragglers.
+    pub monitor: MonitorConfig,
     /// DeepSpeed's fp16 section (loss scaling); see [`TrainConfig::precision`].
     pub fp16: Fp16Section,
     /// DeepSpeed's bf16 section.
@@ -195,6 +197,9 @@ pub struct TrainSection {
     /// Samples per optimizer step over all ranks (DeepSpeed's
     /// train_batch_size); 0: micro_batch_size x dp x grad_accum_steps.
     pub global_batch_size: usize,
+    /// A non-finite loss or gradient: `stop` the run naming the rank and
+    /// step, or `skip` the step (no update) and go on.
+    pub on_nonfinite: OnNonfinite,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -297,6 +302,32 @@ pub struct CheckpointConfig {
     pub async_save: bool,
 }
 
+/// Monitoring a running job (`phalanx::monitor`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MonitorConfig {
+    /// Rank 0 serves Prometheus text at `http://HOST:PORT/metrics` (0: off).
+    pub prometheus_port: u16,
+    /// The address it binds: loopback unless told otherwise.
+    pub prometheus_host: String,
+    /// A rank whose compute time per step exceeds this many times the
+    /// median rank's ...
+    pub straggler_factor: f64,
+    /// ... for this many steps in a row is reported as a straggler.
+    pub straggler_steps: usize,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        MonitorConfig {
+            prometheus_port: 0,
+            prometheus_host: "127.0.0.1".into(),
+            straggler_factor: 1.3,
+            straggler_steps: 3,
+        }
+    }
+}
+
 impl Default for CheckpointConfig {
     fn default() -> Self {
         CheckpointConfig {
@@ -319,6 +350,7 @@ impl Default for TrainConfig {
             zero_optimization: ZeroOptimization::default(),
             log: LogConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            monitor: MonitorConfig::default(),
             fp16: Fp16Section::default(),
             bf16: Bf16Section::default(),
             activation_checkpointing: ActivationCheckpointingSection::default(),
@@ -353,6 +385,7 @@ impl Default for TrainSection {
             reduce_dtype: Precision::Fp32,
             activation_checkpointing: Recompute::None,
             global_batch_size: 0,
+            on_nonfinite: OnNonfinite::Stop,
         }
     }
 }

@@ -38,6 +38,9 @@ impl TrainConfig {
             ));
         }
         self.check_compression()?;
+        if self.monitor.straggler_steps == 0 {
+            return bad("monitor.straggler_steps must be at least 1".into());
+        }
         if self.optim.warmup_min_lr < 0.0 || self.optim.warmup_min_lr > self.optim.lr {
             return bad(format!(
                 "optim.warmup_min_lr ({}) must be in [0, optim.lr = {}]",
@@ -214,6 +217,7 @@ impl TrainConfig {
             ("optim.lr", o.lr),
             ("optim.eps", o.eps),
             ("parallel.bucket_mb", self.parallel.bucket_mb),
+            ("monitor.straggler_factor", self.monitor.straggler_factor),
         ];
         for (k, v) in positive {
             if !(v.is_finite() && v > 0.0) {

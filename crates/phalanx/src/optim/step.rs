@@ -99,8 +99,16 @@ pub fn agree_and_clip(
     let loss_scale = scaler.scale();
     if !ss[0].is_finite() {
         if !scaler.skips_on_overflow() {
+            // Every rank is here (the verdict is agreed): name the ranks
+            // whose gradients hold them (after any data-parallel reduction,
+            // which spreads one rank's inf to its replicas).
+            let mine = [local_ss.is_finite() as i32];
+            let mut all = vec![0i32; world.size()];
+            world.all_gather(&mine, &mut all)?;
+            let bad: Vec<usize> = (0..all.len()).filter(|&r| all[r] == 0).collect();
             return Err(Error::Check(format!(
-                "the gradients hold inf or NaN at step {step}; {}",
+                "the gradients hold inf or NaN at step {step} on rank(s) {bad:?}; {} \
+                 (or set train.on_nonfinite = \"skip\" to skip such steps)",
                 diverged_hint(max_norm)
             )));
         }

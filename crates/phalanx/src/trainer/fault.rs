@@ -11,6 +11,9 @@
 //!   `.tmp-*` directory, nothing is renamed yet (see
 //!   [`crate::checkpoint::write`]).
 //!
+//! - `slow:RANK:MS`: global rank RANK sleeps MS milliseconds in every
+//!   step (a straggler for `phalanx::monitor` to find; every attempt).
+//!
 //! Faults fire only in the first attempt of a job (restart count 0), so a
 //! group restarted by `phalanx run --max-restarts` completes.
 
@@ -51,4 +54,15 @@ pub fn in_save(step: usize) {
     if armed(&format!("exit-in-save:{step}")) {
         die(&format!("in the save of step {step}, before the rename"));
     }
+}
+
+/// `slow:RANK:MS`: the rank to slow down and by how much per step.
+pub fn slow() -> Option<(usize, std::time::Duration)> {
+    let v = std::env::var("PHALANX_FAULT").ok()?;
+    v.split(',').find_map(|s| {
+        let mut it = s.trim().strip_prefix("slow:")?.split(':');
+        let rank = it.next()?.parse().ok()?;
+        let ms = it.next()?.parse().ok()?;
+        Some((rank, std::time::Duration::from_millis(ms)))
+    })
 }

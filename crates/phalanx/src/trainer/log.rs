@@ -100,6 +100,7 @@ impl StepLog {
         s: &StepStats,
         val: Option<f32>,
         memory: Option<&[super::MemoryReport]>,
+        stragglers: &[usize],
     ) -> Result<()> {
         if !self.lead {
             return Ok(());
@@ -109,7 +110,11 @@ impl StepLog {
                 "step": s.step, "loss": s.loss, "lr": s.lr,
                 "tokens_per_s": s.tokens_per_s, "step_ms": s.step_ms, "grad_norm": s.grad_norm,
                 "comm_bytes": s.comm_bytes, "loss_scale": s.loss_scale,
+                "compute_ms": s.compute_ms,
             });
+            if !stragglers.is_empty() {
+                v["stragglers"] = serde_json::json!(stragglers);
+            }
             if s.skipped {
                 v["skipped"] = serde_json::json!(true);
             }
@@ -159,7 +164,10 @@ impl StepLog {
                 line += &format!(" | scale {}", s.loss_scale);
             }
             if s.skipped {
-                line += " | skipped: inf/NaN gradients, scale lowered";
+                line += " | skipped: inf/NaN gradients";
+                if s.loss_scale != 1.0 {
+                    line += ", scale lowered";
+                }
             }
             println!("{line}");
         }

@@ -48,8 +48,11 @@ pub struct StepStats {
     pub comm_bytes: u64,
     /// The loss scale the step ran with (1 unless fp16).
     pub loss_scale: f64,
-    /// A non-finite gradient on some rank skipped the update (fp16).
+    /// A non-finite gradient on some rank skipped the update (fp16, or
+    /// `train.on_nonfinite = skip`).
     pub skipped: bool,
+    /// The step minus the time this rank was blocked in communication.
+    pub compute_ms: f64,
 }
 
 /// What a run produced.
@@ -63,6 +66,9 @@ pub struct Report {
     /// rank, and the peak micro-batches in flight of every world rank.
     pub bubble: Option<Vec<f64>>,
     pub in_flight: Option<Vec<usize>>,
+    /// Stragglers reported during the run (`phalanx::monitor`), with the
+    /// step each was reported at.
+    pub stragglers: Vec<(usize, crate::monitor::Straggler)>,
 }
 
 pub struct Trainer {
@@ -79,6 +85,8 @@ pub struct Trainer {
     sched: LrSchedule,
     /// Test hook: make the given rank's gradients non-finite at a step.
     inject_overflow: Option<(usize, usize)>,
+    /// Test hook: (global rank, delay) added to that rank's every step.
+    inject_delay: Option<(usize, std::time::Duration)>,
     /// Where local parameters sit in the global tensors (checkpoints).
     placement: std::sync::Arc<dyn crate::checkpoint::Placement>,
     /// `checkpoint.async`: the background writer (its own process group).
@@ -245,6 +253,7 @@ impl Trainer {
             global_batch,
             memory: None,
             inject_overflow: None,
+            inject_delay: fault::slow(),
             placement: std::sync::Arc::new(crate::checkpoint::Whole),
             ckpt_async,
             start_step: 0,
@@ -266,6 +275,12 @@ impl Trainer {
     /// exactly as an fp16 overflow does.
     pub fn inject_overflow(&mut self, step: usize, rank: usize) {
         self.inject_overflow = Some((step, rank));
+    }
+
+    /// Test hook: global rank `rank` spends `delay` more on every step
+    /// (computing, as far as the monitor can tell: a straggler).
+    pub fn inject_delay(&mut self, rank: usize, delay: std::time::Duration) {
+        self.inject_delay = Some((rank, delay));
     }
 
     pub fn engine(&self) -> &Engine {
@@ -306,7 +321,13 @@ impl Trainer {
     /// clip, update).
     pub fn step(&mut self, step: usize) -> Result<StepStats> {
         let t0 = Instant::now();
+        let blocked0 = phalanx_comm::blocked_seconds();
         let sent0 = self.pg.bytes_sent();
+        if let Some((r, d)) = self.inject_delay {
+            if r == self.mesh.world().rank() {
+                std::thread::sleep(d);
+            }
+        }
         let accum = self.cfg.train.grad_accum_steps;
         let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
         let device = self.engine.device().clone();
@@ -347,6 +368,7 @@ impl Trainer {
             .strat
             .finish_step(&mut self.engine, &mut self.scaler, lr, clip_to, step)?;
         let secs = t0.elapsed().as_secs_f64();
+        let blocked = phalanx_comm::blocked_seconds() - blocked0;
         let comm_bytes = self.pg.bytes_sent() - sent0;
         if self.memory.is_none() {
             self.memory = Some(self.gather_memory()?);
@@ -362,6 +384,7 @@ impl Trainer {
             comm_bytes,
             loss_scale: out.loss_scale,
             skipped: out.skipped,
+            compute_ms: (secs - blocked).max(0.0) * 1e3,
         })
     }
 
@@ -396,6 +419,32 @@ impl Trainer {
         report.bubble = Some(bubble);
         report.in_flight = Some(flight);
         Ok(())
+    }
+
+    /// This rank's figures for the monitor after step `s`.
+    fn figures(&self, s: &StepStats, sent_at_start: u64) -> crate::monitor::Figures {
+        let l = self.engine.ledger();
+        let memory = [
+            l.current(Mem::Params),
+            l.current(Mem::Grads),
+            l.current(Mem::OptState),
+            l.peak(Mem::Activations),
+            l.peak(Mem::Working),
+            peak_rss(),
+        ];
+        crate::monitor::Figures {
+            step: s.step,
+            loss: s.loss as f64,
+            tokens_per_s: s.tokens_per_s,
+            step_s: s.step_ms / 1e3,
+            compute_s: s.compute_ms / 1e3,
+            grad_norm: s.grad_norm as f64,
+            comm_bytes_total: self.mesh.world().bytes_sent() - sent_at_start,
+            loss_scale: (self.cfg.precision() == crate::config::Precision::Fp16)
+                .then_some(s.loss_scale),
+            mfu: None,
+            memory: std::array::from_fn(|k| (crate::monitor::MEMORY_KINDS[k], memory[k] as u64)),
+        }
     }
 
     /// Every rank's ledger and peak RSS, gathered on every rank.
@@ -500,9 +549,24 @@ impl Trainer {
         let mut report = Report::default();
         let every = self.cfg.checkpoint.interval;
         let mut tok_s = Vec::new();
+        let mut monitor = crate::monitor::Monitor::new(self.mesh.world(), &self.cfg.monitor)?;
+        if let (Some(url), true) = (monitor.metrics_url(), opts.progress) {
+            println!("Prometheus metrics at {url}");
+        }
+        let sent_at_start = self.mesh.world().bytes_sent();
         for k in first..steps {
             fault::at_step(self.mesh.world().rank(), k);
             let s = self.step(k)?;
+            let health = monitor.after_step(&self.figures(&s, sent_at_start))?;
+            for st in &health.new {
+                if lead && opts.progress {
+                    println!(
+                        "{st} (monitor.straggler_factor = {})",
+                        self.cfg.monitor.straggler_factor
+                    );
+                }
+                report.stragglers.push((k, st.clone()));
+            }
             report.losses.push(s.loss);
             tok_s.push(s.tokens_per_s);
             let eval_now = self.cfg.train.eval_interval > 0
@@ -519,7 +583,7 @@ impl Trainer {
             if let (Some(m), true, true) = (mem, lead, opts.progress) {
                 print_memory(m);
             }
-            log.step(&s, val, mem)?;
+            log.step(&s, val, mem, &health.stragglers)?;
             if every > 0 && ((k + 1) % every == 0 || k + 1 == steps) {
                 let t0 = Instant::now();
                 let done = self.save_checkpoint(k + 1)?;
@@ -608,7 +672,11 @@ pub fn print_memory(m: &[MemoryReport]) {
 /// (`fp16.loss_scale` 0 = dynamic), none for fp32 and bf16.
 pub fn loss_scaler(cfg: &TrainConfig) -> LossScaler {
     if cfg.precision() != crate::config::Precision::Fp16 {
-        return LossScaler::none();
+        // `train.on_nonfinite = skip`: a scale of 1 that skips as fp16's does.
+        return match cfg.train.on_nonfinite {
+            crate::config::OnNonfinite::Stop => LossScaler::none(),
+            crate::config::OnNonfinite::Skip => LossScaler::fixed(1.0),
+        };
     }
     let f = &cfg.fp16;
     if f.loss_scale > 0.0 {
