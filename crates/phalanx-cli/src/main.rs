@@ -5,12 +5,14 @@
 //! - `phalanx generate`: sample text from a model.
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
 //! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
+//! - `phalanx report LOG`: a run's HTML report.
 
 mod bench_collectives;
 mod checkpoint_cmd;
 mod generate;
 mod launch;
 mod outputs;
+mod report_cmd;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -81,6 +83,12 @@ enum Cmd {
         #[command(subcommand)]
         what: checkpoint_cmd::CheckpointCmd,
     },
+    /// A run's HTML report (loss, throughput, memory, bytes, stragglers,
+    /// pipeline timeline) from its JSON log.
+    Report {
+        #[command(flatten)]
+        opts: report_cmd::ReportOpts,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -117,6 +125,7 @@ fn main() {
             comm,
         } => print_schedule(&schedule, pp, micro_batches, comm),
         Cmd::Checkpoint { what } => checkpoint_cmd::main(&what),
+        Cmd::Report { opts } => report_cmd::main(&opts),
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },
         } => bench_collectives::main(&opts, &launch),

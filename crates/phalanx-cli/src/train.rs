@@ -127,6 +127,10 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
     if let Some(p) = &plot {
         outs.push(("log.plot", p));
     }
+    let report = (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report));
+    if let Some(p) = &report {
+        outs.push(("log.report", p));
+    }
     let data = PathBuf::from(&cfg.data.path);
     let mut ins: Vec<(&str, &std::path::Path)> = vec![("data file (data.path)", &data)];
     if let Some(p) = &opts.init_from {
@@ -169,6 +173,7 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
             log_json,
             plot,
             trace: opts.trace.clone(),
+            report: (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report)),
             resume: opts.resume.as_deref().map(|r| match r {
                 "auto" => Resume::Auto,
                 p => Resume::Path(p.into()),

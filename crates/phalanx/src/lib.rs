@@ -11,6 +11,7 @@ pub mod monitor;
 pub mod ops;
 pub mod optim;
 pub mod precision;
+pub mod report;
 pub mod strategy;
 pub mod tp;
 pub mod trainer;

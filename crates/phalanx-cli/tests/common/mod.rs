@@ -36,4 +36,6 @@ pub const SMALL: &[&str] = &[
     "train.eval_interval=0",
     "--set",
     "log.plot=\"\"",
+    "--set",
+    "log.report=\"\"",
 ];

@@ -284,6 +284,8 @@ pub struct LogConfig {
     pub json: String,
     /// Loss-curve image written at the end ("" disables).
     pub plot: String,
+    /// The run's HTML report, written at the end ("" disables).
+    pub report: String,
 }
 
 /// Distributed checkpoints (`phalanx::checkpoint`).
@@ -441,6 +443,7 @@ impl Default for LogConfig {
             interval: 10,
             json: String::new(),
             plot: "runs/loss.svg".into(),
+            report: "runs/report.html".into(),
         }
     }
 }

@@ -7,7 +7,8 @@
 //!
 //! - **stragglers**: a rank whose *compute* time (the step minus the time it
 //!   was blocked in communication, [`phalanx_comm::blocked_seconds`]) is more
-//!   than `monitor.straggler_factor` × the median rank's for
+//!   than `monitor.straggler_factor` × the median of its peers' (the ranks
+//!   at the same pipeline stage) for
 //!   `monitor.straggler_steps` steps in a row is reported by rank and host.
 //!   Compute time is what tells a slow rank apart: in a synchronous step
 //!   every rank's wall time is the slowest one's, but only the slow rank
@@ -116,11 +117,15 @@ impl Default for Figures {
     }
 }
 
-/// The median (the lower middle for an even count).
+/// The median (the mean of the two middle values for an even count).
 pub fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
-    v.get((v.len().max(1) - 1) / 2).copied().unwrap_or(0.0)
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// A rank reported as a straggler.
@@ -161,29 +166,44 @@ pub struct Health {
     pub new: Vec<Straggler>,
 }
 
-/// Straggler detection over consecutive steps.
+/// Straggler detection over consecutive steps. Ranks are compared with
+/// their peers only, the ranks that do the same work (a pipeline's stages
+/// differ by design): `peers[r]` names rank r's group, and a rank alone in
+/// its group is never judged.
 #[derive(Debug, Clone)]
 pub struct Detector {
     factor: f64,
     steps: usize,
     streak: Vec<usize>,
+    peers: Vec<usize>,
 }
 
 impl Detector {
-    pub fn new(world: usize, factor: f64, steps: usize) -> Detector {
+    pub fn new(peers: Vec<usize>, factor: f64, steps: usize) -> Detector {
         Detector {
             factor,
             steps: steps.max(1),
-            streak: vec![0; world],
+            streak: vec![0; peers.len()],
+            peers,
         }
+    }
+
+    /// The median compute time of rank `r`'s peers (itself included), or
+    /// `None` when it has none.
+    pub fn peer_median(&self, compute: &[f64], r: usize) -> Option<f64> {
+        let mine: Vec<f64> = (0..compute.len())
+            .filter(|&q| self.peers[q] == self.peers[r])
+            .map(|q| compute[q])
+            .collect();
+        (mine.len() > 1).then(|| median(&mine))
     }
 
     /// Feed one step's compute times (by rank); returns (stragglers now,
     /// those new at this step) as ranks.
     pub fn feed(&mut self, compute: &[f64]) -> (Vec<usize>, Vec<usize>) {
-        let m = median(compute);
         let (mut now, mut new) = (Vec::new(), Vec::new());
         for (r, &c) in compute.iter().enumerate() {
+            let m = self.peer_median(compute, r).unwrap_or(0.0);
             let slow = m > 0.0 && c > self.factor * m;
             self.streak[r] = if slow { self.streak[r] + 1 } else { 0 };
             if self.streak[r] >= self.steps {
@@ -222,10 +242,11 @@ pub fn hostname() -> String {
 }
 
 impl Monitor {
-    /// Collective over `world`: learns every rank's host, and on global
-    /// rank 0 starts the exporter when `cfg.prometheus_port` is set (an
-    /// address that cannot be bound is an error, before training starts).
-    pub fn new(world: &ProcessGroup, cfg: &MonitorConfig) -> Result<Monitor> {
+    /// Collective over `world`: learns every rank's host and peer group
+    /// (`group`: this rank's, e.g. its pipeline stage), and on global rank 0
+    /// starts the exporter when `cfg.prometheus_port` is set (an address
+    /// that cannot be bound is an error, before training starts).
+    pub fn new(world: &ProcessGroup, group: usize, cfg: &MonitorConfig) -> Result<Monitor> {
         const HOST: usize = 64;
         // Host names travel as one i32 per byte (64 at most).
         let mut mine = [0i32; HOST];
@@ -245,6 +266,9 @@ impl Monitor {
                 String::from_utf8_lossy(&bytes).into_owned()
             })
             .collect();
+        let mut peers = vec![0i64; world.size()];
+        world.all_gather(&[group as i64], &mut peers)?;
+        let peers = peers.into_iter().map(|g| g as usize).collect();
         // Whether rank 0's exporter started is agreed, so a bind failure
         // stops every rank with rank 0's message.
         let mut exporter = None;
@@ -268,7 +292,7 @@ impl Monitor {
         Ok(Monitor {
             world: world.clone(),
             hosts,
-            detector: Detector::new(world.size(), cfg.straggler_factor, cfg.straggler_steps),
+            detector: Detector::new(peers, cfg.straggler_factor, cfg.straggler_steps),
             exporter,
             seen: 0,
         })
@@ -292,14 +316,13 @@ impl Monitor {
         } else {
             (Vec::new(), Vec::new())
         };
-        let m = median(&compute);
         let new = new
             .into_iter()
             .map(|r| Straggler {
                 rank: r,
                 host: self.hosts[r].clone(),
                 compute_s: compute[r],
-                median_s: m,
+                median_s: self.detector.peer_median(&compute, r).unwrap_or(0.0),
                 steps: self.detector.streak(r),
             })
             .collect();
@@ -320,7 +343,7 @@ mod tests {
 
     #[test]
     fn a_rank_slow_for_enough_steps_in_a_row_is_reported_once() {
-        let mut d = Detector::new(4, 1.3, 3);
+        let mut d = Detector::new(vec![0; 4], 1.3, 3);
         let fast = [1.0, 1.0, 1.1, 1.0];
         let slow = [1.0, 2.0, 1.1, 1.0];
         assert_eq!(d.feed(&slow), (vec![], vec![]));
@@ -333,5 +356,17 @@ mod tests {
         d.feed(&slow);
         d.feed(&fast);
         assert_eq!(d.feed(&slow), (vec![], vec![]));
+    }
+
+    #[test]
+    fn ranks_are_judged_against_their_peers_only() {
+        // Two pipeline stages of two ranks each: stage 1 is slower by
+        // design; rank 3 is slow among its peers.
+        let mut d = Detector::new(vec![0, 0, 1, 1], 1.3, 1);
+        assert_eq!(d.feed(&[1.0, 1.0, 3.0, 3.1]), (vec![], vec![]));
+        assert_eq!(d.feed(&[1.0, 1.0, 3.0, 7.0]), (vec![3], vec![3]));
+        // Alone in its group, a rank is never judged.
+        let mut d = Detector::new(vec![0, 1], 1.3, 1);
+        assert_eq!(d.feed(&[1.0, 9.0]), (vec![], vec![]));
     }
 }

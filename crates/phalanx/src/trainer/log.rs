@@ -18,6 +18,8 @@ pub struct RunOptions {
     pub plot: Option<PathBuf>,
     /// Chrome / Perfetto trace of the pipeline schedule, written at the end.
     pub trace: Option<PathBuf>,
+    /// The run's HTML report (`crate::report`), written at the end.
+    pub report: Option<PathBuf>,
     /// Continue from a checkpoint (`--resume`).
     pub resume: Option<Resume>,
 }
@@ -40,6 +42,7 @@ impl Default for RunOptions {
             log_json: None,
             plot: None,
             trace: None,
+            report: None,
             resume: None,
         }
     }
@@ -51,6 +54,8 @@ pub struct StepLog {
     steps: usize,
     /// The JSON log and the path (for messages).
     json: Option<(std::fs::File, PathBuf)>,
+    /// Every step's JSON object, for the report (rank 0, when one is asked for).
+    records: Vec<serde_json::Value>,
 }
 
 impl StepLog {
@@ -92,6 +97,7 @@ impl StepLog {
             opts: opts.clone(),
             steps,
             json,
+            records: Vec::new(),
         })
     }
 
@@ -100,20 +106,32 @@ impl StepLog {
         s: &StepStats,
         val: Option<f32>,
         memory: Option<&[super::MemoryReport]>,
-        stragglers: &[usize],
+        health: &crate::monitor::Health,
     ) -> Result<()> {
         if !self.lead {
             return Ok(());
         }
-        if let Some((f, path)) = &mut self.json {
+        if self.json.is_some() || self.opts.report.is_some() {
             let mut v = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr,
                 "tokens_per_s": s.tokens_per_s, "step_ms": s.step_ms, "grad_norm": s.grad_norm,
                 "comm_bytes": s.comm_bytes, "loss_scale": s.loss_scale,
                 "compute_ms": s.compute_ms,
             });
-            if !stragglers.is_empty() {
-                v["stragglers"] = serde_json::json!(stragglers);
+            if !health.stragglers.is_empty() {
+                v["stragglers"] = serde_json::json!(health.stragglers);
+            }
+            if !health.new.is_empty() {
+                v["straggler_events"] = serde_json::Value::Array(
+                    health
+                        .new
+                        .iter()
+                        .map(|s| {
+                            serde_json::json!({"rank": s.rank, "host": s.host,
+                                "compute_s": s.compute_s, "median_s": s.median_s, "steps": s.steps})
+                        })
+                        .collect(),
+                );
             }
             if s.skipped {
                 v["skipped"] = serde_json::json!(true);
@@ -124,17 +142,22 @@ impl StepLog {
             if let Some(m) = memory {
                 v["memory"] = serde_json::to_value(m).unwrap_or_default();
             }
-            // One write per line, and on failure (a full disk) the file is
-            // cut back: a line is in the log whole or not at all.
-            let line = format!("{v}\n");
-            let at = f.metadata().map(|m| m.len()).unwrap_or(0);
-            if let Err(e) = f.write_all(line.as_bytes()) {
-                let _ = f.set_len(at);
-                return Err(crate::error::Error::Io(format!(
-                    "{}: the JSON log line of step {} was not written: {e}",
-                    path.display(),
-                    s.step
-                )));
+            if let Some((f, path)) = &mut self.json {
+                // One write per line, and on failure (a full disk) the file
+                // is cut back: a line is in the log whole or not at all.
+                let line = format!("{v}\n");
+                let at = f.metadata().map(|m| m.len()).unwrap_or(0);
+                if let Err(e) = f.write_all(line.as_bytes()) {
+                    let _ = f.set_len(at);
+                    return Err(crate::error::Error::Io(format!(
+                        "{}: the JSON log line of step {} was not written: {e}",
+                        path.display(),
+                        s.step
+                    )));
+                }
+            }
+            if self.opts.report.is_some() {
+                self.records.push(v);
             }
         }
         let every = self.opts.log_interval.max(1);
@@ -190,6 +213,21 @@ impl StepLog {
                 ),
             }
         }
+        if let Some(p) = &self.opts.report {
+            // Cosmetic as well: a warning if it cannot be written.
+            let trace = self
+                .opts
+                .trace
+                .as_ref()
+                .and_then(|t| serde_json::from_str(&std::fs::read_to_string(t).ok()?).ok());
+            let title = format!("Phalanx run: {} steps", self.records.len());
+            let html = crate::report::html(&title, &self.records, trace.as_ref());
+            match crate::report::write(p, &html) {
+                Ok(()) if self.opts.progress => println!("report written to {}", p.display()),
+                Ok(()) => {}
+                Err(e) => eprintln!("warning: {e}"),
+            }
+        }
         Ok(())
     }
 }
@@ -225,68 +263,29 @@ fn keep_steps_before(p: &std::path::Path, at: usize) -> std::io::Result<()> {
 
 /// A self-contained SVG line chart of training (and validation) loss.
 pub fn write_loss_svg(path: &std::path::Path, losses: &[f32], val: &[(usize, f32)]) -> Result<()> {
-    let (w, h, m) = (640.0f64, 400.0f64, 50.0f64);
-    let n = losses.len().max(2) as f64;
-    let all = losses
-        .iter()
-        .copied()
-        .chain(val.iter().map(|v| v.1))
-        .filter(|x| x.is_finite());
-    let (lo, hi) = all.fold((f32::MAX, f32::MIN), |(a, b), x| (a.min(x), b.max(x)));
-    let (lo, hi) = if lo <= hi {
-        (lo as f64, (hi as f64).max(lo as f64 + 1e-6))
-    } else {
-        (0.0, 1.0)
-    };
-    let x = |i: f64| m + i / (n - 1.0) * (w - 2.0 * m);
-    let y = |v: f64| h - m - (v - lo) / (hi - lo) * (h - 2.0 * m);
-    let pts = |it: &mut dyn Iterator<Item = (f64, f64)>| {
-        it.map(|(i, v)| format!("{:.1},{:.1}", x(i), y(v)))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let train = pts(&mut losses
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (i as f64, *v as f64)));
-    let valp = pts(&mut val.iter().map(|(i, v)| (*i as f64, *v as f64)));
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <line x1=\"{m}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{b}\" stroke=\"black\"/>\n\
-         <text x=\"{cx}\" y=\"{t}\" text-anchor=\"middle\">step</text>\n\
-         <text x=\"12\" y=\"{cy}\" transform=\"rotate(-90 12 {cy})\" text-anchor=\"middle\">loss</text>\n\
-         <text x=\"{m}\" y=\"{lt}\" text-anchor=\"end\">{hi:.3}</text>\n\
-         <text x=\"{m}\" y=\"{bb}\" text-anchor=\"end\">{lo:.3}</text>\n\
-         <text x=\"{r}\" y=\"{t}\" text-anchor=\"end\">{last}</text>\n",
-        b = h - m,
-        r = w - m,
-        cx = w / 2.0,
-        t = h - m + 30.0,
-        cy = h / 2.0,
-        lt = m - 5.0,
-        bb = h - m + 15.0,
-        last = losses.len().saturating_sub(1),
-    );
-    s += &format!(
-        "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{train}\"/>\n"
-    );
-    if !val.is_empty() {
-        s += &format!(
-            "<polyline fill=\"none\" stroke=\"#d62728\" stroke-width=\"2\" points=\"{valp}\"/>\n"
-        );
-    }
-    s += &format!(
-        "<text x=\"{}\" y=\"{}\" fill=\"#1f77b4\">train</text><text x=\"{}\" y=\"{}\" fill=\"#d62728\">validation</text>\n</svg>\n",
-        w - m - 120.0,
-        m - 10.0,
-        w - m - 70.0,
-        m - 10.0
+    let svg = crate::report::line_chart(
+        "Loss",
+        "step",
+        &[
+            (
+                "train",
+                "#1f77b4",
+                losses
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| (i as f64, *v as f64))
+                    .collect(),
+            ),
+            (
+                "validation",
+                "#d62728",
+                val.iter().map(|(i, v)| (*i as f64, *v as f64)).collect(),
+            ),
+        ],
     );
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(path, s)?;
+    crate::fsutil::write_atomic(path, svg.as_bytes())?;
     Ok(())
 }

@@ -549,7 +549,10 @@ impl Trainer {
         let mut report = Report::default();
         let every = self.cfg.checkpoint.interval;
         let mut tok_s = Vec::new();
-        let mut monitor = crate::monitor::Monitor::new(self.mesh.world(), &self.cfg.monitor)?;
+        // Peers for straggler detection: the ranks at the same pipeline stage.
+        let stage = self.mesh.coords().pp;
+        let mut monitor =
+            crate::monitor::Monitor::new(self.mesh.world(), stage, &self.cfg.monitor)?;
         if let (Some(url), true) = (monitor.metrics_url(), opts.progress) {
             println!("Prometheus metrics at {url}");
         }
@@ -583,7 +586,7 @@ impl Trainer {
             if let (Some(m), true, true) = (mem, lead, opts.progress) {
                 print_memory(m);
             }
-            log.step(&s, val, mem, &health.stragglers)?;
+            log.step(&s, val, mem, &health)?;
             if every > 0 && ((k + 1) % every == 0 || k + 1 == steps) {
                 let t0 = Instant::now();
                 let done = self.save_checkpoint(k + 1)?;

@@ -1,0 +1,89 @@
+//! `phalanx report LOG`: a run's HTML report from its JSON log (and its
+//! pipeline trace), the same file `phalanx train` writes at the end
+//! (`log.report`).
+
+use clap::Args;
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+pub struct ReportOpts {
+    /// The run's JSON log (`--log-json`), or a directory holding exactly one
+    /// `*.jsonl` (and maybe `trace.json`).
+    pub run: PathBuf,
+    /// The pipeline trace (`--trace`) to draw the timeline from.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Where the HTML goes (default: beside the log, `report.html`).
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+}
+
+pub fn main(o: &ReportOpts) -> i32 {
+    match run(o) {
+        Ok(out) => {
+            println!("report written to {}", out.display());
+            0
+        }
+        Err(e) => {
+            eprintln!("phalanx report: error: {e}");
+            1
+        }
+    }
+}
+
+/// The log of `run`: the file itself, or a directory's only `*.jsonl`.
+fn find_log(run: &Path) -> Result<PathBuf, String> {
+    if !run.is_dir() {
+        return Ok(run.to_path_buf());
+    }
+    let mut logs: Vec<PathBuf> = std::fs::read_dir(run)
+        .map_err(|e| format!("cannot read {}: {e}", run.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    logs.sort();
+    match logs.len() {
+        1 => Ok(logs.remove(0)),
+        0 => Err(format!(
+            "{} holds no JSON log (*.jsonl); train with --log-json FILE",
+            run.display()
+        )),
+        _ => Err(format!(
+            "{} holds several JSON logs ({}); name one",
+            run.display(),
+            logs.iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+fn run(o: &ReportOpts) -> Result<PathBuf, String> {
+    let log = find_log(&o.run)?;
+    let steps = phalanx::report::read_log(&log).map_err(|e| e.to_string())?;
+    let trace_path = o.trace.clone().or_else(|| {
+        let t = o.run.join("trace.json");
+        (o.run.is_dir() && t.exists()).then_some(t)
+    });
+    let trace = match &trace_path {
+        Some(t) => {
+            let text = std::fs::read_to_string(t)
+                .map_err(|e| format!("cannot read the trace {}: {e}", t.display()))?;
+            Some(
+                serde_json::from_str::<serde_json::Value>(&text)
+                    .map_err(|e| format!("{} is not a JSON trace: {e}", t.display()))?,
+            )
+        }
+        None => None,
+    };
+    let out = o
+        .output
+        .clone()
+        .unwrap_or_else(|| log.with_file_name("report.html"));
+    crate::outputs::check(&[("--output", &out)], &[("the JSON log", &log)])?;
+    let title = format!("Phalanx run: {}", log.display());
+    let html = phalanx::report::html(&title, &steps, trace.as_ref());
+    phalanx::report::write(&out, &html).map_err(|e| e.to_string())?;
+    Ok(out)
+}
