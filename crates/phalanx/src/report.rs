@@ -91,7 +91,9 @@ pub fn line_chart(title: &str, xlabel: &str, series: &[Series]) -> String {
 }
 
 fn num(v: f64) -> String {
-    if v.abs() >= 1e5 || (v != 0.0 && v.abs() < 1e-3) {
+    if v.fract() == 0.0 && v.abs() < 1e9 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1e5 || (v != 0.0 && v.abs() < 1e-3) {
         format!("{v:.3e}")
     } else {
         format!("{v:.4}")
