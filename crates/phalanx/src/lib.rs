@@ -9,6 +9,7 @@ pub mod ledger;
 pub mod mesh;
 pub mod ops;
 pub mod optim;
+pub mod plan;
 pub mod precision;
 pub mod strategy;
 pub mod tp;
