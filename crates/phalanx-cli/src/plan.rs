@@ -11,7 +11,7 @@
 //! ```
 
 use clap::Args;
-use phalanx::config::{OffloadDevice, OptimName, Precision, Recompute, TrainConfig};
+use phalanx::config::{OffloadDevice, Recompute, TrainConfig};
 use phalanx::plan::{
     self, human_bytes as h, memory, select, Candidate, Hardware, Layout, ModelShape,
 };
@@ -103,7 +103,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         sec.block_size,
     );
     let world = o.nproc * o.nnodes;
-    let base = base_layout(&cfg, world)?;
+    let base = Layout::from_config(&cfg, world).map_err(|e| e.to_string())?;
     let flops = o.flops.unwrap_or_else(plan::probe_matmul_flops);
     let bw = o
         .bandwidth
@@ -141,38 +141,6 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// Batch, optimizer and bucket settings of the config; the global batch
-/// checked (or derived) for the config's own dp size.
-fn base_layout(cfg: &TrainConfig, world: usize) -> Result<Layout, String> {
-    let dp = cfg.dp_for_world(world).map_err(|e| e.to_string())?;
-    let (micro, accum) = cfg.batch_for_dp(dp).map_err(|e| e.to_string())?;
-    let optim = match cfg.optim.name {
-        OptimName::Sgd if cfg.optim.momentum == 0.0 => 0,
-        OptimName::Sgd => 4,
-        _ => 8,
-    };
-    let reduce_bytes = match cfg.train.reduce_dtype {
-        Precision::Fp32 => 4,
-        _ => 2,
-    };
-    let gpipe = cfg.parallel.pp_schedule.to_string() == "gpipe";
-    Ok(Layout {
-        dp,
-        tp: cfg.parallel.tp,
-        pp: cfg.parallel.pp,
-        zero_stage: cfg.zero_optimization.stage,
-        precision: cfg.precision(),
-        activation_checkpointing: cfg.recompute() != Recompute::None,
-        offload_optimizer: cfg.zero_optimization.offload_optimizer.device == OffloadDevice::Nvme,
-        micro_batch: micro,
-        grad_accum: accum,
-        gpipe,
-        optim_bytes_per_param: optim,
-        bucket_bytes: cfg.bucket_bytes(),
-        reduce_bytes,
-    })
 }
 
 /// Tokens of the training data a rank holds in memory: a text file is
@@ -264,7 +232,11 @@ fn print_table(m: &ModelShape, hw: &Hardware, base: &Layout, ranked: &[Candidate
         "comm MB",
         "step s"
     );
-    let n = if top == 0 { ranked.len() } else { top.min(ranked.len()) };
+    let n = if top == 0 {
+        ranked.len()
+    } else {
+        top.min(ranked.len())
+    };
     for (i, c) in ranked.iter().take(n).enumerate() {
         let e = &c.memory;
         println!(
@@ -338,7 +310,15 @@ fn calculator(n: u64, o: &PlanOpts, device_memory: u64) -> Result<(), String> {
         );
         println!(
             "  {:<42} {:<7} {:<9} {:>12} {:>12} {:>12} {:>12} {:>14} {:>5}",
-            "precision", "stage", "offload", "params", "grads", "optimizer", "per rank", "host per node", "fits"
+            "precision",
+            "stage",
+            "offload",
+            "params",
+            "grads",
+            "optimizer",
+            "per rank",
+            "host per node",
+            "fits"
         );
     }
     for (name, p, g, k) in rows {

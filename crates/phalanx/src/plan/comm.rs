@@ -83,9 +83,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
                 } else {
                     0.0
                 };
-                accum
-                    * (2.0 * (gather_factor(n) * psi_f + tied) * c
-                        + gather_factor(n) * psi_f * g)
+                accum * (2.0 * (gather_factor(n) * psi_f + tied) * c + gather_factor(n) * psi_f * g)
             }
         };
     }
@@ -105,8 +103,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
     }
     if l.pp > 1 {
         let vocab = m.vocab_size.div_ceil(l.tp.max(1)) as f64;
-        bytes += accum * btc * c
-            + vocab * m.n_embd as f64 * 4.0;
+        bytes += accum * btc * c + vocab * m.n_embd as f64 * 4.0;
     }
     bytes.round() as u64
 }

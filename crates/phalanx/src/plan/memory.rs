@@ -127,7 +127,11 @@ fn layer_activations(m: &ModelShape, l: &Layout) -> u64 {
     );
     let tp = l.tp.max(1) as u64;
     let btc = b * t * c;
-    7 * btc + 12 * btc / tp + h * t * t * b / tp
+    // Tensor parallel adds Megatron's f and g: a copy of each LayerNorm
+    // output entering a column-parallel matmul and the all-reduced output
+    // of each row-parallel one (4 BTC, replicated).
+    let f_g = if tp > 1 { 4 * btc } else { 0 };
+    7 * btc + f_g + 12 * btc / tp + h * t * t * b / tp
 }
 
 /// Elements the head keeps: ln_f output, logits and their gradient
@@ -183,11 +187,13 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     let layer_act = layer_activations(m, l);
     let head_act = if pp == 1 { head_activations(m, l) } else { 0 };
     let blocks = layers as u64 + 1 + u64::from(pp == 1);
+    // Keeping graphs, the peak is at the end of the forward (every graph
+    // alive, no gradient yet); recomputing, it is in a block's backward
+    // (the rebuilt graph, its gradients, buckets in flight).
     let act_elems = if l.recomputes() {
-        // Block inputs kept; one block's graph rebuilt in its backward.
         in_flight * blocks * btc + layer_act.max(head_act) + layer_backward_transient(m, l)
     } else {
-        in_flight * (layers as u64 * layer_act + btc + head_act) + layer_backward_transient(m, l)
+        in_flight * (layers as u64 * layer_act + btc + head_act)
     };
     let activations = act_elems * cb;
     let block_p = layer_p.max(emb_p) as u64;
@@ -204,6 +210,7 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     };
     let grad_bytes = local * l.reduce_bytes as u64;
     let comm_buffers = match l.zero_stage {
+        _ if !l.recomputes() => 0,
         0 | 1 if l.dp > 1 => grad_bytes.min(l.bucket_bytes as u64),
         2 | 3 if l.dp > 1 => 2 * block_p * 4,
         _ => 0,

@@ -142,6 +142,42 @@ impl Layout {
         }
     }
 
+    /// The layout a training config asks for on `world` ranks: its
+    /// parallel sizes, stage, precision, checkpointing, offload, optimizer
+    /// and buckets; the batch checked, or derived from
+    /// `train.global_batch_size`, for its dp size.
+    pub fn from_config(
+        cfg: &crate::config::TrainConfig,
+        world: usize,
+    ) -> Result<Layout, crate::config::ConfigError> {
+        use crate::config::{OffloadDevice, OptimName, Recompute};
+        let dp = cfg.dp_for_world(world)?;
+        let (micro, accum) = cfg.batch_for_dp(dp)?;
+        Ok(Layout {
+            dp,
+            tp: cfg.parallel.tp,
+            pp: cfg.parallel.pp,
+            zero_stage: cfg.sharding()?.stage,
+            precision: cfg.precision(),
+            activation_checkpointing: cfg.recompute() != Recompute::None,
+            offload_optimizer: cfg.zero_optimization.offload_optimizer.device
+                == OffloadDevice::Nvme,
+            micro_batch: micro,
+            grad_accum: accum,
+            gpipe: cfg.parallel.pp_schedule.to_string() == "gpipe",
+            optim_bytes_per_param: match cfg.optim.name {
+                OptimName::Sgd if cfg.optim.momentum == 0.0 => 0,
+                OptimName::Sgd => 4,
+                _ => 8,
+            },
+            bucket_bytes: cfg.bucket_bytes(),
+            reduce_bytes: match cfg.train.reduce_dtype {
+                Precision::Fp32 => 4,
+                _ => 2,
+            },
+        })
+    }
+
     pub fn world(&self) -> usize {
         self.dp * self.tp * self.pp
     }
@@ -265,7 +301,22 @@ fn step_time(m: &ModelShape, l: &Layout, hw: &Hardware, comm_bytes: u64) -> (f64
     } else {
         1.0
     };
-    let compute = work / hw.flops.max(1.0) * bubble;
+    // Offloaded optimizer state is read and written back every step,
+    // at an assumed 2 GB/s of NVMe.
+    let offload = if l.offload_optimizer {
+        let s = memory::model_states(
+            m.num_params() as u64 / (l.tp * l.pp).max(1) as u64,
+            l.dp,
+            l.zero_stage,
+            4,
+            4,
+            l.optim_bytes_per_param as u64,
+        );
+        2.0 * s.optimizer as f64 / 2e9
+    } else {
+        0.0
+    };
+    let compute = work / hw.flops.max(1.0) * bubble + offload;
     // Data-parallel traffic crosses nodes when the job does.
     let bw = if hw.nnodes > 1 {
         hw.inter_bw
@@ -324,7 +375,9 @@ pub fn human_bytes(b: u64) -> String {
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let lower = t.to_ascii_lowercase();
-    let bad = || format!("cannot read the memory size {s:?}: write e.g. 16GiB, 512MiB, 80GB or a number of bytes");
+    let bad = || {
+        format!("cannot read the memory size {s:?}: write e.g. 16GiB, 512MiB, 80GB or a number of bytes")
+    };
     let units: [(&str, f64); 10] = [
         ("kib", 1024.0),
         ("mib", 1048576.0),
@@ -368,6 +421,9 @@ mod tests {
 
     #[test]
     fn gpt2_small_count_matches_hf() {
-        assert_eq!(ModelShape::gpt2(12, 12, 768, 50257, 1024).num_params(), 124_439_808);
+        assert_eq!(
+            ModelShape::gpt2(12, 12, 768, 50257, 1024).num_params(),
+            124_439_808
+        );
     }
 }

@@ -119,13 +119,26 @@ pub fn rank(layouts: &[Layout], m: &ModelShape, hw: &Hardware) -> Vec<Candidate>
     sort(layouts.iter().map(|l| estimate(m, l, hw)).collect())
 }
 
-/// Sort estimates as [`rank`] does (after adjusting them).
+/// Sort estimates as [`rank`] does (after adjusting them): step times
+/// within 1% of each other count as equal, and then the simpler layout
+/// wins (the seed's order: DDP, then ZeRO stages, tensor parallel,
+/// pipeline, checkpointing, offload), then the smaller.
 pub fn sort(mut v: Vec<Candidate>) -> Vec<Candidate> {
+    let bucket = |c: &Candidate| (c.step_seconds.max(1e-12).ln() / 1.01f64.ln()).round() as i64;
+    let complexity = |l: &Layout| {
+        (l.zero_stage as usize)
+            + 4 * (l.tp > 1) as usize
+            + 4 * (l.pp > 1) as usize
+            + 2 * l.activation_checkpointing as usize
+            + 3 * l.offload_optimizer as usize
+            + (l.precision != Precision::Fp32) as usize
+    };
     v.sort_by(|a, b| {
         b.fits.cmp(&a.fits).then_with(|| {
             if a.fits {
-                a.step_seconds
-                    .total_cmp(&b.step_seconds)
+                bucket(a)
+                    .cmp(&bucket(b))
+                    .then(complexity(&a.layout).cmp(&complexity(&b.layout)))
                     .then(a.memory.total().cmp(&b.memory.total()))
             } else {
                 a.memory.total().cmp(&b.memory.total())
