@@ -284,7 +284,7 @@ pub fn estimate(m: &ModelShape, l: &Layout, hw: &Hardware) -> Estimate {
         compute_seconds,
         comm_seconds,
         step_seconds,
-        fits: memory.total() as u64 <= hw.device_memory,
+        fits: memory.total() <= hw.device_memory,
     }
 }
 
