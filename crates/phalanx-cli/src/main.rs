@@ -2,6 +2,7 @@
 //!
 //! - `phalanx run --nproc-per-node N -- PROGRAM ARGS`: launch a job (torchrun's flags).
 //! - `phalanx train`: train GPT-2 (data parallel over local ranks by default).
+//! - `phalanx plan`: rank layouts by predicted memory and step time.
 //! - `phalanx generate`: sample text from a model.
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
 //! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
@@ -12,6 +13,7 @@ mod checkpoint_cmd;
 mod generate;
 mod launch;
 mod outputs;
+mod plan;
 mod report_cmd;
 mod train;
 
@@ -44,6 +46,13 @@ enum Cmd {
         opts: train::TrainOpts,
         #[command(flatten)]
         launch: launch::LaunchOpts,
+    },
+    /// Predict memory, communication and step time of every layout of a
+    /// job; rank them and explain the best (or, with --params, the
+    /// model-states calculator).
+    Plan {
+        #[command(flatten)]
+        opts: plan::PlanOpts,
     },
     /// Sample text from a trained (or Hugging Face) GPT-2.
     Generate {
@@ -113,6 +122,7 @@ fn main() {
         Cmd::Run { launch, cmd } => launch::run(&launch, &cmd),
         Cmd::Train { opts, launch } => train::main(&opts, &launch),
         Cmd::Generate { opts } => generate::main(&opts),
+        Cmd::Plan { opts } => plan::main(&opts),
         Cmd::TestWorker {
             die_rank,
             die_after_ms,

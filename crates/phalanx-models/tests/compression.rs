@@ -98,6 +98,9 @@ fn hooks_keep_ranks_identical_and_send_what_the_theory_says() {
                     "parallel.topk_ratio=0.1",
                     &rank,
                     "parallel.powersgd_start_iter=0",
+                    // DDP checks after every step that all ranks hold
+                    // bitwise identical parameters (an error names the rank).
+                    "parallel.check_params_every=1",
                 ],
             );
             for (r, o) in out.iter().enumerate() {

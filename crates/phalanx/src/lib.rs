@@ -10,6 +10,7 @@ pub mod mesh;
 pub mod monitor;
 pub mod ops;
 pub mod optim;
+pub mod plan;
 pub mod precision;
 pub mod report;
 pub mod strategy;

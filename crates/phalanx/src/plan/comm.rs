@@ -1,0 +1,109 @@
+//! Bytes a rank sends per optimizer step, derived from how the strategies
+//! communicate (as `comm_bytes` in the JSON log counts them: rank 0's
+//! payload bytes, all groups together).
+//!
+//! Ring collectives over `N` ranks: all-reduce sends `2(N-1)/N` of the
+//! message per rank, reduce-scatter and all-gather `(N-1)/N` each. Per step,
+//! with `Ψ` parameters on the rank's model shard, `m` micro-batches,
+//! `g` / `c` bytes per element of reduced gradients / compute dtype:
+//!
+//! | strategy | per step |
+//! |---|---|
+//! | DDP | all-reduce of the gradients once (accumulation does not communicate): `2(N-1)/N Ψ g` |
+//! | ZeRO-1 | the same all-reduce, then an all-gather of the updated f32 parameters: `+ (N-1)/N Ψ 4` |
+//! | ZeRO-2 | reduce-scatter every micro-step `m (N-1)/N Ψ g`, all-gather `(N-1)/N Ψ 4` |
+//! | ZeRO-3 | every micro-step: all-gather of each block before its forward and again before its backward (`2 (N-1)/N Ψ c`; the head gathers the tied embedding's unit again, twice), reduce-scatter `(N-1)/N Ψ g` |
+//! | tensor parallel `t` | every micro-step, all-reduces of `BTC` activations: 2 per layer forward (attention and MLP outputs), 2 per layer backward, 1 each for the vocabulary-parallel embedding and head, `(4L + 2) 2(t-1)/t BTC c`, plus the vocabulary-parallel cross-entropy's 3 `BT` f32 vectors; recomputation repeats the forward ones |
+//! | pipeline `p` | stage 0 sends each micro-batch's output `BTC c` forward; the tied embedding's gradient is all-reduced between the first and last stages `V C 4` |
+//!
+//! Scalars (loss, norm, non-finite flags) add a few bytes.
+//!
+//! ```
+//! use phalanx::plan::{comm::bytes_per_step, Layout, ModelShape};
+//! let m = ModelShape::gpt2(6, 6, 384, 256, 256);
+//! let psi = m.num_params() as u64;
+//! let mut l = Layout::ddp(2, 8, 1);
+//! assert_eq!(bytes_per_step(&m, &l), 4 * psi);
+//! l.zero_stage = 1;
+//! assert_eq!(bytes_per_step(&m, &l), 4 * psi + 2 * psi);
+//! ```
+
+use super::{memory, Layout, ModelShape};
+
+/// All-reduce: `2(N-1)/N` of the message.
+pub fn all_reduce_factor(n: usize) -> f64 {
+    if n <= 1 {
+        0.0
+    } else {
+        2.0 * (n - 1) as f64 / n as f64
+    }
+}
+
+/// All-gather or reduce-scatter: `(N-1)/N` of the (whole) message.
+pub fn gather_factor(n: usize) -> f64 {
+    if n <= 1 {
+        0.0
+    } else {
+        (n - 1) as f64 / n as f64
+    }
+}
+
+/// Parameters of stage 0's model shard (see [`memory::per_rank`]).
+fn local_params(m: &ModelShape, l: &Layout) -> (u64, u64) {
+    let tp = l.tp.max(1);
+    let c = m.n_embd;
+    let layer_p = (12 * c * c + 7 * c) / tp + 6 * c;
+    let emb_p = m.vocab_size.div_ceil(tp) * c + m.seq_len * c;
+    let head_p = if l.pp <= 1 { m.head_params() } else { 0 };
+    let layers = memory::stage_layers(m, l.pp, 0);
+    ((layers * layer_p + emb_p + head_p) as u64, emb_p as u64)
+}
+
+/// Bytes rank 0 sends per optimizer step.
+pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
+    let (psi, emb) = local_params(m, l);
+    let n = l.dp.max(1);
+    let accum = l.grad_accum.max(1) as f64;
+    let g = l.reduce_bytes as f64;
+    let c = l.compute_bytes() as f64;
+    let psi_f = psi as f64;
+    let mut bytes = 0.0;
+    if n > 1 {
+        bytes += match l.zero_stage {
+            0 => all_reduce_factor(n) * psi_f * g,
+            1 => all_reduce_factor(n) * psi_f * g + gather_factor(n) * psi_f * 4.0,
+            2 => accum * gather_factor(n) * psi_f * g + gather_factor(n) * psi_f * 4.0,
+            _ => {
+                // Rank 0 owns the start of the flat buffer (the embedding):
+                // in a ring all-gather it sends every piece but rank 1's.
+                let shard = psi.div_ceil(n as u64);
+                let rank1_in_emb = emb.saturating_sub(shard).min(shard);
+                let tied = if l.pp <= 1 {
+                    (emb - rank1_in_emb) as f64
+                } else {
+                    0.0
+                };
+                accum * (2.0 * (gather_factor(n) * psi_f + tied) * c + gather_factor(n) * psi_f * g)
+            }
+        };
+    }
+    let bt = (l.micro_batch * m.seq_len) as f64;
+    let btc = bt * m.n_embd as f64;
+    if l.tp > 1 {
+        let layers = memory::stage_layers(m, l.pp, 0) as f64;
+        let fwd = 2.0 * layers + 1.0;
+        let passes = if l.recomputes() { 2.0 } else { 1.0 };
+        let per_micro = all_reduce_factor(l.tp) * btc * c * (passes * fwd + fwd)
+            + if l.pp <= 1 {
+                passes * 3.0 * bt * 4.0 * all_reduce_factor(l.tp)
+            } else {
+                0.0
+            };
+        bytes += accum * per_micro;
+    }
+    if l.pp > 1 {
+        let vocab = m.vocab_size.div_ceil(l.tp.max(1)) as f64;
+        bytes += accum * btc * c + vocab * m.n_embd as f64 * 4.0;
+    }
+    bytes.round() as u64
+}

@@ -1,0 +1,429 @@
+//! The planner behind `phalanx plan`: for a model shape, a batch and the
+//! hardware, predict per rank the memory (parameters, gradients, optimizer
+//! state, activations, working copies, communication buffers, a runtime
+//! overhead), the bytes communicated per step and the step time of every
+//! layout (dp × tp × pp, ZeRO stage, precision, activation checkpointing,
+//! optimizer offload), then rank them and say which resource decides.
+//!
+//! - [`memory`]: the memory calculator (also the model-states-only
+//!   calculator of DeepSpeed's `estimate_zero*_model_states_mem_needs`);
+//! - [`comm`]: bytes each rank sends per step, from how the strategies
+//!   communicate;
+//! - [`probe`]: a quick matmul-throughput and link-bandwidth probe;
+//! - [`select`]: enumeration, ranking and the explanation.
+//!
+//! ```
+//! use phalanx::plan::{model_flops_per_token, Layout, ModelShape, Hardware, estimate};
+//! let m = ModelShape::gpt2(6, 6, 384, 256, 256);
+//! assert_eq!(m.num_params(), 10_844_160);
+//! // 6 N + 12 L T C (forward and backward, attention scores included).
+//! assert_eq!(model_flops_per_token(&m), 6.0 * 10_844_160.0 + 12.0 * 6.0 * 256.0 * 384.0);
+//! let hw = Hardware::new(2, 1, 64 << 30, 100e9, 1e9);
+//! let e = estimate(&m, &Layout::ddp(2, 8, 1), &hw);
+//! assert_eq!(e.memory.params, 4 * 10_844_160);
+//! assert_eq!(e.comm_bytes_per_step, 4 * 10_844_160); // ring all-reduce, 2 ranks
+//! ```
+
+pub mod comm;
+pub mod memory;
+pub mod probe;
+pub mod select;
+
+pub use crate::config::Precision;
+pub use memory::{model_states, MemoryEstimate, ModelStates};
+pub use probe::{probe_bandwidth, probe_matmul_flops};
+pub use select::{enumerate, explain, rank, Bottleneck, Candidate};
+
+/// A decoder-only transformer's shape (GPT-2's: learned positions, tied
+/// embedding, 4× MLP, biases), what the estimates need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub vocab_size: usize,
+    /// Context length T of a training sample.
+    pub seq_len: usize,
+}
+
+impl ModelShape {
+    pub fn gpt2(
+        n_layer: usize,
+        n_head: usize,
+        n_embd: usize,
+        vocab_size: usize,
+        seq_len: usize,
+    ) -> Self {
+        ModelShape {
+            n_layer,
+            n_head,
+            n_embd,
+            vocab_size,
+            seq_len,
+        }
+    }
+
+    /// Parameters of one transformer layer: 12 C² + 13 C.
+    pub fn layer_params(&self) -> usize {
+        let c = self.n_embd;
+        12 * c * c + 13 * c
+    }
+
+    /// Embedding block: token (tied with the head) and position tables.
+    pub fn embedding_params(&self) -> usize {
+        (self.vocab_size + self.seq_len) * self.n_embd
+    }
+
+    /// Head block's own parameters (the final LayerNorm; the unembedding
+    /// is the tied token table).
+    pub fn head_params(&self) -> usize {
+        2 * self.n_embd
+    }
+
+    /// All parameters, the tied table counted once.
+    pub fn num_params(&self) -> usize {
+        self.embedding_params() + self.n_layer * self.layer_params() + self.head_params()
+    }
+}
+
+/// Training FLOPs per token, forward and backward: 6 N for the matmuls with
+/// the parameters (2 forward, 4 backward) plus 12 L T C for the attention
+/// scores and their product with the values (PaLM's and nanoGPT's count,
+/// as Megatron's; llm.c counts half of the latter for the causal mask).
+/// MFU = tokens/s × this / peak FLOP/s.
+pub fn model_flops_per_token(m: &ModelShape) -> f64 {
+    6.0 * m.num_params() as f64 + 12.0 * (m.n_layer * m.seq_len * m.n_embd) as f64
+}
+
+/// One way to run the job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Layout {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    /// ZeRO stage 0 (DDP) - 3 (FULL_SHARD).
+    pub zero_stage: u8,
+    /// Compute dtype (master weights, gradients and optimizer state stay f32).
+    pub precision: Precision,
+    /// Recompute every block in its backward (always on under ZeRO-3).
+    pub activation_checkpointing: bool,
+    /// Optimizer state streamed from files (`offload_optimizer.device = nvme`).
+    pub offload_optimizer: bool,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    /// Pipeline schedule: `true` for GPipe (all micro-batches in flight),
+    /// `false` for 1F1B.
+    pub gpipe: bool,
+    /// Bytes of optimizer state per parameter (8: AdamW; 4: SGD momentum).
+    pub optim_bytes_per_param: usize,
+    /// DDP bucket size in bytes.
+    pub bucket_bytes: usize,
+    /// Bytes per element gradients travel in (`train.reduce_dtype`).
+    pub reduce_bytes: usize,
+}
+
+impl Layout {
+    /// Plain DDP over `dp` ranks, fp32, AdamW.
+    pub fn ddp(dp: usize, micro_batch: usize, grad_accum: usize) -> Layout {
+        Layout {
+            dp,
+            tp: 1,
+            pp: 1,
+            zero_stage: 0,
+            precision: Precision::Fp32,
+            activation_checkpointing: false,
+            offload_optimizer: false,
+            micro_batch,
+            grad_accum,
+            gpipe: false,
+            optim_bytes_per_param: 8,
+            bucket_bytes: 25 << 20,
+            reduce_bytes: 4,
+        }
+    }
+
+    /// The layout a training config asks for on `world` ranks: its
+    /// parallel sizes, stage, precision, checkpointing, offload, optimizer
+    /// and buckets; the batch checked, or derived from
+    /// `train.global_batch_size`, for its dp size.
+    pub fn from_config(
+        cfg: &crate::config::TrainConfig,
+        world: usize,
+    ) -> Result<Layout, crate::config::ConfigError> {
+        use crate::config::{OffloadDevice, OptimName, Recompute};
+        let dp = cfg.dp_for_world(world)?;
+        let (micro, accum) = cfg.batch_for_dp(dp)?;
+        Ok(Layout {
+            dp,
+            tp: cfg.parallel.tp,
+            pp: cfg.parallel.pp,
+            zero_stage: cfg.sharding()?.stage,
+            precision: cfg.precision(),
+            activation_checkpointing: cfg.recompute() != Recompute::None,
+            offload_optimizer: cfg.zero_optimization.offload_optimizer.device
+                == OffloadDevice::Nvme,
+            micro_batch: micro,
+            grad_accum: accum,
+            gpipe: cfg.parallel.pp_schedule.to_string() == "gpipe",
+            optim_bytes_per_param: match cfg.optim.name {
+                OptimName::Sgd if cfg.optim.momentum == 0.0 => 0,
+                OptimName::Sgd => 4,
+                _ => 8,
+            },
+            bucket_bytes: cfg.bucket_bytes(),
+            reduce_bytes: match cfg.train.reduce_dtype {
+                Precision::Fp32 => 4,
+                _ => 2,
+            },
+        })
+    }
+
+    pub fn world(&self) -> usize {
+        self.dp * self.tp * self.pp
+    }
+
+    /// Samples per optimizer step: micro × dp × accum.
+    pub fn global_batch(&self) -> usize {
+        self.micro_batch * self.dp * self.grad_accum
+    }
+
+    /// Whether blocks are recomputed in backward (ZeRO-3 always does).
+    pub fn recomputes(&self) -> bool {
+        self.activation_checkpointing || self.zero_stage == 3
+    }
+
+    /// Bytes of one element of the compute dtype.
+    pub fn compute_bytes(&self) -> usize {
+        match self.precision {
+            Precision::Fp32 => 4,
+            _ => 2,
+        }
+    }
+
+    /// A short name: `dp2 tp1 pp1 zero3 fp32 ckpt`.
+    pub fn name(&self) -> String {
+        format!(
+            "dp{} tp{} pp{} zero{} {}{}{}",
+            self.dp,
+            self.tp,
+            self.pp,
+            self.zero_stage,
+            self.precision,
+            if self.activation_checkpointing {
+                " ckpt"
+            } else {
+                ""
+            },
+            if self.offload_optimizer {
+                " offload"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+/// The machines: ranks, memory per rank, compute and link speeds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hardware {
+    /// Ranks per node.
+    pub nproc: usize,
+    pub nnodes: usize,
+    /// Memory one rank may use (bytes).
+    pub device_memory: u64,
+    /// Matmul throughput of one rank (FLOP/s).
+    pub flops: f64,
+    /// Bytes per second one rank sends to a peer on its node.
+    pub intra_bw: f64,
+    /// Bytes per second across nodes.
+    pub inter_bw: f64,
+}
+
+impl Hardware {
+    pub fn new(nproc: usize, nnodes: usize, device_memory: u64, flops: f64, bw: f64) -> Self {
+        Hardware {
+            nproc,
+            nnodes,
+            device_memory,
+            flops,
+            intra_bw: bw,
+            inter_bw: bw,
+        }
+    }
+
+    pub fn world(&self) -> usize {
+        self.nproc * self.nnodes
+    }
+}
+
+/// Everything predicted for one layout.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    pub layout: Layout,
+    /// The most loaded rank's memory.
+    pub memory: MemoryEstimate,
+    /// Bytes rank 0 sends per step (as `comm_bytes` in the JSON log).
+    pub comm_bytes_per_step: u64,
+    pub compute_seconds: f64,
+    pub comm_seconds: f64,
+    /// compute (with recomputation and the pipeline bubble) + the part of
+    /// communication that does not overlap it.
+    pub step_seconds: f64,
+    pub fits: bool,
+}
+
+/// Predict one layout on `hw`.
+pub fn estimate(m: &ModelShape, l: &Layout, hw: &Hardware) -> Estimate {
+    let memory = memory::per_rank(m, l);
+    let comm_bytes = comm::bytes_per_step(m, l);
+    let (compute_seconds, comm_seconds, step_seconds) = step_time(m, l, hw, comm_bytes);
+    Estimate {
+        layout: *l,
+        memory,
+        comm_bytes_per_step: comm_bytes,
+        compute_seconds,
+        comm_seconds,
+        step_seconds,
+        fits: memory.total() <= hw.device_memory,
+    }
+}
+
+/// (compute, communication, step) seconds.
+fn step_time(m: &ModelShape, l: &Layout, hw: &Hardware, comm_bytes: u64) -> (f64, f64, f64) {
+    let tokens = (l.global_batch() * m.seq_len) as f64;
+    // Forward is a third of the 6N: recomputation adds one more forward.
+    let recompute = if l.recomputes() { 4.0 / 3.0 } else { 1.0 };
+    let world = l.world().max(1) as f64;
+    let work = tokens * model_flops_per_token(m) * recompute / world;
+    let m_micro = l.grad_accum.max(1) as f64;
+    let bubble = if l.pp > 1 {
+        (m_micro + l.pp as f64 - 1.0) / m_micro
+    } else {
+        1.0
+    };
+    // Offloaded optimizer state is read and written back every step,
+    // at an assumed 2 GB/s of NVMe.
+    let offload = if l.offload_optimizer {
+        let s = memory::model_states(
+            m.num_params() as u64 / (l.tp * l.pp).max(1) as u64,
+            l.dp,
+            l.zero_stage,
+            4,
+            4,
+            l.optim_bytes_per_param as u64,
+        );
+        2.0 * s.optimizer as f64 / 2e9
+    } else {
+        0.0
+    };
+    let compute = work / hw.flops.max(1.0) * bubble + offload;
+    // Data-parallel traffic crosses nodes when the job does.
+    let bw = if hw.nnodes > 1 {
+        hw.inter_bw
+    } else {
+        hw.intra_bw
+    };
+    let comm = comm_bytes as f64 / bw.max(1.0);
+    // Gradient reduction overlaps backward (two thirds of compute); tensor
+    // parallel collectives and ZeRO-3 gathers sit on the critical path in
+    // part: count what exceeds the overlappable window.
+    let window = if l.tp > 1 { 0.0 } else { compute * 2.0 / 3.0 };
+    let exposed = (comm - window).max(0.0) + comm.min(window) * 0.1;
+    (compute, comm, compute + exposed)
+}
+
+/// Parse a parameter count: `7B`, `1.3b`, `350M`, `125m`, `20k`, `1e9`, `7000000`.
+pub fn parse_count(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let bad = || {
+        format!("cannot read the parameter count {s:?}: write a number with an optional suffix K, M, B or T (e.g. 7B, 350M, 1.3e9)")
+    };
+    if t.is_empty() {
+        return Err(bad());
+    }
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1e3),
+        Some('M') => (&t[..t.len() - 1], 1e6),
+        Some('B') | Some('G') => (&t[..t.len() - 1], 1e9),
+        Some('T') => (&t[..t.len() - 1], 1e12),
+        _ => (t, 1.0),
+    };
+    let v: f64 = num.trim().parse().map_err(|_| bad())?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(format!("the parameter count {s:?} must be positive"));
+    }
+    Ok((v * mult).round() as u64)
+}
+
+/// Bytes written for people: `1.50 GiB`.
+pub fn human_bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+/// Parse a memory size: `16GiB`, `16G`, `512MB`, `1e9`, `80GB`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let bad = || {
+        format!("cannot read the memory size {s:?}: write e.g. 16GiB, 512MiB, 80GB or a number of bytes")
+    };
+    let units: [(&str, f64); 10] = [
+        ("kib", 1024.0),
+        ("mib", 1048576.0),
+        ("gib", 1073741824.0),
+        ("tib", 1099511627776.0),
+        ("kb", 1e3),
+        ("mb", 1e6),
+        ("gb", 1e9),
+        ("tb", 1e12),
+        ("g", 1073741824.0),
+        ("m", 1048576.0),
+    ];
+    let (num, mult) = units
+        .iter()
+        .find(|(u, _)| lower.ends_with(u))
+        .map(|(u, m)| (&t[..t.len() - u.len()], *m))
+        .unwrap_or((t, 1.0));
+    let v: f64 = num.trim().parse().map_err(|_| bad())?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(bad());
+    }
+    Ok((v * mult) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_sizes_parse() {
+        assert_eq!(parse_count("7B").unwrap(), 7_000_000_000);
+        assert_eq!(parse_count("1.3b").unwrap(), 1_300_000_000);
+        assert_eq!(parse_count("350M").unwrap(), 350_000_000);
+        assert_eq!(parse_count("12345").unwrap(), 12345);
+        assert!(parse_count("7Q").unwrap_err().contains("7Q"));
+        assert!(parse_count("-3B").is_err());
+        assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
+        assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
+        assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn gpt2_small_count_matches_hf() {
+        assert_eq!(
+            ModelShape::gpt2(12, 12, 768, 50257, 1024).num_params(),
+            124_439_808
+        );
+    }
+}
