@@ -50,6 +50,7 @@ fn train_writes_the_report_and_report_rebuilds_it() {
         "<!DOCTYPE html>",
         "Loss",
         "Tokens per second",
+        "Model FLOPs utilisation",
         "MiB sent per step",
         "Memory per rank",
         "Stragglers",

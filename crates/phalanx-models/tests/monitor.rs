@@ -99,6 +99,7 @@ fn the_metrics_endpoint_serves_every_rank_during_the_run() {
         "phalanx_grad_norm{",
         "phalanx_comm_bytes_total{",
         "phalanx_loss_scale{",
+        "phalanx_mfu{",
         "phalanx_straggler{",
     ];
     let mut seen = None;

@@ -175,6 +175,17 @@ pub fn html(title: &str, steps: &[Value], trace: Option<&Value>) -> String {
         ],
     );
     h += &line_chart("Tokens per second", "step", &[("tokens/s", "#2ca02c", tok)]);
+    let mfu: Vec<(f64, f64)> = series(steps, "mfu")
+        .into_iter()
+        .map(|(s, m)| (s, 100.0 * m))
+        .collect();
+    if !mfu.is_empty() {
+        h += &line_chart(
+            "Model FLOPs utilisation (%, against the probed matmul peak)",
+            "step",
+            &[("MFU %", "#8c564b", mfu)],
+        );
+    }
     let mib: Vec<(f64, f64)> = series(steps, "comm_bytes")
         .into_iter()
         .map(|(s, b)| (s, b / (1 << 20) as f64))

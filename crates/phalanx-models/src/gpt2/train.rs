@@ -119,7 +119,11 @@ pub fn trainer(
             (engine, rep)
         }
     };
+    let seq = loader.seq_len();
     let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
+    // Model FLOPs per token (6N + attention), for MFU.
+    let shape = phalanx::plan::ModelShape::gpt2(g.n_layer, g.n_head, g.n_embd, g.vocab_size, seq);
+    trainer.set_flops_per_token(phalanx::plan::model_flops_per_token(&shape));
     if let Some(t) = &tp {
         trainer.set_placement(Arc::new(super::tp::TpPlacement {
             vocab: g.vocab_size,

@@ -118,6 +118,9 @@ impl StepLog {
                 "comm_bytes": s.comm_bytes, "loss_scale": s.loss_scale,
                 "compute_ms": s.compute_ms,
             });
+            if let Some(m) = s.mfu {
+                v["mfu"] = serde_json::json!(m);
+            }
             if !health.stragglers.is_empty() {
                 v["stragglers"] = serde_json::json!(health.stragglers);
             }
@@ -179,6 +182,9 @@ impl StepLog {
                 s.tokens_per_s,
                 s.step_ms
             );
+            if let Some(m) = s.mfu {
+                line += &format!(" | MFU {:.1}%", m * 100.0);
+            }
             if let Some(v) = val {
                 line += &format!(" | val {v:.4}");
             }

@@ -53,6 +53,10 @@ pub struct StepStats {
     pub skipped: bool,
     /// The step minus the time this rank was blocked in communication.
     pub compute_ms: f64,
+    /// Model FLOPs utilisation: model FLOPs per token × tokens/s over the
+    /// matmul peak of every rank (set by `run` where the model's FLOPs are
+    /// known).
+    pub mfu: Option<f64>,
 }
 
 /// What a run produced.
@@ -87,6 +91,8 @@ pub struct Trainer {
     inject_overflow: Option<(usize, usize)>,
     /// Test hook: (global rank, delay) added to that rank's every step.
     inject_delay: Option<(usize, std::time::Duration)>,
+    /// Model FLOPs per token (for MFU), where the model says.
+    flops_per_token: Option<f64>,
     /// Where local parameters sit in the global tensors (checkpoints).
     placement: std::sync::Arc<dyn crate::checkpoint::Placement>,
     /// `checkpoint.async`: the background writer (its own process group).
@@ -254,6 +260,7 @@ impl Trainer {
             memory: None,
             inject_overflow: None,
             inject_delay: fault::slow(),
+            flops_per_token: None,
             placement: std::sync::Arc::new(crate::checkpoint::Whole),
             ckpt_async,
             start_step: 0,
@@ -275,6 +282,13 @@ impl Trainer {
     /// exactly as an fp16 overflow does.
     pub fn inject_overflow(&mut self, step: usize, rank: usize) {
         self.inject_overflow = Some((step, rank));
+    }
+
+    /// Model FLOPs per token (forward and backward, without
+    /// recomputation: `phalanx::plan::model_flops_per_token`), so that
+    /// `run` reports MFU.
+    pub fn set_flops_per_token(&mut self, f: f64) {
+        self.flops_per_token = Some(f);
     }
 
     /// Test hook: global rank `rank` spends `delay` more on every step
@@ -385,6 +399,7 @@ impl Trainer {
             loss_scale: out.loss_scale,
             skipped: out.skipped,
             compute_ms: (secs - blocked).max(0.0) * 1e3,
+            mfu: None,
         })
     }
 
@@ -421,6 +436,20 @@ impl Trainer {
         Ok(())
     }
 
+    /// The job's matmul peak (FLOP/s): every rank probes at once (so ranks
+    /// sharing a host share its cores, as in training) and the figures are
+    /// summed. `None` when the model's FLOPs are unknown.
+    fn matmul_peak(&self) -> Result<Option<f64>> {
+        if self.flops_per_token.is_none() {
+            return Ok(None);
+        }
+        let world = self.mesh.world();
+        world.barrier()?;
+        let mut p = [crate::plan::probe_matmul_flops()];
+        world.all_reduce(&mut p, phalanx_comm::ReduceOp::Sum)?;
+        Ok(Some(p[0]))
+    }
+
     /// This rank's figures for the monitor after step `s`.
     fn figures(&self, s: &StepStats, sent_at_start: u64) -> crate::monitor::Figures {
         let l = self.engine.ledger();
@@ -442,7 +471,7 @@ impl Trainer {
             comm_bytes_total: self.mesh.world().bytes_sent() - sent_at_start,
             loss_scale: (self.cfg.precision() == crate::config::Precision::Fp16)
                 .then_some(s.loss_scale),
-            mfu: None,
+            mfu: s.mfu,
             memory: std::array::from_fn(|k| (crate::monitor::MEMORY_KINDS[k], memory[k] as u64)),
         }
     }
@@ -557,9 +586,14 @@ impl Trainer {
             println!("Prometheus metrics at {url}");
         }
         let sent_at_start = self.mesh.world().bytes_sent();
+        let peak = self.matmul_peak()?;
         for k in first..steps {
             fault::at_step(self.mesh.world().rank(), k);
-            let s = self.step(k)?;
+            let mut s = self.step(k)?;
+            s.mfu = self
+                .flops_per_token
+                .zip(peak)
+                .map(|(f, p)| f * s.tokens_per_s / p);
             let health = monitor.after_step(&self.figures(&s, sent_at_start))?;
             for st in &health.new {
                 if lead && opts.progress {
