@@ -1,0 +1,167 @@
+//! `phalanx plan` end to end: the JSON fields, a recommended layout that
+//! `phalanx train` accepts, the calculator's errors, and the predicted peak
+//! memory per rank against the peak RSS a real run measures.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn phalanx(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(BIN)
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+fn json_lines(out: &str) -> Vec<serde_json::Value> {
+    out.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+#[test]
+fn json_has_the_fields_and_the_recommendation_trains() {
+    let (code, out, err) = phalanx(&[
+        "plan",
+        "--set",
+        "model.preset=gpt-tiny",
+        "--nproc",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let rows = json_lines(&out);
+    assert!(rows.len() > 4, "one object per layout: {out}");
+    for r in &rows {
+        for k in [
+            "dp",
+            "tp",
+            "pp",
+            "zero_stage",
+            "precision",
+            "activation_checkpointing",
+            "peak_bytes_per_rank",
+            "comm_bytes_per_step",
+            "step_seconds",
+            "fits",
+        ] {
+            assert!(!r[k].is_null(), "{k} missing in {r}");
+        }
+        assert_eq!(
+            r["dp"].as_u64().unwrap() * r["tp"].as_u64().unwrap() * r["pp"].as_u64().unwrap(),
+            2
+        );
+    }
+    let d = fresh_dir("phalanx-plan", "write");
+    let cfg = d.join("best.toml");
+    let (code, out, err) = phalanx(&[
+        "plan",
+        "--set",
+        "model.preset=gpt-tiny",
+        "--nproc",
+        "2",
+        "--write-config",
+        cfg.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("Recommended"), "{out}");
+    let (code, out, err) = phalanx(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "log.plot=\"\"",
+        "--set",
+        "log.report=\"\"",
+    ]);
+    assert_eq!(code, 0, "the written config trains: {out}\n{err}");
+}
+
+#[test]
+fn the_calculator_prints_every_stage_and_refuses_bad_counts() {
+    let (code, out, err) = phalanx(&["plan", "--params", "7B", "--nproc", "8"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for stage in ["0", "1", "2", "3"] {
+        assert!(
+            out.lines()
+                .any(|l| l.split_whitespace().any(|w| w == stage)),
+            "stage {stage}: {out}"
+        );
+    }
+    let (code, _, err) = phalanx(&["plan", "--params", "7Q", "--nproc", "8"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("7Q"), "{err}");
+}
+
+/// Predicted peak per rank vs the largest peak RSS of a 2-step, 2-rank run
+/// of gpt-10m in the config's own layout.
+fn predicted_vs_measured(sets: &[&str]) -> (f64, f64) {
+    let mut plan = vec!["plan", "--nproc", "2", "--json", "--config-layout"];
+    let mut train = vec!["train", "--nproc-per-node", "2"];
+    let mut all = vec![
+        "model.preset=gpt-10m",
+        "train.steps=2",
+        "train.eval_interval=0",
+        "log.plot=\"\"",
+        "log.report=\"\"",
+    ];
+    all.extend_from_slice(sets);
+    for s in &all {
+        plan.extend(["--set", s]);
+        train.extend(["--set", s]);
+    }
+    let (code, out, err) = phalanx(&plan);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 1, "{out}");
+    let predicted = rows[0]["peak_bytes_per_rank"].as_f64().unwrap();
+    let d = fresh_dir("phalanx-plan", &sets.join("-").replace(['=', '.'], "_"));
+    let log = d.join("log.jsonl");
+    train.extend(["--log-json", log.to_str().unwrap()]);
+    let (code, out, err) = phalanx(&train);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let first: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    let measured = first["memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["peak_rss"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    (predicted, measured)
+}
+
+#[test]
+fn predicted_peak_memory_is_within_15_percent_of_peak_rss() {
+    for sets in [
+        &[][..],
+        &["zero_optimization.stage=3"][..],
+        &["train.activation_checkpointing=full"][..],
+    ] {
+        let (p, m) = predicted_vs_measured(sets);
+        let err = (p - m) / m;
+        eprintln!(
+            "gpt-10m {sets:?}: predicted {:.0} MiB, measured {:.0} MiB ({:+.1}%)",
+            p / 1048576.0,
+            m / 1048576.0,
+            100.0 * err
+        );
+        assert!(err.abs() < 0.15, "{sets:?}: predicted {p} vs measured {m}");
+    }
+}
