@@ -10,6 +10,7 @@
 
 mod bench_collectives;
 mod checkpoint_cmd;
+mod config_args;
 mod generate;
 mod launch;
 mod outputs;

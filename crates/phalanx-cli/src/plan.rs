@@ -20,19 +20,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct PlanOpts {
-    /// A training config (TOML, or a DeepSpeed `.json`), as `phalanx train`.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    #[arg(
-        long = "deepspeed-config",
-        visible_alias = "deepspeed_config",
-        value_name = "FILE",
-        conflicts_with = "config"
-    )]
-    pub deepspeed_config: Option<PathBuf>,
-    /// Override one key, e.g. `--set model.preset=gpt-50m` (repeatable).
-    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-    pub set: Vec<String>,
+    #[command(flatten)]
+    pub cfg: crate::config_args::ConfigArgs,
     /// Ranks per node.
     #[arg(long, default_value_t = 2)]
     pub nproc: usize,
@@ -92,8 +81,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         let n = plan::parse_count(p)?;
         return calculator(n, o, device_memory);
     }
-    let file = o.config.as_deref().or(o.deepspeed_config.as_deref());
-    let cfg = phalanx_models::gpt2::config::build(file, &o.set).map_err(|e| e.to_string())?;
+    let cfg = o.cfg.build().map_err(|e| e.to_string())?;
     let sec = Gpt2Section::of(&cfg).map_err(|e| e.to_string())?;
     let m = ModelShape::gpt2(
         sec.n_layer,

@@ -11,7 +11,6 @@
 use clap::Args;
 use phalanx::config::TrainConfig;
 use phalanx::trainer::{Resume, RunOptions};
-use phalanx_models::gpt2;
 use phalanx_models::gpt2::config::Gpt2Section;
 use phalanx_models::gpt2::train::{self, GptRun};
 use std::path::PathBuf;
@@ -19,21 +18,8 @@ use std::sync::Arc;
 
 #[derive(Args, Debug, Clone)]
 pub struct TrainOpts {
-    /// A TOML file with sections model, data, train, optim, parallel, log,
-    /// or a DeepSpeed config (a `.json` file).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// A DeepSpeed config (ds_config.json); the same as `--config FILE.json`.
-    #[arg(
-        long = "deepspeed-config",
-        visible_alias = "deepspeed_config",
-        value_name = "FILE",
-        conflicts_with = "config"
-    )]
-    pub deepspeed_config: Option<PathBuf>,
-    /// Override one key, e.g. `--set train.steps=100` (repeatable).
-    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-    pub set: Vec<String>,
+    #[command(flatten)]
+    pub cfg: crate::config_args::ConfigArgs,
     /// Start from Hugging Face GPT-2 weights (safetensors).
     #[arg(long = "init-from")]
     pub init_from: Option<PathBuf>,
@@ -57,8 +43,7 @@ pub struct TrainOpts {
 }
 
 pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
-    let file = opts.config.as_deref().or(opts.deepspeed_config.as_deref());
-    let cfg = match gpt2::config::build(file, &opts.set) {
+    let cfg = match opts.cfg.build() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("phalanx train: {e}");

@@ -4,20 +4,6 @@
 
 mod common;
 use common::*;
-use std::process::Command;
-
-fn phalanx(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(BIN)
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
-}
 
 fn json_lines(out: &str) -> Vec<serde_json::Value> {
     out.lines()

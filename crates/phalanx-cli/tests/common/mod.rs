@@ -12,6 +12,20 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// Run the binary in the repository: (exit code, stdout, stderr).
+pub fn phalanx(args: &[&str]) -> (i32, String, String) {
+    let o = std::process::Command::new(BIN)
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
 /// A fresh, empty directory for one test (`prefix-name-pid`).
 pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("{prefix}-{name}-{}", std::process::id()));

@@ -66,7 +66,12 @@ impl Residuals {
 fn averaged_share(mut sum: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
     let inv = 1.0 / pg.size() as f32;
     sum.iter_mut().for_each(|x| *x *= inv);
-    let full = sum;
+    share(sum, coll, pg)
+}
+
+/// This rank's share of a whole reduced bucket: all of it for an
+/// all-reduce, its piece for a reduce-scatter.
+pub(crate) fn share(full: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
     match coll {
         Collective::AllReduce => full,
         Collective::ReduceScatter { counts } => {

@@ -24,6 +24,7 @@
 //! ([`GradBucket::params`]); a bucket described by nothing is all-reduced
 //! whole.
 
+use super::hooks::share;
 use super::reduce::{BucketParam, Collective, CommHook, DefaultHook, GradBucket, Pending};
 use crate::error::Result;
 use phalanx_comm::{ProcessGroup, ReduceOp};
@@ -178,17 +179,6 @@ fn mt_times_p(mat: &[f32], p: &[f32], n: usize, m: usize, r: usize) -> Vec<f32> 
         }
     }
     q
-}
-
-/// This rank's share of an averaged whole bucket.
-fn share(full: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
-    match coll {
-        Collective::AllReduce => full,
-        Collective::ReduceScatter { counts } => {
-            let lo: usize = counts[..pg.rank()].iter().sum();
-            full[lo..lo + counts[pg.rank()]].to_vec()
-        }
-    }
 }
 
 impl CommHook for PowerSgd {
