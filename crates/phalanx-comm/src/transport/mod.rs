@@ -4,6 +4,23 @@
 //! `Stream`, so framing, readers, heartbeats and failure handling are one
 //! code path.
 //!
+//! Which path carries a pair's data (`PHALANX_TRANSPORT`):
+//!
+//! | setting | same host | other hosts |
+//! |---|---|---|
+//! | `auto` (default) | shared memory (`shm`), Unix socket if it cannot be set up | TCP |
+//! | `shm` | shared memory; an error if it cannot be set up | TCP |
+//! | `uds` | Unix socket | TCP |
+//! | `tcp` | TCP | TCP |
+//!
+//! Shared memory (`shm`, `shm_link`) is a pair of single-producer
+//! single-consumer rings per same-host pair, in memfds passed over the
+//! authenticated Unix socket. It carries the same byte stream a socket
+//! would, read by the same reader code (`reader`), so every algorithm and
+//! sub-group works on it unchanged; the Unix socket stays beside it for
+//! heartbeats, ABORT and the goodbye (`reader::Role`). Network emulation
+//! shapes sockets, so it turns shared memory off under `auto`.
+//!
 //! Each connection has a reader thread that drains the socket into an inbox
 //! keyed by (peer, channel, sequence). Because the reader always drains, a
 //! rank may write a large chunk while its peer writes one back: the classic
@@ -63,6 +80,9 @@
 //! handshake nonces and a MAC with a sequence number on every frame.
 
 mod mesh;
+mod reader;
+mod shm;
+mod shm_link;
 mod stream;
 
 pub use mesh::connect_mesh;
@@ -72,7 +92,7 @@ use crate::error::{CommError, Result};
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub(crate) const K_DATA: u8 = 1;
@@ -113,6 +133,11 @@ pub(crate) struct Peer {
     pub host: String,
     pub link: Link,
     pub writer: Mutex<Stream>,
+    /// The shared-memory ring data frames go through instead of `writer`
+    /// (same-host peers; see `shm`).
+    pub shm: Option<Mutex<shm::RingTx>>,
+    /// The peer's ring that our reader thread drains (for `in_flight`).
+    pub shm_rx: Option<Arc<shm::Ring>>,
     /// Token bucket of the emulated link to this peer; used only under
     /// `writer`'s lock and only when network emulation is on.
     pub bucket: Mutex<Bucket>,
@@ -289,6 +314,18 @@ impl Transport {
         self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         let h = header(K_DATA, chan, seq, data.len());
         let handed = self.netem.map(|_| Instant::now());
+        if let Some(ring) = &p.shm {
+            let mut tx = ring.lock().unwrap();
+            let mut check = || match self.failure() {
+                Some(f) => Err(f),
+                None if Instant::now() >= deadline => Err(CommError::Timeout(format!(
+                    "sending to rank {to} ({}): the peer stopped reading its shared-memory ring",
+                    p.host
+                ))),
+                None => Ok(()),
+            };
+            return tx.write_all(&[&h, data], &mut check);
+        }
         let mut w = p.writer.lock().unwrap();
         let res = if let (Some(ne), Some(t0)) = (self.netem, handed) {
             self.send_emulated(&mut w, p, ne, t0, &h, data, deadline)
@@ -430,6 +467,22 @@ impl Transport {
         })
     }
 
+    /// Whether `from` has bytes in its shared-memory ring that its reader
+    /// thread has not delivered yet, within a short grace period (started
+    /// in `grace`): data a peer sent before a failure elsewhere (say an
+    /// ABORT on a control socket) is still delivered, as it would be on
+    /// one socket, instead of losing the race to the failure.
+    fn in_flight(&self, from: usize, grace: &mut Option<Instant>) -> bool {
+        let unread = self
+            .peers
+            .get(from)
+            .and_then(|p| p.as_ref())
+            .and_then(|p| p.shm_rx.as_ref())
+            .is_some_and(|r| r.unread());
+        let until = *grace.get_or_insert_with(|| Instant::now() + Duration::from_millis(200));
+        unread && Instant::now() < until
+    }
+
     /// How long to sleep before looking again (at most 1 s), or the timeout
     /// error naming the awaited peer once `deadline` has passed.
     fn wait_slice(
@@ -460,6 +513,7 @@ impl Transport {
         what: &dyn Fn() -> String,
     ) -> Result<Msg> {
         let key = (from, chan, seq);
+        let mut grace = None;
         let mut ib = self.inbox.lock().unwrap();
         loop {
             if let Some(q) = ib.queues.get_mut(&key) {
@@ -471,9 +525,14 @@ impl Transport {
                 }
             }
             if let Some(e) = self.gone(&ib, from, what) {
-                return Err(e);
+                if !self.in_flight(from, &mut grace) {
+                    return Err(e);
+                }
             }
-            let slice = self.wait_slice(from, deadline, what)?;
+            let mut slice = self.wait_slice(from, deadline, what)?;
+            if grace.is_some() {
+                slice = slice.min(Duration::from_millis(5));
+            }
             ib = self.arrived.wait_timeout(ib, slice).unwrap().0;
         }
     }
@@ -624,6 +683,7 @@ impl Posts<'_> {
             .ok_or_else(|| CommError::Invalid("no posted receive left to wait for".into()))?;
         self.next += 1;
         let from = self.key.0;
+        let mut grace = None;
         let mut ib = t.inbox.lock().unwrap();
         loop {
             match ib.slots.get(&id).copied() {
@@ -654,11 +714,16 @@ impl Posts<'_> {
                         }
                     }
                     if let Some(e) = t.gone(&ib, from, what) {
-                        return Err(e);
+                        if !t.in_flight(from, &mut grace) {
+                            return Err(e);
+                        }
                     }
                 }
             }
-            let slice = t.wait_slice(from, deadline, what)?;
+            let mut slice = t.wait_slice(from, deadline, what)?;
+            if grace.is_some() {
+                slice = slice.min(Duration::from_millis(5));
+            }
             ib = t.arrived.wait_timeout(ib, slice).unwrap().0;
         }
     }
@@ -717,6 +782,16 @@ impl Transport {
             None => String::new(),
         };
         for p in self.peers.iter().flatten() {
+            // Through the ring too, behind the data sent before it: the
+            // peer's ring reader marks us closed only after that data.
+            if let Some(Ok(mut tx)) = p.shm.as_ref().map(|r| r.lock()) {
+                let h = header(K_GOODBYE, 0, 0, why.len());
+                let mut check = || match Instant::now() >= deadline {
+                    true => Err(CommError::Timeout("goodbye".into())),
+                    false => Ok(()),
+                };
+                let _ = tx.write_all(&[&h, why.as_bytes()], &mut check);
+            }
             if let Ok(mut w) = p.writer.lock() {
                 let h = header(K_GOODBYE, 0, 0, why.len());
                 let _ = self.write_raw(&mut w, &h, why.as_bytes(), deadline);
