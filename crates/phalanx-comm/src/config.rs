@@ -9,7 +9,8 @@
 //! | `PHALANX_CHUNK_BYTES` | ring pipeline chunk | 512 KiB |
 //! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
 //! | `PHALANX_TRANSPORT` | `auto`: shared memory to ranks on the same host (Unix sockets if it cannot be set up), TCP to others; `shm`: the same, but failing to set up shared memory is an error; `uds`: Unix domain sockets to same-host ranks; `tcp`: TCP everywhere | auto |
-//! | `PHALANX_SHM_SPIN_US` | microseconds a rank waiting on shared memory spins before it sleeps | 50 when every local rank has a core, else 0 (yield, then sleep) |
+//! | `PHALANX_SHM_RING_BYTES` | data bytes of each shared-memory ring (per direction per same-host pair), a power of two | 1 MiB |
+//! | `PHALANX_SHM_SPIN_US` | microseconds a rank waiting on shared memory spins before it sleeps | 50 when there are two cores per local rank, else 0 (yield, then sleep) |
 //! | `PHALANX_NET_EMULATE` | emulate a slow network on every link, e.g. `bandwidth=1gbit,latency=100us` (see [`NetEmulate`]); a bad value fails process-group init | off |
 
 use std::time::Duration;
@@ -70,6 +71,9 @@ pub struct Config {
     /// Spin budget of a rank waiting on shared memory, in microseconds
     /// (`PHALANX_SHM_SPIN_US`); `None`: chosen from cores and local ranks.
     pub shm_spin_us: Option<f64>,
+    /// Data bytes of each shared-memory ring (`PHALANX_SHM_RING_BYTES`,
+    /// rounded up to a power of two, at least 64 KiB).
+    pub shm_ring_bytes: usize,
     /// Network emulation on every rank-to-rank link (`PHALANX_NET_EMULATE`);
     /// `None`: off, at the cost of one branch per send.
     pub net_emulate: Option<NetEmulate>,
@@ -90,6 +94,7 @@ impl Default for Config {
             heartbeat_timeout: Duration::from_secs(5),
             transport: TransportPref::Auto,
             shm_spin_us: None,
+            shm_ring_bytes: 1 << 20,
             net_emulate: None,
             net_emulate_error: None,
         }
@@ -145,6 +150,9 @@ impl Config {
                 TransportPref::Auto
             }),
         };
+        if let Some(b) = env_f64("PHALANX_SHM_RING_BYTES") {
+            c.shm_ring_bytes = (b as usize).clamp(64 << 10, 1 << 30).next_power_of_two();
+        }
         if let Ok(v) = std::env::var("PHALANX_SHM_SPIN_US") {
             match v.trim().parse::<f64>() {
                 Ok(x) if x >= 0.0 && x.is_finite() => c.shm_spin_us = Some(x),

@@ -3,7 +3,7 @@
 //! authenticated Unix socket, and the receiving end handed to a reader
 //! thread.
 
-use super::shm::{recv_offer, send_offer, Ring, RingRx, Spin, RING_BYTES};
+use super::shm::{recv_offer, send_offer, Ring, RingRx, Spin};
 use super::{Stream, Transport};
 use crate::config::{Config, TransportPref};
 use crate::error::{CommError, Result};
@@ -51,11 +51,17 @@ pub(crate) fn exchange(
             continue;
         };
         let ring = if offer {
-            match Ring::create(RING_BYTES) {
+            match Ring::create(
+                cfg.shm_ring_bytes
+                    .clamp(64 << 10, 1 << 30)
+                    .next_power_of_two(),
+            ) {
                 Ok(r) => Some(r),
-                Err(e) if forced => return Err(CommError::Io(format!(
+                Err(e) if forced => {
+                    return Err(CommError::Io(format!(
                     "PHALANX_TRANSPORT=shm: rank {rank} cannot create a shared-memory segment: {e}"
-                ))),
+                )))
+                }
                 Err(e) => {
                     if !warned {
                         eprintln!(
