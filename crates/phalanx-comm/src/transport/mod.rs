@@ -783,14 +783,23 @@ impl Transport {
         };
         for p in self.peers.iter().flatten() {
             // Through the ring too, behind the data sent before it: the
-            // peer's ring reader marks us closed only after that data.
+            // peer's ring reader marks us closed only after that data. If
+            // the peer stopped draining the ring, the goodbye on the socket
+            // says so, so that the peer fails at once instead of waiting for
+            // a goodbye in the ring that never comes.
+            let mut why = why.clone();
             if let Some(Ok(mut tx)) = p.shm.as_ref().map(|r| r.lock()) {
                 let h = header(K_GOODBYE, 0, 0, why.len());
                 let mut check = || match Instant::now() >= deadline {
                     true => Err(CommError::Timeout("goodbye".into())),
                     false => Ok(()),
                 };
-                let _ = tx.write_all(&[&h, why.as_bytes()], &mut check);
+                if tx.write_all(&[&h, why.as_bytes()], &mut check).is_err() && why.is_empty() {
+                    why = format!(
+                        "rank {} shut down while its shared-memory ring to this rank was full",
+                        self.rank
+                    );
+                }
             }
             if let Ok(mut w) = p.writer.lock() {
                 let h = header(K_GOODBYE, 0, 0, why.len());
