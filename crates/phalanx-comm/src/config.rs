@@ -10,6 +10,7 @@
 //! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
 //! | `PHALANX_TRANSPORT` | `auto`: shared memory to ranks on the same host (Unix sockets if it cannot be set up), TCP to others; `shm`: the same, but failing to set up shared memory is an error; `uds`: Unix domain sockets to same-host ranks; `tcp`: TCP everywhere | auto |
 //! | `PHALANX_SHM_RING_BYTES` | data bytes of each shared-memory ring (per direction per same-host pair), a power of two | 1 MiB |
+//! | `PHALANX_SHM_ALLREDUCE` | `0`: the world group's all-reduce runs over the shared-memory rings instead of in place in shared memory | 1 |
 //! | `PHALANX_SHM_SPIN_US` | microseconds a rank waiting on shared memory spins before it sleeps | 50 when there are two cores per local rank, else 0 (yield, then sleep) |
 //! | `PHALANX_NET_EMULATE` | emulate a slow network on every link, e.g. `bandwidth=1gbit,latency=100us` (see [`NetEmulate`]); a bad value fails process-group init | off |
 
@@ -74,6 +75,9 @@ pub struct Config {
     /// Data bytes of each shared-memory ring (`PHALANX_SHM_RING_BYTES`,
     /// rounded up to a power of two, at least 64 KiB).
     pub shm_ring_bytes: usize,
+    /// All-reduce of the world group in place in shared memory when every
+    /// rank shares this host (`PHALANX_SHM_ALLREDUCE`, default on).
+    pub shm_all_reduce: bool,
     /// Network emulation on every rank-to-rank link (`PHALANX_NET_EMULATE`);
     /// `None`: off, at the cost of one branch per send.
     pub net_emulate: Option<NetEmulate>,
@@ -95,6 +99,7 @@ impl Default for Config {
             transport: TransportPref::Auto,
             shm_spin_us: None,
             shm_ring_bytes: 1 << 20,
+            shm_all_reduce: true,
             net_emulate: None,
             net_emulate_error: None,
         }
@@ -152,6 +157,9 @@ impl Config {
         };
         if let Some(b) = env_f64("PHALANX_SHM_RING_BYTES") {
             c.shm_ring_bytes = (b as usize).clamp(64 << 10, 1 << 30).next_power_of_two();
+        }
+        if let Ok(v) = std::env::var("PHALANX_SHM_ALLREDUCE") {
+            c.shm_all_reduce = !matches!(v.trim(), "0" | "off" | "false");
         }
         if let Ok(v) = std::env::var("PHALANX_SHM_SPIN_US") {
             match v.trim().parse::<f64>() {

@@ -296,3 +296,66 @@ fn forced_shm_with_a_peer_that_declines_is_an_error_naming_it() {
     // The declining rank hears of it instead of waiting out its timeout.
     assert!(out[1].is_err());
 }
+
+/// The world's all-reduce in place in shared memory: bitwise the same on
+/// every rank, right against a reference over sizes around its chunk
+/// (512 KiB) and world sizes 2 to 5; sizes that differ between ranks are an
+/// error on every rank, not corruption.
+#[test]
+fn in_place_all_reduce_is_exact_and_checks_sizes() {
+    for world in 2..=5usize {
+        let cfg = Config {
+            transport: TransportPref::Shm,
+            timeout: Duration::from_secs(30),
+            ..Config::default()
+        };
+        let out = phalanx_comm::threads::run_with(world, cfg, Duration::from_secs(120), |pg| {
+            let r = pg.rank();
+            let mut all = vec![];
+            for n in [1usize, 3, 131_071, 131_072, 131_073, 400_009] {
+                let mut x: Vec<f32> = (0..n).map(|i| ((i * (r + 3)) as f32).sin() / 7.0).collect();
+                pg.all_reduce(&mut x, ReduceOp::Sum)?;
+                for i in (0..n).step_by(97).chain([n - 1]) {
+                    let want: f32 = (0..pg.size())
+                        .map(|q| ((i * (q + 3)) as f32).sin() / 7.0)
+                        .sum();
+                    assert!(
+                        (x[i] - want).abs() < 1e-5,
+                        "n={n} i={i}: {} vs {want}",
+                        x[i]
+                    );
+                }
+                let mut m: Vec<i64> = (0..n).map(|i| ((i + r * 7) % 11) as i64).collect();
+                pg.all_reduce(&mut m, ReduceOp::Max)?;
+                for i in (0..n).step_by(89) {
+                    let want = (0..pg.size())
+                        .map(|q| ((i + q * 7) % 11) as i64)
+                        .max()
+                        .unwrap();
+                    assert_eq!(m[i], want, "max n={n} i={i}");
+                }
+                all.push(x);
+            }
+            // Rank 0 believes in 10 elements, the others in 12.
+            let mut y = vec![1.0f32; if r == 0 { 10 } else { 12 }];
+            let err = pg.all_reduce(&mut y, ReduceOp::Sum).unwrap_err();
+            let later = pg.barrier().unwrap_err();
+            Ok((all, err, later))
+        });
+        let (first, _, _) = out[0].as_ref().unwrap();
+        for (r, o) in out.iter().enumerate() {
+            let (all, err, later) = o.as_ref().unwrap();
+            assert!(all == first, "world {world}: rank {r} differs from rank 0");
+            assert!(
+                matches!(err, CommError::Desync(_)),
+                "world {world} rank {r}: {err}"
+            );
+            // The group is failed: later calls fail at once, with this
+            // rank's desync or the one a peer that stopped first passed on.
+            assert!(
+                later == err || later.to_string().contains("collective desync"),
+                "world {world} rank {r}: {later}"
+            );
+        }
+    }
+}

@@ -6,11 +6,16 @@
 use phalanx_comm::{threads, Config, ReduceOp, TransportPref};
 use std::time::{Duration, Instant};
 
-fn mapped() -> usize {
+/// Mappings of shared-memory rings and of all-reduce slots.
+fn mapped_of(kind: &str) -> usize {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap()
-        .matches("memfd:phalanx-shm-ring")
+        .matches(&format!("memfd:phalanx-shm-{kind}"))
         .count()
+}
+
+fn mapped() -> usize {
+    mapped_of("ring") + mapped_of("slot")
 }
 
 fn open_memfds() -> usize {
@@ -37,13 +42,14 @@ fn segments_live_exactly_as_long_as_the_group() {
         pg.all_reduce(&mut x, ReduceOp::Sum)?;
         assert!(x.iter().all(|v| *v == 3.0));
         // Every rank is set up; none has gone yet.
-        let seen = (mapped(), open_memfds());
+        let seen = (mapped_of("ring"), mapped_of("slot"), open_memfds());
         pg.barrier()?;
         Ok(seen)
     });
     for (r, o) in out.into_iter().enumerate() {
-        // 3 ranks x 2 peers x (own ring + the peer's ring), no descriptors.
-        assert_eq!(o.unwrap(), (12, 0), "rank {r}");
+        // 3 ranks x 2 peers x (own ring + the peer's ring); 3 ranks x
+        // every rank's slot; no descriptors.
+        assert_eq!(o.unwrap(), (12, 9, 0), "rank {r}");
     }
     // Gone once the ranks are: reader threads let go within a sleep slice.
     let t0 = Instant::now();

@@ -200,8 +200,9 @@ pub fn connect_mesh(
         peers[j] = Some((s, String::from_utf8_lossy(&host).to_string()));
     }
 
-    let rings = super::shm_link::exchange(&peers, rank, cfg, deadline)
+    let offers = super::shm_link::exchange(&peers, rank, cfg, deadline)
         .map_err(|e| publish(store, prefix, e))?;
+    let rings = offers.rings;
     let spin = super::shm::Spin::for_ranks(
         1 + rings.iter().filter(|r| r.is_some()).count(),
         cfg.shm_spin_us,
@@ -242,6 +243,9 @@ pub fn connect_mesh(
     }
     let mut t = Transport::new(rank, world, conns);
     t.netem = cfg.net_emulate;
+    t.shm_world = offers
+        .slots
+        .map(|slots| super::shm_coll::ShmWorld::new(slots, spin));
     let t = Arc::new(t);
     super::register(&t);
     for (j, s, host, role) in readers {

@@ -18,8 +18,11 @@
 //! authenticated Unix socket. It carries the same byte stream a socket
 //! would, read by the same reader code (`reader`), so every algorithm and
 //! sub-group works on it unchanged; the Unix socket stays beside it for
-//! heartbeats, ABORT and the goodbye (`reader::Role`). Network emulation
-//! shapes sockets, so it turns shared memory off under `auto`.
+//! heartbeats, ABORT and the goodbye (`reader::Role`). When every rank of
+//! the job shares the host, the world group's all-reduce skips the rings:
+//! each rank reduces its slice of every rank's chunk in place in shared
+//! slots (`shm_coll`). Network emulation shapes sockets, so it turns
+//! shared memory off under `auto`.
 //!
 //! Each connection has a reader thread that drains the socket into an inbox
 //! keyed by (peer, channel, sequence). Because the reader always drains, a
@@ -82,6 +85,7 @@
 mod mesh;
 mod reader;
 mod shm;
+pub(crate) mod shm_coll;
 mod shm_link;
 mod stream;
 
@@ -228,6 +232,9 @@ pub struct Transport {
     sent: std::sync::atomic::AtomicU64,
     /// Emulated network on every link (`None`: off).
     pub(crate) netem: Option<crate::config::NetEmulate>,
+    /// Every rank's all-reduce slot, when all ranks share this host's
+    /// memory (`shm_coll`).
+    pub(crate) shm_world: Option<shm_coll::ShmWorld>,
 }
 
 impl Transport {
@@ -637,6 +644,7 @@ impl Transport {
             pool: Mutex::new(Vec::new()),
             sent: std::sync::atomic::AtomicU64::new(0),
             netem: None,
+            shm_world: None,
         }
     }
 }

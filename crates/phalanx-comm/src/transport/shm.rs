@@ -137,6 +137,80 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
+/// A memfd of `len` bytes, every page allocated (a full tmpfs fails here,
+/// not later with SIGBUS in the middle of a collective), its size sealed.
+fn sealed_memfd(name: &std::ffi::CStr, len: usize) -> io::Result<OwnedFd> {
+    // SAFETY: plain system calls on a descriptor we own.
+    unsafe {
+        let fd = OwnedFd::from_raw_fd(cvt(libc::memfd_create(
+            name.as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        ))?);
+        cvt(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t))?;
+        cvt(libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t))?;
+        cvt(libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+        ))?;
+        Ok(fd)
+    }
+}
+
+/// Size and seals of a segment a peer passed us.
+fn check_segment(fd: &OwnedFd) -> io::Result<usize> {
+    // SAFETY: fstat / fcntl on a descriptor we own.
+    let (size, seals) = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        cvt(libc::fstat(fd.as_raw_fd(), &mut st))?;
+        (
+            st.st_size as usize,
+            cvt(libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS))?,
+        )
+    };
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "segment is not sealed against shrinking",
+        ));
+    }
+    Ok(size)
+}
+
+/// A plain shared segment of a fixed size (`super::shm_coll`'s slots).
+pub(crate) struct Segment {
+    map: Mapping,
+}
+
+impl Segment {
+    pub fn create(len: usize) -> io::Result<(Segment, OwnedFd)> {
+        let fd = sealed_memfd(c"phalanx-shm-slot", len)?;
+        Ok((
+            Segment {
+                map: map(&fd, len)?,
+            },
+            fd,
+        ))
+    }
+
+    /// Map a peer's segment, which must be sealed and exactly `len` bytes.
+    pub fn open(fd: OwnedFd, len: usize) -> io::Result<Segment> {
+        if check_segment(&fd)? != len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "segment has a bad size",
+            ));
+        }
+        Ok(Segment {
+            map: map(&fd, len)?,
+        })
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.map.ptr
+    }
+}
+
 /// One direction's ring, mapped.
 pub(crate) struct Ring {
     map: Mapping,
@@ -148,30 +222,9 @@ impl Ring {
     /// returns it with the descriptor to pass to the consumer.
     pub fn create(cap: usize) -> io::Result<(Ring, OwnedFd)> {
         assert!(cap.is_power_of_two() && cap >= 4096);
-        let name = c"phalanx-shm-ring";
-        // SAFETY: plain system calls on a descriptor we own.
-        let fd = unsafe {
-            let raw = cvt(libc::memfd_create(
-                name.as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            ))?;
-            OwnedFd::from_raw_fd(raw)
-        };
-        let len = HEADER_PAGE + cap;
-        // SAFETY: as above.
-        unsafe {
-            cvt(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t))?;
-            // Allocate every page now (a full tmpfs fails here, not later
-            // with SIGBUS in the middle of a collective).
-            cvt(libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t))?;
-            cvt(libc::fcntl(
-                fd.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            ))?;
-        }
+        let fd = sealed_memfd(c"phalanx-shm-ring", HEADER_PAGE + cap)?;
         let ring = Ring {
-            map: map(&fd, len)?,
+            map: map(&fd, HEADER_PAGE + cap)?,
             cap,
         };
         ring.word64(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
@@ -183,18 +236,7 @@ impl Ring {
     /// is one (size, seals, magic, capacity).
     pub fn open(fd: OwnedFd) -> io::Result<Ring> {
         let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
-        // SAFETY: fstat / fcntl on a descriptor we own.
-        let (size, seals) = unsafe {
-            let mut st: libc::stat = std::mem::zeroed();
-            cvt(libc::fstat(fd.as_raw_fd(), &mut st))?;
-            (
-                st.st_size as usize,
-                cvt(libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS))?,
-            )
-        };
-        if seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(bad("segment is not sealed against shrinking"));
-        }
+        let size = check_segment(&fd)?;
         let cap = size.wrapping_sub(HEADER_PAGE);
         if size <= HEADER_PAGE || !cap.is_power_of_two() || cap > 1 << 30 {
             return Err(bad("segment has a bad size"));
@@ -267,7 +309,7 @@ impl Ring {
 /// The 32-bit word of a 64-bit index that changes with it (its low half),
 /// for futex calls: the index never moves by 2^32 between two looks, since
 /// it moves by at most the capacity while the other side waits.
-fn low_half(w: &AtomicU64) -> *const u32 {
+pub(crate) fn low_half(w: &AtomicU64) -> *const u32 {
     let p = w as *const AtomicU64 as *const u32;
     if cfg!(target_endian = "little") {
         p
@@ -277,7 +319,7 @@ fn low_half(w: &AtomicU64) -> *const u32 {
     }
 }
 
-fn futex_wait(word: *const u32, expected: u32, timeout: Duration) {
+pub(crate) fn futex_wait(word: *const u32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -295,11 +337,16 @@ fn futex_wait(word: *const u32, expected: u32, timeout: Duration) {
     }
 }
 
-fn futex_wake(word: *const u32) {
+/// Wake up to `n` sleepers on `word`.
+pub(crate) fn futex_wake_n(word: *const u32, n: i32) {
     // SAFETY: FUTEX_WAKE on a mapped, aligned word.
     unsafe {
-        libc::syscall(libc::SYS_futex, word, libc::FUTEX_WAKE, 1);
+        libc::syscall(libc::SYS_futex, word, libc::FUTEX_WAKE, n);
     }
+}
+
+fn futex_wake(word: *const u32) {
+    futex_wake_n(word, 1)
 }
 
 /// Wait until `word` differs from `old`: spin, maybe yield, then sleep on
@@ -463,10 +510,14 @@ impl io::Read for RingRx {
     }
 }
 
-/// Offer this side's ring (or none) to the peer on a connected Unix
-/// socket: one byte, 1 with the descriptor attached, 0 without.
-pub(crate) fn send_offer(sock: RawFd, fd: Option<&OwnedFd>) -> io::Result<()> {
-    let tag = [u8::from(fd.is_some())];
+/// Most descriptors in one offer.
+const MAX_OFFER: usize = 2;
+
+/// Offer this side's segments (or none) to the peer on a connected Unix
+/// socket: one byte, the number of descriptors attached.
+pub(crate) fn send_offer(sock: RawFd, fds: &[&OwnedFd]) -> io::Result<()> {
+    assert!(fds.len() <= MAX_OFFER);
+    let tag = [fds.len() as u8];
     let mut iov = libc::iovec {
         iov_base: tag.as_ptr() as *mut libc::c_void,
         iov_len: 1,
@@ -478,15 +529,20 @@ pub(crate) fn send_offer(sock: RawFd, fd: Option<&OwnedFd>) -> io::Result<()> {
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
-        if let Some(fd) = fd {
-            let int = std::mem::size_of::<libc::c_int>() as u32;
+        if !fds.is_empty() {
+            let bytes = (fds.len() * std::mem::size_of::<libc::c_int>()) as u32;
             msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-            msg.msg_controllen = libc::CMSG_SPACE(int) as _;
+            msg.msg_controllen = libc::CMSG_SPACE(bytes) as _;
             let c = libc::CMSG_FIRSTHDR(&msg);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(int) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut libc::c_int, fd.as_raw_fd());
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as _;
+            for (k, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(
+                    (libc::CMSG_DATA(c) as *mut libc::c_int).add(k),
+                    fd.as_raw_fd(),
+                );
+            }
         }
         loop {
             let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
@@ -507,8 +563,8 @@ pub(crate) fn send_offer(sock: RawFd, fd: Option<&OwnedFd>) -> io::Result<()> {
 }
 
 /// Receive the peer's offer (blocking up to the socket's read timeout):
-/// its ring's descriptor, or `None` if it offers none.
-pub(crate) fn recv_offer(sock: RawFd) -> io::Result<Option<OwnedFd>> {
+/// the descriptors it attached, none if it declines.
+pub(crate) fn recv_offer(sock: RawFd) -> io::Result<Vec<OwnedFd>> {
     let mut tag = [0u8; 1];
     let mut iov = libc::iovec {
         iov_base: tag.as_mut_ptr() as *mut libc::c_void,
@@ -555,9 +611,8 @@ pub(crate) fn recv_offer(sock: RawFd) -> io::Result<Option<OwnedFd>> {
                 "shared-memory offer carried too many descriptors",
             ));
         }
-        match (tag[0], fds.len()) {
-            (0, 0) => Ok(None),
-            (1, 1) => Ok(fds.pop()),
+        match tag[0] as usize {
+            t if t == fds.len() && t <= MAX_OFFER => Ok(fds),
             _ => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "malformed shared-memory offer",
@@ -630,11 +685,14 @@ mod tests {
         use std::os::unix::net::UnixStream;
         let (a, b) = UnixStream::pair().unwrap();
         let (_ring, fd) = Ring::create(8192).unwrap();
-        send_offer(a.as_raw_fd(), Some(&fd)).unwrap();
-        send_offer(a.as_raw_fd(), None).unwrap();
-        let got = recv_offer(b.as_raw_fd()).unwrap().unwrap();
-        assert!(Ring::open(got).is_ok());
-        assert!(recv_offer(b.as_raw_fd()).unwrap().is_none());
+        let (_seg, sfd) = Segment::create(12288).unwrap();
+        send_offer(a.as_raw_fd(), &[&fd, &sfd]).unwrap();
+        send_offer(a.as_raw_fd(), &[]).unwrap();
+        let mut got = recv_offer(b.as_raw_fd()).unwrap();
+        assert_eq!(got.len(), 2);
+        assert!(Segment::open(got.pop().unwrap(), 12288).is_ok());
+        assert!(Ring::open(got.pop().unwrap()).is_ok());
+        assert!(recv_offer(b.as_raw_fd()).unwrap().is_empty());
         // A plain memfd (not sealed) is refused.
         // SAFETY: creating and sizing a memfd we own.
         let plain = unsafe {

@@ -3,7 +3,8 @@
 //! authenticated Unix socket, and the receiving end handed to a reader
 //! thread.
 
-use super::shm::{recv_offer, send_offer, Ring, RingRx, Spin};
+use super::shm::{recv_offer, send_offer, Ring, RingRx, Segment, Spin};
+use super::shm_coll::SLOT_BYTES;
 use super::{Stream, Transport};
 use crate::config::{Config, TransportPref};
 use crate::error::{CommError, Result};
@@ -15,9 +16,16 @@ use std::time::{Duration, Instant};
 /// (this rank's sending ring, the peer's ring we read), per rank.
 pub(crate) type Rings = Vec<Option<(Arc<Ring>, Arc<Ring>)>>;
 
-/// Offer every Unix-socket peer a ring and take theirs: each side sends
-/// one byte (with its ring's descriptor attached, or without to decline)
-/// and then reads the peer's. A pair uses shared memory when both offered;
+/// What the offers set up: the rings per peer, and every rank's
+/// all-reduce slot (`super::shm_coll`) when every peer shares memory.
+pub(crate) struct Offers {
+    pub rings: Rings,
+    pub slots: Option<Vec<Segment>>,
+}
+
+/// Offer every Unix-socket peer a ring (and this rank's all-reduce slot)
+/// and take theirs: each side sends one byte (with both descriptors
+/// attached, or none to decline) and then reads the peer's. A pair uses shared memory when both offered;
 /// under `PHALANX_TRANSPORT=shm` anything else is an error naming the
 /// peer. Runs before the reader threads start, so the sockets carry
 /// nothing else; every offer is sent before any is read, and one byte
@@ -27,7 +35,7 @@ pub(crate) fn exchange(
     rank: usize,
     cfg: &Config,
     deadline: Instant,
-) -> Result<Rings> {
+) -> Result<Offers> {
     let forced = cfg.transport == TransportPref::Shm;
     if forced && cfg.net_emulate.is_some() {
         return Err(CommError::Invalid(
@@ -45,12 +53,33 @@ pub(crate) fn exchange(
     };
     let mut own = Vec::with_capacity(peers.len());
     let mut warned = false;
+    let slot = if offer
+        && peers
+            .iter()
+            .any(|p| matches!(p, Some((Stream::Unix(_), _))))
+    {
+        match Segment::create(SLOT_BYTES) {
+            Ok(s) => Some(s),
+            Err(e) if forced => {
+                return Err(CommError::Io(format!(
+                    "PHALANX_TRANSPORT=shm: rank {rank} cannot create a shared-memory segment: {e}"
+                )))
+            }
+            Err(e) => {
+                eprintln!("[phalanx] rank {rank}: no shared memory ({e}); using Unix sockets");
+                warned = true;
+                None
+            }
+        }
+    } else {
+        None
+    };
     for (j, p) in peers.iter().enumerate() {
         let Some((Stream::Unix(s), host)) = p else {
             own.push(None);
             continue;
         };
-        let ring = if offer {
+        let ring = if slot.is_some() {
             match Ring::create(
                 cfg.shm_ring_bytes
                     .clamp(64 << 10, 1 << 30)
@@ -75,11 +104,16 @@ pub(crate) fn exchange(
         } else {
             None
         };
-        send_offer(s.as_raw_fd(), ring.as_ref().map(|r| &r.1))
+        let fds: Vec<_> = match (&ring, &slot) {
+            (Some(r), Some(s)) => vec![&r.1, &s.1],
+            _ => vec![],
+        };
+        send_offer(s.as_raw_fd(), &fds)
             .map_err(|e| peer_err(j, host, format!("shared-memory offer failed: {e}")))?;
         own.push(ring.map(|r| r.0));
     }
     let mut rings = Vec::with_capacity(peers.len());
+    let mut slots: Vec<Option<Segment>> = (0..peers.len()).map(|_| None).collect();
     for (j, (p, mine)) in peers.iter().zip(own).enumerate() {
         let Some((Stream::Unix(s), host)) = p else {
             rings.push(None);
@@ -96,14 +130,22 @@ pub(crate) fn exchange(
                 format!("no shared-memory offer received during set-up: {e}"),
             )
         })?;
-        match (mine, theirs) {
-            (Some(tx), Some(fd)) => {
-                let rx = Ring::open(fd).map_err(|e| {
-                    peer_err(j, host, format!("offered a bad shared-memory segment: {e}"))
-                })?;
+        let bad = |e: std::io::Error| {
+            peer_err(j, host, format!("offered a bad shared-memory segment: {e}"))
+        };
+        let mut theirs = theirs.into_iter();
+        match (mine, theirs.next(), theirs.next()) {
+            (Some(tx), Some(ring_fd), Some(slot_fd)) => {
+                let rx = Ring::open(ring_fd).map_err(bad)?;
+                slots[j] = Some(Segment::open(slot_fd, SLOT_BYTES).map_err(bad)?);
                 rings.push(Some((Arc::new(tx), Arc::new(rx))));
             }
-            (_, theirs) if forced => {
+            (_, Some(_), None) => {
+                return Err(bad(std::io::Error::other(
+                    "one descriptor where two belong",
+                )))
+            }
+            (_, theirs, _) if forced => {
                 return Err(CommError::Invalid(format!(
                     "PHALANX_TRANSPORT=shm: rank {j} ({host}) shares this host but {}",
                     if theirs.is_none() {
@@ -116,7 +158,19 @@ pub(crate) fn exchange(
             _ => rings.push(None),
         }
     }
-    Ok(rings)
+    // The in-place all-reduce needs every other rank on this host.
+    let all = rings
+        .iter()
+        .enumerate()
+        .all(|(j, r)| j == rank || r.is_some());
+    let slots = match slot {
+        Some((mine, _fd)) if all => {
+            slots[rank] = Some(mine);
+            slots.into_iter().collect::<Option<Vec<_>>>()
+        }
+        _ => None,
+    };
+    Ok(Offers { rings, slots })
 }
 
 /// The receiving end of a peer's ring for its reader thread: reads give up
