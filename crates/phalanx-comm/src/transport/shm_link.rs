@@ -1,14 +1,16 @@
 //! Setting up the shared-memory data path of same-host pairs (see
 //! `super::shm` for the ring itself): the offer exchange over each
 //! authenticated Unix socket, and the receiving end handed to a reader
-//! thread.
+//! thread; the descriptors travel as SCM_RIGHTS ancillary data.
 
-use super::shm::{recv_offer, send_offer, Ring, RingRx, Segment, Spin};
+use super::shm::{Ring, RingRx, Segment, Spin};
 use super::shm_coll::SLOT_BYTES;
 use super::{Stream, Transport};
 use crate::config::{Config, TransportPref};
 use crate::error::{CommError, Result};
+use std::io;
 use std::os::fd::AsRawFd;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -189,4 +191,145 @@ pub(crate) fn ring_reader(rx: Arc<Ring>, spin: Spin, t: Weak<Transport>) -> Ring
             Some(_) => None,
         }),
     )
+}
+
+/// Most descriptors in one offer.
+const MAX_OFFER: usize = 2;
+
+/// Offer this side's segments (or none) to the peer on a connected Unix
+/// socket: one byte, the number of descriptors attached.
+pub(crate) fn send_offer(sock: RawFd, fds: &[&OwnedFd]) -> io::Result<()> {
+    assert!(fds.len() <= MAX_OFFER);
+    let tag = [fds.len() as u8];
+    let mut iov = libc::iovec {
+        iov_base: tag.as_ptr() as *mut libc::c_void,
+        iov_len: 1,
+    };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: a msghdr built over live local buffers; the control buffer is
+    // large and aligned enough for one descriptor.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if !fds.is_empty() {
+            let bytes = (fds.len() * std::mem::size_of::<libc::c_int>()) as u32;
+            msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+            msg.msg_controllen = libc::CMSG_SPACE(bytes) as _;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as _;
+            for (k, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(
+                    (libc::CMSG_DATA(c) as *mut libc::c_int).add(k),
+                    fd.as_raw_fd(),
+                );
+            }
+        }
+        loop {
+            let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL);
+            if n == 1 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if n < 0 && e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(if n < 0 {
+                e
+            } else {
+                io::ErrorKind::WriteZero.into()
+            });
+        }
+    }
+}
+
+/// Receive the peer's offer (blocking up to the socket's read timeout):
+/// the descriptors it attached, none if it declines.
+pub(crate) fn recv_offer(sock: RawFd) -> io::Result<Vec<OwnedFd>> {
+    let mut tag = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: tag.as_mut_ptr() as *mut libc::c_void,
+        iov_len: 1,
+    };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: as in send_offer; every descriptor received is wrapped in an
+    // OwnedFd at once, so none leaks.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+        let n = loop {
+            let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            break n;
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        let mut fds = Vec::new();
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
+                for k in 0..bytes / std::mem::size_of::<libc::c_int>() {
+                    let fd = std::ptr::read_unaligned((data as *const libc::c_int).add(k));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "shared-memory offer carried too many descriptors",
+            ));
+        }
+        match tag[0] as usize {
+            t if t == fds.len() && t <= MAX_OFFER => Ok(fds),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "malformed shared-memory offer",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_pass_descriptors_and_refuse_unsealed_segments() {
+        use std::os::unix::net::UnixStream;
+        let (a, b) = UnixStream::pair().unwrap();
+        let (_ring, fd) = Ring::create(8192).unwrap();
+        let (_seg, sfd) = Segment::create(12288).unwrap();
+        send_offer(a.as_raw_fd(), &[&fd, &sfd]).unwrap();
+        send_offer(a.as_raw_fd(), &[]).unwrap();
+        let mut got = recv_offer(b.as_raw_fd()).unwrap();
+        assert_eq!(got.len(), 2);
+        assert!(Segment::open(got.pop().unwrap(), 12288).is_ok());
+        assert!(Ring::open(got.pop().unwrap()).is_ok());
+        assert!(recv_offer(b.as_raw_fd()).unwrap().is_empty());
+        // A plain memfd (not sealed) is refused.
+        // SAFETY: creating and sizing a memfd we own.
+        let plain = unsafe {
+            let raw = libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(raw >= 0);
+            assert_eq!(libc::ftruncate(raw, (4096 + 8192) as libc::off_t), 0);
+            OwnedFd::from_raw_fd(raw)
+        };
+        let e = Ring::open(plain).err().unwrap();
+        assert!(e.to_string().contains("sealed"), "{e}");
+    }
 }
