@@ -32,8 +32,10 @@ pub struct BenchOpts {
     pub iters: usize,
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// Transport: tcp (the only one built so far).
-    #[arg(long, default_value = "tcp")]
+    /// Transport between the ranks: auto (what a job gets by default:
+    /// shared memory on one host), shm, uds (Unix sockets) or tcp; mpi and
+    /// nccl are not built yet. Sets PHALANX_TRANSPORT for the ranks.
+    #[arg(long, default_value = "auto")]
     pub backend: String,
     #[arg(long, default_value = "f32")]
     pub dtype: String,
@@ -44,6 +46,9 @@ pub struct BenchOpts {
     #[arg(long)]
     pub json: bool,
 }
+
+/// Values of `--backend` that are built (`PHALANX_TRANSPORT` values).
+const BACKENDS: [&str; 4] = ["auto", "shm", "uds", "tcp"];
 
 const OPS: [&str; 6] = [
     "all_reduce",
@@ -140,11 +145,22 @@ pub fn plan(
     local_ranks: usize,
     available: Option<usize>,
 ) -> Result<Plan, String> {
-    if opts.backend != "tcp" {
-        return Err(format!(
-            "backend {:?} is not built; available: tcp",
-            opts.backend
-        ));
+    match opts.backend.as_str() {
+        "mpi" | "nccl" => {
+            return Err(format!(
+                "--backend {}: not built (this phalanx has no {} backend yet); available: {}",
+                opts.backend,
+                opts.backend.to_uppercase(),
+                BACKENDS.join(", ")
+            ))
+        }
+        b if BACKENDS.contains(&b) => {}
+        b => {
+            return Err(format!(
+                "--backend {b:?}: unknown; choose from {}",
+                BACKENDS.join(", ")
+            ))
+        }
     }
     let ops: Vec<&'static str> = if opts.op == "all" {
         OPS.to_vec()
@@ -230,6 +246,9 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
     };
     let (ops, sizes, dtype) = (&plan.ops, &plan.sizes, plan.dtype);
+    // The ranks read it in `init_process_group` (inherited when relaunched).
+    // Set while this process has no other thread.
+    std::env::set_var("PHALANX_TRANSPORT", &opts.backend);
     // Outside a job: start the ranks through the launcher.
     if !in_job {
         return crate::launch::relaunch_self(launch, launch.nproc_per_node.unwrap_or(opts.nproc));
@@ -334,25 +353,42 @@ fn sweep<T: Element>(
         }
     }
     if pg.rank() == 0 {
-        print_rows::<T>(&rows, n, opts);
+        print_rows::<T>(&rows, n, opts, &links(pg));
     }
     Ok(rows.iter().map(|r| r.wrong).sum())
 }
 
-fn print_rows<T: Element>(rows: &[Row], n: usize, opts: &BenchOpts) {
+/// The kinds of link from this rank to the others, e.g. "shm" or
+/// "shm+tcp": what was really measured.
+fn links(pg: &ProcessGroup) -> String {
+    let mut kinds: Vec<&str> = (0..pg.size())
+        .filter_map(|j| pg.link(j).map(|l| l.name()))
+        .collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    if kinds.is_empty() {
+        "none".into()
+    } else {
+        kinds.join("+")
+    }
+}
+
+fn print_rows<T: Element>(rows: &[Row], n: usize, opts: &BenchOpts, links: &str) {
     let dt = T::DTYPE.name();
     if opts.json {
         let v: Vec<serde_json::Value> = rows
             .iter()
             .map(|r| {
                 serde_json::json!({"op": r.op, "bytes": r.bytes, "count": r.count, "dtype": dt, "nproc": n,
+                    "backend": opts.backend, "links": links,
                     "time_us": r.time_us, "algbw_gbps": r.algbw, "busbw_gbps": r.busbw, "wrong": r.wrong})
             })
             .collect();
         println!("{}", serde_json::Value::Array(v));
     } else {
         println!(
-            "# phalanx bench collectives: {n} ranks, backend tcp, check {}",
+            "# phalanx bench collectives: {n} ranks, backend {} (links: {links}), check {}",
+            opts.backend,
             if opts.check { "on" } else { "off" }
         );
         println!("# op              size(B)      count  type   time(us)  algbw(GB/s)  busbw(GB/s)  #wrong");

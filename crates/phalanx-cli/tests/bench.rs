@@ -82,7 +82,12 @@ fn bad_sizes_and_iterations_are_refused_naming_them() {
         (&["--iters", "0"], &["--iters"]),
         (&["--dtype", "f8"], &["--dtype", "f8"]),
         (&["--op", "all_sum"], &["all_sum"]),
-        (&["--backend", "nccl"], &["nccl"]),
+        (&["--backend", "nccl"], &["nccl", "not built"]),
+        (&["--backend", "mpi"], &["--backend mpi", "not built"]),
+        (
+            &["--backend", "carrier-pigeon"],
+            &["carrier-pigeon", "shm, uds, tcp"],
+        ),
     ];
     for (args, want) in cases {
         let (code, err, took) = bench(args);
@@ -126,4 +131,43 @@ fn a_small_sweep_still_runs() {
         assert!(so.contains(b), "{b} missing from {so}");
     }
     assert!(leftovers(&mark).is_empty());
+}
+
+#[test]
+fn every_backend_runs_over_the_links_it_names() {
+    for (backend, link) in [
+        ("shm", "shm"),
+        ("uds", "unix"),
+        ("tcp", "tcp"),
+        ("auto", "shm"),
+    ] {
+        let mark = format!("bench-{backend}-{}", std::process::id());
+        let out = Command::new(BIN)
+            .args(["bench", "collectives", "--nproc", "3", "--op", "all"])
+            .args([
+                "--sizes", "8,1M", "--iters", "2", "--warmup", "1", "--check",
+            ])
+            .args(["--backend", backend])
+            .env_remove("RANK")
+            .env_remove("PHALANX_SECRET")
+            .env_remove("PHALANX_TRANSPORT")
+            .env("PHALANX_TEST_MARK", &mark)
+            .output()
+            .unwrap();
+        let so = String::from_utf8_lossy(&out.stdout);
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{backend}: {so}\n{se}");
+        assert!(
+            so.contains(&format!("backend {backend} (links: {link})")),
+            "{backend}: {so}"
+        );
+        // Six ops at two sizes, none wrong.
+        let rows: Vec<&str> = so
+            .lines()
+            .filter(|l| !l.contains('#') && !l.trim().is_empty())
+            .collect();
+        assert_eq!(rows.len(), 12, "{backend}: {so}");
+        assert!(rows.iter().all(|l| l.trim_end().ends_with(" 0")), "{so}");
+        assert!(leftovers(&mark).is_empty());
+    }
 }

@@ -8,7 +8,10 @@
 //! | `PHALANX_RD_MAX_BYTES` | `auto` uses recursive doubling / trees up to this size | 2 MiB for 2 ranks, 128 KiB for more (measured crossovers on loopback) |
 //! | `PHALANX_CHUNK_BYTES` | ring pipeline chunk | 512 KiB |
 //! | `PHALANX_HEARTBEAT_TIMEOUT` | seconds of silence before a peer is declared dead | 5 |
-//! | `PHALANX_TRANSPORT` | `auto`: Unix domain sockets to ranks on the same host, TCP to others; `tcp`: TCP everywhere | auto |
+//! | `PHALANX_TRANSPORT` | `auto`: shared memory to ranks on the same host (Unix sockets if it cannot be set up), TCP to others; `shm`: the same, but failing to set up shared memory is an error; `uds`: Unix domain sockets to same-host ranks; `tcp`: TCP everywhere | auto |
+//! | `PHALANX_SHM_RING_BYTES` | data bytes of each shared-memory ring (per direction per same-host pair), a power of two | 1 MiB |
+//! | `PHALANX_SHM_ALLREDUCE` | `0`: the world group's all-reduce runs over the shared-memory rings instead of in place in shared memory | 1 |
+//! | `PHALANX_SHM_SPIN_US` | microseconds a rank waiting on shared memory spins before it sleeps | 50 when there are two cores per local rank, else 0 (yield, then sleep) |
 //! | `PHALANX_NET_EMULATE` | emulate a slow network on every link, e.g. `bandwidth=1gbit,latency=100us` (see [`NetEmulate`]); a bad value fails process-group init | off |
 
 use std::time::Duration;
@@ -20,13 +23,41 @@ pub enum Algo {
     RecursiveDoubling,
 }
 
-/// Which sockets the rank-to-rank mesh may use.
+/// What the rank-to-rank mesh may use (`PHALANX_TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportPref {
-    /// Unix domain sockets to ranks on the same host, TCP to the others.
+    /// Shared memory to ranks on the same host (falling back to Unix
+    /// sockets to a peer if it cannot be set up), TCP to the others.
     Auto,
+    /// Like `Auto`, but a same-host peer without shared memory is an error
+    /// (so a benchmark or test really measures shared memory).
+    Shm,
+    /// Unix domain sockets to ranks on the same host, TCP to the others.
+    Uds,
     /// TCP to every rank, even on the same host.
     Tcp,
+}
+
+impl TransportPref {
+    /// Parse `auto`, `shm`, `uds` or `tcp` (case-insensitive; empty is auto).
+    pub fn parse(s: &str) -> Option<TransportPref> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Some(TransportPref::Auto),
+            "shm" => Some(TransportPref::Shm),
+            "uds" | "unix" => Some(TransportPref::Uds),
+            "tcp" => Some(TransportPref::Tcp),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportPref::Auto => "auto",
+            TransportPref::Shm => "shm",
+            TransportPref::Uds => "uds",
+            TransportPref::Tcp => "tcp",
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -38,6 +69,15 @@ pub struct Config {
     pub chunk_bytes: usize,
     pub heartbeat_timeout: Duration,
     pub transport: TransportPref,
+    /// Spin budget of a rank waiting on shared memory, in microseconds
+    /// (`PHALANX_SHM_SPIN_US`); `None`: chosen from cores and local ranks.
+    pub shm_spin_us: Option<f64>,
+    /// Data bytes of each shared-memory ring (`PHALANX_SHM_RING_BYTES`,
+    /// rounded up to a power of two, at least 64 KiB).
+    pub shm_ring_bytes: usize,
+    /// All-reduce of the world group in place in shared memory when every
+    /// rank shares this host (`PHALANX_SHM_ALLREDUCE`, default on).
+    pub shm_all_reduce: bool,
     /// Network emulation on every rank-to-rank link (`PHALANX_NET_EMULATE`);
     /// `None`: off, at the cost of one branch per send.
     pub net_emulate: Option<NetEmulate>,
@@ -57,6 +97,9 @@ impl Default for Config {
             chunk_bytes: 512 << 10,
             heartbeat_timeout: Duration::from_secs(5),
             transport: TransportPref::Auto,
+            shm_spin_us: None,
+            shm_ring_bytes: 1 << 20,
+            shm_all_reduce: true,
             net_emulate: None,
             net_emulate_error: None,
         }
@@ -105,13 +148,27 @@ impl Config {
         };
         c.transport = match std::env::var("PHALANX_TRANSPORT") {
             Err(_) => TransportPref::Auto,
-            Ok(v) if v.eq_ignore_ascii_case("tcp") => TransportPref::Tcp,
-            Ok(v) if v.is_empty() || v.eq_ignore_ascii_case("auto") => TransportPref::Auto,
-            Ok(v) => {
-                eprintln!("[phalanx] ignoring PHALANX_TRANSPORT={v}: expected auto or tcp");
+            Ok(v) => TransportPref::parse(&v).unwrap_or_else(|| {
+                eprintln!(
+                    "[phalanx] ignoring PHALANX_TRANSPORT={v}: expected auto, shm, uds or tcp"
+                );
                 TransportPref::Auto
-            }
+            }),
         };
+        if let Some(b) = env_f64("PHALANX_SHM_RING_BYTES") {
+            c.shm_ring_bytes = (b as usize).clamp(64 << 10, 1 << 30).next_power_of_two();
+        }
+        if let Ok(v) = std::env::var("PHALANX_SHM_ALLREDUCE") {
+            c.shm_all_reduce = !matches!(v.trim(), "0" | "off" | "false");
+        }
+        if let Ok(v) = std::env::var("PHALANX_SHM_SPIN_US") {
+            match v.trim().parse::<f64>() {
+                Ok(x) if x >= 0.0 && x.is_finite() => c.shm_spin_us = Some(x),
+                _ => eprintln!(
+                    "[phalanx] ignoring PHALANX_SHM_SPIN_US={v}: expected microseconds >= 0"
+                ),
+            }
+        }
         if let Some(b) = env_f64("PHALANX_RD_MAX_BYTES") {
             c.rd_max_bytes = b as usize;
         }

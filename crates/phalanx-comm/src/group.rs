@@ -311,7 +311,15 @@ impl ProcessGroup {
                 Algo::Ring => false,
                 Algo::Auto => bytes <= cfg.small_message_bytes(c.n()) || buf.len() < c.n(),
             };
-            if use_rd {
+            // The world group on one host: reduce in place in shared memory.
+            let shm = match (&c.t.shm_world, cfg.algo, self.inner.gid) {
+                (Some(w), Algo::Auto, 1) if cfg.shm_all_reduce => Some(w),
+                _ => None,
+            };
+            if let Some(w) = shm {
+                let what = format!("{} (collective #{})", c.op, c.seq);
+                crate::transport::shm_coll::all_reduce(c.t, w, buf, op, c.deadline, &what)?;
+            } else if use_rd {
                 algo::rd::all_reduce(c, buf, op)?;
             } else {
                 algo::ring::all_reduce(c, buf, op)?;

@@ -1,7 +1,43 @@
 //! Every collective against a sequential reference, for world sizes 1 to 5,
-//! every dtype and reduce op, and element counts 0, 1, 7 and 2M+1.
+//! every dtype and reduce op, and element counts 0, 1, 7 and 2M+1, on every
+//! transport (shared memory, Unix sockets, TCP).
 
-use phalanx_comm::{bf16, f16, threads, Algo, Config, Element, ProcessGroup, ReduceOp};
+use phalanx_comm::{
+    bf16, f16, threads, Algo, Config, Element, Link, ProcessGroup, ReduceOp, TransportPref,
+};
+
+/// Each transport with the link it must give between two ranks of one host.
+const TRANSPORTS: [(TransportPref, Link); 3] = [
+    (TransportPref::Shm, Link::Shm),
+    (TransportPref::Uds, Link::Unix),
+    (TransportPref::Tcp, Link::Tcp),
+];
+
+/// `threads::run` once per transport; checks that the ranks really talk
+/// over it.
+fn run_all<R: Send + 'static>(
+    world: usize,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + Clone + 'static,
+) {
+    for (transport, link) in TRANSPORTS {
+        let cfg = Config {
+            transport,
+            ..Config::from_env()
+        };
+        let f = f.clone();
+        let out = threads::run_with(world, cfg, threads::DEADLINE, move |pg| {
+            for j in (0..pg.size()).filter(|&j| j != pg.rank()) {
+                assert_eq!(pg.link(j), Some(link), "{transport:?}: link to rank {j}");
+            }
+            Ok(f(pg))
+        });
+        for (r, o) in out.into_iter().enumerate() {
+            if let Err(e) = o {
+                panic!("{transport:?}: rank {r}: {e}");
+            }
+        }
+    }
+}
 
 const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
@@ -129,7 +165,7 @@ fn check_all_ops<T: Element>(pg: &ProcessGroup, n: usize, salt: usize) {
 #[test]
 fn small_counts_every_dtype_and_op_world_1_to_5() {
     for world in 1..=5 {
-        threads::run(world, |pg| {
+        run_all(world, |pg| {
             for (salt, n) in [0usize, 1, 7, 40].into_iter().enumerate() {
                 check_all_ops::<f32>(&pg, n, salt);
                 check_all_ops::<f64>(&pg, n, salt);
@@ -147,7 +183,7 @@ fn small_counts_every_dtype_and_op_world_1_to_5() {
 fn large_counts_ring_and_chain() {
     let n = 2_000_001;
     for world in [2usize, 3, 5] {
-        threads::run(world, move |pg| {
+        run_all(world, move |pg| {
             let (r, w) = (pg.rank(), pg.size());
             let mut x = input::<f32>(r, n, 1);
             pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -200,11 +236,16 @@ fn large_counts_ring_and_chain() {
 
 #[test]
 fn forced_algorithms_agree_bitwise_across_ranks() {
-    for algo in [Algo::Ring, Algo::RecursiveDoubling] {
-        for world in [3usize, 4] {
+    for (algo, world, (transport, _)) in [Algo::Ring, Algo::RecursiveDoubling]
+        .into_iter()
+        .flat_map(|a| [3usize, 4].map(|w| (a, w)))
+        .flat_map(|(a, w)| TRANSPORTS.map(|t| (a, w, t)))
+    {
+        {
             let cfg = Config {
                 algo,
                 chunk_bytes: 4096,
+                transport,
                 ..Config::default()
             };
             let out = threads::run_with(world, cfg, threads::DEADLINE, |pg| {
@@ -235,7 +276,7 @@ fn forced_algorithms_agree_bitwise_across_ranks() {
 
 #[test]
 fn send_recv_tags_and_async_order() {
-    threads::run(3, |pg| {
+    run_all(3, |pg| {
         let r = pg.rank();
         let next = (r + 1) % 3;
         let prev = (r + 2) % 3;
@@ -288,7 +329,7 @@ fn send_recv_tags_and_async_order() {
 
 #[test]
 fn subgroups_run_concurrently_with_parent() {
-    threads::run(4, |pg| {
+    run_all(4, |pg| {
         let r = pg.rank();
         let pair = pg.new_group(if r < 2 { &[0, 1] } else { &[2, 3] }).unwrap();
         // Both pairs are created on every rank, in the same order.

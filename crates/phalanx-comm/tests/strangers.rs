@@ -49,7 +49,7 @@ fn unix_stranger(store: &StoreClient, key: &str) -> Option<std::os::unix::net::U
 
 #[test]
 fn idle_strangers_neither_delay_nor_mislabel_set_up() {
-    for transport in [TransportPref::Tcp, TransportPref::Auto] {
+    for transport in [TransportPref::Tcp, TransportPref::Uds, TransportPref::Auto] {
         let secret = phalanx_comm::wire::random_bytes(32);
         let server = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
         let addr = server.addr().to_string();

@@ -52,8 +52,23 @@ fn links(pg: &ProcessGroup) -> Vec<Option<Link>> {
 }
 
 #[test]
-fn ranks_on_one_host_use_unix_sockets() {
+fn ranks_on_one_host_use_shared_memory_by_default() {
     let out = threads::run_with(4, cfg(TransportPref::Auto), threads::DEADLINE, |pg| {
+        check_collectives(&pg);
+        Ok(links(&pg))
+    });
+    for (r, l) in out.into_iter().enumerate() {
+        let l = l.unwrap();
+        for (j, k) in l.iter().enumerate() {
+            let want = if j == r { None } else { Some(Link::Shm) };
+            assert_eq!(*k, want, "rank {r} -> rank {j}");
+        }
+    }
+}
+
+#[test]
+fn unix_sockets_can_be_chosen() {
+    let out = threads::run_with(4, cfg(TransportPref::Uds), threads::DEADLINE, |pg| {
         check_collectives(&pg);
         Ok(links(&pg))
     });
@@ -170,8 +185,8 @@ fn all_gather_with_mismatched_sizes_is_an_error_not_corruption() {
 }
 
 #[test]
-fn a_crashed_rank_is_named_over_either_kind_of_socket() {
-    for pref in [TransportPref::Auto, TransportPref::Tcp] {
+fn a_crashed_rank_is_named_over_every_transport() {
+    for pref in [TransportPref::Auto, TransportPref::Uds, TransportPref::Tcp] {
         let out = threads::run_with(3, cfg(pref), Duration::from_secs(60), |pg| {
             pg.barrier()?;
             if pg.rank() == 1 {

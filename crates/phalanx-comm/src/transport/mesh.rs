@@ -1,15 +1,15 @@
-//! Building the mesh through the store, and the per-connection threads.
+//! Building the mesh through the store.
 
+use super::reader::{heartbeat_loop, reader_loop, Role};
 use super::stream::local;
 use super::*;
 use crate::config::{Config, TransportPref};
 use crate::ratelog::RateLimitedLog;
 use crate::store::StoreClient;
 use crate::wire;
-use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::os::unix::net::UnixListener;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 /// Socket buffer size asked for on every connection (SO_SNDBUF/SO_RCVBUF):
 /// larger buffers let a whole pipeline chunk sit in flight. Measured for
@@ -29,6 +29,10 @@ const SOCKET_BUFFER: usize = 4 << 20;
 /// otherwise, and accepts every higher one on either listener; both sides run
 /// the secret handshake, then the dialer says who it is. Ranks that disagree
 /// on the world size, or two processes that claim one rank, are errors.
+///
+/// Over every Unix socket the two ranks then offer each other a
+/// shared-memory ring for their data (`super::shm_link`), unless
+/// `PHALANX_TRANSPORT=uds` or network emulation is on.
 pub fn connect_mesh(
     store: &StoreClient,
     prefix: &str,
@@ -74,8 +78,19 @@ pub fn connect_mesh(
     // way to tell which peers share this host.
     let mut local_id = None;
     let mut unix_listener = None;
-    if cfg.transport == TransportPref::Auto && world > 1 {
-        if let Some(id) = local::host_identity() {
+    if cfg.transport != TransportPref::Tcp && world > 1 {
+        let id = local::host_identity();
+        if id.is_none() && cfg.transport == TransportPref::Shm {
+            return Err(publish(
+                store,
+                prefix,
+                CommError::Invalid(format!(
+                    "PHALANX_TRANSPORT=shm: rank {rank} cannot tell which ranks share its host \
+                     (/proc/sys/kernel/random/boot_id or /proc/self/ns/net unreadable)"
+                )),
+            ));
+        }
+        if let Some(id) = id {
             match local::listen(rank) {
                 Ok((l, name)) => {
                     store.set(
@@ -185,9 +200,17 @@ pub fn connect_mesh(
         peers[j] = Some((s, String::from_utf8_lossy(&host).to_string()));
     }
 
+    let offers = super::shm_link::exchange(&peers, rank, cfg, deadline)
+        .map_err(|e| publish(store, prefix, e))?;
+    let rings = offers.rings;
+    let spin = super::shm::Spin::for_ranks(
+        1 + rings.iter().filter(|r| r.is_some()).count(),
+        cfg.shm_spin_us,
+    );
     let mut conns = Vec::with_capacity(world);
     let mut readers = Vec::new();
-    for (j, p) in peers.into_iter().enumerate() {
+    let mut ring_readers = Vec::new();
+    for ((j, p), ring) in peers.into_iter().enumerate().zip(rings) {
         match p {
             None => conns.push(None),
             Some((s, host)) => {
@@ -195,11 +218,24 @@ pub fn connect_mesh(
                 s.set_write_timeout(Some(Duration::from_secs(1)))?;
                 s.set_read_timeout(Some(heartbeat_timeout))?;
                 s.set_buffers(SOCKET_BUFFER);
-                readers.push((j, s.try_clone()?, host.clone()));
+                let role = if ring.is_some() {
+                    Role::Control
+                } else {
+                    Role::All
+                };
+                readers.push((j, s.try_clone()?, host.clone(), role));
+                let link = if ring.is_some() { Link::Shm } else { s.link() };
+                let shm_rx = ring.as_ref().map(|r| r.1.clone());
+                let shm = ring.map(|(tx, rx)| {
+                    ring_readers.push((j, rx, host.clone()));
+                    Mutex::new(super::shm::RingTx::new(tx, spin))
+                });
                 conns.push(Some(Peer {
                     host,
-                    link: s.link(),
+                    link,
                     writer: Mutex::new(s),
+                    shm,
+                    shm_rx,
                     bucket: Mutex::new(super::Bucket::full()),
                 }));
             }
@@ -207,13 +243,23 @@ pub fn connect_mesh(
     }
     let mut t = Transport::new(rank, world, conns);
     t.netem = cfg.net_emulate;
+    t.shm_world = offers
+        .slots
+        .map(|slots| super::shm_coll::ShmWorld::new(slots, spin));
     let t = Arc::new(t);
     super::register(&t);
-    for (j, s, host) in readers {
+    for (j, s, host, role) in readers {
         let w = Arc::downgrade(&t);
         std::thread::Builder::new()
             .name(format!("phalanx-rx-{j}"))
-            .spawn(move || reader_loop(w, s, j, host, heartbeat_timeout))?;
+            .spawn(move || reader_loop(w, s, j, host, heartbeat_timeout, role))?;
+    }
+    for (j, rx, host) in ring_readers {
+        let w = Arc::downgrade(&t);
+        let rx = super::shm_link::ring_reader(rx, spin, Arc::downgrade(&t));
+        std::thread::Builder::new()
+            .name(format!("phalanx-shm-{j}"))
+            .spawn(move || reader_loop(w, rx, j, host, heartbeat_timeout, Role::Data))?;
     }
     if world > 1 {
         let w = Arc::downgrade(&t);
@@ -452,155 +498,4 @@ fn accept_higher(
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     result
-}
-
-fn reader_loop(t: Weak<Transport>, mut s: Stream, peer: usize, host: String, hb: Duration) {
-    let err = loop {
-        let mut h = [0u8; HEADER];
-        if let Err(e) = s.read_exact(&mut h) {
-            break describe_read_error(e, hb);
-        }
-        let kind = h[0];
-        let chan = u64::from_le_bytes(h[8..16].try_into().unwrap());
-        let seq = u64::from_le_bytes(h[16..24].try_into().unwrap());
-        let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
-        if len > MAX_DATA_FRAME {
-            break format!("sent a frame of {len} bytes (limit {MAX_DATA_FRAME})");
-        }
-        let Some(tr) = t.upgrade() else { return };
-        match kind {
-            K_DATA => {
-                let key = (peer, chan, seq);
-                let mut ib = tr.inbox.lock().unwrap();
-                let direct = if ib.queues.get(&key).is_none_or(|q| q.is_empty()) {
-                    match ib.posted.get_mut(&key) {
-                        Some(q) if q.front().is_some_and(|p| p.len == len) => {
-                            let p = q.pop_front();
-                            if q.is_empty() {
-                                ib.posted.remove(&key);
-                            }
-                            p
-                        }
-                        _ => None,
-                    }
-                } else {
-                    None
-                };
-                if let Some(p) = direct {
-                    ib.slots.insert(p.id, Slot::Filling);
-                    drop(ib);
-                    // SAFETY: whoever posted the region keeps it valid and
-                    // untouched while its slot is Filling (`Posts` waits).
-                    let dst = unsafe { std::slice::from_raw_parts_mut(p.ptr as *mut u8, p.len) };
-                    let res = read_fully(&mut s, dst);
-                    let state = if res.is_ok() {
-                        Slot::Done
-                    } else {
-                        Slot::Failed
-                    };
-                    tr.inbox.lock().unwrap().slots.insert(p.id, state);
-                    tr.arrived.notify_all();
-                    match res {
-                        Ok(()) => continue,
-                        Err(e) => break describe_read_error(e, hb),
-                    }
-                }
-                drop(ib);
-                let mut words = tr.take_buf(len.div_ceil(8));
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
-                if let Err(e) = read_fully(&mut s, &mut bytes[..len]) {
-                    break describe_read_error(e, hb);
-                }
-                let mut ib = tr.inbox.lock().unwrap();
-                ib.queues
-                    .entry((peer, chan, seq))
-                    .or_default()
-                    .push_back(Msg { words, len });
-                drop(ib);
-                tr.arrived.notify_all();
-            }
-            K_HEARTBEAT => {}
-            K_ABORT => {
-                let mut reason = vec![0u8; len.min(1 << 16)];
-                let _ = s.read_exact(&mut reason);
-                tr.fail(CommError::Aborted(format!(
-                    "rank {peer} ({host}) aborted: {}",
-                    String::from_utf8_lossy(&reason)
-                )));
-                return;
-            }
-            K_GOODBYE => {
-                // A goodbye after an error carries that error: pass it on,
-                // so the rank that really failed is named everywhere.
-                let mut why = vec![0u8; len.min(1 << 16)];
-                let _ = s.read_exact(&mut why);
-                if why.is_empty() {
-                    tr.inbox.lock().unwrap().closed.insert(peer, ());
-                    tr.arrived.notify_all();
-                } else {
-                    tr.fail(CommError::Aborted(format!(
-                        "rank {peer} ({host}) stopped after an error: {}",
-                        String::from_utf8_lossy(&why)
-                    )));
-                }
-                return;
-            }
-            other => break format!("sent an unknown frame kind {other}"),
-        }
-    };
-    if let Some(tr) = t.upgrade() {
-        if tr.closing.load(Ordering::SeqCst) || tr.inbox.lock().unwrap().closed.contains_key(&peer)
-        {
-            return;
-        }
-        tr.fail(CommError::PeerDead {
-            rank: peer,
-            host,
-            reason: err,
-        });
-    }
-}
-
-/// read_exact that tolerates read timeouts in the middle of a payload as
-/// long as bytes keep coming (the timeout is for a silent peer).
-fn read_fully(s: &mut Stream, mut buf: &mut [u8]) -> std::io::Result<()> {
-    while !buf.is_empty() {
-        match s.read(buf) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => buf = &mut buf[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-fn describe_read_error(e: std::io::Error, hb: Duration) -> String {
-    match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => "connection closed (process exited or crashed)".into(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            format!(
-                "no heartbeat for {:.1} s (host down or process stopped)",
-                hb.as_secs_f64()
-            )
-        }
-        _ => format!("connection error: {e}"),
-    }
-}
-
-fn heartbeat_loop(t: Weak<Transport>, every: Duration) {
-    let h = header(K_HEARTBEAT, 0, 0, 0);
-    loop {
-        std::thread::sleep(every);
-        let Some(tr) = t.upgrade() else { return };
-        if tr.closing.load(Ordering::SeqCst) || tr.failed_flag.load(Ordering::Acquire) {
-            return;
-        }
-        for p in tr.peers.iter().flatten() {
-            // A busy writer is already sending bytes, which is as good.
-            if let Ok(mut w) = p.writer.try_lock() {
-                let _ = tr.write_all(&mut w, &h, Instant::now() + every);
-            }
-        }
-    }
 }

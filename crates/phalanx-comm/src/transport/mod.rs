@@ -4,6 +4,26 @@
 //! `Stream`, so framing, readers, heartbeats and failure handling are one
 //! code path.
 //!
+//! Which path carries a pair's data (`PHALANX_TRANSPORT`):
+//!
+//! | setting | same host | other hosts |
+//! |---|---|---|
+//! | `auto` (default) | shared memory (`shm`), Unix socket if it cannot be set up | TCP |
+//! | `shm` | shared memory; an error if it cannot be set up | TCP |
+//! | `uds` | Unix socket | TCP |
+//! | `tcp` | TCP | TCP |
+//!
+//! Shared memory (`shm`, `shm_link`) is a pair of single-producer
+//! single-consumer rings per same-host pair, in memfds passed over the
+//! authenticated Unix socket. It carries the same byte stream a socket
+//! would, read by the same reader code (`reader`), so every algorithm and
+//! sub-group works on it unchanged; the Unix socket stays beside it for
+//! heartbeats, ABORT and the goodbye (`reader::Role`). When every rank of
+//! the job shares the host, the world group's all-reduce skips the rings:
+//! each rank reduces its slice of every rank's chunk in place in shared
+//! slots (`shm_coll`). Network emulation shapes sockets, so it turns
+//! shared memory off under `auto`.
+//!
 //! Each connection has a reader thread that drains the socket into an inbox
 //! keyed by (peer, channel, sequence). Because the reader always drains, a
 //! rank may write a large chunk while its peer writes one back: the classic
@@ -63,16 +83,22 @@
 //! handshake nonces and a MAC with a sequence number on every frame.
 
 mod mesh;
+mod posts;
+mod reader;
+mod shm;
+pub(crate) mod shm_coll;
+mod shm_link;
 mod stream;
 
 pub use mesh::connect_mesh;
+pub(crate) use posts::Posts;
 pub use stream::{Link, Stream};
 
 use crate::error::{CommError, Result};
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub(crate) const K_DATA: u8 = 1;
@@ -113,6 +139,11 @@ pub(crate) struct Peer {
     pub host: String,
     pub link: Link,
     pub writer: Mutex<Stream>,
+    /// The shared-memory ring data frames go through instead of `writer`
+    /// (same-host peers; see `shm`).
+    pub shm: Option<Mutex<shm::RingTx>>,
+    /// The peer's ring that our reader thread drains (for `in_flight`).
+    pub shm_rx: Option<Arc<shm::Ring>>,
     /// Token bucket of the emulated link to this peer; used only under
     /// `writer`'s lock and only when network emulation is on.
     pub bucket: Mutex<Bucket>,
@@ -203,6 +234,9 @@ pub struct Transport {
     sent: std::sync::atomic::AtomicU64,
     /// Emulated network on every link (`None`: off).
     pub(crate) netem: Option<crate::config::NetEmulate>,
+    /// Every rank's all-reduce slot, when all ranks share this host's
+    /// memory (`shm_coll`).
+    pub(crate) shm_world: Option<shm_coll::ShmWorld>,
 }
 
 impl Transport {
@@ -289,6 +323,18 @@ impl Transport {
         self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
         let h = header(K_DATA, chan, seq, data.len());
         let handed = self.netem.map(|_| Instant::now());
+        if let Some(ring) = &p.shm {
+            let mut tx = ring.lock().unwrap();
+            let mut check = || match self.failure() {
+                Some(f) => Err(f),
+                None if Instant::now() >= deadline => Err(CommError::Timeout(format!(
+                    "sending to rank {to} ({}): the peer stopped reading its shared-memory ring",
+                    p.host
+                ))),
+                None => Ok(()),
+            };
+            return tx.write_all(&[&h, data], &mut check);
+        }
         let mut w = p.writer.lock().unwrap();
         let res = if let (Some(ne), Some(t0)) = (self.netem, handed) {
             self.send_emulated(&mut w, p, ne, t0, &h, data, deadline)
@@ -430,6 +476,22 @@ impl Transport {
         })
     }
 
+    /// Whether `from` has bytes in its shared-memory ring that its reader
+    /// thread has not delivered yet, within a short grace period (started
+    /// in `grace`): data a peer sent before a failure elsewhere (say an
+    /// ABORT on a control socket) is still delivered, as it would be on
+    /// one socket, instead of losing the race to the failure.
+    fn in_flight(&self, from: usize, grace: &mut Option<Instant>) -> bool {
+        let unread = self
+            .peers
+            .get(from)
+            .and_then(|p| p.as_ref())
+            .and_then(|p| p.shm_rx.as_ref())
+            .is_some_and(|r| r.unread());
+        let until = *grace.get_or_insert_with(|| Instant::now() + Duration::from_millis(200));
+        unread && Instant::now() < until
+    }
+
     /// How long to sleep before looking again (at most 1 s), or the timeout
     /// error naming the awaited peer once `deadline` has passed.
     fn wait_slice(
@@ -460,6 +522,7 @@ impl Transport {
         what: &dyn Fn() -> String,
     ) -> Result<Msg> {
         let key = (from, chan, seq);
+        let mut grace = None;
         let mut ib = self.inbox.lock().unwrap();
         loop {
             if let Some(q) = ib.queues.get_mut(&key) {
@@ -471,9 +534,14 @@ impl Transport {
                 }
             }
             if let Some(e) = self.gone(&ib, from, what) {
-                return Err(e);
+                if !self.in_flight(from, &mut grace) {
+                    return Err(e);
+                }
             }
-            let slice = self.wait_slice(from, deadline, what)?;
+            let mut slice = self.wait_slice(from, deadline, what)?;
+            if grace.is_some() {
+                slice = slice.min(Duration::from_millis(5));
+            }
             ib = self.arrived.wait_timeout(ib, slice).unwrap().0;
         }
     }
@@ -502,12 +570,7 @@ impl Transport {
     /// An empty set of posted receives from `from` on (chan, seq); add
     /// regions with `Posts::post` in the order the frames will be sent.
     pub(crate) fn posts(&self, from: usize, chan: u64, seq: u64) -> Posts<'_> {
-        Posts {
-            t: self,
-            key: (from, chan, seq),
-            ids: Vec::new(),
-            next: 0,
-        }
+        Posts::new(self, (from, chan, seq))
     }
 
     /// Close every socket without a word, as a crashed process does. For
@@ -578,126 +641,7 @@ impl Transport {
             pool: Mutex::new(Vec::new()),
             sent: std::sync::atomic::AtomicU64::new(0),
             netem: None,
-        }
-    }
-}
-
-/// Receives posted ahead of their frames (see `Transport::posts`); dropping
-/// it withdraws the ones not yet received (waiting for any being written).
-pub(crate) struct Posts<'a> {
-    t: &'a Transport,
-    key: Key,
-    ids: Vec<u64>,
-    next: usize,
-}
-
-impl Posts<'_> {
-    /// Post the next receive: its frame will be read from the socket
-    /// straight into `ptr..ptr+len`.
-    ///
-    /// # Safety
-    /// The region must stay valid, and must be neither read nor written by
-    /// anyone else, until `wait` has returned for it or `self` is dropped
-    /// (dropping waits for a reader thread that is still writing into it).
-    pub unsafe fn post(&mut self, ptr: *mut u8, len: usize) {
-        let mut ib = self.t.inbox.lock().unwrap();
-        let id = ib.next_slot;
-        ib.next_slot += 1;
-        ib.slots.insert(id, Slot::Posted);
-        ib.posted.entry(self.key).or_default().push_back(Posted {
-            id,
-            ptr: ptr as usize,
-            len,
-        });
-        self.ids.push(id);
-    }
-
-    /// Wait for the next posted receive, in the order they were posted.
-    /// `Ok(None)`: its region holds the frame. `Ok(Some(m))`: the frame came
-    /// before the receive was posted, or with another length; the caller
-    /// checks and copies `m` itself.
-    pub fn wait(&mut self, deadline: Instant, what: &dyn Fn() -> String) -> Result<Option<Msg>> {
-        let t = self.t;
-        let id = *self
-            .ids
-            .get(self.next)
-            .ok_or_else(|| CommError::Invalid("no posted receive left to wait for".into()))?;
-        self.next += 1;
-        let from = self.key.0;
-        let mut ib = t.inbox.lock().unwrap();
-        loop {
-            match ib.slots.get(&id).copied() {
-                Some(Slot::Done) => {
-                    ib.slots.remove(&id);
-                    return Ok(None);
-                }
-                Some(Slot::Failed) => {
-                    ib.slots.remove(&id);
-                    return Err(ib.failed.clone().unwrap_or_else(|| CommError::PeerDead {
-                        rank: from,
-                        host: t.host_of(from),
-                        reason: format!("connection closed during {}", what()),
-                    }));
-                }
-                Some(Slot::Filling) => {}
-                Some(Slot::Posted) | None => {
-                    // Frames queued for this key precede every posted one,
-                    // and this is the oldest posted receive still waiting:
-                    // the first queued frame is its frame.
-                    if let Some(q) = ib.queues.get_mut(&self.key) {
-                        if let Some(m) = q.pop_front() {
-                            if q.is_empty() {
-                                ib.queues.remove(&self.key);
-                            }
-                            withdraw(&mut ib, self.key, id);
-                            return Ok(Some(m));
-                        }
-                    }
-                    if let Some(e) = t.gone(&ib, from, what) {
-                        return Err(e);
-                    }
-                }
-            }
-            let slice = t.wait_slice(from, deadline, what)?;
-            ib = t.arrived.wait_timeout(ib, slice).unwrap().0;
-        }
-    }
-}
-
-fn withdraw(ib: &mut Inbox, key: Key, id: u64) {
-    if let Some(q) = ib.posted.get_mut(&key) {
-        q.retain(|p| p.id != id);
-        if q.is_empty() {
-            ib.posted.remove(&key);
-        }
-    }
-    ib.slots.remove(&id);
-}
-
-impl Drop for Posts<'_> {
-    fn drop(&mut self) {
-        let mut ib = self.t.inbox.lock().unwrap();
-        loop {
-            let mut filling = false;
-            for &id in &self.ids {
-                match ib.slots.get(&id) {
-                    // The reader thread is writing into the region: it must
-                    // finish (or fail: reads time out) before the region is
-                    // given back.
-                    Some(Slot::Filling) => filling = true,
-                    Some(_) => withdraw(&mut ib, self.key, id),
-                    None => {}
-                }
-            }
-            if !filling {
-                return;
-            }
-            ib = self
-                .t
-                .arrived
-                .wait_timeout(ib, Duration::from_millis(100))
-                .unwrap()
-                .0;
+            shm_world: None,
         }
     }
 }
@@ -717,6 +661,25 @@ impl Transport {
             None => String::new(),
         };
         for p in self.peers.iter().flatten() {
+            // Through the ring too, behind the data sent before it: the
+            // peer's ring reader marks us closed only after that data. If
+            // the peer stopped draining the ring, the goodbye on the socket
+            // says so, so that the peer fails at once instead of waiting for
+            // a goodbye in the ring that never comes.
+            let mut why = why.clone();
+            if let Some(Ok(mut tx)) = p.shm.as_ref().map(|r| r.lock()) {
+                let h = header(K_GOODBYE, 0, 0, why.len());
+                let mut check = || match Instant::now() >= deadline {
+                    true => Err(CommError::Timeout("goodbye".into())),
+                    false => Ok(()),
+                };
+                if tx.write_all(&[&h, why.as_bytes()], &mut check).is_err() && why.is_empty() {
+                    why = format!(
+                        "rank {} shut down while its shared-memory ring to this rank was full",
+                        self.rank
+                    );
+                }
+            }
             if let Ok(mut w) = p.writer.lock() {
                 let h = header(K_GOODBYE, 0, 0, why.len());
                 let _ = self.write_raw(&mut w, &h, why.as_bytes(), deadline);

@@ -19,6 +19,9 @@ pub enum Link {
     Tcp,
     /// Unix domain stream socket (peers on this host).
     Unix,
+    /// Shared memory for data, beside a Unix socket for control (peers on
+    /// this host, see `transport::shm`).
+    Shm,
 }
 
 impl Link {
@@ -26,6 +29,7 @@ impl Link {
         match self {
             Link::Tcp => "tcp",
             Link::Unix => "unix",
+            Link::Shm => "shm",
         }
     }
 }

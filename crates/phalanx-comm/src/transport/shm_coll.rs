@@ -1,0 +1,229 @@
+//! All-reduce in place in shared memory, for a world whose ranks all share
+//! one host (what Open MPI's vader, NCCL's SHM and DeepSpeed's CPU
+//! all-reduce do), instead of a ring of messages.
+//!
+//! Why: over the per-pair rings (`super::shm`) every chunk is copied into
+//! a ring, out of it by the peer's reader thread, then reduced: three
+//! passes and two thread hand-offs per step. Here each rank copies its
+//! chunk once into its own slot, every rank reduces its 1/n slice of the
+//! chunk across all slots (in place, in its own slot), and every rank
+//! copies the reduced slices out: three passes in all, no reader thread,
+//! two barriers per chunk.
+//!
+//! Each rank has one slot segment (a sealed memfd, passed with its ring in
+//! the set-up offer, see `super::shm_link`): a header page with its barrier
+//! counter and the call's signature, then two halves used by alternate
+//! chunks (counted across calls), so a rank may write chunk k+1 while a
+//! slow peer still reads chunk k (chunk k+2 reuses the half only after the
+//! first barrier of chunk k+1, which every rank passes after reading
+//! chunk k).
+//!
+//! Each element is reduced once, by its slice's owner, and copied to the
+//! others, so every rank gets bitwise the same result. Only the world group uses it
+//! (its calls are serialised on each rank, so one slot per rank is
+//! enough); sub-groups use the rings. Any error (deadline, dead peer,
+//! different sizes) fails the whole transport: barrier counters would no
+//! longer agree.
+
+use super::shm::{futex_wait, futex_wake_n, low_half, Segment, Spin, SLICE};
+use super::Transport;
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{CommError, Result};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Bytes of each half of a slot: one chunk.
+pub(crate) const HALF: usize = 512 << 10;
+const HEADER: usize = 4096;
+/// Size of every rank's slot segment.
+pub(crate) const SLOT_BYTES: usize = HEADER + 2 * HALF;
+const OFF_EPOCH: usize = 0;
+const OFF_WAITERS: usize = 64;
+/// The call's signature (element count, dtype, op), checked on the first
+/// barrier of every call.
+const OFF_SIG: usize = 128;
+
+/// The world's slots, indexed by rank (this rank's own included).
+pub(crate) struct ShmWorld {
+    slots: Vec<Segment>,
+    spin: Spin,
+    /// This rank's barrier count (its own epoch word's value).
+    epoch: std::sync::Mutex<u64>,
+}
+
+impl ShmWorld {
+    pub fn new(slots: Vec<Segment>, spin: Spin) -> ShmWorld {
+        ShmWorld {
+            slots,
+            spin,
+            epoch: std::sync::Mutex::new(0),
+        }
+    }
+
+    fn word64(&self, r: usize, off: usize) -> &AtomicU64 {
+        // SAFETY: aligned offsets in the header page of a live mapping.
+        unsafe { &*(self.slots[r].ptr().add(off) as *const AtomicU64) }
+    }
+    fn waiters(&self, r: usize) -> &AtomicU32 {
+        // SAFETY: as in word64.
+        unsafe { &*(self.slots[r].ptr().add(OFF_WAITERS) as *const AtomicU32) }
+    }
+    fn half(&self, r: usize, h: usize) -> *mut u8 {
+        // SAFETY: inside slot r's mapping.
+        unsafe { self.slots[r].ptr().add(HEADER + h * HALF) }
+    }
+}
+
+/// Raise this rank's epoch to `e` and wait until every rank's is at least
+/// `e`; spins, then sleeps on the laggard's epoch word. Gives up with the
+/// transport's failure, or a timeout naming the laggard at `deadline`.
+fn barrier(t: &Transport, w: &ShmWorld, e: u64, deadline: Instant, op: &str) -> Result<()> {
+    let me = t.rank;
+    w.word64(me, OFF_EPOCH).store(e, Ordering::SeqCst);
+    if w.waiters(me).load(Ordering::SeqCst) != 0 {
+        futex_wake_n(low_half(w.word64(me, OFF_EPOCH)), i32::MAX);
+    }
+    for r in (0..w.slots.len()).filter(|&r| r != me) {
+        let word = w.word64(r, OFF_EPOCH);
+        let t0 = Instant::now();
+        loop {
+            let v = word.load(Ordering::Acquire);
+            if v >= e {
+                break;
+            }
+            if t0.elapsed() < w.spin.budget {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            if let Some(f) = t.failure() {
+                return Err(f);
+            }
+            if Instant::now() >= deadline {
+                return Err(CommError::Timeout(format!(
+                    "{op} waited for rank {r} ({}) past the deadline (PHALANX_TIMEOUT)",
+                    t.host_of(r)
+                )));
+            }
+            if w.spin.yield_first {
+                std::thread::yield_now();
+                if word.load(Ordering::Acquire) >= e {
+                    break;
+                }
+            }
+            w.waiters(r).fetch_add(1, Ordering::SeqCst);
+            if word.load(Ordering::SeqCst) == v {
+                futex_wait(low_half(word), v as u32, SLICE);
+            }
+            w.waiters(r).fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    Ok(())
+}
+
+/// All-reduce `buf` over the whole world through the slots (see the
+/// module docs); `Avg` is left to the caller, as for the other algorithms.
+pub(crate) fn all_reduce<T: Element>(
+    t: &Transport,
+    w: &ShmWorld,
+    buf: &mut [T],
+    op: ReduceOp,
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
+    let res = run(t, w, buf, op, deadline, what);
+    if let Err(e) = &res {
+        // Barrier counts no longer agree: nothing more can run.
+        t.fail(e.clone());
+    }
+    res
+}
+
+fn run<T: Element>(
+    t: &Transport,
+    w: &ShmWorld,
+    buf: &mut [T],
+    op: ReduceOp,
+    deadline: Instant,
+    what: &str,
+) -> Result<()> {
+    let (n, me) = (w.slots.len(), t.rank);
+    let esz = std::mem::size_of::<T>();
+    let per = HALF / esz;
+    let mut epoch = w.epoch.lock().unwrap();
+    let sig = [
+        buf.len() as u64,
+        (T::DTYPE.code() as u64) << 8 | op.code() as u64,
+    ];
+    w.word64(me, OFF_SIG).store(sig[0], Ordering::Relaxed);
+    w.word64(me, OFF_SIG + 8).store(sig[1], Ordering::Relaxed);
+    let total = buf.len();
+    for (k, start) in (0..total).step_by(per).enumerate() {
+        let chunk = &mut buf[start..(start + per).min(total)];
+        // Alternate halves across calls too: a peer may still be copying
+        // the previous chunk (of this call or the last) out of the other.
+        let h = ((*epoch / 2) % 2) as usize;
+        let len = chunk.len();
+        // SAFETY: our own half, which no peer reads until the barrier
+        // below (the half was last read in chunk k-2, before every rank
+        // passed the first barrier of chunk k-1).
+        unsafe {
+            std::ptr::copy_nonoverlapping(chunk.as_ptr(), w.half(me, h) as *mut T, len);
+        }
+        *epoch += 1;
+        barrier(t, w, *epoch, deadline, what)?;
+        if k == 0 {
+            for r in (0..n).filter(|&r| r != me) {
+                let theirs = [
+                    w.word64(r, OFF_SIG).load(Ordering::Relaxed),
+                    w.word64(r, OFF_SIG + 8).load(Ordering::Relaxed),
+                ];
+                if theirs != sig {
+                    return Err(CommError::Desync(format!(
+                        "{what}: rank {r} called it with {} elements, dtype/op code {:#x}, \
+                         rank {me} with {} elements, {:#x} (set PHALANX_DEBUG=detail to see each call)",
+                        theirs[0], theirs[1], sig[0], sig[1]
+                    )));
+                }
+            }
+        }
+        // Reduce our slice across all slots into our own slot.
+        let slice = super::super::algo::ranges(&super::super::algo::even_split(len, n))[me].clone();
+        if !slice.is_empty() {
+            // SAFETY: slice `me` of every slot's half h is read by us only
+            // until the next barrier, and written (in our slot) by us only.
+            unsafe {
+                let acc = std::slice::from_raw_parts_mut(
+                    (w.half(me, h) as *mut T).add(slice.start),
+                    slice.len(),
+                );
+                for r in (0..n).filter(|&r| r != me) {
+                    let other = std::slice::from_raw_parts(
+                        (w.half(r, h) as *const T).add(slice.start),
+                        slice.len(),
+                    );
+                    T::reduce_into(op, acc, other);
+                }
+            }
+        }
+        *epoch += 1;
+        barrier(t, w, *epoch, deadline, what)?;
+        // Every slice is reduced: copy each from its owner's slot.
+        for (r, s) in super::super::algo::ranges(&super::super::algo::even_split(len, n))
+            .into_iter()
+            .enumerate()
+        {
+            // SAFETY: slot r's half h is not written again before every
+            // rank passes the first barrier of chunk k+1.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (w.half(r, h) as *const T).add(s.start),
+                    chunk.as_mut_ptr().add(s.start),
+                    s.len(),
+                );
+            }
+        }
+    }
+    Ok(())
+}
