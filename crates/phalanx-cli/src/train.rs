@@ -1,4 +1,5 @@
-//! `phalanx train`: train a GPT-2 from a config on one or more ranks.
+//! `phalanx train`: train a GPT-2 or a Llama (`model.arch`) from a config
+//! on one or more ranks.
 //!
 //! Outside a job it launches itself through `phalanx run` with
 //! `--nproc-per-node` ranks (default 2); inside one, every rank trains its
@@ -11,9 +12,11 @@
 use clap::Args;
 use phalanx::config::TrainConfig;
 use phalanx::trainer::{Resume, RunOptions};
-use phalanx_models::gpt2;
+use phalanx_models::arch::{self, Arch};
 use phalanx_models::gpt2::config::Gpt2Section;
 use phalanx_models::gpt2::train::{self, GptRun};
+use phalanx_models::llama;
+use phalanx_models::llama::config::LlamaSection;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -34,10 +37,14 @@ pub struct TrainOpts {
     /// Override one key, e.g. `--set train.steps=100` (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub set: Vec<String>,
-    /// Start from Hugging Face GPT-2 weights (safetensors).
+    /// Start from Hugging Face weights: GPT-2 safetensors; for Llama a
+    /// `model.safetensors`, a `model.safetensors.index.json` or a directory
+    /// holding either (its `config.json` is checked against the model).
     #[arg(long = "init-from")]
     pub init_from: Option<PathBuf>,
-    /// Save the trained model in Hugging Face layout (with config.json beside it).
+    /// Save the trained model in Hugging Face layout (with config.json beside
+    /// it). Llama: a directory (model.safetensors, or shards and an index
+    /// past 5 GB), or a `.safetensors` file.
     #[arg(long = "save-final")]
     pub save_final: Option<PathBuf>,
     /// One JSON object per step: step, loss, lr, tokens_per_s, step_ms.
@@ -58,7 +65,7 @@ pub struct TrainOpts {
 
 pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     let file = opts.config.as_deref().or(opts.deepspeed_config.as_deref());
-    let cfg = match gpt2::config::build(file, &opts.set) {
+    let cfg = match arch::build(file, &opts.set) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("phalanx train: {e}");
@@ -115,7 +122,12 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
     let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
     let mut outs: Vec<(&str, &std::path::Path)> = Vec::new();
-    if let Some(p) = &opts.save_final {
+    // A Llama saved to a directory writes model.safetensors in it.
+    let llama_dir = opts.save_final.as_ref().and_then(|p| {
+        (Arch::of(cfg).ok() == Some(Arch::Llama) && !p.to_string_lossy().ends_with(".safetensors"))
+            .then(|| p.join(llama::hf::SINGLE))
+    });
+    if let Some(p) = llama_dir.as_ref().or(opts.save_final.as_ref()) {
         outs.push(("--save-final", p));
     }
     if let Some(p) = &log_json {
@@ -142,17 +154,38 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
 fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
     let pg = phalanx_comm::init_process_group()?;
     let lead = pg.rank() == 0;
-    let loader = Arc::new(train::open_data(cfg)?);
+    let arch = Arch::of(cfg)?;
+    let loader = Arc::new(match arch {
+        Arch::Gpt2 => train::open_data(cfg)?,
+        Arch::Llama => llama::train::open_data(cfg)?,
+    });
     if lead {
-        let m = Gpt2Section::of(cfg)?;
+        let model = match arch {
+            Arch::Gpt2 => {
+                let m = Gpt2Section::of(cfg)?;
+                format!(
+                    "model {} ({} layers, {} heads, {} wide, vocab {}, context {})",
+                    m.preset, m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size
+                )
+            }
+            Arch::Llama => {
+                let m = LlamaSection::of(cfg)?;
+                format!(
+                    "model {} (Llama: {} layers, {} heads / {} kv heads, {} wide, MLP {}, vocab {}, context {}, {} parameters)",
+                    m.preset,
+                    m.n_layer,
+                    m.n_head,
+                    m.n_kv_head,
+                    m.n_embd,
+                    m.intermediate_size,
+                    m.vocab_size,
+                    m.block_size,
+                    m.model().num_params()
+                )
+            }
+        };
         println!(
-            "model {} ({} layers, {} heads, {} wide, vocab {}, context {}), data {} ({} tokenizer): {} train / {} val tokens",
-            m.preset,
-            m.n_layer,
-            m.n_head,
-            m.n_embd,
-            m.vocab_size,
-            m.block_size,
+            "{model}, data {} ({} tokenizer): {} train / {} val tokens",
             cfg.data.path,
             cfg.data.tokenizer,
             loader.train_tokens(),
@@ -164,24 +197,38 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
         .clone()
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
     let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
-    let run = GptRun {
-        init_from: opts.init_from.clone(),
-        save_final: opts.save_final.clone(),
-        run: RunOptions {
-            progress: true,
-            log_interval: cfg.log.interval,
-            log_json,
-            plot,
-            trace: opts.trace.clone(),
-            report: (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report)),
-            resume: opts.resume.as_deref().map(|r| match r {
-                "auto" => Resume::Auto,
-                p => Resume::Path(p.into()),
-            }),
-        },
+    let run_opts = RunOptions {
+        progress: true,
+        log_interval: cfg.log.interval,
+        log_json,
+        plot,
+        trace: opts.trace.clone(),
+        report: (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report)),
+        resume: opts.resume.as_deref().map(|r| match r {
+            "auto" => Resume::Auto,
+            p => Resume::Path(p.into()),
+        }),
     };
     let t0 = std::time::Instant::now();
-    let (report, _trainer) = train::train(cfg, pg.clone(), loader, &run)?;
+    let (init_from, save_final) = (opts.init_from.clone(), opts.save_final.clone());
+    let report = match arch {
+        Arch::Gpt2 => {
+            let run = GptRun {
+                init_from,
+                save_final,
+                run: run_opts,
+            };
+            train::train(cfg, pg.clone(), loader, &run)?.0
+        }
+        Arch::Llama => {
+            let run = llama::train::LlamaRun {
+                init_from,
+                save_final,
+                run: run_opts,
+            };
+            llama::train::train(cfg, pg.clone(), loader, &run)?.0
+        }
+    };
     if lead {
         let first = report.losses.first().copied().unwrap_or(f32::NAN);
         let last = report.losses.last().copied().unwrap_or(f32::NAN);
@@ -196,7 +243,11 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
         }
         println!();
         if let Some(p) = &opts.save_final {
-            println!("saved {} (Hugging Face GPT-2 layout)", p.display());
+            let layout = match arch {
+                Arch::Gpt2 => "GPT-2",
+                Arch::Llama => "Llama",
+            };
+            println!("saved {} (Hugging Face {layout} layout)", p.display());
         }
     }
     pg.shutdown();

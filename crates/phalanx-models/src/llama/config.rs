@@ -224,16 +224,16 @@ impl LlamaSection {
     }
 
     pub(crate) fn from_table(t: &toml::Table) -> std::result::Result<Self, ConfigError> {
-        let s: LlamaSection = toml::Value::Table(t.clone())
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError(format!("model: {}", e.message())))?;
-        if s.arch != "llama" {
+        // The architecture first: a GPT-2 section lacks Llama's keys.
+        let arch = t.get("arch").and_then(|a| a.as_str()).unwrap_or("gpt2");
+        if arch != "llama" {
             return Err(ConfigError(format!(
-                "model.arch = {:?}: not a Llama config",
-                s.arch
+                "model.arch = {arch:?}: not a Llama config"
             )));
         }
-        Ok(s)
+        toml::Value::Table(t.clone())
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError(format!("model: {}", e.message())))
     }
 
     /// The model's hyper-parameters.
