@@ -206,3 +206,28 @@ fn config_section_arch_and_presets() {
         .to_string()
         .contains("not a Llama config"));
 }
+
+#[test]
+fn kv_cache_matches_full_recompute() {
+    use phalanx_models::llama::generate::Generator;
+    let cfg = small();
+    let e = engine(&cfg, Activations::KeepGraph);
+    let (x, _) = tokens(1, cfg.block_size, cfg.vocab_size, 4);
+    let ids: Vec<u32> = x.flatten_all().unwrap().to_vec1().unwrap();
+    let full = e.forward(&x).unwrap().squeeze(0).unwrap(); // (T, V)
+    let mut g = Generator::new(&e, &cfg).unwrap();
+    // A 5-token prompt, then one token at a time from the cache.
+    let mut got = vec![g.step(&ids[..5]).unwrap()];
+    for &id in &ids[5..] {
+        got.push(g.step(&[id]).unwrap());
+    }
+    let got = Tensor::cat(&got, 0).unwrap();
+    let a: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = full.flatten_all().unwrap().to_vec1().unwrap();
+    let err = rel_err(&a, &b);
+    assert!(err < 1e-5, "cached logits differ by {err}");
+    let err = g.step(&[1]).unwrap_err().to_string();
+    assert!(err.contains("exceeds the context length"), "{err}");
+    g.reset();
+    assert!(g.is_empty());
+}

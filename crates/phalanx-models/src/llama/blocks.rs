@@ -71,7 +71,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    fn new(vb: &VarBuilder, name: &str, c: usize, eps: f64) -> Result<Self> {
+    pub(crate) fn new(vb: &VarBuilder, name: &str, c: usize, eps: f64) -> Result<Self> {
         Ok(Self {
             w: vb.get_with_hints(c, &format!("{name}.weight"), Init::Const(1.0))?,
             eps,
