@@ -1,8 +1,9 @@
 //! Llama through the generic strategies: DDP, ZeRO-1/2/3 and pipeline
 //! parallel (alone and with dp) reproduce 1-rank training (losses, and the
 //! whole model gathered by name), with no Llama-specific strategy code;
-//! `--save-final` under ZeRO-3 and pipeline writes the same model; tensor
-//! parallel is refused by name.
+//! `--save-final` under ZeRO-3 and pipeline writes the same model. Tensor
+//! parallel (kv heads split, and replicated when n_kv_head < tp; sequence
+//! parallel; tp x dp with ZeRO; tied head) reproduces it too.
 
 mod common;
 use common::{assert_named_match, loader, RankResult, G};
@@ -40,7 +41,7 @@ fn run(world: usize, cfg: TrainConfig, run: LlamaRun) -> Vec<RankResult> {
     let loader = loader(cfg.seq_len().unwrap());
     phalanx_comm::threads::run(world, move |pg| {
         let (report, mut trainer) = train::train(&cfg, pg, loader.clone(), &run).unwrap();
-        let named = train::full_named_params(&mut trainer)
+        let named = train::full_named_params(&mut trainer, &cfg)
             .unwrap()
             .into_iter()
             .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
@@ -123,19 +124,108 @@ fn pipeline_reproduces_one_rank_and_saves_the_whole_model() {
 }
 
 #[test]
-fn tensor_parallel_is_refused_by_name() {
-    let cfg = config(1, 1, &["parallel.tp=2"]);
+fn tensor_parallel_reproduces_one_rank() {
+    let base = base();
+    for (what, world, dp, extra) in [
+        ("tp 2 (kv heads split)", 2, 1, vec!["parallel.tp=2"]),
+        ("tp 4 (kv heads replicated)", 4, 1, vec!["parallel.tp=4"]),
+        (
+            "tp 2 + sequence parallel",
+            2,
+            1,
+            vec![
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "model.block_size=16",
+            ],
+        ),
+        (
+            "tp 2 x dp 2 ZeRO-1",
+            4,
+            2,
+            vec!["parallel.tp=2", "zero_optimization.stage=1"],
+        ),
+    ] {
+        let mut cfg_base = None;
+        if what.contains("sequence") {
+            cfg_base = Some(
+                run(
+                    1,
+                    config(1, 1, &["model.block_size=16"]),
+                    LlamaRun::default(),
+                )
+                .remove(0),
+            );
+        }
+        let out = run(world, config(dp, 1, &extra), LlamaRun::default());
+        assert_named_match(what, &out, cfg_base.as_ref().unwrap_or(&base), 1e-5);
+    }
+}
+
+#[test]
+fn tensor_parallel_tied_head_and_init_from() {
+    // Tied head under tp 2: the vocabulary-parallel embedding and head share
+    // one shard; and --init-from a saved directory loads the slices.
+    let tied = ["model.tie_word_embeddings=true"];
+    let base = run(1, config(1, 1, &tied), LlamaRun::default()).remove(0);
+    let out = run(
+        2,
+        config(1, 1, &["model.tie_word_embeddings=true", "parallel.tp=2"]),
+        LlamaRun::default(),
+    );
+    assert_named_match("tp 2 tied", &out, &base, 1e-5);
+    let dir = std::env::temp_dir().join(format!("phalanx-llama-tp-init-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let save = LlamaRun {
+        save_final: Some(dir.clone()),
+        ..Default::default()
+    };
+    let first = run(1, config(1, 1, &[]), save).remove(0);
+    let from = LlamaRun {
+        init_from: Some(dir.clone()),
+        ..Default::default()
+    };
+    let a = run(1, config(1, 1, &[]), from.clone()).remove(0);
+    let b = run(4, config(1, 1, &["parallel.tp=4"]), from);
+    assert!(
+        a.losses[0] < first.losses[0],
+        "{:?} vs {:?}",
+        a.losses,
+        first.losses
+    );
+    assert_named_match("tp 4 from a saved model", &b, &a, 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn tensor_parallel_shapes_that_do_not_divide_are_refused() {
     let loader = loader(15);
-    let errs = phalanx_comm::threads::run(2, move |pg| {
-        train::trainer(&cfg, pg, loader.clone(), &LlamaRun::default())
-            .err()
-            .map(|e| e.to_string())
-    });
-    for e in errs {
-        let e = e.expect("tp = 2 must be refused");
-        assert!(
-            e.contains("tensor parallel") && e.contains("not built for model.arch = llama"),
-            "{e}"
-        );
+    for (extra, world, want) in [
+        (
+            vec!["parallel.tp=3"],
+            3,
+            "model.n_head (4) is not divisible by the tensor-parallel size 3",
+        ),
+        (
+            vec![
+                "parallel.tp=4",
+                "parallel.sequence_parallel=true",
+                "model.block_size=16",
+            ],
+            4,
+            "sequence parallel with replicated kv heads",
+        ),
+    ] {
+        let cfg = config(1, 1, &extra);
+        let l = loader.clone();
+        let errs = phalanx_comm::threads::run(world, move |pg| {
+            train::trainer(&cfg, pg, l.clone(), &LlamaRun::default())
+                .err()
+                .map(|e| e.to_string())
+        });
+        for e in errs {
+            let e = e.expect("must be refused");
+            assert!(e.contains(want), "{e}");
+        }
     }
 }

@@ -6,7 +6,8 @@
 //!   `tinyllama-1.1b`, and the `model` section (`model.arch = "llama"`);
 //! - [`blocks`]: embedding, decoder layers, head;
 //! - [`hf`]: safetensors import / export, single file or sharded, `config.json`;
-//! - [`train`]: the training path (DDP, ZeRO-1/2/3, pipeline);
+//! - [`tp`], [`tp_blocks`]: tensor parallel (Megatron layout, GQA-aware);
+//! - [`train`]: the training path (DDP, ZeRO-1/2/3, pipeline, tp);
 //! - [`generate`]: inference with a KV cache.
 //!
 //! Inputs are token ids (B, T) u32, targets (B, T) u32; the loss is the mean
@@ -28,6 +29,8 @@ pub mod blocks;
 pub mod config;
 pub mod generate;
 pub mod hf;
+pub mod tp;
+pub mod tp_blocks;
 pub mod train;
 
 pub use blocks::blocks;

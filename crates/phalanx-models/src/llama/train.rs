@@ -3,8 +3,9 @@
 //!
 //! Data parallel (DDP), ZeRO-1/2/3, FSDP and pipeline parallel come from
 //! the generic strategies (`phalanx::trainer::Trainer::with_mesh`): they see
-//! blocks and flat buffers only, so no Llama-specific code is needed. Tensor
-//! parallel is not built for Llama yet and is refused by name.
+//! blocks and flat buffers only, so no Llama-specific code is needed.
+//! Tensor parallel needs the model's own blocks and shard rules
+//! ([`super::tp`]); the trainer then takes them like GPT-2's.
 //!
 //! ```no_run
 //! use phalanx_models::{arch, llama::train::{self, LlamaRun}};
@@ -22,6 +23,7 @@ use phalanx::config::TrainConfig;
 use phalanx::data::DataLoader;
 use phalanx::engine::Engine;
 use phalanx::mesh::DeviceMesh;
+use phalanx::tp::Tp;
 use phalanx::trainer::{Report, RunOptions, Trainer};
 use phalanx::{Error, Result};
 use phalanx_comm::ProcessGroup;
@@ -58,37 +60,67 @@ pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
     crate::gpt2::train::open_data_for(cfg, m.block_size, m.vocab_size)
 }
 
-/// The refusal for layouts not built for Llama.
-pub fn not_built(what: &str) -> Error {
-    Error::Check(format!("{what} is not built for model.arch = llama yet"))
-}
-
-/// The trainer for `cfg` on `pg`, with `--init-from` loaded; not yet run.
+/// The trainer for `cfg` on `pg` (data parallel, pipeline, and tensor
+/// parallel when `parallel.tp` > 1), with `--init-from` loaded; not yet run.
 pub fn trainer(
     cfg: &TrainConfig,
     pg: ProcessGroup,
     loader: Arc<DataLoader>,
     run: &LlamaRun,
 ) -> Result<Trainer> {
-    if cfg.parallel.tp > 1 {
-        return Err(not_built("tensor parallel (parallel.tp > 1)"));
-    }
     let m = model_config(cfg)?;
     let dp = cfg.dp_for_world(pg.size())?;
-    let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, 1)?;
+    let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, cfg.parallel.tp)?;
+    let ecfg = phalanx::trainer::engine_config(cfg);
     let init_err = |p: &Path, e: candle_core::Error| {
         Error::Check(format!("--init-from {}: {}", p.display(), Error::from(e)))
     };
-    let mut engine = build_engine(cfg)?;
-    // A pipeline stage reads its own tensors once it knows them (below).
-    if let (Some(p), 1) = (&run.init_from, cfg.parallel.pp) {
-        hf::load(&mut engine, &m, p).map_err(|e| init_err(p, e))?;
+    let tp = tp_of(cfg, &mesh);
+    let (engine, replicated) = match &tp {
+        None => {
+            let mut engine = build_engine(cfg)?;
+            // A pipeline stage reads its own tensors once it knows them
+            // (below); other layouts read the whole checkpoint now.
+            if let (Some(p), 1) = (&run.init_from, cfg.parallel.pp) {
+                hf::load(&mut engine, &m, p).map_err(|e| init_err(p, e))?;
+            }
+            (engine, Vec::new())
+        }
+        Some(t) => {
+            if cfg.parallel.sequence_parallel && !m.block_size.is_multiple_of(t.size()) {
+                return Err(Error::Check(format!(
+                    "sequence parallel: model.block_size {} is not divisible by parallel.tp {}",
+                    m.block_size,
+                    t.size()
+                )));
+            }
+            let mut engine = match &run.init_from {
+                Some(p) => super::tp::load_engine(&m, t, ecfg, p).map_err(|e| init_err(p, e))?,
+                None => super::tp::init_engine(&m, t, ecfg)?,
+            };
+            // The slices copied in are the initial values (a pipeline stage
+            // must not overwrite them with a fresh initialisation).
+            engine.init_params(Some(&[]));
+            let rep = super::tp::replicated_ranges(&engine, &m, t.size());
+            (engine, rep)
+        }
+    };
+    let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
+    if let Some(t) = &tp {
+        trainer.set_placement(Arc::new(super::tp::TpPlacement {
+            cfg: m,
+            rank: t.rank(),
+            size: t.size(),
+        }));
     }
-    let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, Vec::new())?;
-    if let (Some(p), true) = (&run.init_from, cfg.parallel.pp > 1) {
+    if let (Some(p), None, true) = (&run.init_from, &tp, cfg.parallel.pp > 1) {
         hf::load(trainer.engine_mut(), &m, p).map_err(|e| init_err(p, e))?;
     }
     Ok(trainer)
+}
+
+fn tp_of(cfg: &TrainConfig, mesh: &DeviceMesh) -> Option<Tp> {
+    (cfg.parallel.tp > 1).then(|| Tp::new(mesh.tp().clone(), cfg.parallel.sequence_parallel))
 }
 
 /// Build, optionally load, train on `pg`, optionally save (rank 0 writes).
@@ -101,7 +133,7 @@ pub fn train(
     let mut trainer = self::trainer(cfg, pg, loader, run)?;
     let report = trainer.run(&run.run)?;
     if let Some(p) = &run.save_final {
-        let named = full_named_params(&mut trainer)?;
+        let named = full_named_params(&mut trainer, cfg)?;
         if trainer.group().global_rank() == 0 {
             save(&named, cfg, p)?;
         }
@@ -110,9 +142,15 @@ pub fn train(
 }
 
 /// The whole model's parameters by name on every rank (gathered from
-/// ZeRO-3 shards and pipeline stages; collective).
-pub fn full_named_params(trainer: &mut Trainer) -> Result<HashMap<String, candle_core::Tensor>> {
+/// tensor-parallel and ZeRO-3 shards and pipeline stages; collective).
+pub fn full_named_params(
+    trainer: &mut Trainer,
+    cfg: &TrainConfig,
+) -> Result<HashMap<String, candle_core::Tensor>> {
     trainer.materialize_params()?;
+    if let Some(t) = tp_of(cfg, trainer.mesh()) {
+        return super::tp::gather_full(trainer.engine(), &model_config(cfg)?, &t);
+    }
     Ok(hf::export_tensors(trainer.engine())?)
 }
 
