@@ -89,7 +89,7 @@ pub fn rule(cfg: &LlamaConfig, name: &str, t: usize, tp: usize) -> Rule {
     let ends = |s: &str| name.ends_with(s);
     if ends("embed_tokens.weight") || name == "lm_head.weight" {
         let rows = padded_vocab(cfg.vocab_size, tp) / tp;
-        return Rule::Rows(vec![t * rows..(t + 1) * rows]);
+        return Rule::Rows(std::iter::once(t * rows..(t + 1) * rows).collect());
     }
     if ends("k_proj.weight") || ends("v_proj.weight") {
         return if kv_split(cfg, tp) {
@@ -177,9 +177,18 @@ pub fn load_engine(
             if dims != &full {
                 bail!("tensor `{name}`: expected shape {full:?}, found {dims:?}")
             }
-        } else if !(cfg.tie_word_embeddings && name == "lm_head.weight")
-            && !name.ends_with(".rotary_emb.inv_freq")
-        {
+        } else {
+            // What a 1-rank load allows besides the parameters.
+            let tied_head = cfg.tie_word_embeddings && name == "lm_head.weight";
+            if tied_head && dims != &full_shape(cfg, name) {
+                bail!(
+                    "tensor `lm_head.weight`: expected shape {:?} (tied to embed_tokens), found {dims:?}",
+                    full_shape(cfg, name)
+                )
+            }
+            if tied_head || name.ends_with(".rotary_emb.inv_freq") {
+                continue;
+            }
             bail!("tensors not in this model: [{name:?}] (wrong config?)")
         }
     }
