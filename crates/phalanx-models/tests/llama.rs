@@ -231,3 +231,65 @@ fn kv_cache_matches_full_recompute() {
     g.reset();
     assert!(g.is_empty());
 }
+
+/// Values and gradients (of x and w) of a fused op and its composed reference.
+fn fused_vs_composed(
+    shape: &[usize],
+    fused: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    composed: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    w_shape: &[usize],
+) -> f32 {
+    use candle_core::Var;
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, shape, &dev).unwrap()).unwrap();
+    let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, w_shape, &dev).unwrap()).unwrap();
+    let gy = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+    let run = |f: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>| {
+        let y = f(x.as_tensor(), w.as_tensor()).unwrap();
+        let g = (&y * &gy).unwrap().sum_all().unwrap().backward().unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        (
+            v(&y),
+            v(g.get(x.as_tensor()).unwrap()),
+            g.get(w.as_tensor()).map(v),
+        )
+    };
+    let (a, b) = (run(fused), run(composed));
+    let mut worst = rel_err(&a.0, &b.0).max(rel_err(&a.1, &b.1));
+    if let (Some(p), Some(q)) = (&a.2, &b.2) {
+        worst = worst.max(rel_err(p, q));
+    }
+    worst
+}
+
+#[test]
+fn fused_ops_match_composed_candle() {
+    use phalanx_models::llama::{blocks, ops};
+    // RMSNorm: 70 rows of 48 (one with a vectorised tail).
+    let e = fused_vs_composed(
+        &[2, 35, 48],
+        &|x, w| ops::rms_norm(x, w, 1e-5),
+        &|x, w| blocks::rms_norm_composed(x, w, 1e-5),
+        &[48],
+    );
+    assert!(e < 1e-5, "rms_norm {e}");
+    // Rotary at an offset (as the KV cache uses it), d = 8, 3 heads.
+    let e = fused_vs_composed(
+        &[2, 7, 3, 8],
+        &|x, _| ops::rope(x, 500.0, 5),
+        &|x, _| {
+            let (c, s) = blocks::rope_tables(8, 500.0, 5, 7, DType::F32, &Device::Cpu)?;
+            blocks::apply_rope(x, &c, &s)
+        },
+        &[1],
+    );
+    assert!(e < 1e-5, "rope {e}");
+    // SwiGLU: "w" is the up projection's output, of x's shape.
+    let e = fused_vs_composed(
+        &[3, 5, 40],
+        &|g, u| ops::swiglu(g, u),
+        &|g, u| g.silu()? * u,
+        &[3, 5, 40],
+    );
+    assert!(e < 1e-5, "swiglu {e}");
+}

@@ -26,9 +26,10 @@
 //! with `rotate_half([x1 | x2]) = [-x2 | x1]` on each head's halves.
 //!
 //! RMSNorm (HF `LlamaRMSNorm`): in f32, `x / sqrt(mean(x^2) + eps)`, back to
-//! the input dtype, times the weight. RMSNorm, rope and SwiGLU are composed
-//! from candle ops (which all have a backward), unlike GPT-2's fused ops:
-//! correct first; a fused kernel is a later speed-up.
+//! the input dtype, times the weight. RMSNorm, rope and SwiGLU run as fused
+//! ops with their own backward ([`super::ops`]); the composed candle
+//! versions here ([`rms_norm_composed`], [`rope_tables`] + [`apply_rope`])
+//! are their reference and the path for other devices.
 //!
 //! Untied head by default (`lm_head.weight`); with `tie_word_embeddings` the
 //! head asks for `model.embed_tokens.weight`, so the engine's layout makes it
@@ -79,11 +80,23 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let xf = x.to_dtype(DType::F32)?; // (B, T, C)
-        let ms = xf.sqr()?.mean_keepdim(D::Minus1)?; // (B, T, 1)
-        let y = xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
-        y.to_dtype(x.dtype())?.broadcast_mul(&self.w)
+        super::ops::rms_norm(x, &self.w, self.eps)
     }
+}
+
+/// RMSNorm from candle ops, exactly HF's (the reference for the fused op,
+/// and the path for devices it does not cover).
+pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let xf = x.to_dtype(DType::F32)?; // (B, T, C)
+    let ms = xf.sqr()?.mean_keepdim(D::Minus1)?; // (B, T, 1)
+    let y = xf.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    y.to_dtype(x.dtype())?.broadcast_mul(w)
+}
+
+/// HF's inverse frequency of rotary pair i for head size d, in f32:
+/// 1 / theta^(2i / d).
+pub fn inv_freq(i: usize, d: usize, theta: f64) -> f32 {
+    1.0 / (theta as f32).powf((2 * i) as f32 / d as f32)
 }
 
 /// cos and sin tables (T, d) for positions `start..start + t`, in `dtype`.
@@ -97,9 +110,7 @@ pub fn rope_tables(
 ) -> Result<(Tensor, Tensor)> {
     let half = head_dim / 2;
     // f32 throughout, as HF computes inv_freq and the angles.
-    let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
-        .collect();
+    let inv: Vec<f32> = (0..half).map(|i| inv_freq(i, head_dim, theta)).collect();
     let mut cos = Vec::with_capacity(t * head_dim);
     let mut sin = Vec::with_capacity(t * head_dim);
     for p in start..start + t {
@@ -239,9 +250,14 @@ impl LayerModule {
         let q = ops::linear(h, &self.q, None)?; // (B, T, C)
         let k = ops::linear(h, &self.k, None)?; // (B, T, KV)
         let v = ops::linear(h, &self.v, None)?; // (B, T, KV)
-        let (cos, sin) = rope_tables(d, self.cfg.rope_theta, start, t, q.dtype(), q.device())?;
-        let q = apply_rope(&q.reshape((b, t, nh, d))?, &cos, &sin)?.reshape((b, t, nh * d))?;
-        let k = apply_rope(&k.reshape((b, t, nkv, d))?, &cos, &sin)?.reshape((b, t, nkv * d))?;
+        let theta = self.cfg.rope_theta;
+        let q =
+            super::ops::rope(&q.reshape((b, t, nh, d))?, theta, start)?.reshape((b, t, nh * d))?;
+        let k = super::ops::rope(&k.reshape((b, t, nkv, d))?, theta, start)?.reshape((
+            b,
+            t,
+            nkv * d,
+        ))?;
         Ok((q, k, v))
     }
 
@@ -259,7 +275,7 @@ impl LayerModule {
     pub(crate) fn mlp(&self, h: &Tensor) -> Result<Tensor> {
         let g = ops::linear(h, &self.gate, None)?; // (B, T, M)
         let u = ops::linear(h, &self.up, None)?; // (B, T, M)
-        ops::linear(&(g.silu()? * u)?, &self.down, None) // (B, T, C)
+        ops::linear(&super::ops::swiglu(&g, &u)?, &self.down, None) // (B, T, C)
     }
 }
 

@@ -5,6 +5,7 @@
 //! - [`config`]: hyper-parameters, presets `llama-tiny`, `llama-60m`,
 //!   `tinyllama-1.1b`, and the `model` section (`model.arch = "llama"`);
 //! - [`blocks`]: embedding, decoder layers, head;
+//! - [`ops`]: fused RMSNorm, rotary and SwiGLU with their backward;
 //! - [`hf`]: safetensors import / export, single file or sharded, `config.json`;
 //! - [`tp`], [`tp_blocks`]: tensor parallel (Megatron layout, GQA-aware);
 //! - [`train`]: the training path (DDP, ZeRO-1/2/3, pipeline, tp);
@@ -29,6 +30,7 @@ pub mod blocks;
 pub mod config;
 pub mod generate;
 pub mod hf;
+pub mod ops;
 pub mod tp;
 pub mod tp_blocks;
 pub mod train;

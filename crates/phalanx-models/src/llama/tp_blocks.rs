@@ -33,8 +33,9 @@ use phalanx::tp::{
     VocabParallelEmbedding,
 };
 
-use super::blocks::{apply_rope, head_name, repeat_kv, rope_tables, RmsNorm};
+use super::blocks::{head_name, repeat_kv, RmsNorm};
 use super::config::LlamaConfig;
+use super::ops::{rope, swiglu};
 
 fn normal() -> Init {
     Init::Randn {
@@ -187,9 +188,9 @@ impl TpLayerModule {
             };
             (pick(&self.k)?, pick(&self.v)?, 1)
         };
-        let (cos, sin) = rope_tables(d, self.cfg.rope_theta, 0, t, q.dtype(), q.device())?;
-        let q = apply_rope(&q.reshape((b, t, nh, d))?, &cos, &sin)?.reshape((b, t, nh * d))?;
-        let k = apply_rope(&k.reshape((b, t, nkv, d))?, &cos, &sin)?.reshape((b, t, nkv * d))?;
+        let theta = self.cfg.rope_theta;
+        let q = rope(&q.reshape((b, t, nh, d))?, theta, 0)?.reshape((b, t, nh * d))?;
+        let k = rope(&k.reshape((b, t, nkv, d))?, theta, 0)?.reshape((b, t, nkv * d))?;
         let rep = nh / nkv;
         let qkv = Tensor::cat(
             &[&q, &repeat_kv(&k, nkv, rep)?, &repeat_kv(&v, nkv, rep)?],
@@ -203,7 +204,7 @@ impl TpLayerModule {
         let he = self.tp.enter(h)?; // (B, T, C)
         let g = ops::linear(&he, &self.gate, None)?; // (B, T, M/tp)
         let u = ops::linear(&he, &self.up, None)?;
-        self.down.forward(&(g.silu()? * u)?)
+        self.down.forward(&swiglu(&g, &u)?)
     }
 }
 
