@@ -169,6 +169,22 @@ fn config_section_arch_and_presets() {
         LlamaConfig::preset("tinyllama-1.1b").unwrap().num_params(),
         1_100_048_384
     );
+    // Llama 3.2 1B: tied head, Llama 3 rotary scaling, HF's parameter count.
+    let cfg = arch::build(None, &sets(&["model.preset=llama-3.2-1b"])).unwrap();
+    let m = LlamaSection::of(&cfg).unwrap().model();
+    assert_eq!(m.num_params(), 1_235_814_400);
+    assert!(
+        matches!(m.rope_scaling, llama::config::RopeScaling::Llama3 { factor, .. } if factor == 32.0)
+    );
+    // Scaling divides the lowest frequency by the factor and keeps the highest.
+    let base = LlamaConfig {
+        rope_scaling: llama::config::RopeScaling::None,
+        ..m
+    }
+    .inv_freq();
+    let inv = m.inv_freq();
+    assert_eq!(inv[0], base[0]);
+    assert!((inv[31] * 32.0 - base[31]).abs() < 1e-6 * base[31]);
     // GPT-2 stays the default, and its sections still read.
     let g = arch::build(None, &[]).unwrap();
     assert_eq!(Arch::of(&g).unwrap(), Arch::Gpt2);
@@ -189,6 +205,18 @@ fn config_section_arch_and_presets() {
             "unknown model.preset \"gpt-tiny\" for model.arch = \"llama\"",
         ),
         (vec!["model.arch=mamba"], "unknown model.arch \"mamba\""),
+        (
+            vec!["model.arch=llama", "model.rope_scaling=yarn"],
+            "model.rope_scaling \"yarn\"",
+        ),
+        (
+            vec![
+                "model.arch=llama",
+                "model.rope_scaling=llama3",
+                "model.rope_high_freq_factor=0.5",
+            ],
+            "model.rope_high_freq_factor (0.5)",
+        ),
         (
             vec!["model.arch=llama", "model.n_kv_head=3"],
             "model.n_head (4) must be a multiple of model.n_kv_head (3)",
@@ -276,9 +304,10 @@ fn fused_ops_match_composed_candle() {
     // Rotary at an offset (as the KV cache uses it), d = 8, 3 heads.
     let e = fused_vs_composed(
         &[2, 7, 3, 8],
-        &|x, _| ops::rope(x, 500.0, 5),
+        &|x, _| ops::rope(x, &[1.0, 0.3, 0.05, 0.001], 5),
         &|x, _| {
-            let (c, s) = blocks::rope_tables(8, 500.0, 5, 7, DType::F32, &Device::Cpu)?;
+            let inv = [1.0, 0.3, 0.05, 0.001];
+            let (c, s) = blocks::rope_tables(&inv, 5, 7, DType::F32, &Device::Cpu)?;
             blocks::apply_rope(x, &c, &s)
         },
         &[1],

@@ -3,11 +3,13 @@
 //! float64, weights rounded to f32) are loaded by Phalanx, which must give
 //! the same logits and the same training losses and final parameters
 //! (AdamW with weight decay and GQA + untied head; SGD with a tied head and
-//! multi-head attention), and save the same file back.
+//! multi-head attention; SGD with Llama 3 rotary scaling), and save the
+//! same file back.
 
 use candle_core::{DType, Device, Tensor};
 use phalanx::engine::{Engine, EngineConfig};
 use phalanx::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use phalanx_models::llama::config::RopeScaling;
 use phalanx_models::llama::{self, hf, LlamaConfig};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -54,7 +56,7 @@ fn batch(expected: &HashMap<String, Tensor>, k: usize) -> (Tensor, Tensor) {
 
 #[test]
 fn logits_match_transformers() {
-    for case in ["llama_gqa", "llama_tied_mha"] {
+    for case in ["llama_gqa", "llama_tied_mha", "llama3_scaled"] {
         let (cfg, e, expected) = load(case);
         let (x, _) = batch(&expected, 0);
         let ours = e.forward(&x).unwrap(); // (B, T, V)
@@ -66,12 +68,21 @@ fn logits_match_transformers() {
             cfg.num_params()
         );
         assert!(err < 1e-5, "{case}: logits differ by {err:e}");
+        if case == "llama3_scaled" {
+            // The scaling matters here: unscaled rotary gives other logits.
+            let mut plain = cfg;
+            plain.rope_scaling = RopeScaling::None;
+            let mut p = llama::engine(&plain, &Device::Cpu, EngineConfig::default()).unwrap();
+            p.params_flat_mut().copy_from_slice(e.params_flat());
+            let other = rel_max(&f64s(&p.forward(&x).unwrap()), &f64s(want));
+            assert!(other > 1e-3, "unscaled rotary is as close: {other:e}");
+        }
     }
 }
 
 #[test]
 fn training_matches_transformers() {
-    for case in ["llama_gqa", "llama_tied_mha"] {
+    for case in ["llama_gqa", "llama_tied_mha", "llama3_scaled"] {
         let (_cfg, mut e, expected) = load(case);
         let losses = f64s(&expected["losses"]);
         let n = e.num_params();
@@ -122,7 +133,7 @@ fn training_matches_transformers() {
 
 #[test]
 fn save_writes_back_the_same_file_and_config() {
-    for case in ["llama_gqa", "llama_tied_mha"] {
+    for case in ["llama_gqa", "llama_tied_mha", "llama3_scaled"] {
         let (cfg, e, _) = load(case);
         let tmp =
             std::env::temp_dir().join(format!("phalanx-llama-save-{case}-{}", std::process::id()));
@@ -248,10 +259,21 @@ fn mismatches_are_errors_naming_the_key() {
     );
     // Features not built are refused, not ignored.
     let mut v = hf_config("llama_gqa");
+    v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 8.0});
+    let err = hf::config_from_json(&v).unwrap_err().to_string();
+    assert!(err.contains("rope_type \"yarn\" is not built"), "{err}");
     v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
     let err = hf::config_from_json(&v).unwrap_err().to_string();
+    assert!(err.contains("llama3 without `low_freq_factor`"), "{err}");
+    // A scaled checkpoint into an unscaled model config.
+    let mut unscaled = hf::config_from_json(&hf_config("llama3_scaled")).unwrap();
+    unscaled.rope_scaling = RopeScaling::None;
+    let mut e3 = llama::engine(&unscaled, &Device::Cpu, EngineConfig::default()).unwrap();
+    let err = hf::load(&mut e3, &unscaled, dir("llama3_scaled"))
+        .unwrap_err()
+        .to_string();
     assert!(
-        err.contains("rope_scaling") && err.contains("not built"),
+        err.contains("config.json has") && err.contains("model.rope_scaling"),
         "{err}"
     );
     let mut v = hf_config("llama_gqa");

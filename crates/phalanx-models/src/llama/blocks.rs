@@ -99,23 +99,22 @@ pub fn inv_freq(i: usize, d: usize, theta: f64) -> f32 {
     1.0 / (theta as f32).powf((2 * i) as f32 / d as f32)
 }
 
-/// cos and sin tables (T, d) for positions `start..start + t`, in `dtype`.
+/// cos and sin tables (T, d) for positions `start..start + t` from the
+/// d/2 inverse frequencies (`LlamaConfig::inv_freq`), in `dtype`.
 pub fn rope_tables(
-    head_dim: usize,
-    theta: f64,
+    inv: &[f32],
     start: usize,
     t: usize,
     dtype: DType,
     dev: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
-    // f32 throughout, as HF computes inv_freq and the angles.
-    let inv: Vec<f32> = (0..half).map(|i| inv_freq(i, head_dim, theta)).collect();
+    let head_dim = 2 * inv.len();
     let mut cos = Vec::with_capacity(t * head_dim);
     let mut sin = Vec::with_capacity(t * head_dim);
+    // Angles in f32, as HF computes them; each repeated for both halves.
     for p in start..start + t {
         for _ in 0..2 {
-            for f in &inv {
+            for f in inv {
                 let a = p as f32 * f;
                 cos.push(a.cos());
                 sin.push(a.sin());
@@ -250,14 +249,11 @@ impl LayerModule {
         let q = ops::linear(h, &self.q, None)?; // (B, T, C)
         let k = ops::linear(h, &self.k, None)?; // (B, T, KV)
         let v = ops::linear(h, &self.v, None)?; // (B, T, KV)
-        let theta = self.cfg.rope_theta;
+        let inv = self.cfg.inv_freq();
         let q =
-            super::ops::rope(&q.reshape((b, t, nh, d))?, theta, start)?.reshape((b, t, nh * d))?;
-        let k = super::ops::rope(&k.reshape((b, t, nkv, d))?, theta, start)?.reshape((
-            b,
-            t,
-            nkv * d,
-        ))?;
+            super::ops::rope(&q.reshape((b, t, nh, d))?, &inv, start)?.reshape((b, t, nh * d))?;
+        let k =
+            super::ops::rope(&k.reshape((b, t, nkv, d))?, &inv, start)?.reshape((b, t, nkv * d))?;
         Ok((q, k, v))
     }
 

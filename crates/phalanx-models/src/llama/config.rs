@@ -8,6 +8,9 @@
 //! - `tinyllama-1.1b`: TinyLlama-1.1B's shapes (22 layers, 32 heads over 4
 //!   key/value heads, 2048 wide, MLP 5632, vocabulary 32000, context 2048):
 //!   1,100,048,384 parameters, the count HF reports for that checkpoint.
+//! - `llama-3.2-1b`: Llama 3.2 1B's shapes (16 layers, 32 heads over 8 kv
+//!   heads, 2048 wide, MLP 8192, vocabulary 128256, context 131072, theta
+//!   500000 with Llama 3 rope scaling, tied head): 1,235,814,400 parameters.
 //!
 //! ```
 //! use phalanx_models::llama::LlamaConfig;
@@ -34,14 +37,71 @@ pub struct LlamaConfig {
     /// Context length (rotary positions need no table, so this only bounds T).
     pub block_size: usize,
     pub rope_theta: f64,
+    /// Rotary frequency scaling (Llama 3.1 / 3.2's `rope_scaling`).
+    pub rope_scaling: RopeScaling,
     pub rms_norm_eps: f64,
     /// `lm_head` shares `embed_tokens`' matrix.
     pub tie_word_embeddings: bool,
 }
 
+/// HF's `rope_scaling`: none (`rope_type = "default"`) or Llama 3's
+/// (`"llama3"`: low frequencies divided by `factor`, high ones kept, the
+/// band between interpolated).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: usize,
+    },
+}
+
+impl LlamaConfig {
+    /// The rotary inverse frequencies (d/2 of them), in f32 as HF computes
+    /// them (`_compute_default_rope_parameters`, `_compute_llama3_parameters`).
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let d = self.head_dim();
+        let base: Vec<f32> = (0..d / 2)
+            .map(|i| super::blocks::inv_freq(i, d, self.rope_theta))
+            .collect();
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } = self.rope_scaling
+        else {
+            return base;
+        };
+        let (f, lo, hi, old) = (
+            factor as f32,
+            low_freq_factor as f32,
+            high_freq_factor as f32,
+            original_max_position as f32,
+        );
+        let (low_wavelen, high_wavelen) = (old / lo, old / hi);
+        base.into_iter()
+            .map(|inv| {
+                let wavelen = 2.0 * std::f32::consts::PI / inv;
+                let scaled = if wavelen > low_wavelen { inv / f } else { inv };
+                let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                if medium {
+                    let smooth = (old / wavelen - lo) / (hi - lo);
+                    (1.0 - smooth) * scaled / f + smooth * scaled
+                } else {
+                    scaled
+                }
+            })
+            .collect()
+    }
+}
+
 impl LlamaConfig {
     /// The presets' names.
-    pub const PRESETS: [&'static str; 3] = ["llama-tiny", "llama-60m", "tinyllama-1.1b"];
+    pub const PRESETS: [&'static str; 4] =
+        ["llama-tiny", "llama-60m", "tinyllama-1.1b", "llama-3.2-1b"];
 
     /// The default preset of `model.arch = "llama"`.
     pub const DEFAULT_PRESET: &'static str = "llama-tiny";
@@ -66,6 +126,7 @@ impl LlamaConfig {
             vocab_size,
             block_size,
             rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
             rms_norm_eps: 1e-5,
             tie_word_embeddings: false,
         }
@@ -80,6 +141,17 @@ impl LlamaConfig {
             "llama-tiny" => Ok(Self::llama_tiny()),
             "llama-60m" => Ok(Self::new(8, 12, 4, 768, 2560, 256, 256)),
             "tinyllama-1.1b" => Ok(Self::new(22, 32, 4, 2048, 5632, 32000, 2048)),
+            "llama-3.2-1b" => Ok(Self {
+                rope_theta: 500000.0,
+                rope_scaling: RopeScaling::Llama3 {
+                    factor: 32.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position: 8192,
+                },
+                tie_word_embeddings: true,
+                ..Self::new(16, 32, 8, 2048, 8192, 128256, 131072)
+            }),
             _ => bail!("unknown Llama preset `{name}` (known: {:?})", Self::PRESETS),
         }
     }
@@ -147,6 +219,23 @@ impl LlamaConfig {
                 self.rope_theta
             ));
         }
+        if let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } = self.rope_scaling
+        {
+            if !(factor >= 1.0 && low_freq_factor > 0.0 && high_freq_factor > low_freq_factor)
+                || original_max_position == 0
+            {
+                return err(format!(
+                    "model.rope_factor ({factor}) must be >= 1, model.rope_high_freq_factor \
+                     ({high_freq_factor}) > model.rope_low_freq_factor ({low_freq_factor}) > 0, \
+                     model.rope_original_max_position ({original_max_position}) > 0"
+                ));
+            }
+        }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return err(format!(
                 "model.rms_norm_eps must be positive, not {}",
@@ -189,9 +278,18 @@ pub struct LlamaSection {
     /// Context length T.
     pub block_size: usize,
     pub rope_theta: f64,
+    /// `"none"` or `"llama3"` (then the four `rope_*` keys below apply).
+    pub rope_scaling: String,
+    pub rope_factor: f64,
+    pub rope_low_freq_factor: f64,
+    pub rope_high_freq_factor: f64,
+    pub rope_original_max_position: usize,
     pub rms_norm_eps: f64,
     pub tie_word_embeddings: bool,
 }
+
+/// Llama 3's scaling parameters, the section's defaults when none is set.
+const LLAMA3_DEFAULTS: (f64, f64, f64, usize) = (8.0, 1.0, 4.0, 8192);
 
 impl LlamaSection {
     /// The section of a preset.
@@ -202,6 +300,20 @@ impl LlamaSection {
                 LlamaConfig::PRESETS
             ))
         })?;
+        let (f, lo, hi, old) = match c.rope_scaling {
+            RopeScaling::None => LLAMA3_DEFAULTS,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => (
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            ),
+        };
         Ok(LlamaSection {
             arch: "llama".into(),
             preset: name.to_string(),
@@ -213,6 +325,14 @@ impl LlamaSection {
             vocab_size: c.vocab_size,
             block_size: c.block_size,
             rope_theta: c.rope_theta,
+            rope_scaling: match c.rope_scaling {
+                RopeScaling::None => "none".into(),
+                RopeScaling::Llama3 { .. } => "llama3".into(),
+            },
+            rope_factor: f,
+            rope_low_freq_factor: lo,
+            rope_high_freq_factor: hi,
+            rope_original_max_position: old,
             rms_norm_eps: c.rms_norm_eps,
             tie_word_embeddings: c.tie_word_embeddings,
         })
@@ -236,9 +356,20 @@ impl LlamaSection {
             .map_err(|e: toml::de::Error| ConfigError(format!("model: {}", e.message())))
     }
 
-    /// The model's hyper-parameters.
+    /// The model's hyper-parameters (`rope_scaling` must be known: see
+    /// [`LlamaSection::check`]; an unknown one reads as none here).
     pub fn model(&self) -> LlamaConfig {
+        let rope_scaling = match self.rope_scaling.as_str() {
+            "llama3" => RopeScaling::Llama3 {
+                factor: self.rope_factor,
+                low_freq_factor: self.rope_low_freq_factor,
+                high_freq_factor: self.rope_high_freq_factor,
+                original_max_position: self.rope_original_max_position,
+            },
+            _ => RopeScaling::None,
+        };
         LlamaConfig {
+            rope_scaling,
             n_layer: self.n_layer,
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
@@ -255,6 +386,12 @@ impl LlamaSection {
     /// What the library needs to know, after the checks.
     pub(crate) fn facts(t: &toml::Table) -> std::result::Result<ModelFacts, ConfigError> {
         let s = Self::from_table(t)?;
+        if !["none", "llama3"].contains(&s.rope_scaling.as_str()) {
+            return Err(ConfigError(format!(
+                "model.rope_scaling {:?}: choose \"none\" or \"llama3\" (other scalings are not built for model.arch = llama yet)",
+                s.rope_scaling
+            )));
+        }
         s.model().check()?;
         Ok(ModelFacts {
             seq_len: Some(s.block_size),

@@ -12,7 +12,8 @@
 //! every tensor), given as the file or as the directory holding it. A
 //! `config.json` beside the weights is checked against the model config:
 //! a different shape is an error naming both keys, and features not built
-//! here (`rope_scaling`, biases, another activation) are refused, never
+//! here (a `rope_scaling` other than Llama 3's, biases, another
+//! activation) are refused, never
 //! ignored. Shards are memory-mapped; only the tensors the engine holds are
 //! read (a pipeline stage reads its own blocks). f16/bf16 become f32.
 //! Tied files may carry `lm_head.weight` (its shape is checked), and old
@@ -31,7 +32,7 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use phalanx::engine::Engine;
 use serde_json::{json, Value};
 
-use super::config::LlamaConfig;
+use super::config::{LlamaConfig, RopeScaling};
 
 /// The index file of a sharded checkpoint.
 pub const INDEX: &str = "model.safetensors.index.json";
@@ -158,6 +159,14 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
             }
         }
     }
+    let scaling = rope_scaling(v)?;
+    if scaling != cfg.rope_scaling {
+        bail!(
+            "config.json has rope scaling {scaling:?} but the model config has {:?} \
+             (model.rope_scaling and the model.rope_* keys)",
+            cfg.rope_scaling
+        )
+    }
     // HF's default is false for Llama.
     let tie = v
         .get("tie_word_embeddings")
@@ -183,21 +192,54 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
 }
 
 /// rope_theta from a `config.json`: top-level (transformers 4) or in
-/// `rope_parameters` (transformers 5). Scaled rotary embeddings (a
-/// `rope_scaling`, or a `rope_type` other than "default") are refused.
+/// `rope_parameters` (transformers 5); refuses a scaling not built (see
+/// [`rope_scaling`]).
 pub fn rope_theta(v: &Value) -> Result<Option<f64>> {
-    if let Some(rs) = v.get("rope_scaling").filter(|x| !x.is_null()) {
-        bail!("config.json: rope_scaling {rs} is not built for model.arch = llama yet (default rotary only)")
-    }
+    rope_scaling(v)?;
     let rp = v.get("rope_parameters").filter(|x| !x.is_null());
-    if let Some(t) = rp.and_then(|r| r.get("rope_type")).and_then(|t| t.as_str()) {
-        if t != "default" {
-            bail!("config.json: rope_type {t:?} is not built for model.arch = llama yet (default rotary only)")
-        }
-    }
     Ok(v.get("rope_theta")
         .or_else(|| rp.and_then(|r| r.get("rope_theta")))
         .and_then(|x| x.as_f64()))
+}
+
+/// The rotary scaling of a `config.json`: transformers 4's `rope_scaling`
+/// or transformers 5's `rope_parameters`; `"default"` (or none) and
+/// `"llama3"` are built, any other `rope_type` is refused.
+pub fn rope_scaling(v: &Value) -> Result<RopeScaling> {
+    let p = v
+        .get("rope_scaling")
+        .filter(|x| !x.is_null())
+        .or_else(|| v.get("rope_parameters").filter(|x| !x.is_null()));
+    let Some(p) = p else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "llama3" => {
+            let f = |k: &str| {
+                p.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "config.json: rope_scaling llama3 without `{k}`"
+                    ))
+                })
+            };
+            Ok(RopeScaling::Llama3 {
+                factor: f("factor")?,
+                low_freq_factor: f("low_freq_factor")?,
+                high_freq_factor: f("high_freq_factor")?,
+                original_max_position: f("original_max_position_embeddings")? as usize,
+            })
+        }
+        t => bail!(
+            "config.json: rope_scaling of rope_type {t:?} is not built for model.arch = llama yet \
+             (\"default\" and \"llama3\" are)"
+        ),
+    }
 }
 
 /// `config.json` of a checkpoint directory, if there is one.
@@ -241,6 +283,21 @@ pub fn overrides_from_config(v: &Value) -> Vec<String> {
     }
     if let Some(x) = v.get("rms_norm_eps").and_then(|x| x.as_f64()) {
         out.push(format!("model.rms_norm_eps={x:e}"));
+    }
+    if let Ok(RopeScaling::Llama3 {
+        factor,
+        low_freq_factor,
+        high_freq_factor,
+        original_max_position,
+    }) = rope_scaling(v)
+    {
+        out.push("model.rope_scaling=\"llama3\"".into());
+        out.push(format!("model.rope_factor={factor:e}"));
+        out.push(format!("model.rope_low_freq_factor={low_freq_factor:e}"));
+        out.push(format!("model.rope_high_freq_factor={high_freq_factor:e}"));
+        out.push(format!(
+            "model.rope_original_max_position={original_max_position}"
+        ));
     }
     let tie = v
         .get("tie_word_embeddings")
@@ -372,7 +429,16 @@ pub fn config_json(cfg: &LlamaConfig, tokenizer: &str) -> Value {
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.block_size,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": null,
+        "rope_scaling": match cfg.rope_scaling {
+            RopeScaling::None => Value::Null,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position,
+            }),
+        },
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": "silu",
@@ -516,6 +582,7 @@ pub fn config_from_json(v: &Value) -> Result<LlamaConfig> {
     if let Some(t) = rope_theta(v)? {
         cfg.rope_theta = t;
     }
+    cfg.rope_scaling = rope_scaling(v)?;
     if let Some(e) = v.get("rms_norm_eps").and_then(|x| x.as_f64()) {
         cfg.rms_norm_eps = e;
     }

@@ -191,18 +191,26 @@ impl CustomOp1 for Rope {
 }
 
 /// Rotary embeddings on `x` (B, T, H, d) at positions `start..start + T`
-/// (HF's rotate-half convention; angles in f32 as HF computes them).
-pub fn rope(x: &Tensor, theta: f64, start: usize) -> Result<Tensor> {
+/// with the d/2 inverse frequencies `inv` (`LlamaConfig::inv_freq`), HF's
+/// rotate-half convention, angles in f32 as HF computes them.
+pub fn rope(x: &Tensor, inv: &[f32], start: usize) -> Result<Tensor> {
     let (_b, t, heads, d) = x.dims4()?;
+    if d != 2 * inv.len() {
+        bail!(
+            "rope: head size {d} needs {} frequencies, got {}",
+            d / 2,
+            inv.len()
+        )
+    }
     if !is_float(x.dtype()) || !x.device().is_cpu() {
-        let (cos, sin) = super::blocks::rope_tables(d, theta, start, t, x.dtype(), x.device())?;
+        let (cos, sin) = super::blocks::rope_tables(inv, start, t, x.dtype(), x.device())?;
         return super::blocks::apply_rope(x, &cos, &sin);
     }
     let h2 = d / 2;
     let (mut cos, mut sin) = (Vec::with_capacity(t * h2), Vec::with_capacity(t * h2));
     for p in start..start + t {
-        for i in 0..h2 {
-            let a = p as f32 * super::blocks::inv_freq(i, d, theta);
+        for f in inv {
+            let a = p as f32 * f;
             cos.push(a.cos());
             sin.push(a.sin());
         }

@@ -188,9 +188,9 @@ impl TpLayerModule {
             };
             (pick(&self.k)?, pick(&self.v)?, 1)
         };
-        let theta = self.cfg.rope_theta;
-        let q = rope(&q.reshape((b, t, nh, d))?, theta, 0)?.reshape((b, t, nh * d))?;
-        let k = rope(&k.reshape((b, t, nkv, d))?, theta, 0)?.reshape((b, t, nkv * d))?;
+        let inv = self.cfg.inv_freq();
+        let q = rope(&q.reshape((b, t, nh, d))?, &inv, 0)?.reshape((b, t, nh * d))?;
+        let k = rope(&k.reshape((b, t, nkv, d))?, &inv, 0)?.reshape((b, t, nkv * d))?;
         let rep = nh / nkv;
         let qkv = Tensor::cat(
             &[&q, &repeat_kv(&k, nkv, rep)?, &repeat_kv(&v, nkv, rep)?],
