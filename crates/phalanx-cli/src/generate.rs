@@ -232,15 +232,25 @@ fn run_llama(o: &GenerateOpts, cfg: &phalanx::config::TrainConfig) -> phalanx::R
     // The prompt's tail that fits, fed at once; then one token per step.
     let mut logits = g.step(&ids[ids.len().saturating_sub(t)..])?;
     print!("{}", o.prompt);
-    let mut printed = ids.len();
+    // Decoding is not per token (word-level and SentencePiece decoders put
+    // the spaces between tokens): print what the whole text gained over
+    // what is already shown.
+    let mut shown = codec.decode(&ids).unwrap_or_default();
     for _ in 0..o.tokens {
         let n = logits.dim(0)?;
         let last: Vec<f32> = logits.i(n - 1)?.to_vec1()?;
         let next = sample(&last, o.temperature, o.top_k, &mut rng);
         ids.push(next);
-        if let Some(s) = codec.decode(&ids[printed..]) {
-            print!("{s}");
-            printed = ids.len();
+        if let Some(s) = codec.decode(&ids) {
+            // (A decoder that rewrites earlier text shows from where the
+            // two texts part; what was printed before that stays.)
+            let common = s
+                .char_indices()
+                .zip(shown.chars())
+                .find(|((_, a), b)| a != b)
+                .map_or(shown.len().min(s.len()), |((i, _), _)| i);
+            print!("{}", &s[common..]);
+            shown = s;
             use std::io::Write;
             let _ = std::io::stdout().flush();
         }

@@ -6,6 +6,7 @@
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
 //! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
 //! - `phalanx report LOG`: a run's HTML report.
+//! - `phalanx tokenize`: text -> llm.c token file with an HF `tokenizer.json`.
 
 mod bench_collectives;
 mod checkpoint_cmd;
@@ -13,6 +14,7 @@ mod generate;
 mod launch;
 mod outputs;
 mod report_cmd;
+mod tokenize;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -89,6 +91,12 @@ enum Cmd {
         #[command(flatten)]
         opts: report_cmd::ReportOpts,
     },
+    /// Encode a text file with a Hugging Face tokenizer.json into an llm.c
+    /// token file (`data.path` for models with that vocabulary).
+    Tokenize {
+        #[command(flatten)]
+        opts: tokenize::TokenizeOpts,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -126,6 +134,7 @@ fn main() {
         } => print_schedule(&schedule, pp, micro_batches, comm),
         Cmd::Checkpoint { what } => checkpoint_cmd::main(&what),
         Cmd::Report { opts } => report_cmd::main(&opts),
+        Cmd::Tokenize { opts } => tokenize::main(&opts),
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },
         } => bench_collectives::main(&opts, &launch),

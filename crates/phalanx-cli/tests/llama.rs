@@ -159,3 +159,84 @@ fn arch_errors_are_named_before_any_rank_starts() {
     assert_eq!(code, 2);
     assert!(err.contains("is a Llama preset"), "{err}");
 }
+
+/// A word-level `tokenizer.json` of 6 words (ids 0-5, 0 unknown).
+const TOKENIZER: &str = r#"{
+  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+  "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+  "decoder": null,
+  "model": {"type": "WordLevel", "unk_token": "[UNK]",
+            "vocab": {"[UNK]": 0, "in": 1, "the": 2, "beginning": 3, "god": 4, "created": 5}}
+}"#;
+
+#[test]
+fn tokenize_train_and_generate_with_a_tokenizer_json() {
+    let d = fresh_dir("phalanx-llama-cli", "tok");
+    std::fs::write(d.join("tokenizer.json"), TOKENIZER).unwrap();
+    let text = "in the beginning god created the\n".repeat(300);
+    std::fs::write(d.join("text.txt"), &text).unwrap();
+    let bin = d.join("text.bin");
+    let (code, out, err) = phalanx(&[
+        "tokenize",
+        "--tokenizer",
+        d.to_str().unwrap(),
+        d.join("text.txt").to_str().unwrap(),
+        bin.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("1800 tokens, vocabulary 6, 16 bits per token"),
+        "{out}"
+    );
+    // llm.c header: magic 20240520, version 1, 1800 uint16 tokens.
+    let b = std::fs::read(&bin).unwrap();
+    let word = |i: usize| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+    assert_eq!((word(0), word(1), word(2)), (20240520, 1, 1800));
+    let tok = |i: usize| u16::from_le_bytes([b[1024 + 2 * i], b[1025 + 2 * i]]);
+    assert_eq!((0..6).map(tok).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5, 2]);
+    // Train a 6-word Llama on it, then generate through the tokenizer.json
+    // beside the saved model: it has learned the sentence.
+    let model = d.join("model");
+    let (code, out, err) = train(&[
+        "--set",
+        "model.vocab_size=6",
+        "--set",
+        "model.block_size=12",
+        "--set",
+        &format!("data.path=\"{}\"", bin.display()),
+        "--set",
+        "train.steps=40",
+        "--set",
+        "optim.lr=0.01",
+        "--save-final",
+        model.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    std::fs::copy(d.join("tokenizer.json"), model.join("tokenizer.json")).unwrap();
+    let (code, out, err) = phalanx(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "in the beginning",
+        "--tokens",
+        "3",
+        "--temperature",
+        "0",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("god created the"), "{out}");
+    // A --bos the tokenizer does not have is named.
+    let (code, _, err) = phalanx(&[
+        "tokenize",
+        "--tokenizer",
+        d.join("tokenizer.json").to_str().unwrap(),
+        "--bos",
+        "<s>",
+        d.join("text.txt").to_str().unwrap(),
+        d.join("x.bin").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--bos \"<s>\" is not a token"), "{err}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
