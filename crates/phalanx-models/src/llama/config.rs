@@ -86,7 +86,8 @@ impl LlamaConfig {
             .map(|inv| {
                 let wavelen = 2.0 * std::f32::consts::PI / inv;
                 let scaled = if wavelen > low_wavelen { inv / f } else { inv };
-                let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                // HF's `~(wavelen < high) * ~(wavelen > low)` (wavelengths are finite).
+                let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                 if medium {
                     let smooth = (old / wavelen - lo) / (hi - lo);
                     (1.0 - smooth) * scaled / f + smooth * scaled
