@@ -163,6 +163,18 @@ fn tensor_parallel_reproduces_one_rank() {
 }
 
 #[test]
+fn pipeline_x_tensor_parallel_reproduces_one_rank() {
+    let base = base();
+    // pp 2 x tp 2 (kv heads split), and pp 2 x tp 4 (kv heads replicated).
+    for (world, tp) in [(4, 2), (8, 4)] {
+        let tp_set = format!("parallel.tp={tp}");
+        let cfg = config(1, 4, &["parallel.pp=2", &tp_set]);
+        let out = run(world, cfg, LlamaRun::default());
+        assert_named_match(&format!("pp 2 x tp {tp}"), &out, &base, 1e-5);
+    }
+}
+
+#[test]
 fn tensor_parallel_tied_head_and_init_from() {
     // Tied head under tp 2: the vocabulary-parallel embedding and head share
     // one shard; and --init-from a saved directory loads the slices.

@@ -6,7 +6,8 @@
 //!   `tinyllama-1.1b`, and the `model` section (`model.arch = "llama"`);
 //! - [`blocks`]: embedding, decoder layers, head;
 //! - [`ops`]: fused RMSNorm, rotary and SwiGLU with their backward;
-//! - [`hf`]: safetensors import / export, single file or sharded, `config.json`;
+//! - [`hf`]: safetensors import / export, single file or sharded;
+//! - [`hf_config`]: HF `config.json` read, checked, written;
 //! - [`tp`], [`tp_blocks`]: tensor parallel (Megatron layout, GQA-aware);
 //! - [`train`]: the training path (DDP, ZeRO-1/2/3, pipeline, tp);
 //! - [`generate`]: inference with a KV cache.
@@ -30,6 +31,7 @@ pub mod blocks;
 pub mod config;
 pub mod generate;
 pub mod hf;
+pub mod hf_config;
 pub mod ops;
 pub mod tp;
 pub mod tp_blocks;
