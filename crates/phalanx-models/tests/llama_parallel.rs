@@ -140,6 +140,16 @@ fn tensor_parallel_reproduces_one_rank() {
             ],
         ),
         (
+            "tp 4 + sequence parallel (kv heads replicated)",
+            4,
+            1,
+            vec![
+                "parallel.tp=4",
+                "parallel.sequence_parallel=true",
+                "model.block_size=16",
+            ],
+        ),
+        (
             "tp 2 x dp 2 ZeRO-1",
             4,
             2,
@@ -219,13 +229,16 @@ fn tensor_parallel_shapes_that_do_not_divide_are_refused() {
             "model.n_head (4) is not divisible by the tensor-parallel size 3",
         ),
         (
+            // 3 kv heads can be neither split over 4 ranks nor replicated.
             vec![
                 "parallel.tp=4",
-                "parallel.sequence_parallel=true",
-                "model.block_size=16",
+                "model.n_head=12",
+                "model.n_kv_head=3",
+                "model.n_embd=48",
+                "model.intermediate_size=64",
             ],
             4,
-            "sequence parallel with replicated kv heads",
+            "the tensor-parallel size 4 is not a multiple of model.n_kv_head (3)",
         ),
     ] {
         let cfg = config(1, 1, &extra);

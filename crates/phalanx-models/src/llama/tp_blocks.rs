@@ -14,15 +14,21 @@
 //! [t nkv/tp, ...) in HF's grouping (query head j reads kv head j / n_rep),
 //! so a split kv projection keeps every group on one rank.
 //!
-//! Replicated kv heads: every rank projects all kv heads from the
-//! replicated (pre-`enter`) normed input and keeps the one its queries
-//! read, through `copy_to_tp` on the projection's output (identity forward,
-//! all-reduce of the gradient backward). So every rank gets the whole
-//! gradient of the replicated k/v matrices (the sum of all ranks' query
-//! heads' contributions), and the input gradient of the k/v path, already
-//! whole, is added outside the tp region (not summed again). Under
-//! sequence parallelism the input is a sequence chunk, so that combination
-//! is refused.
+//! Replicated kv heads: every rank projects all kv heads and keeps the one
+//! its queries read. Each rank's gradient of the replicated k/v matrices
+//! then holds only its own query heads' part, and the whole is their sum
+//! over tp:
+//! - without sequence parallelism the projection reads the replicated
+//!   (pre-`enter`) normed input, and its output goes through `copy_to_tp`
+//!   (identity forward, all-reduce of the gradient backward): every rank
+//!   gets the whole weight gradient, and the input gradient of the k/v
+//!   path, already whole, is added outside the tp region (not summed
+//!   again); replicated weights' gradients are not summed by the trainer;
+//! - with it, the projection reads the gathered input like the queries, so
+//!   the input gradient is a partial sum that the gather's reduce-scatter
+//!   completes, and the weight gradients are partial sums that the trainer
+//!   sums over tp as it does for every replicated parameter under sequence
+//!   parallelism (the norms' chunks).
 
 use candle_core::{bail, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -61,13 +67,6 @@ pub fn check(cfg: &LlamaConfig, tp: &Tp) -> Result<()> {
             bail!(
                 "the tensor-parallel size {n} is not a multiple of model.n_kv_head ({}): \
                  kv heads can be split or replicated, not both",
-                cfg.n_kv_head
-            )
-        }
-        if tp.sequence_parallel {
-            bail!(
-                "sequence parallel with replicated kv heads (model.n_kv_head {} < parallel.tp {n}) \
-                 is not built for model.arch = llama yet",
                 cfg.n_kv_head
             )
         }
@@ -181,10 +180,16 @@ impl TpLayerModule {
                 nkv,
             )
         } else {
-            // All kv heads from the replicated input; keep this rank's one.
+            // All kv heads from the replicated input; keep this rank's one
+            // (see the module doc for the two gradient paths).
             let head = self.tp.rank() * self.cfg.n_kv_head / n;
             let pick = |w: &Tensor| -> Result<Tensor> {
-                copy_to_tp(&ops::linear(h, w, None)?, &self.tp.pg)?.narrow(2, head * d, d)
+                let k = if self.tp.sequence_parallel {
+                    ops::linear(&he, w, None)?
+                } else {
+                    copy_to_tp(&ops::linear(h, w, None)?, &self.tp.pg)?
+                };
+                k.narrow(2, head * d, d)
             };
             (pick(&self.k)?, pick(&self.v)?, 1)
         };
