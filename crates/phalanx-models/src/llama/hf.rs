@@ -10,12 +10,10 @@
 //! Layouts read: one `model.safetensors`, or HF's sharded layout (a
 //! `model.safetensors.index.json` whose `weight_map` names the shard of
 //! every tensor), given as the file or as the directory holding it. A
-//! `config.json` beside the weights is checked against the model config:
-//! a different shape is an error naming both keys, and features not built
-//! here (a `rope_scaling` other than Llama 3's, biases, another
-//! activation) are refused, never
-//! ignored. Shards are memory-mapped; only the tensors the engine holds are
-//! read (a pipeline stage reads its own blocks). f16/bf16 become f32.
+//! `config.json` beside the weights is checked against the model config
+//! ([`super::hf_config`]). Shards are memory-mapped; only the tensors the
+//! engine holds are read (a pipeline stage reads its own blocks);
+//! f16/bf16/f64 become f32.
 //! Tied files may carry `lm_head.weight` (its shape is checked), and old
 //! files `rotary_emb.inv_freq` buffers (ignored); any other unknown tensor
 //! is an error.
