@@ -77,7 +77,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         return 0;
     }
     if !crate::launch::in_job() {
-        if let Err(e) = check_outputs(&cfg, opts) {
+        if let Err(e) = check_outputs(&cfg, opts).and_then(|()| check_init_from(&cfg, opts)) {
             eprintln!("phalanx train: {e}");
             return 2;
         }
@@ -149,6 +149,21 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         ins.push(("--init-from model", p));
     }
     crate::outputs::check(&outs, &ins)
+}
+
+/// A Llama `--init-from` whose `config.json` disagrees with the model
+/// config is refused before any rank starts (every rank would refuse it).
+fn check_init_from(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
+    let (Some(p), Ok(Arch::Llama)) = (&opts.init_from, Arch::of(cfg)) else {
+        return Ok(());
+    };
+    let err = |e: candle_core::Error| format!("--init-from {}: {e}", p.display());
+    let (_files, dir) = llama::hf::resolve(p).map_err(err)?;
+    let m = llama::train::model_config(cfg).map_err(|e| e.to_string())?;
+    if let Some(v) = llama::hf::read_config(&dir).map_err(err)? {
+        llama::hf::check_config(&v, &m).map_err(err)?;
+    }
+    Ok(())
 }
 
 fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {

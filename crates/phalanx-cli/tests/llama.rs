@@ -158,6 +158,27 @@ fn arch_errors_are_named_before_any_rank_starts() {
     ]);
     assert_eq!(code, 2);
     assert!(err.contains("is a Llama preset"), "{err}");
+    // A checkpoint of another shape: named before launching.
+    let d = fresh_dir("phalanx-llama-cli", "shape");
+    std::fs::write(
+        d.join("config.json"),
+        r#"{"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048}"#,
+    )
+    .unwrap();
+    std::fs::write(d.join("model.safetensors"), b"").unwrap();
+    let (code, _, err) = phalanx(&[
+        "train",
+        "--set",
+        "model.arch=llama",
+        "--init-from",
+        d.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("num_hidden_layers = 22 but model.n_layer = 4"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
 }
 
 /// A word-level `tokenizer.json` of 6 words (ids 0-5, 0 unknown).

@@ -60,7 +60,11 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
     for (theirs, got, ours, key) in pairs {
         if let Some(g) = got {
             if g != ours {
-                bail!("config.json has {theirs} = {g} but model.{key} = {ours}")
+                bail!(
+                    "config.json has {theirs} = {g} but model.{key} = {ours} \
+                     (set the model.* keys to the checkpoint's, or a preset of its shape: {:?})",
+                    LlamaConfig::PRESETS
+                )
             }
         }
     }
@@ -77,7 +81,11 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
     ] {
         if let Some(g) = got {
             if (g - ours).abs() > 1e-12 * g.abs().max(1.0) {
-                bail!("config.json has {theirs} = {g} but model.{key} = {ours}")
+                bail!(
+                    "config.json has {theirs} = {g} but model.{key} = {ours} \
+                     (set the model.* keys to the checkpoint's, or a preset of its shape: {:?})",
+                    LlamaConfig::PRESETS
+                )
             }
         }
     }
