@@ -225,6 +225,12 @@ fn sharded_layout_round_trips() {
         hf::load(&mut e2, &cfg, &via).unwrap();
         assert_eq!(e2.params_flat(), e.params_flat(), "{via:?}");
     }
+    // Saving the same directory as one file replaces the sharded layout
+    // (a stale index would otherwise win), and back.
+    hf::save(&t, &cfg, "byte", &tmp, hf::DEFAULT_SHARD_BYTES).unwrap();
+    assert!(!tmp.join(hf::INDEX).exists() && !files[0].exists());
+    let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
+    assert!(!tmp.join(hf::SINGLE).exists() && tmp.join(hf::INDEX).is_file());
     // A missing shard is named.
     std::fs::remove_file(&files[1]).unwrap();
     let mut e3 = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();

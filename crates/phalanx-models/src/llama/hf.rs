@@ -246,6 +246,11 @@ pub fn save(
             .map_err(|e| io(p, e.to_string()))?;
         phalanx::fsutil::write_atomic(p, &bytes).map_err(|e| io(p, e.to_string()))
     };
+    if !single_file {
+        // A directory saved to before keeps no other layout: a stale index
+        // would win over a new model.safetensors when loading.
+        remove_previous(&dir)?;
+    }
     let mut written = Vec::new();
     if shards.len() == 1 {
         let p = if single_file {
@@ -280,6 +285,24 @@ pub fn save(
     phalanx::fsutil::write_atomic(&p, text.as_bytes()).map_err(|e| io(&p, e.to_string()))?;
     written.push(p);
     Ok(written)
+}
+
+/// Remove a checkpoint saved in `dir` before: `model.safetensors`, or the
+/// index and the shards it names (nothing else in the directory).
+fn remove_previous(dir: &Path) -> Result<()> {
+    let rm = |p: &Path| match std::fs::remove_file(p) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(candle_core::Error::Msg(format!("{}: {e}", p.display())))
+        }
+        _ => Ok(()),
+    };
+    if dir.join(INDEX).is_file() {
+        for f in resolve(&dir.join(INDEX))?.0 {
+            rm(&f)?;
+        }
+        rm(&dir.join(INDEX))?;
+    }
+    rm(&dir.join(SINGLE))
 }
 
 /// The names a Llama of this config has in HF files (for checks and tests).
