@@ -56,7 +56,12 @@ fn batch(expected: &HashMap<String, Tensor>, k: usize) -> (Tensor, Tensor) {
 
 #[test]
 fn logits_match_transformers() {
-    for case in ["llama_gqa", "llama_tied_mha", "llama3_scaled"] {
+    for case in [
+        "llama_gqa",
+        "llama_tied_mha",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
         let (cfg, e, expected) = load(case);
         let (x, _) = batch(&expected, 0);
         let ours = e.forward(&x).unwrap(); // (B, T, V)
@@ -82,7 +87,12 @@ fn logits_match_transformers() {
 
 #[test]
 fn training_matches_transformers() {
-    for case in ["llama_gqa", "llama_tied_mha", "llama3_scaled"] {
+    for case in [
+        "llama_gqa",
+        "llama_tied_mha",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
         let (_cfg, mut e, expected) = load(case);
         let losses = f64s(&expected["losses"]);
         let n = e.num_params();
@@ -133,7 +143,12 @@ fn training_matches_transformers() {
 
 #[test]
 fn save_writes_back_the_same_file_and_config() {
-    for case in ["llama_gqa", "llama_tied_mha", "llama3_scaled"] {
+    for case in [
+        "llama_gqa",
+        "llama_tied_mha",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
         let (cfg, e, _) = load(case);
         let tmp =
             std::env::temp_dir().join(format!("phalanx-llama-save-{case}-{}", std::process::id()));

@@ -285,3 +285,23 @@ fn bf16_and_recompute_track_fp32() {
     );
     assert_named_match("ZeRO-2 + full recompute", &recompute, &base, 1e-5);
 }
+
+#[test]
+fn head_dim_apart_from_width_under_tensor_parallel() {
+    // model.head_dim = 12 at 32 wide: q_proj (48, 32), o_proj (32, 48).
+    let hd = ["model.head_dim=12"];
+    let base = run(1, config(1, 1, &hd), LlamaRun::default()).remove(0);
+    assert_eq!(
+        base.named["model.layers.0.self_attn.q_proj.weight"].len(),
+        48 * 32
+    );
+    for tp in [2, 4] {
+        let tp_set = format!("parallel.tp={tp}");
+        let out = run(
+            tp,
+            config(1, 1, &["model.head_dim=12", &tp_set]),
+            LlamaRun::default(),
+        );
+        assert_named_match(&format!("tp {tp}, head_dim 12"), &out, &base, 1e-5);
+    }
+}

@@ -201,10 +201,10 @@ pub struct Layer {
 
 pub(crate) struct LayerModule {
     pub(crate) input_layernorm: RmsNorm,
-    pub(crate) q: Tensor, // (C, C)
+    pub(crate) q: Tensor, // (Q, C), Q = n_head * head_dim (= C by default)
     pub(crate) k: Tensor, // (KV, C)
     pub(crate) v: Tensor, // (KV, C)
-    pub(crate) o: Tensor, // (C, C)
+    pub(crate) o: Tensor, // (C, Q)
     pub(crate) post_attention_layernorm: RmsNorm,
     pub(crate) gate: Tensor, // (M, C)
     pub(crate) up: Tensor,   // (M, C)
@@ -229,10 +229,10 @@ impl LayerModule {
         let vb = vb.pp(format!("model.layers.{index}"));
         Ok(Self {
             input_layernorm: RmsNorm::new(&vb, "input_layernorm", c, eps)?,
-            q: weight(&vb, "self_attn.q_proj", c, c)?,
+            q: weight(&vb, "self_attn.q_proj", cfg.q_dim(), c)?,
             k: weight(&vb, "self_attn.k_proj", kv, c)?,
             v: weight(&vb, "self_attn.v_proj", kv, c)?,
-            o: weight(&vb, "self_attn.o_proj", c, c)?,
+            o: weight(&vb, "self_attn.o_proj", c, cfg.q_dim())?,
             post_attention_layernorm: RmsNorm::new(&vb, "post_attention_layernorm", c, eps)?,
             gate: weight(&vb, "mlp.gate_proj", m, c)?,
             up: weight(&vb, "mlp.up_proj", m, c)?,

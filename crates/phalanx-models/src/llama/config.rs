@@ -31,6 +31,9 @@ pub struct LlamaConfig {
     /// Key/value heads (grouped-query attention); `n_head` for multi-head.
     pub n_kv_head: usize,
     pub n_embd: usize,
+    /// Size of one attention head; 0: n_embd / n_head (HF's `head_dim`,
+    /// which some checkpoints set otherwise, e.g. Minitron's 128 at 3072 wide).
+    pub head_size: usize,
     /// The SwiGLU MLP's hidden width.
     pub intermediate_size: usize,
     pub vocab_size: usize,
@@ -123,6 +126,7 @@ impl LlamaConfig {
             n_head,
             n_kv_head,
             n_embd,
+            head_size: 0,
             intermediate_size,
             vocab_size,
             block_size,
@@ -157,8 +161,18 @@ impl LlamaConfig {
         }
     }
 
+    /// Size of one attention head (`model.head_dim`, else n_embd / n_head).
     pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head
+        if self.head_size > 0 {
+            self.head_size
+        } else {
+            self.n_embd / self.n_head
+        }
+    }
+
+    /// Width of the q projection and of o_proj's input: n_head * head_dim.
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim()
     }
 
     /// Query heads per key/value head.
@@ -196,9 +210,9 @@ impl LlamaConfig {
         {
             return err(format!("model sizes must be positive: {self:?}"));
         }
-        if !self.n_embd.is_multiple_of(self.n_head) {
+        if self.head_size == 0 && !self.n_embd.is_multiple_of(self.n_head) {
             return err(format!(
-                "model.n_embd ({}) must be divisible by model.n_head ({})",
+                "model.n_embd ({}) must be divisible by model.n_head ({}) (or set model.head_dim)",
                 self.n_embd, self.n_head
             ));
         }
@@ -210,7 +224,7 @@ impl LlamaConfig {
         }
         if !self.head_dim().is_multiple_of(2) {
             return err(format!(
-                "the head size model.n_embd / model.n_head = {} must be even (rotary embeddings rotate pairs)",
+                "the head size (model.head_dim, or model.n_embd / model.n_head) = {} must be even (rotary embeddings rotate pairs)",
                 self.head_dim()
             ));
         }
@@ -248,9 +262,14 @@ impl LlamaConfig {
 
     /// Parameters (a tied head counted once).
     pub fn num_params(&self) -> usize {
-        let (c, kv, m) = (self.n_embd, self.kv_dim(), self.intermediate_size);
+        let (c, q, kv, m) = (
+            self.n_embd,
+            self.q_dim(),
+            self.kv_dim(),
+            self.intermediate_size,
+        );
         let per_layer = 2 * c            // input_layernorm, post_attention_layernorm
-            + 2 * c * c                  // q_proj, o_proj
+            + 2 * q * c                  // q_proj, o_proj
             + 2 * kv * c                 // k_proj, v_proj
             + 3 * c * m; // gate_proj, up_proj, down_proj
         let head = if self.tie_word_embeddings {
@@ -274,6 +293,8 @@ pub struct LlamaSection {
     pub n_head: usize,
     pub n_kv_head: usize,
     pub n_embd: usize,
+    /// 0: n_embd / n_head.
+    pub head_dim: usize,
     pub intermediate_size: usize,
     pub vocab_size: usize,
     /// Context length T.
@@ -322,6 +343,7 @@ impl LlamaSection {
             n_head: c.n_head,
             n_kv_head: c.n_kv_head,
             n_embd: c.n_embd,
+            head_dim: c.head_size,
             intermediate_size: c.intermediate_size,
             vocab_size: c.vocab_size,
             block_size: c.block_size,
@@ -375,6 +397,7 @@ impl LlamaSection {
             n_head: self.n_head,
             n_kv_head: self.n_kv_head,
             n_embd: self.n_embd,
+            head_size: self.head_dim,
             intermediate_size: self.intermediate_size,
             vocab_size: self.vocab_size,
             block_size: self.block_size,

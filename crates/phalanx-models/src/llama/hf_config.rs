@@ -54,7 +54,7 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
             "head_dim",
             int("head_dim"),
             cfg.head_dim(),
-            "n_embd / n_head",
+            "head_dim (or n_embd / n_head)",
         ),
     ];
     for (theirs, got, ours, key) in pairs {
@@ -188,6 +188,9 @@ pub fn read_config(dir: &Path) -> Result<Option<Value>> {
 /// The `model.*` overrides an HF `config.json` implies (for `generate`).
 pub fn overrides_from_config(v: &Value) -> Vec<String> {
     let mut out = vec!["model.arch=\"llama\"".to_string()];
+    if let Some(d) = explicit_head_dim(v) {
+        out.push(format!("model.head_dim={d}"));
+    }
     let heads = v.get("num_attention_heads").and_then(|x| x.as_u64());
     for (ours, theirs) in [
         ("n_layer", "num_hidden_layers"),
@@ -273,6 +276,17 @@ pub fn config_json(cfg: &LlamaConfig, tokenizer: &str) -> Value {
     })
 }
 
+/// `head_dim` when it is not hidden_size / num_attention_heads (the only
+/// case `model.head_dim` needs to be set).
+fn explicit_head_dim(v: &Value) -> Option<usize> {
+    let int = |k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
+    let d = int("head_dim")?;
+    match (int("hidden_size"), int("num_attention_heads")) {
+        (Some(c), Some(h)) if h > 0 && c.is_multiple_of(h) && c / h == d => None,
+        _ => Some(d),
+    }
+}
+
 /// The model an HF `config.json` describes (`block_size` =
 /// `max_position_embeddings`); unknown features are refused as in
 /// [`check_config`].
@@ -293,6 +307,7 @@ pub fn config_from_json(v: &Value) -> Result<LlamaConfig> {
         int("vocab_size")?,
         int("max_position_embeddings")?,
     );
+    cfg.head_size = explicit_head_dim(v).unwrap_or(0);
     if let Some(t) = rope_theta(v)? {
         cfg.rope_theta = t;
     }

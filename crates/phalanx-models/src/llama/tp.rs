@@ -66,8 +66,10 @@ pub fn full_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
     let ends = |s: &str| name.ends_with(s);
     if ends("embed_tokens.weight") || name == "lm_head.weight" {
         vec![v, c]
-    } else if ends("q_proj.weight") || ends("o_proj.weight") {
-        vec![c, c]
+    } else if ends("q_proj.weight") {
+        vec![cfg.q_dim(), c]
+    } else if ends("o_proj.weight") {
+        vec![c, cfg.q_dim()]
     } else if ends("k_proj.weight") || ends("v_proj.weight") {
         vec![kv, c]
     } else if ends("gate_proj.weight") || ends("up_proj.weight") {

@@ -121,10 +121,10 @@ pub struct TpLayer {
 
 struct TpLayerModule {
     input_layernorm: RmsNorm,
-    q: Tensor, // (C/tp, C)
+    q: Tensor, // (Q/tp, C), Q = n_head * head_dim
     k: Tensor, // (KV/tp, C) split, or (KV, C) replicated
     v: Tensor,
-    o: RowParallelLinear, // (C, C/tp)
+    o: RowParallelLinear, // (C, Q/tp)
     post_attention_layernorm: RmsNorm,
     gate: Tensor, // (M/tp, C)
     up: Tensor,   // (M/tp, C)
@@ -150,10 +150,10 @@ impl Block for TpLayer {
         let kv_rows = if kv_split(cfg, n) { kv / n } else { kv };
         Ok(Box::new(TpLayerModule {
             input_layernorm: RmsNorm::new(&vb, "input_layernorm", c, eps)?,
-            q: w("self_attn.q_proj", c / n, c)?,
+            q: w("self_attn.q_proj", cfg.q_dim() / n, c)?,
             k: w("self_attn.k_proj", kv_rows, c)?,
             v: w("self_attn.v_proj", kv_rows, c)?,
-            o: RowParallelLinear::from_parts(tp, w("self_attn.o_proj", c, c / n)?, None),
+            o: RowParallelLinear::from_parts(tp, w("self_attn.o_proj", c, cfg.q_dim() / n)?, None),
             post_attention_layernorm: RmsNorm::new(&vb, "post_attention_layernorm", c, eps)?,
             gate: w("mlp.gate_proj", m / n, c)?,
             up: w("mlp.up_proj", m / n, c)?,
