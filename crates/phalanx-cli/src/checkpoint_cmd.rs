@@ -13,8 +13,10 @@
 use clap::Subcommand;
 use phalanx::checkpoint::{self, Metadata, Reader};
 use phalanx::{Error, Result};
+use phalanx_models::arch::Arch;
 use phalanx_models::gpt2::config::Gpt2Section;
 use phalanx_models::gpt2::dcp;
+use phalanx_models::llama::config::LlamaSection;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -227,9 +229,18 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
     }
     problems.extend(incomplete.iter().cloned());
     let ok = problems.is_empty();
-    let model = dcp::config_of(&meta)
-        .ok()
-        .and_then(|c| Gpt2Section::of(&c).ok());
+    let cfg_of = dcp::config_of(&meta).ok();
+    let model = cfg_of
+        .as_ref()
+        .and_then(|c| Gpt2Section::of(c).ok())
+        .map(|m| serde_json::to_value(m).expect("serialises"))
+        .or_else(|| {
+            cfg_of
+                .as_ref()
+                .and_then(|c| LlamaSection::of(c).ok())
+                .map(|m| serde_json::to_value(m).expect("serialises"))
+        });
+    let model_line = cfg_of.as_ref().and_then(|c| describe(c).ok());
     let total_bytes: u64 = meta.files.iter().map(|f| f.bytes).sum();
 
     if as_json {
@@ -290,11 +301,8 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
         Some((k, s)) => println!("  optimizer        {k}, {s} step(s) applied"),
         None => println!("  optimizer        none saved (a run loading it starts fresh)"),
     }
-    if let Some(m) = &model {
-        println!(
-            "  model            GPT-2 {} layer(s), {} head(s), {} wide, vocab {}, context {}",
-            m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size
-        );
+    if let Some(m) = &model_line {
+        println!("  model            {m}");
     }
     println!(
         "  tensors          {} ({params} parameters)",
@@ -368,13 +376,10 @@ fn convert(path: &Path, out: &Path, force: bool) -> Result<i32> {
     let reader = Reader::open(&dir)?;
     reader.verify_all()?;
     let cfg = dcp::export(&reader, out)?;
-    let m = Gpt2Section::of(&cfg)?;
-    let n = m.model().num_params();
     println!(
-        "wrote {} (Hugging Face GPT-2: {} layer(s), {} wide, {n} parameters; config.json beside it) from {} (step {})",
+        "wrote {} (Hugging Face {}; config.json beside it) from {} (step {})",
         out.display(),
-        m.n_layer,
-        m.n_embd,
+        describe(&cfg)?,
         dir.display(),
         reader.meta.step
     );
@@ -388,7 +393,8 @@ fn from_hf(
     set: &[String],
     force: bool,
 ) -> Result<i32> {
-    if !input.is_file() {
+    // (A Llama checkpoint may be a directory or a sharded index.)
+    if !input.exists() {
         return Err(Error::Check(format!("{}: no such file", input.display())));
     }
     let held: Vec<String> = std::fs::read_dir(out_dir)
@@ -412,15 +418,46 @@ fn from_hf(
         None => crate::generate::hf_overrides(input)?,
     };
     sets.extend(set.iter().cloned());
-    let cfg = phalanx_models::gpt2::config::build(config, &sets)?;
+    let cfg = phalanx_models::arch::build(config, &sets)?;
     let dir = dcp::import(&cfg, input, out_dir)?;
-    let m = Gpt2Section::of(&cfg)?;
     println!(
-        "wrote {} (step 0, {} parameters, no optimizer state: a run resuming from it starts its optimizer fresh); \
+        "wrote {} (step 0, {}, no optimizer state: a run resuming from it starts its optimizer fresh); \
          continue with `phalanx train --resume {}`",
         dir.display(),
-        m.model().num_params(),
+        describe(&cfg)?,
         out_dir.display()
     );
     Ok(0)
+}
+
+/// One line naming the model of a config (GPT-2 or Llama).
+fn describe(cfg: &phalanx::config::TrainConfig) -> Result<String> {
+    Ok(match Arch::of(cfg)? {
+        Arch::Gpt2 => {
+            let m = Gpt2Section::of(cfg)?;
+            format!(
+                "GPT-2 {} layer(s), {} head(s), {} wide, vocab {}, context {}: {} parameters",
+                m.n_layer,
+                m.n_head,
+                m.n_embd,
+                m.vocab_size,
+                m.block_size,
+                m.model().num_params()
+            )
+        }
+        Arch::Llama => {
+            let m = LlamaSection::of(cfg)?;
+            format!(
+                "Llama {} layer(s), {} head(s) / {} kv head(s), {} wide, MLP {}, vocab {}, context {}: {} parameters",
+                m.n_layer,
+                m.n_head,
+                m.n_kv_head,
+                m.n_embd,
+                m.intermediate_size,
+                m.vocab_size,
+                m.block_size,
+                m.model().num_params()
+            )
+        }
+    })
 }

@@ -25,9 +25,9 @@ pub struct ConfigArgs {
 }
 
 impl ConfigArgs {
-    /// The config the flags describe (GPT-2's model section).
+    /// The config the flags describe (the model section of `model.arch`).
     pub fn build(&self) -> Result<TrainConfig, phalanx::config::ConfigError> {
         let file = self.config.as_deref().or(self.deepspeed_config.as_deref());
-        phalanx_models::gpt2::config::build(file, &self.set)
+        phalanx_models::arch::build(file, &self.set)
     }
 }

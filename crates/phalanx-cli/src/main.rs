@@ -7,6 +7,7 @@
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
 //! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
 //! - `phalanx report LOG`: a run's HTML report.
+//! - `phalanx tokenize`: text -> llm.c token file with an HF `tokenizer.json`.
 
 mod bench_collectives;
 mod checkpoint_cmd;
@@ -16,6 +17,7 @@ mod launch;
 mod outputs;
 mod plan;
 mod report_cmd;
+mod tokenize;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -99,6 +101,12 @@ enum Cmd {
         #[command(flatten)]
         opts: report_cmd::ReportOpts,
     },
+    /// Encode a text file with a Hugging Face tokenizer.json into an llm.c
+    /// token file (`data.path` for models with that vocabulary).
+    Tokenize {
+        #[command(flatten)]
+        opts: tokenize::TokenizeOpts,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -137,6 +145,7 @@ fn main() {
         } => print_schedule(&schedule, pp, micro_batches, comm),
         Cmd::Checkpoint { what } => checkpoint_cmd::main(&what),
         Cmd::Report { opts } => report_cmd::main(&opts),
+        Cmd::Tokenize { opts } => tokenize::main(&opts),
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },
         } => bench_collectives::main(&opts, &launch),

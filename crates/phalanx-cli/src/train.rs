@@ -1,4 +1,5 @@
-//! `phalanx train`: train a GPT-2 from a config on one or more ranks.
+//! `phalanx train`: train a GPT-2 or a Llama (`model.arch`) from a config
+//! on one or more ranks.
 //!
 //! Outside a job it launches itself through `phalanx run` with
 //! `--nproc-per-node` ranks (default 2); inside one, every rank trains its
@@ -11,8 +12,11 @@
 use clap::Args;
 use phalanx::config::TrainConfig;
 use phalanx::trainer::{Resume, RunOptions};
+use phalanx_models::arch::Arch;
 use phalanx_models::gpt2::config::Gpt2Section;
 use phalanx_models::gpt2::train::{self, GptRun};
+use phalanx_models::llama;
+use phalanx_models::llama::config::LlamaSection;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -20,10 +24,14 @@ use std::sync::Arc;
 pub struct TrainOpts {
     #[command(flatten)]
     pub cfg: crate::config_args::ConfigArgs,
-    /// Start from Hugging Face GPT-2 weights (safetensors).
+    /// Start from Hugging Face weights: GPT-2 safetensors; for Llama a
+    /// `model.safetensors`, a `model.safetensors.index.json` or a directory
+    /// holding either (its `config.json` is checked against the model).
     #[arg(long = "init-from")]
     pub init_from: Option<PathBuf>,
-    /// Save the trained model in Hugging Face layout (with config.json beside it).
+    /// Save the trained model in Hugging Face layout (with config.json beside
+    /// it). Llama: a directory (model.safetensors, or shards and an index
+    /// past 5 GB), or a `.safetensors` file.
     #[arg(long = "save-final")]
     pub save_final: Option<PathBuf>,
     /// One JSON object per step: step, loss, lr, tokens_per_s, step_ms.
@@ -55,7 +63,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         return 0;
     }
     if !crate::launch::in_job() {
-        if let Err(e) = check_outputs(&cfg, opts) {
+        if let Err(e) = check_outputs(&cfg, opts).and_then(|()| check_init_from(&cfg, opts)) {
             eprintln!("phalanx train: {e}");
             return 2;
         }
@@ -100,7 +108,12 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
     let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
     let mut outs: Vec<(&str, &std::path::Path)> = Vec::new();
-    if let Some(p) = &opts.save_final {
+    // A Llama saved to a directory writes model.safetensors in it.
+    let llama_dir = opts.save_final.as_ref().and_then(|p| {
+        (Arch::of(cfg).ok() == Some(Arch::Llama) && !p.to_string_lossy().ends_with(".safetensors"))
+            .then(|| p.join(llama::hf::SINGLE))
+    });
+    if let Some(p) = llama_dir.as_ref().or(opts.save_final.as_ref()) {
         outs.push(("--save-final", p));
     }
     if let Some(p) = &log_json {
@@ -124,20 +137,56 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
     crate::outputs::check(&outs, &ins)
 }
 
+/// A Llama `--init-from` whose `config.json` disagrees with the model
+/// config is refused before any rank starts (every rank would refuse it).
+fn check_init_from(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
+    let (Some(p), Ok(Arch::Llama)) = (&opts.init_from, Arch::of(cfg)) else {
+        return Ok(());
+    };
+    let err = |e: candle_core::Error| format!("--init-from {}: {e}", p.display());
+    let (_files, dir) = llama::hf::resolve(p).map_err(err)?;
+    let m = llama::train::model_config(cfg).map_err(|e| e.to_string())?;
+    if let Some(v) = llama::hf::read_config(&dir).map_err(err)? {
+        llama::hf::check_config(&v, &m).map_err(err)?;
+    }
+    Ok(())
+}
+
 fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
     let pg = phalanx_comm::init_process_group()?;
     let lead = pg.rank() == 0;
-    let loader = Arc::new(train::open_data(cfg)?);
+    let arch = Arch::of(cfg)?;
+    let loader = Arc::new(match arch {
+        Arch::Gpt2 => train::open_data(cfg)?,
+        Arch::Llama => llama::train::open_data(cfg)?,
+    });
     if lead {
-        let m = Gpt2Section::of(cfg)?;
+        let model = match arch {
+            Arch::Gpt2 => {
+                let m = Gpt2Section::of(cfg)?;
+                format!(
+                    "model {} ({} layers, {} heads, {} wide, vocab {}, context {})",
+                    m.preset, m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size
+                )
+            }
+            Arch::Llama => {
+                let m = LlamaSection::of(cfg)?;
+                format!(
+                    "model {} (Llama: {} layers, {} heads / {} kv heads, {} wide, MLP {}, vocab {}, context {}, {} parameters)",
+                    m.preset,
+                    m.n_layer,
+                    m.n_head,
+                    m.n_kv_head,
+                    m.n_embd,
+                    m.intermediate_size,
+                    m.vocab_size,
+                    m.block_size,
+                    m.model().num_params()
+                )
+            }
+        };
         println!(
-            "model {} ({} layers, {} heads, {} wide, vocab {}, context {}), data {} ({} tokenizer): {} train / {} val tokens",
-            m.preset,
-            m.n_layer,
-            m.n_head,
-            m.n_embd,
-            m.vocab_size,
-            m.block_size,
+            "{model}, data {} ({} tokenizer): {} train / {} val tokens",
             cfg.data.path,
             cfg.data.tokenizer,
             loader.train_tokens(),
@@ -149,24 +198,38 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
         .clone()
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
     let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
-    let run = GptRun {
-        init_from: opts.init_from.clone(),
-        save_final: opts.save_final.clone(),
-        run: RunOptions {
-            progress: true,
-            log_interval: cfg.log.interval,
-            log_json,
-            plot,
-            trace: opts.trace.clone(),
-            report: (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report)),
-            resume: opts.resume.as_deref().map(|r| match r {
-                "auto" => Resume::Auto,
-                p => Resume::Path(p.into()),
-            }),
-        },
+    let run_opts = RunOptions {
+        progress: true,
+        log_interval: cfg.log.interval,
+        log_json,
+        plot,
+        trace: opts.trace.clone(),
+        report: (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report)),
+        resume: opts.resume.as_deref().map(|r| match r {
+            "auto" => Resume::Auto,
+            p => Resume::Path(p.into()),
+        }),
     };
     let t0 = std::time::Instant::now();
-    let (report, _trainer) = train::train(cfg, pg.clone(), loader, &run)?;
+    let (init_from, save_final) = (opts.init_from.clone(), opts.save_final.clone());
+    let report = match arch {
+        Arch::Gpt2 => {
+            let run = GptRun {
+                init_from,
+                save_final,
+                run: run_opts,
+            };
+            train::train(cfg, pg.clone(), loader, &run)?.0
+        }
+        Arch::Llama => {
+            let run = llama::train::LlamaRun {
+                init_from,
+                save_final,
+                run: run_opts,
+            };
+            llama::train::train(cfg, pg.clone(), loader, &run)?.0
+        }
+    };
     if lead {
         let first = report.losses.first().copied().unwrap_or(f32::NAN);
         let last = report.losses.last().copied().unwrap_or(f32::NAN);
@@ -181,7 +244,11 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
         }
         println!();
         if let Some(p) = &opts.save_final {
-            println!("saved {} (Hugging Face GPT-2 layout)", p.display());
+            let layout = match arch {
+                Arch::Gpt2 => "GPT-2",
+                Arch::Llama => "Llama",
+            };
+            println!("saved {} (Hugging Face {layout} layout)", p.display());
         }
     }
     pg.shutdown();

@@ -153,7 +153,14 @@ impl Gpt2Section {
     }
 
     fn from_table(t: &toml::Table) -> std::result::Result<Gpt2Section, ConfigError> {
-        toml::Value::Table(t.clone())
+        // A section built by `crate::arch` names its architecture.
+        let mut t = t.clone();
+        match t.remove("arch") {
+            None => {}
+            Some(toml::Value::String(a)) if a == "gpt2" => {}
+            Some(a) => return Err(ConfigError(format!("model.arch = {a}: not a GPT-2 config"))),
+        }
+        toml::Value::Table(t)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError(format!("model: {}", e.message())))
     }

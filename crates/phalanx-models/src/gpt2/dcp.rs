@@ -1,5 +1,6 @@
-//! GPT-2 distributed checkpoints to and from Hugging Face files (what
-//! PyTorch's `dcp_to_torch_save` / DeepSpeed's `zero_to_fp32` do).
+//! Distributed checkpoints to and from Hugging Face files (what PyTorch's
+//! `dcp_to_torch_save` / DeepSpeed's `zero_to_fp32` do), for GPT-2 and
+//! Llama: the recorded `model.arch` picks the model's engine and HF layout.
 //!
 //! - [`export`]: the whole model of a checkpoint saved by any layout (DDP,
 //!   ZeRO shards, tensor or pipeline parallel), gathered into a one-rank
@@ -19,6 +20,8 @@
 //! ```
 
 use super::{hf, train};
+use crate::arch::Arch;
+use crate::llama;
 use phalanx::checkpoint::write::{self, Header, Snapshot};
 use phalanx::checkpoint::{Metadata, Reader, SavedLayout, Whole};
 use phalanx::config::TrainConfig;
@@ -59,7 +62,7 @@ pub fn model_overrides(meta: &Metadata) -> Result<Vec<String>> {
 /// everything else default).
 pub fn config_of(meta: &Metadata) -> Result<TrainConfig> {
     let sets = model_overrides(meta)?;
-    super::config::build(None, &sets)
+    crate::arch::build(None, &sets)
         .map_err(|e| Error::Check(format!("the checkpoint's model config: {e}")))
 }
 
@@ -67,7 +70,7 @@ pub fn config_of(meta: &Metadata) -> Result<TrainConfig> {
 /// engine built for `cfg`. A checkpoint of another model is refused naming
 /// the first tensor that differs.
 pub fn gather(reader: &Reader, cfg: &TrainConfig) -> Result<Engine> {
-    let mut engine = train::build_engine(cfg)?;
+    let mut engine = build_engine(cfg)?;
     let layout = engine.layout().clone();
     reader.check_model(&layout, &Whole)?;
     let n = engine.num_params();
@@ -89,17 +92,31 @@ pub fn gather(reader: &Reader, cfg: &TrainConfig) -> Result<Engine> {
 pub fn export(reader: &Reader, out: &Path) -> Result<TrainConfig> {
     let cfg = config_of(&reader.meta)?;
     let engine = gather(reader, &cfg)?;
-    train::save(&engine, &cfg, out)?;
+    match Arch::of(&cfg)? {
+        Arch::Gpt2 => train::save(&engine, &cfg, out)?,
+        Arch::Llama => llama::train::save(&llama::hf::export_tensors(&engine)?, &cfg, out)?,
+    }
     Ok(cfg)
+}
+
+/// A one-rank engine of the config's architecture.
+fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
+    match Arch::of(cfg)? {
+        Arch::Gpt2 => train::build_engine(cfg),
+        Arch::Llama => llama::train::build_engine(cfg),
+    }
 }
 
 /// Write the HF file `input` (the model `cfg` describes) as a checkpoint of
 /// step 0 under `root` holding parameters only, and point `root/latest` at
 /// it. Other checkpoints under `root` are kept. Returns its directory.
 pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
-    let mut engine = train::build_engine(cfg)?;
-    hf::load_safetensors(&mut engine, input)
-        .map_err(|e| Error::Check(format!("{}: {}", input.display(), Error::from(e))))?;
+    let mut engine = build_engine(cfg)?;
+    match Arch::of(cfg)? {
+        Arch::Gpt2 => hf::load_safetensors(&mut engine, input),
+        Arch::Llama => llama::hf::load(&mut engine, &llama::train::model_config(cfg)?, input),
+    }
+    .map_err(|e| Error::Check(format!("{}: {}", input.display(), Error::from(e))))?;
     let layout = engine.layout().clone();
     let state = StateRange {
         range: 0..engine.num_params(),

@@ -48,14 +48,20 @@ pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
 
 /// The data loader the config describes (tokens checked against the vocabulary).
 pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
-    let tok = cfg.data.tokenizer;
     let m = model_config(cfg)?;
+    open_data_for(cfg, m.block_size, m.vocab_size)
+}
+
+/// The data loader `cfg.data` describes, for any model: samples of
+/// `seq_len` tokens, every token checked to be below `vocab_size`.
+pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Result<DataLoader> {
+    let tok = cfg.data.tokenizer;
     let lc = LoaderConfig {
-        seq_len: m.block_size,
+        seq_len,
         val_fraction: cfg.data.val_fraction,
         shuffle: cfg.data.shuffle,
         seed: cfg.data.seed,
-        vocab_size: Some(m.vocab_size),
+        vocab_size: Some(vocab_size),
     };
     let path = Path::new(&cfg.data.path);
     // The default corpus is built in, so `phalanx train` works from any

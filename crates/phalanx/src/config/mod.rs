@@ -525,13 +525,11 @@ impl TrainConfig {
             .get("train")
             .and_then(|t| t.get("activation_checkpointing"))
             .is_some();
-        // The preset is read first so that explicit model keys win over it.
-        let preset = table
-            .get("model")
-            .and_then(|m| m.get("preset"))
-            .and_then(|p| p.as_str());
+        // The preset (and architecture) is read first so that explicit model
+        // keys win over it.
+        let given = table.get("model").and_then(|m| m.as_table());
         let base = TrainConfig {
-            model: schema.section(preset)?,
+            model: schema.section_for(given)?,
             ..TrainConfig::default()
         };
         let mut merged = toml::Table::try_from(&base).map_err(|e| ConfigError(e.to_string()))?;

@@ -43,6 +43,14 @@ pub trait ModelSchema {
     /// key the section accepts, with its value. Unknown presets are errors.
     fn section(&self, preset: Option<&str>) -> Result<toml::Table>;
 
+    /// The whole section for what the file and the overrides give (`given`:
+    /// their `model` table, if any). By default the section of its
+    /// `preset`; a schema covering several architectures (e.g. one chosen by
+    /// `model.arch`) overrides it to pick the architecture's default preset.
+    fn section_for(&self, given: Option<&toml::Table>) -> Result<toml::Table> {
+        self.section(given.and_then(|m| m.get("preset")).and_then(|p| p.as_str()))
+    }
+
     /// Check the merged section (its keys and types are already those of
     /// [`ModelSchema::section`]); errors name `model.KEY`.
     fn check(&self, section: &toml::Table) -> Result<ModelFacts>;

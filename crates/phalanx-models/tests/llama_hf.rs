@@ -1,0 +1,324 @@
+//! Llama against Hugging Face transformers: fixtures made once by
+//! `tests/fixtures/make_llama_fixture.py` (a tiny `LlamaForCausalLM` in
+//! float64, weights rounded to f32) are loaded by Phalanx, which must give
+//! the same logits and the same training losses and final parameters
+//! (AdamW with weight decay and GQA + untied head; SGD with a tied head and
+//! multi-head attention; SGD with Llama 3 rotary scaling), and save the
+//! same file back.
+
+use candle_core::{DType, Device, Tensor};
+use phalanx::engine::{Engine, EngineConfig};
+use phalanx::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use phalanx_models::llama::config::RopeScaling;
+use phalanx_models::llama::{self, hf, LlamaConfig};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn dir(case: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")).join(case)
+}
+
+fn hf_config(case: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir(case).join("config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn load(case: &str) -> (LlamaConfig, Engine, HashMap<String, Tensor>) {
+    let cfg = hf::config_from_json(&hf_config(case)).unwrap();
+    let mut e = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();
+    hf::load(&mut e, &cfg, dir(case)).unwrap();
+    let expected =
+        candle_core::safetensors::load(dir(case).join("expected.safetensors"), &Device::Cpu)
+            .unwrap();
+    (cfg, e, expected)
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// max |a - b| / max |b|.
+fn rel_max(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn batch(expected: &HashMap<String, Tensor>, k: usize) -> (Tensor, Tensor) {
+    let get = |n: &str| expected[n].get(k).unwrap().to_dtype(DType::U32).unwrap();
+    (get("inputs"), get("targets"))
+}
+
+#[test]
+fn logits_match_transformers() {
+    for case in [
+        "llama_gqa",
+        "llama_tied_mha",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
+        let (cfg, e, expected) = load(case);
+        let (x, _) = batch(&expected, 0);
+        let ours = e.forward(&x).unwrap(); // (B, T, V)
+        let want = &expected["logits"];
+        assert_eq!(ours.dims(), want.dims(), "{case}");
+        let err = rel_max(&f64s(&ours), &f64s(want));
+        println!(
+            "{case}: logits max rel err {err:e} ({} params)",
+            cfg.num_params()
+        );
+        assert!(err < 1e-5, "{case}: logits differ by {err:e}");
+        if case == "llama3_scaled" {
+            // The scaling matters here: unscaled rotary gives other logits.
+            let mut plain = cfg;
+            plain.rope_scaling = RopeScaling::None;
+            let mut p = llama::engine(&plain, &Device::Cpu, EngineConfig::default()).unwrap();
+            p.params_flat_mut().copy_from_slice(e.params_flat());
+            let other = rel_max(&f64s(&p.forward(&x).unwrap()), &f64s(want));
+            assert!(other > 1e-3, "unscaled rotary is as close: {other:e}");
+        }
+    }
+}
+
+#[test]
+fn training_matches_transformers() {
+    for case in [
+        "llama_gqa",
+        "llama_tied_mha",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
+        let (_cfg, mut e, expected) = load(case);
+        let losses = f64s(&expected["losses"]);
+        let n = e.num_params();
+        let mut opt: Box<dyn Optimizer> = if case == "llama_gqa" {
+            let c = AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            };
+            Box::new(AdamW::new(c, e.layout(), 0..n, e.ledger()))
+        } else {
+            Box::new(Sgd::new(SgdConfig::default(), e.layout(), 0..n, e.ledger()))
+        };
+        let lr = if case == "llama_gqa" { 3e-3 } else { 0.5 };
+        for (k, want) in losses.iter().enumerate() {
+            let (x, y) = batch(&expected, k);
+            e.zero_grad();
+            let loss = e.forward_backward(&x, &y, 1.0).unwrap() as f64;
+            println!("{case} step {k}: loss {loss:.7} (transformers {want:.7})");
+            assert!(
+                ((loss - want) / want).abs() < 1e-5,
+                "{case} step {k}: loss {loss} vs {want}"
+            );
+            let (p, g) = e.params_and_grads_mut();
+            opt.step(p, g, lr, 1.0);
+        }
+        let mut worst = 0f64;
+        for p in e.layout().params().to_vec() {
+            let want = f64s(&expected[&format!("final.{}", p.name)]);
+            let ours: Vec<f64> = e
+                .param(&p.name)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            let err = rel_max(&ours, &want);
+            worst = worst.max(err);
+            assert!(
+                err < 2e-5,
+                "{case} {}: final parameters differ by {err:e}",
+                p.name
+            );
+        }
+        println!("{case}: final parameters max rel err {worst:e}");
+    }
+}
+
+#[test]
+fn save_writes_back_the_same_file_and_config() {
+    for case in [
+        "llama_gqa",
+        "llama_tied_mha",
+        "llama3_scaled",
+        "llama_head_dim",
+    ] {
+        let (cfg, e, _) = load(case);
+        let tmp =
+            std::env::temp_dir().join(format!("phalanx-llama-save-{case}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let t = hf::export_tensors(&e).unwrap();
+        hf::save(&t, &cfg, "byte", &tmp, hf::DEFAULT_SHARD_BYTES).unwrap();
+        let orig =
+            candle_core::safetensors::load(dir(case).join("model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let saved =
+            candle_core::safetensors::load(tmp.join("model.safetensors"), &Device::Cpu).unwrap();
+        let mut a: Vec<_> = orig.keys().collect();
+        let mut b: Vec<_> = saved.keys().collect();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{case}: tensor names");
+        for (name, t) in &orig {
+            assert_eq!(t.dims(), saved[name].dims(), "{name}");
+            assert_eq!(f64s(t), f64s(&saved[name]), "{case} {name}: values");
+        }
+        // config.json: every model key transformers wrote comes back equal.
+        let ours: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(tmp.join("config.json")).unwrap())
+                .unwrap();
+        let theirs = hf_config(case);
+        for k in [
+            "model_type",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "hidden_act",
+            "head_dim",
+            "max_position_embeddings",
+        ] {
+            assert_eq!(ours[k], theirs[k], "{case}: config.json {k}");
+        }
+        assert_eq!(
+            hf::rope_theta(&ours).unwrap(),
+            hf::rope_theta(&theirs).unwrap(),
+            "{case}: rope_theta"
+        );
+        // And the saved directory loads into a fresh engine identically.
+        let cfg2 = hf::config_from_json(&ours).unwrap();
+        assert_eq!(cfg2, cfg);
+        let mut e2 = llama::engine(
+            &cfg,
+            &Device::Cpu,
+            EngineConfig {
+                seed: 9,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        hf::load(&mut e2, &cfg, &tmp).unwrap();
+        assert_eq!(e2.params_flat(), e.params_flat());
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+}
+
+#[test]
+fn sharded_layout_round_trips() {
+    let (cfg, e, _) = load("llama_gqa");
+    let tmp = std::env::temp_dir().join(format!("phalanx-llama-shards-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let t = hf::export_tensors(&e).unwrap();
+    // ~20 KB shards: several files and an index.
+    let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
+    assert!(files.len() > 4, "{files:?}");
+    assert!(tmp.join(hf::INDEX).is_file());
+    assert!(!tmp.join(hf::SINGLE).exists());
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.join(hf::INDEX)).unwrap()).unwrap();
+    assert_eq!(index["weight_map"].as_object().unwrap().len(), t.len());
+    for via in [tmp.clone(), tmp.join(hf::INDEX)] {
+        let mut e2 = llama::engine(
+            &cfg,
+            &Device::Cpu,
+            EngineConfig {
+                seed: 3,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        hf::load(&mut e2, &cfg, &via).unwrap();
+        assert_eq!(e2.params_flat(), e.params_flat(), "{via:?}");
+    }
+    // Saving the same directory as one file replaces the sharded layout
+    // (a stale index would otherwise win), and back.
+    hf::save(&t, &cfg, "byte", &tmp, hf::DEFAULT_SHARD_BYTES).unwrap();
+    assert!(!tmp.join(hf::INDEX).exists() && !files[0].exists());
+    let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
+    assert!(!tmp.join(hf::SINGLE).exists() && tmp.join(hf::INDEX).is_file());
+    // A missing shard is named.
+    std::fs::remove_file(&files[1]).unwrap();
+    let mut e3 = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();
+    let err = hf::load(&mut e3, &cfg, &tmp).unwrap_err().to_string();
+    assert!(err.contains("is missing"), "{err}");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+#[test]
+fn mismatches_are_errors_naming_the_key() {
+    let good = hf::config_from_json(&hf_config("llama_gqa")).unwrap();
+    let mut e = llama::engine(&good, &Device::Cpu, EngineConfig::default()).unwrap();
+    // A config asking for another kv-head count than config.json says.
+    let mut other = good;
+    other.n_kv_head = 4;
+    let err = hf::load(&mut e, &other, dir("llama_gqa"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("num_key_value_heads = 2 but model.n_kv_head = 4"),
+        "{err}"
+    );
+    // Tied model on untied weights: lm_head.weight is foreign.
+    let mut tied = good;
+    tied.tie_word_embeddings = true;
+    let err = hf::load(&mut e, &tied, dir("llama_gqa"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tie_word_embeddings = false but model.tie_word_embeddings = true"),
+        "{err}"
+    );
+    // Features not built are refused, not ignored.
+    let mut v = hf_config("llama_gqa");
+    v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 8.0});
+    let err = hf::config_from_json(&v).unwrap_err().to_string();
+    assert!(err.contains("rope_type \"yarn\" is not built"), "{err}");
+    v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
+    let err = hf::config_from_json(&v).unwrap_err().to_string();
+    assert!(err.contains("llama3 without `low_freq_factor`"), "{err}");
+    // A scaled checkpoint into an unscaled model config.
+    let mut unscaled = hf::config_from_json(&hf_config("llama3_scaled")).unwrap();
+    unscaled.rope_scaling = RopeScaling::None;
+    let mut e3 = llama::engine(&unscaled, &Device::Cpu, EngineConfig::default()).unwrap();
+    let err = hf::load(&mut e3, &unscaled, dir("llama3_scaled"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("config.json has") && err.contains("model.rope_scaling"),
+        "{err}"
+    );
+    let mut v = hf_config("llama_gqa");
+    v["attention_bias"] = serde_json::json!(true);
+    let err = hf::config_from_json(&v).unwrap_err().to_string();
+    assert!(err.contains("attention_bias = true is not built"), "{err}");
+    // A weight file without config.json: shapes are still checked by name.
+    let tmp = std::env::temp_dir().join(format!("phalanx-llama-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::copy(
+        dir("llama_gqa").join("model.safetensors"),
+        tmp.join("model.safetensors"),
+    )
+    .unwrap();
+    let mut wide = good;
+    wide.intermediate_size = 64;
+    let mut e = llama::engine(&wide, &Device::Cpu, EngineConfig::default()).unwrap();
+    let err = hf::load(&mut e, &wide, tmp.join("model.safetensors"))
+        .unwrap_err()
+        .to_string();
+    // (down_proj comes first in the layout: (C, M) = (32, 64) wanted.)
+    assert!(
+        err.contains("mlp.down_proj.weight`: expected shape [32, 64], found [32, 56]"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
