@@ -198,9 +198,11 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     let activations = act_elems * cb;
     let block_p = layer_p.max(emb_p) as u64;
     let working = if l.zero_stage == 3 {
-        // The current block and the one prefetched, gathered flat, and the
-        // current one materialised as tensors too.
-        3 * block_p * cb
+        // The current block and the one prefetched, gathered flat; the
+        // current one materialised as tensors; in its backward, the
+        // recomputed graph's parameter gradients (tensors) and the copy
+        // staged for the reduce-scatter.
+        5 * block_p * cb
     } else if l.recomputes() {
         block_p * cb
     } else {
