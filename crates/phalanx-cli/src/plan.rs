@@ -32,7 +32,8 @@ pub struct PlanOpts {
     /// divided among the ranks of a node.
     #[arg(long = "device-memory")]
     pub device_memory: Option<String>,
-    /// Matmul throughput per rank in FLOP/s (default: measured here).
+    /// Matmul throughput per rank in FLOP/s (default: measured here, divided
+    /// among the ranks of a node, which share its cores).
     #[arg(long)]
     pub flops: Option<f64>,
     /// Bytes/s between ranks of a node (default: measured here).
@@ -92,7 +93,11 @@ fn run(o: &PlanOpts) -> Result<(), String> {
     );
     let world = o.nproc * o.nnodes;
     let base = Layout::from_config(&cfg, world).map_err(|e| e.to_string())?;
-    let flops = o.flops.unwrap_or_else(plan::probe_matmul_flops);
+    // The probe runs alone and uses every core; the ranks of a node share
+    // them, so each gets its share.
+    let flops = o
+        .flops
+        .unwrap_or_else(|| plan::probe_matmul_flops() / o.nproc.max(1) as f64);
     let bw = o
         .bandwidth
         .unwrap_or_else(|| plan::probe_bandwidth(32 << 20));
