@@ -126,29 +126,14 @@ pub fn shard_engine(
     shard: &ShardFn,
 ) -> Result<Engine> {
     let mut engine = Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?;
-    let names: Vec<(String, Vec<usize>)> = engine
-        .layout()
-        .params()
-        .iter()
-        .map(|p| (p.name.clone(), p.shape.clone()))
-        .collect();
-    for (name, shape) in names {
-        let full = full_shape(&name, &shape, cfg.vocab_size, tp.size());
-        let s = shard(
-            &name,
-            &rule(&name, &full, cfg.vocab_size, tp.rank(), tp.size()),
+    engine.fill_params(&mut |name, shape| {
+        let full = full_shape(name, shape, cfg.vocab_size, tp.size());
+        shard(
+            name,
+            &rule(name, &full, cfg.vocab_size, tp.rank(), tp.size()),
             &full,
-        )?;
-        if s.dims() != shape.as_slice() {
-            candle_core::bail!(
-                "shard of `{name}`: {:?}, the block declared {shape:?}",
-                s.dims()
-            )
-        }
-        engine
-            .param_mut(&name)?
-            .copy_from_slice(&s.flatten_all()?.to_vec1::<f32>()?);
-    }
+        )
+    })?;
     Ok(engine)
 }
 

@@ -117,24 +117,7 @@ fn shard_engine(
     shard: &dyn Fn(&str, &Rule) -> Result<Tensor>,
 ) -> Result<Engine> {
     let mut engine = Engine::new(blocks_tp(cfg, tp)?, &Device::Cpu, ecfg)?;
-    let names: Vec<(String, Vec<usize>)> = engine
-        .layout()
-        .params()
-        .iter()
-        .map(|p| (p.name.clone(), p.shape.clone()))
-        .collect();
-    for (name, shape) in names {
-        let s = shard(&name, &rule(cfg, &name, tp.rank(), tp.size()))?;
-        if s.dims() != shape.as_slice() {
-            bail!(
-                "shard of `{name}`: {:?}, the block declared {shape:?}",
-                s.dims()
-            )
-        }
-        engine
-            .param_mut(&name)?
-            .copy_from_slice(&s.flatten_all()?.to_vec1::<f32>()?);
-    }
+    engine.fill_params(&mut |name, _| shard(name, &rule(cfg, name, tp.rank(), tp.size())))?;
     Ok(engine)
 }
 

@@ -223,6 +223,33 @@ impl Engine {
         Ok(&mut self.params.as_mut_slice()[r])
     }
 
+    /// Set every parameter from `value(name, shape)`, which must give a
+    /// tensor of the shape the layout declares (a tensor-parallel shard, a
+    /// loaded weight); a different shape is an error naming the parameter.
+    pub fn fill_params(
+        &mut self,
+        value: &mut dyn FnMut(&str, &[usize]) -> Result<Tensor>,
+    ) -> Result<()> {
+        let names: Vec<(String, Vec<usize>)> = self
+            .layout()
+            .params()
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect();
+        for (name, shape) in names {
+            let t = value(&name, &shape)?;
+            if t.dims() != shape.as_slice() {
+                bail!(
+                    "shard of `{name}`: {:?}, the block declared {shape:?}",
+                    t.dims()
+                )
+            }
+            self.param_mut(&name)?
+                .copy_from_slice(&t.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(())
+    }
+
     /// One parameter's gradient, flat.
     pub fn grad(&self, name: &str) -> Result<&[f32]> {
         let r = self.find(name)?.range();
