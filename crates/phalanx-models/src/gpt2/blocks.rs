@@ -152,21 +152,27 @@ impl Block for Embedding {
     }
 }
 
+/// An error unless `t` tokens fit the context of `block_size`.
+pub(crate) fn check_context(t: usize, block_size: usize) -> Result<()> {
+    if t > block_size {
+        bail!("sequence length {t} exceeds the context length {block_size} (model.block_size)")
+    }
+    Ok(())
+}
+
+/// The rows of `wte` (V, C) for the tokens `idx` (B, T): (B, T, C), after
+/// checking that T fits the context.
+pub(crate) fn token_embeddings(wte: &Tensor, idx: &Tensor, block_size: usize) -> Result<Tensor> {
+    let (b, t) = idx.dims2()?;
+    check_context(t, block_size)?;
+    let c = wte.dim(1)?;
+    wte.index_select(&idx.flatten_all()?, 0)?.reshape((b, t, c))
+}
+
 impl BlockModule for EmbeddingModule {
     fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        if t > self.block_size {
-            bail!(
-                "sequence length {t} exceeds the context length {}",
-                self.block_size
-            )
-        }
-        let c = self.wte.dim(1)?;
-        let tok = self
-            .wte
-            .index_select(&idx.flatten_all()?, 0)?
-            .reshape((b, t, c))?; // (B, T, C)
-        let pos = self.wpe.narrow(0, 0, t)?; // (T, C)
+        let tok = token_embeddings(&self.wte, idx, self.block_size)?; // (B, T, C)
+        let pos = self.wpe.narrow(0, 0, tok.dim(1)?)?; // (T, C)
         ops::add_bias(&tok, &pos)
     }
 }

@@ -178,17 +178,7 @@ impl Block for Embedding {
 
 impl BlockModule for EmbeddingModule {
     fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        if t > self.block_size {
-            bail!(
-                "sequence length {t} exceeds the context length {} (model.block_size)",
-                self.block_size
-            )
-        }
-        let c = self.wte.dim(1)?;
-        self.wte
-            .index_select(&idx.flatten_all()?, 0)?
-            .reshape((b, t, c)) // (B, T, C)
+        crate::gpt2::blocks::token_embeddings(&self.wte, idx, self.block_size) // (B, T, C)
     }
 }
 

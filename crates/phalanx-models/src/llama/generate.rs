@@ -83,13 +83,7 @@ impl Generator {
         if t == 0 {
             bail!("no tokens to feed")
         }
-        if self.pos + t > self.cfg.block_size {
-            bail!(
-                "sequence length {} exceeds the context length {} (model.block_size)",
-                self.pos + t,
-                self.cfg.block_size
-            )
-        }
+        crate::gpt2::blocks::check_context(self.pos + t, self.cfg.block_size)?;
         let idx = Tensor::from_slice(ids, t, &Device::Cpu)?;
         let mut x = self.embed.index_select(&idx, 0)?.unsqueeze(0)?; // (1, t, C)
         for (l, layer) in self.layers.iter().enumerate() {

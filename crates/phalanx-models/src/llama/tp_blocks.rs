@@ -102,13 +102,7 @@ impl Block for TpEmbedding {
 
 impl BlockModule for TpEmbeddingModule {
     fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
-        let (_b, t) = idx.dims2()?;
-        if t > self.block_size {
-            bail!(
-                "sequence length {t} exceeds the context length {} (model.block_size)",
-                self.block_size
-            )
-        }
+        crate::gpt2::blocks::check_context(idx.dim(1)?, self.block_size)?;
         self.wte.forward(idx) // (B, T, C), or (B, T/tp, C) sequence-parallel
     }
 }
