@@ -209,16 +209,13 @@ impl CommHook for PowerSgd {
                 .map(|(k, x)| initial_q(bucket.id, k, x.m, x.r))
                 .collect();
         }
-        drop(s);
         // One message: the uncompressed values, then every P.
         let plain = uncompressed(&mats, len);
         let mut msg: Vec<f32> = plain.iter().flat_map(|r| g[r.clone()].to_vec()).collect();
-        {
-            let s = st.lock().unwrap();
-            for (x, q) in mats.iter().zip(&s.qs) {
-                msg.extend(m_times_q(&g[x.range.clone()], q, x.n, x.m, x.r));
-            }
+        for (x, q) in mats.iter().zip(&s.qs) {
+            msg.extend(m_times_q(&g[x.range.clone()], q, x.n, x.m, x.r));
         }
+        drop(s);
         let w = pg.all_reduce_async(msg, ReduceOp::Avg);
         let (coll, pg) = (coll.clone(), pg.clone());
         let ef = self.error_feedback;

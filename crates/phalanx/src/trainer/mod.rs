@@ -452,15 +452,7 @@ impl Trainer {
 
     /// This rank's figures for the monitor after step `s`.
     fn figures(&self, s: &StepStats, sent_at_start: u64) -> crate::monitor::Figures {
-        let l = self.engine.ledger();
-        let memory = [
-            l.current(Mem::Params),
-            l.current(Mem::Grads),
-            l.current(Mem::OptState),
-            l.peak(Mem::Activations),
-            l.peak(Mem::Working),
-            peak_rss(),
-        ];
+        let memory = self.memory_now();
         crate::monitor::Figures {
             step: s.step,
             loss: s.loss as f64,
@@ -476,18 +468,24 @@ impl Trainer {
         }
     }
 
+    /// This rank's params, grads, optimizer state, activation and working
+    /// peaks (the ledger) and peak RSS, in bytes (`monitor::MEMORY_KINDS`).
+    fn memory_now(&self) -> [usize; 6] {
+        let l = self.engine.ledger();
+        [
+            l.current(Mem::Params),
+            l.current(Mem::Grads),
+            l.current(Mem::OptState),
+            l.peak(Mem::Activations),
+            l.peak(Mem::Working),
+            peak_rss(),
+        ]
+    }
+
     /// Every rank's ledger and peak RSS, gathered on every rank.
     fn gather_memory(&self) -> Result<Vec<MemoryReport>> {
-        let l = self.engine.ledger();
-        let mine = [
-            self.pg.global_rank() as i64,
-            l.current(Mem::Params) as i64,
-            l.current(Mem::Grads) as i64,
-            l.current(Mem::OptState) as i64,
-            l.peak(Mem::Activations) as i64,
-            l.peak(Mem::Working) as i64,
-            peak_rss() as i64,
-        ];
+        let mut mine = vec![self.pg.global_rank() as i64];
+        mine.extend(self.memory_now().map(|b| b as i64));
         let world = self.mesh.world();
         let mut all = vec![0i64; 7 * world.size()];
         world.all_gather(&mine, &mut all)?;
