@@ -181,6 +181,28 @@ fn check_ready(lines: &[String], world: usize) {
     }
 }
 
+/// Every rank but `victim` exited with code 3, naming `victim`, less than
+/// 5 s after the failure (the "after N ms" of its message).
+fn assert_named_within_5s(outs: &[(Option<i32>, String)], victim: usize) {
+    for (r, (code, err)) in outs.iter().enumerate() {
+        if r == victim {
+            continue;
+        }
+        assert_eq!(*code, Some(3), "rank {r}: {err}");
+        assert!(
+            err.contains(&format!("rank {victim} (127.0.0.1:")),
+            "rank {r}: {err}"
+        );
+        let ms: u64 = err
+            .split("after ")
+            .nth(1)
+            .and_then(|s| s.split(" ms").next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("rank {r}: {err}"));
+        assert!(ms < 5_000, "rank {r} took {ms} ms: {err}");
+    }
+}
+
 #[test]
 fn killed_rank_on_shm_is_named_within_the_heartbeat_timeout() {
     let before = dev_shm();
@@ -195,20 +217,7 @@ fn killed_rank_on_shm_is_named_within_the_heartbeat_timeout() {
     std::thread::sleep(Duration::from_millis(300));
     signal(&job.kids[1], libc::SIGKILL);
     let outs = finish(&mut job, 1, Duration::from_secs(20));
-    for (r, (code, err)) in outs.iter().enumerate() {
-        if r == 1 {
-            continue;
-        }
-        assert_eq!(*code, Some(3), "rank {r}: {err}");
-        assert!(err.contains("rank 1 (127.0.0.1:"), "rank {r}: {err}");
-        let ms: u64 = err
-            .split("after ")
-            .nth(1)
-            .and_then(|s| s.split(" ms").next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("rank {r}: {err}"));
-        assert!(ms < 5_000, "rank {r} took {ms} ms: {err}");
-    }
+    assert_named_within_5s(&outs, 1);
     // Nothing was ever named in /dev/shm.
     assert_eq!(dev_shm(), before);
 }
@@ -226,22 +235,9 @@ fn stopped_rank_on_shm_is_named_as_silent() {
     std::thread::sleep(Duration::from_millis(300));
     signal(&job.kids[2], libc::SIGSTOP);
     let outs = finish(&mut job, 2, Duration::from_secs(20));
-    for (r, (code, err)) in outs.iter().enumerate() {
-        if r == 2 {
-            continue;
-        }
-        assert_eq!(*code, Some(3), "rank {r}: {err}");
-        // Named by the rank that heard the silence, or passed on by a
-        // peer that stopped first.
-        assert!(err.contains("rank 2 (127.0.0.1:"), "rank {r}: {err}");
-        let ms: u64 = err
-            .split("after ")
-            .nth(1)
-            .and_then(|s| s.split(" ms").next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("rank {r}: {err}"));
-        assert!(ms < 5_000, "rank {r} took {ms} ms: {err}");
-    }
+    // Named by the rank that heard the silence, or passed on by a peer
+    // that stopped first.
+    assert_named_within_5s(&outs, 2);
     signal(&job.kids[2], libc::SIGKILL);
 }
 
