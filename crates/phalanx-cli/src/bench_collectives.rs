@@ -33,8 +33,9 @@ pub struct BenchOpts {
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
     /// Transport between the ranks: auto (what a job gets by default:
-    /// shared memory on one host), shm, uds (Unix sockets) or tcp; mpi and
-    /// nccl are not built yet. Sets PHALANX_TRANSPORT for the ranks.
+    /// shared memory on one host), shm, uds (Unix sockets) or tcp (sets
+    /// PHALANX_TRANSPORT for the ranks); mpi (a build with `--features mpi`,
+    /// run under `mpirun`). nccl is not built.
     #[arg(long, default_value = "auto")]
     pub backend: String,
     #[arg(long, default_value = "f32")]
@@ -47,8 +48,11 @@ pub struct BenchOpts {
     pub json: bool,
 }
 
-/// Values of `--backend` that are built (`PHALANX_TRANSPORT` values).
+/// Values of `--backend` on Phalanx's own transports (`PHALANX_TRANSPORT`).
 const BACKENDS: [&str; 4] = ["auto", "shm", "uds", "tcp"];
+
+/// Whether this binary was built with the MPI backend.
+const MPI_BUILT: bool = cfg!(feature = "mpi");
 
 const OPS: [&str; 6] = [
     "all_reduce",
@@ -146,11 +150,17 @@ pub fn plan(
     available: Option<usize>,
 ) -> Result<Plan, String> {
     match opts.backend.as_str() {
-        "mpi" | "nccl" => {
+        "mpi" if MPI_BUILT => {}
+        "mpi" => {
             return Err(format!(
-                "--backend {}: not built (this phalanx has no {} backend yet); available: {}",
-                opts.backend,
-                opts.backend.to_uppercase(),
+                "--backend mpi: not built into this phalanx; rebuild with `cargo build --release \
+                 --features mpi` (needs the system MPI) and run under `mpirun`; available: {}",
+                BACKENDS.join(", ")
+            ))
+        }
+        "nccl" => {
+            return Err(format!(
+                "--backend nccl: not built (this phalanx has no NCCL backend yet); available: {}",
                 BACKENDS.join(", ")
             ))
         }
@@ -246,9 +256,21 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
     };
     let (ops, sizes, dtype) = (&plan.ops, &plan.sizes, plan.dtype);
-    // The ranks read it in `init_process_group` (inherited when relaunched).
-    // Set while this process has no other thread.
-    std::env::set_var("PHALANX_TRANSPORT", &opts.backend);
+    // The ranks read these in `init_process_group` (inherited when
+    // relaunched). Set while this process has no other thread.
+    if opts.backend == "mpi" {
+        if !phalanx_comm::init::launched_by_mpi() {
+            eprintln!(
+                "phalanx bench: --backend mpi runs under an MPI launcher, e.g. \
+                 `mpirun -np 2 phalanx bench collectives --backend mpi`"
+            );
+            return 2;
+        }
+        std::env::set_var("PHALANX_BACKEND", "mpi");
+    } else {
+        std::env::set_var("PHALANX_BACKEND", "native");
+        std::env::set_var("PHALANX_TRANSPORT", &opts.backend);
+    }
     // Outside a job: start the ranks through the launcher.
     if !in_job {
         return crate::launch::relaunch_self(launch, launch.nproc_per_node.unwrap_or(opts.nproc));
@@ -268,6 +290,10 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         DType::I32 => sweep::<i32>(&pg, opts, ops, sizes),
         DType::I64 => sweep::<i64>(&pg, opts, ops, sizes),
     };
+    if r.is_ok() {
+        // Leave cleanly (MPI wants every rank to finalise).
+        pg.shutdown();
+    }
     match r {
         Ok(0) => 0,
         Ok(wrong) => {

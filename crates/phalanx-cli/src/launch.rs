@@ -71,6 +71,47 @@ pub fn in_job() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
+/// Under `mpirun` or `srun` (which set no thread counts), give each local
+/// rank its share of the cores this process may run on, as `phalanx run`
+/// does: otherwise every rank starts a kernel thread per core and they
+/// fight (`mpirun` binds each of 2 ranks to one core by default). A
+/// `RAYON_NUM_THREADS` set by the user wins. Call before any thread starts.
+pub fn share_cores_under_external_launcher() {
+    if !in_job() || std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return;
+    }
+    let Ok(env) = phalanx_comm::DistEnv::from_env() else {
+        return;
+    };
+    if env.source == "torchrun" {
+        return;
+    }
+    // The affinity mask: a rank bound to one core sees one.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bound = cores < num_cpus_online();
+    let threads = if bound {
+        cores
+    } else {
+        (cores / env.local_world_size.max(1)).max(1)
+    };
+    for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, threads.to_string());
+        }
+    }
+}
+
+/// Cores online on this host, whatever this process's affinity.
+fn num_cpus_online() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 {
+        n as usize
+    } else {
+        1
+    }
+}
+
 /// Run this very command again as `nproc` local ranks of a job (commands
 /// such as `phalanx train` launch themselves when started by hand).
 pub fn relaunch_self(launch: &LaunchOpts, nproc: usize) -> i32 {

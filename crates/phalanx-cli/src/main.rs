@@ -127,6 +127,7 @@ enum BenchCmd {
 
 fn main() {
     let cli = Cli::parse();
+    launch::share_cores_under_external_launcher();
     let code = match cli.cmd {
         Cmd::Run { launch, cmd } => launch::run(&launch, &cmd),
         Cmd::Train { opts, launch } => train::main(&opts, &launch),

@@ -83,7 +83,10 @@ fn bad_sizes_and_iterations_are_refused_naming_them() {
         (&["--dtype", "f8"], &["--dtype", "f8"]),
         (&["--op", "all_sum"], &["all_sum"]),
         (&["--backend", "nccl"], &["nccl", "not built"]),
+        #[cfg(not(feature = "mpi"))]
         (&["--backend", "mpi"], &["--backend mpi", "not built"]),
+        #[cfg(feature = "mpi")]
+        (&["--backend", "mpi"], &["--backend mpi", "mpirun"]),
         (
             &["--backend", "carrier-pigeon"],
             &["carrier-pigeon", "shm, uds, tcp"],

@@ -32,8 +32,28 @@ pub struct ProcessGroup {
     inner: Arc<Inner>,
 }
 
+/// What a group's operations run on.
+enum Net {
+    /// Phalanx's own transport: shared memory, Unix sockets, TCP.
+    Native(Arc<Transport>),
+    /// The system MPI library (`--features mpi`, `PHALANX_BACKEND=mpi`).
+    #[cfg(feature = "mpi")]
+    Mpi(crate::mpi::Comm),
+}
+
+/// Return `$e` from the enclosing function when the group runs on MPI,
+/// with the MPI communicator bound to `$m`.
+macro_rules! on_mpi {
+    ($self:ident, $m:ident => $e:expr) => {
+        #[cfg(feature = "mpi")]
+        if let Net::Mpi($m) = &$self.inner.net {
+            return $e;
+        }
+    };
+}
+
 struct Inner {
-    t: Arc<Transport>,
+    net: Net,
     members: Vec<usize>,
     me: usize,
     gid: u64,
@@ -97,11 +117,29 @@ impl ProcessGroup {
     ) -> ProcessGroup {
         let members: Vec<usize> = (0..t.world()).collect();
         let me = t.rank();
-        ProcessGroup::make(t, members, me, 1, cfg, keep)
+        ProcessGroup::make(Net::Native(t), members, me, 1, cfg, keep)
+    }
+
+    /// The world group of an MPI job (`PHALANX_BACKEND=mpi`).
+    #[cfg(feature = "mpi")]
+    pub(crate) fn from_mpi(comm: crate::mpi::Comm, cfg: Config) -> ProcessGroup {
+        let members = comm.members().to_vec();
+        let me = comm.rank();
+        ProcessGroup::make(Net::Mpi(comm), members, me, 1, cfg, None)
+    }
+
+    /// The native transport. Every operation of an MPI group returns
+    /// through `on_mpi!` before it gets here.
+    fn t(&self) -> &Arc<Transport> {
+        match &self.inner.net {
+            Net::Native(t) => t,
+            #[cfg(feature = "mpi")]
+            Net::Mpi(_) => unreachable!("an MPI group reached the native transport"),
+        }
     }
 
     fn make(
-        t: Arc<Transport>,
+        net: Net,
         members: Vec<usize>,
         me: usize,
         gid: u64,
@@ -111,7 +149,7 @@ impl ProcessGroup {
         let name = format!("phalanx-comm-{gid:x}");
         ProcessGroup {
             inner: Arc::new(Inner {
-                t,
+                net,
                 members,
                 me,
                 gid,
@@ -140,12 +178,13 @@ impl ProcessGroup {
     }
     /// This process's global rank.
     pub fn global_rank(&self) -> usize {
-        self.inner.t.rank()
+        self.inner.members[self.inner.me]
     }
     /// Payload bytes this process has sent to peers so far, over every
     /// group sharing this group's transport (to measure a step's traffic).
     pub fn bytes_sent(&self) -> u64 {
-        self.inner.t.bytes_sent()
+        on_mpi!(self, m => m.bytes_sent());
+        self.t().bytes_sent()
     }
 
     /// The kind of socket between this process and group rank `rank`:
@@ -153,7 +192,8 @@ impl ProcessGroup {
     /// or under `PHALANX_TRANSPORT=tcp`; `None` for this process itself.
     pub fn link(&self, rank: usize) -> Option<crate::transport::Link> {
         let g = *self.inner.members.get(rank)?;
-        self.inner.t.link(g)
+        on_mpi!(self, _m => (g != self.global_rank()).then_some(crate::transport::Link::Mpi));
+        self.t().link(g)
     }
 
     pub fn config(&self) -> &Config {
@@ -172,14 +212,15 @@ impl ProcessGroup {
     fn collective<R>(&self, sig: Signature, f: impl FnOnce(&Ctx) -> Result<R>) -> Result<R> {
         let _blocked = crate::work::BlockedTimer::start();
         let inner = &*self.inner;
-        if let Some(e) = inner.t.failure() {
+        let t = self.t();
+        if let Some(e) = t.failure() {
             return Err(e);
         }
         let _g = inner.exec.lock().unwrap();
         let seq = inner.seq.fetch_add(1, Ordering::SeqCst);
         let elem = sig.dtype.size();
         let ctx = Ctx {
-            t: &inner.t,
+            t,
             members: &inner.members,
             me: inner.me,
             chan: self.chan(0),
@@ -193,6 +234,15 @@ impl ProcessGroup {
             self.check_signatures(&ctx, &sig)?;
         }
         f(&ctx)
+    }
+
+    /// Run an MPI operation in issue order, as `collective` runs native ones.
+    #[cfg(feature = "mpi")]
+    fn serial<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let _blocked = crate::work::BlockedTimer::start();
+        let _g = self.inner.exec.lock().unwrap();
+        self.inner.seq.fetch_add(1, Ordering::SeqCst);
+        f()
     }
 
     fn check_signatures(&self, c: &Ctx, sig: &Signature) -> Result<()> {
@@ -296,6 +346,7 @@ impl ProcessGroup {
     }
 
     fn all_reduce_now<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        on_mpi!(self, m => self.serial(|| m.all_reduce(buf, op)));
         let sig = Signature {
             reduce: Some(op),
             ..self.sig::<T>("all_reduce", buf.len())
@@ -363,6 +414,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.check_counts("reduce_scatter", counts, input.len(), output.len())?;
+        on_mpi!(self, m => self.serial(|| m.reduce_scatter_v(input, counts, output, op)));
         let sig = Signature {
             reduce: Some(op),
             layout: digest(counts),
@@ -409,6 +461,7 @@ impl ProcessGroup {
         output: &mut [T],
     ) -> Result<()> {
         self.check_counts("all_gather", counts, output.len(), input.len())?;
+        on_mpi!(self, m => self.serial(|| m.all_gather_v(input, counts, output)));
         let sig = Signature {
             layout: digest(counts),
             ..self.sig::<T>("all_gather", output.len())
@@ -431,6 +484,7 @@ impl ProcessGroup {
 
     fn broadcast_now<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_root(root)?;
+        on_mpi!(self, m => self.serial(|| m.broadcast(buf, root)));
         let sig = Signature {
             root: Some(root as u64),
             ..self.sig::<T>("broadcast", buf.len())
@@ -453,6 +507,7 @@ impl ProcessGroup {
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
         self.inner.queue.drain();
         self.check_root(root)?;
+        on_mpi!(self, m => self.serial(|| m.reduce(buf, root, op)));
         let sig = Signature {
             reduce: Some(op),
             root: Some(root as u64),
@@ -558,6 +613,7 @@ impl ProcessGroup {
                 })
                 .collect()
         };
+        on_mpi!(self, m => self.serial(|| m.all_to_all_v(input, send, output, recv)));
         let (so, ro) = (offsets(send), offsets(recv));
         // Ranks of a v-collective send different amounts: its signature
         // (`sig_count`) is the group size, and each receive checks its size.
@@ -591,8 +647,9 @@ impl ProcessGroup {
     /// handed to the transport (the receiver buffers it).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
         self.check_peer(dst)?;
+        on_mpi!(self, m => m.send(buf, dst, tag));
         let deadline = Instant::now() + self.inner.cfg.timeout;
-        self.inner.t.send(
+        self.t().send(
             self.inner.members[dst],
             self.chan(1),
             tag,
@@ -604,11 +661,11 @@ impl ProcessGroup {
     /// Receive exactly `buf.len()` elements from group rank `src` under `tag`.
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_peer(src)?;
+        on_mpi!(self, m => m.recv(buf, src, tag));
         let deadline = Instant::now() + self.inner.cfg.timeout;
         let what = || format!("recv(tag={tag})");
         let m = self
-            .inner
-            .t
+            .t()
             .recv(self.inner.members[src], self.chan(1), tag, deadline, &what)?;
         if m.len != std::mem::size_of_val(buf) {
             return Err(invalid!(
@@ -618,7 +675,7 @@ impl ProcessGroup {
             ));
         }
         buf.copy_from_slice(m.as_slice());
-        self.inner.t.recycle(m);
+        self.t().recycle(m);
         Ok(())
     }
 
@@ -720,14 +777,54 @@ impl ProcessGroup {
         }
         let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
         let gid = digest(&[self.inner.gid as usize, k as usize, 0x5b]) | 2;
+        on_mpi!(self, m => {
+            // Members of one requested group share a color; the rest of
+            // this group joins none.
+            let mine = rs.iter().position(|&r| r == self.rank());
+            let color = mine.map(|_| digest(&rs) as u32);
+            self.mpi_child(m, color, mine.unwrap_or(0) as i64, gid, rs.len())
+        });
         Ok(self.child(&rs, gid))
+    }
+
+    /// A sub-group by `MPI_Comm_split`, checked to have `want` members (two
+    /// requested groups whose colors collide would merge).
+    #[cfg(feature = "mpi")]
+    fn mpi_child(
+        &self,
+        m: &crate::mpi::Comm,
+        color: Option<u32>,
+        key: i64,
+        gid: u64,
+        want: usize,
+    ) -> Result<Option<ProcessGroup>> {
+        self.inner.queue.drain();
+        let sub = self.serial(|| m.split(color, key))?;
+        let Some(sub) = sub else { return Ok(None) };
+        if sub.size() != want {
+            return Err(invalid!(
+                "MPI_Comm_split gave a group of {} ranks where {want} were asked for \
+                 (two groups' colors collided); create the groups in another order",
+                sub.size()
+            ));
+        }
+        let members = sub.members().to_vec();
+        let me = sub.rank();
+        Ok(Some(ProcessGroup::make(
+            Net::Mpi(sub),
+            members,
+            me,
+            gid,
+            self.inner.cfg.clone(),
+            None,
+        )))
     }
 
     fn child(&self, ranks: &[usize], gid: u64) -> Option<ProcessGroup> {
         let me = ranks.iter().position(|&r| r == self.rank())?;
         let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
         Some(ProcessGroup::make(
-            self.inner.t.clone(),
+            Net::Native(self.t().clone()),
             members,
             me,
             gid,
@@ -740,6 +837,16 @@ impl ProcessGroup {
     /// same color form a group, ordered by (key, rank). A negative color
     /// joins no group. Collective over this group.
     pub fn split(&self, color: i64, key: i64) -> Result<Option<ProcessGroup>> {
+        on_mpi!(self, m => {
+            let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
+            let gid = digest(&[self.inner.gid as usize, k as usize, color as usize]) | 2;
+            // The group's size is not known here: count the color's members.
+            let mut all = vec![0i64; self.size()];
+            self.all_gather(&[color], &mut all)?;
+            let want = all.iter().filter(|&&c| c == color).count();
+            let c = (color >= 0).then_some((color as u64 & 0x3fff_ffff) as u32);
+            self.mpi_child(m, c, key, gid, want)
+        });
         let n = self.size();
         let mut all = vec![0i64; 2 * n];
         self.all_gather(&[color, key], &mut all)?;
@@ -757,7 +864,7 @@ impl ProcessGroup {
             .expect("own color");
         let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
         Ok(Some(ProcessGroup::make(
-            self.inner.t.clone(),
+            Net::Native(self.t().clone()),
             members,
             me,
             gid,
@@ -770,23 +877,33 @@ impl ProcessGroup {
     /// not a crash. Every group sharing the transport stops working.
     pub fn shutdown(&self) {
         self.synchronize();
-        self.inner.t.close();
+        on_mpi!(self, m => m.shutdown());
+        self.t().close();
     }
 
     /// Tear down the transport under this group (and every group sharing
     /// it): pending and later calls here and on peers fail with `reason`.
     pub fn abort(&self, reason: &str) {
-        self.inner.t.abort(reason);
+        #[cfg(feature = "mpi")]
+        if let Net::Mpi(m) = &self.inner.net {
+            m.abort(reason)
+        }
+        self.t().abort(reason);
     }
 
     #[doc(hidden)]
     pub fn crash_for_test(&self) {
-        self.inner.t.crash_for_test();
+        #[cfg(feature = "mpi")]
+        if let Net::Mpi(_) = &self.inner.net {
+            std::process::abort()
+        }
+        self.t().crash_for_test();
     }
 
     /// The failure that broke this group, if any.
     pub fn failure(&self) -> Option<CommError> {
-        self.inner.t.failure()
+        on_mpi!(self, _m => None);
+        self.t().failure()
     }
 }
 

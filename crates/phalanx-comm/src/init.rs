@@ -175,10 +175,74 @@ pub fn is_loopback(addr: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Which library carries a job's collectives (`PHALANX_BACKEND`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Phalanx's own transports (shared memory, Unix sockets, TCP).
+    Native,
+    /// The system MPI library (`--features mpi`).
+    Mpi,
+}
+
+impl Backend {
+    /// `PHALANX_BACKEND`: `native`, `mpi`, or `auto` (the default): MPI when
+    /// this build has the `mpi` feature and an MPI launcher (`mpirun`,
+    /// `srun --mpi=pmix`) started the process, native otherwise.
+    pub fn from_env() -> Result<Backend> {
+        let built = cfg!(feature = "mpi");
+        match var("PHALANX_BACKEND")
+            .map(|v| v.trim().to_ascii_lowercase())
+            .as_deref()
+        {
+            None | Some("auto") => Ok(if built && launched_by_mpi() {
+                Backend::Mpi
+            } else {
+                Backend::Native
+            }),
+            Some("native") | Some("phalanx") => Ok(Backend::Native),
+            Some("mpi") if built => Ok(Backend::Mpi),
+            Some("mpi") => Err(invalid!(
+                "PHALANX_BACKEND=mpi, but this build has no MPI backend: rebuild with \
+                 `cargo build --release --features mpi` (needs the system MPI, e.g. Debian's \
+                 libopenmpi-dev, and libclang-dev)"
+            )),
+            Some(v) => Err(invalid!(
+                "PHALANX_BACKEND={v}: expected auto, native or mpi"
+            )),
+        }
+    }
+}
+
+/// Whether an MPI launcher started this process (Open MPI's `mpirun`, or a
+/// PMI/PMIx launcher such as `srun --mpi=pmix`).
+pub fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some())
+}
+
 /// Initialise the world group from the environment (see the module docs).
 pub fn init_process_group() -> Result<ProcessGroup> {
+    let cfg = Config::from_env();
+    if Backend::from_env()? == Backend::Mpi {
+        return init_mpi(cfg);
+    }
     let env = DistEnv::from_env()?;
-    init_with(&env, Config::from_env())
+    init_with(&env, cfg)
+}
+
+/// The world group on the system MPI library: no store, no secret (the MPI
+/// launcher already connected the ranks).
+#[cfg(feature = "mpi")]
+pub fn init_mpi(cfg: Config) -> Result<ProcessGroup> {
+    cfg.validate()?;
+    let comm = crate::mpi::Comm::world(cfg.timeout)?;
+    Ok(ProcessGroup::from_mpi(comm, cfg))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(_cfg: Config) -> Result<ProcessGroup> {
+    unreachable!("Backend::from_env never picks MPI without the feature")
 }
 
 /// Initialise the world group from an explicit environment.

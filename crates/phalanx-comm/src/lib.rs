@@ -10,6 +10,7 @@
 //! - `algo`: ring, recursive doubling and tree algorithms;
 //! - `group`: `ProcessGroup`, its collectives, async `Work`, sub-groups;
 //! - `init`: start from torchrun / mpirun / srun variables;
+//! - `mpi` (feature `mpi`): the same `ProcessGroup` on the system MPI library;
 //! - `threads`: ranks as threads, for tests.
 //!
 //! ```
@@ -28,6 +29,8 @@ pub mod dtype;
 pub mod error;
 pub mod group;
 pub mod init;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod ratelog;
 pub mod store;
 pub mod threads;
@@ -40,6 +43,6 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;
 pub use half::{bf16, f16};
-pub use init::{init_process_group, DistEnv};
+pub use init::{init_process_group, Backend, DistEnv};
 pub use transport::Link;
 pub use work::{blocked_seconds, Work};

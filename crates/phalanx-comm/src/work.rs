@@ -2,6 +2,7 @@
 //! communication thread that runs them in issue order (like an NCCL stream).
 
 use crate::error::{CommError, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -22,6 +23,16 @@ pub fn blocked_seconds() -> f64 {
     BLOCKED.with(|c| c.get().0) as f64 * 1e-9
 }
 
+/// Threads of this process blocked in communication right now.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether some thread of this process is blocked waiting on communication
+/// (so a backend that must poll for progress should poll eagerly).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn anyone_waiting() -> bool {
+    WAITING.load(Ordering::Relaxed) > 0
+}
+
 /// Counts the time until it is dropped into [`blocked_seconds`].
 pub(crate) struct BlockedTimer(Instant);
 
@@ -29,6 +40,9 @@ impl BlockedTimer {
     pub(crate) fn start() -> BlockedTimer {
         BLOCKED.with(|c| {
             let (ns, depth) = c.get();
+            if depth == 0 {
+                WAITING.fetch_add(1, Ordering::Relaxed);
+            }
             c.set((ns, depth + 1));
         });
         BlockedTimer(Instant::now())
@@ -40,6 +54,9 @@ impl Drop for BlockedTimer {
         let dt = self.0.elapsed().as_nanos() as u64;
         BLOCKED.with(|c| {
             let (ns, depth) = c.get();
+            if depth == 1 {
+                WAITING.fetch_sub(1, Ordering::Relaxed);
+            }
             c.set(if depth == 1 {
                 (ns + dt, 0)
             } else {

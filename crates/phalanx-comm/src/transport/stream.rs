@@ -22,6 +22,8 @@ pub enum Link {
     /// Shared memory for data, beside a Unix socket for control (peers on
     /// this host, see `transport::shm`).
     Shm,
+    /// The system MPI library moves the data (`PHALANX_BACKEND=mpi`).
+    Mpi,
 }
 
 impl Link {
@@ -29,6 +31,7 @@ impl Link {
         match self {
             Link::Tcp => "tcp",
             Link::Unix => "unix",
+            Link::Mpi => "mpi",
             Link::Shm => "shm",
         }
     }
