@@ -23,6 +23,18 @@ pub fn blocked_seconds() -> f64 {
     BLOCKED.with(|c| c.get().0) as f64 * 1e-9
 }
 
+thread_local! {
+    /// True on a group's communication threads (set when they start).
+    static COMM_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a communication thread running queued
+/// asynchronous work (which overlaps computation on other threads).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn on_comm_thread() -> bool {
+    COMM_THREAD.with(|c| c.get())
+}
+
 /// Threads of this process blocked in communication right now.
 static WAITING: AtomicUsize = AtomicUsize::new(0);
 
@@ -161,6 +173,7 @@ impl Queue {
             std::thread::Builder::new()
                 .name(self.name.clone())
                 .spawn(move || {
+                    COMM_THREAD.with(|c| c.set(true));
                     while let Ok(job) = rx.recv() {
                         job();
                     }

@@ -7,11 +7,15 @@
 //!   and one for point-to-point messages, so a receive posted on the
 //!   point-to-point thread never interferes with a collective.
 //! - Sub-groups are `MPI_Comm_split`s of their parent.
-//! - Every wait polls a non-blocking request against the group's deadline
-//!   (`PHALANX_TIMEOUT`). MPI cannot cancel a collective, so a missed
-//!   deadline names the operation on stderr and calls `MPI_Abort`, which
-//!   ends every rank of the job: nothing hangs. A rank that dies is handled
-//!   by the launcher (`mpirun` and `srun` end the job and name the rank).
+//! - A synchronous call is MPI's blocking call (MPI's fastest path), watched
+//!   by a watchdog thread; work queued on the communication thread is MPI's
+//!   non-blocking call, polled gently while computation runs (Open MPI has
+//!   no progress thread) and eagerly once a thread waits for it. Both have
+//!   the group's deadline (`PHALANX_TIMEOUT`). MPI cannot cancel a
+//!   collective, so a missed deadline names the operation on stderr and
+//!   calls `MPI_Abort`, which ends every rank of the job: nothing hangs. A
+//!   rank that dies is handled by the launcher (`mpirun` and `srun` end the
+//!   job and name the rank).
 //! - MPI is initialised with `MPI_THREAD_MULTIPLE` (the communication and
 //!   point-to-point threads call it concurrently) and finalised by the world
 //!   group's `shutdown`.
@@ -25,6 +29,7 @@
 //! ```
 
 mod ops;
+mod watchdog;
 
 use crate::error::{CommError, Result};
 use mpi::ffi;
@@ -300,6 +305,13 @@ impl Comm {
                 }
             }
         }
+    }
+
+    /// Run a blocking MPI call under the watchdog: past the deadline the
+    /// watchdog aborts the job, naming `what`.
+    fn blocking(&self, what: &dyn Fn() -> String, call: impl FnOnce() -> c_int) -> Result<()> {
+        let _watch = watchdog::watch(self.deadline(), what(), self.timeout);
+        check(call(), &what())
     }
 
     /// Drop the sends that have completed.

@@ -112,6 +112,28 @@ fn mpi_op<T: Element>(op: ReduceOp) -> ffi::MPI_Op {
     }
 }
 
+/// `MPI_IN_PLACE`, which the bindings do not export: its value is fixed
+/// by each implementation family (Open MPI's `mpi.h`: `(void *) 1`;
+/// MPICH and its derivatives: `(void *) -1`). `None` for another library:
+/// then the send buffer is a copy.
+fn in_place() -> Option<*const c_void> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    let v = V.get_or_init(|| {
+        let lib = super::library_version();
+        if lib.contains("Open MPI") {
+            Some(1)
+        } else if ["MPICH", "Intel(R) MPI", "MVAPICH", "CRAY MPICH"]
+            .iter()
+            .any(|m| lib.contains(m))
+        {
+            Some(usize::MAX)
+        } else {
+            None
+        }
+    });
+    v.map(|v| v as *const c_void)
+}
+
 fn null_request() -> ffi::MPI_Request {
     // SAFETY: reading an extern constant.
     unsafe { ffi::RSMPI_REQUEST_NULL }
@@ -138,7 +160,7 @@ impl Comm {
     }
 
     /// Start `start` (which fills the request) and wait for it.
-    fn run(
+    fn run_nb(
         &self,
         what: &dyn Fn() -> String,
         start: impl FnOnce(*mut ffi::MPI_Request) -> c_int,
@@ -150,26 +172,42 @@ impl Comm {
         self.wait(&mut req, what)
     }
 
+    /// One collective: on a communication thread (overlapping computation)
+    /// the non-blocking form `start`, polled; on the caller's own thread the
+    /// blocking form `block`, MPI's fastest path.
+    fn run(
+        &self,
+        what: &dyn Fn() -> String,
+        start: impl FnOnce(*mut ffi::MPI_Request) -> c_int,
+        block: impl FnOnce() -> c_int,
+    ) -> Result<()> {
+        if crate::work::on_comm_thread() {
+            return self.run_nb(what, start).map(|_| ());
+        }
+        finalized()?;
+        self.reap_sends()?;
+        self.blocking(what, block)
+    }
+
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         if self.size == 1 || buf.is_empty() {
             return Ok(());
         }
         let n = count(buf.len(), "all_reduce")?;
-        let send = buf.to_vec();
+        // In place where the library's MPI_IN_PLACE is known, else a copy.
+        let copy = if in_place().is_some() {
+            Vec::new()
+        } else {
+            buf.to_vec()
+        };
+        let sp = in_place().unwrap_or(copy.as_ptr().cast());
         self.count_bytes(self.ring_share(std::mem::size_of_val(buf), 2));
+        let rp = buf.as_mut_ptr().cast();
+        let (dt, mop, comm) = (datatype::<T>(), mpi_op::<T>(op), self.coll.0);
         self.run(
             &|| format!("all_reduce({}, count={n})", T::DTYPE.name()),
-            |r| unsafe {
-                ffi::MPI_Iallreduce(
-                    send.as_ptr().cast(),
-                    buf.as_mut_ptr().cast(),
-                    n,
-                    datatype::<T>(),
-                    mpi_op::<T>(op),
-                    self.coll.0,
-                    r,
-                )
-            },
+            |r| unsafe { ffi::MPI_Iallreduce(sp, rp, n, dt, mop, comm, r) },
+            || unsafe { ffi::MPI_Allreduce(sp, rp, n, dt, mop, comm) },
         )?;
         if op == ReduceOp::Avg {
             T::div_by(buf, self.size);
@@ -190,19 +228,16 @@ impl Comm {
         }
         let c = ints(counts, "reduce_scatter")?;
         self.count_bytes(self.ring_share(std::mem::size_of_val(input), 1));
+        let (sp, rp, cp) = (
+            input.as_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            c.as_ptr(),
+        );
+        let (dt, mop, comm) = (datatype::<T>(), mpi_op::<T>(op), self.coll.0);
         self.run(
             &|| format!("reduce_scatter({})", T::DTYPE.name()),
-            |r| unsafe {
-                ffi::MPI_Ireduce_scatter(
-                    input.as_ptr().cast(),
-                    output.as_mut_ptr().cast(),
-                    c.as_ptr(),
-                    datatype::<T>(),
-                    mpi_op::<T>(op),
-                    self.coll.0,
-                    r,
-                )
-            },
+            |r| unsafe { ffi::MPI_Ireduce_scatter(sp, rp, cp, dt, mop, comm, r) },
+            || unsafe { ffi::MPI_Reduce_scatter(sp, rp, cp, dt, mop, comm) },
         )?;
         if op == ReduceOp::Avg {
             T::div_by(output, self.size);
@@ -223,20 +258,14 @@ impl Comm {
         let (c, d) = (ints(counts, "all_gather")?, displs(counts, "all_gather")?);
         let mine = count(input.len(), "all_gather")?;
         self.count_bytes(self.ring_share(std::mem::size_of_val(output), 1));
-        self.run(&|| format!("all_gather({})", T::DTYPE.name()), |r| unsafe {
-            ffi::MPI_Iallgatherv(
-                input.as_ptr().cast(),
-                mine,
-                datatype::<T>(),
-                output.as_mut_ptr().cast(),
-                c.as_ptr(),
-                d.as_ptr(),
-                datatype::<T>(),
-                self.coll.0,
-                r,
-            )
-        })
-        .map(|_| ())
+        let (sp, rp) = (input.as_ptr().cast(), output.as_mut_ptr().cast());
+        let (cp, dp) = (c.as_ptr(), d.as_ptr());
+        let (dt, comm) = (datatype::<T>(), self.coll.0);
+        self.run(
+            &|| format!("all_gather({})", T::DTYPE.name()),
+            |r| unsafe { ffi::MPI_Iallgatherv(sp, mine, dt, rp, cp, dp, dt, comm, r) },
+            || unsafe { ffi::MPI_Allgatherv(sp, mine, dt, rp, cp, dp, dt, comm) },
+        )
     }
 
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
@@ -247,17 +276,13 @@ impl Comm {
         if self.rank == root {
             self.count_bytes(std::mem::size_of_val(buf));
         }
-        self.run(&|| format!("broadcast(root={root})"), |r| unsafe {
-            ffi::MPI_Ibcast(
-                buf.as_mut_ptr().cast(),
-                n,
-                datatype::<T>(),
-                root as c_int,
-                self.coll.0,
-                r,
-            )
-        })
-        .map(|_| ())
+        let (p, dt, comm) = (buf.as_mut_ptr().cast(), datatype::<T>(), self.coll.0);
+        let ro = root as c_int;
+        self.run(
+            &|| format!("broadcast(root={root})"),
+            |r| unsafe { ffi::MPI_Ibcast(p, n, dt, ro, comm, r) },
+            || unsafe { ffi::MPI_Bcast(p, n, dt, ro, comm) },
+        )
     }
 
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
@@ -265,26 +290,26 @@ impl Comm {
             return Ok(());
         }
         let n = count(buf.len(), "reduce")?;
-        let send = buf.to_vec();
-        // Only the root's receive buffer is written; others pass none.
-        let recv: *mut c_void = if self.rank == root {
-            buf.as_mut_ptr().cast()
+        // Only the root's buffer is written (in place where the library's
+        // MPI_IN_PLACE is known, else from a copy); others only send.
+        let root_copy = match (self.rank == root, in_place()) {
+            (true, None) => buf.to_vec(),
+            _ => Vec::new(),
+        };
+        let (sp, recv): (*const c_void, *mut c_void) = if self.rank == root {
+            let sp = in_place().unwrap_or(root_copy.as_ptr().cast());
+            (sp, buf.as_mut_ptr().cast())
         } else {
-            std::ptr::null_mut()
+            (buf.as_ptr().cast(), std::ptr::null_mut())
         };
         self.count_bytes(std::mem::size_of_val(buf));
-        self.run(&|| format!("reduce(root={root})"), |r| unsafe {
-            ffi::MPI_Ireduce(
-                send.as_ptr().cast(),
-                recv,
-                n,
-                datatype::<T>(),
-                mpi_op::<T>(op),
-                root as c_int,
-                self.coll.0,
-                r,
-            )
-        })?;
+        let (dt, mop, comm) = (datatype::<T>(), mpi_op::<T>(op), self.coll.0);
+        let ro = root as c_int;
+        self.run(
+            &|| format!("reduce(root={root})"),
+            |r| unsafe { ffi::MPI_Ireduce(sp, recv, n, dt, mop, ro, comm, r) },
+            || unsafe { ffi::MPI_Reduce(sp, recv, n, dt, mop, ro, comm) },
+        )?;
         if self.rank == root && op == ReduceOp::Avg {
             T::div_by(buf, self.size);
         }
@@ -307,28 +332,23 @@ impl Comm {
             .map(|(_, &c)| c * std::mem::size_of::<T>())
             .sum();
         self.count_bytes(out_bytes);
-        self.run(&|| format!("all_to_all({})", T::DTYPE.name()), |r| unsafe {
-            ffi::MPI_Ialltoallv(
-                input.as_ptr().cast(),
-                sc.as_ptr(),
-                sd.as_ptr(),
-                datatype::<T>(),
-                output.as_mut_ptr().cast(),
-                rc.as_ptr(),
-                rd.as_ptr(),
-                datatype::<T>(),
-                self.coll.0,
-                r,
-            )
-        })
-        .map(|_| ())
+        let (sp, rp) = (input.as_ptr().cast(), output.as_mut_ptr().cast());
+        let (scp, sdp, rcp, rdp) = (sc.as_ptr(), sd.as_ptr(), rc.as_ptr(), rd.as_ptr());
+        let (dt, comm) = (datatype::<T>(), self.coll.0);
+        self.run(
+            &|| format!("all_to_all({})", T::DTYPE.name()),
+            |r| unsafe { ffi::MPI_Ialltoallv(sp, scp, sdp, dt, rp, rcp, rdp, dt, comm, r) },
+            || unsafe { ffi::MPI_Alltoallv(sp, scp, sdp, dt, rp, rcp, rdp, dt, comm) },
+        )
     }
 
     pub fn barrier(&self) -> Result<()> {
-        self.run(&|| "barrier".into(), |r| unsafe {
-            ffi::MPI_Ibarrier(self.coll.0, r)
-        })
-        .map(|_| ())
+        let comm = self.coll.0;
+        self.run(
+            &|| "barrier".into(),
+            |r| unsafe { ffi::MPI_Ibarrier(comm, r) },
+            || unsafe { ffi::MPI_Barrier(comm) },
+        )
     }
 
     /// Buffered send: returns once MPI holds a copy with the tag header.
@@ -365,7 +385,7 @@ impl Comm {
         let mut msg = vec![0u8; 8 + want + 1];
         let n = count(msg.len(), "recv")?;
         let what = || format!("recv(from rank {src}, tag={tag})");
-        let st = self.run(&what, |r| unsafe {
+        let st = self.run_nb(&what, |r| unsafe {
             ffi::MPI_Irecv(
                 msg.as_mut_ptr().cast(),
                 n,

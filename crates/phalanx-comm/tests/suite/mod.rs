@@ -259,7 +259,11 @@ pub fn subgroups(pg: &ProcessGroup) {
     // Ordered by key: descending rank.
     assert_eq!(
         odd_even.global_ranks(),
-        if r.is_multiple_of(2) { &[2, 0] } else { &[3, 1] }
+        if r.is_multiple_of(2) {
+            &[2, 0]
+        } else {
+            &[3, 1]
+        }
     );
 
     // Sub-group work on another thread while the parent reduces here.
