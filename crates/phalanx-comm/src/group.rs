@@ -368,7 +368,7 @@ impl ProcessGroup {
                 _ => None,
             };
             if let Some(w) = shm {
-                let what = format!("{} (collective #{})", c.op, c.seq);
+                let what = || format!("{} (collective #{})", c.op, c.seq);
                 crate::transport::shm_coll::all_reduce(c.t, w, buf, op, c.deadline, &what)?;
             } else if use_rd {
                 algo::rd::all_reduce(c, buf, op)?;

@@ -243,9 +243,10 @@ pub fn connect_mesh(
     }
     let mut t = Transport::new(rank, world, conns);
     t.netem = cfg.net_emulate;
-    t.shm_world = offers
-        .slots
-        .map(|slots| super::shm_coll::ShmWorld::new(slots, spin));
+    t.shm_world = offers.slots.map(|slots| {
+        let spin = super::shm::Spin::for_world(slots.len(), cfg.shm_spin_us);
+        super::shm_coll::ShmWorld::new(slots, spin)
+    });
     let t = Arc::new(t);
     super::register(&t);
     for (j, s, host, role) in readers {

@@ -84,6 +84,25 @@ impl Spin {
             yield_first: crowded,
         }
     }
+
+    /// For the in-place all-reduce's barriers, where the only waiters are
+    /// the ranks' own calling threads (no reader threads): spin while each
+    /// local rank can have a core. Measured with 2 ranks on 2 cores, an
+    /// 8-byte all-reduce took 2.2 us spinning against 3.3 us sleeping at
+    /// once.
+    pub fn for_world(local_ranks: usize, override_us: Option<f64>) -> Spin {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let crowded = local_ranks > cores;
+        let budget = match override_us {
+            Some(us) => Duration::from_secs_f64(us / 1e6),
+            None if crowded => Duration::ZERO,
+            None => Duration::from_micros(50),
+        };
+        Spin {
+            budget,
+            yield_first: crowded,
+        }
+    }
 }
 
 /// A mapping of a whole segment, unmapped on drop.

@@ -18,8 +18,16 @@
 //! first barrier of chunk k+1, which every rank passes after reading
 //! chunk k).
 //!
-//! Each element is reduced once, by its slice's owner, and copied to the
-//! others, so every rank gets bitwise the same result. Only the world group uses it
+//! Small messages, and every message on two ranks, take a direct path with
+//! one barrier per chunk: after it, every rank reduces all slots in rank
+//! order into its own buffer. With two ranks this moves as many bytes
+//! between cores as the sliced path and saves a barrier; with more ranks
+//! every rank would read every slot, so only messages up to
+//! `DIRECT_MAX_BYTES` go that way.
+//!
+//! On the sliced path each element is reduced once, by its slice's owner,
+//! and copied to the others; on the direct path every rank reduces in the
+//! same order. Either way every rank gets bitwise the same result. Only the world group uses it
 //! (its calls are serialised on each rank, so one slot per rank is
 //! enough); sub-groups use the rings. Any error (deadline, dead peer,
 //! different sizes) fails the whole transport: barrier counters would no
@@ -30,7 +38,7 @@ use super::Transport;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Bytes of each half of a slot: one chunk.
 pub(crate) const HALF: usize = 512 << 10;
@@ -39,16 +47,28 @@ const HEADER: usize = 4096;
 pub(crate) const SLOT_BYTES: usize = HEADER + 2 * HALF;
 const OFF_EPOCH: usize = 0;
 const OFF_WAITERS: usize = 64;
-/// The call's signature (element count, dtype, op), checked on the first
-/// barrier of every call.
+/// The call's signature (element count, dtype, op), one per half (the
+/// half of the call's first chunk), checked after the first barrier.
 const OFF_SIG: usize = 128;
+
+/// Largest message (bytes) that takes the direct path on more than two
+/// ranks.
+const DIRECT_MAX_BYTES: usize = 32 << 10;
 
 /// The world's slots, indexed by rank (this rank's own included).
 pub(crate) struct ShmWorld {
     slots: Vec<Segment>,
     spin: Spin,
-    /// This rank's barrier count (its own epoch word's value).
-    epoch: std::sync::Mutex<u64>,
+    state: std::sync::Mutex<Barriers>,
+}
+
+/// This rank's barrier count (its own epoch word's value), and for each
+/// half of its slot the barrier after which no peer reads it any more.
+/// Every rank runs the same calls in the same order, so every rank's
+/// state, and hence its choice of half, is the same.
+struct Barriers {
+    epoch: u64,
+    free_at: [u64; 2],
 }
 
 impl ShmWorld {
@@ -56,7 +76,10 @@ impl ShmWorld {
         ShmWorld {
             slots,
             spin,
-            epoch: std::sync::Mutex::new(0),
+            state: std::sync::Mutex::new(Barriers {
+                epoch: 0,
+                free_at: [0, 0],
+            }),
         }
     }
 
@@ -77,7 +100,13 @@ impl ShmWorld {
 /// Raise this rank's epoch to `e` and wait until every rank's is at least
 /// `e`; spins, then sleeps on the laggard's epoch word. Gives up with the
 /// transport's failure, or a timeout naming the laggard at `deadline`.
-fn barrier(t: &Transport, w: &ShmWorld, e: u64, deadline: Instant, op: &str) -> Result<()> {
+fn barrier(
+    t: &Transport,
+    w: &ShmWorld,
+    e: u64,
+    deadline: Instant,
+    op: &dyn Fn() -> String,
+) -> Result<()> {
     let me = t.rank;
     w.word64(me, OFF_EPOCH).store(e, Ordering::SeqCst);
     if w.waiters(me).load(Ordering::SeqCst) != 0 {
@@ -91,9 +120,15 @@ fn barrier(t: &Transport, w: &ShmWorld, e: u64, deadline: Instant, op: &str) -> 
             if v >= e {
                 break;
             }
-            if t0.elapsed() < w.spin.budget {
-                for _ in 0..64 {
-                    std::hint::spin_loop();
+            let spun = t0.elapsed();
+            if spun < w.spin.budget {
+                // Spin; after a microsecond, yield between looks: if the
+                // laggard shares this core (ranks are not pinned) it runs
+                // now instead of after the budget, and with a core of its
+                // own the yield returns at once.
+                std::hint::spin_loop();
+                if spun > Duration::from_micros(1) {
+                    std::thread::yield_now();
                 }
                 continue;
             }
@@ -102,7 +137,8 @@ fn barrier(t: &Transport, w: &ShmWorld, e: u64, deadline: Instant, op: &str) -> 
             }
             if Instant::now() >= deadline {
                 return Err(CommError::Timeout(format!(
-                    "{op} waited for rank {r} ({}) past the deadline (PHALANX_TIMEOUT)",
+                    "{} waited for rank {r} ({}) past the deadline (PHALANX_TIMEOUT)",
+                    op(),
                     t.host_of(r)
                 )));
             }
@@ -130,7 +166,7 @@ pub(crate) fn all_reduce<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
     deadline: Instant,
-    what: &str,
+    what: &dyn Fn() -> String,
 ) -> Result<()> {
     let res = run(t, w, buf, op, deadline, what);
     if let Err(e) = &res {
@@ -146,50 +182,70 @@ fn run<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
     deadline: Instant,
-    what: &str,
+    what: &dyn Fn() -> String,
 ) -> Result<()> {
     let (n, me) = (w.slots.len(), t.rank);
     let esz = std::mem::size_of::<T>();
     let per = HALF / esz;
-    let mut epoch = w.epoch.lock().unwrap();
+    let mut st = w.state.lock().unwrap();
     let sig = [
         buf.len() as u64,
         (T::DTYPE.code() as u64) << 8 | op.code() as u64,
     ];
-    w.word64(me, OFF_SIG).store(sig[0], Ordering::Relaxed);
-    w.word64(me, OFF_SIG + 8).store(sig[1], Ordering::Relaxed);
     let total = buf.len();
+    let direct = n == 2 || std::mem::size_of_val(buf) <= DIRECT_MAX_BYTES;
     for (k, start) in (0..total).step_by(per).enumerate() {
         let chunk = &mut buf[start..(start + per).min(total)];
-        // Alternate halves across calls too: a peer may still be copying
-        // the previous chunk (of this call or the last) out of the other.
-        let h = ((*epoch / 2) % 2) as usize;
+        // A half that no peer reads any more (one extra barrier if neither
+        // is free yet, the same on every rank).
+        let h = loop {
+            if let Some(h) = (0..2).find(|&h| st.free_at[h] <= st.epoch) {
+                break h;
+            }
+            st.epoch += 1;
+            barrier(t, w, st.epoch, deadline, what)?;
+        };
         let len = chunk.len();
-        // SAFETY: our own half, which no peer reads until the barrier
-        // below (the half was last read in chunk k-2, before every rank
-        // passed the first barrier of chunk k-1).
+        if k == 0 {
+            // Beside the half: peers read it while they read the half.
+            w.word64(me, OFF_SIG + 16 * h)
+                .store(sig[0], Ordering::Relaxed);
+            w.word64(me, OFF_SIG + 16 * h + 8)
+                .store(sig[1], Ordering::Relaxed);
+        }
+        // SAFETY: our own half, which no peer reads until the barrier below
+        // (every peer finished reading it before barrier `free_at[h]`).
         unsafe {
             std::ptr::copy_nonoverlapping(chunk.as_ptr(), w.half(me, h) as *mut T, len);
         }
-        *epoch += 1;
-        barrier(t, w, *epoch, deadline, what)?;
+        st.epoch += 1;
+        barrier(t, w, st.epoch, deadline, what)?;
         if k == 0 {
-            for r in (0..n).filter(|&r| r != me) {
-                let theirs = [
-                    w.word64(r, OFF_SIG).load(Ordering::Relaxed),
-                    w.word64(r, OFF_SIG + 8).load(Ordering::Relaxed),
-                ];
-                if theirs != sig {
-                    return Err(CommError::Desync(format!(
-                        "{what}: rank {r} called it with {} elements, dtype/op code {:#x}, \
-                         rank {me} with {} elements, {:#x} (set PHALANX_DEBUG=detail to see each call)",
-                        theirs[0], theirs[1], sig[0], sig[1]
-                    )));
+            check_signatures(w, me, n, h, sig, what)?;
+        }
+        if direct {
+            // Every rank reduces every slot, in rank order, into its buffer.
+            // SAFETY: the halves h are not written again before every rank
+            // passes the next barrier (`free_at`).
+            unsafe {
+                if me != 0 {
+                    std::ptr::copy_nonoverlapping(
+                        w.half(0, h) as *const T,
+                        chunk.as_mut_ptr(),
+                        len,
+                    );
+                }
+                for r in 1..n {
+                    let other = std::slice::from_raw_parts(w.half(r, h) as *const T, len);
+                    T::reduce_into(op, chunk, other);
                 }
             }
+            st.free_at[h] = st.epoch + 1;
+            continue;
         }
         // Reduce our slice across all slots into our own slot.
-        let slice = super::super::algo::ranges(&super::super::algo::even_split(len, n))[me].clone();
+        let slices = super::super::algo::ranges(&super::super::algo::even_split(len, n));
+        let slice = slices[me].clone();
         if !slice.is_empty() {
             // SAFETY: slice `me` of every slot's half h is read by us only
             // until the next barrier, and written (in our slot) by us only.
@@ -207,15 +263,12 @@ fn run<T: Element>(
                 }
             }
         }
-        *epoch += 1;
-        barrier(t, w, *epoch, deadline, what)?;
+        st.epoch += 1;
+        barrier(t, w, st.epoch, deadline, what)?;
         // Every slice is reduced: copy each from its owner's slot.
-        for (r, s) in super::super::algo::ranges(&super::super::algo::even_split(len, n))
-            .into_iter()
-            .enumerate()
-        {
+        for (r, s) in slices.into_iter().enumerate() {
             // SAFETY: slot r's half h is not written again before every
-            // rank passes the first barrier of chunk k+1.
+            // rank passes the next barrier (`free_at`).
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     (w.half(r, h) as *const T).add(s.start),
@@ -223,6 +276,37 @@ fn run<T: Element>(
                     s.len(),
                 );
             }
+        }
+        st.free_at[h] = st.epoch + 1;
+    }
+    Ok(())
+}
+
+/// Every rank must have called this all-reduce with the same count, dtype
+/// and op (read after the first barrier of the call).
+fn check_signatures(
+    w: &ShmWorld,
+    me: usize,
+    n: usize,
+    h: usize,
+    sig: [u64; 2],
+    what: &dyn Fn() -> String,
+) -> Result<()> {
+    for r in (0..n).filter(|&r| r != me) {
+        let theirs = [
+            w.word64(r, OFF_SIG + 16 * h).load(Ordering::Relaxed),
+            w.word64(r, OFF_SIG + 16 * h + 8).load(Ordering::Relaxed),
+        ];
+        if theirs != sig {
+            return Err(CommError::Desync(format!(
+                "{}: rank {r} called it with {} elements, dtype/op code {:#x}, \
+                 rank {me} with {} elements, {:#x} (set PHALANX_DEBUG=detail to see each call)",
+                what(),
+                theirs[0],
+                theirs[1],
+                sig[0],
+                sig[1]
+            )));
         }
     }
     Ok(())
