@@ -26,6 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+mod msg;
+
 /// A group of processes that run collectives together. Cheap to clone.
 #[derive(Clone)]
 pub struct ProcessGroup {

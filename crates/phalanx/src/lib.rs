@@ -13,6 +13,7 @@ pub mod optim;
 pub mod plan;
 pub mod precision;
 pub mod report;
+pub mod rpc;
 pub mod strategy;
 pub mod tp;
 pub mod trainer;
