@@ -12,6 +12,7 @@ pub mod ops;
 pub mod optim;
 pub mod plan;
 pub mod precision;
+pub mod ps;
 pub mod report;
 pub mod rpc;
 pub mod strategy;
