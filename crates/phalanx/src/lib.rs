@@ -14,6 +14,7 @@ pub mod plan;
 pub mod precision;
 pub mod ps;
 pub mod report;
+pub mod rl;
 pub mod rpc;
 pub mod strategy;
 pub mod tp;

@@ -8,6 +8,7 @@ use super::codec::{self, ErrKind};
 use super::error::{RpcError, RpcResult};
 use super::registry::Payload;
 use serde::de::DeserializeOwned;
+use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
@@ -145,7 +146,7 @@ impl<R: DeserializeOwned> RpcFuture<R> {
     }
 }
 
-impl<R: DeserializeOwned> std::future::Future for RpcFuture<R> {
+impl<R: DeserializeOwned> Future for RpcFuture<R> {
     type Output = RpcResult<R>;
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
@@ -160,5 +161,35 @@ impl<R: DeserializeOwned> std::future::Future for RpcFuture<R> {
                 Poll::Pending
             }
         }
+    }
+}
+
+/// Wait for whichever of `futs` finishes first; returns its index and
+/// result, and leaves `None` in its place. `None` when none is left.
+pub fn wait_any<R: DeserializeOwned>(
+    futs: &mut [Option<RpcFuture<R>>],
+) -> Option<(usize, RpcResult<R>)> {
+    struct Signal(std::sync::mpsc::Sender<usize>, usize);
+    impl std::task::Wake for Signal {
+        fn wake(self: Arc<Self>) {
+            let _ = self.0.send(self.1);
+        }
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    loop {
+        if futs.iter().all(|f| f.is_none()) {
+            return None;
+        }
+        for (i, slot) in futs.iter_mut().enumerate() {
+            let Some(f) = slot.as_mut() else { continue };
+            let waker = Waker::from(Arc::new(Signal(tx.clone(), i)));
+            let mut cx = Context::from_waker(&waker);
+            if let Poll::Ready(r) = std::pin::Pin::new(f).poll(&mut cx) {
+                *slot = None;
+                return Some((i, r));
+            }
+        }
+        // Woken by a reply or by the agent's timer; the timeout is a backstop.
+        let _ = rx.recv_timeout(Duration::from_millis(100));
     }
 }

@@ -10,7 +10,8 @@
 //! back as `RpcError::Remote` with the callee's message: the callee never
 //! crashes. Calls run on a bounded pool of threads on the callee.
 //!
-//! - `rpc_sync` / `rpc_async` (an `RpcFuture`: `wait()`, or `.await`);
+//! - `rpc_sync` / `rpc_async` (an `RpcFuture`: `wait()`, `.await`, or
+//!   `wait_any` over several);
 //! - `remote` runs a function on another worker and leaves the result
 //!   there, returning an `RRef` (`to_here`, methods run on the owner,
 //!   owner-side reference counting);
@@ -61,7 +62,7 @@ mod rref;
 pub use agent::Options;
 pub use codec::{Blob, RRefId};
 pub use error::{RpcError, RpcResult};
-pub use future::RpcFuture;
+pub use future::{wait_any, RpcFuture};
 pub use registry::{Ctx, Registry};
 pub use rref::RRef;
 
