@@ -123,10 +123,11 @@ fn main() {
             println!(
                 "{{\"initial_loss\": {initial:.5}, \"final_loss\": {fin:.5}, \"steps\": {steps}, \
                  \"trainers\": {trainers}, \"servers\": {servers}, \"staleness\": {}, \
-                 \"seconds\": {secs:.3}, \"ps_ops_per_s\": {:.0}, \"rows_held\": {rows}, \
+                 \"seconds\": {secs:.3}, \"ps_ops_per_s\": {:.0}, \"trainer_steps_per_s\": {:.0}, \"rows_held\": {rows}, \
                  \"max_lead\": {}, \"bayes_loss\": {:.5}}}",
                 staleness.map_or("\"async\"".to_string(), |s| s.to_string()),
                 ops as f64 / secs,
+                (trainers as u64 * steps) as f64 / secs,
                 stats.iter().map(|s| s.max_lead).max().unwrap_or(0),
                 eval.bayes_loss()
             );

@@ -275,7 +275,7 @@ fn a_killed_worker_fails_the_calls_pending_on_it_and_is_named() {
                 let slow = rpc.rpc_async::<_, u64>("w2", "sleep_ms", &15_000u64);
                 std::thread::sleep(Duration::from_millis(100));
                 let t0 = Instant::now();
-                let _ = rpc.rpc_async::<_, ()>("w2", "crash", &());
+                drop(rpc.rpc_async::<_, ()>("w2", "crash", &()));
                 let e = slow.wait().unwrap_err();
                 assert!(
                     t0.elapsed() < Duration::from_secs(10),

@@ -322,10 +322,10 @@ pub fn gradients(
             acc = 1.0 + gamma * acc;
             g[i] = acc;
         }
-        for i in 0..n {
+        for (i, (&a, &ret)) in t.actions.iter().zip(&g).enumerate() {
             let s = &t.states[4 * i..4 * i + 4];
             value.forward(s, &mut h, &mut z);
-            steps.push((s, t.actions[i] as usize, g[i], g[i] - z[0] * VALUE_SCALE));
+            steps.push((s, a as usize, ret, ret - z[0] * VALUE_SCALE));
         }
     }
     let n = steps.len() as f32;
@@ -340,7 +340,7 @@ pub fn gradients(
         softmax(&z, &mut p);
         // d(-adv * log p[a]) / dz = adv * (p - onehot(a)).
         let dz: Vec<f32> = (0..2)
-            .map(|k| adv * (p[k] - f32::from(k == a as usize)) / n)
+            .map(|k| adv * (p[k] - f32::from(k == a)) / n)
             .collect();
         policy.backward(s, &h, &dz, &mut gp);
         value.forward(s, &mut h, &mut z);
