@@ -53,7 +53,7 @@ fn main() {
                 .expect("--staleness is a number or `async`"),
         )
     };
-    let steps: u64 = arg("--steps", 500);
+    let steps: u64 = arg("--steps", 1000);
     let batch: usize = arg("--batch", 256);
     let lr: f32 = arg("--lr", 0.5);
     let optim = match arg("--optim", "adagrad".to_string()).as_str() {
@@ -98,11 +98,16 @@ fn main() {
             .expect("pull");
             spec.loss(&eval, &p.rows[0], &p.dense[0])
         };
-        let initial = if t == 0 {
-            eval_loss(&mut c, false)
-        } else {
-            0.0
-        };
+        // The initial model is known everywhere (rows start from their
+        // ids): its loss needs no pull, which in the bounded and
+        // asynchronous modes could already see other trainers' pushes.
+        let init = c.config().clone();
+        let rows0: Vec<f32> = eval
+            .ids
+            .iter()
+            .flat_map(|&id| init.init_row(0, id))
+            .collect();
+        let initial = spec.loss(&eval, &rows0, &init.dense[0].1);
         let t0 = Instant::now();
         for step in 0..steps {
             if t == 0 && step > 0 && step % (steps / 10).max(1) == 0 {

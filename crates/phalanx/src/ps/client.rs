@@ -51,6 +51,10 @@ impl PsClient {
         })
     }
 
+    pub fn config(&self) -> &PsConfig {
+        &self.cfg
+    }
+
     /// Steps pushed so far.
     pub fn step(&self) -> u64 {
         self.step
