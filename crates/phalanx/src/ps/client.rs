@@ -35,7 +35,7 @@ impl PsClient {
             .map(|s| rpc.worker_rank(s))
             .collect::<RpcResult<Vec<_>>>()?;
         if servers.is_empty() || trainer >= cfg.trainers {
-            return Err(RpcError::Codec(format!(
+            return Err(RpcError::Invalid(format!(
                 "trainer {trainer} of {} with {} servers",
                 cfg.trainers,
                 servers.len()
@@ -135,7 +135,7 @@ impl PsClient {
         let k = self.servers.len();
         let nt = self.cfg.tables.len();
         if rows.len() != nt {
-            return Err(RpcError::Codec(format!(
+            return Err(RpcError::Invalid(format!(
                 "{} gradient lists for {nt} tables",
                 rows.len()
             )));
@@ -145,7 +145,7 @@ impl PsClient {
         for (t, (list, g)) in rows.iter().enumerate() {
             let dim = self.cfg.tables[t].dim;
             if g.len() != list.len() * dim {
-                return Err(RpcError::Codec(format!(
+                return Err(RpcError::Invalid(format!(
                     "table {t}: {} gradient values for {} rows of {dim}",
                     g.len(),
                     list.len()

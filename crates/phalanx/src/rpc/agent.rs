@@ -9,22 +9,23 @@
 //! peer fails as a whole (as it does for collectives): every call pending
 //! anywhere then fails with an error that names the dead worker.
 
-use super::codec::{self, encode, encode_owned, Encoded, ErrKind, Head, RRefId, Target, Words};
+use super::codec::{encode, encode_owned, Encoded, ErrKind, Head, RRefId, Target};
 use super::error::{RpcError, RpcResult};
 use super::future::{Reply, Slot};
+use super::loops;
 use super::registry::{Ctx, Kind, Payload, Registry};
 use phalanx_comm::{CommError, ProcessGroup};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// The point-to-point tags of RPC messages and of the name exchange.
-const TAG: u64 = 0x5250_4300;
+pub(crate) const TAG: u64 = 0x5250_4300;
 const NAME_TAG: u64 = TAG + 1;
 /// How often an idle reader looks up from its socket (to notice shutdown).
-const POLL: Duration = Duration::from_millis(100);
+pub(crate) const POLL: Duration = Duration::from_millis(100);
 
 /// Settings of an agent.
 #[derive(Clone, Debug)]
@@ -55,7 +56,7 @@ pub(crate) struct Pending {
     pub timeout: Duration,
 }
 
-type Job = Box<dyn FnOnce() + Send>;
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
 pub(crate) struct Agent {
     pub pg: ProcessGroup,
@@ -106,15 +107,17 @@ impl Agent {
         let mut pool = a.pool.lock().unwrap();
         for i in 0..opts.threads.max(1) {
             let rx = rx.clone();
-            pool.push(spawn(format!("rpc-pool-{i}"), move || run_jobs(rx)));
+            pool.push(spawn(format!("rpc-pool-{i}"), move || loops::run_jobs(rx)));
         }
         drop(pool);
         for peer in (0..pg.size()).filter(|&p| p != a.rank) {
             let (w, pg) = (Arc::downgrade(&a), pg.clone());
-            spawn(format!("rpc-read-{peer}"), move || read_loop(w, pg, peer));
+            spawn(format!("rpc-read-{peer}"), move || {
+                loops::read_loop(w, pg, peer)
+            });
         }
         let w = Arc::downgrade(&a);
-        spawn("rpc-timer".into(), move || timer_loop(w));
+        spawn("rpc-timer".into(), move || loops::timer_loop(w));
         Ok(a)
     }
 
@@ -423,7 +426,7 @@ impl Agent {
 
     /// A peer's reader failed: fail the calls pending on that peer (all of
     /// them when the transport as a whole failed).
-    fn peer_gone(&self, peer: usize, e: CommError) {
+    pub(crate) fn peer_gone(&self, peer: usize, e: CommError) {
         if self.stopping.load(Ordering::SeqCst) {
             return;
         }
@@ -489,16 +492,6 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> std::thread::JoinHa
         .expect("spawn rpc thread")
 }
 
-fn run_jobs(rx: Arc<Mutex<Receiver<Job>>>) {
-    loop {
-        let job = rx.lock().unwrap().recv();
-        match job {
-            Ok(j) => j(),
-            Err(_) => return,
-        }
-    }
-}
-
 /// Every worker sends its name to every other; names must be distinct.
 fn exchange_names(pg: &ProcessGroup, name: &str, timeout: Duration) -> RpcResult<Vec<String>> {
     let (me, n) = (pg.rank(), pg.size());
@@ -517,95 +510,10 @@ fn exchange_names(pg: &ProcessGroup, name: &str, timeout: Duration) -> RpcResult
     }
     for (i, a) in names.iter().enumerate() {
         if let Some(j) = names[..i].iter().position(|b| b == a) {
-            return Err(RpcError::Codec(format!(
+            return Err(RpcError::Invalid(format!(
                 "workers {j} and {i} are both named {a:?}; worker names must be distinct"
             )));
         }
     }
     Ok(names)
-}
-
-/// One peer's reader: frames in, work out. Holds the agent only while
-/// handling a message, so that dropping the last `Rpc` ends it.
-fn read_loop(w: Weak<Agent>, pg: ProcessGroup, peer: usize) {
-    loop {
-        match w.upgrade() {
-            Some(a) if !a.stopping.load(Ordering::SeqCst) => {}
-            _ => return,
-        }
-        let m = match pg.recv_bytes(peer, TAG, Instant::now() + POLL) {
-            Ok(m) => m,
-            Err(CommError::Timeout(_)) => continue,
-            Err(e) => {
-                if let Some(a) = w.upgrade() {
-                    a.peer_gone(peer, e);
-                }
-                return;
-            }
-        };
-        let Some(a) = w.upgrade() else { return };
-        let (frame, len) = m.into_words();
-        let bytes = &bytemuck::cast_slice::<u64, u8>(&frame)[..len];
-        let (body_len, head) = match codec::open(bytes) {
-            Ok((body, head)) => (body.len(), head),
-            Err(e) => {
-                // Frames come from authenticated peers; a bad one is a bug
-                // or a version mismatch, reported, never a crash.
-                eprintln!("rpc: dropping a message from {}: {e}", a.name_of(peer));
-                continue;
-            }
-        };
-        let nb = match &head {
-            Head::Call { blobs, .. } | Head::Reply { blobs, .. } => *blobs as usize,
-            Head::Decref(_) => 0,
-        };
-        let deadline = Instant::now() + a.opts.timeout;
-        let mut blobs: Vec<Words> = Vec::with_capacity(nb);
-        for _ in 0..nb {
-            match pg.recv_bytes(peer, TAG, deadline) {
-                Ok(b) => blobs.push(b.into_words()),
-                Err(e) => {
-                    a.peer_gone(peer, e);
-                    return;
-                }
-            }
-        }
-        a.dispatch(
-            peer,
-            head,
-            Payload {
-                frame,
-                body_len,
-                blobs,
-            },
-        );
-    }
-}
-
-/// Fails calls that ran past their timeout (futures polled without
-/// `wait` rely on it).
-fn timer_loop(w: Weak<Agent>) {
-    loop {
-        std::thread::sleep(Duration::from_millis(20));
-        let Some(a) = w.upgrade() else { return };
-        if a.stopping.load(Ordering::SeqCst) && a.pending.lock().unwrap().is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        let mut pend = a.pending.lock().unwrap();
-        let late: Vec<u64> = pend
-            .iter()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in late {
-            if let Some(p) = pend.remove(&id) {
-                p.slot.fill(Err(RpcError::Timeout {
-                    worker: a.name_of(p.to).to_string(),
-                    func: p.func.clone(),
-                    after: p.timeout,
-                }));
-            }
-        }
-    }
 }

@@ -32,6 +32,8 @@ pub enum RpcError {
     UnknownWorker(String),
     /// Arguments or results that could not be (de)serialised.
     Codec(String),
+    /// Bad arguments from this worker's own caller (names, ranks, sizes).
+    Invalid(String),
     /// This agent was shut down.
     Shutdown(String),
     /// The transport under the agent failed.
@@ -71,6 +73,7 @@ impl fmt::Display for RpcError {
             }
             RpcError::UnknownWorker(w) => write!(f, "rpc: no worker named {w}"),
             RpcError::Codec(m) => write!(f, "rpc: serialisation: {m}"),
+            RpcError::Invalid(m) => write!(f, "rpc: invalid argument: {m}"),
             RpcError::Shutdown(m) => write!(f, "rpc: shut down: {m}"),
             RpcError::Comm(e) => write!(f, "rpc: {e}"),
         }

@@ -56,6 +56,7 @@ mod codec;
 mod error;
 mod future;
 pub mod launch;
+mod loops;
 mod registry;
 mod rref;
 
@@ -128,6 +129,12 @@ pub fn init_rpc_with(
     opts: Options,
 ) -> RpcResult<Rpc> {
     let mut env = phalanx_comm::DistEnv::from_env()?;
+    if env.source != "single" && (env.rank, env.world_size) != (rank, world) {
+        return Err(RpcError::Invalid(format!(
+            "init_rpc({name:?}, rank {rank}, world {world}), but {} started this process as rank {} of {}",
+            env.source, env.rank, env.world_size
+        )));
+    }
     if env.world_size != world {
         env.local_rank = rank;
         env.local_world_size = world;
