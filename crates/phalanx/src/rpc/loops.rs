@@ -56,7 +56,8 @@ pub(crate) fn read_loop(w: Weak<Agent>, pg: ProcessGroup, peer: usize) {
             Head::Decref(_) => 0,
         };
         let deadline = Instant::now() + a.opts.timeout;
-        let mut blobs: Vec<Words> = Vec::with_capacity(nb);
+        // `nb` comes from the wire: reserve little, grow as frames arrive.
+        let mut blobs: Vec<Words> = Vec::with_capacity(nb.min(64));
         for _ in 0..nb {
             match pg.recv_bytes(peer, TAG, deadline) {
                 Ok(b) => blobs.push(b.into_words()),
