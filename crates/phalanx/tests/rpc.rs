@@ -37,6 +37,12 @@ fn registry() -> Registry {
         r.rpc_sync::<_, i64>("bump", &0i64)
             .map_err(|e| e.to_string())
     });
+    // Makes a value on w1 and returns the only reference to it.
+    reg.register_fallible("make_ref", |c, start: i64| {
+        c.rpc()
+            .remote::<_, Mutex<i64>>("w1", "counter", &start)
+            .map_err(|e| e.to_string())
+    });
     reg.register("crash", |c, (): ()| {
         c.rpc().group().crash_for_test();
     });
@@ -222,6 +228,12 @@ fn remote_references_live_until_the_last_holder_drops() {
             drop(v);
             assert_eq!(v2.to_here().unwrap(), 5);
             drop((c, v2));
+            // A reference made on w2 and returned: w2's own copy is
+            // dropped as the reply leaves, ours keeps the value alive.
+            let r: RRef<Mutex<i64>> = rpc.rpc_sync("w2", "make_ref", &40i64).unwrap();
+            assert_eq!(r.owner(), "w1");
+            assert_eq!(r.rpc_sync::<_, i64>("bump", &2i64).unwrap(), 42);
+            drop(r);
             // Owned by this worker itself.
             let mine: RRef<i64> = rpc.remote("w0", "add", &(1i64, 1i64)).unwrap();
             assert_eq!(mine.to_here().unwrap(), 2);

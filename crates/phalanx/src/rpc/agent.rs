@@ -393,6 +393,15 @@ impl Agent {
     }
 
     fn reply(&self, to: usize, id: u64, res: Result<Encoded<'static>, (ErrKind, String)>) {
+        // References in a result are counted for the caller before it can
+        // see them, as for arguments.
+        let res = res.and_then(|mut e| {
+            let rrefs = std::mem::take(&mut e.rrefs);
+            match self.fork_rrefs(rrefs) {
+                Ok(()) => Ok(e),
+                Err(err) => Err((ErrKind::Remote, format!("cannot return a reference: {err}"))),
+            }
+        });
         let (enc, err) = match res {
             Ok(e) => (e, None),
             Err((k, m)) => match encode_owned(m) {
