@@ -52,6 +52,9 @@ macro_rules! on_mpi {
     };
 }
 
+// After `on_mpi!`, which it uses.
+mod msg;
+
 struct Inner {
     net: Net,
     members: Vec<usize>,

@@ -128,6 +128,30 @@ fn rank_bytes_and_agreement() {
 }
 
 #[test]
+fn rank_byte_messages() {
+    rank(|pg| {
+        let long = Duration::from_secs(30);
+        if pg.rank() == 0 {
+            for (tag, len) in [(3u64, 0usize), (1 << 40, 5), (9, 100_000)] {
+                let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                pg.send_bytes(1, tag, &data, long).unwrap();
+            }
+        } else {
+            // Received in another order than sent, each with its length.
+            for (tag, len) in [(9u64, 100_000usize), (3, 0), (1 << 40, 5)] {
+                let m = pg.recv_bytes(0, tag, Instant::now() + long).unwrap();
+                assert_eq!(m.len(), len);
+                assert!(m.bytes().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+            }
+            // Nothing under this tag: a plain timeout error.
+            let e = pg.recv_bytes(0, 77, Instant::now() + Duration::from_millis(200));
+            assert!(matches!(e, Err(phalanx_comm::CommError::Timeout(_))), "{:?}", e.err());
+        }
+        pg.barrier().unwrap();
+    });
+}
+
+#[test]
 fn rank_one_dies() {
     rank(|pg| {
         if pg.rank() == 1 {
@@ -162,6 +186,7 @@ fn collective_suite_under_mpirun() {
     must_pass(3, "rank_send_recv_async");
     must_pass(4, "rank_subgroups");
     must_pass(3, "rank_bytes_and_agreement");
+    must_pass(2, "rank_byte_messages");
 }
 
 #[test]

@@ -22,6 +22,7 @@ use mpi::ffi;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The MPI datatype that carries `T` (its bits, for the half types).
 fn datatype<T: Element>() -> ffi::MPI_Datatype {
@@ -353,9 +354,13 @@ impl Comm {
 
     /// Buffered send: returns once MPI holds a copy with the tag header.
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
+        self.send_bytes(bytemuck::cast_slice(buf), dst, tag)
+    }
+
+    /// [`Comm::send`] of bytes (`send_bytes`: a message of any length).
+    pub fn send_bytes(&self, bytes: &[u8], dst: usize, tag: u64) -> Result<()> {
         finalized()?;
         self.reap_sends()?;
-        let bytes: &[u8] = bytemuck::cast_slice(buf);
         let mut msg = Vec::with_capacity(8 + bytes.len());
         msg.extend_from_slice(&tag.to_le_bytes());
         msg.extend_from_slice(bytes);
@@ -427,5 +432,81 @@ impl Comm {
         }
         bytemuck::cast_slice_mut::<T, u8>(buf).copy_from_slice(&msg[8..8 + want]);
         Ok(())
+    }
+
+    /// Receive the next message from `src` under `tag`, of whatever length
+    /// it has (`recv_bytes`), into 8-byte words. Probes until `deadline`;
+    /// nothing is posted before the message is there, so a timeout is a
+    /// plain error and leaves nothing behind.
+    pub fn recv_message(
+        &self,
+        src: usize,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<(Vec<u64>, usize)> {
+        finalized()?;
+        self.reap_sends()?;
+        let what = || format!("recv_bytes(from rank {src}, tag={tag})");
+        let mut nap = Duration::from_micros(5);
+        let mut polls = 0u32;
+        loop {
+            let mut flag: c_int = 0;
+            // SAFETY: zeroed handles and status are valid out-parameters.
+            let mut msg: ffi::MPI_Message = unsafe { std::mem::zeroed() };
+            let mut st: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            let rc = unsafe {
+                ffi::MPI_Improbe(
+                    src as c_int,
+                    fold_tag(tag),
+                    self.p2p.0,
+                    &mut flag,
+                    &mut msg,
+                    &mut st,
+                )
+            };
+            check(rc, &what())?;
+            if flag != 0 {
+                let mut got: c_int = 0;
+                check(
+                    unsafe { ffi::MPI_Get_count(&st, ffi::RSMPI_UINT8_T, &mut got) },
+                    "MPI_Get_count",
+                )?;
+                let got = got.max(0) as usize;
+                let mut words = vec![0u64; got.div_ceil(8).max(1)];
+                let rc = unsafe {
+                    ffi::MPI_Mrecv(
+                        words.as_mut_ptr().cast(),
+                        got as c_int,
+                        ffi::RSMPI_UINT8_T,
+                        &mut msg,
+                        ffi::RSMPI_STATUS_IGNORE,
+                    )
+                };
+                check(rc, &what())?;
+                if got < 8 || u64::from_le(words[0]) != tag {
+                    return Err(CommError::Protocol(format!(
+                        "{}: a message under another tag folded to the same MPI tag {} arrived first",
+                        what(),
+                        fold_tag(tag)
+                    )));
+                }
+                // Drop the tag header: the payload starts at the next word.
+                words.remove(0);
+                return Ok((words, got - 8));
+            }
+            if Instant::now() > deadline {
+                return Err(CommError::Timeout(format!("{} past its deadline", what())));
+            }
+            polls += 1;
+            if polls > 64 {
+                if crate::work::anyone_waiting() {
+                    std::thread::yield_now();
+                } else {
+                    // An idle receiver (an RPC reader thread) sleeps, up to 1 ms.
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(Duration::from_millis(1));
+                }
+            }
+        }
     }
 }

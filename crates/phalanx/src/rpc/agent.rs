@@ -1,0 +1,528 @@
+//! The agent: one per worker. It learns every worker's name, keeps one
+//! reader thread per peer that turns frames into work, runs calls on a
+//! bounded pool, matches replies to pending calls, and fails the calls
+//! pending on a peer that dies.
+//!
+//! All traffic is variable-length messages on one tag of a process group
+//! made for RPC (`ProcessGroup::send_bytes`), so authentication, deadlines
+//! and dead-peer detection are the transport's. A transport that loses a
+//! peer fails as a whole (as it does for collectives): every call pending
+//! anywhere then fails with an error that names the dead worker.
+
+use super::codec::{encode, encode_owned, Encoded, ErrKind, Head, RRefId, Target};
+use super::error::{RpcError, RpcResult};
+use super::future::{Reply, Slot};
+use super::loops;
+use super::registry::{Ctx, Kind, Payload, Registry};
+use phalanx_comm::{CommError, ProcessGroup};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// The point-to-point tags of RPC messages and of the name exchange.
+pub(crate) const TAG: u64 = 0x5250_4300;
+const NAME_TAG: u64 = TAG + 1;
+/// How often an idle reader looks up from its socket (to notice shutdown).
+pub(crate) const POLL: Duration = Duration::from_millis(100);
+
+/// Settings of an agent.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Default timeout of a call (`rpc_sync_timeout` overrides it).
+    pub timeout: Duration,
+    /// Threads that run incoming calls.
+    pub threads: usize,
+    /// Calls that may wait for a thread before readers stop reading.
+    pub queue: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            timeout: Duration::from_secs(60),
+            threads: 4,
+            queue: 1024,
+        }
+    }
+}
+
+pub(crate) struct Pending {
+    pub to: usize,
+    pub func: String,
+    pub slot: Arc<Slot>,
+    pub deadline: Instant,
+    pub timeout: Duration,
+}
+
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+pub(crate) struct Agent {
+    pub pg: ProcessGroup,
+    pub rank: usize,
+    pub names: Vec<String>,
+    pub reg: Registry,
+    pub opts: Options,
+    pub pending: Mutex<HashMap<u64, Pending>>,
+    next_id: AtomicU64,
+    send_locks: Vec<Mutex<()>>,
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    pub(crate) owned: super::rref::OwnedTable,
+    pub stopping: AtomicBool,
+    /// Peers known dead or gone, with the error their calls get.
+    gone: Mutex<HashMap<usize, RpcError>>,
+    pool: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    pub me: Weak<Agent>,
+}
+
+impl Agent {
+    pub fn start(
+        pg: &ProcessGroup,
+        name: &str,
+        reg: Registry,
+        opts: Options,
+    ) -> RpcResult<Arc<Agent>> {
+        let all: Vec<usize> = (0..pg.size()).collect();
+        let pg = pg.new_group(&all)?.expect("every rank is a member");
+        let names = exchange_names(&pg, name, opts.timeout)?;
+        let (tx, rx) = sync_channel::<Job>(opts.queue.max(1));
+        let a = Arc::new_cyclic(|me| Agent {
+            rank: pg.rank(),
+            send_locks: (0..pg.size()).map(|_| Mutex::new(())).collect(),
+            pg: pg.clone(),
+            names,
+            reg,
+            opts: opts.clone(),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            jobs: Mutex::new(Some(tx)),
+            owned: Default::default(),
+            stopping: AtomicBool::new(false),
+            gone: Mutex::new(HashMap::new()),
+            pool: Mutex::new(Vec::new()),
+            me: me.clone(),
+        });
+        let rx = Arc::new(Mutex::new(rx));
+        let mut pool = a.pool.lock().unwrap();
+        for i in 0..opts.threads.max(1) {
+            let rx = rx.clone();
+            pool.push(spawn(format!("rpc-pool-{i}"), move || loops::run_jobs(rx)));
+        }
+        drop(pool);
+        for peer in (0..pg.size()).filter(|&p| p != a.rank) {
+            let (w, pg) = (Arc::downgrade(&a), pg.clone());
+            spawn(format!("rpc-read-{peer}"), move || {
+                loops::read_loop(w, pg, peer)
+            });
+        }
+        let w = Arc::downgrade(&a);
+        spawn("rpc-timer".into(), move || loops::timer_loop(w));
+        Ok(a)
+    }
+
+    pub fn name_of(&self, rank: usize) -> &str {
+        self.names.get(rank).map(|s| s.as_str()).unwrap_or("?")
+    }
+
+    /// The error a call gets from a failed transport: it names the worker
+    /// the transport blames, not merely the one the call went to.
+    pub fn comm_error(&self, peer: usize, e: CommError) -> RpcError {
+        let dead = |rank: usize| {
+            let g = self.pg.global_ranks().iter().position(|&r| r == rank);
+            self.name_of(g.unwrap_or(peer)).to_string()
+        };
+        match e {
+            CommError::PeerDead { rank, .. } => RpcError::WorkerDead {
+                worker: dead(rank),
+                reason: e.to_string(),
+            },
+            CommError::Aborted(_) | CommError::Io(_) => RpcError::WorkerDead {
+                worker: self.name_of(peer).to_string(),
+                reason: e.to_string(),
+            },
+            e => RpcError::Comm(e),
+        }
+    }
+
+    /// Send one message: its first frame, then its blobs, under the peer's
+    /// send lock so that concurrent messages do not interleave.
+    pub fn send(&self, to: usize, mut enc: Encoded<'_>, head: &Head) -> RpcResult<()> {
+        enc.seal(head)?;
+        let t = self.opts.timeout;
+        let _g = self.send_locks[to].lock().unwrap();
+        let res = self.pg.send_bytes(to, TAG, &enc.bytes, t).and_then(|_| {
+            enc.blobs()
+                .try_for_each(|b| self.pg.send_bytes(to, TAG, b, t))
+        });
+        res.map_err(|e| self.comm_error(to, e))
+    }
+
+    /// Start a call; its reply fills the returned slot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_call(
+        &self,
+        to: usize,
+        func: &str,
+        args_ty: &str,
+        ret_ty: &str,
+        target: Target,
+        enc: RpcResult<Encoded<'_>>,
+        timeout: Duration,
+    ) -> Arc<Slot> {
+        let slot = Arc::new(Slot::default());
+        if let Err(e) = self.check_call(to) {
+            slot.fill(Err(e));
+            return slot;
+        }
+        let mut enc = match enc {
+            Ok(e) => e,
+            Err(e) => {
+                slot.fill(Err(e));
+                return slot;
+            }
+        };
+        if let Err(e) = self.fork_rrefs(std::mem::take(&mut enc.rrefs)) {
+            slot.fill(Err(e));
+            return slot;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.pending.lock().unwrap().insert(
+            id,
+            Pending {
+                to,
+                func: func.to_string(),
+                slot: slot.clone(),
+                deadline: Instant::now() + timeout,
+                timeout,
+            },
+        );
+        let head = Head::Call {
+            id,
+            func: func.to_string(),
+            args_ty: args_ty.to_string(),
+            ret_ty: ret_ty.to_string(),
+            target,
+            blobs: enc.blob_count(),
+        };
+        if to == self.rank {
+            let blobs = enc.blob_copies();
+            let frame = match enc.seal(&head) {
+                Ok(()) => words_of(&enc.bytes),
+                Err(e) => {
+                    self.complete(id, Err(e));
+                    return slot;
+                }
+            };
+            let body_len = enc.bytes.len() - head_len(&enc.bytes);
+            self.dispatch(
+                to,
+                head,
+                Payload {
+                    frame,
+                    body_len,
+                    blobs,
+                },
+            );
+        } else if let Err(e) = self.send(to, enc, &head) {
+            self.complete(id, Err(e));
+        }
+        slot
+    }
+
+    fn check_call(&self, to: usize) -> RpcResult<()> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(RpcError::Shutdown(format!(
+                "the agent of {} was shut down",
+                self.name_of(self.rank)
+            )));
+        }
+        if let Some(e) = self.gone.lock().unwrap().get(&to) {
+            return Err(e.clone());
+        }
+        Ok(())
+    }
+
+    /// Tell the owners of the references a message carries that one more
+    /// worker will hold them, and wait until they know: otherwise this
+    /// worker could drop its own reference, and the owner free the value,
+    /// before the receiver's reference is counted.
+    fn fork_rrefs(&self, rrefs: Vec<(usize, RRefId)>) -> RpcResult<()> {
+        for (owner, id) in rrefs {
+            if owner == self.rank {
+                self.owned
+                    .incref(id)
+                    .map_err(|m| RpcError::Codec(format!("cannot send the reference: {m}")))?;
+                continue;
+            }
+            let t = self.opts.timeout;
+            let slot = self.start_call(owner, "", "", "", Target::Incref(id), encode(&()), t);
+            let fut = super::future::RpcFuture::<()>::new(slot, self.me.clone(), owner, "", t);
+            fut.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Fill a pending call's slot (once; late replies are dropped).
+    pub fn complete(&self, id: u64, r: RpcResult<Reply>) {
+        if let Some(p) = self.pending.lock().unwrap().remove(&id) {
+            p.slot.fill(r);
+        }
+    }
+
+    /// A message from `from` (or from this worker, for calls to itself).
+    pub fn dispatch(&self, from: usize, head: Head, p: Payload) {
+        match head {
+            Head::Reply { id, err, .. } => self.complete(id, Ok(Reply { err, payload: p })),
+            Head::Decref(id) => self.owned.decref(id),
+            Head::Call {
+                id,
+                target: Target::Incref(r),
+                ..
+            } => {
+                let res = self.owned.incref(r).map_err(|m| (ErrKind::Remote, m));
+                self.reply(from, id, res.and_then(|_| ok_unit()));
+            }
+            Head::Call {
+                id,
+                func,
+                args_ty,
+                ret_ty,
+                target,
+                ..
+            } => {
+                // Registered here, before any later message from this peer
+                // (a Decref) is looked at: the order of the peer's frames.
+                if let Target::Remote(r) = target {
+                    self.owned.create(r);
+                }
+                let Some(me) = self.me.upgrade() else { return };
+                let job = move || {
+                    let res = me.serve(from, &func, &args_ty, &ret_ty, target, p);
+                    me.reply(from, id, res);
+                };
+                let tx = self.jobs.lock().unwrap().clone();
+                if let Some(tx) = tx {
+                    let _ = tx.send(Box::new(job));
+                }
+            }
+        }
+    }
+
+    /// Run one call on a pool thread; a panic becomes the caller's error.
+    fn serve(
+        &self,
+        from: usize,
+        func: &str,
+        args_ty: &str,
+        ret_ty: &str,
+        target: Target,
+        p: Payload,
+    ) -> Result<Encoded<'static>, (ErrKind, String)> {
+        let Some(me) = self.me.upgrade() else {
+            return Err((ErrKind::Remote, "the callee is shutting down".into()));
+        };
+        let ctx = Ctx {
+            rpc: super::Rpc::from_agent(me),
+            caller: from,
+        };
+        let deadline = Instant::now() + self.opts.timeout;
+        let run = || -> Result<Encoded<'static>, (ErrKind, String)> {
+            if let Target::Fetch(r) = target {
+                let (v, fetch, ty) = self.owned.wait(r, deadline)?;
+                if ty != ret_ty {
+                    return Err(mismatch(format!(
+                        "the value is a {ty}, the caller asked for {ret_ty}"
+                    )));
+                }
+                return fetch(&v).map_err(|e| (ErrKind::Codec, e.to_string()));
+            }
+            let e = self
+                .reg
+                .get(func)
+                .ok_or((ErrKind::UnknownFunction, String::new()))?;
+            if e.args_ty != args_ty || e.ret_ty != ret_ty {
+                return Err(mismatch(format!(
+                    "it takes {} and returns {}; the caller sent {args_ty} and expects {ret_ty}",
+                    e.args_ty, e.ret_ty
+                )));
+            }
+            match (target, &e.kind) {
+                (Target::Func, Kind::Func { call, .. }) => call(&ctx, p),
+                (Target::Remote(r), Kind::Func { make, .. }) => {
+                    let made = make(&ctx, p);
+                    let ok = made.is_ok();
+                    self.owned.set(r, made);
+                    if ok {
+                        ok_unit()
+                    } else {
+                        Err((ErrKind::Remote, "see the RRef".into()))
+                    }
+                }
+                (Target::Method(r), Kind::Method { self_ty, call }) => {
+                    let (v, _, ty) = self.owned.wait(r, deadline)?;
+                    if ty != *self_ty {
+                        return Err(mismatch(format!(
+                            "it is a method of {self_ty}, the RRef holds a {ty}"
+                        )));
+                    }
+                    call(&ctx, &v, p)
+                }
+                (Target::Method(_), Kind::Func { .. }) => Err(mismatch(
+                    "it is a function; call it with rpc_sync, not through an RRef".into(),
+                )),
+                (_, Kind::Method { self_ty, .. }) => Err(mismatch(format!(
+                    "it is a method of {self_ty}; call it through an RRef"
+                ))),
+                (Target::Fetch(_) | Target::Incref(_), _) => unreachable!("handled above"),
+            }
+        };
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+        res.unwrap_or_else(|p| {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            if let Target::Remote(r) = target {
+                self.owned
+                    .set(r, Err((ErrKind::Remote, format!("panicked: {msg}"))));
+            }
+            Err((ErrKind::Remote, format!("panicked: {msg}")))
+        })
+    }
+
+    fn reply(&self, to: usize, id: u64, res: Result<Encoded<'static>, (ErrKind, String)>) {
+        // References in a result are counted for the caller before it can
+        // see them, as for arguments.
+        let res = res.and_then(|mut e| {
+            let rrefs = std::mem::take(&mut e.rrefs);
+            match self.fork_rrefs(rrefs) {
+                Ok(()) => Ok(e),
+                Err(err) => Err((ErrKind::Remote, format!("cannot return a reference: {err}"))),
+            }
+        });
+        let (enc, err) = match res {
+            Ok(e) => (e, None),
+            Err((k, m)) => match encode_owned(m) {
+                Ok(e) => (e, Some(k)),
+                Err(_) => return,
+            },
+        };
+        let head = Head::Reply {
+            id,
+            err,
+            blobs: enc.blob_count(),
+        };
+        if to == self.rank {
+            let blobs = enc.blob_copies();
+            let mut enc = enc;
+            if enc.seal(&head).is_err() {
+                return;
+            }
+            let body_len = enc.bytes.len() - head_len(&enc.bytes);
+            let p = Payload {
+                frame: words_of(&enc.bytes),
+                body_len,
+                blobs,
+            };
+            self.complete(id, Ok(Reply { err, payload: p }));
+        } else {
+            // A caller that died cannot be answered; nothing to do.
+            let _ = self.send(to, enc, &head);
+        }
+    }
+
+    /// A peer's reader failed: fail the calls pending on that peer (all of
+    /// them when the transport as a whole failed).
+    pub(crate) fn peer_gone(&self, peer: usize, e: CommError) {
+        if self.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let err = self.comm_error(peer, e);
+        self.gone.lock().unwrap().insert(peer, err.clone());
+        let all = self.pg.failure().is_some();
+        let mut pend = self.pending.lock().unwrap();
+        let ids: Vec<u64> = pend
+            .iter()
+            .filter(|(_, p)| p.to == peer || (all && p.to != self.rank))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            if let Some(p) = pend.remove(&id) {
+                p.slot.fill(Err(err.clone()));
+            }
+        }
+    }
+
+    /// Stop serving: no new calls, readers and pool wind down.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.jobs.lock().unwrap().take();
+    }
+
+    pub fn join_pool(&self) {
+        let hs: Vec<_> = self.pool.lock().unwrap().drain(..).collect();
+        for h in hs {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn mismatch(m: String) -> (ErrKind, String) {
+    (ErrKind::TypeMismatch, m)
+}
+
+fn ok_unit() -> Result<Encoded<'static>, (ErrKind, String)> {
+    encode_owned(()).map_err(|e| (ErrKind::Codec, e.to_string()))
+}
+
+fn head_len(frame: &[u8]) -> usize {
+    let n = frame.len() - 4;
+    u32::from_le_bytes(frame[n..].try_into().unwrap()) as usize + 4
+}
+
+fn words_of(b: &[u8]) -> Vec<u64> {
+    let mut w = vec![0u64; b.len().div_ceil(8)];
+    bytemuck::cast_slice_mut::<u64, u8>(&mut w)[..b.len()].copy_from_slice(b);
+    w
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawn rpc thread")
+}
+
+/// Every worker sends its name to every other; names must be distinct.
+fn exchange_names(pg: &ProcessGroup, name: &str, timeout: Duration) -> RpcResult<Vec<String>> {
+    let (me, n) = (pg.rank(), pg.size());
+    for p in (0..n).filter(|&p| p != me) {
+        pg.send_bytes(p, NAME_TAG, name.as_bytes(), timeout)?;
+    }
+    let deadline = Instant::now() + timeout;
+    let mut names = Vec::with_capacity(n);
+    for p in 0..n {
+        if p == me {
+            names.push(name.to_string());
+            continue;
+        }
+        let m = pg.recv_bytes(p, NAME_TAG, deadline)?;
+        names.push(String::from_utf8_lossy(m.bytes()).into_owned());
+    }
+    for (i, a) in names.iter().enumerate() {
+        if let Some(j) = names[..i].iter().position(|b| b == a) {
+            return Err(RpcError::Invalid(format!(
+                "workers {j} and {i} are both named {a:?}; worker names must be distinct"
+            )));
+        }
+    }
+    Ok(names)
+}

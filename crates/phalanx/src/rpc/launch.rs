@@ -1,0 +1,95 @@
+//! Examples and tests that start their own ranks: run this very program
+//! again as `world` local processes around a rendezvous store hosted
+//! here, as `phalanx run --nproc-per-node world` would. A process already
+//! started as a rank (by this, `phalanx run`, torchrun, mpirun or srun)
+//! is left alone.
+
+use phalanx_comm::store::StoreServer;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// This process's rank and world size, when it was started as a rank.
+pub fn rank_of_job() -> Option<(usize, usize)> {
+    let env = phalanx_comm::DistEnv::from_env().ok()?;
+    (env.source != "single").then_some((env.rank, env.world_size))
+}
+
+/// Run this program as `world` ranks with the same arguments; returns the
+/// job's exit code (the first failure's). If a rank fails, the others get
+/// `grace` to notice before they are killed.
+pub fn spawn_ranks(world: usize, grace: Duration) -> Result<i32, String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    spawn_ranks_with(world, &args, &[], grace)
+}
+
+/// `spawn_ranks` with explicit arguments and extra environment variables.
+pub fn spawn_ranks_with(
+    world: usize,
+    args: &[String],
+    envs: &[(String, String)],
+    grace: Duration,
+) -> Result<i32, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let secret_hex = phalanx_comm::wire::new_secret_hex();
+    let secret = phalanx_comm::wire::from_hex(&secret_hex).expect("fresh secret is hex");
+    let server = StoreServer::bind("127.0.0.1:0", secret).map_err(|e| e.to_string())?;
+    let port = server.addr().port().to_string();
+    let mut kids: Vec<Child> = Vec::new();
+    for rank in 0..world {
+        let mut c = Command::new(&exe);
+        c.args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("PHALANX_SECRET", &secret_hex)
+            .env("PHALANX_STORE_HOSTED", "1");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        match c.spawn() {
+            Ok(k) => kids.push(k),
+            Err(e) => {
+                kill_all(&mut kids);
+                return Err(format!("starting rank {rank}: {e}"));
+            }
+        }
+    }
+    let mut codes: Vec<Option<i32>> = vec![None; world];
+    let mut failed_at: Option<Instant> = None;
+    loop {
+        for (r, k) in kids.iter_mut().enumerate() {
+            if codes[r].is_none() {
+                if let Ok(Some(st)) = k.try_wait() {
+                    let code = st.code().unwrap_or(1);
+                    codes[r] = Some(code);
+                    if code != 0 && failed_at.is_none() {
+                        failed_at = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        if codes.iter().all(|c| c.is_some()) {
+            break;
+        }
+        if failed_at.is_some_and(|t| t.elapsed() > grace) {
+            kill_all(&mut kids);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(server);
+    Ok(codes
+        .iter()
+        .flatten()
+        .copied()
+        .find(|&c| c != 0)
+        .unwrap_or(0))
+}
+
+fn kill_all(kids: &mut [Child]) {
+    for k in kids.iter_mut() {
+        let _ = k.kill();
+    }
+}

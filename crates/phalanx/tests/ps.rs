@@ -1,0 +1,213 @@
+//! The parameter server: synchronous mode is exactly single-process SGD
+//! (bit for bit, both optimizers); bounded staleness never lets a trainer
+//! run more than s steps ahead of the slowest; asynchronous mode trains.
+
+use phalanx::ps::ctr::CtrSpec;
+use phalanx::ps::{Optim, PsClient, PsConfig, Server, ServerStats};
+use phalanx::rpc::{Options, Registry, Rpc};
+use std::collections::HashMap;
+use std::time::Duration;
+
+const SERVERS: usize = 2;
+const TRAINERS: usize = 3;
+const BATCH: usize = 16;
+
+fn spec() -> CtrSpec {
+    CtrSpec {
+        fields: 3,
+        vocab: 60,
+        rows: 1000,
+        dim: 4,
+        seed: 7,
+    }
+}
+
+struct Run {
+    /// Per trainer, the loss of every step.
+    losses: Vec<Vec<f32>>,
+    /// The final rows of `ids` and the final dense vector.
+    rows: Vec<f32>,
+    dense: Vec<f32>,
+    stats: Vec<ServerStats>,
+}
+
+/// Train on ranks as threads: servers first, then trainers; trainer `slow`
+/// sleeps `delay` before every step.
+fn distributed(cfg: PsConfig, steps: u64, ids: Vec<u64>, slow: usize, delay: Duration) -> Run {
+    let spec = spec();
+    let out = phalanx_comm::threads::run(SERVERS + TRAINERS, move |pg| {
+        let r = pg.rank();
+        let names: Vec<String> = (0..SERVERS).map(|j| format!("ps{j}")).collect();
+        let mut reg = Registry::new();
+        let name = if r < SERVERS {
+            Server::new(cfg.clone(), r, SERVERS).serve(&mut reg);
+            names[r].clone()
+        } else {
+            format!("t{}", r - SERVERS)
+        };
+        let opts = Options {
+            threads: TRAINERS + 2,
+            timeout: Duration::from_secs(60),
+            ..Options::default()
+        };
+        let rpc = Rpc::start(&pg, &name, reg, opts).unwrap();
+        let mut res = None;
+        if r >= SERVERS {
+            let t = r - SERVERS;
+            let mut c = PsClient::new(rpc.clone(), &names, cfg.clone(), t).unwrap();
+            let mut losses = Vec::new();
+            for step in 0..steps {
+                if t == slow {
+                    std::thread::sleep(delay);
+                }
+                let b = spec.batch(t as u64, step, BATCH);
+                let p = c.pull(&[&b.ids]).unwrap();
+                let g = spec.grads(&b, &p.rows[0], &p.dense[0]);
+                losses.push(g.loss);
+                c.push(&[(&g.ids, &g.rows)], &[g.dense]).unwrap();
+            }
+            let fin = c.pull_final(&[&ids]).unwrap();
+            let stats = c.server_stats().unwrap();
+            res = Some((losses, fin.rows[0].clone(), fin.dense[0].clone(), stats));
+        }
+        rpc.shutdown().unwrap();
+        res
+    });
+    let mut run = Run {
+        losses: Vec::new(),
+        rows: Vec::new(),
+        dense: Vec::new(),
+        stats: Vec::new(),
+    };
+    for (losses, rows, dense, stats) in out.into_iter().flatten() {
+        run.losses.push(losses);
+        run.rows = rows;
+        run.dense = dense;
+        run.stats = stats;
+    }
+    run
+}
+
+/// The same training in one process: each step, every trainer's gradient
+/// on the same parameters, summed in trainer order, scaled, applied.
+fn single_process(cfg: &PsConfig, steps: u64, ids: &[u64]) -> Run {
+    let spec = spec();
+    let acc0 = match cfg.optim {
+        Optim::Sgd { .. } => 0.0,
+        Optim::Adagrad { init_acc, .. } => init_acc,
+    };
+    let mut rows: HashMap<u64, (Vec<f32>, Vec<f32>)> = HashMap::new();
+    let row = |rows: &mut HashMap<u64, (Vec<f32>, Vec<f32>)>, id: u64| {
+        rows.entry(id)
+            .or_insert_with(|| (cfg.init_row(0, id), vec![acc0; spec.dim]))
+            .0
+            .clone()
+    };
+    let mut dense = cfg.dense[0].1.clone();
+    let mut dacc = vec![acc0; dense.len()];
+    let mut losses = vec![Vec::new(); TRAINERS];
+    let scale = 1.0 / TRAINERS as f32;
+    for step in 0..steps {
+        let mut all = Vec::new();
+        for (t, l) in losses.iter_mut().enumerate() {
+            let b = spec.batch(t as u64, step, BATCH);
+            let r: Vec<f32> = b.ids.iter().flat_map(|&id| row(&mut rows, id)).collect();
+            let g = spec.grads(&b, &r, &dense);
+            l.push(g.loss);
+            all.push(g);
+        }
+        let mut sums: HashMap<u64, Vec<f32>> = HashMap::new();
+        for g in &all {
+            for (i, id) in g.ids.iter().enumerate() {
+                let gi = &g.rows[i * spec.dim..(i + 1) * spec.dim];
+                match sums.get_mut(id) {
+                    Some(s) => s.iter_mut().zip(gi).for_each(|(s, g)| *s += g),
+                    None => {
+                        sums.insert(*id, gi.to_vec());
+                    }
+                }
+            }
+        }
+        for (id, s) in sums {
+            let g: Vec<f32> = s.iter().map(|s| s * scale).collect();
+            let (w, a) = rows.get_mut(&id).unwrap();
+            cfg.optim.apply(w, a, &g);
+        }
+        let mut ds = all[0].dense.clone();
+        for g in &all[1..] {
+            ds.iter_mut().zip(&g.dense).for_each(|(s, g)| *s += g);
+        }
+        let g: Vec<f32> = ds.iter().map(|s| s * scale).collect();
+        cfg.optim.apply(&mut dense, &mut dacc, &g);
+    }
+    let final_rows = ids.iter().flat_map(|&id| row(&mut rows, id)).collect();
+    Run {
+        losses,
+        rows: final_rows,
+        dense,
+        stats: Vec::new(),
+    }
+}
+
+fn touched(steps: u64) -> Vec<u64> {
+    let mut ids: Vec<u64> = (0..TRAINERS as u64)
+        .flat_map(|t| (0..steps).flat_map(move |s| spec().batch(t, s, BATCH).ids))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+#[test]
+fn synchronous_mode_is_exactly_single_process_sgd() {
+    let steps = 12;
+    let ids = touched(steps);
+    let adagrad = Optim::Adagrad {
+        lr: 0.3,
+        init_acc: 0.1,
+        eps: 1e-8,
+    };
+    for optim in [Optim::Sgd { lr: 0.5 }, adagrad] {
+        let cfg = spec().ps_config(TRAINERS, optim, Some(0));
+        let d = distributed(cfg.clone(), steps, ids.clone(), 0, Duration::ZERO);
+        let s = single_process(&cfg, steps, &ids);
+        assert_eq!(d.losses, s.losses, "{optim:?}");
+        assert_eq!(d.dense, s.dense, "{optim:?}");
+        assert_eq!(d.rows, s.rows, "{optim:?}");
+        assert!(d.stats.iter().all(|st| st.max_lead == 0));
+        // Training did something.
+        assert_ne!(s.dense, cfg.dense[0].1);
+    }
+}
+
+#[test]
+fn bounded_staleness_keeps_every_trainer_within_s_steps() {
+    for s in [1u64, 3] {
+        let cfg = spec().ps_config(TRAINERS, Optim::Sgd { lr: 0.5 }, Some(s));
+        let steps = 16;
+        let d = distributed(cfg, steps, vec![1, 2], 2, Duration::from_millis(3));
+        assert_eq!(d.stats.len(), SERVERS);
+        for st in &d.stats {
+            assert!(
+                st.max_lead <= s,
+                "staleness {s}: a trainer ran {} ahead",
+                st.max_lead
+            );
+            // One pull and one push per trainer and step, plus final pulls.
+            assert_eq!(st.pushes, TRAINERS as u64 * steps);
+            assert_eq!(st.pulls, TRAINERS as u64 * (steps + 1));
+        }
+    }
+}
+
+#[test]
+fn asynchronous_mode_trains() {
+    let cfg = spec().ps_config(TRAINERS, Optim::Sgd { lr: 0.5 }, None);
+    let steps = 40;
+    let d = distributed(cfg, steps, vec![1], 2, Duration::from_millis(1));
+    for l in &d.losses {
+        let first: f32 = l[..10].iter().sum();
+        let last: f32 = l[l.len() - 10..].iter().sum();
+        assert!(last < first, "{l:?}");
+    }
+}

@@ -1,0 +1,411 @@
+//! RPC semantics on ranks as threads, and on processes (this test binary
+//! run again as ranks): sync and async calls, errors carried back,
+//! timeouts, remote references and their lifetimes, blobs, a killed
+//! worker, graceful shutdown.
+
+use phalanx::rpc::{launch, Blob, Options, RRef, Registry, Rpc, RpcError};
+use phalanx_comm::{threads, Config, ProcessGroup};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+fn registry() -> Registry {
+    let mut reg = Registry::new();
+    reg.register("add", |_c, (a, b): (i64, i64)| a + b);
+    reg.register("whoami", |c, (): ()| {
+        (c.rpc().name().to_string(), c.caller().to_string())
+    });
+    reg.register_fallible("fail", |c, why: String| -> Result<(), String> {
+        Err(format!("{} refuses: {why}", c.rpc().name()))
+    });
+    reg.register("panic", |_c, (): ()| -> u8 { panic!("handler exploded") });
+    reg.register("sleep_ms", |_c, ms: u64| {
+        std::thread::sleep(Duration::from_millis(ms));
+        ms
+    });
+    reg.register("scale", |_c, (x, k): (Blob<f32>, f32)| {
+        Blob::from(x.iter().map(|v| v * k).collect::<Vec<f32>>())
+    });
+    reg.register("echo", |_c, x: Blob<u8>| x);
+    reg.register("counter", |_c, start: i64| Mutex::new(start));
+    reg.register_method("bump", |_c, m: &Mutex<i64>, by: i64| {
+        let mut v = m.lock().unwrap();
+        *v += by;
+        Ok(*v)
+    });
+    // Receives a reference to a value owned elsewhere and uses it.
+    reg.register_fallible("read_ref", |_c, r: RRef<Mutex<i64>>| {
+        r.rpc_sync::<_, i64>("bump", &0i64)
+            .map_err(|e| e.to_string())
+    });
+    // Makes a value on w1 and returns the only reference to it.
+    reg.register_fallible("make_ref", |c, start: i64| {
+        c.rpc()
+            .remote::<_, Mutex<i64>>("w1", "counter", &start)
+            .map_err(|e| e.to_string())
+    });
+    reg.register("crash", |c, (): ()| {
+        c.rpc().group().crash_for_test();
+    });
+    reg.register("kill", |_c, (): ()| {
+        // SAFETY: a plain kill(2) of this very process: a crash, no goodbye.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    });
+    // A clean exit says goodbye: calls pending on this worker still fail.
+    reg.register("exit", |_c, (): ()| -> () { std::process::exit(0) });
+    reg
+}
+
+fn start(pg: &ProcessGroup, opts: Options) -> Rpc {
+    let name = format!("w{}", pg.rank());
+    Rpc::start(pg, &name, registry(), opts).unwrap()
+}
+
+fn short() -> Options {
+    Options {
+        timeout: Duration::from_secs(20),
+        ..Options::default()
+    }
+}
+
+#[test]
+fn sync_async_and_errors_are_carried_back() {
+    threads::run(3, |pg| {
+        let rpc = start(&pg, short());
+        let next = (pg.rank() + 1) % 3;
+        let to = format!("w{next}");
+        let s: i64 = rpc.rpc_sync(to.as_str(), "add", &(40i64, 2i64)).unwrap();
+        assert_eq!(s, 42);
+        let (callee, caller): (String, String) = rpc.rpc_sync(next, "whoami", &()).unwrap();
+        assert_eq!((callee, caller), (to.clone(), rpc.name().to_string()));
+        // To itself, too.
+        let me: i64 = rpc.rpc_sync(rpc.name(), "add", &(1i64, 1i64)).unwrap();
+        assert_eq!(me, 2);
+        // Many in flight at once, answered out of order.
+        let futs: Vec<_> = (0..20i64)
+            .map(|i| rpc.rpc_async::<_, i64>(to.as_str(), "add", &(i, 100i64)))
+            .collect();
+        for (i, f) in futs.into_iter().enumerate() {
+            assert_eq!(f.wait().unwrap(), i as i64 + 100);
+        }
+        match rpc.rpc_sync::<_, ()>(to.as_str(), "fail", &"no reason".to_string()) {
+            Err(RpcError::Remote {
+                worker,
+                func,
+                message,
+            }) => {
+                assert_eq!((worker.as_str(), func.as_str()), (to.as_str(), "fail"));
+                assert_eq!(message, format!("{to} refuses: no reason"));
+            }
+            other => panic!("{other:?}"),
+        }
+        match rpc.rpc_sync::<_, u8>(to.as_str(), "panic", &()) {
+            Err(RpcError::Remote { message, .. }) => assert!(message.contains("handler exploded")),
+            other => panic!("{other:?}"),
+        }
+        let e = rpc
+            .rpc_sync::<_, i64>(to.as_str(), "nope", &())
+            .unwrap_err();
+        assert!(matches!(e, RpcError::UnknownFunction { .. }), "{e}");
+        let e = rpc
+            .rpc_sync::<_, i64>(to.as_str(), "add", &(1.5f64, 2i64))
+            .unwrap_err();
+        assert!(matches!(e, RpcError::TypeMismatch { .. }), "{e}");
+        assert!(e.to_string().contains("(f64, i64)"), "{e}");
+        let e = rpc
+            .rpc_sync::<_, String>(to.as_str(), "add", &(1i64, 2i64))
+            .unwrap_err();
+        assert!(matches!(e, RpcError::TypeMismatch { .. }), "{e}");
+        let e = rpc
+            .rpc_sync::<_, i64>("nobody", "add", &(1i64, 2i64))
+            .unwrap_err();
+        assert_eq!(e, RpcError::UnknownWorker("nobody".into()));
+        // The callee survived all of it.
+        let s: i64 = rpc.rpc_sync(to.as_str(), "add", &(1i64, 2i64)).unwrap();
+        assert_eq!(s, 3);
+        rpc.shutdown().unwrap();
+    });
+}
+
+#[test]
+fn futures_can_be_awaited() {
+    threads::run(2, |pg| {
+        let rpc = start(&pg, short());
+        let f = rpc.rpc_async::<_, i64>(1 - pg.rank(), "add", &(3i64, 4i64));
+        assert_eq!(block_on(f).unwrap(), 7);
+        rpc.shutdown().unwrap();
+    });
+}
+
+/// A minimal executor: poll, park until woken.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Wake(std::thread::Thread);
+    impl std::task::Wake for Wake {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Wake(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = Box::pin(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn blobs_round_trip_intact() {
+    threads::run(2, |pg| {
+        let rpc = start(&pg, short());
+        let other = 1 - pg.rank();
+        let x: Vec<f32> = (0..1_000_003).map(|i| i as f32 * 0.5).collect();
+        let y: Blob<f32> = rpc
+            .rpc_sync(other, "scale", &(Blob::from(x.clone()), 2.0f32))
+            .unwrap();
+        assert_eq!(y.len(), x.len());
+        assert!(y.iter().zip(&x).all(|(a, b)| *a == b * 2.0));
+        for n in [0usize, 1, 7, 8, 65_536, 4 << 20] {
+            let b: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+            let back: Blob<u8> = rpc.rpc_sync(other, "echo", &Blob::from(b.clone())).unwrap();
+            assert_eq!(&back[..], &b[..], "{n} bytes");
+        }
+        rpc.shutdown().unwrap();
+    });
+}
+
+#[test]
+fn timeouts_fail_the_call_not_the_agent() {
+    threads::run(2, |pg| {
+        let rpc = start(&pg, short());
+        if pg.rank() == 0 {
+            let t0 = Instant::now();
+            let e = rpc
+                .rpc_sync_timeout::<_, u64>("w1", "sleep_ms", &1500u64, Duration::from_millis(200))
+                .unwrap_err();
+            match &e {
+                RpcError::Timeout { worker, func, .. } => {
+                    assert_eq!((worker.as_str(), func.as_str()), ("w1", "sleep_ms"))
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_millis(1400),
+                "failed at the timeout, not the reply"
+            );
+            let s: i64 = rpc.rpc_sync("w1", "add", &(1i64, 2i64)).unwrap();
+            assert_eq!(s, 3);
+        }
+        rpc.shutdown().unwrap();
+    });
+}
+
+#[test]
+fn remote_references_live_until_the_last_holder_drops() {
+    threads::run_with(3, Config::from_env(), threads::DEADLINE, |pg| {
+        let rpc = start(&pg, short());
+        if pg.rank() == 0 {
+            let c: RRef<Mutex<i64>> = rpc.remote("w1", "counter", &10i64).unwrap();
+            assert_eq!(c.owner(), "w1");
+            assert!(!c.is_owner());
+            assert_eq!(c.rpc_sync::<_, i64>("bump", &5i64).unwrap(), 15);
+            // Hand the reference to w2, which uses it, then drop ours:
+            // w2's copy (counted before the message left) keeps it alive.
+            let seen: i64 = rpc.rpc_sync("w2", "read_ref", &c.clone()).unwrap();
+            assert_eq!(seen, 15);
+            let e = c.rpc_sync::<_, i64>("add", &(1i64, 1i64)).unwrap_err();
+            assert!(matches!(e, RpcError::TypeMismatch { .. }), "{e}");
+            // A failing constructor shows at use.
+            let bad: RRef<()> = rpc.remote("w2", "fail", &"boom".to_string()).unwrap();
+            let e = bad.to_here().unwrap_err();
+            assert!(e.to_string().contains("boom"), "{e}");
+            drop(bad);
+            // to_here of a plain value.
+            let v: RRef<i64> = rpc.remote("w2", "add", &(2i64, 3i64)).unwrap();
+            assert_eq!(v.to_here().unwrap(), 5);
+            let v2 = v.clone();
+            drop(v);
+            assert_eq!(v2.to_here().unwrap(), 5);
+            drop((c, v2));
+            // A reference made on w2 and returned: w2's own copy is
+            // dropped as the reply leaves, ours keeps the value alive.
+            let r: RRef<Mutex<i64>> = rpc.rpc_sync("w2", "make_ref", &40i64).unwrap();
+            assert_eq!(r.owner(), "w1");
+            assert_eq!(r.rpc_sync::<_, i64>("bump", &2i64).unwrap(), 42);
+            drop(r);
+            // Owned by this worker itself.
+            let mine: RRef<i64> = rpc.remote("w0", "add", &(1i64, 1i64)).unwrap();
+            assert_eq!(mine.to_here().unwrap(), 2);
+            assert!(mine.is_owner());
+            assert_eq!(*mine.local_value().unwrap(), 2);
+            drop(mine);
+        }
+        pg.barrier()?;
+        // Every reference is gone: the owners freed every value (the
+        // decrements are asynchronous, so wait for them a little).
+        let until = Instant::now() + Duration::from_secs(10);
+        while rpc.owned_values() > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(rpc.owned_values(), 0, "on {}", rpc.name());
+        rpc.shutdown().unwrap();
+        Ok(())
+    })
+    .into_iter()
+    .for_each(|r| r.unwrap());
+}
+
+#[test]
+fn shutdown_waits_for_outstanding_calls() {
+    threads::run(2, |pg| {
+        let rpc = start(&pg, short());
+        if pg.rank() == 0 {
+            let f = rpc.rpc_async::<_, u64>("w1", "sleep_ms", &300u64);
+            rpc.shutdown().unwrap();
+            assert_eq!(f.wait().unwrap(), 300);
+            let e = rpc
+                .rpc_sync::<_, i64>("w1", "add", &(1i64, 1i64))
+                .unwrap_err();
+            assert!(matches!(e, RpcError::Shutdown(_)), "{e}");
+        } else {
+            rpc.shutdown().unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_killed_worker_fails_the_calls_pending_on_it_and_is_named() {
+    let cfg = Config {
+        timeout: Duration::from_secs(30),
+        ..Config::from_env()
+    };
+    let out = threads::run_with(3, cfg, threads::DEADLINE, |pg| {
+        let rpc = start(&pg, short());
+        match pg.rank() {
+            0 => {
+                let slow = rpc.rpc_async::<_, u64>("w2", "sleep_ms", &15_000u64);
+                std::thread::sleep(Duration::from_millis(100));
+                let t0 = Instant::now();
+                drop(rpc.rpc_async::<_, ()>("w2", "crash", &()));
+                let e = slow.wait().unwrap_err();
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "failed by the death, not a timeout"
+                );
+                match &e {
+                    RpcError::WorkerDead { worker, .. } => assert_eq!(worker, "w2", "{e}"),
+                    other => panic!("{other:?}"),
+                }
+                // Later calls fail at once.
+                assert!(rpc.rpc_sync::<_, i64>("w2", "add", &(1i64, 1i64)).is_err());
+            }
+            _ => std::thread::sleep(Duration::from_secs(2)),
+        }
+        Ok(())
+    });
+    assert!(out.into_iter().all(|r| r.is_ok()));
+}
+
+// ---- processes -------------------------------------------------------------
+
+/// Run `test` of this binary as `world` processes (ranks).
+fn run_as_processes(test: &str, world: usize) -> i32 {
+    let args: Vec<String> = [
+        "--exact",
+        test,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    launch::spawn_ranks_with(world, &args, &[], Duration::from_secs(20)).unwrap()
+}
+
+fn process_rpc() -> Rpc {
+    let (rank, world) = launch::rank_of_job().expect("started as a rank");
+    phalanx::rpc::init_rpc_with(&format!("w{rank}"), rank, world, registry(), short()).unwrap()
+}
+
+#[test]
+#[ignore]
+fn rank_calls_across_processes() {
+    let rpc = process_rpc();
+    let next = (rpc.rank() + 1) % rpc.world();
+    let s: i64 = rpc
+        .rpc_sync(next, "add", &(rpc.rank() as i64, 1i64))
+        .unwrap();
+    assert_eq!(s, rpc.rank() as i64 + 1);
+    let b: Blob<u8> = rpc
+        .rpc_sync(next, "echo", &Blob::from(vec![7u8; 65_536]))
+        .unwrap();
+    assert!(b.iter().all(|&x| x == 7) && b.len() == 65_536);
+    let c: RRef<Mutex<i64>> = rpc.remote(next, "counter", &0i64).unwrap();
+    assert_eq!(c.rpc_sync::<_, i64>("bump", &2i64).unwrap(), 2);
+    drop(c);
+    rpc.shutdown().unwrap();
+}
+
+#[test]
+fn calls_across_processes() {
+    assert_eq!(run_as_processes("rank_calls_across_processes", 3), 0);
+}
+
+#[test]
+#[ignore]
+fn rank_with_workers_that_die() {
+    let rpc = process_rpc();
+    if rpc.rank() == 0 {
+        let out = std::env::var("RPC_TEST_OUT").unwrap();
+        let mut seen = String::new();
+        // w1 exits cleanly in the middle of a call; w2 is killed.
+        for (to, how) in [("w1", "exit"), ("w2", "kill")] {
+            let slow = rpc.rpc_async::<_, u64>(to, "sleep_ms", &15_000u64);
+            let t0 = Instant::now();
+            let e = rpc.rpc_sync::<_, ()>(to, how, &()).unwrap_err();
+            let e2 = slow.wait().unwrap_err();
+            assert!(t0.elapsed() < Duration::from_secs(10), "{e}");
+            for e in [e, e2] {
+                match &e {
+                    RpcError::WorkerDead { worker, .. } => assert_eq!(worker, to, "{e}"),
+                    other => panic!("{other:?}"),
+                }
+                seen += &format!("{e}\n");
+            }
+        }
+        std::fs::write(out, seen).unwrap();
+        std::process::exit(0);
+    }
+    std::thread::sleep(Duration::from_secs(20));
+}
+
+#[test]
+fn workers_that_die_are_named_in_the_calls_pending_on_them() {
+    let out = std::env::temp_dir().join(format!("phalanx-rpc-dead-{}", std::process::id()));
+    let args: Vec<String> = [
+        "--exact",
+        "rank_with_workers_that_die",
+        "--ignored",
+        "--nocapture",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let envs = [("RPC_TEST_OUT".to_string(), out.display().to_string())];
+    let code = launch::spawn_ranks_with(3, &args, &envs, Duration::from_secs(2)).unwrap();
+    let seen = std::fs::read_to_string(&out).unwrap_or_default();
+    let _ = std::fs::remove_file(&out);
+    assert_ne!(code, 0, "w2 was killed");
+    let lines: Vec<&str> = seen.lines().collect();
+    assert_eq!(lines.len(), 4, "rank 0 saw: {seen}");
+    assert!(
+        lines[..2].iter().all(|l| l.contains("w1 is gone")),
+        "{seen}"
+    );
+    assert!(
+        lines[2..].iter().all(|l| l.contains("w2 is gone")),
+        "{seen}"
+    );
+}
