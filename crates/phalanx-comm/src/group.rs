@@ -18,10 +18,10 @@
 
 use crate::algo::{self, even_split, ranges, Ctx};
 use crate::config::{Algo, Config};
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use crate::transport::Transport;
-use crate::work::{Queue, Work};
+use crate::work::Queue;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -52,8 +52,13 @@ macro_rules! on_mpi {
     };
 }
 
-// After `on_mpi!`, which it uses.
+// After `on_mpi!`, which they use.
+mod async_ops;
 mod msg;
+mod signature;
+mod subgroups;
+
+use signature::Signature;
 
 struct Inner {
     net: Net,
@@ -68,41 +73,6 @@ struct Inner {
     cfg: Config,
     /// Keeps a store server alive for as long as the group (rank 0 under mpirun).
     _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
-}
-
-/// What a rank called, compared across ranks under PHALANX_DEBUG=detail.
-#[derive(Debug, Clone, PartialEq)]
-struct Signature {
-    op: &'static str,
-    dtype: DType,
-    count: u64,
-    reduce: Option<ReduceOp>,
-    root: Option<u64>,
-    /// A digest of per-rank counts for the uneven variants.
-    layout: u64,
-}
-
-impl Signature {
-    fn describe(&self) -> String {
-        let mut s = format!("{}({}, count={}", self.op, self.dtype.name(), self.count);
-        if let Some(r) = self.reduce {
-            s += &format!(", op={}", r.name());
-        }
-        if let Some(r) = self.root {
-            s += &format!(", root={r}");
-        }
-        s + ")"
-    }
-    fn encode(&self) -> Vec<u8> {
-        let mut v = vec![0u8; 16];
-        v[..self.op.len().min(16)].copy_from_slice(&self.op.as_bytes()[..self.op.len().min(16)]);
-        v.push(self.dtype.code());
-        v.push(self.reduce.map(|r| r.code()).unwrap_or(255));
-        v.extend_from_slice(&self.count.to_le_bytes());
-        v.extend_from_slice(&self.root.unwrap_or(u64::MAX).to_le_bytes());
-        v.extend_from_slice(&self.layout.to_le_bytes());
-        v
-    }
 }
 
 fn digest(xs: &[usize]) -> u64 {
@@ -246,62 +216,6 @@ impl ProcessGroup {
         let _g = self.inner.exec.lock().unwrap();
         self.inner.seq.fetch_add(1, Ordering::SeqCst);
         f()
-    }
-
-    fn check_signatures(&self, c: &Ctx, sig: &Signature) -> Result<()> {
-        let dc = Ctx {
-            chan: self.chan(2),
-            ..*c
-        };
-        let mine = sig.encode();
-        for j in (0..c.n()).filter(|&j| j != c.me) {
-            dc.t.send(c.members[j], dc.chan, dc.seq, &mine, dc.deadline)?;
-        }
-        let mut mismatch = false;
-        let mut lines = Vec::new();
-        for j in 0..c.n() {
-            if j == c.me {
-                lines.push(format!(
-                    "rank {} called {} as collective #{}",
-                    c.members[j],
-                    sig.describe(),
-                    c.seq
-                ));
-                continue;
-            }
-            let what = || {
-                format!(
-                    "{} #{} (waiting for rank {} to join)",
-                    sig.op, c.seq, c.members[j]
-                )
-            };
-            let m =
-                dc.t.recv(c.members[j], dc.chan, dc.seq, dc.deadline, &what)
-                    .map_err(|e| match e {
-                        CommError::Timeout(_) => CommError::Desync(format!(
-                            "rank {} never called collective #{} ({} on this rank {})",
-                            c.members[j],
-                            c.seq,
-                            sig.describe(),
-                            c.members[c.me]
-                        )),
-                        e => e,
-                    })?;
-            let theirs = m.bytes().to_vec();
-            if theirs != mine {
-                mismatch = true;
-            }
-            lines.push(format!(
-                "rank {} called {} as collective #{}",
-                c.members[j],
-                decode_sig(&theirs),
-                c.seq
-            ));
-        }
-        if mismatch {
-            return Err(CommError::Desync(lines.join("; ")));
-        }
-        Ok(())
     }
 
     fn sig<T: Element>(&self, op: &'static str, count: usize) -> Signature {
@@ -692,190 +606,6 @@ impl ProcessGroup {
         Ok(())
     }
 
-    // ---- asynchronous variants ------------------------------------------
-
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            g.all_reduce_now(&mut buf, op).map(|_| buf)
-        })
-    }
-
-    pub fn reduce_scatter_async<T: Element>(
-        &self,
-        input: Vec<T>,
-        counts: Vec<usize>,
-        op: ReduceOp,
-    ) -> Work<Vec<T>> {
-        let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); counts.get(g.rank()).copied().unwrap_or(0)];
-            g.reduce_scatter_now(&input, &counts, &mut out, op)
-                .map(|_| out)
-        })
-    }
-
-    pub fn all_gather_async<T: Element>(&self, input: Vec<T>, counts: Vec<usize>) -> Work<Vec<T>> {
-        let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); counts.iter().sum()];
-            g.all_gather_now(&input, &counts, &mut out).map(|_| out)
-        })
-    }
-
-    /// [`ProcessGroup::all_to_all_v`] on the communication thread.
-    pub fn all_to_all_v_async<T: Element>(
-        &self,
-        input: Vec<T>,
-        send: Vec<usize>,
-        recv: Vec<usize>,
-    ) -> Work<Vec<T>> {
-        let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); recv.iter().sum()];
-            let n = g.size();
-            g.all_to_all_v_now(&input, &send, &mut out, &recv, n)
-                .map(|_| out)
-        })
-    }
-
-    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            g.broadcast_now(&mut buf, root).map(|_| buf)
-        })
-    }
-
-    /// Receive on the group's point-to-point thread; sends never wait behind
-    /// it, so a pipeline can post receives early without deadlocking.
-    pub fn recv_async<T: Element>(&self, mut buf: Vec<T>, src: usize, tag: u64) -> Work<Vec<T>> {
-        let g = self.clone();
-        self.inner
-            .p2p_queue
-            .submit(self.inner.cfg.timeout, move || {
-                g.recv(&mut buf, src, tag).map(|_| buf)
-            })
-    }
-
-    /// Wait for every asynchronous operation issued so far.
-    pub fn synchronize(&self) {
-        self.inner.queue.drain();
-        self.inner.p2p_queue.drain();
-    }
-
-    // ---- sub-groups --------------------------------------------------
-
-    /// A group of the given ranks of this group (in ascending order). Every
-    /// rank of this group must call it, in the same order as other
-    /// `new_group` calls; ranks outside `ranks` get `None`.
-    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
-        let mut rs = ranks.to_vec();
-        rs.sort_unstable();
-        rs.dedup();
-        if rs.len() != ranks.len() || rs.iter().any(|&r| r >= self.size()) || rs.is_empty() {
-            return Err(invalid!(
-                "new_group: ranks {ranks:?} must be distinct ranks below {}",
-                self.size()
-            ));
-        }
-        let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
-        let gid = digest(&[self.inner.gid as usize, k as usize, 0x5b]) | 2;
-        on_mpi!(self, m => {
-            // Members of one requested group share a color; the rest of
-            // this group joins none.
-            let mine = rs.iter().position(|&r| r == self.rank());
-            let color = mine.map(|_| digest(&rs) as u32);
-            self.mpi_child(m, color, mine.unwrap_or(0) as i64, gid, rs.len())
-        });
-        Ok(self.child(&rs, gid))
-    }
-
-    /// A sub-group by `MPI_Comm_split`, checked to have `want` members (two
-    /// requested groups whose colors collide would merge).
-    #[cfg(feature = "mpi")]
-    fn mpi_child(
-        &self,
-        m: &crate::mpi::Comm,
-        color: Option<u32>,
-        key: i64,
-        gid: u64,
-        want: usize,
-    ) -> Result<Option<ProcessGroup>> {
-        self.inner.queue.drain();
-        let sub = self.serial(|| m.split(color, key))?;
-        let Some(sub) = sub else { return Ok(None) };
-        if sub.size() != want {
-            return Err(invalid!(
-                "MPI_Comm_split gave a group of {} ranks where {want} were asked for \
-                 (two groups' colors collided); create the groups in another order",
-                sub.size()
-            ));
-        }
-        let members = sub.members().to_vec();
-        let me = sub.rank();
-        Ok(Some(ProcessGroup::make(
-            Net::Mpi(sub),
-            members,
-            me,
-            gid,
-            self.inner.cfg.clone(),
-            None,
-        )))
-    }
-
-    fn child(&self, ranks: &[usize], gid: u64) -> Option<ProcessGroup> {
-        let me = ranks.iter().position(|&r| r == self.rank())?;
-        let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
-        Some(ProcessGroup::make(
-            Net::Native(self.t().clone()),
-            members,
-            me,
-            gid,
-            self.inner.cfg.clone(),
-            None,
-        ))
-    }
-
-    /// Split into disjoint groups by `color` (MPI_Comm_split): ranks with the
-    /// same color form a group, ordered by (key, rank). A negative color
-    /// joins no group. Collective over this group.
-    pub fn split(&self, color: i64, key: i64) -> Result<Option<ProcessGroup>> {
-        on_mpi!(self, m => {
-            let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
-            let gid = digest(&[self.inner.gid as usize, k as usize, color as usize]) | 2;
-            // The group's size is not known here: count the color's members.
-            let mut all = vec![0i64; self.size()];
-            self.all_gather(&[color], &mut all)?;
-            let want = all.iter().filter(|&&c| c == color).count();
-            let c = (color >= 0).then_some((color as u64 & 0x3fff_ffff) as u32);
-            self.mpi_child(m, c, key, gid, want)
-        });
-        let n = self.size();
-        let mut all = vec![0i64; 2 * n];
-        self.all_gather(&[color, key], &mut all)?;
-        let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
-        if color < 0 {
-            return Ok(None);
-        }
-        let mut ranks: Vec<usize> = (0..n).filter(|&r| all[2 * r] == color).collect();
-        ranks.sort_by_key(|&r| (all[2 * r + 1], r));
-        let gid = digest(&[self.inner.gid as usize, k as usize, color as usize]) | 2;
-        // The child orders ranks by key, so index by position, not rank.
-        let me = ranks
-            .iter()
-            .position(|&r| r == self.rank())
-            .expect("own color");
-        let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
-        Ok(Some(ProcessGroup::make(
-            Net::Native(self.t().clone()),
-            members,
-            me,
-            gid,
-            self.inner.cfg.clone(),
-            None,
-        )))
-    }
-
     /// Leave the job cleanly (`destroy_process_group`): peers see a goodbye,
     /// not a crash. Every group sharing the transport stops working.
     pub fn shutdown(&self) {
@@ -908,38 +638,4 @@ impl ProcessGroup {
         on_mpi!(self, _m => None);
         self.t().failure()
     }
-}
-
-fn decode_sig(b: &[u8]) -> String {
-    if b.len() < 16 + 2 + 24 {
-        return "<malformed signature>".into();
-    }
-    let name = String::from_utf8_lossy(&b[..16])
-        .trim_end_matches('\0')
-        .to_string();
-    let dtype = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I32,
-        DType::I64,
-    ]
-    .into_iter()
-    .find(|d| d.code() == b[16])
-    .map(|d| d.name())
-    .unwrap_or("?");
-    let red = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min]
-        .into_iter()
-        .find(|r| r.code() == b[17]);
-    let count = u64::from_le_bytes(b[18..26].try_into().unwrap());
-    let root = u64::from_le_bytes(b[26..34].try_into().unwrap());
-    let mut s = format!("{name}({dtype}, count={count}");
-    if let Some(r) = red {
-        s += &format!(", op={}", r.name());
-    }
-    if root != u64::MAX {
-        s += &format!(", root={root}");
-    }
-    s + ")"
 }

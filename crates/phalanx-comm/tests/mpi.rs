@@ -141,11 +141,19 @@ fn rank_byte_messages() {
             for (tag, len) in [(9u64, 100_000usize), (3, 0), (1 << 40, 5)] {
                 let m = pg.recv_bytes(0, tag, Instant::now() + long).unwrap();
                 assert_eq!(m.len(), len);
-                assert!(m.bytes().iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+                assert!(m
+                    .bytes()
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i % 251) as u8));
             }
             // Nothing under this tag: a plain timeout error.
             let e = pg.recv_bytes(0, 77, Instant::now() + Duration::from_millis(200));
-            assert!(matches!(e, Err(phalanx_comm::CommError::Timeout(_))), "{:?}", e.err());
+            assert!(
+                matches!(e, Err(phalanx_comm::CommError::Timeout(_))),
+                "{:?}",
+                e.err()
+            );
         }
         pg.barrier().unwrap();
     });
