@@ -19,20 +19,9 @@ use phalanx::ps::{Optim, PsClient, Server};
 use phalanx::rpc::{self, launch, Options, Registry};
 use std::time::{Duration, Instant};
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} needs a value")),
-        None => default,
-    }
-}
-
 fn main() {
-    let trainers: usize = arg("--trainers", 2);
-    let servers: usize = arg("--servers", 1);
+    let trainers: usize = launch::arg("--trainers", 2);
+    let servers: usize = launch::arg("--servers", 1);
     let Some((rank, world)) = launch::rank_of_job() else {
         let code = launch::spawn_ranks(servers + trainers, Duration::from_secs(10));
         std::process::exit(code.unwrap_or_else(|e| {
@@ -44,7 +33,7 @@ fn main() {
         eprintln!("parameter_server: {world} ranks for {servers} servers + {trainers} trainers");
         std::process::exit(2);
     }
-    let st: String = arg("--staleness", "0".to_string());
+    let st: String = launch::arg("--staleness", "0".to_string());
     let staleness = if st == "async" {
         None
     } else {
@@ -53,10 +42,10 @@ fn main() {
                 .expect("--staleness is a number or `async`"),
         )
     };
-    let steps: u64 = arg("--steps", 1000);
-    let batch: usize = arg("--batch", 256);
-    let lr: f32 = arg("--lr", 0.5);
-    let optim = match arg("--optim", "adagrad".to_string()).as_str() {
+    let steps: u64 = launch::arg("--steps", 1000);
+    let batch: usize = launch::arg("--batch", 256);
+    let lr: f32 = launch::arg("--lr", 0.5);
+    let optim = match launch::arg("--optim", "adagrad".to_string()).as_str() {
         "sgd" => Optim::Sgd { lr },
         _ => Optim::Adagrad {
             lr,
@@ -66,10 +55,10 @@ fn main() {
     };
     let spec = CtrSpec {
         fields: 8,
-        vocab: arg("--vocab", 10_000),
-        rows: arg("--rows", 1 << 22),
+        vocab: launch::arg("--vocab", 10_000),
+        rows: launch::arg("--rows", 1 << 22),
         dim: 8,
-        seed: arg("--seed", 1),
+        seed: launch::arg("--seed", 1),
     };
     let cfg = spec.ps_config(trainers, optim, staleness);
     let names: Vec<String> = (0..servers).map(|j| format!("ps{j}")).collect();

@@ -19,19 +19,8 @@ use phalanx::rl::{self, LearnerConfig};
 use phalanx::rpc::{self, launch, Options, Registry};
 use std::time::Duration;
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => args
-            .get(i + 1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{name} needs a value")),
-        None => default,
-    }
-}
-
 fn main() {
-    let observers: usize = arg("--observers", 2);
+    let observers: usize = launch::arg("--observers", 2);
     let Some((rank, world)) = launch::rank_of_job() else {
         let code = launch::spawn_ranks(observers + 1, Duration::from_secs(10));
         std::process::exit(code.unwrap_or_else(|e| {
@@ -54,10 +43,10 @@ fn main() {
     if rank == 0 {
         let d = LearnerConfig::default();
         let cfg = LearnerConfig {
-            hidden: arg("--hidden", d.hidden),
-            lr: arg("--lr", d.lr),
-            max_episodes: arg("--max-episodes", d.max_episodes),
-            seed: arg("--seed", d.seed),
+            hidden: launch::arg("--hidden", d.hidden),
+            lr: launch::arg("--lr", d.lr),
+            max_episodes: launch::arg("--max-episodes", d.max_episodes),
+            seed: launch::arg("--seed", d.seed),
             stop_when_solved: !std::env::args().any(|a| a == "--no-stop"),
             asynchronous: !std::env::args().any(|a| a == "--sync"),
             observer_grads: !std::env::args().any(|a| a == "--learner-grads"),

@@ -103,19 +103,7 @@ impl ProcessGroup {
         let mut ranks: Vec<usize> = (0..n).filter(|&r| all[2 * r] == color).collect();
         ranks.sort_by_key(|&r| (all[2 * r + 1], r));
         let gid = digest(&[self.inner.gid as usize, k as usize, color as usize]) | 2;
-        // The child orders ranks by key, so index by position, not rank.
-        let me = ranks
-            .iter()
-            .position(|&r| r == self.rank())
-            .expect("own color");
-        let members = ranks.iter().map(|&r| self.inner.members[r]).collect();
-        Ok(Some(ProcessGroup::make(
-            Net::Native(self.t().clone()),
-            members,
-            me,
-            gid,
-            self.inner.cfg.clone(),
-            None,
-        )))
+        // Ordered by key: the child's rank is the position in `ranks`.
+        Ok(self.child(&ranks, gid))
     }
 }

@@ -72,17 +72,7 @@ impl Spin {
     /// because spinning readers took the cores the ranks' copies needed.
     /// `override_us` is `PHALANX_SHM_SPIN_US`.
     pub fn for_ranks(local_ranks: usize, override_us: Option<f64>) -> Spin {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let crowded = 2 * local_ranks > cores;
-        let budget = match override_us {
-            Some(us) => Duration::from_secs_f64(us / 1e6),
-            None if crowded => Duration::ZERO,
-            None => Duration::from_micros(50),
-        };
-        Spin {
-            budget,
-            yield_first: crowded,
-        }
+        Spin::unless_crowded(2 * local_ranks, override_us)
     }
 
     /// For the in-place all-reduce's barriers, where the only waiters are
@@ -91,8 +81,13 @@ impl Spin {
     /// 8-byte all-reduce took 2.2 us spinning against 3.3 us sleeping at
     /// once.
     pub fn for_world(local_ranks: usize, override_us: Option<f64>) -> Spin {
+        Spin::unless_crowded(local_ranks, override_us)
+    }
+
+    /// Spin 50 us unless `waiters` threads outnumber the cores.
+    fn unless_crowded(waiters: usize, override_us: Option<f64>) -> Spin {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let crowded = local_ranks > cores;
+        let crowded = waiters > cores;
         let budget = match override_us {
             Some(us) => Duration::from_secs_f64(us / 1e6),
             None if crowded => Duration::ZERO,

@@ -8,6 +8,27 @@ use phalanx_comm::store::StoreServer;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+/// The value after `--name` on the command line, or `default` when the
+/// flag is absent. A missing or unparsable value ends the program with a
+/// message naming the flag and exit code 2 (for the examples).
+pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(i) = args.iter().position(|a| a == name) else {
+        return default;
+    };
+    match args.get(i + 1).map(|v| (v, v.parse::<T>())) {
+        Some((_, Ok(v))) => v,
+        Some((v, Err(_))) => {
+            eprintln!("error: {name} {v}: not a valid value");
+            std::process::exit(2)
+        }
+        None => {
+            eprintln!("error: {name} needs a value");
+            std::process::exit(2)
+        }
+    }
+}
+
 /// This process's rank and world size, when it was started as a rank.
 pub fn rank_of_job() -> Option<(usize, usize)> {
     let env = phalanx_comm::DistEnv::from_env().ok()?;
