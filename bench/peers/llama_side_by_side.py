@@ -9,7 +9,7 @@ runs `phalanx train` and then torch_ddp_llama.py with the same model, batch,
 context and data, and records each one's median tokens/s over the steps
 after the 2 warm-up steps (Phalanx: from --log-json; torch: its JSON line).
 Prints a line per run and, at the end, a table with the range over repeats
-and the ratio of the medians. `uptime` is printed before and after.
+and each repeat's ratio (its two runs are adjacent in time) with their median. `uptime` is printed before and after.
 """
 
 import argparse
@@ -83,14 +83,16 @@ def main():
     print("#", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print(f"\n{args.preset}, micro-batch {args.micro_batch}, median tokens/s of steps "
           f"{WARMUP + 1}-{args.steps}, {args.repeats} repeats")
-    print("| layout | Phalanx tokens/s | PyTorch tokens/s | Phalanx / PyTorch |")
+    print("| layout | Phalanx tokens/s | PyTorch tokens/s | Phalanx / PyTorch per repeat |")
     print("|---|---|---|---|")
     for nproc, threads in LAYOUTS:
         ph, to = res[((nproc, threads), "phalanx")], res[((nproc, threads), "torch")]
         ratios = [a / b for a, b in zip(ph, to)]
+        # Ratios of the two runs of one repeat (adjacent in time, so under
+        # about the same load), and their median.
         print(f"| {nproc} rank x {threads} thread{'s' if threads > 1 else ''} "
               f"| {min(ph):.0f}–{max(ph):.0f} | {min(to):.0f}–{max(to):.0f} "
-              f"| {min(ratios):.2f}–{max(ratios):.2f} (medians {statistics.median(ph) / statistics.median(to):.2f}) |")
+              f"| {', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}) |")
     return 0
 
 
