@@ -1,13 +1,19 @@
 //! `phalanx generate`: sample text from a trained or downloaded GPT-2 or
 //! Llama (a `config.json` with `model_type = "llama"` beside the weights,
-//! or `--set model.arch=llama`). Llama generates with a KV cache and reads
-//! an HF `tokenizer.json` beside the weights when there is one.
+//! or `--set model.arch=llama`), or from a distributed checkpoint of any
+//! layout (tensor parallel, pipeline, ZeRO-3: its pieces are gathered into
+//! one model on this process). Llama generates with a KV cache and reads an
+//! HF `tokenizer.json` beside the weights when there is one; otherwise
+//! `data.tokenizer` (a built-in one, or a `tokenizer.json` it names).
 
 use candle_core::{Device, IndexOp, Tensor};
 use clap::Args;
+use phalanx::checkpoint;
+use phalanx::data::Tokenizer;
+use phalanx::engine::Engine;
 use phalanx_models::arch::{self, Arch};
-use phalanx_models::gpt2::{hf, train};
-use phalanx_models::llama;
+use phalanx_models::gpt2::{dcp, hf, train};
+use phalanx_models::{hf_tokenizer, llama};
 use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
@@ -62,7 +68,7 @@ pub(crate) fn hf_overrides(path: &std::path::Path) -> phalanx::Result<Vec<String
     if v.get("model_type").and_then(|t| t.as_str()) == Some("llama") {
         let mut out = llama::hf::overrides_from_config(&v);
         if let Some(t) = v.get("phalanx_tokenizer").and_then(|t| t.as_str()) {
-            out.push(format!("data.tokenizer=\"{t}\""));
+            out.push(tokenizer_set(&dir, t));
         }
         return Ok(out);
     }
@@ -88,8 +94,20 @@ pub(crate) fn hf_overrides(path: &std::path::Path) -> phalanx::Result<Vec<String
                 "gpt2"
             },
         );
-    out.push(format!("data.tokenizer=\"{tok}\""));
+    out.push(tokenizer_set(&dir, tok));
     Ok(out)
+}
+
+/// `data.tokenizer` as a saved model's config.json records it: a
+/// `tokenizer.json` path stands for the copy saved beside the weights.
+fn tokenizer_set(dir: &std::path::Path, t: &str) -> String {
+    let beside = dir.join("tokenizer.json");
+    let t = if t.to_ascii_lowercase().ends_with(".json") && beside.is_file() {
+        beside.display().to_string()
+    } else {
+        t.to_string()
+    };
+    format!("data.tokenizer={}", serde_json::Value::from(t))
 }
 
 fn run(o: &GenerateOpts) -> phalanx::Result<()> {
@@ -99,57 +117,143 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             o.temperature
         )));
     }
-    let mut sets = hf_overrides(&o.model)?;
-    sets.extend(o.set.iter().cloned());
-    let cfg = arch::build(o.config.as_deref(), &sets)?;
-    if Arch::of(&cfg)? == Arch::Llama {
-        return run_llama(o, &cfg);
-    }
-    let mut engine = train::build_engine(&cfg)?;
-    hf::load_safetensors(&mut engine, &o.model).map_err(|e| {
-        phalanx::Error::Check(format!(
-            "{}: {}",
-            o.model.display(),
-            phalanx::Error::from(e)
-        ))
-    })?;
-    let tok = cfg.data.tokenizer;
-    let mut ids = tok.encode(&o.prompt);
+    let (cfg, engine, beside) = load(o)?;
+    let arch = Arch::of(&cfg)?;
+    // A tokenizer.json beside Llama weights (a downloaded model's), else
+    // the one data.tokenizer names, else the built-in one.
+    let tj = beside
+        .filter(|_| arch == Arch::Llama)
+        .map(|d| d.join("tokenizer.json"))
+        .filter(|p| p.is_file())
+        .or_else(|| cfg.data.tokenizer.json_path().map(hf_tokenizer::json_path));
+    let codec = match tj {
+        Some(p) => Codec::Hf(Box::new(hf_tokenizer::open(&p)?)),
+        None => Codec::Data(cfg.data.tokenizer.builtin().unwrap_or(Tokenizer::Byte)),
+    };
+    let mut ids = codec.encode(&o.prompt)?;
     if ids.is_empty() {
         return Err(phalanx::Error::Check(
             "the prompt encodes to no tokens".into(),
         ));
     }
-    let vocab = train::model_config(&cfg)?.vocab_size;
+    let (vocab, t) = match arch {
+        Arch::Gpt2 => {
+            let m = train::model_config(&cfg)?;
+            (m.vocab_size, m.block_size)
+        }
+        Arch::Llama => {
+            let m = llama::train::model_config(&cfg)?;
+            (m.vocab_size, m.block_size)
+        }
+    };
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
         return Err(phalanx::Error::Check(format!(
             "the prompt's token {bad} is outside the model's vocabulary of {vocab}: \
-             data.tokenizer = {} does not match this model (set --set data.tokenizer=...)",
-            tok
+             the tokenizer ({}) does not match this model (set --set data.tokenizer=...)",
+            codec.name(&cfg)
         )));
     }
     let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
-    let t = train::model_config(&cfg)?.block_size;
+    // The logits of the next token, given all ids so far and the last one.
+    type Next<'a> = Box<dyn FnMut(&[u32], u32) -> phalanx::Result<Vec<f32>> + 'a>;
+    let mut next_logits: Next = match arch {
+        // GPT-2: a full forward of the latest block_size tokens.
+        Arch::Gpt2 => Box::new(|ids: &[u32], _next: u32| {
+            let ctx = &ids[ids.len().saturating_sub(t)..];
+            let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
+            let logits = engine.forward(&x)?; // (1, T, V)
+            Ok(logits.i((0, ctx.len() - 1))?.to_vec1()?)
+        }),
+        Arch::Llama => {
+            let m = llama::train::model_config(&cfg)?;
+            let mut g = llama::generate::Generator::new(&engine, &m)?;
+            let mut started = false;
+            Box::new(move |ids: &[u32], next: u32| {
+                let logits = if !started {
+                    // The prompt's tail that fits, fed at once.
+                    started = true;
+                    g.step(&ids[ids.len().saturating_sub(t)..])?
+                } else if g.len() == t {
+                    // Context full: restart the cache on the latest half
+                    // (rotary positions restart too, as a fresh forward of
+                    // that window would).
+                    g.reset();
+                    g.step(&ids[ids.len() - (t / 2).max(1)..])?
+                } else {
+                    g.step(&[next])?
+                };
+                let n = logits.dim(0)?;
+                Ok(logits.i(n - 1)?.to_vec1()?)
+            })
+        }
+    };
     print!("{}", o.prompt);
-    let mut printed = ids.len();
+    // Decoding is not per token (word-level and SentencePiece decoders put
+    // the spaces between tokens; a byte may end inside a character): print
+    // what the whole text gained over what is already shown.
+    let mut shown = codec.decode(&ids).unwrap_or_default();
+    let mut last = 0;
     for _ in 0..o.tokens {
-        let ctx = &ids[ids.len().saturating_sub(t)..];
-        let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
-        let logits = engine.forward(&x)?; // (1, T, V)
-        let last: Vec<f32> = logits.i((0, ctx.len() - 1))?.to_vec1()?;
-        ids.push(sample(&last, o.temperature, o.top_k, &mut rng));
-        // Print whole UTF-8 characters as they complete.
-        if let Ok(s) = tok.decode(&ids[printed..]) {
-            if !s.ends_with('\u{FFFD}') {
-                print!("{s}");
-                printed = ids.len();
-                use std::io::Write;
-                let _ = std::io::stdout().flush();
-            }
+        let logits = next_logits(&ids, last)?;
+        last = sample(&logits, o.temperature, o.top_k, &mut rng);
+        ids.push(last);
+        if let Some(s) = codec.decode(&ids) {
+            // (A decoder that rewrites earlier text shows from where the
+            // two texts part; what was printed before that stays.)
+            let common = s
+                .char_indices()
+                .zip(shown.chars())
+                .find(|((_, a), b)| a != b)
+                .map_or(shown.len().min(s.len()), |((i, _), _)| i);
+            print!("{}", &s[common..]);
+            shown = s;
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
         }
     }
     println!();
     Ok(())
+}
+
+/// The config, the whole model on this one process, and the directory of
+/// an HF model (where a `tokenizer.json` may sit). `--model` is either
+/// Hugging Face weights (`config.json` beside them gives the shape), or a
+/// distributed checkpoint of any layout (`step-N/`, or a checkpoint
+/// directory: its latest), whose pieces are gathered into one model: a run
+/// trained with tensor or pipeline parallelism or ZeRO-3 generates from its
+/// checkpoint directly.
+fn load(
+    o: &GenerateOpts,
+) -> phalanx::Result<(phalanx::config::TrainConfig, Engine, Option<PathBuf>)> {
+    let named = |e: phalanx::Error| phalanx::Error::Check(format!("{}: {e}", o.model.display()));
+    if o.model.is_dir() {
+        if let Ok(dir) = checkpoint::find(&o.model) {
+            let reader = checkpoint::Reader::open(&dir).map_err(named)?;
+            reader.verify_all().map_err(named)?;
+            let mut sets = dcp::model_overrides(&reader.meta)?;
+            sets.extend(o.set.iter().cloned());
+            let cfg = arch::build(o.config.as_deref(), &sets)?;
+            let engine = dcp::gather(&reader, &cfg).map_err(named)?;
+            return Ok((cfg, engine, None));
+        }
+    }
+    let mut sets = hf_overrides(&o.model)?;
+    sets.extend(o.set.iter().cloned());
+    let cfg = arch::build(o.config.as_deref(), &sets)?;
+    let mut engine;
+    let loaded = match Arch::of(&cfg)? {
+        Arch::Gpt2 => {
+            engine = train::build_engine(&cfg)?;
+            hf::load_safetensors(&mut engine, &o.model)
+        }
+        Arch::Llama => {
+            let m = llama::train::model_config(&cfg)?;
+            engine = llama::train::build_engine(&cfg)?;
+            llama::hf::load(&mut engine, &m, &o.model)
+        }
+    };
+    loaded.map_err(|e| named(phalanx::Error::from(e)))?;
+    Ok((cfg, engine, model_dir(&o.model)))
 }
 
 /// The directory a model path's `config.json` (and `tokenizer.json`) sit in.
@@ -166,10 +270,10 @@ fn model_dir(path: &std::path::Path) -> Option<std::path::PathBuf> {
     })
 }
 
-/// Text <-> ids: the data tokenizer, or an HF `tokenizer.json`.
+/// Text <-> ids: the built-in tokenizer, or an HF `tokenizer.json`.
 enum Codec {
-    Data(phalanx::data::Tokenizer),
-    Hf(Box<tokenizers::Tokenizer>),
+    Data(Tokenizer),
+    Hf(Box<hf_tokenizer::Tokenizer>),
 }
 
 impl Codec {
@@ -192,79 +296,16 @@ impl Codec {
         };
         (!s.ends_with('\u{FFFD}')).then_some(s)
     }
-}
 
-/// Llama: weights in any HF layout, a KV cache, `tokenizer.json` if present.
-fn run_llama(o: &GenerateOpts, cfg: &phalanx::config::TrainConfig) -> phalanx::Result<()> {
-    let m = llama::train::model_config(cfg)?;
-    let mut engine = llama::train::build_engine(cfg)?;
-    llama::hf::load(&mut engine, &m, &o.model).map_err(|e| {
-        phalanx::Error::Check(format!(
-            "{}: {}",
-            o.model.display(),
-            phalanx::Error::from(e)
-        ))
-    })?;
-    let tj = model_dir(&o.model).map(|d| d.join("tokenizer.json"));
-    let codec = match tj.filter(|p| p.is_file()) {
-        Some(p) => Codec::Hf(Box::new(
-            tokenizers::Tokenizer::from_file(&p)
-                .map_err(|e| phalanx::Error::Check(format!("{}: {e}", p.display())))?,
-        )),
-        None => Codec::Data(cfg.data.tokenizer),
-    };
-    let mut ids = codec.encode(&o.prompt)?;
-    if ids.is_empty() {
-        return Err(phalanx::Error::Check(
-            "the prompt encodes to no tokens".into(),
-        ));
-    }
-    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= m.vocab_size) {
-        return Err(phalanx::Error::Check(format!(
-            "the prompt's token {bad} is outside the model's vocabulary of {}: \
-             the tokenizer does not match this model",
-            m.vocab_size
-        )));
-    }
-    let mut g = llama::generate::Generator::new(&engine, &m)?;
-    let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
-    let t = m.block_size;
-    // The prompt's tail that fits, fed at once; then one token per step.
-    let mut logits = g.step(&ids[ids.len().saturating_sub(t)..])?;
-    print!("{}", o.prompt);
-    // Decoding is not per token (word-level and SentencePiece decoders put
-    // the spaces between tokens): print what the whole text gained over
-    // what is already shown.
-    let mut shown = codec.decode(&ids).unwrap_or_default();
-    for _ in 0..o.tokens {
-        let n = logits.dim(0)?;
-        let last: Vec<f32> = logits.i(n - 1)?.to_vec1()?;
-        let next = sample(&last, o.temperature, o.top_k, &mut rng);
-        ids.push(next);
-        if let Some(s) = codec.decode(&ids) {
-            // (A decoder that rewrites earlier text shows from where the
-            // two texts part; what was printed before that stays.)
-            let common = s
-                .char_indices()
-                .zip(shown.chars())
-                .find(|((_, a), b)| a != b)
-                .map_or(shown.len().min(s.len()), |((i, _), _)| i);
-            print!("{}", &s[common..]);
-            shown = s;
-            use std::io::Write;
-            let _ = std::io::stdout().flush();
-        }
-        if g.len() == t {
-            // Context full: restart the cache on the latest half (rotary
-            // positions restart too, as a fresh forward of that window would).
-            g.reset();
-            logits = g.step(&ids[ids.len() - (t / 2).max(1)..])?;
-        } else {
-            logits = g.step(&[next])?;
+    fn name(&self, cfg: &phalanx::config::TrainConfig) -> String {
+        match self {
+            Codec::Data(t) => format!("data.tokenizer = {t}"),
+            Codec::Hf(_) => match cfg.data.tokenizer.json_path() {
+                Some(p) => format!("data.tokenizer = {}", p.display()),
+                None => "the tokenizer.json beside the weights".into(),
+            },
         }
     }
-    println!();
-    Ok(())
 }
 
 fn sample(

@@ -15,7 +15,6 @@ use phalanx::config::{OffloadDevice, Recompute, TrainConfig};
 use phalanx::plan::{
     self, human_bytes as h, memory, select, Candidate, Hardware, Layout, ModelShape,
 };
-use phalanx_models::gpt2::config::Gpt2Section;
 use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
@@ -83,14 +82,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         return calculator(n, o, device_memory);
     }
     let cfg = o.cfg.build().map_err(|e| e.to_string())?;
-    let sec = Gpt2Section::of(&cfg).map_err(|e| e.to_string())?;
-    let m = ModelShape::gpt2(
-        sec.n_layer,
-        sec.n_head,
-        sec.n_embd,
-        sec.vocab_size,
-        sec.block_size,
-    );
+    let m = phalanx_models::arch::plan_shape(&cfg).map_err(|e| e.to_string())?;
     let world = o.nproc * o.nnodes;
     let base = Layout::from_config(&cfg, world).map_err(|e| e.to_string())?;
     // The probe runs alone and uses every core; the ranks of a node share
@@ -145,8 +137,8 @@ fn data_tokens(cfg: &TrainConfig) -> u64 {
         return 0;
     }
     let len = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    match cfg.data.tokenizer {
-        phalanx::config::Tokenizer::Byte => len,
+    match cfg.data.tokenizer.builtin() {
+        Some(phalanx::config::Tokenizer::Byte) => len,
         _ => len / 4,
     }
 }
@@ -185,10 +177,16 @@ fn mib(b: u64) -> String {
 }
 
 fn print_table(m: &ModelShape, hw: &Hardware, base: &Layout, ranked: &[Candidate], top: usize) {
+    let kind = match m.family {
+        plan::Family::Gpt2 => format!("GPT-2, {} heads", m.n_head),
+        plan::Family::Llama => format!(
+            "Llama, {} heads / {} kv heads, MLP {}",
+            m.n_head, m.n_kv_head, m.mlp_hidden
+        ),
+    };
     println!(
-        "model: {} layers, {} heads, {} wide, vocab {}, context {}: {} parameters, {:.3e} FLOP/token",
+        "model: {kind}, {} layers, {} wide, vocab {}, context {}: {} parameters, {:.3e} FLOP/token",
         m.n_layer,
-        m.n_head,
         m.n_embd,
         m.vocab_size,
         m.seq_len,

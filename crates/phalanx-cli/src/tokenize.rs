@@ -12,6 +12,7 @@
 
 use clap::Args;
 use phalanx::data::source::{LLMC_HEADER_BYTES, LLMC_MAGIC_GPT2, LLMC_MAGIC_LLAMA3};
+use phalanx_models::hf_tokenizer;
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug, Clone)]
@@ -72,13 +73,8 @@ fn run(o: &TokenizeOpts) -> Result<(), String> {
             o.output.display()
         ));
     }
-    let tj = if o.tokenizer.is_dir() {
-        o.tokenizer.join("tokenizer.json")
-    } else {
-        o.tokenizer.clone()
-    };
-    let tok =
-        tokenizers::Tokenizer::from_file(&tj).map_err(|e| format!("{}: {e}", tj.display()))?;
+    let tj = hf_tokenizer::json_path(&o.tokenizer);
+    let tok = hf_tokenizer::open(&tj).map_err(|e| e.to_string())?;
     let text = std::fs::read_to_string(&o.input)
         .map_err(|e| format!("{}: {e} (the input must be UTF-8 text)", o.input.display()))?;
     let mut ids: Vec<u32> = Vec::new();
@@ -88,16 +84,11 @@ fn run(o: &TokenizeOpts) -> Result<(), String> {
                 .ok_or_else(|| format!("--bos {b:?} is not a token of {}", tj.display()))?,
         );
     }
-    for chunk in chunks(&text, 1 << 20) {
-        let enc = tok
-            .encode(chunk, false)
-            .map_err(|e| format!("{}: {e}", tj.display()))?;
-        ids.extend_from_slice(enc.get_ids());
-    }
+    ids.extend(hf_tokenizer::encode_corpus(&tok, &text, &tj).map_err(|e| e.to_string())?);
     if ids.len() > u32::MAX as usize {
         return Err(format!("{} tokens do not fit an llm.c header", ids.len()));
     }
-    let vocab = tok.get_vocab_size(true) as u32;
+    let vocab = hf_tokenizer::vocab_size(&tok) as u32;
     let max_id = ids
         .iter()
         .copied()
@@ -120,20 +111,4 @@ fn write(p: &Path, bytes: &[u8]) -> Result<(), String> {
         std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
     }
     phalanx::fsutil::write_atomic(p, bytes).map_err(|e| format!("{}: {e}", p.display()))
-}
-
-/// `text` cut after a newline every `size` bytes or so (whole lines, so
-/// only chunk starts can tokenize differently from one long encode).
-fn chunks(text: &str, size: usize) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while rest.len() > size {
-        let cut = rest[size..].find('\n').map_or(rest.len(), |i| size + i + 1);
-        out.push(&rest[..cut]);
-        rest = &rest[cut..];
-    }
-    if !rest.is_empty() {
-        out.push(rest);
-    }
-    out
 }

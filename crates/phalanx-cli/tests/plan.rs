@@ -74,6 +74,43 @@ fn json_has_the_fields_and_the_recommendation_trains() {
 }
 
 #[test]
+fn plans_a_llama_with_its_parameter_count() {
+    // Llama 3.2 1B's own context (131072) fits nowhere; the plan says so.
+    let (code, out, err) = phalanx(&["plan", "--set", "model.preset=llama-3.2-1b", "--nproc", "8"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("Llama, 32 heads / 8 kv heads, MLP 8192, 16 layers, 2048 wide, vocab 128256")
+            && out.contains(": 1235814400 parameters"),
+        "{out}"
+    );
+    // At context 2048 on 8 ranks of 80 GB: a recommendation, and every
+    // layout a Llama accepts (tp 1, 2, 4, 8 over 8 kv heads).
+    let sets = [
+        "--set",
+        "model.preset=llama-3.2-1b",
+        "--set",
+        "model.block_size=2048",
+        "--set",
+        "train.micro_batch_size=1",
+        "--nproc",
+        "8",
+        "--device-memory",
+        "80GB",
+    ];
+    let (code, out, err) = phalanx(&[&["plan"][..], &sets].concat());
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("Recommended"), "{out}");
+    let (code, out, err) = phalanx(&[&["plan", "--json"][..], &sets].concat());
+    assert_eq!(code, 0, "{out}\n{err}");
+    let rows = json_lines(&out);
+    let mut tps: Vec<u64> = rows.iter().map(|r| r["tp"].as_u64().unwrap()).collect();
+    tps.sort();
+    tps.dedup();
+    assert_eq!(tps, [1, 2, 4, 8]);
+    assert!(rows[0]["fits"].as_bool().unwrap(), "{}", rows[0]);
+}
+
+#[test]
 fn the_calculator_prints_every_stage_and_refuses_bad_counts() {
     let (code, out, err) = phalanx(&["plan", "--params", "7B", "--nproc", "8"]);
     assert_eq!(code, 0, "{out}\n{err}");

@@ -20,6 +20,7 @@
 use crate::gpt2::config::{Gpt2Schema, Gpt2Section};
 use crate::llama::config::{LlamaConfig, LlamaSection};
 use phalanx::config::{ConfigError, ModelFacts, ModelSchema, TrainConfig};
+use phalanx::plan::ModelShape;
 use std::path::Path;
 
 type CResult<T> = std::result::Result<T, ConfigError>;
@@ -136,6 +137,28 @@ fn section(arch: Arch, preset: Option<&str>) -> CResult<toml::Table> {
         Arch::Llama => {
             let s = LlamaSection::preset(preset.unwrap_or(LlamaConfig::DEFAULT_PRESET))?;
             toml::Table::try_from(&s).map_err(|e| ConfigError(e.to_string()))
+        }
+    }
+}
+
+/// The planner's description of a config's model, either architecture
+/// (`phalanx plan`; the FLOPs per token behind MFU), with samples of
+/// `model.block_size` tokens.
+pub fn plan_shape(cfg: &TrainConfig) -> CResult<ModelShape> {
+    match Arch::of(cfg)? {
+        Arch::Gpt2 => {
+            let s = Gpt2Section::of(cfg)?;
+            Ok(ModelShape::gpt2(
+                s.n_layer,
+                s.n_head,
+                s.n_embd,
+                s.vocab_size,
+                s.block_size,
+            ))
+        }
+        Arch::Llama => {
+            let m = LlamaSection::of(cfg)?.model();
+            Ok(m.plan_shape(m.block_size))
         }
     }
 }

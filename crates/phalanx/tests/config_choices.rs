@@ -135,7 +135,7 @@ fn bad_values_name_their_key() {
     let cases: &[(&str, &str)] = &[
         (
             "data.tokenizer=bpe",
-            r#"data.tokenizer must be "byte" or "gpt2", not "bpe""#,
+            r#"data.tokenizer must be "byte", "gpt2" or the path of a Hugging Face tokenizer.json, not "bpe""#,
         ),
         (
             "optim.name=lion",
@@ -194,7 +194,7 @@ fn toml_files_give_the_same_choices() {
     assert_eq!(
         (c.data.tokenizer, c.optim.name, c.parallel.pp_schedule),
         (
-            Tokenizer::Gpt2,
+            Tokenizer::Gpt2.into(),
             OptimName::Sgd,
             PpSchedule::new(ScheduleKind::Gpipe)
         )

@@ -12,9 +12,10 @@
 
 use super::config::Gpt2Section;
 use super::{hf, Gpt2Config};
+use crate::hf_tokenizer;
 use candle_core::Device;
-use phalanx::config::TrainConfig;
-use phalanx::data::{DataLoader, LoaderConfig, TokenData};
+use phalanx::config::{TokenizerSpec, TrainConfig};
+use phalanx::data::{DataLoader, LoaderConfig, TokenData, Tokenizer};
 use phalanx::engine::Engine;
 use phalanx::mesh::DeviceMesh;
 use phalanx::tp::Tp;
@@ -54,8 +55,11 @@ pub fn open_data(cfg: &TrainConfig) -> Result<DataLoader> {
 
 /// The data loader `cfg.data` describes, for any model: samples of
 /// `seq_len` tokens, every token checked to be below `vocab_size`.
+///
+/// `data.tokenizer` naming a `tokenizer.json` encodes a text file with it
+/// (its vocabulary checked against `vocab_size` first); token files
+/// (`.bin`) are read as they are, whatever the tokenizer.
 pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Result<DataLoader> {
-    let tok = cfg.data.tokenizer;
     let lc = LoaderConfig {
         seq_len,
         val_fraction: cfg.data.val_fraction,
@@ -64,6 +68,32 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
         vocab_size: Some(vocab_size),
     };
     let path = Path::new(&cfg.data.path);
+    let is_bin = path.extension().is_some_and(|e| e == "bin");
+    let tok = match (&cfg.data.tokenizer, is_bin) {
+        (TokenizerSpec::Builtin(t), _) => *t,
+        // A token file: the loader reads its ids (the tokenizer only
+        // matters for text), but a tokenizer too big for the model is
+        // still a mistake worth naming.
+        (TokenizerSpec::HfJson(j), true) => {
+            hf_tokenizer::open_for_model(Path::new(j), vocab_size)?;
+            Tokenizer::Byte
+        }
+        (TokenizerSpec::HfJson(j), false) => {
+            let hf = hf_tokenizer::open_for_model(Path::new(j), vocab_size)?;
+            let text = if cfg.data.path == DEFAULT_CORPUS_PATH && !path.exists() {
+                String::from_utf8_lossy(BUILTIN_CORPUS).into_owned()
+            } else {
+                std::fs::read_to_string(path).map_err(|e| {
+                    Error::Check(format!(
+                        "data.path {}: {e} (a text file to encode with data.tokenizer {j})",
+                        path.display()
+                    ))
+                })?
+            };
+            let ids = hf_tokenizer::encode_corpus(&hf, &text, Path::new(j))?;
+            return Ok(DataLoader::new(TokenData::from_tokens(ids), lc)?);
+        }
+    };
     // The default corpus is built in, so `phalanx train` works from any
     // directory; a file at the path (the repository's copy) is used first.
     if cfg.data.path == DEFAULT_CORPUS_PATH && !path.exists() {
@@ -228,11 +258,11 @@ pub fn save_tensors(
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "initializer_range": 0.02, "tie_word_embeddings": true,
         "bos_token_id": 50256, "eos_token_id": 50256,
-        "phalanx_tokenizer": cfg.data.tokenizer.name(),
+        "phalanx_tokenizer": cfg.data.tokenizer.to_string(),
     });
     phalanx::fsutil::write_atomic(
         &dir.join("config.json"),
         serde_json::to_string_pretty(&hf_cfg).unwrap().as_bytes(),
     )?;
-    Ok(())
+    hf_tokenizer::save_beside(&cfg.data.tokenizer, dir)
 }

@@ -281,6 +281,24 @@ impl LlamaConfig {
     }
 }
 
+impl LlamaConfig {
+    /// The planner's description of this model with samples of `seq_len`
+    /// tokens (`phalanx plan`, and the FLOPs per token behind MFU).
+    pub fn plan_shape(&self, seq_len: usize) -> phalanx::plan::ModelShape {
+        phalanx::plan::ModelShape::llama(
+            self.n_layer,
+            self.n_head,
+            self.n_kv_head,
+            self.n_embd,
+            self.head_dim(),
+            self.intermediate_size,
+            self.vocab_size,
+            seq_len,
+            self.tie_word_embeddings,
+        )
+    }
+}
+
 /// Llama's `model` section: `preset` fills every field; fields given
 /// explicitly (in the file or with `--set`) override it. `arch` is always
 /// `"llama"` here (see [`crate::arch`]).

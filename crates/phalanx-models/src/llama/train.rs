@@ -105,7 +105,10 @@ pub fn trainer(
             (engine, rep)
         }
     };
+    let seq = loader.seq_len();
     let mut trainer = Trainer::with_mesh(cfg, engine, loader, &mesh, replicated)?;
+    // Model FLOPs per token (6 x matrices + attention), for MFU.
+    trainer.set_flops_per_token(phalanx::plan::model_flops_per_token(&m.plan_shape(seq)));
     if let Some(t) = &tp {
         trainer.set_placement(Arc::new(super::tp::TpPlacement {
             cfg: m,
@@ -161,12 +164,16 @@ pub fn save(
     path: &Path,
 ) -> Result<()> {
     let m = model_config(cfg)?;
-    hf::save(
+    let files = hf::save(
         tensors,
         &m,
-        cfg.data.tokenizer.name(),
+        &cfg.data.tokenizer.to_string(),
         path,
         hf::DEFAULT_SHARD_BYTES,
     )?;
-    Ok(())
+    // A data.tokenizer's tokenizer.json goes beside the weights.
+    match files.first().and_then(|f| f.parent()) {
+        Some(dir) => crate::hf_tokenizer::save_beside(&cfg.data.tokenizer, dir),
+        None => Ok(()),
+    }
 }

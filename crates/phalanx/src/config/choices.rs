@@ -2,7 +2,7 @@
 //! built. In TOML and `--set` they stay strings (the same strings as
 //! before, serialised by their canonical names, so `to_toml()` round-trips);
 //! a bad value is an error that names the key:
-//! `data.tokenizer must be "byte" or "gpt2", not "bpe"`.
+//! `optim.name must be "adamw", "adam" or "sgd", not "lamb"`.
 //!
 //! ```
 //! use phalanx::config::{OffloadDevice, OptimName, PpPartition, PpSchedule, ShardingStrategy, TrainConfig};
@@ -22,7 +22,7 @@
 //! assert_eq!(TrainConfig::build(None, &[]).unwrap().parallel.pp_schedule.to_string(), "1f1b");
 //! assert_eq!("interleaved".parse::<PpSchedule>().unwrap(), PpSchedule::Interleaved);
 //! let e = TrainConfig::build(None, &["data.tokenizer=bpe".into()]).unwrap_err().to_string();
-//! assert!(e.contains(r#"data.tokenizer must be "byte" or "gpt2", not "bpe""#), "{e}");
+//! assert!(e.contains(r#"data.tokenizer must be "byte", "gpt2" or the path of a Hugging Face tokenizer.json, not "bpe""#), "{e}");
 //! ```
 
 use crate::data::Tokenizer;
@@ -111,6 +111,90 @@ impl Choice for Tokenizer {
         &[("byte", Tokenizer::Byte), ("gpt2", Tokenizer::Gpt2)];
     const ALIASES: &'static [(&'static str, Self)] = &[("r50k_base", Tokenizer::Gpt2)];
 }
+
+/// `data.tokenizer`: a built-in [`Tokenizer`] by name, or the path of a
+/// Hugging Face `tokenizer.json` (any value ending in `.json`), which the
+/// model crate encodes text with (`phalanx_models::hf_tokenizer`; this
+/// crate does not link the `tokenizers` library).
+///
+/// ```
+/// use phalanx::config::{TokenizerSpec, TrainConfig};
+/// use phalanx::data::Tokenizer;
+/// let c = TrainConfig::build(None, &["data.tokenizer=tok/tokenizer.json".into()]).unwrap();
+/// assert_eq!(c.data.tokenizer, TokenizerSpec::HfJson("tok/tokenizer.json".into()));
+/// assert_eq!(c.data.tokenizer.builtin(), None);
+/// assert!(c.to_toml().contains(r#"tokenizer = "tok/tokenizer.json""#));
+/// assert_eq!(TrainConfig::build(None, &[]).unwrap().data.tokenizer, Tokenizer::Byte);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerSpec {
+    Builtin(Tokenizer),
+    /// The path as given (relative to the working directory).
+    HfJson(String),
+}
+
+impl Default for TokenizerSpec {
+    fn default() -> Self {
+        TokenizerSpec::Builtin(Tokenizer::Byte)
+    }
+}
+
+impl TokenizerSpec {
+    /// The built-in tokenizer, if this is one.
+    pub fn builtin(&self) -> Option<Tokenizer> {
+        match self {
+            TokenizerSpec::Builtin(t) => Some(*t),
+            TokenizerSpec::HfJson(_) => None,
+        }
+    }
+
+    /// The `tokenizer.json` path, if this is one.
+    pub fn json_path(&self) -> Option<&std::path::Path> {
+        match self {
+            TokenizerSpec::Builtin(_) => None,
+            TokenizerSpec::HfJson(p) => Some(std::path::Path::new(p)),
+        }
+    }
+}
+
+impl PartialEq<Tokenizer> for TokenizerSpec {
+    fn eq(&self, other: &Tokenizer) -> bool {
+        self.builtin() == Some(*other)
+    }
+}
+
+impl From<Tokenizer> for TokenizerSpec {
+    fn from(t: Tokenizer) -> Self {
+        TokenizerSpec::Builtin(t)
+    }
+}
+
+impl fmt::Display for TokenizerSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenizerSpec::Builtin(t) => f.write_str(Choice::name(*t)),
+            TokenizerSpec::HfJson(p) => f.write_str(p),
+        }
+    }
+}
+
+impl FromStr for TokenizerSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Ok(t) = Tokenizer::parse_name(s) {
+            return Ok(TokenizerSpec::Builtin(t));
+        }
+        let t = s.trim();
+        if t.to_ascii_lowercase().ends_with(".json") {
+            return Ok(TokenizerSpec::HfJson(t.to_string()));
+        }
+        Err(format!(
+            "must be \"byte\", \"gpt2\" or the path of a Hugging Face tokenizer.json, not {s:?}"
+        ))
+    }
+}
+
+serde_as_str!(TokenizerSpec);
 
 /// `optim.name`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -412,7 +496,7 @@ pub(crate) type Parser = fn(&str, &str) -> Result<toml::Value, String>;
 /// The parser of each key that holds a choice.
 pub(crate) fn parser(key: &str) -> Option<Parser> {
     Some(match key {
-        "data.tokenizer" => canonical::<Tokenizer>,
+        "data.tokenizer" => canonical::<TokenizerSpec>,
         "optim.name" => canonical::<OptimName>,
         "optim.schedule" => canonical::<LrScheduleKind>,
         "optim.warmup_type" => canonical::<WarmupType>,

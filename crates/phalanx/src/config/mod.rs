@@ -26,7 +26,7 @@ mod validate;
 pub use crate::data::Tokenizer;
 pub use choices::{
     Choice, CommHookKind, LrScheduleKind, OffloadDevice, OnNonfinite, OptimName, PpPartition,
-    PpSchedule, ShardingStrategy, WarmupType,
+    PpSchedule, ShardingStrategy, TokenizerSpec, WarmupType,
 };
 pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
@@ -168,8 +168,9 @@ pub struct Sharding {
 pub struct DataConfig {
     /// A text file, a nanoGPT .bin (uint16) or an llm.c .bin.
     pub path: String,
-    /// `byte` (vocab 256) or `gpt2` (BPE, vocab 50257).
-    pub tokenizer: Tokenizer,
+    /// `byte` (vocab 256), `gpt2` (BPE, vocab 50257), or the path of a
+    /// Hugging Face `tokenizer.json`.
+    pub tokenizer: TokenizerSpec,
     pub shuffle: bool,
     pub seed: u64,
     /// The tail fraction of the tokens kept for validation.
@@ -366,7 +367,7 @@ impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
             path: "data/corpus.txt".into(),
-            tokenizer: Tokenizer::Byte,
+            tokenizer: TokenizerSpec::Builtin(Tokenizer::Byte),
             shuffle: true,
             seed: 1337,
             val_fraction: 0.02,

@@ -3,7 +3,9 @@
 //! payload bytes, all groups together).
 //!
 //! Ring collectives over `N` ranks: all-reduce sends `2(N-1)/N` of the
-//! message per rank, reduce-scatter and all-gather `(N-1)/N` each. Per step,
+//! message per rank, reduce-scatter and all-gather `(N-1)/N` each; small
+//! all-reduces (tensor parallel's activations) go by recursive doubling
+//! ([`all_reduce_bytes`]). Per step,
 //! with `Ψ` parameters on the rank's model shard, `m` micro-batches,
 //! `g` / `c` bytes per element of reduced gradients / compute dtype:
 //!
@@ -13,8 +15,8 @@
 //! | ZeRO-1 | the same all-reduce, then an all-gather of the updated f32 parameters: `+ (N-1)/N Ψ 4` |
 //! | ZeRO-2 | reduce-scatter every micro-step `m (N-1)/N Ψ g`, all-gather `(N-1)/N Ψ 4` |
 //! | ZeRO-3 | every micro-step: all-gather of each block before its forward and again before its backward (`2 (N-1)/N Ψ c`; the head gathers the tied embedding's unit again, twice), reduce-scatter `(N-1)/N Ψ g` |
-//! | tensor parallel `t` | every micro-step, all-reduces of `BTC` activations: 2 per layer forward (attention and MLP outputs), 2 per layer backward, 1 each for the vocabulary-parallel embedding and head, `(4L + 2) 2(t-1)/t BTC c`, plus the vocabulary-parallel cross-entropy's 3 `BT` f32 vectors; recomputation repeats the forward ones |
-//! | pipeline `p` | stage 0 sends each micro-batch's output `BTC c` forward; the tied embedding's gradient is all-reduced between the first and last stages `V C 4` |
+//! | tensor parallel `t` | every micro-step, all-reduces of `BTC` activations: 2 per layer forward (attention and MLP outputs), 2 per layer backward, 1 each for the vocabulary-parallel embedding and head, `(4L + 2) 2(t-1)/t BTC c` (`log2 t BTC c` each below the small-message size), plus the vocabulary-parallel cross-entropy's 3 `BT` f32 vectors; recomputation repeats the forward ones; Llama's replicated kv heads (t > n_kv_head) add the k and v output gradients in backward, `2L 2(t-1)/t BT KV c` |
+//! | pipeline `p` | stage 0 sends each micro-batch's output `BTC c` forward; a tied embedding's gradient is all-reduced between the first and last stages `V C 4` |
 //!
 //! Scalars (loss, norm, non-finite flags) add a few bytes.
 //!
@@ -39,6 +41,29 @@ pub fn all_reduce_factor(n: usize) -> f64 {
     }
 }
 
+/// Bytes rank 0 sends all-reducing one message of `bytes` over `n` ranks,
+/// with the algorithm `phalanx_comm` picks by default: recursive doubling
+/// up to its small-message size (2 MiB on 2 ranks, 128 KiB on more;
+/// `PHALANX_RD_MAX_BYTES` is not read here), which sends the whole message
+/// log2 n times when n is a power of two (otherwise rank 0 hands it to its
+/// partner once), and the ring above it (`2(N-1)/N`). On 2 ranks both send
+/// the message once.
+pub fn all_reduce_bytes(n: usize, bytes: f64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let small = if n == 2 { 2 << 20 } else { 128 << 10 };
+    if bytes <= small as f64 {
+        if n.is_power_of_two() {
+            n.trailing_zeros() as f64 * bytes
+        } else {
+            bytes
+        }
+    } else {
+        all_reduce_factor(n) * bytes
+    }
+}
+
 /// All-gather or reduce-scatter: `(N-1)/N` of the (whole) message.
 pub fn gather_factor(n: usize) -> f64 {
     if n <= 1 {
@@ -51,10 +76,9 @@ pub fn gather_factor(n: usize) -> f64 {
 /// Parameters of stage 0's model shard (see [`memory::per_rank`]).
 fn local_params(m: &ModelShape, l: &Layout) -> (u64, u64) {
     let tp = l.tp.max(1);
-    let c = m.n_embd;
-    let layer_p = (12 * c * c + 7 * c) / tp + 6 * c;
-    let emb_p = m.vocab_size.div_ceil(tp) * c + m.seq_len * c;
-    let head_p = if l.pp <= 1 { m.head_params() } else { 0 };
+    let layer_p = m.layer_params_tp(tp);
+    let emb_p = m.embedding_params_tp(tp);
+    let head_p = if l.pp <= 1 { m.head_params_tp(tp) } else { 0 };
     let layers = memory::stage_layers(m, l.pp, 0);
     ((layers * layer_p + emb_p + head_p) as u64, emb_p as u64)
 }
@@ -78,7 +102,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
                 // in a ring all-gather it sends every piece but rank 1's.
                 let shard = psi.div_ceil(n as u64);
                 let rank1_in_emb = emb.saturating_sub(shard).min(shard);
-                let tied = if l.pp <= 1 {
+                let tied = if l.pp <= 1 && m.tied_embeddings {
                     (emb - rank1_in_emb) as f64
                 } else {
                     0.0
@@ -93,17 +117,33 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
         let layers = memory::stage_layers(m, l.pp, 0) as f64;
         let fwd = 2.0 * layers + 1.0;
         let passes = if l.recomputes() { 2.0 } else { 1.0 };
-        let per_micro = all_reduce_factor(l.tp) * btc * c * (passes * fwd + fwd)
+        let ar = |bytes: f64| all_reduce_bytes(l.tp, bytes);
+        // Llama's replicated kv heads (without sequence parallelism): the
+        // gradients of the k and v projections' outputs, all-reduced in
+        // backward.
+        let kv_replicated = if m.kv_split(l.tp) {
+            0.0
+        } else {
+            layers * 2.0 * ar(bt * m.kv_dim() as f64 * c)
+        };
+        let per_micro = ar(btc * c) * (passes * fwd + fwd)
+            + kv_replicated
             + if l.pp <= 1 {
-                passes * 3.0 * bt * 4.0 * all_reduce_factor(l.tp)
+                passes * 3.0 * ar(bt * 4.0)
             } else {
                 0.0
             };
         bytes += accum * per_micro;
     }
     if l.pp > 1 {
+        // A tied table's gradient is summed between the first and last stages.
         let vocab = m.vocab_size.div_ceil(l.tp.max(1)) as f64;
-        bytes += accum * btc * c + vocab * m.n_embd as f64 * 4.0;
+        let tied = if m.tied_embeddings {
+            vocab * m.n_embd as f64 * 4.0
+        } else {
+            0.0
+        };
+        bytes += accum * btc * c + tied;
     }
     bytes.round() as u64
 }

@@ -22,6 +22,12 @@
 //!
 //! (Korthikanti et al. count 34 BTC + 5 H T² B bytes in fp16 with dropout
 //! masks and saved pre-softmax scores; the fused kernels here keep less.)
+//! A Llama layer keeps the same 7 BTC replicated (input, the two RMSNorm
+//! outputs, `o_proj` and `down_proj` outputs, two residuals) and, split,
+//! q and rotated q, k, rotated k, v, the kv heads repeated for their query
+//! heads, the packed [q | k | v], the attention output, gate, up and SwiGLU
+//! output ([`ModelShape::layer_split_activations`]), plus the
+//! probabilities.
 //! Recomputation keeps each block's input (`BTC`) and rebuilds one block's
 //! graph at a time. A pipeline stage holds its in-flight micro-batches:
 //! `min(m, p - s)` under 1F1B, `m` under GPipe.
@@ -131,7 +137,8 @@ fn layer_activations(m: &ModelShape, l: &Layout) -> u64 {
     // output entering a column-parallel matmul and the all-reduced output
     // of each row-parallel one (4 BTC, replicated).
     let f_g = if tp > 1 { 4 * btc } else { 0 };
-    7 * btc + f_g + 12 * btc / tp + h * t * t * b / tp
+    let split = b * t * m.layer_split_activations(l.tp) as u64;
+    7 * btc + f_g + split + h * t * t * b / tp
 }
 
 /// Elements the head keeps: ln_f output, logits and their gradient
@@ -142,10 +149,10 @@ fn head_activations(m: &ModelShape, l: &Layout) -> u64 {
 }
 
 /// Transient elements of one layer's backward: the gradients of its
-/// widest intermediates (MLP hidden, GELU) alive together.
+/// widest intermediates (MLP hidden and GELU, or gate, up and SwiGLU)
+/// alive together.
 fn layer_backward_transient(m: &ModelShape, l: &Layout) -> u64 {
-    let btc = (l.micro_batch * m.seq_len * m.n_embd) as u64;
-    8 * btc / l.tp.max(1) as u64
+    (l.micro_batch * m.seq_len * m.layer_backward_transient(l.tp)) as u64
 }
 
 /// Per-rank memory of the most loaded rank (the stage with the most
@@ -163,11 +170,10 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     // embedding (vocabulary split over tp), and the head when pp = 1.
     let layers = stage_layers(m, pp, 0);
     // Matrices and the column-parallel biases split; the row-parallel
-    // biases and LayerNorms replicated.
-    let c = m.n_embd;
-    let layer_p = (12 * c * c + 7 * c) / tp + 6 * c;
-    let emb_p = m.vocab_size.div_ceil(tp) * m.n_embd + m.seq_len * m.n_embd;
-    let head_p = if pp == 1 { m.head_params() } else { 0 };
+    // biases, norms (and replicated kv heads) whole.
+    let layer_p = m.layer_params_tp(tp);
+    let emb_p = m.embedding_params_tp(tp);
+    let head_p = if pp == 1 { m.head_params_tp(tp) } else { 0 };
     let local = (layers * layer_p + emb_p + head_p) as u64;
     let k = l.optim_bytes_per_param as u64;
     let mut s = model_states(local, l.dp, l.zero_stage, 4, 4, k);
@@ -196,7 +202,7 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
         in_flight * (layers as u64 * layer_act + btc + head_act)
     };
     let activations = act_elems * cb;
-    let block_p = layer_p.max(emb_p) as u64;
+    let block_p = layer_p.max(emb_p).max(head_p) as u64;
     let working = if l.zero_stage == 3 {
         // The current block and the one prefetched, gathered flat; the
         // current one materialised as tensors; in its backward, the
@@ -207,8 +213,9 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
         block_p * cb
     } else {
         // Every block's tensors stay alive with its graph; the head
-        // materialises the tied embedding again.
-        (local + if pp == 1 { emb_p as u64 } else { 0 }) * cb
+        // materialises a tied embedding again.
+        let tied = pp == 1 && m.tied_embeddings;
+        (local + if tied { emb_p as u64 } else { 0 }) * cb
     };
     let grad_bytes = local * l.reduce_bytes as u64;
     let comm_buffers = match l.zero_stage {

@@ -10,7 +10,9 @@
 //! - [`comm`]: bytes each rank sends per step, from how the strategies
 //!   communicate;
 //! - [`probe`]: a quick matmul-throughput and link-bandwidth probe;
-//! - [`select`]: enumeration, ranking and the explanation.
+//! - [`select`]: enumeration, ranking and the explanation;
+//! - [`shape`]: the model (GPT-2 or Llama family): parameters per block,
+//!   activations per token, FLOPs per token.
 //!
 //! ```
 //! use phalanx::plan::{model_flops_per_token, Layout, ModelShape, Hardware, estimate};
@@ -28,72 +30,13 @@ pub mod comm;
 pub mod memory;
 pub mod probe;
 pub mod select;
+pub mod shape;
 
 pub use crate::config::Precision;
 pub use memory::{model_states, MemoryEstimate, ModelStates};
 pub use probe::{probe_bandwidth, probe_matmul_flops};
 pub use select::{enumerate, explain, rank, Bottleneck, Candidate};
-
-/// A decoder-only transformer's shape (GPT-2's: learned positions, tied
-/// embedding, 4× MLP, biases), what the estimates need.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ModelShape {
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_embd: usize,
-    pub vocab_size: usize,
-    /// Context length T of a training sample.
-    pub seq_len: usize,
-}
-
-impl ModelShape {
-    pub fn gpt2(
-        n_layer: usize,
-        n_head: usize,
-        n_embd: usize,
-        vocab_size: usize,
-        seq_len: usize,
-    ) -> Self {
-        ModelShape {
-            n_layer,
-            n_head,
-            n_embd,
-            vocab_size,
-            seq_len,
-        }
-    }
-
-    /// Parameters of one transformer layer: 12 C² + 13 C.
-    pub fn layer_params(&self) -> usize {
-        let c = self.n_embd;
-        12 * c * c + 13 * c
-    }
-
-    /// Embedding block: token (tied with the head) and position tables.
-    pub fn embedding_params(&self) -> usize {
-        (self.vocab_size + self.seq_len) * self.n_embd
-    }
-
-    /// Head block's own parameters (the final LayerNorm; the unembedding
-    /// is the tied token table).
-    pub fn head_params(&self) -> usize {
-        2 * self.n_embd
-    }
-
-    /// All parameters, the tied table counted once.
-    pub fn num_params(&self) -> usize {
-        self.embedding_params() + self.n_layer * self.layer_params() + self.head_params()
-    }
-}
-
-/// Training FLOPs per token, forward and backward: 6 N for the matmuls with
-/// the parameters (2 forward, 4 backward) plus 12 L T C for the attention
-/// scores and their product with the values (PaLM's and nanoGPT's count,
-/// as Megatron's; llm.c counts half of the latter for the causal mask).
-/// MFU = tokens/s × this / peak FLOP/s.
-pub fn model_flops_per_token(m: &ModelShape) -> f64 {
-    6.0 * m.num_params() as f64 + 12.0 * (m.n_layer * m.seq_len * m.n_embd) as f64
-}
+pub use shape::{model_flops_per_token, Family, ModelShape};
 
 /// One way to run the job.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -417,13 +360,5 @@ mod tests {
         assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
         assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
         assert!(parse_bytes("lots").is_err());
-    }
-
-    #[test]
-    fn gpt2_small_count_matches_hf() {
-        assert_eq!(
-            ModelShape::gpt2(12, 12, 768, 50257, 1024).num_params(),
-            124_439_808
-        );
     }
 }

@@ -1,7 +1,8 @@
 //! Enumerate the layouts of a job, rank them, explain the choice.
 //!
 //! Every `dp × tp × pp = world` with tp inside a node and dividing the
-//! heads, pp no deeper than the layers; ZeRO stages 0-3 on the dp axis
+//! heads (for Llama also the MLP width, and the kv heads split or
+//! replicated), pp no deeper than the layers; ZeRO stages 0-3 on the dp axis
 //! (≤ 1 with a pipeline, as the strategies compose), fp32 and bf16
 //! compute, activation checkpointing off and on, optimizer offload for
 //! sharded stages. Layouts that fit rank first, fastest first; the others
@@ -60,7 +61,7 @@ pub fn enumerate(m: &ModelShape, hw: &Hardware, base: &Layout) -> Vec<Layout> {
     let global = base.global_batch().max(1);
     let mut out = Vec::new();
     for tp in divisors(hw.nproc.max(1)) {
-        if !m.n_head.is_multiple_of(tp) {
+        if !m.tp_ok(tp) {
             continue;
         }
         for pp in divisors(world / tp) {

@@ -291,6 +291,11 @@ impl Trainer {
         self.flops_per_token = Some(f);
     }
 
+    /// The model FLOPs per token MFU is computed from, where the model set them.
+    pub fn flops_per_token(&self) -> Option<f64> {
+        self.flops_per_token
+    }
+
     /// Test hook: global rank `rank` spends `delay` more on every step
     /// (computing, as far as the monitor can tell: a straggler).
     pub fn inject_delay(&mut self, rank: usize, delay: std::time::Duration) {

@@ -1,0 +1,132 @@
+//! Hugging Face `tokenizer.json` files (the `tokenizers` crate): opening
+//! one with errors that name it, its vocabulary size, and encoding a text
+//! corpus the way `phalanx tokenize` and `data.tokenizer = "x/tokenizer.json"`
+//! do (in chunks of whole lines, without special tokens).
+//!
+//! ```no_run
+//! use phalanx_models::hf_tokenizer;
+//! let tok = hf_tokenizer::open("TinyLlama/tokenizer.json".as_ref()).unwrap();
+//! let ids = hf_tokenizer::encode_corpus(&tok, "And God said\n", "TinyLlama/tokenizer.json".as_ref()).unwrap();
+//! assert!(ids.iter().all(|&i| (i as usize) < hf_tokenizer::vocab_size(&tok)));
+//! ```
+
+use phalanx::config::TokenizerSpec;
+use phalanx::{Error, Result};
+use std::path::{Path, PathBuf};
+
+pub use tokenizers::Tokenizer;
+
+/// The `tokenizer.json` a path names: the file, or the one in a directory.
+pub fn json_path(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// Open a `tokenizer.json` (or a directory holding one).
+pub fn open(path: &Path) -> Result<Tokenizer> {
+    let p = json_path(path);
+    if !p.is_file() {
+        return Err(Error::Check(format!(
+            "{}: no such tokenizer.json",
+            p.display()
+        )));
+    }
+    Tokenizer::from_file(&p).map_err(|e| {
+        Error::Check(format!(
+            "{}: not a Hugging Face tokenizer.json ({e})",
+            p.display()
+        ))
+    })
+}
+
+/// Ids the tokenizer can produce: its vocabulary with the added tokens.
+pub fn vocab_size(tok: &Tokenizer) -> usize {
+    tok.get_vocab_size(true)
+}
+
+/// `text` encoded without special tokens, in chunks of whole lines of
+/// about 1 MB (only chunk starts can tokenize differently from one long
+/// encode); `name` goes into errors.
+pub fn encode_corpus(tok: &Tokenizer, text: &str, name: &Path) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for chunk in chunks(text, 1 << 20) {
+        let enc = tok
+            .encode(chunk, false)
+            .map_err(|e| Error::Check(format!("{}: {e}", name.display())))?;
+        ids.extend_from_slice(enc.get_ids());
+    }
+    Ok(ids)
+}
+
+/// `text` cut after a newline every `size` bytes or so.
+fn chunks(text: &str, size: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while rest.len() > size {
+        let mut at = size;
+        while !rest.is_char_boundary(at) {
+            at += 1;
+        }
+        let cut = rest[at..].find('\n').map_or(rest.len(), |i| at + i + 1);
+        out.push(&rest[..cut]);
+        rest = &rest[cut..];
+    }
+    if !rest.is_empty() {
+        out.push(rest);
+    }
+    out
+}
+
+/// The tokenizer `data.tokenizer` names, checked to fit a model of
+/// `vocab_size` ids (an error names the file, its vocabulary and the key).
+pub fn open_for_model(path: &Path, model_vocab: usize) -> Result<Tokenizer> {
+    let tok = open(path)?;
+    let n = vocab_size(&tok);
+    if n > model_vocab {
+        return Err(Error::Check(format!(
+            "data.tokenizer {} has a vocabulary of {n} tokens, more than model.vocab_size = \
+             {model_vocab}; set model.vocab_size to at least {n}",
+            json_path(path).display()
+        )));
+    }
+    Ok(tok)
+}
+
+/// With `data.tokenizer` naming a `tokenizer.json`, copy it into `dir`
+/// (as `save_pretrained` saves a tokenizer with its model), so `phalanx
+/// generate` and transformers find it beside the weights.
+pub fn save_beside(spec: &TokenizerSpec, dir: &Path) -> Result<()> {
+    let Some(p) = spec.json_path() else {
+        return Ok(());
+    };
+    let src = json_path(p);
+    let dst = dir.join("tokenizer.json");
+    if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize()) {
+        if a == b {
+            return Ok(());
+        }
+    }
+    let bytes = std::fs::read(&src)
+        .map_err(|e| Error::Io(format!("data.tokenizer {}: {e}", src.display())))?;
+    phalanx::fsutil::write_atomic(&dst, &bytes)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks;
+
+    #[test]
+    fn chunks_are_whole_lines_and_cover_the_text() {
+        let text = "ab\ncd\nef\ngh";
+        let c = chunks(text, 2);
+        assert_eq!(c, ["ab\n", "cd\n", "ef\n", "gh"]);
+        assert_eq!(c.concat(), text);
+        assert_eq!(chunks("", 4), Vec::<&str>::new());
+        // A cut inside a character moves to its end.
+        assert_eq!(chunks("é\nb", 1), ["é\n", "b"]);
+    }
+}
