@@ -4,7 +4,8 @@
 # ROUNDS times. Median tokens/s over the steps after 2 warm-up steps.
 # Usage: bench/engine_compare.sh [preset...]   (default: gpt-tiny gpt-10m)
 # Env: ROUNDS (1), STEPS (8), LAYOUTS ("1x2 2x1": ranks x threads).
-# Output: one line per run on stdout; `uptime` before each round.
+# Output: one line per run on stdout (with Phalanx's MFU against the
+# matmul peak it measures at start); `uptime` before each round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-1}
@@ -31,11 +32,13 @@ PY
         --set model.preset="$preset" --set train.steps="$STEPS" --set train.eval_interval=0 \
         --set log.plot= --set log.report= --log-json "$TMP/p.json" >/dev/null 2>&1
       ph=$(python3 -c 'import json,sys; [print(json.loads(l)["tokens_per_s"]) for l in list(open(sys.argv[1]))[2:]]' "$TMP/p.json" | med)
+      # MFU against the matmul peak phalanx probes at the start of the run.
+      mfu=$(python3 -c 'import json,sys; [print(1000*json.loads(l)["mfu"]) for l in list(open(sys.argv[1]))[2:]]' "$TMP/p.json" | med)
       pt=$(python3 bench/peers/torch_ddp_gpt.py --n-layer "$L" --n-head "$H" --n-embd "$C" --vocab 256 \
         --block-size "$T" --micro-batch 8 --steps "$STEPS" --nproc "$n" --threads "$th" \
         --grad-clip 1.0 --data data/corpus.txt 2>/dev/null | tail -1 |
         python3 -c 'import json,sys; print(round(json.loads(sys.stdin.read())["tokens_per_s"]))')
-      echo "$preset ${n}x${th} phalanx $ph torch $pt ratio $(python3 -c "print(round($ph/$pt,2))")"
+      echo "$preset ${n}x${th} phalanx $ph torch $pt ratio $(python3 -c "print(round($ph/$pt,2))") phalanx_mfu $(python3 -c "print($mfu/10)")%"
     done
   done
 done
