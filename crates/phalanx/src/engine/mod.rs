@@ -7,7 +7,8 @@
 //! - [`backend`]: the `VarBuilder` backends that record and serve parameters;
 //! - [`flat`]: the flat buffers and the `GradSink` trait;
 //! - [`stack`]: forward / backward over block ranges, per-block grad hook;
-//! - [`model`]: `Engine`, the stack with its parameter and gradient buffers.
+//! - [`model`]: `Engine`, the stack with its parameter and gradient buffers;
+//! - [`heap`]: freed memory kept for the next step (no page faults per step).
 //!
 //! How the distributed layers plug in:
 //! - DDP: `Engine::forward_backward_with(.., hook)`; `hook(b, grads)` runs in
@@ -36,6 +37,7 @@
 pub mod backend;
 pub mod block;
 pub mod flat;
+pub mod heap;
 pub mod init;
 pub mod layout;
 pub mod model;
