@@ -1,5 +1,6 @@
-//! A steady training step takes no fresh pages from the kernel: the engine
-//! keeps freed memory in the heap (`phalanx::engine::heap`), so the
+//! A steady training step takes no fresh pages from the kernel once freed
+//! memory is kept in the heap (`phalanx::engine::heap`, what
+//! `PHALANX_RETAIN_FREED=1` turns on), so the
 //! activations, gradients and temporaries of step k reuse step k-1's.
 //! Counted as minor page faults (getrusage) over whole steps. Alone in its
 //! file: it is the only test of this process, so no other test's threads

@@ -79,7 +79,7 @@ impl Engine {
     /// Discover the blocks' parameters, allocate the flat buffers and
     /// initialise the parameters.
     pub fn new(blocks: Vec<Box<dyn Block>>, device: &Device, cfg: EngineConfig) -> Result<Self> {
-        super::heap::retain_freed_memory();
+        super::heap::retain_if_asked();
         let ledger = Ledger::new();
         let mut stack = Stack::new(blocks, device, cfg.activations, &ledger)?;
         stack.set_compute_dtype(cfg.compute_dtype);
