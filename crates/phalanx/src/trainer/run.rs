@@ -1,0 +1,151 @@
+//! `Trainer::run`: the training loop around `Trainer::step`: resume,
+//! schedule, validation, checkpoints (synchronous or asynchronous), fault
+//! injection, logs and the monitor, and the final report.
+
+use super::{fault, print_memory, Report, RunOptions, StepLog, Trainer};
+use crate::error::Result;
+use std::time::Instant;
+
+impl Trainer {
+    /// Train for `train.steps` steps, logging on global rank 0.
+    pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
+        let steps = self.cfg.train.steps;
+        let lead = self.pg.global_rank() == 0;
+        self.preflight_checkpoints()?;
+        let resumed = self.resume(opts.resume.as_ref())?;
+        let first = self.start_step;
+        let mut log = StepLog::new(opts, lead, steps, resumed.then_some(first))?;
+        let m = &self.mesh;
+        if lead && opts.progress {
+            println!(
+                "training {} parameters per rank on {} rank(s) (dp {} x pp {} x tp {}): global batch {} x {} tokens \
+                 (micro-batch {} x grad_accum {}), {} steps; {}, {} compute{}{}",
+                self.engine.num_params(),
+                m.world().size(),
+                m.dp_size,
+                m.pp_size,
+                m.tp_size,
+                self.global_batch,
+                self.loader.seq_len(),
+                self.micro,
+                self.cfg.train.grad_accum_steps,
+                steps,
+                self.strat.name(),
+                self.cfg.precision(),
+                match self.cfg.train.reduce_dtype {
+                    crate::config::Precision::Fp32 => String::new(),
+                    r => format!(", gradients reduced in {r}"),
+                },
+                match self.cfg.recompute() {
+                    crate::config::Recompute::None => String::new(),
+                    r => format!(", activation checkpointing {r}"),
+                },
+            );
+        }
+        let mut report = Report::default();
+        let every = self.cfg.checkpoint.interval;
+        let mut tok_s = Vec::new();
+        // Peers for straggler detection: the ranks at the same pipeline stage.
+        let stage = self.mesh.coords().pp;
+        let mut monitor =
+            crate::monitor::Monitor::new(self.mesh.world(), stage, &self.cfg.monitor)?;
+        if let (Some(url), true) = (monitor.metrics_url(), opts.progress) {
+            println!("Prometheus metrics at {url}");
+        }
+        let sent_at_start = self.mesh.world().bytes_sent();
+        let peak = self.matmul_peak()?;
+        for k in first..steps {
+            fault::at_step(self.mesh.world().rank(), k);
+            let mut s = self.step(k)?;
+            s.mfu = self
+                .flops_per_token
+                .zip(peak)
+                .map(|(f, p)| f * s.tokens_per_s / p);
+            let health = monitor.after_step(&self.figures(&s, sent_at_start))?;
+            for st in &health.new {
+                if lead && opts.progress {
+                    println!(
+                        "{st} (monitor.straggler_factor = {})",
+                        self.cfg.monitor.straggler_factor
+                    );
+                }
+                report.stragglers.push((k, st.clone()));
+            }
+            report.losses.push(s.loss);
+            tok_s.push(s.tokens_per_s);
+            let eval_now = self.cfg.train.eval_interval > 0
+                && ((k + 1) % self.cfg.train.eval_interval == 0 || k + 1 == steps);
+            let val = if eval_now { self.evaluate()? } else { None };
+            if let Some(v) = val {
+                report.val_losses.push((k, v));
+            }
+            let mem = if k == first {
+                self.memory.as_deref()
+            } else {
+                None
+            };
+            if let (Some(m), true, true) = (mem, lead, opts.progress) {
+                print_memory(m);
+            }
+            log.step(&s, val, mem, &health)?;
+            if every > 0 && ((k + 1) % every == 0 || k + 1 == steps) {
+                let t0 = Instant::now();
+                let done = self.save_checkpoint(k + 1)?;
+                if lead && opts.progress {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    match (&self.ckpt_async, done) {
+                        (Some(_), _) => println!(
+                            "checkpoint of step {} staged in {ms:.1} ms, writing in the background",
+                            k + 1
+                        ),
+                        (None, Some(d)) => {
+                            println!("checkpoint {} written in {ms:.1} ms", d.display())
+                        }
+                        (None, None) => {}
+                    }
+                }
+            }
+        }
+        if let Some(d) = self.wait_checkpoint()? {
+            if lead && opts.progress {
+                println!("checkpoint {} written", d.display());
+            }
+        }
+        // After two warm-up steps; a shorter run averages what it has.
+        let timed = if tok_s.len() > 2 {
+            &tok_s[2..]
+        } else {
+            &tok_s[..]
+        };
+        report.tokens_per_s = if timed.is_empty() {
+            0.0
+        } else {
+            timed.iter().sum::<f64>() / timed.len() as f64
+        };
+        if let Some(p) = self.strat.pipeline() {
+            self.report_pipeline(p, &mut report, lead && opts.progress)?;
+            if let Some(path) = &opts.trace {
+                // Cosmetic too: a warning, never the run's end. (Collective:
+                // every rank takes part whatever happens on rank 0.)
+                if let Err(e) = p.write_trace(path) {
+                    if lead {
+                        eprintln!(
+                            "warning: the trace was not written to {}: {e}",
+                            path.display()
+                        );
+                    }
+                }
+                if lead && opts.progress {
+                    println!(
+                        "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
+                        path.display()
+                    );
+                }
+            }
+        } else if let (Some(path), true) = (&opts.trace, lead) {
+            println!("no trace written to {}: timelines are recorded for pipeline runs (parallel.pp > 1)", path.display());
+        }
+        log.finish(&report)?;
+        Ok(report)
+    }
+}
