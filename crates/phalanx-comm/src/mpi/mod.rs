@@ -110,6 +110,55 @@ fn check(rc: c_int, what: &str) -> Result<()> {
     }
 }
 
+/// [`check`] with a message made only on failure (for polling loops).
+fn check_lazy(rc: c_int, what: &dyn Fn() -> String) -> Result<()> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        check(rc, &what())
+    }
+}
+
+/// How a thread polling MPI paces its looks. Open MPI progresses only
+/// inside MPI calls, so a waiter polls as MPI's own blocking calls do.
+/// While some thread of this process is blocked on communication it polls
+/// eagerly (yielding after a short spin); while none is (background work
+/// overlapping computation, an idle receiver) it sleeps between polls,
+/// backing off to `cap`, so it does not take the core that computes.
+struct Pacer {
+    polls: u64,
+    nap: Duration,
+    cap: Duration,
+}
+
+impl Pacer {
+    fn new(cap: Duration) -> Pacer {
+        Pacer {
+            polls: 0,
+            nap: Duration::from_micros(5),
+            cap,
+        }
+    }
+
+    /// Pause before the next look. True when it is time to read the clock
+    /// (every 1024 eager polls, every sleeping one).
+    fn pause(&mut self) -> bool {
+        self.polls += 1;
+        if self.polls <= 64 {
+            return false;
+        }
+        if crate::work::anyone_waiting() {
+            self.nap = Duration::from_micros(5);
+            std::thread::yield_now();
+            self.polls.is_multiple_of(1024)
+        } else {
+            std::thread::sleep(self.nap);
+            self.nap = (self.nap * 2).min(self.cap);
+            true
+        }
+    }
+}
+
 fn finalized() -> Result<()> {
     if FINALIZED.load(Ordering::SeqCst) {
         return Err(CommError::Aborted(
@@ -261,48 +310,25 @@ impl Comm {
         Ok(Some(sub))
     }
 
-    /// Wait until `req` completes. Open MPI progresses only inside MPI
-    /// calls, so this polls `MPI_Test` as its own blocking calls do. While
-    /// some thread of this process is blocked on communication it polls
-    /// eagerly (yielding after a short spin); while none is (a background
-    /// operation overlapping computation) it sleeps between polls, backing
-    /// off to 200 µs, so the communication thread does not take the core
-    /// that computes. Past the deadline the job is aborted (MPI cannot
-    /// cancel a collective).
+    /// Wait until `req` completes, polling it as [`Pacer`] says. Past the
+    /// deadline the job is aborted (MPI cannot cancel a collective).
     fn wait(&self, req: &mut ffi::MPI_Request, what: &dyn Fn() -> String) -> Result<Status> {
         let deadline = self.deadline();
-        let mut polls = 0u64;
-        let mut nap = Duration::from_micros(5);
+        let mut pace = Pacer::new(Duration::from_micros(200));
         loop {
             let mut flag: c_int = 0;
             // SAFETY: a zeroed status is a valid out-parameter.
             let mut st: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-            let rc = unsafe { ffi::MPI_Test(req, &mut flag, &mut st) };
-            check(rc, &what())?;
+            check_lazy(unsafe { ffi::MPI_Test(req, &mut flag, &mut st) }, what)?;
             if flag != 0 {
                 return Ok(Status(st));
             }
-            polls += 1;
-            if polls.is_multiple_of(1024) && Instant::now() > deadline {
+            if pace.pause() && Instant::now() > deadline {
                 abort_job(&format!(
                     "{} did not complete within {:?} (PHALANX_TIMEOUT)",
                     what(),
                     self.timeout
                 ));
-            }
-            if polls <= 64 {
-                continue;
-            }
-            if crate::work::anyone_waiting() {
-                nap = Duration::from_micros(5);
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_micros(200));
-                // Sleeping polls are few: check the deadline on each.
-                if Instant::now() > deadline {
-                    polls = polls.next_multiple_of(1024) - 1;
-                }
             }
         }
     }

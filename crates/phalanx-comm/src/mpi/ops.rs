@@ -14,7 +14,7 @@
 //! - `bytes_sent` counts what the native ring algorithms would move, so
 //!   `comm_bytes` in logs means the same on both backends.
 
-use super::{check, displs, finalized, ints, Comm, InFlight};
+use super::{check, check_lazy, displs, finalized, ints, Comm, InFlight, Pacer};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use half::{bf16, f16};
@@ -447,8 +447,8 @@ impl Comm {
         finalized()?;
         self.reap_sends()?;
         let what = || format!("recv_bytes(from rank {src}, tag={tag})");
-        let mut nap = Duration::from_micros(5);
-        let mut polls = 0u32;
+        // An idle receiver (an RPC reader thread) sleeps up to 1 ms.
+        let mut pace = Pacer::new(Duration::from_millis(1));
         loop {
             let mut flag: c_int = 0;
             // SAFETY: zeroed handles and status are valid out-parameters.
@@ -464,7 +464,7 @@ impl Comm {
                     &mut st,
                 )
             };
-            check(rc, &what())?;
+            check_lazy(rc, &what)?;
             if flag != 0 {
                 let mut got: c_int = 0;
                 check(
@@ -494,18 +494,8 @@ impl Comm {
                 words.remove(0);
                 return Ok((words, got - 8));
             }
-            if Instant::now() > deadline {
+            if pace.pause() && Instant::now() > deadline {
                 return Err(CommError::Timeout(format!("{} past its deadline", what())));
-            }
-            polls += 1;
-            if polls > 64 {
-                if crate::work::anyone_waiting() {
-                    std::thread::yield_now();
-                } else {
-                    // An idle receiver (an RPC reader thread) sleeps, up to 1 ms.
-                    std::thread::sleep(nap);
-                    nap = (nap * 2).min(Duration::from_millis(1));
-                }
             }
         }
     }
