@@ -234,6 +234,12 @@ struct LayerModule {
 }
 
 impl Block for Layer {
+    /// Every parameter is a direct argument of a deferring op (linear,
+    /// the norms, bias): the zero-bubble W pass needs no recomputation.
+    fn defers_weight_grads(&self) -> bool {
+        true
+    }
+
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = self.cfg.n_embd;
         let vb = vb.pp(format!("transformer.h.{}", self.index));
@@ -332,6 +338,12 @@ struct HeadModule {
 }
 
 impl Block for Head {
+    /// Every parameter is a direct argument of a deferring op (linear,
+    /// the norms, bias): the zero-bubble W pass needs no recomputation.
+    fn defers_weight_grads(&self) -> bool {
+        true
+    }
+
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
         if let Some(tp) = &self.tp {

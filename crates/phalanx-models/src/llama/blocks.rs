@@ -203,6 +203,12 @@ pub(crate) struct LayerModule {
 }
 
 impl Block for Layer {
+    /// Every parameter is a direct argument of a deferring op (linear,
+    /// the norms, bias): the zero-bubble W pass needs no recomputation.
+    fn defers_weight_grads(&self) -> bool {
+        true
+    }
+
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         Ok(Box::new(LayerModule::new(&self.cfg, self.index, &vb)?))
     }
@@ -293,6 +299,12 @@ pub fn head_name(cfg: &LlamaConfig) -> &'static str {
 }
 
 impl Block for Head {
+    /// Every parameter is a direct argument of a deferring op (linear,
+    /// the norms, bias): the zero-bubble W pass needs no recomputation.
+    fn defers_weight_grads(&self) -> bool {
+        true
+    }
+
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
         Ok(Box::new(HeadModule {

@@ -34,6 +34,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape,
 use phalanx::ops::cpu::{
     cpu_f32, dot_lanes, is_float, par_rows, storage_in, tensor_in, with_f32_any,
 };
+use phalanx::ops::tape;
 use phalanx::simd_dispatch;
 
 // ------------------------------------------------------------------ RMSNorm
@@ -101,31 +102,69 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let c = w_t.elem_count();
-        let eps = self.eps;
-        let (dx, dw) = with_f32_any(x_t, |x| {
-            with_f32_any(w_t, |w| {
-                with_f32_any(grad, |dy| {
-                    let mut dx = vec![0f32; x.len()];
-                    let acc = Mutex::new(vec![0f32; c]);
-                    par_rows(&mut dx, c, |rows, dx| {
-                        let mut dw = vec![0f32; c];
-                        for (r, dx) in rows.zip(dx.chunks_exact_mut(c)) {
-                            let (x, dy) = (&x[r * c..(r + 1) * c], &dy[r * c..(r + 1) * c]);
-                            simd_dispatch!(rms_row_bwd(x, w, dy, dx, &mut dw, eps));
-                        }
-                        let mut acc = acc.lock().unwrap();
-                        acc.iter_mut().zip(&dw).for_each(|(a, d)| *a += d);
-                    });
-                    (dx, acc.into_inner().unwrap())
-                })
-            })
-        })???;
+        // The zero-bubble input pass (B) hands a constant gain's gradient to
+        // the tape; W computes it from the kept x and dy.
+        let deferred = !w_t.track_op()
+            && tape::defer(Box::new(RmsGrads {
+                x: x_t.clone(),
+                w: w_t.clone(),
+                dy: grad.clone(),
+                eps: self.eps,
+            }));
+        let (dx, dw) = rms_grads(x_t, w_t, grad, self.eps)?;
         let dev = x_t.device();
+        let dx = tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?;
+        if deferred {
+            return Ok((Some(dx), None));
+        }
         Ok((
-            Some(tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?),
-            Some(tensor_in(dw, w_t.dtype(), c, dev)?),
+            Some(dx),
+            Some(tensor_in(dw, w_t.dtype(), w_t.elem_count(), dev)?),
         ))
+    }
+}
+
+/// (dx, dw) of an RMSNorm as f32 vectors, from tensors of any float dtype.
+fn rms_grads(x_t: &Tensor, w_t: &Tensor, grad: &Tensor, eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
+    let c = w_t.elem_count();
+    with_f32_any(x_t, |x| {
+        with_f32_any(w_t, |w| {
+            with_f32_any(grad, |dy| {
+                let mut dx = vec![0f32; x.len()];
+                let acc = Mutex::new(vec![0f32; c]);
+                par_rows(&mut dx, c, |rows, dx| {
+                    let mut dw = vec![0f32; c];
+                    for (r, dx) in rows.zip(dx.chunks_exact_mut(c)) {
+                        let (x, dy) = (&x[r * c..(r + 1) * c], &dy[r * c..(r + 1) * c]);
+                        simd_dispatch!(rms_row_bwd(x, w, dy, dx, &mut dw, eps));
+                    }
+                    let mut acc = acc.lock().unwrap();
+                    acc.iter_mut().zip(&dw).for_each(|(a, d)| *a += d);
+                });
+                (dx, acc.into_inner().unwrap())
+            })
+        })
+    })??
+}
+
+/// An RMSNorm gain's gradient, postponed to the zero-bubble W pass (the
+/// same kernel as the single backward; its dx is dropped).
+struct RmsGrads {
+    x: Tensor,
+    w: Tensor,
+    dy: Tensor,
+    eps: f32,
+}
+
+impl tape::DeferredGrad for RmsGrads {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        let (_, dw) = rms_grads(&self.x, &self.w, &self.dy, self.eps)?;
+        let dw = tensor_in(dw, self.w.dtype(), self.w.elem_count(), self.w.device())?;
+        Ok(vec![(self.w.clone(), dw)])
+    }
+
+    fn kept(&self) -> Vec<&Tensor> {
+        vec![&self.x, &self.dy]
     }
 }
 

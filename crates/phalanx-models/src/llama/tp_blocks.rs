@@ -128,6 +128,12 @@ struct TpLayerModule {
 }
 
 impl Block for TpLayer {
+    /// Every parameter is a direct argument of a deferring op (linear,
+    /// the norms, bias): the zero-bubble W pass needs no recomputation.
+    fn defers_weight_grads(&self) -> bool {
+        true
+    }
+
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let (cfg, tp) = (&self.cfg, &self.tp);
         let n = tp.size();
@@ -227,6 +233,12 @@ struct TpHeadModule {
 }
 
 impl Block for TpHead {
+    /// Every parameter is a direct argument of a deferring op (linear,
+    /// the norms, bias): the zero-bubble W pass needs no recomputation.
+    fn defers_weight_grads(&self) -> bool {
+        true
+    }
+
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
         let rows = padded_vocab(c.vocab_size, self.tp.size()) / self.tp.size();

@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{bail, DType, Device, Result, Shape, Tensor, Var};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor, TensorId, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::Init;
 
@@ -83,6 +83,9 @@ pub struct Served {
     cache: HashMap<usize, Tensor>,
     /// (parameter index, variable), in request order.
     pub vars: Vec<(usize, Var)>,
+    /// Every tensor handed out (dtype casts included), by id: what a
+    /// deferred weight gradient (`ops::tape`) names its parameter by.
+    pub ids: HashMap<TensorId, usize>,
     /// Bytes materialised (for the ledger's `Working` count).
     pub bytes: usize,
 }
@@ -185,11 +188,13 @@ impl SimpleBackend for Server<'_> {
         };
         // Master weights are f32; a block asking for another dtype gets a cast
         // (autograd flows through it back to the f32 variable).
-        if dtype == DType::F32 {
-            Ok(t)
+        let t = if dtype == DType::F32 {
+            t
         } else {
-            t.to_dtype(dtype)
-        }
+            t.to_dtype(dtype)?
+        };
+        self.served.lock().unwrap().ids.insert(t.id(), k);
+        Ok(t)
     }
 
     fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {

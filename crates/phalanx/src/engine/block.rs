@@ -65,6 +65,19 @@ pub trait BlockModule {
 /// A block of the model: knows how to build its module from a VarBuilder.
 pub trait Block: Send + Sync {
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>>;
+
+    /// Whether every parameter of this block meets the computation only as
+    /// a direct argument (or the engine's dtype cast) of ops that defer
+    /// their weight gradients to a tape (`phalanx::ops::{linear,
+    /// layer_norm, add_bias}`, or a model's own ops through
+    /// [`crate::ops::tape`]). Then the zero-bubble W pass computes the
+    /// block's parameter gradients from the tensors its B pass kept, with no
+    /// recomputation. `false` (the default, always safe) makes W rebuild the
+    /// block and run its forward again. A block that says `true` but whose
+    /// parameter is missed by the tape is an error at its W pass.
+    fn defers_weight_grads(&self) -> bool {
+        false
+    }
 }
 
 /// Adapts a candle-nn style constructor `Fn(VarBuilder) -> Result<M>` with

@@ -31,9 +31,10 @@
 //!
 //! Split backward (zero-bubble schedules, [`split`]): `forward_frozen` keeps a
 //! graph whose parameters are constants; `backward_input` (B) then gives the
-//! input gradient only, and `backward_weight` (W) recomputes each block's
-//! forward from its detached input with the parameters as `Var`s to give the
-//! parameter gradients only, as late as the schedule wants.
+//! input gradient only, and `backward_weight` (W) the parameter gradients
+//! only, as late as the schedule wants: from the tensors B's ops kept on a
+//! tape (`ops::tape`) for blocks that defer their weight gradients, else by
+//! running the block's forward again with the parameters as `Var`s.
 //!
 //! ```
 //! use phalanx::engine::{Activations, FlatBuffer, FnBlock, Stack, Block};
@@ -58,9 +59,10 @@
 //! assert_eq!(dx.unwrap().dims(), &[2, 3]);
 //! ```
 
+use std::collections::HashMap;
 use std::ops::Range;
 
-use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_core::{bail, DType, Device, Result, Tensor, TensorId, Var};
 use candle_nn::VarBuilder;
 
 use super::backend::{ParamSource, Recorder, Served, Server};
@@ -110,6 +112,8 @@ enum Saved {
     Graph {
         x: Option<Var>,
         vars: Vec<(usize, Var)>,
+        /// The parameter tensors the block received, by id (for the tape).
+        ids: HashMap<TensorId, usize>,
         y: Tensor,
         _working: Charge,
     },
@@ -376,6 +380,7 @@ impl Stack {
                     saved.push(Saved::Graph {
                         x: xv,
                         vars: served.vars,
+                        ids: served.ids,
                         y,
                         _working: working,
                     });
@@ -434,6 +439,7 @@ impl Stack {
                     vars,
                     y,
                     _working,
+                    ..
                 } => (x, vars, y, _working),
                 Saved::Part(_) => unreachable!("restored above"),
             };

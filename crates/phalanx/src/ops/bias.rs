@@ -22,6 +22,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::cpu::{cpu_f32, is_float, par_rows, storage_in, tensor_in, with_f32_any};
+use super::tape;
 
 struct AddBias;
 
@@ -58,20 +59,47 @@ impl CustomOp2 for AddBias {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = b.elem_count();
-        let db = with_f32_any(grad, |g| {
-            let mut db = vec![0f32; n];
-            for row in g.chunks_exact(n) {
-                for (d, &v) in db.iter_mut().zip(row) {
-                    *d += v;
-                }
+        if !b.track_op() {
+            // A constant bias: its gradient goes to a recording tape (the
+            // zero-bubble input pass), or nowhere.
+            tape::defer(Box::new(BiasGrads {
+                b: b.clone(),
+                dy: grad.clone(),
+            }));
+            return Ok((Some(grad.clone()), None));
+        }
+        Ok((Some(grad.clone()), Some(bias_grad(b, grad)?)))
+    }
+}
+
+/// db = dy summed over its leading dims, in b's dtype.
+fn bias_grad(b: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let n = b.elem_count();
+    let db = with_f32_any(dy, |g| {
+        let mut db = vec![0f32; n];
+        for row in g.chunks_exact(n) {
+            for (d, &v) in db.iter_mut().zip(row) {
+                *d += v;
             }
-            db
-        })?;
-        Ok((
-            Some(grad.clone()),
-            Some(tensor_in(db, b.dtype(), b.shape(), b.device())?),
-        ))
+        }
+        db
+    })?;
+    tensor_in(db, b.dtype(), b.shape(), b.device())
+}
+
+/// A bias gradient postponed to the zero-bubble W pass.
+struct BiasGrads {
+    b: Tensor,
+    dy: Tensor,
+}
+
+impl tape::DeferredGrad for BiasGrads {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        Ok(vec![(self.b.clone(), bias_grad(&self.b, &self.dy)?)])
+    }
+
+    fn kept(&self) -> Vec<&Tensor> {
+        vec![&self.dy]
     }
 }
 

@@ -25,9 +25,10 @@
 //! ```
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::cpu::{cpu_f32, is_float, storage_in, tensor_in, with_f32_any};
+use super::tape;
 
 /// Row-major (rs = row stride, cs = column stride) view of a matrix in a slice.
 #[derive(Clone, Copy)]
@@ -211,88 +212,121 @@ fn forward(
     y
 }
 
-/// (dx, dw, db) of a linear.
 /// Gradients of a linear: dx = dy w, dw = dy^T x, db = sum(dy). Each is
-/// computed only where the input takes part in autograd (`track_op`): the
-/// zero-bubble schedule's input pass holds the weights constant and its
-/// weight pass the input, and each then costs one matmul instead of two.
+/// computed only where its input takes part in autograd (`track_op`): the
+/// zero-bubble schedule's input pass (B) holds the weights constant and its
+/// weight pass (W) needs no input gradient. While a [`tape`] records (B), the
+/// constant weight's gradient is deferred to it instead of dropped.
 fn backward(
     x: &Tensor,
     w: &Tensor,
+    b: Option<&Tensor>,
     dy: &Tensor,
-    bias: Option<DType>,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    let (need_dx, need_dw) = (x.track_op(), w.track_op());
+    let b_tracked = b.filter(|b| b.track_op());
+    if tape::active() {
+        let defer_w = !w.track_op();
+        let defer_b = b.filter(|b| !b.track_op());
+        if defer_w || defer_b.is_some() {
+            tape::defer(Box::new(LinearGrads {
+                x: x.clone(),
+                w: defer_w.then(|| w.clone()),
+                b: defer_b.cloned(),
+                dy: dy.clone(),
+            }));
+        }
+    }
+    Ok((
+        x.track_op().then(|| input_grad(x, w, dy)).transpose()?,
+        w.track_op().then(|| weight_grad(x, w, dy)).transpose()?,
+        b_tracked.map(|b| bias_grad(b, dy)).transpose()?,
+    ))
+}
+
+/// dx (rows, in) = dy (rows, out) . w (out, in), in x's dtype.
+fn input_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let (k, n) = (w.dim(1)?, w.dim(0)?);
     let rows = x.elem_count() / k;
-    let (dx, dw, db) = with_f32_any(x, |x| {
-        with_f32_any(w, |w| {
-            with_f32_any(dy, |dy| {
-                let g = Mat {
-                    data: dy,
-                    rs: n,
-                    cs: 1,
-                };
-                let mut dx = vec![0f32; if need_dx { rows * k } else { 0 }];
-                if need_dx {
-                    sgemm(
-                        rows,
-                        k,
-                        n,
-                        &mut dx,
-                        false,
-                        g,
-                        Mat {
-                            data: w,
-                            rs: k,
-                            cs: 1,
-                        },
-                    );
-                }
-                let gt = Mat {
-                    data: dy,
-                    rs: 1,
-                    cs: n,
-                };
-                let mut dw = vec![0f32; if need_dw { n * k } else { 0 }];
-                if need_dw {
-                    sgemm(
-                        n,
-                        k,
-                        rows,
-                        &mut dw,
-                        false,
-                        gt,
-                        Mat {
-                            data: x,
-                            rs: k,
-                            cs: 1,
-                        },
-                    );
-                }
-                let db = bias.is_some().then(|| {
-                    let mut db = vec![0f32; n];
-                    for r in dy.chunks_exact(n) {
-                        db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
-                    }
-                    db
-                });
-                (dx, dw, db)
-            })
+    let dx = with_f32_any(w, |w| {
+        with_f32_any(dy, |dy| {
+            let mut dx = vec![0f32; rows * k];
+            let g = Mat {
+                data: dy,
+                rs: n,
+                cs: 1,
+            };
+            let w = Mat {
+                data: w,
+                rs: k,
+                cs: 1,
+            };
+            sgemm(rows, k, n, &mut dx, false, g, w);
+            dx
         })
-    })???;
-    let dev = x.device();
-    Ok((
-        need_dx
-            .then(|| tensor_in(dx, x.dtype(), x.shape(), dev))
-            .transpose()?,
-        need_dw
-            .then(|| tensor_in(dw, w.dtype(), w.shape(), dev))
-            .transpose()?,
-        db.zip(bias)
-            .map(|(db, dt)| tensor_in(db, dt, n, dev))
-            .transpose()?,
-    ))
+    })??;
+    tensor_in(dx, x.dtype(), x.shape(), x.device())
+}
+
+/// dw (out, in) = dy^T (out, rows) . x (rows, in), in w's dtype.
+fn weight_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let (k, n) = (w.dim(1)?, w.dim(0)?);
+    let rows = x.elem_count() / k;
+    let dw = with_f32_any(x, |x| {
+        with_f32_any(dy, |dy| {
+            let mut dw = vec![0f32; n * k];
+            let gt = Mat {
+                data: dy,
+                rs: 1,
+                cs: n,
+            };
+            let x = Mat {
+                data: x,
+                rs: k,
+                cs: 1,
+            };
+            sgemm(n, k, rows, &mut dw, false, gt, x);
+            dw
+        })
+    })??;
+    tensor_in(dw, w.dtype(), w.shape(), w.device())
+}
+
+/// db (out,) = the sum of dy's rows, in b's dtype.
+fn bias_grad(b: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let n = b.elem_count();
+    let db = with_f32_any(dy, |dy| {
+        let mut db = vec![0f32; n];
+        for r in dy.chunks_exact(n) {
+            db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
+        }
+        db
+    })?;
+    tensor_in(db, b.dtype(), n, b.device())
+}
+
+/// A linear's weight (and bias) gradient, postponed to the W pass.
+struct LinearGrads {
+    x: Tensor,
+    w: Option<Tensor>,
+    b: Option<Tensor>,
+    dy: Tensor,
+}
+
+impl tape::DeferredGrad for LinearGrads {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        let mut out = Vec::with_capacity(2);
+        if let Some(w) = &self.w {
+            out.push((w.clone(), weight_grad(&self.x, w, &self.dy)?));
+        }
+        if let Some(b) = &self.b {
+            out.push((b.clone(), bias_grad(b, &self.dy)?));
+        }
+        Ok(out)
+    }
+
+    fn kept(&self) -> Vec<&Tensor> {
+        vec![&self.x, &self.dy]
+    }
 }
 
 struct LinearBias;
@@ -330,7 +364,7 @@ impl CustomOp3 for LinearBias {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        backward(x, w, dy, b.track_op().then(|| b.dtype()))
+        backward(x, w, Some(b), dy)
     }
 }
 
@@ -358,7 +392,7 @@ impl CustomOp2 for LinearNoBias {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = backward(x, w, dy, None)?;
+        let (dx, dw, _) = backward(x, w, None, dy)?;
         Ok((dx, dw))
     }
 }

@@ -29,6 +29,7 @@ mod gelu;
 mod layer_norm;
 mod linear;
 mod softmax;
+pub mod tape;
 
 pub use attention::causal_attention;
 pub use bias::add_bias;

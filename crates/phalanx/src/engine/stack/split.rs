@@ -3,17 +3,21 @@
 //!
 //! - B, [`Stack::backward_input`]: the input gradient only. The forward ran
 //!   with the parameters as constants ([`Stack::forward_frozen`]), so candle's
-//!   backward walks the activation path and computes no weight gradient. Each
-//!   block's input and upstream gradient are kept in a [`WeightStash`].
-//! - W, [`Stack::backward_weight`]: the parameter gradients only. candle
-//!   computes all gradients of a graph in one backward, so W rebuilds each
-//!   block with its parameters as `Var`s, runs its forward again from the
-//!   detached input and backpropagates the kept upstream gradient. The cost is
-//!   one more forward per block; what stays alive between B and W is two
-//!   boundary tensors per block instead of the block's graph.
+//!   backward walks the activation path and computes no weight gradient.
+//! - W, [`Stack::backward_weight`]: the parameter gradients only, two ways:
+//!   - a block whose ops defer their weight gradients
+//!     ([`crate::engine::Block::defers_weight_grads`], the reference GPT-2
+//!     and Llama blocks) runs B with a tape recording ([`crate::ops::tape`]):
+//!     each linear, LayerNorm and bias hands in the tensors its weight
+//!     gradient needs (its input and output gradient), and W runs only
+//!     those kernels. No forward again: B + W cost what one backward costs.
+//!   - any other block keeps its input and upstream gradient; W rebuilds it
+//!     with its parameters as `Var`s, runs its forward again from the
+//!     detached input and backpropagates the kept gradient. The cost is one
+//!     more forward per block.
 //!
-//! B then W gives the same gradients as [`Stack::backward`] (same ops on the
-//! same values), which the pipeline equivalence tests check end to end.
+//! B then W gives the same gradients as [`Stack::backward`] (the same kernels
+//! on the same values), which the pipeline equivalence tests check end to end.
 //!
 //! ```
 //! use phalanx::engine::{Activations, Block, FlatBuffer, FnBlock, Stack};
@@ -47,9 +51,10 @@
 //! }
 //! ```
 
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, Result, Tensor, TensorId, Var};
 
 use super::{tensor_bytes, Saved, Stack, Stash};
 use crate::engine::backend::ParamSource;
@@ -57,13 +62,26 @@ use crate::engine::block::Ctx;
 use crate::engine::flat::GradSink;
 use crate::ledger::{Charge, Mem};
 use crate::ops::cpu::with_f32;
+use crate::ops::tape::{self, DeferredGrad};
+
+/// What W needs of one block once B has run.
+enum Kept {
+    /// The weight-gradient work B's ops deferred, and the block's parameter
+    /// tensors by id.
+    Tape {
+        work: Vec<Box<dyn DeferredGrad>>,
+        ids: HashMap<TensorId, usize>,
+    },
+    /// The block's input and the gradient of its output (W recomputes).
+    Recompute { x: Tensor, gy: Tensor },
+}
 
 /// What a weight-gradient pass (W) needs once the input-gradient pass (B)
-/// has run: per block, its input and the gradient of its output.
+/// has run, per block.
 pub struct WeightStash {
     range: Range<usize>,
-    /// (input, upstream gradient) per block, in block order.
-    saved: Vec<(Tensor, Tensor)>,
+    /// Per block, in block order.
+    saved: Vec<Kept>,
     targets: Option<Tensor>,
     _activations: Charge,
 }
@@ -73,6 +91,24 @@ impl WeightStash {
     pub fn range(&self) -> Range<usize> {
         self.range.clone()
     }
+
+    /// How many blocks' W recomputes their forward (the others use the tape).
+    pub fn recomputed_blocks(&self) -> usize {
+        self.saved
+            .iter()
+            .filter(|k| matches!(k, Kept::Recompute { .. }))
+            .count()
+    }
+}
+
+/// Bytes of the distinct tensors a tape keeps.
+fn tape_bytes(work: &[Box<dyn DeferredGrad>]) -> usize {
+    let mut seen = HashSet::new();
+    work.iter()
+        .flat_map(|w| w.kept())
+        .filter(|t| seen.insert(t.id()))
+        .map(tensor_bytes)
+        .sum()
 }
 
 impl Stack {
@@ -113,23 +149,29 @@ impl Stack {
         let mut keep = Vec::with_capacity(range.len());
         let mut bytes = 0;
         for (b, saved) in range.clone().rev().zip(saved.into_iter().rev()) {
-            // The input (detached, for W) and, for a float input, the graph
-            // from the input `Var` to the output.
+            // The input (detached, for a recomputing W), the graph from the
+            // input `Var` to the output for a float input, and the
+            // parameters' ids.
             let saved = super::partition::restore(saved, self.partition.as_ref())?;
-            let (x, graph) = match saved {
+            let (x, graph, ids) = match saved {
                 Saved::Part(_) => unreachable!("restored above"),
-                Saved::Input(x) if !x.dtype().is_float() => (x, None),
+                Saved::Input(x) if !x.dtype().is_float() => (x, None, HashMap::new()),
                 Saved::Input(x) => {
                     let xv = Var::from_tensor(&x)?;
-                    let (m, _served, _working) = self.build(b, src, false)?;
+                    let (m, served, _working) = self.build(b, src, false)?;
                     let y = m.forward(xv.as_tensor(), &ctx)?;
-                    (x, Some((xv, y)))
+                    (x, Some((xv, y)), served.ids)
                 }
                 Saved::Graph { x: None, .. } => bail!(
                     "block {b}: its token-id input was not kept; run the range with \
                      `forward_frozen` (not `forward`) before `backward_input`"
                 ),
-                Saved::Graph { x: Some(xv), y, .. } => (xv.as_tensor().detach(), Some((xv, y))),
+                Saved::Graph {
+                    x: Some(xv),
+                    y,
+                    ids,
+                    ..
+                } => (xv.as_tensor().detach(), Some((xv, y)), ids),
             };
             if let Some((_, y)) = &graph {
                 if y.shape() != gy.shape() {
@@ -140,9 +182,18 @@ impl Stack {
                     )
                 }
             }
+            let taped = graph.is_some() && self.blocks[b].defers_weight_grads();
+            let mut work = Vec::new();
             dx = match graph {
                 Some((xv, y)) => {
-                    let grads = super::weighted_sum(&y, &gy)?.backward()?;
+                    let backward = || super::weighted_sum(&y, &gy)?.backward();
+                    let grads = if taped {
+                        let (grads, w) = tape::recording(backward)?;
+                        work = w;
+                        grads
+                    } else {
+                        backward()?
+                    };
                     match grads.get(xv.as_tensor()) {
                         Some(g) => Some(g.detach()),
                         None => bail!("block {b}: its input received no gradient"),
@@ -150,8 +201,13 @@ impl Stack {
                 }
                 None => None,
             };
-            bytes += tensor_bytes(&x) + tensor_bytes(&gy);
-            keep.push((x, gy.clone()));
+            if taped {
+                bytes += tape_bytes(&work);
+                keep.push(Kept::Tape { work, ids });
+            } else {
+                bytes += tensor_bytes(&x) + tensor_bytes(&gy);
+                keep.push(Kept::Recompute { x, gy: gy.clone() });
+            }
             if let Some(g) = &dx {
                 gy = g.clone();
             }
@@ -186,30 +242,70 @@ impl Stack {
             targets: targets.as_ref(),
             train: true,
         };
-        for (b, (x, gy)) in range.rev().zip(saved.into_iter().rev()) {
-            let (m, served, working) = self.build(b, src, true)?;
-            let y = m.forward(&x, &ctx)?;
-            if y.shape() != gy.shape() {
-                bail!(
-                    "block {b}: output {:?} but upstream gradient {:?}",
-                    y.shape(),
-                    gy.shape()
-                )
+        for (b, kept) in range.rev().zip(saved.into_iter().rev()) {
+            match kept {
+                Kept::Tape { work, ids } => self.weight_from_tape(b, work, &ids, sink)?,
+                Kept::Recompute { x, gy } => {
+                    let (m, served, working) = self.build(b, src, true)?;
+                    let y = m.forward(&x, &ctx)?;
+                    if y.shape() != gy.shape() {
+                        bail!(
+                            "block {b}: output {:?} but upstream gradient {:?}",
+                            y.shape(),
+                            gy.shape()
+                        )
+                    }
+                    let grads = super::weighted_sum(&y, &gy)?.backward()?;
+                    for (k, var) in &served.vars {
+                        let p = &self.layout.params()[*k];
+                        let Some(g) = grads.get(var.as_tensor()) else {
+                            bail!(
+                                "parameter `{}` (block {b}) received no gradient: it is unused, \
+                                 or an op without backward cut it off; use phalanx::ops",
+                                p.name
+                            )
+                        };
+                        with_f32(g, |g| sink.accumulate(p, g))??;
+                    }
+                    drop((grads, served, working));
+                }
             }
-            let grads = super::weighted_sum(&y, &gy)?.backward()?;
-            for (k, var) in &served.vars {
-                let p = &self.layout.params()[*k];
-                let Some(g) = grads.get(var.as_tensor()) else {
-                    bail!(
-                        "parameter `{}` (block {b}) received no gradient: it is unused, or an op \
-                         without backward cut it off; use phalanx::ops",
-                        p.name
-                    )
-                };
-                with_f32(g, |g| sink.accumulate(p, g))??;
-            }
-            drop((grads, served, working));
             hook(b, sink)?;
+        }
+        Ok(())
+    }
+
+    /// W of one block from its tape: each deferred op's weight gradients,
+    /// in the order B met them, added to their parameters' slots.
+    fn weight_from_tape<S: GradSink>(
+        &self,
+        b: usize,
+        work: Vec<Box<dyn DeferredGrad>>,
+        ids: &HashMap<TensorId, usize>,
+        sink: &mut S,
+    ) -> Result<()> {
+        let mut got = HashSet::new();
+        for w in work {
+            for (t, g) in w.compute()? {
+                // A constant that is not a parameter has no slot (the single
+                // backward computes nothing for it either).
+                let Some(&k) = ids.get(&t.id()) else { continue };
+                let g = if g.dtype() == candle_core::DType::F32 {
+                    g
+                } else {
+                    g.to_dtype(candle_core::DType::F32)?
+                };
+                with_f32(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;
+                got.insert(k);
+            }
+        }
+        if let Some(k) = ids.values().filter(|k| !got.contains(k)).min() {
+            bail!(
+                "parameter `{}` (block {b}) received no deferred gradient: the block says \
+                 `defers_weight_grads` but uses it outside the ops that defer (phalanx::ops \
+                 linear, layer_norm, add_bias, or an op calling ops::tape::defer)",
+                self.layout.params()[*k].name
+            )
         }
         Ok(())
     }
