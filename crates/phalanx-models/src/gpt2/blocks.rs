@@ -38,7 +38,7 @@
 //! assert_eq!(b.len(), 4 + 2);
 //! ```
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use phalanx::engine::{Block, BlockModule, Ctx};
 use phalanx::ops;
@@ -296,8 +296,41 @@ impl LayerModule {
     }
 }
 
+impl LayerModule {
+    /// The parameters in [`super::fused::Params`] order.
+    fn params(&self) -> super::fused::Params {
+        [
+            self.ln_1.w.clone(),
+            self.ln_1.b.clone(),
+            self.c_attn_w.clone(),
+            self.c_attn_b.clone(),
+            self.attn_proj.w.clone(),
+            self.attn_proj.b.clone(),
+            self.ln_2.w.clone(),
+            self.ln_2.b.clone(),
+            self.c_fc.w.clone(),
+            self.c_fc.b.clone(),
+            self.mlp_proj.w.clone(),
+            self.mlp_proj.b.clone(),
+        ]
+    }
+
+    /// f32 on CPU: the explicit forward / backward of `fused` applies.
+    fn fusable(&self, x: &Tensor) -> bool {
+        let p = self.params();
+        super::fused::enabled()
+            && x.device().is_cpu()
+            && x.dtype() == DType::F32
+            && p.iter()
+                .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+    }
+}
+
 impl BlockModule for LayerModule {
     fn forward(&self, x: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        if self.fusable(x) {
+            return super::fused::layer(x, self.params(), self.n_head, LN_EPS);
+        }
         let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
         &x + self.mlp(&self.ln_2.forward(&x)?)?
     }

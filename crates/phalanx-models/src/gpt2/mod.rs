@@ -23,12 +23,14 @@
 pub mod blocks;
 pub mod config;
 pub mod dcp;
+mod fused;
 pub mod hf;
 pub mod tp;
 pub mod train;
 
 pub use blocks::{blocks, blocks_tp};
 pub use config::Gpt2Config;
+pub use fused::set_fused_layer;
 
 use candle_core::{Device, Result};
 use phalanx::engine::{Engine, EngineConfig};

@@ -423,7 +423,7 @@ impl Stack {
         let mut dx = None;
         for (b, saved) in range.rev().zip(saved.into_iter().rev()) {
             let saved = partition::restore(saved, self.partition.as_ref())?;
-            let (xv, vars, y, working) = match saved {
+            let (xv, vars, ids, y, working) = match saved {
                 Saved::Input(x) => {
                     let xv = if x.dtype().is_float() {
                         Some(Var::from_tensor(&x)?)
@@ -432,15 +432,15 @@ impl Stack {
                     };
                     let (m, served, working) = self.build(b, src, true)?;
                     let y = m.forward(xv.as_ref().map_or(&x, |v| v.as_tensor()), &ctx)?;
-                    (xv, served.vars, y, working)
+                    (xv, served.vars, served.ids, y, working)
                 }
                 Saved::Graph {
                     x,
                     vars,
+                    ids,
                     y,
                     _working,
-                    ..
-                } => (x, vars, y, _working),
+                } => (x, vars, ids, y, _working),
                 Saved::Part(_) => unreachable!("restored above"),
             };
             if y.shape() != gy.shape() {
@@ -450,19 +450,9 @@ impl Stack {
                     gy.shape()
                 )
             }
-            let grads = weighted_sum(&y, &gy)?.backward()?;
-            for (k, var) in &vars {
-                let p = &self.layout.params()[*k];
-                let Some(g) = grads.get(var.as_tensor()) else {
-                    bail!(
-                        "parameter `{}` (block {b}) received no gradient: it is unused, or an op \
-                         without backward (candle-nn's fused layer_norm/softmax_last_dim) cut it \
-                         off; use phalanx::ops",
-                        p.name
-                    )
-                };
-                with_f32(g, |g| sink.accumulate(p, g))??;
-            }
+            let tape = self.blocks[b].defers_weight_grads();
+            let (grads, deferred) = backward_taped(&y, &gy, tape, &ids)?;
+            self.accumulate_vars(b, &vars, &grads, deferred, sink)?;
             dx = match &xv {
                 Some(v) => match grads.get(v.as_tensor()) {
                     Some(g) => Some(g.detach()),
@@ -501,15 +491,96 @@ impl Stack {
             h = block.build(vb.clone())?.forward(&h, &ctx)?;
         }
         let loss = h.to_scalar::<f32>()?;
-        let grads = (h * loss_scale as f64)?.backward()?;
-        let mut flat = vec![0f32; self.layout.num_params()];
-        for (k, var) in &served.lock().unwrap().vars {
-            let p = &self.layout.params()[*k];
-            match grads.get(var.as_tensor()) {
-                Some(g) => with_f32(g, |g| flat[p.range()].copy_from_slice(g))?,
-                None => bail!("parameter `{}` received no gradient", p.name),
+        let served = std::mem::take(&mut *served.lock().unwrap());
+        let scale = Tensor::new(loss_scale, h.device())?;
+        let (grads, deferred) = backward_taped(&h, &scale, true, &served.ids)?;
+        let mut flat = FlatGrads(vec![0f32; self.layout.num_params()]);
+        self.accumulate_vars(usize::MAX, &served.vars, &grads, deferred, &mut flat)?;
+        Ok((loss, flat.0))
+    }
+}
+
+/// A whole-model gradient vector as a sink (for `reference_grads`).
+struct FlatGrads(Vec<f32>);
+
+impl GradSink for FlatGrads {
+    fn accumulate(&mut self, p: &super::layout::ParamInfo, g: &[f32]) -> Result<()> {
+        self.0[p.range()]
+            .iter_mut()
+            .zip(g)
+            .for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+}
+
+/// The backward of `sum(y * gy)`. With `tape`, it runs under a weight-
+/// gradient tape ([`crate::ops::tape`]) whose work is done right away: fused
+/// blocks hand their parameter gradients over only that way. Returns
+/// candle's gradients and the deferred ones by parameter index (work on a
+/// tensor that is not a parameter is dropped).
+pub(super) fn backward_taped(
+    y: &Tensor,
+    gy: &Tensor,
+    tape: bool,
+    ids: &HashMap<TensorId, usize>,
+) -> Result<(candle_core::backprop::GradStore, Vec<(usize, Tensor)>)> {
+    let backward = || weighted_sum(y, gy)?.backward();
+    if !tape {
+        return Ok((backward()?, Vec::new()));
+    }
+    let (grads, work) = crate::ops::tape::recording(backward)?;
+    let mut deferred = Vec::new();
+    for w in work {
+        for (t, g) in w.compute()? {
+            if let Some(&k) = ids.get(&t.id()) {
+                deferred.push((k, g));
             }
         }
-        Ok((loss, flat))
+    }
+    Ok((grads, deferred))
+}
+
+impl Stack {
+    /// Adds each parameter's gradient (candle's and any deferred ones) into
+    /// `sink`; a parameter with neither is an error naming it.
+    fn accumulate_vars<S: GradSink>(
+        &self,
+        b: usize,
+        vars: &[(usize, Var)],
+        grads: &candle_core::backprop::GradStore,
+        deferred: Vec<(usize, Tensor)>,
+        sink: &mut S,
+    ) -> Result<()> {
+        let mut got = std::collections::HashSet::new();
+        for (k, g) in deferred {
+            let g = if g.dtype() == DType::F32 {
+                g
+            } else {
+                g.to_dtype(DType::F32)?
+            };
+            with_f32(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;
+            got.insert(k);
+        }
+        for (k, var) in vars {
+            let p = &self.layout.params()[*k];
+            match grads.get(var.as_tensor()) {
+                Some(g) => with_f32(g, |g| sink.accumulate(p, g))??,
+                None if got.contains(k) => {}
+                None => {
+                    let block = if b == usize::MAX {
+                        String::new()
+                    } else {
+                        format!(" (block {b})")
+                    };
+                    bail!(
+                        "parameter `{}`{block} received no gradient: it is unused, or an op \
+                         without backward (candle-nn's fused layer_norm/softmax_last_dim) cut it \
+                         off; use phalanx::ops",
+                        p.name
+                    )
+                }
+            }
+        }
+        Ok(())
     }
 }

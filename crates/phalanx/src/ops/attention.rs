@@ -136,46 +136,12 @@ impl CustomOp1 for Attention {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = cpu_f32(s, l)?;
-        let qkv = &qkv[..];
         let d = dims_of(l, self.n_head)?;
-        let (t, c) = (d.t, d.c);
-        let mut y = vec![0f32; d.b * t * c];
-        let mut probs = vec![0f32; d.b * d.nh * t * t];
-        let (yp, pp) = (Out(y.as_mut_ptr()), Out(probs.as_mut_ptr()));
-        candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
-            for task in tasks {
-                let (b, h) = (task / d.nh, task % d.nh);
-                let p = head_probs(qkv, d, b, h);
-                let v = Mat {
-                    data: &qkv[b * t * 3 * c + 2 * c + h * d.hs..],
-                    rs: 3 * c,
-                    cs: 1,
-                };
-                let mut yh = vec![0f32; t * d.hs];
-                sgemm_strided(
-                    t,
-                    d.hs,
-                    t,
-                    &mut yh,
-                    d.hs,
-                    false,
-                    Mat {
-                        data: &p,
-                        rs: t,
-                        cs: 1,
-                    },
-                    v,
-                    false,
-                );
-                // SAFETY: task (b, h) owns y[b, :, h*hs..(h+1)*hs] and probs[b, h].
-                unsafe {
-                    yp.scatter(b * t * c + h * d.hs, c, d.hs, &yh);
-                    pp.scatter(task * t * t, t, t, &p);
-                }
-            }
-        });
+        let mut y = vec![0f32; d.b * d.t * d.c];
+        let mut probs = vec![0f32; d.b * d.nh * d.t * d.t];
+        forward_into(&qkv, d, &mut y, &mut probs);
         *self.probs.lock().unwrap() = Some(storage_in(s.dtype(), probs)?);
-        Ok((storage_in(s.dtype(), y)?, Shape::from((d.b, t, c))))
+        Ok((storage_in(s.dtype(), y)?, Shape::from((d.b, d.t, d.c))))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -195,24 +161,119 @@ impl CustomOp1 for Attention {
     }
 }
 
+/// y (B, T, C) and P (B, nh, T, T) from qkv; both fully written.
+fn forward_into(qkv: &[f32], d: Dims, y: &mut [f32], probs: &mut [f32]) {
+    let (t, c) = (d.t, d.c);
+    let (yp, pp) = (Out(y.as_mut_ptr()), Out(probs.as_mut_ptr()));
+    candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
+        for task in tasks {
+            let (b, h) = (task / d.nh, task % d.nh);
+            let p = head_probs(qkv, d, b, h);
+            let v = Mat {
+                data: &qkv[b * t * 3 * c + 2 * c + h * d.hs..],
+                rs: 3 * c,
+                cs: 1,
+            };
+            let mut yh = vec![0f32; t * d.hs];
+            sgemm_strided(
+                t,
+                d.hs,
+                t,
+                &mut yh,
+                d.hs,
+                false,
+                Mat {
+                    data: &p,
+                    rs: t,
+                    cs: 1,
+                },
+                v,
+                false,
+            );
+            // SAFETY: task (b, h) owns y[b, :, h*hs..(h+1)*hs] and probs[b, h].
+            unsafe {
+                yp.scatter(b * t * c + h * d.hs, c, d.hs, &yh);
+                pp.scatter(task * t * t, t, t, &p);
+            }
+        }
+    });
+}
+
+/// The probabilities a backward uses.
+enum Probs<'a> {
+    /// Kept by the op, in qkv's dtype.
+    Stored(&'a CpuStorage),
+    /// Kept by a fused block, f32.
+    F32(&'a [f32]),
+    /// Not kept: recomputed per head.
+    Recompute,
+}
+
+fn dims_checked(b: usize, t: usize, c: usize, nh: usize) -> Dims {
+    assert!(nh > 0 && c.is_multiple_of(nh), "attention: C = {c}, n_head = {nh}");
+    Dims {
+        b,
+        t,
+        c,
+        nh,
+        hs: c / nh,
+    }
+}
+
+/// Causal attention over slices, for fused blocks: qkv (B, T, 3C) ->
+/// y (B, T, C) and the probabilities (B, nh, T, T) its backward needs.
+/// Every element of `y` and `probs` is written.
+pub fn attention_forward(
+    qkv: &[f32],
+    (b, t, c, nh): (usize, usize, usize, usize),
+    y: &mut [f32],
+    probs: &mut [f32],
+) {
+    let d = dims_checked(b, t, c, nh);
+    assert!(qkv.len() == b * t * 3 * c && y.len() == b * t * c && probs.len() == b * nh * t * t);
+    forward_into(qkv, d, y, probs)
+}
+
+/// The backward of [`attention_forward`]: dqkv (B, T, 3C), every element
+/// written, from dy (B, T, C) and the kept probabilities.
+pub fn attention_backward(
+    qkv: &[f32],
+    dy: &[f32],
+    probs: &[f32],
+    (b, t, c, nh): (usize, usize, usize, usize),
+    dqkv: &mut [f32],
+) {
+    let d = dims_checked(b, t, c, nh);
+    assert!(dy.len() == b * t * c && probs.len() == b * nh * t * t && dqkv.len() == qkv.len());
+    backward_into(qkv, dy, Probs::F32(probs), d, dqkv)
+}
+
 fn backward(qkv: &[f32], dy: &[f32], saved: Option<&CpuStorage>, d: Dims) -> Result<Vec<f32>> {
     if let Some(s) = saved {
         // The dtype is checked here so the tasks below cannot fail.
         storage_f32(s, 0..0)?;
     }
+    let mut dqkv = vec![0f32; qkv.len()];
+    let probs = saved.map_or(Probs::Recompute, Probs::Stored);
+    backward_into(qkv, dy, probs, d, &mut dqkv);
+    Ok(dqkv)
+}
+
+/// dqkv from dy; every element of `dqkv` is written.
+fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32]) {
     let (t, c, hs) = (d.t, d.c, d.hs);
     let c3 = 3 * c;
     let scale = 1.0 / (hs as f32).sqrt();
-    let mut dqkv = vec![0f32; qkv.len()];
     let out = Out(dqkv.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
         for task in tasks {
             let (b, h) = (task / d.nh, task % d.nh);
-            let p = match saved {
+            let head = task * t * t..(task + 1) * t * t;
+            let p: std::borrow::Cow<[f32]> = match &saved {
                 // Borrowed for f32, one head widened for f16 / bf16.
-                Some(s) => storage_f32(s, task * t * t..(task + 1) * t * t)
-                    .expect("dtype checked before the tasks"),
-                None => head_probs(qkv, d, b, h).into(),
+                Probs::Stored(s) => storage_f32(s, head).expect("dtype checked before the tasks"),
+                Probs::F32(p) => p[head].into(),
+                Probs::Recompute => head_probs(qkv, d, b, h).into(),
             };
             let p = &p[..];
             let base = b * t * c3 + h * hs;
@@ -288,7 +349,6 @@ fn backward(qkv: &[f32], dy: &[f32], saved: Option<&CpuStorage>, d: Dims) -> Res
             }
         }
     });
-    Ok(dqkv)
 }
 
 /// Causal self-attention of `qkv` (B, T, 3C) = [q | k | v] with `n_head`

@@ -113,15 +113,8 @@ impl CustomOp3 for LayerNorm {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w, b) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?, cpu_f32(s3, l3)?);
-        let (w, b) = (&w[..], &b[..]);
-        let c = w.len();
         let mut y = vec![0f32; x.len()];
-        par_rows(&mut y, c, |rows, y| {
-            for (r, y) in rows.zip(y.chunks_exact_mut(c)) {
-                let x = &x[r * c..(r + 1) * c];
-                simd_dispatch!(row_fwd(x, w, b, y, self.eps));
-            }
-        });
+        layer_norm_forward(&x, &w, &b, self.eps, &mut y);
         Ok((storage_in(s1.dtype(), y)?, l1.shape().clone()))
     }
 
@@ -197,6 +190,18 @@ impl tape::DeferredGrad for LayerNormGrads {
     fn kept(&self) -> Vec<&Tensor> {
         vec![&self.x, &self.dy]
     }
+}
+
+/// The forward over slices (rows of `w.len()`): every element of `y` is written.
+pub fn layer_norm_forward(x: &[f32], w: &[f32], b: &[f32], eps: f32, y: &mut [f32]) {
+    let c = w.len();
+    assert!(b.len() == c && x.len() == y.len() && x.len().is_multiple_of(c));
+    par_rows(y, c, |rows, y| {
+        for (r, y) in rows.zip(y.chunks_exact_mut(c)) {
+            let x = &x[r * c..(r + 1) * c];
+            simd_dispatch!(row_fwd(x, w, b, y, eps));
+        }
+    });
 }
 
 /// The backward pass over slices: returns (dx, dw, db).

@@ -194,6 +194,20 @@ fn forward(
     (rows, k, n): (usize, usize, usize),
 ) -> Vec<f32> {
     let mut y = vec![0f32; rows * n];
+    linear_forward(x, w, b, (rows, k, n), &mut y);
+    y
+}
+
+/// `y (rows, n) = x (rows, k) . w^T + b` over slices, w (n, k): every
+/// element of `y` is written (no need to zero it).
+pub fn linear_forward(
+    x: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    (rows, k, n): (usize, usize, usize),
+    y: &mut [f32],
+) {
+    assert!(y.len() == rows * n && b.is_none_or(|b| b.len() == n));
     if let Some(b) = b {
         y.chunks_exact_mut(n).for_each(|r| r.copy_from_slice(b));
     }
@@ -208,8 +222,7 @@ fn forward(
         rs: 1,
         cs: k,
     };
-    sgemm(rows, n, k, &mut y, b.is_some(), a, wt);
-    y
+    sgemm(rows, n, k, y, b.is_some(), a, wt);
 }
 
 /// Gradients of a linear: dx = dy w, dw = dy^T x, db = sum(dy). Each is
@@ -250,17 +263,7 @@ fn input_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let dx = with_f32_any(w, |w| {
         with_f32_any(dy, |dy| {
             let mut dx = vec![0f32; rows * k];
-            let g = Mat {
-                data: dy,
-                rs: n,
-                cs: 1,
-            };
-            let w = Mat {
-                data: w,
-                rs: k,
-                cs: 1,
-            };
-            sgemm(rows, k, n, &mut dx, false, g, w);
+            linear_backward_input(dy, w, (rows, k, n), &mut dx);
             dx
         })
     })??;
@@ -274,17 +277,7 @@ fn weight_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let dw = with_f32_any(x, |x| {
         with_f32_any(dy, |dy| {
             let mut dw = vec![0f32; n * k];
-            let gt = Mat {
-                data: dy,
-                rs: 1,
-                cs: n,
-            };
-            let x = Mat {
-                data: x,
-                rs: k,
-                cs: 1,
-            };
-            sgemm(n, k, rows, &mut dw, false, gt, x);
+            linear_backward_weight(x, dy, (rows, k, n), &mut dw);
             dw
         })
     })??;
@@ -296,12 +289,63 @@ fn bias_grad(b: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let n = b.elem_count();
     let db = with_f32_any(dy, |dy| {
         let mut db = vec![0f32; n];
-        for r in dy.chunks_exact(n) {
-            db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
-        }
+        linear_backward_bias(dy, &mut db);
         db
     })?;
     tensor_in(db, b.dtype(), n, b.device())
+}
+
+/// Over slices, for fused blocks: dx (rows, k) = dy (rows, n) . w (n, k);
+/// every element of `dx` is written.
+pub fn linear_backward_input(
+    dy: &[f32],
+    w: &[f32],
+    (rows, k, n): (usize, usize, usize),
+    dx: &mut [f32],
+) {
+    assert_eq!(dx.len(), rows * k);
+    let g = Mat {
+        data: dy,
+        rs: n,
+        cs: 1,
+    };
+    let w = Mat {
+        data: w,
+        rs: k,
+        cs: 1,
+    };
+    sgemm(rows, k, n, dx, false, g, w);
+}
+
+/// Over slices: dw (n, k) = dy^T (n, rows) . x (rows, k); every element
+/// of `dw` is written.
+pub fn linear_backward_weight(
+    x: &[f32],
+    dy: &[f32],
+    (rows, k, n): (usize, usize, usize),
+    dw: &mut [f32],
+) {
+    assert_eq!(dw.len(), n * k);
+    let gt = Mat {
+        data: dy,
+        rs: 1,
+        cs: n,
+    };
+    let x = Mat {
+        data: x,
+        rs: k,
+        cs: 1,
+    };
+    sgemm(n, k, rows, dw, false, gt, x);
+}
+
+/// Over slices: db (n,) = the sum of the rows of dy (rows, n); `db` is
+/// overwritten.
+pub fn linear_backward_bias(dy: &[f32], db: &mut [f32]) {
+    db.fill(0.0);
+    for r in dy.chunks_exact(db.len()) {
+        db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
+    }
 }
 
 /// A linear's weight (and bias) gradient, postponed to the W pass.

@@ -23,6 +23,7 @@
 
 mod attention;
 mod bias;
+pub mod buffers;
 pub mod cpu;
 mod cross_entropy;
 mod gelu;
@@ -31,10 +32,13 @@ mod linear;
 mod softmax;
 pub mod tape;
 
-pub use attention::causal_attention;
+pub use attention::{attention_backward, attention_forward, causal_attention};
 pub use bias::add_bias;
 pub use cross_entropy::cross_entropy;
 pub use gelu::{exp_approx, gelu, gelu_backward, gelu_forward, tanh_approx};
-pub use layer_norm::{layer_norm, layer_norm_backward};
-pub use linear::{linear, sgemm, sgemm_strided, Mat};
+pub use layer_norm::{layer_norm, layer_norm_backward, layer_norm_forward};
+pub use linear::{
+    linear, linear_backward_bias, linear_backward_input, linear_backward_weight, linear_forward,
+    sgemm, sgemm_strided, Mat,
+};
 pub use softmax::{causal_softmax, softmax_last_dim};

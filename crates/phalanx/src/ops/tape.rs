@@ -45,6 +45,10 @@ pub trait DeferredGrad: Send {
     /// The tensors kept alive until [`DeferredGrad::compute`] (for the
     /// memory ledger).
     fn kept(&self) -> Vec<&Tensor>;
+    /// Bytes kept outside tensors (a fused block's own buffers).
+    fn kept_buffer_bytes(&self) -> usize {
+        0
+    }
 }
 
 thread_local! {

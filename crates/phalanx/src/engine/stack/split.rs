@@ -104,11 +104,13 @@ impl WeightStash {
 /// Bytes of the distinct tensors a tape keeps.
 fn tape_bytes(work: &[Box<dyn DeferredGrad>]) -> usize {
     let mut seen = HashSet::new();
-    work.iter()
+    let tensors: usize = work
+        .iter()
         .flat_map(|w| w.kept())
         .filter(|t| seen.insert(t.id()))
         .map(tensor_bytes)
-        .sum()
+        .sum();
+    tensors + work.iter().map(|w| w.kept_buffer_bytes()).sum::<usize>()
 }
 
 impl Stack {
@@ -255,18 +257,9 @@ impl Stack {
                             gy.shape()
                         )
                     }
-                    let grads = super::weighted_sum(&y, &gy)?.backward()?;
-                    for (k, var) in &served.vars {
-                        let p = &self.layout.params()[*k];
-                        let Some(g) = grads.get(var.as_tensor()) else {
-                            bail!(
-                                "parameter `{}` (block {b}) received no gradient: it is unused, \
-                                 or an op without backward cut it off; use phalanx::ops",
-                                p.name
-                            )
-                        };
-                        with_f32(g, |g| sink.accumulate(p, g))??;
-                    }
+                    let tape = self.blocks[b].defers_weight_grads();
+                    let (grads, deferred) = super::backward_taped(&y, &gy, tape, &served.ids)?;
+                    self.accumulate_vars(b, &served.vars, &grads, deferred, sink)?;
                     drop((grads, served, working));
                 }
             }

@@ -1,0 +1,288 @@
+//! The GPT-2 transformer layer as one op with an explicit forward and
+//! backward (llm.c's layer: one pass of kernels each way over buffers the
+//! layer owns), used by [`super::blocks`] for f32 layers on CPU.
+//!
+//!   forward, x (B, T, C):
+//!     ln1 = LN(x);  qkv = ln1 Wa^T + ba (N, 3C);  att, P = attention(qkv)
+//!     x1  = x + att Wo^T + bo;  ln2 = LN(x1);  h = ln2 Wf^T + bf (N, 4C)
+//!     g = gelu(h);  y = x1 + g Wp^T + bp
+//!   backward, dy (N, C) -> dx, in reverse; the parameter gradients
+//!     (dW = dout^T in, db = sum dout for the four linears; the LayerNorms'
+//!     gains and biases) go to the weight-gradient tape (`phalanx::ops::tape`)
+//!     that the engine runs every backward of such a block under. Run
+//!     at once, that is the ordinary backward; run later, it is the
+//!     zero-bubble W pass without recomputation.
+//!
+//! Why: with candle autograd the same layer is ~12 graph nodes, and candle's
+//! backward gives each input of each node a freshly zero-filled gradient it
+//! then adds into, and every activation is a fresh allocation. Here the
+//! activations live in buffers the thread reuses every step
+//! (`phalanx::ops::buffers`), and nothing is zero-filled or added twice.
+//! The kernels are the ones the composed layer runs (same gemm calls, same
+//! LayerNorm, GELU and attention code, same order), so the two agree to the
+//! last bit but for the LayerNorm gains' thread-order sums.
+//!
+//! `PHALANX_FUSED_LAYER=0` turns it off (the composed layer then runs).
+
+use std::sync::Mutex;
+
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+use phalanx::ops::buffers::{self, Buf};
+use phalanx::ops::cpu::cpu_f32;
+use phalanx::ops::tape::{self, DeferredGrad};
+use phalanx::ops::{self as k};
+
+thread_local! {
+    static OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the fused layer is on: this thread's [`set_fused_layer`], else
+/// `PHALANX_FUSED_LAYER` (default on).
+pub(crate) fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    OVERRIDE.with(|o| o.get()).unwrap_or_else(|| {
+        *ON.get_or_init(|| std::env::var("PHALANX_FUSED_LAYER").map_or(true, |v| v != "0"))
+    })
+}
+
+/// Turns the fused f32 layer on or off for layers built on this thread
+/// (`None`: back to `PHALANX_FUSED_LAYER`); for comparisons and tests.
+pub fn set_fused_layer(on: Option<bool>) {
+    OVERRIDE.with(|o| o.set(on));
+}
+
+/// The layer's parameters, in this order: ln_1 w, b; c_attn w (3C, C), b;
+/// attn.c_proj w (C, C), b; ln_2 w, b; c_fc w (4C, C), b; mlp.c_proj w
+/// (C, 4C), b.
+pub(crate) type Params = [Tensor; 12];
+
+const LN1_W: usize = 0;
+const ATTN_W: usize = 2;
+const PROJ_W: usize = 4;
+const LN2_W: usize = 6;
+const FC_W: usize = 8;
+const MLP_W: usize = 10;
+
+/// What the forward keeps for the backward.
+struct Acts {
+    ln1: Buf,   // (N, C)
+    qkv: Buf,   // (N, 3C)
+    probs: Buf, // (B, nh, T, T)
+    att: Buf,   // (N, C)
+    x1: Buf,    // (N, C)
+    ln2: Buf,   // (N, C)
+    h: Buf,     // (N, 4C)
+    g: Buf,     // (N, 4C)
+}
+
+struct FusedLayer {
+    p: Params,
+    n_head: usize,
+    eps: f32,
+    acts: Mutex<Option<Acts>>,
+}
+
+/// Runs `f` on the parameters as f32 slices (contiguous CPU f32 tensors).
+fn with_params<R>(p: &Params, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
+    let held: Vec<_> = p.iter().map(|t| t.storage_and_layout()).collect();
+    let mut s = Vec::with_capacity(held.len());
+    for (st, l) in &held {
+        match &**st {
+            Storage::Cpu(CpuStorage::F32(v)) if l.is_contiguous() => {
+                s.push(&v[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+            }
+            _ => bail!("fused GPT-2 layer: parameters must be contiguous f32 on CPU"),
+        }
+    }
+    Ok(f(&s))
+}
+
+/// `a += b`, elementwise.
+fn add_into(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+}
+
+impl CustomOp1 for FusedLayer {
+    fn name(&self) -> &'static str {
+        "phalanx-gpt2-layer"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, t, c) = l.shape().dims3()?;
+        let x = cpu_f32(s, l)?;
+        let (n, nh) = (b * t, self.n_head);
+        let mut a = Acts {
+            ln1: buffers::take(n * c),
+            qkv: buffers::take(n * 3 * c),
+            probs: buffers::take(b * nh * t * t),
+            att: buffers::take(n * c),
+            x1: buffers::take(n * c),
+            ln2: buffers::take(n * c),
+            h: buffers::take(n * 4 * c),
+            g: buffers::take(n * 4 * c),
+        };
+        let mut y = vec![0f32; n * c];
+        with_params(&self.p, |p| {
+            k::layer_norm_forward(&x, p[LN1_W], p[LN1_W + 1], self.eps, &mut a.ln1);
+            let lin = (n, c, 3 * c);
+            k::linear_forward(&a.ln1, p[ATTN_W], Some(p[ATTN_W + 1]), lin, &mut a.qkv);
+            k::attention_forward(&a.qkv, (b, t, c, nh), &mut a.att, &mut a.probs);
+            let lin = (n, c, c);
+            k::linear_forward(&a.att, p[PROJ_W], Some(p[PROJ_W + 1]), lin, &mut a.x1);
+            add_into(&mut a.x1, &x); // x1 = x + proj (the composed layer's add)
+            k::layer_norm_forward(&a.x1, p[LN2_W], p[LN2_W + 1], self.eps, &mut a.ln2);
+            let lin = (n, c, 4 * c);
+            k::linear_forward(&a.ln2, p[FC_W], Some(p[FC_W + 1]), lin, &mut a.h);
+            k::gelu_forward(&a.h, &mut a.g);
+            let lin = (n, 4 * c, c);
+            k::linear_forward(&a.g, p[MLP_W], Some(p[MLP_W + 1]), lin, &mut y);
+            add_into(&mut y, &a.x1);
+        })?;
+        *self.acts.lock().unwrap() = Some(a);
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, x_t: &Tensor, _res: &Tensor, dy_t: &Tensor) -> Result<Option<Tensor>> {
+        let Some(a) = self.acts.lock().unwrap().take() else {
+            bail!(
+                "fused GPT-2 layer: backward without forward activations (run it once per forward)"
+            )
+        };
+        if !tape::active() {
+            bail!(
+                "fused GPT-2 layer: its parameter gradients need the engine's weight-gradient \
+                 tape (run it in a phalanx Stack, or set PHALANX_FUSED_LAYER=0)"
+            )
+        }
+        let (b, t, c) = x_t.dims3()?;
+        let (n, nh, eps) = (b * t, self.n_head, self.eps);
+        let dy_t = dy_t.contiguous()?;
+        let mut dx = vec![0f32; n * c];
+        let mut w = LayerGrads {
+            p: self.p.clone(),
+            dims: (n, c),
+            dy: dy_t.clone(),
+            dh: buffers::take(n * 4 * c),
+            dx1: Vec::new(),
+            dqkv: buffers::take(n * 3 * c),
+            ln: Vec::new(),
+            acts: None,
+        };
+        k::cpu::with_f32(x_t, |x| {
+            k::cpu::with_f32(&dy_t, |dy| {
+                with_params(&self.p, |p| -> Result<()> {
+                    // y = x1 + g Wp^T + bp
+                    let mut dg = buffers::take(n * 4 * c);
+                    k::linear_backward_input(dy, p[MLP_W], (n, 4 * c, c), &mut dg);
+                    k::gelu_backward(&a.h, &dg, &mut w.dh);
+                    drop(dg);
+                    // h = ln2 Wf^T + bf;  ln2 = LN(x1)
+                    let mut dln2 = buffers::take(n * c);
+                    k::linear_backward_input(&w.dh, p[FC_W], (n, c, 4 * c), &mut dln2);
+                    let (mut dx1, dw2, db2) = k::layer_norm_backward(&a.x1, p[LN2_W], &dln2, eps)?;
+                    drop(dln2);
+                    add_into(&mut dx1, dy); // the residual's share
+                                            // x1 = x + att Wo^T + bo
+                    let mut datt = buffers::take(n * c);
+                    k::linear_backward_input(&dx1, p[PROJ_W], (n, c, c), &mut datt);
+                    k::attention_backward(&a.qkv, &datt, &a.probs, (b, t, c, nh), &mut w.dqkv);
+                    drop(datt);
+                    // qkv = ln1 Wa^T + ba;  ln1 = LN(x)
+                    let mut dln1 = buffers::take(n * c);
+                    k::linear_backward_input(&w.dqkv, p[ATTN_W], (n, c, 3 * c), &mut dln1);
+                    let (dxl, dw1, db1) = k::layer_norm_backward(x, p[LN1_W], &dln1, eps)?;
+                    dx.copy_from_slice(&dxl);
+                    add_into(&mut dx, &dx1);
+                    w.dx1 = dx1;
+                    w.ln = vec![
+                        (LN1_W, dw1),
+                        (LN1_W + 1, db1),
+                        (LN2_W, dw2),
+                        (LN2_W + 1, db2),
+                    ];
+                    Ok(())
+                })
+            })
+        })????;
+        w.acts = Some(a);
+        tape::defer(Box::new(w));
+        Ok(Some(Tensor::from_vec(dx, (b, t, c), x_t.device())?))
+    }
+}
+
+/// (weight index, its input, the output gradient, out, in) of a linear.
+type Lin<'a> = (usize, &'a [f32], &'a [f32], usize, usize);
+
+/// The layer's parameter gradients, computed when the tape's work runs.
+struct LayerGrads {
+    p: Params,
+    dims: (usize, usize),
+    dy: Tensor,
+    dh: Buf,
+    dx1: Vec<f32>,
+    dqkv: Buf,
+    /// The LayerNorms' (index, gradient): their kernel gives them with dx.
+    ln: Vec<(usize, Vec<f32>)>,
+    acts: Option<Acts>,
+}
+
+impl DeferredGrad for LayerGrads {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        let (n, c) = self.dims;
+        let a = self.acts.as_ref().expect("set before deferral");
+        let dev = self.dy.device();
+        let mut out = Vec::with_capacity(12);
+        let mut push = |i: usize, v: Vec<f32>| -> Result<()> {
+            let t = Tensor::from_vec(v, self.p[i].shape(), dev)?;
+            out.push((self.p[i].clone(), t));
+            Ok(())
+        };
+        k::cpu::with_f32(&self.dy, |dy| -> Result<()> {
+            let linears: [Lin; 4] = [
+                (MLP_W, &a.g, dy, c, 4 * c),
+                (FC_W, &a.ln2, &self.dh, 4 * c, c),
+                (PROJ_W, &a.att, &self.dx1, c, c),
+                (ATTN_W, &a.ln1, &self.dqkv, 3 * c, c),
+            ];
+            for (i, x, d, o, inp) in linears {
+                let mut dw = vec![0f32; o * inp];
+                k::linear_backward_weight(x, d, (n, inp, o), &mut dw);
+                push(i, dw)?;
+                let mut db = vec![0f32; o];
+                k::linear_backward_bias(d, &mut db);
+                push(i + 1, db)?;
+            }
+            Ok(())
+        })??;
+        for (i, g) in &self.ln {
+            push(*i, g.clone())?;
+        }
+        Ok(out)
+    }
+
+    fn kept(&self) -> Vec<&Tensor> {
+        vec![&self.dy]
+    }
+
+    fn kept_buffer_bytes(&self) -> usize {
+        let a = self.acts.as_ref().map_or(0, |a| {
+            a.ln1.len() + a.qkv.len() + a.probs.len() + a.att.len() + a.x1.len()
+        });
+        let a2 = self
+            .acts
+            .as_ref()
+            .map_or(0, |a| a.ln2.len() + a.h.len() + a.g.len());
+        4 * (a + a2 + self.dh.len() + self.dx1.len() + self.dqkv.len())
+    }
+}
+
+/// The layer on `x` (B, T, C), f32: one graph node whose input gradient is
+/// computed by its backward and whose parameter gradients go to the tape.
+pub(crate) fn layer(x: &Tensor, p: Params, n_head: usize, eps: f32) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(FusedLayer {
+        p,
+        n_head,
+        eps,
+        acts: Mutex::new(None),
+    })
+}

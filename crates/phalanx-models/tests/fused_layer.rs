@@ -1,0 +1,127 @@
+//! The fused GPT-2 layer (explicit forward and backward over reused
+//! buffers) against the composed layer run by candle autograd: the same
+//! loss and every gradient on odd shapes, through the block stack, the
+//! zero-bubble split and the steady state's buffer reuse.
+
+use candle_core::{Device, Tensor};
+use phalanx::engine::{Activations, FlatBuffer, Stack};
+use phalanx::ledger::{Ledger, Mem};
+use phalanx_models::gpt2::{self, set_fused_layer, Gpt2Config};
+
+fn ids(b: usize, t: usize, vocab: usize, seed: u32) -> Tensor {
+    let v: Vec<u32> = (0..(b * t) as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % vocab as u32)
+        .collect();
+    Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
+}
+
+/// (loss, flat gradient) of one forward and backward of the whole stack,
+/// with the fused layer on or off.
+fn run(cfg: &Gpt2Config, act: Activations, fused: bool, b: usize, t: usize) -> (f32, Vec<f32>) {
+    set_fused_layer(Some(fused));
+    let ledger = Ledger::new();
+    let stack = Stack::new(gpt2::blocks(cfg).unwrap(), &Device::Cpu, act, &ledger).unwrap();
+    let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+    stack.init_params(params.as_mut_slice(), 11);
+    // Larger than init weights, so every path carries signal.
+    params
+        .as_mut_slice()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, p)| *p += 0.01 * ((i % 13) as f32 - 6.0));
+    let (x, y) = (ids(b, t, cfg.vocab_size, 1), ids(b, t, cfg.vocab_size, 2));
+    let mut grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+    let (loss, stash) = stack
+        .forward(0..stack.num_blocks(), &x, Some(&y), &params)
+        .unwrap();
+    let scale = Tensor::new(1f32, &Device::Cpu).unwrap();
+    stack
+        .backward(stash, &scale, &params, &mut grads, &mut |_, _| Ok(()))
+        .unwrap();
+    set_fused_layer(None);
+    (loss.to_scalar::<f32>().unwrap(), grads.as_slice().to_vec())
+}
+
+#[test]
+fn fused_layer_matches_candle_autograd_on_odd_shapes() {
+    // (n_layer, n_head, C, vocab, B, T): odd widths, one head, T = 1.
+    for (l, nh, c, v, b, t) in [
+        (2, 5, 35, 61, 3, 7),
+        (1, 1, 8, 11, 2, 1),
+        (1, 3, 24, 29, 1, 13),
+    ] {
+        let cfg = Gpt2Config::new(l, nh, c, v, 16);
+        for act in [Activations::KeepGraph, Activations::Recompute] {
+            let (l0, g0) = run(&cfg, act, false, b, t);
+            let (l1, g1) = run(&cfg, act, true, b, t);
+            let what = format!("C {c}, heads {nh}, B {b}, T {t}, {act:?}");
+            assert!(
+                (l0 - l1).abs() <= 1e-6 * l0.abs(),
+                "{what}: loss {l0} vs {l1}"
+            );
+            let scale = g0.iter().fold(0f32, |m, g| m.max(g.abs()));
+            assert!(scale > 0.0);
+            let worst = g0
+                .iter()
+                .zip(&g1)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= 1e-6 * scale,
+                "{what}: gradients differ by {worst:e} (largest {scale:e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn fused_layer_split_backward_is_exact_and_steady_steps_reuse_buffers() {
+    set_fused_layer(Some(true));
+    let cfg = Gpt2Config::new(2, 5, 35, 61, 16);
+    let ledger = Ledger::new();
+    let stack = Stack::new(
+        gpt2::blocks(&cfg).unwrap(),
+        &Device::Cpu,
+        Activations::KeepGraph,
+        &ledger,
+    )
+    .unwrap();
+    let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+    stack.init_params(params.as_mut_slice(), 5);
+    let (x, y) = (ids(3, 7, 61, 3), ids(3, 7, 61, 4));
+    let n = 0..stack.num_blocks();
+    let scale = Tensor::new(1f32, &Device::Cpu).unwrap();
+    let mut fresh = vec![];
+    for _step in 0..4 {
+        let mut full = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+        let (_, stash) = stack.forward(n.clone(), &x, Some(&y), &params).unwrap();
+        stack
+            .backward(stash, &scale, &params, &mut full, &mut |_, _| Ok(()))
+            .unwrap();
+        let mut split = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+        let (_, stash) = stack
+            .forward_frozen(n.clone(), &x, Some(&y), &params)
+            .unwrap();
+        let (_, w) = stack.backward_input(stash, &scale, &params).unwrap();
+        assert_eq!(w.recomputed_blocks(), 1, "only the embedding recomputes");
+        stack
+            .backward_weight(w, &params, &mut split, &mut |_, _| Ok(()))
+            .unwrap();
+        let worst = full
+            .as_slice()
+            .iter()
+            .zip(split.as_slice())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert_eq!(worst, 0.0, "B + W differs from one backward");
+        fresh.push(phalanx::ops::buffers::fresh_allocations());
+    }
+    set_fused_layer(None);
+    // The pool and its count are per thread: after the first steps, every
+    // buffer a step takes comes back from the pool.
+    assert!(fresh[0] > 0);
+    assert_eq!(
+        fresh[1], fresh[3],
+        "steady steps allocated fresh buffers: {fresh:?}"
+    );
+}

@@ -1,0 +1,94 @@
+//! Reused f32 buffers for fused blocks' activations (llm.c keeps one
+//! activation buffer for the whole run; here each thread keeps the buffers
+//! its blocks freed, by length, and hands them out again next step). A
+//! steady training step then takes no fresh pages from the kernel for them:
+//! no page faults, no zero-fill.
+//!
+//! A taken buffer holds stale values: the kernels that fill it must write
+//! every element.
+//!
+//! ```
+//! let a = phalanx::ops::buffers::take(1000);
+//! let p = a.as_ptr();
+//! drop(a);                                            // back to this thread's pool
+//! assert_eq!(phalanx::ops::buffers::take(1000).as_ptr(), p); // and out again
+//! ```
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ops::{Deref, DerefMut};
+
+/// Free buffers kept per thread, in bytes, beyond which freed ones go back
+/// to the allocator (a bound on what a pool can hold on to).
+const KEEP_BYTES: usize = 4 << 30;
+
+#[derive(Default)]
+struct Pool {
+    free: HashMap<usize, Vec<Vec<f32>>>,
+    bytes: usize,
+}
+
+thread_local! {
+    static POOL: RefCell<Pool> = RefCell::new(Pool::default());
+}
+
+thread_local! {
+    static FRESH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many buffers [`take`] has had to allocate (not reuse) on this
+/// thread: flat across steady training steps.
+pub fn fresh_allocations() -> usize {
+    FRESH.with(|f| f.get())
+}
+
+/// A buffer of `len` f32s that returns to its dropping thread's pool.
+pub struct Buf(Vec<f32>);
+
+/// A buffer of `len` f32s: a freed one of the same length if this thread
+/// has one (stale contents), else a fresh zeroed one.
+pub fn take(len: usize) -> Buf {
+    let reused = POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        let v = p.free.get_mut(&len).and_then(|l| l.pop());
+        if v.is_some() {
+            p.bytes -= len * 4;
+        }
+        v
+    });
+    Buf(reused.unwrap_or_else(|| {
+        FRESH.with(|f| f.set(f.get() + 1));
+        vec![0f32; len]
+    }))
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        let len = v.len();
+        if len == 0 {
+            return;
+        }
+        // `try_with`: a thread being torn down frees normally.
+        let _ = POOL.try_with(|p| {
+            let mut p = p.borrow_mut();
+            if p.bytes + len * 4 <= KEEP_BYTES {
+                p.bytes += len * 4;
+                p.free.entry(len).or_default().push(v);
+            }
+        });
+    }
+}
+
+impl Deref for Buf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl DerefMut for Buf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
