@@ -52,8 +52,13 @@ fn fused_layer_matches_candle_autograd_on_odd_shapes() {
     ] {
         let cfg = Gpt2Config::new(l, nh, c, v, 16);
         for act in [Activations::KeepGraph, Activations::Recompute] {
+            let before = phalanx::ops::buffers::fresh_allocations();
             let (l0, g0) = run(&cfg, act, false, b, t);
+            // The composed layer takes no pooled buffer; the fused one does
+            // (so this compares the two paths, not one with itself).
+            assert_eq!(phalanx::ops::buffers::fresh_allocations(), before);
             let (l1, g1) = run(&cfg, act, true, b, t);
+            assert!(phalanx::ops::buffers::fresh_allocations() > 0);
             let what = format!("C {c}, heads {nh}, B {b}, T {t}, {act:?}");
             assert!(
                 (l0 - l1).abs() <= 1e-6 * l0.abs(),

@@ -231,6 +231,9 @@ struct LayerModule {
     c_fc: Linear,
     mlp_proj: Linear,
     n_head: usize,
+    /// Built by the engine, which collects the weight-gradient tape: the
+    /// fused layer may run (its parameter gradients leave only that way).
+    tape_collected: bool,
 }
 
 impl Block for Layer {
@@ -279,6 +282,7 @@ impl Block for Layer {
             c_fc: Linear::new(&vb, "mlp.c_fc", c, 4 * c, STD)?,
             mlp_proj: Linear::new(&vb, "mlp.c_proj", 4 * c, c, proj_std)?,
             n_head: self.cfg.n_head,
+            tape_collected: phalanx::ops::tape::will_collect(),
         }))
     }
 }
@@ -315,10 +319,12 @@ impl LayerModule {
         ]
     }
 
-    /// f32 on CPU: the explicit forward / backward of `fused` applies.
+    /// f32 on CPU, built by the engine: the explicit forward / backward of
+    /// `fused` applies.
     fn fusable(&self, x: &Tensor) -> bool {
         let p = self.params();
-        super::fused::enabled()
+        self.tape_collected
+            && super::fused::enabled()
             && x.device().is_cpu()
             && x.dtype() == DType::F32
             && p.iter()

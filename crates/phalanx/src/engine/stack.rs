@@ -267,7 +267,13 @@ impl Stack {
     ) -> Result<(Box<dyn BlockModule>, Served, Charge)> {
         let (server, served) = Server::new(&self.layout, src, Some(b), grad, &self.device);
         let vb = VarBuilder::from_backend(Box::new(server), self.compute, self.device.clone());
-        let module = self.blocks[b].build(vb)?;
+        // A deferring block's backward always runs under a tape
+        // (`backward_taped`), so it may build tape-only modules.
+        let module = if self.blocks[b].defers_weight_grads() {
+            crate::ops::tape::collected(|| self.blocks[b].build(vb))?
+        } else {
+            self.blocks[b].build(vb)?
+        };
         let served = std::mem::take(&mut *served.lock().unwrap());
         let working = self.ledger.charge(Mem::Working, served.bytes);
         Ok((module, served, working))
@@ -488,7 +494,8 @@ impl Stack {
         };
         let mut h = x.clone();
         for block in &self.blocks {
-            h = block.build(vb.clone())?.forward(&h, &ctx)?;
+            let m = crate::ops::tape::collected(|| block.build(vb.clone()))?;
+            h = m.forward(&h, &ctx)?;
         }
         let loss = h.to_scalar::<f32>()?;
         let served = std::mem::take(&mut *served.lock().unwrap());

@@ -210,7 +210,10 @@ enum Probs<'a> {
 }
 
 fn dims_checked(b: usize, t: usize, c: usize, nh: usize) -> Dims {
-    assert!(nh > 0 && c.is_multiple_of(nh), "attention: C = {c}, n_head = {nh}");
+    assert!(
+        nh > 0 && c.is_multiple_of(nh),
+        "attention: C = {c}, n_head = {nh}"
+    );
     Dims {
         b,
         t,

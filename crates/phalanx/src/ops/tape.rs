@@ -75,6 +75,31 @@ pub fn recording<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Vec<Box<dyn Def
     Ok((out?, taken))
 }
 
+thread_local! {
+    static COLLECTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (the engine building a block whose backward it runs under a
+/// tape) with [`will_collect`] true: a block may then build modules, like
+/// the fused GPT-2 layer, whose parameter gradients leave only through the
+/// tape. Outside it (plain candle autograd) they must not.
+pub fn collected<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            COLLECTED.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(COLLECTED.with(|c| c.replace(true)));
+    f()
+}
+
+/// Whether the module being built will have its backward run under a tape
+/// whose deferred work is collected (see [`collected`]).
+pub fn will_collect() -> bool {
+    COLLECTED.with(|c| c.get())
+}
+
 /// Whether a tape is recording on this thread.
 pub fn active() -> bool {
     TAPE.with(|t| t.borrow().is_some())
