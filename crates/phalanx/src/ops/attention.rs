@@ -35,7 +35,7 @@ use super::cpu::{
     with_f32_any,
 };
 use super::gelu::exp_approx;
-use super::linear::{sgemm_strided, Mat};
+use super::linear::{gemm_block, sgemm_strided, Mat};
 use crate::simd_dispatch;
 
 struct Attention {
@@ -61,13 +61,10 @@ unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 
 impl Out {
-    /// Scatter `src` (T, w) into rows of stride `rs` starting at `off`.
-    /// SAFETY: the caller guarantees no other task writes these elements and
-    /// that they lie inside the buffer.
-    unsafe fn scatter(self, off: usize, rs: usize, w: usize, src: &[f32]) {
-        for (i, row) in src.chunks_exact(w).enumerate() {
-            std::ptr::copy_nonoverlapping(row.as_ptr(), self.0.add(off + i * rs), w);
-        }
+    /// The element `off` places in.
+    /// SAFETY: `off` must lie inside the buffer.
+    unsafe fn at(self, off: usize) -> *mut f32 {
+        unsafe { self.0.add(off) }
     }
 }
 
@@ -87,6 +84,13 @@ fn softmax_causal_rows(s: &mut [f32], t: usize, scale: f32) {
 
 /// P for head (b, h) of `qkv`, (T, T).
 fn head_probs(qkv: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
+    let mut p = vec![0f32; d.t * d.t];
+    head_probs_into(qkv, d, b, h, &mut p);
+    p
+}
+
+/// P for head (b, h) into `p` (T, T), every element written.
+fn head_probs_into(qkv: &[f32], d: Dims, b: usize, h: usize, p: &mut [f32]) {
     let (t, c3) = (d.t, 3 * d.c);
     let base = b * t * c3 + h * d.hs;
     let q = Mat {
@@ -99,10 +103,8 @@ fn head_probs(qkv: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
         rs: 1,
         cs: c3,
     };
-    let mut p = vec![0f32; t * t];
-    sgemm_strided(t, t, d.hs, &mut p, t, false, q, kt, false);
-    simd_dispatch!(softmax_causal_rows(&mut p, t, 1.0 / (d.hs as f32).sqrt()));
-    p
+    sgemm_strided(t, t, d.hs, p, t, false, q, kt, false);
+    simd_dispatch!(softmax_causal_rows(p, t, 1.0 / (d.hs as f32).sqrt()));
 }
 
 fn dims_of(l: &Layout, nh: usize) -> Result<Dims> {
@@ -165,36 +167,37 @@ impl CustomOp1 for Attention {
 fn forward_into(qkv: &[f32], d: Dims, y: &mut [f32], probs: &mut [f32]) {
     let (t, c) = (d.t, d.c);
     let (yp, pp) = (Out(y.as_mut_ptr()), Out(probs.as_mut_ptr()));
+    assert!(y.len() >= d.b * t * c && probs.len() >= d.b * d.nh * t * t);
     candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
         for task in tasks {
             let (b, h) = (task / d.nh, task % d.nh);
-            let p = head_probs(qkv, d, b, h);
+            // SAFETY: task (b, h) alone owns probs[b, h], a contiguous (T, T)
+            // block inside `probs` (asserted above).
+            let p = unsafe { std::slice::from_raw_parts_mut(pp.at(task * t * t), t * t) };
+            head_probs_into(qkv, d, b, h, p);
             let v = Mat {
                 data: &qkv[b * t * 3 * c + 2 * c + h * d.hs..],
                 rs: 3 * c,
                 cs: 1,
             };
-            let mut yh = vec![0f32; t * d.hs];
-            sgemm_strided(
+            let p = Mat {
+                data: p,
+                rs: t,
+                cs: 1,
+            };
+            // y[b, :, h*hs..(h+1)*hs] = P v, written in place (row stride C).
+            // SAFETY: task (b, h) alone writes these elements, and the span
+            // (T - 1) C + hs from b T C + h hs lies inside `y` (asserted).
+            gemm_block(
                 t,
                 d.hs,
                 t,
-                &mut yh,
-                d.hs,
+                unsafe { yp.at(b * t * c + h * d.hs) },
+                c,
                 false,
-                Mat {
-                    data: &p,
-                    rs: t,
-                    cs: 1,
-                },
+                p,
                 v,
-                false,
             );
-            // SAFETY: task (b, h) owns y[b, :, h*hs..(h+1)*hs] and probs[b, h].
-            unsafe {
-                yp.scatter(b * t * c + h * d.hs, c, d.hs, &yh);
-                pp.scatter(task * t * t, t, t, &p);
-            }
         }
     });
 }
@@ -267,6 +270,7 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
     let (t, c, hs) = (d.t, d.c, d.hs);
     let c3 = 3 * c;
     let scale = 1.0 / (hs as f32).sqrt();
+    assert!(dqkv.len() >= qkv.len() && qkv.len() >= d.b * t * c3);
     let out = Out(dqkv.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
         for task in tasks {
@@ -311,14 +315,15 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                 }
                 dr[i + 1..].fill(0.0);
             }
-            let (mut dq, mut dk, mut dv) =
-                (vec![0f32; t * hs], vec![0f32; t * hs], vec![0f32; t * hs]);
-            // Tasks already run in parallel: no threading inside.
-            let mm = |dst: &mut [f32], a: Mat, b: Mat| {
-                sgemm_strided(t, hs, t, dst, hs, false, a, b, false)
+            // dv = P^T dy_h, dq = dS k, dk = dS^T q, each (T, hs) written
+            // in place into its columns of dqkv (row stride 3C).
+            // SAFETY: task (b, h) alone writes columns h*hs.. of q, k and v
+            // in row block b; each span lies inside dqkv (asserted above).
+            let mm = |off: usize, a: Mat, b: Mat| {
+                gemm_block(t, hs, t, unsafe { out.at(off) }, c3, false, a, b)
             };
             mm(
-                &mut dv,
+                base + 2 * c,
                 Mat {
                     data: p,
                     rs: 1,
@@ -327,7 +332,7 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                 dyh,
             );
             mm(
-                &mut dq,
+                base,
                 Mat {
                     data: &ds,
                     rs: t,
@@ -336,7 +341,7 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                 k,
             );
             mm(
-                &mut dk,
+                base + c,
                 Mat {
                     data: &ds,
                     rs: 1,
@@ -344,12 +349,6 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                 },
                 q,
             );
-            // SAFETY: task (b, h) owns columns h*hs.. of q, k and v in row block b.
-            unsafe {
-                out.scatter(base, c3, hs, &dq);
-                out.scatter(base + c, c3, hs, &dk);
-                out.scatter(base + 2 * c, c3, hs, &dv);
-            }
         }
     });
 }

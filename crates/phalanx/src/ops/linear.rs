@@ -130,7 +130,7 @@ unsafe impl Sync for DstPtr {}
 
 /// One single-threaded gemm call; `dst` must be valid for the (m, n, dst_rs) span.
 #[allow(clippy::too_many_arguments)]
-fn gemm_block(
+pub(super) fn gemm_block(
     m: usize,
     n: usize,
     k: usize,
