@@ -166,7 +166,7 @@ impl CustomOp1 for FusedLayer {
             dx1: Vec::new(),
             dqkv: buffers::take(n * 3 * c),
             ln: Vec::new(),
-            acts: None,
+            inputs: None,
         };
         k::cpu::with_f32(x_t, |x| {
             k::cpu::with_f32(&dy_t, |dy| {
@@ -204,7 +204,9 @@ impl CustomOp1 for FusedLayer {
                 })
             })
         })????;
-        w.acts = Some(a);
+        // W needs the linears' inputs only; qkv, P, x1 and h go back to
+        // the pool now.
+        w.inputs = Some([a.ln1, a.att, a.ln2, a.g]);
         tape::defer(Box::new(w));
         Ok(Some(Tensor::from_vec(dx, (b, t, c), x_t.device())?))
     }
@@ -223,13 +225,14 @@ struct LayerGrads {
     dqkv: Buf,
     /// The LayerNorms' (index, gradient): their kernel gives them with dx.
     ln: Vec<(usize, Vec<f32>)>,
-    acts: Option<Acts>,
+    /// The inputs of the four linears: ln1, att, ln2, g.
+    inputs: Option<[Buf; 4]>,
 }
 
 impl DeferredGrad for LayerGrads {
     fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
         let (n, c) = self.dims;
-        let a = self.acts.as_ref().expect("set before deferral");
+        let [ln1, att, ln2, g] = self.inputs.as_ref().expect("set before deferral");
         let dev = self.dy.device();
         let mut out = Vec::with_capacity(12);
         let mut push = |i: usize, v: Vec<f32>| -> Result<()> {
@@ -239,10 +242,10 @@ impl DeferredGrad for LayerGrads {
         };
         k::cpu::with_f32(&self.dy, |dy| -> Result<()> {
             let linears: [Lin; 4] = [
-                (MLP_W, &a.g, dy, c, 4 * c),
-                (FC_W, &a.ln2, &self.dh, 4 * c, c),
-                (PROJ_W, &a.att, &self.dx1, c, c),
-                (ATTN_W, &a.ln1, &self.dqkv, 3 * c, c),
+                (MLP_W, g, dy, c, 4 * c),
+                (FC_W, ln2, &self.dh, 4 * c, c),
+                (PROJ_W, att, &self.dx1, c, c),
+                (ATTN_W, ln1, &self.dqkv, 3 * c, c),
             ];
             for (i, x, d, o, inp) in linears {
                 let mut dw = vec![0f32; o * inp];
@@ -265,14 +268,8 @@ impl DeferredGrad for LayerGrads {
     }
 
     fn kept_buffer_bytes(&self) -> usize {
-        let a = self.acts.as_ref().map_or(0, |a| {
-            a.ln1.len() + a.qkv.len() + a.probs.len() + a.att.len() + a.x1.len()
-        });
-        let a2 = self
-            .acts
-            .as_ref()
-            .map_or(0, |a| a.ln2.len() + a.h.len() + a.g.len());
-        4 * (a + a2 + self.dh.len() + self.dx1.len() + self.dqkv.len())
+        let a: usize = self.inputs.iter().flatten().map(|b| b.len()).sum();
+        4 * (a + self.dh.len() + self.dx1.len() + self.dqkv.len())
     }
 }
 
