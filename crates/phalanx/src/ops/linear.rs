@@ -167,7 +167,7 @@ fn gemm_block(
 }
 
 /// (rows, in, out) of a linear on x with weight w (out, in).
-fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
+pub(crate) fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
     let (wd, xd) = (w.dims(), x.dims());
     if wd.len() != 2 || xd.is_empty() || xd[xd.len() - 1] != wd[1] {
         bail!(
@@ -179,14 +179,14 @@ fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
     Ok((x.shape().elem_count() / wd[1], wd[1], wd[0]))
 }
 
-fn out_shape(x: &Layout, out: usize) -> Shape {
+pub(crate) fn out_shape(x: &Layout, out: usize) -> Shape {
     let mut d = x.dims().to_vec();
     let last = d.len() - 1;
     d[last] = out;
     Shape::from(d)
 }
 
-fn forward(
+pub(crate) fn forward(
     x: &[f32],
     w: &[f32],
     b: Option<&[f32]>,
@@ -211,6 +211,51 @@ fn forward(
     y
 }
 
+/// dx (rows, in) = dy (rows, out) . w (out, in), in f32.
+pub(crate) fn input_grad(dy: &[f32], w: &[f32], (rows, k, n): (usize, usize, usize)) -> Vec<f32> {
+    let mut dx = vec![0f32; rows * k];
+    let g = Mat {
+        data: dy,
+        rs: n,
+        cs: 1,
+    };
+    let w = Mat {
+        data: w,
+        rs: k,
+        cs: 1,
+    };
+    sgemm(rows, k, n, &mut dx, false, g, w);
+    dx
+}
+
+/// dw (out, in) = dy^T (out, rows) . x (rows, in), in f32: the weight pass,
+/// which needs nothing from the input gradient (the tensor-parallel overlap
+/// runs it while dx is being reduced).
+pub(crate) fn weight_grad(dy: &[f32], x: &[f32], (rows, k, n): (usize, usize, usize)) -> Vec<f32> {
+    let mut dw = vec![0f32; n * k];
+    let gt = Mat {
+        data: dy,
+        rs: 1,
+        cs: n,
+    };
+    let x = Mat {
+        data: x,
+        rs: k,
+        cs: 1,
+    };
+    sgemm(n, k, rows, &mut dw, false, gt, x);
+    dw
+}
+
+/// db (out,) = the sum of dy's rows, in f32.
+pub(crate) fn bias_grad(dy: &[f32], n: usize) -> Vec<f32> {
+    let mut db = vec![0f32; n];
+    for r in dy.chunks_exact(n) {
+        db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
+    }
+    db
+}
+
 /// (dx, dw, db) of a linear.
 /// Gradients of a linear: dx = dy w, dw = dy^T x, db = sum(dy). Each is
 /// computed only where the input takes part in autograd (`track_op`): the
@@ -224,70 +269,23 @@ fn backward(
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let (need_dx, need_dw) = (x.track_op(), w.track_op());
     let (k, n) = (w.dim(1)?, w.dim(0)?);
-    let rows = x.elem_count() / k;
+    let d = (x.elem_count() / k, k, n);
     let (dx, dw, db) = with_f32_any(x, |x| {
         with_f32_any(w, |w| {
             with_f32_any(dy, |dy| {
-                let g = Mat {
-                    data: dy,
-                    rs: n,
-                    cs: 1,
-                };
-                let mut dx = vec![0f32; if need_dx { rows * k } else { 0 }];
-                if need_dx {
-                    sgemm(
-                        rows,
-                        k,
-                        n,
-                        &mut dx,
-                        false,
-                        g,
-                        Mat {
-                            data: w,
-                            rs: k,
-                            cs: 1,
-                        },
-                    );
-                }
-                let gt = Mat {
-                    data: dy,
-                    rs: 1,
-                    cs: n,
-                };
-                let mut dw = vec![0f32; if need_dw { n * k } else { 0 }];
-                if need_dw {
-                    sgemm(
-                        n,
-                        k,
-                        rows,
-                        &mut dw,
-                        false,
-                        gt,
-                        Mat {
-                            data: x,
-                            rs: k,
-                            cs: 1,
-                        },
-                    );
-                }
-                let db = bias.is_some().then(|| {
-                    let mut db = vec![0f32; n];
-                    for r in dy.chunks_exact(n) {
-                        db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
-                    }
-                    db
-                });
-                (dx, dw, db)
+                (
+                    need_dx.then(|| input_grad(dy, w, d)),
+                    need_dw.then(|| weight_grad(dy, x, d)),
+                    bias.is_some().then(|| bias_grad(dy, n)),
+                )
             })
         })
     })???;
     let dev = x.device();
     Ok((
-        need_dx
-            .then(|| tensor_in(dx, x.dtype(), x.shape(), dev))
+        dx.map(|dx| tensor_in(dx, x.dtype(), x.shape(), dev))
             .transpose()?,
-        need_dw
-            .then(|| tensor_in(dw, w.dtype(), w.shape(), dev))
+        dw.map(|dw| tensor_in(dw, w.dtype(), w.shape(), dev))
             .transpose()?,
         db.zip(bias)
             .map(|(db, dt)| tensor_in(db, dt, n, dev))

@@ -27,7 +27,7 @@ pub mod cpu;
 mod cross_entropy;
 mod gelu;
 mod layer_norm;
-mod linear;
+pub(crate) mod linear;
 mod softmax;
 
 pub use attention::causal_attention;
