@@ -167,3 +167,30 @@ fn a_block_whose_parameter_escapes_the_tape_is_an_error_not_a_zero_gradient() {
         "{err}"
     );
 }
+
+#[test]
+fn tensor_parallel_split_backward_uses_the_tape_and_matches_one_backward() {
+    // tp 2, with and without sequence parallelism: the column-parallel
+    // linears (overlapped all-reduce), row-parallel linears and the
+    // vocabulary-parallel head defer their weights too.
+    for sp in [false, true] {
+        let out = phalanx_comm::threads::run(2, move |pg| {
+            let cfg = Gpt2Config::new(2, 4, 32, 61, 16);
+            let tp = phalanx::tp::Tp::new(pg, sp);
+            let ledger = Ledger::new();
+            let stack = Stack::new(
+                gpt2::blocks_tp(&cfg, Some(tp)).unwrap(),
+                &Device::Cpu,
+                Activations::KeepGraph,
+                &ledger,
+            )
+            .unwrap();
+            let (x, y) = (ids(2, 6, 61, 7), ids(2, 6, 61, 8));
+            both(&stack, &x, &y)
+        });
+        for (rank, (full, split, recomputed)) in out.iter().enumerate() {
+            assert_eq!(*recomputed, 1, "sp {sp} rank {rank}");
+            assert_exact(&format!("tp 2 sp {sp} rank {rank}"), full, split);
+        }
+    }
+}

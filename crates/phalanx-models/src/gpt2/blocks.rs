@@ -360,9 +360,13 @@ struct TpHeadModule {
 
 impl BlockModule for TpHeadModule {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let h = self.tp.enter(&self.ln_f.forward(x)?)?; // (B, T, C)
-        let (b, t, _c) = h.dims3()?;
-        let logits = ops::linear(&h, &self.wte, None)?; // (B, T, V_pad/tp)
+        // f (or the sequence all-gather) and the logits as one
+        // column-parallel linear: backward overlaps the collective on the
+        // input gradient with the embedding's gradient.
+        let logits = self
+            .tp
+            .column_linear(&self.ln_f.forward(x)?, &self.wte, None)?; // (B, T, V_pad/tp)
+        let (b, t, _) = logits.dims3()?;
         let Some(targets) = ctx.targets else {
             bail!("full logits are not assembled under tensor parallelism (generate with tp = 1)")
         };

@@ -168,7 +168,7 @@ pub(super) fn gemm_block(
 }
 
 /// (rows, in, out) of a linear on x with weight w (out, in).
-fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
+pub(crate) fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
     let (wd, xd) = (w.dims(), x.dims());
     if wd.len() != 2 || xd.is_empty() || xd[xd.len() - 1] != wd[1] {
         bail!(
@@ -180,14 +180,14 @@ fn dims(x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
     Ok((x.shape().elem_count() / wd[1], wd[1], wd[0]))
 }
 
-fn out_shape(x: &Layout, out: usize) -> Shape {
+pub(crate) fn out_shape(x: &Layout, out: usize) -> Shape {
     let mut d = x.dims().to_vec();
     let last = d.len() - 1;
     d[last] = out;
     Shape::from(d)
 }
 
-fn forward(
+pub(crate) fn forward(
     x: &[f32],
     w: &[f32],
     b: Option<&[f32]>,
@@ -237,23 +237,30 @@ fn backward(
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let b_tracked = b.filter(|b| b.track_op());
-    if tape::active() {
-        let defer_w = !w.track_op();
-        let defer_b = b.filter(|b| !b.track_op());
-        if defer_w || defer_b.is_some() {
-            tape::defer(Box::new(LinearGrads {
-                x: x.clone(),
-                w: defer_w.then(|| w.clone()),
-                b: defer_b.cloned(),
-                dy: dy.clone(),
-            }));
-        }
-    }
+    defer_constant_weights(x, w, b, dy);
     Ok((
         x.track_op().then(|| input_grad(x, w, dy)).transpose()?,
         w.track_op().then(|| weight_grad(x, w, dy)).transpose()?,
         b_tracked.map(|b| bias_grad(b, dy)).transpose()?,
     ))
+}
+
+/// While a tape records (the zero-bubble input pass), hands it the weight
+/// and bias gradients of a linear on `x` whose weight or bias is a constant.
+pub(crate) fn defer_constant_weights(x: &Tensor, w: &Tensor, b: Option<&Tensor>, dy: &Tensor) {
+    if !tape::active() {
+        return;
+    }
+    let defer_w = !w.track_op();
+    let defer_b = b.filter(|b| !b.track_op());
+    if defer_w || defer_b.is_some() {
+        tape::defer(Box::new(LinearGrads {
+            x: x.clone(),
+            w: defer_w.then(|| w.clone()),
+            b: defer_b.cloned(),
+            dy: dy.clone(),
+        }));
+    }
 }
 
 /// dx (rows, in) = dy (rows, out) . w (out, in), in x's dtype.

@@ -28,7 +28,7 @@ pub mod cpu;
 mod cross_entropy;
 mod gelu;
 mod layer_norm;
-mod linear;
+pub(crate) mod linear;
 mod softmax;
 pub mod tape;
 

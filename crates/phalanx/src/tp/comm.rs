@@ -52,7 +52,7 @@ struct TpOp {
     kind: Kind,
 }
 
-fn comm_err(e: phalanx_comm::CommError) -> candle_core::Error {
+pub(super) fn comm_err(e: phalanx_comm::CommError) -> candle_core::Error {
     candle_core::Error::Msg(format!("tensor-parallel collective: {e}"))
 }
 

@@ -32,6 +32,7 @@
 //! ```
 
 use super::comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq};
+use super::overlap::{column_parallel_linear, tp_overlap_enabled};
 use crate::ops;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -76,6 +77,17 @@ impl Tp {
             gather_seq(x, &self.pg)
         } else {
             copy_to_tp(x, &self.pg)
+        }
+    }
+    /// `linear(enter(x), w, b)`: a column-parallel linear. By default one
+    /// op whose backward overlaps the collective on dx with dw and db
+    /// ([`super::column_parallel_linear`]); `PHALANX_TP_OVERLAP=0` selects
+    /// the unfused ops (same results).
+    pub fn column_linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        if tp_overlap_enabled() {
+            column_parallel_linear(self, x, w, b)
+        } else {
+            ops::linear(&self.enter(x)?, w, b)
         }
     }
     /// Out of a row-parallel region: g, or reduce-scatter over the sequence.
@@ -144,7 +156,7 @@ impl ColumnParallelLinear {
     /// (B, T, in) replicated, or (B, T/tp, in) under sequence parallelism
     /// -> (B, T, out/tp).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::linear(&self.tp.enter(x)?, &self.w, self.b.as_ref())
+        self.tp.column_linear(x, &self.w, self.b.as_ref())
     }
 }
 

@@ -7,9 +7,11 @@
 
 mod comm;
 mod layers;
+mod overlap;
 
 pub use comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq};
 pub use layers::{
     padded_vocab, vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, Tp,
     VocabParallelEmbedding,
 };
+pub use overlap::{column_parallel_linear, tp_overlap_enabled};
