@@ -1,19 +1,15 @@
 //! The fused GPT-2 layer (explicit forward and backward over reused
 //! buffers) against the composed layer run by candle autograd: the same
-//! loss and every gradient on odd shapes, through the block stack, the
-//! zero-bubble split and the steady state's buffer reuse.
+//! loss and every gradient on odd shapes, through the block stack (its
+//! zero-bubble split and buffer reuse are in `zero_bubble.rs`).
 
 use candle_core::{Device, Tensor};
 use phalanx::engine::{Activations, FlatBuffer, Stack};
 use phalanx::ledger::{Ledger, Mem};
 use phalanx_models::gpt2::{self, set_fused_layer, Gpt2Config};
 
-fn ids(b: usize, t: usize, vocab: usize, seed: u32) -> Tensor {
-    let v: Vec<u32> = (0..(b * t) as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % vocab as u32)
-        .collect();
-    Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
-}
+mod common;
+use common::token_ids as ids;
 
 /// (loss, flat gradient) of one forward and backward of the whole stack,
 /// with the fused layer on or off.
@@ -77,56 +73,4 @@ fn fused_layer_matches_candle_autograd_on_odd_shapes() {
             );
         }
     }
-}
-
-#[test]
-fn fused_layer_split_backward_is_exact_and_steady_steps_reuse_buffers() {
-    set_fused_layer(Some(true));
-    let cfg = Gpt2Config::new(2, 5, 35, 61, 16);
-    let ledger = Ledger::new();
-    let stack = Stack::new(
-        gpt2::blocks(&cfg).unwrap(),
-        &Device::Cpu,
-        Activations::KeepGraph,
-        &ledger,
-    )
-    .unwrap();
-    let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
-    stack.init_params(params.as_mut_slice(), 5);
-    let (x, y) = (ids(3, 7, 61, 3), ids(3, 7, 61, 4));
-    let n = 0..stack.num_blocks();
-    let scale = Tensor::new(1f32, &Device::Cpu).unwrap();
-    let mut fresh = vec![];
-    for _step in 0..4 {
-        let mut full = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
-        let (_, stash) = stack.forward(n.clone(), &x, Some(&y), &params).unwrap();
-        stack
-            .backward(stash, &scale, &params, &mut full, &mut |_, _| Ok(()))
-            .unwrap();
-        let mut split = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
-        let (_, stash) = stack
-            .forward_frozen(n.clone(), &x, Some(&y), &params)
-            .unwrap();
-        let (_, w) = stack.backward_input(stash, &scale, &params).unwrap();
-        assert_eq!(w.recomputed_blocks(), 1, "only the embedding recomputes");
-        stack
-            .backward_weight(w, &params, &mut split, &mut |_, _| Ok(()))
-            .unwrap();
-        let worst = full
-            .as_slice()
-            .iter()
-            .zip(split.as_slice())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert_eq!(worst, 0.0, "B + W differs from one backward");
-        fresh.push(phalanx::ops::buffers::fresh_allocations());
-    }
-    set_fused_layer(None);
-    // The pool and its count are per thread: after the first steps, every
-    // buffer a step takes comes back from the pool.
-    assert!(fresh[0] > 0);
-    assert_eq!(
-        fresh[1], fresh[3],
-        "steady steps allocated fresh buffers: {fresh:?}"
-    );
 }

@@ -1,22 +1,18 @@
 //! The zero-bubble split backward (B then W) without recomputation: on the
 //! reference GPT-2 and Llama stacks, W computes the parameter gradients from
 //! the tensors B's ops kept on the tape, rebuilds no block but the token-id
-//! embedding, and gives exactly the gradients of one fused backward.
+//! embedding, and gives exactly the gradients of one fused backward, with
+//! the fused GPT-2 layer and with the composed one.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use phalanx::engine::{Activations, Block, BlockModule, FlatBuffer, Stack};
 use phalanx::ledger::{Ledger, Mem};
-use phalanx_models::gpt2::{self, Gpt2Config};
+use phalanx_models::gpt2::{self, set_fused_layer, Gpt2Config};
 use phalanx_models::llama::{self, LlamaConfig};
 
-/// Deterministic token ids (B, T) below `vocab`.
-fn ids(b: usize, t: usize, vocab: usize, seed: u32) -> Tensor {
-    let v: Vec<u32> = (0..(b * t) as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % vocab as u32)
-        .collect();
-    Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
-}
+mod common;
+use common::token_ids as ids;
 
 /// Gradients of the whole stack for one batch: (fused backward, B then W,
 /// how many blocks W recomputed).
@@ -69,6 +65,43 @@ fn assert_exact(what: &str, full: &[f32], split: &[f32]) {
 
 #[test]
 fn gpt2_split_backward_uses_the_tape_and_matches_one_backward() {
+    for fused in [true, false] {
+        set_fused_layer(Some(fused));
+        gpt2_split(fused);
+        set_fused_layer(None);
+    }
+}
+
+#[test]
+fn fused_layer_steady_steps_take_every_buffer_from_the_pool() {
+    set_fused_layer(Some(true));
+    let cfg = Gpt2Config::new(2, 5, 35, 61, 16);
+    let ledger = Ledger::new();
+    let stack = Stack::new(
+        gpt2::blocks(&cfg).unwrap(),
+        &Device::Cpu,
+        Activations::KeepGraph,
+        &ledger,
+    )
+    .unwrap();
+    let (x, y) = (ids(3, 7, 61, 3), ids(3, 7, 61, 4));
+    let mut fresh = vec![];
+    for _step in 0..4 {
+        let (full, split, _) = both(&stack, &x, &y);
+        assert_exact("fused steps", &full, &split);
+        fresh.push(phalanx::ops::buffers::fresh_allocations());
+    }
+    set_fused_layer(None);
+    // The pool and its count are per thread: after the first steps, every
+    // buffer a step takes comes back from the pool.
+    assert!(fresh[0] > 0);
+    assert_eq!(
+        fresh[1], fresh[3],
+        "steady steps allocated fresh buffers: {fresh:?}"
+    );
+}
+
+fn gpt2_split(fused: bool) {
     // Odd sizes: 35 wide, 5 heads, vocab 61, T 7, B 3.
     let cfg = Gpt2Config::new(2, 5, 35, 61, 16);
     let ledger = Ledger::new();
@@ -83,7 +116,7 @@ fn gpt2_split_backward_uses_the_tape_and_matches_one_backward() {
     let (full, split, recomputed) = both(&stack, &x, &y);
     // Only the token-id embedding is rebuilt (it has no B to keep a tape in).
     assert_eq!(recomputed, 1);
-    assert_exact("gpt2 f32", &full, &split);
+    assert_exact(&format!("gpt2 f32, fused {fused}"), &full, &split);
 }
 
 #[test]

@@ -52,6 +52,14 @@ pub struct RankResult {
     pub chunks: Option<Vec<std::ops::Range<usize>>>,
 }
 
+/// Deterministic token ids (B, T) below `vocab`, different per `seed`.
+pub fn token_ids(b: usize, t: usize, vocab: usize, seed: u32) -> candle_core::Tensor {
+    let v: Vec<u32> = (0..(b * t) as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % vocab as u32)
+        .collect();
+    candle_core::Tensor::from_vec(v, (b, t), &candle_core::Device::Cpu).unwrap()
+}
+
 /// The equivalence tests' data: 60 KB of the corpus as byte tokens, in
 /// samples of `seq_len`.
 pub fn loader(seq_len: usize) -> Arc<DataLoader> {
