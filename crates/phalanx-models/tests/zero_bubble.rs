@@ -53,6 +53,11 @@ fn both(stack: &Stack, x: &Tensor, y: &Tensor) -> (Vec<f32>, Vec<f32>, usize) {
     )
 }
 
+/// A block stack on the CPU.
+fn stack_of(blocks: Vec<Box<dyn Block>>, act: Activations, ledger: &Ledger) -> Stack {
+    Stack::new(blocks, &Device::Cpu, act, ledger).unwrap()
+}
+
 fn assert_exact(what: &str, full: &[f32], split: &[f32]) {
     assert!(full.iter().any(|&g| g != 0.0), "{what}: no gradient at all");
     let worst = full
@@ -77,13 +82,7 @@ fn fused_layer_steady_steps_take_every_buffer_from_the_pool() {
     set_fused_layer(Some(true));
     let cfg = Gpt2Config::new(2, 5, 35, 61, 16);
     let ledger = Ledger::new();
-    let stack = Stack::new(
-        gpt2::blocks(&cfg).unwrap(),
-        &Device::Cpu,
-        Activations::KeepGraph,
-        &ledger,
-    )
-    .unwrap();
+    let stack = stack_of(gpt2::blocks(&cfg).unwrap(), Activations::KeepGraph, &ledger);
     let (x, y) = (ids(3, 7, 61, 3), ids(3, 7, 61, 4));
     let mut fresh = vec![];
     for _step in 0..4 {
@@ -105,13 +104,7 @@ fn gpt2_split(fused: bool) {
     // Odd sizes: 35 wide, 5 heads, vocab 61, T 7, B 3.
     let cfg = Gpt2Config::new(2, 5, 35, 61, 16);
     let ledger = Ledger::new();
-    let stack = Stack::new(
-        gpt2::blocks(&cfg).unwrap(),
-        &Device::Cpu,
-        Activations::KeepGraph,
-        &ledger,
-    )
-    .unwrap();
+    let stack = stack_of(gpt2::blocks(&cfg).unwrap(), Activations::KeepGraph, &ledger);
     let (x, y) = (ids(3, 7, 61, 1), ids(3, 7, 61, 2));
     let (full, split, recomputed) = both(&stack, &x, &y);
     // Only the token-id embedding is rebuilt (it has no B to keep a tape in).
@@ -125,13 +118,7 @@ fn gpt2_split_backward_in_bf16_and_with_checkpointing() {
     let (x, y) = (ids(2, 9, 61, 3), ids(2, 9, 61, 4));
     for activations in [Activations::KeepGraph, Activations::Recompute] {
         let ledger = Ledger::new();
-        let mut stack = Stack::new(
-            gpt2::blocks(&cfg).unwrap(),
-            &Device::Cpu,
-            activations,
-            &ledger,
-        )
-        .unwrap();
+        let mut stack = stack_of(gpt2::blocks(&cfg).unwrap(), activations, &ledger);
         stack.set_compute_dtype(DType::BF16);
         let (full, split, recomputed) = both(&stack, &x, &y);
         assert_eq!(recomputed, 1, "{activations:?}");
@@ -144,13 +131,11 @@ fn llama_split_backward_uses_the_tape_and_matches_one_backward() {
     // Grouped-query attention (4 heads over 2 kv heads), odd MLP width.
     let cfg = LlamaConfig::new(2, 4, 2, 32, 37, 53, 16);
     let ledger = Ledger::new();
-    let stack = Stack::new(
+    let stack = stack_of(
         llama::blocks(&cfg).unwrap(),
-        &Device::Cpu,
         Activations::KeepGraph,
         &ledger,
-    )
-    .unwrap();
+    );
     let (x, y) = (ids(2, 11, 53, 5), ids(2, 11, 53, 6));
     let (full, split, recomputed) = both(&stack, &x, &y);
     assert_eq!(recomputed, 1);
@@ -176,13 +161,7 @@ impl Block for Claims {
 #[test]
 fn a_block_whose_parameter_escapes_the_tape_is_an_error_not_a_zero_gradient() {
     let ledger = Ledger::new();
-    let stack = Stack::new(
-        vec![Box::new(Claims)],
-        &Device::Cpu,
-        Activations::KeepGraph,
-        &ledger,
-    )
-    .unwrap();
+    let stack = stack_of(vec![Box::new(Claims)], Activations::KeepGraph, &ledger);
     let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
     stack.init_params(params.as_mut_slice(), 0);
     let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
@@ -211,13 +190,11 @@ fn tensor_parallel_split_backward_uses_the_tape_and_matches_one_backward() {
             let cfg = Gpt2Config::new(2, 4, 32, 61, 16);
             let tp = phalanx::tp::Tp::new(pg, sp);
             let ledger = Ledger::new();
-            let stack = Stack::new(
+            let stack = stack_of(
                 gpt2::blocks_tp(&cfg, Some(tp)).unwrap(),
-                &Device::Cpu,
                 Activations::KeepGraph,
                 &ledger,
-            )
-            .unwrap();
+            );
             let (x, y) = (ids(2, 6, 61, 7), ids(2, 6, 61, 8));
             both(&stack, &x, &y)
         });
