@@ -3,8 +3,9 @@
 //! (a Unix socket pair, what ranks on one host talk over).
 //!
 //! Both take well under a second. The matmul probe times a few square
-//! f32 products through candle (the `gemm` kernels training uses) on the
-//! threads this process has, after one warm-up product, and keeps the best.
+//! f32 products through `ops::sgemm` (the `gemm` kernels and the thread
+//! split that training uses) on the threads this process has, after one
+//! warm-up product, and keeps the best.
 //!
 //! ```
 //! let flops = phalanx::plan::probe_matmul_flops();
@@ -13,31 +14,38 @@
 //! assert!(bw > 1e6, "{bw}");
 //! ```
 
-use candle_core::{Device, Tensor};
+use crate::ops::{sgemm, Mat};
 use std::io::{Read, Write};
 use std::time::Instant;
 
-/// Peak matmul FLOP/s of this process (best of a few 512³ products, or
-/// 256³ ones when the machine is slow).
+/// Peak matmul FLOP/s of this process: the best of a few square products
+/// through `ops::sgemm` (the path the engine's layers take, split over
+/// candle's thread pool as in training), 1024³ ones, or 256³ ones when the
+/// machine is slow.
 pub fn probe_matmul_flops() -> f64 {
-    let run = |n: usize, reps: usize| -> Option<f64> {
-        let dev = Device::Cpu;
-        let a = Tensor::randn(0f32, 1.0, (n, n), &dev).ok()?;
-        let b = Tensor::randn(0f32, 1.0, (n, n), &dev).ok()?;
-        a.matmul(&b).ok()?; // warm-up: thread pool, packing buffers
+    let run = |n: usize, reps: usize| -> f64 {
+        // Values do not matter to the time; fixed ones keep the probe cheap.
+        let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.25 - 0.75).collect();
+        let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
+        let mut c = vec![0f32; n * n];
+        let mat = |d| Mat {
+            data: d,
+            rs: n,
+            cs: 1,
+        };
+        sgemm(n, n, n, &mut c, false, mat(&a), mat(&b)); // warm-up: pool, packing
         let mut best = f64::INFINITY;
         for _ in 0..reps {
             let t0 = Instant::now();
-            let c = a.matmul(&b).ok()?;
-            let _ = c.dims();
+            sgemm(n, n, n, &mut c, false, mat(&a), mat(&b));
             best = best.min(t0.elapsed().as_secs_f64());
         }
-        Some(2.0 * (n * n * n) as f64 / best.max(1e-9))
+        2.0 * (n * n * n) as f64 / best.max(1e-9)
     };
-    let small = run(256, 3).unwrap_or(1e9);
-    // 512³ takes ~2.7e8 FLOP: ~3 ms at 100 GFLOP/s.
+    let small = run(256, 3);
+    // 1024³ takes ~2.1e9 FLOP: ~10 ms at 200 GFLOP/s.
     if small > 5e9 {
-        run(512, 5).unwrap_or(small).max(small)
+        run(1024, 3).max(small)
     } else {
         small
     }
