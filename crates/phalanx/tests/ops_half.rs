@@ -14,22 +14,8 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use phalanx::ops;
 
-fn randn(shape: &[usize], seed: u64) -> Tensor {
-    // Deterministic pseudo-random values in about [-2, 2].
-    let n: usize = shape.iter().product();
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
+mod common;
+use common::randn;
 
 /// Unit roundoff of a dtype: 2^-(significant bits).
 fn unit(dt: DType) -> f32 {

@@ -1,0 +1,22 @@
+//! Shared by the op tests (`ops.rs`, `ops_half.rs`, `tp.rs`).
+
+use candle_core::{Device, Tensor};
+
+/// A deterministic pseudo-random f32 tensor of `shape`, values in about
+/// [-2, 2], different per `seed`.
+pub fn randn(shape: &[usize], seed: u64) -> Tensor {
+    // Deterministic pseudo-random values in about [-2, 2].
+    let n: usize = shape.iter().product();
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
