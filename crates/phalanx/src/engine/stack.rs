@@ -59,7 +59,7 @@
 //! assert_eq!(dx.unwrap().dims(), &[2, 3]);
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use candle_core::{bail, DType, Device, Result, Tensor, TensorId, Var};
@@ -67,11 +67,12 @@ use candle_nn::VarBuilder;
 
 use super::backend::{ParamSource, Recorder, Served, Server};
 use super::block::{Block, BlockModule, Ctx};
-use super::flat::GradSink;
+use super::flat::{FlatBuffer, GradSink};
 use super::init;
 use super::layout::Layout;
 use crate::ledger::{Charge, Ledger, Mem};
-use crate::ops::cpu::with_f32;
+use crate::ops::cpu::{with_f32, with_f32_any};
+use crate::ops::tape::DeferredGrad;
 
 mod partition;
 mod split;
@@ -108,12 +109,12 @@ enum Saved {
     Input(Tensor),
     /// Recompute mode with partitioned checkpoints: this tp rank's slice.
     Part(partition::Piece),
-    /// KeepGraph mode: the input variable, the parameter variables, the output.
+    /// KeepGraph mode: the input variable, what the block was served (its
+    /// parameter variables, and every parameter tensor by id for the tape),
+    /// the output.
     Graph {
         x: Option<Var>,
-        vars: Vec<(usize, Var)>,
-        /// The parameter tensors the block received, by id (for the tape).
-        ids: HashMap<TensorId, usize>,
+        served: Served,
         y: Tensor,
         _working: Charge,
     },
@@ -385,8 +386,7 @@ impl Stack {
                     x = y.detach();
                     saved.push(Saved::Graph {
                         x: xv,
-                        vars: served.vars,
-                        ids: served.ids,
+                        served,
                         y,
                         _working: working,
                     });
@@ -429,7 +429,7 @@ impl Stack {
         let mut dx = None;
         for (b, saved) in range.rev().zip(saved.into_iter().rev()) {
             let saved = partition::restore(saved, self.partition.as_ref())?;
-            let (xv, vars, ids, y, working) = match saved {
+            let (xv, served, y, working) = match saved {
                 Saved::Input(x) => {
                     let xv = if x.dtype().is_float() {
                         Some(Var::from_tensor(&x)?)
@@ -438,15 +438,14 @@ impl Stack {
                     };
                     let (m, served, working) = self.build(b, src, true)?;
                     let y = m.forward(xv.as_ref().map_or(&x, |v| v.as_tensor()), &ctx)?;
-                    (xv, served.vars, served.ids, y, working)
+                    (xv, served, y, working)
                 }
                 Saved::Graph {
                     x,
-                    vars,
-                    ids,
+                    served,
                     y,
                     _working,
-                } => (x, vars, ids, y, _working),
+                } => (x, served, y, _working),
                 Saved::Part(_) => unreachable!("restored above"),
             };
             if y.shape() != gy.shape() {
@@ -457,8 +456,8 @@ impl Stack {
                 )
             }
             let tape = self.blocks[b].defers_weight_grads();
-            let (grads, deferred) = backward_taped(&y, &gy, tape, &ids)?;
-            self.accumulate_vars(b, &vars, &grads, deferred, sink)?;
+            let (grads, work) = backward_taped(&y, &gy, tape)?;
+            self.accumulate_vars(Some(b), &served, &grads, work, sink)?;
             dx = match &xv {
                 Some(v) => match grads.get(v.as_tensor()) {
                     Some(g) => Some(g.detach()),
@@ -467,7 +466,7 @@ impl Stack {
                 None => None,
             };
             // Free the graph and the working parameters before the hook runs.
-            drop((grads, vars, xv, working));
+            drop((grads, served, xv, working));
             hook(b, sink)?;
             if let Some(g) = &dx {
                 gy = g.clone();
@@ -500,85 +499,72 @@ impl Stack {
         let loss = h.to_scalar::<f32>()?;
         let served = std::mem::take(&mut *served.lock().unwrap());
         let scale = Tensor::new(loss_scale, h.device())?;
-        let (grads, deferred) = backward_taped(&h, &scale, true, &served.ids)?;
-        let mut flat = FlatGrads(vec![0f32; self.layout.num_params()]);
-        self.accumulate_vars(usize::MAX, &served.vars, &grads, deferred, &mut flat)?;
-        Ok((loss, flat.0))
+        let (grads, work) = backward_taped(&h, &scale, true)?;
+        // A buffer of its own ledger: the reference is not the engine's memory.
+        let mut flat = FlatBuffer::zeros(&self.layout, &Ledger::new(), Mem::Grads);
+        self.accumulate_vars(None, &served, &grads, work, &mut flat)?;
+        Ok((loss, flat.as_slice().to_vec()))
     }
 }
 
-/// A whole-model gradient vector as a sink (for `reference_grads`).
-struct FlatGrads(Vec<f32>);
-
-impl GradSink for FlatGrads {
-    fn accumulate(&mut self, p: &super::layout::ParamInfo, g: &[f32]) -> Result<()> {
-        self.0[p.range()]
-            .iter_mut()
-            .zip(g)
-            .for_each(|(a, b)| *a += b);
-        Ok(())
-    }
-}
-
-/// The backward of `sum(y * gy)`. With `tape`, it runs under a weight-
-/// gradient tape ([`crate::ops::tape`]) whose work is done right away: fused
-/// blocks hand their parameter gradients over only that way. Returns
-/// candle's gradients and the deferred ones by parameter index (work on a
-/// tensor that is not a parameter is dropped).
+/// The backward of `sum(y * gy)`, under a weight-gradient tape
+/// ([`crate::ops::tape`]) when `tape`: returns candle's gradients and the
+/// work the ops deferred (none without a tape).
 pub(super) fn backward_taped(
     y: &Tensor,
     gy: &Tensor,
     tape: bool,
-    ids: &HashMap<TensorId, usize>,
-) -> Result<(candle_core::backprop::GradStore, Vec<(usize, Tensor)>)> {
+) -> Result<(candle_core::backprop::GradStore, Vec<Box<dyn DeferredGrad>>)> {
     let backward = || weighted_sum(y, gy)?.backward();
-    if !tape {
-        return Ok((backward()?, Vec::new()));
+    if tape {
+        crate::ops::tape::recording(backward)
+    } else {
+        Ok((backward()?, Vec::new()))
     }
-    let (grads, work) = crate::ops::tape::recording(backward)?;
-    let mut deferred = Vec::new();
-    for w in work {
-        for (t, g) in w.compute()? {
-            if let Some(&k) = ids.get(&t.id()) {
-                deferred.push((k, g));
-            }
-        }
-    }
-    Ok((grads, deferred))
 }
 
 impl Stack {
-    /// Adds each parameter's gradient (candle's and any deferred ones) into
-    /// `sink`; a parameter with neither is an error naming it.
+    /// Runs deferred weight-gradient work and adds each gradient of a
+    /// parameter (found by tensor id in `ids`) into `sink`, in the order the
+    /// ops deferred it. Returns the parameters that got one. Work on a
+    /// constant that is not a parameter is dropped (a single backward
+    /// computes nothing for it either).
+    pub(super) fn accumulate_deferred<S: GradSink>(
+        &self,
+        work: Vec<Box<dyn DeferredGrad>>,
+        ids: &HashMap<TensorId, usize>,
+        sink: &mut S,
+    ) -> Result<HashSet<usize>> {
+        let mut got = HashSet::new();
+        for w in work {
+            for (t, g) in w.compute()? {
+                let Some(&k) = ids.get(&t.id()) else { continue };
+                with_f32_any(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;
+                got.insert(k);
+            }
+        }
+        Ok(got)
+    }
+
+    /// Adds each served parameter's gradient (candle's, and what its ops
+    /// deferred to `work`) into `sink`; a parameter with neither is an error
+    /// naming it (and block `b`, when given).
     fn accumulate_vars<S: GradSink>(
         &self,
-        b: usize,
-        vars: &[(usize, Var)],
+        b: Option<usize>,
+        served: &Served,
         grads: &candle_core::backprop::GradStore,
-        deferred: Vec<(usize, Tensor)>,
+        work: Vec<Box<dyn DeferredGrad>>,
         sink: &mut S,
     ) -> Result<()> {
-        let mut got = std::collections::HashSet::new();
-        for (k, g) in deferred {
-            let g = if g.dtype() == DType::F32 {
-                g
-            } else {
-                g.to_dtype(DType::F32)?
-            };
-            with_f32(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;
-            got.insert(k);
-        }
-        for (k, var) in vars {
+        let got = self.accumulate_deferred(work, &served.ids, sink)?;
+        for (k, var) in &served.vars {
             let p = &self.layout.params()[*k];
             match grads.get(var.as_tensor()) {
                 Some(g) => with_f32(g, |g| sink.accumulate(p, g))??,
                 None if got.contains(k) => {}
                 None => {
-                    let block = if b == usize::MAX {
-                        String::new()
-                    } else {
-                        format!(" (block {b})")
-                    };
+                    let block = b.map_or(String::new(), |b| format!(" (block {b})"));
                     bail!(
                         "parameter `{}`{block} received no gradient: it is unused, or an op \
                          without backward (candle-nn's fused layer_norm/softmax_last_dim) cut it \

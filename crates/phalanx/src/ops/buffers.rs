@@ -26,20 +26,18 @@ const KEEP_BYTES: usize = 4 << 30;
 struct Pool {
     free: HashMap<usize, Vec<Vec<f32>>>,
     bytes: usize,
+    /// Buffers `take` had to allocate rather than reuse.
+    fresh: usize,
 }
 
 thread_local! {
     static POOL: RefCell<Pool> = RefCell::new(Pool::default());
 }
 
-thread_local! {
-    static FRESH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
 /// How many buffers [`take`] has had to allocate (not reuse) on this
 /// thread: flat across steady training steps.
 pub fn fresh_allocations() -> usize {
-    FRESH.with(|f| f.get())
+    POOL.with(|p| p.borrow().fresh)
 }
 
 /// A buffer of `len` f32s that returns to its dropping thread's pool.
@@ -51,15 +49,13 @@ pub fn take(len: usize) -> Buf {
     let reused = POOL.with(|p| {
         let mut p = p.borrow_mut();
         let v = p.free.get_mut(&len).and_then(|l| l.pop());
-        if v.is_some() {
-            p.bytes -= len * 4;
+        match v {
+            Some(_) => p.bytes -= len * 4,
+            None => p.fresh += 1,
         }
         v
     });
-    Buf(reused.unwrap_or_else(|| {
-        FRESH.with(|f| f.set(f.get() + 1));
-        vec![0f32; len]
-    }))
+    Buf(reused.unwrap_or_else(|| vec![0f32; len]))
 }
 
 impl Drop for Buf {

@@ -8,9 +8,11 @@
 //!   - a block whose ops defer their weight gradients
 //!     ([`crate::engine::Block::defers_weight_grads`], the reference GPT-2
 //!     and Llama blocks) runs B with a tape recording ([`crate::ops::tape`]):
-//!     each linear, LayerNorm and bias hands in the tensors its weight
-//!     gradient needs (its input and output gradient), and W runs only
-//!     those kernels. No forward again: B + W cost what one backward costs.
+//!     each linear and bias hands in the tensors its weight gradient needs
+//!     (its input and output gradient), and W runs only those kernels; the
+//!     norms, whose kernel yields their gains' gradients with dx, hand in
+//!     the finished gradients. No forward again: B + W cost what one
+//!     backward costs.
 //!   - any other block keeps its input and upstream gradient; W rebuilds it
 //!     with its parameters as `Var`s, runs its forward again from the
 //!     detached input and backpropagates the kept gradient. The cost is one
@@ -61,8 +63,7 @@ use crate::engine::backend::ParamSource;
 use crate::engine::block::Ctx;
 use crate::engine::flat::GradSink;
 use crate::ledger::{Charge, Mem};
-use crate::ops::cpu::with_f32;
-use crate::ops::tape::{self, DeferredGrad};
+use crate::ops::tape::DeferredGrad;
 
 /// What W needs of one block once B has run.
 enum Kept {
@@ -171,9 +172,9 @@ impl Stack {
                 Saved::Graph {
                     x: Some(xv),
                     y,
-                    ids,
+                    served,
                     ..
-                } => (xv.as_tensor().detach(), Some((xv, y)), ids),
+                } => (xv.as_tensor().detach(), Some((xv, y)), served.ids),
             };
             if let Some((_, y)) = &graph {
                 if y.shape() != gy.shape() {
@@ -188,14 +189,8 @@ impl Stack {
             let mut work = Vec::new();
             dx = match graph {
                 Some((xv, y)) => {
-                    let backward = || super::weighted_sum(&y, &gy)?.backward();
-                    let grads = if taped {
-                        let (grads, w) = tape::recording(backward)?;
-                        work = w;
-                        grads
-                    } else {
-                        backward()?
-                    };
+                    let (grads, w) = super::backward_taped(&y, &gy, taped)?;
+                    work = w;
                     match grads.get(xv.as_tensor()) {
                         Some(g) => Some(g.detach()),
                         None => bail!("block {b}: its input received no gradient"),
@@ -258,8 +253,8 @@ impl Stack {
                         )
                     }
                     let tape = self.blocks[b].defers_weight_grads();
-                    let (grads, deferred) = super::backward_taped(&y, &gy, tape, &served.ids)?;
-                    self.accumulate_vars(b, &served.vars, &grads, deferred, sink)?;
+                    let (grads, work) = super::backward_taped(&y, &gy, tape)?;
+                    self.accumulate_vars(Some(b), &served, &grads, work, sink)?;
                     drop((grads, served, working));
                 }
             }
@@ -277,21 +272,7 @@ impl Stack {
         ids: &HashMap<TensorId, usize>,
         sink: &mut S,
     ) -> Result<()> {
-        let mut got = HashSet::new();
-        for w in work {
-            for (t, g) in w.compute()? {
-                // A constant that is not a parameter has no slot (the single
-                // backward computes nothing for it either).
-                let Some(&k) = ids.get(&t.id()) else { continue };
-                let g = if g.dtype() == candle_core::DType::F32 {
-                    g
-                } else {
-                    g.to_dtype(candle_core::DType::F32)?
-                };
-                with_f32(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;
-                got.insert(k);
-            }
-        }
+        let got = self.accumulate_deferred(work, ids, sink)?;
         if let Some(k) = ids.values().filter(|k| !got.contains(k)).min() {
             bail!(
                 "parameter `{}` (block {b}) received no deferred gradient: the block says \
