@@ -157,7 +157,6 @@ impl CustomOp1 for FusedLayer {
         let (b, t, c) = x_t.dims3()?;
         let (n, nh, eps) = (b * t, self.n_head, self.eps);
         let dy_t = dy_t.contiguous()?;
-        let mut dx = vec![0f32; n * c];
         let mut w = LayerGrads {
             p: self.p.clone(),
             dims: (n, c),
@@ -168,9 +167,9 @@ impl CustomOp1 for FusedLayer {
             ln: Vec::new(),
             inputs: None,
         };
-        k::cpu::with_f32(x_t, |x| {
+        let dx = k::cpu::with_f32(x_t, |x| {
             k::cpu::with_f32(&dy_t, |dy| {
-                with_params(&self.p, |p| -> Result<()> {
+                with_params(&self.p, |p| -> Result<Vec<f32>> {
                     // y = x1 + g Wp^T + bp
                     let mut dg = buffers::take(n * 4 * c);
                     k::linear_backward_input(dy, p[MLP_W], (n, 4 * c, c), &mut dg);
@@ -181,8 +180,8 @@ impl CustomOp1 for FusedLayer {
                     k::linear_backward_input(&w.dh, p[FC_W], (n, c, 4 * c), &mut dln2);
                     let (mut dx1, dw2, db2) = k::layer_norm_backward(&a.x1, p[LN2_W], &dln2, eps)?;
                     drop(dln2);
-                    add_into(&mut dx1, dy); // the residual's share
-                                            // x1 = x + att Wo^T + bo
+                    // The residual's share; then x1 = x + att Wo^T + bo.
+                    add_into(&mut dx1, dy);
                     let mut datt = buffers::take(n * c);
                     k::linear_backward_input(&dx1, p[PROJ_W], (n, c, c), &mut datt);
                     k::attention_backward(&a.qkv, &datt, &a.probs, (b, t, c, nh), &mut w.dqkv);
@@ -190,9 +189,8 @@ impl CustomOp1 for FusedLayer {
                     // qkv = ln1 Wa^T + ba;  ln1 = LN(x)
                     let mut dln1 = buffers::take(n * c);
                     k::linear_backward_input(&w.dqkv, p[ATTN_W], (n, c, 3 * c), &mut dln1);
-                    let (dxl, dw1, db1) = k::layer_norm_backward(x, p[LN1_W], &dln1, eps)?;
-                    dx.copy_from_slice(&dxl);
-                    add_into(&mut dx, &dx1);
+                    let (mut dx, dw1, db1) = k::layer_norm_backward(x, p[LN1_W], &dln1, eps)?;
+                    add_into(&mut dx, &dx1); // and the residual's
                     w.dx1 = dx1;
                     w.ln = vec![
                         (LN1_W, dw1),
@@ -200,7 +198,7 @@ impl CustomOp1 for FusedLayer {
                         (LN2_W, dw2),
                         (LN2_W + 1, db2),
                     ];
-                    Ok(())
+                    Ok(dx)
                 })
             })
         })????;

@@ -102,25 +102,16 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // The zero-bubble input pass (B) hands a constant gain's gradient to
-        // the tape; W computes it from the kept x and dy.
-        let deferred = !w_t.track_op()
-            && tape::defer(Box::new(RmsGrads {
-                x: x_t.clone(),
-                w: w_t.clone(),
-                dy: grad.clone(),
-                eps: self.eps,
-            }));
         let (dx, dw) = rms_grads(x_t, w_t, grad, self.eps)?;
         let dev = x_t.device();
         let dx = tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?;
-        if deferred {
+        let dw = tensor_in(dw, w_t.dtype(), w_t.elem_count(), dev)?;
+        // The zero-bubble input pass (B) with a constant gain: the kernel
+        // gave its gradient with dx, so the W pass only adds it in.
+        if !w_t.track_op() && tape::defer(Box::new(tape::Ready(vec![(w_t.clone(), dw.clone())]))) {
             return Ok((Some(dx), None));
         }
-        Ok((
-            Some(dx),
-            Some(tensor_in(dw, w_t.dtype(), w_t.elem_count(), dev)?),
-        ))
+        Ok((Some(dx), Some(dw)))
     }
 }
 
@@ -145,27 +136,6 @@ fn rms_grads(x_t: &Tensor, w_t: &Tensor, grad: &Tensor, eps: f32) -> Result<(Vec
             })
         })
     })??
-}
-
-/// An RMSNorm gain's gradient, postponed to the zero-bubble W pass (the
-/// same kernel as the single backward; its dx is dropped).
-struct RmsGrads {
-    x: Tensor,
-    w: Tensor,
-    dy: Tensor,
-    eps: f32,
-}
-
-impl tape::DeferredGrad for RmsGrads {
-    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        let (_, dw) = rms_grads(&self.x, &self.w, &self.dy, self.eps)?;
-        let dw = tensor_in(dw, self.w.dtype(), self.w.elem_count(), self.w.device())?;
-        Ok(vec![(self.w.clone(), dw)])
-    }
-
-    fn kept(&self) -> Vec<&Tensor> {
-        vec![&self.x, &self.dy]
-    }
 }
 
 /// RMSNorm over the last dim of `x` with gain `w` (C,).

@@ -126,69 +126,26 @@ impl CustomOp3 for LayerNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // The zero-bubble input pass (B): constant w and b go to the tape,
-        // and W computes their gradients from the kept x and dy.
-        let defer = tape::active() && !w_t.track_op() && !b_t.track_op();
-        if defer {
-            tape::defer(Box::new(LayerNormGrads {
-                x: x_t.clone(),
-                w: w_t.clone(),
-                b: b_t.clone(),
-                dy: grad.clone(),
-                eps: self.eps,
-            }));
+        let (dx, dw, db) = with_f32_any(x_t, |x| {
+            with_f32_any(w_t, |w| {
+                with_f32_any(grad, |dy| layer_norm_backward(x, w, dy, self.eps))
+            })
+        })????;
+        let (dev, c) = (x_t.device(), w_t.elem_count());
+        let dx = tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?;
+        let dw = tensor_in(dw, w_t.dtype(), c, dev)?;
+        let db = tensor_in(db, b_t.dtype(), c, dev)?;
+        if tape::active() && !w_t.track_op() && !b_t.track_op() {
+            // The zero-bubble input pass (B) with constant w and b: the
+            // kernel gave their gradients with dx, so the W pass only adds
+            // them in.
+            tape::defer(Box::new(tape::Ready(vec![
+                (w_t.clone(), dw),
+                (b_t.clone(), db),
+            ])));
+            return Ok((Some(dx), None, None));
         }
-        let (dx, dw, db) = grads(x_t, w_t, grad, self.eps)?;
-        let dev = x_t.device();
-        let c = w_t.elem_count();
-        if defer {
-            return Ok((
-                Some(tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?),
-                None,
-                None,
-            ));
-        }
-        Ok((
-            Some(tensor_in(dx, x_t.dtype(), x_t.shape(), dev)?),
-            Some(tensor_in(dw, w_t.dtype(), c, dev)?),
-            Some(tensor_in(db, b_t.dtype(), c, dev)?),
-        ))
-    }
-}
-
-/// (dx, dw, db) as f32 vectors, from tensors of any float dtype.
-fn grads(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f32) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    with_f32_any(x, |x| {
-        with_f32_any(w, |w| {
-            with_f32_any(dy, |dy| layer_norm_backward(x, w, dy, eps))
-        })
-    })???
-}
-
-/// A LayerNorm's gain and bias gradients, postponed to the W pass. The W
-/// pass runs the same kernel as the single backward (dx is recomputed and
-/// dropped: one row pass, small next to the block's matrix products), so
-/// its dw and db are the single backward's.
-struct LayerNormGrads {
-    x: Tensor,
-    w: Tensor,
-    b: Tensor,
-    dy: Tensor,
-    eps: f32,
-}
-
-impl tape::DeferredGrad for LayerNormGrads {
-    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        let (_, dw, db) = grads(&self.x, &self.w, &self.dy, self.eps)?;
-        let (c, dev) = (self.w.elem_count(), self.w.device());
-        Ok(vec![
-            (self.w.clone(), tensor_in(dw, self.w.dtype(), c, dev)?),
-            (self.b.clone(), tensor_in(db, self.b.dtype(), c, dev)?),
-        ])
-    }
-
-    fn kept(&self) -> Vec<&Tensor> {
-        vec![&self.x, &self.dy]
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 

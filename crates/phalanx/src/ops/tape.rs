@@ -51,6 +51,20 @@ pub trait DeferredGrad: Send {
     }
 }
 
+/// Gradients already computed (a kernel that yields a weight's gradient
+/// together with the input's, like the norms'): the W pass only adds them in.
+pub struct Ready(pub Vec<(Tensor, Tensor)>);
+
+impl DeferredGrad for Ready {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        Ok(self.0.clone())
+    }
+
+    fn kept(&self) -> Vec<&Tensor> {
+        self.0.iter().map(|(_, g)| g).collect()
+    }
+}
+
 thread_local! {
     static TAPE: RefCell<Option<Vec<Box<dyn DeferredGrad>>>> = const { RefCell::new(None) };
 }
