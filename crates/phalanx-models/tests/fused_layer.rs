@@ -40,13 +40,17 @@ fn run(cfg: &Gpt2Config, act: Activations, fused: bool, b: usize, t: usize) -> (
 
 #[test]
 fn fused_layer_matches_candle_autograd_on_odd_shapes() {
-    // (n_layer, n_head, C, vocab, B, T): odd widths, one head, T = 1.
+    // (n_layer, n_head, C, vocab, B, T): odd widths, one head, T = 1; an
+    // even B (split over the pool's threads, one share of the batch each,
+    // where there are 2 or 4) with T over one attention block.
+    let blk = phalanx::ops::ATTENTION_BLOCK;
     for (l, nh, c, v, b, t) in [
         (2, 5, 35, 61, 3, 7),
         (1, 1, 8, 11, 2, 1),
         (1, 3, 24, 29, 1, 13),
+        (2, 2, 16, 19, 4, blk + 9),
     ] {
-        let cfg = Gpt2Config::new(l, nh, c, v, 16);
+        let cfg = Gpt2Config::new(l, nh, c, v, t.max(16));
         for act in [Activations::KeepGraph, Activations::Recompute] {
             let before = phalanx::ops::buffers::fresh_allocations();
             let (l0, g0) = run(&cfg, act, false, b, t);

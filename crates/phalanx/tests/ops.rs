@@ -219,7 +219,14 @@ fn add_bias_and_linear_match_candle() {
 
 #[test]
 fn causal_attention_matches_composed() {
-    let (b, t, nh, hs) = (2, 9, 3, 4);
+    // T below one block of query rows, a whole number of blocks plus one,
+    // and uneven blocks (the products skip the masked triangle by blocks).
+    for t in [9, ops::ATTENTION_BLOCK + 1, 2 * ops::ATTENTION_BLOCK + 22] {
+        attention_case(2, t, 3, 4);
+    }
+}
+
+fn attention_case(b: usize, t: usize, nh: usize, hs: usize) {
     let c = nh * hs;
     let qkv = randn(&[b, t, 3 * c], 20);
     let (y1, g1) = value_and_grad(&qkv, |x| ops::causal_attention(x, nh));

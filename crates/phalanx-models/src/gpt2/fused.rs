@@ -122,21 +122,35 @@ impl CustomOp1 for FusedLayer {
             g: buffers::take(n * 4 * c),
         };
         let mut y = vec![0f32; n * c];
+        let parts = batch_parts(b);
+        let bp = b / parts;
+        // Each part: its batch elements' rows of every buffer.
+        let sp = |v| split_mut(v, parts);
+        let (mut ln1, mut qkv, mut probs) = (sp(&mut a.ln1), sp(&mut a.qkv), sp(&mut a.probs));
+        let (mut att, mut x1, mut ln2) = (sp(&mut a.att), sp(&mut a.x1), sp(&mut a.ln2));
+        let (mut h, mut g, mut ys) = (sp(&mut a.h), sp(&mut a.g), sp(&mut y));
+        let work: Vec<_> = x
+            .chunks(x.len() / parts)
+            .map(|x| {
+                Mutex::new(Some(Fwd {
+                    x,
+                    ln1: ln1.next().unwrap(),
+                    qkv: qkv.next().unwrap(),
+                    probs: probs.next().unwrap(),
+                    att: att.next().unwrap(),
+                    x1: x1.next().unwrap(),
+                    ln2: ln2.next().unwrap(),
+                    h: h.next().unwrap(),
+                    g: g.next().unwrap(),
+                    y: ys.next().unwrap(),
+                }))
+            })
+            .collect();
         with_params(&self.p, |p| {
-            k::layer_norm_forward(&x, p[LN1_W], p[LN1_W + 1], self.eps, &mut a.ln1);
-            let lin = (n, c, 3 * c);
-            k::linear_forward(&a.ln1, p[ATTN_W], Some(p[ATTN_W + 1]), lin, &mut a.qkv);
-            k::attention_forward(&a.qkv, (b, t, c, nh), &mut a.att, &mut a.probs);
-            let lin = (n, c, c);
-            k::linear_forward(&a.att, p[PROJ_W], Some(p[PROJ_W + 1]), lin, &mut a.x1);
-            add_into(&mut a.x1, &x); // x1 = x + proj (the composed layer's add)
-            k::layer_norm_forward(&a.x1, p[LN2_W], p[LN2_W + 1], self.eps, &mut a.ln2);
-            let lin = (n, c, 4 * c);
-            k::linear_forward(&a.ln2, p[FC_W], Some(p[FC_W + 1]), lin, &mut a.h);
-            k::gelu_forward(&a.h, &mut a.g);
-            let lin = (n, 4 * c, c);
-            k::linear_forward(&a.g, p[MLP_W], Some(p[MLP_W + 1]), lin, &mut y);
-            add_into(&mut y, &a.x1);
+            k::cpu::par_parts(parts, |i| {
+                let f = work[i].lock().unwrap().take().expect("each part runs once");
+                forward_part(f, p, (bp, t, c, nh), self.eps)
+            })
         })?;
         *self.acts.lock().unwrap() = Some(a);
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -162,52 +176,175 @@ impl CustomOp1 for FusedLayer {
             dims: (n, c),
             dy: dy_t.clone(),
             dh: buffers::take(n * 4 * c),
-            dx1: Vec::new(),
+            dx1: Buf::default(),
             dqkv: buffers::take(n * 3 * c),
             ln: Vec::new(),
             inputs: None,
         };
-        let dx = k::cpu::with_f32(x_t, |x| {
+        let parts = batch_parts(b);
+        let bp = b / parts;
+        let mut dx = vec![0f32; n * c];
+        let mut dx1 = buffers::take(n * c);
+        // The LayerNorms' gain and bias gradients, per part: summed below in
+        // part order, so the result does not depend on thread timing.
+        let ln_parts: Vec<Mutex<Option<Result<LnGrads>>>> =
+            (0..parts).map(|_| Mutex::new(None)).collect();
+        k::cpu::with_f32(x_t, |x| {
             k::cpu::with_f32(&dy_t, |dy| {
-                with_params(&self.p, |p| -> Result<Vec<f32>> {
-                    // y = x1 + g Wp^T + bp
-                    let mut dg = buffers::take(n * 4 * c);
-                    k::linear_backward_input(dy, p[MLP_W], (n, 4 * c, c), &mut dg);
-                    k::gelu_backward(&a.h, &dg, &mut w.dh);
-                    drop(dg);
-                    // h = ln2 Wf^T + bf;  ln2 = LN(x1)
-                    let mut dln2 = buffers::take(n * c);
-                    k::linear_backward_input(&w.dh, p[FC_W], (n, c, 4 * c), &mut dln2);
-                    let (mut dx1, dw2, db2) = k::layer_norm_backward(&a.x1, p[LN2_W], &dln2, eps)?;
-                    drop(dln2);
-                    // The residual's share; then x1 = x + att Wo^T + bo.
-                    add_into(&mut dx1, dy);
-                    let mut datt = buffers::take(n * c);
-                    k::linear_backward_input(&dx1, p[PROJ_W], (n, c, c), &mut datt);
-                    k::attention_backward(&a.qkv, &datt, &a.probs, (b, t, c, nh), &mut w.dqkv);
-                    drop(datt);
-                    // qkv = ln1 Wa^T + ba;  ln1 = LN(x)
-                    let mut dln1 = buffers::take(n * c);
-                    k::linear_backward_input(&w.dqkv, p[ATTN_W], (n, c, 3 * c), &mut dln1);
-                    let (mut dx, dw1, db1) = k::layer_norm_backward(x, p[LN1_W], &dln1, eps)?;
-                    add_into(&mut dx, &dx1); // and the residual's
-                    w.dx1 = dx1;
-                    w.ln = vec![
-                        (LN1_W, dw1),
-                        (LN1_W + 1, db1),
-                        (LN2_W, dw2),
-                        (LN2_W + 1, db2),
-                    ];
-                    Ok(dx)
+                with_params(&self.p, |p| {
+                    let sp = |v| split(v, parts);
+                    let spm = |v| split_mut(v, parts);
+                    let (mut dys, mut hs, mut x1s) = (sp(dy), sp(&a.h), sp(&a.x1));
+                    let (mut qkvs, mut probs) = (sp(&a.qkv), sp(&a.probs));
+                    let (mut dhs, mut dx1s) = (spm(&mut w.dh), spm(&mut dx1));
+                    let (mut dqkvs, mut dxs) = (spm(&mut w.dqkv), spm(&mut dx));
+                    let work: Vec<_> = sp(x)
+                        .map(|x| {
+                            Mutex::new(Some(Bwd {
+                                x,
+                                dy: dys.next().unwrap(),
+                                h: hs.next().unwrap(),
+                                x1: x1s.next().unwrap(),
+                                qkv: qkvs.next().unwrap(),
+                                probs: probs.next().unwrap(),
+                                dh: dhs.next().unwrap(),
+                                dx1: dx1s.next().unwrap(),
+                                dqkv: dqkvs.next().unwrap(),
+                                dx: dxs.next().unwrap(),
+                            }))
+                        })
+                        .collect();
+                    k::cpu::par_parts(parts, |i| {
+                        let bw = work[i].lock().unwrap().take().expect("each part runs once");
+                        let r = backward_part(bw, p, (bp, t, c, nh), eps);
+                        *ln_parts[i].lock().unwrap() = Some(r);
+                    })
                 })
             })
-        })????;
+        })???;
+        let mut ln = [LN1_W, LN1_W + 1, LN2_W, LN2_W + 1].map(|i| (i, vec![0f32; c]));
+        for part in ln_parts {
+            let g = part.into_inner().unwrap().expect("every part ran")?;
+            for ((_, sum), g) in ln.iter_mut().zip(g) {
+                add_into(sum, &g);
+            }
+        }
+        w.dx1 = dx1;
+        w.ln = ln.into();
         // W needs the linears' inputs only; qkv, P, x1 and h go back to
         // the pool now.
         w.inputs = Some([a.ln1, a.att, a.ln2, a.g]);
         tape::defer(Box::new(w));
         Ok(Some(Tensor::from_vec(dx, (b, t, c), x_t.device())?))
     }
+}
+
+/// How many parts to split a batch of `b` over: one per pool thread when
+/// they divide it evenly (each then runs the whole layer on its share of
+/// the batch), else 1 (the kernels then split their own work).
+fn batch_parts(b: usize) -> usize {
+    let threads = k::cpu::pool_threads();
+    if threads > 1 && b.is_multiple_of(threads) {
+        threads
+    } else {
+        1
+    }
+}
+
+/// `v` in `parts` equal pieces (the batch parts' rows).
+fn split(v: &[f32], parts: usize) -> std::slice::Chunks<'_, f32> {
+    v.chunks(v.len() / parts)
+}
+
+/// `v` in `parts` equal mutable pieces.
+fn split_mut(v: &mut [f32], parts: usize) -> std::slice::ChunksMut<'_, f32> {
+    let len = v.len() / parts;
+    v.chunks_mut(len)
+}
+
+/// One part's rows of the forward's input, activations and output.
+struct Fwd<'a> {
+    x: &'a [f32],
+    ln1: &'a mut [f32],
+    qkv: &'a mut [f32],
+    probs: &'a mut [f32],
+    att: &'a mut [f32],
+    x1: &'a mut [f32],
+    ln2: &'a mut [f32],
+    h: &'a mut [f32],
+    g: &'a mut [f32],
+    y: &'a mut [f32],
+}
+
+/// The forward on `b` batch elements (every element of the outputs written).
+fn forward_part(a: Fwd, p: &[&[f32]], (b, t, c, nh): (usize, usize, usize, usize), eps: f32) {
+    let n = b * t;
+    k::layer_norm_forward(a.x, p[LN1_W], p[LN1_W + 1], eps, a.ln1);
+    let lin = (n, c, 3 * c);
+    k::linear_forward(a.ln1, p[ATTN_W], Some(p[ATTN_W + 1]), lin, a.qkv);
+    k::attention_forward(a.qkv, (b, t, c, nh), a.att, a.probs);
+    let lin = (n, c, c);
+    k::linear_forward(a.att, p[PROJ_W], Some(p[PROJ_W + 1]), lin, a.x1);
+    add_into(a.x1, a.x); // x1 = x + proj (the composed layer's add)
+    k::layer_norm_forward(a.x1, p[LN2_W], p[LN2_W + 1], eps, a.ln2);
+    let lin = (n, c, 4 * c);
+    k::linear_forward(a.ln2, p[FC_W], Some(p[FC_W + 1]), lin, a.h);
+    k::gelu_forward(a.h, a.g);
+    let lin = (n, 4 * c, c);
+    k::linear_forward(a.g, p[MLP_W], Some(p[MLP_W + 1]), lin, a.y);
+    add_into(a.y, a.x1);
+}
+
+/// One part's rows of what the backward reads and writes.
+struct Bwd<'a> {
+    x: &'a [f32],
+    dy: &'a [f32],
+    h: &'a [f32],
+    x1: &'a [f32],
+    qkv: &'a [f32],
+    probs: &'a [f32],
+    dh: &'a mut [f32],
+    dx1: &'a mut [f32],
+    dqkv: &'a mut [f32],
+    dx: &'a mut [f32],
+}
+
+/// The LayerNorms' gradients: ln_1 gain, bias; ln_2 gain, bias.
+type LnGrads = [Vec<f32>; 4];
+
+/// The input-gradient pass on `b` batch elements: dx, and what the
+/// weight gradients need (dh, dx1, dqkv); returns the LayerNorms'
+/// gradients over these rows.
+fn backward_part(
+    a: Bwd,
+    p: &[&[f32]],
+    (b, t, c, nh): (usize, usize, usize, usize),
+    eps: f32,
+) -> Result<LnGrads> {
+    let n = b * t;
+    let [mut dw1, mut db1, mut dw2, mut db2] = std::array::from_fn(|_| vec![0f32; c]);
+    // y = x1 + g Wp^T + bp
+    let mut dg = buffers::take(n * 4 * c);
+    k::linear_backward_input(a.dy, p[MLP_W], (n, 4 * c, c), &mut dg);
+    k::gelu_backward(a.h, &dg, a.dh);
+    drop(dg);
+    // h = ln2 Wf^T + bf;  ln2 = LN(x1)
+    let mut dln2 = buffers::take(n * c);
+    k::linear_backward_input(a.dh, p[FC_W], (n, c, 4 * c), &mut dln2);
+    k::layer_norm_backward_into(a.x1, p[LN2_W], &dln2, eps, a.dx1, &mut dw2, &mut db2)?;
+    drop(dln2);
+    // The residual's share; then x1 = x + att Wo^T + bo.
+    add_into(a.dx1, a.dy);
+    let mut datt = buffers::take(n * c);
+    k::linear_backward_input(a.dx1, p[PROJ_W], (n, c, c), &mut datt);
+    k::attention_backward(a.qkv, &datt, a.probs, (b, t, c, nh), a.dqkv);
+    drop(datt);
+    // qkv = ln1 Wa^T + ba;  ln1 = LN(x)
+    let mut dln1 = buffers::take(n * c);
+    k::linear_backward_input(a.dqkv, p[ATTN_W], (n, c, 3 * c), &mut dln1);
+    k::layer_norm_backward_into(a.x, p[LN1_W], &dln1, eps, a.dx, &mut dw1, &mut db1)?;
+    add_into(a.dx, a.dx1); // and the residual's
+    Ok([dw1, db1, dw2, db2])
 }
 
 /// (weight index, its input, the output gradient, out, in) of a linear.
@@ -219,7 +356,7 @@ struct LayerGrads {
     dims: (usize, usize),
     dy: Tensor,
     dh: Buf,
-    dx1: Vec<f32>,
+    dx1: Buf,
     dqkv: Buf,
     /// The LayerNorms' (index, gradient): their kernel gives them with dx.
     ln: Vec<(usize, Vec<f32>)>,

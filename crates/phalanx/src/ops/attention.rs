@@ -7,6 +7,11 @@
 //!   dP = dy_h v^T;  dv = P^T dy_h;  dS = P * (dP - rowsum(P * dP)) / sqrt(hs)
 //!   dq = dS k;  dk = dS^T q
 //!
+//! Every product runs by blocks of [`BLOCK`] query rows (or key columns):
+//! rows i0..i1 only see keys 0..i1, so the masked triangle beyond each
+//! block is never computed (at T = 256 the five products do 5/8 of the
+//! full T x T work), as flash attention skips fully masked tiles.
+//!
 //! Why: the same computation in candle ops is ~15 graph nodes (splits,
 //! reshapes, transposes, copies, two batched matmuls, softmax), each of which
 //! costs a zero-filled gradient plus an add in candle's backward. Here it is
@@ -31,8 +36,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
 use super::cpu::{
-    cpu_f32, dot_lanes, is_float, max_lanes, storage_f32, storage_in, sum_lanes, tensor_in,
-    with_f32_any,
+    cpu_f32, dot_lanes, is_float, max_lanes, pool_chunked, storage_f32, storage_in, sum_lanes,
+    tensor_in, with_f32_any,
 };
 use super::gelu::exp_approx;
 use super::linear::{gemm_block, sgemm_strided, Mat};
@@ -89,21 +94,45 @@ fn head_probs(qkv: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
     p
 }
 
+/// Query rows per block of the causal products. Smaller blocks skip more
+/// of the masked triangle but make smaller, less efficient gemms.
+pub const BLOCK: usize = 64;
+
+/// The (start, end) of each block of [`BLOCK`] rows of 0..t.
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(BLOCK)
+        .map(move |i0| (i0, (i0 + BLOCK).min(t)))
+}
+
+/// Rows r.. and columns r.. of a (T, T) matrix in `x`, transposed.
+fn below_diag_t(x: &[f32], t: usize, r: usize) -> Mat<'_> {
+    Mat {
+        data: &x[r * t + r..],
+        rs: 1,
+        cs: t,
+    }
+}
+
 /// P for head (b, h) into `p` (T, T), every element written.
 fn head_probs_into(qkv: &[f32], d: Dims, b: usize, h: usize, p: &mut [f32]) {
     let (t, c3) = (d.t, 3 * d.c);
     let base = b * t * c3 + h * d.hs;
-    let q = Mat {
-        data: &qkv[base..],
-        rs: c3,
-        cs: 1,
-    };
     let kt = Mat {
         data: &qkv[base + d.c..],
         rs: 1,
         cs: c3,
     };
-    sgemm_strided(t, t, d.hs, p, t, false, q, kt, false);
+    // S[i0..i1, 0..i1] = q[i0..i1] k[0..i1]^T; the rest of those rows is
+    // masked, and the softmax writes its zeros.
+    for (i0, i1) in blocks(t) {
+        let q = Mat {
+            data: &qkv[base + i0 * c3..],
+            rs: c3,
+            cs: 1,
+        };
+        sgemm_strided(i1 - i0, i1, d.hs, &mut p[i0 * t..], t, false, q, kt, false);
+    }
     simd_dispatch!(softmax_causal_rows(p, t, 1.0 / (d.hs as f32).sqrt()));
 }
 
@@ -168,7 +197,7 @@ fn forward_into(qkv: &[f32], d: Dims, y: &mut [f32], probs: &mut [f32]) {
     let (t, c) = (d.t, d.c);
     let (yp, pp) = (Out(y.as_mut_ptr()), Out(probs.as_mut_ptr()));
     assert!(y.len() >= d.b * t * c && probs.len() >= d.b * d.nh * t * t);
-    candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
+    pool_chunked(d.b * d.nh, |tasks| {
         for task in tasks {
             let (b, h) = (task / d.nh, task % d.nh);
             // SAFETY: task (b, h) alone owns probs[b, h], a contiguous (T, T)
@@ -180,24 +209,28 @@ fn forward_into(qkv: &[f32], d: Dims, y: &mut [f32], probs: &mut [f32]) {
                 rs: 3 * c,
                 cs: 1,
             };
-            let p = Mat {
-                data: p,
-                rs: t,
-                cs: 1,
-            };
-            // y[b, :, h*hs..(h+1)*hs] = P v, written in place (row stride C).
-            // SAFETY: task (b, h) alone writes these elements, and the span
-            // (T - 1) C + hs from b T C + h hs lies inside `y` (asserted).
-            gemm_block(
-                t,
-                d.hs,
-                t,
-                unsafe { yp.at(b * t * c + h * d.hs) },
-                c,
-                false,
-                p,
-                v,
-            );
+            // y[b, i0..i1, h*hs..(h+1)*hs] = P[i0..i1, 0..i1] v[0..i1],
+            // written in place (row stride C).
+            for (i0, i1) in blocks(t) {
+                let p = Mat {
+                    data: &p[i0 * t..],
+                    rs: t,
+                    cs: 1,
+                };
+                // SAFETY: task (b, h) alone writes these elements, and the
+                // span (i1 - i0 - 1) C + hs from b T C + i0 C + h hs lies
+                // inside `y` (asserted).
+                gemm_block(
+                    i1 - i0,
+                    d.hs,
+                    i1,
+                    unsafe { yp.at((b * t + i0) * c + h * d.hs) },
+                    c,
+                    false,
+                    p,
+                    v,
+                );
+            }
         }
     });
 }
@@ -272,7 +305,7 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
     let scale = 1.0 / (hs as f32).sqrt();
     assert!(dqkv.len() >= qkv.len() && qkv.len() >= d.b * t * c3);
     let out = Out(dqkv.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(d.b * d.nh, |tasks| {
+    pool_chunked(d.b * d.nh, |tasks| {
         for task in tasks {
             let (b, h) = (task / d.nh, task % d.nh);
             let head = task * t * t..(task + 1) * t * t;
@@ -284,13 +317,14 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
             };
             let p = &p[..];
             let base = b * t * c3 + h * hs;
-            let q = Mat {
-                data: &qkv[base..],
+            // Rows r.. of q, k (T, hs) and dy_h; columns r.. of v^T.
+            let q = |r: usize| Mat {
+                data: &qkv[base + r * c3..],
                 rs: c3,
                 cs: 1,
             };
-            let k = Mat {
-                data: &qkv[base + c..],
+            let k = |r: usize| Mat {
+                data: &qkv[base + c + r * c3..],
                 rs: c3,
                 cs: 1,
             };
@@ -299,14 +333,27 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                 rs: 1,
                 cs: c3,
             };
-            let dyh = Mat {
-                data: &dy[b * t * c + h * hs..],
+            let dyh = |r: usize| Mat {
+                data: &dy[(b * t + r) * c + h * hs..],
                 rs: c,
                 cs: 1,
             };
-            // dP = dy_h v^T, then dS in place.
+            // dP[i0..i1, 0..i1] = dy_h[i0..i1] v[0..i1]^T, then dS in place
+            // (zeros beyond the diagonal, so every element is written).
             let mut ds = vec![0f32; t * t];
-            sgemm_strided(t, t, hs, &mut ds, t, false, dyh, vt, false);
+            for (i0, i1) in blocks(t) {
+                sgemm_strided(
+                    i1 - i0,
+                    i1,
+                    hs,
+                    &mut ds[i0 * t..],
+                    t,
+                    false,
+                    dyh(i0),
+                    vt,
+                    false,
+                );
+            }
             for i in 0..t {
                 let (pr, dr) = (&p[i * t..i * t + i + 1], &mut ds[i * t..(i + 1) * t]);
                 let dot = dot_lanes(pr, &dr[..i + 1]);
@@ -315,40 +362,39 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                 }
                 dr[i + 1..].fill(0.0);
             }
-            // dv = P^T dy_h, dq = dS k, dk = dS^T q, each (T, hs) written
-            // in place into its columns of dqkv (row stride 3C).
+            // By blocks of rows r0..r1 of dv, dq and dk (T, hs), each written
+            // in place into its columns of dqkv (row stride 3C):
+            //   dv[r0..r1] = P[r0..T, r0..r1]^T dy_h[r0..T]   (P[i, j] = 0, j > i)
+            //   dq[r0..r1] = dS[r0..r1, 0..r1] k[0..r1]
+            //   dk[r0..r1] = dS[r0..T, r0..r1]^T q[r0..T]
             // SAFETY: task (b, h) alone writes columns h*hs.. of q, k and v
             // in row block b; each span lies inside dqkv (asserted above).
-            let mm = |off: usize, a: Mat, b: Mat| {
-                gemm_block(t, hs, t, unsafe { out.at(off) }, c3, false, a, b)
+            let mm = |off: usize, m: usize, kk: usize, a: Mat, b: Mat| {
+                gemm_block(m, hs, kk, unsafe { out.at(off) }, c3, false, a, b)
             };
-            mm(
-                base + 2 * c,
-                Mat {
-                    data: p,
-                    rs: 1,
-                    cs: t,
-                },
-                dyh,
-            );
-            mm(
-                base,
-                Mat {
-                    data: &ds,
+            for (r0, r1) in blocks(t) {
+                let (m, below) = (r1 - r0, t - r0);
+                mm(
+                    base + 2 * c + r0 * c3,
+                    m,
+                    below,
+                    below_diag_t(p, t, r0),
+                    dyh(r0),
+                );
+                let ds_rows = Mat {
+                    data: &ds[r0 * t..],
                     rs: t,
                     cs: 1,
-                },
-                k,
-            );
-            mm(
-                base + c,
-                Mat {
-                    data: &ds,
-                    rs: 1,
-                    cs: t,
-                },
-                q,
-            );
+                };
+                mm(base + r0 * c3, m, r1, ds_rows, k(0));
+                mm(
+                    base + c + r0 * c3,
+                    m,
+                    below,
+                    below_diag_t(&ds, t, r0),
+                    q(r0),
+                );
+            }
         }
     });
 }

@@ -41,6 +41,7 @@ pub fn fresh_allocations() -> usize {
 }
 
 /// A buffer of `len` f32s that returns to its dropping thread's pool.
+#[derive(Default)]
 pub struct Buf(Vec<f32>);
 
 /// A buffer of `len` f32s: a freed one of the same length if this thread

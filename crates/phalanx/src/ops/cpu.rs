@@ -362,6 +362,67 @@ unsafe impl<T: Send> Sync for SendPtr<T> {}
 /// Below this many elements, threading costs more than it saves.
 const PAR_MIN: usize = 1 << 15;
 
+thread_local! {
+    /// Set while this thread runs one part of [`par_parts`].
+    static IN_PART: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Threads a kernel may split over: candle's pool workers plus the calling
+/// thread (`CANDLE_NUM_THREADS`), or 1 inside a part of [`par_parts`].
+pub fn pool_threads() -> usize {
+    if IN_PART.with(|p| p.get()) {
+        1
+    } else {
+        candle_core::utils::barrier_pool().n_workers() + 1
+    }
+}
+
+/// `f` over chunks of `0..n_items` on candle's pool; inline inside a part
+/// of [`par_parts`] (that thread is the part's only one).
+pub(crate) fn pool_chunked(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
+    if IN_PART.with(|p| p.get()) {
+        f(0..n_items)
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(n_items, f)
+    }
+}
+
+/// Runs `f(i)` for each part `i` in `0..parts` in parallel on candle's
+/// pool, and every kernel `f` calls serially on the thread running its
+/// part: one parallel region for a whole block of work (a fused layer's
+/// pass over its share of the batch) instead of one per kernel, so no
+/// core idles in the serial passes between kernels and nobody waits at
+/// a barrier after each. Use `parts` = [`pool_threads`] for one each.
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// let sum = AtomicUsize::new(0);
+/// phalanx::ops::cpu::par_parts(4, |i| {
+///     assert_eq!(phalanx::ops::cpu::pool_threads(), 1); // kernels run serially
+///     sum.fetch_add(i, Ordering::Relaxed);
+/// });
+/// assert_eq!(sum.into_inner(), 6);
+/// ```
+pub fn par_parts(parts: usize, f: impl Fn(usize) + Sync) {
+    let run = |i: usize| {
+        let was = IN_PART.with(|p| p.replace(true));
+        // Restored on unwind too, so a panicking part leaves no stale flag.
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                IN_PART.with(|p| p.set(self.0));
+            }
+        }
+        let _restore = Restore(was);
+        f(i)
+    };
+    if parts <= 1 || IN_PART.with(|p| p.get()) {
+        (0..parts).for_each(run);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(parts, |r| r.for_each(run));
+    }
+}
+
 /// Run `f(rows, out_rows)` over `out` split into rows of `row_len`, in
 /// parallel on candle's thread pool when the work is large enough.
 pub fn par_rows<T: Send>(
@@ -375,7 +436,7 @@ pub fn par_rows<T: Send>(
         return;
     }
     let ptr = SendPtr(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n_rows, |rows| {
+    pool_chunked(n_rows, |rows| {
         let p = ptr;
         // SAFETY: the pool hands out disjoint row ranges within `out`.
         let chunk = unsafe {
@@ -395,7 +456,7 @@ pub fn par_elems(out: &mut [f32], f: impl Fn(std::ops::Range<usize>, &mut [f32])
     }
     let n_chunks = n.div_ceil(CHUNK);
     let ptr = SendPtr(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n_chunks, |chunks| {
+    pool_chunked(n_chunks, |chunks| {
         let p = ptr;
         let lo = chunks.start * CHUNK;
         let hi = (chunks.end * CHUNK).min(n);
@@ -414,7 +475,7 @@ pub fn par_map_rows(n_rows: usize, row_work: usize, f: impl Fn(usize) -> f32 + S
         return out;
     }
     let ptr = SendPtr(out.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n_rows, |rows| {
+    pool_chunked(n_rows, |rows| {
         let p = ptr;
         for r in rows {
             // SAFETY: each row index is handed out once.

@@ -169,13 +169,38 @@ pub fn layer_norm_backward(
     eps: f32,
 ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let c = w.len();
-    if x.len() != dy.len() || !x.len().is_multiple_of(c) {
-        bail!("layer_norm backward: x {} dy {} c {c}", x.len(), dy.len())
-    }
     let mut dx = vec![0f32; x.len()];
+    let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
+    layer_norm_backward_into(x, w, dy, eps, &mut dx, &mut dw, &mut db)?;
+    Ok((dx, dw, db))
+}
+
+/// The backward pass over slices into `dx` (every element written),
+/// adding the gain's and the bias's gradients into `dw` and `db`.
+pub fn layer_norm_backward_into(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    eps: f32,
+    dx: &mut [f32],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<()> {
+    let c = w.len();
+    if x.len() != dy.len() || x.len() != dx.len() || !x.len().is_multiple_of(c) {
+        bail!(
+            "layer_norm backward: x {} dy {} dx {} c {c}",
+            x.len(),
+            dy.len(),
+            dx.len()
+        )
+    }
+    if dw.len() != c || db.len() != c {
+        bail!("layer_norm backward: dw {} db {} c {c}", dw.len(), db.len())
+    }
     // Each row chunk sums its dw/db locally, then adds them under the lock.
-    let acc = Mutex::new((vec![0f32; c], vec![0f32; c]));
-    par_rows(&mut dx, c, |rows, dx| {
+    let acc = Mutex::new((dw, db));
+    par_rows(dx, c, |rows, dx| {
         let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
         for (r, dx) in rows.zip(dx.chunks_exact_mut(c)) {
             let x = &x[r * c..(r + 1) * c];
@@ -188,8 +213,7 @@ pub fn layer_norm_backward(
             acc.1[i] += db[i];
         }
     });
-    let (dw, db) = acc.into_inner().unwrap();
-    Ok((dx, dw, db))
+    Ok(())
 }
 
 /// LayerNorm over the last dim of `x` with gain `w` and bias `b` (both (C,)).

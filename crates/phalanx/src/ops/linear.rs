@@ -27,7 +27,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::cpu::{cpu_f32, is_float, storage_in, tensor_in, with_f32_any};
+use super::cpu::{
+    cpu_f32, is_float, pool_chunked, pool_threads, storage_in, tensor_in, with_f32_any,
+};
 use super::tape;
 
 /// Row-major (rs = row stride, cs = column stride) view of a matrix in a slice.
@@ -87,7 +89,7 @@ pub fn sgemm_strided(
         return;
     }
     // The pool's workers plus the calling thread (CANDLE_NUM_THREADS).
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let threads = pool_threads();
     // Small products are not worth waking the pool for.
     if !par || threads < 2 || m < 2 * 16 || m * n * k < 1 << 18 {
         gemm_block(m, n, k, dst.as_mut_ptr(), dst_rs, accumulate, a, b);
@@ -99,7 +101,7 @@ pub fn sgemm_strided(
     let chunk = m.div_ceil(threads * 2).next_multiple_of(16);
     let n_chunks = m.div_ceil(chunk);
     let dst_ptr = DstPtr(dst.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n_chunks, |chunks| {
+    pool_chunked(n_chunks, |chunks| {
         let p = dst_ptr;
         for ci in chunks {
             let (r0, r1) = (ci * chunk, ((ci + 1) * chunk).min(m));

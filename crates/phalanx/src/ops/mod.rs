@@ -32,11 +32,15 @@ pub(crate) mod linear;
 mod softmax;
 pub mod tape;
 
-pub use attention::{attention_backward, attention_forward, causal_attention};
+pub use attention::{
+    attention_backward, attention_forward, causal_attention, BLOCK as ATTENTION_BLOCK,
+};
 pub use bias::add_bias;
 pub use cross_entropy::cross_entropy;
 pub use gelu::{exp_approx, gelu, gelu_backward, gelu_forward, tanh_approx};
-pub use layer_norm::{layer_norm, layer_norm_backward, layer_norm_forward};
+pub use layer_norm::{
+    layer_norm, layer_norm_backward, layer_norm_backward_into, layer_norm_forward,
+};
 pub use linear::{
     linear, linear_backward_bias, linear_backward_input, linear_backward_weight, linear_forward,
     sgemm, sgemm_strided, Mat,
