@@ -99,7 +99,7 @@ fn with_params<R>(p: &Params, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
 
 /// `a += b`, elementwise.
 fn add_into(a: &mut [f32], b: &[f32]) {
-    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+    k::cpu::add_assign(a, b)
 }
 
 impl CustomOp1 for FusedLayer {

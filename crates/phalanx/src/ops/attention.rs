@@ -94,6 +94,21 @@ fn head_probs(qkv: &[f32], d: Dims, b: usize, h: usize) -> Vec<f32> {
     p
 }
 
+/// dS = scale * P * (dP - rowsum(P * dP)) in place of dP, row i over
+/// columns 0..=i (zeros beyond, so every element is written).
+#[inline(always)]
+fn softmax_backward_rows(p: &[f32], ds: &mut [f32], t: usize, scale: f32) {
+    for i in 0..t {
+        let (pr, dr) = (&p[i * t..i * t + i + 1], &mut ds[i * t..(i + 1) * t]);
+        let (vis, masked) = dr.split_at_mut(i + 1);
+        let dot = dot_lanes(pr, vis);
+        vis.iter_mut()
+            .zip(pr)
+            .for_each(|(d, &p)| *d = scale * p * (*d - dot));
+        masked.fill(0.0);
+    }
+}
+
 /// Query rows per block of the causal products. Smaller blocks skip more
 /// of the masked triangle but make smaller, less efficient gemms.
 pub const BLOCK: usize = 64;
@@ -354,14 +369,7 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
                     false,
                 );
             }
-            for i in 0..t {
-                let (pr, dr) = (&p[i * t..i * t + i + 1], &mut ds[i * t..(i + 1) * t]);
-                let dot = dot_lanes(pr, &dr[..i + 1]);
-                for j in 0..=i {
-                    dr[j] = scale * pr[j] * (dr[j] - dot);
-                }
-                dr[i + 1..].fill(0.0);
-            }
+            simd_dispatch!(softmax_backward_rows(p, &mut ds, t, scale));
             // By blocks of rows r0..r1 of dv, dq and dk (T, hs), each written
             // in place into its columns of dqkv (row stride 3C):
             //   dv[r0..r1] = P[r0..T, r0..r1]^T dy_h[r0..T]   (P[i, j] = 0, j > i)

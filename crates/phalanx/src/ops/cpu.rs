@@ -348,6 +348,32 @@ pub fn max_lanes(x: &[f32]) -> f32 {
     acc.iter().fold(tail, |m, &v| m.max(v))
 }
 
+#[inline(always)]
+fn add_kernel(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+}
+
+/// `a += b`, elementwise, at the CPU's vector width.
+pub fn add_assign(a: &mut [f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "add_assign: lengths differ");
+    crate::simd_dispatch!(add_kernel(a, b))
+}
+
+/// `out = sum over rows of x` (rows of `out.len()`), at the CPU's vector width.
+pub fn sum_rows(x: &[f32], out: &mut [f32]) {
+    #[inline(always)]
+    fn kernel(x: &[f32], out: &mut [f32]) {
+        out.fill(0.0);
+        for r in x.chunks_exact(out.len()) {
+            add_kernel(out, r);
+        }
+    }
+    if out.is_empty() {
+        return;
+    }
+    crate::simd_dispatch!(kernel(x, out))
+}
+
 /// A raw pointer that may cross threads: each thread writes a disjoint range.
 struct SendPtr<T>(*mut T);
 impl<T> Clone for SendPtr<T> {

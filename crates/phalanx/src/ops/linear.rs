@@ -351,10 +351,7 @@ pub fn linear_backward_weight(
 /// Over slices: db (n,) = the sum of the rows of dy (rows, n); `db` is
 /// overwritten.
 pub fn linear_backward_bias(dy: &[f32], db: &mut [f32]) {
-    db.fill(0.0);
-    for r in dy.chunks_exact(db.len()) {
-        db.iter_mut().zip(r).for_each(|(d, v)| *d += v);
-    }
+    super::cpu::sum_rows(dy, db)
 }
 
 /// A linear's weight (and bias) gradient, postponed to the W pass.
