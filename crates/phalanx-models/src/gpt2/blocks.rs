@@ -40,7 +40,7 @@
 
 use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
-use phalanx::engine::{Block, BlockModule, Ctx};
+use phalanx::engine::{Block, BlockModule, Ctx, DirectBackward};
 use phalanx::ops;
 use phalanx::tp::{
     padded_vocab, vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, Tp,
@@ -339,6 +339,17 @@ impl BlockModule for LayerModule {
         }
         let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
         &x + self.mlp(&self.ln_2.forward(&x)?)?
+    }
+
+    fn forward_direct(
+        &self,
+        x: &Tensor,
+        _ctx: &Ctx,
+    ) -> Result<Option<(Tensor, Box<dyn DirectBackward>)>> {
+        if !self.fusable(x) {
+            return Ok(None);
+        }
+        super::fused::layer_direct(x, self.params(), self.n_head, LN_EPS).map(Some)
     }
 }
 

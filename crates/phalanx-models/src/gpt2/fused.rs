@@ -27,6 +27,7 @@
 use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+use phalanx::engine::DirectBackward;
 use phalanx::ops::buffers::{self, Buf};
 use phalanx::ops::cpu::cpu_f32;
 use phalanx::ops::tape::{self, DeferredGrad};
@@ -157,6 +158,13 @@ impl CustomOp1 for FusedLayer {
     }
 
     fn bwd(&self, x_t: &Tensor, _res: &Tensor, dy_t: &Tensor) -> Result<Option<Tensor>> {
+        self.backward(x_t, dy_t).map(Some)
+    }
+}
+
+impl FusedLayer {
+    /// dx from dy; the parameter gradients go to the tape.
+    fn backward(&self, x_t: &Tensor, dy_t: &Tensor) -> Result<Tensor> {
         let Some(a) = self.acts.lock().unwrap().take() else {
             bail!(
                 "fused GPT-2 layer: backward without forward activations (run it once per forward)"
@@ -235,7 +243,20 @@ impl CustomOp1 for FusedLayer {
         // the pool now.
         w.inputs = Some([a.ln1, a.att, a.ln2, a.g]);
         tape::defer(Box::new(w));
-        Ok(Some(Tensor::from_vec(dx, (b, t, c), x_t.device())?))
+        Tensor::from_vec(dx, (b, t, c), x_t.device())
+    }
+}
+
+/// The layer's backward for the engine's direct path: the op, and the
+/// input it ran on.
+struct Direct {
+    op: FusedLayer,
+    x: Tensor,
+}
+
+impl DirectBackward for Direct {
+    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Tensor> {
+        self.op.backward(&self.x, dy)
     }
 }
 
@@ -417,4 +438,23 @@ pub(crate) fn layer(x: &Tensor, p: Params, n_head: usize, eps: f32) -> Result<Te
         eps,
         acts: Mutex::new(None),
     })
+}
+
+/// The layer on `x` with no graph node: the output, and its backward for
+/// the engine to call (`BlockModule::forward_direct`).
+pub(crate) fn layer_direct(
+    x: &Tensor,
+    p: Params,
+    n_head: usize,
+    eps: f32,
+) -> Result<(Tensor, Box<dyn DirectBackward>)> {
+    let op = FusedLayer {
+        p,
+        n_head,
+        eps,
+        acts: Mutex::new(None),
+    };
+    let x = x.contiguous()?;
+    let y = x.apply_op1_no_bwd(&op)?;
+    Ok((y, Box::new(Direct { op, x })))
 }

@@ -60,6 +60,32 @@ pub trait BlockModule {
     /// activation, or for the head the scalar mean loss (targets given) or
     /// the logits (no targets).
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor>;
+
+    /// For a block whose whole forward is one op with its own backward (the
+    /// fused GPT-2 layer): the output with no candle graph behind it, and
+    /// that backward. The engine asks only blocks that defer their weight
+    /// gradients ([`Block::defers_weight_grads`]), for float inputs, and
+    /// runs the backward under the weight-gradient tape. That skips what
+    /// candle's backward costs around a single op: the seed `sum(y * dy)`
+    /// and the zero-filled gradients it adds y's and x's into, and the
+    /// copy that makes x a `Var`. The default, `None`, runs [`Self::forward`]
+    /// and candle's backward.
+    fn forward_direct(
+        &self,
+        _x: &Tensor,
+        _ctx: &Ctx,
+    ) -> Result<Option<(Tensor, Box<dyn DirectBackward>)>> {
+        Ok(None)
+    }
+}
+
+/// The backward of a forward that ran outside candle's graph
+/// ([`BlockModule::forward_direct`]).
+pub trait DirectBackward: Send {
+    /// The gradient of the block's input from that of its output; the
+    /// parameters' gradients go to the weight-gradient tape
+    /// ([`crate::ops::tape`]) the engine runs this under.
+    fn backward(self: Box<Self>, dy: &Tensor) -> Result<Tensor>;
 }
 
 /// A block of the model: knows how to build its module from a VarBuilder.

@@ -44,7 +44,7 @@ pub mod model;
 pub mod stack;
 
 pub use backend::ParamSource;
-pub use block::{Block, BlockModule, Ctx, CtxBlock, FnBlock};
+pub use block::{Block, BlockModule, Ctx, CtxBlock, DirectBackward, FnBlock};
 pub use flat::{FlatBuffer, GradSink};
 pub use layout::{shard_range, BlockLayout, Layout, ParamDecl, ParamInfo};
 pub use model::{Engine, EngineConfig};

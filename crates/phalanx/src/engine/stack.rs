@@ -62,7 +62,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use candle_core::{bail, DType, Device, Result, Tensor, TensorId, Var};
+use candle_core::{bail, DType, Device, Result, Tensor, TensorId};
 use candle_nn::VarBuilder;
 
 use super::backend::{ParamSource, Recorder, Served, Server};
@@ -74,8 +74,10 @@ use crate::ledger::{Charge, Ledger, Mem};
 use crate::ops::cpu::{with_f32, with_f32_any};
 use crate::ops::tape::DeferredGrad;
 
+mod node;
 mod partition;
 mod split;
+use node::{backward_taped, Node};
 pub use split::WeightStash;
 
 /// What the forward keeps for the backward (activation checkpointing).
@@ -109,13 +111,13 @@ enum Saved {
     Input(Tensor),
     /// Recompute mode with partitioned checkpoints: this tp rank's slice.
     Part(partition::Piece),
-    /// KeepGraph mode: the input variable, what the block was served (its
-    /// parameter variables, and every parameter tensor by id for the tape),
-    /// the output.
+    /// KeepGraph mode: the block's forward (its graph from the input
+    /// variable to the output, or its direct backward), and what the block
+    /// was served (its parameter variables, and every parameter tensor by
+    /// id for the tape).
     Graph {
-        x: Option<Var>,
+        node: Node,
         served: Served,
-        y: Tensor,
         _working: Charge,
     },
 }
@@ -373,21 +375,14 @@ impl Stack {
                     x = m.forward(&x, &ctx)?;
                 }
                 _ => {
-                    let xv = if x.dtype().is_float() {
-                        Some(Var::from_tensor(&x)?)
-                    } else {
-                        None
-                    };
-                    let xin = xv.as_ref().map_or(&x, |v| v.as_tensor());
-                    act_bytes += tensor_bytes(xin);
+                    act_bytes += tensor_bytes(&x);
                     let (m, served, working) = self.build(b, src, param_vars)?;
-                    let y = m.forward(xin, &ctx)?;
+                    let (y, node) = self.forward_node(b, m.as_ref(), &x, &ctx)?;
                     act_bytes += tensor_bytes(&y);
                     x = y.detach();
                     saved.push(Saved::Graph {
-                        x: xv,
+                        node,
                         served,
-                        y,
                         _working: working,
                     });
                 }
@@ -429,44 +424,25 @@ impl Stack {
         let mut dx = None;
         for (b, saved) in range.rev().zip(saved.into_iter().rev()) {
             let saved = partition::restore(saved, self.partition.as_ref())?;
-            let (xv, served, y, working) = match saved {
+            let (node, served, working) = match saved {
                 Saved::Input(x) => {
-                    let xv = if x.dtype().is_float() {
-                        Some(Var::from_tensor(&x)?)
-                    } else {
-                        None
-                    };
                     let (m, served, working) = self.build(b, src, true)?;
-                    let y = m.forward(xv.as_ref().map_or(&x, |v| v.as_tensor()), &ctx)?;
-                    (xv, served, y, working)
+                    let (_, node) = self.forward_node(b, m.as_ref(), &x, &ctx)?;
+                    (node, served, working)
                 }
                 Saved::Graph {
-                    x,
+                    node,
                     served,
-                    y,
                     _working,
-                } => (x, served, y, _working),
+                } => (node, served, _working),
                 Saved::Part(_) => unreachable!("restored above"),
             };
-            if y.shape() != gy.shape() {
-                bail!(
-                    "block {b}: output {:?} but upstream gradient {:?}",
-                    y.shape(),
-                    gy.shape()
-                )
-            }
             let tape = self.blocks[b].defers_weight_grads();
-            let (grads, work) = backward_taped(&y, &gy, tape)?;
-            self.accumulate_vars(Some(b), &served, &grads, work, sink)?;
-            dx = match &xv {
-                Some(v) => match grads.get(v.as_tensor()) {
-                    Some(g) => Some(g.detach()),
-                    None => bail!("block {b}: its input received no gradient"),
-                },
-                None => None,
-            };
+            let (grads, work, g) = node.backward(b, &gy, tape)?;
+            self.accumulate_vars(Some(b), &served, grads.as_ref(), work, sink)?;
+            dx = g;
             // Free the graph and the working parameters before the hook runs.
-            drop((grads, served, xv, working));
+            drop((grads, served, working));
             hook(b, sink)?;
             if let Some(g) = &dx {
                 gy = g.clone();
@@ -502,24 +478,8 @@ impl Stack {
         let (grads, work) = backward_taped(&h, &scale, true)?;
         // A buffer of its own ledger: the reference is not the engine's memory.
         let mut flat = FlatBuffer::zeros(&self.layout, &Ledger::new(), Mem::Grads);
-        self.accumulate_vars(None, &served, &grads, work, &mut flat)?;
+        self.accumulate_vars(None, &served, Some(&grads), work, &mut flat)?;
         Ok((loss, flat.as_slice().to_vec()))
-    }
-}
-
-/// The backward of `sum(y * gy)`, under a weight-gradient tape
-/// ([`crate::ops::tape`]) when `tape`: returns candle's gradients and the
-/// work the ops deferred (none without a tape).
-pub(super) fn backward_taped(
-    y: &Tensor,
-    gy: &Tensor,
-    tape: bool,
-) -> Result<(candle_core::backprop::GradStore, Vec<Box<dyn DeferredGrad>>)> {
-    let backward = || weighted_sum(y, gy)?.backward();
-    if tape {
-        crate::ops::tape::recording(backward)
-    } else {
-        Ok((backward()?, Vec::new()))
     }
 }
 
@@ -553,14 +513,14 @@ impl Stack {
         &self,
         b: Option<usize>,
         served: &Served,
-        grads: &candle_core::backprop::GradStore,
+        grads: Option<&candle_core::backprop::GradStore>,
         work: Vec<Box<dyn DeferredGrad>>,
         sink: &mut S,
     ) -> Result<()> {
         let got = self.accumulate_deferred(work, &served.ids, sink)?;
         for (k, var) in &served.vars {
             let p = &self.layout.params()[*k];
-            match grads.get(var.as_tensor()) {
+            match grads.and_then(|g| g.get(var.as_tensor())) {
                 Some(g) => with_f32(g, |g| sink.accumulate(p, g))??,
                 None if got.contains(k) => {}
                 None => {

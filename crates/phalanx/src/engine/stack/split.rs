@@ -56,7 +56,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use candle_core::{bail, Result, Tensor, TensorId, Var};
+use candle_core::{bail, Result, Tensor, TensorId};
 
 use super::{tensor_bytes, Saved, Stack, Stash};
 use crate::engine::backend::ParamSource;
@@ -156,45 +156,27 @@ impl Stack {
             // input `Var` to the output for a float input, and the
             // parameters' ids.
             let saved = super::partition::restore(saved, self.partition.as_ref())?;
-            let (x, graph, ids) = match saved {
+            let (x, node, ids) = match saved {
                 Saved::Part(_) => unreachable!("restored above"),
-                Saved::Input(x) if !x.dtype().is_float() => (x, None, HashMap::new()),
+                Saved::Input(x) if !x.dtype().is_float() => (Some(x), None, HashMap::new()),
                 Saved::Input(x) => {
-                    let xv = Var::from_tensor(&x)?;
                     let (m, served, _working) = self.build(b, src, false)?;
-                    let y = m.forward(xv.as_tensor(), &ctx)?;
-                    (x, Some((xv, y)), served.ids)
+                    let (_, node) = self.forward_node(b, m.as_ref(), &x, &ctx)?;
+                    (Some(x), Some(node), served.ids)
                 }
-                Saved::Graph { x: None, .. } => bail!(
+                Saved::Graph { node, .. } if node.has_id_input() => bail!(
                     "block {b}: its token-id input was not kept; run the range with \
                      `forward_frozen` (not `forward`) before `backward_input`"
                 ),
-                Saved::Graph {
-                    x: Some(xv),
-                    y,
-                    served,
-                    ..
-                } => (xv.as_tensor().detach(), Some((xv, y)), served.ids),
+                Saved::Graph { node, served, .. } => (node.input(), Some(node), served.ids),
             };
-            if let Some((_, y)) = &graph {
-                if y.shape() != gy.shape() {
-                    bail!(
-                        "block {b}: output {:?} but upstream gradient {:?}",
-                        y.shape(),
-                        gy.shape()
-                    )
-                }
-            }
-            let taped = graph.is_some() && self.blocks[b].defers_weight_grads();
+            let taped = node.is_some() && self.blocks[b].defers_weight_grads();
             let mut work = Vec::new();
-            dx = match graph {
-                Some((xv, y)) => {
-                    let (grads, w) = super::backward_taped(&y, &gy, taped)?;
+            dx = match node {
+                Some(node) => {
+                    let (_, w, g) = node.backward(b, &gy, taped)?;
                     work = w;
-                    match grads.get(xv.as_tensor()) {
-                        Some(g) => Some(g.detach()),
-                        None => bail!("block {b}: its input received no gradient"),
-                    }
+                    g
                 }
                 None => None,
             };
@@ -202,6 +184,8 @@ impl Stack {
                 bytes += tape_bytes(&work);
                 keep.push(Kept::Tape { work, ids });
             } else {
+                // Only blocks that defer run direct, and their W is taped.
+                let x = x.expect("a node without its input defers its weight gradients");
                 bytes += tensor_bytes(&x) + tensor_bytes(&gy);
                 keep.push(Kept::Recompute { x, gy: gy.clone() });
             }
@@ -254,7 +238,7 @@ impl Stack {
                     }
                     let tape = self.blocks[b].defers_weight_grads();
                     let (grads, work) = super::backward_taped(&y, &gy, tape)?;
-                    self.accumulate_vars(Some(b), &served, &grads, work, sink)?;
+                    self.accumulate_vars(Some(b), &served, Some(&grads), work, sink)?;
                     drop((grads, served, working));
                 }
             }
