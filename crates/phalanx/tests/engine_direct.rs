@@ -40,7 +40,10 @@ impl DirectBackward for ScaleBack {
         DIRECT_BACKWARDS.fetch_add(1, Ordering::Relaxed);
         // dw = sum over rows of dy * x, to the tape; dx = dy + dy * w.
         let dw = (dy * &self.x)?.sum(0)?;
-        assert!(tape::defer(Box::new(tape::Ready(vec![(self.w.clone(), dw)]))));
+        assert!(tape::defer(Box::new(tape::Ready(vec![(
+            self.w.clone(),
+            dw
+        )]))));
         dy + dy.broadcast_mul(&self.w)?
     }
 }
@@ -79,14 +82,8 @@ impl Block for Scale {
 
 fn blocks(direct: bool) -> Vec<Box<dyn Block>> {
     vec![
-        Box::new(Scale {
-            direct,
-            name: "s0",
-        }),
-        Box::new(Scale {
-            direct,
-            name: "s1",
-        }),
+        Box::new(Scale { direct, name: "s0" }),
+        Box::new(Scale { direct, name: "s1" }),
         // Loss: mean of tanh(x)^2 weighted by a head parameter.
         Box::new(CtxBlock::new(|vb: VarBuilder| {
             struct Head(Tensor);
@@ -131,7 +128,10 @@ fn grads(direct: bool, act: Activations, split: bool) -> (Vec<f32>, Vec<f32>) {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -150,6 +150,9 @@ fn direct_blocks_match_candle_autograd() {
         assert_eq!(DIRECT_BACKWARDS.load(Ordering::Relaxed), before + 2);
         let what = format!("{act:?}, split {split}");
         assert!(max_diff(&g, &g_ref) < 1e-6, "{what}: {g:?} vs {g_ref:?}");
-        assert!(max_diff(&dx, &dx_ref) < 1e-6, "{what}: {dx:?} vs {dx_ref:?}");
+        assert!(
+            max_diff(&dx, &dx_ref) < 1e-6,
+            "{what}: {dx:?} vs {dx_ref:?}"
+        );
     }
 }
