@@ -418,7 +418,8 @@ pub(crate) fn pool_chunked(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
 /// part: one parallel region for a whole block of work (a fused layer's
 /// pass over its share of the batch) instead of one per kernel, so no
 /// core idles in the serial passes between kernels and nobody waits at
-/// a barrier after each. Use `parts` = [`pool_threads`] for one each.
+/// a barrier after each. Use `parts` = [`pool_threads`] for one each; a
+/// single part is the whole work, whose kernels split it as usual.
 ///
 /// ```
 /// use std::sync::atomic::{AtomicUsize, Ordering};
@@ -442,7 +443,10 @@ pub fn par_parts(parts: usize, f: impl Fn(usize) + Sync) {
         let _restore = Restore(was);
         f(i)
     };
-    if parts <= 1 || IN_PART.with(|p| p.get()) {
+    if parts == 1 {
+        // The whole work: its kernels may split it themselves.
+        f(0);
+    } else if parts == 0 || IN_PART.with(|p| p.get()) {
         (0..parts).for_each(run);
     } else {
         candle_core::utils::barrier_pool().execute_chunked(parts, |r| r.for_each(run));
