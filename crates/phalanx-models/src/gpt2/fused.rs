@@ -419,13 +419,22 @@ impl DeferredGrad for LayerGrads {
             let work: Vec<_> = dsts.into_iter().map(|d| Mutex::new(Some(d))).collect();
             let rows = n / parts;
             k::cpu::par_parts(parts, |part| {
-                let mut dst = work[part].lock().unwrap().take().expect("each part runs once");
+                let mut dst = work[part]
+                    .lock()
+                    .unwrap()
+                    .take()
+                    .expect("each part runs once");
                 let r = part * rows..(part + 1) * rows;
                 for &(_, x, d, o, inp) in &linears {
                     let (dw, rest) = std::mem::take(&mut dst).split_at_mut(o * inp);
                     let (db, rest) = rest.split_at_mut(o);
                     let d = &d[r.start * o..r.end * o];
-                    k::linear_backward_weight(&x[r.start * inp..r.end * inp], d, (rows, inp, o), dw);
+                    k::linear_backward_weight(
+                        &x[r.start * inp..r.end * inp],
+                        d,
+                        (rows, inp, o),
+                        dw,
+                    );
                     k::linear_backward_bias(d, db);
                     dst = rest;
                 }
