@@ -18,9 +18,19 @@
 //! then adds into, and every activation is a fresh allocation. Here the
 //! activations live in buffers the thread reuses every step
 //! (`phalanx::ops::buffers`), and nothing is zero-filled or added twice.
-//! The kernels are the ones the composed layer runs (same gemm calls, same
-//! LayerNorm, GELU and attention code, same order), so the two agree to the
-//! last bit but for the LayerNorm gains' thread-order sums.
+//! The kernels are the ones the composed layer runs (same LayerNorm, GELU
+//! and attention code, same order), so the two agree to float rounding.
+//!
+//! Threads: with more than one per rank, the batch is split into one share
+//! per thread (when they divide it) and each pass (forward, input gradient,
+//! weight gradient) runs each share whole on its own thread
+//! (`ops::cpu::par_parts`): one parallel region per pass instead of one per
+//! kernel. Sums over the shares (the weight gradients) are taken in share
+//! order, so the result does not depend on thread timing.
+//!
+//! The engine runs the layer outside candle's graph
+//! (`BlockModule::forward_direct`: `layer_direct`); `layer` is the same
+//! op as a graph node, for whole-model autograd.
 //!
 //! `PHALANX_FUSED_LAYER=0` turns it off (the composed layer then runs).
 
