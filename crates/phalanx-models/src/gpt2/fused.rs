@@ -22,11 +22,12 @@
 //! and attention code, same order), so the two agree to float rounding.
 //!
 //! Threads: with more than one per rank, the batch is split into one share
-//! per thread (when they divide it) and each pass (forward, input gradient,
-//! weight gradient) runs each share whole on its own thread
-//! (`ops::cpu::par_parts`): one parallel region per pass instead of one per
-//! kernel. Sums over the shares (the weight gradients) are taken in share
-//! order, so the result does not depend on thread timing.
+//! per thread (when they divide it) and the forward and the input-gradient
+//! pass run each share whole on its own thread (`ops::cpu::par_parts`): one
+//! parallel region per pass instead of one per kernel. The LayerNorm gains'
+//! gradients are summed over the shares in share order, so the result does
+//! not depend on thread timing. The weight gradients' products run over all
+//! rows at once, split by output rows as any product.
 //!
 //! The engine runs the layer outside candle's graph
 //! (`BlockModule::forward_direct`: `layer_direct`); `layer` is the same
@@ -198,7 +199,6 @@ impl FusedLayer {
             dqkv: buffers::take(n * 3 * c),
             ln: Vec::new(),
             inputs: None,
-            parts: batch_parts(b),
         };
         let parts = batch_parts(b);
         let bp = b / parts;
@@ -394,8 +394,6 @@ struct LayerGrads {
     ln: Vec<(usize, Vec<f32>)>,
     /// The inputs of the four linears: ln1, att, ln2, g.
     inputs: Option<[Buf; 4]>,
-    /// Shares of the rows W splits over the threads (as the backward did).
-    parts: usize,
 }
 
 impl DeferredGrad for LayerGrads {
@@ -416,49 +414,13 @@ impl DeferredGrad for LayerGrads {
                 (PROJ_W, att, &self.dx1, c, c),
                 (ATTN_W, ln1, &self.dqkv, 3 * c, c),
             ];
-            // dW and db of the four linears, one after another: part 0's
-            // sums over its rows go to `sums`, part i's to `extra[i - 1]`
-            // (taken here, so they return to this thread's pool), added
-            // to part 0's in part order below.
-            let len: usize = linears.iter().map(|l| l.3 * (l.4 + 1)).sum();
-            let parts = self.parts;
-            let mut sums = vec![0f32; len];
-            let mut extra: Vec<Buf> = (1..parts).map(|_| buffers::take(len)).collect();
-            let mut dsts: Vec<&mut [f32]> = vec![&mut sums];
-            dsts.extend(extra.iter_mut().map(|b| &mut b[..]));
-            let work: Vec<_> = dsts.into_iter().map(|d| Mutex::new(Some(d))).collect();
-            let rows = n / parts;
-            k::cpu::par_parts(parts, |part| {
-                let mut dst = work[part]
-                    .lock()
-                    .unwrap()
-                    .take()
-                    .expect("each part runs once");
-                let r = part * rows..(part + 1) * rows;
-                for &(_, x, d, o, inp) in &linears {
-                    let (dw, rest) = std::mem::take(&mut dst).split_at_mut(o * inp);
-                    let (db, rest) = rest.split_at_mut(o);
-                    let d = &d[r.start * o..r.end * o];
-                    k::linear_backward_weight(
-                        &x[r.start * inp..r.end * inp],
-                        d,
-                        (rows, inp, o),
-                        dw,
-                    );
-                    k::linear_backward_bias(d, db);
-                    dst = rest;
-                }
-            });
-            for e in &extra {
-                add_into(&mut sums, e);
-            }
-            let mut rest = &sums[..];
-            for (i, _, _, o, inp) in linears {
-                let (dw, r) = rest.split_at(o * inp);
-                let (db, r) = r.split_at(o);
-                push(i, dw.to_vec())?;
-                push(i + 1, db.to_vec())?;
-                rest = r;
+            for (i, x, d, o, inp) in linears {
+                let mut dw = vec![0f32; o * inp];
+                k::linear_backward_weight(x, d, (n, inp, o), &mut dw);
+                push(i, dw)?;
+                let mut db = vec![0f32; o];
+                k::linear_backward_bias(d, &mut db);
+                push(i + 1, db)?;
             }
             Ok(())
         })??;
