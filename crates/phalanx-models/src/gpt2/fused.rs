@@ -26,8 +26,9 @@
 //! pass run each share whole on its own thread (`ops::cpu::par_parts`): one
 //! parallel region per pass instead of one per kernel. The LayerNorm gains'
 //! gradients are summed over the shares in share order, so the result does
-//! not depend on thread timing. The weight gradients' products run over all
-//! rows at once, split by output rows as any product.
+//! not depend on thread timing. The weight-gradient pass is one region too:
+//! each thread takes a share of every dW's and db's output rows, summed
+//! over all rows of the batch as unsplit.
 //!
 //! The engine runs the layer outside candle's graph
 //! (`BlockModule::forward_direct`: `layer_direct`); `layer` is the same
@@ -379,6 +380,35 @@ fn backward_part(
     Ok([dw1, db1, dw2, db2])
 }
 
+/// Output rows `o0..o0 + db.len()` of a linear's weight and bias
+/// gradients: dw = dy[:, o0..]^T x (every element written) and db = the
+/// sum of dy[:, o0..]'s rows, over all `rows` rows in order.
+fn weight_grad_rows(
+    x: &[f32],
+    dy: &[f32],
+    (rows, inp, o): (usize, usize, usize),
+    o0: usize,
+    dw: &mut [f32],
+    db: &mut [f32],
+) {
+    let m = db.len();
+    let dyt = k::Mat {
+        data: &dy[o0..],
+        rs: 1,
+        cs: o,
+    };
+    let x = k::Mat {
+        data: x,
+        rs: inp,
+        cs: 1,
+    };
+    k::sgemm(m, inp, rows, dw, false, dyt, x);
+    db.fill(0.0);
+    for r in dy.chunks_exact(o) {
+        add_into(db, &r[o0..o0 + m]);
+    }
+}
+
 /// (weight index, its input, the output gradient, out, in) of a linear.
 type Lin<'a> = (usize, &'a [f32], &'a [f32], usize, usize);
 
@@ -414,12 +444,37 @@ impl DeferredGrad for LayerGrads {
                 (PROJ_W, att, &self.dx1, c, c),
                 (ATTN_W, ln1, &self.dqkv, 3 * c, c),
             ];
-            for (i, x, d, o, inp) in linears {
-                let mut dw = vec![0f32; o * inp];
-                k::linear_backward_weight(x, d, (n, inp, o), &mut dw);
+            // One parallel region for the whole pass: each thread computes
+            // its share of every dW's and db's output rows, over all rows of
+            // the batch (so each element's sum is the unsplit one).
+            let parts = k::cpu::pool_threads().min(c);
+            let mut grads: Vec<(Vec<f32>, Vec<f32>)> = linears
+                .iter()
+                .map(|l| (vec![0f32; l.3 * l.4], vec![0f32; l.3]))
+                .collect();
+            let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> =
+                (0..parts).map(|_| Vec::new()).collect();
+            for ((dw, db), l) in grads.iter_mut().zip(&linears) {
+                let (o, inp) = (l.3, l.4);
+                let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
+                for (p, share) in shares.iter_mut().enumerate() {
+                    let rows = o * (p + 1) / parts - o * p / parts;
+                    let (w0, w1) = std::mem::take(&mut dw).split_at_mut(rows * inp);
+                    let (b0, b1) = std::mem::take(&mut db).split_at_mut(rows);
+                    share.push((w0, b0));
+                    (dw, db) = (w1, b1);
+                }
+            }
+            let work: Vec<_> = shares.into_iter().map(|s| Mutex::new(Some(s))).collect();
+            k::cpu::par_parts(parts, |p| {
+                let share = work[p].lock().unwrap().take().expect("each part runs once");
+                for (&(_, x, d, o, inp), (dw, db)) in linears.iter().zip(share) {
+                    let o0 = o * p / parts;
+                    weight_grad_rows(x, d, (n, inp, o), o0, dw, db);
+                }
+            });
+            for ((dw, db), (i, ..)) in grads.into_iter().zip(linears) {
                 push(i, dw)?;
-                let mut db = vec![0f32; o];
-                k::linear_backward_bias(d, &mut db);
                 push(i + 1, db)?;
             }
             Ok(())
