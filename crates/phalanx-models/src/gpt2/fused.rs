@@ -41,7 +41,7 @@ use std::sync::Mutex;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
 use phalanx::engine::DirectBackward;
 use phalanx::ops::buffers::{self, Buf};
-use phalanx::ops::cpu::cpu_f32;
+use phalanx::ops::cpu::{add_assign, cpu_f32};
 use phalanx::ops::tape::{self, DeferredGrad};
 use phalanx::ops::{self as k};
 
@@ -108,11 +108,6 @@ fn with_params<R>(p: &Params, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
         }
     }
     Ok(f(&s))
-}
-
-/// `a += b`, elementwise.
-fn add_into(a: &mut [f32], b: &[f32]) {
-    k::cpu::add_assign(a, b)
 }
 
 impl CustomOp1 for FusedLayer {
@@ -246,7 +241,7 @@ impl FusedLayer {
         for part in ln_parts {
             let g = part.into_inner().unwrap().expect("every part ran")?;
             for ((_, sum), g) in ln.iter_mut().zip(g) {
-                add_into(sum, &g);
+                add_assign(sum, &g);
             }
         }
         w.dx1 = dx1;
@@ -318,14 +313,14 @@ fn forward_part(a: Fwd, p: &[&[f32]], (b, t, c, nh): (usize, usize, usize, usize
     k::attention_forward(a.qkv, (b, t, c, nh), a.att, a.probs);
     let lin = (n, c, c);
     k::linear_forward(a.att, p[PROJ_W], Some(p[PROJ_W + 1]), lin, a.x1);
-    add_into(a.x1, a.x); // x1 = x + proj (the composed layer's add)
+    add_assign(a.x1, a.x); // x1 = x + proj (the composed layer's add)
     k::layer_norm_forward(a.x1, p[LN2_W], p[LN2_W + 1], eps, a.ln2);
     let lin = (n, c, 4 * c);
     k::linear_forward(a.ln2, p[FC_W], Some(p[FC_W + 1]), lin, a.h);
     k::gelu_forward(a.h, a.g);
     let lin = (n, 4 * c, c);
     k::linear_forward(a.g, p[MLP_W], Some(p[MLP_W + 1]), lin, a.y);
-    add_into(a.y, a.x1);
+    add_assign(a.y, a.x1);
 }
 
 /// One part's rows of what the backward reads and writes.
@@ -367,7 +362,7 @@ fn backward_part(
     k::layer_norm_backward_into(a.x1, p[LN2_W], &dln2, eps, a.dx1, &mut dw2, &mut db2)?;
     drop(dln2);
     // The residual's share; then x1 = x + att Wo^T + bo.
-    add_into(a.dx1, a.dy);
+    add_assign(a.dx1, a.dy);
     let mut datt = buffers::take(n * c);
     k::linear_backward_input(a.dx1, p[PROJ_W], (n, c, c), &mut datt);
     k::attention_backward(a.qkv, &datt, a.probs, (b, t, c, nh), a.dqkv);
@@ -376,37 +371,8 @@ fn backward_part(
     let mut dln1 = buffers::take(n * c);
     k::linear_backward_input(a.dqkv, p[ATTN_W], (n, c, 3 * c), &mut dln1);
     k::layer_norm_backward_into(a.x, p[LN1_W], &dln1, eps, a.dx, &mut dw1, &mut db1)?;
-    add_into(a.dx, a.dx1); // and the residual's
+    add_assign(a.dx, a.dx1); // and the residual's
     Ok([dw1, db1, dw2, db2])
-}
-
-/// Output rows `o0..o0 + db.len()` of a linear's weight and bias
-/// gradients: dw = dy[:, o0..]^T x (every element written) and db = the
-/// sum of dy[:, o0..]'s rows, over all `rows` rows in order.
-fn weight_grad_rows(
-    x: &[f32],
-    dy: &[f32],
-    (rows, inp, o): (usize, usize, usize),
-    o0: usize,
-    dw: &mut [f32],
-    db: &mut [f32],
-) {
-    let m = db.len();
-    let dyt = k::Mat {
-        data: &dy[o0..],
-        rs: 1,
-        cs: o,
-    };
-    let x = k::Mat {
-        data: x,
-        rs: inp,
-        cs: 1,
-    };
-    k::sgemm(m, inp, rows, dw, false, dyt, x);
-    db.fill(0.0);
-    for r in dy.chunks_exact(o) {
-        add_into(db, &r[o0..o0 + m]);
-    }
 }
 
 /// (weight index, its input, the output gradient, out, in) of a linear.
@@ -470,7 +436,8 @@ impl DeferredGrad for LayerGrads {
                 let share = work[p].lock().unwrap().take().expect("each part runs once");
                 for (&(_, x, d, o, inp), (dw, db)) in linears.iter().zip(share) {
                     let o0 = o * p / parts;
-                    weight_grad_rows(x, d, (n, inp, o), o0, dw, db);
+                    k::linear_backward_weight_rows(x, d, (n, inp, o), o0, dw);
+                    k::linear_backward_bias_cols(d, o, o0, db);
                 }
             });
             for ((dw, db), (i, ..)) in grads.into_iter().zip(linears) {

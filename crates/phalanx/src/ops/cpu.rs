@@ -361,17 +361,27 @@ pub fn add_assign(a: &mut [f32], b: &[f32]) {
 
 /// `out = sum over rows of x` (rows of `out.len()`), at the CPU's vector width.
 pub fn sum_rows(x: &[f32], out: &mut [f32]) {
+    sum_rows_of_cols(x, out.len(), 0, out)
+}
+
+/// `out = sum over rows of x[:, c0..c0 + out.len()]`, x in rows of
+/// `row_len`, the rows added in order; at the CPU's vector width.
+pub fn sum_rows_of_cols(x: &[f32], row_len: usize, c0: usize, out: &mut [f32]) {
     #[inline(always)]
-    fn kernel(x: &[f32], out: &mut [f32]) {
+    fn kernel(x: &[f32], row_len: usize, c0: usize, out: &mut [f32]) {
         out.fill(0.0);
-        for r in x.chunks_exact(out.len()) {
-            add_kernel(out, r);
+        for r in x.chunks_exact(row_len) {
+            add_kernel(out, &r[c0..c0 + out.len()]);
         }
     }
     if out.is_empty() {
         return;
     }
-    crate::simd_dispatch!(kernel(x, out))
+    assert!(
+        c0 + out.len() <= row_len,
+        "sum_rows_of_cols: columns past the row"
+    );
+    crate::simd_dispatch!(kernel(x, row_len, c0, out))
 }
 
 /// A raw pointer that may cross threads: each thread writes a disjoint range.

@@ -27,26 +27,34 @@ use crate::simd_dispatch;
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const COEF: f32 = 0.044_715;
 
+// exp_approx's constants, shared with the AVX-512 kernels.
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// 1.5 * 2^23: adding it rounds to an integer.
+const ROUND: f32 = 12_582_912.0;
+const EXP_MAX_ARG: f32 = 87.0;
+/// e^r's Taylor coefficients, highest degree first (Horner's order).
+const EXP_POLY: [f32; 7] = [
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
 /// e^x for x in about [-87, 87]: Cody-Waite range reduction to r in
 /// [-ln2/2, ln2/2], a degree-6 Taylor polynomial (rel. error ~1e-7), and
 /// 2^n built in the exponent bits. No branches, so it vectorises.
 #[inline(always)]
 pub fn exp_approx(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let x = x.clamp(-87.0, 87.0);
+    let x = x.clamp(-EXP_MAX_ARG, EXP_MAX_ARG);
     let shifted = x * LOG2E + ROUND;
     let n = shifted - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0 / 720.0;
-    let p = p * r + 1.0 / 120.0;
-    let p = p * r + 1.0 / 24.0;
-    let p = p * r + 1.0 / 6.0;
-    let p = p * r + 0.5;
-    let p = p * r + 1.0;
-    let p = p * r + 1.0;
+    let p = EXP_POLY[1..].iter().fold(EXP_POLY[0], |p, &c| p * r + c);
     // n sits in the low mantissa bits of `shifted` (its bits are 0x4B40_0000 + n):
     // integer ops on those bits build 2^n without a float->int conversion,
     // whose saturating semantics would stop vectorisation.
@@ -91,20 +99,20 @@ fn gelu_bwd_kernel(x: &[f32], g: &[f32], dx: &mut [f32]) {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{COEF, SQRT_2_OVER_PI};
+    use super::{COEF, EXP_MAX_ARG, EXP_POLY, LN2_HI, LN2_LO, LOG2E, ROUND, SQRT_2_OVER_PI};
 
     /// `exp_approx` on 16 lanes (same reduction and polynomial).
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn exp16(x: __m512) -> __m512 {
         let s = _mm512_set1_ps;
-        let x = _mm512_min_ps(_mm512_max_ps(x, s(-87.0)), s(87.0));
-        let shifted = _mm512_fmadd_ps(x, s(std::f32::consts::LOG2_E), s(12_582_912.0));
-        let n = _mm512_sub_ps(shifted, s(12_582_912.0));
-        let r = _mm512_fnmadd_ps(n, s(0.693_145_75), x);
-        let r = _mm512_fnmadd_ps(n, s(1.428_606_8e-6), r);
-        let mut p = s(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        let x = _mm512_min_ps(_mm512_max_ps(x, s(-EXP_MAX_ARG)), s(EXP_MAX_ARG));
+        let shifted = _mm512_fmadd_ps(x, s(LOG2E), s(ROUND));
+        let n = _mm512_sub_ps(shifted, s(ROUND));
+        let r = _mm512_fnmadd_ps(n, s(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, s(LN2_LO), r);
+        let mut p = s(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
             p = _mm512_fmadd_ps(p, r, s(c));
         }
         let bits = _mm512_castps_si512(shifted);

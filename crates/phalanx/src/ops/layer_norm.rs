@@ -30,7 +30,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::cpu::{
-    cpu_f32, dot_lanes, is_float, par_rows, storage_in, sum_lanes, tensor_in, with_f32_any,
+    add_assign, cpu_f32, dot_lanes, is_float, par_rows, storage_in, sum_lanes, tensor_in,
+    with_f32_any,
 };
 use super::tape;
 use crate::simd_dispatch;
@@ -208,10 +209,8 @@ pub fn layer_norm_backward_into(
             simd_dispatch!(row_bwd(x, w, dy, dx, &mut dw, &mut db, eps));
         }
         let mut acc = acc.lock().unwrap();
-        for i in 0..c {
-            acc.0[i] += dw[i];
-            acc.1[i] += db[i];
-        }
+        add_assign(acc.0, &dw);
+        add_assign(acc.1, &db);
     });
     Ok(())
 }

@@ -335,8 +335,22 @@ pub fn linear_backward_weight(
     dw: &mut [f32],
 ) {
     assert_eq!(dw.len(), n * k);
+    linear_backward_weight_rows(x, dy, (rows, k, n), 0, dw)
+}
+
+/// Output rows `o0..o0 + dw.len() / k` of [`linear_backward_weight`]'s dw,
+/// each element summed over all `rows` exactly as there (a thread's share
+/// of the product's output rows); every element of `dw` is written.
+pub fn linear_backward_weight_rows(
+    x: &[f32],
+    dy: &[f32],
+    (rows, k, n): (usize, usize, usize),
+    o0: usize,
+    dw: &mut [f32],
+) {
+    assert!(dw.len().is_multiple_of(k) && o0 + dw.len() / k <= n);
     let gt = Mat {
-        data: dy,
+        data: &dy[o0..],
         rs: 1,
         cs: n,
     };
@@ -345,13 +359,19 @@ pub fn linear_backward_weight(
         rs: k,
         cs: 1,
     };
-    sgemm(n, k, rows, dw, false, gt, x);
+    sgemm(dw.len() / k, k, rows, dw, false, gt, x);
 }
 
 /// Over slices: db (n,) = the sum of the rows of dy (rows, n); `db` is
 /// overwritten.
 pub fn linear_backward_bias(dy: &[f32], db: &mut [f32]) {
     super::cpu::sum_rows(dy, db)
+}
+
+/// Columns `o0..o0 + db.len()` of [`linear_backward_bias`]'s db, of dy
+/// (rows, n), summed as there; `db` is overwritten.
+pub fn linear_backward_bias_cols(dy: &[f32], n: usize, o0: usize, db: &mut [f32]) {
+    super::cpu::sum_rows_of_cols(dy, n, o0, db)
 }
 
 /// A linear's weight (and bias) gradient, postponed to the W pass.

@@ -42,7 +42,7 @@ pub use layer_norm::{
     layer_norm, layer_norm_backward, layer_norm_backward_into, layer_norm_forward,
 };
 pub use linear::{
-    linear, linear_backward_bias, linear_backward_input, linear_backward_weight, linear_forward,
-    sgemm, sgemm_strided, Mat,
+    linear, linear_backward_bias, linear_backward_bias_cols, linear_backward_input,
+    linear_backward_weight, linear_backward_weight_rows, linear_forward, sgemm, sgemm_strided, Mat,
 };
 pub use softmax::{causal_softmax, softmax_last_dim};
