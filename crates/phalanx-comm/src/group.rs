@@ -16,8 +16,8 @@
 //! assert!(sums.iter().all(|x| x == &vec![3.0; 4]));
 //! ```
 
-use crate::algo::{self, even_split, ranges, Ctx};
-use crate::config::{Algo, Config};
+use crate::backend::{native::Native, Backend, Bytes, BytesMut, Call};
+use crate::config::Config;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use crate::transport::Transport;
@@ -32,36 +32,19 @@ pub struct ProcessGroup {
     inner: Arc<Inner>,
 }
 
-/// What a group's operations run on.
-enum Net {
-    /// Phalanx's own transport: shared memory, Unix sockets, TCP.
-    Native(Arc<Transport>),
-    /// The system MPI library (`--features mpi`, `PHALANX_BACKEND=mpi`).
-    #[cfg(feature = "mpi")]
-    Mpi(crate::mpi::Comm),
-}
-
-/// Return `$e` from the enclosing function when the group runs on MPI,
-/// with the MPI communicator bound to `$m`.
-macro_rules! on_mpi {
-    ($self:ident, $m:ident => $e:expr) => {
-        #[cfg(feature = "mpi")]
-        if let Net::Mpi($m) = &$self.inner.net {
-            return $e;
-        }
-    };
-}
-
-// After `on_mpi!`, which they use.
 mod async_ops;
 mod msg;
 mod signature;
 mod subgroups;
 
+pub(crate) use signature::decode_sig as describe_encoded;
 use signature::Signature;
+#[cfg(feature = "mpi")]
+pub(crate) use signature::{from_words as signature_from_words, to_words as signature_words};
 
 struct Inner {
-    net: Net,
+    /// What carries this group's operations (see `crate::backend`).
+    backend: Arc<dyn Backend>,
     members: Vec<usize>,
     me: usize,
     gid: u64,
@@ -90,7 +73,7 @@ impl ProcessGroup {
     ) -> ProcessGroup {
         let members: Vec<usize> = (0..t.world()).collect();
         let me = t.rank();
-        ProcessGroup::make(Net::Native(t), members, me, 1, cfg, keep)
+        ProcessGroup::make(Arc::new(Native::new(t)), members, me, 1, cfg, keep)
     }
 
     /// The world group of an MPI job (`PHALANX_BACKEND=mpi`).
@@ -98,21 +81,11 @@ impl ProcessGroup {
     pub(crate) fn from_mpi(comm: crate::mpi::Comm, cfg: Config) -> ProcessGroup {
         let members = comm.members().to_vec();
         let me = comm.rank();
-        ProcessGroup::make(Net::Mpi(comm), members, me, 1, cfg, None)
-    }
-
-    /// The native transport. Every operation of an MPI group returns
-    /// through `on_mpi!` before it gets here.
-    fn t(&self) -> &Arc<Transport> {
-        match &self.inner.net {
-            Net::Native(t) => t,
-            #[cfg(feature = "mpi")]
-            Net::Mpi(_) => unreachable!("an MPI group reached the native transport"),
-        }
+        ProcessGroup::make(Arc::new(comm), members, me, 1, cfg, None)
     }
 
     fn make(
-        net: Net,
+        backend: Arc<dyn Backend>,
         members: Vec<usize>,
         me: usize,
         gid: u64,
@@ -122,7 +95,7 @@ impl ProcessGroup {
         let name = format!("phalanx-comm-{gid:x}");
         ProcessGroup {
             inner: Arc::new(Inner {
-                net,
+                backend,
                 members,
                 me,
                 gid,
@@ -153,69 +126,61 @@ impl ProcessGroup {
     pub fn global_rank(&self) -> usize {
         self.inner.members[self.inner.me]
     }
+    /// The backend that carries this group: `native` or `mpi`.
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.backend.name()
+    }
     /// Payload bytes this process has sent to peers so far, over every
     /// group sharing this group's transport (to measure a step's traffic).
     pub fn bytes_sent(&self) -> u64 {
-        on_mpi!(self, m => m.bytes_sent());
-        self.t().bytes_sent()
+        self.inner.backend.bytes_sent()
     }
 
-    /// The kind of socket between this process and group rank `rank`:
+    /// The kind of link between this process and group rank `rank`:
     /// `Link::Unix` for a peer on this host, `Link::Tcp` for one elsewhere
     /// or under `PHALANX_TRANSPORT=tcp`; `None` for this process itself.
     pub fn link(&self, rank: usize) -> Option<crate::transport::Link> {
         let g = *self.inner.members.get(rank)?;
-        on_mpi!(self, _m => (g != self.global_rank()).then_some(crate::transport::Link::Mpi));
-        self.t().link(g)
+        self.inner.backend.link(self.global_rank(), g)
     }
 
     pub fn config(&self) -> &Config {
         &self.inner.cfg
     }
 
-    /// This group's channel of a kind: 0 collectives, 1 point-to-point,
-    /// 2 signature checks (PHALANX_DEBUG=detail), 3 the all-gather phase of
-    /// ring collectives (kept apart so its frames can land in place).
-    fn chan(&self, kind: u64) -> u64 {
-        self.inner.gid.wrapping_mul(4).wrapping_add(kind)
+    /// An operation's view of this group for its backend.
+    fn call(&self, op: &'static str, seq: u64) -> Call<'_> {
+        let inner = &*self.inner;
+        Call {
+            members: &inner.members,
+            me: inner.me,
+            gid: inner.gid,
+            seq,
+            deadline: Instant::now() + inner.cfg.timeout,
+            op,
+            cfg: &inner.cfg,
+        }
     }
 
     /// Run one collective: take the next sequence number, optionally check
-    /// that every rank called the same thing, then run `f`.
-    fn collective<R>(&self, sig: Signature, f: impl FnOnce(&Ctx) -> Result<R>) -> Result<R> {
+    /// that every rank called the same thing, then run `f` on the backend.
+    fn collective<R>(
+        &self,
+        sig: Signature,
+        f: impl FnOnce(&dyn Backend, &Call) -> Result<R>,
+    ) -> Result<R> {
         let _blocked = crate::work::BlockedTimer::start();
         let inner = &*self.inner;
-        let t = self.t();
-        if let Some(e) = t.failure() {
+        if let Some(e) = inner.backend.failure() {
             return Err(e);
         }
         let _g = inner.exec.lock().unwrap();
         let seq = inner.seq.fetch_add(1, Ordering::SeqCst);
-        let elem = sig.dtype.size();
-        let ctx = Ctx {
-            t,
-            members: &inner.members,
-            me: inner.me,
-            chan: self.chan(0),
-            chan2: self.chan(3),
-            seq,
-            deadline: Instant::now() + inner.cfg.timeout,
-            op: sig.op,
-            chunk_elems: (inner.cfg.chunk_bytes / elem).max(1),
-        };
-        if inner.cfg.detail && ctx.n() > 1 {
-            self.check_signatures(&ctx, &sig)?;
+        let c = self.call(sig.op, seq);
+        if inner.cfg.detail && c.n() > 1 {
+            self.check_signatures(&c, &sig)?;
         }
-        f(&ctx)
-    }
-
-    /// Run an MPI operation in issue order, as `collective` runs native ones.
-    #[cfg(feature = "mpi")]
-    fn serial<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        let _blocked = crate::work::BlockedTimer::start();
-        let _g = self.inner.exec.lock().unwrap();
-        self.inner.seq.fetch_add(1, Ordering::SeqCst);
-        f()
+        f(&*inner.backend, &c)
     }
 
     fn sig<T: Element>(&self, op: &'static str, count: usize) -> Signature {
@@ -263,40 +228,11 @@ impl ProcessGroup {
     }
 
     fn all_reduce_now<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        on_mpi!(self, m => self.serial(|| m.all_reduce(buf, op)));
         let sig = Signature {
             reduce: Some(op),
             ..self.sig::<T>("all_reduce", buf.len())
         };
-        let cfg = &self.inner.cfg;
-        self.collective(sig, |c| {
-            if c.n() == 1 || buf.is_empty() {
-                return Ok(());
-            }
-            let bytes = std::mem::size_of_val(buf);
-            let use_rd = match cfg.algo {
-                Algo::RecursiveDoubling => true,
-                Algo::Ring => false,
-                Algo::Auto => bytes <= cfg.small_message_bytes(c.n()) || buf.len() < c.n(),
-            };
-            // The world group on one host: reduce in place in shared memory.
-            let shm = match (&c.t.shm_world, cfg.algo, self.inner.gid) {
-                (Some(w), Algo::Auto, 1) if cfg.shm_all_reduce => Some(w),
-                _ => None,
-            };
-            if let Some(w) = shm {
-                let what = || format!("{} (collective #{})", c.op, c.seq);
-                crate::transport::shm_coll::all_reduce(c.t, w, buf, op, c.deadline, &what)?;
-            } else if use_rd {
-                algo::rd::all_reduce(c, buf, op)?;
-            } else {
-                algo::ring::all_reduce(c, buf, op)?;
-            }
-            if op == ReduceOp::Avg {
-                T::div_by(buf, c.n());
-            }
-            Ok(())
-        })
+        self.collective(sig, |b, c| b.all_reduce(c, BytesMut::of(buf), op))
     }
 
     /// Reduce `input` (size * output.len() elements) across the group and
@@ -331,25 +267,13 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.check_counts("reduce_scatter", counts, input.len(), output.len())?;
-        on_mpi!(self, m => self.serial(|| m.reduce_scatter_v(input, counts, output, op)));
         let sig = Signature {
             reduce: Some(op),
             layout: digest(counts),
             ..self.sig::<T>("reduce_scatter", input.len())
         };
-        self.collective(sig, |c| {
-            let blocks = ranges(counts);
-            if c.n() == 1 {
-                output.copy_from_slice(input);
-            } else {
-                let mut scratch = input.to_vec();
-                algo::ring::reduce_scatter(c, &mut scratch, &blocks, op)?;
-                output.copy_from_slice(&scratch[blocks[c.me].clone()]);
-            }
-            if op == ReduceOp::Avg {
-                T::div_by(output, c.n());
-            }
-            Ok(())
+        self.collective(sig, |b, c| {
+            b.reduce_scatter_v(c, Bytes::of(input), counts, BytesMut::of(output), op)
         })
     }
 
@@ -378,18 +302,12 @@ impl ProcessGroup {
         output: &mut [T],
     ) -> Result<()> {
         self.check_counts("all_gather", counts, output.len(), input.len())?;
-        on_mpi!(self, m => self.serial(|| m.all_gather_v(input, counts, output)));
         let sig = Signature {
             layout: digest(counts),
             ..self.sig::<T>("all_gather", output.len())
         };
-        self.collective(sig, |c| {
-            let blocks = ranges(counts);
-            output[blocks[c.me].clone()].copy_from_slice(input);
-            if c.n() > 1 {
-                algo::ring::all_gather(c, output, &blocks)?;
-            }
-            Ok(())
+        self.collective(sig, |b, c| {
+            b.all_gather_v(c, Bytes::of(input), counts, BytesMut::of(output))
         })
     }
 
@@ -401,22 +319,11 @@ impl ProcessGroup {
 
     fn broadcast_now<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_root(root)?;
-        on_mpi!(self, m => self.serial(|| m.broadcast(buf, root)));
         let sig = Signature {
             root: Some(root as u64),
             ..self.sig::<T>("broadcast", buf.len())
         };
-        let cfg = &self.inner.cfg;
-        self.collective(sig, |c| {
-            if c.n() == 1 || buf.is_empty() {
-                return Ok(());
-            }
-            if std::mem::size_of_val(buf) <= cfg.small_message_bytes(c.n()) {
-                algo::tree::broadcast_tree(c, buf, root)
-            } else {
-                algo::tree::broadcast_chain(c, buf, root)
-            }
-        })
+        self.collective(sig, |b, c| b.broadcast(c, BytesMut::of(buf), root))
     }
 
     /// Reduce `buf` across the group into rank `root`'s `buf`; other ranks'
@@ -424,41 +331,12 @@ impl ProcessGroup {
     pub fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
         self.inner.queue.drain();
         self.check_root(root)?;
-        on_mpi!(self, m => self.serial(|| m.reduce(buf, root, op)));
         let sig = Signature {
             reduce: Some(op),
             root: Some(root as u64),
             ..self.sig::<T>("reduce", buf.len())
         };
-        let cfg = &self.inner.cfg;
-        self.collective(sig, |c| {
-            let n = c.n();
-            if n == 1 || buf.is_empty() {
-                return Ok(());
-            }
-            let mut acc = buf.to_vec();
-            if std::mem::size_of_val(buf) <= cfg.small_message_bytes(n) {
-                algo::tree::reduce_tree(c, &mut acc, root, op)?;
-            } else {
-                // Large: ring reduce-scatter, then every block goes to root.
-                let blocks = ranges(&even_split(acc.len(), n));
-                algo::ring::reduce_scatter(c, &mut acc, &blocks, op)?;
-                if c.me != root {
-                    c.send(root, &acc[blocks[c.me].clone()])?;
-                } else {
-                    for (k, b) in blocks.iter().enumerate().filter(|(k, _)| *k != root) {
-                        c.recv_into(k, &mut acc[b.clone()])?;
-                    }
-                }
-            }
-            if c.me == root {
-                if op == ReduceOp::Avg {
-                    T::div_by(&mut acc, n);
-                }
-                buf.copy_from_slice(&acc);
-            }
-            Ok(())
-        })
+        self.collective(sig, |b, c| b.reduce(c, BytesMut::of(buf), root, op))
     }
 
     /// Block j of `input` goes to rank j; block i of `output` comes from
@@ -521,34 +399,10 @@ impl ProcessGroup {
                 output.len()
             ));
         }
-        let offsets = |c: &[usize]| -> Vec<usize> {
-            c.iter()
-                .scan(0, |a, &x| {
-                    let o = *a;
-                    *a += x;
-                    Some(o)
-                })
-                .collect()
-        };
-        on_mpi!(self, m => self.serial(|| m.all_to_all_v(input, send, output, recv)));
-        let (so, ro) = (offsets(send), offsets(recv));
         // Ranks of a v-collective send different amounts: its signature
         // (`sig_count`) is the group size, and each receive checks its size.
-        self.collective(self.sig::<T>("all_to_all", sig_count), |c| {
-            output[ro[me]..ro[me] + recv[me]].copy_from_slice(&input[so[me]..so[me] + send[me]]);
-            for s in 1..n {
-                let to = (me + s) % n;
-                if send[to] > 0 {
-                    c.send(to, &input[so[to]..so[to] + send[to]])?;
-                }
-            }
-            for s in 1..n {
-                let from = (me + n - s) % n;
-                if recv[from] > 0 {
-                    c.recv_into(from, &mut output[ro[from]..ro[from] + recv[from]])?;
-                }
-            }
-            Ok(())
+        self.collective(self.sig::<T>("all_to_all", sig_count), |b, c| {
+            b.all_to_all_v(c, Bytes::of(input), send, BytesMut::of(output), recv)
         })
     }
 
@@ -564,36 +418,19 @@ impl ProcessGroup {
     /// handed to the transport (the receiver buffers it).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
         self.check_peer(dst)?;
-        on_mpi!(self, m => m.send(buf, dst, tag));
-        let deadline = Instant::now() + self.inner.cfg.timeout;
-        self.t().send(
-            self.inner.members[dst],
-            self.chan(1),
-            tag,
-            bytemuck::cast_slice(buf),
-            deadline,
-        )
+        let c = self.call("send", 0);
+        self.inner
+            .backend
+            .send(&c, dst, tag, bytemuck::cast_slice(buf))
     }
 
     /// Receive exactly `buf.len()` elements from group rank `src` under `tag`.
     pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
         self.check_peer(src)?;
-        on_mpi!(self, m => m.recv(buf, src, tag));
-        let deadline = Instant::now() + self.inner.cfg.timeout;
-        let what = || format!("recv(tag={tag})");
-        let m = self
-            .t()
-            .recv(self.inner.members[src], self.chan(1), tag, deadline, &what)?;
-        if m.len != std::mem::size_of_val(buf) {
-            return Err(invalid!(
-                "recv from rank {src} tag {tag}: expected {} bytes, got {}",
-                std::mem::size_of_val(buf),
-                m.len
-            ));
-        }
-        buf.copy_from_slice(m.as_slice());
-        self.t().recycle(m);
-        Ok(())
+        let c = self.call("recv", 0);
+        self.inner
+            .backend
+            .recv_into(&c, src, tag, bytemuck::cast_slice_mut(buf))
     }
 
     fn check_peer(&self, p: usize) -> Result<()> {
@@ -610,32 +447,22 @@ impl ProcessGroup {
     /// not a crash. Every group sharing the transport stops working.
     pub fn shutdown(&self) {
         self.synchronize();
-        on_mpi!(self, m => m.shutdown());
-        self.t().close();
+        self.inner.backend.shutdown();
     }
 
     /// Tear down the transport under this group (and every group sharing
     /// it): pending and later calls here and on peers fail with `reason`.
     pub fn abort(&self, reason: &str) {
-        #[cfg(feature = "mpi")]
-        if let Net::Mpi(m) = &self.inner.net {
-            m.abort(reason)
-        }
-        self.t().abort(reason);
+        self.inner.backend.abort(reason);
     }
 
     #[doc(hidden)]
     pub fn crash_for_test(&self) {
-        #[cfg(feature = "mpi")]
-        if let Net::Mpi(_) = &self.inner.net {
-            std::process::abort()
-        }
-        self.t().crash_for_test();
+        self.inner.backend.crash_for_test();
     }
 
     /// The failure that broke this group, if any.
     pub fn failure(&self) -> Option<CommError> {
-        on_mpi!(self, _m => None);
-        self.t().failure()
+        self.inner.backend.failure()
     }
 }

@@ -177,30 +177,30 @@ pub fn is_loopback(addr: &str) -> bool {
 
 /// Which library carries a job's collectives (`PHALANX_BACKEND`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
+pub enum BackendKind {
     /// Phalanx's own transports (shared memory, Unix sockets, TCP).
     Native,
     /// The system MPI library (`--features mpi`).
     Mpi,
 }
 
-impl Backend {
+impl BackendKind {
     /// `PHALANX_BACKEND`: `native`, `mpi`, or `auto` (the default): MPI when
     /// this build has the `mpi` feature and an MPI launcher (`mpirun`,
     /// `srun --mpi=pmix`) started the process, native otherwise.
-    pub fn from_env() -> Result<Backend> {
+    pub fn from_env() -> Result<BackendKind> {
         let built = cfg!(feature = "mpi");
         match var("PHALANX_BACKEND")
             .map(|v| v.trim().to_ascii_lowercase())
             .as_deref()
         {
             None | Some("auto") => Ok(if built && launched_by_mpi() {
-                Backend::Mpi
+                BackendKind::Mpi
             } else {
-                Backend::Native
+                BackendKind::Native
             }),
-            Some("native") | Some("phalanx") => Ok(Backend::Native),
-            Some("mpi") if built => Ok(Backend::Mpi),
+            Some("native") | Some("phalanx") => Ok(BackendKind::Native),
+            Some("mpi") if built => Ok(BackendKind::Mpi),
             Some("mpi") => Err(invalid!(
                 "PHALANX_BACKEND=mpi, but this build has no MPI backend: rebuild with \
                  `cargo build --release --features mpi` (needs the system MPI, e.g. Debian's \
@@ -224,7 +224,7 @@ pub fn launched_by_mpi() -> bool {
 /// Initialise the world group from the environment (see the module docs).
 pub fn init_process_group() -> Result<ProcessGroup> {
     let cfg = Config::from_env();
-    if Backend::from_env()? == Backend::Mpi {
+    if BackendKind::from_env()? == BackendKind::Mpi {
         return init_mpi(cfg);
     }
     let env = DistEnv::from_env()?;
@@ -242,7 +242,7 @@ pub fn init_mpi(cfg: Config) -> Result<ProcessGroup> {
 
 #[cfg(not(feature = "mpi"))]
 fn init_mpi(_cfg: Config) -> Result<ProcessGroup> {
-    unreachable!("Backend::from_env never picks MPI without the feature")
+    unreachable!("BackendKind::from_env never picks MPI without the feature")
 }
 
 /// Initialise the world group from an explicit environment.

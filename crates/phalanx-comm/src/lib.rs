@@ -8,6 +8,8 @@
 //! - `transport`: the mesh between ranks (Unix sockets on one host, TCP
 //!   across hosts), failure detection;
 //! - `algo`: ring, recursive doubling and tree algorithms;
+//! - `backend`: the `Backend` trait a group's operations run on (`native`:
+//!   the transports and algorithms above; `mpi`);
 //! - `group`: `ProcessGroup`, its collectives, async `Work`, sub-groups;
 //! - `init`: start from torchrun / mpirun / srun variables;
 //! - `mpi` (feature `mpi`): the same `ProcessGroup` on the system MPI library;
@@ -24,6 +26,7 @@
 //! ```
 
 pub mod algo;
+pub mod backend;
 pub mod config;
 pub mod dtype;
 pub mod error;
@@ -38,11 +41,12 @@ pub mod transport;
 pub mod wire;
 pub mod work;
 
+pub use backend::Backend;
 pub use config::{Algo, Config, NetEmulate, TransportPref};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;
 pub use half::{bf16, f16};
-pub use init::{init_process_group, Backend, DistEnv};
+pub use init::{init_process_group, BackendKind, DistEnv};
 pub use transport::Link;
 pub use work::{blocked_seconds, Work};

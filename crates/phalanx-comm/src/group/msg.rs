@@ -21,9 +21,8 @@
 //! assert_eq!(got[1], b"hello");
 //! ```
 
-#[cfg(feature = "mpi")]
-use super::Net;
 use super::ProcessGroup;
+use crate::backend::Call;
 use crate::error::Result;
 use crate::transport::Msg;
 use std::time::{Duration, Instant};
@@ -33,10 +32,11 @@ impl ProcessGroup {
     /// Messages from one sender under one tag arrive in the order sent.
     pub fn send_bytes(&self, dst: usize, tag: u64, data: &[u8], timeout: Duration) -> Result<()> {
         self.check_peer(dst)?;
-        on_mpi!(self, m => m.send_bytes(data, dst, tag));
-        let deadline = Instant::now() + timeout;
-        let to = self.inner.members[dst];
-        self.t().send(to, self.chan(1), tag, data, deadline)
+        let c = Call {
+            deadline: Instant::now() + timeout,
+            ..self.call("send_bytes", 0)
+        };
+        self.inner.backend.send(&c, dst, tag, data)
     }
 
     /// Receive the next message from group rank `src` under `tag`, of
@@ -44,12 +44,11 @@ impl ProcessGroup {
     /// naming the peer, when the peer died or shut down.
     pub fn recv_bytes(&self, src: usize, tag: u64, deadline: Instant) -> Result<Msg> {
         self.check_peer(src)?;
-        on_mpi!(self, m => m
-            .recv_message(src, tag, deadline)
-            .map(|(words, len)| Msg { words, len }));
-        let from = self.inner.members[src];
-        let what = || format!("recv_bytes(tag={tag})");
-        self.t().recv(from, self.chan(1), tag, deadline, &what)
+        let c = Call {
+            deadline,
+            ..self.call("recv_bytes", 0)
+        };
+        self.inner.backend.recv_message(&c, src, tag)
     }
 }
 

@@ -4,7 +4,7 @@
 //! hanging or corrupting data.
 
 use super::ProcessGroup;
-use crate::algo::Ctx;
+use crate::backend::Call;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CommError, Result};
 
@@ -21,16 +21,6 @@ pub(super) struct Signature {
 }
 
 impl Signature {
-    pub fn describe(&self) -> String {
-        let mut s = format!("{}({}, count={}", self.op, self.dtype.name(), self.count);
-        if let Some(r) = self.reduce {
-            s += &format!(", op={}", r.name());
-        }
-        if let Some(r) = self.root {
-            s += &format!(", root={r}");
-        }
-        s + ")"
-    }
     fn encode(&self) -> Vec<u8> {
         let mut v = vec![0u8; 16];
         v[..self.op.len().min(16)].copy_from_slice(&self.op.as_bytes()[..self.op.len().min(16)]);
@@ -44,64 +34,53 @@ impl Signature {
 }
 
 impl ProcessGroup {
-    pub(super) fn check_signatures(&self, c: &Ctx, sig: &Signature) -> Result<()> {
-        let dc = Ctx {
-            chan: self.chan(2),
-            ..*c
-        };
+    /// Exchange this collective's signature with every rank (through the
+    /// backend) and fail on every rank, naming each rank's call, when they
+    /// differ.
+    pub(super) fn check_signatures(&self, c: &Call, sig: &Signature) -> Result<()> {
         let mine = sig.encode();
-        for j in (0..c.n()).filter(|&j| j != c.me) {
-            dc.t.send(c.members[j], dc.chan, dc.seq, &mine, dc.deadline)?;
+        let all = self.inner.backend.exchange_signatures(c, &mine)?;
+        if all.iter().all(|s| *s == mine) {
+            return Ok(());
         }
-        let mut mismatch = false;
-        let mut lines = Vec::new();
-        for j in 0..c.n() {
-            if j == c.me {
-                lines.push(format!(
+        let lines: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(j, s)| {
+                format!(
                     "rank {} called {} as collective #{}",
                     c.members[j],
-                    sig.describe(),
+                    decode_sig(s),
                     c.seq
-                ));
-                continue;
-            }
-            let what = || {
-                format!(
-                    "{} #{} (waiting for rank {} to join)",
-                    sig.op, c.seq, c.members[j]
                 )
-            };
-            let m =
-                dc.t.recv(c.members[j], dc.chan, dc.seq, dc.deadline, &what)
-                    .map_err(|e| match e {
-                        CommError::Timeout(_) => CommError::Desync(format!(
-                            "rank {} never called collective #{} ({} on this rank {})",
-                            c.members[j],
-                            c.seq,
-                            sig.describe(),
-                            c.members[c.me]
-                        )),
-                        e => e,
-                    })?;
-            let theirs = m.bytes().to_vec();
-            if theirs != mine {
-                mismatch = true;
-            }
-            lines.push(format!(
-                "rank {} called {} as collective #{}",
-                c.members[j],
-                decode_sig(&theirs),
-                c.seq
-            ));
-        }
-        if mismatch {
-            return Err(CommError::Desync(lines.join("; ")));
-        }
-        Ok(())
+            })
+            .collect();
+        Err(CommError::Desync(lines.join("; ")))
     }
 }
 
-fn decode_sig(b: &[u8]) -> String {
+#[cfg(feature = "mpi")]
+/// An encoded signature in words: backends that exchange typed buffers
+/// only (MPI) send it as `i64`s.
+pub(crate) fn to_words(b: &[u8]) -> Vec<i64> {
+    b.chunks(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            i64::from_le_bytes(w)
+        })
+        .collect()
+}
+
+#[cfg(feature = "mpi")]
+/// [`to_words`] back to the encoded signature of `len` bytes.
+pub(crate) fn from_words(w: &[i64], len: usize) -> Vec<u8> {
+    let mut b: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+    b.truncate(len);
+    b
+}
+
+pub(crate) fn decode_sig(b: &[u8]) -> String {
     if b.len() < 16 + 2 + 24 {
         return "<malformed signature>".into();
     }

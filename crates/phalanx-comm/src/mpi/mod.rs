@@ -28,6 +28,7 @@
 //! pg.shutdown();
 //! ```
 
+mod backend;
 mod ops;
 mod watchdog;
 

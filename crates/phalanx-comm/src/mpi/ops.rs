@@ -352,12 +352,8 @@ impl Comm {
         )
     }
 
-    /// Buffered send: returns once MPI holds a copy with the tag header.
-    pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.send_bytes(bytemuck::cast_slice(buf), dst, tag)
-    }
-
-    /// [`Comm::send`] of bytes (`send_bytes`: a message of any length).
+    /// Buffered send: returns once MPI holds a copy with the tag header
+    /// (any length; a typed `send` sends its bytes).
     pub fn send_bytes(&self, bytes: &[u8], dst: usize, tag: u64) -> Result<()> {
         finalized()?;
         self.reap_sends()?;
@@ -383,9 +379,9 @@ impl Comm {
         Ok(())
     }
 
-    /// Receive exactly `buf.len()` elements sent under `tag` by `src`.
-    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
-        let want = std::mem::size_of_val(buf);
+    /// Receive exactly `buf.len()` bytes sent under `tag` by `src`.
+    pub fn recv(&self, buf: &mut [u8], src: usize, tag: u64) -> Result<()> {
+        let want = buf.len();
         // One byte more than expected, so a longer message is seen as one.
         let mut msg = vec![0u8; 8 + want + 1];
         let n = count(msg.len(), "recv")?;
@@ -430,7 +426,7 @@ impl Comm {
                 got - 8
             ));
         }
-        bytemuck::cast_slice_mut::<T, u8>(buf).copy_from_slice(&msg[8..8 + want]);
+        buf.copy_from_slice(&msg[8..8 + want]);
         Ok(())
     }
 

@@ -1,0 +1,237 @@
+//! The comm `Backend` seam: what carries a group's messages.
+//!
+//! `ProcessGroup` is the public face (PyTorch's `ProcessGroup`); a
+//! `Backend` is what runs its operations (c10d's `Backend`: gloo, NCCL,
+//! MPI). The group does everything that does not depend on the wire, once
+//! for every backend:
+//! - argument validation (counts, roots, peers), with the same errors;
+//! - issue order: a sequence number per collective, one collective at a
+//!   time per group, synchronous calls after earlier asynchronous ones;
+//! - the asynchronous `Work` queues (one communication thread for
+//!   collectives, one for point-to-point receives);
+//! - `PHALANX_DEBUG=detail`: the backend only exchanges the signatures,
+//!   the group compares them and names each rank's call;
+//! - sub-group membership (`new_group`, `split`): the backend only makes
+//!   the child's carrier.
+//!
+//! A backend gets type-erased buffers ([`Bytes`], [`BytesMut`]: the bytes
+//! of a `[T]` and its [`DType`]) so the trait is object safe; an
+//! implementation gets its typed slice back with [`for_dtype!`] and
+//! [`BytesMut::typed`]. Implementations: [`native`] (Phalanx's transports:
+//! shared memory, Unix sockets, TCP) and `crate::mpi` (feature `mpi`).
+//!
+//! ```
+//! use phalanx_comm::{threads, ReduceOp};
+//! // Every group runs on one backend; the world group of `threads::run`
+//! // is the native one.
+//! let names = threads::run(2, |pg| {
+//!     let mut x = [1.0f32; 3];
+//!     pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+//!     (pg.backend_name(), x)
+//! });
+//! assert_eq!(names[0], ("native", [2.0; 3]));
+//! ```
+
+pub mod native;
+
+use crate::config::Config;
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::transport::{Link, Msg};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The bytes of a `[T]`, with `T`'s dtype.
+#[derive(Clone, Copy)]
+pub struct Bytes<'a> {
+    dtype: DType,
+    data: &'a [u8],
+}
+
+/// The bytes of a `&mut [T]`, with `T`'s dtype.
+pub struct BytesMut<'a> {
+    dtype: DType,
+    data: &'a mut [u8],
+}
+
+impl<'a> Bytes<'a> {
+    pub fn of<T: Element>(x: &'a [T]) -> Bytes<'a> {
+        Bytes {
+            dtype: T::DTYPE,
+            data: bytemuck::cast_slice(x),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// The slice as `T`s; `T` must be the dtype it was made from.
+    pub fn typed<T: Element>(self) -> &'a [T] {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "a backend read a buffer as another dtype"
+        );
+        bytemuck::cast_slice(self.data)
+    }
+}
+
+impl<'a> BytesMut<'a> {
+    pub fn of<T: Element>(x: &'a mut [T]) -> BytesMut<'a> {
+        BytesMut {
+            dtype: T::DTYPE,
+            data: bytemuck::cast_slice_mut(x),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// The slice as `T`s; `T` must be the dtype it was made from.
+    pub fn typed<T: Element>(self) -> &'a mut [T] {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "a backend wrote a buffer as another dtype"
+        );
+        bytemuck::cast_slice_mut(self.data)
+    }
+}
+
+/// Run `$body` with `$T` the element type of `$dtype` (a backend's generic
+/// code over [`Element`] behind the type-erased trait).
+#[macro_export]
+macro_rules! for_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {{
+        use $crate::dtype::DType as D;
+        match $dtype {
+            D::F32 => {
+                type $T = f32;
+                $body
+            }
+            D::F64 => {
+                type $T = f64;
+                $body
+            }
+            D::F16 => {
+                type $T = $crate::f16;
+                $body
+            }
+            D::BF16 => {
+                type $T = $crate::bf16;
+                $body
+            }
+            D::I32 => {
+                type $T = i32;
+                $body
+            }
+            D::I64 => {
+                type $T = i64;
+                $body
+            }
+        }
+    }};
+}
+
+/// One operation of one group, as its backend sees it.
+pub struct Call<'a> {
+    /// Group rank -> global (world) rank.
+    pub members: &'a [usize],
+    /// This process's rank in the group.
+    pub me: usize,
+    /// The group's id: the same on every member, distinct per group.
+    pub gid: u64,
+    /// The collective's sequence number in this group (0 for point-to-point).
+    pub seq: u64,
+    pub deadline: Instant,
+    /// The operation's name, for messages.
+    pub op: &'static str,
+    pub cfg: &'a Config,
+}
+
+impl Call<'_> {
+    pub fn n(&self) -> usize {
+        self.members.len()
+    }
+}
+
+/// What runs a group's operations. One value per group (a sub-group's comes
+/// from its parent's [`Backend::child`]); every method may be called from
+/// the group's caller thread or its communication threads, one collective
+/// at a time, point-to-point concurrently with collectives.
+///
+/// Collectives get buffers already validated by the group (counts cover the
+/// buffers, roots and peers in range) and must give every rank bitwise
+/// identical results. `ReduceOp::Avg` divides by the group size.
+pub trait Backend: Send + Sync {
+    /// A short name: `native`, `mpi`.
+    fn name(&self) -> &'static str;
+
+    fn all_reduce(&self, c: &Call, buf: BytesMut, op: ReduceOp) -> Result<()>;
+    /// Block k of `input` has `counts[k]` elements; `output` gets block `me`.
+    fn reduce_scatter_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        counts: &[usize],
+        output: BytesMut,
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// Rank k contributes `counts[k]` elements to `output`, in rank order.
+    fn all_gather_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        counts: &[usize],
+        output: BytesMut,
+    ) -> Result<()>;
+    fn broadcast(&self, c: &Call, buf: BytesMut, root: usize) -> Result<()>;
+    /// Root's `buf` gets the reduction; the others' stay as they were.
+    fn reduce(&self, c: &Call, buf: BytesMut, root: usize, op: ReduceOp) -> Result<()>;
+    /// `input` holds `send[j]` elements for rank j; `output` `recv[i]` from i.
+    fn all_to_all_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        send: &[usize],
+        output: BytesMut,
+        recv: &[usize],
+    ) -> Result<()>;
+
+    /// `PHALANX_DEBUG=detail`: send `mine` (this rank's encoded signature,
+    /// the same length on every rank) to the group and return every rank's,
+    /// in group order, before the collective runs.
+    fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Send `data` to group rank `dst` under `tag`; returns once the backend
+    /// holds it (the receiver buffers it).
+    fn send(&self, c: &Call, dst: usize, tag: u64, data: &[u8]) -> Result<()>;
+    /// Receive exactly `buf.len()` bytes from group rank `src` under `tag`.
+    fn recv_into(&self, c: &Call, src: usize, tag: u64, buf: &mut [u8]) -> Result<()>;
+    /// Receive the next message from `src` under `tag`, of any length.
+    fn recv_message(&self, c: &Call, src: usize, tag: u64) -> Result<Msg>;
+
+    /// The carrier of a sub-group this rank joins (`color` is `None` for
+    /// ranks that join none; `want` members, ordered by `key`). Collective
+    /// over the parent group `c`.
+    fn child(
+        &self,
+        c: &Call,
+        color: Option<u32>,
+        key: i64,
+        want: usize,
+    ) -> Result<Option<Arc<dyn Backend>>>;
+
+    /// Payload bytes this process has sent, over every group sharing the
+    /// backend's connections.
+    fn bytes_sent(&self) -> u64;
+    /// The link to global rank `global` (`None` for this process).
+    fn link(&self, me: usize, global: usize) -> Option<Link>;
+    /// The failure that broke the backend, if any (checked before each
+    /// collective).
+    fn failure(&self) -> Option<CommError>;
+    /// Leave cleanly: peers see a goodbye, not a crash.
+    fn shutdown(&self);
+    /// Tear down: pending and later calls here and on peers fail with `reason`.
+    fn abort(&self, reason: &str);
+    /// Die as a crashed process would (tests of failure detection).
+    fn crash_for_test(&self);
+}

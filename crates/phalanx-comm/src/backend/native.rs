@@ -1,0 +1,356 @@
+//! The native backend: Phalanx's own transports (shared memory, Unix
+//! sockets, TCP; see `crate::transport`) and the algorithms of
+//! `crate::algo`, chosen per call by size and `PHALANX_ALGO`.
+//!
+//! Every group on one transport shares it: a group's messages travel on
+//! channels of its own (`gid * 4 + kind`), so a sub-group's [`Backend::child`]
+//! is the same transport again.
+
+use super::{Backend, Bytes, BytesMut, Call};
+use crate::algo::{self, even_split, ranges, Ctx};
+use crate::config::Algo;
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{invalid, CommError, Result};
+use crate::for_dtype;
+use crate::transport::{Link, Msg, Transport};
+use std::sync::Arc;
+
+/// The native backend of one group (cheap: the transport is shared).
+pub struct Native {
+    t: Arc<Transport>,
+}
+
+/// A group's channel of a kind: 0 collectives, 1 point-to-point, 2
+/// signature checks (PHALANX_DEBUG=detail), 3 the all-gather phase of ring
+/// collectives (kept apart so its frames can land in place).
+fn chan(c: &Call, kind: u64) -> u64 {
+    c.gid.wrapping_mul(4).wrapping_add(kind)
+}
+
+impl Native {
+    pub fn new(t: Arc<Transport>) -> Native {
+        Native { t }
+    }
+
+    /// The algorithms' view of one collective of `elem`-byte elements.
+    fn ctx<'a>(&'a self, c: &'a Call, elem: usize) -> Ctx<'a> {
+        Ctx {
+            t: &self.t,
+            members: c.members,
+            me: c.me,
+            chan: chan(c, 0),
+            chan2: chan(c, 3),
+            seq: c.seq,
+            deadline: c.deadline,
+            op: c.op,
+            chunk_elems: (c.cfg.chunk_bytes / elem).max(1),
+        }
+    }
+
+    fn all_reduce_t<T: Element>(&self, c: &Call, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let cx = self.ctx(c, std::mem::size_of::<T>());
+        if cx.n() == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let cfg = c.cfg;
+        let bytes = std::mem::size_of_val(buf);
+        let use_rd = match cfg.algo {
+            Algo::RecursiveDoubling => true,
+            Algo::Ring => false,
+            Algo::Auto => bytes <= cfg.small_message_bytes(cx.n()) || buf.len() < cx.n(),
+        };
+        // The world group on one host: reduce in place in shared memory.
+        let shm = match (&self.t.shm_world, cfg.algo, c.gid) {
+            (Some(w), Algo::Auto, 1) if cfg.shm_all_reduce => Some(w),
+            _ => None,
+        };
+        if let Some(w) = shm {
+            let what = || format!("{} (collective #{})", cx.op, cx.seq);
+            crate::transport::shm_coll::all_reduce(&self.t, w, buf, op, cx.deadline, &what)?;
+        } else if use_rd {
+            algo::rd::all_reduce(&cx, buf, op)?;
+        } else {
+            algo::ring::all_reduce(&cx, buf, op)?;
+        }
+        if op == ReduceOp::Avg {
+            T::div_by(buf, cx.n());
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let cx = self.ctx(c, std::mem::size_of::<T>());
+        let blocks = ranges(counts);
+        if cx.n() == 1 {
+            output.copy_from_slice(input);
+        } else {
+            let mut scratch = input.to_vec();
+            algo::ring::reduce_scatter(&cx, &mut scratch, &blocks, op)?;
+            output.copy_from_slice(&scratch[blocks[cx.me].clone()]);
+        }
+        if op == ReduceOp::Avg {
+            T::div_by(output, cx.n());
+        }
+        Ok(())
+    }
+
+    fn all_gather_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> Result<()> {
+        let cx = self.ctx(c, std::mem::size_of::<T>());
+        let blocks = ranges(counts);
+        output[blocks[cx.me].clone()].copy_from_slice(input);
+        if cx.n() > 1 {
+            algo::ring::all_gather(&cx, output, &blocks)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast_t<T: Element>(&self, c: &Call, buf: &mut [T], root: usize) -> Result<()> {
+        let cx = self.ctx(c, std::mem::size_of::<T>());
+        if cx.n() == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        if std::mem::size_of_val(buf) <= c.cfg.small_message_bytes(cx.n()) {
+            algo::tree::broadcast_tree(&cx, buf, root)
+        } else {
+            algo::tree::broadcast_chain(&cx, buf, root)
+        }
+    }
+
+    fn reduce_t<T: Element>(
+        &self,
+        c: &Call,
+        buf: &mut [T],
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let cx = self.ctx(c, std::mem::size_of::<T>());
+        let n = cx.n();
+        if n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let mut acc = buf.to_vec();
+        if std::mem::size_of_val(buf) <= c.cfg.small_message_bytes(n) {
+            algo::tree::reduce_tree(&cx, &mut acc, root, op)?;
+        } else {
+            // Large: ring reduce-scatter, then every block goes to root.
+            let blocks = ranges(&even_split(acc.len(), n));
+            algo::ring::reduce_scatter(&cx, &mut acc, &blocks, op)?;
+            if cx.me != root {
+                cx.send(root, &acc[blocks[cx.me].clone()])?;
+            } else {
+                for (k, b) in blocks.iter().enumerate().filter(|(k, _)| *k != root) {
+                    cx.recv_into(k, &mut acc[b.clone()])?;
+                }
+            }
+        }
+        if cx.me == root {
+            if op == ReduceOp::Avg {
+                T::div_by(&mut acc, n);
+            }
+            buf.copy_from_slice(&acc);
+        }
+        Ok(())
+    }
+
+    fn all_to_all_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> Result<()> {
+        let cx = self.ctx(c, std::mem::size_of::<T>());
+        let (n, me) = (cx.n(), cx.me);
+        let offsets = |c: &[usize]| -> Vec<usize> {
+            c.iter()
+                .scan(0, |a, &x| {
+                    let o = *a;
+                    *a += x;
+                    Some(o)
+                })
+                .collect()
+        };
+        let (so, ro) = (offsets(send), offsets(recv));
+        output[ro[me]..ro[me] + recv[me]].copy_from_slice(&input[so[me]..so[me] + send[me]]);
+        for s in 1..n {
+            let to = (me + s) % n;
+            if send[to] > 0 {
+                cx.send(to, &input[so[to]..so[to] + send[to]])?;
+            }
+        }
+        for s in 1..n {
+            let from = (me + n - s) % n;
+            if recv[from] > 0 {
+                cx.recv_into(from, &mut output[ro[from]..ro[from] + recv[from]])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Backend for Native {
+    fn name(&self) -> &'static str {
+        "native"
+    }
+
+    fn all_reduce(&self, c: &Call, buf: BytesMut, op: ReduceOp) -> Result<()> {
+        for_dtype!(buf.dtype(), T => self.all_reduce_t(c, buf.typed::<T>(), op))
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        counts: &[usize],
+        output: BytesMut,
+        op: ReduceOp,
+    ) -> Result<()> {
+        for_dtype!(input.dtype(), T => {
+            self.reduce_scatter_t(c, input.typed::<T>(), counts, output.typed::<T>(), op)
+        })
+    }
+
+    fn all_gather_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        counts: &[usize],
+        output: BytesMut,
+    ) -> Result<()> {
+        for_dtype!(input.dtype(), T => {
+            self.all_gather_t(c, input.typed::<T>(), counts, output.typed::<T>())
+        })
+    }
+
+    fn broadcast(&self, c: &Call, buf: BytesMut, root: usize) -> Result<()> {
+        for_dtype!(buf.dtype(), T => self.broadcast_t(c, buf.typed::<T>(), root))
+    }
+
+    fn reduce(&self, c: &Call, buf: BytesMut, root: usize, op: ReduceOp) -> Result<()> {
+        for_dtype!(buf.dtype(), T => self.reduce_t(c, buf.typed::<T>(), root, op))
+    }
+
+    fn all_to_all_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        send: &[usize],
+        output: BytesMut,
+        recv: &[usize],
+    ) -> Result<()> {
+        for_dtype!(input.dtype(), T => {
+            self.all_to_all_t(c, input.typed::<T>(), send, output.typed::<T>(), recv)
+        })
+    }
+
+    /// On the signature channel: a rank that never calls is named as such
+    /// (not as a plain timeout).
+    fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let ch = chan(c, 2);
+        for j in (0..c.n()).filter(|&j| j != c.me) {
+            self.t.send(c.members[j], ch, c.seq, mine, c.deadline)?;
+        }
+        let mut all = Vec::with_capacity(c.n());
+        for j in 0..c.n() {
+            if j == c.me {
+                all.push(mine.to_vec());
+                continue;
+            }
+            let what = || {
+                format!(
+                    "{} #{} (waiting for rank {} to join)",
+                    c.op, c.seq, c.members[j]
+                )
+            };
+            let m = self
+                .t
+                .recv(c.members[j], ch, c.seq, c.deadline, &what)
+                .map_err(|e| match e {
+                    CommError::Timeout(_) => CommError::Desync(format!(
+                        "rank {} never called collective #{} ({} on this rank {})",
+                        c.members[j],
+                        c.seq,
+                        crate::group::describe_encoded(mine),
+                        c.members[c.me]
+                    )),
+                    e => e,
+                })?;
+            all.push(m.bytes().to_vec());
+            self.t.recycle(m);
+        }
+        Ok(all)
+    }
+
+    fn send(&self, c: &Call, dst: usize, tag: u64, data: &[u8]) -> Result<()> {
+        self.t
+            .send(c.members[dst], chan(c, 1), tag, data, c.deadline)
+    }
+
+    fn recv_into(&self, c: &Call, src: usize, tag: u64, buf: &mut [u8]) -> Result<()> {
+        let m = self.recv_message(c, src, tag)?;
+        if m.len != buf.len() {
+            return Err(invalid!(
+                "recv from rank {src} tag {tag}: expected {} bytes, got {}",
+                buf.len(),
+                m.len
+            ));
+        }
+        buf.copy_from_slice(m.bytes());
+        self.t.recycle(m);
+        Ok(())
+    }
+
+    fn recv_message(&self, c: &Call, src: usize, tag: u64) -> Result<Msg> {
+        let what = || format!("{}(tag={tag})", c.op);
+        self.t
+            .recv(c.members[src], chan(c, 1), tag, c.deadline, &what)
+    }
+
+    fn child(
+        &self,
+        _c: &Call,
+        color: Option<u32>,
+        _key: i64,
+        _want: usize,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        Ok(color.map(|_| Arc::new(Native::new(self.t.clone())) as Arc<dyn Backend>))
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.t.bytes_sent()
+    }
+
+    fn link(&self, _me: usize, global: usize) -> Option<Link> {
+        self.t.link(global)
+    }
+
+    fn failure(&self) -> Option<CommError> {
+        self.t.failure()
+    }
+
+    fn shutdown(&self) {
+        self.t.close();
+    }
+
+    fn abort(&self, reason: &str) {
+        self.t.abort(reason);
+    }
+
+    fn crash_for_test(&self) {
+        self.t.crash_for_test();
+    }
+}
