@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side-by-side figures of the RPC note (README, "RPC, parameter server and
+# Side-by-side figures of bench/README.md ("RPC, parameter server and
 # reinforcement learning"): Phalanx rpc_sync vs torch.distributed.rpc,
 # interleaved, `ROUNDS` times each; parameter-server throughput with 1 and 2
 # servers; cart-pole environment steps/s with 1, 2 and 4 observers.
@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 T=${CARGO_TARGET_DIR:-target}/release/examples
-cargo build --release -p phalanx --example rpc_bench --example parameter_server --example rl_cartpole >&2
+cargo build --release -p phalanx-rpc --example rpc_bench --example parameter_server --example rl_cartpole >&2
 grep -m1 "model name" /proc/cpuinfo >&2
 for r in $(seq "$ROUNDS"); do
   echo "# round $r" >&2

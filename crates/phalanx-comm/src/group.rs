@@ -136,6 +136,12 @@ impl ProcessGroup {
         self.inner.backend.bytes_sent()
     }
 
+    /// All-reduces of this group done in place in shared memory (the world
+    /// group on one host), for checks that the fast path serves a caller.
+    pub fn in_place_all_reduces(&self) -> u64 {
+        self.inner.backend.in_place_all_reduces()
+    }
+
     /// The kind of link between this process and group rank `rank`:
     /// `Link::Unix` for a peer on this host, `Link::Tcp` for one elsewhere
     /// or under `PHALANX_TRANSPORT=tcp`; `None` for this process itself.

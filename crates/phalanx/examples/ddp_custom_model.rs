@@ -87,12 +87,8 @@ pub fn config(steps: usize, micro_batch: usize, grad_accum: usize) -> TrainConfi
     TrainConfig::build(None, &sets).expect("valid config")
 }
 
-/// Train on this rank's slice; returns the step losses and final parameters.
-pub fn train_rank(
-    pg: phalanx_comm::ProcessGroup,
-    cfg: &TrainConfig,
-    quiet: bool,
-) -> phalanx::Result<(Vec<f32>, Vec<f32>)> {
+/// This rank's trainer: the model of [`blocks`] on the shipped corpus.
+pub fn trainer(pg: phalanx_comm::ProcessGroup, cfg: &TrainConfig) -> phalanx::Result<Trainer> {
     let lc = LoaderConfig {
         seq_len: CONTEXT,
         val_fraction: 0.02,
@@ -103,7 +99,16 @@ pub fn train_rank(
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/corpus.txt");
     let loader = Arc::new(DataLoader::open(path, Tokenizer::Byte, lc)?);
     let engine = Engine::new(blocks(), &candle_core::Device::Cpu, EngineConfig::default())?;
-    let mut trainer = Trainer::new(cfg, engine, loader, pg)?;
+    Trainer::new(cfg, engine, loader, pg)
+}
+
+/// Train on this rank's slice; returns the step losses and final parameters.
+pub fn train_rank(
+    pg: phalanx_comm::ProcessGroup,
+    cfg: &TrainConfig,
+    quiet: bool,
+) -> phalanx::Result<(Vec<f32>, Vec<f32>)> {
+    let mut trainer = trainer(pg, cfg)?;
     let opts = RunOptions {
         progress: !quiet,
         log_interval: 25,

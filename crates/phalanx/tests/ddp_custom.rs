@@ -54,3 +54,25 @@ fn diverged_parameters_are_reported_with_the_rank() {
         assert!(m.contains("step 40") && m.contains("rank(s) [2]"), "{m}");
     }
 }
+
+#[test]
+fn ddp_over_the_whole_world_reduces_gradients_in_place_in_shared_memory() {
+    // dp spans the world, so the mesh's dp group is the world group and the
+    // gradient all-reduces take its in-place shared-memory path (no
+    // messages). On a sub-group they would not: the count would stay 0.
+    let steps = 5;
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let mut t = example::trainer(pg, &example::config(steps, 8, 1)).unwrap();
+        let dp = t.mesh().dp().clone();
+        assert!(t.mesh().is_world(phalanx::mesh::Axis::Dp));
+        let before = dp.in_place_all_reduces();
+        t.run(&Default::default()).unwrap();
+        dp.in_place_all_reduces() - before
+    });
+    for n in out {
+        assert!(
+            n >= steps as u64,
+            "{n} in-place all-reduces over {steps} steps"
+        );
+    }
+}

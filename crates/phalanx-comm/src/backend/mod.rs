@@ -223,6 +223,9 @@ pub trait Backend: Send + Sync {
     /// Payload bytes this process has sent, over every group sharing the
     /// backend's connections.
     fn bytes_sent(&self) -> u64;
+    /// All-reduces of this group done in place in shared memory, without
+    /// messages (0 for a backend that has no such path).
+    fn in_place_all_reduces(&self) -> u64;
     /// The link to global rank `global` (`None` for this process).
     fn link(&self, me: usize, global: usize) -> Option<Link>;
     /// The failure that broke the backend, if any (checked before each

@@ -13,11 +13,14 @@ use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use crate::for_dtype;
 use crate::transport::{Link, Msg, Transport};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The native backend of one group (cheap: the transport is shared).
 pub struct Native {
     t: Arc<Transport>,
+    /// All-reduces done in place in shared memory (the world group's path).
+    in_place: AtomicU64,
 }
 
 /// A group's channel of a kind: 0 collectives, 1 point-to-point, 2
@@ -29,7 +32,10 @@ fn chan(c: &Call, kind: u64) -> u64 {
 
 impl Native {
     pub fn new(t: Arc<Transport>) -> Native {
-        Native { t }
+        Native {
+            t,
+            in_place: AtomicU64::new(0),
+        }
     }
 
     /// The algorithms' view of one collective of `elem`-byte elements.
@@ -67,6 +73,7 @@ impl Native {
         if let Some(w) = shm {
             let what = || format!("{} (collective #{})", cx.op, cx.seq);
             crate::transport::shm_coll::all_reduce(&self.t, w, buf, op, cx.deadline, &what)?;
+            self.in_place.fetch_add(1, Ordering::Relaxed);
         } else if use_rd {
             algo::rd::all_reduce(&cx, buf, op)?;
         } else {
@@ -332,6 +339,10 @@ impl Backend for Native {
 
     fn bytes_sent(&self) -> u64 {
         self.t.bytes_sent()
+    }
+
+    fn in_place_all_reduces(&self) -> u64 {
+        self.in_place.load(Ordering::Relaxed)
     }
 
     fn link(&self, _me: usize, global: usize) -> Option<Link> {

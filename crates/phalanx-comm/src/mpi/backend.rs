@@ -115,6 +115,10 @@ impl Backend for Comm {
         Comm::bytes_sent(self)
     }
 
+    fn in_place_all_reduces(&self) -> u64 {
+        0
+    }
+
     fn link(&self, me: usize, global: usize) -> Option<Link> {
         (global != me).then_some(Link::Mpi)
     }

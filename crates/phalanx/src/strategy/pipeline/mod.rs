@@ -165,7 +165,7 @@ impl Pipeline {
             lo = e as usize;
         }
         let stage = mesh.coords().pp;
-        let ties = ties::Ties::new(engine.layout(), &chunks, p, stage, mesh.pp())?;
+        let ties = ties::Ties::new(engine.layout(), &chunks, p, stage, mesh)?;
         let dp_buckets = ties::dp_buckets(engine.layout(), &chunks, &schedule, stage);
         let mut timeline = Timeline::new(cfg.trace_steps);
         mesh.world().barrier()?;

@@ -18,6 +18,7 @@ use phalanx_comm::{ProcessGroup, ReduceOp};
 use super::schedule::Schedule;
 use crate::engine::Layout;
 use crate::error::Result;
+use crate::mesh::{Axis, DeviceMesh};
 
 /// One set of stages sharing parameters, as seen by one of them.
 struct TieGroup {
@@ -48,14 +49,14 @@ fn merge(mut rs: Vec<Range<usize>>) -> Vec<Range<usize>> {
 
 impl Ties {
     /// `chunks`: block range of every chunk, chunk `c` on stage `c % p`.
-    /// Collective over `pp` (every stage builds the same sub-groups, in the
-    /// same order).
+    /// Collective over the mesh's `pp` axis (every stage asks for the same
+    /// sub-groups, in the same order).
     pub fn new(
         layout: &Layout,
         chunks: &[Range<usize>],
         p: usize,
         stage: usize,
-        pp: &ProcessGroup,
+        mesh: &DeviceMesh,
     ) -> Result<Ties> {
         // readers[k]: the stages whose blocks read parameter k.
         let mut readers: Vec<Vec<usize>> = vec![Vec::new(); layout.params().len()];
@@ -86,7 +87,7 @@ impl Ties {
         }
         let mut groups = Vec::new();
         for (stages, ranges) in shared {
-            if let Some(group) = pp.new_group(&stages)? {
+            if let Some(group) = mesh.subgroup(Axis::Pp, &stages)? {
                 groups.push(TieGroup {
                     group,
                     ranges: merge(ranges),

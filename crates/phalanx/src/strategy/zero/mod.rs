@@ -44,7 +44,7 @@ use super::{accumulate, BatchFn, MakeOptimizer, Strategy};
 use crate::engine::{Engine, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
-use crate::mesh::DeviceMesh;
+use crate::mesh::{Axis, DeviceMesh};
 use crate::optim::step::{agree_and_clip, finish_step, weighted_sum_squares, StepOutcome, Update};
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
@@ -167,29 +167,10 @@ impl Zero {
             ));
         }
         // Shard groups are consecutive ranks (a node); replica groups take the
-        // same position in every shard group. Every rank creates every group.
+        // same position in every shard group (the mesh's split of dp).
         let groups = n / g;
-        let mut shard_pg = None;
-        let mut replica_pg = None;
-        for k in 0..groups {
-            if let Some(pg) = dp.new_group(&(k * g..(k + 1) * g).collect::<Vec<_>>())? {
-                shard_pg = Some(pg);
-            }
-        }
-        if groups > 1 {
-            for j in 0..g {
-                if let Some(pg) =
-                    dp.new_group(&(0..groups).map(|k| k * g + j).collect::<Vec<_>>())?
-                {
-                    replica_pg = Some(pg);
-                }
-            }
-        }
-        let shard_pg = if groups == 1 {
-            dp.clone()
-        } else {
-            shard_pg.expect("own shard group")
-        };
+        let (shard_pg, replica_pg) = mesh.split(Axis::Dp, g)?;
+        let replica_pg = (groups > 1).then_some(replica_pg);
 
         // Identical initial parameters everywhere, then shard.
         dp.broadcast(engine.params_flat_mut(), 0)?;
@@ -257,15 +238,9 @@ impl Zero {
                     cfg.stage
                 )));
             }
-            let mut pg = None;
-            for k in 0..n / hpz {
-                if let Some(g) =
-                    shard_pg.new_group(&(k * hpz..(k + 1) * hpz).collect::<Vec<_>>())?
-                {
-                    pg = Some(g);
-                }
-            }
-            let pg = pg.expect("own hpZ group");
+            // hpz divides g: blocks of hpz consecutive dp ranks lie inside
+            // one shard group.
+            let (pg, _) = mesh.split(Axis::Dp, hpz)?;
             let shards = Shards::new(layout.num_params(), hpz, pg.rank());
             let len = shards.mine().len();
             secondary = Some(Secondary {

@@ -1,4 +1,4 @@
-//! Distributed reinforcement learning over `phalanx::rpc`, the way
+//! Distributed reinforcement learning over `phalanx_rpc::rpc`, the way
 //! PyTorch's RPC tutorial splits it: observers own copies of the
 //! environment and step them; one learner owns the policy and improves it.
 //!
@@ -18,8 +18,8 @@
 //!   observer count.
 //!
 //! ```
-//! use phalanx::rl::{self, LearnerConfig};
-//! use phalanx::rpc::{Options, Registry, Rpc};
+//! use phalanx_rpc::rl::{self, LearnerConfig};
+//! use phalanx_rpc::rpc::{Options, Registry, Rpc};
 //! let out = phalanx_comm::threads::run(2, |pg| {
 //!     let mut reg = Registry::new();
 //!     rl::serve_observer(&mut reg);

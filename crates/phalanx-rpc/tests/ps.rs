@@ -2,9 +2,9 @@
 //! (bit for bit, both optimizers); bounded staleness never lets a trainer
 //! run more than s steps ahead of the slowest; asynchronous mode trains.
 
-use phalanx::ps::ctr::CtrSpec;
-use phalanx::ps::{Optim, PsClient, PsConfig, Server, ServerStats};
-use phalanx::rpc::{Options, Registry, Rpc};
+use phalanx_rpc::ps::ctr::CtrSpec;
+use phalanx_rpc::ps::{Optim, PsClient, PsConfig, Server, ServerStats};
+use phalanx_rpc::rpc::{Options, Registry, Rpc};
 use std::collections::HashMap;
 use std::time::Duration;
 

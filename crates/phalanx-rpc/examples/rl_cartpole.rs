@@ -3,7 +3,7 @@
 //! copy of the environment with the policy the learner sends them and
 //! return what they played with its gradients (or, with `--learner-grads`,
 //! trajectories for the learner to differentiate); the learner updates the
-//! policy by REINFORCE with a learned baseline (`phalanx::rl`).
+//! policy by REINFORCE with a learned baseline (`phalanx_rpc::rl`).
 //!
 //! ```sh
 //! cargo run --release -p phalanx --example rl_cartpole -- --observers 2
@@ -15,8 +15,8 @@
 //! launches its own ranks; under `phalanx run --nproc-per-node N+1` it is
 //! one of them. The learner prints progress and a final JSON line.
 
-use phalanx::rl::{self, LearnerConfig};
-use phalanx::rpc::{self, launch, Options, Registry};
+use phalanx_rpc::rl::{self, LearnerConfig};
+use phalanx_rpc::rpc::{self, launch, Options, Registry};
 use std::time::Duration;
 
 fn main() {

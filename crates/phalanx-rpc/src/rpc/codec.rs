@@ -225,7 +225,7 @@ pub(crate) fn record_rref(owner: usize, id: RRefId) {
 /// but is copied through the serialiser.
 ///
 /// ```
-/// use phalanx::rpc::Blob;
+/// use phalanx_rpc::rpc::Blob;
 /// let b = Blob::from(vec![1.0f32, 2.0, 3.0]);
 /// assert_eq!(&b[..], &[1.0, 2.0, 3.0]);
 /// assert_eq!(b.into_vec(), vec![1.0, 2.0, 3.0]);
@@ -303,7 +303,7 @@ impl<T: bytemuck::Pod> Serialize for Blob<T> {
         match idx {
             Some(i) => s.serialize_u32(i as u32),
             None => Err(serde::ser::Error::custom(
-                "a Blob can only be serialised by phalanx::rpc",
+                "a Blob can only be serialised by phalanx_rpc::rpc",
             )),
         }
     }

@@ -21,7 +21,7 @@
 //! - `Blob` carries tensors beside the message without copies.
 //!
 //! ```
-//! use phalanx::rpc::{Registry, Rpc, Options, RpcError};
+//! use phalanx_rpc::rpc::{Registry, Rpc, Options, RpcError};
 //! let out = phalanx_comm::threads::run(2, |pg| {
 //!     let mut reg = Registry::new();
 //!     reg.register("add", |_ctx, (a, b): (i64, i64)| a + b);

@@ -3,7 +3,7 @@
 //! timeouts, remote references and their lifetimes, blobs, a killed
 //! worker, graceful shutdown.
 
-use phalanx::rpc::{launch, Blob, Options, RRef, Registry, Rpc, RpcError};
+use phalanx_rpc::rpc::{launch, Blob, Options, RRef, Registry, Rpc, RpcError};
 use phalanx_comm::{threads, Config, ProcessGroup};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -326,7 +326,7 @@ fn run_as_processes(test: &str, world: usize) -> i32 {
 
 fn process_rpc() -> Rpc {
     let (rank, world) = launch::rank_of_job().expect("started as a rank");
-    phalanx::rpc::init_rpc_with(&format!("w{rank}"), rank, world, registry(), short()).unwrap()
+    phalanx_rpc::rpc::init_rpc_with(&format!("w{rank}"), rank, world, registry(), short()).unwrap()
 }
 
 #[test]

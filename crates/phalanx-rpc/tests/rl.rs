@@ -1,9 +1,9 @@
 //! Distributed RL: the cart-pole physics, and a learner that improves the
 //! mean return on a fixed seed with observers on other ranks.
 
-use phalanx::rl::cartpole::{CartPole, MAX_STEPS};
-use phalanx::rl::{self, LearnerConfig, Rng};
-use phalanx::rpc::{Options, Registry, Rpc};
+use phalanx_rpc::rl::cartpole::{CartPole, MAX_STEPS};
+use phalanx_rpc::rl::{self, LearnerConfig, Rng};
+use phalanx_rpc::rpc::{Options, Registry, Rpc};
 
 #[test]
 fn cartpole_follows_the_classic_equations() {

@@ -2,7 +2,7 @@
 //! hashed embedding table (rows made on first touch) and a small dense
 //! part, sharded over `--servers` server workers and trained by
 //! `--trainers` trainers on synthetic data with a known generating model
-//! (`phalanx::ps::ctr`).
+//! (`phalanx_rpc::ps::ctr`).
 //!
 //! ```sh
 //! cargo run --release -p phalanx --example parameter_server -- --trainers 2 --servers 1 --staleness 0
@@ -14,9 +14,9 @@
 //! one of them. Trainer 0 prints the loss curve on held-out data and a
 //! final JSON line.
 
-use phalanx::ps::ctr::CtrSpec;
-use phalanx::ps::{Optim, PsClient, Server};
-use phalanx::rpc::{self, launch, Options, Registry};
+use phalanx_rpc::ps::ctr::CtrSpec;
+use phalanx_rpc::ps::{Optim, PsClient, Server};
+use phalanx_rpc::rpc::{self, launch, Options, Registry};
 use std::time::{Duration, Instant};
 
 fn main() {

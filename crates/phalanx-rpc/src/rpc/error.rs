@@ -88,13 +88,4 @@ impl From<phalanx_comm::CommError> for RpcError {
     }
 }
 
-impl From<RpcError> for crate::Error {
-    fn from(e: RpcError) -> Self {
-        match e {
-            RpcError::Comm(c) => crate::Error::Comm(c),
-            e => crate::Error::Check(e.to_string()),
-        }
-    }
-}
-
 pub type RpcResult<T> = std::result::Result<T, RpcError>;

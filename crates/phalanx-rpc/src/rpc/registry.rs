@@ -98,7 +98,7 @@ fn fetch<R: Serialize + Send + Sync + 'static>(v: &Value) -> RpcResult<Encoded<'
 /// can arrive before its function is known.
 ///
 /// ```
-/// let mut reg = phalanx::rpc::Registry::new();
+/// let mut reg = phalanx_rpc::rpc::Registry::new();
 /// reg.register("add", |_ctx, (a, b): (i64, i64)| a + b);
 /// reg.register_fallible("div", |_ctx, (a, b): (i64, i64)| {
 ///     a.checked_div(b).ok_or_else(|| format!("{a} / {b}: division by zero"))

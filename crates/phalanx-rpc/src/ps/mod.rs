@@ -1,4 +1,4 @@
-//! A parameter server over `phalanx::rpc`: parameters sharded over k
+//! A parameter server over `phalanx_rpc::rpc`: parameters sharded over k
 //! server workers, trainers that pull what they need and push gradients,
 //! the optimizer applied on the servers.
 //!
@@ -23,8 +23,8 @@
 //! same in every mode (one synchronous step = the mean gradient).
 //!
 //! ```
-//! use phalanx::ps::{PsConfig, Optim, Server, PsClient};
-//! use phalanx::rpc::{Registry, Rpc, Options};
+//! use phalanx_rpc::ps::{PsConfig, Optim, Server, PsClient};
+//! use phalanx_rpc::rpc::{Registry, Rpc, Options};
 //! let cfg = PsConfig::new(1, Optim::Sgd { lr: 0.5 }, Some(0))
 //!     .table("emb", 2, 0.0)
 //!     .dense("w", vec![1.0, 1.0]);

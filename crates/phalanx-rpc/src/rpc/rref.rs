@@ -306,7 +306,9 @@ impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
         let w = Wire::deserialize(d)?;
         let agent = codec::DEC
             .with(|c| c.borrow().as_ref().map(|c| c.agent.clone()))
-            .ok_or_else(|| D::Error::custom("an RRef can only be received through phalanx::rpc"))?;
+            .ok_or_else(|| {
+                D::Error::custom("an RRef can only be received through phalanx_rpc::rpc")
+            })?;
         // Built first, so that a mismatch below still gives back the count
         // the sender took for this reference.
         let r = RRef::new(w.owner as usize, w.id, agent);

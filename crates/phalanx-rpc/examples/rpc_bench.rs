@@ -10,7 +10,7 @@
 //! Started by hand it launches its two ranks (`PHALANX_TRANSPORT` picks the
 //! transport as for any job: shared memory by default on one host).
 
-use phalanx::rpc::{self, launch, Blob, Options, Registry};
+use phalanx_rpc::rpc::{self, launch, Blob, Options, Registry};
 use std::time::{Duration, Instant};
 
 const SIZES: [(usize, usize); 3] = [(8, 5000), (64 << 10, 2000), (4 << 20, 200)];
@@ -40,7 +40,7 @@ fn main() {
             let dt = t0.elapsed().as_secs_f64() / iters as f64;
             assert_eq!(n, size);
             println!(
-                "{{\"peer\": \"phalanx::rpc\", \"transport\": \"{transport}\", \"bytes\": {size}, \
+                "{{\"peer\": \"phalanx_rpc::rpc\", \"transport\": \"{transport}\", \"bytes\": {size}, \
                  \"iters\": {iters}, \"rtt_us\": {:.1}, \"calls_per_s\": {:.0}, \"mb_per_s\": {:.1}}}",
                 dt * 1e6,
                 1.0 / dt,
