@@ -61,18 +61,19 @@ fn mpirun(n: usize, name: &str, env: &[(&str, &str)], limit: Duration) -> (bool,
 }
 
 fn must_pass(n: usize, name: &str) {
+    must_pass_with(n, name, &[]);
+}
+
+fn must_pass_with(n: usize, name: &str, env: &[(&str, &str)]) {
     // Each rank leaves a file when its body is done (the ranks' outputs
     // interleave, so counting lines of it is not reliable).
     let dir = std::env::temp_dir().join(format!("phx-mpi-{name}-{n}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let d = dir.to_str().unwrap();
-    let (ok, out) = mpirun(
-        n,
-        name,
-        &[("PHALANX_MPI_TEST_DONE", d)],
-        Duration::from_secs(120),
-    );
+    let mut env = env.to_vec();
+    env.push(("PHALANX_MPI_TEST_DONE", d));
+    let (ok, out) = mpirun(n, name, &env, Duration::from_secs(120));
     assert!(ok, "mpirun -np {n} {name} failed:\n{out}");
     let done = std::fs::read_dir(&dir).unwrap().count();
     let _ = std::fs::remove_dir_all(&dir);
@@ -172,6 +173,28 @@ fn rank_byte_messages() {
 }
 
 #[test]
+fn rank_detail_mismatch() {
+    rank(|pg| {
+        // PHALANX_DEBUG=detail: ranks that call the same collective with
+        // different sizes get an error naming each rank's call, on MPI too.
+        let mut x = vec![0f32; 3 + pg.rank()];
+        let e = pg
+            .all_reduce(&mut x, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank 0 called all_reduce(f32, count=3, op=sum)")
+                && e.contains("rank 1 called all_reduce(f32, count=4, op=sum)"),
+            "{e}"
+        );
+        // Matching calls go on working.
+        let mut y = [1i32];
+        pg.all_reduce(&mut y, ReduceOp::Sum).unwrap();
+        assert_eq!(y[0], pg.size() as i32);
+    });
+}
+
+#[test]
 fn rank_one_dies() {
     rank(|pg| {
         if pg.rank() == 1 {
@@ -207,6 +230,7 @@ fn collective_suite_under_mpirun() {
     must_pass(4, "rank_subgroups");
     must_pass(3, "rank_bytes_and_agreement");
     must_pass(2, "rank_byte_messages");
+    must_pass_with(2, "rank_detail_mismatch", &[("PHALANX_DEBUG", "detail")]);
 }
 
 #[test]
