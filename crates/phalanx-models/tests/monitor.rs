@@ -24,7 +24,7 @@ fn run_with(
     phalanx_comm::threads::run(world, move |pg| {
         let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
         if let Some((r, d)) = slow {
-            t.inject_delay(r, d);
+            phalanx::fault::inject_delay(r, d);
         }
         t.run(&RunOptions::default()).map_err(|e| e.to_string())
     })
@@ -145,7 +145,7 @@ fn non_finite_gradients_stop_naming_the_rank_or_are_skipped() {
         let loader = loader(cfg.seq_len().unwrap());
         phalanx_comm::threads::run(2, move |pg| {
             let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
-            t.inject_overflow(2, 1);
+            phalanx::fault::inject_overflow(2, 1);
             let mut out = Vec::new();
             for k in 0..5 {
                 match t.step(k) {

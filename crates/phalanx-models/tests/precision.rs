@@ -110,7 +110,7 @@ fn drive(
     phalanx_comm::threads::run(world, move |pg| {
         let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
         if let Some((k, r)) = inject {
-            t.inject_overflow(k, r);
+            phalanx::fault::inject_overflow(k, r);
         }
         let mut tr: Trace = Default::default();
         for &k in &steps {

@@ -4,6 +4,7 @@ pub mod config;
 pub mod data;
 pub mod engine;
 pub mod error;
+pub mod fault;
 pub mod fsutil;
 pub mod ledger;
 pub mod mesh;

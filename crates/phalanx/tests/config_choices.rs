@@ -204,3 +204,21 @@ fn toml_files_give_the_same_choices() {
     assert!(e.contains("data.tokenizer must be"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_device_is_a_setting_and_one_this_build_lacks_is_refused_up_front() {
+    let c = build(&[]).unwrap();
+    assert_eq!(c.train.device, phalanx::config::DeviceKind::Cpu);
+    assert!(c.device().unwrap().is_cpu());
+    assert_eq!(round_trip(&c).train.device, c.train.device);
+    let e = build(&["train.device=\"cuda\""]).unwrap_err();
+    assert!(
+        e.contains("train.device = \"cuda\"") && e.contains("no CUDA backend"),
+        "{e}"
+    );
+    let e = build(&["train.device=\"tpu\""]).unwrap_err();
+    assert!(
+        e.contains("\"cpu\" or \"cuda\"") && e.contains("tpu"),
+        "{e}"
+    );
+}

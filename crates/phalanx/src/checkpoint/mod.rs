@@ -13,7 +13,7 @@
 //! checkpoints is replaced last. A run killed during a save leaves at most a
 //! `.tmp-*` directory, never a checkpoint that looks complete (tests show
 //! it with the `PHALANX_FAULT=exit-in-save:STEP` hook, see
-//! [`crate::trainer::fault`]).
+//! [`crate::fault`]).
 //!
 //! Recovery: a worker group restarted by `phalanx run --max-restarts`
 //! (`PHALANX_RESTART_COUNT` or `TORCHELASTIC_RESTART_COUNT` > 0) resumes

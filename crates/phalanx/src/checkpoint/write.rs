@@ -287,7 +287,7 @@ fn commit(
     // Test hook (`PHALANX_FAULT=exit-in-save:STEP`): die here, with every
     // file written and nothing renamed, to show that a killed save leaves
     // no checkpoint that looks complete.
-    crate::trainer::fault::in_save(header.step);
+    crate::fault::in_save(header.step);
     let dst = root.join(name);
     if dst.exists() {
         // A checkpoint of the same step from an earlier run: replaced.

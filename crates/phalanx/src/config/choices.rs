@@ -25,8 +25,8 @@
 //! assert!(e.contains(r#"data.tokenizer must be "byte", "gpt2" or the path of a Hugging Face tokenizer.json, not "bpe""#), "{e}");
 //! ```
 
+use super::ConfigError;
 use crate::data::Tokenizer;
-use crate::strategy::pipeline::ScheduleKind;
 use std::fmt;
 use std::str::FromStr;
 
@@ -297,6 +297,39 @@ impl ShardingStrategy {
     }
 }
 
+/// `train.device`: where parameters, gradients, optimizer state and
+/// activations live, and what runs the model's kernels. The engine,
+/// strategies and optimizers take it from here ([`DeviceKind::device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    /// Host memory and the CPU kernels (fused layers, gemm, AVX-512 where
+    /// the CPU has it).
+    #[default]
+    Cpu,
+    /// An NVIDIA GPU (`LOCAL_RANK` picks it): named so a config can ask,
+    /// refused by this build, which has no CUDA backend.
+    Cuda,
+}
+
+impl Choice for DeviceKind {
+    const NAMES: &'static [(&'static str, Self)] =
+        &[("cpu", DeviceKind::Cpu), ("cuda", DeviceKind::Cuda)];
+}
+
+impl DeviceKind {
+    /// The candle device this rank computes on.
+    pub fn device(self) -> Result<candle_core::Device, ConfigError> {
+        match self {
+            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
+            DeviceKind::Cuda => Err(ConfigError(
+                "train.device = \"cuda\": this build has no CUDA backend; \
+                 train.device = \"cpu\" is the one built"
+                    .into(),
+            )),
+        }
+    }
+}
+
 /// `zero_optimization.offload_optimizer.device` / `offload_param.device`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OffloadDevice {
@@ -361,6 +394,7 @@ impl Choice for OnNonfinite {
 }
 
 choice_impls!(
+    DeviceKind,
     OnNonfinite,
     Tokenizer,
     OptimName,
@@ -370,6 +404,67 @@ choice_impls!(
     OffloadDevice,
     CommHookKind
 );
+
+/// Which pipeline schedule to build (`crate::strategy::pipeline` builds
+/// its tables).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    Gpipe,
+    OneFOneB,
+    /// Interleaved 1F1B with `v >= 2` model chunks per rank.
+    Interleaved {
+        v: usize,
+    },
+    ZbH1,
+}
+
+impl ScheduleKind {
+    /// Model chunks per rank.
+    pub fn chunks_per_rank(&self) -> usize {
+        match self {
+            ScheduleKind::Interleaved { v } => *v,
+            _ => 1,
+        }
+    }
+
+    /// Whether backwards are split into I and W.
+    pub fn split_backward(&self) -> bool {
+        matches!(self, ScheduleKind::ZbH1)
+    }
+}
+
+impl fmt::Display for ScheduleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScheduleKind::Gpipe => write!(f, "gpipe"),
+            ScheduleKind::OneFOneB => write!(f, "1f1b"),
+            ScheduleKind::Interleaved { v } => write!(f, "interleaved:{v}"),
+            ScheduleKind::ZbH1 => write!(f, "zb-h1"),
+        }
+    }
+}
+
+/// `gpipe`, `1f1b`, `interleaved:V` (`interleaved` = 2 chunks), `zb-h1`.
+impl FromStr for ScheduleKind {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> std::result::Result<Self, ConfigError> {
+        let l = s.trim().to_ascii_lowercase().replace('_', "-");
+        Ok(match l.as_str() {
+            "gpipe" => ScheduleKind::Gpipe,
+            "1f1b" | "one-f-one-b" | "pipedream-flush" => ScheduleKind::OneFOneB,
+            "interleaved" | "interleaved-1f1b" => ScheduleKind::Interleaved { v: 2 },
+            "zb-h1" | "zbh1" | "zero-bubble" => ScheduleKind::ZbH1,
+            _ => match l.strip_prefix("interleaved:").map(str::parse) {
+                Some(Ok(v)) => ScheduleKind::Interleaved { v },
+                _ => {
+                    return Err(ConfigError(format!(
+                        "unknown pipeline schedule `{s}`: use gpipe, 1f1b, interleaved:V or zb-h1"
+                    )))
+                }
+            },
+        })
+    }
+}
 
 /// `parallel.pp_schedule`: a [`ScheduleKind`], or `interleaved` without a
 /// chunk count (`parallel.pp_virtual_stages` chunks per rank).

@@ -25,8 +25,8 @@ mod validate;
 
 pub use crate::data::Tokenizer;
 pub use choices::{
-    Choice, CommHookKind, LrScheduleKind, OffloadDevice, OnNonfinite, OptimName, PpPartition,
-    PpSchedule, ShardingStrategy, TokenizerSpec, WarmupType,
+    Choice, CommHookKind, DeviceKind, LrScheduleKind, OffloadDevice, OnNonfinite, OptimName,
+    PpPartition, PpSchedule, ScheduleKind, ShardingStrategy, TokenizerSpec, WarmupType,
 };
 pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
@@ -201,6 +201,8 @@ pub struct TrainSection {
     /// A non-finite loss or gradient: `stop` the run naming the rank and
     /// step, or `skip` the step (no update) and go on.
     pub on_nonfinite: OnNonfinite,
+    /// `cpu` (the one built; `cuda` is refused with a clear error).
+    pub device: DeviceKind,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -389,6 +391,7 @@ impl Default for TrainSection {
             activation_checkpointing: Recompute::None,
             global_batch_size: 0,
             on_nonfinite: OnNonfinite::Stop,
+            device: DeviceKind::Cpu,
         }
     }
 }
@@ -546,6 +549,12 @@ impl TrainConfig {
         cfg.validate()?;
         cfg.resolve_batch_from_env()?;
         Ok((cfg, warnings))
+    }
+
+    /// The device this rank computes on (`train.device`): the engine, the
+    /// strategies and the optimizers take it from here.
+    pub fn device(&self) -> Result<candle_core::Device> {
+        self.train.device.device()
     }
 
     /// What the model's schema said of its section.

@@ -3,10 +3,10 @@
 //! resume from a checkpoint of any layout (`--resume PATH | auto`, and
 //! automatically after a restart by the launcher).
 
-use super::fault::restart_count;
 use super::{Resume, Trainer};
 use crate::checkpoint::{self, write::Header, Reader, SavedLayout, Snapshot};
 use crate::error::{Error, Result};
+use crate::fault::restart_count;
 use std::path::{Path, PathBuf};
 
 impl Trainer {

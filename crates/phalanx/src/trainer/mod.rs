@@ -16,7 +16,6 @@
 //! ```
 
 mod ckpt;
-pub mod fault;
 mod log;
 mod memory;
 mod run;
@@ -89,10 +88,6 @@ pub struct Trainer {
     /// Tensor parallel: flat ranges of parameters every tp rank holds whole.
     tp_replicated: Vec<std::ops::Range<usize>>,
     sched: LrSchedule,
-    /// Test hook: make the given rank's gradients non-finite at a step.
-    inject_overflow: Option<(usize, usize)>,
-    /// Test hook: (global rank, delay) added to that rank's every step.
-    inject_delay: Option<(usize, std::time::Duration)>,
     /// Model FLOPs per token (for MFU), where the model says.
     flops_per_token: Option<f64>,
     /// Where local parameters sit in the global tensors (checkpoints).
@@ -229,8 +224,6 @@ impl Trainer {
             micro,
             global_batch,
             memory: None,
-            inject_overflow: None,
-            inject_delay: fault::slow(),
             flops_per_token: None,
             placement: std::sync::Arc::new(crate::checkpoint::Whole),
             ckpt_async,
@@ -248,13 +241,6 @@ impl Trainer {
         &self.scaler
     }
 
-    /// Fault injection for tests: at `step`, data-parallel rank `rank`'s
-    /// backward runs with an infinite loss scale, so its gradients overflow
-    /// exactly as an fp16 overflow does.
-    pub fn inject_overflow(&mut self, step: usize, rank: usize) {
-        self.inject_overflow = Some((step, rank));
-    }
-
     /// Model FLOPs per token (forward and backward, without
     /// recomputation: `phalanx::plan::model_flops_per_token`), so that
     /// `run` reports MFU.
@@ -265,12 +251,6 @@ impl Trainer {
     /// The model FLOPs per token MFU is computed from, where the model set them.
     pub fn flops_per_token(&self) -> Option<f64> {
         self.flops_per_token
-    }
-
-    /// Test hook: global rank `rank` spends `delay` more on every step
-    /// (computing, as far as the monitor can tell: a straggler).
-    pub fn inject_delay(&mut self, rank: usize, delay: std::time::Duration) {
-        self.inject_delay = Some((rank, delay));
     }
 
     pub fn engine(&self) -> &Engine {
@@ -313,10 +293,8 @@ impl Trainer {
         let t0 = Instant::now();
         let blocked0 = phalanx_comm::blocked_seconds();
         let sent0 = self.pg.bytes_sent();
-        if let Some((r, d)) = self.inject_delay {
-            if r == self.mesh.world().rank() {
-                std::thread::sleep(d);
-            }
+        if let Some(d) = crate::fault::step_delay(self.mesh.world().rank()) {
+            std::thread::sleep(d);
         }
         let accum = self.cfg.train.grad_accum_steps;
         let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
@@ -328,7 +306,7 @@ impl Trainer {
                 .to_tensors(&device)?)
         };
         let mut scale = self.scaler.scale() as f32;
-        if self.inject_overflow == Some((step, dp_rank)) {
+        if crate::fault::overflow_at(step, dp_rank) {
             scale = f32::INFINITY;
         }
         let loss = self

@@ -2,8 +2,9 @@
 //! schedule, validation, checkpoints (synchronous or asynchronous), fault
 //! injection, logs and the monitor, and the final report.
 
-use super::{fault, print_memory, Report, RunOptions, StepLog, Trainer};
+use super::{print_memory, Report, RunOptions, StepLog, Trainer};
 use crate::error::Result;
+use crate::fault;
 use std::time::Instant;
 
 impl Trainer {

@@ -35,8 +35,8 @@
 //! ```
 
 use std::fmt;
-use std::str::FromStr;
 
+pub use crate::config::ScheduleKind;
 use crate::error::{Error, Result};
 
 /// One step of a rank's table. `chunk` is the global model-chunk index.
@@ -112,66 +112,6 @@ impl Action {
         } else {
             format!("{n}{mb}")
         }
-    }
-}
-
-/// Which schedule to build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScheduleKind {
-    Gpipe,
-    OneFOneB,
-    /// Interleaved 1F1B with `v >= 2` model chunks per rank.
-    Interleaved {
-        v: usize,
-    },
-    ZbH1,
-}
-
-impl ScheduleKind {
-    /// Model chunks per rank.
-    pub fn chunks_per_rank(&self) -> usize {
-        match self {
-            ScheduleKind::Interleaved { v } => *v,
-            _ => 1,
-        }
-    }
-
-    /// Whether backwards are split into I and W.
-    pub fn split_backward(&self) -> bool {
-        matches!(self, ScheduleKind::ZbH1)
-    }
-}
-
-impl fmt::Display for ScheduleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ScheduleKind::Gpipe => write!(f, "gpipe"),
-            ScheduleKind::OneFOneB => write!(f, "1f1b"),
-            ScheduleKind::Interleaved { v } => write!(f, "interleaved:{v}"),
-            ScheduleKind::ZbH1 => write!(f, "zb-h1"),
-        }
-    }
-}
-
-/// `gpipe`, `1f1b`, `interleaved:V` (`interleaved` = 2 chunks), `zb-h1`.
-impl FromStr for ScheduleKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        let l = s.trim().to_ascii_lowercase().replace('_', "-");
-        Ok(match l.as_str() {
-            "gpipe" => ScheduleKind::Gpipe,
-            "1f1b" | "one-f-one-b" | "pipedream-flush" => ScheduleKind::OneFOneB,
-            "interleaved" | "interleaved-1f1b" => ScheduleKind::Interleaved { v: 2 },
-            "zb-h1" | "zbh1" | "zero-bubble" => ScheduleKind::ZbH1,
-            _ => match l.strip_prefix("interleaved:").map(str::parse) {
-                Some(Ok(v)) => ScheduleKind::Interleaved { v },
-                _ => {
-                    return Err(Error::Check(format!(
-                        "unknown pipeline schedule `{s}`: use gpipe, 1f1b, interleaved:V or zb-h1"
-                    )))
-                }
-            },
-        })
     }
 }
 

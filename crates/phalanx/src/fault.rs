@@ -1,0 +1,140 @@
+//! Fault injection for tests, in one place: nothing else in the library
+//! holds a test hook. It sits at the bottom of the crate (it imports
+//! nothing from it), so any layer may call its hooks.
+//!
+//! Two ways in:
+//! - `PHALANX_FAULT` (whole processes, under a launcher): a worker dies on
+//!   purpose, abruptly (`exit(137)`, as a SIGKILL reads), or runs slow, so
+//!   tests can show what recovery and the monitor do;
+//! - `inject_*` (ranks as threads): arms a fault for the calling thread
+//!   only, so tests running side by side in one process never see each
+//!   other's faults.
+//!
+//! ```
+//! use phalanx::fault;
+//! fault::inject_overflow(3, 1);
+//! assert!(fault::overflow_at(3, 1) && !fault::overflow_at(3, 0));
+//! // Another thread (another rank, another test) is unaffected.
+//! assert!(!std::thread::spawn(|| fault::overflow_at(3, 1)).join().unwrap());
+//! fault::clear();
+//! assert!(!fault::overflow_at(3, 1));
+//! ```
+//!
+//! `PHALANX_FAULT` takes comma-separated specs:
+//!
+//! - `exit-at-step:RANK:STEP`: global rank RANK exits when it reaches step
+//!   STEP (before running it);
+//! - `exit-in-save:STEP`: rank 0 exits while committing the checkpoint of
+//!   step STEP: every rank file and the metadata are written in the
+//!   `.tmp-*` directory, nothing is renamed yet (see
+//!   [`crate::checkpoint::write`]).
+//!
+//! - `slow:RANK:MS`: global rank RANK sleeps MS milliseconds in every
+//!   step (a straggler for `phalanx::monitor` to find; every attempt).
+//!
+//! Faults fire only in the first attempt of a job (restart count 0), so a
+//! group restarted by `phalanx run --max-restarts` completes.
+
+use std::cell::Cell;
+use std::time::Duration;
+
+/// The launcher's restart count (ours and torchrun's): > 0 in a restarted
+/// worker group.
+pub fn restart_count() -> usize {
+    ["PHALANX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok())
+        .filter_map(|v| v.trim().parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Whether `PHALANX_FAULT` holds `spec` (the whole item, e.g.
+/// `exit-in-save:4`) and this is the first attempt.
+fn armed(spec: &str) -> bool {
+    restart_count() == 0
+        && std::env::var("PHALANX_FAULT").is_ok_and(|v| v.split(',').any(|s| s.trim() == spec))
+}
+
+/// Die abruptly, as a killed process would (no unwinding, no cleanup).
+fn die(what: &str) -> ! {
+    eprintln!("PHALANX_FAULT: {what}: exiting with code 137 (test hook)");
+    std::process::exit(137)
+}
+
+/// `exit-at-step:RANK:STEP`: called at the top of every training step.
+pub fn at_step(rank: usize, step: usize) {
+    if armed(&format!("exit-at-step:{rank}:{step}")) {
+        die(&format!("rank {rank} at step {step}"));
+    }
+}
+
+/// `exit-in-save:STEP`: called by rank 0 between writing a checkpoint and
+/// renaming it into place.
+pub fn in_save(step: usize) {
+    if armed(&format!("exit-in-save:{step}")) {
+        die(&format!("in the save of step {step}, before the rename"));
+    }
+}
+
+/// `slow:RANK:MS`: the rank to slow down and by how much per step.
+fn slow_env() -> Option<(usize, Duration)> {
+    let v = std::env::var("PHALANX_FAULT").ok()?;
+    v.split(',').find_map(|s| {
+        let mut it = s.trim().strip_prefix("slow:")?.split(':');
+        let rank = it.next()?.parse().ok()?;
+        let ms = it.next()?.parse().ok()?;
+        Some((rank, Duration::from_millis(ms)))
+    })
+}
+
+/// Faults armed on this thread by `inject_*`.
+#[derive(Default, Clone, Copy)]
+struct Armed {
+    overflow: Option<(usize, usize)>,
+    delay: Option<(usize, Duration)>,
+}
+
+thread_local! {
+    static ARMED: Cell<Armed> = Cell::new(Armed::default());
+}
+
+fn arm(f: impl FnOnce(&mut Armed)) {
+    ARMED.with(|a| {
+        let mut v = a.get();
+        f(&mut v);
+        a.set(v);
+    });
+}
+
+/// At `step`, data-parallel rank `rank`'s backward runs with an infinite
+/// loss scale, so its gradients overflow exactly as an fp16 overflow does
+/// (this thread only).
+pub fn inject_overflow(step: usize, rank: usize) {
+    arm(|a| a.overflow = Some((step, rank)));
+}
+
+/// Global rank `rank` spends `delay` more on every step (computing, as far
+/// as the monitor can tell: a straggler; this thread only).
+pub fn inject_delay(rank: usize, delay: Duration) {
+    arm(|a| a.delay = Some((rank, delay)));
+}
+
+/// Disarm everything `inject_*` armed on this thread.
+pub fn clear() {
+    arm(|a| *a = Armed::default());
+}
+
+/// Whether data-parallel rank `rank` overflows at `step`.
+pub fn overflow_at(step: usize, rank: usize) -> bool {
+    ARMED.with(|a| a.get().overflow == Some((step, rank)))
+}
+
+/// How long global rank `rank` sleeps in every step: `inject_delay` on this
+/// thread, else `PHALANX_FAULT=slow:RANK:MS`.
+pub fn step_delay(rank: usize) -> Option<Duration> {
+    ARMED
+        .with(|a| a.get().delay)
+        .or_else(slow_env)
+        .and_then(|(r, d)| (r == rank).then_some(d))
+}
