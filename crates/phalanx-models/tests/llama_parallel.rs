@@ -48,6 +48,7 @@ fn run(world: usize, cfg: TrainConfig, run: LlamaRun) -> Vec<RankResult> {
             .collect();
         RankResult {
             losses: report.losses,
+            grad_norms: report.grad_norms,
             params: Vec::new(),
             memory: Vec::new(),
             named,

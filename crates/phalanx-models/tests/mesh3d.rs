@@ -159,3 +159,35 @@ fn hand_partition_is_the_one_given() {
     // tied embedding): embedding + layer 1 | layer 2 + head.
     assert_eq!(agreed_chunks("balanced", &out), vec![0..2, 2..4]);
 }
+
+#[test]
+fn compositions_with_plain_sgd_match_gradient_norms() {
+    // Plain SGD (no momentum, decay or clipping): every parameter moves by
+    // lr x its gradient, so the named parameters and the per-step gradient
+    // norms (assert_named_match checks both) see any misscaled gradient.
+    let sgd: Vec<String> = plain_sgd();
+    let s: Vec<&str> = sgd.iter().map(|x| x.as_str()).collect();
+    let mut base_cfg = shape();
+    base_cfg.extend(sgd.iter().cloned());
+    let base = run(1, config(1, 1, &base_cfg)).remove(0);
+    for (what, dp, pp, tp, accum, extra) in [
+        ("SGD pp 2 x dp 2", 2, 2, 1, 3, vec![]),
+        ("SGD pp 2 x tp 2", 1, 2, 2, 2, vec![]),
+        (
+            "SGD 2x2x2 ZeRO-1",
+            2,
+            2,
+            2,
+            2,
+            vec!["zero_optimization.stage=1"],
+        ),
+    ] {
+        let mut e = shape();
+        e.extend(s.iter().map(|x| x.to_string()));
+        e.push(format!("parallel.pp={pp}"));
+        e.push(format!("parallel.tp={tp}"));
+        e.extend(extra.iter().map(|x: &&str| x.to_string()));
+        let out = run(dp * pp * tp, config(dp, accum, &e));
+        assert_named_match(what, &out, &base, 1e-5);
+    }
+}

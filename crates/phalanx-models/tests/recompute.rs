@@ -83,3 +83,29 @@ fn partitioned_checkpoints_reproduce_the_run_and_hold_less() {
         "activation peak: whole inputs {a} B, partitioned {b} B"
     );
 }
+
+#[test]
+fn checkpointing_with_plain_sgd_matches_gradient_norms() {
+    // Plain SGD: a recomputed block whose gradient came out scaled would
+    // move its parameters and the step's gradient norm.
+    let sgd = plain_sgd();
+    let s: Vec<&str> = sgd.iter().map(|x| x.as_str()).collect();
+    let base = run(1, config(1, 1, &shape(&s))).remove(0);
+    for (dp, pp, tp, extra) in [
+        (2, 1, 1, "zero_optimization.stage=3"),
+        (1, 2, 2, "train.seed=0"),
+    ] {
+        let mut e = shape(&s);
+        e.push(extra.into());
+        e.push(format!("parallel.pp={pp}"));
+        e.push(format!("parallel.tp={tp}"));
+        e.push("train.activation_checkpointing=full".into());
+        let out = run(dp * pp * tp, config(dp, 2, &e));
+        assert_named_match(
+            &format!("SGD dp {dp} pp {pp} tp {tp}, full checkpointing"),
+            &out,
+            &base,
+            1e-5,
+        );
+    }
+}

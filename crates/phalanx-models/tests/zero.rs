@@ -141,3 +141,27 @@ fn disk_offload_reproduces_training_with_less_memory() {
         .unwrap_or_default();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn every_stage_with_plain_sgd_matches_gradient_norms_and_parameters() {
+    // No momentum, decay or clipping: a gradient off by any factor moves
+    // the parameters and the per-step gradient norm (assert_matches checks
+    // both), where AdamW with clipping could hide it.
+    let sgd = plain_sgd();
+    let base = run(1, config(1, 1, &sgd)).remove(0);
+    assert!(
+        base.grad_norms.iter().all(|g| g.is_finite() && *g > 0.0),
+        "{:?}",
+        base.grad_norms
+    );
+    for (s, w, accum) in [(1, 2, 1), (2, 3, 2), (3, 4, 1), (3, 2, 2)] {
+        let mut e = sgd.clone();
+        e.extend(stage(s));
+        let out = run(w, config(w, accum, &e));
+        assert_matches(
+            &format!("SGD ZeRO-{s} world {w} accum {accum}"),
+            &out,
+            &base,
+        );
+    }
+}

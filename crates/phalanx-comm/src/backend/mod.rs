@@ -220,7 +220,8 @@ pub trait Backend: Send + Sync {
         want: usize,
     ) -> Result<Option<Arc<dyn Backend>>>;
 
-    /// Payload bytes this process has sent, over every group sharing the
+    /// Payload bytes this process has sent (collectives that move no
+    /// messages count what a ring would send), over every group sharing the
     /// backend's connections.
     fn bytes_sent(&self) -> u64;
     /// All-reduces of this group done in place in shared memory, without

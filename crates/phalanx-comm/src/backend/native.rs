@@ -74,6 +74,10 @@ impl Native {
             let what = || format!("{} (collective #{})", cx.op, cx.seq);
             crate::transport::shm_coll::all_reduce(&self.t, w, buf, op, cx.deadline, &what)?;
             self.in_place.fetch_add(1, Ordering::Relaxed);
+            // Counted as the ring would move it (2 (n-1)/n of the buffer),
+            // as the MPI backend counts its all-reduce: a step's traffic
+            // reads the same whichever path carried it.
+            self.t.count_sent(2 * bytes * (cx.n() - 1) / cx.n());
         } else if use_rd {
             algo::rd::all_reduce(&cx, buf, op)?;
         } else {

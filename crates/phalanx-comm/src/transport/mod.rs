@@ -269,6 +269,12 @@ impl Transport {
         self.sent.load(Ordering::Relaxed)
     }
 
+    /// Count bytes moved to peers other than by a message (the in-place
+    /// shared-memory all-reduce).
+    pub(crate) fn count_sent(&self, bytes: usize) {
+        self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
     /// The error every call returns once the transport has failed.
     pub fn failure(&self) -> Option<CommError> {
         if !self.failed_flag.load(Ordering::Acquire) {

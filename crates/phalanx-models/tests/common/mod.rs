@@ -43,6 +43,8 @@ pub fn config(dp: usize, accum: usize, extra: &[String]) -> TrainConfig {
 
 pub struct RankResult {
     pub losses: Vec<f32>,
+    /// The global gradient norm of every step, before clipping.
+    pub grad_norms: Vec<f32>,
     /// The full flat parameters at the end (gathered under ZeRO-3).
     pub params: Vec<f32>,
     pub memory: Vec<MemoryReport>,
@@ -87,6 +89,7 @@ pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
         let chunks = trainer.strategy().pipeline().map(|p| p.chunks().to_vec());
         RankResult {
             losses: report.losses,
+            grad_norms: report.grad_norms,
             params: trainer.full_params().unwrap(),
             memory: trainer.memory_report().unwrap().to_vec(),
             named,
@@ -103,11 +106,30 @@ pub fn rel(a: &[f32], b: &[f32]) -> f64 {
     (d / n).sqrt()
 }
 
+/// Every step's gradient norm within `tol` relative of the 1-rank run's
+/// (AdamW normalises a gradient off by a constant factor away, and
+/// clipping hides it: the norm does not).
+pub fn assert_grad_norms(what: &str, r: usize, o: &RankResult, base: &RankResult, tol: f32) {
+    assert_eq!(
+        o.grad_norms.len(),
+        base.grad_norms.len(),
+        "{what}: rank {r}"
+    );
+    for (k, (a, b)) in o.grad_norms.iter().zip(&base.grad_norms).enumerate() {
+        assert!(
+            ((a - b) / b).abs() < tol,
+            "{what}: rank {r} step {k} gradient norm {a} vs {b}"
+        );
+    }
+}
+
 /// Every rank of `out` matches the 1-rank `base`: losses within 1e-5
-/// relative, parameters within 1e-5 norm-relative.
+/// relative, gradient norms within 1e-4, parameters within 1e-5
+/// norm-relative.
 pub fn assert_matches(what: &str, out: &[RankResult], base: &RankResult) {
     for (r, o) in out.iter().enumerate() {
         assert_eq!(o.losses.len(), STEPS, "{what}");
+        assert_grad_norms(what, r, o, base, 1e-4);
         for (k, (a, b)) in o.losses.iter().zip(&base.losses).enumerate() {
             assert!(
                 ((a - b) / b).abs() < 1e-5,
@@ -154,6 +176,7 @@ pub fn assert_named_match(what: &str, out: &[RankResult], base: &RankResult, tol
                 "{what}: rank {r} step {k} loss {a} vs {b}"
             );
         }
+        assert_grad_norms(what, r, o, base, 1e-4);
         assert_eq!(o.named.len(), base.named.len(), "{what}");
         for name in &names {
             let e = rel(&o.named[*name], &base.named[*name]);
@@ -165,4 +188,23 @@ pub fn assert_named_match(what: &str, out: &[RankResult], base: &RankResult, tol
         let e = rel(&flat(&o.named), &want);
         assert!(e < tol, "{what}: rank {r}: the model differs by {e:e}");
     }
+}
+
+/// The overrides of a plain-SGD run: no momentum, no weight decay, no
+/// clipping, constant learning rate, so every parameter moves by exactly
+/// lr x its gradient and a gradient off by any factor shows in the
+/// parameters as well as in the norm.
+pub fn plain_sgd() -> Vec<String> {
+    [
+        "optim.name=\"sgd\"",
+        "optim.momentum=0.0",
+        "optim.weight_decay=0.0",
+        "optim.grad_clip=0.0",
+        "optim.lr=0.5",
+        "optim.warmup_steps=0",
+        "optim.schedule=\"constant\"",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }

@@ -15,7 +15,7 @@
 //! | ZeRO-1 | the same all-reduce, then an all-gather of the updated f32 parameters: `+ (N-1)/N Ψ 4` |
 //! | ZeRO-2 | reduce-scatter every micro-step `m (N-1)/N Ψ g`, all-gather `(N-1)/N Ψ 4` |
 //! | ZeRO-3 | every micro-step: all-gather of each block before its forward and again before its backward (`2 (N-1)/N Ψ c`; the head gathers the tied embedding's unit again, twice), reduce-scatter `(N-1)/N Ψ g` |
-//! | tensor parallel `t` | every micro-step, all-reduces of `BTC` activations: 2 per layer forward (attention and MLP outputs), 2 per layer backward, 1 each for the vocabulary-parallel embedding and head, `(4L + 2) 2(t-1)/t BTC c` (`log2 t BTC c` each below the small-message size), plus the vocabulary-parallel cross-entropy's 3 `BT` f32 vectors; recomputation repeats the forward ones; Llama's replicated kv heads (t > n_kv_head) add the k and v output gradients in backward, `2L 2(t-1)/t BT KV c` |
+//! | tensor parallel `t` | every micro-step, all-reduces of `BTC` activations: 2 per layer forward (attention and MLP outputs), 2 per layer backward, 1 each for the vocabulary-parallel embedding and head, `(4L + 2) 2(t-1)/t BTC c` (`log2 t BTC c` each below the small-message size, except when tp spans the world: the world group all-reduces in place in shared memory, counted as the ring share), plus the vocabulary-parallel cross-entropy's 3 `BT` f32 vectors; recomputation repeats the forward ones; Llama's replicated kv heads (t > n_kv_head) add the k and v output gradients in backward, `2L 2(t-1)/t BT KV c` |
 //! | pipeline `p` | stage 0 sends each micro-batch's output `BTC c` forward; a tied embedding's gradient is all-reduced between the first and last stages `V C 4` |
 //!
 //! Scalars (loss, norm, non-finite flags) add a few bytes.
@@ -117,7 +117,18 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
         let layers = memory::stage_layers(m, l.pp, 0) as f64;
         let fwd = 2.0 * layers + 1.0;
         let passes = if l.recomputes() { 2.0 } else { 1.0 };
-        let ar = |bytes: f64| all_reduce_bytes(l.tp, bytes);
+        // A tp axis over the whole world is the world group: on one host
+        // its all-reduces run in place in shared memory and count as the
+        // ring's share whatever their size (tp across hosts is not a
+        // layout the selection proposes).
+        let tp_world = l.dp <= 1 && l.pp <= 1;
+        let ar = |bytes: f64| {
+            if tp_world {
+                all_reduce_factor(l.tp) * bytes
+            } else {
+                all_reduce_bytes(l.tp, bytes)
+            }
+        };
         // Llama's replicated kv heads (without sequence parallelism): the
         // gradients of the k and v projections' outputs, all-reduced in
         // backward.

@@ -64,6 +64,10 @@ pub struct StepStats {
 #[derive(Debug, Clone, Default)]
 pub struct Report {
     pub losses: Vec<f32>,
+    /// The global gradient norm of every step (before clipping), as
+    /// [`StepStats::grad_norm`]: equivalence tests compare it, since
+    /// AdamW with clipping hides a gradient off by a constant factor.
+    pub grad_norms: Vec<f32>,
     /// (step, validation loss)
     pub val_losses: Vec<(usize, f32)>,
     pub tokens_per_s: f64,

@@ -73,6 +73,7 @@ impl Trainer {
                 report.stragglers.push((k, st.clone()));
             }
             report.losses.push(s.loss);
+            report.grad_norms.push(s.grad_norm);
             tok_s.push(s.tokens_per_s);
             let eval_now = self.cfg.train.eval_interval > 0
                 && ((k + 1) % self.cfg.train.eval_interval == 0 || k + 1 == steps);
