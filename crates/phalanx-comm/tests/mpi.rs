@@ -2,9 +2,9 @@
 //! suite as the native transports, then a rank that dies and a rank that
 //! stalls past the deadline.
 //!
-//! Each `rank_*` test is the body of one rank: it does nothing unless this
-//! binary was started by `mpirun` from a driver test below (which sets
-//! `PHALANX_MPI_TEST`).
+//! Each `rank_*` test is the body of one rank, ignored in a plain run: a
+//! driver test below starts this binary under `mpirun` with `--ignored
+//! --exact rank_…` (and sets `PHALANX_MPI_TEST`).
 
 #![cfg(feature = "mpi")]
 
@@ -21,7 +21,7 @@ fn mpirun(n: usize, name: &str, env: &[(&str, &str)], limit: Duration) -> (bool,
     let mut cmd = Command::new("mpirun");
     cmd.args(["--oversubscribe", "-np", &n.to_string()])
         .arg(&exe)
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .args(["--ignored", "--exact", name, "--nocapture", "--test-threads=1"])
         .env("PHALANX_MPI_TEST", "1")
         .env("PHALANX_BACKEND", "mpi")
         // CI runs as root; Open MPI refuses that unless told.
@@ -82,9 +82,10 @@ fn must_pass_with(n: usize, name: &str, env: &[(&str, &str)]) {
 
 /// One rank's body: the world group on MPI, then `f`, then shutdown.
 fn rank(f: impl FnOnce(&ProcessGroup)) {
-    if std::env::var_os("PHALANX_MPI_TEST").is_none() {
-        return;
-    }
+    assert!(
+        std::env::var_os("PHALANX_MPI_TEST").is_some(),
+        "a rank body: run by the driver tests under mpirun"
+    );
     let pg = init_process_group().unwrap();
     for j in (0..pg.size()).filter(|&j| j != pg.rank()) {
         assert_eq!(pg.link(j), Some(Link::Mpi));
@@ -98,26 +99,31 @@ fn rank(f: impl FnOnce(&ProcessGroup)) {
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_small_counts() {
     rank(suite::small_counts);
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_large_counts() {
     rank(|pg| suite::large_counts(pg, 2_000_001));
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_send_recv_async() {
     rank(suite::send_recv_tags_and_async);
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_subgroups() {
     rank(suite::subgroups);
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_bytes_and_agreement() {
     rank(|pg| {
         // Irrational-ish values: every rank must get the same bits.
@@ -141,6 +147,7 @@ fn rank_bytes_and_agreement() {
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_byte_messages() {
     rank(|pg| {
         let long = Duration::from_secs(30);
@@ -173,6 +180,7 @@ fn rank_byte_messages() {
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_detail_mismatch() {
     rank(|pg| {
         // PHALANX_DEBUG=detail: ranks that call the same collective with
@@ -195,6 +203,7 @@ fn rank_detail_mismatch() {
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_one_dies() {
     rank(|pg| {
         if pg.rank() == 1 {
@@ -208,6 +217,7 @@ fn rank_one_dies() {
 }
 
 #[test]
+#[ignore = "one rank's body, run under mpirun by the driver tests"]
 fn rank_one_stalls() {
     rank(|pg| {
         if pg.rank() == 1 {
@@ -236,13 +246,11 @@ fn collective_suite_under_mpirun() {
 #[test]
 fn a_dead_or_stalled_rank_ends_the_job() {
     // mpirun ends the job when a rank exits early and says which.
-    let t = Instant::now();
     let (ok, out) = mpirun(3, "rank_one_dies", &[], Duration::from_secs(60));
     assert!(!ok, "the job must fail:\n{out}");
     assert!(!out.contains("unreachable"), "{out}");
     // Open MPI names the process: [[job,1],rank].
     assert!(out.contains("],1]"), "mpirun must name rank 1:\n{out}");
-    assert!(t.elapsed() < Duration::from_secs(30), "{out}");
     // A stalled rank: the waiting ranks abort at the deadline, naming the op.
     let (ok, out) = mpirun(
         2,
