@@ -5,8 +5,7 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
 
-fn phalanx(args: &[&str]) -> (i32, String, String, Duration) {
-    let t0 = Instant::now();
+fn phalanx(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(BIN)
         .args(args)
         .env_remove("RANK")
@@ -19,13 +18,12 @@ fn phalanx(args: &[&str]) -> (i32, String, String, Duration) {
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into(),
         String::from_utf8_lossy(&out.stderr).into(),
-        t0.elapsed(),
     )
 }
 
 #[test]
 fn workers_get_torchrun_environment_and_prefixed_output() {
-    let (code, out, _, _) = phalanx(&[
+    let (code, out, _) = phalanx(&[
         "run",
         "--nproc_per_node",
         "3",
@@ -48,25 +46,38 @@ fn workers_get_torchrun_environment_and_prefixed_output() {
 
 #[test]
 fn failed_worker_stops_the_others_and_is_named() {
-    let (code, _, err, took) = phalanx(&[
-        "run",
-        "--nproc-per-node",
-        "3",
-        "--",
-        "sh",
-        "-c",
-        "if [ $RANK = 1 ]; then echo 'something broke' >&2; sleep 0.3; exit 3; fi; sleep 60",
-    ]);
+    // Ranks 0 and 2 say so if a signal ends their 60 s sleep; rank 1 fails
+    // once both are listening for it.
+    let d = std::env::temp_dir().join(format!("phalanx-failed-worker-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let script = format!(
+        "d={}; if [ $RANK = 1 ]; then \
+           while [ ! -e $d/0 ] || [ ! -e $d/2 ]; do sleep 0.05; done; \
+           echo 'something broke' >&2; sleep 0.3; exit 3; fi; \
+         trap 'echo \"rank $RANK: stopped by SIGTERM\" >&2; exit 143' TERM; \
+         touch $d/$RANK; sleep 60 & wait",
+        d.display()
+    );
+    let (code, _, err) = phalanx(&["run", "--nproc-per-node", "3", "--", "sh", "-c", &script]);
+    let _ = std::fs::remove_dir_all(&d);
     assert_eq!(code, 3, "{err}");
-    assert!(took < Duration::from_secs(10), "took {took:?}");
     assert!(err.contains("rank 1 failed (exit code 3)"), "{err}");
     assert!(err.contains("| something broke"), "{err}");
+    // Stopped by the launcher, not by the end of their sleep (which would
+    // have let them exit 0 without a word).
+    for r in [0, 2] {
+        assert!(
+            err.contains(&format!("rank {r}: stopped by SIGTERM")),
+            "rank {r} was not stopped: {err}"
+        );
+    }
 }
 
 #[test]
 fn restarts_the_group_after_a_failure() {
     // Fails on the first run (PHALANX_RUN_ID=0), succeeds on the restart.
-    let (code, out, err, _) = phalanx(&[
+    let (code, out, err) = phalanx(&[
         "run",
         "--nproc-per-node",
         "2",
@@ -90,16 +101,16 @@ fn restarts_the_group_after_a_failure() {
 
 #[test]
 fn bad_launcher_input_is_a_clear_error() {
-    let (code, _, err, _) = phalanx(&["run", "--nproc-per-node", "0", "--", "true"]);
+    let (code, _, err) = phalanx(&["run", "--nproc-per-node", "0", "--", "true"]);
     assert_eq!(code, 2);
     assert!(err.contains("--nproc-per-node must be at least 1"), "{err}");
-    let (code, _, err, _) = phalanx(&["run", "--nnodes", "2", "--node-rank", "0", "--", "true"]);
+    let (code, _, err) = phalanx(&["run", "--nnodes", "2", "--node-rank", "0", "--", "true"]);
     assert_eq!(code, 2);
     assert!(err.contains("PHALANX_SECRET"), "{err}");
     // A store port already in use.
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port().to_string();
-    let (code, _, err, _) = phalanx(&["run", "--master-port", &port, "--", "true"]);
+    let (code, _, err) = phalanx(&["run", "--master-port", &port, "--", "true"]);
     assert_eq!(code, 2);
     assert!(err.contains("cannot bind") && err.contains(&port), "{err}");
 }
@@ -107,24 +118,41 @@ fn bad_launcher_input_is_a_clear_error() {
 #[test]
 fn sigterm_is_forwarded_and_workers_stop() {
     let mut child = Command::new(BIN)
-        .args(["run", "--nproc-per-node", "2", "--", "sleep", "60"])
+        .args(["run", "--nproc-per-node", "2", "--", "sleep", "61.37"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(500));
+    assert!(with_mark("61.37") >= 2, "workers started");
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
-    let t0 = Instant::now();
-    let st = child.wait().unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(6));
+    let st = wait_or_kill(&mut child, "SIGTERM");
     assert_eq!(st.code(), Some(128 + libc::SIGTERM));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(with_mark("61.37"), 0, "no worker left");
+}
+
+/// The launcher's exit after `signal`, or a failure (not a hang) if it has
+/// not exited well before its workers' 60 s sleep would end on its own.
+fn wait_or_kill(child: &mut std::process::Child, signal: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the launcher was still running 30 s after {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
 fn collectives_across_processes_are_correct() {
-    let (code, out, err, _) = phalanx(&[
+    let (code, out, err) = phalanx(&[
         "run",
         "--nproc-per-node",
         "3",
@@ -189,7 +217,7 @@ fn spawn_workers(
 
 /// Open MPI's variables; one rank aborts mid-collective.
 #[test]
-fn killed_rank_fails_the_others_within_5s_naming_it() {
+fn killed_rank_fails_the_others_naming_it() {
     let n = 3;
     let outs = spawn_workers(
         n,
@@ -205,6 +233,11 @@ fn killed_rank_fails_the_others_within_5s_naming_it() {
             vec![
                 ("OMPI_COMM_WORLD_RANK".into(), r.to_string()),
                 ("OMPI_COMM_WORLD_SIZE".into(), n.to_string()),
+                // Only the closed connections can reveal the death: no
+                // heartbeat is missed in this test, and a death that went
+                // unseen would end in a timeout after 60 s.
+                ("PHALANX_HEARTBEAT_TIMEOUT".into(), "600".into()),
+                ("PHALANX_TIMEOUT".into(), "60".into()),
             ]
         },
     );
@@ -215,15 +248,11 @@ fn killed_rank_fails_the_others_within_5s_naming_it() {
             continue;
         }
         assert_eq!(out.status.code(), Some(1), "rank {r}: {err}");
+        // "rank 1 (host) failed: connection closed ...", seen here or
+        // passed on by the other survivor; a timeout also names rank 1.
         assert!(err.contains("rank 1 (127.0.0.1:"), "rank {r}: {err}");
-        // "failed at iteration I after T ms": T - 400 ms of lead time < 5 s.
-        let ms: u64 = err
-            .split(" after ")
-            .nth(1)
-            .and_then(|s| s.split(" ms").next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("rank {r}: {err}"));
-        assert!(ms < 5_000, "rank {r} took {ms} ms: {err}");
+        assert!(err.contains(") failed: "), "rank {r}: {err}");
+        assert!(!err.contains("timeout"), "rank {r}: {err}");
     }
 }
 
@@ -265,22 +294,31 @@ fn with_mark(mark: &str) -> usize {
 /// what stayed in the group is ended.
 #[test]
 fn leftovers_of_finished_workers_neither_hold_nor_outlive_the_job() {
-    for (code, script) in [
-        (3, "setsid sleep 23.17 & sleep 31.71 & sleep 0.5; exit 3"),
-        (0, "setsid sleep 23.17 & sleep 31.71 & sleep 0.5; exit 0"),
-    ] {
-        let (c, _, err, took) =
-            phalanx(&["run", "--nproc-per-node", "1", "--", "sh", "-c", script]);
-        assert_eq!(c, code, "{err}");
-        assert!(
-            took < Duration::from_secs(5),
-            "waited {took:?} for an escaped process"
+    let d = std::env::temp_dir().join(format!("phalanx-leftovers-{}", std::process::id()));
+    for code in [3, 0] {
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        // The escaped one leaves a mark once it is in its own session, and
+        // the worker waits for it, so that it is out of reach of the
+        // worker's group when the launcher ends that.
+        let script = format!(
+            "d={}; setsid sh -c \"touch $d/escaped; exec sleep 23.17\" & \
+             while [ ! -e $d/escaped ]; do sleep 0.05; done; \
+             sleep 31.71 & sleep 0.5; exit {code}",
+            d.display()
         );
-        std::thread::sleep(Duration::from_millis(200));
-        assert_eq!(with_mark("31.71"), 0, "the worker's group was ended");
+        let (c, _, err) = phalanx(&["run", "--nproc-per-node", "1", "--", "sh", "-c", &script]);
+        // Still running when the launcher was done: not waited for (it
+        // holds the worker's output open until its sleep ends).
+        let escaped = with_mark("23.17");
         // The escaped one is not ours to end; tidy up after the test.
         let _ = Command::new("pkill").args(["-f", "sleep 23.17"]).status();
+        assert_eq!(c, code, "{err}");
+        assert!(escaped >= 1, "the launcher waited for an escaped process");
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(with_mark("31.71"), 0, "the worker's group was ended");
     }
+    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// SIGHUP (a closed terminal) stops the job as SIGTERM does.
@@ -297,9 +335,7 @@ fn sighup_stops_the_workers() {
     unsafe {
         libc::kill(child.id() as i32, libc::SIGHUP);
     }
-    let t0 = Instant::now();
-    let st = child.wait().unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(6));
+    let st = wait_or_kill(&mut child, "SIGHUP");
     assert_eq!(st.code(), Some(128 + libc::SIGHUP));
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(with_mark("47.31"), 0, "no worker left");

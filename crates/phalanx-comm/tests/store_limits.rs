@@ -18,7 +18,8 @@ fn server(limits: StoreLimits) -> (StoreServer, String, Vec<u8>) {
 /// Read the server's 40-byte hello: true if it came, false if the server
 /// closed the connection first.
 fn greeted(s: &mut TcpStream) -> bool {
-    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    // A hang guard only: the server answers at once or closes at once.
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let mut hello = [0u8; 40];
     match s.read_exact(&mut hello) {
         Ok(()) => true,
@@ -41,43 +42,55 @@ fn closed_after(s: &mut TcpStream, t0: Instant, limit: Duration) -> Duration {
 
 #[test]
 fn a_trickling_handshake_is_cut_at_its_total_deadline() {
+    let deadline = Duration::from_secs(1);
     let (_s, addr, secret) = server(StoreLimits {
-        handshake_timeout: Duration::from_secs(1),
+        handshake_timeout: deadline,
         ..StoreLimits::default()
     });
     let t0 = Instant::now();
     let mut s = TcpStream::connect(&addr).unwrap();
     assert!(greeted(&mut s));
-    // One byte every 100 ms of a correct hello: each read succeeds quickly,
-    // so only a deadline on the whole handshake ends it.
+    // A correct hello (40 bytes), then all but the last byte of an answer
+    // (31 of 32), one byte every 400 ms (~28 s in all): each read succeeds
+    // well within the 1 s deadline, and the server never has a whole
+    // answer to refuse, so only a deadline on the whole handshake ends it.
+    const BYTES: usize = 40 + 31;
     let mut w = s.try_clone().unwrap();
     let trickle = std::thread::spawn(move || {
-        let bytes: Vec<u8> = b"PHALANX1".iter().copied().chain([0u8; 32]).collect();
-        for b in bytes.iter().cycle().take(100) {
+        let bytes: Vec<u8> = b"PHALANX1".iter().copied().chain([0u8; 63]).collect();
+        for (sent, b) in bytes.iter().enumerate() {
             if w.write_all(&[*b]).is_err() {
-                return;
+                return sent;
             }
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(400));
         }
+        BYTES
     });
-    let took = closed_after(&mut s, t0, Duration::from_secs(5));
-    assert!(
-        took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
-        "closed after {took:?}"
-    );
+    // 60 s: a hang guard, past the end of the trickle.
+    let took = closed_after(&mut s, t0, Duration::from_secs(60));
+    // The server measures its deadline from after our connect.
+    assert!(took >= deadline, "closed after {took:?}");
     drop(s);
-    trickle.join().unwrap();
+    // The cause: the server closed while the client was still trickling a
+    // handshake it had not finished (a server with only per-read timeouts
+    // would have waited for all of it).
+    let sent = trickle.join().unwrap();
+    assert!(
+        sent < BYTES,
+        "the writer sent all {BYTES} bytes before the close ({took:?})"
+    );
     // The store still serves real clients.
-    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(30)).unwrap();
     c.set("k", b"v").unwrap();
 }
 
 #[test]
 fn unauthenticated_connections_are_capped() {
+    let deadline = Duration::from_secs(2);
     let (_s, addr, secret) = server(StoreLimits {
         max_pending: 8,
         max_pending_per_ip: 8,
-        handshake_timeout: Duration::from_secs(2),
+        handshake_timeout: deadline,
         ..StoreLimits::default()
     });
     let t0 = Instant::now();
@@ -87,16 +100,18 @@ fn unauthenticated_connections_are_capped() {
     let admitted = idle.iter_mut().map(greeted).filter(|g| *g).count();
     assert_eq!(admitted, 8, "only max_pending connections get a handshake");
     // The admitted ones are cut at the handshake deadline, and a real
-    // client gets in (it retries while the slots are full).
-    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(10)).unwrap();
+    // client gets in (it retries while the slots are full). Every idle
+    // connection is still open on our side, so only that cut can free a
+    // slot: without it the client fails with a timeout after 30 s.
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(30)).unwrap();
     c.set("k", b"v").unwrap();
+    // Not before the deadline of the first admitted one: the slots were
+    // held until then.
     let took = t0.elapsed();
-    assert!(
-        took < Duration::from_secs(4),
-        "a real client waited {took:?}"
-    );
+    assert!(took >= deadline, "a real client got in after {took:?}");
+    // 30 s: a hang guard; the admitted ones are already closed.
     for s in idle.iter_mut() {
-        closed_after(s, t0, Duration::from_secs(4));
+        closed_after(s, t0, Duration::from_secs(30));
     }
 }
 

@@ -187,7 +187,14 @@ fn all_gather_with_mismatched_sizes_is_an_error_not_corruption() {
 #[test]
 fn a_crashed_rank_is_named_over_every_transport() {
     for pref in [TransportPref::Auto, TransportPref::Uds, TransportPref::Tcp] {
-        let out = threads::run_with(3, cfg(pref), Duration::from_secs(60), |pg| {
+        // Heartbeats too rare to matter here: only the closed connection
+        // can reveal the crash; missing it would end the all-reduce with a
+        // timeout after 60 s (the harness waits 180 s for that).
+        let c = Config {
+            heartbeat_timeout: Duration::from_secs(600),
+            ..cfg(pref)
+        };
+        let out = threads::run_with(3, c, Duration::from_secs(180), |pg| {
             pg.barrier()?;
             if pg.rank() == 1 {
                 // Die while the others are in a large all-reduce (both phases).
@@ -195,7 +202,6 @@ fn a_crashed_rank_is_named_over_every_transport() {
                 pg.crash_for_test();
                 return Ok(None);
             }
-            let t0 = std::time::Instant::now();
             let mut x = vec![1.0f32; 3_000_000];
             let mut res = Ok(());
             for _ in 0..50 {
@@ -204,18 +210,23 @@ fn a_crashed_rank_is_named_over_every_transport() {
                     break;
                 }
             }
-            Ok(Some((res.unwrap_err(), t0.elapsed())))
+            Ok(Some(res.unwrap_err()))
         });
         for (r, o) in out.into_iter().enumerate() {
             if r == 1 {
                 continue;
             }
-            let (err, took) = o.unwrap().unwrap();
-            assert!(
-                took < Duration::from_secs(5),
-                "{pref:?} rank {r} took {took:?}"
-            );
+            let err = o.unwrap().unwrap();
             let m = err.to_string();
+            // A dead peer (seen here, or heard of from the other survivor),
+            // not a timeout: the crash was detected.
+            assert!(
+                matches!(
+                    err,
+                    CommError::PeerDead { rank: 1, .. } | CommError::Aborted(_)
+                ),
+                "{pref:?} rank {r}: {m}"
+            );
             assert!(m.contains("rank 1 (127.0.0.1:"), "{pref:?} rank {r}: {m}");
         }
     }

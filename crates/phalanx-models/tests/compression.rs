@@ -14,23 +14,37 @@ type RankRun = (Vec<f32>, Vec<f32>);
 /// Train `steps` steps on `world` ranks; every rank's (losses, parameters)
 /// and the bytes rank 0 sent in its second step.
 fn train_run(world: usize, steps: usize, extra: &[&str]) -> (Vec<RankRun>, u64) {
+    train_run_with(phalanx_comm::Config::from_env(), world, steps, extra)
+}
+
+/// `train_run` with the process group configured by `comm`.
+fn train_run_with(
+    comm: phalanx_comm::Config,
+    world: usize,
+    steps: usize,
+    extra: &[&str],
+) -> (Vec<RankRun>, u64) {
     let mut e: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
     e.push(format!("train.steps={steps}"));
     let cfg = config(world, 1, &e);
     let loader = loader(cfg.seq_len().unwrap());
-    let out = phalanx_comm::threads::run(world, move |pg| {
-        let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
-        let mut losses = Vec::new();
-        let mut bytes = 0;
-        for k in 0..steps {
-            let s = t.step(k).unwrap();
-            if k == 1 {
-                bytes = s.comm_bytes;
+    let out: Vec<_> =
+        phalanx_comm::threads::run_with(world, comm, phalanx_comm::threads::DEADLINE, move |pg| {
+            let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+            let mut losses = Vec::new();
+            let mut bytes = 0;
+            for k in 0..steps {
+                let s = t.step(k).unwrap();
+                if k == 1 {
+                    bytes = s.comm_bytes;
+                }
+                losses.push(s.loss);
             }
-            losses.push(s.loss);
-        }
-        (losses, t.full_params().unwrap(), bytes)
-    });
+            Ok((losses, t.full_params().unwrap(), bytes))
+        })
+        .into_iter()
+        .map(|r| r.expect("rank failed"))
+        .collect();
     let bytes = out[0].2;
     (out.into_iter().map(|(l, p, _)| (l, p)).collect(), bytes)
 }
@@ -69,10 +83,15 @@ fn last_loss(r: &[RankRun]) -> f32 {
 fn hooks_keep_ranks_identical_and_send_what_the_theory_says() {
     // The theory below is the ring's: pin the all-reduce algorithm (small
     // buckets would otherwise take recursive doubling, which moves other
-    // byte counts). No other test in this file depends on the algorithm.
-    std::env::set_var("PHALANX_ALGO", "ring");
+    // byte counts). The process groups of these runs (and their subgroups)
+    // take it from the Config they are given, as PHALANX_ALGO=ring would
+    // set it, without changing the environment of the other tests.
+    let ring = || phalanx_comm::Config {
+        algo: phalanx_comm::Algo::Ring,
+        ..phalanx_comm::Config::from_env()
+    };
     for world in [2usize, 3] {
-        let (none, b_none) = train_run(world, 6, &[]);
+        let (none, b_none) = train_run_with(ring(), world, 6, &[]);
         // (hook, bytes per step relative to fp32 all-reduce, tolerance of the
         // last loss relative to uncompressed training)
         // Ring all-reduce sends 2(N-1)/N x 4n bytes per rank; the hooks that
@@ -90,7 +109,8 @@ fn hooks_keep_ranks_identical_and_send_what_the_theory_says() {
             let set = format!("parallel.comm_hook={hook}");
             // The two PowerSGD cases: rank 1, then rank 2.
             let rank = format!("parallel.powersgd_rank={}", 1 + (k == 5) as usize);
-            let (out, bytes) = train_run(
+            let (out, bytes) = train_run_with(
+                ring(),
                 world,
                 6,
                 &[

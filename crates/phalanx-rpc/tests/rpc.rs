@@ -3,8 +3,8 @@
 //! timeouts, remote references and their lifetimes, blobs, a killed
 //! worker, graceful shutdown.
 
-use phalanx_rpc::rpc::{launch, Blob, Options, RRef, Registry, Rpc, RpcError};
 use phalanx_comm::{threads, Config, ProcessGroup};
+use phalanx_rpc::rpc::{launch, Blob, Options, RRef, Registry, Rpc, RpcError};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -180,7 +180,8 @@ fn timeouts_fail_the_call_not_the_agent() {
     threads::run(2, |pg| {
         let rpc = start(&pg, short());
         if pg.rank() == 0 {
-            let t0 = Instant::now();
+            // A timeout error, not the reply (which comes only after the
+            // 3 s sleep): the call failed at its 200 ms timeout.
             let e = rpc
                 .rpc_sync_timeout::<_, u64>("w1", "sleep_ms", &3000u64, Duration::from_millis(200))
                 .unwrap_err();
@@ -190,10 +191,6 @@ fn timeouts_fail_the_call_not_the_agent() {
                 }
                 other => panic!("{other:?}"),
             }
-            assert!(
-                t0.elapsed() < Duration::from_millis(2500),
-                "failed at the timeout, not the reply"
-            );
             let s: i64 = rpc.rpc_sync("w1", "add", &(1i64, 2i64)).unwrap();
             assert_eq!(s, 3);
         }
@@ -243,8 +240,9 @@ fn remote_references_live_until_the_last_holder_drops() {
         }
         pg.barrier()?;
         // Every reference is gone: the owners freed every value (the
-        // decrements are asynchronous, so wait for them a little).
-        let until = Instant::now() + Duration::from_secs(10);
+        // decrements are asynchronous, so wait for them; 30 s is a hang
+        // guard).
+        let until = Instant::now() + Duration::from_secs(30);
         while rpc.owned_values() > 0 && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -286,13 +284,10 @@ fn a_killed_worker_fails_the_calls_pending_on_it_and_is_named() {
             0 => {
                 let slow = rpc.rpc_async::<_, u64>("w2", "sleep_ms", &15_000u64);
                 std::thread::sleep(Duration::from_millis(100));
-                let t0 = Instant::now();
                 drop(rpc.rpc_async::<_, ()>("w2", "crash", &()));
+                // Failed by the death, not by the call's 20 s timeout (a
+                // `Timeout`) nor by the 15 s sleep ending (a reply).
                 let e = slow.wait().unwrap_err();
-                assert!(
-                    t0.elapsed() < Duration::from_secs(10),
-                    "failed by the death, not a timeout"
-                );
                 match &e {
                     RpcError::WorkerDead { worker, .. } => assert_eq!(worker, "w2", "{e}"),
                     other => panic!("{other:?}"),
@@ -363,10 +358,9 @@ fn rank_with_workers_that_die() {
         // w1 exits cleanly in the middle of a call; w2 is killed.
         for (to, how) in [("w1", "exit"), ("w2", "kill")] {
             let slow = rpc.rpc_async::<_, u64>(to, "sleep_ms", &15_000u64);
-            let t0 = Instant::now();
+            // Both fail as the worker's death, not when the 15 s sleep ends.
             let e = rpc.rpc_sync::<_, ()>(to, how, &()).unwrap_err();
             let e2 = slow.wait().unwrap_err();
-            assert!(t0.elapsed() < Duration::from_secs(10), "{e}");
             for e in [e, e2] {
                 match &e {
                     RpcError::WorkerDead { worker, .. } => assert_eq!(worker, to, "{e}"),
