@@ -51,9 +51,10 @@ fn segments_live_exactly_as_long_as_the_group() {
         // every rank's slot; no descriptors.
         assert_eq!(o.unwrap(), (12, 9, 0), "rank {r}");
     }
-    // Gone once the ranks are: reader threads let go within a sleep slice.
+    // Gone once the ranks are: reader threads let go within a sleep slice
+    // (the 60 s bound is a hang guard; the check is that they go at all).
     let t0 = Instant::now();
-    while mapped() > 0 && t0.elapsed() < Duration::from_secs(5) {
+    while mapped() > 0 && t0.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(mapped(), 0, "segments outlived the group");
