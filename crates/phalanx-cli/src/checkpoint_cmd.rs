@@ -4,19 +4,17 @@
 //! - `inspect PATH`: what a checkpoint holds and whether it is whole: every
 //!   file present with its size, every tensor's state fully covered, every
 //!   checksum right (exit 1 naming the file otherwise); `--json` for tools.
-//! - `convert PATH OUT.safetensors`: the model of a checkpoint of any
-//!   layout as one Hugging Face GPT-2 file (the shape comes from the run
+//! - `convert PATH OUT`: the model of a checkpoint of any layout in its
+//!   family's Hugging Face layout (the family and shape come from the run
 //!   config the checkpoint records).
-//! - `from-hf IN.safetensors OUT_DIR`: an HF file as a checkpoint of step
+//! - `from-hf IN OUT_DIR`: HF weights (a file or a directory; their
+//!   `config.json` picks the family and the shape) as a checkpoint of step
 //!   0 holding parameters only, to `phalanx train --resume OUT_DIR`.
 
 use clap::Subcommand;
 use phalanx::checkpoint::{self, Metadata, Reader};
 use phalanx::{Error, Result};
-use phalanx_models::arch::Arch;
-use phalanx_models::gpt2::config::Gpt2Section;
-use phalanx_models::gpt2::dcp;
-use phalanx_models::llama::config::LlamaSection;
+use phalanx_models::{dcp, family};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,24 +33,26 @@ pub enum CheckpointCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Gather a checkpoint's model (saved by any layout) into one Hugging
-    /// Face GPT-2 safetensors file, with config.json beside it.
+    /// Gather a checkpoint's model (saved by any layout) into Hugging Face
+    /// weights of its family (GPT-2: one safetensors file; Llama, Qwen2: a
+    /// directory or a file), with config.json beside them.
     Convert {
         /// A checkpoint (`step-N/`) or a directory of checkpoints.
         path: PathBuf,
-        /// The safetensors file to write.
+        /// The safetensors file (or, Llama and Qwen2, directory) to write.
         out: PathBuf,
         /// Replace OUT if it exists.
         #[arg(long)]
         force: bool,
     },
-    /// Turn a Hugging Face GPT-2 safetensors file into a checkpoint of step
-    /// 0 with parameters only (a run resuming from it starts its optimizer
-    /// fresh).
+    /// Turn Hugging Face weights into a checkpoint of step 0 with
+    /// parameters only (a run resuming from it starts its optimizer fresh).
     #[command(name = "from-hf")]
     FromHf {
-        /// The HF file. `config.json` beside it, if present, gives the
-        /// model's shape unless --config is given; --set overrides either.
+        /// The HF weights (a file, an index or a directory). `config.json`
+        /// beside them, if present, gives the family and the model's shape
+        /// (--config / --set keys that disagree with it are errors);
+        /// otherwise --config / --set do.
         input: PathBuf,
         /// The checkpoint directory to write `step-00000000/` and `latest` in.
         out_dir: PathBuf,
@@ -232,14 +232,7 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
     let cfg_of = dcp::config_of(&meta).ok();
     let model = cfg_of
         .as_ref()
-        .and_then(|c| Gpt2Section::of(c).ok())
-        .map(|m| serde_json::to_value(m).expect("serialises"))
-        .or_else(|| {
-            cfg_of
-                .as_ref()
-                .and_then(|c| LlamaSection::of(c).ok())
-                .map(|m| serde_json::to_value(m).expect("serialises"))
-        });
+        .map(|c| serde_json::to_value(&c.model).expect("serialises"));
     let model_line = cfg_of.as_ref().and_then(|c| describe(c).ok());
     let total_bytes: u64 = meta.files.iter().map(|f| f.bytes).sum();
 
@@ -393,7 +386,7 @@ fn from_hf(
     set: &[String],
     force: bool,
 ) -> Result<i32> {
-    // (A Llama checkpoint may be a directory or a sharded index.)
+    // (HF weights may be a directory or a sharded index.)
     if !input.exists() {
         return Err(Error::Check(format!("{}: no such file", input.display())));
     }
@@ -413,12 +406,9 @@ fn from_hf(
         );
         return Ok(2);
     }
-    let mut sets = match config {
-        Some(_) => Vec::new(),
-        None => crate::generate::hf_overrides(input)?,
-    };
+    let mut sets = crate::generate::tokenizer_sets(input)?;
     sets.extend(set.iter().cloned());
-    let cfg = phalanx_models::arch::build(config, &sets)?;
+    let (cfg, _) = family::build_for_hf(config, &sets, input)?;
     let dir = dcp::import(&cfg, input, out_dir)?;
     println!(
         "wrote {} (step 0, {}, no optimizer state: a run resuming from it starts its optimizer fresh); \
@@ -430,34 +420,7 @@ fn from_hf(
     Ok(0)
 }
 
-/// One line naming the model of a config (GPT-2 or Llama).
+/// One line naming the model of a config (any family).
 fn describe(cfg: &phalanx::config::TrainConfig) -> Result<String> {
-    Ok(match Arch::of(cfg)? {
-        Arch::Gpt2 => {
-            let m = Gpt2Section::of(cfg)?;
-            format!(
-                "GPT-2 {} layer(s), {} head(s), {} wide, vocab {}, context {}: {} parameters",
-                m.n_layer,
-                m.n_head,
-                m.n_embd,
-                m.vocab_size,
-                m.block_size,
-                m.model().num_params()
-            )
-        }
-        Arch::Llama => {
-            let m = LlamaSection::of(cfg)?;
-            format!(
-                "Llama {} layer(s), {} head(s) / {} kv head(s), {} wide, MLP {}, vocab {}, context {}: {} parameters",
-                m.n_layer,
-                m.n_head,
-                m.n_kv_head,
-                m.n_embd,
-                m.intermediate_size,
-                m.vocab_size,
-                m.block_size,
-                m.model().num_params()
-            )
-        }
-    })
+    Ok(family::of(cfg)?.summary(cfg)?.line())
 }

@@ -25,9 +25,13 @@ pub struct ConfigArgs {
 }
 
 impl ConfigArgs {
+    /// The config file given, TOML or DeepSpeed.
+    pub fn file(&self) -> Option<&std::path::Path> {
+        self.config.as_deref().or(self.deepspeed_config.as_deref())
+    }
+
     /// The config the flags describe (the model section of `model.arch`).
     pub fn build(&self) -> Result<TrainConfig, phalanx::config::ConfigError> {
-        let file = self.config.as_deref().or(self.deepspeed_config.as_deref());
-        phalanx_models::arch::build(file, &self.set)
+        phalanx_models::family::build(self.file(), &self.set)
     }
 }

@@ -1,26 +1,27 @@
-//! `phalanx generate`: sample text from a trained or downloaded GPT-2 or
-//! Llama (a `config.json` with `model_type = "llama"` beside the weights,
-//! or `--set model.arch=llama`), or from a distributed checkpoint of any
-//! layout (tensor parallel, pipeline, ZeRO-3: its pieces are gathered into
-//! one model on this process). Llama generates with a KV cache and reads an
-//! HF `tokenizer.json` beside the weights when there is one; otherwise
-//! `data.tokenizer` (a built-in one, or a `tokenizer.json` it names).
+//! `phalanx generate`: sample text from a trained or downloaded model of
+//! any family (the `config.json` beside the weights picks it by
+//! `model_type` / `architectures`, or `--set model.arch=...`), or from a
+//! distributed checkpoint of any layout (tensor parallel, pipeline, ZeRO-3:
+//! its pieces are gathered into one model on this process). The family
+//! gives the decoder (Llama and Qwen2 keep a KV cache); Llama and Qwen2
+//! read an HF `tokenizer.json` beside the weights when there is one;
+//! otherwise `data.tokenizer` (a built-in one, or a `tokenizer.json` it
+//! names).
 
-use candle_core::{Device, IndexOp, Tensor};
 use clap::Args;
 use phalanx::checkpoint;
 use phalanx::data::Tokenizer;
 use phalanx::engine::Engine;
-use phalanx_models::arch::{self, Arch};
-use phalanx_models::gpt2::{dcp, hf, train};
-use phalanx_models::{hf_tokenizer, llama};
+use phalanx_models::common::hf::model_dir;
+use phalanx_models::{dcp, family, hf_tokenizer, train};
 use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct GenerateOpts {
-    /// Model weights (Hugging Face safetensors; for Llama also a sharded
-    /// index or a directory). `config.json` beside it, if present, gives
-    /// the shape; otherwise --config / --set do.
+    /// Model weights (Hugging Face safetensors, a sharded index or a
+    /// directory) or a distributed checkpoint. `config.json` beside the
+    /// weights, if present, gives the family and the shape; otherwise
+    /// --config / --set do.
     #[arg(long)]
     pub model: PathBuf,
     #[arg(long)]
@@ -51,51 +52,26 @@ pub fn main(o: &GenerateOpts) -> i32 {
     }
 }
 
-/// Model keys read from an HF config.json beside the model, as --set
-/// overrides (none without one; a config.json that does not parse is an
-/// error naming it, never silently ignored).
-pub(crate) fn hf_overrides(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
-    let Some(dir) = model_dir(path) else {
+/// The `data.tokenizer` an HF model's `config.json` implies, as a --set
+/// override (none without one; a config.json that does not parse is an
+/// error naming it, never silently ignored): the one Phalanx recorded when
+/// saving, else the family's default for a downloaded checkpoint.
+pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
+    let Some(cj) = family::hf_config_path(path) else {
         return Ok(vec![]);
     };
-    let cj = dir.join("config.json");
-    if !cj.exists() {
-        return Ok(vec![]);
-    }
     let bad = |e: String| phalanx::Error::Check(format!("{}: {e}", cj.display()));
     let text = std::fs::read_to_string(&cj).map_err(|e| bad(e.to_string()))?;
     let v = serde_json::from_str::<serde_json::Value>(&text).map_err(|e| bad(e.to_string()))?;
-    if v.get("model_type").and_then(|t| t.as_str()) == Some("llama") {
-        let mut out = llama::hf::overrides_from_config(&v);
-        if let Some(t) = v.get("phalanx_tokenizer").and_then(|t| t.as_str()) {
-            out.push(tokenizer_set(&dir, t));
-        }
-        return Ok(out);
-    }
-    let mut out = vec![];
-    for (ours, theirs) in [
-        ("n_layer", "n_layer"),
-        ("n_head", "n_head"),
-        ("n_embd", "n_embd"),
-        ("vocab_size", "vocab_size"),
-        ("block_size", "n_positions"),
-    ] {
-        if let Some(n) = v.get(theirs).and_then(|x| x.as_u64()) {
-            out.push(format!("model.{ours}={n}"));
-        }
-    }
-    let tok = v
-        .get("phalanx_tokenizer")
-        .and_then(|t| t.as_str())
-        .unwrap_or(
-            if v.get("vocab_size").and_then(|x| x.as_u64()) == Some(256) {
-                "byte"
-            } else {
-                "gpt2"
-            },
-        );
-    out.push(tokenizer_set(&dir, tok));
-    Ok(out)
+    let dir = model_dir(path);
+    let recorded = v.get("phalanx_tokenizer").and_then(|t| t.as_str());
+    let fallback = family::for_hf_config(&v)
+        .ok()
+        .and_then(|f| f.hf_default_tokenizer(&v));
+    Ok(match recorded.map(str::to_string).or(fallback) {
+        Some(t) => vec![tokenizer_set(&dir, &t)],
+        None => vec![],
+    })
 }
 
 /// `data.tokenizer` as a saved model's config.json records it: a
@@ -118,11 +94,12 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
         )));
     }
     let (cfg, engine, beside) = load(o)?;
-    let arch = Arch::of(&cfg)?;
-    // A tokenizer.json beside Llama weights (a downloaded model's), else
-    // the one data.tokenizer names, else the built-in one.
+    let family = family::of(&cfg)?;
+    // A tokenizer.json beside the weights (a downloaded model's) where the
+    // family reads it, else the one data.tokenizer names, else the
+    // built-in one.
     let tj = beside
-        .filter(|_| arch == Arch::Llama)
+        .filter(|_| family.tokenizer_beside())
         .map(|d| d.join("tokenizer.json"))
         .filter(|p| p.is_file())
         .or_else(|| cfg.data.tokenizer.json_path().map(hf_tokenizer::json_path));
@@ -136,16 +113,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             "the prompt encodes to no tokens".into(),
         ));
     }
-    let (vocab, t) = match arch {
-        Arch::Gpt2 => {
-            let m = train::model_config(&cfg)?;
-            (m.vocab_size, m.block_size)
-        }
-        Arch::Llama => {
-            let m = llama::train::model_config(&cfg)?;
-            (m.vocab_size, m.block_size)
-        }
-    };
+    let vocab = family.summary(&cfg)?.vocab_size;
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
         return Err(phalanx::Error::Check(format!(
             "the prompt's token {bad} is outside the model's vocabulary of {vocab}: \
@@ -155,38 +123,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     }
     let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
     // The logits of the next token, given all ids so far and the last one.
-    type Next<'a> = Box<dyn FnMut(&[u32], u32) -> phalanx::Result<Vec<f32>> + 'a>;
-    let mut next_logits: Next = match arch {
-        // GPT-2: a full forward of the latest block_size tokens.
-        Arch::Gpt2 => Box::new(|ids: &[u32], _next: u32| {
-            let ctx = &ids[ids.len().saturating_sub(t)..];
-            let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
-            let logits = engine.forward(&x)?; // (1, T, V)
-            Ok(logits.i((0, ctx.len() - 1))?.to_vec1()?)
-        }),
-        Arch::Llama => {
-            let m = llama::train::model_config(&cfg)?;
-            let mut g = llama::generate::Generator::new(&engine, &m)?;
-            let mut started = false;
-            Box::new(move |ids: &[u32], next: u32| {
-                let logits = if !started {
-                    // The prompt's tail that fits, fed at once.
-                    started = true;
-                    g.step(&ids[ids.len().saturating_sub(t)..])?
-                } else if g.len() == t {
-                    // Context full: restart the cache on the latest half
-                    // (rotary positions restart too, as a fresh forward of
-                    // that window would).
-                    g.reset();
-                    g.step(&ids[ids.len() - (t / 2).max(1)..])?
-                } else {
-                    g.step(&[next])?
-                };
-                let n = logits.dim(0)?;
-                Ok(logits.i(n - 1)?.to_vec1()?)
-            })
-        }
-    };
+    let mut decoder = family.decoder(&engine, &cfg)?;
     print!("{}", o.prompt);
     // Decoding is not per token (word-level and SentencePiece decoders put
     // the spaces between tokens; a byte may end inside a character): print
@@ -194,7 +131,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     let mut shown = codec.decode(&ids).unwrap_or_default();
     let mut last = 0;
     for _ in 0..o.tokens {
-        let logits = next_logits(&ids, last)?;
+        let logits = decoder.next_logits(&ids, last)?;
         last = sample(&logits, o.temperature, o.top_k, &mut rng);
         ids.push(last);
         if let Some(s) = codec.decode(&ids) {
@@ -232,42 +169,19 @@ fn load(
             reader.verify_all().map_err(named)?;
             let mut sets = dcp::model_overrides(&reader.meta)?;
             sets.extend(o.set.iter().cloned());
-            let cfg = arch::build(o.config.as_deref(), &sets)?;
+            let cfg = family::build(o.config.as_deref(), &sets)?;
             let engine = dcp::gather(&reader, &cfg).map_err(named)?;
             return Ok((cfg, engine, None));
         }
     }
-    let mut sets = hf_overrides(&o.model)?;
+    let mut sets = tokenizer_sets(&o.model)?;
     sets.extend(o.set.iter().cloned());
-    let cfg = arch::build(o.config.as_deref(), &sets)?;
-    let mut engine;
-    let loaded = match Arch::of(&cfg)? {
-        Arch::Gpt2 => {
-            engine = train::build_engine(&cfg)?;
-            hf::load_safetensors(&mut engine, &o.model)
-        }
-        Arch::Llama => {
-            let m = llama::train::model_config(&cfg)?;
-            engine = llama::train::build_engine(&cfg)?;
-            llama::hf::load(&mut engine, &m, &o.model)
-        }
-    };
-    loaded.map_err(|e| named(phalanx::Error::from(e)))?;
-    Ok((cfg, engine, model_dir(&o.model)))
-}
-
-/// The directory a model path's `config.json` (and `tokenizer.json`) sit in.
-fn model_dir(path: &std::path::Path) -> Option<std::path::PathBuf> {
-    if path.is_dir() {
-        return Some(path.to_path_buf());
-    }
-    path.parent().map(|d| {
-        if d.as_os_str().is_empty() {
-            std::path::PathBuf::from(".")
-        } else {
-            d.to_path_buf()
-        }
-    })
+    let (cfg, _) = family::build_for_hf(o.config.as_deref(), &sets, &o.model)?;
+    let mut engine = train::build_engine(&cfg)?;
+    family::of(&cfg)?
+        .load_hf(&mut engine, &cfg, &o.model)
+        .map_err(named)?;
+    Ok((cfg, engine, Some(model_dir(&o.model))))
 }
 
 /// Text <-> ids: the built-in tokenizer, or an HF `tokenizer.json`.

@@ -82,7 +82,10 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         return calculator(n, o, device_memory);
     }
     let cfg = o.cfg.build().map_err(|e| e.to_string())?;
-    let m = phalanx_models::arch::plan_shape(&cfg).map_err(|e| e.to_string())?;
+    let m = phalanx_models::family::plan_shape(&cfg).map_err(|e| e.to_string())?;
+    let title = phalanx_models::family::of(&cfg)
+        .map_err(|e| e.to_string())?
+        .title();
     let world = o.nproc * o.nnodes;
     let base = Layout::from_config(&cfg, world).map_err(|e| e.to_string())?;
     // The probe runs alone and uses every core; the ranks of a node share
@@ -115,7 +118,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
             println!("{}", json(c));
         }
     } else {
-        print_table(&m, &hw, &base, &ranked, o.top);
+        print_table(title, &m, &hw, &base, &ranked, o.top);
     }
     if let Some(path) = &o.write_config {
         let best = ranked.first().ok_or("no layout to write")?;
@@ -176,11 +179,20 @@ fn mib(b: u64) -> String {
     format!("{:.0}", b as f64 / (1 << 20) as f64)
 }
 
-fn print_table(m: &ModelShape, hw: &Hardware, base: &Layout, ranked: &[Candidate], top: usize) {
+fn print_table(
+    title: &str,
+    m: &ModelShape,
+    hw: &Hardware,
+    base: &Layout,
+    ranked: &[Candidate],
+    top: usize,
+) {
+    // The family's name, and the planner's shape (GPT-2's layer, or a
+    // Llama-style one with its kv heads and MLP).
     let kind = match m.family {
-        plan::Family::Gpt2 => format!("GPT-2, {} heads", m.n_head),
+        plan::Family::Gpt2 => format!("{title}, {} heads", m.n_head),
         plan::Family::Llama => format!(
-            "Llama, {} heads / {} kv heads, MLP {}",
+            "{title}, {} heads / {} kv heads, MLP {}",
             m.n_head, m.n_kv_head, m.mlp_hidden
         ),
     };

@@ -1,5 +1,7 @@
-//! `phalanx train`: train a GPT-2 or a Llama (`model.arch`) from a config
-//! on one or more ranks.
+//! `phalanx train`: train a model of any family (`model.arch`: GPT-2,
+//! Llama, Qwen2) from a config on one or more ranks. `--init-from DIR`
+//! (Hugging Face weights with their `config.json`) picks the family and the
+//! shape from that `config.json`.
 //!
 //! Outside a job it launches itself through `phalanx run` with
 //! `--nproc-per-node` ranks (default 2); inside one, every rank trains its
@@ -12,11 +14,7 @@
 use clap::Args;
 use phalanx::config::TrainConfig;
 use phalanx::trainer::{Resume, RunOptions};
-use phalanx_models::arch::Arch;
-use phalanx_models::gpt2::config::Gpt2Section;
-use phalanx_models::gpt2::train::{self, GptRun};
-use phalanx_models::llama;
-use phalanx_models::llama::config::LlamaSection;
+use phalanx_models::{family, train};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -24,14 +22,16 @@ use std::sync::Arc;
 pub struct TrainOpts {
     #[command(flatten)]
     pub cfg: crate::config_args::ConfigArgs,
-    /// Start from Hugging Face weights: GPT-2 safetensors; for Llama a
-    /// `model.safetensors`, a `model.safetensors.index.json` or a directory
-    /// holding either (its `config.json` is checked against the model).
+    /// Start from Hugging Face weights: a `model.safetensors`, a
+    /// `model.safetensors.index.json` (Llama, Qwen2) or a directory holding
+    /// either. A `config.json` beside them picks the family and the model's
+    /// shape; a `--set model.KEY` that disagrees with it is an error.
     #[arg(long = "init-from")]
     pub init_from: Option<PathBuf>,
     /// Save the trained model in Hugging Face layout (with config.json beside
-    /// it). Llama: a directory (model.safetensors, or shards and an index
-    /// past 5 GB), or a `.safetensors` file.
+    /// it). GPT-2: the safetensors file; Llama, Qwen2: a directory
+    /// (model.safetensors, or shards and an index past 5 GB), or a
+    /// `.safetensors` file.
     #[arg(long = "save-final")]
     pub save_final: Option<PathBuf>,
     /// One JSON object per step: step, loss, lr, tokens_per_s, step_ms.
@@ -50,8 +50,21 @@ pub struct TrainOpts {
     pub print_config: bool,
 }
 
+/// The config: the flags', with the model of `--init-from`'s `config.json`
+/// when there is one (and where the `config.json` read is).
+fn build(opts: &TrainOpts) -> phalanx::Result<(TrainConfig, Option<PathBuf>)> {
+    match &opts.init_from {
+        Some(p) => family::build_for_hf(opts.cfg.file(), &opts.cfg.set, p).map_err(|e| match e {
+            // Messages about the model directory name --init-from.
+            phalanx::Error::Check(m) => phalanx::Error::Check(format!("--init-from: {m}")),
+            e => e,
+        }),
+        None => Ok((opts.cfg.build()?, None)),
+    }
+}
+
 pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
-    let cfg = match opts.cfg.build() {
+    let (cfg, hf_config) = match build(opts) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("phalanx train: {e}");
@@ -91,7 +104,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
         return crate::launch::relaunch_self(launch, n);
     }
-    match run(&cfg, opts) {
+    match run(&cfg, hf_config.as_deref(), opts) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("phalanx train: error: {e}");
@@ -108,12 +121,12 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
     let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
     let mut outs: Vec<(&str, &std::path::Path)> = Vec::new();
-    // A Llama saved to a directory writes model.safetensors in it.
-    let llama_dir = opts.save_final.as_ref().and_then(|p| {
-        (Arch::of(cfg).ok() == Some(Arch::Llama) && !p.to_string_lossy().ends_with(".safetensors"))
-            .then(|| p.join(llama::hf::SINGLE))
-    });
-    if let Some(p) = llama_dir.as_ref().or(opts.save_final.as_ref()) {
+    // Saving to a directory (Llama, Qwen2) writes model.safetensors in it.
+    let weights = match (&opts.save_final, family::of(cfg)) {
+        (Some(p), Ok(f)) => Some(f.hf_weights_file(p)),
+        (p, _) => p.clone(),
+    };
+    if let Some(p) = &weights {
         outs.push(("--save-final", p));
     }
     if let Some(p) = &log_json {
@@ -137,54 +150,43 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
     crate::outputs::check(&outs, &ins)
 }
 
-/// A Llama `--init-from` whose `config.json` disagrees with the model
-/// config is refused before any rank starts (every rank would refuse it).
+/// `--init-from` weights whose `config.json` disagrees with the model
+/// config are refused before any rank starts (every rank would refuse them).
 fn check_init_from(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
-    let (Some(p), Ok(Arch::Llama)) = (&opts.init_from, Arch::of(cfg)) else {
+    let Some(p) = &opts.init_from else {
         return Ok(());
     };
-    let err = |e: candle_core::Error| format!("--init-from {}: {e}", p.display());
-    let (_files, dir) = llama::hf::resolve(p).map_err(err)?;
-    let m = llama::train::model_config(cfg).map_err(|e| e.to_string())?;
-    if let Some(v) = llama::hf::read_config(&dir).map_err(err)? {
-        llama::hf::check_config(&v, &m).map_err(err)?;
-    }
-    Ok(())
+    let f = family::of(cfg).map_err(|e| e.to_string())?;
+    f.check_hf(cfg, p)
+        .map_err(|e| format!("--init-from {}: {e}", p.display()))
 }
 
-fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
+fn run(
+    cfg: &TrainConfig,
+    hf_config: Option<&std::path::Path>,
+    opts: &TrainOpts,
+) -> phalanx::Result<()> {
     let pg = phalanx_comm::init_process_group()?;
     let lead = pg.rank() == 0;
-    let arch = Arch::of(cfg)?;
-    let loader = Arc::new(match arch {
-        Arch::Gpt2 => train::open_data(cfg)?,
-        Arch::Llama => llama::train::open_data(cfg)?,
-    });
+    let family = family::of(cfg)?;
+    let loader = Arc::new(train::open_data(cfg)?);
     if lead {
-        let model = match arch {
-            Arch::Gpt2 => {
-                let m = Gpt2Section::of(cfg)?;
-                format!(
-                    "model {} ({} layers, {} heads, {} wide, vocab {}, context {})",
-                    m.preset, m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size
-                )
-            }
-            Arch::Llama => {
-                let m = LlamaSection::of(cfg)?;
-                format!(
-                    "model {} (Llama: {} layers, {} heads / {} kv heads, {} wide, MLP {}, vocab {}, context {}, {} parameters)",
-                    m.preset,
-                    m.n_layer,
-                    m.n_head,
-                    m.n_kv_head,
-                    m.n_embd,
-                    m.intermediate_size,
-                    m.vocab_size,
-                    m.block_size,
-                    m.model().num_params()
-                )
-            }
+        let m = family.summary(cfg)?;
+        let name = match hf_config {
+            Some(p) => p.display().to_string(),
+            None => cfg
+                .model
+                .get("preset")
+                .and_then(|p| p.as_str())
+                .unwrap_or("")
+                .to_string(),
         };
+        let model = format!(
+            "model {name} ({}: {}, {} parameters)",
+            m.title,
+            m.shape(),
+            m.num_params
+        );
         println!(
             "{model}, data {} ({} tokenizer): {} train / {} val tokens",
             cfg.data.path,
@@ -212,24 +214,12 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
     };
     let t0 = std::time::Instant::now();
     let (init_from, save_final) = (opts.init_from.clone(), opts.save_final.clone());
-    let report = match arch {
-        Arch::Gpt2 => {
-            let run = GptRun {
-                init_from,
-                save_final,
-                run: run_opts,
-            };
-            train::train(cfg, pg.clone(), loader, &run)?.0
-        }
-        Arch::Llama => {
-            let run = llama::train::LlamaRun {
-                init_from,
-                save_final,
-                run: run_opts,
-            };
-            llama::train::train(cfg, pg.clone(), loader, &run)?.0
-        }
+    let run = train::Run {
+        init_from,
+        save_final,
+        run: run_opts,
     };
+    let report = train::train(cfg, pg.clone(), loader, &run)?.0;
     if lead {
         let first = report.losses.first().copied().unwrap_or(f32::NAN);
         let last = report.losses.last().copied().unwrap_or(f32::NAN);
@@ -244,11 +234,11 @@ fn run(cfg: &TrainConfig, opts: &TrainOpts) -> phalanx::Result<()> {
         }
         println!();
         if let Some(p) = &opts.save_final {
-            let layout = match arch {
-                Arch::Gpt2 => "GPT-2",
-                Arch::Llama => "Llama",
-            };
-            println!("saved {} (Hugging Face {layout} layout)", p.display());
+            println!(
+                "saved {} (Hugging Face {} layout)",
+                p.display(),
+                family.title()
+            );
         }
     }
     pg.shutdown();

@@ -166,10 +166,14 @@ fn arch_errors_are_named_before_any_rank_starts() {
     )
     .unwrap();
     std::fs::write(d.join("model.safetensors"), b"").unwrap();
+    // (The config.json sets the shape; an explicit key that disagrees is
+    // refused, naming both values.)
     let (code, _, err) = phalanx(&[
         "train",
         "--set",
         "model.arch=llama",
+        "--set",
+        "model.n_layer=4",
         "--init-from",
         d.to_str().unwrap(),
     ]);

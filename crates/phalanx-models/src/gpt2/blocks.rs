@@ -48,6 +48,7 @@ use phalanx::tp::{
 };
 
 use super::config::Gpt2Config;
+use crate::common::blocks::{loss_or_logits, token_embeddings};
 
 const LN_EPS: f32 = 1e-5;
 const STD: f64 = 0.02;
@@ -150,23 +151,6 @@ impl Block for Embedding {
             block_size: c.block_size,
         }))
     }
-}
-
-/// An error unless `t` tokens fit the context of `block_size`.
-pub(crate) fn check_context(t: usize, block_size: usize) -> Result<()> {
-    if t > block_size {
-        bail!("sequence length {t} exceeds the context length {block_size} (model.block_size)")
-    }
-    Ok(())
-}
-
-/// The rows of `wte` (V, C) for the tokens `idx` (B, T): (B, T, C), after
-/// checking that T fits the context.
-pub(crate) fn token_embeddings(wte: &Tensor, idx: &Tensor, block_size: usize) -> Result<Tensor> {
-    let (b, t) = idx.dims2()?;
-    check_context(t, block_size)?;
-    let c = wte.dim(1)?;
-    wte.index_select(&idx.flatten_all()?, 0)?.reshape((b, t, c))
 }
 
 impl BlockModule for EmbeddingModule {
@@ -424,21 +408,8 @@ impl Block for Head {
 impl BlockModule for HeadModule {
     /// With targets: the scalar mean cross-entropy. Without: logits (B, T, V).
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let (b, t, _c) = x.dims3()?;
         let logits = ops::linear(&self.ln_f.forward(x)?, &self.wte, None)?; // (B, T, V)
-        match ctx.targets {
-            Some(targets) => {
-                if targets.dims() != [b, t] {
-                    bail!(
-                        "targets {:?} do not match inputs ({b}, {t})",
-                        targets.shape()
-                    )
-                }
-                ops::cross_entropy(&logits, targets)
-            }
-            // Generation reads f32 logits whatever the compute dtype.
-            None => logits.to_dtype(candle_core::DType::F32),
-        }
+        loss_or_logits(&logits, ctx)
     }
 }
 

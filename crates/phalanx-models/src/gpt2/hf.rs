@@ -158,14 +158,7 @@ fn import_entries(
         }
         by_short.insert(s, (name, e));
     }
-    let held = engine.held().map(|h| h.to_vec());
-    let params: Vec<(String, Vec<usize>, std::ops::Range<usize>)> = engine
-        .layout()
-        .params()
-        .iter()
-        .map(|p| (p.name.clone(), p.shape.clone(), p.range()))
-        .collect();
-    for (name, shape, range) in &params {
+    for (name, shape, needed) in &crate::common::hf::params_held(engine) {
         let want = hf_shape(name, shape);
         let Some((file_name, (dims, t))) = by_short.remove(short(name)) else {
             bail!("missing tensor `{name}` (expected shape {want:?})")
@@ -173,9 +166,6 @@ fn import_entries(
         if dims != want {
             bail!("tensor `{file_name}`: expected shape {want:?}, found {dims:?}")
         }
-        let needed = held
-            .as_ref()
-            .is_none_or(|h| h.iter().any(|k| k.start < range.end && range.start < k.end));
         if !needed {
             continue;
         }

@@ -3,7 +3,9 @@
 //! - [`config`]: hyper-parameters, presets `gpt-tiny` and `gpt2-124m`;
 //! - [`blocks`]: embedding, transformer layers, head (tied wte);
 //! - [`hf`]: `GPT2LMHeadModel` safetensors import / export;
-//! - [`dcp`]: distributed checkpoints to and from HF files.
+//! - [`tp`]: tensor-parallel placements, reading a rank's slices of HF files;
+//! - [`family`]: GPT-2 as a [`crate::family::ModelFamily`] (`model.arch = "gpt2"`);
+//! - [`train`]: GPT-2's names for the shared training path ([`crate::train`]).
 //!
 //! Inputs are token ids (B, T) u32, targets (B, T) u32; the loss is the mean
 //! cross-entropy over all B*T targets.
@@ -22,7 +24,7 @@
 
 pub mod blocks;
 pub mod config;
-pub mod dcp;
+pub mod family;
 mod fused;
 pub mod hf;
 pub mod tp;
@@ -30,6 +32,7 @@ pub mod train;
 
 pub use blocks::{blocks, blocks_tp};
 pub use config::Gpt2Config;
+pub use family::Gpt2Family;
 pub use fused::set_fused_layer;
 
 use candle_core::{Device, Result};

@@ -1,6 +1,7 @@
 //! GPT-2 under tensor parallelism: which slice of each full parameter a
-//! tensor-parallel rank holds, and moving whole models in and out of shards
-//! (initialisation, Hugging Face import and export).
+//! tensor-parallel rank holds ([`Gpt2Tp`]; cutting, gathering and placing
+//! shards are [`crate::common::tp`]'s), and reading a rank's slices
+//! straight out of a Hugging Face file.
 //!
 //! | parameter (engine layout, `Linear` = (out, in)) | rank t of tp holds |
 //! |---|---|
@@ -23,24 +24,27 @@
 //! ```
 
 use super::{hf, Gpt2Config};
+pub use crate::common::tp::{extract, Rule};
+use crate::common::tp::{shard_engine, TpLayout};
 use candle_core::{Device, Result, Tensor};
 use phalanx::engine::{Engine, EngineConfig};
 use phalanx::tp::{padded_vocab, Tp};
 use std::collections::HashMap;
 use std::ops::Range;
 
-/// Returns this rank's slice of parameter `name` given its rule and full shape.
-pub type ShardFn<'a> = dyn Fn(&str, &Rule, &[usize]) -> Result<Tensor> + 'a;
+/// GPT-2's [`TpLayout`]: [`rule`] and [`full_shape`] for a vocabulary.
+pub struct Gpt2Tp {
+    pub vocab: usize,
+}
 
-/// How rank t's shard is cut from the full parameter (engine orientation).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Rule {
-    Full,
-    /// Rows (dim 0), possibly several ranges concatenated; rows past the
-    /// full tensor's end are zero padding.
-    Rows(Vec<Range<usize>>),
-    /// Columns (dim 1).
-    Cols(Range<usize>),
+impl TpLayout for Gpt2Tp {
+    fn full_shape(&self, name: &str, local: &[usize], size: usize) -> Vec<usize> {
+        full_shape(name, local, self.vocab, size)
+    }
+
+    fn rule(&self, name: &str, full: &[usize], rank: usize, size: usize) -> Rule {
+        rule(name, full, self.vocab, rank, size)
+    }
 }
 
 /// The rule for parameter `name` of full shape `full` on rank `t` of `tp`.
@@ -65,88 +69,6 @@ pub fn rule(name: &str, full: &[usize], vocab: usize, t: usize, tp: usize) -> Ru
         return Rule::Cols(part(full[1]));
     }
     Rule::Full
-}
-
-/// Cut rank t's shard from the full tensor.
-pub fn extract(full: &Tensor, r: &Rule) -> Result<Tensor> {
-    match r {
-        Rule::Full => Ok(full.clone()),
-        Rule::Cols(c) => full.narrow(1, c.start, c.len())?.contiguous(),
-        Rule::Rows(ranges) => {
-            let n = full.dims()[0];
-            let mut parts = Vec::new();
-            for rg in ranges {
-                let have = rg.start.min(n)..rg.end.min(n);
-                if !have.is_empty() {
-                    parts.push(full.narrow(0, have.start, have.len())?);
-                }
-                if have.len() < rg.len() {
-                    let mut shape = full.dims().to_vec();
-                    shape[0] = rg.len() - have.len();
-                    parts.push(Tensor::zeros(shape, full.dtype(), full.device())?);
-                }
-            }
-            Tensor::cat(&parts, 0)
-        }
-    }
-}
-
-/// Reassemble a full tensor of shape `full` from every rank's shard.
-pub fn assemble(name: &str, full: &[usize], vocab: usize, shards: &[Tensor]) -> Result<Tensor> {
-    let tp = shards.len();
-    match rule(name, full, vocab, 0, tp) {
-        Rule::Full => Ok(shards[0].clone()),
-        Rule::Cols(_) => Tensor::cat(shards, 1),
-        Rule::Rows(_) => {
-            // Place each rank's row ranges, then drop the padding.
-            let mut rows: Vec<(usize, Tensor)> = Vec::new();
-            for (t, s) in shards.iter().enumerate() {
-                let Rule::Rows(ranges) = rule(name, full, vocab, t, tp) else {
-                    unreachable!()
-                };
-                let mut off = 0;
-                for rg in ranges {
-                    rows.push((rg.start, s.narrow(0, off, rg.len())?));
-                    off += rg.len();
-                }
-            }
-            rows.sort_by_key(|r| r.0);
-            let all = Tensor::cat(&rows.into_iter().map(|r| r.1).collect::<Vec<_>>(), 0)?;
-            all.narrow(0, 0, full[0])
-        }
-    }
-}
-
-/// A tensor-parallel GPT-2 engine whose parameters come from `shard(name,
-/// rule, full_shape)`, which returns this rank's slice (engine orientation).
-pub fn shard_engine(
-    cfg: &Gpt2Config,
-    tp: &Tp,
-    ecfg: EngineConfig,
-    shard: &ShardFn,
-) -> Result<Engine> {
-    let mut engine = Engine::new(super::blocks_tp(cfg, Some(tp.clone()))?, &Device::Cpu, ecfg)?;
-    engine.fill_params(&mut |name, shape| {
-        let full = full_shape(name, shape, cfg.vocab_size, tp.size());
-        shard(
-            name,
-            &rule(name, &full, cfg.vocab_size, tp.rank(), tp.size()),
-            &full,
-        )
-    })?;
-    Ok(engine)
-}
-
-/// Initialise: the whole model with `ecfg.seed`, then this rank's slices.
-pub fn init_engine(cfg: &Gpt2Config, tp: &Tp, ecfg: EngineConfig) -> Result<Engine> {
-    let eager = EngineConfig {
-        defer_init: false,
-        ..ecfg
-    };
-    let full = super::engine(cfg, &Device::Cpu, eager)?;
-    shard_engine(cfg, tp, ecfg, &|name, r, _| {
-        extract(&full.param_tensor(name)?, r)
-    })
 }
 
 /// The full shape of a parameter from one shard's shape.
@@ -190,7 +112,11 @@ pub fn load_engine(
         .map(|(n, v)| (n, v.dtype()))
         .collect();
     hf::check_file(&kinds, None)?;
-    let engine = shard_engine(cfg, tp, ecfg, &|name, r, want| {
+    let blocks = super::blocks_tp(cfg, Some(tp.clone()))?;
+    let layout = Gpt2Tp {
+        vocab: cfg.vocab_size,
+    };
+    let engine = shard_engine(blocks, &layout, tp, ecfg, &|name, r, want| {
         let short = name.strip_prefix("transformer.").unwrap_or(name);
         let file_name = if names.contains_key(name) {
             name
@@ -302,83 +228,4 @@ fn read_cols_multi(
         }
     }
     Tensor::from_vec(d, (rows, n), &Device::Cpu)
-}
-
-/// The whole model's parameters (engine names and orientation), gathered
-/// from every tensor-parallel rank (collective over the tp group).
-pub fn gather_full(
-    engine: &Engine,
-    cfg: &Gpt2Config,
-    tp: &Tp,
-) -> phalanx::Result<HashMap<String, Tensor>> {
-    let mut out = HashMap::new();
-    for p in engine.layout().params() {
-        let local = engine.param(&p.name)?;
-        let mut all = vec![0f32; local.len() * tp.size()];
-        tp.pg.all_gather(local, &mut all)?;
-        let shards: Vec<Tensor> = all
-            .chunks(local.len().max(1))
-            .map(|c| Tensor::from_slice(c, p.shape.as_slice(), &Device::Cpu))
-            .collect::<Result<_>>()?;
-        let full = full_shape(&p.name, &p.shape, cfg.vocab_size, tp.size());
-        out.insert(
-            p.name.clone(),
-            assemble(&p.name, &full, cfg.vocab_size, &shards)?,
-        );
-    }
-    Ok(out)
-}
-
-/// Flat ranges of the parameters every tensor-parallel rank holds whole
-/// (LayerNorms, wpe, row-parallel biases). Under sequence parallelism their
-/// gradients are partial sums over the sequence chunks and must be summed
-/// over the tp group; and in the global gradient norm they count once.
-pub fn replicated_ranges(engine: &Engine, cfg: &Gpt2Config, tp: usize) -> Vec<Range<usize>> {
-    engine
-        .layout()
-        .params()
-        .iter()
-        .filter(|p| rule(&p.name, &p.shape, cfg.vocab_size, 0, tp) == Rule::Full)
-        .map(|p| p.range())
-        .collect()
-}
-
-/// Where this tp rank's parameters sit in the full tensors, for
-/// checkpoints: the slices of [`rule`] (c_attn's three row ranges, the
-/// vocab-parallel rows without their padding, the row-parallel columns).
-pub struct TpPlacement {
-    pub vocab: usize,
-    pub rank: usize,
-    pub size: usize,
-}
-
-impl phalanx::checkpoint::Placement for TpPlacement {
-    fn place(&self, p: &phalanx::engine::ParamInfo) -> phalanx::checkpoint::Placed {
-        use phalanx::checkpoint::Placed;
-        let full = full_shape(&p.name, &p.shape, self.vocab, self.size);
-        match rule(&p.name, &full, self.vocab, self.rank, self.size) {
-            Rule::Full => Placed::whole(&p.shape),
-            Rule::Cols(c) => Placed {
-                blocks: vec![(0..p.shape[0], vec![0, c.start])],
-                shape: full,
-            },
-            Rule::Rows(ranges) => {
-                let mut at = 0;
-                let mut blocks = Vec::new();
-                for rg in ranges {
-                    let have = rg.start.min(full[0])..rg.end.min(full[0]);
-                    if !have.is_empty() {
-                        let mut off = vec![0; full.len()];
-                        off[0] = have.start;
-                        blocks.push((at..at + have.len(), off));
-                    }
-                    at += rg.len();
-                }
-                Placed {
-                    shape: full,
-                    blocks,
-                }
-            }
-        }
-    }
 }

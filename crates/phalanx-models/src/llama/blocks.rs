@@ -36,7 +36,8 @@
 //! one parameter owned by block 0 (as GPT-2's wte).
 //!
 //! Init (HF `LlamaPreTrainedModel`): every Linear and the embedding N(0,
-//! 0.02), norms 1, no biases.
+//! 0.02), norms 1, no biases; with `qkv_bias` (Qwen2's layer) q, k and v
+//! have biases, initialised to 0.
 //!
 //! ```
 //! use phalanx_models::llama::{blocks, LlamaConfig};
@@ -44,7 +45,7 @@
 //! assert_eq!(b.len(), 4 + 2);
 //! ```
 
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use phalanx::engine::{Block, BlockModule, Ctx};
 use phalanx::ops;
@@ -63,6 +64,13 @@ fn normal() -> Init {
 /// A bias-free Linear's weight (out, in), HF init.
 fn weight(vb: &VarBuilder, name: &str, out_dim: usize, in_dim: usize) -> Result<Tensor> {
     vb.get_with_hints((out_dim, in_dim), &format!("{name}.weight"), normal())
+}
+
+/// A Linear's bias (out,) when the layer has one (q / k / v under
+/// `qkv_bias`), HF init 0.
+pub(crate) fn bias(vb: &VarBuilder, on: bool, name: &str, dim: usize) -> Result<Option<Tensor>> {
+    on.then(|| vb.get_with_hints(dim, &format!("{name}.bias"), Init::Const(0.0)))
+        .transpose()
 }
 
 /// RMSNorm (HF `LlamaRMSNorm`): normalised in f32, scaled in the input dtype.
@@ -178,7 +186,8 @@ impl Block for Embedding {
 
 impl BlockModule for EmbeddingModule {
     fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
-        crate::gpt2::blocks::token_embeddings(&self.wte, idx, self.block_size) // (B, T, C)
+        // (B, T, C)
+        crate::common::blocks::token_embeddings(&self.wte, idx, self.block_size)
     }
 }
 
@@ -194,6 +203,8 @@ pub(crate) struct LayerModule {
     pub(crate) q: Tensor, // (Q, C), Q = n_head * head_dim (= C by default)
     pub(crate) k: Tensor, // (KV, C)
     pub(crate) v: Tensor, // (KV, C)
+    /// q, k, v biases (Q), (KV), (KV) under `qkv_bias`.
+    pub(crate) qkv_b: [Option<Tensor>; 3],
     pub(crate) o: Tensor, // (C, Q)
     pub(crate) post_attention_layernorm: RmsNorm,
     pub(crate) gate: Tensor, // (M, C)
@@ -228,6 +239,11 @@ impl LayerModule {
             q: weight(&vb, "self_attn.q_proj", cfg.q_dim(), c)?,
             k: weight(&vb, "self_attn.k_proj", kv, c)?,
             v: weight(&vb, "self_attn.v_proj", kv, c)?,
+            qkv_b: [
+                bias(&vb, cfg.qkv_bias, "self_attn.q_proj", cfg.q_dim())?,
+                bias(&vb, cfg.qkv_bias, "self_attn.k_proj", kv)?,
+                bias(&vb, cfg.qkv_bias, "self_attn.v_proj", kv)?,
+            ],
             o: weight(&vb, "self_attn.o_proj", c, cfg.q_dim())?,
             post_attention_layernorm: RmsNorm::new(&vb, "post_attention_layernorm", c, eps)?,
             gate: weight(&vb, "mlp.gate_proj", m, c)?,
@@ -242,9 +258,10 @@ impl LayerModule {
     pub(crate) fn qk_rope(&self, h: &Tensor, start: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _c) = h.dims3()?;
         let (nh, nkv, d) = (self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim());
-        let q = ops::linear(h, &self.q, None)?; // (B, T, C)
-        let k = ops::linear(h, &self.k, None)?; // (B, T, KV)
-        let v = ops::linear(h, &self.v, None)?; // (B, T, KV)
+        let [qb, kb, vb] = &self.qkv_b;
+        let q = ops::linear(h, &self.q, qb.as_ref())?; // (B, T, C)
+        let k = ops::linear(h, &self.k, kb.as_ref())?; // (B, T, KV)
+        let v = ops::linear(h, &self.v, vb.as_ref())?; // (B, T, KV)
         let inv = self.cfg.inv_freq();
         let q =
             super::ops::rope(&q.reshape((b, t, nh, d))?, &inv, start)?.reshape((b, t, nh * d))?;
@@ -324,20 +341,7 @@ impl HeadModule {
 impl BlockModule for HeadModule {
     /// With targets: the scalar mean cross-entropy. Without: logits (B, T, V) f32.
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let (b, t, _c) = x.dims3()?;
-        let logits = self.logits(x)?; // (B, T, V)
-        match ctx.targets {
-            Some(targets) => {
-                if targets.dims() != [b, t] {
-                    bail!(
-                        "targets {:?} do not match inputs ({b}, {t})",
-                        targets.shape()
-                    )
-                }
-                ops::cross_entropy(&logits, targets)
-            }
-            None => logits.to_dtype(DType::F32),
-        }
+        crate::common::blocks::loss_or_logits(&self.logits(x)?, ctx) // (B, T, V) logits
     }
 }
 

@@ -45,6 +45,8 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     /// `lm_head` shares `embed_tokens`' matrix.
     pub tie_word_embeddings: bool,
+    /// q, k and v projections have biases (Qwen2's layer; Llama's has none).
+    pub qkv_bias: bool,
 }
 
 /// HF's `rope_scaling`: none (`rope_type = "default"`) or Llama 3's
@@ -134,6 +136,7 @@ impl LlamaConfig {
             rope_scaling: RopeScaling::None,
             rms_norm_eps: 1e-5,
             tie_word_embeddings: false,
+            qkv_bias: false,
         }
     }
 
@@ -271,7 +274,8 @@ impl LlamaConfig {
         let per_layer = 2 * c            // input_layernorm, post_attention_layernorm
             + 2 * q * c                  // q_proj, o_proj
             + 2 * kv * c                 // k_proj, v_proj
-            + 3 * c * m; // gate_proj, up_proj, down_proj
+            + 3 * c * m // gate_proj, up_proj, down_proj
+            + if self.qkv_bias { q + 2 * kv } else { 0 };
         let head = if self.tie_word_embeddings {
             0
         } else {
@@ -296,6 +300,7 @@ impl LlamaConfig {
             seq_len,
             self.tie_word_embeddings,
         )
+        .with_qkv_bias(self.qkv_bias)
     }
 }
 
@@ -340,6 +345,11 @@ impl LlamaSection {
                 LlamaConfig::PRESETS
             ))
         })?;
+        Ok(Self::of_model("llama", name, &c))
+    }
+
+    /// The section of family `arch`'s preset `name`, whose model is `c`.
+    pub fn of_model(arch: &str, name: &str, c: &LlamaConfig) -> LlamaSection {
         let (f, lo, hi, old) = match c.rope_scaling {
             RopeScaling::None => LLAMA3_DEFAULTS,
             RopeScaling::Llama3 {
@@ -354,8 +364,8 @@ impl LlamaSection {
                 original_max_position,
             ),
         };
-        Ok(LlamaSection {
-            arch: "llama".into(),
+        LlamaSection {
+            arch: arch.into(),
             preset: name.to_string(),
             n_layer: c.n_layer,
             n_head: c.n_head,
@@ -376,7 +386,7 @@ impl LlamaSection {
             rope_original_max_position: old,
             rms_norm_eps: c.rms_norm_eps,
             tie_word_embeddings: c.tie_word_embeddings,
-        })
+        }
     }
 
     /// The section of a config built with [`crate::arch::build`].
@@ -385,11 +395,20 @@ impl LlamaSection {
     }
 
     pub(crate) fn from_table(t: &toml::Table) -> std::result::Result<Self, ConfigError> {
+        Self::from_table_as(t, "llama")
+    }
+
+    /// The section of a family on Llama's layers (`model.arch = family`).
+    pub(crate) fn from_table_as(
+        t: &toml::Table,
+        family: &str,
+    ) -> std::result::Result<Self, ConfigError> {
         // The architecture first: a GPT-2 section lacks Llama's keys.
         let arch = t.get("arch").and_then(|a| a.as_str()).unwrap_or("gpt2");
-        if arch != "llama" {
+        if arch != family {
+            let name = if family == "llama" { "Llama" } else { family };
             return Err(ConfigError(format!(
-                "model.arch = {arch:?}: not a Llama config"
+                "model.arch = {arch:?}: not a {name} config"
             )));
         }
         toml::Value::Table(t.clone())
@@ -422,15 +441,19 @@ impl LlamaSection {
             rope_theta: self.rope_theta,
             rms_norm_eps: self.rms_norm_eps,
             tie_word_embeddings: self.tie_word_embeddings,
+            qkv_bias: false,
         }
     }
 
     /// What the library needs to know, after the checks.
-    pub(crate) fn facts(t: &toml::Table) -> std::result::Result<ModelFacts, ConfigError> {
-        let s = Self::from_table(t)?;
+    pub(crate) fn facts_as(
+        t: &toml::Table,
+        family: &str,
+    ) -> std::result::Result<ModelFacts, ConfigError> {
+        let s = Self::from_table_as(t, family)?;
         if !["none", "llama3"].contains(&s.rope_scaling.as_str()) {
             return Err(ConfigError(format!(
-                "model.rope_scaling {:?}: choose \"none\" or \"llama3\" (other scalings are not built for model.arch = llama yet)",
+                "model.rope_scaling {:?}: choose \"none\" or \"llama3\" (other scalings are not built for model.arch = {family} yet)",
                 s.rope_scaling
             )));
         }

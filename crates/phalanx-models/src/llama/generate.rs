@@ -19,9 +19,11 @@
 //! assert_eq!((a.dims(), b.dims(), g.len()), (&[3, 64][..], &[1, 64][..], 4));
 //! ```
 
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_core::{bail, DType, Device, IndexOp, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use phalanx::engine::Engine;
+
+use crate::common::generate::Decoder;
 
 use super::blocks::{repeat_kv, HeadModule, LayerModule, RmsNorm};
 use super::config::LlamaConfig;
@@ -83,7 +85,7 @@ impl Generator {
         if t == 0 {
             bail!("no tokens to feed")
         }
-        crate::gpt2::blocks::check_context(self.pos + t, self.cfg.block_size)?;
+        crate::common::blocks::check_context(self.pos + t, self.cfg.block_size)?;
         let idx = Tensor::from_slice(ids, t, &Device::Cpu)?;
         let mut x = self.embed.index_select(&idx, 0)?.unsqueeze(0)?; // (1, t, C)
         for (l, layer) in self.layers.iter().enumerate() {
@@ -131,5 +133,42 @@ impl Generator {
         let mask = Tensor::from_vec(mask, (t, tk), q.device())?.to_dtype(s.dtype())?;
         let p = candle_nn::ops::softmax(&s.broadcast_add(&mask)?, D::Minus1)?;
         p.matmul(&v)?.transpose(1, 2)?.reshape((1, t, c)) // (1, t, C)
+    }
+}
+
+/// [`Generator`] as generation's [`Decoder`]: the prompt's tail that fits
+/// is fed at once, then one token per step; when the context is full the
+/// cache restarts on the latest half (rotary positions restart too, as a
+/// fresh forward of that window would).
+pub struct CachedDecoder {
+    g: Generator,
+    context: usize,
+    started: bool,
+}
+
+impl CachedDecoder {
+    pub fn new(engine: &Engine, cfg: &LlamaConfig) -> Result<Self> {
+        Ok(Self {
+            g: Generator::new(engine, cfg)?,
+            context: cfg.block_size,
+            started: false,
+        })
+    }
+}
+
+impl Decoder for CachedDecoder {
+    fn next_logits(&mut self, ids: &[u32], next: u32) -> phalanx::Result<Vec<f32>> {
+        let t = self.context;
+        let logits = if !self.started {
+            self.started = true;
+            self.g.step(&ids[ids.len().saturating_sub(t)..])?
+        } else if self.g.len() == t {
+            self.g.reset();
+            self.g.step(&ids[ids.len() - (t / 2).max(1)..])?
+        } else {
+            self.g.step(&[next])?
+        };
+        let n = logits.dim(0)?;
+        Ok(logits.i(n - 1)?.to_vec1()?)
     }
 }

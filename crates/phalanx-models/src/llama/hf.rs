@@ -5,7 +5,8 @@
 //! `model.embed_tokens.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
 //! `model.layers.{i}.mlp.{gate,up,down}_proj.weight`,
 //! `model.layers.{i}.{input,post_attention}_layernorm.weight`,
-//! `model.norm.weight`, `lm_head.weight` (absent when tied).
+//! `model.norm.weight`, `lm_head.weight` (absent when tied), and with
+//! `qkv_bias` (Qwen2's layer) `model.layers.{i}.self_attn.{q,k,v}_proj.bias`.
 //!
 //! Layouts read: one `model.safetensors`, or HF's sharded layout (a
 //! `model.safetensors.index.json` whose `weight_map` names the shard of
@@ -22,84 +23,41 @@
 //! `max_shard_bytes` with the index (as `save_pretrained` does past 5 GB),
 //! plus `config.json` for `LlamaForCausalLM.from_pretrained`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use phalanx::engine::Engine;
-use serde_json::{json, Value};
 
 use super::config::LlamaConfig;
 pub use super::hf_config::{
-    check_config, config_from_json, config_json, overrides_from_config, read_config, rope_scaling,
-    rope_theta,
+    check_config, config_from_json, config_json, hf_keys, rope_scaling, rope_theta,
 };
+pub use crate::common::hf::read_config;
 
-/// The index file of a sharded checkpoint.
-pub const INDEX: &str = "model.safetensors.index.json";
-/// The single-file checkpoint.
-pub const SINGLE: &str = "model.safetensors";
-/// HF's default `max_shard_size` (5 GB).
-pub const DEFAULT_SHARD_BYTES: usize = 5_000_000_000;
+pub use crate::common::hf::{resolve, DEFAULT_SHARD_BYTES, INDEX, SINGLE};
 
-/// The safetensors files of a checkpoint given as a file, an index or a
-/// directory, and the directory (where `config.json` would be).
-pub fn resolve(path: &Path) -> Result<(Vec<PathBuf>, PathBuf)> {
-    let (index, single) = if path.is_dir() {
-        (path.join(INDEX), path.join(SINGLE))
-    } else if path.to_string_lossy().ends_with(".json") {
-        (path.to_path_buf(), PathBuf::new())
-    } else {
-        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        return Ok((vec![path.to_path_buf()], dir));
-    };
-    let dir = index.parent().unwrap_or(Path::new(".")).to_path_buf();
-    if index.is_file() {
-        let text = std::fs::read_to_string(&index)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", index.display())))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", index.display())))?;
-        let Some(map) = v.get("weight_map").and_then(|m| m.as_object()) else {
-            bail!("{}: no `weight_map` object", index.display())
-        };
-        let mut files: Vec<String> = map
-            .values()
-            .map(|f| f.as_str().map(str::to_string))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| {
-                candle_core::Error::Msg(format!(
-                    "{}: weight_map values must be file names",
-                    index.display()
-                ))
-            })?;
-        files.sort();
-        files.dedup();
-        let mut out = Vec::new();
-        for f in files {
-            if f.contains('/') || f.contains("..") {
-                bail!(
-                    "{}: shard name {f:?} must be a file beside the index",
-                    index.display()
-                )
-            }
-            out.push(dir.join(f));
-        }
-        return Ok((out, dir));
-    }
-    if single.is_file() {
-        return Ok((vec![single], dir));
-    }
-    bail!("{}: neither {INDEX} nor {SINGLE} found", path.display())
-}
+/// Checks a `config.json` against the model (Llama's: [`check_config`]).
+pub type ConfigCheck = dyn Fn(&serde_json::Value, &LlamaConfig) -> Result<()>;
 
 /// Load an HF Llama checkpoint (file, index or directory) into the engine;
 /// a `config.json` beside it is checked against `cfg` first.
 pub fn load(engine: &mut Engine, cfg: &LlamaConfig, path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
+    load_with(engine, cfg, path.as_ref(), &check_config)
+}
+
+/// [`load`], `config.json` checked by `check` (a family on Llama's layers
+/// reads its own).
+pub fn load_with(
+    engine: &mut Engine,
+    cfg: &LlamaConfig,
+    path: &Path,
+    check: &ConfigCheck,
+) -> Result<()> {
     let (files, dir) = resolve(path)?;
     if let Some(v) = read_config(&dir)? {
-        check_config(&v, cfg)?;
+        check(&v, cfg)?;
     }
     for f in &files {
         if !f.is_file() {
@@ -138,14 +96,7 @@ fn import(
     read: &dyn Fn(&str) -> Result<Tensor>,
 ) -> Result<()> {
     use safetensors::Dtype;
-    let held = engine.held().map(|h| h.to_vec());
-    let params: Vec<(String, Vec<usize>, std::ops::Range<usize>)> = engine
-        .layout()
-        .params()
-        .iter()
-        .map(|p| (p.name.clone(), p.shape.clone(), p.range()))
-        .collect();
-    for (name, shape, range) in &params {
+    for (name, shape, needed) in &crate::common::hf::params_held(engine) {
         let Some((dims, dtype)) = shapes.remove(name) else {
             let why = if name == "lm_head.weight" {
                 " (model.tie_word_embeddings = false: an untied head needs its own matrix)"
@@ -160,9 +111,6 @@ fn import(
         if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64) {
             bail!("tensor `{name}` is {dtype:?}; parameters must be floats")
         }
-        let needed = held
-            .as_ref()
-            .is_none_or(|h| h.iter().any(|k| k.start < range.end && range.start < k.end));
         if !needed {
             continue;
         }
@@ -193,19 +141,13 @@ fn import(
 
 /// The engine's parameters by name, as CPU f32 tensors (HF names).
 pub fn export_tensors(engine: &Engine) -> Result<HashMap<String, Tensor>> {
-    engine
-        .layout()
-        .params()
-        .iter()
-        .map(|p| Ok((p.name.clone(), engine.param_tensor(&p.name)?)))
-        .collect()
+    crate::common::hf::engine_tensors(engine)
 }
 
-/// Write HF tensors in HF layout under `path`: a directory (created) that
-/// gets `model.safetensors` (or shards + index past `max_shard_bytes`) and
-/// `config.json`; a path ending in `.safetensors` is that file, with
-/// `config.json` beside it (never sharded). Files are written atomically.
-/// Returns the files written.
+/// Write HF tensors in HF layout under `path` (see
+/// [`crate::common::hf::save`]: a directory, or a `.safetensors` file;
+/// shards past `max_shard_bytes`) with this model's `config.json`. Returns
+/// the files written.
 pub fn save(
     tensors: &HashMap<String, Tensor>,
     cfg: &LlamaConfig,
@@ -213,96 +155,7 @@ pub fn save(
     path: &Path,
     max_shard_bytes: usize,
 ) -> Result<Vec<PathBuf>> {
-    let io = |p: &Path, e: String| candle_core::Error::Msg(format!("{}: {e}", p.display()));
-    let single_file = path.to_string_lossy().ends_with(".safetensors");
-    let dir = if single_file {
-        path.parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_path_buf()
-    } else {
-        path.to_path_buf()
-    };
-    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e.to_string()))?;
-    // Sorted by name, then cut into shards by size (every shard non-empty).
-    let mut sorted: Vec<(&String, &Tensor)> = tensors.iter().collect();
-    sorted.sort_by_key(|(n, _)| *n);
-    let mut shards: Vec<Vec<(&String, &Tensor)>> = vec![vec![]];
-    let mut size = 0;
-    for (n, t) in sorted {
-        let bytes = t.elem_count() * t.dtype().size_in_bytes();
-        let cur = shards.last_mut().expect("one shard");
-        if !single_file && !cur.is_empty() && size + bytes > max_shard_bytes {
-            shards.push(vec![]);
-            size = 0;
-        }
-        size += bytes;
-        shards.last_mut().expect("one shard").push((n, t));
-    }
-    let write = |p: &Path, items: &[(&String, &Tensor)]| -> Result<()> {
-        let meta: HashMap<String, String> =
-            HashMap::from([("format".to_string(), "pt".to_string())]);
-        let bytes = safetensors::serialize(items.iter().copied(), Some(meta))
-            .map_err(|e| io(p, e.to_string()))?;
-        phalanx::fsutil::write_atomic(p, &bytes).map_err(|e| io(p, e.to_string()))
-    };
-    if !single_file {
-        // A directory saved to before keeps no other layout: a stale index
-        // would win over a new model.safetensors when loading.
-        remove_previous(&dir)?;
-    }
-    let mut written = Vec::new();
-    if shards.len() == 1 {
-        let p = if single_file {
-            path.to_path_buf()
-        } else {
-            dir.join(SINGLE)
-        };
-        write(&p, &shards[0])?;
-        written.push(p);
-    } else {
-        let n = shards.len();
-        let mut map = BTreeMap::new();
-        let mut total = 0;
-        for (k, shard) in shards.iter().enumerate() {
-            let name = format!("model-{:05}-of-{n:05}.safetensors", k + 1);
-            for (t, v) in shard {
-                map.insert(t.to_string(), name.clone());
-                total += v.elem_count() * v.dtype().size_in_bytes();
-            }
-            let p = dir.join(&name);
-            write(&p, shard)?;
-            written.push(p);
-        }
-        let index = json!({ "metadata": { "total_size": total }, "weight_map": map });
-        let p = dir.join(INDEX);
-        phalanx::fsutil::write_atomic(&p, serde_json::to_string_pretty(&index).unwrap().as_bytes())
-            .map_err(|e| io(&p, e.to_string()))?;
-        written.push(p);
-    }
-    let p = dir.join("config.json");
-    let text = serde_json::to_string_pretty(&config_json(cfg, tokenizer)).unwrap();
-    phalanx::fsutil::write_atomic(&p, text.as_bytes()).map_err(|e| io(&p, e.to_string()))?;
-    written.push(p);
-    Ok(written)
-}
-
-/// Remove a checkpoint saved in `dir` before: `model.safetensors`, or the
-/// index and the shards it names (nothing else in the directory).
-fn remove_previous(dir: &Path) -> Result<()> {
-    let rm = |p: &Path| match std::fs::remove_file(p) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(candle_core::Error::Msg(format!("{}: {e}", p.display())))
-        }
-        _ => Ok(()),
-    };
-    if dir.join(INDEX).is_file() {
-        for f in resolve(&dir.join(INDEX))?.0 {
-            rm(&f)?;
-        }
-        rm(&dir.join(INDEX))?;
-    }
-    rm(&dir.join(SINGLE))
+    crate::common::hf::save(tensors, &config_json(cfg, tokenizer), path, max_shard_bytes)
 }
 
 /// The names a Llama of this config has in HF files (for checks and tests).
@@ -327,6 +180,11 @@ pub fn names(cfg: &LlamaConfig) -> HashSet<String> {
             "post_attention_layernorm",
         ] {
             out.insert(format!("model.layers.{i}.{s}.weight"));
+        }
+        if cfg.qkv_bias {
+            for s in ["q_proj", "k_proj", "v_proj"] {
+                out.insert(format!("model.layers.{i}.self_attn.{s}.bias"));
+            }
         }
     }
     out

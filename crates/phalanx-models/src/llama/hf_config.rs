@@ -6,20 +6,33 @@
 //! (a rope scaling other than Llama 3's, biases, an activation other than
 //! SiLU) are refused, never ignored.
 
-use std::path::Path;
-
 use candle_core::{bail, Result};
 use serde_json::{json, Value};
 
 use super::config::{LlamaConfig, RopeScaling};
+use crate::family::HfKey;
 
 /// Check an HF `config.json` against the model; errors name both keys.
 pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
+    check_model_type(v, "llama")?;
+    check_shape(v, cfg, &LlamaConfig::PRESETS)?;
+    check_features(v)
+}
+
+/// An error unless `config.json`'s `model_type` (when given) is `want`.
+pub fn check_model_type(v: &Value, want: &str) -> Result<()> {
     if let Some(t) = v.get("model_type").and_then(|t| t.as_str()) {
-        if t != "llama" {
-            bail!("config.json: model_type {t:?}, not \"llama\"")
+        if t != want {
+            bail!("config.json: model_type {t:?}, not {want:?}")
         }
     }
+    Ok(())
+}
+
+/// Check the shape a `config.json` gives (Llama's layer: sizes, rotary,
+/// eps, tied head) against the model; errors name both keys and the
+/// `presets` of that shape.
+pub fn check_shape(v: &Value, cfg: &LlamaConfig, presets: &[&str]) -> Result<()> {
     let int = |k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
     let heads = int("num_attention_heads");
     let pairs = [
@@ -62,8 +75,7 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
             if g != ours {
                 bail!(
                     "config.json has {theirs} = {g} but model.{key} = {ours} \
-                     (set the model.* keys to the checkpoint's, or a preset of its shape: {:?})",
-                    LlamaConfig::PRESETS
+                     (set the model.* keys to the checkpoint's, or a preset of its shape: {presets:?})"
                 )
             }
         }
@@ -83,8 +95,7 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
             if (g - ours).abs() > 1e-12 * g.abs().max(1.0) {
                 bail!(
                     "config.json has {theirs} = {g} but model.{key} = {ours} \
-                     (set the model.* keys to the checkpoint's, or a preset of its shape: {:?})",
-                    LlamaConfig::PRESETS
+                     (set the model.* keys to the checkpoint's, or a preset of its shape: {presets:?})"
                 )
             }
         }
@@ -108,6 +119,12 @@ pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
             cfg.tie_word_embeddings
         )
     }
+    Ok(())
+}
+
+/// Features of a `config.json` not built for Llama: another activation,
+/// biases.
+fn check_features(v: &Value) -> Result<()> {
     if let Some(a) = v.get("hidden_act").and_then(|x| x.as_str()) {
         if a != "silu" {
             bail!("config.json: hidden_act {a:?} is not built (only \"silu\")")
@@ -172,26 +189,25 @@ pub fn rope_scaling(v: &Value) -> Result<RopeScaling> {
     }
 }
 
-/// `config.json` of a checkpoint directory, if there is one.
-pub fn read_config(dir: &Path) -> Result<Option<Value>> {
-    let p = dir.join("config.json");
-    if !p.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(&p)
-        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", p.display())))?;
-    let v = serde_json::from_str(&text)
-        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", p.display())))?;
-    Ok(Some(v))
+/// The `model.*` values an HF `config.json` gives (`arch` first; the
+/// context, `max_position_embeddings`, is not fixed by the weights);
+/// features not built are refused as in [`check_config`].
+pub fn hf_keys(v: &Value) -> Result<Vec<HfKey>> {
+    let mut out = vec![HfKey::strict("arch", "model_type", "llama")];
+    out.extend(shape_keys(v)?);
+    check_features(v)?;
+    Ok(out)
 }
 
-/// The `model.*` overrides an HF `config.json` implies (for `generate`).
-pub fn overrides_from_config(v: &Value) -> Vec<String> {
-    let mut out = vec!["model.arch=\"llama\"".to_string()];
+/// The `model.*` values of the shape a `config.json` gives (Llama's
+/// layer); refuses a rope scaling not built.
+pub fn shape_keys(v: &Value) -> Result<Vec<HfKey>> {
+    let mut out = Vec::new();
     if let Some(d) = explicit_head_dim(v) {
-        out.push(format!("model.head_dim={d}"));
+        out.push(HfKey::strict("head_dim", "head_dim", d as i64));
     }
-    let heads = v.get("num_attention_heads").and_then(|x| x.as_u64());
+    let int = |k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as i64);
+    let heads = int("num_attention_heads");
     for (ours, theirs) in [
         ("n_layer", "num_hidden_layers"),
         ("n_head", "num_attention_heads"),
@@ -199,45 +215,63 @@ pub fn overrides_from_config(v: &Value) -> Vec<String> {
         ("n_embd", "hidden_size"),
         ("intermediate_size", "intermediate_size"),
         ("vocab_size", "vocab_size"),
-        ("block_size", "max_position_embeddings"),
     ] {
-        let got = v.get(theirs).and_then(|x| x.as_u64());
-        let got = if theirs == "num_key_value_heads" {
-            got.or(heads)
-        } else {
-            got
+        // HF's default: as many kv heads as heads.
+        let got = match theirs {
+            "num_key_value_heads" => int(theirs).or(heads),
+            _ => int(theirs),
         };
         if let Some(n) = got {
-            out.push(format!("model.{ours}={n}"));
+            out.push(HfKey::strict(ours, theirs, n));
         }
     }
-    if let Ok(Some(x)) = rope_theta(v) {
-        out.push(format!("model.rope_theta={x:e}"));
+    if let Some(n) = int("max_position_embeddings") {
+        out.push(HfKey::soft("block_size", "max_position_embeddings", n));
+    }
+    if let Some(x) = rope_theta(v)? {
+        out.push(HfKey::strict("rope_theta", "rope_theta", x));
     }
     if let Some(x) = v.get("rms_norm_eps").and_then(|x| x.as_f64()) {
-        out.push(format!("model.rms_norm_eps={x:e}"));
+        out.push(HfKey::strict("rms_norm_eps", "rms_norm_eps", x));
     }
-    if let Ok(RopeScaling::Llama3 {
-        factor,
-        low_freq_factor,
-        high_freq_factor,
-        original_max_position,
-    }) = rope_scaling(v)
-    {
-        out.push("model.rope_scaling=\"llama3\"".into());
-        out.push(format!("model.rope_factor={factor:e}"));
-        out.push(format!("model.rope_low_freq_factor={low_freq_factor:e}"));
-        out.push(format!("model.rope_high_freq_factor={high_freq_factor:e}"));
-        out.push(format!(
-            "model.rope_original_max_position={original_max_position}"
-        ));
+    match rope_scaling(v)? {
+        RopeScaling::None => out.push(HfKey::strict("rope_scaling", "rope_scaling", "none")),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        } => out.extend([
+            HfKey::strict("rope_scaling", "rope_scaling", "llama3"),
+            HfKey::strict("rope_factor", "rope_scaling.factor", factor),
+            HfKey::strict(
+                "rope_low_freq_factor",
+                "rope_scaling.low_freq_factor",
+                low_freq_factor,
+            ),
+            HfKey::strict(
+                "rope_high_freq_factor",
+                "rope_scaling.high_freq_factor",
+                high_freq_factor,
+            ),
+            HfKey::strict(
+                "rope_original_max_position",
+                "rope_scaling.original_max_position_embeddings",
+                original_max_position as i64,
+            ),
+        ]),
     }
+    // HF's default is false for Llama.
     let tie = v
         .get("tie_word_embeddings")
         .and_then(|x| x.as_bool())
         .unwrap_or(false);
-    out.push(format!("model.tie_word_embeddings={tie}"));
-    out
+    out.push(HfKey::strict(
+        "tie_word_embeddings",
+        "tie_word_embeddings",
+        tie,
+    ));
+    Ok(out)
 }
 
 /// HF's `config.json` for this model.
@@ -291,6 +325,15 @@ fn explicit_head_dim(v: &Value) -> Option<usize> {
 /// `max_position_embeddings`); unknown features are refused as in
 /// [`check_config`].
 pub fn config_from_json(v: &Value) -> Result<LlamaConfig> {
+    let cfg = shape_from_json(v)?;
+    cfg.validate()?;
+    check_config(v, &cfg)?;
+    Ok(cfg)
+}
+
+/// The Llama-layer shape an HF `config.json` gives, HF's defaults for what
+/// it omits (unchecked: see [`config_from_json`]).
+pub fn shape_from_json(v: &Value) -> Result<LlamaConfig> {
     let int = |k: &str| -> Result<usize> {
         v.get(k)
             .and_then(|x| x.as_u64())
@@ -319,7 +362,5 @@ pub fn config_from_json(v: &Value) -> Result<LlamaConfig> {
         .get("tie_word_embeddings")
         .and_then(|x| x.as_bool())
         .unwrap_or(false);
-    cfg.validate()?;
-    check_config(v, &cfg)?;
     Ok(cfg)
 }

@@ -9,7 +9,8 @@
 //! - [`hf`]: safetensors import / export, single file or sharded;
 //! - [`hf_config`]: HF `config.json` read, checked, written;
 //! - [`tp`], [`tp_blocks`]: tensor parallel (Megatron layout, GQA-aware);
-//! - [`train`]: the training path (DDP, ZeRO-1/2/3, pipeline, tp);
+//! - [`family`]: Llama as a [`crate::family::ModelFamily`] (`model.arch = "llama"`);
+//! - [`train`]: Llama's names for the shared training path ([`crate::train`]);
 //! - [`generate`]: inference with a KV cache.
 //!
 //! Inputs are token ids (B, T) u32, targets (B, T) u32; the loss is the mean
@@ -29,6 +30,7 @@
 
 pub mod blocks;
 pub mod config;
+pub mod family;
 pub mod generate;
 pub mod hf;
 pub mod hf_config;
@@ -39,6 +41,7 @@ pub mod train;
 
 pub use blocks::blocks;
 pub use config::LlamaConfig;
+pub use family::LLAMA;
 
 use candle_core::{Device, Result};
 use phalanx::engine::{Engine, EngineConfig};

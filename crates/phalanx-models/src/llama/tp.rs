@@ -1,13 +1,14 @@
 //! Llama under tensor parallelism: which slice of each full parameter a
-//! rank holds (see [`super::tp_blocks`] for the layout), and moving whole
-//! models in and out of shards (initialisation, HF import and export,
-//! checkpoint placement).
+//! rank holds ([`LlamaTp`]; see [`super::tp_blocks`] for the layout), and
+//! reading a rank's slices of HF weights. Cutting, gathering and placing
+//! shards are [`crate::common::tp`]'s.
 //!
 //! | parameter (engine layout, (out, in)) | rank t of tp holds |
 //! |---|---|
 //! | `embed_tokens`, `lm_head` (V, C) | rows [t V'/tp, (t+1) V'/tp) of the vocabulary padded to V' |
 //! | `q_proj` (C, C), `gate_proj`, `up_proj` (M, C) | rows [t n/tp, (t+1) n/tp) |
 //! | `k_proj`, `v_proj` (KV, C) | rows of its kv heads when n_kv_head >= tp, else all (replicated) |
+//! | q / k / v biases (`qkv_bias`) | as their matrix's rows |
 //! | `o_proj` (C, C), `down_proj` (C, M) | columns [t n/tp, (t+1) n/tp) |
 //! | norms | replicated |
 //!
@@ -15,7 +16,7 @@
 //! rank's slice, so a tp run starts from a 1-rank run's parameters.
 //!
 //! ```
-//! use phalanx_models::gpt2::tp::Rule;
+//! use phalanx_models::common::tp::Rule;
 //! use phalanx_models::llama::{tp::rule, LlamaConfig};
 //! let c = LlamaConfig::new(2, 4, 2, 32, 64, 256, 16); // KV = 16
 //! assert_eq!(rule(&c, "model.layers.0.self_attn.k_proj.weight", 1, 2), Rule::Rows(vec![8..16]));
@@ -25,13 +26,27 @@
 
 use super::config::LlamaConfig;
 use super::tp_blocks::{kv_split, TpEmbedding, TpHead, TpLayer};
-use crate::gpt2::tp::{extract, Rule};
+use crate::common::tp::{extract, shard_engine, Rule, TpLayout};
 use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, Device, Result};
 use phalanx::engine::{Block, Engine, EngineConfig};
 use phalanx::tp::{padded_vocab, Tp};
 use std::collections::HashMap;
-use std::ops::Range;
+
+/// Llama's [`TpLayout`]: [`rule`] and [`full_shape`] for a config.
+pub struct LlamaTp {
+    pub cfg: LlamaConfig,
+}
+
+impl TpLayout for LlamaTp {
+    fn full_shape(&self, name: &str, _local: &[usize], _size: usize) -> Vec<usize> {
+        full_shape(&self.cfg, name)
+    }
+
+    fn rule(&self, name: &str, _full: &[usize], rank: usize, size: usize) -> Rule {
+        rule(&self.cfg, name, rank, size)
+    }
+}
 
 /// The blocks of one tensor-parallel rank.
 pub fn blocks_tp(cfg: &LlamaConfig, tp: &Tp) -> Result<Vec<Box<dyn Block>>> {
@@ -64,7 +79,11 @@ pub fn full_shape(cfg: &LlamaConfig, name: &str) -> Vec<usize> {
         cfg.vocab_size,
     );
     let ends = |s: &str| name.ends_with(s);
-    if ends("embed_tokens.weight") || name == "lm_head.weight" {
+    if ends("q_proj.bias") {
+        vec![cfg.q_dim()]
+    } else if ends("k_proj.bias") || ends("v_proj.bias") {
+        vec![kv]
+    } else if ends("embed_tokens.weight") || name == "lm_head.weight" {
         vec![v, c]
     } else if ends("q_proj.weight") {
         vec![cfg.q_dim(), c]
@@ -93,44 +112,33 @@ pub fn rule(cfg: &LlamaConfig, name: &str, t: usize, tp: usize) -> Rule {
         let rows = padded_vocab(cfg.vocab_size, tp) / tp;
         return Rule::Rows(std::iter::once(t * rows..(t + 1) * rows).collect());
     }
-    if ends("k_proj.weight") || ends("v_proj.weight") {
+    // A q / k / v bias (Qwen2) is cut as its matrix's rows.
+    let kv = [
+        "k_proj.weight",
+        "v_proj.weight",
+        "k_proj.bias",
+        "v_proj.bias",
+    ];
+    if kv.iter().any(|s| ends(s)) {
         return if kv_split(cfg, tp) {
             Rule::Rows(vec![part(full[0])])
         } else {
             Rule::Full
         };
     }
-    if ends("q_proj.weight") || ends("gate_proj.weight") || ends("up_proj.weight") {
+    let rows = [
+        "q_proj.weight",
+        "q_proj.bias",
+        "gate_proj.weight",
+        "up_proj.weight",
+    ];
+    if rows.iter().any(|s| ends(s)) {
         return Rule::Rows(vec![part(full[0])]);
     }
     if ends("o_proj.weight") || ends("down_proj.weight") {
         return Rule::Cols(part(full[1]));
     }
     Rule::Full
-}
-
-/// A tp engine whose parameters come from `shard(name, rule)`.
-fn shard_engine(
-    cfg: &LlamaConfig,
-    tp: &Tp,
-    ecfg: EngineConfig,
-    shard: &dyn Fn(&str, &Rule) -> Result<Tensor>,
-) -> Result<Engine> {
-    let mut engine = Engine::new(blocks_tp(cfg, tp)?, &Device::Cpu, ecfg)?;
-    engine.fill_params(&mut |name, _| shard(name, &rule(cfg, name, tp.rank(), tp.size())))?;
-    Ok(engine)
-}
-
-/// Initialise: the whole model with `ecfg.seed`, then this rank's slices.
-pub fn init_engine(cfg: &LlamaConfig, tp: &Tp, ecfg: EngineConfig) -> Result<Engine> {
-    let eager = EngineConfig {
-        defer_init: false,
-        ..ecfg
-    };
-    let full = super::engine(cfg, &Device::Cpu, eager)?;
-    shard_engine(cfg, tp, ecfg, &|name, r| {
-        extract(&full.param_tensor(name)?, r)
-    })
 }
 
 /// Load HF weights (any layout [`super::hf::resolve`] reads; `config.json`
@@ -142,11 +150,23 @@ pub fn load_engine(
     ecfg: EngineConfig,
     path: &std::path::Path,
 ) -> Result<Engine> {
+    load_engine_with(cfg, tp, ecfg, path, &super::hf::check_config)
+}
+
+/// [`load_engine`], `config.json` checked by `check` (a family on Llama's
+/// layers reads its own).
+pub fn load_engine_with(
+    cfg: &LlamaConfig,
+    tp: &Tp,
+    ecfg: EngineConfig,
+    path: &std::path::Path,
+    check: &super::hf::ConfigCheck,
+) -> Result<Engine> {
     // The names and shapes are checked on a whole (unallocated) engine's
     // layout, so the errors are a 1-rank load's.
     let (files, dir) = super::hf::resolve(path)?;
     if let Some(v) = super::hf::read_config(&dir)? {
-        super::hf::check_config(&v, cfg)?;
+        check(&v, cfg)?;
     }
     // Safety: the files are only read, and not expected to change meanwhile.
     let st = unsafe { MmapedSafetensors::multi(&files) }?;
@@ -180,93 +200,17 @@ pub fn load_engine(
     if let Some(missing) = want.into_iter().min() {
         bail!("missing tensor `{missing}`")
     }
-    shard_engine(cfg, tp, ecfg, &|name, r| {
-        extract(
-            &st.load(name, &Device::Cpu)?
-                .to_dtype(candle_core::DType::F32)?,
-            r,
-        )
-    })
-}
-
-/// Reassemble a full tensor from every rank's shard.
-fn assemble(cfg: &LlamaConfig, name: &str, shards: &[Tensor]) -> Result<Tensor> {
-    let tp = shards.len();
-    let full = full_shape(cfg, name);
-    match rule(cfg, name, 0, tp) {
-        Rule::Full => Ok(shards[0].clone()),
-        Rule::Cols(_) => Tensor::cat(shards, 1),
-        // One row range per rank, in rank order; drop the vocabulary padding.
-        Rule::Rows(_) => Tensor::cat(shards, 0)?.narrow(0, 0, full[0]),
-    }
-}
-
-/// The whole model's parameters by name, gathered from every tp rank
-/// (collective over the tp group).
-pub fn gather_full(
-    engine: &Engine,
-    cfg: &LlamaConfig,
-    tp: &Tp,
-) -> phalanx::Result<HashMap<String, Tensor>> {
-    let mut out = HashMap::new();
-    for p in engine.layout().params() {
-        let local = engine.param(&p.name)?;
-        let mut all = vec![0f32; local.len() * tp.size()];
-        tp.pg.all_gather(local, &mut all)?;
-        let shards: Vec<Tensor> = all
-            .chunks(local.len().max(1))
-            .map(|c| Tensor::from_slice(c, p.shape.as_slice(), &Device::Cpu))
-            .collect::<Result<_>>()?;
-        out.insert(p.name.clone(), assemble(cfg, &p.name, &shards)?);
-    }
-    Ok(out)
-}
-
-/// Flat ranges of the parameters every tp rank holds whole (norms, and
-/// replicated kv projections): their gradients are whole on every rank
-/// and count once in the global norm.
-pub fn replicated_ranges(engine: &Engine, cfg: &LlamaConfig, tp: usize) -> Vec<Range<usize>> {
-    engine
-        .layout()
-        .params()
-        .iter()
-        .filter(|p| rule(cfg, &p.name, 0, tp) == Rule::Full)
-        .map(|p| p.range())
-        .collect()
-}
-
-/// Where this tp rank's parameters sit in the full tensors, for checkpoints.
-pub struct TpPlacement {
-    pub cfg: LlamaConfig,
-    pub rank: usize,
-    pub size: usize,
-}
-
-impl phalanx::checkpoint::Placement for TpPlacement {
-    fn place(&self, p: &phalanx::engine::ParamInfo) -> phalanx::checkpoint::Placed {
-        use phalanx::checkpoint::Placed;
-        let full = full_shape(&self.cfg, &p.name);
-        match rule(&self.cfg, &p.name, self.rank, self.size) {
-            Rule::Full => Placed::whole(&p.shape),
-            Rule::Cols(c) => Placed {
-                blocks: vec![(0..p.shape[0], vec![0, c.start])],
-                shape: full,
-            },
-            Rule::Rows(ranges) => {
-                let mut at = 0;
-                let mut blocks = Vec::new();
-                for rg in ranges {
-                    let have = rg.start.min(full[0])..rg.end.min(full[0]);
-                    if !have.is_empty() {
-                        blocks.push((at..at + have.len(), vec![have.start, 0]));
-                    }
-                    at += rg.len();
-                }
-                Placed {
-                    shape: full,
-                    blocks,
-                }
-            }
-        }
-    }
+    shard_engine(
+        blocks_tp(cfg, tp)?,
+        &LlamaTp { cfg: *cfg },
+        tp,
+        ecfg,
+        &|name, r, _| {
+            extract(
+                &st.load(name, &Device::Cpu)?
+                    .to_dtype(candle_core::DType::F32)?,
+                r,
+            )
+        },
+    )
 }

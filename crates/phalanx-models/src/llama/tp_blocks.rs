@@ -10,6 +10,10 @@
 //! norms          replicated; lm_head vocabulary-parallel rows + parallel cross-entropy
 //! ```
 //!
+//! q / k / v biases (`qkv_bias`, Qwen2) are split, or replicated, as their
+//! matrices' rows (a replicated bias's gradient takes the same path as its
+//! matrix's).
+//!
 //! Rank t's query heads [t nh/tp, (t+1) nh/tp) read kv heads
 //! [t nkv/tp, ...) in HF's grouping (query head j reads kv head j / n_rep),
 //! so a split kv projection keeps every group on one rank.
@@ -39,7 +43,7 @@ use phalanx::tp::{
     VocabParallelEmbedding,
 };
 
-use super::blocks::{head_name, repeat_kv, RmsNorm};
+use super::blocks::{bias, head_name, repeat_kv, RmsNorm};
 use super::config::LlamaConfig;
 use super::ops::{rope, swiglu};
 
@@ -102,7 +106,7 @@ impl Block for TpEmbedding {
 
 impl BlockModule for TpEmbeddingModule {
     fn forward(&self, idx: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
-        crate::gpt2::blocks::check_context(idx.dim(1)?, self.block_size)?;
+        crate::common::blocks::check_context(idx.dim(1)?, self.block_size)?;
         self.wte.forward(idx) // (B, T, C), or (B, T/tp, C) sequence-parallel
     }
 }
@@ -118,6 +122,8 @@ struct TpLayerModule {
     q: Tensor, // (Q/tp, C), Q = n_head * head_dim
     k: Tensor, // (KV/tp, C) split, or (KV, C) replicated
     v: Tensor,
+    /// q, k, v biases under `qkv_bias`: the rows of their matrices.
+    qkv_b: [Option<Tensor>; 3],
     o: RowParallelLinear, // (C, Q/tp)
     post_attention_layernorm: RmsNorm,
     gate: Tensor, // (M/tp, C)
@@ -153,6 +159,11 @@ impl Block for TpLayer {
             q: w("self_attn.q_proj", cfg.q_dim() / n, c)?,
             k: w("self_attn.k_proj", kv_rows, c)?,
             v: w("self_attn.v_proj", kv_rows, c)?,
+            qkv_b: [
+                bias(&vb, cfg.qkv_bias, "self_attn.q_proj", cfg.q_dim() / n)?,
+                bias(&vb, cfg.qkv_bias, "self_attn.k_proj", kv_rows)?,
+                bias(&vb, cfg.qkv_bias, "self_attn.v_proj", kv_rows)?,
+            ],
             o: RowParallelLinear::from_parts(tp, w("self_attn.o_proj", c, cfg.q_dim() / n)?, None),
             post_attention_layernorm: RmsNorm::new(&vb, "post_attention_layernorm", c, eps)?,
             gate: w("mlp.gate_proj", m / n, c)?,
@@ -171,27 +182,28 @@ impl TpLayerModule {
         let nh = self.cfg.n_head / n;
         let he = self.tp.enter(h)?; // (B, T, C) on every rank
         let (b, t, _c) = he.dims3()?;
-        let q = ops::linear(&he, &self.q, None)?; // (B, T, nh d)
+        let [qb, kb, vb] = &self.qkv_b;
+        let q = ops::linear(&he, &self.q, qb.as_ref())?; // (B, T, nh d)
         let (k, v, nkv) = if kv_split(&self.cfg, n) {
             let nkv = self.cfg.n_kv_head / n;
             (
-                ops::linear(&he, &self.k, None)?,
-                ops::linear(&he, &self.v, None)?,
+                ops::linear(&he, &self.k, kb.as_ref())?,
+                ops::linear(&he, &self.v, vb.as_ref())?,
                 nkv,
             )
         } else {
             // All kv heads from the replicated input; keep this rank's one
             // (see the module doc for the two gradient paths).
             let head = self.tp.rank() * self.cfg.n_kv_head / n;
-            let pick = |w: &Tensor| -> Result<Tensor> {
+            let pick = |w: &Tensor, b: Option<&Tensor>| -> Result<Tensor> {
                 let k = if self.tp.sequence_parallel {
-                    ops::linear(&he, w, None)?
+                    ops::linear(&he, w, b)?
                 } else {
-                    copy_to_tp(&ops::linear(h, w, None)?, &self.tp.pg)?
+                    copy_to_tp(&ops::linear(h, w, b)?, &self.tp.pg)?
                 };
                 k.narrow(2, head * d, d)
             };
-            (pick(&self.k)?, pick(&self.v)?, 1)
+            (pick(&self.k, kb.as_ref())?, pick(&self.v, vb.as_ref())?, 1)
         };
         let inv = self.cfg.inv_freq();
         let q = rope(&q.reshape((b, t, nh, d))?, &inv, 0)?.reshape((b, t, nh * d))?;

@@ -51,6 +51,8 @@ pub struct ModelShape {
     pub seq_len: usize,
     /// The head's matrix is the token table.
     pub tied_embeddings: bool,
+    /// A Llama-style layer's q, k and v projections have biases (Qwen2).
+    pub qkv_bias: bool,
 }
 
 impl ModelShape {
@@ -72,6 +74,7 @@ impl ModelShape {
             vocab_size,
             seq_len,
             tied_embeddings: true,
+            qkv_bias: false,
         }
     }
 
@@ -100,6 +103,21 @@ impl ModelShape {
             vocab_size,
             seq_len,
             tied_embeddings,
+            qkv_bias: false,
+        }
+    }
+
+    /// The same shape with (or without) q, k and v biases (Qwen2's layer).
+    pub fn with_qkv_bias(self, qkv_bias: bool) -> Self {
+        ModelShape { qkv_bias, ..self }
+    }
+
+    /// The q, k and v biases of one layer (0 without them).
+    fn qkv_bias_params(&self) -> usize {
+        if self.qkv_bias {
+            self.q_dim() + 2 * self.kv_dim()
+        } else {
+            0
         }
     }
 
@@ -155,14 +173,15 @@ impl ModelShape {
     }
 
     /// Parameters of one layer beside its matrices: GPT-2's biases and two
-    /// LayerNorms (13 C with the 4C MLP), Llama's two RMSNorm weights.
+    /// LayerNorms (13 C with the 4C MLP), Llama's two RMSNorm weights (and
+    /// Qwen2's q / k / v biases).
     fn layer_vector_params(&self) -> usize {
         let c = self.n_embd;
         match self.family {
             // ln_1, ln_2 (weight and bias), c_attn's bias (3C), the two
             // c_proj biases, c_fc's bias.
             Family::Gpt2 => 4 * c + self.q_dim() + 2 * self.kv_dim() + 2 * c + self.mlp_hidden,
-            Family::Llama => 2 * c,
+            Family::Llama => 2 * c + self.qkv_bias_params(),
         }
     }
 
@@ -174,7 +193,8 @@ impl ModelShape {
     /// One layer's parameters on one of `tp` tensor-parallel ranks: the
     /// matrices split (Llama's k / v whole when its kv heads are
     /// replicated); GPT-2's column-parallel biases split, its row-parallel
-    /// biases and LayerNorms replicated; norms replicated.
+    /// biases and LayerNorms replicated; norms replicated; q / k / v
+    /// biases (Qwen2) as their matrices.
     pub fn layer_params_tp(&self, tp: usize) -> usize {
         let tp = tp.max(1);
         let c = self.n_embd;
@@ -183,7 +203,13 @@ impl ModelShape {
             Family::Llama => {
                 let kv = 2 * self.kv_dim() * c;
                 let split = self.layer_matrix_params() - kv;
-                split / tp + if self.kv_split(tp) { kv / tp } else { kv } + 2 * c
+                let kv_local = |n: usize| if self.kv_split(tp) { n / tp } else { n };
+                // q, k and v biases are split like their matrices' rows.
+                let (qb, kvb) = match self.qkv_bias {
+                    true => (self.q_dim(), 2 * self.kv_dim()),
+                    false => (0, 0),
+                };
+                split / tp + kv_local(kv) + 2 * c + qb / tp + kv_local(kvb)
             }
         }
     }

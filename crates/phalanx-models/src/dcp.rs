@@ -1,16 +1,17 @@
 //! Distributed checkpoints to and from Hugging Face files (what PyTorch's
-//! `dcp_to_torch_save` / DeepSpeed's `zero_to_fp32` do), for GPT-2 and
-//! Llama: the recorded `model.arch` picks the model's engine and HF layout.
+//! `dcp_to_torch_save` / DeepSpeed's `zero_to_fp32` do), for every family:
+//! the recorded `model.arch` picks the family, hence the model's engine and
+//! HF layout.
 //!
 //! - [`export`]: the whole model of a checkpoint saved by any layout (DDP,
 //!   ZeRO shards, tensor or pipeline parallel), gathered into a one-rank
-//!   engine and written as a `GPT2LMHeadModel` safetensors file. The
-//!   model's shape comes from the run config the checkpoint records.
+//!   engine and written in the family's HF layout. The model's shape comes
+//!   from the run config the checkpoint records.
 //! - [`import`]: an HF file as a checkpoint of step 0 holding parameters
 //!   only: a run resuming from it starts its optimizer fresh.
 //!
 //! ```no_run
-//! use phalanx_models::gpt2::dcp;
+//! use phalanx_models::dcp;
 //! use std::path::Path;
 //! let dir = phalanx::checkpoint::find(Path::new("runs/checkpoints")).unwrap();
 //! let reader = phalanx::checkpoint::Reader::open(&dir).unwrap();
@@ -19,9 +20,7 @@
 //! dcp::import(&cfg, Path::new("model.safetensors"), Path::new("imported")).unwrap();
 //! ```
 
-use super::{hf, train};
-use crate::arch::Arch;
-use crate::llama;
+use crate::{family, train};
 use phalanx::checkpoint::write::{self, Header, Snapshot};
 use phalanx::checkpoint::{Metadata, Reader, SavedLayout, Whole};
 use phalanx::config::TrainConfig;
@@ -62,7 +61,7 @@ pub fn model_overrides(meta: &Metadata) -> Result<Vec<String>> {
 /// everything else default).
 pub fn config_of(meta: &Metadata) -> Result<TrainConfig> {
     let sets = model_overrides(meta)?;
-    crate::arch::build(None, &sets)
+    family::build(None, &sets)
         .map_err(|e| Error::Check(format!("the checkpoint's model config: {e}")))
 }
 
@@ -70,7 +69,7 @@ pub fn config_of(meta: &Metadata) -> Result<TrainConfig> {
 /// engine built for `cfg`. A checkpoint of another model is refused naming
 /// the first tensor that differs.
 pub fn gather(reader: &Reader, cfg: &TrainConfig) -> Result<Engine> {
-    let mut engine = build_engine(cfg)?;
+    let mut engine = train::build_engine(cfg)?;
     let layout = engine.layout().clone();
     reader.check_model(&layout, &Whole)?;
     let n = engine.num_params();
@@ -86,37 +85,25 @@ pub fn gather(reader: &Reader, cfg: &TrainConfig) -> Result<Engine> {
     Ok(engine)
 }
 
-/// Write the checkpoint's model as an HF `GPT2LMHeadModel` safetensors file
-/// (Conv1D weights transposed, `config.json` beside it, atomically).
-/// Returns the config it was built with.
+/// Write the checkpoint's model in its family's HF layout (GPT-2: one
+/// safetensors file, Conv1D weights transposed; Llama, Qwen2: a directory
+/// or a file), `config.json` beside it, atomically. Returns the config it
+/// was built with.
 pub fn export(reader: &Reader, out: &Path) -> Result<TrainConfig> {
     let cfg = config_of(&reader.meta)?;
     let engine = gather(reader, &cfg)?;
-    match Arch::of(&cfg)? {
-        Arch::Gpt2 => train::save(&engine, &cfg, out)?,
-        Arch::Llama => llama::train::save(&llama::hf::export_tensors(&engine)?, &cfg, out)?,
-    }
+    train::save(&train::named_params(&engine)?, &cfg, out)?;
     Ok(cfg)
-}
-
-/// A one-rank engine of the config's architecture.
-fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
-    match Arch::of(cfg)? {
-        Arch::Gpt2 => train::build_engine(cfg),
-        Arch::Llama => llama::train::build_engine(cfg),
-    }
 }
 
 /// Write the HF file `input` (the model `cfg` describes) as a checkpoint of
 /// step 0 under `root` holding parameters only, and point `root/latest` at
 /// it. Other checkpoints under `root` are kept. Returns its directory.
 pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
-    let mut engine = build_engine(cfg)?;
-    match Arch::of(cfg)? {
-        Arch::Gpt2 => hf::load_safetensors(&mut engine, input),
-        Arch::Llama => llama::hf::load(&mut engine, &llama::train::model_config(cfg)?, input),
-    }
-    .map_err(|e| Error::Check(format!("{}: {}", input.display(), Error::from(e))))?;
+    let mut engine = train::build_engine(cfg)?;
+    family::of(cfg)?
+        .load_hf(&mut engine, cfg, input)
+        .map_err(|e| Error::Check(format!("{}: {e}", input.display())))?;
     let layout = engine.layout().clone();
     let state = StateRange {
         range: 0..engine.num_params(),
