@@ -21,7 +21,13 @@ fn mpirun(n: usize, name: &str, env: &[(&str, &str)], limit: Duration) -> (bool,
     let mut cmd = Command::new("mpirun");
     cmd.args(["--oversubscribe", "-np", &n.to_string()])
         .arg(&exe)
-        .args(["--ignored", "--exact", name, "--nocapture", "--test-threads=1"])
+        .args([
+            "--ignored",
+            "--exact",
+            name,
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("PHALANX_MPI_TEST", "1")
         .env("PHALANX_BACKEND", "mpi")
         // CI runs as root; Open MPI refuses that unless told.

@@ -19,7 +19,7 @@
 
 use crate::common::tp::{self as ctp, TpPlacement};
 use crate::family;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use phalanx::config::TrainConfig;
 use phalanx::data::DataLoader;
 use phalanx::engine::Engine;
@@ -49,7 +49,7 @@ pub struct Run {
 pub fn build_engine(cfg: &TrainConfig) -> Result<Engine> {
     let blocks = family::of(cfg)?.blocks(cfg)?;
     let ecfg = phalanx::trainer::engine_config(cfg);
-    Ok(Engine::new(blocks, &Device::Cpu, ecfg)?)
+    Ok(Engine::new(blocks, &cfg.device()?, ecfg)?)
 }
 
 /// The data loader the config describes (tokens checked against the vocabulary).
@@ -107,6 +107,7 @@ pub fn trainer(
                     &*layout,
                     t,
                     ecfg,
+                    &cfg.device()?,
                 )?,
             };
             // The slices copied in are the initial values (a pipeline stage

@@ -240,10 +240,16 @@ fn the_same_file_rules_under_tp_1_and_tp_2() {
         let p = path.clone();
         let errs = phalanx_comm::threads::run(2, move |pg| {
             let t = phalanx::tp::Tp::new(pg, false);
-            gpt2::tp::load_engine(&cfg(), &t, EngineConfig::default(), &p)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default()
+            gpt2::tp::load_engine(
+                &cfg(),
+                &t,
+                EngineConfig::default(),
+                &candle_core::Device::Cpu,
+                &p,
+            )
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
         });
         for e in errs {
             assert!(e.contains(name), "tp 2: {e}");

@@ -218,7 +218,7 @@ fn the_device_is_a_setting_and_one_this_build_lacks_is_refused_up_front() {
     );
     let e = build(&["train.device=\"tpu\""]).unwrap_err();
     assert!(
-        e.contains("\"cpu\" or \"cuda\"") && e.contains("tpu"),
+        e.contains(r#"train.device must be "cpu" or "cuda", not "tpu""#),
         "{e}"
     );
 }

@@ -2,7 +2,7 @@
 //! token. [`FullForward`] runs the engine over the latest context (any
 //! family); a family with a KV cache gives its own.
 
-use candle_core::{Device, IndexOp, Tensor};
+use candle_core::{IndexOp, Tensor};
 use phalanx::engine::Engine;
 use phalanx::Result;
 
@@ -23,7 +23,7 @@ pub struct FullForward<'a> {
 impl Decoder for FullForward<'_> {
     fn next_logits(&mut self, ids: &[u32], _next: u32) -> Result<Vec<f32>> {
         let ctx = &ids[ids.len().saturating_sub(self.context)..];
-        let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
+        let x = Tensor::from_slice(ctx, (1, ctx.len()), self.engine.device())?;
         let logits = self.engine.forward(&x)?; // (1, T, V)
         Ok(logits.i((0, ctx.len() - 1))?.to_vec1()?)
     }

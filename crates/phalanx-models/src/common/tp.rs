@@ -109,9 +109,10 @@ pub fn shard_engine(
     layout: &dyn TpLayout,
     tp: &Tp,
     ecfg: EngineConfig,
+    device: &Device,
     shard: &ShardFn,
 ) -> Result<Engine> {
-    let mut engine = Engine::new(blocks, &Device::Cpu, ecfg)?;
+    let mut engine = Engine::new(blocks, device, ecfg)?;
     engine.fill_params(&mut |name, shape| {
         let full = layout.full_shape(name, shape, tp.size());
         shard(name, &layout.rule(name, &full, tp.rank(), tp.size()), &full)
@@ -128,13 +129,14 @@ pub fn init_engine(
     layout: &dyn TpLayout,
     tp: &Tp,
     ecfg: EngineConfig,
+    device: &Device,
 ) -> Result<Engine> {
     let eager = EngineConfig {
         defer_init: false,
         ..ecfg
     };
-    let full = Engine::new(whole, &Device::Cpu, eager)?;
-    shard_engine(blocks, layout, tp, ecfg, &|name, r, _| {
+    let full = Engine::new(whole, device, eager)?;
+    shard_engine(blocks, layout, tp, ecfg, device, &|name, r, _| {
         extract(&full.param_tensor(name)?, r)
     })
 }
@@ -153,6 +155,7 @@ pub fn gather_full(
         tp.pg.all_gather(local, &mut all)?;
         let shards: Vec<Tensor> = all
             .chunks(local.len().max(1))
+            // Host memory by design: the engine's flat buffers live there.
             .map(|c| Tensor::from_slice(c, p.shape.as_slice(), &Device::Cpu))
             .collect::<Result<_>>()?;
         let full = layout.full_shape(&p.name, &p.shape, tp.size());

@@ -109,6 +109,7 @@ impl ModelFamily for Gpt2Family {
             &model_config(cfg)?,
             t,
             ecfg,
+            &cfg.device()?,
             &weights_file(path)?,
         )?)
     }

@@ -94,6 +94,7 @@ fn hf_shape(name: &str, shape: &[usize]) -> Vec<usize> {
 pub fn export_tensors(engine: &Engine) -> Result<HashMap<String, Tensor>> {
     let mut named = HashMap::new();
     for p in engine.layout().params() {
+        // Host memory by design: the flat buffers, on their way to a file.
         let t = Tensor::from_slice(engine.param(&p.name)?, p.shape.as_slice(), &Device::Cpu)?;
         named.insert(p.name.clone(), t);
     }
@@ -226,6 +227,7 @@ pub fn load_safetensors(engine: &mut Engine, path: impl AsRef<Path>) -> Result<(
         .map(|(name, view)| (name, (view.shape().to_vec(), None)))
         .collect();
     import_entries(engine, entries, &|name| {
+        // Host memory by design: file bytes, copied into the engine's buffers.
         st.load(name, &Device::Cpu).map_err(ctx)
     })
 }
@@ -234,6 +236,7 @@ pub fn load_safetensors(engine: &mut Engine, path: impl AsRef<Path>) -> Result<(
 pub fn load_safetensors_bytes(engine: &mut Engine, bytes: &[u8]) -> Result<()> {
     import_tensors(
         engine,
+        // Host memory by design (file bytes).
         candle_core::safetensors::load_buffer(bytes, &Device::Cpu)?,
     )
 }

@@ -97,6 +97,7 @@ pub fn load_engine(
     cfg: &Gpt2Config,
     tp: &Tp,
     ecfg: EngineConfig,
+    device: &Device,
     path: &std::path::Path,
 ) -> Result<Engine> {
     // SAFETY: the file is only read, and not expected to change while mapped.
@@ -116,7 +117,7 @@ pub fn load_engine(
     let layout = Gpt2Tp {
         vocab: cfg.vocab_size,
     };
-    let engine = shard_engine(blocks, &layout, tp, ecfg, &|name, r, want| {
+    let engine = shard_engine(blocks, &layout, tp, ecfg, device, &|name, r, want| {
         let short = name.strip_prefix("transformer.").unwrap_or(name);
         let file_name = if names.contains_key(name) {
             name
@@ -211,6 +212,7 @@ fn read_slice(v: &safetensors::tensor::TensorView<'_>, r: &Rule) -> Result<Tenso
         }
         Rule::Cols(c) => return read_cols_multi(v, std::slice::from_ref(c)),
     };
+    // Host memory by design: file bytes on their way into the engine.
     Tensor::from_vec(data, out_shape, &Device::Cpu)
 }
 
@@ -227,5 +229,6 @@ fn read_cols_multi(
             d.extend(view_f32(v, r * width + c.start, c.len())?);
         }
     }
+    // Host memory by design (as `read_slice`).
     Tensor::from_vec(d, (rows, n), &Device::Cpu)
 }

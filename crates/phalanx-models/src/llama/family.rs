@@ -183,6 +183,7 @@ impl ModelFamily for OnLlama {
             &self.model(cfg)?,
             t,
             ecfg,
+            &cfg.device()?,
             path,
             &check,
         )?)

@@ -19,7 +19,7 @@
 //! assert_eq!((a.dims(), b.dims(), g.len()), (&[3, 64][..], &[1, 64][..], 4));
 //! ```
 
-use candle_core::{bail, DType, Device, IndexOp, Result, Tensor, D};
+use candle_core::{bail, DType, IndexOp, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use phalanx::engine::Engine;
 
@@ -46,7 +46,7 @@ impl Generator {
         for p in engine.layout().params() {
             named.insert(p.name.clone(), engine.param_tensor(&p.name)?);
         }
-        let vb = VarBuilder::from_tensors(named, DType::F32, &Device::Cpu);
+        let vb = VarBuilder::from_tensors(named, DType::F32, engine.device());
         let layers = (0..cfg.n_layer)
             .map(|i| LayerModule::new(cfg, i, &vb))
             .collect::<Result<Vec<_>>>()?;
@@ -86,7 +86,7 @@ impl Generator {
             bail!("no tokens to feed")
         }
         crate::common::blocks::check_context(self.pos + t, self.cfg.block_size)?;
-        let idx = Tensor::from_slice(ids, t, &Device::Cpu)?;
+        let idx = Tensor::from_slice(ids, t, self.embed.device())?;
         let mut x = self.embed.index_select(&idx, 0)?.unsqueeze(0)?; // (1, t, C)
         for (l, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x)?;

@@ -78,6 +78,7 @@ pub fn load_with(
             path.display()
         )
     }
+    // Host memory by design: file bytes, copied into the engine's buffers.
     import(engine, cfg, shapes, &|name| st.load(name, &Device::Cpu))
 }
 

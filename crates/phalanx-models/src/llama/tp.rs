@@ -148,9 +148,10 @@ pub fn load_engine(
     cfg: &LlamaConfig,
     tp: &Tp,
     ecfg: EngineConfig,
+    device: &Device,
     path: &std::path::Path,
 ) -> Result<Engine> {
-    load_engine_with(cfg, tp, ecfg, path, &super::hf::check_config)
+    load_engine_with(cfg, tp, ecfg, device, path, &super::hf::check_config)
 }
 
 /// [`load_engine`], `config.json` checked by `check` (a family on Llama's
@@ -159,6 +160,7 @@ pub fn load_engine_with(
     cfg: &LlamaConfig,
     tp: &Tp,
     ecfg: EngineConfig,
+    device: &Device,
     path: &std::path::Path,
     check: &super::hf::ConfigCheck,
 ) -> Result<Engine> {
@@ -205,7 +207,10 @@ pub fn load_engine_with(
         &LlamaTp { cfg: *cfg },
         tp,
         ecfg,
+        device,
         &|name, r, _| {
+            // Read into host memory (file bytes), then copied into the
+            // engine's buffers.
             extract(
                 &st.load(name, &Device::Cpu)?
                     .to_dtype(candle_core::DType::F32)?,

@@ -600,6 +600,7 @@ pub(crate) fn parser(key: &str) -> Option<Parser> {
         "parallel.pp_partition" => canonical::<PpPartition>,
         "parallel.comm_hook" => canonical::<CommHookKind>,
         "train.on_nonfinite" => canonical::<OnNonfinite>,
+        "train.device" => canonical::<DeviceKind>,
         "zero_optimization.offload_optimizer.device" | "zero_optimization.offload_param.device" => {
             canonical::<OffloadDevice>
         }
