@@ -7,54 +7,24 @@
 //! save the same file and `config.json` keys back. `config.json` features
 //! not built are refused.
 
-use candle_core::{DType, Device, Tensor};
+#[path = "common/fixture.rs"]
+mod fixture;
+use candle_core::{Device, Tensor};
+use fixture::*;
 use phalanx::engine::{Engine, EngineConfig};
 use phalanx::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use phalanx_models::llama::{self, LlamaConfig};
 use phalanx_models::qwen2;
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 const CASES: [&str; 2] = ["qwen2_tied_gqa", "qwen2_untied"];
-
-fn dir(case: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")).join(case)
-}
-
-fn hf_config(case: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir(case).join("config.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
 
 fn load(case: &str) -> (LlamaConfig, Engine, HashMap<String, Tensor>) {
     let cfg = qwen2::hf::config_from_json(&hf_config(case)).unwrap();
     let mut e = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();
     qwen2::hf::load(&mut e, &cfg, dir(case)).unwrap();
-    let expected =
-        candle_core::safetensors::load(dir(case).join("expected.safetensors"), &Device::Cpu)
-            .unwrap();
+    let expected = expected(case);
     (cfg, e, expected)
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-/// max |a - b| / max |b|.
-fn rel_max(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
-    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
-fn batch(expected: &HashMap<String, Tensor>, k: usize) -> (Tensor, Tensor) {
-    let get = |n: &str| expected[n].get(k).unwrap().to_dtype(DType::U32).unwrap();
-    (get("inputs"), get("targets"))
 }
 
 #[test]

@@ -10,7 +10,10 @@
 //!
 //! The fixtures: `tests/fixtures/make_qwen2_fixture.py` (see its header).
 
+#[path = "common/fixture.rs"]
+mod fixture;
 use candle_core::{DType, Device, Tensor};
+use fixture::*;
 use phalanx::config::TrainConfig;
 use phalanx::data::{DataLoader, LoaderConfig, TokenData};
 use phalanx_models::train::{self, Run};
@@ -18,10 +21,6 @@ use phalanx_models::{family, qwen2};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-
-fn dir(case: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")).join(case)
-}
 
 struct Fixture {
     case: &'static str,
@@ -33,9 +32,7 @@ struct Fixture {
 }
 
 fn fixture(case: &'static str) -> Fixture {
-    let expected =
-        candle_core::safetensors::load(dir(case).join("expected.safetensors"), &Device::Cpu)
-            .unwrap();
+    let expected = expected(case);
     let (steps, batch, seq) = expected["inputs"].dims3().unwrap();
     Fixture {
         case,
@@ -137,22 +134,6 @@ fn run(world: usize, cfg: TrainConfig, f: &Fixture, save: Option<PathBuf>) -> Ve
             named,
         }
     })
-}
-
-/// max |a - b| / max |b|.
-fn rel_max(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
-    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// The final parameters' tolerance (max-relative), as on one rank in
