@@ -12,6 +12,7 @@
 mod bench_collectives;
 mod checkpoint_cmd;
 mod config_args;
+mod elastic;
 mod generate;
 mod launch;
 mod outputs;

@@ -67,7 +67,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     let (cfg, hf_config) = match build(opts) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("phalanx train: {e}");
+            crate::elastic::fail("phalanx train", e);
             return 2;
         }
     };
@@ -77,7 +77,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     }
     if !crate::launch::in_job() {
         if let Err(e) = check_outputs(&cfg, opts).and_then(|()| check_init_from(&cfg, opts)) {
-            eprintln!("phalanx train: {e}");
+            crate::elastic::fail("phalanx train", e);
             return 2;
         }
         let n = launch.nproc_per_node.unwrap_or(2);
@@ -99,7 +99,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             )
             .map_err(|e| phalanx::config::ConfigError(e.to_string()))
         }) {
-            eprintln!("phalanx train: {e}");
+            crate::elastic::fail("phalanx train", e);
             return 2;
         }
         return crate::launch::relaunch_self(launch, n);
@@ -107,7 +107,7 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     match run(&cfg, hf_config.as_deref(), opts) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("phalanx train: error: {e}");
+            crate::elastic::fail("phalanx train: error", e);
             1
         }
     }

@@ -262,3 +262,77 @@ fn messages_name_the_file_and_explain_blocks() {
     assert!(err.contains("n_layer + 2 blocks"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Under torchrun a failing rank writes its error to
+/// `TORCHELASTIC_ERROR_FILE` in torchelastic's JSON shape, whole (no
+/// temporary left beside it), so torchrun's summary names the root cause:
+/// a config error before training, and an error inside a job's rank.
+#[test]
+fn a_failing_rank_writes_torchruns_error_file() {
+    let dir = fresh_dir("phalanx-errfile", "cases");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    // Case 1: a rank of a job whose rendezvous store is not there (what a
+    // rank reports when its job cannot form), within PHALANX_TIMEOUT.
+    // (flags, environment, exit code, what the message must name)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], i32, &'a str);
+    let cases: &[Case] = &[
+        (&["--set", "optim.lr=nan"], &[("RANK", "1")], 2, "optim.lr"),
+        (
+            &[],
+            &[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "1"),
+                ("LOCAL_RANK", "0"),
+                ("LOCAL_WORLD_SIZE", "1"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+                ("PHALANX_TIMEOUT", "2"),
+            ],
+            1,
+            "rendezvous store",
+        ),
+    ];
+    for (k, (sets, env, want_code, want)) in cases.iter().enumerate() {
+        let file = dir.join(format!("error-{k}.json"));
+        let mut args = vec!["train", "--set", "train.steps=2"];
+        args.extend_from_slice(sets);
+        let out = Command::new(BIN)
+            .args(&args)
+            .current_dir(repo())
+            .env_remove("RANK")
+            .envs(env.iter().copied())
+            .env("TORCHELASTIC_ERROR_FILE", &file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(*want_code), "case {k}: {err}");
+        let text = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("case {k}: no error file ({e}): {err}"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let msg = v["message"]["message"].as_str().unwrap();
+        let rank = env.iter().find(|(k, _)| *k == "RANK").unwrap().1;
+        assert!(
+            msg.starts_with(&format!("rank {rank} (")) && msg.contains(want),
+            "case {k}: {msg}"
+        );
+        let ts = v["message"]["extraInfo"]["timestamp"].as_str().unwrap();
+        assert!(ts.parse::<u64>().unwrap() > 1_600_000_000, "case {k}: {ts}");
+        assert!(v["message"]["extraInfo"]["py_callstack"]
+            .as_str()
+            .unwrap()
+            .contains(want));
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "temporaries left: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -31,7 +31,6 @@
 //! ```
 
 use crate::common::generate::{Decoder, FullForward};
-use crate::common::tp::TpLayout;
 use candle_core::Tensor;
 use phalanx::config::{ConfigError, ModelFacts, ModelSchema, TrainConfig};
 use phalanx::engine::{Block, Engine, EngineConfig};
@@ -41,7 +40,6 @@ use phalanx::Result;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 type CResult<T> = std::result::Result<T, ConfigError>;
 
@@ -87,11 +85,10 @@ pub trait ModelFamily: Send + Sync {
     /// The blocks of the whole model (embedding, layers, head).
     fn blocks(&self, cfg: &TrainConfig) -> Result<Vec<Box<dyn Block>>>;
 
-    /// The blocks of one tensor-parallel rank.
+    /// The blocks of one tensor-parallel rank; each declares its
+    /// parameters' placements (`phalanx::placement`), from which
+    /// the slices, gathering and checkpoint regions follow.
     fn tp_blocks(&self, cfg: &TrainConfig, tp: &Tp) -> Result<Vec<Box<dyn Block>>>;
-
-    /// Which slice of every parameter a tensor-parallel rank holds.
-    fn tp_layout(&self, cfg: &TrainConfig) -> Result<Arc<dyn TpLayout>>;
 
     /// A tensor-parallel rank's engine with its slices of the HF weights at
     /// `path` (the whole file's names and shapes checked, as a one-rank

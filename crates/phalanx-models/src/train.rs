@@ -4,8 +4,8 @@
 //! Data parallel (DDP), ZeRO-1/2/3, FSDP and pipeline parallel come from
 //! the generic strategies (`phalanx::trainer::Trainer::with_mesh`): they see
 //! blocks and flat buffers only. Tensor parallel takes the family's own
-//! blocks and placements ([`crate::family::ModelFamily::tp_blocks`],
-//! [`crate::family::ModelFamily::tp_layout`]); the HF weights in and out are
+//! blocks ([`crate::family::ModelFamily::tp_blocks`]), whose parameters
+//! carry their declared placements; the HF weights in and out are
 //! the family's too. Nothing here names a family.
 //!
 //! ```no_run
@@ -76,7 +76,7 @@ pub fn trainer(
     let ecfg = phalanx::trainer::engine_config(cfg);
     let init_err = |p: &Path, e: Error| Error::Check(format!("--init-from {}: {e}", p.display()));
     let tp = tp_of(cfg, &mesh);
-    let (engine, replicated, layout) = match &tp {
+    let (engine, replicated) = match &tp {
         None => {
             let mut engine = build_engine(cfg)?;
             // A pipeline stage reads its own tensors once it knows them
@@ -86,7 +86,7 @@ pub fn trainer(
                     .load_hf(&mut engine, cfg, p)
                     .map_err(|e| init_err(p, e))?;
             }
-            (engine, Vec::new(), None)
+            (engine, Vec::new())
         }
         Some(t) => {
             let context = family.summary(cfg)?.block_size;
@@ -96,7 +96,6 @@ pub fn trainer(
                     t.size()
                 )));
             }
-            let layout = family.tp_layout(cfg)?;
             let mut engine = match &run.init_from {
                 Some(p) => family
                     .tp_load(cfg, t, ecfg, p)
@@ -104,7 +103,6 @@ pub fn trainer(
                 None => ctp::init_engine(
                     family.blocks(cfg)?,
                     family.tp_blocks(cfg, t)?,
-                    &*layout,
                     t,
                     ecfg,
                     &cfg.device()?,
@@ -113,8 +111,8 @@ pub fn trainer(
             // The slices copied in are the initial values (a pipeline stage
             // must not overwrite them with a fresh initialisation).
             engine.init_params(Some(&[]));
-            let rep = ctp::replicated_ranges(&engine, &*layout, t.size());
-            (engine, rep, Some(layout))
+            let rep = ctp::replicated_ranges(&engine, t.size());
+            (engine, rep)
         }
     };
     let seq = loader.seq_len();
@@ -122,9 +120,8 @@ pub fn trainer(
     // Model FLOPs per token (6 x what the tokens go through + attention), for MFU.
     let shape = family.plan_shape(cfg, seq)?;
     trainer.set_flops_per_token(phalanx::plan::model_flops_per_token(&shape));
-    if let (Some(t), Some(layout)) = (&tp, layout) {
+    if let Some(t) = &tp {
         trainer.set_placement(Arc::new(TpPlacement {
-            layout,
             rank: t.rank(),
             size: t.size(),
         }));
@@ -164,8 +161,7 @@ pub fn full_named_params(
 ) -> Result<HashMap<String, Tensor>> {
     trainer.materialize_params()?;
     if let Some(t) = tp_of(cfg, trainer.mesh()) {
-        let layout = family::of(cfg)?.tp_layout(cfg)?;
-        return ctp::gather_full(trainer.engine(), &*layout, &t);
+        return ctp::gather_full(trainer.engine(), &t);
     }
     named_params(trainer.engine())
 }

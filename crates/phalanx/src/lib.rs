@@ -11,6 +11,7 @@ pub mod mesh;
 pub mod monitor;
 pub mod ops;
 pub mod optim;
+pub mod placement;
 pub mod plan;
 pub mod precision;
 pub mod report;

@@ -9,6 +9,7 @@ use std::path::Path;
 /// Bottom first. A module may use the modules of earlier layers only.
 const LAYERS: &[&[&str]] = &[
     &["data", "fault", "fsutil", "ledger", "ops", "precision"],
+    &["placement"],
     &["config"],
     &["error"],
     &["engine", "mesh", "monitor", "plan", "report", "tp"],

@@ -1,8 +1,8 @@
-//! Tensor-parallel placements shared by every family: a family says, per
-//! parameter, which slice of the whole tensor a rank holds ([`TpLayout`],
-//! a [`Rule`]); cutting shards out of whole tensors, reassembling them,
-//! the ranges every rank holds whole and the checkpoint placement follow
-//! from it here, once.
+//! Tensor-parallel shards shared by every family: each parameter's
+//! placement is declared where its block declares it
+//! ([`phalanx::placement`]) and carried by the engine's layout;
+//! cutting shards out of whole tensors, reassembling them, the ranges every
+//! rank holds whole and the checkpoint placement follow from it here, once.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -15,33 +15,12 @@
 //! ```
 
 use candle_core::{Device, Result, Tensor};
-use phalanx::engine::{Block, Engine, EngineConfig};
+use phalanx::engine::{Block, Engine, EngineConfig, ParamInfo};
 use phalanx::tp::Tp;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
 
-/// How rank t's shard is cut from the full parameter (engine orientation).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Rule {
-    Full,
-    /// Rows (dim 0), possibly several ranges concatenated; rows past the
-    /// full tensor's end are zero padding.
-    Rows(Vec<Range<usize>>),
-    /// Columns (dim 1).
-    Cols(Range<usize>),
-}
-
-/// A family's tensor-parallel layout: the whole shape of each parameter
-/// and the slice of it each rank holds.
-pub trait TpLayout: Send + Sync {
-    /// The whole (1-rank) shape of parameter `name`, whose shape on one of
-    /// `size` ranks is `local`.
-    fn full_shape(&self, name: &str, local: &[usize], size: usize) -> Vec<usize>;
-
-    /// The slice of `name` (whole shape `full`) rank `rank` of `size` holds.
-    fn rule(&self, name: &str, full: &[usize], rank: usize, size: usize) -> Rule;
-}
+pub use phalanx::placement::{Placement, Rule};
 
 /// Returns this rank's slice of parameter `name` given its rule and full shape.
 pub type ShardFn<'a> = dyn Fn(&str, &Rule, &[usize]) -> Result<Tensor> + 'a;
@@ -70,22 +49,19 @@ pub fn extract(full: &Tensor, r: &Rule) -> Result<Tensor> {
     }
 }
 
-/// Reassemble the full tensor `name` of shape `full` from every rank's shard.
-pub fn assemble(
-    layout: &dyn TpLayout,
-    name: &str,
-    full: &[usize],
-    shards: &[Tensor],
-) -> Result<Tensor> {
+/// Reassemble parameter `p`'s whole tensor from every rank's shard (rank
+/// order), by its declared placement.
+pub fn assemble(p: &ParamInfo, shards: &[Tensor]) -> Result<Tensor> {
     let tp = shards.len();
-    match layout.rule(name, full, 0, tp) {
+    let full = p.full_shape(tp);
+    match p.rule(0, tp) {
         Rule::Full => Ok(shards[0].clone()),
         Rule::Cols(_) => Tensor::cat(shards, 1),
         Rule::Rows(_) => {
             // Place each rank's row ranges, then drop the padding.
             let mut rows: Vec<(usize, Tensor)> = Vec::new();
             for (t, s) in shards.iter().enumerate() {
-                let Rule::Rows(ranges) = layout.rule(name, full, t, tp) else {
+                let Rule::Rows(ranges) = p.rule(t, tp) else {
                     unreachable!("a parameter's rule is of one kind on every rank")
                 };
                 let mut off = 0;
@@ -103,21 +79,33 @@ pub fn assemble(
 
 /// A tensor-parallel engine of `blocks` (one rank's) whose parameters come
 /// from `shard(name, rule, full_shape)`, this rank's slice (engine
-/// orientation).
+/// orientation) by the parameter's declared placement.
 pub fn shard_engine(
     blocks: Vec<Box<dyn Block>>,
-    layout: &dyn TpLayout,
     tp: &Tp,
     ecfg: EngineConfig,
     device: &Device,
     shard: &ShardFn,
 ) -> Result<Engine> {
     let mut engine = Engine::new(blocks, device, ecfg)?;
-    engine.fill_params(&mut |name, shape| {
-        let full = layout.full_shape(name, shape, tp.size());
-        shard(name, &layout.rule(name, &full, tp.rank(), tp.size()), &full)
-    })?;
+    fill_shards(&mut engine, tp, shard)?;
     Ok(engine)
+}
+
+/// Fill a tensor-parallel engine's parameters with `shard(name, rule,
+/// full_shape)`, this rank's slice by each parameter's declared placement.
+pub fn fill_shards(engine: &mut Engine, tp: &Tp, shard: &ShardFn) -> Result<()> {
+    let layout = engine.layout().clone();
+    engine.fill_params(&mut |name, _shape| {
+        let Some(p) = layout.find(name) else {
+            candle_core::bail!("parameter `{name}` is not in the layout")
+        };
+        shard(
+            name,
+            &p.rule(tp.rank(), tp.size()),
+            &p.full_shape(tp.size()),
+        )
+    })
 }
 
 /// Initialise: the whole model (`whole`) with `ecfg.seed`, then this rank's
@@ -126,7 +114,6 @@ pub fn shard_engine(
 pub fn init_engine(
     whole: Vec<Box<dyn Block>>,
     blocks: Vec<Box<dyn Block>>,
-    layout: &dyn TpLayout,
     tp: &Tp,
     ecfg: EngineConfig,
     device: &Device,
@@ -136,18 +123,14 @@ pub fn init_engine(
         ..ecfg
     };
     let full = Engine::new(whole, device, eager)?;
-    shard_engine(blocks, layout, tp, ecfg, device, &|name, r, _| {
+    shard_engine(blocks, tp, ecfg, device, &|name, r, _| {
         extract(&full.param_tensor(name)?, r)
     })
 }
 
 /// The whole model's parameters (engine names and orientation), gathered
 /// from every tensor-parallel rank (collective over the tp group).
-pub fn gather_full(
-    engine: &Engine,
-    layout: &dyn TpLayout,
-    tp: &Tp,
-) -> phalanx::Result<HashMap<String, Tensor>> {
+pub fn gather_full(engine: &Engine, tp: &Tp) -> phalanx::Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for p in engine.layout().params() {
         let local = engine.param(&p.name)?;
@@ -158,8 +141,7 @@ pub fn gather_full(
             // Host memory by design: the engine's flat buffers live there.
             .map(|c| Tensor::from_slice(c, p.shape.as_slice(), &Device::Cpu))
             .collect::<Result<_>>()?;
-        let full = layout.full_shape(&p.name, &p.shape, tp.size());
-        out.insert(p.name.clone(), assemble(layout, &p.name, &full, &shards)?);
+        out.insert(p.name.clone(), assemble(p, &shards)?);
     }
     Ok(out)
 }
@@ -169,34 +151,30 @@ pub fn gather_full(
 /// parallelism their gradients are partial sums over the sequence chunks
 /// and must be summed over the tp group; in the global gradient norm they
 /// count once.
-pub fn replicated_ranges(engine: &Engine, layout: &dyn TpLayout, tp: usize) -> Vec<Range<usize>> {
+pub fn replicated_ranges(engine: &Engine, tp: usize) -> Vec<Range<usize>> {
     engine
         .layout()
         .params()
         .iter()
-        .filter(|p| {
-            let full = layout.full_shape(&p.name, &p.shape, tp);
-            layout.rule(&p.name, &full, 0, tp) == Rule::Full
-        })
+        .filter(|p| p.rule(0, tp) == Rule::Full)
         .map(|p| p.range())
         .collect()
 }
 
 /// Where this tp rank's parameters sit in the full tensors, for
-/// checkpoints: the slices of the layout's rules (several row ranges, the
-/// vocabulary-parallel rows without their padding, the row-parallel
-/// columns).
+/// checkpoints: the slices of their declared placements (several row
+/// ranges, the vocabulary-parallel rows without their padding, the
+/// row-parallel columns).
 pub struct TpPlacement {
-    pub layout: Arc<dyn TpLayout>,
     pub rank: usize,
     pub size: usize,
 }
 
 impl phalanx::checkpoint::Placement for TpPlacement {
-    fn place(&self, p: &phalanx::engine::ParamInfo) -> phalanx::checkpoint::Placed {
+    fn place(&self, p: &ParamInfo) -> phalanx::checkpoint::Placed {
         use phalanx::checkpoint::Placed;
-        let full = self.layout.full_shape(&p.name, &p.shape, self.size);
-        match self.layout.rule(&p.name, &full, self.rank, self.size) {
+        let full = p.full_shape(self.size);
+        match p.rule(self.rank, self.size) {
             Rule::Full => Placed::whole(&p.shape),
             Rule::Cols(c) => Placed {
                 blocks: vec![(0..p.shape[0], vec![0, c.start])],

@@ -40,11 +40,11 @@
 
 use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
-use phalanx::engine::{Block, BlockModule, Ctx, DirectBackward};
+use phalanx::engine::{Block, BlockModule, Ctx, DirectBackward, Placement};
 use phalanx::ops;
 use phalanx::tp::{
-    padded_vocab, vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, Tp,
-    VocabParallelEmbedding,
+    linear_params, vocab_parallel_cross_entropy, vocab_table, ColumnParallelLinear,
+    RowParallelLinear, Tp, VocabParallelEmbedding, COLUMN_PARALLEL, ROW_PARALLEL,
 };
 
 use super::config::Gpt2Config;
@@ -237,23 +237,26 @@ impl Block for Layer {
             let n_head_local = tp.part(self.cfg.n_head, "model.n_head")?;
             let (c3, c4) = (tp.part(3 * c, "3 n_embd")?, tp.part(4 * c, "4 n_embd")?);
             let cl = c / tp.size();
-            let lin = |name: &str, o: usize, i: usize, std: f64| -> Result<(Tensor, Tensor)> {
-                Ok((
-                    vb.get_with_hints((o, i), &format!("{name}.weight"), normal(std))?,
-                    vb.get_with_hints(o, &format!("{name}.bias"), Init::Const(0.0))?,
-                ))
+            // c_attn's rows are [q | k | v]: each of the three is split by heads.
+            let qkv = Placement::Shard {
+                dim: 0,
+                groups: 3,
+                full: None,
             };
-            let (aw, ab) = lin("attn.c_attn", c3, c, STD)?;
-            let (pw, pb) = lin("attn.c_proj", c, cl, proj_std)?;
-            let (fw, fb) = lin("mlp.c_fc", c4, c, STD)?;
-            let (mw, mb) = lin("mlp.c_proj", c, c4, proj_std)?;
+            let lin = |name: &str, o: usize, i: usize, std: f64, p| {
+                linear_params(&vb, name, (o, i), std, true, p)
+            };
+            let (aw, ab) = lin("attn.c_attn", c3, c, STD, (qkv, qkv))?;
+            let (pw, pb) = lin("attn.c_proj", c, cl, proj_std, ROW_PARALLEL)?;
+            let (fw, fb) = lin("mlp.c_fc", c4, c, STD, COLUMN_PARALLEL)?;
+            let (mw, mb) = lin("mlp.c_proj", c, c4, proj_std, ROW_PARALLEL)?;
             return Ok(Box::new(TpLayerModule {
                 ln_1: LayerNorm::new(&vb, "ln_1", c)?,
-                c_attn: ColumnParallelLinear::from_parts(tp, aw, Some(ab)),
-                attn_proj: RowParallelLinear::from_parts(tp, pw, Some(pb)),
+                c_attn: ColumnParallelLinear::from_parts(tp, aw, ab),
+                attn_proj: RowParallelLinear::from_parts(tp, pw, pb),
                 ln_2: LayerNorm::new(&vb, "ln_2", c)?,
-                c_fc: ColumnParallelLinear::from_parts(tp, fw, Some(fb)),
-                mlp_proj: RowParallelLinear::from_parts(tp, mw, Some(mb)),
+                c_fc: ColumnParallelLinear::from_parts(tp, fw, fb),
+                mlp_proj: RowParallelLinear::from_parts(tp, mw, mb),
                 n_head_local,
             }));
         }
@@ -385,10 +388,9 @@ impl Block for Head {
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
         if let Some(tp) = &self.tp {
-            let rows = padded_vocab(c.vocab_size, tp.size()) / tp.size();
             return Ok(Box::new(TpHeadModule {
                 ln_f: LayerNorm::new(&vb, "transformer.ln_f", c.n_embd)?,
-                wte: vb.get_with_hints((rows, c.n_embd), "transformer.wte.weight", normal(STD))?,
+                wte: vocab_table(tp, &vb, "transformer.wte.weight", c.vocab_size, c.n_embd)?,
                 tp: tp.clone(),
                 vocab: c.vocab_size,
             }));

@@ -2,7 +2,6 @@
 
 use super::config::{Gpt2Schema, Gpt2Section, DEFAULT_PRESET};
 use super::{hf, tp, Gpt2Config};
-use crate::common::tp::TpLayout;
 use crate::family::{FamilyNames, HfKey, ModelFamily, ModelSummary};
 use candle_core::Tensor;
 use phalanx::config::{ConfigError, ModelFacts, ModelSchema, TrainConfig};
@@ -13,7 +12,6 @@ use phalanx::{Error, Result};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// The GPT-2 family: `GPT2LMHeadModel`.
 pub struct Gpt2Family;
@@ -90,12 +88,6 @@ impl ModelFamily for Gpt2Family {
 
     fn tp_blocks(&self, cfg: &TrainConfig, t: &Tp) -> Result<Vec<Box<dyn Block>>> {
         Ok(super::blocks_tp(&model_config(cfg)?, Some(t.clone()))?)
-    }
-
-    fn tp_layout(&self, cfg: &TrainConfig) -> Result<Arc<dyn TpLayout>> {
-        Ok(Arc::new(tp::Gpt2Tp {
-            vocab: model_config(cfg)?.vocab_size,
-        }))
     }
 
     fn tp_load(

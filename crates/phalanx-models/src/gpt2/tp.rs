@@ -1,93 +1,44 @@
-//! GPT-2 under tensor parallelism: which slice of each full parameter a
-//! tensor-parallel rank holds ([`Gpt2Tp`]; cutting, gathering and placing
-//! shards are [`crate::common::tp`]'s), and reading a rank's slices
-//! straight out of a Hugging Face file.
+//! GPT-2 under tensor parallelism: reading a rank's slices straight out of
+//! a Hugging Face file. Which slice of each whole parameter a rank holds is
+//! declared with the parameter in [`super::blocks`] (cutting, gathering and
+//! placing shards are [`crate::common::tp`]'s):
 //!
-//! | parameter (engine layout, `Linear` = (out, in)) | rank t of tp holds |
-//! |---|---|
-//! | `wte` (V, C) | rows [t V'/tp, (t+1) V'/tp) of the vocabulary padded to V' (zeros past V) |
-//! | `attn.c_attn` weight (3C, C), bias (3C) | the q, k and v rows of its heads: three row ranges |
-//! | `attn.c_proj` weight (C, C) | columns [t C/tp, (t+1) C/tp); bias replicated |
-//! | `mlp.c_fc` weight (4C, C), bias | rows [t 4C/tp, ...) |
-//! | `mlp.c_proj` weight (C, 4C) | columns; bias replicated |
-//! | `wpe`, LayerNorms | replicated |
+//! - `wte` (V, C): `Shard(0)` of the vocabulary padded to a multiple of tp
+//!   (zeros past V);
+//! - `attn.c_attn` weight (3C, C), bias (3C): `Shard(0)` in 3 groups, the q,
+//!   k and v rows of this rank's heads;
+//! - `mlp.c_fc`: `Shard(0)`; `attn.c_proj`, `mlp.c_proj` weights:
+//!   `Shard(1)`, biases replicated;
+//! - `wpe`, LayerNorms: replicated.
 //!
 //! Initialisation builds the whole model with the run's seed and keeps each
 //! rank's slice, so a tensor-parallel run starts from exactly the
 //! parameters of a single-rank run (and reproduces it).
 //!
 //! ```
-//! use phalanx_models::gpt2::tp::{rule, Rule};
-//! // Rank 1 of 2, C = 4: its q, k and v rows of c_attn.
-//! assert_eq!(rule("transformer.h.0.attn.c_attn.weight", &[12, 4], 256, 1, 2), Rule::Rows(vec![2..4, 6..8, 10..12]));
-//! assert_eq!(rule("transformer.h.0.attn.c_proj.bias", &[4], 256, 1, 2), Rule::Full);
+//! use phalanx::engine::{Engine, EngineConfig, Rule};
+//! use phalanx::tp::Tp;
+//! use phalanx_models::gpt2::{blocks_tp, Gpt2Config};
+//! let rules = phalanx_comm::threads::run(2, |pg| {
+//!     let tp = Tp::new(pg, false);
+//!     let cfg = Gpt2Config::new(1, 2, 4, 256, 8); // C = 4
+//!     let e = Engine::new(blocks_tp(&cfg, Some(tp.clone())).unwrap(), &candle_core::Device::Cpu,
+//!                         EngineConfig { defer_init: true, ..Default::default() }).unwrap();
+//!     let p = |n: &str| e.layout().find(n).unwrap().rule(tp.rank(), 2);
+//!     (p("transformer.h.0.attn.c_attn.weight"), p("transformer.h.0.attn.c_proj.bias"))
+//! });
+//! // Rank 1 of 2: its q, k and v rows of c_attn; c_proj's bias whole.
+//! assert_eq!(rules[1], (Rule::Rows(vec![2..4, 6..8, 10..12]), Rule::Full));
 //! ```
 
 use super::{hf, Gpt2Config};
+use crate::common::tp::shard_engine;
 pub use crate::common::tp::{extract, Rule};
-use crate::common::tp::{shard_engine, TpLayout};
 use candle_core::{Device, Result, Tensor};
 use phalanx::engine::{Engine, EngineConfig};
-use phalanx::tp::{padded_vocab, Tp};
+use phalanx::tp::Tp;
 use std::collections::HashMap;
 use std::ops::Range;
-
-/// GPT-2's [`TpLayout`]: [`rule`] and [`full_shape`] for a vocabulary.
-pub struct Gpt2Tp {
-    pub vocab: usize,
-}
-
-impl TpLayout for Gpt2Tp {
-    fn full_shape(&self, name: &str, local: &[usize], size: usize) -> Vec<usize> {
-        full_shape(name, local, self.vocab, size)
-    }
-
-    fn rule(&self, name: &str, full: &[usize], rank: usize, size: usize) -> Rule {
-        rule(name, full, self.vocab, rank, size)
-    }
-}
-
-/// The rule for parameter `name` of full shape `full` on rank `t` of `tp`.
-pub fn rule(name: &str, full: &[usize], vocab: usize, t: usize, tp: usize) -> Rule {
-    let part = |n: usize| (t * n / tp)..((t + 1) * n / tp);
-    if tp == 1 {
-        return Rule::Full;
-    }
-    if name.ends_with("wte.weight") {
-        let rows = padded_vocab(vocab, tp) / tp;
-        return Rule::Rows(std::iter::once(t * rows..(t + 1) * rows).collect());
-    }
-    if name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
-        let c = full[0] / 3;
-        let p = part(c);
-        return Rule::Rows((0..3).map(|k| k * c + p.start..k * c + p.end).collect());
-    }
-    if name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
-        return Rule::Rows(vec![part(full[0])]);
-    }
-    if name.ends_with("attn.c_proj.weight") || name.ends_with("mlp.c_proj.weight") {
-        return Rule::Cols(part(full[1]));
-    }
-    Rule::Full
-}
-
-/// The full shape of a parameter from one shard's shape.
-pub fn full_shape(name: &str, local: &[usize], vocab: usize, tp: usize) -> Vec<usize> {
-    let mut f = local.to_vec();
-    match rule(
-        name,
-        &[local[0] * tp, *local.get(1).unwrap_or(&0) * tp],
-        vocab,
-        0,
-        tp,
-    ) {
-        Rule::Full => {}
-        Rule::Cols(_) => f[1] *= tp,
-        Rule::Rows(_) if name.ends_with("wte.weight") => f[0] = vocab,
-        Rule::Rows(_) => f[0] *= tp,
-    }
-    f
-}
 
 /// Load an HF safetensors file: the file is memory-mapped and each rank
 /// copies out only the bytes of its slices (rows, or the column range of
@@ -114,10 +65,7 @@ pub fn load_engine(
         .collect();
     hf::check_file(&kinds, None)?;
     let blocks = super::blocks_tp(cfg, Some(tp.clone()))?;
-    let layout = Gpt2Tp {
-        vocab: cfg.vocab_size,
-    };
-    let engine = shard_engine(blocks, &layout, tp, ecfg, device, &|name, r, want| {
+    let engine = shard_engine(blocks, tp, ecfg, device, &|name, r, want| {
         let short = name.strip_prefix("transformer.").unwrap_or(name);
         let file_name = if names.contains_key(name) {
             name

@@ -7,7 +7,6 @@
 use super::config::{LlamaConfig, LlamaSection};
 use super::{generate, hf, hf_config, tp};
 use crate::common::generate::Decoder;
-use crate::common::tp::TpLayout;
 use crate::family::{FamilyNames, HfKey, ModelFamily, ModelSummary};
 use candle_core::Tensor;
 use phalanx::config::{ConfigError, ModelFacts, TrainConfig};
@@ -18,7 +17,6 @@ use phalanx::Result;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 /// What a family built on Llama's layers says for itself.
 pub trait LlamaDialect: Send + Sync {
@@ -163,12 +161,6 @@ impl ModelFamily for OnLlama {
 
     fn tp_blocks(&self, cfg: &TrainConfig, t: &Tp) -> Result<Vec<Box<dyn Block>>> {
         Ok(tp::blocks_tp(&self.model(cfg)?, t)?)
-    }
-
-    fn tp_layout(&self, cfg: &TrainConfig) -> Result<Arc<dyn TpLayout>> {
-        Ok(Arc::new(tp::LlamaTp {
-            cfg: self.model(cfg)?,
-        }))
     }
 
     fn tp_load(

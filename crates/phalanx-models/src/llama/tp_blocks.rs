@@ -14,6 +14,10 @@
 //! matrices' rows (a replicated bias's gradient takes the same path as its
 //! matrix's).
 //!
+//! Each parameter's placement (`phalanx::placement`) is declared
+//! here with it: the slices a rank loads, the gathered whole tensors and the
+//! checkpoint regions follow from it.
+//!
 //! Rank t's query heads [t nh/tp, (t+1) nh/tp) read kv heads
 //! [t nkv/tp, ...) in HF's grouping (query head j reads kv head j / n_rep),
 //! so a split kv projection keeps every group on one rank.
@@ -38,12 +42,13 @@ use candle_core::{bail, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use phalanx::engine::{Block, BlockModule, Ctx};
 use phalanx::ops;
+use phalanx::placement::{declare, Placement};
 use phalanx::tp::{
-    copy_to_tp, padded_vocab, vocab_parallel_cross_entropy, RowParallelLinear, Tp,
+    copy_to_tp, vocab_parallel_cross_entropy, vocab_table, RowParallelLinear, Tp,
     VocabParallelEmbedding,
 };
 
-use super::blocks::{bias, head_name, repeat_kv, RmsNorm};
+use super::blocks::{head_name, repeat_kv, RmsNorm};
 use super::config::LlamaConfig;
 use super::ops::{rope, swiglu};
 
@@ -150,25 +155,40 @@ impl Block for TpLayer {
             cfg.rms_norm_eps,
         );
         let vb = vb.pp(format!("model.layers.{}", self.index));
-        let w = |name: &str, o: usize, i: usize| {
-            vb.get_with_hints((o, i), &format!("{name}.weight"), normal())
+        let w = |name: &str, o: usize, i: usize, p: Placement| {
+            declare(&vb, (o, i), &format!("{name}.weight"), normal(), p)
         };
-        let kv_rows = if kv_split(cfg, n) { kv / n } else { kv };
+        // A q / k / v bias is placed as its matrix's rows.
+        let b = |name: &str, o: usize, p: Placement| -> Result<Option<Tensor>> {
+            cfg.qkv_bias
+                .then(|| declare(&vb, o, &format!("{name}.bias"), Init::Const(0.0), p))
+                .transpose()
+        };
+        let (rows, cols) = (Placement::rows(), Placement::cols());
+        // kv heads split by heads, or replicated whole when tp > n_kv_head.
+        let (kv_rows, kv_place) = match kv_split(cfg, n) {
+            true => (kv / n, rows),
+            false => (kv, Placement::Replicate),
+        };
         Ok(Box::new(TpLayerModule {
             input_layernorm: RmsNorm::new(&vb, "input_layernorm", c, eps)?,
-            q: w("self_attn.q_proj", cfg.q_dim() / n, c)?,
-            k: w("self_attn.k_proj", kv_rows, c)?,
-            v: w("self_attn.v_proj", kv_rows, c)?,
+            q: w("self_attn.q_proj", cfg.q_dim() / n, c, rows)?,
+            k: w("self_attn.k_proj", kv_rows, c, kv_place)?,
+            v: w("self_attn.v_proj", kv_rows, c, kv_place)?,
             qkv_b: [
-                bias(&vb, cfg.qkv_bias, "self_attn.q_proj", cfg.q_dim() / n)?,
-                bias(&vb, cfg.qkv_bias, "self_attn.k_proj", kv_rows)?,
-                bias(&vb, cfg.qkv_bias, "self_attn.v_proj", kv_rows)?,
+                b("self_attn.q_proj", cfg.q_dim() / n, rows)?,
+                b("self_attn.k_proj", kv_rows, kv_place)?,
+                b("self_attn.v_proj", kv_rows, kv_place)?,
             ],
-            o: RowParallelLinear::from_parts(tp, w("self_attn.o_proj", c, cfg.q_dim() / n)?, None),
+            o: RowParallelLinear::from_parts(
+                tp,
+                w("self_attn.o_proj", c, cfg.q_dim() / n, cols)?,
+                None,
+            ),
             post_attention_layernorm: RmsNorm::new(&vb, "post_attention_layernorm", c, eps)?,
-            gate: w("mlp.gate_proj", m / n, c)?,
-            up: w("mlp.up_proj", m / n, c)?,
-            down: RowParallelLinear::from_parts(tp, w("mlp.down_proj", c, m / n)?, None),
+            gate: w("mlp.gate_proj", m / n, c, rows)?,
+            up: w("mlp.up_proj", m / n, c, rows)?,
+            down: RowParallelLinear::from_parts(tp, w("mlp.down_proj", c, m / n, cols)?, None),
             cfg: *cfg,
             tp: tp.clone(),
         }))
@@ -253,10 +273,9 @@ impl Block for TpHead {
 
     fn build(&self, vb: VarBuilder) -> Result<Box<dyn BlockModule>> {
         let c = &self.cfg;
-        let rows = padded_vocab(c.vocab_size, self.tp.size()) / self.tp.size();
         Ok(Box::new(TpHeadModule {
             norm: RmsNorm::new(&vb, "model.norm", c.n_embd, c.rms_norm_eps)?,
-            lm_head: vb.get_with_hints((rows, c.n_embd), head_name(c), normal())?,
+            lm_head: vocab_table(&self.tp, &vb, head_name(c), c.vocab_size, c.n_embd)?,
             tp: self.tp.clone(),
             vocab: c.vocab_size,
         }))

@@ -1,7 +1,8 @@
 //! `VarBuilder` backends: how a block's candle code meets the flat buffers.
 //!
 //! - [`Recorder`] answers every `vb.get*` with zeros and writes down the
-//!   request (name, shape, init hint): the engine builds its layout from it.
+//!   request (name, shape, init hint, and the placement
+//!   [`crate::placement::declare`] gave): the engine builds its layout from it.
 //! - [`Server`] answers from a [`ParamSource`]: it copies the parameter out of
 //!   the flat buffer into a fresh candle tensor, a `Var` when gradients are
 //!   wanted, and remembers the `Var` so the engine can read its gradient.
@@ -62,6 +63,7 @@ impl SimpleBackend for Recorder {
             name: name.to_string(),
             shape: s.dims().to_vec(),
             init: h,
+            placement: crate::placement::take_pending(),
         });
         Tensor::zeros(s, dtype, dev)
     }

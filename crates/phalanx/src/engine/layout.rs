@@ -30,12 +30,18 @@ use std::ops::Range;
 use candle_core::{bail, Result};
 use candle_nn::Init;
 
-/// A parameter as a block asks for it (name, shape, initialisation hint).
+use crate::placement::{Placement, Rule};
+
+/// A parameter as a block asks for it (name, shape, initialisation hint,
+/// tensor-parallel placement).
 #[derive(Debug, Clone)]
 pub struct ParamDecl {
     pub name: String,
     pub shape: Vec<usize>,
     pub init: Init,
+    /// How the whole tensor is laid over the tp ranks (`shape` is one
+    /// rank's); see [`crate::placement`].
+    pub placement: Placement,
 }
 
 impl ParamDecl {
@@ -44,7 +50,14 @@ impl ParamDecl {
             name: name.to_string(),
             shape: shape.to_vec(),
             init: Init::Const(0.0),
+            placement: Placement::Replicate,
         }
+    }
+
+    /// With a tensor-parallel placement.
+    pub fn placed(mut self, placement: Placement) -> Self {
+        self.placement = placement;
+        self
     }
 }
 
@@ -59,6 +72,8 @@ pub struct ParamInfo {
     pub offset: usize,
     pub numel: usize,
     pub init: Init,
+    /// As declared (see [`crate::placement`]): `shape` is this tp rank's.
+    pub placement: Placement,
 }
 
 impl ParamInfo {
@@ -71,6 +86,16 @@ impl ParamInfo {
     /// biases and LayerNorm gains do not, as in nanoGPT.
     pub fn is_matrix(&self) -> bool {
         self.shape.len() >= 2
+    }
+
+    /// The whole (one-rank) shape over `tp` tensor-parallel ranks.
+    pub fn full_shape(&self, tp: usize) -> Vec<usize> {
+        self.placement.full_shape(&self.shape, tp)
+    }
+
+    /// The slice of the whole tensor tp rank `rank` of `tp` holds.
+    pub fn rule(&self, rank: usize, tp: usize) -> Rule {
+        self.placement.rule(&self.shape, rank, tp)
     }
 }
 
@@ -121,6 +146,17 @@ impl Layout {
                             owner.shape
                         );
                     }
+                    // A tied use that declares a placement declares the owner's.
+                    if d.placement != Placement::Replicate && d.placement != owner.placement {
+                        bail!(
+                            "parameter `{}` is requested by block {b} placed {:?} but block {} \
+                             declared it placed {:?}",
+                            d.name,
+                            d.placement,
+                            owner.block,
+                            owner.placement
+                        );
+                    }
                     tied.push(k);
                     continue;
                 }
@@ -133,6 +169,7 @@ impl Layout {
                     offset,
                     numel,
                     init: d.init,
+                    placement: d.placement,
                 });
                 offset += numel;
             }

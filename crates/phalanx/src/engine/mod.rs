@@ -22,7 +22,8 @@
 //! - Pipeline: `Engine::forward_range` / `backward_range` on a sub-range,
 //!   activation in, input gradient out; several stashes may be in flight.
 //! - Tensor parallel: blocks are constructed by model code with their tp
-//!   rank/size; the engine only sees their (sharded) parameters.
+//!   rank/size; the engine sees their (sharded) parameters, each with the
+//!   placement its block declared (`crate::placement::declare`).
 //!
 //! ```
 //! use phalanx::engine::{Block, Engine, EngineConfig, FnBlock};
@@ -43,6 +44,7 @@ pub mod layout;
 pub mod model;
 pub mod stack;
 
+pub use crate::placement::{Placement, Rule};
 pub use backend::ParamSource;
 pub use block::{Block, BlockModule, Ctx, CtxBlock, DirectBackward, FnBlock};
 pub use flat::{FlatBuffer, GradSink};

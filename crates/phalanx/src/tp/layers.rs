@@ -1,7 +1,9 @@
 //! Megatron-LM's tensor-parallel layers, built from a `VarBuilder` like any
 //! candle-nn layer, so they serve any model (GPT-2 in `phalanx-models` uses
 //! them). Each rank declares only its shard; parameter names are the full
-//! model's, so checkpoints map onto shards by name (see `shard`).
+//! model's, so checkpoints map onto shards by name, and each parameter's
+//! placement is declared with it (`crate::placement`): the slices, the
+//! gathered whole tensors and the checkpoint regions follow from it.
 //!
 //! - `ColumnParallelLinear`: weight (out/tp, in); input replicated (or
 //!   gathered from sequence shards), output split over `out`.
@@ -34,6 +36,7 @@
 use super::comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq};
 use super::overlap::{column_parallel_linear, tp_overlap_enabled};
 use crate::ops;
+use crate::placement::{declare, Placement};
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, VarBuilder};
 use phalanx_comm::{ProcessGroup, ReduceOp};
@@ -104,20 +107,35 @@ fn normal(stdev: f64) -> Init {
     Init::Randn { mean: 0.0, stdev }
 }
 
-/// `name.weight` of `shape` (out, in), N(0, 0.02), and `name.bias` (out,) = 0.
-fn linear_params(
+/// `name.weight` of `shape` (out, in), N(`std`), and `name.bias` (out,) = 0,
+/// placed `w` and `b` over the tp ranks.
+pub fn linear_params(
     vb: &VarBuilder,
     name: &str,
     shape: (usize, usize),
+    std: f64,
     bias: bool,
+    (w, b): (Placement, Placement),
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let w = vb.get_with_hints(shape, &format!("{name}.weight"), normal(0.02))?;
+    let w = declare(vb, shape, &format!("{name}.weight"), normal(std), w)?;
     let b = match bias {
-        true => Some(vb.get_with_hints(shape.0, &format!("{name}.bias"), Init::Const(0.0))?),
+        true => Some(declare(
+            vb,
+            shape.0,
+            &format!("{name}.bias"),
+            Init::Const(0.0),
+            b,
+        )?),
         false => None,
     };
     Ok((w, b))
 }
+
+/// A column-parallel linear's placements (weight, bias): both by rows.
+pub const COLUMN_PARALLEL: (Placement, Placement) = (Placement::rows(), Placement::rows());
+/// A row-parallel linear's placements: the weight by columns, the bias
+/// replicated (added once, after the reduction).
+pub const ROW_PARALLEL: (Placement, Placement) = (Placement::cols(), Placement::Replicate);
 
 pub struct ColumnParallelLinear {
     tp: Tp,
@@ -136,7 +154,7 @@ impl ColumnParallelLinear {
         bias: bool,
     ) -> Result<Self> {
         let o = tp.part(out_dim, &format!("{name} output size"))?;
-        let (w, b) = linear_params(vb, name, (o, in_dim), bias)?;
+        let (w, b) = linear_params(vb, name, (o, in_dim), 0.02, bias, COLUMN_PARALLEL)?;
         Ok(Self::from_parts(tp, w, b))
     }
 
@@ -177,7 +195,7 @@ impl RowParallelLinear {
         bias: bool,
     ) -> Result<Self> {
         let i = tp.part(in_dim, &format!("{name} input size"))?;
-        let (w, b) = linear_params(vb, name, (out_dim, i), bias)?;
+        let (w, b) = linear_params(vb, name, (out_dim, i), 0.02, bias, ROW_PARALLEL)?;
         Ok(Self::from_parts(tp, w, b))
     }
 
@@ -212,11 +230,24 @@ pub fn padded_vocab(vocab: usize, tp: usize) -> usize {
     vocab.div_ceil(tp) * tp
 }
 
+/// This rank's rows of a vocabulary-parallel table `name` (V'/tp, dim),
+/// N(0, 0.02), placed `Shard(0)` of the unpadded `vocab` rows (an embedding,
+/// or the head tied to it).
+pub fn vocab_table(
+    tp: &Tp,
+    vb: &VarBuilder,
+    name: &str,
+    vocab: usize,
+    dim: usize,
+) -> Result<Tensor> {
+    let rows = padded_vocab(vocab, tp.size()) / tp.size();
+    declare(vb, (rows, dim), name, normal(0.02), Placement::vocab(vocab))
+}
+
 impl VocabParallelEmbedding {
+    /// `name` (V'/tp, dim), declared as [`vocab_table`] does.
     pub fn new(tp: &Tp, vb: &VarBuilder, name: &str, vocab: usize, dim: usize) -> Result<Self> {
-        let rows = padded_vocab(vocab, tp.size()) / tp.size();
-        let w = vb.get_with_hints((rows, dim), name, normal(0.02))?;
-        Ok(Self::from_parts(tp, w))
+        Ok(Self::from_parts(tp, vocab_table(tp, vb, name, vocab, dim)?))
     }
 
     pub fn from_parts(tp: &Tp, w: Tensor) -> Self {

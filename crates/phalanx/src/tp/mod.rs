@@ -11,7 +11,7 @@ mod overlap;
 
 pub use comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq};
 pub use layers::{
-    padded_vocab, vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, Tp,
-    VocabParallelEmbedding,
+    linear_params, padded_vocab, vocab_parallel_cross_entropy, vocab_table, ColumnParallelLinear,
+    RowParallelLinear, Tp, VocabParallelEmbedding, COLUMN_PARALLEL, ROW_PARALLEL,
 };
 pub use overlap::{column_parallel_linear, tp_overlap_enabled};
