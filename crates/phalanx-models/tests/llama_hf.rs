@@ -11,7 +11,6 @@ mod fixture;
 use candle_core::{Device, Tensor};
 use fixture::*;
 use phalanx::engine::{Engine, EngineConfig};
-use phalanx::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use phalanx_models::llama::config::RopeScaling;
 use phalanx_models::llama::{self, hf, LlamaConfig};
 use std::collections::HashMap;
@@ -64,47 +63,13 @@ fn training_matches_transformers() {
         "llama_head_dim",
     ] {
         let (_cfg, mut e, expected) = load(case);
-        let losses = f64s(&expected["losses"]);
-        let n = e.num_params();
-        let mut opt: Box<dyn Optimizer> = if case == "llama_gqa" {
-            let c = AdamWConfig {
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-            };
-            Box::new(AdamW::new(c, e.layout(), 0..n, e.ledger()))
-        } else {
-            Box::new(Sgd::new(SgdConfig::default(), e.layout(), 0..n, e.ledger()))
-        };
-        let lr = if case == "llama_gqa" { 3e-3 } else { 0.5 };
-        for (k, want) in losses.iter().enumerate() {
-            let (x, y) = batch(&expected, k);
-            e.zero_grad();
-            let loss = e.forward_backward(&x, &y, 1.0).unwrap() as f64;
-            println!("{case} step {k}: loss {loss:.7} (transformers {want:.7})");
-            assert!(
-                ((loss - want) / want).abs() < 1e-5,
-                "{case} step {k}: loss {loss} vs {want}"
-            );
-            let (p, g) = e.params_and_grads_mut();
-            opt.step(p, g, lr, 1.0);
-        }
+        train_as_recorded(case, &mut e, &expected, case == "llama_gqa");
         let mut worst = 0f64;
-        for p in e.layout().params().to_vec() {
-            let want = f64s(&expected[&format!("final.{}", p.name)]);
-            let ours: Vec<f64> = e
-                .param(&p.name)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
-            let err = rel_max(&ours, &want);
+        for (name, err) in final_errors(&e, &expected) {
             worst = worst.max(err);
             assert!(
                 err < 2e-5,
-                "{case} {}: final parameters differ by {err:e}",
-                p.name
+                "{case} {name}: final parameters differ by {err:e}"
             );
         }
         println!("{case}: final parameters max rel err {worst:e}");

@@ -6,6 +6,8 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Tensor};
+use phalanx::engine::Engine;
+use phalanx::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -50,4 +52,59 @@ pub fn rel_max(a: &[f64], b: &[f64]) -> f64 {
 pub fn batch(expected: &HashMap<String, Tensor>, k: usize) -> (Tensor, Tensor) {
     let get = |n: &str| expected[n].get(k).unwrap().to_dtype(DType::U32).unwrap();
     (get("inputs"), get("targets"))
+}
+
+/// Train `e` on the fixture's batches as the fixture script did (AdamW
+/// betas (0.9, 0.95), eps 1e-8, decay 0.1, lr 3e-3; or plain SGD at lr
+/// 0.5), asserting every step's loss within 1e-5 of transformers'.
+pub fn train_as_recorded(
+    case: &str,
+    e: &mut Engine,
+    expected: &HashMap<String, Tensor>,
+    adamw: bool,
+) {
+    let losses = f64s(&expected["losses"]);
+    let n = e.num_params();
+    let mut opt: Box<dyn Optimizer> = if adamw {
+        let c = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        Box::new(AdamW::new(c, e.layout(), 0..n, e.ledger()))
+    } else {
+        Box::new(Sgd::new(SgdConfig::default(), e.layout(), 0..n, e.ledger()))
+    };
+    let lr = if adamw { 3e-3 } else { 0.5 };
+    for (k, want) in losses.iter().enumerate() {
+        let (x, y) = batch(expected, k);
+        e.zero_grad();
+        let loss = e.forward_backward(&x, &y, 1.0).unwrap() as f64;
+        println!("{case} step {k}: loss {loss:.7} (transformers {want:.7})");
+        assert!(
+            ((loss - want) / want).abs() < 1e-5,
+            "{case} step {k}: loss {loss} vs {want}"
+        );
+        let (p, g) = e.params_and_grads_mut();
+        opt.step(p, g, lr, 1.0);
+    }
+}
+
+/// Every parameter's max-relative distance to the fixture's final one.
+pub fn final_errors(e: &Engine, expected: &HashMap<String, Tensor>) -> Vec<(String, f64)> {
+    e.layout()
+        .params()
+        .iter()
+        .map(|p| {
+            let want = f64s(&expected[&format!("final.{}", p.name)]);
+            let ours: Vec<f64> = e
+                .param(&p.name)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            (p.name.clone(), rel_max(&ours, &want))
+        })
+        .collect()
 }
