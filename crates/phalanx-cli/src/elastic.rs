@@ -19,7 +19,8 @@ use std::path::Path;
 pub fn fail(prefix: &str, msg: impl Display) {
     let text = format!("{prefix}: {msg}");
     eprintln!("{text}");
-    if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
+    let path = std::env::var_os("TORCHELASTIC_ERROR_FILE").filter(|p| !p.is_empty());
+    if let Some(path) = path {
         if let Err(e) = record(Path::new(&path), &text) {
             eprintln!(
                 "{prefix}: cannot write TORCHELASTIC_ERROR_FILE {}: {e}",

@@ -32,8 +32,9 @@
 //! - `slow:RANK:MS`: global rank RANK sleeps MS milliseconds in every
 //!   step (a straggler for `phalanx::monitor` to find; every attempt).
 //!
-//! Faults fire only in the first attempt of a job (restart count 0), so a
-//! group restarted by `phalanx run --max-restarts` completes.
+//! The exits fire only in the first attempt of a job (restart count 0), so
+//! a group restarted by `phalanx run --max-restarts` completes; `slow:`
+//! applies in every attempt.
 
 use std::cell::Cell;
 use std::time::Duration;

@@ -263,11 +263,14 @@ impl DeviceMesh {
         key: Made,
         make: impl FnOnce() -> Result<Vec<Option<ProcessGroup>>>,
     ) -> Result<Vec<Option<ProcessGroup>>> {
-        if let Some(g) = self.made.lock().unwrap().get(&key) {
+        // Held across `make`: two threads sharing this mesh must not both
+        // miss and both make the groups (their ranks would fall out of step).
+        let mut made = self.made.lock().unwrap();
+        if let Some(g) = made.get(&key) {
             return Ok(g.clone());
         }
         let g = make()?;
-        self.made.lock().unwrap().insert(key, g.clone());
+        made.insert(key, g.clone());
         Ok(g)
     }
 }

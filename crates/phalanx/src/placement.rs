@@ -177,9 +177,15 @@ pub fn declare<S: Into<Shape>>(
 ) -> Result<Tensor> {
     let shape: Shape = shape.into();
     p.check(shape.dims())?;
+    /// Clears the pending placement however the request ends (an error,
+    /// or a panic caught further up), so no later request takes it.
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            PENDING.with(|c| c.take());
+        }
+    }
+    let _clear = Clear;
     PENDING.with(|c| c.set(Some(p)));
-    let t = vb.get_with_hints(shape, name, init);
-    // Not left for a later request if this backend did not take it.
-    PENDING.with(|c| c.take());
-    t
+    vb.get_with_hints(shape, name, init)
 }

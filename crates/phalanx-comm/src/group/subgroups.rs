@@ -9,8 +9,9 @@ use std::sync::atomic::Ordering;
 
 impl ProcessGroup {
     /// A group of the given ranks of this group (in ascending order). Every
-    /// rank of this group must call it, in the same order as other
-    /// `new_group` calls; ranks outside `ranks` get `None`.
+    /// rank of this group must call it: it counts as a collective of this
+    /// group, in order with its other collectives (as on MPI, where it is
+    /// an `MPI_Comm_split`); ranks outside `ranks` get `None`.
     pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
         let mut rs = ranks.to_vec();
         rs.sort_unstable();
@@ -31,15 +32,18 @@ impl ProcessGroup {
     }
 
     /// Split into disjoint groups by `color` (MPI_Comm_split): ranks with the
-    /// same color form a group, ordered by (key, rank). A negative color
-    /// joins no group. Collective over this group.
+    /// same color form a group, ordered by (key, rank), keys clamped to 32
+    /// bits as MPI clamps them. A negative color joins no group. Collective
+    /// over this group.
     pub fn split(&self, color: i64, key: i64) -> Result<Option<ProcessGroup>> {
         let n = self.size();
         let mut all = vec![0i64; 2 * n];
         self.all_gather(&[color, key], &mut all)?;
         let k = self.inner.children.fetch_add(1, Ordering::SeqCst);
         let mut ranks: Vec<usize> = (0..n).filter(|&r| all[2 * r] == color).collect();
-        ranks.sort_by_key(|&r| (all[2 * r + 1], r));
+        // Keys are clamped to 32 bits as MPI_Comm_split clamps them, so the
+        // ranks' order is the same on every backend.
+        ranks.sort_by_key(|&r| (all[2 * r + 1].clamp(i32::MIN as i64, i32::MAX as i64), r));
         let gid = digest(&[self.inner.gid as usize, k as usize, color as usize]) | 2;
         let c = (color >= 0).then_some((color as u64 & 0x3fff_ffff) as u32);
         self.child(&ranks, c, key, gid)
