@@ -108,3 +108,33 @@ pub fn final_errors(e: &Engine, expected: &HashMap<String, Tensor>) -> Vec<(Stri
         })
         .collect()
 }
+
+/// A directory saved from fixture `case`'s engine holds the fixture's
+/// `model.safetensors` again (same names, shapes and values) and a
+/// `config.json` whose `keys` equal the fixture's; returns that config.
+pub fn assert_saved_as_fixture(
+    case: &str,
+    saved_dir: &std::path::Path,
+    keys: &[&str],
+) -> serde_json::Value {
+    let load = |p: PathBuf| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    let orig = load(dir(case).join("model.safetensors"));
+    let saved = load(saved_dir.join("model.safetensors"));
+    let mut a: Vec<_> = orig.keys().collect();
+    let mut b: Vec<_> = saved.keys().collect();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "{case}: tensor names");
+    for (name, t) in &orig {
+        assert_eq!(t.dims(), saved[name].dims(), "{name}");
+        assert_eq!(f64s(t), f64s(&saved[name]), "{case} {name}: values");
+    }
+    // config.json: every model key transformers wrote comes back equal.
+    let text = std::fs::read_to_string(saved_dir.join("config.json")).unwrap();
+    let ours: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let theirs = hf_config(case);
+    for k in keys {
+        assert_eq!(ours[*k], theirs[*k], "{case}: config.json {k}");
+    }
+    ours
+}
