@@ -6,10 +6,9 @@
 mod common;
 use common::*;
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 /// No run of these tests takes more than a few seconds; a hang fails.
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -34,22 +33,6 @@ const MODEL: &[&str] = &[
     "log.plot=\"\"",
 ];
 
-struct Run {
-    code: i32,
-    out: String,
-    err: String,
-}
-
-impl std::fmt::Display for Run {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "exit {}\n--- stdout\n{}--- stderr\n{}",
-            self.code, self.out, self.err
-        )
-    }
-}
-
 /// `phalanx train MODEL ARGS` with `fault` in `PHALANX_FAULT`, killed (and
 /// failed) past the deadline. The launcher's workers die with it.
 fn train(args: &[&str], fault: Option<&str>) -> Run {
@@ -61,45 +44,11 @@ fn train(args: &[&str], fault: Option<&str>) -> Run {
         .env_remove("RANK")
         .env_remove("PHALANX_RESTART_COUNT")
         .env_remove("TORCHELASTIC_RESTART_COUNT")
-        .env_remove("PHALANX_FAULT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .env_remove("PHALANX_FAULT");
     if let Some(f) = fault {
         c.env("PHALANX_FAULT", f);
     }
-    let mut child = c.spawn().unwrap();
-    let read = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = r.read_to_string(&mut s);
-            s
-        })
-    };
-    let out = read(Box::new(child.stdout.take().unwrap()));
-    let err = read(Box::new(child.stderr.take().unwrap()));
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break Some(st);
-        }
-        if t0.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let run = Run {
-        code: status.and_then(|s| s.code()).unwrap_or(-1),
-        out: out.join().unwrap(),
-        err: err.join().unwrap(),
-    };
-    assert!(
-        status.is_some(),
-        "phalanx train {args:?} hung past {DEADLINE:?}:\n{run}"
-    );
-    run
+    run_until(c, DEADLINE)
 }
 
 /// The JSON log: (step, loss) per line.

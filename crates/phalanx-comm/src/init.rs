@@ -7,9 +7,14 @@
 //! | Open MPI `mpirun` | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` |
 //! | Slurm `srun` | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` |
 //!
-//! The store lives at `MASTER_ADDR:MASTER_PORT` (defaults 127.0.0.1:29500).
-//! `phalanx run` hosts it and sets `PHALANX_STORE_HOSTED=1`; otherwise rank 0
-//! hosts it. The job secret comes from `PHALANX_SECRET`: hex, at least 16
+//! The store lives at `MASTER_ADDR:MASTER_PORT` (defaults 127.0.0.1:29500;
+//! under `srun`, the first node of `SLURM_JOB_NODELIST` and
+//! 15000 + `SLURM_JOB_ID` % 10000).
+//! `phalanx run` hosts it and sets `PHALANX_STORE_HOSTED=1`; torchrun's agent
+//! hosts a PyTorch TCPStore there and sets `TORCHELASTIC_USE_AGENT_STORE=True`
+//! (the ranks then speak torch's protocol to it, keys under
+//! `phalanx/{TORCHELASTIC_RUN_ID}/attempt_{TORCHELASTIC_RESTART_COUNT}`);
+//! otherwise rank 0 hosts it. The job secret comes from `PHALANX_SECRET`: hex, at least 16
 //! bytes. A job that may span hosts (fewer local ranks than ranks, or a
 //! `MASTER_ADDR` that is not loopback) refuses to start without it; a
 //! single-host job without it binds loopback only and uses a key derived
@@ -39,6 +44,10 @@ pub struct DistEnv {
     pub secret: Vec<u8>,
     /// True when a launcher already serves the store.
     pub store_hosted: bool,
+    /// True under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`): its
+    /// agent serves a PyTorch TCPStore at `MASTER_ADDR:MASTER_PORT`, and the
+    /// ranks rendezvous through it with torch's protocol.
+    pub agent_store: bool,
     /// Which launcher's variables were found.
     pub source: &'static str,
     /// Namespace for store keys (changes on every restart of the job).
@@ -110,14 +119,31 @@ impl DistEnv {
                 "{source}: rank {rank} is out of range for world size {world_size}"
             ));
         }
-        let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        // Under srun, without MASTER_ADDR / MASTER_PORT: the job's first
+        // node, and a port from the job id (so that two jobs sharing a node
+        // do not meet), as PyTorch Lightning picks them.
+        let slurm = source == "srun";
+        let master_addr = var("MASTER_ADDR")
+            .or_else(|| {
+                slurm
+                    .then(|| var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST")))
+                    .flatten()
+                    .and_then(|l| first_host(&l))
+            })
+            .unwrap_or_else(|| "127.0.0.1".into());
         let master_port = match var("MASTER_PORT") {
-            None => 29500,
+            None => match var("SLURM_JOB_ID").and_then(|j| j.trim().parse::<u64>().ok()) {
+                Some(job) if slurm => 15000 + (job % 10000) as u16,
+                _ => 29500,
+            },
             Some(p) => p
                 .parse()
                 .map_err(|_| invalid!("MASTER_PORT={p} is not a port number"))?,
         };
         let store_hosted = var("PHALANX_STORE_HOSTED").as_deref() == Some("1");
+        // torch compares with str(True); accept any case.
+        let agent_store = source == "torchrun"
+            && var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
         let may_span_hosts = local_world_size < world_size || !is_loopback(&master_addr);
         let secret = match var("PHALANX_SECRET") {
             Some(h) => wire::parse_secret(&h).map_err(CommError::Invalid)?,
@@ -150,7 +176,17 @@ impl DistEnv {
                 format!("phalanx-job-{job}-{master_addr}-{master_port}").into_bytes()
             }
         };
-        let run_id = var("PHALANX_RUN_ID").unwrap_or_else(|| "0".into());
+        // Keys of one attempt never meet those of another: torchrun keeps
+        // its store across restarts of the workers.
+        let run_id = match var("PHALANX_RUN_ID") {
+            Some(id) => id,
+            None if agent_store => format!(
+                "{}/attempt_{}",
+                var("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into()),
+                var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
+            ),
+            None => "0".into(),
+        };
         Ok(DistEnv {
             rank,
             world_size,
@@ -160,9 +196,24 @@ impl DistEnv {
             master_port,
             secret,
             store_hosted,
+            agent_store,
             source,
             run_id,
         })
+    }
+}
+
+/// The first host of a Slurm node list (`gpu[003-005,9],cpu1` → `gpu003`).
+pub fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list.find([',', '[']).unwrap_or(list.len());
+    let prefix = &list[..end];
+    if list[end..].starts_with('[') {
+        let inner = &list[end + 1..];
+        let first = inner.split([',', '-', ']']).next()?;
+        (!first.is_empty()).then(|| format!("{prefix}{first}"))
+    } else {
+        (!prefix.is_empty()).then(|| prefix.to_string())
     }
 }
 
@@ -250,6 +301,22 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
     cfg.validate()?;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let mut keep: Option<Arc<dyn std::any::Any + Send + Sync>> = None;
+    if env.agent_store {
+        let store = StoreClient::connect_torch(&addr, cfg.timeout).map_err(|e| match e {
+            CommError::Timeout(m) => CommError::Timeout(format!("rank {}: {m}", env.rank)),
+            e => e,
+        })?;
+        let prefix = format!("phalanx/{}", env.run_id);
+        return from_store(
+            &store,
+            &prefix,
+            env.rank,
+            env.world_size,
+            &env.secret,
+            cfg,
+            None,
+        );
+    }
     if !env.store_hosted && env.rank == 0 && env.world_size > 1 {
         // A single-host job's store is reachable from this host only.
         let bind = if is_loopback(&env.master_addr) {
@@ -288,4 +355,19 @@ pub fn from_store(
     cfg.validate()?;
     let t = connect_mesh(store, prefix, rank, world, secret, &cfg)?;
     Ok(ProcessGroup::from_transport(t, cfg, keep))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_host;
+
+    #[test]
+    fn first_host_of_slurm_node_lists() {
+        assert_eq!(first_host("gpu[003-005,9],cpu1").as_deref(), Some("gpu003"));
+        assert_eq!(first_host("node7").as_deref(), Some("node7"));
+        assert_eq!(first_host("a1,b2").as_deref(), Some("a1"));
+        assert_eq!(first_host("n[12,14]").as_deref(), Some("n12"));
+        assert_eq!(first_host(""), None);
+        assert_eq!(first_host("n[]"), None);
+    }
 }

@@ -1,4 +1,6 @@
-//! The store's client: one authenticated connection, blocking requests.
+//! The store's client: one connection, blocking requests. It speaks either
+//! Phalanx's own authenticated protocol or, under torchrun, PyTorch's
+//! TCPStore protocol to the agent's store (see [`super::torch`]).
 
 use super::*;
 use crate::error::{CommError, Result};
@@ -11,6 +13,8 @@ pub struct StoreClient {
     conn: Mutex<TcpStream>,
     addr: String,
     timeout: Duration,
+    /// Which server is at the other end.
+    torch: bool,
 }
 
 impl StoreClient {
@@ -26,6 +30,7 @@ impl StoreClient {
                         conn: Mutex::new(s),
                         addr: addr.to_string(),
                         timeout,
+                        torch: false,
                     })
                 }
                 Err(CommError::Auth(m)) => {
@@ -41,6 +46,57 @@ impl StoreClient {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Connect to a PyTorch TCPStore (torchrun's agent store), retrying
+    /// until `timeout`. That store has no authentication: the ranks still
+    /// authenticate each other with the job secret when they connect.
+    pub fn connect_torch(addr: &str, timeout: Duration) -> Result<StoreClient> {
+        let deadline = Instant::now() + timeout;
+        let mut last_err;
+        loop {
+            match try_connect_torch(addr) {
+                Ok(s) => {
+                    return Ok(StoreClient {
+                        conn: Mutex::new(s),
+                        addr: addr.to_string(),
+                        timeout,
+                        torch: true,
+                    })
+                }
+                Err(e @ CommError::Protocol(_)) => {
+                    return Err(CommError::Protocol(format!(
+                        "torchrun's store at {addr}: {e}"
+                    )))
+                }
+                Err(e) => last_err = e.to_string(),
+            }
+            if Instant::now() >= deadline {
+                return Err(CommError::Timeout(format!(
+                    "could not reach torchrun's store at {addr} within {timeout:?}: {last_err}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Whether this client speaks to a PyTorch TCPStore.
+    pub fn is_torch(&self) -> bool {
+        self.torch
+    }
+
+    /// Run one torch-protocol exchange with a read deadline.
+    fn torch_op<T>(
+        &self,
+        wait: Duration,
+        f: impl FnOnce(&mut TcpStream) -> Result<T>,
+    ) -> Result<T> {
+        let mut s = self.conn.lock().unwrap();
+        s.set_read_timeout(Some(wait + Duration::from_secs(10)))?;
+        f(&mut s).map_err(|e| match e {
+            CommError::Io(m) => CommError::Io(format!("{m} (store at {})", self.addr)),
+            e => e,
+        })
     }
 
     /// The local address this client uses to reach the store: the address
@@ -74,6 +130,9 @@ impl StoreClient {
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, |s| torch::set(s, key, value));
+        }
         let rep = self.request(
             Writer::default()
                 .u8(OP_SET)
@@ -93,6 +152,9 @@ impl StoreClient {
 
     /// Get a key if present, without waiting.
     pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, |s| torch::try_get(s, key));
+        }
         let rep = self.request(
             Writer::default().u8(OP_GET).bytes(key.as_bytes()),
             Duration::ZERO,
@@ -110,6 +172,9 @@ impl StoreClient {
 
     /// Wait until all keys exist, or fail naming the missing ones.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, |s| torch::wait(s, keys, timeout));
+        }
         let mut w = Writer::default().u8(OP_WAIT).u64(keys.len() as u64);
         for k in keys {
             w = w.bytes(k.as_bytes());
@@ -133,6 +198,9 @@ impl StoreClient {
 
     /// Atomically add `delta` to a counter key (missing = 0); returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, |s| torch::add(s, key, delta));
+        }
         let rep = self.request(
             Writer::default()
                 .u8(OP_ADD)
@@ -146,6 +214,11 @@ impl StoreClient {
     /// Set `key` to `desired` if it currently equals `expected` (missing key
     /// matches empty `expected`); returns the value after the call.
     pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, |s| {
+                torch::compare_set(s, key, expected, desired)
+            });
+        }
         let rep = self.request(
             Writer::default()
                 .u8(OP_CAS)
@@ -159,6 +232,9 @@ impl StoreClient {
 
     /// Delete a key; true if it existed.
     pub fn delete(&self, key: &str) -> Result<bool> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, |s| torch::delete(s, key));
+        }
         let rep = self.request(
             Writer::default().u8(OP_DELETE).bytes(key.as_bytes()),
             Duration::ZERO,
@@ -167,6 +243,9 @@ impl StoreClient {
     }
 
     pub fn num_keys(&self) -> Result<u64> {
+        if self.torch {
+            return self.torch_op(Duration::ZERO, torch::num_keys);
+        }
         let rep = self.request(Writer::default().u8(OP_NUM_KEYS), Duration::ZERO)?;
         self.ok(&rep)?.u64()
     }
@@ -183,6 +262,25 @@ fn try_connect(addr: &str, secret: &[u8]) -> Result<TcpStream> {
             Ok(mut s) => {
                 s.set_nodelay(true)?;
                 wire::handshake(&mut s, secret, false, Duration::from_secs(10))?;
+                return Ok(s);
+            }
+            Err(e) => last = CommError::Io(e.to_string()),
+        }
+    }
+    Err(last)
+}
+
+fn try_connect_torch(addr: &str) -> Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| CommError::Io(format!("cannot resolve {addr}: {e}")))?
+        .collect();
+    let mut last = CommError::Io(format!("no address for {addr}"));
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+            Ok(mut s) => {
+                s.set_nodelay(true)?;
+                torch::hello(&mut s, Duration::from_secs(10))?;
                 return Ok(s);
             }
             Err(e) => last = CommError::Io(e.to_string()),

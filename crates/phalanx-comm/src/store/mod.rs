@@ -18,6 +18,7 @@
 
 mod client;
 mod server;
+mod torch;
 
 pub use client::StoreClient;
 pub use server::{StoreLimits, StoreServer};

@@ -1,0 +1,144 @@
+//! The environments cluster schedulers give a job, started on one host:
+//! Kubeflow's PyTorchJob (`MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`,
+//! `RANK`, no `LOCAL_RANK`) and Slurm's `srun` (`SLURM_PROCID`, ... and no
+//! `MASTER_ADDR`: the first node of `SLURM_JOB_NODELIST`, a port from
+//! `SLURM_JOB_ID`). Each starts a 2-rank `phalanx train` with the losses
+//! `phalanx run` gives, bit for bit.
+
+mod common;
+use common::*;
+
+use std::process::Command;
+use std::time::Duration;
+
+const DEADLINE: Duration = Duration::from_secs(240);
+const SECRET: &str = "8899aabbccddeeff00112233445566778899aabbccddeeff0011223344556677";
+
+/// Variables any launcher may have left in the test's own environment.
+const LAUNCHER_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PHALANX_STORE_HOSTED",
+    "PHALANX_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+];
+
+/// Two `phalanx train` processes, rank r getting `env(r)`; their losses.
+fn two_ranks(name: &str, env: impl Fn(usize) -> Vec<(String, String)>) -> Vec<(u64, u64)> {
+    let d = fresh_dir("phalanx-cluster-env", name);
+    let log = d.join("log.jsonl");
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let mut c = Command::new(BIN);
+            c.current_dir(repo()).arg("train").args(train_args(&log, 5));
+            for v in LAUNCHER_VARS {
+                c.env_remove(v);
+            }
+            c.envs(env(r)).env("PHALANX_TIMEOUT", "60");
+            std::thread::spawn(move || run_until(c, DEADLINE))
+        })
+        .collect();
+    for (r, h) in ranks.into_iter().enumerate() {
+        let run = h.join().unwrap();
+        assert_eq!(run.code, 0, "{name} rank {r}: {run}");
+        if r == 0 {
+            assert!(run.out.contains("on 2 rank(s) (dp 2"), "{name}: {run}");
+        }
+    }
+    let got = losses(&log);
+    let _ = std::fs::remove_dir_all(&d);
+    got
+}
+
+fn kv(k: &str, v: impl ToString) -> (String, String) {
+    (k.to_string(), v.to_string())
+}
+
+/// A free port at or above `from`.
+fn free_port_from(from: u16) -> u16 {
+    (from..u16::MAX)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port")
+}
+
+#[test]
+fn a_pytorchjobs_variables_start_a_two_rank_job() {
+    let d = fresh_dir("phalanx-cluster-env", "ref-k8s");
+    let want = reference_losses(&d, 5, &[]);
+    let port = free_port_from(31000);
+    // What the training operator sets in each pod (one rank per pod), and
+    // the secret the manifest passes from a Kubernetes Secret.
+    let got = two_ranks("pytorchjob", |r| {
+        vec![
+            kv("MASTER_ADDR", "127.0.0.1"),
+            kv("MASTER_PORT", port),
+            kv("WORLD_SIZE", 2),
+            kv("RANK", r),
+            kv("PYTHONUNBUFFERED", 1),
+            kv("PHALANX_SECRET", SECRET),
+        ]
+    });
+    assert_eq!(got, want);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn srun_variables_start_a_two_rank_job_without_master_addr() {
+    let d = fresh_dir("phalanx-cluster-env", "ref-slurm");
+    let want = reference_losses(&d, 5, &[]);
+    // The store's port is 15000 + SLURM_JOB_ID % 10000: pick a job id whose port is free.
+    let port = free_port_from(15000 + (std::process::id() % 9000) as u16);
+    let job = 4_240_000 + (port - 15000) as u64;
+    let got = two_ranks("srun", |r| {
+        vec![
+            kv("SLURM_PROCID", r),
+            kv("SLURM_NTASKS", 2),
+            kv("SLURM_LOCALID", r),
+            kv("SLURM_NTASKS_PER_NODE", "2"),
+            kv("SLURM_JOB_ID", job),
+            kv("SLURM_JOB_NODELIST", "localhost"),
+        ]
+    });
+    assert_eq!(got, want);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Under srun, the store's address comes from the node list and its port
+/// from the job id; a job whose first node is another host needs the secret.
+#[test]
+fn srun_takes_the_store_address_from_the_node_list_and_the_job_id() {
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .args(["train", "--set", "train.steps=1"]);
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    c.env_remove("PHALANX_SECRET").envs([
+        kv("SLURM_PROCID", 1),
+        kv("SLURM_NTASKS", 2),
+        kv("SLURM_LOCALID", 0),
+        kv("SLURM_NTASKS_PER_NODE", "1(x2)"),
+        kv("SLURM_JOB_ID", 987_654),
+        kv("SLURM_JOB_NODELIST", "gpu[017-018]"),
+    ]);
+    let r = run_until(c, DEADLINE);
+    assert_eq!(r.code, 1, "{r}");
+    assert!(
+        r.err.contains("PHALANX_SECRET is not set") && r.err.contains("gpu017:22654"),
+        "{r}"
+    );
+}
