@@ -20,9 +20,10 @@ pub struct LaunchOpts {
     /// Worker processes on this node (default 1; `phalanx train` defaults to 2).
     #[arg(long = "nproc-per-node", alias = "nproc_per_node")]
     pub nproc_per_node: Option<usize>,
-    /// Number of nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
+    /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job
+    /// (nodes may leave and join; see `--rdzv-endpoint`).
+    #[arg(long, default_value = "1")]
+    pub nnodes: String,
     /// This node's index, 0..nnodes.
     #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
     pub node_rank: usize,
@@ -43,6 +44,67 @@ pub struct LaunchOpts {
     /// resumes from its latest checkpoint.
     #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: usize,
+    /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)
+    /// or `c10d` (elastic rounds through the store at `--rdzv-endpoint`);
+    /// `--nnodes MIN:MAX` implies `c10d`.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend")]
+    pub rdzv_backend: Option<String>,
+    /// HOST:PORT of the elastic rendezvous store: the agent on that host
+    /// serves it, the others connect (default: --master-addr:--master-port).
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint")]
+    pub rdzv_endpoint: Option<String>,
+    /// The job's id: agents with the same id and endpoint form one job.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", default_value = "none")]
+    pub rdzv_id: String,
+    /// Seconds a rendezvous waits for `MIN` nodes before it fails.
+    #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", default_value_t = 900)]
+    pub rdzv_timeout: u64,
+    /// More rendezvous settings, `key=value,...`: `join_timeout` (as
+    /// --rdzv-timeout), `last_call_timeout` (seconds to wait for more nodes
+    /// once MIN have joined, default 5), `heartbeat_timeout` (seconds of
+    /// silence after which a node is lost, default 15).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf")]
+    pub rdzv_conf: Option<String>,
+}
+
+impl LaunchOpts {
+    /// `--nnodes` as (min, max); equal for a fixed job.
+    pub fn nnodes_range(&self) -> Result<(usize, usize), String> {
+        let bad = || {
+            format!(
+                "--nnodes {}: expected N or MIN:MAX with 1 <= MIN <= MAX",
+                self.nnodes
+            )
+        };
+        let num = |v: &str| v.trim().parse::<usize>().map_err(|_| bad());
+        let (min, max) = match self.nnodes.split_once(':') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let n = num(&self.nnodes)?;
+                (n, n)
+            }
+        };
+        if min == 0 || min > max {
+            return Err(bad());
+        }
+        Ok((min, max))
+    }
+
+    /// Whether this launch rendezvouses in elastic rounds.
+    pub fn elastic(&self) -> Result<bool, String> {
+        let (min, max) = self.nnodes_range()?;
+        match self.rdzv_backend.as_deref() {
+            None | Some("static") if min == max => Ok(false),
+            None | Some("c10d") => Ok(true),
+            Some("static") => Err(format!(
+                "--nnodes {} needs --rdzv-backend c10d (a static rendezvous has a fixed number of nodes)",
+                self.nnodes
+            )),
+            Some(b) => Err(format!(
+                "--rdzv-backend {b}: expected static or c10d"
+            )),
+        }
+    }
 }
 
 /// Lines of stderr kept per rank for the failure report.
@@ -149,13 +211,17 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     if nproc == 0 {
         return Err("--nproc-per-node must be at least 1".into());
     }
-    if opts.nnodes == 0 || opts.node_rank >= opts.nnodes {
+    if opts.elastic()? {
+        return crate::rdzv::run_elastic(opts, cmd);
+    }
+    let nnodes = opts.nnodes_range()?.0;
+    if opts.node_rank >= nnodes {
         return Err(format!(
-            "--node-rank {} must be below --nnodes {}",
-            opts.node_rank, opts.nnodes
+            "--node-rank {} must be below --nnodes {nnodes}",
+            opts.node_rank
         ));
     }
-    let multi = opts.nnodes > 1;
+    let multi = nnodes > 1;
     let secret = match std::env::var("PHALANX_SECRET") {
         Ok(s) if !s.is_empty() => {
             phalanx_comm::wire::from_hex(&s).ok_or("PHALANX_SECRET must be hex")?;
@@ -191,17 +257,8 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         "127.0.0.1".to_string()
     };
 
-    // SAFETY: installing a handler that only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        // A closed terminal stops the job as Ctrl-C would.
-        libc::signal(libc::SIGHUP, on_signal as *const () as libc::sighandler_t);
-    }
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let threads = (cores / nproc).max(1);
+    catch_signals();
+    let threads = threads_per_worker(nproc);
 
     let mut attempt = 0;
     loop {
@@ -211,12 +268,18 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             master_addr: &master_addr,
             port,
             threads,
-            run_id: attempt,
+            nproc,
+            node_rank: opts.node_rank,
+            nnodes,
+            run_id: attempt.to_string(),
+            restart: attempt,
+            elastic: false,
         };
-        let outcome = run_group(&env, cmd)?;
+        let outcome = run_group(&env, cmd, &mut || None)?;
         match outcome {
             Outcome::Success => return Ok(0),
             Outcome::Signalled(sig) => return Ok(128 + sig),
+            Outcome::Interrupted(_) => unreachable!("a static job is never interrupted"),
             Outcome::Failed(_, why) if attempt < opts.max_restarts => {
                 attempt += 1;
                 eprintln!(
@@ -230,45 +293,81 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     }
 }
 
-struct JobEnv<'a> {
-    opts: &'a LaunchOpts,
-    secret: &'a str,
-    master_addr: &'a str,
-    port: u16,
-    threads: usize,
-    run_id: usize,
+/// Ctrl-C, SIGTERM and SIGHUP (a closed terminal) stop the job.
+pub(crate) fn catch_signals() {
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGHUP, on_signal as *const () as libc::sighandler_t);
+    }
 }
 
-enum Outcome {
+/// Kernel threads per worker: this host's cores shared by `nproc` workers.
+pub(crate) fn threads_per_worker(nproc: usize) -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    (cores / nproc).max(1)
+}
+
+/// What one group of workers on this node is started with.
+pub(crate) struct JobEnv<'a> {
+    pub opts: &'a LaunchOpts,
+    pub secret: &'a str,
+    pub master_addr: &'a str,
+    pub port: u16,
+    pub threads: usize,
+    pub nproc: usize,
+    pub node_rank: usize,
+    pub nnodes: usize,
+    /// Namespace of the workers' store keys (`PHALANX_RUN_ID`).
+    pub run_id: String,
+    /// Which attempt of the job this is (0 first): > 0 resumes.
+    pub restart: usize,
+    /// An elastic job: the workers keep a resumed checkpoint's global batch.
+    pub elastic: bool,
+}
+
+pub(crate) enum Outcome {
     Success,
     /// Exit code, and which rank failed how.
     Failed(i32, String),
     Signalled(i32),
+    /// `watch` asked the group to stop, for this reason.
+    Interrupted(String),
 }
 
-fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
+/// Start this node's workers and wait for them; every 20 ms `watch` may
+/// return a reason to stop them all (an elastic job re-forming).
+pub(crate) fn run_group(
+    env: &JobEnv,
+    cmd: &[String],
+    watch: &mut dyn FnMut() -> Option<String>,
+) -> Result<Outcome, String> {
     let o = env.opts;
-    let nproc = o.nproc_per_node.unwrap_or(1);
-    let world = nproc * o.nnodes;
+    let nproc = env.nproc;
+    let world = nproc * env.nnodes;
     let mut workers = Vec::new();
     for local in 0..nproc {
-        let rank = o.node_rank * nproc + local;
+        let rank = env.node_rank * nproc + local;
         let mut c = Command::new(&cmd[0]);
         c.args(&cmd[1..])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("GROUP_RANK", o.node_rank.to_string())
+            .env("GROUP_RANK", env.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", env.nnodes.to_string())
             .env("MASTER_ADDR", env.master_addr)
             .env("MASTER_PORT", env.port.to_string())
             .env("PHALANX_SECRET", env.secret)
             .env("PHALANX_STORE_HOSTED", "1")
-            .env("PHALANX_RUN_ID", env.run_id.to_string())
+            .env("PHALANX_RUN_ID", &env.run_id)
             // Which attempt this is (0 first): a restarted trainer resumes
             // from its latest checkpoint. torchrun's names too.
-            .env("PHALANX_RESTART_COUNT", env.run_id.to_string())
-            .env("TORCHELASTIC_RESTART_COUNT", env.run_id.to_string())
+            .env("PHALANX_RESTART_COUNT", env.restart.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", env.restart.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", o.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -277,6 +376,9 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             if std::env::var_os(var).is_none() {
                 c.env(var, env.threads.to_string());
             }
+        }
+        if env.elastic {
+            c.env("PHALANX_ELASTIC", "1");
         }
         // Each worker leads its own process group, so stopping it also stops
         // whatever it started (a shell's children hold its pipes open); and
@@ -318,6 +420,7 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             stop_all(&mut workers);
             return Ok(Outcome::Signalled(sig));
         }
+
         let (running, mut failures) = poll(&mut workers)?;
         // A rank that exited 1 may have done so because its peer died (it
         // reports that as an error): give the peer a moment to be seen, so
@@ -361,6 +464,10 @@ fn run_group(env: &JobEnv, cmd: &[String]) -> Result<Outcome, String> {
             // (e.g. `setsid`) is not waited for.
             end_leftovers(&mut workers);
             return Ok(Outcome::Success);
+        }
+        if let Some(why) = watch() {
+            stop_all(&mut workers);
+            return Ok(Outcome::Interrupted(why));
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -17,6 +17,7 @@ mod generate;
 mod launch;
 mod outputs;
 mod plan;
+mod rdzv;
 mod report_cmd;
 mod tokenize;
 mod train;

@@ -161,6 +161,49 @@ fn check_init_from(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         .map_err(|e| format!("--init-from {}: {e}", p.display()))
 }
 
+/// Under an elastic launch (`PHALANX_ELASTIC=1`), a run that resumes keeps
+/// the global batch of the checkpoint it resumes, whatever the world size
+/// it re-formed with, unless `train.global_batch_size` is set: the
+/// micro-batch or the accumulation adjusts (said in the log). Collective.
+fn elastic_batch(
+    cfg: &TrainConfig,
+    pg: &phalanx_comm::ProcessGroup,
+    opts: &TrainOpts,
+) -> phalanx::Result<Option<TrainConfig>> {
+    let resumes = opts.resume.is_some() || phalanx::fault::restart_count() > 0;
+    if std::env::var("PHALANX_ELASTIC").as_deref() != Ok("1")
+        || !resumes
+        || cfg.train.global_batch_size != 0
+    {
+        return Ok(None);
+    }
+    // Rank 0 reads the checkpoint's metadata; everyone takes its batch.
+    let mut global = [0i64];
+    if pg.rank() == 0 {
+        let root = match opts.resume.as_deref() {
+            None | Some("auto") => PathBuf::from(&cfg.checkpoint.dir),
+            Some(p) => PathBuf::from(p),
+        };
+        let reader = phalanx::checkpoint::Reader::open(&root)
+            .ok()
+            .or_else(|| phalanx::checkpoint::find_latest(&root).map(|(_, r)| r));
+        if let Some(r) = reader {
+            global[0] = r.meta.global_batch as i64;
+        }
+    }
+    pg.broadcast(&mut global, 0)?;
+    if global[0] <= 0 {
+        return Ok(None);
+    }
+    let mut c = cfg.clone();
+    let dp = c.dp_for_world(pg.size())?;
+    let note = c.keep_global_batch(global[0] as usize, dp)?;
+    if let (Some(n), true) = (note, pg.rank() == 0) {
+        println!("elastic: {n}");
+    }
+    Ok(Some(c))
+}
+
 fn run(
     cfg: &TrainConfig,
     hf_config: Option<&std::path::Path>,
@@ -168,6 +211,8 @@ fn run(
 ) -> phalanx::Result<()> {
     let pg = phalanx_comm::init_process_group()?;
     let lead = pg.rank() == 0;
+    let elastic_cfg = elastic_batch(cfg, &pg, opts)?;
+    let cfg = elastic_cfg.as_ref().unwrap_or(cfg);
     let family = family::of(cfg)?;
     let loader = Arc::new(train::open_data(cfg)?);
     if lead {

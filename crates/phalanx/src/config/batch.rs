@@ -118,6 +118,44 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Keep `global` samples per step on `dp` data-parallel ranks (an
+    /// elastic job re-formed with another world size resumes a checkpoint
+    /// of that global batch): the micro-batch stays and the accumulation
+    /// changes where that divides, else the smallest accumulation whose
+    /// micro-batch is no larger. Returns what changed, for the log (None:
+    /// nothing to change).
+    pub fn keep_global_batch(&mut self, global: usize, dp: usize) -> Result<Option<String>> {
+        let (m, a) = (self.train.micro_batch_size, self.train.grad_accum_steps);
+        let dp = dp.max(1);
+        if m * a * dp == global {
+            return Ok(None);
+        }
+        let (m2, a2) = if global.is_multiple_of(m * dp) {
+            (m, global / (m * dp))
+        } else {
+            (1..=global)
+                .filter(|acc| global.is_multiple_of(dp * acc) && global / (dp * acc) <= m)
+                .map(|acc| (global / (dp * acc), acc))
+                .next()
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "cannot keep the global batch of {global} samples on {dp} data-parallel                          ranks: it does not divide by {dp}"
+                    ))
+                })?
+        };
+        self.train.micro_batch_size = m2;
+        self.train.grad_accum_steps = a2;
+        if self.train.global_batch_size != 0 {
+            self.train.global_batch_size = global;
+        }
+        self.derive = Derive::Nothing;
+        Ok(Some(format!(
+            "keeping the global batch of {global} on dp {dp}: micro-batch {m2} x grad_accum {a2} \
+             (the config gives {m} x {a} x dp {dp} = {})",
+            m * a * dp
+        )))
+    }
+
     /// Inside a job (`WORLD_SIZE` set), resolve the batch for its dp size.
     pub(crate) fn resolve_batch_from_env(&mut self) -> Result<()> {
         if self.derive == Derive::Nothing {

@@ -1,0 +1,577 @@
+//! Elastic membership for `phalanx run --nnodes MIN:MAX` (torchrun's c10d
+//! rendezvous, on Phalanx's own authenticated store).
+//!
+//! Each node runs one agent. The agent on the `--rdzv-endpoint` host serves
+//! the store (the first to bind it; the others connect). The job runs in
+//! rounds: agents join round r, which closes when MAX nodes joined, when as
+//! many joined as the previous round expects, or `last_call_timeout` after
+//! MIN joined; below MIN for `join_timeout` the rendezvous fails, saying
+//! so. Node i of n runs ranks i*nproc.. of n*nproc, with
+//! `PHALANX_RESTART_COUNT` = r, so from round 1 on `phalanx train` resumes
+//! from the latest checkpoint (resharded to the new world size, keeping its
+//! global batch: `PHALANX_ELASTIC=1`).
+//!
+//! A round ends, and every agent stops its workers and joins the next, when:
+//! - a node is lost: its heartbeat (a counter each agent bumps) stands still
+//!   for `heartbeat_timeout` (a killed agent's workers die with it);
+//! - a node waits to join and the round has fewer than MAX nodes;
+//! - a worker fails: that counts against `--max-restarts` (the others do
+//!   not); past it, every agent exits with the failure.
+//!
+//! Store keys, under `rdzv/{id}/`: `round`; per round `r{r}/joined` (a
+//! counter), `r{r}/who/{i}` ("host:pid nproc"), `r{r}/closed` (n),
+//! `r{r}/expect`, `r{r}/waiting`, `r{r}/next` (why it ended), `r{r}/done/{i}`;
+//! `hb/{host:pid}`; `failures`.
+
+use crate::launch::{catch_signals, run_group, threads_per_worker, JobEnv, LaunchOpts, Outcome};
+use phalanx_comm::store::{StoreClient, StoreServer};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Rendezvous timing (`--rdzv-timeout`, `--rdzv-conf`).
+#[derive(Debug, Clone)]
+pub struct Conf {
+    pub join_timeout: Duration,
+    pub last_call: Duration,
+    pub heartbeat: Duration,
+}
+
+impl Conf {
+    pub fn from_opts(o: &LaunchOpts) -> Result<Conf, String> {
+        let mut c = Conf {
+            join_timeout: Duration::from_secs(o.rdzv_timeout),
+            last_call: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(15),
+        };
+        for kv in o.rdzv_conf.iter().flat_map(|s| s.split(',')) {
+            let kv = kv.trim();
+            if kv.is_empty() {
+                continue;
+            }
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("--rdzv-conf {kv}: expected key=value"))?;
+            let secs: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| {
+                    format!("--rdzv-conf {k}={v}: expected a positive number of seconds")
+                })?;
+            let d = Duration::from_secs_f64(secs);
+            match k.trim() {
+                "join_timeout" | "timeout" => c.join_timeout = d,
+                "last_call_timeout" => c.last_call = d,
+                "heartbeat_timeout" => c.heartbeat = d,
+                k => {
+                    return Err(format!(
+                        "--rdzv-conf {k}: expected join_timeout, last_call_timeout or heartbeat_timeout"
+                    ))
+                }
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// One formed round, as this node sees it.
+struct Round {
+    r: u64,
+    node: usize,
+    nodes: usize,
+    /// "host:pid" of each node, by node rank.
+    who: Vec<String>,
+}
+
+struct Rdzv<'a> {
+    store: &'a StoreClient,
+    id: String,
+    endpoint: String,
+    min: usize,
+    max: usize,
+    nproc: usize,
+    me: String,
+    conf: Conf,
+    max_restarts: usize,
+}
+
+fn store_err(endpoint: &str, e: impl std::fmt::Display) -> String {
+    format!(
+        "lost the rendezvous store at {endpoint} ({e}): the agent on that host serves it, and an \
+         elastic job cannot re-form without it (as with torchrun's c10d rendezvous, that host is a \
+         single point of failure); start the job again: it resumes from its latest checkpoint"
+    )
+}
+
+impl Rdzv<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("rdzv/{}/{k}", self.id)
+    }
+    fn rkey(&self, r: u64, k: &str) -> String {
+        self.key(&format!("r{r}/{k}"))
+    }
+    fn err(&self, e: impl std::fmt::Display) -> String {
+        store_err(&self.endpoint, e)
+    }
+    fn get(&self, k: &str) -> Result<Option<String>, String> {
+        Ok(self
+            .store
+            .try_get(k)
+            .map_err(|e| self.err(e))?
+            .map(|v| String::from_utf8_lossy(&v).into_owned()))
+    }
+    fn count(&self, k: &str, delta: i64) -> Result<i64, String> {
+        self.store.add(k, delta).map_err(|e| self.err(e))
+    }
+    fn cas(&self, k: &str, expected: &str, desired: &str) -> Result<String, String> {
+        self.store
+            .compare_set(k, expected.as_bytes(), desired.as_bytes())
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .map_err(|e| self.err(e))
+    }
+    fn round(&self) -> Result<u64, String> {
+        let k = self.key("round");
+        let v = self.cas(&k, "", "0")?;
+        v.parse()
+            .map_err(|_| format!("rendezvous key {k} holds {v:?}"))
+    }
+    fn beat(&self) -> Result<(), String> {
+        self.count(&self.key(&format!("hb/{}", self.me)), 1)
+            .map(|_| ())
+    }
+
+    /// Fail once the job has failed more often than `--max-restarts` allows
+    /// (checked while waiting, so no agent waits for nodes that stopped).
+    fn check_failures(&self) -> Result<(), String> {
+        let failures = self.count(&self.key("failures"), 0)? as usize;
+        if failures > self.max_restarts {
+            let r = self.round()?;
+            let why = self.get(&self.rkey(r.saturating_sub(1), "next"))?;
+            return Err(format!(
+                "the job failed {failures} time(s), more than --max-restarts {}; last: {}",
+                self.max_restarts,
+                why.unwrap_or_default()
+            ));
+        }
+        Ok(())
+    }
+
+    /// End round r for `why` (the first reason wins) and open the next one,
+    /// expecting `expect` nodes; returns the reason that won.
+    fn end_round(&self, r: u64, why: &str, expect: usize) -> Result<String, String> {
+        let won = self.cas(&self.rkey(r, "next"), "", why)?;
+        if won == why {
+            self.cas(&self.rkey(r + 1, "expect"), "", &expect.to_string())?;
+        }
+        self.cas(&self.key("round"), &r.to_string(), &(r + 1).to_string())?;
+        Ok(won)
+    }
+
+    /// Join the next round that admits this node and wait for it to close.
+    fn join(&self) -> Result<Round, String> {
+        let start = Instant::now();
+        let mut waiting_in = None;
+        let mut last_beat = Instant::now();
+        loop {
+            if last_beat.elapsed() > self.conf.heartbeat / 5 {
+                self.beat()?;
+                last_beat = Instant::now();
+            }
+            self.check_failures()?;
+            let r = self.round()?;
+            if self.get(&self.rkey(r, "closed"))?.is_some() {
+                // Round r runs without us: ask to be admitted at the next one.
+                if waiting_in != Some(r) {
+                    self.count(&self.rkey(r, "waiting"), 1)?;
+                    waiting_in = Some(r);
+                    println!(
+                        "phalanx run: rendezvous {}: round {r} is running; waiting to be admitted \
+                         at the next round",
+                        self.id
+                    );
+                }
+                if start.elapsed() > self.conf.join_timeout {
+                    return Err(format!(
+                        "rendezvous {}: not admitted within {:?}: the job runs with {} nodes, the \
+                         --nnodes maximum is {}",
+                        self.id,
+                        self.conf.join_timeout,
+                        self.get(&self.rkey(r, "closed"))?.unwrap_or_default(),
+                        self.max
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            let i = (self.count(&self.rkey(r, "joined"), 1)? - 1) as usize;
+            self.store
+                .set(
+                    &self.rkey(r, &format!("who/{i}")),
+                    format!("{} {}", self.me, self.nproc).as_bytes(),
+                )
+                .map_err(|e| self.err(e))?;
+            let n = self.wait_closed(r, i, start)?;
+            if i >= n {
+                continue; // too late for round r: wait for r + 1
+            }
+            let mut who = Vec::with_capacity(n);
+            for j in 0..n {
+                let k = self.rkey(r, &format!("who/{j}"));
+                let v = self.wait_key(&k, start)?;
+                let (id, np) = v.rsplit_once(' ').unwrap_or((&v, "?"));
+                if np != self.nproc.to_string() {
+                    return Err(format!(
+                        "rendezvous {}: node {id} runs {np} processes, this one {} (every node \
+                         needs the same --nproc-per-node)",
+                        self.id, self.nproc
+                    ));
+                }
+                who.push(id.to_string());
+            }
+            return Ok(Round {
+                r,
+                node: i,
+                nodes: n,
+                who,
+            });
+        }
+    }
+
+    fn wait_key(&self, k: &str, start: Instant) -> Result<String, String> {
+        loop {
+            if let Some(v) = self.get(k)? {
+                return Ok(v);
+            }
+            if start.elapsed() > self.conf.join_timeout {
+                return Err(format!("rendezvous {}: {k} never set", self.id));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Wait until round r closes (closing it when it may); its size.
+    fn wait_closed(&self, r: u64, i: usize, start: Instant) -> Result<usize, String> {
+        if i + 1 == self.max {
+            self.cas(&self.rkey(r, "closed"), "", &self.max.to_string())?;
+        }
+        let expect: Option<usize> = self
+            .get(&self.rkey(r, "expect"))?
+            .and_then(|v| v.parse().ok());
+        let mut min_since: Option<Instant> = None;
+        let mut last_beat = Instant::now();
+        loop {
+            if let Some(v) = self.get(&self.rkey(r, "closed"))? {
+                return v
+                    .parse()
+                    .map_err(|_| format!("rendezvous round {r} closed with {v:?}"));
+            }
+            if last_beat.elapsed() > self.conf.heartbeat / 5 {
+                self.beat()?;
+                last_beat = Instant::now();
+            }
+            self.check_failures()?;
+            let joined = self.count(&self.rkey(r, "joined"), 0)? as usize;
+            if joined >= self.min {
+                let since = *min_since.get_or_insert_with(Instant::now);
+                let all_back = expect.is_some_and(|e| joined >= e);
+                if all_back || since.elapsed() >= self.conf.last_call {
+                    let n = joined.min(self.max).to_string();
+                    self.cas(&self.rkey(r, "closed"), "", &n)?;
+                    continue;
+                }
+            } else if start.elapsed() > self.conf.join_timeout {
+                return Err(format!(
+                    "rendezvous {} at {}: only {joined} of the --nnodes minimum {} node(s) \
+                     joined within {:?} (--rdzv-timeout); start more nodes with the same \
+                     --rdzv-endpoint and --rdzv-id",
+                    self.id, self.endpoint, self.min, self.conf.join_timeout
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Rdzv<'_> {
+    /// On the serving agent, after its workers succeeded: wait until every
+    /// node of the round is done or silent, so that none loses the store
+    /// while it finishes.
+    fn wait_done(&self, round: &Round) {
+        let mut watch = Watch::new(self, round);
+        let deadline = Instant::now() + self.conf.join_timeout;
+        while Instant::now() < deadline {
+            let done = (0..round.nodes).all(|j| {
+                j == round.node
+                    || self
+                        .get(&self.rkey(round.r, &format!("done/{j}")))
+                        .map_or(true, |v| v.is_some())
+            });
+            // A lost node (or a round ended elsewhere) has nothing left to finish.
+            if done || watch.poll().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// What an agent watches while its round runs (polled from `run_group`).
+struct Watch<'a, 'b> {
+    rd: &'a Rdzv<'b>,
+    round: &'a Round,
+    last_poll: Instant,
+    last_beat: Instant,
+    /// Per peer: the last heartbeat count seen and when it changed.
+    seen: HashMap<usize, (i64, Instant)>,
+    /// Why the store could not be reached (the job cannot go on).
+    fatal: Option<String>,
+}
+
+impl<'a, 'b> Watch<'a, 'b> {
+    fn new(rd: &'a Rdzv<'b>, round: &'a Round) -> Watch<'a, 'b> {
+        Watch {
+            rd,
+            round,
+            last_poll: Instant::now(),
+            last_beat: Instant::now(),
+            seen: HashMap::new(),
+            fatal: None,
+        }
+    }
+
+    /// A reason to end the round, if there is one.
+    fn poll(&mut self) -> Option<String> {
+        if self.fatal.is_some() {
+            return self.fatal.clone();
+        }
+        if self.last_poll.elapsed() < Duration::from_millis(100) {
+            return None;
+        }
+        self.last_poll = Instant::now();
+        match self.check() {
+            Ok(why) => why,
+            Err(e) => {
+                self.fatal = Some(e);
+                self.fatal.clone()
+            }
+        }
+    }
+
+    fn check(&mut self) -> Result<Option<String>, String> {
+        let (rd, round) = (self.rd, self.round);
+        let r = round.r;
+        if self.last_beat.elapsed() > rd.conf.heartbeat / 5 {
+            rd.beat()?;
+            self.last_beat = Instant::now();
+        }
+        if let Some(why) = rd.get(&rd.rkey(r, "next"))? {
+            return Ok(Some(why));
+        }
+        let waiting = rd.count(&rd.rkey(r, "waiting"), 0)? as usize;
+        if waiting > 0 && round.nodes < rd.max {
+            let expect = (round.nodes + waiting).min(rd.max);
+            let why = format!("{waiting} node(s) asked to join: admitting them");
+            return rd.end_round(r, &why, expect).map(Some);
+        }
+        for (j, who) in round.who.iter().enumerate() {
+            if j == round.node || rd.get(&rd.rkey(r, &format!("done/{j}")))?.is_some() {
+                continue;
+            }
+            let beats = rd.count(&rd.key(&format!("hb/{who}")), 0)?;
+            let now = Instant::now();
+            let e = self.seen.entry(j).or_insert((beats, now));
+            if e.0 != beats {
+                *e = (beats, now);
+            } else if now - e.1 > rd.conf.heartbeat {
+                let why = format!(
+                    "node {j} ({who}) lost: no heartbeat for {:?}",
+                    rd.conf.heartbeat
+                );
+                return rd.end_round(r, &why, round.nodes - 1).map(Some);
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Whether `host` names this machine (it may serve the store).
+fn is_this_host(host: &str) -> bool {
+    if phalanx_comm::init::is_loopback(host) {
+        return true;
+    }
+    let me = phalanx::monitor::hostname();
+    host.eq_ignore_ascii_case(&me) || std::net::UdpSocket::bind((host, 0)).is_ok()
+}
+
+/// `phalanx run --nnodes MIN:MAX`: the elastic agent of this node.
+pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
+    let (min, max) = opts.nnodes_range()?;
+    let nproc = opts.nproc_per_node.unwrap_or(1);
+    if nproc == 0 {
+        return Err("--nproc-per-node must be at least 1".into());
+    }
+    let conf = Conf::from_opts(opts)?;
+    let secret = match std::env::var("PHALANX_SECRET") {
+        Ok(s) if !s.is_empty() => {
+            phalanx_comm::wire::from_hex(&s).ok_or("PHALANX_SECRET must be hex")?;
+            s
+        }
+        _ => {
+            return Err(
+                "an elastic job (--nnodes MIN:MAX or --rdzv-backend c10d) needs the same \
+                 PHALANX_SECRET (hex) exported on every node, e.g. \
+                 `export PHALANX_SECRET=$(openssl rand -hex 32)`"
+                    .into(),
+            )
+        }
+    };
+    let key = phalanx_comm::wire::from_hex(&secret).unwrap();
+    let endpoint = opts
+        .rdzv_endpoint
+        .clone()
+        .unwrap_or_else(|| format!("{}:{}", opts.master_addr, opts.master_port.unwrap_or(29400)));
+    let (host, port) = endpoint
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+        .ok_or_else(|| format!("--rdzv-endpoint {endpoint}: expected HOST:PORT"))?;
+    // The first agent on the endpoint's host serves the store, as torchrun's
+    // c10d backend does; the others connect to it.
+    let _server = if is_this_host(&host) {
+        let bind = if phalanx_comm::init::is_loopback(&host) {
+            endpoint.clone()
+        } else {
+            format!("0.0.0.0:{port}")
+        };
+        match StoreServer::bind(&bind, key.clone()) {
+            Ok(s) => Some(s),
+            Err(e) if e.to_string().contains("in use") => None,
+            Err(e) => return Err(e.to_string()),
+        }
+    } else {
+        None
+    };
+    let serving = if _server.is_some() {
+        " (serving it)"
+    } else {
+        ""
+    };
+    let store = StoreClient::connect(&endpoint, &key, conf.join_timeout)
+        .map_err(|e| format!("rendezvous store at {endpoint}: {e}"))?;
+    let me = format!("{}:{}", phalanx::monitor::hostname(), std::process::id());
+    let rd = Rdzv {
+        store: &store,
+        id: opts.rdzv_id.clone(),
+        endpoint: endpoint.clone(),
+        min,
+        max,
+        nproc,
+        me,
+        conf,
+        max_restarts: opts.max_restarts,
+    };
+    println!(
+        "phalanx run: elastic job {} at {endpoint}{serving}: --nnodes {min}:{max}, {nproc} \
+         process(es) per node",
+        rd.id
+    );
+    catch_signals();
+    let threads = threads_per_worker(nproc);
+    let mut ended: Option<Instant> = None;
+    loop {
+        let round = rd.join()?;
+        let world = round.nodes * nproc;
+        println!(
+            "phalanx run: round {} formed with {} node(s){}: this is node {} (ranks {}..{} of {world})",
+            round.r,
+            round.nodes,
+            ended.map_or(String::new(), |t| format!(
+                " {:.1} s after the last round ended",
+                t.elapsed().as_secs_f64()
+            )),
+            round.node,
+            round.node * nproc,
+            (round.node + 1) * nproc,
+        );
+        let env = JobEnv {
+            opts,
+            secret: &secret,
+            master_addr: &host,
+            port,
+            threads,
+            nproc,
+            node_rank: round.node,
+            nnodes: round.nodes,
+            run_id: format!("{}/r{}", rd.id, round.r),
+            restart: round.r as usize,
+            elastic: true,
+        };
+        let mut watch = Watch::new(&rd, &round);
+        let outcome = run_group(&env, cmd, &mut || watch.poll())?;
+        if let Some(f) = watch.fatal.take() {
+            return Err(f);
+        }
+        match outcome {
+            Outcome::Success => {
+                let _ = store.set(&rd.rkey(round.r, &format!("done/{}", round.node)), b"1");
+                if _server.is_some() {
+                    // The others still need the store to finish: wait for
+                    // them (or their heartbeats to stop).
+                    rd.wait_done(&round);
+                }
+                return Ok(0);
+            }
+            Outcome::Signalled(sig) => {
+                let why = format!("node {} ({}) left (signal {sig})", round.node, rd.me);
+                let _ = rd.end_round(round.r, &why, round.nodes - 1);
+                return Ok(128 + sig);
+            }
+            Outcome::Interrupted(why) => {
+                println!("phalanx run: round {} ended: {why}; re-forming", round.r);
+            }
+            Outcome::Failed(code, why) => {
+                // A worker that exited 1 may only have seen a peer's death:
+                // watch for the heartbeat timeout whether the cause is
+                // another node's.
+                let mut elsewhere = None;
+                if code == 1 {
+                    let until = Instant::now() + rd.conf.heartbeat + Duration::from_secs(1);
+                    while Instant::now() < until && elsewhere.is_none() {
+                        elsewhere = watch.poll();
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    if let Some(f) = watch.fatal.take() {
+                        return Err(f);
+                    }
+                }
+                match elsewhere {
+                    Some(cause) => {
+                        println!("phalanx run: round {} ended: {cause}; re-forming", round.r)
+                    }
+                    None => {
+                        // The first reason posted wins: only that node's
+                        // failure is counted.
+                        let why = format!("node {} ({}): {why}", round.node, rd.me);
+                        if rd.end_round(round.r, &why, round.nodes)? != why {
+                            continue;
+                        }
+                        let n = rd.count(&rd.key("failures"), 1)? as usize;
+                        if n > opts.max_restarts {
+                            eprintln!(
+                                "phalanx run: {why}; failure {n}, more than --max-restarts {}: \
+                                 the job stops",
+                                opts.max_restarts
+                            );
+                            return Ok(if code == 0 { 1 } else { code });
+                        }
+                        eprintln!(
+                            "phalanx run: {why}; restarting (restart {n} of {})",
+                            opts.max_restarts
+                        );
+                    }
+                }
+            }
+        }
+        ended = Some(Instant::now());
+    }
+}
