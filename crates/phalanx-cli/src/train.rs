@@ -10,6 +10,9 @@
 //! `--max-restarts K` is passed to that launch: a failed group is restarted
 //! up to K times, and with `checkpoint.interval` > 0 the restarted ranks
 //! resume from the latest complete checkpoint (see `phalanx::trainer`).
+//!
+//! A DeepSpeed config's `"auto"` values (Hugging Face Trainer-style) take
+//! Phalanx's own settings; rank 0 prints what each became before training.
 
 use clap::Args;
 use phalanx::config::TrainConfig;
@@ -239,6 +242,11 @@ fn run(
             loader.train_tokens(),
             loader.val_tokens()
         );
+        // What a Trainer-style DeepSpeed config's "auto" values became, once
+        // per run (rank 0, where the batch numbers are resolved for dp).
+        if let Some(s) = cfg.deepspeed_auto_summary(cfg.dp_for_world(pg.size())?) {
+            println!("{s}");
+        }
     }
     let log_json = opts
         .log_json

@@ -1,5 +1,7 @@
 //! `phalanx train` with DeepSpeed JSON configs: `--config FILE.json`,
-//! `--deepspeed_config` / `--deepspeed-config`.
+//! `--deepspeed_config` / `--deepspeed-config`, and a Hugging Face
+//! Trainer-style config full of `"auto"`, which trains and prints what each
+//! auto became once.
 
 mod common;
 use common::*;
@@ -107,4 +109,62 @@ fn trains_from_the_example_ds_config() {
     ]);
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("done: 3 steps"), "{out}");
+}
+
+#[test]
+fn trains_from_a_config_full_of_auto_and_prints_what_each_became() {
+    let (code, out, err) = phalanx(&[
+        "train",
+        "--deepspeed-config",
+        "examples/ds_config_auto.json",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "model.n_head=2",
+        "--set",
+        "model.n_embd=32",
+        "--set",
+        "model.block_size=32",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "optim.lr=0.002",
+        "--set",
+        "log.plot=\"\"",
+    ]);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("done: 3 steps"), "{out}");
+    // Printed once (by rank 0), before training, with --set's values winning.
+    assert_eq!(
+        out.matches("DeepSpeed \"auto\" values in examples/ds_config_auto.json")
+            .count(),
+        1,
+        "{out}"
+    );
+    assert!(
+        out.find("DeepSpeed \"auto\"") < out.find("done: 3 steps"),
+        "{out}"
+    );
+    for line in [
+        "  optimizer.params.lr = 0.002 (optim.lr)",
+        "  scheduler.params.warmup_max_lr = 0.002 (optim.lr)",
+        "  gradient_clipping = 1.0 (optim.grad_clip)",
+        "  train_batch_size = 4 (train.micro_batch_size 2 x dp 2 x train.grad_accum_steps 1)",
+        "  train_micro_batch_size_per_gpu = 2 (train.micro_batch_size)",
+        "  scheduler.params.total_num_steps = 3 (optim.decay_steps = 0: train.steps)",
+        "  bf16.enabled = false (train.precision = fp32)",
+    ] {
+        // The launcher prefixes each line of a rank with its rank.
+        assert!(
+            out.lines()
+                .any(|l| l.trim_start_matches("[rank 0] ") == line),
+            "{line:?} in:\n{out}"
+        );
+    }
 }

@@ -1,5 +1,7 @@
 //! DeepSpeed JSON configs and the new typed keys: configs are built only,
-//! nothing trains.
+//! nothing trains. Includes Hugging Face Trainer-style configs whose values
+//! are `"auto"`: each resolves to Phalanx's own setting for the key (its
+//! default, or `--set`'s), with the printed summary of what each became.
 
 use phalanx::config::{
     ConfigError, LrScheduleKind, ModelFacts, ModelSchema, OptimName, Precision, Recompute,
@@ -182,18 +184,291 @@ fn no_effect_keys_warn_once_with_their_name() {
     }
 }
 
+/// The shipped Hugging Face Trainer-style config: ZeRO-2 with optimizer
+/// offload, AdamW, WarmupDecayLR, fp16 / bf16 "auto", every number "auto".
+fn trainer_style() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/ds_config_auto.json")
+}
+
+/// What `examples/ds_config_auto.json` says besides its autos, in TOML.
+const TRAINER_STYLE_EXPLICIT: &str = r#"
+[log]
+interval = 10
+[optim]
+name = "adamw"
+schedule = "warmup_linear"
+warmup_type = "log"
+[fp16]
+loss_scale = 0
+loss_scale_window = 1000
+initial_scale_power = 16
+hysteresis = 2
+min_loss_scale = 1
+[zero_optimization]
+stage = 2
+overlap_comm = true
+contiguous_gradients = true
+[zero_optimization.offload_optimizer]
+device = "cpu"
+"#;
+
+fn auto_lines(c: &TrainConfig, dp: usize) -> Vec<String> {
+    c.deepspeed_auto(dp).iter().map(|a| a.to_string()).collect()
+}
+
 #[test]
-fn auto_values_error() {
-    let e = err("auto.json", r#"{"train_micro_batch_size_per_gpu": "auto"}"#);
+fn trainer_style_autos_resolve_to_phalanx_settings() {
+    let (c, _) = TrainConfig::build_with_warnings(Some(&trainer_style()), &[]).unwrap();
+    // Every "auto" is what Phalanx has without the key: the config equals
+    // the file's explicit keys alone, written as TOML.
+    let t = TrainConfig::build(Some(&tmp("explicit.toml", TRAINER_STYLE_EXPLICIT)), &[]).unwrap();
+    assert_eq!(c.to_toml(), t.to_toml());
+    // ... which is Phalanx's defaults, not DeepSpeed's for omitted keys.
+    let d = TrainConfig::build(None, &[]).unwrap();
+    assert_eq!(c.optim.grad_clip, d.optim.grad_clip);
+    assert_ne!(c.optim.grad_clip, 0.0);
+    assert_eq!(
+        (c.optim.lr, c.optim.betas, c.optim.eps, c.optim.weight_decay),
+        (d.optim.lr, d.optim.betas, d.optim.eps, d.optim.weight_decay)
+    );
+    assert_eq!(
+        (
+            c.optim.warmup_steps,
+            c.optim.warmup_min_lr,
+            c.optim.min_lr,
+            c.optim.decay_steps
+        ),
+        (
+            d.optim.warmup_steps,
+            d.optim.warmup_min_lr,
+            d.optim.min_lr,
+            d.optim.decay_steps
+        )
+    );
+    assert_eq!(c.optim.schedule, LrScheduleKind::WarmupLinear);
+    assert_eq!(c.precision(), d.precision());
+    assert_eq!(c.bucket_bytes(), d.bucket_bytes());
+    assert_eq!(c.batch_for_dp(2).unwrap(), d.batch_for_dp(2).unwrap());
+    assert_eq!(c.dp_for_world(2).unwrap(), 2);
+    // What each became, as `phalanx train` prints it.
+    let lines = auto_lines(&c, 2);
+    let want = [
+        "bf16.enabled = false (train.precision = fp32)".to_string(),
+        "fp16.enabled = false (train.precision = fp32)".into(),
+        "gradient_accumulation_steps = 1 (train.grad_accum_steps)".into(),
+        "gradient_clipping = 1.0 (optim.grad_clip)".into(),
+        "optimizer.params.betas = [0.9, 0.95] (optim.betas)".into(),
+        "optimizer.params.eps = 1e-8 (optim.eps)".into(),
+        "optimizer.params.lr = 0.003 (optim.lr)".into(),
+        "optimizer.params.weight_decay = 0.1 (optim.weight_decay)".into(),
+        "scheduler.params.total_num_steps = 600 (optim.decay_steps = 0: train.steps)".into(),
+        "scheduler.params.warmup_max_lr = 0.003 (optim.lr)".into(),
+        "scheduler.params.warmup_min_lr = 0.0 (optim.warmup_min_lr; optim.min_lr = 0.0003)".into(),
+        "scheduler.params.warmup_num_steps = 20 (optim.warmup_steps)".into(),
+        "train_batch_size = 16 (train.micro_batch_size 8 x dp 2 x train.grad_accum_steps 1)".into(),
+        "train_micro_batch_size_per_gpu = 8 (train.micro_batch_size)".into(),
+        format!(
+            "zero_optimization.reduce_bucket_size = {} (elements of parallel.bucket_mb = 25.0)",
+            (25 << 20) / 4
+        ),
+    ];
+    assert_eq!(lines, want);
+    let s = c.deepspeed_auto_summary(2).unwrap();
+    assert!(s.starts_with("DeepSpeed \"auto\" values in "), "{s}");
+    assert!(s.contains("ds_config_auto.json"), "{s}");
+    assert_eq!(s.lines().count(), want.len() + 1, "{s}");
+    // A config without autos has nothing to print.
+    let (plain, _) = json("plain.json", TUTORIAL).unwrap();
+    assert!(plain.deepspeed_auto(2).is_empty());
+    assert_eq!(plain.deepspeed_auto_summary(2), None);
+}
+
+#[test]
+fn set_wins_over_auto() {
+    let c = TrainConfig::build(
+        Some(&trainer_style()),
+        &set(&[
+            "optim.lr=0.01",
+            "optim.betas=[0.8, 0.9]",
+            "optim.grad_clip=0.5",
+            "optim.warmup_steps=7",
+            "optim.decay_steps=50",
+            "optim.min_lr=0.001",
+            "train.micro_batch_size=2",
+            "train.grad_accum_steps=4",
+            "bf16.enabled=true",
+            "zero_optimization.reduce_bucket_size=1000",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.optim.lr, 0.01);
+    assert_eq!(c.optim.betas, [0.8, 0.9]);
+    assert_eq!(c.optim.grad_clip, 0.5);
+    assert_eq!((c.optim.warmup_steps, c.optim.decay_steps), (7, 50));
+    assert_eq!(c.optim.min_lr, 0.001);
+    assert_eq!(c.precision(), Precision::Bf16);
+    assert_eq!(c.bucket_bytes(), 4000);
+    assert_eq!(c.batch_for_dp(2).unwrap(), (2, 4));
+    let lines = auto_lines(&c, 2);
+    for want in [
+        "optimizer.params.lr = 0.01 (optim.lr)",
+        "scheduler.params.warmup_max_lr = 0.01 (optim.lr)",
+        "optimizer.params.betas = [0.8, 0.9] (optim.betas)",
+        "gradient_clipping = 0.5 (optim.grad_clip)",
+        "scheduler.params.warmup_num_steps = 7 (optim.warmup_steps)",
+        "scheduler.params.total_num_steps = 50 (optim.decay_steps)",
+        "scheduler.params.warmup_min_lr = 0.0 (optim.warmup_min_lr; optim.min_lr = 0.001)",
+        "train_batch_size = 16 (train.micro_batch_size 2 x dp 2 x train.grad_accum_steps 4)",
+        "bf16.enabled = true (train.precision = bf16)",
+        "fp16.enabled = false (train.precision = bf16)",
+        "zero_optimization.reduce_bucket_size = 1000 (zero_optimization.reduce_bucket_size)",
+    ] {
+        assert!(lines.iter().any(|l| l == want), "{want}: {lines:#?}");
+    }
+    // An explicit optimizer lr is what an auto warmup_max_lr takes, and
+    // --set wins over both.
+    let p = tmp(
+        "lr_explicit.json",
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.0002}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 5}}}"#,
+    );
+    let (c, w) = TrainConfig::build_with_warnings(Some(&p), &[]).unwrap();
+    assert_eq!(c.optim.lr, 0.0002);
+    assert!(w.is_empty(), "{w:?}");
+    let c = TrainConfig::build(Some(&p), &set(&["optim.lr=0.5"])).unwrap();
+    assert_eq!(c.optim.lr, 0.5);
+}
+
+#[test]
+fn zero3_autos_and_knobs_without_a_setting() {
+    let (c, w) = json(
+        "zero3_auto.json",
+        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "adam_w_mode": "auto"}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+            "bf16": {"enabled": "auto"}, "amp": {"enabled": "auto", "opt_level": "auto"},
+            "zero_optimization": {"stage": 3, "overlap_comm": true, "stage3_prefetch_bucket_size": "auto",
+              "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": "auto",
+              "stage3_max_live_parameters": 1e9}}"#,
+    )
+    .unwrap();
+    // The knobs Phalanx has no setting for are named in the summary, not warned about.
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("stage3_max_live_parameters"), "{w:?}");
+    assert_eq!(c.zero_optimization.stage3_prefetch_bucket_size, 0.0);
+    assert_eq!(c.optim.schedule, LrScheduleKind::WarmupConstant);
+    // train_batch_size given, micro and accum auto: as if absent, micro is derived.
+    assert_eq!(c.batch_for_dp(2).unwrap(), (4, 1));
+    let lines = auto_lines(&c, 2);
+    for want in [
+        "train_micro_batch_size_per_gpu = 4 (train.micro_batch_size (derived from train.global_batch_size))",
+        "gradient_accumulation_steps = 1 (train.grad_accum_steps)",
+        "optimizer.params.adam_w_mode = true (the only value Phalanx has)",
+        "amp.enabled = false (Phalanx has no NVIDIA Apex AMP; bf16 / fp16 are its mixed precision)",
+        "zero_optimization.stage3_prefetch_bucket_size = 0 (ZeRO-3 gathers parallel.forward_prefetch = 1 block(s) ahead)",
+        "scheduler.params.warmup_min_lr = 0.0 (optim.warmup_min_lr)",
+    ] {
+        assert!(lines.iter().any(|l| l == want), "{want}: {lines:#?}");
+    }
+    for key in [
+        "amp.opt_level",
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(&format!("{key}: ignored (no effect in Phalanx"))),
+            "{key}: {lines:#?}"
+        );
+    }
+    // The batch identity still holds with autos resolved: 8 != 4 * 1 * 3.
+    assert!(c.dp_for_world(3).is_err());
+    let c = TrainConfig::build(
+        Some(&tmp(
+            "zero3_auto_mismatch.json",
+            r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto"}"#,
+        )),
+        &set(&["train.micro_batch_size=4", "train.grad_accum_steps=1"]),
+    )
+    .unwrap();
+    let e = c.dp_for_world(2).unwrap_err().to_string();
+    assert!(e.contains("10 != 4 * 1 * 2"), "{e}");
+}
+
+#[test]
+fn auto_types_and_cosine_ratios_take_the_final_lr() {
+    // "auto" optimizer and scheduler types are Phalanx's own.
+    let p = tmp(
+        "types_auto.json",
+        r#"{"optimizer": {"type": "auto", "params": {"lr": 0.01}},
+            "scheduler": {"type": "auto", "params": {"warmup_num_steps": 5, "total_num_steps": "auto"}}}"#,
+    );
+    let d = TrainConfig::build(None, &[]).unwrap();
+    let c = TrainConfig::build(Some(&p), &[]).unwrap();
+    assert_eq!(c.optim.name, d.optim.name);
+    assert_eq!(c.optim.schedule, d.optim.schedule);
+    assert_eq!((c.optim.lr, c.optim.warmup_steps), (0.01, 5));
+    assert_eq!(
+        (c.optim.weight_decay, c.optim.betas, c.optim.warmup_type),
+        (d.optim.weight_decay, d.optim.betas, d.optim.warmup_type)
+    );
+    let c = TrainConfig::build(Some(&p), &set(&["optim.name=sgd"])).unwrap();
+    assert_eq!(c.optim.name, OptimName::Sgd);
+    // WarmupCosineLR's cos_min_ratio scales the lr the run uses.
+    let p = tmp(
+        "cos_auto.json",
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "cos_min_ratio": 0.1,
+            "warmup_num_steps": "auto"}}}"#,
+    );
+    let c = TrainConfig::build(Some(&p), &set(&["optim.lr=0.02"])).unwrap();
+    assert_eq!(c.optim.schedule, LrScheduleKind::Cosine);
+    assert!((c.optim.min_lr - 0.002).abs() < 1e-12, "{}", c.optim.min_lr);
+    assert_eq!(c.optim.decay_steps, 0);
+    let c = TrainConfig::build(Some(&p), &set(&["optim.lr=0.02", "optim.min_lr=0.005"])).unwrap();
+    assert_eq!(c.optim.min_lr, 0.005);
+}
+
+#[test]
+fn what_auto_cannot_mean_is_an_error_naming_the_key() {
+    // A string that is not "auto" where a number is expected.
+    let e = err(
+        "auto_bad1.json",
+        r#"{"train_micro_batch_size_per_gpu": "eight"}"#,
+    );
     assert!(
-        e.contains("\"train_micro_batch_size_per_gpu\"") && e.contains("auto"),
+        e.contains("\"train_micro_batch_size_per_gpu\"") && e.contains("\"eight\""),
         "{e}"
     );
     let e = err(
-        "auto2.json",
-        r#"{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#,
+        "auto_bad2.json",
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": "1e-4"}}}"#,
     );
-    assert!(e.contains("optimizer.params.lr"), "{e}");
+    assert!(
+        e.contains("\"optimizer.params.lr\"") && e.contains("must be a number"),
+        "{e}"
+    );
+    let e = err("auto_bad3.json", r#"{"gradient_clipping": "Auto-ish"}"#);
+    assert!(e.contains("\"gradient_clipping\""), "{e}");
+    // A cosine ratio cannot be read without the scheduler's type.
+    let e = err(
+        "auto_bad4.json",
+        r#"{"scheduler": {"type": "auto", "params": {"cos_min_ratio": 0.1}}}"#,
+    );
+    assert!(e.contains("\"scheduler.params.cos_min_ratio\""), "{e}");
+    // "auto" does not make an unknown key known, nor Apex AMP available.
+    let e = err("auto_bad5.json", r#"{"train_batch_sise": "auto"}"#);
+    assert!(
+        e.contains("unknown DeepSpeed key \"train_batch_sise\""),
+        "{e}"
+    );
+    let e = err(
+        "auto_bad6.json",
+        r#"{"amp": {"enabled": true, "opt_level": "auto"}}"#,
+    );
+    assert!(e.contains("\"amp\"") && e.contains("bf16"), "{e}");
 }
 
 #[test]

@@ -63,6 +63,32 @@ pub struct TrainConfig {
     /// What the model's schema said of its section (set by `build_for`).
     #[serde(skip)]
     model_facts: ModelFacts,
+    /// The DeepSpeed file's `"auto"` keys (see [`TrainConfig::deepspeed_auto`]).
+    #[serde(skip)]
+    ds_auto: deepspeed::Autos,
+}
+
+/// A DeepSpeed key given as `"auto"`, and what it resolved to
+/// ([`TrainConfig::deepspeed_auto`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutoValue {
+    /// Its JSON path, e.g. `optimizer.params.lr`.
+    pub key: String,
+    /// The value it stands for, as printed; `None` for a knob that has no
+    /// effect in Phalanx (ignored).
+    pub value: Option<String>,
+    /// Where the value comes from (the Phalanx key, e.g. `optim.lr`), or
+    /// why the key is ignored or has one value.
+    pub from: String,
+}
+
+impl std::fmt::Display for AutoValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.value {
+            Some(v) => write!(f, "{} = {v} ({})", self.key, self.from),
+            None => write!(f, "{}: ignored ({})", self.key, self.from),
+        }
+    }
 }
 
 /// DeepSpeed's `zero_optimization` block.
@@ -361,6 +387,7 @@ impl Default for TrainConfig {
             activation_checkpointing: ActivationCheckpointingSection::default(),
             derive: batch::Derive::Nothing,
             model_facts: ModelFacts::default(),
+            ds_auto: deepspeed::Autos::default(),
         }
     }
 }
@@ -508,13 +535,15 @@ impl TrainConfig {
         let mut table = toml::Table::new();
         let mut warnings = Vec::new();
         let mut ds = deepspeed::Extra::default();
+        let mut autos = deepspeed::Autos::default();
         if let Some(p) = file {
             let text = std::fs::read_to_string(p)
                 .map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
             if p.extension()
                 .is_some_and(|e| e.eq_ignore_ascii_case("json"))
             {
-                (table, ds) = deepspeed::translate(&text, &p.display().to_string(), &mut warnings)?;
+                (table, ds, autos) =
+                    deepspeed::translate(&text, &p.display().to_string(), &mut warnings)?;
             } else {
                 table = text
                     .parse::<toml::Table>()
@@ -529,6 +558,10 @@ impl TrainConfig {
             .get("train")
             .and_then(|t| t.get("activation_checkpointing"))
             .is_some();
+        let optim_given: Vec<String> = table
+            .get("optim")
+            .and_then(|t| t.as_table())
+            .map_or_else(Vec::new, |t| t.keys().cloned().collect());
         // The preset (and architecture) is read first so that explicit model
         // keys win over it.
         let given = table.get("model").and_then(|m| m.as_table());
@@ -542,10 +575,12 @@ impl TrainConfig {
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError(e.message().to_string()))?;
         cfg.derive = derive;
+        cfg.ds_auto = autos;
         cfg.model_facts = schema.check(&cfg.model)?;
         if !recompute_given {
             ds.apply_recompute(&mut cfg, &mut warnings);
         }
+        ds.apply_lr_ratios(&mut cfg, |k| optim_given.iter().any(|g| g == k));
         cfg.validate()?;
         cfg.resolve_batch_from_env()?;
         Ok((cfg, warnings))
@@ -623,6 +658,43 @@ impl TrainConfig {
         }
         self.batch_for_dp(dp)?;
         Ok(dp)
+    }
+
+    /// The DeepSpeed file's keys given as `"auto"` (sorted by JSON path),
+    /// each with the value it stands for with `dp` data-parallel ranks:
+    /// Phalanx's own setting for the key (its default, or `--set`'s), as
+    /// if the key were not in the file. Empty without a DeepSpeed file or
+    /// an "auto" in it.
+    ///
+    /// ```
+    /// use phalanx::config::TrainConfig;
+    /// let p = std::env::temp_dir().join(format!("doc-auto-{}.json", std::process::id()));
+    /// std::fs::write(&p, r#"{"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}"#).unwrap();
+    /// let c = TrainConfig::build(Some(&p), &["optim.lr=0.01".into()]).unwrap();
+    /// let a = c.deepspeed_auto(1);
+    /// assert_eq!(a[0].to_string(), "gradient_clipping = 1.0 (optim.grad_clip)");
+    /// assert_eq!(a[1].to_string(), "optimizer.params.lr = 0.01 (optim.lr)");
+    /// # std::fs::remove_file(&p).unwrap();
+    /// ```
+    pub fn deepspeed_auto(&self, dp: usize) -> Vec<AutoValue> {
+        self.ds_auto.resolve(self, dp)
+    }
+
+    /// [`TrainConfig::deepspeed_auto`] as a block to print at start: a
+    /// heading naming the file and one indented line per key; `None` when
+    /// no key was "auto".
+    pub fn deepspeed_auto_summary(&self, dp: usize) -> Option<String> {
+        if self.ds_auto.is_empty() {
+            return None;
+        }
+        let mut s = format!(
+            "DeepSpeed \"auto\" values in {}, resolved to Phalanx's settings:",
+            self.ds_auto.file()
+        );
+        for a in self.deepspeed_auto(dp) {
+            s.push_str(&format!("\n  {a}"));
+        }
+        Some(s)
     }
 
     /// Global batch in samples: micro_batch x dp x grad_accum.
