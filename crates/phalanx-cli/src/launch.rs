@@ -107,6 +107,12 @@ impl LaunchOpts {
     }
 }
 
+/// The exit code of a worker that stopped at a step boundary because its
+/// elastic agent asked it to (SIGUSR1; EX_TEMPFAIL).
+pub const STOPPED_EXIT: i32 = 75;
+/// How long an elastic group gets to reach a step boundary and stop.
+const STOP_GRACE: Duration = Duration::from_secs(120);
+
 /// Lines of stderr kept per rank for the failure report.
 const TAIL: usize = 20;
 /// How long workers get between SIGTERM and SIGKILL.
@@ -338,12 +344,19 @@ pub(crate) enum Outcome {
     Interrupted(String),
 }
 
+/// Why an elastic agent stops its group, and whether the workers may first
+/// reach a step boundary (all are healthy) or are ended at once.
+pub(crate) struct Stop {
+    pub why: String,
+    pub graceful: bool,
+}
+
 /// Start this node's workers and wait for them; every 20 ms `watch` may
 /// return a reason to stop them all (an elastic job re-forming).
 pub(crate) fn run_group(
     env: &JobEnv,
     cmd: &[String],
-    watch: &mut dyn FnMut() -> Option<String>,
+    watch: &mut dyn FnMut() -> Option<Stop>,
 ) -> Result<Outcome, String> {
     let o = env.opts;
     let nproc = env.nproc;
@@ -422,6 +435,13 @@ pub(crate) fn run_group(
         }
 
         let (running, mut failures) = poll(&mut workers)?;
+        if !failures.is_empty() && failures.iter().all(|(_, (c, _))| *c == STOPPED_EXIT) {
+            // Asked to stop (by this agent or, through the group, another's).
+            finish_stop(&mut workers)?;
+            return Ok(Outcome::Interrupted(
+                "the workers stopped at a step boundary".into(),
+            ));
+        }
         // A rank that exited 1 may have done so because its peer died (it
         // reports that as an error): give the peer a moment to be seen, so
         // the root cause is named.
@@ -465,12 +485,32 @@ pub(crate) fn run_group(
             end_leftovers(&mut workers);
             return Ok(Outcome::Success);
         }
-        if let Some(why) = watch() {
-            stop_all(&mut workers);
+        if let Some(Stop { why, graceful }) = watch() {
+            if graceful {
+                // Stop at the next step boundary, all ranks together (with
+                // a checkpoint of it), rather than mid-step or mid-save.
+                for w in &workers {
+                    // SAFETY: signalling our own child.
+                    unsafe { libc::kill(w.child.id() as i32, libc::SIGUSR1) };
+                }
+                finish_stop(&mut workers)?;
+            } else {
+                stop_all(&mut workers);
+            }
             return Ok(Outcome::Interrupted(why));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Give workers asked to stop `STOP_GRACE` to get there, then end them.
+fn finish_stop(workers: &mut [Worker]) -> Result<(), String> {
+    let deadline = Instant::now() + STOP_GRACE;
+    while poll(workers)?.0 > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop_all(workers);
+    Ok(())
 }
 
 /// (workers still running, failed workers with their status).

@@ -23,10 +23,16 @@
 //! `r{r}/expect`, `r{r}/waiting`, `r{r}/next` (why it ended), `r{r}/done/{i}`;
 //! `hb/{host:pid}`; `failures`.
 
-use crate::launch::{catch_signals, run_group, threads_per_worker, JobEnv, LaunchOpts, Outcome};
+use crate::launch::{
+    catch_signals, run_group, threads_per_worker, JobEnv, LaunchOpts, Outcome, Stop,
+};
 use phalanx_comm::store::{StoreClient, StoreServer};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+/// How an admission ends a round (the one reason that stops the workers
+/// gracefully, at a step boundary).
+const ADMITTING: &str = "admitting them";
 
 /// Rendezvous timing (`--rdzv-timeout`, `--rdzv-conf`).
 #[derive(Debug, Clone)]
@@ -358,6 +364,14 @@ impl<'a, 'b> Watch<'a, 'b> {
         }
     }
 
+    /// As `poll`, for `run_group`: only an admission lets the (healthy)
+    /// workers reach a step boundary first.
+    fn stop(&mut self) -> Option<Stop> {
+        let why = self.poll()?;
+        let graceful = self.fatal.is_none() && why.ends_with(ADMITTING);
+        Some(Stop { why, graceful })
+    }
+
     fn check(&mut self) -> Result<Option<String>, String> {
         let (rd, round) = (self.rd, self.round);
         let r = round.r;
@@ -371,7 +385,7 @@ impl<'a, 'b> Watch<'a, 'b> {
         let waiting = rd.count(&rd.rkey(r, "waiting"), 0)? as usize;
         if waiting > 0 && round.nodes < rd.max {
             let expect = (round.nodes + waiting).min(rd.max);
-            let why = format!("{waiting} node(s) asked to join: admitting them");
+            let why = format!("{waiting} node(s) asked to join: {ADMITTING}");
             return rd.end_round(r, &why, expect).map(Some);
         }
         for (j, who) in round.who.iter().enumerate() {
@@ -507,7 +521,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             elastic: true,
         };
         let mut watch = Watch::new(&rd, &round);
-        let outcome = run_group(&env, cmd, &mut || watch.poll())?;
+        let outcome = run_group(&env, cmd, &mut || watch.stop())?;
         if let Some(f) = watch.fatal.take() {
             return Err(f);
         }
@@ -527,7 +541,13 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                 return Ok(128 + sig);
             }
             Outcome::Interrupted(why) => {
-                println!("phalanx run: round {} ended: {why}; re-forming", round.r);
+                // The reason the round ended, as posted (else what this node saw).
+                let posted = rd.get(&rd.rkey(round.r, "next"))?;
+                println!(
+                    "phalanx run: round {} ended: {}; re-forming",
+                    round.r,
+                    posted.unwrap_or(why)
+                );
             }
             Outcome::Failed(code, why) => {
                 // A worker that exited 1 may only have seen a peer's death:

@@ -19,6 +19,7 @@ use phalanx::config::TrainConfig;
 use phalanx::trainer::{Resume, RunOptions};
 use phalanx_models::{family, train};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 #[derive(Args, Debug, Clone)]
@@ -108,7 +109,9 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         return crate::launch::relaunch_self(launch, n);
     }
     match run(&cfg, hf_config.as_deref(), opts) {
-        Ok(()) => 0,
+        Ok(None) => 0,
+        // Stopped at a step boundary at the elastic agent's request.
+        Ok(Some(_)) => crate::launch::STOPPED_EXIT,
         Err(e) => {
             crate::elastic::fail("phalanx train: error", e);
             1
@@ -207,11 +210,26 @@ fn elastic_batch(
     Ok(Some(c))
 }
 
+/// Set by SIGUSR1 under an elastic agent: stop after this step.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Train as one rank of the job; `Some(step)` when a graceful stop ended it.
 fn run(
     cfg: &TrainConfig,
     hf_config: Option<&std::path::Path>,
     opts: &TrainOpts,
-) -> phalanx::Result<()> {
+) -> phalanx::Result<Option<usize>> {
+    let elastic = std::env::var("PHALANX_ELASTIC").as_deref() == Ok("1");
+    if elastic {
+        // SAFETY: installing a handler that only stores to an atomic.
+        unsafe {
+            libc::signal(libc::SIGUSR1, on_stop as *const () as libc::sighandler_t);
+        }
+    }
     let pg = phalanx_comm::init_process_group()?;
     let lead = pg.rank() == 0;
     let elastic_cfg = elastic_batch(cfg, &pg, opts)?;
@@ -264,6 +282,7 @@ fn run(
             "auto" => Resume::Auto,
             p => Resume::Path(p.into()),
         }),
+        stop: elastic.then_some(&STOP),
     };
     let t0 = std::time::Instant::now();
     let (init_from, save_final) = (opts.init_from.clone(), opts.save_final.clone());
@@ -295,5 +314,5 @@ fn run(
         }
     }
     pg.shutdown();
-    Ok(())
+    Ok(report.stopped_at)
 }

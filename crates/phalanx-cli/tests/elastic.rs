@@ -2,7 +2,8 @@
 //! processes as nodes: a node killed mid-run leaves the other to re-form
 //! and finish alone with the losses of a 1-node run resumed from the same
 //! checkpoint (global batch kept, accumulation adjusted); a node that joins
-//! a running 1:3 job is admitted at a re-formation; below MIN the
+//! a running 1:3 job is admitted at a re-formation (the running round
+//! stops at a step boundary, with a checkpoint of it); below MIN the
 //! rendezvous fails within its timeout saying why; worker failures count
 //! against `--max-restarts` and membership changes do not; losing the node
 //! that serves the rendezvous store fails the others fast, saying so.
@@ -150,7 +151,9 @@ fn wait_steps(d: &Path, n: usize, node: &Node) {
 
 /// The step a node's last resume started from ("resumed from ... (step K, ...").
 fn resumed_at(out: &str) -> u64 {
-    let i = out.rfind("resumed from ").expect("a resume");
+    let i = out
+        .rfind("resumed from ")
+        .unwrap_or_else(|| panic!("no resume:\n{out}"));
     let rest = &out[i..];
     let k = rest.find("(step ").unwrap() + 6;
     rest[k..].split(',').next().unwrap().parse().unwrap()
@@ -233,10 +236,18 @@ fn a_node_that_joins_a_running_job_is_admitted() {
         "{oc}"
     );
     assert!(oc.contains("round 1 formed with 2 node(s)"), "{oc}");
+    // Rank 0 (which logs) is on whichever node joined round 1 first.
+    let both = format!("{oa}{oc}");
+    // The admission stopped the running round at a step boundary with a
+    // checkpoint of it: the new round resumes there, no step is lost.
+    let i = oa.find("stopping after step ").expect("a graceful stop");
+    let stopped: u64 = oa[i + 20..].split(' ').next().unwrap().parse().unwrap();
+    assert!(oa.contains("as asked (checkpoint of it saved)"), "{oa}");
+    assert_eq!(resumed_at(&both), stopped, "{both}");
     // One rank's global batch of 4 on two ranks: micro-batch 2.
     assert!(
-        oa.contains("keeping the global batch of 4 on dp 2: micro-batch 2 x grad_accum 1"),
-        "{oa}"
+        both.contains("keeping the global batch of 4 on dp 2: micro-batch 2 x grad_accum 1"),
+        "{both}"
     );
     let steps: Vec<u64> = losses(&d.join("log.jsonl")).iter().map(|l| l.0).collect();
     assert_eq!(steps, (0..30).collect::<Vec<_>>());

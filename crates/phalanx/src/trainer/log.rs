@@ -22,6 +22,12 @@ pub struct RunOptions {
     pub report: Option<PathBuf>,
     /// Continue from a checkpoint (`--resume`).
     pub resume: Option<Resume>,
+    /// A graceful stop (set, e.g., from a signal handler, on any rank):
+    /// after the step during which it is seen on any rank, every rank
+    /// stops, with a checkpoint of that step when checkpoints are on
+    /// ([`Report::stopped_at`]). Checked with one tiny all-reduce per step,
+    /// only when given.
+    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 /// Where `--resume` continues from.
@@ -44,6 +50,7 @@ impl Default for RunOptions {
             trace: None,
             report: None,
             resume: None,
+            stop: None,
         }
     }
 }

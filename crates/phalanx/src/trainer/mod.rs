@@ -78,6 +78,9 @@ pub struct Report {
     /// Stragglers reported during the run (`phalanx::monitor`), with the
     /// step each was reported at.
     pub stragglers: Vec<(usize, crate::monitor::Straggler)>,
+    /// The step count at which a graceful stop ([`RunOptions::stop`]) ended
+    /// the run early.
+    pub stopped_at: Option<usize>,
 }
 
 pub struct Trainer {

@@ -107,6 +107,20 @@ impl Trainer {
                     }
                 }
             }
+            if self.stop_agreed(opts)? && k + 1 < steps {
+                if every > 0 && (k + 1) % every != 0 {
+                    self.save_checkpoint(k + 1)?;
+                }
+                if lead && opts.progress {
+                    println!(
+                        "stopping after step {} as asked{}",
+                        k + 1,
+                        if every > 0 { " (checkpoint of it saved)" } else { "" }
+                    );
+                }
+                report.stopped_at = Some(k + 1);
+                break;
+            }
         }
         if let Some(d) = self.wait_checkpoint()? {
             if lead && opts.progress {
@@ -149,5 +163,17 @@ impl Trainer {
         }
         log.finish(&report)?;
         Ok(report)
+    }
+
+    /// Whether any rank was asked to stop (collective when a stop flag is given).
+    fn stop_agreed(&self, opts: &RunOptions) -> Result<bool> {
+        let Some(flag) = opts.stop else {
+            return Ok(false);
+        };
+        let mut v = [u8::from(flag.load(std::sync::atomic::Ordering::SeqCst)) as f32];
+        self.mesh
+            .world()
+            .all_reduce(&mut v, phalanx_comm::ReduceOp::Max)?;
+        Ok(v[0] > 0.0)
     }
 }
