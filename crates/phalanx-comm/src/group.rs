@@ -84,6 +84,32 @@ impl ProcessGroup {
         ProcessGroup::make(Arc::new(comm), members, me, 1, cfg, None)
     }
 
+    /// Rank `rank` of a group of `size` that has no peers: it says where
+    /// the rank stands ([`Self::rank`], [`Self::size`]) and every operation
+    /// fails, naming it. For code that only lays things out for a rank (a
+    /// tensor-parallel block declaring its parameters) without starting the
+    /// other ranks.
+    ///
+    /// ```
+    /// use phalanx_comm::{ProcessGroup, ReduceOp};
+    /// let pg = ProcessGroup::detached(1, 4);
+    /// assert_eq!((pg.rank(), pg.size(), pg.backend_name()), (1, 4, "detached"));
+    /// let e = pg.all_reduce(&mut [1.0f32], ReduceOp::Sum).unwrap_err();
+    /// assert!(e.to_string().contains("detached"), "{e}");
+    /// ```
+    pub fn detached(rank: usize, size: usize) -> ProcessGroup {
+        assert!(rank < size, "rank {rank} is not in a group of size {size}");
+        let backend = Arc::new(crate::backend::detached::Detached);
+        ProcessGroup::make(
+            backend,
+            (0..size).collect(),
+            rank,
+            1,
+            Config::default(),
+            None,
+        )
+    }
+
     fn make(
         backend: Arc<dyn Backend>,
         members: Vec<usize>,

@@ -18,7 +18,8 @@
 //! of a `[T]` and its [`DType`]) so the trait is object safe; an
 //! implementation gets its typed slice back with [`for_dtype!`] and
 //! [`BytesMut::typed`]. Implementations: [`native`] (Phalanx's transports:
-//! shared memory, Unix sockets, TCP) and `crate::mpi` (feature `mpi`).
+//! shared memory, Unix sockets, TCP), `crate::mpi` (feature `mpi`) and
+//! [`detached`] (no peers: a group that only says where a rank stands).
 //!
 //! ```
 //! use phalanx_comm::{threads, ReduceOp};
@@ -32,6 +33,7 @@
 //! assert_eq!(names[0], ("native", [2.0; 3]));
 //! ```
 
+pub mod detached;
 pub mod native;
 
 use crate::config::Config;

@@ -58,6 +58,14 @@ impl Tp {
             sequence_parallel,
         }
     }
+    /// Rank `rank` of `size` with no group behind it
+    /// ([`ProcessGroup::detached`]): enough to build that rank's blocks and
+    /// record what they declare (shapes and placements), as the planner's
+    /// model families do, without the other ranks; a forward's collectives
+    /// fail.
+    pub fn detached(rank: usize, size: usize) -> Tp {
+        Tp::new(ProcessGroup::detached(rank, size), false)
+    }
     pub fn rank(&self) -> usize {
         self.pg.rank()
     }
