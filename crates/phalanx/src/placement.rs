@@ -2,9 +2,10 @@
 //! tensor-parallel axis): a block says, where it declares a parameter, how
 //! the whole tensor is cut over the tp ranks ([`declare`]); the engine's
 //! layout carries it ([`crate::engine::ParamInfo::placement`]), and slicing a whole
-//! tensor, gathering it back, the ranges every rank holds whole and the
-//! checkpoint regions follow from it ([`Placement::rule`],
-//! [`Placement::full_shape`]).
+//! tensor, gathering it back, the ranges every rank holds whole, the
+//! checkpoint regions and the planner's per-rank sizes follow from it
+//! ([`Placement::rule`], [`Placement::full_shape`],
+//! [`Placement::local_shape`]).
 //!
 //! A block declares its own (local) shape; the placement says how it sits
 //! in the whole tensor:
@@ -15,10 +16,12 @@
 //! let qkv = Placement::Shard { dim: 0, groups: 3, full: None };
 //! assert_eq!(qkv.full_shape(&[6, 4], 2), vec![12, 4]);
 //! assert_eq!(qkv.rule(&[6, 4], 1, 2), Rule::Rows(vec![2..4, 6..8, 10..12]));
+//! assert_eq!(qkv.local_shape(&[12, 4], 2), vec![6, 4]);
 //! // A vocabulary of 5 padded to 6 over 2 ranks: 3 rows each, the last one padding.
 //! let vocab = Placement::Shard { dim: 0, groups: 1, full: Some(5) };
 //! assert_eq!(vocab.full_shape(&[3, 4], 2), vec![5, 4]);
 //! assert_eq!(vocab.rule(&[3, 4], 1, 2), Rule::Rows(vec![3..6]));
+//! assert_eq!(vocab.local_shape(&[5, 4], 2), vec![3, 4]);
 //! assert_eq!(Placement::cols().rule(&[4, 2], 1, 2), Rule::Cols(2..4));
 //! assert_eq!(Placement::Replicate.rule(&[4], 1, 2), Rule::Full);
 //! ```
@@ -129,6 +132,23 @@ impl Placement {
             f[dim] = full.unwrap_or(local[dim] * tp);
         }
         f
+    }
+
+    /// The shape one of `tp` ranks holds of a whole tensor of shape
+    /// `whole` (the inverse of [`Placement::full_shape`]): `Shard(dim)`
+    /// splits `whole[dim]` evenly over the ranks (each of its groups; the
+    /// block declaring it checks that they divide), rounded up where
+    /// `full` pads it (every rank holds ⌈full / tp⌉ rows, the last rank's
+    /// last ones padding); `Replicate` is the whole shape.
+    pub fn local_shape(&self, whole: &[usize], tp: usize) -> Vec<usize> {
+        let mut l = whole.to_vec();
+        if let (Placement::Shard { dim, full, .. }, true) = (*self, tp > 1) {
+            l[dim] = match full {
+                Some(_) => whole[dim].div_ceil(tp),
+                None => whole[dim] / tp,
+            };
+        }
+        l
     }
 
     /// The slice of the whole tensor rank `rank` of `tp` holds, for a

@@ -3,6 +3,8 @@
 //! - [`Recorder`] answers every `vb.get*` with zeros and writes down the
 //!   request (name, shape, init hint, and the placement
 //!   [`crate::placement::declare`] gave): the engine builds its layout from it.
+//!   [`declarations`] records a block with a recorder that allocates
+//!   nothing (a model too large to hold can be declared).
 //! - [`Server`] answers from a [`ParamSource`]: it copies the parameter out of
 //!   the flat buffer into a fresh candle tensor, a `Var` when gradients are
 //!   wanted, and remembers the `Var` so the engine can read its gradient.
@@ -28,8 +30,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, DType, Device, Result, Shape, Tensor, TensorId, Var};
 use candle_nn::var_builder::SimpleBackend;
-use candle_nn::Init;
+use candle_nn::{Init, VarBuilder};
 
+use super::block::Block;
 use super::layout::{Layout, ParamDecl};
 
 /// Where a block's parameters come from: the engine's flat buffer, or (for
@@ -44,11 +47,25 @@ pub trait ParamSource: Sync {
 #[derive(Clone, Default)]
 pub struct Recorder {
     decls: Arc<Mutex<Vec<ParamDecl>>>,
+    /// Serve one zero broadcast to the asked shape (no storage of its size).
+    shapes_only: bool,
 }
 
 impl Recorder {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A recorder that serves each request as one zero broadcast to the
+    /// asked shape: nothing of the parameter's size is allocated, so a
+    /// block of a model too large to hold can be declared (a block that
+    /// computes with its parameters while it is built gets the zeros, as
+    /// from [`Recorder::new`]).
+    pub fn shapes_only() -> Self {
+        Recorder {
+            shapes_only: true,
+            ..Self::default()
+        }
     }
 
     /// The requests so far, in request order.
@@ -65,6 +82,9 @@ impl SimpleBackend for Recorder {
             init: h,
             placement: crate::placement::take_pending(),
         });
+        if self.shapes_only {
+            return Tensor::zeros((), dtype, dev)?.broadcast_as(s);
+        }
         Tensor::zeros(s, dtype, dev)
     }
 
@@ -77,6 +97,25 @@ impl SimpleBackend for Recorder {
     fn contains_tensor(&self, _name: &str) -> bool {
         false
     }
+}
+
+/// What `block` declares: its parameter requests (name, this rank's shape,
+/// init hint, placement) in request order, recorded with
+/// [`Recorder::shapes_only`], so nothing of the parameters' size is
+/// allocated (the planner's model families declare their blocks so).
+///
+/// ```
+/// use phalanx::engine::backend::declarations;
+/// use phalanx::engine::FnBlock;
+/// let big = FnBlock::new(|vb: candle_nn::VarBuilder| candle_nn::linear(50_000, 50_000, vb.pp("fc")));
+/// let d = declarations(&big).unwrap(); // 2.5e9 parameters, none allocated
+/// assert_eq!((d[0].name.as_str(), d[0].shape.as_slice()), ("fc.weight", &[50_000, 50_000][..]));
+/// ```
+pub fn declarations(block: &dyn Block) -> Result<Vec<ParamDecl>> {
+    let rec = Recorder::shapes_only();
+    let vb = VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, Device::Cpu);
+    block.build(vb)?;
+    Ok(rec.take())
 }
 
 /// What a [`Server`] handed out: the tensors, and the `Var`s to read grads from.
