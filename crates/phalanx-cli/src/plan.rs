@@ -102,6 +102,15 @@ fn run(o: &PlanOpts) -> Result<(), String> {
     };
     let data_tokens = data_tokens(&cfg);
     let layouts = if o.config_layout {
+        if !m.tp_ok(base.tp) {
+            return Err(format!(
+                "parallel.tp = {}: the model's blocks cannot be cut for {} tensor-parallel ranks \
+                 (they can for tp in {:?})",
+                base.tp,
+                base.tp,
+                m.params.sizes().collect::<Vec<_>>()
+            ));
+        }
         vec![base]
     } else {
         select::enumerate(&m, &hw, &base)

@@ -1,6 +1,7 @@
 //! `phalanx plan` end to end: the JSON fields, a recommended layout that
-//! `phalanx train` accepts, the calculator's errors, and the predicted peak
-//! memory per rank against the peak RSS a real run measures.
+//! `phalanx train` accepts, the calculator's errors, a config layout whose
+//! tp the model's blocks refuse, and the predicted peak memory per rank
+//! against the peak RSS a real run measures.
 
 mod common;
 use common::*;
@@ -108,6 +109,40 @@ fn plans_a_llama_with_its_parameter_count() {
     tps.dedup();
     assert_eq!(tps, [1, 2, 4, 8]);
     assert!(rows[0]["fits"].as_bool().unwrap(), "{}", rows[0]);
+}
+
+#[test]
+fn the_config_layout_needs_a_tp_the_blocks_accept() {
+    // gpt-tiny's 4 heads: its blocks are declared for tp 1, 2 and 4, not 3.
+    let hw = [
+        "--flops",
+        "1e12",
+        "--bandwidth",
+        "1e9",
+        "--device-memory",
+        "8GB",
+    ];
+    let plan = |tp: &str, nproc: &str| {
+        let args = [
+            "plan",
+            "--set",
+            "model.preset=gpt-tiny",
+            "--set",
+            tp,
+            "--nproc",
+            nproc,
+        ];
+        phalanx(&[&args[..], &hw, &["--config-layout", "--json"]].concat())
+    };
+    let (code, _, err) = plan("parallel.tp=3", "3");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("parallel.tp = 3") && err.contains("[1, 2, 4]"),
+        "{err}"
+    );
+    let (code, out, err) = plan("parallel.tp=4", "4");
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json_lines(&out)[0]["tp"], 4, "{out}");
 }
 
 #[test]

@@ -155,7 +155,9 @@ pub trait ModelFamily: Send + Sync {
     // ------------------------------------------------------------ planner
 
     /// The planner's description of the model with samples of `seq_len`
-    /// tokens (`phalanx plan`, and the FLOPs per token behind MFU).
+    /// tokens (`phalanx plan`, and the FLOPs per token behind MFU), with
+    /// the parameters its blocks declare at every tp size they accept
+    /// ([`crate::common::plan::declare`]).
     fn plan_shape(&self, cfg: &TrainConfig, seq_len: usize) -> Result<ModelShape>;
 }
 

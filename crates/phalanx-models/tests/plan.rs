@@ -9,6 +9,7 @@
 
 use phalanx::plan::{self, select, Hardware, Layout, ModelShape};
 use phalanx_models::gpt2::train::{self, GptRun};
+use phalanx_models::gpt2::Gpt2Config;
 
 mod common;
 
@@ -68,14 +69,7 @@ fn predicted_bytes_and_model_states_match_training() {
     ];
     for (world, extra) in cases {
         let c = cfg(extra);
-        let sec = phalanx_models::gpt2::config::Gpt2Section::of(&c).unwrap();
-        let m = ModelShape::gpt2(
-            sec.n_layer,
-            sec.n_head,
-            sec.n_embd,
-            sec.vocab_size,
-            sec.block_size,
-        );
+        let m = phalanx_models::family::plan_shape(&c).unwrap();
         let l = Layout::from_config(&c, *world).unwrap();
         let predicted = plan::comm::bytes_per_step(&m, &l);
         let (measured, states) = measure(*world, &c);
@@ -95,6 +89,15 @@ fn predicted_bytes_and_model_states_match_training() {
     }
 }
 
+/// The planner's GPT-2 of `n_layer` layers, `n_head` heads, `n_embd` wide,
+/// a vocabulary of `vocab`, context `t` (its parameters as its blocks
+/// declare them).
+fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, vocab: usize, t: usize) -> ModelShape {
+    Gpt2Config::new(n_layer, n_head, n_embd, vocab, t)
+        .plan_shape(t)
+        .unwrap()
+}
+
 fn best(m: &ModelShape, hw: &Hardware, base: &Layout) -> Layout {
     let ranked = select::rank(&select::enumerate(m, hw, base), m, hw);
     assert!(ranked[0].fits, "{}", select::explain(m, &ranked, hw));
@@ -106,7 +109,7 @@ const GIB: u64 = 1 << 30;
 #[test]
 fn selection_follows_the_seed_table() {
     // A small model fits: DDP, no checkpointing.
-    let small = ModelShape::gpt2(6, 6, 384, 256, 256);
+    let small = gpt2(6, 6, 384, 256, 256);
     let hw = Hardware::new(8, 1, 16 * GIB, 100e12, 100e9);
     let b = best(&small, &hw, &Layout::ddp(8, 8, 1));
     assert_eq!(
@@ -117,7 +120,7 @@ fn selection_follows_the_seed_table() {
     // 1.5B parameters: 25 GB of fp32 model states do not fit in 6 GiB;
     // sharded 8 ways they do: ZeRO-3 (stages 1-2 keep 4-8 bytes/param
     // whole, 6-12 GB, even with the optimizer state offloaded).
-    let big = ModelShape::gpt2(48, 25, 1600, 50257, 1024);
+    let big = gpt2(48, 25, 1600, 50257, 1024);
     let base = Layout::ddp(8, 1, 1);
     let hw6 = Hardware::new(8, 1, 6 * GIB, 100e12, 100e9);
     let b = best(&big, &hw6, &base);
@@ -136,7 +139,7 @@ fn selection_follows_the_seed_table() {
     // model states); gathered whole for its forward (ZeRO-3) it does not
     // fit next to the shards on an 8 GiB rank in any precision: tensor
     // parallel splits it.
-    let wide = ModelShape::gpt2(4, 64, 8192, 256, 512);
+    let wide = gpt2(4, 64, 8192, 256, 512);
     let hw_wide = Hardware::new(8, 1, 8 * GIB, 100e12, 100e9);
     let all = select::rank(&select::enumerate(&wide, &hw_wide, &base), &wide, &hw_wide);
     assert!(all
@@ -148,7 +151,7 @@ fn selection_follows_the_seed_table() {
 
     // Deep, on slow links between nodes with many micro-batches: the
     // pipeline's point-to-point activations beat ZeRO's gathers.
-    let deep = ModelShape::gpt2(96, 16, 1024, 50257, 1024);
+    let deep = gpt2(96, 16, 1024, 50257, 1024);
     let mut hw_slow = Hardware::new(1, 8, 24 * GIB, 100e12, 1e9);
     hw_slow.inter_bw = 1e8;
     let b = best(&deep, &hw_slow, &Layout::ddp(8, 1, 32));
@@ -156,7 +159,7 @@ fn selection_follows_the_seed_table() {
 
     // Long sequences and a big micro-batch: activations do not fit, the
     // model states do: checkpointing.
-    let long = ModelShape::gpt2(12, 12, 768, 50257, 4096);
+    let long = gpt2(12, 12, 768, 50257, 4096);
     let hw_act = Hardware::new(8, 1, 24 * GIB, 100e12, 100e9);
     let b = best(&long, &hw_act, &Layout::ddp(8, 8, 1));
     assert!(b.activation_checkpointing, "{b:?}");

@@ -6,7 +6,7 @@
 //! states the ledger's within 5%; the MFU the trainer logs uses the Llama
 //! FLOPs; the selection splits a Llama whose layer does not fit.
 
-use phalanx::plan::{self, select, Hardware, Layout, ModelShape};
+use phalanx::plan::{self, select, Hardware, Layout};
 use phalanx_models::arch;
 use phalanx_models::llama::train::{self, LlamaRun};
 use phalanx_models::llama::LlamaConfig;
@@ -39,14 +39,14 @@ fn cfg(extra: &[&str]) -> phalanx::config::TrainConfig {
 fn plan_shape_counts_the_model_parameters() {
     for p in LlamaConfig::PRESETS {
         let m = LlamaConfig::preset(p).unwrap();
-        let s = m.plan_shape(m.block_size.min(2048));
+        let s = m.plan_shape(m.block_size.min(2048)).unwrap();
         assert_eq!(s.num_params(), m.num_params(), "{p}");
         let tied = LlamaConfig {
             tie_word_embeddings: !m.tie_word_embeddings,
             ..m
         };
         assert_eq!(
-            tied.plan_shape(16).num_params(),
+            tied.plan_shape(16).unwrap().num_params(),
             tied.num_params(),
             "{p} retied"
         );
@@ -54,7 +54,7 @@ fn plan_shape_counts_the_model_parameters() {
     // head_dim set apart from the width.
     let mut m = LlamaConfig::new(2, 4, 2, 24, 40, 256, 16);
     m.head_size = 8;
-    assert_eq!(m.plan_shape(16).num_params(), m.num_params());
+    assert_eq!(m.plan_shape(16).unwrap().num_params(), m.num_params());
     // The config's shape, through `model.arch`.
     let c = cfg(&[]);
     let s = arch::plan_shape(&c).unwrap();
@@ -150,13 +150,17 @@ const GIB: u64 = 1 << 30;
 fn selection_splits_a_llama_whose_layer_does_not_fit() {
     // 8192 wide, MLP 28672, 64 heads over 8 kv heads: one layer is ~0.9B
     // parameters, 14 GiB of fp32 model states; 8 GiB per rank.
-    let m = ModelShape::llama(4, 64, 8, 8192, 128, 28672, 32000, 512, false);
+    let m = LlamaConfig::new(4, 64, 8, 8192, 28672, 32000, 512)
+        .plan_shape(512)
+        .unwrap();
     let hw = Hardware::new(8, 1, 8 * GIB, 100e12, 100e9);
     let ranked = select::rank(&select::enumerate(&m, &hw, &Layout::ddp(8, 1, 1)), &m, &hw);
     assert!(ranked[0].fits, "{}", select::explain(&m, &ranked, &hw));
     assert!(ranked[0].layout.tp > 1, "{:?}", ranked[0].layout);
     // A small Llama fits: plain DDP.
-    let small = ModelShape::llama(4, 4, 2, 128, 32, 352, 256, 128, false);
+    let small = LlamaConfig::new(4, 4, 2, 128, 352, 256, 128)
+        .plan_shape(128)
+        .unwrap();
     let ranked = select::rank(
         &select::enumerate(&small, &hw, &Layout::ddp(8, 8, 1)),
         &small,
@@ -169,7 +173,9 @@ fn selection_splits_a_llama_whose_layer_does_not_fit() {
     assert!(ranked.iter().any(|c| c.layout.tp == 4));
     assert!(ranked.iter().all(|c| c.layout.tp <= 4));
     // 3 kv heads: tp 2 neither splits nor replicates them.
-    let odd = ModelShape::llama(4, 6, 3, 192, 32, 352, 256, 128, false);
+    let odd = LlamaConfig::new(4, 6, 3, 192, 352, 256, 128)
+        .plan_shape(128)
+        .unwrap();
     let tps: Vec<usize> = select::enumerate(&odd, &hw, &Layout::ddp(8, 8, 1))
         .iter()
         .map(|l| l.tp)

@@ -328,21 +328,25 @@ fn save_final_under_tp_and_zero3_writes_hf_qwen2() {
 
 #[test]
 fn the_planner_counts_the_biases_whole_and_per_rank() {
-    // The planner's shape of a Qwen2 holds its q / k / v biases: its
-    // parameter count is the engine's, whole and on every tp rank (kv
-    // heads, and their biases, split at tp 2 and replicated at tp 4).
+    // The planner's parameters of a Qwen2 are what its blocks declare, q /
+    // k / v biases included: its parameter count is the trainer's engine's,
+    // whole and on every tp rank (kv heads, and their biases, split at tp 2
+    // and replicated at tp 4).
     for case in ["qwen2_tied_gqa", "qwen2_untied"] {
         let f = fixture(case);
         let cfg = f.config(1, 1, &[]);
         let m = family::plan_shape(&cfg).unwrap();
-        assert!(m.qkv_bias, "{case}");
+        let biases = m
+            .declared(1)
+            .layer
+            .iter()
+            .filter(|p| p.name.ends_with("_proj.bias"));
+        assert_eq!(biases.count(), 3, "{case}: q, k and v biases");
         let whole = train::build_engine(&cfg).unwrap().num_params();
         assert_eq!(m.num_params(), whole, "{case}");
         for tp in [2, 4] {
             let cfg = f.config(1, 1, &[&format!("parallel.tp={tp}")]);
-            let want = m.embedding_params_tp(tp)
-                + m.n_layer * m.layer_params_tp(tp)
-                + m.head_params_tp(tp);
+            let want = m.rank_params(tp).total(m.n_layer);
             let loader = f.loader();
             let counts = phalanx_comm::threads::run(tp, move |pg| {
                 let t = train::trainer(&cfg, pg, loader.clone(), &Run::default()).unwrap();

@@ -109,6 +109,23 @@ impl Gpt2Config {
             + 4 * c * c + c; // mlp.c_proj
         self.vocab_size * c + self.block_size * c + l * per_layer + 2 * c
     }
+
+    /// The planner's description of this model with samples of `seq_len`
+    /// tokens (`phalanx plan`, and the FLOPs per token behind MFU): its
+    /// parameters as its blocks declare them, whole and on every tp size
+    /// they accept ([`crate::common::plan`]).
+    pub fn plan_shape(&self, seq_len: usize) -> Result<phalanx::plan::ModelShape> {
+        let params =
+            crate::common::plan::declare(self.n_head, |tp| super::blocks_tp(self, tp.cloned()))?;
+        Ok(phalanx::plan::ModelShape::gpt2(
+            self.n_layer,
+            self.n_head,
+            self.n_embd,
+            self.vocab_size,
+            seq_len,
+        )
+        .with_params(params))
+    }
 }
 
 /// The default `model.preset`.

@@ -209,13 +209,6 @@ impl ModelFamily for Gpt2Family {
     }
 
     fn plan_shape(&self, cfg: &TrainConfig, seq_len: usize) -> Result<ModelShape> {
-        let g = model_config(cfg)?;
-        Ok(ModelShape::gpt2(
-            g.n_layer,
-            g.n_head,
-            g.n_embd,
-            g.vocab_size,
-            seq_len,
-        ))
+        Ok(model_config(cfg)?.plan_shape(seq_len)?)
     }
 }

@@ -287,9 +287,15 @@ impl LlamaConfig {
 
 impl LlamaConfig {
     /// The planner's description of this model with samples of `seq_len`
-    /// tokens (`phalanx plan`, and the FLOPs per token behind MFU).
-    pub fn plan_shape(&self, seq_len: usize) -> phalanx::plan::ModelShape {
-        phalanx::plan::ModelShape::llama(
+    /// tokens (`phalanx plan`, and the FLOPs per token behind MFU): its
+    /// parameters as its blocks declare them, whole and on every tp size
+    /// they accept ([`crate::common::plan`]).
+    pub fn plan_shape(&self, seq_len: usize) -> Result<phalanx::plan::ModelShape> {
+        let params = crate::common::plan::declare(self.n_head, |tp| match tp {
+            None => super::blocks(self),
+            Some(t) => super::tp::blocks_tp(self, t),
+        })?;
+        Ok(phalanx::plan::ModelShape::llama(
             self.n_layer,
             self.n_head,
             self.n_kv_head,
@@ -298,9 +304,8 @@ impl LlamaConfig {
             self.intermediate_size,
             self.vocab_size,
             seq_len,
-            self.tie_word_embeddings,
         )
-        .with_qkv_bias(self.qkv_bias)
+        .with_params(params))
     }
 }
 

@@ -226,6 +226,6 @@ impl ModelFamily for OnLlama {
     }
 
     fn plan_shape(&self, cfg: &TrainConfig, seq_len: usize) -> Result<ModelShape> {
-        Ok(self.model(cfg)?.plan_shape(seq_len))
+        Ok(self.model(cfg)?.plan_shape(seq_len)?)
     }
 }

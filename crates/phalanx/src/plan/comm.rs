@@ -21,8 +21,16 @@
 //! Scalars (loss, norm, non-finite flags) add a few bytes.
 //!
 //! ```
-//! use phalanx::plan::{comm::bytes_per_step, Layout, ModelShape};
-//! let m = ModelShape::gpt2(6, 6, 384, 256, 256);
+//! use phalanx::placement::Placement;
+//! use phalanx::plan::{comm::bytes_per_step, Declarations, Layout, ModelShape, Param};
+//! // A model whose blocks declare a table and a layer of one matrix.
+//! let params = Declarations::uniform(
+//!     &[1],
+//!     vec![Param::new("wte", &[256, 384], Placement::vocab(256))],
+//!     vec![Param::new("fc", &[1536, 384], Placement::rows())],
+//!     vec![],
+//! );
+//! let m = ModelShape::gpt2(6, 6, 384, 256, 256).with_params(params);
 //! let psi = m.num_params() as u64;
 //! let mut l = Layout::ddp(2, 8, 1);
 //! assert_eq!(bytes_per_step(&m, &l), 4 * psi);
@@ -73,14 +81,16 @@ pub fn gather_factor(n: usize) -> f64 {
     }
 }
 
-/// Parameters of stage 0's model shard (see [`memory::per_rank`]).
+/// Parameters of stage 0's model shard, and of its embedding, by the
+/// declared placements (see [`memory::per_rank`]).
 fn local_params(m: &ModelShape, l: &Layout) -> (u64, u64) {
-    let tp = l.tp.max(1);
-    let layer_p = m.layer_params_tp(tp);
-    let emb_p = m.embedding_params_tp(tp);
-    let head_p = if l.pp <= 1 { m.head_params_tp(tp) } else { 0 };
+    let p = m.rank_params(l.tp);
+    let head_p = if l.pp <= 1 { p.head } else { 0 };
     let layers = memory::stage_layers(m, l.pp, 0);
-    ((layers * layer_p + emb_p + head_p) as u64, emb_p as u64)
+    (
+        (layers * p.layer + p.embedding + head_p) as u64,
+        p.embedding as u64,
+    )
 }
 
 /// Bytes rank 0 sends per optimizer step.
@@ -102,7 +112,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
                 // in a ring all-gather it sends every piece but rank 1's.
                 let shard = psi.div_ceil(n as u64);
                 let rank1_in_emb = emb.saturating_sub(shard).min(shard);
-                let tied = if l.pp <= 1 && m.tied_embeddings {
+                let tied = if l.pp <= 1 && m.tied_embeddings() {
                     (emb - rank1_in_emb) as f64
                 } else {
                     0.0
@@ -147,13 +157,9 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
         bytes += accum * per_micro;
     }
     if l.pp > 1 {
-        // A tied table's gradient is summed between the first and last stages.
-        let vocab = m.vocab_size.div_ceil(l.tp.max(1)) as f64;
-        let tied = if m.tied_embeddings {
-            vocab * m.n_embd as f64 * 4.0
-        } else {
-            0.0
-        };
+        // A tied table's gradient (this rank's rows) is summed between the
+        // first and last stages.
+        let tied = m.declared(l.tp).tied_per_rank() as f64 * 4.0;
         bytes += accum * btc * c + tied;
     }
     bytes.round() as u64

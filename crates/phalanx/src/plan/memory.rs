@@ -167,13 +167,14 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     let pp = l.pp.max(1);
     let cb = l.compute_bytes() as u64;
     // Parameters this rank's model shard holds: stage 0's layers, the
-    // embedding (vocabulary split over tp), and the head when pp = 1.
+    // embedding, and the head when pp = 1, each block's as its declared
+    // placements put it on one of tp ranks (matrices and column-parallel
+    // biases split, the vocabulary padded; norms, row-parallel biases and
+    // replicated kv heads whole).
     let layers = stage_layers(m, pp, 0);
-    // Matrices and the column-parallel biases split; the row-parallel
-    // biases, norms (and replicated kv heads) whole.
-    let layer_p = m.layer_params_tp(tp);
-    let emb_p = m.embedding_params_tp(tp);
-    let head_p = if pp == 1 { m.head_params_tp(tp) } else { 0 };
+    let p = m.rank_params(tp);
+    let (layer_p, emb_p) = (p.layer, p.embedding);
+    let head_p = if pp == 1 { p.head } else { 0 };
     let local = (layers * layer_p + emb_p + head_p) as u64;
     let k = l.optim_bytes_per_param as u64;
     let mut s = model_states(local, l.dp, l.zero_stage, 4, 4, k);
@@ -214,7 +215,7 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     } else {
         // Every block's tensors stay alive with its graph; the head
         // materialises a tied embedding again.
-        let tied = pp == 1 && m.tied_embeddings;
+        let tied = pp == 1 && m.tied_embeddings();
         (local + if tied { emb_p as u64 } else { 0 }) * cb
     };
     let grad_bytes = local * l.reduce_bytes as u64;

@@ -11,29 +11,49 @@
 //!   communicate;
 //! - [`probe`]: a quick matmul-throughput and link-bandwidth probe;
 //! - [`select`]: enumeration, ranking and the explanation;
-//! - [`shape`]: the model (GPT-2 or Llama family): parameters per block,
-//!   activations per token, FLOPs per token.
+//! - [`params`]: the parameters as the model's blocks declare them (whole
+//!   shapes and placements at each tp size): every per-rank parameter
+//!   count comes from them;
+//! - [`shape`]: the model (GPT-2 or Llama family): its declared
+//!   parameters, activations per token, FLOPs per token.
 //!
 //! ```
-//! use phalanx::plan::{model_flops_per_token, Layout, ModelShape, Hardware, estimate};
-//! let m = ModelShape::gpt2(6, 6, 384, 256, 256);
-//! assert_eq!(m.num_params(), 10_844_160);
-//! // 6 N + 12 L T C (forward and backward, attention scores included).
-//! assert_eq!(model_flops_per_token(&m), 6.0 * 10_844_160.0 + 12.0 * 6.0 * 256.0 * 384.0);
+//! use phalanx::placement::Placement;
+//! use phalanx::plan::{estimate, Declarations, Hardware, Layout, ModelShape, Param};
+//! // What the blocks of a 6-layer, 384-wide model declare (a model family
+//! // records them from its blocks: `phalanx_models::family::plan_shape`):
+//! // a token table the head is tied to, and a layer of two matrices and a norm.
+//! let wte = Param::new("wte", &[256, 384], Placement::vocab(256));
+//! let layer = vec![
+//!     Param::new("fc", &[1536, 384], Placement::rows()),
+//!     Param::new("proj", &[384, 1536], Placement::cols()),
+//!     Param::new("ln", &[384], Placement::Replicate),
+//! ];
+//! let params = Declarations::uniform(&[1, 2], vec![wte.clone()], layer, vec![wte]);
+//! let m = ModelShape::gpt2(6, 6, 384, 256, 256).with_params(params);
+//! let n = 256 * 384 + 6 * (2 * 1536 * 384 + 384);
+//! assert_eq!(m.num_params(), n);
 //! let hw = Hardware::new(2, 1, 64 << 30, 100e9, 1e9);
 //! let e = estimate(&m, &Layout::ddp(2, 8, 1), &hw);
-//! assert_eq!(e.memory.params, 4 * 10_844_160);
-//! assert_eq!(e.comm_bytes_per_step, 4 * 10_844_160); // ring all-reduce, 2 ranks
+//! assert_eq!(e.memory.params, 4 * n as u64);
+//! assert_eq!(e.comm_bytes_per_step, 4 * n as u64); // ring all-reduce, 2 ranks
+//! // On 2 tensor-parallel ranks each holds half the matrices, the norm whole.
+//! let mut tp = Layout::ddp(1, 8, 1);
+//! tp.tp = 2;
+//! let half = 128 * 384 + 6 * (1536 * 384 + 384);
+//! assert_eq!(estimate(&m, &tp, &hw).memory.params, 4 * half as u64);
 //! ```
 
 pub mod comm;
 pub mod memory;
+pub mod params;
 pub mod probe;
 pub mod select;
 pub mod shape;
 
 pub use crate::config::Precision;
 pub use memory::{model_states, MemoryEstimate, ModelStates};
+pub use params::{BlockParams, Declarations, Declared, Param};
 pub use probe::{probe_bandwidth, probe_matmul_flops};
 pub use select::{enumerate, explain, rank, Bottleneck, Candidate};
 pub use shape::{model_flops_per_token, Family, ModelShape};
@@ -215,7 +235,8 @@ pub struct Estimate {
     pub fits: bool,
 }
 
-/// Predict one layout on `hw`.
+/// Predict one layout on `hw`; `l.tp` is a size the model's blocks were
+/// declared for ([`ModelShape::tp_ok`]; others panic).
 pub fn estimate(m: &ModelShape, l: &Layout, hw: &Hardware) -> Estimate {
     let memory = memory::per_rank(m, l);
     let comm_bytes = comm::bytes_per_step(m, l);

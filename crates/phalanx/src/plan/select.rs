@@ -1,8 +1,9 @@
 //! Enumerate the layouts of a job, rank them, explain the choice.
 //!
-//! Every `dp × tp × pp = world` with tp inside a node and dividing the
-//! heads (for Llama also the MLP width, and the kv heads split or
-//! replicated), pp no deeper than the layers; ZeRO stages 0-3 on the dp axis
+//! Every `dp × tp × pp = world` with tp inside a node and one the model's
+//! blocks were declared for ([`ModelShape::tp_ok`]: its heads, and for
+//! Llama also the MLP width and the kv heads, split or replicated,
+//! divide), pp no deeper than the layers; ZeRO stages 0-3 on the dp axis
 //! (≤ 1 with a pipeline, as the strategies compose), fp32 and bf16
 //! compute, activation checkpointing off and on, optimizer offload for
 //! sharded stages. Layouts that fit rank first, fastest first; the others
@@ -14,8 +15,17 @@
 //! activation checkpointing.
 //!
 //! ```
-//! use phalanx::plan::{select, Hardware, Layout, ModelShape};
-//! let m = ModelShape::gpt2(6, 6, 384, 256, 256);
+//! use phalanx::placement::Placement;
+//! use phalanx::plan::{select, Declarations, Hardware, Layout, ModelShape, Param};
+//! // A small model whose blocks declare a table and a column-parallel matrix
+//! // on 1 or 2 ranks.
+//! let params = Declarations::uniform(
+//!     &[1, 2],
+//!     vec![Param::new("wte", &[256, 384], Placement::vocab(256))],
+//!     vec![Param::new("fc", &[1536, 384], Placement::rows())],
+//!     vec![],
+//! );
+//! let m = ModelShape::gpt2(6, 6, 384, 256, 256).with_params(params);
 //! let hw = Hardware::new(2, 1, 64 << 30, 100e9, 1e9);
 //! let ranked = select::rank(&select::enumerate(&m, &hw, &Layout::ddp(2, 8, 1)), &m, &hw);
 //! let best = &ranked[0].layout;
