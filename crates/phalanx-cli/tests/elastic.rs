@@ -1,5 +1,5 @@
 //! Elastic membership (`phalanx train --nnodes MIN:MAX`), on one host with
-//! processes as nodes: a node killed mid-run leaves the other to re-form
+//! processes as nodes: a node killed (or stopped: silent) mid-run leaves the other to re-form
 //! and finish alone with the losses of a 1-node run resumed from the same
 //! checkpoint (global batch kept, accumulation adjusted); a node that joins
 //! a running 1:3 job is admitted at a re-formation (the running round
@@ -161,7 +161,26 @@ fn resumed_at(out: &str) -> u64 {
 
 #[test]
 fn a_lost_node_leaves_the_other_to_finish_alone_from_the_checkpoint() {
-    let d = fresh_dir("phalanx-elastic", "lost");
+    lost_node("killed", Node::kill);
+}
+
+/// A node that goes silent (its agent and worker stopped, connections
+/// open: a hung host) is lost after the heartbeat timeout just the same.
+#[test]
+fn a_silent_node_is_lost_after_the_heartbeat_timeout() {
+    lost_node("silent", |n: &mut Node| {
+        let pid = n.child.id();
+        let kids =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        for p in std::iter::once(pid.to_string()).chain(kids.split_whitespace().map(String::from)) {
+            // SAFETY: kill(2) on the test's own child and its workers.
+            unsafe { libc::kill(p.parse().unwrap(), libc::SIGSTOP) };
+        }
+    });
+}
+
+fn lost_node(name: &str, lose: impl Fn(&mut Node)) {
+    let d = fresh_dir("phalanx-elastic", name);
     let port = free_port();
     let args = job(&d, "1:2", 24, port, &[]);
     // Slow steps (every attempt), so that the kill lands mid-run.
@@ -170,8 +189,9 @@ fn a_lost_node_leaves_the_other_to_finish_alone_from_the_checkpoint() {
     a.wait_for("(serving it)");
     let mut b = Node::start(&d, "b", &args, &slow);
     wait_steps(&d, 6, &a);
-    b.kill();
+    lose(&mut b);
     assert_eq!(a.wait(), 0, "{}", a.output());
+    b.kill();
     let out = a.output();
     assert!(out.contains("round 0 formed with 2 node(s)"), "{out}");
     assert!(out.contains("lost: no heartbeat for 2s"), "{out}");

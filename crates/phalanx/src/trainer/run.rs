@@ -115,7 +115,11 @@ impl Trainer {
                     println!(
                         "stopping after step {} as asked{}",
                         k + 1,
-                        if every > 0 { " (checkpoint of it saved)" } else { "" }
+                        if every > 0 {
+                            " (checkpoint of it saved)"
+                        } else {
+                            ""
+                        }
                     );
                 }
                 report.stopped_at = Some(k + 1);
