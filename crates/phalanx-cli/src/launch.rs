@@ -299,6 +299,11 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     }
 }
 
+/// The signal that asked this process to stop (0: none yet).
+pub(crate) fn signalled() -> i32 {
+    SIGNALLED.load(Ordering::SeqCst)
+}
+
 /// Ctrl-C, SIGTERM and SIGHUP (a closed terminal) stop the job.
 pub(crate) fn catch_signals() {
     // SAFETY: installing a handler that only stores to an atomic.

@@ -15,6 +15,7 @@ mod config_args;
 mod elastic;
 mod generate;
 mod launch;
+mod lighthouse;
 mod outputs;
 mod plan;
 mod rdzv;
@@ -63,6 +64,19 @@ enum Cmd {
     Generate {
         #[command(flatten)]
         opts: generate::GenerateOpts,
+    },
+    /// Serve the lighthouse that fault-tolerant replica groups take their
+    /// per-step quorums from (torchft's lighthouse).
+    Lighthouse {
+        #[command(flatten)]
+        args: lighthouse::LighthouseArgs,
+    },
+    /// A replica group of one process training a toy model through a
+    /// lighthouse, for the fault-tolerance tests.
+    #[command(name = "_ft-worker", hide = true)]
+    FtWorker {
+        #[command(flatten)]
+        args: lighthouse::FtWorkerArgs,
     },
     /// A worker used by the launcher's own tests: all-reduces in a loop and
     /// can crash on purpose.
@@ -148,6 +162,8 @@ fn main() {
         } => print_schedule(&schedule, pp, micro_batches, comm),
         Cmd::Checkpoint { what } => checkpoint_cmd::main(&what),
         Cmd::Report { opts } => report_cmd::main(&opts),
+        Cmd::Lighthouse { args } => lighthouse::main(&args),
+        Cmd::FtWorker { args } => lighthouse::worker(&args),
         Cmd::Tokenize { opts } => tokenize::main(&opts),
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },

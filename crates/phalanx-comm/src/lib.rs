@@ -13,6 +13,7 @@
 //! - `group`: `ProcessGroup`, its collectives, async `Work`, sub-groups;
 //! - `init`: start from torchrun / mpirun / srun variables;
 //! - `mpi` (feature `mpi`): the same `ProcessGroup` on the system MPI library;
+//! - `ft`: replica groups, the lighthouse and per-step quorums (fault tolerance);
 //! - `threads`: ranks as threads, for tests.
 //!
 //! ```
@@ -30,6 +31,7 @@ pub mod backend;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod ft;
 pub mod group;
 pub mod init;
 #[cfg(feature = "mpi")]

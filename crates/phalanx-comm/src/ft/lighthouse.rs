@@ -1,0 +1,235 @@
+//! The lighthouse: decides, from the replica groups' joins and heartbeats,
+//! which groups take part in each quorum (an *epoch*), and publishes it in
+//! its store.
+//!
+//! It serves a Phalanx store (authenticated with the job secret) and runs
+//! one thread that every 20 ms:
+//! - reads new joins (`ft/joins`, `ft/join/{j}` = replica id): join j is
+//!   that replica's incarnation j (a restarted group joins again);
+//! - reads every candidate's heartbeat counter (`ft/hb/{id}`): one that did
+//!   not move for `heartbeat_timeout` is dead and dropped (it must join
+//!   again);
+//! - publishes a new epoch (`ft/members/{e}` = `id@inc,...` sorted by id,
+//!   then `ft/epoch` = e) when the live set differs from the last epoch's:
+//!   at once when groups were lost or re-joined, `join_timeout` after the
+//!   first joiner of a change (to gather the ones arriving together), and
+//!   only with at least `min_replicas` live groups (below that,
+//!   `ft/status` says why and the groups wait);
+//! - republishes the same live set as a new epoch when a member reported
+//!   its collective failed (`ft/suspect/{e}`) and no one was found dead
+//!   within `heartbeat_timeout`, so the groups rebuild their links.
+
+use super::{key, parse_members};
+use crate::error::Result;
+use crate::store::{StoreClient, StoreServer};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// `phalanx lighthouse` settings.
+#[derive(Debug, Clone)]
+pub struct LighthouseOpts {
+    /// Fewest live replica groups a quorum may have.
+    pub min_replicas: usize,
+    /// How long a change with new groups waits for more to arrive.
+    pub join_timeout: Duration,
+    /// Silence after which a group is dead.
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for LighthouseOpts {
+    fn default() -> Self {
+        LighthouseOpts {
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(500),
+            heartbeat_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A running lighthouse; dropping it stops it.
+pub struct Lighthouse {
+    server: StoreServer,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// One candidate group, as the lighthouse tracks it.
+struct Candidate {
+    inc: u64,
+    beats: i64,
+    moved: Instant,
+}
+
+impl Lighthouse {
+    /// Serve at `bind` (`HOST:PORT`, port 0 for any) with the job secret.
+    pub fn start(bind: &str, secret: Vec<u8>, opts: LighthouseOpts) -> Result<Lighthouse> {
+        let server = StoreServer::bind(bind, secret.clone())?;
+        let addr = server.addr().to_string();
+        let store = StoreClient::connect(&addr, &secret, Duration::from_secs(10))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("phalanx-lighthouse".into())
+            .spawn(move || {
+                let mut q = Quorums::new(opts);
+                while !s2.load(Ordering::SeqCst) {
+                    if let Err(e) = q.tick(&store) {
+                        eprintln!("phalanx lighthouse: {e}");
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })?;
+        Ok(Lighthouse {
+            server,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.server.addr()
+    }
+}
+
+impl Drop for Lighthouse {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The quorum logic, one `tick` at a time.
+struct Quorums {
+    opts: LighthouseOpts,
+    joins_seen: u64,
+    candidates: BTreeMap<String, Candidate>,
+    epoch: u64,
+    members: Vec<(String, u64)>,
+    /// When a change that adds groups was first seen.
+    change_since: Option<Instant>,
+    /// When the current epoch's suspect report was first seen.
+    suspect_since: Option<Instant>,
+    status: String,
+}
+
+impl Quorums {
+    fn new(opts: LighthouseOpts) -> Quorums {
+        Quorums {
+            opts,
+            joins_seen: 0,
+            candidates: BTreeMap::new(),
+            epoch: 0,
+            members: Vec::new(),
+            change_since: None,
+            suspect_since: None,
+            status: String::new(),
+        }
+    }
+
+    fn tick(&mut self, store: &StoreClient) -> Result<()> {
+        let now = Instant::now();
+        let joins = store.add(&key("joins"), 0)? as u64;
+        while self.joins_seen < joins {
+            let j = self.joins_seen;
+            let Some(id) = store.try_get(&key(&format!("join/{j}")))? else {
+                break; // counted, not yet written: next tick
+            };
+            let id = String::from_utf8_lossy(&id).into_owned();
+            let beats = store.add(&key(&format!("hb/{id}")), 0)?;
+            self.candidates.insert(
+                id,
+                Candidate {
+                    inc: j,
+                    beats,
+                    moved: now,
+                },
+            );
+            self.joins_seen += 1;
+        }
+        let mut dead = Vec::new();
+        for (id, c) in self.candidates.iter_mut() {
+            let beats = store.add(&key(&format!("hb/{id}")), 0)?;
+            if beats != c.beats {
+                c.beats = beats;
+                c.moved = now;
+            } else if now - c.moved > self.opts.heartbeat_timeout {
+                dead.push(id.clone());
+            }
+        }
+        for id in dead {
+            self.candidates.remove(&id);
+        }
+        let live: Vec<(String, u64)> = self
+            .candidates
+            .iter()
+            .map(|(id, c)| (id.clone(), c.inc))
+            .collect();
+        let suspect = self.epoch > 0
+            && store
+                .try_get(&key(&format!("suspect/{}", self.epoch)))?
+                .is_some();
+        if live == self.members {
+            self.change_since = None;
+            // Everyone alive, yet a member's collective failed: rebuild.
+            if suspect {
+                let since = *self.suspect_since.get_or_insert(now);
+                if now - since > self.opts.heartbeat_timeout && live.len() >= self.opts.min_replicas
+                {
+                    self.publish(store, live)?;
+                }
+            }
+            return Ok(());
+        }
+        if live.len() < self.opts.min_replicas {
+            let status = format!(
+                "{} replica group(s) alive ({}), fewer than --min-replicas {}",
+                live.len(),
+                live.iter()
+                    .map(|(id, _)| id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                self.opts.min_replicas
+            );
+            if status != self.status {
+                store.set(&key("status"), status.as_bytes())?;
+                self.status = status;
+            }
+            return Ok(());
+        }
+        // Only losses (or re-joins of members): at once. New groups: after
+        // the join timeout, to take the ones arriving together in one change.
+        let adds = live
+            .iter()
+            .any(|(id, _)| !self.members.iter().any(|(m, _)| m == id));
+        if adds {
+            let since = *self.change_since.get_or_insert(now);
+            if now - since < self.opts.join_timeout {
+                return Ok(());
+            }
+        }
+        self.publish(store, live)
+    }
+
+    fn publish(&mut self, store: &StoreClient, live: Vec<(String, u64)>) -> Result<()> {
+        let e = self.epoch + 1;
+        let list = live
+            .iter()
+            .map(|(id, inc)| format!("{id}@{inc}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        debug_assert_eq!(parse_members(&list).len(), live.len());
+        store.set(&key(&format!("members/{e}")), list.as_bytes())?;
+        store.set(&key("epoch"), e.to_string().as_bytes())?;
+        self.status = format!("epoch {e}: {list}");
+        store.set(&key("status"), self.status.as_bytes())?;
+        self.epoch = e;
+        self.members = live;
+        self.change_since = None;
+        self.suspect_since = None;
+        Ok(())
+    }
+}
