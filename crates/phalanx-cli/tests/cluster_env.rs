@@ -14,29 +14,6 @@ use std::time::Duration;
 const DEADLINE: Duration = Duration::from_secs(240);
 const SECRET: &str = "8899aabbccddeeff00112233445566778899aabbccddeeff0011223344556677";
 
-/// Variables any launcher may have left in the test's own environment.
-const LAUNCHER_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_JOB_ID",
-    "SLURM_JOB_NODELIST",
-    "SLURM_NODELIST",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "PHALANX_STORE_HOSTED",
-    "PHALANX_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE",
-];
-
 /// Two `phalanx train` processes, rank r getting `env(r)`; their losses.
 fn two_ranks(name: &str, env: impl Fn(usize) -> Vec<(String, String)>) -> Vec<(u64, u64)> {
     let d = fresh_dir("phalanx-cluster-env", name);

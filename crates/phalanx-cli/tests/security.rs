@@ -6,27 +6,8 @@ use std::io::{Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
-
-/// Variables of every launcher, removed so that each case sets its own.
-const LAUNCHER_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "PHALANX_SECRET",
-    "PHALANX_STORE_HOSTED",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_LOCALID",
-    "SLURM_NTASKS_PER_NODE",
-];
+mod common;
+use common::{BIN, LAUNCHER_VARS};
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -45,6 +26,7 @@ fn worker(vars: &[(&str, &str)]) -> Command {
     for v in LAUNCHER_VARS {
         c.env_remove(v);
     }
+    c.env_remove("PHALANX_SECRET");
     for (k, v) in vars {
         c.env(k, v);
     }

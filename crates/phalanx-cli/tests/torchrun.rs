@@ -37,6 +37,29 @@ fn free_port() -> String {
     l.local_addr().unwrap().port().to_string()
 }
 
+/// Two torchrun agents as nodes 0 and 1 of one job (static rendezvous at
+/// 127.0.0.1:`port`, one `phalanx train TRAIN` rank each), running.
+fn two_nodes(
+    port: &str,
+    train: &[String],
+    secret: Option<&str>,
+) -> Vec<std::thread::JoinHandle<Run>> {
+    (0..2)
+        .map(|node| {
+            let mut c = torchrun();
+            c.args(["--nnodes", "2", "--node-rank", &node.to_string()])
+                .args(["--master-addr", "127.0.0.1", "--master-port", port])
+                .args(["--nproc-per-node", "1", "--no-python", BIN, "train"])
+                .args(train);
+            match secret {
+                Some(s) => c.env("PHALANX_SECRET", s),
+                None => c.env_remove("PHALANX_SECRET"),
+            };
+            std::thread::spawn(move || run_until(c, DEADLINE))
+        })
+        .collect()
+}
+
 fn dir(name: &str) -> PathBuf {
     fresh_dir("phalanx-torchrun", name)
 }
@@ -104,17 +127,7 @@ fn two_torchrun_nodes_form_one_job() {
     let port = free_port();
     let secret = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
     let log = d.join("nodes.jsonl");
-    let nodes: Vec<_> = (0..2)
-        .map(|node| {
-            let mut c = torchrun();
-            c.args(["--nnodes", "2", "--node-rank", &node.to_string()])
-                .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-                .args(["--nproc-per-node", "1", "--no-python", BIN, "train"])
-                .args(train_args(&log, 4))
-                .env("PHALANX_SECRET", secret);
-            std::thread::spawn(move || run_until(c, DEADLINE))
-        })
-        .collect();
+    let nodes = two_nodes(&port, &train_args(&log, 4), Some(secret));
     for (node, h) in nodes.into_iter().enumerate() {
         let r = h.join().unwrap();
         assert_eq!(r.code, 0, "node {node}: {r}");
@@ -130,17 +143,7 @@ fn two_torchrun_nodes_form_one_job() {
 fn a_multi_node_job_without_a_secret_is_refused_in_the_summary() {
     let d = dir("nosecret");
     let port = free_port();
-    let nodes: Vec<_> = (0..2)
-        .map(|node| {
-            let mut c = torchrun();
-            c.args(["--nnodes", "2", "--node-rank", &node.to_string()])
-                .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-                .args(["--nproc-per-node", "1", "--no-python", BIN, "train"])
-                .args(train_args(&d.join("log.jsonl"), 2))
-                .env_remove("PHALANX_SECRET");
-            std::thread::spawn(move || run_until(c, DEADLINE))
-        })
-        .collect();
+    let nodes = two_nodes(&port, &train_args(&d.join("log.jsonl"), 2), None);
     for (node, h) in nodes.into_iter().enumerate() {
         let r = h.join().unwrap();
         assert_ne!(r.code, 0, "node {node}: {r}");

@@ -86,58 +86,24 @@ fn bad_json_key_and_batch_identity_fail_before_launch() {
 
 #[test]
 fn trains_from_the_example_ds_config() {
-    let (code, out, err) = phalanx(&[
-        "train",
-        "--deepspeed-config",
-        "examples/ds_config.json",
-        "--nproc-per-node",
-        "2",
-        "--set",
-        "model.n_layer=1",
-        "--set",
-        "model.n_head=2",
-        "--set",
-        "model.n_embd=32",
-        "--set",
-        "model.block_size=32",
-        "--set",
-        "train.steps=3",
-        "--set",
-        "train.eval_interval=0",
-        "--set",
-        "log.plot=\"\"",
-    ]);
+    let (code, out, err) = train_3_steps("examples/ds_config.json", &["--set", "log.plot=\"\""]);
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("done: 3 steps"), "{out}");
 }
 
 #[test]
 fn trains_from_a_config_full_of_auto_and_prints_what_each_became() {
-    let (code, out, err) = phalanx(&[
-        "train",
-        "--deepspeed-config",
+    let (code, out, err) = train_3_steps(
         "examples/ds_config_auto.json",
-        "--nproc-per-node",
-        "2",
-        "--set",
-        "model.n_layer=1",
-        "--set",
-        "model.n_head=2",
-        "--set",
-        "model.n_embd=32",
-        "--set",
-        "model.block_size=32",
-        "--set",
-        "train.steps=3",
-        "--set",
-        "train.eval_interval=0",
-        "--set",
-        "train.micro_batch_size=2",
-        "--set",
-        "optim.lr=0.002",
-        "--set",
-        "log.plot=\"\"",
-    ]);
+        &[
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "optim.lr=0.002",
+            "--set",
+            "log.plot=\"\"",
+        ],
+    );
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("done: 3 steps"), "{out}");
     // Printed once (by rank 0), before training, with --set's values winning.
@@ -167,4 +133,30 @@ fn trains_from_a_config_full_of_auto_and_prints_what_each_became() {
             "{line:?} in:\n{out}"
         );
     }
+}
+
+/// `phalanx train` from a DeepSpeed config on 2 ranks: 3 steps of a tiny
+/// model, without evaluation, then `extra`.
+fn train_3_steps(ds_config: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
+        "train",
+        "--deepspeed-config",
+        ds_config,
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "model.n_head=2",
+        "--set",
+        "model.n_embd=32",
+        "--set",
+        "model.block_size=32",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.eval_interval=0",
+    ];
+    args.extend_from_slice(extra);
+    phalanx(&args)
 }

@@ -301,23 +301,7 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
     cfg.validate()?;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let mut keep: Option<Arc<dyn std::any::Any + Send + Sync>> = None;
-    if env.agent_store {
-        let store = StoreClient::connect_torch(&addr, cfg.timeout).map_err(|e| match e {
-            CommError::Timeout(m) => CommError::Timeout(format!("rank {}: {m}", env.rank)),
-            e => e,
-        })?;
-        let prefix = format!("phalanx/{}", env.run_id);
-        return from_store(
-            &store,
-            &prefix,
-            env.rank,
-            env.world_size,
-            &env.secret,
-            cfg,
-            None,
-        );
-    }
-    if !env.store_hosted && env.rank == 0 && env.world_size > 1 {
+    if !env.agent_store && !env.store_hosted && env.rank == 0 && env.world_size > 1 {
         // A single-host job's store is reachable from this host only.
         let bind = if is_loopback(&env.master_addr) {
             addr.clone()
@@ -326,7 +310,12 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
         };
         keep = Some(Arc::new(StoreServer::bind(&bind, env.secret.clone())?));
     }
-    let store = StoreClient::connect(&addr, &env.secret, cfg.timeout).map_err(|e| match e {
+    let store = if env.agent_store {
+        StoreClient::connect_torch(&addr, cfg.timeout)
+    } else {
+        StoreClient::connect(&addr, &env.secret, cfg.timeout)
+    }
+    .map_err(|e| match e {
         CommError::Timeout(m) => CommError::Timeout(format!("rank {}: {m}", env.rank)),
         e => e,
     })?;

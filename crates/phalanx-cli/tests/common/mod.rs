@@ -37,6 +37,32 @@ pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
     d
 }
 
+/// Variables of every launcher (and of Phalanx's own), removed where a test
+/// sets its own.
+pub const LAUNCHER_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PHALANX_STORE_HOSTED",
+    "PHALANX_RUN_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+];
+
 /// A small model so that the end-to-end runs take a second.
 pub const SMALL: &[&str] = &[
     "--set",

@@ -21,6 +21,27 @@ impl StoreClient {
     /// Connect, retrying until `timeout` (the server may start after us,
     /// e.g. when rank 0 hosts it under mpirun), then authenticate.
     pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<StoreClient> {
+        Self::connect_retrying(addr, timeout, Some(secret))
+    }
+
+    /// Connect to a PyTorch TCPStore (torchrun's agent store), retrying
+    /// until `timeout`. That store has no authentication: the ranks still
+    /// authenticate each other with the job secret when they connect.
+    pub fn connect_torch(addr: &str, timeout: Duration) -> Result<StoreClient> {
+        Self::connect_retrying(addr, timeout, None)
+    }
+
+    /// `secret`: Phalanx's store; None: a torch TCPStore.
+    fn connect_retrying(
+        addr: &str,
+        timeout: Duration,
+        secret: Option<&[u8]>,
+    ) -> Result<StoreClient> {
+        let what = if secret.is_some() {
+            "the rendezvous store"
+        } else {
+            "torchrun's store"
+        };
         let deadline = Instant::now() + timeout;
         let mut last_err;
         loop {
@@ -30,50 +51,21 @@ impl StoreClient {
                         conn: Mutex::new(s),
                         addr: addr.to_string(),
                         timeout,
-                        torch: false,
+                        torch: secret.is_none(),
                     })
                 }
+                // A wrong secret, or no TCPStore at the other end: final.
                 Err(CommError::Auth(m)) => {
-                    return Err(CommError::Auth(format!("rendezvous store at {addr}: {m}")))
+                    return Err(CommError::Auth(format!("{what} at {addr}: {m}")))
+                }
+                Err(CommError::Protocol(m)) if secret.is_none() => {
+                    return Err(CommError::Protocol(format!("{what} at {addr}: {m}")))
                 }
                 Err(e) => last_err = e.to_string(),
             }
             if Instant::now() >= deadline {
                 return Err(CommError::Timeout(format!(
-                    "could not reach the rendezvous store at {addr} within {:?}: {last_err}",
-                    timeout
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Connect to a PyTorch TCPStore (torchrun's agent store), retrying
-    /// until `timeout`. That store has no authentication: the ranks still
-    /// authenticate each other with the job secret when they connect.
-    pub fn connect_torch(addr: &str, timeout: Duration) -> Result<StoreClient> {
-        let deadline = Instant::now() + timeout;
-        let mut last_err;
-        loop {
-            match try_connect_torch(addr) {
-                Ok(s) => {
-                    return Ok(StoreClient {
-                        conn: Mutex::new(s),
-                        addr: addr.to_string(),
-                        timeout,
-                        torch: true,
-                    })
-                }
-                Err(e @ CommError::Protocol(_)) => {
-                    return Err(CommError::Protocol(format!(
-                        "torchrun's store at {addr}: {e}"
-                    )))
-                }
-                Err(e) => last_err = e.to_string(),
-            }
-            if Instant::now() >= deadline {
-                return Err(CommError::Timeout(format!(
-                    "could not reach torchrun's store at {addr} within {timeout:?}: {last_err}"
+                    "could not reach {what} at {addr} within {timeout:?}: {last_err}"
                 )));
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -251,7 +243,9 @@ impl StoreClient {
     }
 }
 
-fn try_connect(addr: &str, secret: &[u8]) -> Result<TcpStream> {
+/// One connection attempt: Phalanx's handshake with `secret`, or torch's
+/// validate-and-ping without one.
+fn try_connect(addr: &str, secret: Option<&[u8]>) -> Result<TcpStream> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| CommError::Io(format!("cannot resolve {addr}: {e}")))?
@@ -261,26 +255,10 @@ fn try_connect(addr: &str, secret: &[u8]) -> Result<TcpStream> {
         match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
             Ok(mut s) => {
                 s.set_nodelay(true)?;
-                wire::handshake(&mut s, secret, false, Duration::from_secs(10))?;
-                return Ok(s);
-            }
-            Err(e) => last = CommError::Io(e.to_string()),
-        }
-    }
-    Err(last)
-}
-
-fn try_connect_torch(addr: &str) -> Result<TcpStream> {
-    let addrs: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .map_err(|e| CommError::Io(format!("cannot resolve {addr}: {e}")))?
-        .collect();
-    let mut last = CommError::Io(format!("no address for {addr}"));
-    for a in addrs {
-        match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
-            Ok(mut s) => {
-                s.set_nodelay(true)?;
-                torch::hello(&mut s, Duration::from_secs(10))?;
+                match secret {
+                    Some(k) => wire::handshake(&mut s, k, false, Duration::from_secs(10))?,
+                    None => torch::hello(&mut s, Duration::from_secs(10))?,
+                }
                 return Ok(s);
             }
             Err(e) => last = CommError::Io(e.to_string()),
