@@ -6,7 +6,9 @@
 //! rising); the killed group restarted heals from the survivor and ends
 //! with bitwise the same parameters; a group silenced with SIGSTOP is
 //! dropped after the heartbeat timeout; below `--min-replicas` a group waits
-//! and then fails naming why.
+//! and then fails naming why. And `phalanx train` itself as replica groups
+//! (`[fault_tolerance]`): a killed group does not stop the other, and heals
+//! from it when started again, ending with byte-identical weights.
 
 mod common;
 use common::*;
@@ -261,4 +263,77 @@ fn the_lighthouse_needs_the_secret() {
     };
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("PHALANX_SECRET"), "{err}");
+}
+
+/// `phalanx train` as replica groups of one rank: group 1 is killed
+/// mid-run and started again; group 0 never restarts and logs every step
+/// once; group 1 heals from group 0 (no checkpoint: checkpoints are off)
+/// and both end with byte-identical final weights.
+#[test]
+fn phalanx_train_groups_survive_a_lost_group_and_heal_it() {
+    let d = fresh_dir("phalanx-ft", "train");
+    let (_lh, addr) = lighthouse(&d, "1");
+    let train = |g: usize, log: &str, out: &str| -> Vec<String> {
+        let mut a: Vec<String> = ["train", "--nproc-per-node", "1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(train_args(&d.join(log), 60));
+        for kv in [
+            format!("fault_tolerance.lighthouse=\"{addr}\""),
+            format!("fault_tolerance.replica_id={g}"),
+            "fault_tolerance.replicas=2".into(),
+            "fault_tolerance.heartbeat_timeout=1".into(),
+        ] {
+            a.extend(["--set".to_string(), kv]);
+        }
+        a.extend([
+            "--save-final".to_string(),
+            d.join(out).display().to_string(),
+        ]);
+        a
+    };
+    let strs = |v: &[String]| -> Vec<String> { v.to_vec() };
+    let a_args = strs(&train(0, "a.jsonl", "a-final.safetensors"));
+    let b_args = strs(&train(1, "b.jsonl", "b-final.safetensors"));
+    let slow = |p: &mut Command| {
+        p.env("PHALANX_FAULT", "slow:0:60");
+    };
+    let start = |name: &str, args: &[String]| {
+        let (out, err) = (d.join(format!("{name}.out")), d.join(format!("{name}.err")));
+        let mut c = Command::new(BIN);
+        c.current_dir(repo())
+            .args(args)
+            .env("PHALANX_SECRET", SECRET)
+            .env_remove("RANK")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap());
+        slow(&mut c);
+        Proc {
+            child: c.spawn().unwrap(),
+            out,
+            err,
+        }
+    };
+    let mut a = start("a", &a_args);
+    let mut b = start("b", &b_args);
+    b.wait_for("quorum 1 of 2 group(s)");
+    a.wait_for("step    11/60");
+    b.signal(libc::SIGKILL);
+    let _ = b.wait();
+    a.wait_for("of 1 group(s) [0]");
+    let mut b2 = start("b2", &b_args);
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(b2.wait(), 0, "{}", b2.output());
+    let (oa, ob) = (a.stdout(), b2.stdout());
+    // Group 0 trained once, through every step.
+    assert_eq!(oa.matches("training ").count(), 1, "{oa}");
+    let steps: Vec<u64> = losses(&d.join("a.jsonl")).iter().map(|l| l.0).collect();
+    assert_eq!(steps, (0..60).collect::<Vec<_>>(), "{oa}");
+    assert!(ob.contains("healed from group 0 at step "), "{ob}");
+    let wa = std::fs::read(d.join("a-final.safetensors")).unwrap();
+    let wb = std::fs::read(d.join("b-final.safetensors")).unwrap();
+    assert!(wa == wb, "the healed group's final weights differ");
+    let _ = std::fs::remove_dir_all(&d);
 }

@@ -18,6 +18,7 @@
 mod batch;
 mod choices;
 mod deepspeed;
+mod fault_tolerance;
 mod merge;
 mod model;
 mod precision;
@@ -28,6 +29,7 @@ pub use choices::{
     Choice, CommHookKind, DeviceKind, LrScheduleKind, OffloadDevice, OnNonfinite, OptimName,
     PpPartition, PpSchedule, ScheduleKind, ShardingStrategy, TokenizerSpec, WarmupType,
 };
+pub use fault_tolerance::FaultToleranceConfig;
 pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
     ActivationCheckpointingSection, Bf16Section, Fp16Section, Precision, Recompute,
@@ -56,6 +58,8 @@ pub struct TrainConfig {
     pub bf16: Bf16Section,
     /// DeepSpeed's activation_checkpointing section (where saved inputs live).
     pub activation_checkpointing: ActivationCheckpointingSection,
+    /// This job as one replica group of a fault-tolerant job.
+    pub fault_tolerance: FaultToleranceConfig,
     /// Which batch number is derived from `train.global_batch_size` (set by
     /// `build` from the keys given; see the `batch` module).
     #[serde(skip)]
@@ -385,6 +389,7 @@ impl Default for TrainConfig {
             fp16: Fp16Section::default(),
             bf16: Bf16Section::default(),
             activation_checkpointing: ActivationCheckpointingSection::default(),
+            fault_tolerance: FaultToleranceConfig::default(),
             derive: batch::Derive::Nothing,
             model_facts: ModelFacts::default(),
             ds_auto: deepspeed::Autos::default(),

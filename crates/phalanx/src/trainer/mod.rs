@@ -16,6 +16,7 @@
 //! ```
 
 mod ckpt;
+mod ft;
 mod log;
 mod memory;
 mod run;
@@ -106,6 +107,8 @@ pub struct Trainer {
     micro: usize,
     global_batch: usize,
     memory: Option<Vec<MemoryReport>>,
+    /// `[fault_tolerance]`: this job as one replica group (set by `run`).
+    ft: Option<ft::Ft>,
 }
 
 impl Trainer {
@@ -235,6 +238,7 @@ impl Trainer {
             placement: std::sync::Arc::new(crate::checkpoint::Whole),
             ckpt_async,
             start_step: 0,
+            ft: None,
         })
     }
 
@@ -297,6 +301,14 @@ impl Trainer {
     /// gradient reduction, then the finish path (unscale, non-finite check,
     /// clip, update).
     pub fn step(&mut self, step: usize) -> Result<StepStats> {
+        self.step_inner(step)?
+            .ok_or_else(|| Error::Check(format!("step {step} did not commit")))
+    }
+
+    /// As `step`; `None` when, under fault tolerance, the cross-group
+    /// average failed (a group was lost): nothing was updated, and the step
+    /// runs again with the next quorum.
+    fn step_inner(&mut self, step: usize) -> Result<Option<StepStats>> {
         let t0 = Instant::now();
         let blocked0 = phalanx_comm::blocked_seconds();
         let sent0 = self.pg.bytes_sent();
@@ -304,7 +316,11 @@ impl Trainer {
             std::thread::sleep(d);
         }
         let accum = self.cfg.train.grad_accum_steps;
-        let (dp_rank, dp) = (self.pg.rank(), self.pg.size());
+        // A replica group reads its own share of each step's data.
+        let (dp_rank, dp) = match &self.ft {
+            Some(f) => f.shard,
+            None => (self.pg.rank(), self.pg.size()),
+        };
         let device = self.engine.device().clone();
         let (loader, micro) = (&self.loader, self.micro);
         let mut batch = |a: usize| -> Result<(candle_core::Tensor, candle_core::Tensor)> {
@@ -337,6 +353,9 @@ impl Trainer {
                 )?;
             }
         }
+        if self.ft.is_some() && !self.ft_reduce()? {
+            return Ok(None);
+        }
         let lr = self.sched.lr(step);
         let clip_to = self.cfg.optim.grad_clip as f32;
         let out = self
@@ -349,7 +368,7 @@ impl Trainer {
             self.memory = Some(self.gather_memory()?);
         }
         let tokens = (self.global_batch * self.loader.seq_len()) as f64;
-        Ok(StepStats {
+        Ok(Some(StepStats {
             step,
             loss,
             lr,
@@ -361,7 +380,7 @@ impl Trainer {
             skipped: out.skipped,
             compute_ms: (secs - blocked).max(0.0) * 1e3,
             mfu: None,
-        })
+        }))
     }
 
     /// Gather every rank's measured bubble and in-flight peak; print them

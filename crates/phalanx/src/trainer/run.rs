@@ -55,9 +55,21 @@ impl Trainer {
         }
         let sent_at_start = self.mesh.world().bytes_sent();
         let peak = self.matmul_peak()?;
-        for k in first..steps {
+        if self.cfg.fault_tolerance.enabled() {
+            self.ft = Some(super::ft::Ft::connect(&self.cfg, self.mesh.world().size())?);
+        }
+        let mut k = first;
+        while k < steps {
+            if self.ft.is_some() {
+                k = self.ft_begin(k, lead)?;
+                if k >= steps {
+                    break;
+                }
+            }
             fault::at_step(self.mesh.world().rank(), k);
-            let mut s = self.step(k)?;
+            let Some(mut s) = self.step_inner(k)? else {
+                continue; // not committed: the same step with the next quorum
+            };
             s.mfu = self
                 .flops_per_token
                 .zip(peak)
@@ -76,7 +88,7 @@ impl Trainer {
             report.grad_norms.push(s.grad_norm);
             tok_s.push(s.tokens_per_s);
             let eval_now = self.cfg.train.eval_interval > 0
-                && ((k + 1) % self.cfg.train.eval_interval == 0 || k + 1 == steps);
+                && ((k + 1).is_multiple_of(self.cfg.train.eval_interval) || k + 1 == steps);
             let val = if eval_now { self.evaluate()? } else { None };
             if let Some(v) = val {
                 report.val_losses.push((k, v));
@@ -90,7 +102,7 @@ impl Trainer {
                 print_memory(m);
             }
             log.step(&s, val, mem, &health)?;
-            if every > 0 && ((k + 1) % every == 0 || k + 1 == steps) {
+            if every > 0 && ((k + 1).is_multiple_of(every) || k + 1 == steps) {
                 let t0 = Instant::now();
                 let done = self.save_checkpoint(k + 1)?;
                 if lead && opts.progress {
@@ -108,7 +120,7 @@ impl Trainer {
                 }
             }
             if self.stop_agreed(opts)? && k + 1 < steps {
-                if every > 0 && (k + 1) % every != 0 {
+                if every > 0 && !(k + 1).is_multiple_of(every) {
                     self.save_checkpoint(k + 1)?;
                 }
                 if lead && opts.progress {
@@ -125,6 +137,13 @@ impl Trainer {
                 report.stopped_at = Some(k + 1);
                 break;
             }
+            k += 1;
+        }
+        if let (Some(f), true) = (&self.ft, lead && opts.progress) {
+            println!(
+                "fault tolerance: {} samples committed over the run by this group's quorums",
+                f.samples_committed
+            );
         }
         if let Some(d) = self.wait_checkpoint()? {
             if lead && opts.progress {
