@@ -331,6 +331,20 @@ fn phalanx_train_groups_survive_a_lost_group_and_heal_it() {
     assert_eq!(oa.matches("training ").count(), 1, "{oa}");
     let steps: Vec<u64> = losses(&d.join("a.jsonl")).iter().map(|l| l.0).collect();
     assert_eq!(steps, (0..60).collect::<Vec<_>>(), "{oa}");
+    // Every step says how many groups' samples it committed: 2, then 1
+    // while group 1 was away, then 2 again.
+    let groups: Vec<u64> = std::fs::read_to_string(d.join("a.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["groups_committed"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    let mut runs = groups.clone();
+    runs.dedup();
+    assert!(runs.ends_with(&[2, 1, 2]), "{groups:?}");
     assert!(ob.contains("healed from group 0 at step "), "{ob}");
     let wa = std::fs::read(d.join("a-final.safetensors")).unwrap();
     let wb = std::fs::read(d.join("b-final.safetensors")).unwrap();

@@ -59,6 +59,9 @@ pub struct StepStats {
     /// matmul peak of every rank (set by `run` where the model's FLOPs are
     /// known).
     pub mfu: Option<f64>,
+    /// Under fault tolerance: how many replica groups' samples the step
+    /// committed (this step's quorum; torchft's `batches_committed`).
+    pub groups_committed: Option<usize>,
 }
 
 /// What a run produced.
@@ -380,6 +383,11 @@ impl Trainer {
             skipped: out.skipped,
             compute_ms: (secs - blocked).max(0.0) * 1e3,
             mfu: None,
+            groups_committed: self
+                .ft
+                .as_ref()
+                .and_then(|f| f.quorum.as_ref())
+                .map(|q| q.size),
         }))
     }
 
