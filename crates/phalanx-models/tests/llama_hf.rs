@@ -215,6 +215,10 @@ fn mismatches_are_errors_naming_the_key() {
         err.contains("config.json has") && err.contains("model.rope_scaling"),
         "{err}"
     );
+    // An omitted rms_norm_eps is transformers' LlamaConfig default, 1e-6.
+    let mut v = hf_config("llama_gqa");
+    v.as_object_mut().unwrap().remove("rms_norm_eps");
+    assert_eq!(hf::config_from_json(&v).unwrap().rms_norm_eps, 1e-6);
     let mut v = hf_config("llama_gqa");
     v["attention_bias"] = serde_json::json!(true);
     let err = hf::config_from_json(&v).unwrap_err().to_string();

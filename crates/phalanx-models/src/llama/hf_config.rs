@@ -12,6 +12,10 @@ use serde_json::{json, Value};
 use super::config::{LlamaConfig, RopeScaling};
 use crate::family::HfKey;
 
+/// transformers' `LlamaConfig` default, for a `config.json` that omits
+/// `rms_norm_eps` (Phalanx's own presets use Llama's 1e-5 and always write it).
+const HF_RMS_NORM_EPS: f64 = 1e-6;
+
 /// Check an HF `config.json` against the model; errors name both keys.
 pub fn check_config(v: &Value, cfg: &LlamaConfig) -> Result<()> {
     check_model_type(v, "llama")?;
@@ -86,7 +90,7 @@ pub fn check_shape(v: &Value, cfg: &LlamaConfig, presets: &[&str]) -> Result<()>
         ("rope_theta", theta, cfg.rope_theta, "rope_theta"),
         (
             "rms_norm_eps",
-            float("rms_norm_eps"),
+            Some(float("rms_norm_eps").unwrap_or(HF_RMS_NORM_EPS)),
             cfg.rms_norm_eps,
             "rms_norm_eps",
         ),
@@ -231,9 +235,12 @@ pub fn shape_keys(v: &Value) -> Result<Vec<HfKey>> {
     if let Some(x) = rope_theta(v)? {
         out.push(HfKey::strict("rope_theta", "rope_theta", x));
     }
-    if let Some(x) = v.get("rms_norm_eps").and_then(|x| x.as_f64()) {
-        out.push(HfKey::strict("rms_norm_eps", "rms_norm_eps", x));
-    }
+    let eps = v.get("rms_norm_eps").and_then(|x| x.as_f64());
+    out.push(HfKey::strict(
+        "rms_norm_eps",
+        "rms_norm_eps",
+        eps.unwrap_or(HF_RMS_NORM_EPS),
+    ));
     match rope_scaling(v)? {
         RopeScaling::None => out.push(HfKey::strict("rope_scaling", "rope_scaling", "none")),
         RopeScaling::Llama3 {
@@ -355,9 +362,10 @@ pub fn shape_from_json(v: &Value) -> Result<LlamaConfig> {
         cfg.rope_theta = t;
     }
     cfg.rope_scaling = rope_scaling(v)?;
-    if let Some(e) = v.get("rms_norm_eps").and_then(|x| x.as_f64()) {
-        cfg.rms_norm_eps = e;
-    }
+    cfg.rms_norm_eps = v
+        .get("rms_norm_eps")
+        .and_then(|x| x.as_f64())
+        .unwrap_or(HF_RMS_NORM_EPS);
     cfg.tie_word_embeddings = v
         .get("tie_word_embeddings")
         .and_then(|x| x.as_bool())
