@@ -127,8 +127,23 @@ impl Layout {
         let mut by_name: HashMap<String, usize> = HashMap::new();
         let mut offset = 0;
         for (b, mut decls) in requests.into_iter().enumerate() {
-            // Name order inside a block; a name asked twice by one block is one parameter.
+            // Name order inside a block; a name asked twice by one block is
+            // one parameter, and both requests must agree on what it is.
             decls.sort_by(|a, b| a.name.cmp(&b.name));
+            for w in decls.windows(2) {
+                let (x, y) = (&w[0], &w[1]);
+                if x.name == y.name && (x.shape != y.shape || x.placement != y.placement) {
+                    bail!(
+                        "block {b} requests parameter `{}` twice, as {:?} placed {:?} and as {:?} \
+                         placed {:?}",
+                        x.name,
+                        x.shape,
+                        x.placement,
+                        y.shape,
+                        y.placement
+                    );
+                }
+            }
             decls.dedup_by(|a, b| a.name == b.name);
             let first = params.len();
             let start = offset;
@@ -271,4 +286,33 @@ pub fn shard_range(n: usize, rank: usize, world: usize) -> Range<usize> {
     let chunk = n.div_ceil(world);
     let lo = (rank * chunk).min(n);
     lo..(lo + chunk).min(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decl(name: &str, shape: &[usize], placement: Placement) -> ParamDecl {
+        ParamDecl::new(name, shape).placed(placement)
+    }
+
+    #[test]
+    fn one_block_asking_twice_for_a_name_must_agree() {
+        let same = vec![vec![
+            decl("w", &[2, 3], Placement::Replicate),
+            decl("w", &[2, 3], Placement::Replicate),
+        ]];
+        assert_eq!(Layout::new(same).unwrap().num_params(), 6);
+        let shapes = vec![vec![
+            decl("w", &[2, 3], Placement::Replicate),
+            decl("w", &[3, 2], Placement::Replicate),
+        ]];
+        let e = Layout::new(shapes).unwrap_err().to_string();
+        assert!(e.contains("block 0 requests parameter `w` twice"), "{e}");
+        let placed = vec![vec![
+            decl("w", &[2, 3], Placement::Replicate),
+            decl("w", &[2, 3], Placement::rows()),
+        ]];
+        assert!(Layout::new(placed).is_err());
+    }
 }
