@@ -117,7 +117,13 @@ impl Optimizer for Sgd {
     }
 
     fn state(&self) -> std::io::Result<super::OptimState> {
-        Ok((vec![("momentum_buffer", self.buf.clone())], self.t))
+        // Without momentum there is no buffer (and nothing to save).
+        let bufs = if self.cfg.momentum != 0.0 {
+            vec![("momentum_buffer", self.buf.clone())]
+        } else {
+            Vec::new()
+        };
+        Ok((bufs, self.t))
     }
 
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
