@@ -111,6 +111,7 @@ pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
         optim: Vec::new(),
         optim_kind: "none",
         optim_step: 0,
+        group: None,
     };
     let snap = Snapshot::new(&layout, &Whole, &[state]).without_optimizer();
     let header = Header {

@@ -36,11 +36,16 @@ impl Snapshot {
             for (k, region, at) in regions_of(layout, placement, &s.range) {
                 let name = &layout.params()[k].name;
                 let mut add = |kind: &str, values: &[f32]| {
+                    // A group's own state goes under its group's kinds.
+                    let kind = match s.group {
+                        Some(g) => crate::strategy::state::group_kind(g, kind),
+                        None => kind.to_string(),
+                    };
                     let key = format!("{kind}/{}", pieces.len());
                     pieces.push((
                         key,
                         name.clone(),
-                        kind.to_string(),
+                        kind,
                         region.clone(),
                         values[at.clone()].to_vec(),
                     ));

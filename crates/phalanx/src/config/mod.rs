@@ -52,6 +52,8 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointConfig,
     /// Health of a running job: Prometheus metrics, stragglers.
     pub monitor: MonitorConfig,
+    /// LocalSGD / DiLoCo / Streaming DiLoCo on the data-parallel axis.
+    pub diloco: DilocoSection,
     /// DeepSpeed's fp16 section (loss scaling); see [`TrainConfig::precision`].
     pub fp16: Fp16Section,
     /// DeepSpeed's bf16 section.
@@ -352,6 +354,67 @@ pub struct MonitorConfig {
     pub straggler_steps: usize,
 }
 
+/// LocalSGD and DiLoCo (`phalanx::strategy::diloco`): every data-parallel
+/// rank is a group that trains on its own for `inner_steps` steps with the
+/// configured optimizer; then the groups average their parameter deltas
+/// (pseudo-gradients) and apply an outer SGD step to the global model. On
+/// when `enabled` or `inner_steps > 0`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DilocoSection {
+    /// Turn DiLoCo on (`inner_steps` must then be set).
+    pub enabled: bool,
+    /// H: inner steps between outer steps (0: off unless `enabled`).
+    pub inner_steps: usize,
+    /// The outer SGD's learning rate (LocalSGD: 1).
+    pub outer_lr: f64,
+    /// The outer SGD's momentum (LocalSGD: 0).
+    pub outer_momentum: f64,
+    /// Nesterov momentum for the outer step.
+    pub nesterov: bool,
+    /// Streaming DiLoCo: the model syncs in this many contiguous fragments
+    /// of the flat parameter buffer, at offsets staggered by H / fragments.
+    pub fragments: usize,
+    /// Streaming DiLoCo (fragments > 1): a fragment's averaged
+    /// pseudo-gradient is applied this many inner steps after its
+    /// all-reduce starts (τ; the all-reduce overlaps them). One fragment
+    /// syncs in place.
+    pub overlap_steps: usize,
+    /// Send pseudo-gradients as int8 (one f32 scale per 256 values).
+    pub quantize: bool,
+}
+
+impl Default for DilocoSection {
+    fn default() -> Self {
+        DilocoSection {
+            enabled: false,
+            inner_steps: 0,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            nesterov: true,
+            fragments: 1,
+            overlap_steps: 1,
+            quantize: false,
+        }
+    }
+}
+
+impl DilocoSection {
+    /// Whether DiLoCo runs (`enabled` or `inner_steps > 0`).
+    pub fn on(&self) -> bool {
+        self.enabled || self.inner_steps > 0
+    }
+
+    /// τ as it runs: `overlap_steps` with several fragments, 0 with one.
+    pub fn delay(&self) -> usize {
+        if self.fragments > 1 {
+            self.overlap_steps
+        } else {
+            0
+        }
+    }
+}
+
 impl Default for MonitorConfig {
     fn default() -> Self {
         MonitorConfig {
@@ -386,6 +449,7 @@ impl Default for TrainConfig {
             log: LogConfig::default(),
             checkpoint: CheckpointConfig::default(),
             monitor: MonitorConfig::default(),
+            diloco: DilocoSection::default(),
             fp16: Fp16Section::default(),
             bf16: Bf16Section::default(),
             activation_checkpointing: ActivationCheckpointingSection::default(),

@@ -41,6 +41,7 @@ impl TrainConfig {
             ));
         }
         self.check_compression()?;
+        self.check_diloco()?;
         if self.monitor.straggler_steps == 0 {
             return bad("monitor.straggler_steps must be at least 1".into());
         }
@@ -144,6 +145,89 @@ impl TrainConfig {
                  both choose groups inside the data-parallel ranks; set one"
                     .into(),
             );
+        }
+        Ok(())
+    }
+
+    /// DiLoCo's settings, and what it composes with in this build: every
+    /// data-parallel rank is a group of its own, whose inner step is local.
+    fn check_diloco(&self) -> Result<()> {
+        let d = &self.diloco;
+        if !d.on() {
+            return Ok(());
+        }
+        let bad = |s: String| Err(ConfigError(s));
+        let h = d.inner_steps;
+        if h == 0 {
+            return bad(
+                "diloco.enabled = true needs diloco.inner_steps (H, the inner steps between outer steps) of at least 1"
+                    .into(),
+            );
+        }
+        if !(d.outer_lr.is_finite() && d.outer_lr > 0.0) {
+            return bad(format!(
+                "diloco.outer_lr must be a positive number, not {}",
+                d.outer_lr
+            ));
+        }
+        if !(d.outer_momentum.is_finite() && (0.0..1.0).contains(&d.outer_momentum)) {
+            return bad(format!(
+                "diloco.outer_momentum must be in [0, 1), not {}",
+                d.outer_momentum
+            ));
+        }
+        if d.fragments == 0 || d.fragments > h {
+            return bad(format!(
+                "diloco.fragments = {} must be between 1 and diloco.inner_steps = {h} \
+                 (fragment f syncs H / fragments steps after fragment f - 1)",
+                d.fragments
+            ));
+        }
+        if d.fragments == 1 && d.overlap_steps > 1 {
+            return bad(format!(
+                "diloco.overlap_steps = {} applies to Streaming DiLoCo (diloco.fragments > 1); \
+                 with one fragment the outer step is taken in place",
+                d.overlap_steps
+            ));
+        }
+        if d.fragments > 1 && d.overlap_steps >= h {
+            return bad(format!(
+                "diloco.overlap_steps = {} must be below diloco.inner_steps = {h}: a fragment's outer \
+                 step must land before the fragment syncs again",
+                d.overlap_steps
+            ));
+        }
+        let stage = self.sharding()?.stage;
+        if stage != 0 {
+            return bad(format!(
+                "DiLoCo (diloco.inner_steps = {h}) runs every data-parallel rank as a group of its own; \
+                 ZeRO stage {stage} (zero_optimization.stage / parallel.sharding_strategy) shards over those \
+                 ranks, which do not share a model between outer steps: use stage 0 (NO_SHARD)"
+            ));
+        }
+        let p = &self.parallel;
+        if p.tp > 1 || p.pp > 1 {
+            return bad(format!(
+                "DiLoCo (diloco.inner_steps = {h}) is built for data parallelism alone in this build; \
+                 parallel.tp = {} and parallel.pp = {} must be 1",
+                p.tp, p.pp
+            ));
+        }
+        if p.comm_hook != super::CommHookKind::None || self.train.reduce_dtype != Precision::Fp32 {
+            return bad(format!(
+                "parallel.comm_hook = {} / train.reduce_dtype = {} choose how gradients travel, but \
+                 DiLoCo's inner steps (diloco.inner_steps = {h}) send none; diloco.quantize = true sends \
+                 the pseudo-gradients in int8",
+                p.comm_hook, self.train.reduce_dtype
+            ));
+        }
+        if p.check_params_every > 0 && d.fragments > 1 {
+            return bad(format!(
+                "parallel.check_params_every = {}: under Streaming DiLoCo (diloco.fragments = {}) the \
+                 groups never hold the whole model in common; use it with one fragment, where it checks \
+                 after every outer step",
+                p.check_params_every, d.fragments
+            ));
         }
         Ok(())
     }

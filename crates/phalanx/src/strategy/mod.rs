@@ -4,7 +4,10 @@
 //! - [`ddp`]: data parallel with bucketed, overlapped gradient all-reduce;
 //! - [`zero`]: ZeRO-1/2/3 and FSDP sharding over the same data axis;
 //! - [`pipeline`]: pipeline parallelism over the mesh's `pp` axis (GPipe,
-//!   1F1B, interleaved 1F1B, ZB-H1), with DDP or ZeRO-1 on dp.
+//!   1F1B, interleaved 1F1B, ZB-H1), with DDP or ZeRO-1 on dp;
+//! - [`diloco`]: LocalSGD, DiLoCo and Streaming DiLoCo: every dp rank
+//!   trains on its own and the groups average their pseudo-gradients every
+//!   H steps.
 //!
 //! The seams every strategy shares:
 //! - [`reduce`]: a ready bucket of gradients is handed to a communication
@@ -20,6 +23,7 @@
 //! last, around them. [`build`] picks the strategy from a config.
 
 pub mod ddp;
+pub mod diloco;
 pub mod hooks;
 pub mod pipeline;
 pub mod powersgd;
@@ -184,8 +188,9 @@ pub struct BuildArgs<'a> {
     pub sample: Option<(Tensor, Tensor)>,
 }
 
-/// The strategy a config asks for: pipeline when `parallel.pp > 1`, else
-/// DDP (ZeRO stage 0, FSDP NO_SHARD) or ZeRO-1/2/3 (FSDP's names).
+/// The strategy a config asks for: DiLoCo when `[diloco]` is on, pipeline
+/// when `parallel.pp > 1`, else DDP (ZeRO stage 0, FSDP NO_SHARD) or
+/// ZeRO-1/2/3 (FSDP's names).
 pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<Box<dyn Strategy>> {
     let mesh = args.mesh;
     let sharding = cfg.sharding()?;
@@ -196,7 +201,15 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
     if mesh.pp_size == 1 {
         engine.init_params(None);
     }
-    let mut s: Box<dyn Strategy> = if mesh.pp_size > 1 {
+    let mut s: Box<dyn Strategy> = if cfg.diloco.on() {
+        Box::new(diloco::Diloco::new(
+            engine,
+            mesh,
+            diloco::DilocoConfig::from_config(cfg),
+            args.make_opt,
+            bucket_bytes,
+        )?)
+    } else if mesh.pp_size > 1 {
         Box::new(pipeline::PipeStrategy::new(
             cfg,
             engine,

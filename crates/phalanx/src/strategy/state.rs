@@ -18,6 +18,17 @@ pub struct StateRange {
     pub optim: Vec<(&'static str, Vec<f32>)>,
     pub optim_kind: &'static str,
     pub optim_step: u64,
+    /// `Some(g)`: the state of group `g` of several that hold different
+    /// values for the same range (DiLoCo's groups between outer steps),
+    /// saved under [`group_kind`]s (`group{g}/param`, `group{g}/exp_avg`,
+    /// …) beside the state every group shares; `None`: the range's state.
+    pub group: Option<usize>,
+}
+
+/// The checkpoint kind of `kind` (`"param"` or an optimizer buffer) as
+/// group `g` saves its own ([`StateRange::group`]).
+pub fn group_kind(g: usize, kind: &str) -> String {
+    format!("group{g}/{kind}")
 }
 
 /// Gives the values of a flat range for `"param"` or an optimizer buffer
@@ -40,6 +51,7 @@ impl StateRange {
                 .collect(),
             optim_kind: self.optim_kind,
             optim_step: self.optim_step,
+            group: self.group,
         }
     }
 
@@ -83,6 +95,7 @@ pub fn snapshot(opt: &(dyn Optimizer + Send), params: &[f32]) -> Result<StateRan
         optim,
         optim_kind: opt.kind(),
         optim_step,
+        group: None,
     })
 }
 
@@ -131,6 +144,7 @@ mod tests {
             optim: vec![("exp_avg", (110..120).map(|x| x as f32).collect())],
             optim_kind: "adamw",
             optim_step: 3,
+            group: None,
         };
         let parts = s.without(&[12..14, 18..30]);
         let ranges: Vec<_> = parts.iter().map(|p| p.range.clone()).collect();

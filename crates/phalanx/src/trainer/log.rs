@@ -131,6 +131,9 @@ impl StepLog {
             if let Some(g) = s.groups_committed {
                 v["groups_committed"] = serde_json::json!(g);
             }
+            if let Some(b) = s.comm_bytes_total {
+                v["comm_bytes_total"] = serde_json::json!(b);
+            }
             if !health.stragglers.is_empty() {
                 v["stragglers"] = serde_json::json!(health.stragglers);
             }

@@ -48,6 +48,10 @@ pub struct StepStats {
     pub tokens_per_s: f64,
     /// Bytes this rank sent to peers during the step (all collectives).
     pub comm_bytes: u64,
+    /// Bytes this rank sent since the run started, including what went
+    /// between steps (an all-reduce still in flight when a step ended,
+    /// the monitor's and evaluation's collectives); set by `run`.
+    pub comm_bytes_total: Option<u64>,
     /// The loss scale the step ran with (1 unless fp16).
     pub loss_scale: f64,
     /// A non-finite gradient on some rank skipped the update (fp16, or
@@ -72,6 +76,8 @@ pub struct Report {
     /// [`StepStats::grad_norm`]: equivalence tests compare it, since
     /// AdamW with clipping hides a gradient off by a constant factor.
     pub grad_norms: Vec<f32>,
+    /// The bytes this rank sent during every step ([`StepStats::comm_bytes`]).
+    pub comm_bytes: Vec<u64>,
     /// (step, validation loss)
     pub val_losses: Vec<(usize, f32)>,
     pub tokens_per_s: f64,
@@ -379,6 +385,7 @@ impl Trainer {
             step_ms: secs * 1e3,
             tokens_per_s: tokens / secs,
             comm_bytes,
+            comm_bytes_total: None,
             loss_scale: out.loss_scale,
             skipped: out.skipped,
             compute_ms: (secs - blocked).max(0.0) * 1e3,

@@ -74,6 +74,7 @@ impl Trainer {
                 .flops_per_token
                 .zip(peak)
                 .map(|(f, p)| f * s.tokens_per_s / p);
+            s.comm_bytes_total = Some(self.mesh.world().bytes_sent() - sent_at_start);
             let health = monitor.after_step(&self.figures(&s, sent_at_start))?;
             for st in &health.new {
                 if lead && opts.progress {
@@ -86,6 +87,7 @@ impl Trainer {
             }
             report.losses.push(s.loss);
             report.grad_norms.push(s.grad_norm);
+            report.comm_bytes.push(s.comm_bytes);
             tok_s.push(s.tokens_per_s);
             let eval_now = self.cfg.train.eval_interval > 0
                 && ((k + 1).is_multiple_of(self.cfg.train.eval_interval) || k + 1 == steps);
