@@ -415,6 +415,13 @@ fn the_config_refuses_what_diloco_does_not_compose_with() {
     let refused = [
         (vec!["diloco.enabled=true"], "diloco.inner_steps"),
         (
+            vec![
+                "diloco.inner_steps=4",
+                "fault_tolerance.lighthouse=\"127.0.0.1:29510\"",
+            ],
+            "fault_tolerance.lighthouse",
+        ),
+        (
             vec!["diloco.inner_steps=4", "zero_optimization.stage=3"],
             "zero_optimization.stage",
         ),

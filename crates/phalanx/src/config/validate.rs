@@ -157,6 +157,13 @@ impl TrainConfig {
             return Ok(());
         }
         let bad = |s: String| Err(ConfigError(s));
+        if self.fault_tolerance.enabled() {
+            return bad(
+                "diloco with fault_tolerance.lighthouse: DiLoCo over a fault-tolerant quorum is \
+                 not built yet; use one or the other"
+                    .into(),
+            );
+        }
         let h = d.inner_steps;
         if h == 0 {
             return bad(
