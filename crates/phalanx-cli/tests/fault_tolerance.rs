@@ -284,6 +284,8 @@ fn phalanx_train_groups_survive_a_lost_group_and_heal_it() {
             format!("fault_tolerance.replica_id={g}"),
             "fault_tolerance.replicas=2".into(),
             "fault_tolerance.heartbeat_timeout=1".into(),
+            "checkpoint.interval=20".into(),
+            format!("checkpoint.dir=\"{}\"", d.join("ckpt").display()),
         ] {
             a.extend(["--set".to_string(), kv]);
         }
@@ -318,7 +320,7 @@ fn phalanx_train_groups_survive_a_lost_group_and_heal_it() {
     };
     let mut a = start("a", &a_args);
     let mut b = start("b", &b_args);
-    b.wait_for("quorum 1 of 2 group(s)");
+    b.wait_for(" of 2 group(s) [0, 1]");
     a.wait_for("step    11/60");
     b.signal(libc::SIGKILL);
     let _ = b.wait();
@@ -349,5 +351,10 @@ fn phalanx_train_groups_survive_a_lost_group_and_heal_it() {
     let wa = std::fs::read(d.join("a-final.safetensors")).unwrap();
     let wb = std::fs::read(d.join("b-final.safetensors")).unwrap();
     assert!(wa == wb, "the healed group's final weights differ");
+    // Each group keeps its own checkpoints under checkpoint.dir.
+    for g in 0..2 {
+        let dir = d.join(format!("ckpt/replica-{g}/step-00000060"));
+        assert!(dir.join("metadata.json").is_file(), "{}", dir.display());
+    }
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -12,6 +12,12 @@ impl Trainer {
     pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
         let steps = self.cfg.train.steps;
         let lead = self.pg.global_rank() == 0;
+        if self.cfg.fault_tolerance.enabled() {
+            // Groups may share a file system: each keeps its own checkpoints.
+            let ft = &self.cfg.fault_tolerance;
+            self.cfg.checkpoint.dir =
+                format!("{}/replica-{}", self.cfg.checkpoint.dir, ft.replica_id);
+        }
         self.preflight_checkpoints()?;
         let resumed = self.resume(opts.resume.as_ref())?;
         let first = self.start_step;
