@@ -417,9 +417,18 @@ fn the_config_refuses_what_diloco_does_not_compose_with() {
         (
             vec![
                 "diloco.inner_steps=4",
+                "diloco.fragments=2",
                 "fault_tolerance.lighthouse=\"127.0.0.1:29510\"",
             ],
-            "fault_tolerance.lighthouse",
+            "diloco.fragments = 2",
+        ),
+        (
+            vec![
+                "diloco.inner_steps=4",
+                "diloco.quantize=true",
+                "fault_tolerance.lighthouse=\"127.0.0.1:29510\"",
+            ],
+            "diloco.quantize = true",
         ),
         (
             vec!["diloco.inner_steps=4", "zero_optimization.stage=3"],

@@ -1,9 +1,11 @@
 //! The compressing hooks on their own, on 2 ranks (threads): with error
 //! feedback, what a hook delivers over many steps adds up to the true
 //! average gradient (what was left out is sent later); without it, the
-//! same part is left out every step and the sum drifts away linearly.
+//! same part is left out every step and the sum drifts away linearly. A
+//! hook rebuilt from its saved state continues bitwise; top-k's DGC
+//! warm-up sends a falling fraction, then its promised bytes.
 
-use phalanx::strategy::hooks::TopK;
+use phalanx::strategy::hooks::{Int8, TopK};
 use phalanx::strategy::powersgd::PowerSgd;
 use phalanx::strategy::reduce::{BucketParam, Collective, CommHook, GradBucket};
 
@@ -103,4 +105,122 @@ fn powersgd_starts_with_plain_all_reduces() {
     let (err, same) = mean_error(|| Box::new(PowerSgd::new(1, 3, true)), 3);
     assert!(same);
     assert!(err < 1e-6, "plain all-reduce: {err}");
+}
+
+/// The bucket of [`grad`]: a 12 x 10 matrix and a vector of 6.
+fn bucket() -> GradBucket {
+    GradBucket {
+        id: 3,
+        params: vec![
+            BucketParam {
+                offset: 0,
+                shape: vec![12, 10],
+            },
+            BucketParam {
+                offset: 120,
+                shape: vec![6],
+            },
+        ],
+    }
+}
+
+/// A gradient that changes from step to step.
+fn grad_at(rank: usize, step: usize) -> Vec<f32> {
+    grad(rank)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x * (1.0 + 0.3 * ((i + 7 * step) as f32).sin()))
+        .collect()
+}
+
+/// Builds a fresh hook.
+type MakeHook = fn() -> Box<dyn CommHook>;
+
+/// `steps` reductions through one hook, or through a first hook for
+/// `split` steps and a fresh one that loads its state for the rest: every
+/// rank's results.
+fn continued(make: MakeHook, steps: usize, split: Option<usize>) -> Vec<Vec<Vec<f32>>> {
+    phalanx_comm::threads::run(2, move |pg| {
+        let mut hook = make();
+        let mut out = Vec::new();
+        for t in 0..steps {
+            if Some(t) == split {
+                let state = hook.state();
+                hook = make();
+                hook.load_state(&state).unwrap();
+            }
+            let g = grad_at(pg.rank(), t);
+            out.push(
+                hook.reduce(&bucket(), g, &Collective::AllReduce, &pg)
+                    .wait()
+                    .unwrap(),
+            );
+        }
+        out
+    })
+}
+
+#[test]
+fn a_hook_reloaded_from_its_state_continues_bitwise() {
+    let hooks: [(&str, MakeHook); 4] = [
+        ("int8", || Box::new(Int8::new(true))),
+        ("top-k with DGC", || Box::new(TopK::dgc(0.05, true, 4, 0.9))),
+        ("PowerSGD", || Box::new(PowerSgd::new(2, 2, true))),
+        ("PowerSGD before its start", || {
+            Box::new(PowerSgd::new(1, 5, true))
+        }),
+    ];
+    for (what, make) in hooks {
+        let whole = continued(make, 8, None);
+        let split = continued(make, 8, Some(3));
+        assert!(whole == split, "{what}: the reloaded hook differs");
+        // A fresh hook without the state is another run.
+        let fresh = phalanx_comm::threads::run(2, move |pg| {
+            let mut hook = make();
+            (3..8)
+                .map(|t| {
+                    hook.reduce(
+                        &bucket(),
+                        grad_at(pg.rank(), t),
+                        &Collective::AllReduce,
+                        &pg,
+                    )
+                    .wait()
+                    .unwrap()
+                })
+                .collect::<Vec<_>>()
+        });
+        assert!(
+            whole[0][3..] != fresh[0][..],
+            "{what}: the state should matter"
+        );
+    }
+}
+
+#[test]
+fn top_k_warm_up_sends_a_falling_fraction_then_its_promised_bytes() {
+    // 126 values at 5% after the warm-up: k = 7, 2 x 7 x 4 = 56 bytes per
+    // rank (each rank sends its own pairs to the other). The warm-up of 4
+    // reductions sends 25% twice (k = 32), then 6.25% twice (k = 8).
+    let sent = phalanx_comm::threads::run(2, move |pg| {
+        let mut hook = TopK::dgc(0.05, true, 4, 0.0);
+        (0..7)
+            .map(|t| {
+                let b0 = pg.bytes_sent();
+                hook.reduce(
+                    &bucket(),
+                    grad_at(pg.rank(), t),
+                    &Collective::AllReduce,
+                    &pg,
+                )
+                .wait()
+                .unwrap();
+                pg.bytes_sent() - b0
+            })
+            .collect::<Vec<u64>>()
+    });
+    let want: Vec<u64> = [32u64, 32, 8, 8, 7, 7, 7].iter().map(|k| 8 * k).collect();
+    for (r, s) in sent.iter().enumerate() {
+        assert_eq!(*s, want, "rank {r}");
+    }
 }

@@ -1,6 +1,16 @@
 //! A replica group's side of the lighthouse: join, heartbeat, per-step
-//! quorum, the process group among a quorum's members, healing and the
+//! quorum, the process groups among a quorum's members, healing and the
 //! cross-group average (see the module docs of [`super`]).
+//!
+//! A replica group may be several ranks (an ordinary job inside: DDP,
+//! ZeRO, TP, PP over its own ranks). Every rank of the group holds a
+//! `Manager` ([`Manager::connect_group`] with the group's own process
+//! group): the group's first rank joins the lighthouse, heartbeats and
+//! decides each quorum, and tells its other ranks by broadcast; rank `r` of
+//! each member group then forms a process group with rank `r` of every
+//! other member (same layout, same shard), and every collective across
+//! groups ends with a vote inside the group, so a group commits a step only
+//! when all its ranks' reductions succeeded.
 
 use super::{key, parse_members};
 use crate::config::Config;
@@ -10,6 +20,7 @@ use crate::group::ProcessGroup;
 use crate::store::StoreClient;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// A group's fault-tolerance settings.
@@ -19,6 +30,12 @@ pub struct ManagerOpts {
     pub quorum_timeout: Duration,
     /// The lighthouse's heartbeat timeout (beats are sent 5 times as often).
     pub heartbeat_timeout: Duration,
+    /// How long a collective across groups (and the connection of their
+    /// process group) may wait for a slow member; `None`: the quorum
+    /// timeout. A member that is silent (stopped, or its host gone) is
+    /// found sooner, by the links' own heartbeats, after twice the
+    /// heartbeat timeout; a killed one at once.
+    pub sync_timeout: Option<Duration>,
     /// Settings of the process group among a quorum's members.
     pub comm: Config,
 }
@@ -28,6 +45,7 @@ impl Default for ManagerOpts {
         ManagerOpts {
             quorum_timeout: Duration::from_secs(60),
             heartbeat_timeout: Duration::from_secs(5),
+            sync_timeout: None,
             comm: Config::default(),
         }
     }
@@ -50,63 +68,112 @@ pub struct Quorum {
     pub healer: usize,
     /// Whether this group is behind `max_step` (it rejoined).
     pub behind: bool,
+    /// Whether this is this incarnation's first quorum: it takes the
+    /// healer's state even when not behind, so that all groups start from
+    /// the same parameters.
+    pub first: bool,
 }
 
 pub struct Manager {
     store: StoreClient,
     secret: Vec<u8>,
+    addr: String,
     id: String,
     inc: u64,
     opts: ManagerOpts,
     stop: Arc<AtomicBool>,
-    beat: Option<std::thread::JoinHandle<()>>,
+    beat: Option<JoinHandle<()>>,
     epoch: u64,
+    /// Among rank `local rank` of each member group.
     pg: Option<ProcessGroup>,
     quorum: Option<Quorum>,
+    /// The group's own ranks; `None` for a group of one rank.
+    local: Option<ProcessGroup>,
+    /// The overlapped quorum check in flight (the group's first rank).
+    check: Option<JoinHandle<Result<(StoreClient, u64)>>>,
+    /// The store connection the overlapped check uses.
+    poll: Option<StoreClient>,
+    /// Quorums this incarnation has formed.
+    formed: u64,
 }
 
+/// What the group's first rank decided, as its other ranks receive it.
+const UNCHANGED: i64 = 0;
+const CONNECT: i64 = 1;
+const FAILED: i64 = 2;
+
 impl Manager {
-    /// Join the lighthouse at `addr` as replica group `id` (a new
-    /// incarnation each time) and start heartbeating.
+    /// Join the lighthouse at `addr` as replica group `id`, a group of one
+    /// rank (a new incarnation each time), and start heartbeating.
     pub fn connect(addr: &str, secret: &[u8], id: &str, opts: ManagerOpts) -> Result<Manager> {
+        Manager::connect_group(addr, secret, id, opts, None)
+    }
+
+    /// Every rank of replica group `id` calls this with the group's own
+    /// process group `local` (`None` or a group of one: a one-rank group).
+    /// The group's first rank joins the lighthouse and heartbeats; the
+    /// others learn its incarnation. Collective over `local`.
+    pub fn connect_group(
+        addr: &str,
+        secret: &[u8],
+        id: &str,
+        opts: ManagerOpts,
+        local: Option<ProcessGroup>,
+    ) -> Result<Manager> {
         if id.is_empty() || id.contains([',', '@', '/']) {
             return Err(CommError::Invalid(format!(
                 "replica id {id:?}: must be non-empty, without ',', '@' or '/'"
             )));
         }
+        let local = local.filter(|l| l.size() > 1);
+        let lead = local.as_ref().is_none_or(|l| l.rank() == 0);
         let store = StoreClient::connect(addr, secret, opts.quorum_timeout)
             .map_err(|e| CommError::Io(format!("the lighthouse at {addr}: {e}")))?;
-        let hb = StoreClient::connect(addr, secret, opts.quorum_timeout)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let (s2, hb_key, every) = (
-            stop.clone(),
-            key(&format!("hb/{id}")),
-            opts.heartbeat_timeout / 5,
-        );
-        hb.add(&hb_key, 1)?;
-        let beat = std::thread::Builder::new()
-            .name("phalanx-ft-heartbeat".into())
-            .spawn(move || {
-                while !s2.load(Ordering::SeqCst) {
-                    if hb.add(&hb_key, 1).is_err() {
-                        return;
-                    }
-                    std::thread::sleep(every);
-                }
-            })?;
-        let inc = (store.add(&key("joins"), 1)? - 1) as u64;
-        store.set(&key(&format!("join/{inc}")), id.as_bytes())?;
+        let mut beat = None;
+        let mut inc = [0i64];
+        if lead {
+            let hb = StoreClient::connect(addr, secret, opts.quorum_timeout)?;
+            let (s2, hb_key, every) = (
+                stop.clone(),
+                key(&format!("hb/{id}")),
+                opts.heartbeat_timeout / 5,
+            );
+            hb.add(&hb_key, 1)?;
+            beat = Some(
+                std::thread::Builder::new()
+                    .name("phalanx-ft-heartbeat".into())
+                    .spawn(move || {
+                        while !s2.load(Ordering::SeqCst) {
+                            if hb.add(&hb_key, 1).is_err() {
+                                return;
+                            }
+                            std::thread::sleep(every);
+                        }
+                    })?,
+            );
+            inc[0] = store.add(&key("joins"), 1)? - 1;
+            store.set(&key(&format!("join/{}", inc[0])), id.as_bytes())?;
+        }
+        if let Some(l) = &local {
+            l.broadcast(&mut inc, 0)?;
+        }
         Ok(Manager {
             store,
             secret: secret.to_vec(),
+            addr: addr.to_string(),
             id: id.to_string(),
-            inc,
+            inc: inc[0] as u64,
             opts,
             stop,
-            beat: Some(beat),
+            beat,
             epoch: 0,
             pg: None,
             quorum: None,
+            local,
+            check: None,
+            poll: None,
+            formed: 0,
         })
     }
 
@@ -114,17 +181,25 @@ impl Manager {
         &self.id
     }
 
-    /// The process group among the current quorum's members.
+    /// The process group among the current quorum's members (rank
+    /// `local rank` of each).
     pub fn group(&self) -> Option<&ProcessGroup> {
         self.pg.as_ref()
     }
 
-    fn latest_epoch(&self) -> Result<u64> {
-        Ok(self
-            .store
+    fn lead(&self) -> bool {
+        self.local.as_ref().is_none_or(|l| l.rank() == 0)
+    }
+
+    fn latest_epoch(store: &StoreClient) -> Result<u64> {
+        Ok(store
             .try_get(&key("epoch"))?
             .and_then(|v| String::from_utf8_lossy(&v).parse().ok())
             .unwrap_or(0))
+    }
+
+    fn me(&self) -> String {
+        format!("{}@{}", self.id, self.inc)
     }
 
     fn status(&self) -> String {
@@ -136,44 +211,71 @@ impl Manager {
             .unwrap_or_else(|| "no quorum published yet".into())
     }
 
-    /// The quorum for the step this group is at (`step`). Fast when the
-    /// epoch is unchanged; otherwise waits (up to the quorum timeout) for
-    /// an epoch that holds this incarnation and connects to its members.
-    pub fn quorum(&mut self, step: u64) -> Result<Quorum> {
-        let me = format!("{}@{}", self.id, self.inc);
-        self.store
-            .set(&key(&format!("step/{me}")), step.to_string().as_bytes())?;
+    /// Start the check that the next [`Manager::quorum`] needs, in the
+    /// background (the group's first rank; nothing on the others), so
+    /// that it overlaps the forward: with the members unchanged the
+    /// quorum then costs no round trip. Does nothing before a quorum.
+    pub fn start_quorum(&mut self, step: u64) -> Result<()> {
+        if !self.lead() || self.check.is_some() || self.pg.is_none() || self.quorum.is_none() {
+            return Ok(());
+        }
+        let client = match self.poll.take() {
+            Some(c) => c,
+            None => StoreClient::connect(&self.addr, &self.secret, self.opts.quorum_timeout)?,
+        };
+        let step_key = key(&format!("step/{}", self.me()));
+        self.check = Some(
+            std::thread::Builder::new()
+                .name("phalanx-ft-quorum".into())
+                .spawn(move || {
+                    client.set(&step_key, step.to_string().as_bytes())?;
+                    let e = Manager::latest_epoch(&client)?;
+                    Ok((client, e))
+                })?,
+        );
+        Ok(())
+    }
+
+    /// The group's first rank: `None` if the quorum is unchanged, else the
+    /// epoch to connect (waiting up to the quorum timeout for one that
+    /// holds this incarnation).
+    fn decide(&mut self, step: u64) -> Result<Option<u64>> {
+        let checked = match self.check.take() {
+            Some(h) => {
+                let (client, e) = h
+                    .join()
+                    .map_err(|_| CommError::Io("the quorum check panicked".into()))??;
+                self.poll = Some(client);
+                Some(e)
+            }
+            None => {
+                self.store.set(
+                    &key(&format!("step/{}", self.me())),
+                    step.to_string().as_bytes(),
+                )?;
+                None
+            }
+        };
         if let (Some(q), true) = (&self.quorum, self.pg.is_some()) {
-            if self.latest_epoch()? == q.epoch {
-                return Ok(Quorum {
-                    changed: false,
-                    ..q.clone()
-                });
+            let e = match checked {
+                Some(e) => e,
+                None => Manager::latest_epoch(&self.store)?,
+            };
+            if e == q.epoch {
+                return Ok(None);
             }
         }
-        self.pg = None;
         let deadline = Instant::now() + self.opts.quorum_timeout;
         loop {
-            let e = self.latest_epoch()?;
+            let e = Manager::latest_epoch(&self.store)?;
             if e > self.epoch {
-                let list = self
-                    .store
-                    .try_get(&key(&format!("members/{e}")))?
-                    .map(|v| String::from_utf8_lossy(&v).into_owned())
-                    .unwrap_or_default();
-                let members = parse_members(&list);
+                let members = self.members(e)?;
                 self.epoch = e;
-                if let Some(rank) = members
+                if members
                     .iter()
-                    .position(|(id, inc)| *id == self.id && *inc == self.inc)
+                    .any(|(id, inc)| *id == self.id && *inc == self.inc)
                 {
-                    match self.connect_epoch(e, rank, &members) {
-                        Ok(q) => return Ok(q),
-                        // A member gone before the group formed: the
-                        // lighthouse drops it; wait for the next epoch.
-                        Err(CommError::Invalid(m)) => return Err(CommError::Invalid(m)),
-                        Err(_) => self.suspect(),
-                    }
+                    return Ok(Some(e));
                 }
             }
             if Instant::now() >= deadline {
@@ -188,63 +290,179 @@ impl Manager {
         }
     }
 
-    fn connect_epoch(&mut self, e: u64, rank: usize, members: &[(String, u64)]) -> Result<Quorum> {
-        // A member that died before connecting is found by the lighthouse
-        // within its heartbeat timeout: wait no longer than twice that.
+    fn members(&self, e: u64) -> Result<Vec<(String, u64)>> {
+        let list = self
+            .store
+            .try_get(&key(&format!("members/{e}")))?
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .unwrap_or_default();
+        Ok(parse_members(&list))
+    }
+
+    /// `v` from the group's first rank to its other ranks.
+    fn local_bcast(&self, v: &mut [i64]) -> Result<()> {
+        match &self.local {
+            Some(l) => l.broadcast(v, 0),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether every rank of the group says `ok` (a failure of the group's
+    /// own ranks is an error: the group cannot go on).
+    fn local_all(&self, ok: bool) -> Result<bool> {
+        let mut v = [i32::from(ok)];
+        if let Some(l) = &self.local {
+            l.all_reduce(&mut v, ReduceOp::Min)?;
+        }
+        Ok(v[0] == 1)
+    }
+
+    /// The quorum for the step this group is at (`step`). Fast when the
+    /// epoch is unchanged (no round trip at all after [`start_quorum`]);
+    /// otherwise waits (up to the quorum timeout) for an epoch that holds
+    /// this incarnation and connects to its members. Collective over the
+    /// group's own ranks.
+    ///
+    /// [`start_quorum`]: Manager::start_quorum
+    pub fn quorum(&mut self, step: u64) -> Result<Quorum> {
+        loop {
+            let mut d = [UNCHANGED, 0];
+            let mut failed = None;
+            if self.lead() {
+                match self.decide(step) {
+                    Ok(None) => {}
+                    Ok(Some(e)) => d = [CONNECT, e as i64],
+                    Err(e) => {
+                        d = [FAILED, 0];
+                        failed = Some(e);
+                    }
+                }
+            }
+            self.local_bcast(&mut d)?;
+            match d[0] {
+                UNCHANGED => {
+                    let q = self.quorum.as_ref().ok_or_else(|| {
+                        CommError::Invalid("ft: the group's ranks disagree on the quorum".into())
+                    })?;
+                    // The same members, all stepping together since
+                    // the last change: no one is behind.
+                    return Ok(Quorum {
+                        changed: false,
+                        first: false,
+                        behind: false,
+                        ..q.clone()
+                    });
+                }
+                FAILED => {
+                    return Err(failed.unwrap_or_else(|| {
+                        CommError::Timeout(format!(
+                            "replica group {}: its first rank found no quorum within {:?}",
+                            self.id, self.opts.quorum_timeout
+                        ))
+                    }))
+                }
+                _ => {}
+            }
+            let e = d[1] as u64;
+            self.epoch = e;
+            self.quorum = None;
+            if let Some(pg) = self.pg.take() {
+                pg.shutdown();
+            }
+            let members = self.members(e)?;
+            let rank = members
+                .iter()
+                .position(|(id, inc)| *id == self.id && *inc == self.inc);
+            let ok = match rank {
+                Some(r) => self.connect_epoch(e, r, members.len()).is_ok(),
+                None => false,
+            };
+            if !self.local_all(ok)? {
+                // A member gone before the group formed: the lighthouse
+                // drops it; wait for the next epoch.
+                self.suspect();
+                continue;
+            }
+            let rank = rank.expect("connected");
+            // The members' steps, read once by the first rank.
+            let mut s = [0i64; 3];
+            if self.lead() {
+                let mut steps = Vec::with_capacity(members.len());
+                for (id, inc) in &members {
+                    let v = self
+                        .store
+                        .try_get(&key(&format!("step/{id}@{inc}")))?
+                        .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok())
+                        .unwrap_or(0);
+                    steps.push(v);
+                }
+                let max_step = steps.iter().copied().max().unwrap_or(0);
+                let healer = steps.iter().position(|&s| s == max_step).unwrap_or(0);
+                s = [
+                    max_step as i64,
+                    healer as i64,
+                    i64::from(steps[rank] < max_step),
+                ];
+            }
+            self.local_bcast(&mut s)?;
+            let q = Quorum {
+                epoch: e,
+                rank,
+                size: members.len(),
+                members: members.iter().map(|(id, _)| id.clone()).collect(),
+                changed: true,
+                max_step: s[0] as u64,
+                healer: s[1] as usize,
+                behind: s[2] == 1,
+                first: self.formed == 0,
+            };
+            self.formed += 1;
+            self.quorum = Some(q.clone());
+            return Ok(q);
+        }
+    }
+
+    fn connect_epoch(&mut self, e: u64, rank: usize, size: usize) -> Result<()> {
+        // A member may be slow (its step is longer, or under DiLoCo it is
+        // still in its inner steps): wait for it up to the sync timeout;
+        // a silent one is found by the links' heartbeats.
         let cfg = Config {
-            timeout: self.opts.heartbeat_timeout * 2 + Duration::from_secs(1),
+            timeout: self.opts.sync_timeout.unwrap_or(self.opts.quorum_timeout),
+            heartbeat_timeout: self.opts.heartbeat_timeout * 2,
             ..self.opts.comm.clone()
         };
+        let r = self.local.as_ref().map_or(0, |l| l.rank());
         let pg = crate::init::from_store(
             &self.store,
-            &key(&format!("pg/{e}")),
+            &key(&format!("pg/{e}/{r}")),
             rank,
-            members.len(),
+            size,
             &self.secret,
             cfg,
             None,
         )?;
-        let mut steps = Vec::with_capacity(members.len());
-        for (id, inc) in members {
-            let v = self
-                .store
-                .try_get(&key(&format!("step/{id}@{inc}")))?
-                .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok())
-                .unwrap_or(0);
-            steps.push(v);
-        }
-        let max_step = steps.iter().copied().max().unwrap_or(0);
-        let healer = steps.iter().position(|&s| s == max_step).unwrap_or(0);
-        let q = Quorum {
-            epoch: e,
-            rank,
-            size: members.len(),
-            members: members.iter().map(|(id, _)| id.clone()).collect(),
-            changed: true,
-            max_step,
-            healer,
-            behind: steps[rank] < max_step,
-        };
         self.pg = Some(pg);
-        self.quorum = Some(q.clone());
-        Ok(q)
+        Ok(())
     }
 
-    /// Tell the lighthouse this epoch's links failed, and drop them.
+    /// Drop this epoch's links; the first rank tells the lighthouse they
+    /// failed.
     fn suspect(&mut self) {
-        let _ = self
-            .store
-            .set(&key(&format!("suspect/{}", self.epoch)), self.id.as_bytes());
+        if self.lead() {
+            let _ = self
+                .store
+                .set(&key(&format!("suspect/{}", self.epoch)), self.id.as_bytes());
+        }
         if let Some(pg) = self.pg.take() {
             pg.abort("a member of the quorum was lost");
         }
     }
 
     /// Wait until the lighthouse publishes a new epoch (a group joined or
-    /// was lost); the next `quorum` connects to it.
+    /// was lost); the next `quorum` connects to it. One rank's call.
     pub fn wait_change(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.opts.quorum_timeout;
-        while self.latest_epoch()? <= self.epoch {
+        while Manager::latest_epoch(&self.store)? <= self.epoch {
             if Instant::now() >= deadline {
                 return Err(CommError::Timeout(format!(
                     "replica group {}: no new quorum within {:?}: {}",
@@ -258,30 +476,71 @@ impl Manager {
         Ok(())
     }
 
-    /// Run `f` on the quorum's group; a failure (a member lost) marks the
-    /// epoch suspect and returns `Ok(false)`: retry after the next `quorum`.
+    /// Run `f` on the quorum's group, then vote inside the group: `Ok(true)`
+    /// when every rank's `f` succeeded; otherwise the epoch is suspect, the
+    /// links are dropped and the caller retries after the next `quorum`.
     fn on_group(&mut self, f: impl FnOnce(&ProcessGroup) -> Result<()>) -> Result<bool> {
         let pg = self.pg.as_ref().ok_or_else(|| {
             CommError::Invalid("Manager: call quorum() before a collective".into())
         })?;
-        match f(pg) {
-            Ok(()) => Ok(true),
-            Err(e @ CommError::Invalid(_)) => Err(e),
+        let ok = match f(pg) {
+            Ok(()) => true,
+            Err(e @ CommError::Invalid(_)) => return Err(e),
             Err(e) => {
                 eprintln!(
                     "replica group {}: the step's reduction failed ({e}); retrying with the next quorum",
                     self.id
                 );
-                self.suspect();
-                Ok(false)
+                false
             }
+        };
+        let all = self.local_all(ok)?;
+        if !all {
+            self.suspect();
         }
+        Ok(all)
     }
 
-    /// The cross-group average of `buf` over this step's quorum. `Ok(false)`:
-    /// a member was lost, the step does not commit.
+    /// The cross-group average of `buf` over this step's quorum (each rank
+    /// of the group with the same rank of the others). `Ok(false)`: a
+    /// member was lost, the step does not commit.
     pub fn all_reduce<T: Element>(&mut self, buf: &mut [T]) -> Result<bool> {
         self.on_group(|pg| pg.all_reduce(buf, ReduceOp::Avg))
+    }
+
+    /// The average of `buf` over the members that `participate` (the others
+    /// add nothing: a group that rejoined has no contribution of its own
+    /// yet). `Ok(None)`: a member was lost; `Ok(Some(0))`: no member took
+    /// part, `buf` is all zeros; else how many did, `buf` their mean.
+    pub fn average_participants(
+        &mut self,
+        buf: &mut Vec<f32>,
+        participate: bool,
+    ) -> Result<Option<usize>> {
+        if !participate {
+            buf.iter_mut().for_each(|x| *x = 0.0);
+        }
+        buf.push(if participate { 1.0 } else { 0.0 });
+        let ok = self.on_group(|pg| pg.all_reduce(buf.as_mut_slice(), ReduceOp::Sum));
+        let n = buf.pop().unwrap_or(0.0) as usize;
+        if !ok? {
+            return Ok(None);
+        }
+        if n > 0 {
+            // As ReduceOp::Avg divides: the same bits as an all-member mean.
+            buf.iter_mut().for_each(|x| *x /= n as f32);
+        }
+        Ok(Some(n))
+    }
+
+    /// Every member's `digest` (of its state), by member rank: each rank
+    /// of the group with the same rank of the others. `Ok(None)`: a member
+    /// was lost.
+    pub fn all_digests(&mut self, digest: i64) -> Result<Option<Vec<i64>>> {
+        let n = self.quorum.as_ref().map_or(1, |q| q.size);
+        let mut all = vec![0i64; n];
+        let ok = self.on_group(|pg| pg.all_gather(&[digest], &mut all))?;
+        Ok(ok.then_some(all))
     }
 
     /// Receive the healer's copy of `buf` (every member takes part; the
@@ -292,9 +551,23 @@ impl Manager {
     }
 }
 
+impl Manager {
+    /// Leave after an error: the members' pending and later collectives
+    /// with this group fail at once (naming `reason`), instead of waiting
+    /// for a goodbye after a step that will not come.
+    pub fn abort(&mut self, reason: &str) {
+        if let Some(pg) = self.pg.take() {
+            pg.abort(&format!("replica group {} stopped: {reason}", self.id));
+        }
+    }
+}
+
 impl Drop for Manager {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        if let Some(h) = self.check.take() {
+            let _ = h.join();
+        }
         if let Some(pg) = self.pg.take() {
             pg.shutdown();
         }

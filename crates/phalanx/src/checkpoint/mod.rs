@@ -130,6 +130,17 @@ pub struct Entry {
     pub region: Region,
 }
 
+/// State of one rank that belongs to no tensor and cannot be resharded (a
+/// communication hook's error-feedback residuals, warm starts and
+/// counters): `len` f32 values under `rank_state/{name}` in rank `rank`'s
+/// file. Only the same rank of the same layout can load it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankEntry {
+    pub rank: usize,
+    pub name: String,
+    pub len: usize,
+}
+
 /// A rank file: name, size and sha256 (hex).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileInfo {
@@ -175,6 +186,9 @@ pub struct Metadata {
     pub tensors: BTreeMap<String, Vec<usize>>,
     pub files: Vec<FileInfo>,
     pub entries: Vec<Entry>,
+    /// Every rank's own state (absent in checkpoints without any).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_state: Vec<RankEntry>,
 }
 
 impl Metadata {
@@ -185,6 +199,14 @@ impl Metadata {
             return Err(format!(
                 "metadata.json: format {:?}, this build reads {FORMAT:?}",
                 m.format
+            ));
+        }
+        if let Some(e) = m.rank_state.iter().find(|e| e.rank >= m.files.len()) {
+            return Err(format!(
+                "rank state {} names rank {} of {}",
+                e.name,
+                e.rank,
+                m.files.len()
             ));
         }
         for e in &m.entries {

@@ -215,6 +215,34 @@ impl Reader {
             .collect())
     }
 
+    /// Rank `rank`'s own state ([`super::RankEntry`]), by name, in the
+    /// order it was saved (empty if it saved none).
+    pub fn rank_state(&self, rank: usize) -> Result<Vec<(String, Vec<f32>)>> {
+        let mut out = Vec::new();
+        for e in self.meta.rank_state.iter().filter(|e| e.rank == rank) {
+            let f = self.file(e.rank)?;
+            let key = super::write::rank_state_key(&e.name);
+            let bytes = f
+                .index
+                .get(&key)
+                .and_then(|r| f.map.get(r.clone()))
+                .filter(|b| b.len() == e.len * 4)
+                .ok_or_else(|| {
+                    Error::Check(format!(
+                        "{}: {key} is missing, or not {} f32 values",
+                        self.dir.join(&self.meta.files[e.rank].name).display(),
+                        e.len
+                    ))
+                })?;
+            let v = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect();
+            out.push((e.name.clone(), v));
+        }
+        Ok(out)
+    }
+
     /// Whether the checkpoint holds any `kind` ("param", `exp_avg`, …).
     pub fn has_kind(&self, kind: &str) -> bool {
         self.meta.entries.iter().any(|e| e.kind == kind)

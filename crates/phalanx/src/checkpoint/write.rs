@@ -20,6 +20,9 @@ pub struct Snapshot {
     pieces: Vec<(String, String, String, super::region::Region, Vec<f32>)>,
     tensors: BTreeMap<String, Vec<usize>>,
     optimizer: Option<(String, u64)>,
+    /// This rank's own state that belongs to no tensor (a communication
+    /// hook's residuals and counters): (name, values).
+    rank_state: Vec<(String, Vec<f32>)>,
 }
 
 impl Snapshot {
@@ -60,7 +63,16 @@ impl Snapshot {
             pieces,
             tensors,
             optimizer,
+            rank_state: Vec::new(),
         }
+    }
+
+    /// Add this rank's own state that belongs to no tensor (see
+    /// [`super::RankEntry`]): a communication hook's, for an exact resume
+    /// on the same layout.
+    pub fn with_rank_state(mut self, state: Vec<(String, Vec<f32>)>) -> Snapshot {
+        self.rank_state = state;
+        self
     }
 
     /// The same pieces, recorded as holding no optimizer state (a
@@ -73,7 +85,8 @@ impl Snapshot {
 
     /// Bytes of values held.
     pub fn bytes(&self) -> usize {
-        self.pieces.iter().map(|p| p.4.len() * 4).sum()
+        let rank: usize = self.rank_state.iter().map(|(_, v)| v.len() * 4).sum();
+        self.pieces.iter().map(|p| p.4.len() * 4).sum::<usize>() + rank
     }
 }
 
@@ -85,6 +98,13 @@ struct Manifest {
     entries: Vec<Entry>,
     tensors: BTreeMap<String, Vec<usize>>,
     optimizer: Option<(String, u64)>,
+    #[serde(default)]
+    rank_state: Vec<super::RankEntry>,
+}
+
+/// The safetensors key of a rank's own state `name`.
+pub(crate) fn rank_state_key(name: &str) -> String {
+    format!("rank_state/{name}")
 }
 
 /// Write `bytes` to `path` and fsync it.
@@ -102,18 +122,23 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 fn write_rank(dir: &Path, rank: usize, snap: &Snapshot) -> std::result::Result<Manifest, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let name = rank_file_name(rank);
-    let bytes_of: Vec<&[u8]> = snap
+    // The tensors' pieces, then the rank's own state.
+    let arrays: Vec<(String, &[f32])> = snap
         .pieces
         .iter()
-        .map(|p| bytemuck::cast_slice::<f32, u8>(&p.4))
+        .map(|p| (p.0.clone(), p.4.as_slice()))
+        .chain(
+            snap.rank_state
+                .iter()
+                .map(|(n, v)| (rank_state_key(n), v.as_slice())),
+        )
         .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = snap
-        .pieces
+    let views: Vec<(String, safetensors::tensor::TensorView)> = arrays
         .iter()
-        .zip(&bytes_of)
-        .map(|(p, b)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![p.4.len()], b)
-                .map(|v| (p.0.clone(), v))
+        .map(|(key, v)| {
+            let b = bytemuck::cast_slice::<f32, u8>(v);
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![v.len()], b)
+                .map(|t| (key.clone(), t))
                 .map_err(|e| e.to_string())
         })
         .collect::<std::result::Result<_, _>>()?;
@@ -142,6 +167,15 @@ fn write_rank(dir: &Path, rank: usize, snap: &Snapshot) -> std::result::Result<M
         entries,
         tensors: snap.tensors.clone(),
         optimizer: snap.optimizer.clone(),
+        rank_state: snap
+            .rank_state
+            .iter()
+            .map(|(n, v)| super::RankEntry {
+                rank,
+                name: n.clone(),
+                len: v.len(),
+            })
+            .collect(),
     })
 }
 
@@ -208,6 +242,7 @@ pub fn save(
         entries: Vec::new(),
         tensors: BTreeMap::new(),
         optimizer: None,
+        rank_state: Vec::new(),
     });
     let mine = serde_json::to_vec(&manifest).expect("manifest serialises");
     let all = all_gather_bytes(pg, &mine)?;
@@ -246,6 +281,7 @@ fn commit(
     let mut entries = Vec::new();
     let mut tensors = BTreeMap::new();
     let mut optimizer = None;
+    let mut rank_state = Vec::new();
     for (r, bytes) in all.iter().enumerate() {
         let m: Manifest = serde_json::from_slice(bytes)
             .map_err(|e| Error::Check(format!("checkpoint manifest of rank {r}: {e}")))?;
@@ -254,6 +290,7 @@ fn commit(
         }
         files.push(m.file.expect("a file when no error"));
         entries.extend(m.entries);
+        rank_state.extend(m.rank_state);
         for (t, s) in m.tensors {
             if let Some(prev) = tensors.insert(t.clone(), s.clone()) {
                 if prev != s {
@@ -281,6 +318,7 @@ fn commit(
         tensors,
         files,
         entries,
+        rank_state,
     };
     let io = |what: &str, p: &Path, e: std::io::Error| {
         Error::Io(format!("checkpoint: {what} {}: {e}", p.display()))

@@ -360,7 +360,9 @@ pub enum CommHookKind {
     /// Block-wise (256) scaled int8, with error feedback.
     Int8,
     /// The largest-magnitude `parallel.topk_ratio` of each bucket, with
-    /// error feedback.
+    /// error feedback and Deep Gradient Compression's sparsity warm-up
+    /// (`parallel.topk_warmup_steps`) and momentum correction
+    /// (`parallel.topk_momentum`).
     Topk,
     /// A rank-`parallel.powersgd_rank` approximation of each matrix, with
     /// error feedback and warm start.

@@ -118,6 +118,7 @@ impl TrainConfig {
                 p.pp
             ));
         }
+        self.check_dgc(stage)?;
         let zpp = z.zero_quantized_weights
             || z.zero_quantized_gradients
             || z.zero_hpz_partition_size != 1;
@@ -149,6 +150,41 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Top-k's Deep Gradient Compression keys. Momentum correction moves
+    /// the momentum into the hook, so it must not be applied twice, and it
+    /// counts one velocity update per reduction, which ZeRO-2/3 run every
+    /// micro-step.
+    fn check_dgc(&self, stage: u8) -> Result<()> {
+        let p = &self.parallel;
+        let m = p.topk_momentum;
+        if !(m.is_finite() && (0.0..1.0).contains(&m)) {
+            return Err(ConfigError(format!(
+                "parallel.topk_momentum must be in [0, 1) (0: no momentum correction), not {m}"
+            )));
+        }
+        if p.comm_hook != super::CommHookKind::Topk || m == 0.0 {
+            return Ok(());
+        }
+        let o = &self.optim;
+        if o.name == super::OptimName::Sgd && o.momentum != 0.0 {
+            return Err(ConfigError(format!(
+                "parallel.topk_momentum = {m} is DGC's momentum correction: the top-k hook carries the \
+                 momentum, so optim.momentum = {} would apply it a second time; set optim.momentum = 0 \
+                 (and parallel.topk_momentum to the momentum you want), or parallel.topk_momentum = 0",
+                o.momentum
+            )));
+        }
+        if stage >= 2 && self.train.grad_accum_steps > 1 {
+            return Err(ConfigError(format!(
+                "parallel.topk_momentum = {m} updates its velocity once per reduction, and ZeRO stage \
+                 {stage} reduces every micro-step (train.grad_accum_steps = {}); use stage 0 or 1, \
+                 train.grad_accum_steps = 1, or parallel.topk_momentum = 0",
+                self.train.grad_accum_steps
+            )));
+        }
+        Ok(())
+    }
+
     /// DiLoCo's settings, and what it composes with in this build: every
     /// data-parallel rank is a group of its own, whose inner step is local.
     fn check_diloco(&self) -> Result<()> {
@@ -157,14 +193,16 @@ impl TrainConfig {
             return Ok(());
         }
         let bad = |s: String| Err(ConfigError(s));
-        if self.fault_tolerance.enabled() {
-            return bad(
-                "diloco with fault_tolerance.lighthouse: DiLoCo over a fault-tolerant quorum is \
-                 not built yet; use one or the other"
-                    .into(),
-            );
-        }
         let h = d.inner_steps;
+        if self.fault_tolerance.enabled() && (d.fragments > 1 || d.quantize) {
+            return bad(format!(
+                "diloco.fragments = {} / diloco.quantize = {} with fault_tolerance.lighthouse: over a \
+                 fault-tolerant quorum this build takes DiLoCo's outer step whole and in f32 (Streaming \
+                 DiLoCo's fragments and int8 pseudo-gradients run in a plain job); use diloco.fragments = 1 \
+                 and diloco.quantize = false",
+                d.fragments, d.quantize
+            ));
+        }
         if h == 0 {
             return bad(
                 "diloco.enabled = true needs diloco.inner_steps (H, the inner steps between outer steps) of at least 1"

@@ -240,6 +240,14 @@ impl Strategy for Ddp {
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.reducer.set_hook(make());
     }
+
+    fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
+        self.reducer.hook_state()
+    }
+
+    fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.reducer.load_hook_state(state)
+    }
 }
 
 /// A 64-bit digest of the bits of `xs` (FNV-1a over the words).

@@ -48,8 +48,11 @@
 //! from the anchor; a DDP checkpoint starts every group from its model.
 //!
 //! The outer step averages over a process group it is given
-//! ([`average_pseudo_gradient`]): the data-parallel ranks here, and later
-//! whichever groups a step's quorum holds.
+//! ([`average_pseudo_gradient`]): the data-parallel ranks in a plain job.
+//! Under fault tolerance the groups are replica groups and the trainer
+//! takes the outer step over each sync's quorum instead
+//! ([`Diloco::set_external_outer`]): a group lost during the inner steps
+//! drops out of that outer step.
 
 use super::ddp::{check_identical, Ddp, DdpConfig};
 use super::reduce::{CommHook, Pending};
@@ -230,6 +233,8 @@ pub struct Diloco {
     /// checkpoint was saved, and how many more steps they may be due.
     restored: Option<Vec<f32>>,
     restored_left: usize,
+    /// The outer step is the caller's ([`Diloco::set_external_outer`]).
+    external: bool,
     _anchor_charge: Charge,
 }
 
@@ -291,6 +296,7 @@ impl Diloco {
             in_flight: RefCell::new(VecDeque::new()),
             restored: None,
             restored_left: 0,
+            external: false,
             _anchor_charge: engine.ledger().charge(Mem::OptState, n * 4),
         })
     }
@@ -308,6 +314,50 @@ impl Diloco {
     /// The group outer steps average over.
     pub fn outer_group(&self) -> &ProcessGroup {
         &self.outer
+    }
+
+    /// Leave the outer step to the caller: a fault-tolerant trainer, whose
+    /// groups are replica groups that average over each outer step's
+    /// quorum ([`Diloco::pseudo_gradient`], then [`Diloco::apply_outer`]).
+    /// One fragment, taken in place.
+    pub fn set_external_outer(&mut self) -> Result<()> {
+        if self.cfg.fragments != 1 || self.cfg.quantize {
+            return Err(Error::Check(
+                "DiLoCo's outer step over a quorum is taken whole and in f32 (diloco.fragments = 1, \
+                 diloco.quantize = false)"
+                    .into(),
+            ));
+        }
+        self.external = true;
+        Ok(())
+    }
+
+    /// H: the inner steps between outer steps.
+    pub fn inner_steps(&self) -> usize {
+        self.cfg.inner_steps
+    }
+
+    /// This group's pseudo-gradient: the anchor minus its parameters.
+    pub fn pseudo_gradient(&self, engine: &Engine) -> Vec<f32> {
+        self.anchor
+            .iter()
+            .zip(engine.params_flat())
+            .map(|(a, p)| a - p)
+            .collect()
+    }
+
+    /// The outer step after `done` steps with the groups' mean
+    /// pseudo-gradient `avg` (a multiple of H; as [`Strategy::finish_step`]
+    /// takes it in a plain job).
+    pub fn apply_outer(&mut self, engine: &mut Engine, done: usize, avg: &[f32]) -> Result<()> {
+        let k = self.sched.sync_index(0, done).ok_or_else(|| {
+            Error::Check(format!(
+                "DiLoCo: no outer step is due after step {done} (diloco.inner_steps = {})",
+                self.cfg.inner_steps
+            ))
+        })?;
+        self.apply(engine, 0, k, avg);
+        Ok(())
     }
 
     /// Outer step `index` of fragment `f` with the groups' mean
@@ -402,6 +452,12 @@ impl Strategy for Diloco {
             )
         };
         let int8 = if c.quantize { ", int8" } else { "" };
+        if self.external {
+            return format!(
+                "DiLoCo (H = {}, {outer}) over each outer step's quorum of replica groups",
+                c.inner_steps
+            );
+        }
         if c.fragments > 1 {
             format!(
                 "Streaming DiLoCo (H = {}, {} fragments, τ = {}, {outer}{int8}) over {groups} groups",
@@ -440,7 +496,9 @@ impl Strategy for Diloco {
     ) -> Result<StepOutcome> {
         // The inner step: finiteness, norm and clipping are the group's.
         let out = self.inner.finish_step(engine, scaler, lr, max_norm, step)?;
-        self.outer_steps(engine, step + 1)?;
+        if !self.external {
+            self.outer_steps(engine, step + 1)?;
+        }
         Ok(out)
     }
 
@@ -531,6 +589,10 @@ impl Strategy for Diloco {
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.inner.set_comm_hook(make);
+    }
+
+    fn diloco_mut(&mut self) -> Option<&mut Diloco> {
+        Some(self)
     }
 }
 

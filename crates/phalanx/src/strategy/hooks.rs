@@ -3,11 +3,14 @@
 //! error it made (error feedback: what was not sent is added to the next
 //! step's gradient, `parallel.error_feedback`), and every rank sums the
 //! same compressed contributions in rank order, so all ranks end each step
-//! with bitwise identical gradients.
+//! with bitwise identical gradients. What a hook carries from step to step
+//! is its [`CommHook::state`], saved per rank in checkpoints so that a
+//! resumed run continues bitwise as the one that never stopped.
 //!
-//! - [`TopK`]: the `ratio` largest-magnitude entries of each bucket travel
-//!   as (index, value) pairs, all-gathered: 2 × k × 4 bytes per rank
-//!   instead of the bucket's 4 × n.
+//! - [`TopK`] ([`super::topk`]): the `ratio` largest-magnitude entries of
+//!   each bucket travel as (index, value) pairs, all-gathered: 2 × k × 4
+//!   bytes per rank instead of the bucket's 4 × n; with Deep Gradient
+//!   Compression's sparsity warm-up and momentum correction.
 //! - [`Int8`]: each block of 256 values becomes 256 int8 and one f32 scale
 //!   (max |x| / 127), all-gathered (int8 sums would overflow, so each rank
 //!   dequantises and adds every rank's blocks): about a quarter of the bytes.
@@ -29,8 +32,40 @@
 //! ```
 
 use super::reduce::{Collective, CommHook, GradBucket, Pending};
+use crate::error::{Error, Result};
 use phalanx_comm::ProcessGroup;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+
+pub use super::topk::TopK;
+
+/// A step counter as two f32 values, each below 2^24 so that f32 holds it
+/// exactly (checkpoints hold f32 arrays): the low and the high 24 bits.
+pub(crate) fn counter_to_f32(c: u64) -> Vec<f32> {
+    vec![(c & 0xff_ffff) as f32, (c >> 24) as f32]
+}
+
+/// The counter [`counter_to_f32`] wrote, if `v` is one.
+pub(crate) fn counter_from_f32(v: &[f32]) -> Option<u64> {
+    let ok = |x: f32| x >= 0.0 && x < (1u64 << 24) as f32 && x.fract() == 0.0;
+    match v {
+        [lo, hi] if ok(*lo) && ok(*hi) => Some(*lo as u64 | (*hi as u64) << 24),
+        _ => None,
+    }
+}
+
+/// `bucket{id}/{what}`, the names hook state is kept under: (id, what).
+pub(crate) fn bucket_entry(name: &str) -> Option<(usize, &str)> {
+    let (b, what) = name.strip_prefix("bucket")?.split_once('/')?;
+    Some((b.parse().ok()?, what))
+}
+
+/// A checkpoint's hook state that this hook does not keep.
+pub(crate) fn state_error(hook: &str, name: &str) -> Error {
+    Error::Check(format!(
+        "the checkpoint's communication-hook state `{name}` is not {hook}'s \
+         (saved with another parallel.comm_hook or an older build?)"
+    ))
+}
 
 /// Error-feedback residuals, per bucket.
 struct Residuals {
@@ -46,24 +81,57 @@ impl Residuals {
         }
     }
 
-    /// `g` plus the bucket's residual.
-    fn add_to(&mut self, bucket: usize, g: &mut [f32]) {
-        if let Some(r) = self.by_bucket.get(&bucket).filter(|r| r.len() == g.len()) {
+    /// `g` plus the bucket's residual. A residual of another length can
+    /// only come from a checkpoint saved with other buckets: an error.
+    fn add_to(&mut self, bucket: usize, g: &mut [f32]) -> Result<()> {
+        if let Some(r) = self.by_bucket.get(&bucket) {
+            if r.len() != g.len() {
+                return Err(Error::Check(format!(
+                    "the error-feedback residual restored for bucket {bucket} holds {} values, \
+                     the bucket has {} (the checkpoint was saved with other buckets: \
+                     parallel.bucket_mb or the model changed?)",
+                    r.len(),
+                    g.len()
+                )));
+            }
             for (x, e) in g.iter_mut().zip(r) {
                 *x += e;
             }
         }
+        Ok(())
     }
     fn keep(&mut self, bucket: usize, r: Vec<f32>) {
         if self.on {
             self.by_bucket.insert(bucket, r);
         }
     }
+
+    fn state(&self) -> Vec<(String, Vec<f32>)> {
+        self.by_bucket
+            .iter()
+            .collect::<BTreeMap<_, _>>()
+            .into_iter()
+            .map(|(id, r)| (format!("bucket{id}/residual"), r.clone()))
+            .collect()
+    }
+
+    fn load_state(&mut self, hook: &str, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.by_bucket.clear();
+        for (name, v) in state {
+            match bucket_entry(name) {
+                Some((id, "residual")) => {
+                    self.by_bucket.insert(id, v.clone());
+                }
+                _ => return Err(state_error(hook, name)),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `sum` (of every rank's contribution) averaged, and this rank's share
 /// of it.
-fn averaged_share(mut sum: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
+pub(crate) fn averaged_share(mut sum: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec<f32> {
     let inv = 1.0 / pg.size() as f32;
     sum.iter_mut().for_each(|x| *x *= inv);
     share(sum, coll, pg)
@@ -78,66 +146,6 @@ pub(crate) fn share(full: Vec<f32>, coll: &Collective, pg: &ProcessGroup) -> Vec
             let lo: usize = counts[..pg.rank()].iter().sum();
             full[lo..lo + counts[pg.rank()]].to_vec()
         }
-    }
-}
-
-/// Top-k sparsification with error feedback.
-pub struct TopK {
-    pub ratio: f64,
-    res: Residuals,
-}
-
-impl TopK {
-    pub fn new(ratio: f64, error_feedback: bool) -> TopK {
-        TopK {
-            ratio,
-            res: Residuals::new(error_feedback),
-        }
-    }
-}
-
-impl CommHook for TopK {
-    fn reduce(
-        &mut self,
-        bucket: &GradBucket,
-        mut g: Vec<f32>,
-        coll: &Collective,
-        pg: &ProcessGroup,
-    ) -> Pending {
-        let n = g.len();
-        self.res.add_to(bucket.id, &mut g);
-        let k = ((n as f64 * self.ratio).ceil() as usize).clamp(1.min(n), n);
-        // The k largest magnitudes (ties by index, so every rank's choice is
-        // deterministic).
-        let mut order: Vec<u32> = (0..n as u32).collect();
-        if k < n {
-            order.select_nth_unstable_by(k, |&a, &b| {
-                g[b as usize]
-                    .abs()
-                    .total_cmp(&g[a as usize].abs())
-                    .then(a.cmp(&b))
-            });
-        }
-        let mut idx: Vec<i32> = order[..k].iter().map(|&i| i as i32).collect();
-        idx.sort_unstable();
-        let vals: Vec<f32> = idx.iter().map(|&i| g[i as usize]).collect();
-        let mut residual = g;
-        for &i in &idx {
-            residual[i as usize] = 0.0;
-        }
-        self.res.keep(bucket.id, residual);
-        let w = pg.size();
-        let wi = pg.all_gather_async(idx, vec![k; w]);
-        let wv = pg.all_gather_async(vals, vec![k; w]);
-        let (coll, pg) = (coll.clone(), pg.clone());
-        Pending::new(move || {
-            let (idx, vals) = (wi.wait()?, wv.wait()?);
-            let mut sum = vec![0f32; n];
-            for (i, v) in idx.iter().zip(&vals) {
-                sum[*i as usize] += v;
-            }
-            Ok(averaged_share(sum, &coll, &pg))
-        })
     }
 }
 
@@ -204,7 +212,9 @@ impl CommHook for Int8 {
         pg: &ProcessGroup,
     ) -> Pending {
         let n = g.len();
-        self.res.add_to(bucket.id, &mut g);
+        if let Err(e) = self.res.add_to(bucket.id, &mut g) {
+            return Pending::new(move || Err(e));
+        }
         let w = pg.size();
         match coll {
             // Every rank's quantised bucket, all-gathered; each rank adds
@@ -269,5 +279,13 @@ impl CommHook for Int8 {
                 })
             }
         }
+    }
+
+    fn state(&self) -> Vec<(String, Vec<f32>)> {
+        self.res.state()
+    }
+
+    fn load_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.res.load_state("int8", state)
     }
 }

@@ -30,6 +30,7 @@ pub mod powersgd;
 pub mod reduce;
 pub mod shard;
 pub mod state;
+pub mod topk;
 pub mod zero;
 
 pub use ddp::{Ddp, DdpConfig};
@@ -132,8 +133,40 @@ pub trait Strategy: Send {
     /// Replace the gradient communication hook (`register_comm_hook`).
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>);
 
+    /// This rank's communication-hook state ([`CommHook::state`]: residuals,
+    /// warm starts, counters), which checkpoints save per rank.
+    fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
+        Vec::new()
+    }
+
+    /// Restore this rank's communication-hook state (saved by the same rank
+    /// of the same layout).
+    fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        match state.first() {
+            None => Ok(()),
+            Some((name, _)) => Err(crate::error::Error::Check(format!(
+                "{} keeps no communication-hook state, but the checkpoint holds `{name}`",
+                self.name()
+            ))),
+        }
+    }
+
     /// The pipeline, for pipeline strategies (timelines and traces).
     fn pipeline(&self) -> Option<&pipeline::Pipeline> {
+        None
+    }
+
+    /// After `forward_backward`: the reduced gradients that `finish_step`
+    /// will read on this rank, which an average across replica groups
+    /// (fault tolerance) must cover. The engine's flat gradients, or a
+    /// ZeRO-2/3 rank's gradient shard.
+    fn step_grads<'a>(&'a mut self, engine: &'a mut Engine) -> &'a mut [f32] {
+        engine.grads_flat_mut()
+    }
+
+    /// DiLoCo, whose outer step a fault-tolerant trainer takes over a
+    /// quorum ([`diloco::Diloco::set_external_outer`]).
+    fn diloco_mut(&mut self) -> Option<&mut diloco::Diloco> {
         None
     }
 }
@@ -175,6 +208,16 @@ fn note_cpu_param_offload(mesh: &DeviceMesh) {
                  shard is already in host memory, so this runs as \"none\" (use \"nvme\" to keep it on disk)"
             )
         });
+    }
+}
+
+/// The communication hook a config runs: `parallel.comm_hook`, or the int8
+/// hook for ZeRO++ qgZ (`zero_optimization.zero_quantized_gradients`) on
+/// stage 3's reduce-scatter.
+pub fn hook_kind(cfg: &TrainConfig) -> CommHookKind {
+    match cfg.parallel.comm_hook {
+        CommHookKind::None if cfg.zero_optimization.zero_quantized_gradients => CommHookKind::Int8,
+        k => k,
     }
 }
 
@@ -252,12 +295,8 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
     };
     let p = &cfg.parallel;
     let (ratio, ef) = (p.topk_ratio, p.error_feedback);
-    // ZeRO++ qgZ is the int8 hook on stage 3's reduce-scatter.
-    let kind = match p.comm_hook {
-        CommHookKind::None if cfg.zero_optimization.zero_quantized_gradients => CommHookKind::Int8,
-        k => k,
-    };
-    match kind {
+    let (warmup, momentum) = (p.topk_warmup_steps, p.topk_momentum as f32);
+    match hook_kind(cfg) {
         CommHookKind::None => s.set_comm_hook(&|| Box::new(hook)),
         CommHookKind::Fp16 => s.set_comm_hook(&|| {
             Box::new(reduce::DefaultHook {
@@ -269,7 +308,9 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
                 dtype: crate::config::Precision::Bf16,
             })
         }),
-        CommHookKind::Topk => s.set_comm_hook(&|| Box::new(hooks::TopK::new(ratio, ef))),
+        CommHookKind::Topk => {
+            s.set_comm_hook(&|| Box::new(hooks::TopK::dgc(ratio, ef, warmup, momentum)))
+        }
         CommHookKind::Int8 => s.set_comm_hook(&|| Box::new(hooks::Int8::new(ef))),
         CommHookKind::Powersgd => {
             let (rank, start) = (p.powersgd_rank, p.powersgd_start_iter);

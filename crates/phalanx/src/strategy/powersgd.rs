@@ -24,11 +24,11 @@
 //! ([`GradBucket::params`]); a bucket described by nothing is all-reduced
 //! whole.
 
-use super::hooks::share;
+use super::hooks::{bucket_entry, counter_from_f32, counter_to_f32, share, state_error};
 use super::reduce::{BucketParam, Collective, CommHook, DefaultHook, GradBucket, Pending};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use phalanx_comm::{ProcessGroup, ReduceOp};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
@@ -51,6 +51,31 @@ struct BucketState {
     residual: Vec<f32>,
     /// Each compressed matrix's Q (m × r, row-major), warm start.
     qs: Vec<Vec<f32>>,
+}
+
+impl BucketState {
+    /// Whether state restored from a checkpoint fits this bucket: a
+    /// residual of `len` values and one m × r Q per matrix (or none yet).
+    fn check(&self, id: usize, len: usize, mats: &[Mat]) -> Result<()> {
+        let bad = |what: String| {
+            Err(Error::Check(format!(
+                "PowerSGD: the {what} restored for bucket {id} does not fit it (the checkpoint was \
+                 saved with other buckets or another parallel.powersgd_rank?)"
+            )))
+        };
+        if !self.residual.is_empty() && self.residual.len() != len {
+            return bad(format!("residual of {} values", self.residual.len()));
+        }
+        if !self.qs.is_empty() && self.qs.len() != mats.len() {
+            return bad(format!("{} Q matrices", self.qs.len()));
+        }
+        for (k, (q, x)) in self.qs.iter().zip(mats).enumerate() {
+            if q.len() != x.m * x.r {
+                return bad(format!("Q {k} of {} values", q.len()));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A matrix of the bucket: its element range and (rows, cols, rank).
@@ -196,13 +221,18 @@ impl CommHook for PowerSgd {
             return DefaultHook::default().reduce(bucket, g, coll, pg);
         }
         let len = g.len();
-        if self.error_feedback && s.residual.len() == len {
+        let mats = self.matrices(&bucket.params, len);
+        // State of another shape can only come from a checkpoint saved
+        // with other buckets or another rank.
+        if let Err(e) = s.check(bucket.id, len, &mats) {
+            return Pending::new(move || Err(e));
+        }
+        if self.error_feedback && !s.residual.is_empty() {
             for (x, e) in g.iter_mut().zip(&s.residual) {
                 *x += e;
             }
         }
-        let mats = self.matrices(&bucket.params, len);
-        if s.qs.len() != mats.len() {
+        if s.qs.is_empty() {
             s.qs = mats
                 .iter()
                 .enumerate()
@@ -267,6 +297,60 @@ impl CommHook for PowerSgd {
             }
             Ok(share(out, &coll, &pg))
         })
+    }
+
+    fn state(&self) -> Vec<(String, Vec<f32>)> {
+        let mut out = Vec::new();
+        for (id, st) in self.state.iter().collect::<BTreeMap<_, _>>() {
+            let s = st.lock().unwrap();
+            out.push((format!("bucket{id}/iter"), counter_to_f32(s.iter as u64)));
+            if !s.residual.is_empty() {
+                out.push((format!("bucket{id}/residual"), s.residual.clone()));
+            }
+            for (k, q) in s.qs.iter().enumerate() {
+                out.push((format!("bucket{id}/q{k}"), q.clone()));
+            }
+        }
+        out
+    }
+
+    fn load_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        let mut by: BTreeMap<usize, BucketState> = BTreeMap::new();
+        // Q's by index: the names sort q10 before q2.
+        let mut qs: BTreeMap<(usize, usize), Vec<f32>> = BTreeMap::new();
+        for (name, v) in state {
+            let (id, what) = bucket_entry(name).ok_or_else(|| state_error("PowerSGD", name))?;
+            let b = by.entry(id).or_default();
+            match what {
+                "iter" => {
+                    b.iter =
+                        counter_from_f32(v).ok_or_else(|| state_error("PowerSGD", name))? as usize
+                }
+                "residual" => b.residual = v.clone(),
+                q => {
+                    let k = q
+                        .strip_prefix('q')
+                        .and_then(|k| k.parse().ok())
+                        .ok_or_else(|| state_error("PowerSGD", name))?;
+                    qs.insert((id, k), v.clone());
+                }
+            }
+        }
+        for ((id, k), q) in qs {
+            let b = by.entry(id).or_default();
+            if b.qs.len() != k {
+                return Err(Error::Check(format!(
+                    "the checkpoint's PowerSGD state of bucket {id} lacks Q {}",
+                    b.qs.len()
+                )));
+            }
+            b.qs.push(q);
+        }
+        self.state = by
+            .into_iter()
+            .map(|(id, b)| (id, Arc::new(Mutex::new(b))))
+            .collect();
+        Ok(())
     }
 }
 

@@ -175,6 +175,29 @@ pub trait CommHook: Send {
         coll: &Collective,
         pg: &ProcessGroup,
     ) -> Pending;
+
+    /// What the hook carries from one step to the next (error-feedback
+    /// residuals, warm starts, the step counts a schedule reads), as named
+    /// f32 arrays, this rank's own. Checkpoints save it per rank, so that a
+    /// run resumed with [`CommHook::load_state`] continues bitwise as the
+    /// one that never stopped. Called between steps (nothing in flight). A
+    /// hook without state keeps the default: none.
+    fn state(&self) -> Vec<(String, Vec<f32>)> {
+        Vec::new()
+    }
+
+    /// Restore what [`CommHook::state`] gave (the same rank of the same
+    /// layout saved it). A hook without state refuses any: what it would
+    /// drop was somebody's error feedback.
+    fn load_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        match state.first() {
+            None => Ok(()),
+            Some((name, _)) => Err(crate::error::Error::Check(format!(
+                "this communication hook keeps no state, but the checkpoint holds `{name}` \
+                 (saved with another parallel.comm_hook?)"
+            ))),
+        }
+    }
 }
 
 /// The default hook: the collective in `dtype` (f32 as is; bf16 / fp16:
@@ -268,6 +291,16 @@ impl Reducer {
     /// Replace the communication hook (`register_comm_hook`).
     pub fn set_hook(&mut self, hook: Box<dyn CommHook>) {
         self.hook = hook;
+    }
+
+    /// The hook's state, for checkpoints ([`CommHook::state`]).
+    pub fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
+        self.hook.state()
+    }
+
+    /// Restore the hook's state ([`CommHook::load_state`]).
+    pub fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.hook.load_state(state)
     }
 
     pub fn group(&self) -> &ProcessGroup {

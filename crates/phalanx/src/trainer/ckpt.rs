@@ -128,6 +128,7 @@ impl Trainer {
             reader.fill(&layout, &*placement, range, kind)
         };
         self.strat.load_state(&mut self.engine, &mut fill, step)?;
+        self.load_hook_state(&reader)?;
         if reader.meta.precision == self.cfg.precision().to_string() {
             self.scaler = reader.meta.loss_scaler;
         }
@@ -145,6 +146,65 @@ impl Trainer {
         Ok(())
     }
 
+    /// This rank's communication-hook state (error-feedback residuals,
+    /// PowerSGD's Q, DGC's velocity, the counters the warm-ups read), saved
+    /// by the same rank. It belongs to each rank's buckets, so it is loaded
+    /// only into the layout that saved it: another layout with the same
+    /// hook is refused (its error says how to go on), and a run with
+    /// another hook starts its own fresh.
+    fn load_hook_state(&mut self, reader: &Reader) -> Result<()> {
+        if reader.meta.rank_state.is_empty() {
+            return Ok(());
+        }
+        let lead = self.mesh.world().rank() == 0;
+        let mine = crate::strategy::hook_kind(&self.cfg);
+        let saved = saved_hook(&reader.meta.config);
+        if saved != Some(mine) {
+            if lead {
+                println!(
+                    "note: {} holds the state of parallel.comm_hook = {}; this run uses {mine}, \
+                     which starts its own fresh",
+                    reader.dir().display(),
+                    saved.map_or("(unknown)".to_string(), |k| k.to_string())
+                );
+            }
+            return Ok(());
+        }
+        let m = &self.mesh;
+        let here = (
+            m.world().size(),
+            m.dp_size,
+            m.pp_size,
+            m.tp_size,
+            self.cfg.sharding().map(|s| s.stage).unwrap_or(0),
+        );
+        let l = &reader.meta.layout;
+        let there = (l.world, l.dp, l.pp, l.tp, l.zero_stage);
+        if here != there {
+            return Err(Error::Check(format!(
+                "{} holds each rank's parallel.comm_hook = {mine} state (error-feedback residuals, \
+                 warm starts, step counts), saved by {} ranks (dp {}, pp {}, tp {}, ZeRO stage {}); \
+                 this run is {} ranks (dp {}, pp {}, tp {}, ZeRO stage {}). That state belongs to \
+                 each rank's gradient buckets and cannot be split or merged: resume on the saved \
+                 layout for an exact continuation, or once with another parallel.comm_hook \
+                 (e.g. none) to carry the model and optimizer over without it",
+                reader.dir().display(),
+                there.0,
+                there.1,
+                there.2,
+                there.3,
+                there.4,
+                here.0,
+                here.1,
+                here.2,
+                here.3,
+                here.4
+            )));
+        }
+        let state = reader.rank_state(m.world().rank())?;
+        self.strat.load_hook_state(&state)
+    }
+
     /// Write a checkpoint of the state after `steps_done` steps (every rank
     /// calls this). With `checkpoint.async` the write runs in the background
     /// and this returns the previous save's directory, if one finished.
@@ -158,7 +218,9 @@ impl Trainer {
                 .flat_map(|r| r.without(&self.tp_replicated))
                 .collect();
         }
-        let snap = Snapshot::new(self.engine.layout(), &*self.placement, &ranges);
+        // The hook's residuals and counters are this rank's own.
+        let snap = Snapshot::new(self.engine.layout(), &*self.placement, &ranges)
+            .with_rank_state(self.strat.hook_state());
         let m = &self.mesh;
         let header = Header {
             step: steps_done,
@@ -201,4 +263,24 @@ impl Trainer {
     pub fn start_step(&self) -> usize {
         self.start_step
     }
+}
+
+/// The communication hook the run that saved `config` (its TOML) used,
+/// if the text says.
+fn saved_hook(config: &str) -> Option<crate::config::CommHookKind> {
+    let t: toml::Table = config.parse().ok()?;
+    let get = |sec: &str, key: &str| t.get(sec).and_then(|s| s.get(key)).cloned();
+    let hook = match get("parallel", "comm_hook") {
+        Some(toml::Value::String(s)) => s.parse().ok()?,
+        Some(_) => return None,
+        None => crate::config::CommHookKind::None,
+    };
+    let qgz = matches!(
+        get("zero_optimization", "zero_quantized_gradients"),
+        Some(toml::Value::Boolean(true))
+    );
+    Some(match hook {
+        crate::config::CommHookKind::None if qgz => crate::config::CommHookKind::Int8,
+        k => k,
+    })
 }

@@ -1,30 +1,50 @@
 //! The trainer as one replica group of a fault-tolerant job
-//! (`[fault_tolerance]`, `phalanx_comm::ft`): every step starts with the
-//! lighthouse's quorum; after a membership change every member takes the
-//! most advanced member's state (parameters, optimizer state and its step
-//! count, loss scaler, step) by broadcast; the gradients are averaged over
-//! the quorum, and a step whose average failed (a member lost) does not
-//! commit and runs again with the next quorum.
+//! (`[fault_tolerance]`, `phalanx_comm::ft`). A replica group is an
+//! ordinary job inside (DDP, ZeRO, TP, PP over its own ranks); every rank
+//! holds a `Manager`, and rank r of each group averages with rank r of the
+//! others (the same layout, the same shard).
 //!
-//! In this build a replica group is one rank (`phalanx train
-//! --nproc-per-node 1`); a larger group is refused with an error.
+//! Per step (DDP, ZeRO, TP, PP inside the group):
+//! - the quorum: taken before the forward on the first step and after a
+//!   step that did not commit; otherwise its check runs in the background
+//!   during the forward and backward, and is read after them. After a
+//!   membership change every member takes the most advanced member's state
+//!   (parameters, optimizer state and its step count, loss scaler, step) by
+//!   broadcast, and a step computed before the change runs again;
+//! - the gradients' average over the quorum, then a vote inside the group:
+//!   a step whose average failed on any rank (a member lost) does not
+//!   commit and runs again with the next quorum.
+//!
+//! Under DiLoCo (`[diloco]`, groups of one rank) the groups meet only at
+//! outer steps: every H steps, the quorum, the mean pseudo-gradient of the
+//! members that trained through those H steps (a group that rejoined adds
+//! nothing), the outer step, and healing after a change.
 
 use super::Trainer;
 use crate::error::{Error, Result};
 use crate::strategy::state::StateRange;
 use phalanx_comm::ft::{Manager, ManagerOpts, Quorum};
+use std::ops::Range;
 use std::time::Duration;
 
 /// A group's fault-tolerance state.
 pub(crate) struct Ft {
     pub mgr: Manager,
-    /// This group's share of each step's data: (index, of how many).
+    /// This rank's share of each step's data: (index, of how many).
     pub shard: (usize, usize),
     /// The quorum of the step being run.
     pub quorum: Option<Quorum>,
     /// Samples committed over the run (each group's batch counted once per
     /// step it committed; torchft's `batches_committed`).
     pub samples_committed: u64,
+    /// Take the next quorum before the forward (the first step, and after
+    /// a step that did not commit).
+    pub sync: bool,
+    /// A change found after the forward healed this group: the step to
+    /// run next.
+    pub resume_at: Option<usize>,
+    /// DiLoCo's H: the groups meet every H steps only.
+    pub diloco: Option<usize>,
 }
 
 fn comm(e: phalanx_comm::CommError) -> Error {
@@ -32,13 +52,17 @@ fn comm(e: phalanx_comm::CommError) -> Error {
 }
 
 impl Ft {
-    /// Join the lighthouse the config names, with the job secret.
-    pub fn connect(cfg: &crate::config::TrainConfig, world: usize) -> Result<Ft> {
+    /// Join the lighthouse the config names, with the job secret. Every
+    /// rank of the group calls it (collective over the group).
+    pub fn connect(cfg: &crate::config::TrainConfig, mesh: &crate::mesh::DeviceMesh) -> Result<Ft> {
         let f = &cfg.fault_tolerance;
-        if world != 1 {
+        let world = mesh.world();
+        let diloco = cfg.diloco.on().then_some(cfg.diloco.inner_steps);
+        if diloco.is_some() && world.size() != 1 {
             return Err(Error::Check(format!(
-                "fault_tolerance: a replica group is one rank in this build (start each group \
-                 with --nproc-per-node 1), not {world}"
+                "fault_tolerance with diloco: a replica group is one rank in this build (each group \
+                 is one DiLoCo worker; start it with --nproc-per-node 1), not {}",
+                world.size()
             )));
         }
         let secret = match std::env::var("PHALANX_SECRET") {
@@ -55,14 +79,144 @@ impl Ft {
             heartbeat_timeout: Duration::from_secs_f64(f.heartbeat_timeout),
             ..ManagerOpts::default()
         };
-        let mgr = Manager::connect(&f.lighthouse, &secret, &f.replica_id.to_string(), opts)
-            .map_err(comm)?;
+        let mgr = Manager::connect_group(
+            &f.lighthouse,
+            &secret,
+            &f.replica_id.to_string(),
+            opts,
+            Some(world.clone()),
+        )
+        .map_err(comm)?;
+        // Group i reads share i of `replicas`; inside it, its dp ranks split
+        // that share as in a plain job.
+        let (dp_rank, dp) = (mesh.dp().rank(), mesh.dp_size);
         Ok(Ft {
             mgr,
-            shard: (f.replica_id, f.replicas),
+            shard: (f.replica_id * dp + dp_rank, f.replicas * dp),
             quorum: None,
             samples_committed: 0,
+            sync: true,
+            resume_at: None,
+            diloco,
         })
+    }
+}
+
+/// One range of healed state: parameters and optimizer buffers by name.
+struct Healed {
+    range: Range<usize>,
+    group: Option<usize>,
+    kinds: Vec<(String, Vec<f32>)>,
+}
+
+impl Healed {
+    fn from_ranges(ranges: &[StateRange], body: &[f32]) -> Vec<Healed> {
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let v = body[at..at + n].to_vec();
+            at += n;
+            v
+        };
+        ranges
+            .iter()
+            .map(|r| {
+                let n = r.range.len();
+                let mut kinds = vec![("param".to_string(), take(n))];
+                for (name, _) in &r.optim {
+                    kinds.push((name.to_string(), take(n)));
+                }
+                Healed {
+                    range: r.range.clone(),
+                    group: r.group,
+                    kinds,
+                }
+            })
+            .collect()
+    }
+
+    /// As f64s (exact for the f32 values and the counts).
+    fn encode(all: &[Healed]) -> Vec<f64> {
+        let mut v = vec![all.len() as f64];
+        for h in all {
+            v.extend([
+                h.range.start as f64,
+                h.range.end as f64,
+                h.group.map_or(-1.0, |g| g as f64),
+                h.kinds.len() as f64,
+            ]);
+            for (name, vals) in &h.kinds {
+                v.push(name.len() as f64);
+                v.extend(name.bytes().map(f64::from));
+                v.extend(vals.iter().map(|&x| x as f64));
+            }
+        }
+        v
+    }
+
+    fn decode(v: &[f64], out: &mut Vec<Healed>) -> Result<()> {
+        let bad = || Error::Check("healing: a malformed state message".into());
+        let mut at = 0;
+        let mut next = |n: usize| -> Result<&[f64]> {
+            let s = v.get(at..at + n).ok_or_else(bad)?;
+            at += n;
+            Ok(s)
+        };
+        let count = next(1)?[0] as usize;
+        for _ in 0..count {
+            let h = next(4)?;
+            let (start, end, group, nk) = (h[0] as usize, h[1] as usize, h[2], h[3] as usize);
+            let mut kinds = Vec::with_capacity(nk);
+            for _ in 0..nk {
+                let len = next(1)?[0] as usize;
+                let name: String = next(len)?.iter().map(|&b| b as u8 as char).collect();
+                let vals = next(end - start)?.iter().map(|&x| x as f32).collect();
+                kinds.push((name, vals));
+            }
+            out.push(Healed {
+                range: start..end,
+                group: (group >= 0.0).then_some(group as usize),
+                kinds,
+            });
+        }
+        Ok(())
+    }
+
+    /// The values of `range` for `kind` (`param`, an optimizer buffer, or
+    /// a DiLoCo group's `group{g}/...`), pieced together from the ranges
+    /// that cover it (a DDP replica writes 1/dp of the state).
+    fn fill(all: &[Healed], range: Range<usize>, kind: &str) -> Result<Option<Vec<f32>>> {
+        let (group, name) = match kind.strip_prefix("group").and_then(|r| r.split_once('/')) {
+            Some((g, n)) if g.parse::<usize>().is_ok() => (g.parse().ok(), n),
+            _ => (None, kind),
+        };
+        let mut pieces: Vec<(Range<usize>, &[f32])> = all
+            .iter()
+            .filter(|h| h.group == group && h.range.start < range.end && range.start < h.range.end)
+            .filter_map(|h| {
+                let v = &h.kinds.iter().find(|(n, _)| n == name)?.1;
+                let lo = range.start.max(h.range.start);
+                let hi = range.end.min(h.range.end);
+                Some((lo..hi, &v[lo - h.range.start..hi - h.range.start]))
+            })
+            .collect();
+        if pieces.is_empty() {
+            return Ok(None);
+        }
+        pieces.sort_by_key(|(r, _)| r.start);
+        let mut out = Vec::with_capacity(range.len());
+        for (r, v) in pieces {
+            if r.start == range.start + out.len() {
+                out.extend_from_slice(v);
+            }
+        }
+        if out.len() != range.len() {
+            return Err(Error::Check(format!(
+                "healing: the healer's state covers {} of the {} values of {kind} in {range:?}",
+                out.len(),
+                range.len()
+            )));
+        }
+        Ok(Some(out))
     }
 }
 
@@ -75,34 +229,63 @@ impl Trainer {
             let q = ft.mgr.quorum(k as u64).map_err(comm)?;
             ft.quorum = Some(q.clone());
             if !q.changed {
+                ft.sync = false;
                 return Ok(k);
             }
-            match self.ft_heal(&q, k)? {
-                Some(step) => {
-                    if lead {
-                        println!(
-                            "fault tolerance: quorum {} of {} group(s) [{}]{}",
-                            q.epoch,
-                            q.size,
-                            q.members.join(", "),
-                            if q.behind {
-                                format!(
-                                    "; healed from group {} at step {step} (was at step {k})",
-                                    q.members[q.healer]
-                                )
-                            } else {
-                                String::new()
-                            }
-                        );
-                    }
-                    return Ok(step);
-                }
-                None => continue, // a member was lost while healing
+            if let Some(step) = self.ft_heal_and_say(&q, k, lead)? {
+                self.ft.as_mut().expect("on").sync = false;
+                return Ok(step);
             }
         }
     }
 
-    /// Every member takes the healer's state; `None` if a member was lost.
+    /// After the forward and backward of step `k` (whose quorum check was
+    /// started before them): `None` if the members are unchanged; else this
+    /// group healed and the step to run next (the step's gradients were
+    /// computed before the change and are dropped).
+    pub(super) fn ft_after_forward(&mut self, k: usize, lead: bool) -> Result<Option<usize>> {
+        let ft = self.ft.as_mut().expect("fault tolerance on");
+        let q = ft.mgr.quorum(k as u64).map_err(comm)?;
+        ft.quorum = Some(q.clone());
+        if !q.changed {
+            return Ok(None);
+        }
+        match self.ft_heal_and_say(&q, k, lead)? {
+            Some(step) => Ok(Some(step)),
+            None => {
+                // A member lost while healing: a fresh quorum first.
+                self.ft.as_mut().expect("on").sync = true;
+                Ok(Some(k))
+            }
+        }
+    }
+
+    fn ft_heal_and_say(&mut self, q: &Quorum, k: usize, lead: bool) -> Result<Option<usize>> {
+        let Some(step) = self.ft_heal(q, k)? else {
+            return Ok(None);
+        };
+        if lead {
+            println!(
+                "fault tolerance: quorum {} of {} group(s) [{}]{}",
+                q.epoch,
+                q.size,
+                q.members.join(", "),
+                if q.behind {
+                    format!(
+                        "; healed from group {} at step {step} (was at step {k})",
+                        q.members[q.healer]
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+        Ok(Some(step))
+    }
+
+    /// Every member receives the healer's state (rank r of each group from
+    /// rank r of the healer); a group behind, or on its first quorum, loads
+    /// it. `None` if a member was lost.
     fn ft_heal(&mut self, q: &Quorum, k: usize) -> Result<Option<usize>> {
         let ranges = self.strat.save_state(&self.engine)?;
         // One flat message: the step, the optimizer step, the scaler (as
@@ -130,41 +313,37 @@ impl Trainer {
         if !ft.mgr.heal(&mut head).map_err(comm)? || !ft.mgr.heal(&mut body).map_err(comm)? {
             return Ok(None);
         }
-        if !q.behind && q.rank == q.healer {
+        if !(q.behind || q.first) || q.rank == q.healer {
             return Ok(Some(k)); // ours is the state everyone took
         }
-        // Rebuild the ranges from the healer's values and load them.
-        let mut at = 0;
-        let mut healed: Vec<StateRange> = Vec::with_capacity(ranges.len());
-        for r in &ranges {
-            let n = r.range.len();
-            let params = body[at..at + n].to_vec();
-            at += n;
-            let mut optim = Vec::new();
-            for (name, _) in &r.optim {
-                optim.push((*name, body[at..at + n].to_vec()));
-                at += n;
+        // What this rank received, and what the group's other ranks with
+        // the same flat layout (the same tp rank) received: a rank writes
+        // only part of the state (a DDP replica 1/dp of it, a ZeRO rank
+        // its shard, a pipeline stage its own blocks and a tied weight
+        // only from its first stage), and together they hold all of it,
+        // as a checkpoint would give it.
+        let mut healed = Healed::from_ranges(&ranges, &body);
+        let world = self.mesh.world().clone();
+        if world.size() > 1 {
+            let tp = self.mesh.coords().tp;
+            let mut mine = vec![tp as f64];
+            mine.extend(Healed::encode(&healed));
+            let mut lens = vec![0i64; world.size()];
+            world.all_gather(&[mine.len() as i64], &mut lens)?;
+            let counts: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+            let mut all = vec![0f64; counts.iter().sum()];
+            world.all_gather_v(&mine, &counts, &mut all)?;
+            healed.clear();
+            let mut at = 0;
+            for c in counts {
+                let msg = &all[at..at + c];
+                if msg.first() == Some(&(tp as f64)) {
+                    Healed::decode(&msg[1..], &mut healed)?;
+                }
+                at += c;
             }
-            healed.push(StateRange {
-                params,
-                optim,
-                ..r.clone()
-            });
         }
-        let mut fill = |range: std::ops::Range<usize>, name: &str| -> Result<Option<Vec<f32>>> {
-            let r = healed
-                .iter()
-                .find(|h| h.range.start <= range.start && range.end <= h.range.end)
-                .ok_or_else(|| Error::Check(format!("healing: no state for {range:?}")))?;
-            let local = range.start - r.range.start..range.end - r.range.start;
-            if name == "param" {
-                return Ok(Some(r.params[local].to_vec()));
-            }
-            Ok(r.optim
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v[local].to_vec()))
-        };
+        let mut fill = |range: Range<usize>, kind: &str| Healed::fill(&healed, range, kind);
         self.strat
             .load_state(&mut self.engine, &mut fill, head[1] as u64)?;
         let len = head[2] as usize;
@@ -173,18 +352,116 @@ impl Trainer {
         Ok(Some(head[0] as usize))
     }
 
+    /// `parallel.check_params_every`: after step `done`, every group of
+    /// the quorum holds bitwise the same state (rank r of each group the
+    /// same shard), or the run stops naming the groups that differ.
+    pub(super) fn ft_check_identical(&mut self, done: usize) -> Result<()> {
+        let mut h = 0xcbf29ce484222325u64;
+        for r in self.strat.save_state(&self.engine)? {
+            h ^= crate::strategy::ddp::digest(&r.params) as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        let ft = self.ft.as_mut().expect("fault tolerance on");
+        let Some(all) = ft.mgr.all_digests(h as i64).map_err(comm)? else {
+            ft.sync = true;
+            return Ok(()); // a member lost: checked again next time
+        };
+        let q = ft.quorum.as_ref().expect("a quorum");
+        let differ: Vec<&str> = (0..all.len())
+            .filter(|&i| all[i] != all[0])
+            .map(|i| q.members[i].as_str())
+            .collect();
+        let mut bad = [i32::from(!differ.is_empty())];
+        self.mesh
+            .world()
+            .all_reduce(&mut bad, phalanx_comm::ReduceOp::Max)?;
+        if bad[0] == 0 {
+            return Ok(());
+        }
+        Err(Error::Check(format!(
+            "replica groups diverged after step {done}: {} differ from group {} \
+             (parallel.check_params_every = {})",
+            if differ.is_empty() {
+                "another rank's shards".to_string()
+            } else {
+                format!("group(s) {}", differ.join(", "))
+            },
+            q.members[0],
+            self.cfg.parallel.check_params_every
+        )))
+    }
+
     /// After the backward: the gradients' average over the quorum. False:
     /// a member was lost, the step does not commit.
     pub(super) fn ft_reduce(&mut self) -> Result<bool> {
         let ft = self.ft.as_mut().expect("fault tolerance on");
         let ok = ft
             .mgr
-            .all_reduce(self.engine.grads_flat_mut())
+            .all_reduce(self.strat.step_grads(&mut self.engine))
             .map_err(comm)?;
         if ok {
             let size = ft.quorum.as_ref().map_or(1, |q| q.size);
             ft.samples_committed += (size * self.global_batch) as u64;
+        } else {
+            ft.sync = true;
         }
         Ok(ok)
+    }
+
+    /// DiLoCo over a quorum, after `done` steps: the outer step if one is
+    /// due and this group trained through its H steps (`contribute`), then
+    /// healing after a change. Retried with the next quorum until it
+    /// commits. Returns the step to go on from.
+    pub(super) fn ft_outer(&mut self, done: usize, contribute: bool, lead: bool) -> Result<usize> {
+        let mut contribute = contribute;
+        loop {
+            let ft = self.ft.as_mut().expect("fault tolerance on");
+            let h = ft.diloco.expect("DiLoCo");
+            let q = ft.mgr.quorum(done as u64).map_err(comm)?;
+            ft.quorum = Some(q.clone());
+            let take_part = contribute && !q.behind;
+            let d = self.strat.diloco_mut().expect("the DiLoCo strategy");
+            let mut delta = if take_part {
+                d.pseudo_gradient(&self.engine)
+            } else {
+                vec![0.0; self.engine.num_params()]
+            };
+            let ft = self.ft.as_mut().expect("fault tolerance on");
+            let Some(n) = ft
+                .mgr
+                .average_participants(&mut delta, take_part)
+                .map_err(comm)?
+            else {
+                continue; // a member lost: the next quorum, without it
+            };
+            ft.samples_committed += (n * h * self.global_batch) as u64;
+            if take_part && n > 0 {
+                let d = self.strat.diloco_mut().expect("the DiLoCo strategy");
+                d.apply_outer(&mut self.engine, done, &delta)?;
+                if lead && (q.changed || n != q.size) {
+                    println!(
+                        "fault tolerance: outer step after step {done} over {n} of {} group(s) [{}]",
+                        q.size,
+                        q.members.join(", ")
+                    );
+                }
+            }
+            // Taken: a retry below must not take it again.
+            contribute = false;
+            let at = if q.changed {
+                match self.ft_heal_and_say(&q, done, lead)? {
+                    Some(step) => step,
+                    None => continue,
+                }
+            } else {
+                done
+            };
+            // Every member (a group that just joined too) is here after
+            // each outer step: where the groups compare their states.
+            if self.cfg.parallel.check_params_every > 0 {
+                self.ft_check_identical(at)?;
+            }
+            return Ok(at);
+        }
     }
 }

@@ -217,7 +217,12 @@ impl Trainer {
             make_opt: &make_opt,
             sample,
         };
-        let strat = crate::strategy::build(cfg, &mut engine, args)?;
+        let mut strat = crate::strategy::build(cfg, &mut engine, args)?;
+        if let (Some(d), true) = (strat.diloco_mut(), cfg.fault_tolerance.enabled()) {
+            // The groups are replica groups: the trainer takes the outer
+            // step over each outer step's quorum.
+            d.set_external_outer()?;
+        }
         let scaler = loss_scaler(cfg);
         // Background checkpoints talk over a group of their own, so their
         // collectives never interleave with training's.
@@ -362,14 +367,43 @@ impl Trainer {
                 )?;
             }
         }
-        if self.ft.is_some() && !self.ft_reduce()? {
-            return Ok(None);
+        let lead = self.mesh.world().rank() == 0;
+        let per_step_ft = self.ft.as_ref().is_some_and(|f| f.diloco.is_none());
+        if per_step_ft {
+            let overlapped = !self.ft.as_ref().is_some_and(|f| f.sync);
+            if overlapped {
+                if let Some(nk) = self.ft_after_forward(step, lead)? {
+                    // The members changed during the forward: healed; the
+                    // step runs again on the quorum's state.
+                    self.ft.as_mut().expect("on").resume_at = Some(nk);
+                    return Ok(None);
+                }
+            }
+            if !self.ft_reduce()? {
+                return Ok(None);
+            }
         }
         let lr = self.sched.lr(step);
         let clip_to = self.cfg.optim.grad_clip as f32;
         let out = self
             .strat
             .finish_step(&mut self.engine, &mut self.scaler, lr, clip_to, step)?;
+        let check = self.cfg.parallel.check_params_every;
+        if let Some(f) = &self.ft {
+            match f.diloco {
+                Some(h) if (step + 1).is_multiple_of(h) => {
+                    // DiLoCo's outer step over this sync's quorum.
+                    let next = self.ft_outer(step + 1, true, lead)?;
+                    if next != step + 1 {
+                        self.ft.as_mut().expect("on").resume_at = Some(next);
+                    }
+                }
+                None if check > 0 && (step + 1).is_multiple_of(check) => {
+                    self.ft_check_identical(step + 1)?;
+                }
+                _ => {}
+            }
+        }
         let secs = t0.elapsed().as_secs_f64();
         let blocked = phalanx_comm::blocked_seconds() - blocked0;
         let comm_bytes = self.pg.bytes_sent() - sent0;

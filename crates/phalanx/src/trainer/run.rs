@@ -10,6 +10,15 @@ use std::time::Instant;
 impl Trainer {
     /// Train for `train.steps` steps, logging on global rank 0.
     pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
+        let r = self.run_steps(opts);
+        if let (Err(e), Some(f)) = (&r, self.ft.as_mut()) {
+            // The other replica groups go on without this one at once.
+            f.mgr.abort(&e.to_string());
+        }
+        r
+    }
+
+    fn run_steps(&mut self, opts: &RunOptions) -> Result<Report> {
         let steps = self.cfg.train.steps;
         let lead = self.pg.global_rank() == 0;
         if self.cfg.fault_tolerance.enabled() {
@@ -61,13 +70,30 @@ impl Trainer {
         }
         let sent_at_start = self.mesh.world().bytes_sent();
         let peak = self.matmul_peak()?;
-        if self.cfg.fault_tolerance.enabled() {
-            self.ft = Some(super::ft::Ft::connect(&self.cfg, self.mesh.world().size())?);
-        }
         let mut k = first;
+        if self.cfg.fault_tolerance.enabled() {
+            self.ft = Some(super::ft::Ft::connect(&self.cfg, &self.mesh)?);
+            if self.strat.diloco_mut().is_some() {
+                // Join the groups at their next outer step (or all start
+                // together): take the quorum's state.
+                k = self.ft_outer(k, false, lead)?;
+            }
+        }
         while k < steps {
-            if self.ft.is_some() {
-                k = self.ft_begin(k, lead)?;
+            if let Some(f) = self.ft.as_mut() {
+                if let Some(nk) = f.resume_at.take() {
+                    k = nk;
+                }
+                if f.diloco.is_none() {
+                    if f.sync {
+                        k = self.ft_begin(k, lead)?;
+                    } else {
+                        // Checked during the forward, read after it.
+                        f.mgr
+                            .start_quorum(k as u64)
+                            .map_err(crate::error::Error::Comm)?;
+                    }
+                }
                 if k >= steps {
                     break;
                 }

@@ -234,6 +234,16 @@ impl Pipeline {
         self.reducer.set_hook(hook);
     }
 
+    /// The data-parallel hook's state ([`CommHook::state`]).
+    pub fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
+        self.reducer.hook_state()
+    }
+
+    /// Restore the data-parallel hook's state.
+    pub fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.reducer.load_hook_state(state)
+    }
+
     pub fn timeline(&self) -> &Timeline {
         &self.timeline
     }

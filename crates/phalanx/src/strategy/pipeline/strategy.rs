@@ -256,6 +256,14 @@ impl Strategy for PipeStrategy {
         self.pipe.set_comm_hook(make());
     }
 
+    fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
+        self.pipe.hook_state()
+    }
+
+    fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.pipe.load_hook_state(state)
+    }
+
     fn pipeline(&self) -> Option<&Pipeline> {
         Some(&self.pipe)
     }

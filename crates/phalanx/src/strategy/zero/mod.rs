@@ -638,4 +638,21 @@ impl Strategy for Zero {
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.reducer.set_hook(make());
     }
+
+    fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
+        self.reducer.hook_state()
+    }
+
+    fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.reducer.load_hook_state(state)
+    }
+
+    /// Stages 2-3 reduce-scatter into this rank's gradient shard.
+    fn step_grads<'a>(&'a mut self, engine: &'a mut Engine) -> &'a mut [f32] {
+        if self.cfg.stage >= 2 {
+            &mut self.grad_shard
+        } else {
+            engine.grads_flat_mut()
+        }
+    }
 }

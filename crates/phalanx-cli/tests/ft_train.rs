@@ -1,0 +1,307 @@
+//! `phalanx train` as replica groups of a fault-tolerant job
+//! (`[fault_tolerance]`), each group a `phalanx train` process tree on this
+//! host: groups of two ranks (DDP, ZeRO-2, TP, PP inside) reproduce a plain
+//! four-rank job; a killed group (of one rank, and of two ranks under
+//! ZeRO-2) does not stop the other, which never restarts and logs every
+//! step once, and heals from it when started again, ending with
+//! byte-identical weights; DiLoCo over a quorum equals DiLoCo in a plain
+//! job bit for bit, and a group lost during its inner steps drops out of
+//! that outer step and heals at the next one.
+
+mod common;
+use common::ft::*;
+use common::*;
+
+use std::path::Path;
+use std::process::Command;
+
+fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn sets(kv: &[String]) -> Vec<String> {
+    kv.iter()
+        .flat_map(|s| ["--set".to_string(), s.clone()])
+        .collect()
+}
+
+/// The JSON log's lines.
+fn log(p: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(p)
+        .unwrap_or_else(|e| panic!("no log at {}: {e}", p.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn loss_values(p: &Path) -> Vec<f64> {
+    log(p).iter().map(|v| v["loss"].as_f64().unwrap()).collect()
+}
+
+/// A group's command line: the small model for `steps` steps, its JSON
+/// log and final weights in `d`, and `extra` settings.
+fn group_args(d: &Path, name: &str, steps: usize, extra: &[String]) -> Vec<String> {
+    let mut a = train_args(&d.join(format!("{name}.jsonl")), steps);
+    a.extend(sets(extra));
+    a.extend([
+        "--save-final".to_string(),
+        d.join(format!("{name}.safetensors")).display().to_string(),
+    ]);
+    a
+}
+
+/// The same training as a plain job of `nproc` ranks: its losses and final
+/// weights' bytes.
+fn plain(
+    d: &Path,
+    nproc: usize,
+    steps: usize,
+    extra: &[String],
+    threads: Option<usize>,
+) -> (Vec<f64>, Vec<u8>) {
+    let mut c = Command::new(BIN);
+    if let Some(t) = threads {
+        c.env("RAYON_NUM_THREADS", t.to_string());
+    }
+    c.current_dir(repo())
+        .args(["train", "--nproc-per-node", &nproc.to_string()])
+        .args(group_args(d, "plain", steps, extra));
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    let mut p = Proc::spawn(d, "plain", c);
+    assert_eq!(p.wait(), 0, "{}", p.output());
+    (
+        loss_values(&d.join("plain.jsonl")),
+        std::fs::read(d.join("plain.safetensors")).unwrap(),
+    )
+}
+
+/// Two replica groups of `nproc` ranks, no failure: each group's losses
+/// and final weights' bytes.
+fn two_groups(
+    d: &Path,
+    nproc: usize,
+    steps: usize,
+    extra: &[String],
+    threads: Option<usize>,
+) -> [(Vec<f64>, Vec<u8>); 2] {
+    let (_lh, addr) = lighthouse(d, "2");
+    let grp = Group {
+        nproc,
+        addr: &addr,
+        replicas: 2,
+        fault: None,
+        threads,
+    };
+    let mut g: Vec<Proc> = (0..2)
+        .map(|i| {
+            let name = format!("g{i}");
+            grp.start(d, &name, i, &group_args(d, &name, steps, extra))
+        })
+        .collect();
+    for p in g.iter_mut() {
+        assert_eq!(p.wait(), 0, "{}", p.output());
+    }
+    [0, 1].map(|i| {
+        (
+            loss_values(&d.join(format!("g{i}.jsonl"))),
+            std::fs::read(d.join(format!("g{i}.safetensors"))).unwrap(),
+        )
+    })
+}
+
+/// Groups of two ranks with `layout` inside reproduce the plain job of
+/// four: each step's loss, the mean of the two groups' (each group logs
+/// the mean over its own samples), within float tolerance; both groups
+/// end with the same bytes.
+fn groups_of_two_match_four_ranks(name: &str, layout: &[&str]) {
+    let d = fresh_dir("phalanx-ft-train", name);
+    let steps = 8;
+    let layout = strs(layout);
+    let (want, _) = plain(&d, 4, steps, &layout, None);
+    let [(l0, w0), (l1, w1)] = two_groups(&d, 2, steps, &layout, None);
+    assert_eq!((l0.len(), l1.len()), (steps, steps));
+    for s in 0..steps {
+        let got = (l0[s] + l1[s]) / 2.0;
+        assert!(
+            (got - want[s]).abs() <= 1e-5 * want[s].abs(),
+            "{name} step {s}: groups {got} vs plain {}",
+            want[s]
+        );
+    }
+    assert!(w0 == w1, "{name}: the groups' final weights differ");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn replica_groups_of_two_ddp_ranks_match_a_four_rank_job() {
+    groups_of_two_match_four_ranks("ddp", &[]);
+}
+
+#[test]
+fn replica_groups_of_two_zero2_ranks_match_a_four_rank_job() {
+    groups_of_two_match_four_ranks("zero2", &["zero_optimization.stage=2"]);
+}
+
+#[test]
+fn replica_groups_of_two_tensor_parallel_ranks_match_a_four_rank_job() {
+    groups_of_two_match_four_ranks("tp2", &["parallel.tp=2"]);
+}
+
+#[test]
+fn replica_groups_of_a_two_stage_pipeline_match_a_four_rank_job() {
+    groups_of_two_match_four_ranks("pp2", &["parallel.pp=2", "train.grad_accum_steps=2"]);
+}
+
+/// Group 1 (`nproc` ranks, `layout` inside) is killed mid-run and started
+/// again; group 0 never restarts and logs every step once (with 2 groups,
+/// then 1, then 2 again); group 1 heals from group 0 (checkpoints exist
+/// but are not read) and both end with byte-identical final weights.
+fn killed_group_heals(name: &str, nproc: usize, layout: &[&str]) {
+    let d = fresh_dir("phalanx-ft-train", name);
+    let (_lh, addr) = lighthouse(&d, "1");
+    let steps = 60;
+    let mut extra = strs(layout);
+    extra.extend([
+        // Every 5 steps the groups compare their states' digests.
+        "parallel.check_params_every=5".to_string(),
+        "checkpoint.interval=20".to_string(),
+        format!("checkpoint.dir=\"{}\"", d.join("ckpt").display()),
+    ]);
+    // Slow enough that the kill lands mid-run.
+    let grp = Group {
+        nproc,
+        addr: &addr,
+        replicas: 2,
+        fault: Some("slow:0:60"),
+        threads: None,
+    };
+    let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", steps, &extra));
+    let mut b = grp.start(&d, "b", 1, &group_args(&d, "b", steps, &extra));
+    b.wait_for(" of 2 group(s) [0, 1]");
+    a.wait_for(&format!("step    11/{steps}"));
+    b.signal_group(libc::SIGKILL);
+    let _ = b.wait();
+    a.wait_for("of 1 group(s) [0]");
+    let mut b2 = grp.start(&d, "b2", 1, &group_args(&d, "b", steps, &extra));
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(b2.wait(), 0, "{}", b2.output());
+    let (oa, ob) = (a.stdout(), b2.stdout());
+    // Group 0 trained once, through every step.
+    assert_eq!(oa.matches("training ").count(), 1, "{oa}");
+    let la = log(&d.join("a.jsonl"));
+    let steps_a: Vec<u64> = la.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps_a, (0..steps as u64).collect::<Vec<_>>(), "{oa}");
+    // Every step says how many groups' samples it committed.
+    let mut runs: Vec<u64> = la
+        .iter()
+        .map(|v| v["groups_committed"].as_u64().unwrap())
+        .collect();
+    runs.dedup();
+    assert!(runs.ends_with(&[2, 1, 2]), "{runs:?}");
+    assert!(ob.contains("healed from group 0 at step "), "{ob}");
+    let wa = std::fs::read(d.join("a.safetensors")).unwrap();
+    let wb = std::fs::read(d.join("b.safetensors")).unwrap();
+    assert!(wa == wb, "{name}: the healed group's final weights differ");
+    // Each group keeps its own checkpoints under checkpoint.dir.
+    for g in 0..2 {
+        let dir = d.join(format!("ckpt/replica-{g}/step-{steps:08}"));
+        assert!(dir.join("metadata.json").is_file(), "{}", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_killed_one_rank_group_does_not_stop_the_other_and_heals_from_it() {
+    killed_group_heals("kill1", 1, &[]);
+}
+
+#[test]
+fn a_killed_two_rank_zero2_group_does_not_stop_the_other_and_heals_from_it() {
+    killed_group_heals("kill2", 2, &["zero_optimization.stage=2"]);
+}
+
+const DILOCO: &[&str] = &[
+    "diloco.inner_steps=4",
+    "diloco.outer_lr=0.7",
+    "diloco.outer_momentum=0.9",
+];
+
+/// DiLoCo over a quorum of two one-rank groups is DiLoCo on two ranks of a
+/// plain job: the same final weights, byte for byte, and each step's loss
+/// (the plain job logs the groups' mean).
+#[test]
+fn diloco_over_a_quorum_equals_diloco_in_a_plain_job() {
+    let d = fresh_dir("phalanx-ft-train", "diloco");
+    let steps = 12;
+    let cfg = strs(DILOCO);
+    // One kernel thread per rank everywhere: the plain job's two ranks
+    // would otherwise split the cores that each group has alone, and sum
+    // their matmuls in another order.
+    let (want, w) = plain(&d, 2, steps, &cfg, Some(1));
+    let [(l0, w0), (l1, w1)] = two_groups(&d, 1, steps, &cfg, Some(1));
+    // (The logs' decimal losses average to within a unit in the last place.)
+    for s in 0..steps {
+        let got = (l0[s] + l1[s]) / 2.0;
+        assert!(
+            (got - want[s]).abs() <= 1e-6 * want[s].abs(),
+            "step {s}: {got} vs {}",
+            want[s]
+        );
+    }
+    assert!(w0 == w1, "the groups' final weights differ");
+    assert!(
+        w0 == w,
+        "the groups' final weights differ from the plain job's"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// DiLoCo groups: group 1 is killed during its inner steps; group 0 takes
+/// the next outer steps alone, never restarts and logs every step once;
+/// group 1 started again joins at group 0's next outer step, healed from
+/// it, and both end with byte-identical weights.
+#[test]
+fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step() {
+    let d = fresh_dir("phalanx-ft-train", "diloco-kill");
+    let (_lh, addr) = lighthouse(&d, "1");
+    let steps = 60;
+    let mut cfg = strs(DILOCO);
+    cfg[0] = "diloco.inner_steps=5".into();
+    // After every outer step the groups compare their states' digests.
+    cfg.push("parallel.check_params_every=1".into());
+    let grp = Group {
+        nproc: 1,
+        addr: &addr,
+        replicas: 2,
+        fault: Some("slow:0:60"),
+        threads: None,
+    };
+    let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", steps, &cfg));
+    let mut b = grp.start(&d, "b", 1, &group_args(&d, "b", steps, &cfg));
+    b.wait_for(" of 2 group(s) [0, 1]");
+    a.wait_for(&format!("step    21/{steps}"));
+    b.signal_group(libc::SIGKILL);
+    let _ = b.wait();
+    a.wait_for("over 1 of 1 group(s) [0]");
+    let mut b2 = grp.start(&d, "b2", 1, &group_args(&d, "b", steps, &cfg));
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(b2.wait(), 0, "{}", b2.output());
+    let (oa, ob) = (a.stdout(), b2.stdout());
+    assert_eq!(oa.matches("training ").count(), 1, "{oa}");
+    let la = log(&d.join("a.jsonl"));
+    let steps_a: Vec<u64> = la.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps_a, (0..steps as u64).collect::<Vec<_>>(), "{oa}");
+    // b2 healed at an outer step (a multiple of H).
+    let healed = ob
+        .lines()
+        .find_map(|l| l.split("healed from group 0 at step ").nth(1))
+        .unwrap_or_else(|| panic!("no heal:\n{ob}"));
+    let at: usize = healed.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(at > 21 && at.is_multiple_of(5), "healed at step {at}");
+    let wa = std::fs::read(d.join("a.safetensors")).unwrap();
+    let wb = std::fs::read(d.join("b.safetensors")).unwrap();
+    assert!(wa == wb, "the healed group's final weights differ");
+    let _ = std::fs::remove_dir_all(&d);
+}
