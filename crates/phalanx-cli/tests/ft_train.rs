@@ -1,6 +1,6 @@
 //! `phalanx train` as replica groups of a fault-tolerant job
 //! (`[fault_tolerance]`), each group a `phalanx train` process tree on this
-//! host: groups of two ranks (DDP, ZeRO-2, TP, PP inside) reproduce a plain
+//! host: groups of two ranks (DDP, ZeRO-2, ZeRO-3, TP, PP inside) reproduce a plain
 //! four-rank job; a killed group (of one rank, and of two ranks under
 //! ZeRO-2) does not stop the other, which never restarts and logs every
 //! step once, and heals from it when started again, ending with
@@ -145,6 +145,11 @@ fn replica_groups_of_two_zero2_ranks_match_a_four_rank_job() {
 }
 
 #[test]
+fn replica_groups_of_two_zero3_ranks_match_a_four_rank_job() {
+    groups_of_two_match_four_ranks("zero3", &["zero_optimization.stage=3"]);
+}
+
+#[test]
 fn replica_groups_of_two_tensor_parallel_ranks_match_a_four_rank_job() {
     groups_of_two_match_four_ranks("tp2", &["parallel.tp=2"]);
 }
@@ -152,6 +157,37 @@ fn replica_groups_of_two_tensor_parallel_ranks_match_a_four_rank_job() {
 #[test]
 fn replica_groups_of_a_two_stage_pipeline_match_a_four_rank_job() {
     groups_of_two_match_four_ranks("pp2", &["parallel.pp=2", "train.grad_accum_steps=2"]);
+}
+
+/// Groups 0 and 1 of `grp` train `steps` steps with `extra`; group 1 (its
+/// launcher and ranks) is SIGKILLed once group 0 printed `at`, and started
+/// again once group 0 printed `alone` (training without it). Both end with
+/// exit code 0, and group 0 trained once, logging every step once.
+/// Returns group 0's and the restarted group 1's stdout, and group 0's log.
+fn kill_and_restart(
+    d: &Path,
+    grp: &Group,
+    steps: usize,
+    extra: &[String],
+    at: &str,
+    alone: &str,
+) -> (String, String, Vec<serde_json::Value>) {
+    let mut a = grp.start(d, "a", 0, &group_args(d, "a", steps, extra));
+    let mut b = grp.start(d, "b", 1, &group_args(d, "b", steps, extra));
+    b.wait_for(" of 2 group(s) [0, 1]");
+    a.wait_for(at);
+    b.signal_group(libc::SIGKILL);
+    let _ = b.wait();
+    a.wait_for(alone);
+    let mut b2 = grp.start(d, "b2", 1, &group_args(d, "b", steps, extra));
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(b2.wait(), 0, "{}", b2.output());
+    let (oa, ob) = (a.stdout(), b2.stdout());
+    assert_eq!(oa.matches("training ").count(), 1, "{oa}");
+    let la = log(&d.join("a.jsonl"));
+    let steps_a: Vec<u64> = la.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps_a, (0..steps as u64).collect::<Vec<_>>(), "{oa}");
+    (oa, ob, la)
 }
 
 /// Group 1 (`nproc` ranks, `layout` inside) is killed mid-run and started
@@ -177,22 +213,14 @@ fn killed_group_heals(name: &str, nproc: usize, layout: &[&str]) {
         fault: Some("slow:0:60"),
         threads: None,
     };
-    let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", steps, &extra));
-    let mut b = grp.start(&d, "b", 1, &group_args(&d, "b", steps, &extra));
-    b.wait_for(" of 2 group(s) [0, 1]");
-    a.wait_for(&format!("step    11/{steps}"));
-    b.signal_group(libc::SIGKILL);
-    let _ = b.wait();
-    a.wait_for("of 1 group(s) [0]");
-    let mut b2 = grp.start(&d, "b2", 1, &group_args(&d, "b", steps, &extra));
-    assert_eq!(a.wait(), 0, "{}", a.output());
-    assert_eq!(b2.wait(), 0, "{}", b2.output());
-    let (oa, ob) = (a.stdout(), b2.stdout());
-    // Group 0 trained once, through every step.
-    assert_eq!(oa.matches("training ").count(), 1, "{oa}");
-    let la = log(&d.join("a.jsonl"));
-    let steps_a: Vec<u64> = la.iter().map(|v| v["step"].as_u64().unwrap()).collect();
-    assert_eq!(steps_a, (0..steps as u64).collect::<Vec<_>>(), "{oa}");
+    let (_, ob, la) = kill_and_restart(
+        &d,
+        &grp,
+        steps,
+        &extra,
+        &format!("step    11/{steps}"),
+        "of 1 group(s) [0]",
+    );
     // Every step says how many groups' samples it committed.
     let mut runs: Vec<u64> = la
         .iter()
@@ -278,21 +306,14 @@ fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step()
         fault: Some("slow:0:60"),
         threads: None,
     };
-    let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", steps, &cfg));
-    let mut b = grp.start(&d, "b", 1, &group_args(&d, "b", steps, &cfg));
-    b.wait_for(" of 2 group(s) [0, 1]");
-    a.wait_for(&format!("step    21/{steps}"));
-    b.signal_group(libc::SIGKILL);
-    let _ = b.wait();
-    a.wait_for("over 1 of 1 group(s) [0]");
-    let mut b2 = grp.start(&d, "b2", 1, &group_args(&d, "b", steps, &cfg));
-    assert_eq!(a.wait(), 0, "{}", a.output());
-    assert_eq!(b2.wait(), 0, "{}", b2.output());
-    let (oa, ob) = (a.stdout(), b2.stdout());
-    assert_eq!(oa.matches("training ").count(), 1, "{oa}");
-    let la = log(&d.join("a.jsonl"));
-    let steps_a: Vec<u64> = la.iter().map(|v| v["step"].as_u64().unwrap()).collect();
-    assert_eq!(steps_a, (0..steps as u64).collect::<Vec<_>>(), "{oa}");
+    let (_, ob, _) = kill_and_restart(
+        &d,
+        &grp,
+        steps,
+        &cfg,
+        &format!("step    21/{steps}"),
+        "over 1 of 1 group(s) [0]",
+    );
     // b2 healed at an outer step (a multiple of H).
     let healed = ob
         .lines()
