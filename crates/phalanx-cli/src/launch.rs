@@ -6,7 +6,6 @@
 //! stops the others, names the failed rank with the tail of its stderr, and
 //! exits non-zero (or restarts the whole group, up to `--max-restarts`).
 
-use clap::Args;
 use phalanx_comm::store::StoreServer;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -15,97 +14,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-#[derive(Args, Debug, Clone)]
-pub struct LaunchOpts {
-    /// Worker processes on this node (default 1; `phalanx train` defaults to 2).
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node")]
-    pub nproc_per_node: Option<usize>,
-    /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job
-    /// (nodes may leave and join; see `--rdzv-endpoint`).
-    #[arg(long, default_value = "1")]
-    pub nnodes: String,
-    /// This node's index, 0..nnodes.
-    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
-    pub node_rank: usize,
-    /// Address of node 0 (hosts the rendezvous store).
-    #[arg(
-        long = "master-addr",
-        alias = "master_addr",
-        default_value = "127.0.0.1"
-    )]
-    pub master_addr: String,
-    /// Store port on node 0. Default: 29500 for multi-node jobs, a free port
-    /// for single-node jobs.
-    #[arg(long = "master-port", alias = "master_port")]
-    pub master_port: Option<u16>,
-    /// Restart the whole group up to K times after a failure; workers of a
-    /// restarted group get PHALANX_RESTART_COUNT (and torchrun's
-    /// TORCHELASTIC_RESTART_COUNT) = the attempt number, and `phalanx train`
-    /// resumes from its latest checkpoint.
-    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
-    pub max_restarts: usize,
-    /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)
-    /// or `c10d` (elastic rounds through the store at `--rdzv-endpoint`);
-    /// `--nnodes MIN:MAX` implies `c10d`.
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend")]
-    pub rdzv_backend: Option<String>,
-    /// HOST:PORT of the elastic rendezvous store: the agent on that host
-    /// serves it, the others connect (default: --master-addr:--master-port).
-    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint")]
-    pub rdzv_endpoint: Option<String>,
-    /// The job's id: agents with the same id and endpoint form one job.
-    #[arg(long = "rdzv-id", alias = "rdzv_id", default_value = "none")]
-    pub rdzv_id: String,
-    /// Seconds a rendezvous waits for `MIN` nodes before it fails.
-    #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", default_value_t = 900)]
-    pub rdzv_timeout: u64,
-    /// More rendezvous settings, `key=value,...`: `join_timeout` (as
-    /// --rdzv-timeout), `last_call_timeout` (seconds to wait for more nodes
-    /// once MIN have joined, default 5), `heartbeat_timeout` (seconds of
-    /// silence after which a node is lost, default 15).
-    #[arg(long = "rdzv-conf", alias = "rdzv_conf")]
-    pub rdzv_conf: Option<String>,
-}
-
-impl LaunchOpts {
-    /// `--nnodes` as (min, max); equal for a fixed job.
-    pub fn nnodes_range(&self) -> Result<(usize, usize), String> {
-        let bad = || {
-            format!(
-                "--nnodes {}: expected N or MIN:MAX with 1 <= MIN <= MAX",
-                self.nnodes
-            )
-        };
-        let num = |v: &str| v.trim().parse::<usize>().map_err(|_| bad());
-        let (min, max) = match self.nnodes.split_once(':') {
-            Some((a, b)) => (num(a)?, num(b)?),
-            None => {
-                let n = num(&self.nnodes)?;
-                (n, n)
-            }
-        };
-        if min == 0 || min > max {
-            return Err(bad());
-        }
-        Ok((min, max))
-    }
-
-    /// Whether this launch rendezvouses in elastic rounds.
-    pub fn elastic(&self) -> Result<bool, String> {
-        let (min, max) = self.nnodes_range()?;
-        match self.rdzv_backend.as_deref() {
-            None | Some("static") if min == max => Ok(false),
-            None | Some("c10d") => Ok(true),
-            Some("static") => Err(format!(
-                "--nnodes {} needs --rdzv-backend c10d (a static rendezvous has a fixed number of nodes)",
-                self.nnodes
-            )),
-            Some(b) => Err(format!(
-                "--rdzv-backend {b}: expected static or c10d"
-            )),
-        }
-    }
-}
+pub use crate::launch_opts::LaunchOpts;
 
 /// The exit code of a worker that stopped at a step boundary because its
 /// elastic agent asked it to (SIGUSR1; EX_TEMPFAIL).
@@ -170,7 +79,7 @@ pub fn share_cores_under_external_launcher() {
 }
 
 /// Cores online on this host, whatever this process's affinity.
-fn num_cpus_online() -> usize {
+pub(crate) fn num_cpus_online() -> usize {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     if n > 0 {
@@ -214,9 +123,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         );
     }
     let nproc = opts.nproc_per_node.unwrap_or(1);
-    if nproc == 0 {
-        return Err("--nproc-per-node must be at least 1".into());
-    }
+    crate::local_ranks::check(nproc)?;
     if opts.elastic()? {
         return crate::rdzv::run_elastic(opts, cmd);
     }
@@ -368,6 +275,18 @@ pub(crate) fn run_group(
     let world = nproc * env.nnodes;
     let mut workers = Vec::new();
     for local in 0..nproc {
+        // Stay interruptible while starting many workers: stop and reap the
+        // ones already started instead of starting the rest first.
+        let sig = SIGNALLED.load(Ordering::SeqCst);
+        if sig != 0 {
+            eprintln!(
+                "phalanx run: received signal {sig} while starting the workers ({} of {nproc} \
+                 started); stopping them",
+                workers.len()
+            );
+            stop_all(&mut workers);
+            return Ok(Outcome::Signalled(sig));
+        }
         let rank = env.node_rank * nproc + local;
         let mut c = Command::new(&cmd[0]);
         c.args(&cmd[1..])
@@ -401,11 +320,16 @@ pub(crate) fn run_group(
         // Each worker leads its own process group, so stopping it also stops
         // whatever it started (a shell's children hold its pipes open); and
         // workers die with the launcher even if it is SIGKILLed.
+        let parent = std::process::id() as libc::pid_t;
         unsafe {
             use std::os::unix::process::CommandExt;
-            c.pre_exec(|| {
+            c.pre_exec(move || {
                 libc::setpgid(0, 0);
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The launcher may have died before the line above.
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::other("the launcher is gone"));
+                }
                 Ok(())
             });
         }
@@ -463,25 +387,32 @@ pub(crate) fn run_group(
         failures.sort_by_key(|(rank, (code, _))| (*code == 1, *rank));
         let failed = failures.into_iter().next();
         if let Some((rank, (code, how))) = failed {
+            let summary = blame(&mut workers, rank, code, &how);
             stop_all(&mut workers);
-            let w = workers.iter().find(|w| w.rank == rank).unwrap();
-            let tail: Vec<String> = w.tail.lock().unwrap().iter().cloned().collect();
             let mut e = std::io::stderr().lock();
             let _ = writeln!(
                 e,
-                "phalanx run: rank {rank} failed ({how}); the other ranks were stopped."
+                "phalanx run: {}; the other ranks were stopped.",
+                summary.text
             );
-            if !tail.is_empty() {
+            for r in summary.tails {
+                let Some(w) = workers.iter().find(|w| w.rank == r) else {
+                    continue;
+                };
+                let tail: Vec<String> = w.tail.lock().unwrap().iter().cloned().collect();
+                if tail.is_empty() {
+                    continue;
+                }
                 let _ = writeln!(
                     e,
-                    "phalanx run: last {} lines of rank {rank}'s stderr:",
+                    "phalanx run: last {} lines of rank {r}'s stderr:",
                     tail.len()
                 );
                 for l in tail {
                     let _ = writeln!(e, "  | {l}");
                 }
             }
-            return Ok(Outcome::Failed(code, format!("rank {rank} failed ({how})")));
+            return Ok(Outcome::Failed(code, summary.text));
         }
         if running == 0 {
             // The job is done when its workers are: what they left behind
@@ -505,6 +436,51 @@ pub(crate) fn run_group(
             return Ok(Outcome::Interrupted(why));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The failure summary: its text, and whose stderr tails to show.
+struct Summary {
+    text: String,
+    tails: Vec<usize>,
+}
+
+/// Name the root cause of `rank`'s failure (before anyone is stopped, so
+/// that a hung rank is seen as it is). A rank that exited 1 usually did
+/// because of a peer it names (`rank 1 (host) failed: no heartbeat …`):
+/// follow who named whom and name that rank, not the messenger.
+fn blame(workers: &mut [Worker], rank: usize, code: i32, how: &str) -> Summary {
+    let plain = Summary {
+        text: format!("rank {rank} failed ({how})"),
+        tails: vec![rank],
+    };
+    if code != 1 {
+        return plain;
+    }
+    let said = |r: usize| -> Vec<String> {
+        workers
+            .iter()
+            .find(|w| w.rank == r)
+            .map(|w| w.tail.lock().unwrap().iter().cloned().collect())
+            .unwrap_or_default()
+    };
+    let Some(root) = crate::root_cause::follow(rank, said) else {
+        return plain;
+    };
+    let state = match workers.iter_mut().find(|w| w.rank == root) {
+        None => "on another node".to_string(),
+        Some(w) => match w.child.try_wait() {
+            Ok(Some(st)) => describe(st).1,
+            _ => crate::root_cause::state(w.child.id())
+                .unwrap_or("still running")
+                .to_string(),
+        },
+    };
+    Summary {
+        text: format!(
+            "rank {root} failed ({state}): rank {rank} named it as failed and exited ({how})"
+        ),
+        tails: vec![root, rank],
     }
 }
 

@@ -15,11 +15,14 @@ mod config_args;
 mod elastic;
 mod generate;
 mod launch;
+mod launch_opts;
 mod lighthouse;
+mod local_ranks;
 mod outputs;
 mod plan;
 mod rdzv;
 mod report_cmd;
+mod root_cause;
 mod tokenize;
 mod train;
 

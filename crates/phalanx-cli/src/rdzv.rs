@@ -422,9 +422,7 @@ fn is_this_host(host: &str) -> bool {
 pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     let (min, max) = opts.nnodes_range()?;
     let nproc = opts.nproc_per_node.unwrap_or(1);
-    if nproc == 0 {
-        return Err("--nproc-per-node must be at least 1".into());
-    }
+    crate::local_ranks::check(nproc)?;
     let conf = Conf::from_opts(opts)?;
     let secret = match std::env::var("PHALANX_SECRET") {
         Ok(s) if !s.is_empty() => {

@@ -86,8 +86,8 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
         let n = launch.nproc_per_node.unwrap_or(2);
         // Check what can be checked before starting any process.
-        if n == 0 {
-            eprintln!("phalanx train: --nproc-per-node must be at least 1");
+        if let Err(e) = crate::local_ranks::check(n) {
+            eprintln!("phalanx train: {e}");
             return 2;
         }
         // The batch numbers a DeepSpeed-style config leaves to derive are

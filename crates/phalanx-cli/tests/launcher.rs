@@ -340,3 +340,173 @@ fn sighup_stops_the_workers() {
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(with_mark("47.31"), 0, "no worker left");
 }
+
+/// `--nproc-per-node` beyond what the host can hold is refused before any
+/// process starts, naming the flag and the cap (it used to fork hundreds of
+/// children a second, and `train` sat silent for a minute).
+#[test]
+fn too_many_local_ranks_are_refused_up_front() {
+    let huge = u64::MAX.to_string();
+    let cases: [&[&str]; 4] = [
+        &["run", "--nproc-per-node", "100000", "--", "sleep", "61.37"],
+        &["run", "--nproc-per-node", &huge, "--", "sleep", "61.37"],
+        &[
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "100000",
+            "--",
+            "sleep",
+            "61.37",
+        ],
+        &["train", "--nproc-per-node", "1000"],
+    ];
+    for args in cases {
+        let t0 = Instant::now();
+        let (code, out, err) = phalanx(args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(
+            err.contains("--nproc-per-node") && err.contains("at most"),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains("PHALANX_MAX_LOCAL_RANKS"), "{err}");
+        // A liveness bound only: nothing was started, nothing waited for.
+        assert!(t0.elapsed() < Duration::from_secs(20), "{args:?}");
+    }
+    assert_eq!(with_mark("61.37"), 0, "a worker was started");
+}
+
+/// SIGTERM while the launcher is still starting workers stops it there:
+/// the ones started are stopped and reaped, no more are started.
+#[test]
+fn sigterm_while_starting_workers_stops_and_reaps_them() {
+    const N: usize = 400;
+    let d = std::env::temp_dir().join(format!("phalanx-spawn-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let started = d.join("started");
+    // Each worker leaves a line, then sleeps (marked to be found).
+    let script = format!("echo x >> {}; exec sleep 59.83", started.display());
+    let mut child = Command::new(BIN)
+        .args([
+            "run",
+            "--nproc-per-node",
+            &N.to_string(),
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .env("PHALANX_MAX_LOCAL_RANKS", N.to_string())
+        .env_remove("RANK")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let kids = || {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .map(|c| c.split_whitespace().count())
+            .unwrap_or(0)
+    };
+    // Mid-way: a few workers exist (60 s: a hang guard).
+    let end = Instant::now() + Duration::from_secs(60);
+    while kids() < 3 {
+        assert!(Instant::now() < end, "no worker started within 60 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    unsafe {
+        libc::kill(pid as i32, libc::SIGTERM);
+    }
+    let st = wait_or_kill(&mut child, "SIGTERM");
+    let mut err = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(st.code(), Some(128 + libc::SIGTERM), "{err}");
+    assert!(err.contains("while starting the workers"), "{err}");
+    // It stopped starting them: far fewer than N ever ran.
+    let ran = std::fs::read_to_string(&started)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    assert!(ran < N, "all {N} workers were started after the SIGTERM");
+    // And those that did are gone (they ended with the launcher's reaping).
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(with_mark("59.83"), 0, "a worker outlived the launcher");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A rank stopped with SIGSTOP makes its peers fail naming it; the
+/// launcher's summary names it too (the root cause), not the rank that
+/// exited first with "exit code 1".
+#[test]
+fn the_summary_names_the_stopped_rank_not_its_messenger() {
+    let mut child = Command::new(BIN)
+        .args([
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--",
+            BIN,
+            "_test-worker",
+            "--iters",
+            "100000000",
+        ])
+        .env_remove("RANK")
+        .env_remove("PHALANX_SECRET")
+        .env("PHALANX_HEARTBEAT_TIMEOUT", "1.5")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    // Rank 1's pid: the worker whose environment says RANK=1.
+    let end = Instant::now() + Duration::from_secs(60);
+    let rank1 = loop {
+        let kids =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        let found = kids.split_whitespace().find(|k| {
+            std::fs::read(format!("/proc/{k}/environ"))
+                .map(|e| e.split(|b| *b == 0).any(|v| v == b"RANK=1"))
+                .unwrap_or(false)
+        });
+        if let Some(k) = found {
+            break k.parse::<i32>().unwrap();
+        }
+        assert!(Instant::now() < end, "rank 1 did not start within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Past the set-up, into the all-reduce loop (a stop during set-up is
+    // named as well, but as a timeout).
+    std::thread::sleep(Duration::from_secs(2));
+    unsafe {
+        libc::kill(rank1, libc::SIGSTOP);
+    }
+    let st = wait_or_kill(&mut child, "SIGSTOP of rank 1");
+    let mut err = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    // Rank 0 named rank 1 ...
+    assert!(
+        err.contains("[rank 0]") && err.contains("rank 1 (127.0.0.1:"),
+        "{err}"
+    );
+    // ... and so does the summary, saying how it stands.
+    assert!(
+        err.contains("phalanx run: rank 1 failed (stopped (SIGSTOP"),
+        "{err}"
+    );
+    assert!(!err.contains("phalanx run: rank 0 failed"), "{err}");
+    assert_eq!(st.code(), Some(1), "{err}");
+}

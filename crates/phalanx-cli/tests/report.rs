@@ -70,3 +70,100 @@ fn a_bad_log_is_a_clear_error() {
     assert_eq!(code, 1);
     assert!(err.contains("no JSON log"), "{err}");
 }
+
+/// Everything the report renders from a log, a trace or a path is escaped:
+/// hostile strings in every such field never become markup (a `rank` of
+/// `<script>…` used to land in the page as a script).
+#[test]
+fn hostile_strings_in_a_log_are_escaped_everywhere() {
+    // One per way out of HTML text or a quoted attribute.
+    const HOSTILE: [&str; 4] = [
+        "<script>alert(1)</script>",
+        "\"><img src=x onerror=alert(2)>",
+        "' onmouseover='alert(3)",
+        "</title></svg><iframe src=javascript:alert(4)>",
+    ];
+    // The title comes from the log's path: a directory named with markup.
+    let d = fresh_dir("phalanx-report", "hostile").join("<b>&'\"");
+    std::fs::create_dir_all(&d).unwrap();
+    let log = d.join("log.jsonl");
+    // The memory table is drawn from the first step that has one.
+    let mut memory: Vec<_> = HOSTILE
+        .iter()
+        .map(|h| serde_json::json!({"rank": h, "params": h, "grads": 1.0}))
+        .collect();
+    memory.push(serde_json::json!({"rank": {"nested": HOSTILE[0]}, "params": 2.0}));
+    let mut lines = String::new();
+    for (i, h) in HOSTILE.iter().enumerate() {
+        let step = serde_json::json!({
+            "step": i,
+            "loss": 2.0,
+            "tokens_per_s": 10.0,
+            "comm_bytes": 8,
+            "memory": memory,
+            "straggler_events": [
+                {"rank": h, "host": h, "compute_s": h, "median_s": 0.5},
+            ],
+        });
+        lines += &format!("{step}\n");
+    }
+    std::fs::write(&log, lines).unwrap();
+    let mut events = vec![];
+    for h in HOSTILE {
+        events.push(serde_json::json!({
+            "ph": "X", "name": h, "pid": 0, "tid": 0, "ts": 1.0, "dur": 2.0,
+            "args": {"step": 3},
+        }));
+        // Strings where the timeline expects numbers are skipped.
+        events.push(serde_json::json!({
+            "ph": "X", "name": "F0", "pid": h, "tid": h, "ts": 1.0, "dur": 2.0,
+            "args": {"step": 3},
+        }));
+    }
+    let trace = d.join("trace.json");
+    std::fs::write(
+        &trace,
+        serde_json::json!({"traceEvents": events}).to_string(),
+    )
+    .unwrap();
+    let (code, out, err) = phalanx(&["report", d.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let page = std::fs::read_to_string(d.join("report.html")).unwrap();
+    // Every field was rendered (so the checks below saw it): the escaped
+    // forms are on the page.
+    for h in HOSTILE {
+        let escaped = h
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;")
+            .replace('"', "&quot;")
+            .replace('\'', "&#39;");
+        // memory rank, straggler rank and host, timeline title: 4 places.
+        let n = page.matches(&escaped).count();
+        assert!(n >= 4, "{h:?} is rendered escaped {n} times:\n{page}");
+        assert!(!page.contains(h), "{h:?} reached the page raw:\n{page}");
+    }
+    assert!(page.contains("&lt;b&gt;&amp;&#39;&quot;"), "{page}");
+    // Only the report's own tags, and no attribute but its own.
+    let allowed = [
+        "!DOCTYPE", "html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "svg",
+        "rect", "text", "line", "polyline", "table", "tr", "th", "td",
+    ];
+    for tag in page.split('<').skip(1) {
+        let name: String = tag
+            .trim_start_matches('/')
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '!')
+            .collect();
+        assert!(allowed.contains(&name.as_str()), "tag <{name}> in:\n{page}");
+    }
+    for bad in ["onerror=", "onmouseover=", "javascript:"] {
+        // Only inside escaped text, never as markup: no raw quote or
+        // angle bracket precedes them within a tag.
+        for (i, _) in page.match_indices(bad) {
+            let open = page[..i].rfind('<').unwrap_or(0);
+            let close = page[..i].rfind('>').unwrap_or(0);
+            assert!(close > open, "{bad} inside a tag at {i}:\n{page}");
+        }
+    }
+}

@@ -154,6 +154,112 @@ fn a_single_host_job_runs_without_a_secret() {
     }
 }
 
+/// A single-host job without PHALANX_SECRET (torchrun-, mpirun- or
+/// srun-style variables) no longer uses a key any local user can compute
+/// (`phalanx-job-<jobid>-127.0.0.1-<port>`): rank 0 makes a random secret
+/// in a 0600 file of a 0700 per-user directory, the other rank reads it.
+#[test]
+fn a_single_host_job_without_a_secret_makes_a_private_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let rt = std::env::temp_dir().join(format!("phalanx-xdg-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&rt);
+    std::fs::create_dir_all(&rt).unwrap();
+    std::fs::set_permissions(&rt, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let port = free_port();
+    let p = port.to_string();
+    let kids: Vec<_> = (0..2)
+        .map(|r| {
+            let r = r.to_string();
+            let mut c = worker(&[
+                ("RANK", &r),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &p),
+            ]);
+            c.env("XDG_RUNTIME_DIR", &rt);
+            c.spawn().unwrap()
+        })
+        .collect();
+    // Hold rank 1 back, so that the job (rank 0's store, the file) is
+    // there while we look.
+    unsafe { libc::kill(kids[1].id() as i32, libc::SIGSTOP) };
+    let dir = rt.join("phalanx");
+    let end = Instant::now() + Duration::from_secs(30);
+    let file = loop {
+        let found = std::fs::read_dir(&dir).ok().and_then(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "secret"))
+        });
+        if let Some(f) = found {
+            break f;
+        }
+        assert!(
+            Instant::now() < end,
+            "no secret file in {} within 30 s",
+            dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&file), 0o600, "{}", file.display());
+    assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+    let secret = phalanx_comm::wire::from_hex(std::fs::read_to_string(&file).unwrap().trim())
+        .expect("a hex secret");
+    assert_eq!(secret.len(), 32);
+    // The key anyone could compute opens nothing; the file's secret opens
+    // the store (so it is the job's).
+    let addr = format!("127.0.0.1:{port}");
+    let old = format!("phalanx-job--127.0.0.1-{port}");
+    let t = Duration::from_secs(20);
+    match phalanx_comm::store::StoreClient::connect(&addr, old.as_bytes(), t) {
+        Err(phalanx_comm::CommError::Auth(_)) => {}
+        Err(e) => panic!("the computable key: {e}"),
+        Ok(_) => panic!("the computable key {old:?} opened the job's store"),
+    }
+    phalanx_comm::store::StoreClient::connect(&addr, &secret, t).unwrap();
+    unsafe { libc::kill(kids[1].id() as i32, libc::SIGCONT) };
+    for (r, k) in kids.into_iter().enumerate() {
+        let out = k.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "rank {r}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Rank 0 removes it with its group.
+    assert!(!file.exists(), "{} left behind", file.display());
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
+/// A secret directory someone else could enter is refused, naming it.
+#[test]
+fn a_shared_secret_directory_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let rt = std::env::temp_dir().join(format!("phalanx-xdg-open-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&rt);
+    std::fs::create_dir_all(rt.join("phalanx")).unwrap();
+    std::fs::set_permissions(&rt, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::set_permissions(rt.join("phalanx"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = worker(&[
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_WORLD_SIZE", "2"),
+    ])
+    .env("XDG_RUNTIME_DIR", &rt)
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot hold the job secret") && err.contains("755"),
+        "{err}"
+    );
+    assert!(err.contains("PHALANX_SECRET"), "{err}");
+    let _ = std::fs::remove_dir_all(&rt);
+}
+
 #[test]
 fn a_flood_of_bad_clients_costs_a_few_log_lines() {
     let port = free_port();

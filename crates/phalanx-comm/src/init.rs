@@ -17,8 +17,9 @@
 //! otherwise rank 0 hosts it. The job secret comes from `PHALANX_SECRET`: hex, at least 16
 //! bytes. A job that may span hosts (fewer local ranks than ranks, or a
 //! `MASTER_ADDR` that is not loopback) refuses to start without it; a
-//! single-host job without it binds loopback only and uses a key derived
-//! from the job id, which keeps other jobs out but not other local users.
+//! single-host job without it binds loopback only, and rank 0 makes a
+//! random secret that the other ranks read from a file only this user can
+//! read ([`crate::secret_file`]).
 //!
 //! ```no_run
 //! let pg = phalanx_comm::init_process_group().unwrap();
@@ -28,6 +29,7 @@
 use crate::config::Config;
 use crate::error::{invalid, CommError, Result};
 use crate::group::ProcessGroup;
+use crate::secret_file;
 use crate::store::{StoreClient, StoreServer};
 use crate::transport::connect_mesh;
 use crate::wire;
@@ -41,7 +43,11 @@ pub struct DistEnv {
     pub local_world_size: usize,
     pub master_addr: String,
     pub master_port: u16,
+    /// The job secret; empty while `secret_file` is still to be read.
     pub secret: Vec<u8>,
+    /// A single-host job without `PHALANX_SECRET`: rank 0 writes a random
+    /// secret here and the other ranks read it, in `init_with`.
+    pub secret_file: Option<std::path::PathBuf>,
     /// True when a launcher already serves the store.
     pub store_hosted: bool,
     /// True under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`): its
@@ -145,6 +151,7 @@ impl DistEnv {
         let agent_store = source == "torchrun"
             && var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
         let may_span_hosts = local_world_size < world_size || !is_loopback(&master_addr);
+        let mut secret_file = None;
         let secret = match var("PHALANX_SECRET") {
             Some(h) => wire::parse_secret(&h).map_err(CommError::Invalid)?,
             None if store_hosted => {
@@ -166,14 +173,24 @@ impl DistEnv {
                 ))
             }
             None => {
-                // One host, loopback only: every connection comes from this
-                // machine. The key is derived from the job id so that stray
-                // processes of other jobs cannot join by accident; it is no
-                // protection against other users of this host.
-                let job = var("OMPI_MCA_ess_base_jobid")
-                    .or_else(|| var("SLURM_JOB_ID"))
-                    .unwrap_or_default();
-                format!("phalanx-job-{job}-{master_addr}-{master_port}").into_bytes()
+                // One host, loopback only: every connection comes from
+                // this machine, but maybe from another user. Rank 0 makes
+                // a random secret in a file only this user can read; its
+                // name says which job it is for (ids of the launcher's
+                // job and attempt, and the store's address).
+                let job = [
+                    "OMPI_MCA_ess_base_jobid",
+                    "SLURM_JOB_ID",
+                    "SLURM_STEP_ID",
+                    "TORCHELASTIC_RUN_ID",
+                    "TORCHELASTIC_RESTART_COUNT",
+                    "PHALANX_RUN_ID",
+                ]
+                .map(|k| var(k).unwrap_or_default())
+                .join("/");
+                let key = format!("{source}|{job}|{master_addr}|{master_port}");
+                secret_file = Some(crate::secret_file::path_for(&key));
+                Vec::new()
             }
         };
         // Keys of one attempt never meet those of another: torchrun keeps
@@ -195,6 +212,7 @@ impl DistEnv {
             master_addr,
             master_port,
             secret,
+            secret_file,
             store_hosted,
             agent_store,
             source,
@@ -300,7 +318,20 @@ fn init_mpi(_cfg: Config) -> Result<ProcessGroup> {
 pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
     cfg.validate()?;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
-    let mut keep: Option<Arc<dyn std::any::Any + Send + Sync>> = None;
+    let deadline = std::time::Instant::now() + cfg.timeout;
+    // A single-host job without PHALANX_SECRET: rank 0 makes the secret,
+    // the others read it (see `secret_file`); alone, nobody needs one.
+    let file = env.secret_file.as_deref().filter(|_| env.world_size > 1);
+    let mut secret = match file {
+        None if env.secret.is_empty() => wire::random_bytes(32),
+        None => env.secret.clone(),
+        Some(f) if env.rank == 0 => secret_file::create(f)?,
+        Some(f) => secret_file::wait_read(f, env.rank, deadline)?,
+    };
+    let mut keep: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
+    if let (Some(f), 0) = (file, env.rank) {
+        keep.push(Box::new(secret_file::RemoveOnDrop(f.to_path_buf())));
+    }
     if !env.agent_store && !env.store_hosted && env.rank == 0 && env.world_size > 1 {
         // A single-host job's store is reachable from this host only.
         let bind = if is_loopback(&env.master_addr) {
@@ -308,27 +339,75 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
         } else {
             format!("0.0.0.0:{}", env.master_port)
         };
-        keep = Some(Arc::new(StoreServer::bind(&bind, env.secret.clone())?));
+        keep.push(Box::new(StoreServer::bind(&bind, secret.clone())?));
     }
-    let store = if env.agent_store {
-        StoreClient::connect_torch(&addr, cfg.timeout)
-    } else {
-        StoreClient::connect(&addr, &env.secret, cfg.timeout)
+    let left = || deadline.saturating_duration_since(std::time::Instant::now());
+    let store = loop {
+        let r = if env.agent_store {
+            StoreClient::connect_torch(&addr, cfg.timeout)
+        } else {
+            StoreClient::connect(&addr, &secret, left())
+        };
+        match (r, file) {
+            // Read before rank 0 replaced a stale file: read it again.
+            (Err(CommError::Auth(_)), Some(f)) if env.rank != 0 && !left().is_zero() => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                secret = secret_file::wait_read(f, env.rank, deadline)?;
+            }
+            (r, _) => break r,
+        }
     }
     .map_err(|e| match e {
         CommError::Timeout(m) => CommError::Timeout(format!("rank {}: {m}", env.rank)),
         e => e,
     })?;
     let prefix = format!("phalanx/{}", env.run_id);
+    if let (Some(f), true) = (file, env.agent_store) {
+        secret = agree_on_secret(&store, &prefix, env.rank, f, secret, deadline)?;
+    }
+    let keep: Option<Arc<dyn std::any::Any + Send + Sync>> =
+        (!keep.is_empty()).then(|| Arc::new(keep) as Arc<dyn std::any::Any + Send + Sync>);
     from_store(
         &store,
         &prefix,
         env.rank,
         env.world_size,
-        &env.secret,
+        &secret,
         cfg,
         keep,
     )
+}
+
+/// Under torchrun's (unauthenticated) agent store: rank 0 publishes its
+/// secret's fingerprint, and the others read the file until theirs matches
+/// (a file of an earlier attempt may still have been there).
+fn agree_on_secret(
+    store: &StoreClient,
+    prefix: &str,
+    rank: usize,
+    file: &std::path::Path,
+    mut secret: Vec<u8>,
+    deadline: std::time::Instant,
+) -> Result<Vec<u8>> {
+    let key = format!("{prefix}/secret_fingerprint");
+    if rank == 0 {
+        store.set(&key, secret_file::fingerprint(&secret).as_bytes())?;
+        return Ok(secret);
+    }
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    store.wait(&[&key], left)?;
+    let want = store.get(&key)?;
+    while secret_file::fingerprint(&secret).as_bytes() != want.as_slice() {
+        if std::time::Instant::now() >= deadline {
+            return Err(CommError::Timeout(format!(
+                "rank {rank}: the job secret in {} is not rank 0's",
+                file.display()
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        secret = secret_file::wait_read(file, rank, deadline)?;
+    }
+    Ok(secret)
 }
 
 /// Build the world group through an existing store connection.

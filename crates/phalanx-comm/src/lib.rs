@@ -37,6 +37,7 @@ pub mod init;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod ratelog;
+pub mod secret_file;
 pub mod store;
 pub mod threads;
 pub mod transport;

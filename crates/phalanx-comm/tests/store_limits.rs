@@ -1,6 +1,6 @@
 //! What clients may cost the rendezvous store: unauthenticated connections
-//! are capped and cut at a total deadline; authenticated ones store bounded
-//! data.
+//! are capped (the oldest shed) and cut at a total deadline; authenticated
+//! ones store bounded data.
 
 use phalanx_comm::store::{StoreClient, StoreLimits, StoreServer};
 use phalanx_comm::CommError;
@@ -85,34 +85,53 @@ fn a_trickling_handshake_is_cut_at_its_total_deadline() {
 }
 
 #[test]
-fn unauthenticated_connections_are_capped() {
-    let deadline = Duration::from_secs(2);
+fn unauthenticated_connections_are_capped_by_shedding_the_oldest() {
+    // A handshake deadline far past the test: only shedding can close an
+    // idle connection here.
     let (_s, addr, secret) = server(StoreLimits {
         max_pending: 8,
         max_pending_per_ip: 8,
-        handshake_timeout: deadline,
+        handshake_timeout: Duration::from_secs(600),
         ..StoreLimits::default()
     });
     let t0 = Instant::now();
     let mut idle: Vec<TcpStream> = (0..100)
         .map(|_| TcpStream::connect(&addr).unwrap())
         .collect();
-    let admitted = idle.iter_mut().map(greeted).filter(|g| *g).count();
-    assert_eq!(admitted, 8, "only max_pending connections get a handshake");
-    // The admitted ones are cut at the handshake deadline, and a real
-    // client gets in (it retries while the slots are full). Every idle
-    // connection is still open on our side, so only that cut can free a
-    // slot: without it the client fails with a timeout after 30 s.
-    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(30)).unwrap();
-    c.set("k", b"v").unwrap();
-    // Not before the deadline of the first admitted one: the slots were
-    // held until then.
-    let took = t0.elapsed();
-    assert!(took >= deadline, "a real client got in after {took:?}");
-    // 30 s: a hang guard; the admitted ones are already closed.
-    for s in idle.iter_mut() {
+    // The newest 8 hold the slots: each was greeted and is still pending
+    // (a newcomer is never refused, as it was when the first 8 kept the
+    // slots for the whole deadline).
+    for (i, s) in idle.iter_mut().enumerate().skip(92) {
+        assert!(greeted(s), "connection {i} of 100 was refused");
+    }
+    // The 92 before them were shed, long before their deadline (30 s: a
+    // hang guard).
+    for s in idle.iter_mut().take(92) {
         closed_after(s, t0, Duration::from_secs(30));
     }
+    for (i, s) in idle.iter_mut().enumerate().skip(92) {
+        assert!(still_open(s), "connection {i} was closed");
+    }
+    // A real client gets in at once, shedding the oldest stranger, and
+    // once authenticated it counts against no cap: 8 more strangers do
+    // not shed it.
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(30)).unwrap();
+    closed_after(&mut idle[92], t0, Duration::from_secs(30));
+    let more: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k").unwrap(), b"v".to_vec());
+    drop(more);
+}
+
+/// True if the server has neither sent anything more nor closed `s`.
+fn still_open(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut b = [0u8; 1];
+    matches!(
+        s.read(&mut b),
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+    )
 }
 
 #[test]

@@ -160,6 +160,7 @@ fn two_ranks_form_a_group_through_the_agents_store() {
                     master_addr: "127.0.0.1".into(),
                     master_port: port,
                     secret: b"a-test-secret-of-32-bytes-......".to_vec(),
+                    secret_file: None,
                     store_hosted: false,
                     agent_store: true,
                     source: "torchrun",

@@ -78,3 +78,83 @@ fn rl_cartpole_solves_the_task() {
     assert!(j["mean_return_last_100"].as_f64().unwrap() >= 195.0, "{j}");
     assert!(j["episodes"].as_u64().unwrap() >= 100, "{j}");
 }
+
+/// The pids of `pid`'s children (those its main thread started).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// Whether `pid` still runs (a zombie, dead but not yet reaped by
+/// whoever adopted it, does not).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat[stat.rfind(')').unwrap() + 1..].trim_start();
+            !state.starts_with('Z') && !state.starts_with('X')
+        }
+        Err(_) => false,
+    }
+}
+
+/// Killing an example's own launcher (SIGTERM: forwarded; SIGKILL: the
+/// kernel's parent-death signal) leaves no rank running.
+#[test]
+fn killing_an_examples_launcher_ends_its_ranks() {
+    for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGKILL, "SIGKILL")] {
+        // Long enough to be running when the signal comes.
+        let mut launcher = Command::new(example("parameter_server"))
+            .args(["--trainers", "2", "--servers", "1", "--steps", "100000000"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("parameter_server: {e} (built by `cargo test`?)"));
+        let pid = launcher.id();
+        let start = Instant::now() + Duration::from_secs(60);
+        let ranks = loop {
+            let kids = children(pid);
+            if kids.len() == 3 {
+                break kids;
+            }
+            if Instant::now() > start {
+                let _ = launcher.kill();
+                panic!("{name}: the launcher started {kids:?}, not 3 ranks, within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid as i32, sig) };
+        let end = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(st) = launcher.try_wait().unwrap() {
+                break st;
+            }
+            if Instant::now() > end {
+                let _ = launcher.kill();
+                panic!("{name}: the launcher did not exit within 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if sig == libc::SIGTERM {
+            assert_eq!(status.code(), Some(128 + sig), "{name}");
+        }
+        // A few seconds: SIGKILL from the kernel is immediate, SIGTERM
+        // gets the ranks' 3 s grace at most.
+        let end = Instant::now() + Duration::from_secs(10);
+        while ranks.iter().any(|&r| alive(r)) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left: Vec<u32> = ranks.iter().copied().filter(|&r| alive(r)).collect();
+        for &r in &left {
+            // SAFETY: tidying up the ranks of our own launcher.
+            unsafe { libc::kill(r as i32, libc::SIGKILL) };
+        }
+        assert!(
+            left.is_empty(),
+            "{name}: ranks {left:?} outlived their launcher"
+        );
+    }
+}

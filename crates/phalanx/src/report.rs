@@ -69,6 +69,8 @@ pub fn line_chart(title: &str, xlabel: &str, series: &[Series]) -> String {
         xl = h - m + 28.0,
     );
     for (k, (label, colour, p)) in series.iter().enumerate() {
+        // A caller's colour is a string like any other.
+        let colour = esc(colour);
         let line: Vec<String> = p
             .iter()
             .filter(|p| p.0.is_finite() && p.1.is_finite())
@@ -100,11 +102,35 @@ fn num(v: f64) -> String {
     }
 }
 
+/// Escape `s` for HTML text and for a quoted attribute value (either
+/// quote): every string that reaches the page from a log, a trace or a
+/// path goes through this or [`text`]. The report has no scripts, so no
+/// string ever lands in inline JS or JSON; should one be added, it needs
+/// its own escaping of `</script>` as well.
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&#39;"),
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+/// A log value as page text: a string's contents (not its JSON quoting),
+/// a number as written, anything else as its JSON; always escaped, since a
+/// log is input like any other (a hand-edited or hostile one included).
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => esc(s),
+        Value::Null => String::new(),
+        v => esc(&v.to_string()),
+    }
 }
 
 /// A JSON log: one object per line (as `--log-json` writes). A line that
@@ -223,7 +249,7 @@ fn memory_table(steps: &[Value]) -> String {
     }
     s += "</tr>\n";
     for r in mem {
-        let _ = write!(s, "<tr><td>{}</td>", r["rank"]);
+        let _ = write!(s, "<tr><td>{}</td>", text(&r["rank"]));
         for c in cols {
             let _ = write!(
                 s,
@@ -251,8 +277,8 @@ fn stragglers(steps: &[Value]) -> String {
         let _ = writeln!(
             s,
             "<tr><td>{k}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.3}</td></tr>",
-            e["rank"],
-            esc(e["host"].as_str().unwrap_or("")),
+            text(&e["rank"]),
+            text(&e["host"]),
             e["compute_s"].as_f64().unwrap_or(f64::NAN),
             e["median_s"].as_f64().unwrap_or(f64::NAN)
         );

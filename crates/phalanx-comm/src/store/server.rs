@@ -3,8 +3,17 @@
 //! Before a client has proved it holds the job secret it costs little and
 //! cannot linger: at most `max_pending` connections (and
 //! `max_pending_per_ip` from one address) are in their handshake at once,
-//! later ones are closed at once; each handshake must finish within
-//! `handshake_timeout` in total; refusals are logged at a bounded rate.
+//! each on its own thread; each handshake must finish within
+//! `handshake_timeout` in total. A new connection over a cap does not wait
+//! and is not refused: it sheds the *oldest* pending one (of its address
+//! for the per-address cap, of the address holding the most for the total
+//! one). A real rank answers its handshake within a round trip, so the
+//! connections that are old when a rank arrives are strangers sitting
+//! idle: a flood of them held open (which used to fill the slots for the
+//! whole handshake deadline, so that the real ranks, refused and retrying,
+//! started 12–26 s late) costs the ranks nothing. A connection stops
+//! counting the moment it has authenticated. Sheds are logged at a bounded
+//! rate.
 //! After it, keys, values and the total stored are bounded, so even a
 //! client with the secret cannot exhaust the launcher's memory.
 
@@ -64,8 +73,8 @@ struct Shared {
     secret: Vec<u8>,
     stop: AtomicBool,
     limits: StoreLimits,
-    /// Handshakes in progress, by client address.
-    pending: Mutex<HashMap<IpAddr, usize>>,
+    /// Handshakes in progress.
+    pending: Mutex<Pending>,
     log: RateLimitedLog,
 }
 
@@ -94,7 +103,7 @@ impl StoreServer {
             secret,
             stop: AtomicBool::new(false),
             limits,
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Pending::default()),
             log: RateLimitedLog::new("[phalanx store]", 5, Duration::from_secs(10)),
         });
         let sh = shared.clone();
@@ -119,43 +128,78 @@ impl Drop for StoreServer {
     }
 }
 
-/// Holds one handshake slot of an address; gives it back when dropped.
+/// Connections in their handshake, oldest first (ids grow), each with a
+/// handle to shed it by.
+#[derive(Default)]
+struct Pending {
+    next: u64,
+    conns: std::collections::BTreeMap<u64, (IpAddr, TcpStream)>,
+}
+
+impl Pending {
+    fn count(&self, ip: IpAddr) -> usize {
+        self.conns.values().filter(|(a, _)| *a == ip).count()
+    }
+
+    /// Close the oldest pending connection from `ip`; returns its id.
+    fn shed_oldest_of(&mut self, ip: IpAddr) -> Option<u64> {
+        let id = *self.conns.iter().find(|(_, (a, _))| *a == ip)?.0;
+        let (_, s) = self.conns.remove(&id)?;
+        // Its thread's next read fails and it returns; its slot is gone
+        // already, so it frees nothing twice.
+        let _ = s.shutdown(std::net::Shutdown::Both);
+        Some(id)
+    }
+
+    /// The address holding the most pending connections (a flood's).
+    fn busiest(&self) -> Option<IpAddr> {
+        let mut n: HashMap<IpAddr, usize> = HashMap::new();
+        for (ip, _) in self.conns.values() {
+            *n.entry(*ip).or_insert(0) += 1;
+        }
+        n.into_iter().max_by_key(|(_, c)| *c).map(|(ip, _)| ip)
+    }
+}
+
+/// Holds one handshake slot; gives it back when dropped (unless it was
+/// shed, which gave it back already).
 struct PendingSlot<'a> {
     sh: &'a Shared,
-    ip: IpAddr,
+    id: u64,
 }
 
 impl Drop for PendingSlot<'_> {
     fn drop(&mut self) {
-        let mut p = self.sh.pending.lock().unwrap();
-        if let Some(n) = p.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                p.remove(&self.ip);
-            }
-        }
+        self.sh.pending.lock().unwrap().conns.remove(&self.id);
     }
 }
 
-/// Take a handshake slot for `ip`, or say why there is none.
-fn take_slot(sh: &Shared, ip: IpAddr) -> std::result::Result<PendingSlot<'_>, String> {
+/// Take a handshake slot for a new connection from `ip`, shedding the
+/// oldest pending ones over the caps (see the module docs). Err: `s`
+/// cannot be tracked (no descriptor for a handle).
+fn take_slot(sh: &Shared, ip: IpAddr, s: &TcpStream) -> std::io::Result<u64> {
+    let handle = s.try_clone()?;
+    let l = &sh.limits;
     let mut p = sh.pending.lock().unwrap();
-    let total: usize = p.values().sum();
-    let mine = p.get(&ip).copied().unwrap_or(0);
-    if total >= sh.limits.max_pending {
-        return Err(format!(
-            "{total} unauthenticated connections already pending (limit {})",
-            sh.limits.max_pending
+    while p.count(ip) >= l.max_pending_per_ip.max(1) {
+        p.shed_oldest_of(ip);
+        sh.log.log(format_args!(
+            "shed the oldest unauthenticated connection from {ip} ({} pending from it at most)",
+            l.max_pending_per_ip
         ));
     }
-    if mine >= sh.limits.max_pending_per_ip {
-        return Err(format!(
-            "{mine} unauthenticated connections from {ip} already pending (limit {})",
-            sh.limits.max_pending_per_ip
+    while p.conns.len() >= l.max_pending.max(1) {
+        let Some(busy) = p.busiest() else { break };
+        p.shed_oldest_of(busy);
+        sh.log.log(format_args!(
+            "shed the oldest unauthenticated connection from {busy} ({} pending at most)",
+            l.max_pending
         ));
     }
-    *p.entry(ip).or_insert(0) += 1;
-    Ok(PendingSlot { sh, ip })
+    let id = p.next;
+    p.next += 1;
+    p.conns.insert(id, (ip, handle));
+    Ok(id)
 }
 
 fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
@@ -172,22 +216,19 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
             continue;
         };
         // Count the slot here, before any thread exists for it.
-        match take_slot(&sh, peer.ip()) {
-            Ok(slot) => std::mem::forget(slot),
-            Err(why) => {
+        let id = match take_slot(&sh, peer.ip(), &stream) {
+            Ok(id) => id,
+            Err(e) => {
                 sh.log
-                    .log(format_args!("refused a connection from {peer}: {why}"));
+                    .log(format_args!("refused a connection from {peer}: {e}"));
                 continue; // dropping the stream closes it
             }
-        }
+        };
         let sh2 = sh.clone();
         let spawned = std::thread::Builder::new()
             .name("phalanx-store-conn".into())
             .spawn(move || {
-                let slot = PendingSlot {
-                    sh: &sh2,
-                    ip: peer.ip(),
-                };
+                let slot = PendingSlot { sh: &sh2, id };
                 if let Err(e) = serve(stream, &sh2, Some(slot)) {
                     if !sh2.stop.load(Ordering::SeqCst) {
                         sh2.log
@@ -196,10 +237,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
                 }
             });
         if spawned.is_err() {
-            drop(PendingSlot {
-                sh: &sh,
-                ip: peer.ip(),
-            });
+            drop(PendingSlot { sh: &sh, id });
             sh.log.log(format_args!(
                 "refused a connection from {peer}: cannot start a thread"
             ));
@@ -212,7 +250,14 @@ fn serve(mut s: TcpStream, sh: &Shared, slot: Option<PendingSlot<'_>>) -> Result
     s.set_write_timeout(Some(sh.limits.handshake_timeout))?;
     let deadline = Instant::now() + sh.limits.handshake_timeout;
     wire::handshake_until(&mut s, &sh.secret, true, deadline)?;
-    drop(slot);
+    // Authenticated: no longer counted against any cap. A connection shed
+    // while it finished its handshake is not served (its socket is shut).
+    if let Some(slot) = slot {
+        if sh.pending.lock().unwrap().conns.remove(&slot.id).is_none() {
+            return Err(CommError::Io("shed during its handshake".into()));
+        }
+        drop(slot); // removes nothing more
+    }
     s.set_read_timeout(None)?;
     // A client that stops reading its replies must not hold a thread.
     s.set_write_timeout(Some(Duration::from_secs(30)))?;

@@ -3,10 +3,53 @@
 //! here, as `phalanx run --nproc-per-node world` would. A process already
 //! started as a rank (by this, `phalanx run`, torchrun, mpirun or srun)
 //! is left alone.
+//!
+//! The ranks follow `phalanx run`'s rules: each leads its own process
+//! group (so that stopping it stops what it started), gets SIGKILL from the
+//! kernel if the launcher dies, even of SIGKILL (`PR_SET_PDEATHSIG`), and
+//! Ctrl-C / SIGTERM / SIGHUP to the launcher stop every rank (SIGTERM, then
+//! SIGKILL after 3 s) before it exits with 128 + the signal.
 
 use phalanx_comm::store::StoreServer;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
+
+/// How long ranks get between SIGTERM and SIGKILL when the launcher is
+/// asked to stop.
+const GRACE: Duration = Duration::from_secs(3);
+
+/// The signal that asked the launcher to stop (0: none).
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+const STOP_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// Catch the stop signals while ranks run; the previous handlers come back
+/// when this is dropped.
+struct CatchSignals([libc::sighandler_t; 3]);
+
+impl CatchSignals {
+    fn install() -> CatchSignals {
+        SIGNALLED.store(0, Ordering::SeqCst);
+        let h = on_signal as *const () as libc::sighandler_t;
+        // SAFETY: the handler only stores to an atomic.
+        CatchSignals(STOP_SIGNALS.map(|s| unsafe { libc::signal(s, h) }))
+    }
+}
+
+impl Drop for CatchSignals {
+    fn drop(&mut self) {
+        for (s, old) in STOP_SIGNALS.iter().zip(self.0) {
+            // SAFETY: restoring what `install` replaced.
+            unsafe { libc::signal(*s, old) };
+        }
+    }
+}
 
 /// The value after `--name` on the command line, or `default` when the
 /// flag is absent. A missing or unparsable value ends the program with a
@@ -55,8 +98,13 @@ pub fn spawn_ranks_with(
     let secret = phalanx_comm::wire::from_hex(&secret_hex).expect("fresh secret is hex");
     let server = StoreServer::bind("127.0.0.1:0", secret).map_err(|e| e.to_string())?;
     let port = server.addr().port().to_string();
+    let _signals = CatchSignals::install();
+    let parent = std::process::id() as libc::pid_t;
     let mut kids: Vec<Child> = Vec::new();
     for rank in 0..world {
+        if SIGNALLED.load(Ordering::SeqCst) != 0 {
+            break; // seen below, with the ranks started so far
+        }
         let mut c = Command::new(&exe);
         c.args(args)
             .env("RANK", rank.to_string())
@@ -70,6 +118,18 @@ pub fn spawn_ranks_with(
         for (k, v) in envs {
             c.env(k, v);
         }
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            c.pre_exec(move || {
+                libc::setpgid(0, 0);
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The launcher may have died before the line above.
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::other("the launcher is gone"));
+                }
+                Ok(())
+            });
+        }
         match c.spawn() {
             Ok(k) => kids.push(k),
             Err(e) => {
@@ -81,6 +141,11 @@ pub fn spawn_ranks_with(
     let mut codes: Vec<Option<i32>> = vec![None; world];
     let mut failed_at: Option<Instant> = None;
     loop {
+        let sig = SIGNALLED.load(Ordering::SeqCst);
+        if sig != 0 {
+            stop_all(&mut kids);
+            return Ok(128 + sig);
+        }
         for (r, k) in kids.iter_mut().enumerate() {
             if codes[r].is_none() {
                 if let Ok(Some(st)) = k.try_wait() {
@@ -109,8 +174,24 @@ pub fn spawn_ranks_with(
         .unwrap_or(0))
 }
 
+/// SIGKILL every rank's process group, and reap the ranks.
 fn kill_all(kids: &mut [Child]) {
     for k in kids.iter_mut() {
-        let _ = k.kill();
+        // SAFETY: signalling the process group our child leads.
+        unsafe { libc::kill(-(k.id() as libc::pid_t), libc::SIGKILL) };
+        let _ = k.wait();
     }
+}
+
+/// SIGTERM every rank's process group, SIGKILL what is left after GRACE.
+fn stop_all(kids: &mut [Child]) {
+    for k in kids.iter() {
+        // SAFETY: as above.
+        unsafe { libc::kill(-(k.id() as libc::pid_t), libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + GRACE;
+    while Instant::now() < deadline && kids.iter_mut().any(|k| matches!(k.try_wait(), Ok(None))) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kill_all(kids);
 }

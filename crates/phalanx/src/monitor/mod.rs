@@ -25,6 +25,7 @@
 //! assert_eq!(Figures::from_slice(&f.to_vec()), f);
 //! ```
 
+pub mod http;
 pub mod prometheus;
 
 use crate::config::MonitorConfig;

@@ -1,7 +1,8 @@
 //! Rank 0's Prometheus endpoint: `GET /metrics` answers with every rank's
 //! latest figures in the Prometheus / OpenMetrics text format, labelled by
-//! rank and host (`prometheus-client` writes the format, `tiny_http`
-//! serves it from one thread that stops when the exporter is dropped).
+//! rank and host (`prometheus-client` writes the format; [`super::http`]
+//! serves it, bounded in what any client may cost, from a thread that
+//! stops when the exporter is dropped).
 //!
 //! | metric | kind |
 //! |---|---|
@@ -11,6 +12,7 @@
 //! | `phalanx_mfu` (where the peak is known), `phalanx_loss_scale` (fp16) | gauge |
 //! | `phalanx_straggler` (1 while the rank is one) | gauge |
 
+use super::http::{Handler, Reply};
 use super::{Figures, MEMORY_KINDS};
 use crate::error::{Error, Result};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -20,7 +22,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RankLabels {
@@ -112,21 +113,21 @@ pub struct Exporter {
 impl Exporter {
     /// Bind `host:port` and serve in a thread.
     pub fn start(host: &str, port: u16) -> Result<Exporter> {
-        let server = tiny_http::Server::http((host, port)).map_err(|e| {
+        let listener = std::net::TcpListener::bind((host, port)).map_err(|e| {
             Error::Io(format!(
                 "monitor.prometheus_port: cannot serve metrics on {host}:{port}: {e}"
             ))
         })?;
-        let addr = server
-            .server_addr()
-            .to_ip()
-            .ok_or_else(|| Error::Io("the metrics server has no IP address".into()))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Io(format!("the metrics server has no address: {e}")))?;
         let metrics = Arc::new(Mutex::new(Metrics::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let (m, s) = (metrics.clone(), stop.clone());
+        let handler: Handler = Arc::new(move |target: &str| reply(target, &m));
         let thread = std::thread::Builder::new()
             .name("phalanx-metrics".into())
-            .spawn(move || serve(server, m, s))
+            .spawn(move || super::http::serve(listener, s, handler))
             .map_err(|e| Error::Io(format!("cannot start the metrics thread: {e}")))?;
         Ok(Exporter {
             metrics,
@@ -183,33 +184,19 @@ impl Exporter {
     }
 }
 
-fn serve(server: tiny_http::Server, m: Arc<Mutex<Metrics>>, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::Relaxed) {
-        let req = match server.recv_timeout(Duration::from_millis(200)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(_) => break,
-        };
-        let resp = if req.url() == "/metrics" || req.url().starts_with("/metrics?") {
-            let mut body = String::new();
-            let ok =
-                prometheus_client::encoding::text::encode(&mut body, &m.lock().unwrap().registry);
-            match ok {
-                Ok(()) => tiny_http::Response::from_string(body).with_header(
-                    "Content-Type: application/openmetrics-text; version=1.0.0; charset=utf-8"
-                        .parse::<tiny_http::Header>()
-                        .expect("a valid header"),
-                ),
-                Err(_) => {
-                    tiny_http::Response::from_string("encoding failed\n").with_status_code(500)
-                }
-            }
-        } else {
-            tiny_http::Response::from_string("not found: the metrics are at /metrics\n")
-                .with_status_code(404)
-        };
-        // A client that hung up is its own business.
-        let _ = req.respond(resp);
+/// The answer to a request for `target`.
+fn reply(target: &str, m: &Mutex<Metrics>) -> Reply {
+    if target != "/metrics" && !target.starts_with("/metrics?") {
+        return Reply::text(404, "not found: the metrics are at /metrics\n");
+    }
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &m.lock().unwrap().registry) {
+        Ok(()) => Reply {
+            status: 200,
+            content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            body: body.into_bytes(),
+        },
+        Err(_) => Reply::text(500, "encoding failed\n"),
     }
 }
 

@@ -1,0 +1,96 @@
+//! `phalanx run`'s flags (torchrun's), shared by the static launcher
+//! (`launch`) and the elastic agent (`rdzv`).
+
+use clap::Args;
+
+#[derive(Args, Debug, Clone)]
+pub struct LaunchOpts {
+    /// Worker processes on this node (default 1; `phalanx train` defaults to 2).
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node")]
+    pub nproc_per_node: Option<usize>,
+    /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job
+    /// (nodes may leave and join; see `--rdzv-endpoint`).
+    #[arg(long, default_value = "1")]
+    pub nnodes: String,
+    /// This node's index, 0..nnodes.
+    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0 (hosts the rendezvous store).
+    #[arg(
+        long = "master-addr",
+        alias = "master_addr",
+        default_value = "127.0.0.1"
+    )]
+    pub master_addr: String,
+    /// Store port on node 0. Default: 29500 for multi-node jobs, a free port
+    /// for single-node jobs.
+    #[arg(long = "master-port", alias = "master_port")]
+    pub master_port: Option<u16>,
+    /// Restart the whole group up to K times after a failure; workers of a
+    /// restarted group get PHALANX_RESTART_COUNT (and torchrun's
+    /// TORCHELASTIC_RESTART_COUNT) = the attempt number, and `phalanx train`
+    /// resumes from its latest checkpoint.
+    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)
+    /// or `c10d` (elastic rounds through the store at `--rdzv-endpoint`);
+    /// `--nnodes MIN:MAX` implies `c10d`.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend")]
+    pub rdzv_backend: Option<String>,
+    /// HOST:PORT of the elastic rendezvous store: the agent on that host
+    /// serves it, the others connect (default: --master-addr:--master-port).
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint")]
+    pub rdzv_endpoint: Option<String>,
+    /// The job's id: agents with the same id and endpoint form one job.
+    #[arg(long = "rdzv-id", alias = "rdzv_id", default_value = "none")]
+    pub rdzv_id: String,
+    /// Seconds a rendezvous waits for `MIN` nodes before it fails.
+    #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", default_value_t = 900)]
+    pub rdzv_timeout: u64,
+    /// More rendezvous settings, `key=value,...`: `join_timeout` (as
+    /// --rdzv-timeout), `last_call_timeout` (seconds to wait for more nodes
+    /// once MIN have joined, default 5), `heartbeat_timeout` (seconds of
+    /// silence after which a node is lost, default 15).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf")]
+    pub rdzv_conf: Option<String>,
+}
+
+impl LaunchOpts {
+    /// `--nnodes` as (min, max); equal for a fixed job.
+    pub fn nnodes_range(&self) -> Result<(usize, usize), String> {
+        let bad = || {
+            format!(
+                "--nnodes {}: expected N or MIN:MAX with 1 <= MIN <= MAX",
+                self.nnodes
+            )
+        };
+        let num = |v: &str| v.trim().parse::<usize>().map_err(|_| bad());
+        let (min, max) = match self.nnodes.split_once(':') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => {
+                let n = num(&self.nnodes)?;
+                (n, n)
+            }
+        };
+        if min == 0 || min > max {
+            return Err(bad());
+        }
+        Ok((min, max))
+    }
+
+    /// Whether this launch rendezvouses in elastic rounds.
+    pub fn elastic(&self) -> Result<bool, String> {
+        let (min, max) = self.nnodes_range()?;
+        match self.rdzv_backend.as_deref() {
+            None | Some("static") if min == max => Ok(false),
+            None | Some("c10d") => Ok(true),
+            Some("static") => Err(format!(
+                "--nnodes {} needs --rdzv-backend c10d (a static rendezvous has a fixed number of nodes)",
+                self.nnodes
+            )),
+            Some(b) => Err(format!(
+                "--rdzv-backend {b}: expected static or c10d"
+            )),
+        }
+    }
+}

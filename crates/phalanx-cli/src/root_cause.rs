@@ -1,0 +1,105 @@
+//! Which rank a failure started at, from what the failed ranks said.
+//!
+//! When a rank hangs (SIGSTOP, a stuck host) or dies, its peers are the
+//! ones that exit, each with an error naming it (`rank 1 (host:port)
+//! failed: no heartbeat for 1.5 s`, see `phalanx_comm::CommError`). The
+//! launcher sees only that rank 0 exited 1; as torchrun's root-cause error
+//! file does, it reads the failed ranks' last stderr lines and follows who
+//! named whom to the rank the failure started at.
+
+/// What a peer's error says about a named rank.
+const VERDICTS: [&str; 3] = [") failed: ", ") aborted: ", ") stopped after an error: "];
+
+/// Ranks other than `own` that `lines` name as failed, first named first.
+pub fn named(lines: &[String], own: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    for line in lines {
+        let mut rest = line.as_str();
+        while let Some(i) = rest.find("rank ") {
+            rest = &rest[i + 5..];
+            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+            let Ok(r) = digits.parse::<usize>() else {
+                continue;
+            };
+            let after = &rest[digits.len()..];
+            // `rank N (HOST) failed: …`: the host has no parentheses.
+            let Some(host) = after.strip_prefix(" (") else {
+                continue;
+            };
+            let Some(close) = host.find(')') else {
+                continue;
+            };
+            let verdict = &host[close..];
+            if r != own && VERDICTS.iter().any(|v| verdict.starts_with(v)) && !out.contains(&r) {
+                out.push(r);
+            }
+        }
+    }
+    out
+}
+
+/// Follow who named whom from `start` (a failed rank): the last rank of
+/// the chain, if it is not `start`. `said(r)` is rank r's last stderr
+/// lines (empty for a rank not on this node, or one that said nothing,
+/// such as a stopped one).
+pub fn follow(start: usize, said: impl Fn(usize) -> Vec<String>) -> Option<usize> {
+    let mut seen = vec![start];
+    let mut at = start;
+    while let Some(&next) = named(&said(at), at).first() {
+        if seen.contains(&next) {
+            break;
+        }
+        seen.push(next);
+        at = next;
+    }
+    (at != start).then_some(at)
+}
+
+/// How a process that has not been reaped stands, from /proc (Linux).
+pub fn state(pid: u32) -> Option<&'static str> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The state follows the command name, which may hold anything but
+    // ends at the last ')'.
+    let s = stat[stat.rfind(')')? + 1..].trim_start().chars().next()?;
+    Some(match s {
+        'T' | 't' => "stopped (SIGSTOP or a debugger)",
+        'D' => "in uninterruptible sleep",
+        'Z' => "exited",
+        _ => "still running",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn l(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn peers_named_as_failed_are_found_in_order() {
+        let lines = l(&[
+            "phalanx train: error: rank 0 (host0): rank 2 (127.0.0.1:4000) failed: no heartbeat",
+            "rank 0: failed at iteration 3: rank 1 (127.0.0.1:5) aborted: x; rank 2 (h) failed: y",
+            "rank 3 is mentioned without a verdict (h) failed: no",
+        ]);
+        assert_eq!(named(&lines, 0), vec![2, 1]);
+        assert!(named(&l(&["rank 0 (h) failed: itself"]), 0).is_empty());
+    }
+
+    #[test]
+    fn the_chain_of_blame_ends_at_the_root_cause() {
+        // 0 names 2, 2 names 1, 1 said nothing (stopped).
+        let said = |r: usize| match r {
+            0 => l(&["rank 2 (a) failed: gone"]),
+            2 => l(&["rank 1 (b) failed: no heartbeat"]),
+            _ => vec![],
+        };
+        assert_eq!(follow(0, said), Some(1));
+        // A cycle stops where it closes; no naming at all is no answer.
+        let cyc = |r: usize| l(&[&format!("rank {} (h) aborted: x", 1 - r)]);
+        assert_eq!(follow(0, cyc), Some(1));
+        assert_eq!(follow(0, |_| vec![]), None);
+    }
+}
