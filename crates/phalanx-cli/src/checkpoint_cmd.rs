@@ -102,27 +102,7 @@ fn locate(path: &Path) -> Result<PathBuf> {
     checkpoint::find(path)
 }
 
-/// `p` made absolute with symbolic links resolved, also when it does not
-/// exist yet (its nearest existing ancestor is resolved).
-fn resolved(p: &Path) -> PathBuf {
-    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-    let mut tail = Vec::new();
-    let mut at = abs.as_path();
-    loop {
-        if let Ok(c) = at.canonicalize() {
-            let mut out = c;
-            out.extend(tail.iter().rev());
-            return out;
-        }
-        match (at.parent(), at.file_name()) {
-            (Some(parent), Some(name)) => {
-                tail.push(name.to_os_string());
-                at = parent;
-            }
-            _ => return abs,
-        }
-    }
-}
+use crate::outputs::resolve as resolved;
 
 /// How much of every tensor the entries of each kind cover: (kind, the
 /// tensors it does not fully cover: name, values covered, values in it).
@@ -367,6 +347,24 @@ fn convert(path: &Path, out: &Path, force: bool) -> Result<i32> {
         return Ok(2);
     }
     let reader = Reader::open(&dir)?;
+    // What will be written (the weights, config.json beside them) against
+    // the checkpoint read (a link into it included), and another model's
+    // config.json in the way.
+    let model = dcp::config_of(&reader.meta)?;
+    let weights = family::of(&model)?.hf_weights_file(out);
+    let hdir = phalanx_models::common::hf::model_dir(&weights);
+    let mut io = crate::outputs::Io::new();
+    io.output("OUT", &weights)
+        .output("OUT's config.json", &hdir.join("config.json"))
+        .checkpoint_input("checkpoint PATH", &dir);
+    let tok = model.data.tokenizer.json_path();
+    if let Err(m) = io
+        .check()
+        .and_then(|()| crate::hf_out::check_dir(&hdir, &model, tok, "OUT", force))
+    {
+        eprintln!("phalanx checkpoint convert: {m}");
+        return Ok(2);
+    }
     reader.verify_all()?;
     let cfg = dcp::export(&reader, out)?;
     println!(
@@ -406,6 +404,8 @@ fn from_hf(
         );
         return Ok(2);
     }
+    // No run may be writing OUT_DIR meanwhile (see checkpoint::lock).
+    checkpoint::lock::lock(out_dir, "OUT_DIR")?;
     let mut sets = crate::generate::tokenizer_sets(input)?;
     sets.extend(set.iter().cloned());
     let (cfg, _) = family::build_for_hf(config, &sets, input)?;

@@ -14,6 +14,7 @@ mod checkpoint_cmd;
 mod config_args;
 mod elastic;
 mod generate;
+mod hf_out;
 mod launch;
 mod launch_opts;
 mod lighthouse;

@@ -132,6 +132,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
     if let Some(path) = &o.write_config {
         let best = ranked.first().ok_or("no layout to write")?;
         let text = recommended_config(&cfg, &best.layout);
+        crate::outputs::check_plan_output(&cfg, &o.cfg, path)?;
         std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         if !o.json {
             println!("wrote {} ({})", path.display(), best.layout.name());
@@ -144,7 +145,12 @@ fn run(o: &PlanOpts) -> Result<(), String> {
 /// tokenized into memory (about a token per byte with the byte
 /// tokenizer, one per four bytes with GPT-2's); `.bin` files are mapped.
 fn data_tokens(cfg: &TrainConfig) -> u64 {
-    let p = std::path::Path::new(&cfg.data.path);
+    // A corpus (sources, globs, JSONL) is mapped or streamed, never held whole.
+    if cfg.data.uses_corpus() {
+        return 0;
+    }
+    let path = cfg.data.path.to_string();
+    let p = std::path::Path::new(&path);
     if p.extension().is_some_and(|e| e == "bin") {
         return 0;
     }

@@ -81,7 +81,12 @@ fn run(o: &ReportOpts) -> Result<PathBuf, String> {
         .output
         .clone()
         .unwrap_or_else(|| log.with_file_name("report.html"));
-    crate::outputs::check(&[("--output", &out)], &[("the JSON log", &log)])?;
+    let mut io = crate::outputs::Io::new();
+    io.output("--output", &out).input("the JSON log", &log);
+    if let Some(t) = &trace_path {
+        io.input("the trace (--trace)", t);
+    }
+    io.check()?;
     let title = format!("Phalanx run: {}", log.display());
     let html = phalanx::report::html(&title, &steps, trace.as_ref());
     phalanx::report::write(&out, &html).map_err(|e| e.to_string())?;

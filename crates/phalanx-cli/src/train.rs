@@ -52,6 +52,10 @@ pub struct TrainOpts {
     /// Print the resolved config and exit.
     #[arg(long)]
     pub print_config: bool,
+    /// Let --save-final replace a `config.json` / `tokenizer.json` in its
+    /// directory that describes another model (refused otherwise).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// The config: the flags', with the model of `--init-from`'s `config.json`
@@ -119,41 +123,77 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     }
 }
 
-/// Every output path, checked before any rank starts.
+/// Every output path (sidecars included), checked before any rank starts
+/// against every input (see `crate::outputs`), and --save-final's
+/// directory for another model's files (see `crate::hf_out`).
 fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
     let log_json = opts
         .log_json
         .clone()
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
-    let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
-    let mut outs: Vec<(&str, &std::path::Path)> = Vec::new();
-    // Saving to a directory (Llama, Qwen2) writes model.safetensors in it.
-    let weights = match (&opts.save_final, family::of(cfg)) {
-        (Some(p), Ok(f)) => Some(f.hf_weights_file(p)),
-        (p, _) => p.clone(),
-    };
-    if let Some(p) = &weights {
-        outs.push(("--save-final", p));
+    let mut io = crate::outputs::Io::new();
+    let mut foreign = None;
+    if let Some(p) = &opts.save_final {
+        // Saving to a directory (Llama, Qwen2) writes model.safetensors in
+        // it; config.json (and a tokenizer.json tokenizer) go beside.
+        let f = family::of(cfg).map_err(|e| e.to_string())?;
+        let weights = f.hf_weights_file(p);
+        let dir = phalanx_models::common::hf::model_dir(&weights);
+        io.output("--save-final", &weights)
+            .output("--save-final's config.json", &dir.join("config.json"));
+        let tok = cfg.data.tokenizer.json_path();
+        if let Some(t) = tok {
+            // Not written when it already is the tokenizer read.
+            let src = phalanx_models::hf_tokenizer::json_path(t);
+            let dst = dir.join("tokenizer.json");
+            if crate::outputs::resolve(&src) != crate::outputs::resolve(&dst) {
+                io.output("--save-final's tokenizer.json", &dst);
+            }
+        }
+        foreign = Some((dir, tok));
     }
     if let Some(p) = &log_json {
-        outs.push(("--log-json", p));
+        io.output("--log-json", p);
     }
     if let Some(p) = &opts.trace {
-        outs.push(("--trace", p));
+        io.output("--trace", p);
     }
-    if let Some(p) = &plot {
-        outs.push(("log.plot", p));
+    for (key, v) in [("log.plot", &cfg.log.plot), ("log.report", &cfg.log.report)] {
+        if !v.is_empty() {
+            io.output(key, std::path::Path::new(v));
+        }
     }
-    let report = (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report));
-    if let Some(p) = &report {
-        outs.push(("log.report", p));
-    }
-    let data = PathBuf::from(&cfg.data.path);
-    let mut ins: Vec<(&str, &std::path::Path)> = vec![("data file (data.path)", &data)];
+    let flag = if opts.cfg.config.is_some() {
+        "--config"
+    } else {
+        "--deepspeed-config"
+    };
+    crate::outputs::config_inputs(&mut io, cfg, opts.cfg.file().map(|f| (flag, f)));
     if let Some(p) = &opts.init_from {
-        ins.push(("--init-from model", p));
+        io.input("--init-from model", p);
+        if let Some(cj) = family::hf_config_path(p) {
+            io.input("--init-from config.json", &cj);
+        }
     }
-    crate::outputs::check(&outs, &ins)
+    let ckdir = std::path::Path::new(&cfg.checkpoint.dir);
+    match opts.resume.as_deref() {
+        None => {}
+        Some("auto") => {
+            io.checkpoint_input("--resume auto checkpoint (checkpoint.dir)", ckdir);
+        }
+        Some(p) => {
+            io.checkpoint_input("--resume checkpoint", std::path::Path::new(p));
+        }
+    }
+    if cfg.checkpoint.interval > 0 {
+        io.checkpoint_output("checkpoint.dir", ckdir);
+    }
+    io.check()?;
+    // Inputs first: a link to an input is named as such, not as a foreign file.
+    match foreign {
+        Some((dir, tok)) => crate::hf_out::check_dir(&dir, cfg, tok, "--save-final", opts.force),
+        None => Ok(()),
+    }
 }
 
 /// `--init-from` weights whose `config.json` disagrees with the model
@@ -291,8 +331,16 @@ fn run(
         save_final,
         run: run_opts,
     };
-    let report = train::train(cfg, pg.clone(), loader, &run)?.0;
-    if lead {
+    let (report, trainer) = train::train(cfg, pg.clone(), loader, &run)?;
+    if lead && report.losses.is_empty() && report.stopped_at.is_none() {
+        // Resumed at or past train.steps: no step ran, so no loss to show.
+        println!(
+            "nothing to do: resumed at step {}, and train.steps = {}; raise train.steps to \
+             train further",
+            trainer.start_step(),
+            cfg.train.steps
+        );
+    } else if lead {
         let first = report.losses.first().copied().unwrap_or(f32::NAN);
         let last = report.losses.last().copied().unwrap_or(f32::NAN);
         print!(
@@ -305,13 +353,13 @@ fn run(
             print!(", val loss {v:.4}");
         }
         println!();
-        if let Some(p) = &opts.save_final {
-            println!(
-                "saved {} (Hugging Face {} layout)",
-                p.display(),
-                family.title()
-            );
-        }
+    }
+    if let (true, Some(p)) = (lead, &opts.save_final) {
+        println!(
+            "saved {} (Hugging Face {} layout)",
+            p.display(),
+            family.title()
+        );
     }
     pg.shutdown();
     Ok(report.stopped_at)

@@ -354,3 +354,61 @@ fn restarted_workers_get_the_restart_count() {
         "{e}"
     );
 }
+
+/// Resuming at or past `train.steps` says there is nothing to do (no NaN
+/// losses, exit 0); `--resume auto` over checkpoints that all fail
+/// verification refuses, listing each, and deletes none of them (it used
+/// to say "starting fresh" and rotate them away).
+#[test]
+fn nothing_to_do_and_all_broken_checkpoints_are_refused_not_rotated() {
+    let d = tmpdir("allbroken");
+    let base = ["--nproc-per-node", "1", "--set", "train.micro_batch_size=4"];
+    let mut args = base.to_vec();
+    let s = [settings(&d, 2, 1), set("checkpoint.keep=2".into()).to_vec()].concat();
+    args.extend(strs(&s));
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+
+    let mut again = args.clone();
+    again.extend(["--resume", "auto"]);
+    let r = train(&again, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.out
+            .contains("nothing to do: resumed at step 2, and train.steps = 2"),
+        "{r}"
+    );
+    assert!(!r.out.contains("NaN") && !r.out.contains("done:"), "{r}");
+
+    // Break every checkpoint (repairably: a truncated rank file).
+    let steps = ["step-00000001", "step-00000002"];
+    for s in steps {
+        let f = d.join("ckpt").join(s).join("rank-00000.safetensors");
+        let len = std::fs::metadata(&f).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+    }
+    let mut args = base.to_vec();
+    let s = [settings(&d, 6, 1), set("checkpoint.keep=2".into()).to_vec()].concat();
+    args.extend(strs(&s));
+    args.extend(["--resume", "auto"]);
+    let r = train(&args, None);
+    assert_ne!(r.code, 0, "{r}");
+    assert!(r.err.contains("every checkpoint under"), "{r}");
+    assert!(!r.out.contains("starting fresh"), "{r}");
+    for s in steps {
+        assert!(r.err.contains(s), "{s} not listed: {r}");
+        assert!(
+            d.join("ckpt").join(s).join("metadata.json").exists(),
+            "{s} deleted"
+        );
+    }
+    assert!(
+        !d.join("ckpt/step-00000003").exists(),
+        "trained anyway: {r}"
+    );
+}

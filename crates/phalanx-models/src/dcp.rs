@@ -127,6 +127,8 @@ pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
         precision: cfg.precision().to_string(),
         loss_scaler: phalanx::trainer::loss_scaler(cfg),
         global_batch: cfg.global_batch(1),
+        samples_consumed: 0,
+        data: None,
         config: cfg.to_toml(),
     };
     let root = root.to_path_buf();

@@ -80,6 +80,53 @@ fn chunks(text: &str, size: usize) -> Vec<&str> {
     out
 }
 
+/// A `tokenizer.json` as the loader's text encoder (JSONL and text
+/// sources): documents without special tokens, each followed by the
+/// tokenizer's end-of-text token (the first of `<|endoftext|>`,
+/// `<|end_of_text|>`, `</s>`, `<eos>` it knows; else a newline).
+pub struct HfEncoder {
+    tok: Tokenizer,
+    sep: Vec<u32>,
+    name: String,
+}
+
+impl HfEncoder {
+    pub fn new(tok: Tokenizer, name: &str) -> HfEncoder {
+        let sep = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"]
+            .iter()
+            .find_map(|t| tok.token_to_id(t))
+            .map(|id| vec![id])
+            .unwrap_or_else(|| {
+                tok.encode("\n", false)
+                    .map(|e| e.get_ids().to_vec())
+                    .unwrap_or_default()
+            });
+        HfEncoder {
+            tok,
+            sep,
+            name: name.to_string(),
+        }
+    }
+}
+
+impl phalanx::data::TextEncoder for HfEncoder {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        // A text this tokenizer fails on yields no tokens rather than
+        // stopping a background reader; tokenizers fails only on
+        // malformed configs, which `open` has already refused.
+        self.tok
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default()
+    }
+    fn separator(&self) -> Vec<u32> {
+        self.sep.clone()
+    }
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}
+
 /// The tokenizer `data.tokenizer` names, checked to fit a model of
 /// `vocab_size` ids (an error names the file, its vocabulary and the key).
 pub fn open_for_model(path: &Path, model_vocab: usize) -> Result<Tokenizer> {

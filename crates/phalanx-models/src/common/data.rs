@@ -27,7 +27,19 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
         seed: cfg.data.seed,
         vocab_size: Some(vocab_size),
     };
-    let path = Path::new(&cfg.data.path);
+    if cfg.data.uses_corpus() {
+        let encoder: std::sync::Arc<dyn phalanx::data::TextEncoder> = match &cfg.data.tokenizer {
+            TokenizerSpec::Builtin(t) => std::sync::Arc::new(*t),
+            TokenizerSpec::HfJson(j) => std::sync::Arc::new(hf_tokenizer::HfEncoder::new(
+                hf_tokenizer::open_for_model(Path::new(j), vocab_size)?,
+                j,
+            )),
+        };
+        let cc = cfg.data.corpus_config(seq_len, Some(vocab_size), encoder);
+        return Ok(DataLoader::from_corpus(phalanx::data::Corpus::open(&cc)?));
+    }
+    let data_path = cfg.data.path.to_string();
+    let path = Path::new(&data_path);
     let is_bin = path.extension().is_some_and(|e| e == "bin");
     let tok = match (&cfg.data.tokenizer, is_bin) {
         (TokenizerSpec::Builtin(t), _) => *t,

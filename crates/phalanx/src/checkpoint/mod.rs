@@ -25,11 +25,13 @@
 //! # Ok(()) }
 //! ```
 
+pub mod lock;
 pub mod read;
 pub mod region;
+pub mod rotate;
 pub mod write;
 
-pub use read::{find, find_latest, Reader};
+pub use read::{find, find_latest, find_latest_or_refuse, Reader};
 pub use write::Header;
 pub use write::{AsyncWriter, Snapshot};
 
@@ -177,6 +179,10 @@ pub struct Metadata {
     /// batch order is a function of the step, so this is the data position.
     pub samples_consumed: u64,
     pub global_batch: usize,
+    /// What decides the samples (checked on resume) and where text
+    /// streams stood; absent in older checkpoints and imported weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::data::DataState>,
     /// No training-time random state exists (initialisation and the batch
     /// order are seeded by the config; no dropout): said here, not guessed.
     pub rng: String,

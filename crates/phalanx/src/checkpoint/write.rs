@@ -215,6 +215,11 @@ pub struct Header {
     pub precision: String,
     pub loss_scaler: crate::precision::LossScaler,
     pub global_batch: usize,
+    /// The global sample index the next step starts at (step x global
+    /// batch, unless a resume changed the batch).
+    pub samples_consumed: u64,
+    /// The data fingerprint and stream positions (see `crate::data::DataState`).
+    pub data: Option<crate::data::DataState>,
     pub config: String,
 }
 
@@ -311,7 +316,8 @@ fn commit(
         precision: header.precision.clone(),
         optimizer,
         loss_scaler: header.loss_scaler,
-        samples_consumed: (header.step * header.global_batch) as u64,
+        samples_consumed: header.samples_consumed,
+        data: header.data.clone(),
         global_batch: header.global_batch,
         rng: "none: initialisation and batch order are seeded by the config; no dropout".into(),
         config: header.config.clone(),
@@ -332,6 +338,12 @@ fn commit(
     // no checkpoint that looks complete.
     crate::fault::in_save(header.step);
     let dst = root.join(name);
+    if dst.exists() && super::rotate::phalanx_checkpoint(&dst).is_none() {
+        return Err(Error::Check(format!(
+            "checkpoint: {} exists and is not a checkpoint Phalanx wrote: not replacing it",
+            dst.display()
+        )));
+    }
     if dst.exists() {
         // A checkpoint of the same step from an earlier run: replaced.
         let old = root.join(format!(".old-{name}"));
@@ -341,40 +353,11 @@ fn commit(
     }
     std::fs::rename(tmp, &dst).map_err(|e| io("cannot rename into", &dst, e))?;
     sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
-    let latest_tmp = root.join(".latest.tmp");
-    write_synced(&latest_tmp, format!("{name}\n").as_bytes())
-        .map_err(|e| io("cannot write", &latest_tmp, e))?;
-    std::fs::rename(&latest_tmp, root.join("latest"))
+    super::rotate::write_latest(root, name)
         .map_err(|e| io("cannot update", &root.join("latest"), e))?;
     sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
-    prune(root, name, keep);
+    super::rotate::prune(root, name, keep);
     Ok(dst)
-}
-
-/// Remove all but the newest `keep` checkpoints (never `current`), and
-/// leftovers of interrupted saves.
-fn prune(root: &Path, current: &str, keep: usize) {
-    let Ok(rd) = std::fs::read_dir(root) else {
-        return;
-    };
-    let mut steps: Vec<String> = Vec::new();
-    for e in rd.flatten() {
-        let n = e.file_name().to_string_lossy().to_string();
-        if n.starts_with("step-") {
-            steps.push(n);
-        } else if n.starts_with(".tmp-step-") || n.starts_with(".old-step-") {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-    steps.sort();
-    let keep = keep.max(1);
-    if steps.len() > keep {
-        for n in &steps[..steps.len() - keep] {
-            if n != current {
-                let _ = std::fs::remove_dir_all(root.join(n));
-            }
-        }
-    }
 }
 
 /// At most one checkpoint in flight, written by a thread of its own over

@@ -79,6 +79,13 @@ pub(crate) fn merge(base: &mut toml::Table, over: toml::Table, path: &str) -> Re
                         *slot = toml::Value::Float(*i as f64);
                         continue;
                     }
+                    // A path key takes one path or a list of them.
+                    (toml::Value::String(_), toml::Value::Array(_))
+                    | (toml::Value::Array(_), toml::Value::String(_))
+                        if full == "data.path" || full == "data.val_path" =>
+                    {
+                        true
+                    }
                     (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
                 };
                 if !ok {

@@ -17,6 +17,7 @@
 
 mod batch;
 mod choices;
+mod data;
 mod deepspeed;
 mod fault_tolerance;
 mod merge;
@@ -29,6 +30,7 @@ pub use choices::{
     Choice, CommHookKind, DeviceKind, LrScheduleKind, OffloadDevice, OnNonfinite, OptimName,
     PpPartition, PpSchedule, ScheduleKind, ShardingStrategy, TokenizerSpec, WarmupType,
 };
+pub use data::{DataPath, DataSource};
 pub use fault_tolerance::FaultToleranceConfig;
 pub use model::{ModelFacts, ModelSchema, NoModel};
 pub use precision::{
@@ -198,8 +200,21 @@ pub struct Sharding {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// A text file, a nanoGPT .bin (uint16) or an llm.c .bin.
-    pub path: String,
+    /// A file (text, JSONL, nanoGPT .bin, llm.c .bin), a directory, a glob,
+    /// or a list of them (see [`data`] and `crate::data::corpus`).
+    pub path: DataPath,
+    /// Weighted sources (`[[data.sources]]`), instead of `path`.
+    pub sources: Vec<DataSource>,
+    /// JSONL key of a document's text (for `path`; sources have their own).
+    pub field: String,
+    /// Validation files; empty: the tail `val_fraction` of each token file.
+    pub val_path: DataPath,
+    /// A record that cannot be read: `error` (naming file and line) or `skip`.
+    pub on_bad_record: crate::data::OnBadRecord,
+    /// Tokenizer threads per text source (0: up to 4); the order does not depend on it.
+    pub loader_threads: usize,
+    /// Tokenized text shards queued ahead per source.
+    pub prefetch: usize,
     /// `byte` (vocab 256), `gpt2` (BPE, vocab 50257), or the path of a
     /// Hugging Face `tokenizer.json`.
     pub tokenizer: TokenizerSpec,
@@ -473,10 +488,19 @@ impl Default for TrainConfig {
     }
 }
 
+/// `data.path`'s default: the shipped corpus.
+pub const DEFAULT_DATA_PATH: &str = "data/corpus.txt";
+
 impl Default for DataConfig {
     fn default() -> Self {
         DataConfig {
-            path: "data/corpus.txt".into(),
+            path: DataPath::One(DEFAULT_DATA_PATH.into()),
+            sources: Vec::new(),
+            field: "text".into(),
+            val_path: DataPath::Many(Vec::new()),
+            on_bad_record: crate::data::OnBadRecord::Error,
+            loader_threads: 0,
+            prefetch: 2,
             tokenizer: TokenizerSpec::Builtin(Tokenizer::Byte),
             shuffle: true,
             seed: 1337,

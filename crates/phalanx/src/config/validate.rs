@@ -26,6 +26,7 @@ impl TrainConfig {
             ));
         }
         self.check_numbers()?;
+        self.data.validate()?;
         self.fault_tolerance.validate()?;
         let p = &self.parallel;
         if !(p.topk_ratio.is_finite() && p.topk_ratio > 0.0 && p.topk_ratio <= 1.0) {

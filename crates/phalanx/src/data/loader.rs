@@ -30,6 +30,7 @@
 //! assert_eq!(b.targets, vec![25, 26, 27, 28, 29, 30, 31, 32]);
 //! ```
 
+use super::corpus::Corpus;
 use super::error::{DataError, Result};
 use super::shuffle::permutation;
 use super::source::TokenData;
@@ -109,10 +110,10 @@ pub fn micro_batch_size(global_batch: usize, dp_size: usize, grad_accum: usize) 
 
 /// A contiguous part of a token stream.
 #[derive(Clone, Debug)]
-struct Split {
-    data: Arc<TokenData>,
+pub(super) struct Split {
+    pub(super) data: Arc<TokenData>,
     start: usize,
-    len: usize,
+    pub(super) len: usize,
 }
 
 impl Split {
@@ -130,13 +131,19 @@ impl Split {
 
 /// Serves training micro-batches and validation batches (see the module docs).
 pub struct DataLoader {
-    train: Split,
-    val: Split,
-    seq_len: usize,
-    shuffle: bool,
-    seed: u64,
+    /// One stream (`new`, `with_val`, `open`); empty when `corpus` is set.
+    pub(super) train: Split,
+    pub(super) val: Split,
+    pub(super) seq_len: usize,
+    pub(super) shuffle: bool,
+    pub(super) seed: u64,
     /// The permutations of the last epochs used: a step can straddle two.
     perms: Mutex<Vec<(u64, Arc<Vec<u64>>)>>,
+    /// Many shards and sources ([`DataLoader::from_corpus`]).
+    pub(super) corpus: Option<Corpus>,
+    /// `(step, global index)`: step `base.0` starts at global index
+    /// `base.1` (0, 0 unless resumed: see [`DataLoader::resume_at`]).
+    pub(super) base: Mutex<(u64, u64)>,
 }
 
 impl std::fmt::Debug for DataLoader {
@@ -231,33 +238,78 @@ impl DataLoader {
             shuffle: cfg.shuffle,
             seed: cfg.seed,
             perms: Mutex::new(Vec::new()),
+            corpus: None,
+            base: Mutex::new((0, 0)),
         })
+    }
+
+    /// Serves a corpus of many shards and sources (see [`super::corpus`]).
+    pub fn from_corpus(corpus: Corpus) -> DataLoader {
+        let empty = Split {
+            data: Arc::new(TokenData::from_tokens(Vec::new())),
+            start: 0,
+            len: 0,
+        };
+        DataLoader {
+            train: empty.clone(),
+            val: empty,
+            seq_len: corpus.seq_len,
+            shuffle: false,
+            seed: 0,
+            perms: Mutex::new(Vec::new()),
+            corpus: Some(corpus),
+            base: Mutex::new((0, 0)),
+        }
+    }
+
+    /// The corpus, when this loader serves one.
+    pub fn corpus(&self) -> Option<&Corpus> {
+        self.corpus.as_ref()
     }
 
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
 
+    /// Training tokens (of a corpus: its token files'; text is streamed
+    /// and not counted in advance).
     pub fn train_tokens(&self) -> usize {
-        self.train.len
+        match &self.corpus {
+            Some(c) => c.train_tokens(),
+            None => self.train.len,
+        }
     }
 
     pub fn val_tokens(&self) -> usize {
-        self.val.len
+        match &self.corpus {
+            Some(c) => c.val_tokens(),
+            None => self.val.len,
+        }
     }
 
-    /// Number of training samples `n` (one epoch).
+    /// Number of training samples `n` (one epoch); a corpus with a text
+    /// source, whose epoch is not known before it is read, says `u64::MAX`.
     pub fn train_samples(&self) -> u64 {
-        self.train.samples(self.seq_len)
+        match &self.corpus {
+            Some(c) => c.train_samples().unwrap_or(u64::MAX),
+            None => self.train.samples(self.seq_len),
+        }
     }
 
     /// Number of validation samples.
     pub fn val_samples(&self) -> u64 {
-        self.val.samples(self.seq_len)
+        match &self.corpus {
+            Some(c) => c.val_samples(),
+            None => self.val.samples(self.seq_len),
+        }
     }
 
-    /// The training sample that global index `g` maps to.
+    /// The training sample that global index `g` maps to (a corpus: `g`
+    /// itself; its sources place it, see [`super::corpus`]).
     pub fn sample_index(&self, g: u64) -> u64 {
+        if self.corpus.is_some() {
+            return g;
+        }
         let n = self.train_samples();
         let (epoch, pos) = (g / n, g % n);
         if !self.shuffle {
@@ -282,7 +334,7 @@ impl DataLoader {
     /// The `global_batch` sample indices of step `step`, in order.
     pub fn step_samples(&self, step: u64, global_batch: usize) -> Result<Vec<u64>> {
         self.check_global_batch(global_batch)?;
-        Ok(self.samples_from(step * global_batch as u64, global_batch))
+        Ok(self.samples_from(self.position(step, global_batch), global_batch))
     }
 
     /// The sample indices of `n` consecutive global positions from `first`.
@@ -312,7 +364,7 @@ impl DataLoader {
         self.check_global_batch(global_batch)?;
         let rank_first = dp_rank * (global_batch / dp_size);
         let first =
-            step * global_batch as u64 + (rank_first + micro_step * micro_batch_size) as u64;
+            self.position(step, global_batch) + (rank_first + micro_step * micro_batch_size) as u64;
         Ok(self.samples_from(first, micro_batch_size))
     }
 
@@ -334,6 +386,19 @@ impl DataLoader {
             micro_batch_size,
             grad_accum,
         )?;
+        if let Some(c) = &self.corpus {
+            let t = self.seq_len;
+            let mut b = Batch {
+                inputs: Vec::with_capacity(samples.len() * t),
+                targets: Vec::with_capacity(samples.len() * t),
+                batch_size: samples.len(),
+                seq_len: t,
+            };
+            for &g in &samples {
+                c.push_sample(g, &mut b.inputs, &mut b.targets)?;
+            }
+            return Ok(b);
+        }
         self.train.data.check_unchanged()?;
         Ok(self.gather(&self.train, &samples))
     }
@@ -351,13 +416,26 @@ impl DataLoader {
             return Err(DataError::TooSmall(format!(
                 "validation batch {index} of {batch_size} samples: the validation split \
                  ({} tokens, {} samples of {} tokens) holds {count} such batches",
-                self.val.len,
+                self.val_tokens(),
                 self.val_samples(),
                 self.seq_len + 1
             )));
         }
         let first = (index * batch_size) as u64;
         let samples: Vec<u64> = (first..first + batch_size as u64).collect();
+        if let Some(c) = &self.corpus {
+            let t = self.seq_len;
+            let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+            for &i in &samples {
+                c.push_val(i, &mut inputs, &mut targets)?;
+            }
+            return Ok(Batch {
+                inputs,
+                targets,
+                batch_size,
+                seq_len: t,
+            });
+        }
         self.val.data.check_unchanged()?;
         Ok(self.gather(&self.val, &samples))
     }
@@ -376,6 +454,11 @@ impl DataLoader {
     }
 
     fn check_global_batch(&self, global_batch: usize) -> Result<()> {
+        if self.corpus.is_some() {
+            // Sources wrap or stream: any batch is served (the trainer
+            // checks a token corpus holds one global batch).
+            return Ok(());
+        }
         let n = self.train_samples();
         if global_batch == 0 || (global_batch as u64) > n {
             return Err(DataError::TooSmall(format!(

@@ -5,6 +5,9 @@
 //! - [`loader`]: train/validation split and the batch order, identical for
 //!   every data-parallel size and accumulation setting at the same global batch.
 //! - [`shuffle`]: the seeded permutation (splitmix64 + Fisher-Yates).
+//! - [`corpus`]: many shards and sources (files, globs, directories, lists;
+//!   token `.bin`, JSONL, text) mixed by weight ([`mix`]), token shards
+//!   mapped ([`shards`]), text streamed and tokenized ahead ([`text`]).
 //!
 //! The repository ships a corpus in `data/corpus.txt` (see `data/README.md`).
 //!
@@ -19,13 +22,34 @@
 //! assert_eq!(batch.inputs.len(), 3 * 8);
 //! ```
 
+pub mod corpus;
 pub mod error;
 pub mod loader;
+pub mod mix;
+pub mod paths;
+pub mod resume;
+pub mod shards;
 pub mod shuffle;
 pub mod source;
+pub mod text;
 pub mod tokenizer;
+
+pub use corpus::{Corpus, CorpusConfig, SourceSpec};
+pub use text::{TextEncoder, TextStats};
+
+/// What a record that cannot be read (a JSONL line that is not JSON, a
+/// missing field, text that is not UTF-8) does: stop the run naming the
+/// file and line, or be skipped and counted (`data_skipped` in the JSON log).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBadRecord {
+    #[default]
+    Error,
+    Skip,
+}
 
 pub use error::DataError;
 pub use loader::{micro_batch_size, Batch, DataLoader, LoaderConfig};
+pub use resume::{DataState, LoaderStats};
 pub use source::{Format, TokenData};
 pub use tokenizer::Tokenizer;

@@ -24,6 +24,8 @@ impl Trainer {
             ))
         };
         std::fs::create_dir_all(dir).map_err(fail)?;
+        // One run at a time writes (and rotates) a checkpoint directory.
+        checkpoint::lock::lock(dir, "checkpoint.dir")?;
         let probe = dir.join(format!(".probe-{}", std::process::id()));
         std::fs::write(&probe, b"").map_err(fail)?;
         std::fs::remove_file(&probe).map_err(fail)
@@ -85,12 +87,23 @@ impl Trainer {
         let world = self.mesh.world();
         // Rank 0 verifies and picks; the others follow.
         let mut pick = [-1i64];
+        let mut refused = None;
         if world.rank() == 0 {
-            if let Some((_, r)) = checkpoint::find_latest(&root) {
-                pick[0] = r.meta.step as i64;
+            match checkpoint::find_latest_or_refuse(&root) {
+                Ok(Some((_, r))) => pick[0] = r.meta.step as i64,
+                Ok(None) => {}
+                Err(e) => (pick[0], refused) = (-2, Some(e)),
             }
         }
         world.broadcast(&mut pick, 0)?;
+        if pick[0] == -2 {
+            return Err(refused.unwrap_or_else(|| {
+                Error::Check(format!(
+                    "no checkpoint under {} verifies (rank 0 lists them)",
+                    root.display()
+                ))
+            }));
+        }
         if pick[0] < 0 {
             if fresh_note && world.rank() == 0 {
                 println!(
@@ -133,6 +146,25 @@ impl Trainer {
             self.scaler = reader.meta.loss_scaler;
         }
         self.start_step = reader.meta.step;
+        // The data continues at the checkpoint's sample position, whatever
+        // this run's global batch (a changed data config is refused).
+        self.loader
+            .resume_at(
+                reader.meta.step as u64,
+                reader.meta.samples_consumed,
+                reader.meta.data.as_ref(),
+            )
+            .map_err(|e| Error::Check(format!("--resume {}: {e}", dir.display())))?;
+        if self.mesh.world().rank() == 0 && reader.meta.global_batch != self.global_batch {
+            println!(
+                "note: {} was trained with a global batch of {}, this run uses {}: the data \
+                 continues at sample {} (no sample repeated or skipped)",
+                dir.display(),
+                reader.meta.global_batch,
+                self.global_batch,
+                reader.meta.samples_consumed
+            );
+        }
         if self.mesh.world().rank() == 0 {
             println!(
                 "resumed from {} (step {}, saved by {} on {} rank(s)) in {:.1} ms",
@@ -235,6 +267,8 @@ impl Trainer {
             precision: self.cfg.precision().to_string(),
             loss_scaler: self.scaler,
             global_batch: self.global_batch,
+            samples_consumed: self.loader.position(steps_done as u64, self.data_batch()),
+            data: Some(self.loader.state_at(steps_done as u64, self.data_batch())?),
             config: self.cfg.to_toml(),
         };
         let root = PathBuf::from(&self.cfg.checkpoint.dir);

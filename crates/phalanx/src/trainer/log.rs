@@ -152,6 +152,16 @@ impl StepLog {
             if s.skipped {
                 v["skipped"] = serde_json::json!(true);
             }
+            if let Some(d) = &s.data {
+                // A data-bound run shows here: the readers' tokens/s (busy
+                // time only) against the step's, and an empty queue.
+                v["data_skipped"] = serde_json::json!(d.skipped);
+                v["data_queue"] = serde_json::json!(d.queued);
+                v["data_tokenized"] = serde_json::json!(d.tokens);
+                if d.busy_s > 0.0 {
+                    v["data_tokenize_tokens_per_s"] = serde_json::json!(d.tokens as f64 / d.busy_s);
+                }
+            }
             if let Some(val) = val {
                 v["val_loss"] = serde_json::json!(val);
             }

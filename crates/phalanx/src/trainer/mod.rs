@@ -66,6 +66,10 @@ pub struct StepStats {
     /// Under fault tolerance: how many replica groups' samples the step
     /// committed (this step's quorum; torchft's `batches_committed`).
     pub groups_committed: Option<usize>,
+    /// The text loader's counters on this rank after the step (skipped
+    /// records, tokens tokenized, reader time, queue depth), when a text
+    /// source is read.
+    pub data: Option<crate::data::LoaderStats>,
 }
 
 /// What a run produced.
@@ -311,6 +315,14 @@ impl Trainer {
         self.strat.materialize_params(&mut self.engine)
     }
 
+    /// The samples one step takes from the data's global order: the global
+    /// batch, times the replica groups that share each step's data under
+    /// fault tolerance (group i reads share i of them).
+    pub(crate) fn data_batch(&self) -> usize {
+        let ft = &self.cfg.fault_tolerance;
+        self.global_batch * if ft.enabled() { ft.replicas } else { 1 }
+    }
+
     /// One optimizer step: `grad_accum` micro-batches of this rank's slice,
     /// gradient reduction, then the finish path (unscale, non-finite check,
     /// clip, update).
@@ -429,6 +441,7 @@ impl Trainer {
                 .as_ref()
                 .and_then(|f| f.quorum.as_ref())
                 .map(|q| q.size),
+            data: self.loader.stats(),
         }))
     }
 

@@ -1,0 +1,277 @@
+//! No output is an input (docs/security.md): the input/output matrix —
+//! every output flag of `phalanx train` (and its sidecars) against every
+//! kind of input, named by its path, a symbolic link and a hard link — is
+//! refused before any rank starts, naming both, and leaves the input as it
+//! was. Also `plan --write-config`, and another model's files in
+//! `--save-final`'s directory.
+
+mod common;
+use common::*;
+
+use std::path::{Path, PathBuf};
+
+/// The inputs, each made under `d`: (name, the file an output may hit,
+/// the flags that make the run read it).
+fn inputs(d: &Path) -> Vec<(&'static str, PathBuf, Vec<String>)> {
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let toml = d.join("run.toml");
+    std::fs::write(&toml, "[train]\nsteps = 2\n").unwrap();
+    let ds = d.join("ds_config.json");
+    std::fs::write(&ds, r#"{"train_micro_batch_size_per_gpu": 4}"#).unwrap();
+    // Named config.json: `--save-final data/m.safetensors` writes a
+    // config.json beside it (issue 27, item 2).
+    std::fs::create_dir_all(d.join("data")).unwrap();
+    let data = d.join("data/config.json");
+    std::fs::write(&data, "a corpus ".repeat(500)).unwrap();
+    let init = d.join("init/model.safetensors");
+    std::fs::create_dir_all(d.join("init")).unwrap();
+    std::fs::write(&init, b"weights").unwrap();
+    let meta = d.join("ck/step-00000002/metadata.json");
+    std::fs::create_dir_all(meta.parent().unwrap()).unwrap();
+    std::fs::write(&meta, b"{}").unwrap();
+    vec![
+        (
+            "--config",
+            toml.clone(),
+            s(&["--config", toml.to_str().unwrap()]),
+        ),
+        (
+            "--deepspeed-config",
+            ds.clone(),
+            s(&["--deepspeed-config", ds.to_str().unwrap()]),
+        ),
+        (
+            "data.path",
+            data.clone(),
+            s(&["--set", &format!("data.path={:?}", data.to_str().unwrap())]),
+        ),
+        (
+            "--init-from",
+            init.clone(),
+            s(&["--init-from", init.to_str().unwrap()]),
+        ),
+        (
+            "--resume",
+            meta.clone(),
+            s(&["--resume", d.join("ck").to_str().unwrap()]),
+        ),
+    ]
+}
+
+/// `target` as named by `how`: itself, a symbolic link or a hard link at `at`.
+fn name(how: &str, target: &Path, at: &Path) -> PathBuf {
+    std::fs::create_dir_all(at.parent().unwrap()).unwrap();
+    let _ = std::fs::remove_file(at);
+    match how {
+        "path" => return target.to_path_buf(),
+        "symlink" => std::os::unix::fs::symlink(target, at).unwrap(),
+        _ => std::fs::hard_link(target, at).unwrap(),
+    }
+    at.to_path_buf()
+}
+
+#[test]
+fn no_output_flag_overwrites_any_input_by_any_name() {
+    let d = fresh_dir("phalanx-outputs", "matrix");
+    let outputs = [
+        "--log-json",
+        "--trace",
+        "log.report",
+        "--save-final",
+        "sidecar",
+    ];
+    let mut n = 0;
+    for (input, file, in_flags) in inputs(&d) {
+        let before = std::fs::read(&file).unwrap();
+        for out in outputs {
+            for how in ["path", "symlink", "hardlink"] {
+                // The sidecar by path is the data file named config.json.
+                if out == "sidecar" && how == "path" && input != "data.path" {
+                    continue;
+                }
+                let tag = format!("{input} x {out} x {how}");
+                let link_dir = d.join(format!("links-{n}"));
+                n += 1;
+                let (flag_out, shown) = if out == "sidecar" {
+                    let at = name(how, &file, &link_dir.join("config.json"));
+                    let dir = at.parent().unwrap().to_path_buf();
+                    (
+                        vec![
+                            "--save-final".to_string(),
+                            dir.join("m.safetensors").to_str().unwrap().to_string(),
+                        ],
+                        "config.json",
+                    )
+                } else {
+                    let at = name(how, &file, &link_dir.join("out.file"));
+                    let p = at.to_str().unwrap().to_string();
+                    match out {
+                        "log.report" => (
+                            vec!["--set".into(), format!("log.report={p:?}")],
+                            "log.report",
+                        ),
+                        f => (vec![f.to_string(), p], f),
+                    }
+                };
+                let mut args: Vec<String> =
+                    vec!["train".into(), "--nproc-per-node".into(), "1".into()];
+                args.extend(SMALL.iter().map(|s| s.to_string()));
+                args.extend(in_flags.iter().cloned());
+                args.extend(flag_out);
+                let argv: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+                let (code, stdout, err) = phalanx(&argv);
+                assert_eq!(code, 2, "{tag}: {stdout}{err}");
+                assert!(
+                    err.contains("refusing to overwrite an input"),
+                    "{tag}: {err}"
+                );
+                assert!(
+                    err.contains(shown),
+                    "{tag}: the flag should be named: {err}"
+                );
+                assert!(
+                    err.contains(input) || err.contains("--resume"),
+                    "{tag}: the input should be named: {err}"
+                );
+                assert!(!stdout.contains("done:"), "{tag}: trained: {stdout}");
+                assert_eq!(
+                    std::fs::read(&file).unwrap(),
+                    before,
+                    "{tag}: the input changed"
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn outputs_inside_checkpoint_entries_and_input_directories_are_refused() {
+    let d = fresh_dir("phalanx-outputs", "inside");
+    std::fs::create_dir_all(d.join("corpus")).unwrap();
+    std::fs::write(d.join("corpus/a.txt"), "text ".repeat(400)).unwrap();
+    let ck = d.join("ck");
+    // (flags, words the error must hold)
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        // An output in a data directory would join the corpus.
+        (
+            vec![
+                "--set".into(),
+                format!("data.path={:?}", d.join("corpus").to_str().unwrap()),
+                "--log-json".into(),
+                d.join("corpus/log.jsonl").to_str().unwrap().into(),
+            ],
+            "is inside data file (data.path)",
+        ),
+        // `latest` and step directories are the checkpoints' own.
+        (
+            vec![
+                "--set".into(),
+                format!("checkpoint.dir={:?}", ck.to_str().unwrap()),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+                "--log-json".into(),
+                ck.join("latest").to_str().unwrap().into(),
+            ],
+            "where checkpoints are written",
+        ),
+        (
+            vec![
+                "--set".into(),
+                format!("checkpoint.dir={:?}", ck.to_str().unwrap()),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+                "--trace".into(),
+                ck.join("step-00000001/t.json").to_str().unwrap().into(),
+            ],
+            "where checkpoints are written",
+        ),
+    ];
+    for (flags, want) in cases {
+        let mut args: Vec<String> = vec!["train".into(), "--nproc-per-node".into(), "1".into()];
+        args.extend(SMALL.iter().map(|s| s.to_string()));
+        args.extend(flags.clone());
+        let argv: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (code, out, err) = phalanx(&argv);
+        assert_eq!(code, 2, "{flags:?}: {out}{err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn another_models_config_json_is_not_replaced_without_force() {
+    let d = fresh_dir("phalanx-outputs", "foreign");
+    let llama = repo().join("crates/phalanx-models/tests/fixtures/llama_gqa/config.json");
+    // (config.json there, words the error must hold)
+    let cases: &[(&[u8], &str)] = &[
+        (&std::fs::read(&llama).unwrap(), "describes another model"),
+        (
+            b"{not json",
+            "is not a config.json of a model Phalanx writes",
+        ),
+        (
+            br#"{"model_type": "bert"}"#,
+            "is not a config.json of a model Phalanx writes",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let out = d.join(format!("m{i}"));
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("config.json"), text).unwrap();
+        let save = out.join("model.safetensors");
+        let mut args = vec!["train", "--nproc-per-node", "1"];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(&["--save-final", save.to_str().unwrap()]);
+        let (code, o, err) = phalanx(&args);
+        assert_eq!(code, 2, "{want}: {o}{err}");
+        assert!(err.contains(want) && err.contains("--force"), "{err}");
+        assert!(
+            err.contains(out.join("config.json").to_str().unwrap()),
+            "{err}"
+        );
+        assert_eq!(&std::fs::read(out.join("config.json")).unwrap(), text);
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn plan_write_config_never_overwrites_its_inputs() {
+    let d = fresh_dir("phalanx-outputs", "plan");
+    let toml = d.join("run.toml");
+    std::fs::write(&toml, "[train]\nsteps = 2\n").unwrap();
+    let data = d.join("corpus.txt");
+    std::fs::write(&data, "text ".repeat(100)).unwrap();
+    let link = d.join("link.toml");
+    std::os::unix::fs::symlink(&toml, &link).unwrap();
+    let set_data = format!("data.path={:?}", data.to_str().unwrap());
+    for (target, want) in [
+        (&toml, "--config"),
+        (&data, "data.path"),
+        (&link, "--config"),
+    ] {
+        let args = [
+            "plan",
+            "--config",
+            toml.to_str().unwrap(),
+            "--set",
+            &set_data,
+            "--nproc",
+            "2",
+            "--write-config",
+            target.to_str().unwrap(),
+        ];
+        let (code, out, err) = phalanx(&args);
+        assert_ne!(code, 0, "{target:?}: {out}{err}");
+        assert!(
+            err.contains("refusing to overwrite an input") && err.contains(want),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(&toml).unwrap(),
+        "[train]\nsteps = 2\n"
+    );
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), "text ".repeat(100));
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1,0 +1,74 @@
+//! The directory of checkpoints: which entries are Phalanx's to delete
+//! (rotation by `checkpoint.keep`, leftovers of interrupted saves), and
+//! `latest`, replaced whole.
+//!
+//! Rotation deletes only what it recognises as a checkpoint Phalanx wrote:
+//! the exact name [`super::step_dir_name`] gives (`step-` and at least 8
+//! digits) and a `metadata.json` that parses as Phalanx's, of that step. A
+//! user's `step-1/`, `step-00000001-notes/` or a step directory without
+//! (or with an unreadable) `metadata.json` is never touched. Leftovers
+//! (`.tmp-step-*`, `.old-step-*`) are removed only while this process
+//! holds the directory's lock ([`super::lock`]): otherwise they may be
+//! another run's save in flight.
+
+use std::path::Path;
+
+/// The step of a checkpoint directory name as Phalanx writes it, if `name`
+/// is exactly one.
+pub fn step_of_name(name: &str) -> Option<usize> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.len() < 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let step: usize = digits.parse().ok()?;
+    (super::step_dir_name(step) == name).then_some(step)
+}
+
+/// The step of `dir` if it is a checkpoint Phalanx wrote (see the module
+/// docs), else `None`.
+pub fn phalanx_checkpoint(dir: &Path) -> Option<usize> {
+    let step = step_of_name(dir.file_name()?.to_str()?)?;
+    let md = dir.symlink_metadata().ok()?;
+    if !md.is_dir() {
+        return None;
+    }
+    let text = std::fs::read_to_string(dir.join("metadata.json")).ok()?;
+    let meta = super::Metadata::parse(&text).ok()?;
+    (meta.step == step).then_some(step)
+}
+
+/// Remove all but the newest `keep` (at least 1) checkpoints under `root`
+/// that Phalanx wrote (never `current`), and, while this process holds the
+/// directory's lock, leftovers of interrupted saves.
+pub fn prune(root: &Path, current: &str, keep: usize) {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return;
+    };
+    let locked = super::lock::held(root);
+    let mut steps: Vec<(usize, std::path::PathBuf)> = Vec::new();
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if let Some(s) = phalanx_checkpoint(&e.path()) {
+            steps.push((s, e.path()));
+        } else if locked && (n.starts_with(".tmp-step-") || n.starts_with(".old-step-")) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    // By step, not by name: names past 8 digits sort wrong as text.
+    steps.sort();
+    let keep = keep.max(1);
+    if steps.len() > keep {
+        for (_, p) in &steps[..steps.len() - keep] {
+            if p.file_name().is_some_and(|n| n != current) {
+                let _ = std::fs::remove_dir_all(p);
+            }
+        }
+    }
+}
+
+/// Point `root/latest` at checkpoint `name`, whole or not at all: through
+/// [`crate::fsutil::write_atomic`], whose temporary is removed on every
+/// error (a full disk used to leave a 0-byte `.latest.tmp`).
+pub fn write_latest(root: &Path, name: &str) -> std::io::Result<()> {
+    crate::fsutil::write_atomic(&root.join("latest"), format!("{name}\n").as_bytes())
+}

@@ -1,0 +1,414 @@
+//! A corpus: weighted sources of many shards in any supported format.
+//!
+//! Formats, by file: `*.bin` is a token file (llm.c with its header, else
+//! nanoGPT raw uint16; see [`super::source`]), memory-mapped; `*.jsonl` /
+//! `*.ndjson` is JSONL (one document per line, its text under `field`);
+//! `*.parquet` is refused with an error (not built); compressed files
+//! (`.gz`, `.zst`, `.xz`, `.bz2`) too; anything else is a plain text file,
+//! one document. A source holds token files or text files, not both (they
+//! are read differently: random access against a stream).
+//!
+//! Global index `g` goes to source `s` and its index `k` there by
+//! [`super::mix::Mixer`]; the source gives its `k`-th sample
+//! ([`super::shards`], [`super::text`]). Everything is a function of the
+//! config (and the files), so every rank, layout and resume agrees.
+
+use super::error::{DataError, Result};
+use super::mix::Mixer;
+use super::paths;
+use super::shards::BinSource;
+use super::shuffle::mix64;
+use super::source::TokenData;
+use super::text::{Cursor, TextEncoder, TextSource, TextSpec, TextStats};
+use super::{OnBadRecord, Tokenizer};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// One source as configured.
+#[derive(Clone, Debug)]
+pub struct SourceSpec {
+    /// Files, directories or globs.
+    pub paths: Vec<String>,
+    pub weight: f64,
+    /// The JSONL key holding a document's text.
+    pub field: String,
+    /// The config key of this source (`data.path`, `data.sources[1]`) for messages.
+    pub key: String,
+}
+
+/// What a corpus is built from.
+#[derive(Clone)]
+pub struct CorpusConfig {
+    pub sources: Vec<SourceSpec>,
+    /// Validation files (any format); empty: each token shard's tail
+    /// `val_fraction` (text sources then have no validation data).
+    pub val_paths: Vec<String>,
+    pub seq_len: usize,
+    pub val_fraction: f64,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub vocab_size: Option<usize>,
+    pub on_bad_record: OnBadRecord,
+    /// Tokenizer threads per text source (0: up to 4, as the cores allow).
+    pub threads: usize,
+    /// Tokenized shards queued ahead per text source.
+    pub prefetch: usize,
+    pub encoder: Arc<dyn TextEncoder>,
+}
+
+impl CorpusConfig {
+    /// One source of weight 1 from `paths`, with the defaults.
+    pub fn new(paths: &[&str], seq_len: usize) -> CorpusConfig {
+        CorpusConfig {
+            sources: vec![SourceSpec {
+                paths: paths.iter().map(|p| p.to_string()).collect(),
+                weight: 1.0,
+                field: "text".into(),
+                key: "data.path".into(),
+            }],
+            val_paths: Vec::new(),
+            seq_len,
+            val_fraction: 0.0,
+            shuffle: true,
+            seed: 0,
+            vocab_size: None,
+            on_bad_record: OnBadRecord::Error,
+            threads: 0,
+            prefetch: 2,
+            encoder: Arc::new(Tokenizer::Byte),
+        }
+    }
+}
+
+pub(crate) enum Source {
+    Bin(BinSource),
+    Text(TextSource),
+}
+
+/// The training sources, their mixer and the validation parts.
+pub struct Corpus {
+    pub(crate) sources: Vec<Source>,
+    pub(crate) mixer: Mixer,
+    /// (data, first token, tokens) of every validation part, in order.
+    val: Vec<(Arc<TokenData>, usize, usize)>,
+    /// Prefix sums of validation samples over `val`.
+    val_prefix: Vec<u64>,
+    pub(crate) seq_len: usize,
+    pub(crate) vocab: Option<usize>,
+    pub(crate) fingerprint: serde_json::Value,
+    pub(crate) stats: Arc<TextStats>,
+}
+
+#[derive(PartialEq, Clone, Copy)]
+enum Kind {
+    Bin,
+    Text,
+}
+
+fn kind_of(p: &std::path::Path, key: &str) -> Result<Kind> {
+    let ext = p
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "bin" => Ok(Kind::Bin),
+        "parquet" => Err(DataError::Format {
+            path: p.to_path_buf(),
+            msg: format!(
+                "Parquet is not supported by this build ({key}); convert it to JSONL or to \
+                 llm.c .bin shards (phalanx tokenize) first"
+            ),
+        }),
+        "gz" | "zst" | "xz" | "bz2" | "zip" => Err(DataError::Format {
+            path: p.to_path_buf(),
+            msg: format!("compressed files are not read ({key}); decompress it first"),
+        }),
+        _ => Ok(Kind::Text),
+    }
+}
+
+fn expand_all(paths: &[String], key: &str) -> Result<Vec<PathBuf>> {
+    if paths.is_empty() {
+        return Err(DataError::Config(format!("{key}: no path given")));
+    }
+    let mut files = Vec::new();
+    for p in paths {
+        files.extend(paths::expand(p, key)?);
+    }
+    // Several patterns may name one file: once is enough (sorted order
+    // within each pattern, patterns in the order given).
+    let mut seen = std::collections::HashSet::new();
+    files.retain(|f| seen.insert(f.clone()));
+    Ok(files)
+}
+
+/// A file in the fingerprint: its name (not its path: a resume from another
+/// directory, or with an absolute path, reads the same files) and size.
+fn file_print(f: &std::path::Path) -> serde_json::Value {
+    let name = f
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    json!([name, std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)])
+}
+
+impl Corpus {
+    pub fn open(cfg: &CorpusConfig) -> Result<Corpus> {
+        if cfg.sources.is_empty() {
+            return Err(DataError::Config("no data sources".into()));
+        }
+        let threads = match cfg.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+            n => n,
+        };
+        let stats = Arc::new(TextStats::default());
+        let mut sources = Vec::new();
+        let mut prints = Vec::new();
+        for (i, spec) in cfg.sources.iter().enumerate() {
+            let files = expand_all(&spec.paths, &spec.key)?;
+            let mut kinds = Vec::new();
+            for f in &files {
+                kinds.push(kind_of(f, &spec.key)?);
+            }
+            if let Some(j) = kinds.iter().position(|k| *k != kinds[0]) {
+                return Err(DataError::Config(format!(
+                    "{}: {} is a token file and {} a text file; a source holds one or the other \
+                     (make two sources)",
+                    spec.key,
+                    files[if kinds[0] == Kind::Bin { 0 } else { j }].display(),
+                    files[if kinds[0] == Kind::Bin { j } else { 0 }].display()
+                )));
+            }
+            let seed = mix64(cfg.seed.wrapping_add(mix64(i as u64 + 1)));
+            let print: Vec<serde_json::Value> = files.iter().map(|f| file_print(f)).collect();
+            let source = if kinds[0] == Kind::Bin {
+                let mut shards = Vec::new();
+                for f in &files {
+                    let d = TokenData::open(f, Tokenizer::Byte)?;
+                    if d.is_empty() {
+                        return Err(DataError::Format {
+                            path: f.clone(),
+                            msg: format!("the token file is empty ({})", spec.key),
+                        });
+                    }
+                    shards.push(d);
+                }
+                let name = format!("{} ({} shards)", spec.key, files.len());
+                prints.push(json!({"weight": spec.weight, "files": print}));
+                Source::Bin(BinSource::new(
+                    shards,
+                    cfg.seq_len,
+                    if cfg.val_paths.is_empty() {
+                        cfg.val_fraction
+                    } else {
+                        0.0
+                    },
+                    cfg.shuffle,
+                    seed,
+                    &name,
+                )?)
+            } else {
+                prints.push(json!({"weight": spec.weight, "field": spec.field, "files": print}));
+                let field_key = if spec.key == "data.path" {
+                    "data.field".to_string()
+                } else {
+                    format!("{}.field", spec.key)
+                };
+                Source::Text(TextSource::new(
+                    TextSpec {
+                        files,
+                        field: spec.field.clone(),
+                        field_key,
+                        on_bad: cfg.on_bad_record,
+                        encoder: cfg.encoder.clone(),
+                        shuffle: cfg.shuffle,
+                        seed,
+                        threads,
+                        prefetch: cfg.prefetch,
+                    },
+                    cfg.seq_len,
+                    stats.clone(),
+                )?)
+            };
+            sources.push(source);
+        }
+        let weights: Vec<f64> = cfg.sources.iter().map(|s| s.weight).collect();
+        let mixer = Mixer::new(&weights, cfg.seed)?;
+        let mut val = Vec::new();
+        let mut val_print = Vec::new();
+        if cfg.val_paths.is_empty() {
+            for s in &sources {
+                if let Source::Bin(b) = s {
+                    val.extend(b.val_parts());
+                }
+            }
+        } else {
+            for f in expand_all(&cfg.val_paths, "data.val_path")? {
+                val_print.push(file_print(&f));
+                let d = if kind_of(&f, "data.val_path")? == Kind::Bin {
+                    TokenData::open(&f, Tokenizer::Byte)?
+                } else {
+                    TokenData::from_tokens(val_text(&f, cfg)?)
+                };
+                let n = d.len();
+                val.push((Arc::new(d), 0, n));
+            }
+        }
+        let t = cfg.seq_len;
+        if let Some((d, _, n)) = val.iter().find(|(_, _, n)| *n > 0 && *n < t + 1) {
+            // A part too short for one sample is almost surely a mistake.
+            return Err(DataError::TooSmall(format!(
+                "the validation part of {} has {n} tokens, fewer than seq_len + 1 = {}; \
+                 raise data.val_fraction, give data.val_path, or set it to 0",
+                d.path()
+                    .map_or("a text file".into(), |p| p.display().to_string()),
+                t + 1
+            )));
+        }
+        let mut val_prefix = vec![0u64];
+        for (_, _, n) in &val {
+            let last = *val_prefix.last().expect("non-empty");
+            val_prefix.push(last + (n.saturating_sub(1) / t) as u64);
+        }
+        let fingerprint = json!({
+            "seq_len": cfg.seq_len,
+            "seed": cfg.seed,
+            "shuffle": cfg.shuffle,
+            "val_fraction": cfg.val_fraction,
+            "tokenizer": cfg.encoder.name(),
+            "on_bad_record": format!("{:?}", cfg.on_bad_record).to_lowercase(),
+            "sources": prints,
+            "val_path": val_print,
+        });
+        Ok(Corpus {
+            sources,
+            mixer,
+            val,
+            val_prefix,
+            seq_len: t,
+            vocab: cfg.vocab_size,
+            fingerprint,
+            stats,
+        })
+    }
+
+    /// The mixer placing global indices in sources.
+    pub fn mixer(&self) -> &Mixer {
+        &self.mixer
+    }
+
+    /// Training samples per epoch of the token sources; `None` when a text
+    /// source makes it unknown before reading it all.
+    pub fn train_samples(&self) -> Option<u64> {
+        let mut n = 0;
+        for s in &self.sources {
+            match s {
+                Source::Bin(b) => n += b.samples(),
+                Source::Text(_) => return None,
+            }
+        }
+        Some(n)
+    }
+
+    pub fn train_tokens(&self) -> usize {
+        self.sources
+            .iter()
+            .map(|s| match s {
+                Source::Bin(b) => b.train_tokens(),
+                Source::Text(_) => 0,
+            })
+            .sum()
+    }
+
+    pub fn val_tokens(&self) -> usize {
+        self.val.iter().map(|v| v.2).sum()
+    }
+
+    pub fn val_samples(&self) -> u64 {
+        *self.val_prefix.last().expect("non-empty")
+    }
+
+    /// Appends global index `g`'s sample.
+    pub fn push_sample(&self, g: u64, inputs: &mut Vec<u32>, targets: &mut Vec<u32>) -> Result<()> {
+        let (s, k) = self.mixer.locate(g);
+        match &self.sources[s] {
+            Source::Bin(b) => b.push_sample(k, self.vocab, inputs, targets),
+            Source::Text(t) => {
+                let from = inputs.len();
+                t.push_sample(k, inputs, targets)?;
+                if let Some(v) = self.vocab {
+                    if let Some(bad) = inputs[from..]
+                        .iter()
+                        .chain(targets.last())
+                        .find(|&&x| x as usize >= v)
+                    {
+                        return Err(DataError::Tokenizer(format!(
+                            "token id {bad} from the text of {:?} is out of range for the model's \
+                             vocab_size {v}",
+                            t.files()
+                        )));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Appends validation sample `i`.
+    pub fn push_val(&self, i: u64, inputs: &mut Vec<u32>, targets: &mut Vec<u32>) -> Result<()> {
+        let part = self.val_prefix.partition_point(|&p| p <= i) - 1;
+        let (d, first, _) = &self.val[part];
+        let at = first + (i - self.val_prefix[part]) as usize * self.seq_len;
+        let t = self.seq_len;
+        d.check_unchanged()?;
+        let from = inputs.len();
+        d.copy_range(at, at + t, inputs);
+        d.copy_range(at + 1, at + t + 1, targets);
+        if let Some(v) = self.vocab {
+            super::shards::check_tokens(&inputs[from..], targets.last(), v, d, at)?;
+        }
+        Ok(())
+    }
+
+    /// Every text source's cursor at global position `g` (`None` for token sources).
+    pub fn cursors_at(&self, g: u64) -> Result<Vec<Option<Cursor>>> {
+        let counts = self.mixer.consumed(g);
+        self.sources
+            .iter()
+            .zip(counts)
+            .map(|(s, k)| match s {
+                Source::Bin(_) => Ok(None),
+                Source::Text(t) => t.cursor_of(k).map(Some),
+            })
+            .collect()
+    }
+
+    pub fn add_cursors(&self, cursors: &[Option<Cursor>]) {
+        for (s, c) in self.sources.iter().zip(cursors) {
+            if let (Source::Text(t), Some(c)) = (s, c) {
+                t.add_cursor(*c);
+            }
+        }
+    }
+}
+
+/// A validation text file, tokenized whole (validation sets are small).
+fn val_text(f: &std::path::Path, cfg: &CorpusConfig) -> Result<Vec<u32>> {
+    let src = TextSource::new(
+        TextSpec {
+            files: vec![f.to_path_buf()],
+            field: cfg.sources[0].field.clone(),
+            field_key: "data.field".into(),
+            on_bad: cfg.on_bad_record,
+            encoder: cfg.encoder.clone(),
+            shuffle: false,
+            seed: 0,
+            threads: 1,
+            prefetch: 1,
+        },
+        1,
+        Arc::new(TextStats::default()),
+    )?;
+    src.whole_shard()
+}

@@ -1,0 +1,221 @@
+//! What a `data.path` or a source's `path` names, expanded to files: a file,
+//! a directory (its files, recursively, hidden ones skipped), or a glob
+//! (`*` and `?` within a path component, `[abc]` / `[a-z]` classes, `**`
+//! for any number of directories). The result is sorted by path, so the
+//! shard list (and with it the sample order) does not depend on the order
+//! the file system lists entries in.
+//!
+//! ```
+//! use phalanx::data::paths::glob_match;
+//! assert!(glob_match("train_*.bin", "train_000001.bin"));
+//! assert!(!glob_match("train_?.bin", "train_10.bin"));
+//! assert!(glob_match("shard[0-9].jsonl", "shard7.jsonl"));
+//! ```
+
+use super::error::{DataError, Result};
+use std::path::{Path, PathBuf};
+
+/// Whether a pattern holds glob characters.
+pub fn is_glob(p: &str) -> bool {
+    p.contains(['*', '?', '['])
+}
+
+/// The files `pattern` names (see the module docs), sorted; `key` names the
+/// config key in errors. Matching nothing is an error: an empty source
+/// would otherwise train on the other sources without a word.
+pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    if is_glob(pattern) {
+        let (root, rest) = split_root(pattern);
+        let comps: Vec<&str> = rest.split('/').filter(|c| !c.is_empty()).collect();
+        walk_glob(&root, &comps, &mut out);
+    } else {
+        let p = Path::new(pattern);
+        if p.is_dir() {
+            walk_dir(p, &mut out).map_err(|source| DataError::Io {
+                path: p.to_path_buf(),
+                source,
+            })?;
+        } else if p.exists() {
+            out.push(p.to_path_buf());
+        } else {
+            return Err(DataError::Config(format!(
+                "{key} = {pattern:?}: no such file or directory"
+            )));
+        }
+    }
+    out.sort();
+    out.dedup();
+    if out.is_empty() && Path::new(pattern).is_dir() {
+        return Err(DataError::Config(format!(
+            "{key} = {pattern:?} is a directory holding no data files (an empty source)"
+        )));
+    }
+    if out.is_empty() {
+        return Err(DataError::Config(format!(
+            "{key} = {pattern:?} matches no file (an empty source)"
+        )));
+    }
+    Ok(out)
+}
+
+/// The directory before the first component with a glob character, and
+/// the rest of the pattern.
+fn split_root(pattern: &str) -> (PathBuf, &str) {
+    let absolute = pattern.starts_with('/');
+    let mut root = if absolute {
+        PathBuf::from("/")
+    } else {
+        PathBuf::from(".")
+    };
+    let mut rest = pattern.trim_start_matches('/');
+    while let Some((head, tail)) = rest.split_once('/') {
+        if is_glob(head) {
+            break;
+        }
+        root.push(head);
+        rest = tail;
+    }
+    // Keep relative paths relative ("./x" prints as "x").
+    if !absolute {
+        if let Ok(r) = root.strip_prefix(".") {
+            root = if r.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                r.to_path_buf()
+            };
+        }
+    }
+    (root, rest)
+}
+
+fn entries(dir: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    v.sort();
+    v
+}
+
+fn name_of(p: &Path) -> &str {
+    p.file_name().and_then(|n| n.to_str()).unwrap_or("")
+}
+
+fn join(dir: &Path, name: &str) -> PathBuf {
+    if dir == Path::new(".") {
+        PathBuf::from(name)
+    } else {
+        dir.join(name)
+    }
+}
+
+fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
+    let Some((first, rest)) = comps.split_first() else {
+        if dir.is_file() {
+            out.push(dir.to_path_buf());
+        }
+        return;
+    };
+    if *first == "**" {
+        // Zero directories, then one more level and `**` again.
+        walk_glob(dir, rest, out);
+        for e in entries(dir) {
+            if e.is_dir() && !name_of(&e).starts_with('.') {
+                walk_glob(&join(dir, name_of(&e)), comps, out);
+            }
+        }
+        return;
+    }
+    if !is_glob(first) {
+        walk_glob(&join(dir, first), rest, out);
+        return;
+    }
+    for e in entries(dir) {
+        let name = name_of(&e);
+        // As in shells, a wildcard does not match a leading dot.
+        if name.starts_with('.') && !first.starts_with('.') {
+            continue;
+        }
+        if glob_match(first, name) {
+            walk_glob(&join(dir, name), rest, out);
+        }
+    }
+}
+
+fn walk_dir(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if name_of(&p).starts_with('.') {
+            continue;
+        }
+        if p.is_dir() {
+            walk_dir(&p, out)?;
+        } else {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `name` (one path component) matches `pat` (`*`, `?`, `[...]`).
+pub fn glob_match(pat: &str, name: &str) -> bool {
+    let p: Vec<char> = pat.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    // Iterative matcher with backtracking to the last `*`.
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < n.len() {
+        if i < p.len() && p[i] == '*' {
+            star = Some((i, j));
+            i += 1;
+            continue;
+        }
+        if i < p.len() {
+            if let Some((ok, len)) = match_one(&p[i..], n[j]) {
+                if ok {
+                    i += len;
+                    j += 1;
+                    continue;
+                }
+            }
+        }
+        match star {
+            Some((si, sj)) => {
+                i = si + 1;
+                j = sj + 1;
+                star = Some((si, sj + 1));
+            }
+            None => return false,
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
+/// Whether the pattern's first item matches `c`, and the item's length.
+fn match_one(p: &[char], c: char) -> Option<(bool, usize)> {
+    match p[0] {
+        '?' => Some((true, 1)),
+        '[' => {
+            let end = p.iter().skip(1).position(|&x| x == ']')? + 1;
+            let class = &p[1..end];
+            let (neg, class) = match class.first() {
+                Some('!') | Some('^') => (true, &class[1..]),
+                _ => (false, class),
+            };
+            let mut hit = false;
+            let mut k = 0;
+            while k < class.len() {
+                if k + 2 < class.len() && class[k + 1] == '-' {
+                    hit |= class[k] <= c && c <= class[k + 2];
+                    k += 3;
+                } else {
+                    hit |= class[k] == c;
+                    k += 1;
+                }
+            }
+            Some((hit != neg, end + 1))
+        }
+        x => Some((x == c, 1)),
+    }
+}

@@ -1,0 +1,143 @@
+//! The data position across a checkpoint: where step k starts (a global
+//! sample index, so a resume with another global batch continues at the
+//! same sample), what a checkpoint stores of the data, and the check that
+//! refuses a resume on data that would give other samples.
+
+use super::error::{DataError, Result};
+use super::loader::DataLoader;
+use super::text::Cursor;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// What a checkpoint holds of the data: a fingerprint of everything that
+/// decides the samples (checked on resume) and, for text sources, where
+/// the stream stood (so a resume does not re-tokenize what came before).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DataState {
+    pub fingerprint: serde_json::Value,
+    #[serde(default)]
+    pub cursors: Vec<Option<Cursor>>,
+}
+
+/// The text loader's figures for the JSON log.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoaderStats {
+    /// Records skipped under `data.on_bad_record = "skip"`.
+    pub skipped: u64,
+    /// Tokens produced by the text readers, and the time they spent.
+    pub tokens: u64,
+    pub busy_s: f64,
+    /// Tokenized shards waiting in the queues.
+    pub queued: i64,
+}
+
+impl DataLoader {
+    /// Everything that decides the samples, as checked on resume.
+    pub fn fingerprint(&self) -> serde_json::Value {
+        match &self.corpus {
+            Some(c) => c.fingerprint.clone(),
+            None => serde_json::json!({
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "shuffle": self.shuffle,
+                // The name, not the path: a resume from another directory
+                // reads the same file.
+                "file": self.train.data.path().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()),
+                "train_tokens": self.train.len,
+                "val_tokens": self.val.len,
+            }),
+        }
+    }
+
+    /// The global index step `step` starts at, for a global batch of `g`.
+    pub fn position(&self, step: u64, global_batch: usize) -> u64 {
+        let (s0, g0) = *self.base.lock().unwrap_or_else(|e| e.into_inner());
+        // Steps before the resumed one (a pipeline's timing sample of step
+        // 0) count back from it.
+        (g0 as i128 + (step as i128 - s0 as i128) * global_batch as i128).max(0) as u64
+    }
+
+    /// The data state after `step` steps of `global_batch` (what a
+    /// checkpoint of that step stores).
+    pub fn state_at(&self, step: u64, global_batch: usize) -> Result<DataState> {
+        let g = self.position(step, global_batch);
+        Ok(DataState {
+            fingerprint: self.fingerprint(),
+            cursors: match &self.corpus {
+                Some(c) => c.cursors_at(g)?,
+                None => Vec::new(),
+            },
+        })
+    }
+
+    /// Continue at step `step` from global index `consumed` (a checkpoint's
+    /// `samples_consumed`): step `step + i` then starts at `consumed + i*G`
+    /// whatever the global batch G, so a resume with another batch neither
+    /// repeats nor skips a sample. A `state` whose fingerprint differs from
+    /// this loader's is refused, naming the key and both values.
+    pub fn resume_at(&self, step: u64, consumed: u64, state: Option<&DataState>) -> Result<()> {
+        if let Some(st) = state {
+            if let Some(d) = first_difference("data", &st.fingerprint, &self.fingerprint()) {
+                return Err(DataError::Config(format!(
+                    "the checkpoint was trained on other data, which would silently change the \
+                     samples of the resumed run: {d}; resume with the checkpoint's data config \
+                     or start a new run"
+                )));
+            }
+            if let Some(c) = &self.corpus {
+                c.add_cursors(&st.cursors);
+            }
+        }
+        *self.base.lock().unwrap_or_else(|e| e.into_inner()) = (step, consumed);
+        Ok(())
+    }
+
+    /// The text loader's figures, when a text source is read.
+    pub fn stats(&self) -> Option<LoaderStats> {
+        let c = self.corpus.as_ref()?;
+        if !c
+            .sources
+            .iter()
+            .any(|s| matches!(s, super::corpus::Source::Text(_)))
+        {
+            return None;
+        }
+        let s = &c.stats;
+        Some(LoaderStats {
+            skipped: s.skipped.load(Relaxed),
+            tokens: s.tokens.load(Relaxed),
+            busy_s: s.busy_ns.load(Relaxed) as f64 * 1e-9,
+            queued: s.queued.load(Relaxed),
+        })
+    }
+}
+
+/// The first place two fingerprints differ, as `key: checkpoint A, this run B`.
+fn first_difference(
+    key: &str,
+    saved: &serde_json::Value,
+    now: &serde_json::Value,
+) -> Option<String> {
+    use serde_json::Value;
+    match (saved, now) {
+        (Value::Object(a), Value::Object(b)) => {
+            let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter().find_map(|k| {
+                let null = Value::Null;
+                first_difference(
+                    &format!("{key}.{k}"),
+                    a.get(k).unwrap_or(&null),
+                    b.get(k).unwrap_or(&null),
+                )
+            })
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => a
+            .iter()
+            .zip(b)
+            .enumerate()
+            .find_map(|(i, (x, y))| first_difference(&format!("{key}[{i}]"), x, y)),
+        (a, b) if a == b => None,
+        (a, b) => Some(format!("{key}: checkpoint {a}, this run {b}")),
+    }
+}

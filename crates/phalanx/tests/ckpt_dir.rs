@@ -1,0 +1,164 @@
+//! The directory of checkpoints (issue 27, items 6, 8, 24): rotation
+//! deletes only checkpoints Phalanx wrote, leftovers only under the lock,
+//! a second run is refused naming the holder, and `latest` is replaced
+//! whole with no temporary left on an error.
+
+use phalanx::checkpoint::{lock, rotate, step_dir_name};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+fn fresh(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("phalanx-ckdir-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A `metadata.json` as Phalanx writes it, of `step`.
+fn metadata(step: usize) -> String {
+    serde_json::json!({
+        "format": phalanx::checkpoint::FORMAT,
+        "step": step,
+        "layout": {"world": 1, "dp": 1, "pp": 1, "tp": 1, "zero_stage": 0, "strategy": "ddp"},
+        "precision": "fp32",
+        "optimizer": null,
+        "loss_scaler": {"scale": 1.0, "dynamic": null, "skips": false},
+        "samples_consumed": 0,
+        "global_batch": 8,
+        "rng": "none",
+        "config": "",
+        "tensors": {},
+        "files": [],
+        "entries": []
+    })
+    .to_string()
+}
+
+fn dir_with(root: &Path, name: &str, meta: Option<&str>) {
+    let d = root.join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    if let Some(m) = meta {
+        std::fs::write(d.join("metadata.json"), m).unwrap();
+    }
+}
+
+#[test]
+fn rotation_deletes_only_checkpoints_phalanx_wrote() {
+    let root = fresh("rotate");
+    for s in 1..=4 {
+        dir_with(&root, &step_dir_name(s), Some(&metadata(s)));
+    }
+    // (name, metadata.json): a user's directories that look like steps.
+    let keep: &[(&str, Option<String>)] = &[
+        ("step-1", Some(metadata(1))),
+        ("step-00000001-notes", Some(metadata(1))),
+        ("step-00000006", None),
+        ("step-0000000x", Some(metadata(0))),
+        ("step-00000000 ", Some(metadata(0))),
+        ("step-00000000.bak", Some(metadata(0))),
+        // metadata of another step, or not Phalanx's
+        (&step_dir_name(0), Some(metadata(7))),
+        ("step-00000005", Some("{\"format\": \"mine\"}".into())),
+    ];
+    for (n, m) in keep {
+        dir_with(&root, n, m.as_deref());
+    }
+    // Not locked: another run's save may be in flight here.
+    dir_with(&root, ".tmp-step-00000009-00ff", None);
+    rotate::prune(&root, &step_dir_name(4), 2);
+    for s in 1..=2 {
+        assert!(!root.join(step_dir_name(s)).exists(), "step {s} kept");
+    }
+    for s in 3..=4 {
+        assert!(root.join(step_dir_name(s)).exists(), "step {s} deleted");
+    }
+    for (n, _) in keep {
+        assert!(root.join(n).exists(), "{n} was deleted");
+    }
+    assert!(
+        root.join(".tmp-step-00000009-00ff").exists(),
+        "a .tmp deleted without the lock"
+    );
+    // Under the lock, nothing else writes here: leftovers go.
+    lock::lock(&root, "checkpoint.dir").unwrap();
+    rotate::prune(&root, &step_dir_name(4), 2);
+    assert!(!root.join(".tmp-step-00000009-00ff").exists());
+    // Steps past 8 digits sort by number, not text.
+    dir_with(
+        &root,
+        &step_dir_name(123_456_789),
+        Some(&metadata(123_456_789)),
+    );
+    rotate::prune(&root, &step_dir_name(123_456_789), 1);
+    assert!(root.join(step_dir_name(123_456_789)).exists());
+    assert!(!root.join(step_dir_name(4)).exists());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn names_rotation_recognises() {
+    let cases: &[(&str, Option<usize>)] = &[
+        ("step-00000001", Some(1)),
+        ("step-123456789", Some(123_456_789)),
+        ("step-1", None),
+        ("step-00000001-notes", None),
+        ("step-000000001", None),
+        ("step-+0000001", None),
+        ("step-", None),
+        ("xstep-00000001", None),
+    ];
+    for (n, want) in cases {
+        assert_eq!(rotate::step_of_name(n), *want, "{n}");
+    }
+}
+
+#[test]
+fn a_held_directory_is_refused_naming_the_holder() {
+    let root = fresh("lock");
+    let p = root.join(lock::LOCK_FILE);
+    std::fs::write(&p, "pid 4242 on otherhost\n").unwrap();
+    // Another holder: an open file description of our own, locked.
+    let f = std::fs::File::open(&p).unwrap();
+    assert_eq!(
+        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let e = lock::lock(&root, "checkpoint.dir").unwrap_err().to_string();
+    assert!(
+        e.contains("pid 4242 on otherhost") && e.contains("checkpoint.dir"),
+        "{e}"
+    );
+    assert!(!lock::held(&root));
+    drop(f);
+    // Released (as when that run ends, however): ours, and we say who we are.
+    lock::lock(&root, "checkpoint.dir").unwrap();
+    assert!(lock::held(&root));
+    let who = std::fs::read_to_string(&p).unwrap();
+    assert!(
+        who.contains(&format!("pid {}", std::process::id())),
+        "{who}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn latest_is_replaced_whole_and_leaves_no_temporary_on_error() {
+    let root = fresh("latest");
+    rotate::write_latest(&root, "step-00000001").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(root.join("latest")).unwrap(),
+        "step-00000001\n"
+    );
+    // A rename that fails (latest is a non-empty directory) after the
+    // contents were written: the old writer left `.latest.tmp` here.
+    std::fs::remove_file(root.join("latest")).unwrap();
+    std::fs::create_dir_all(root.join("latest/x")).unwrap();
+    assert!(rotate::write_latest(&root, "step-00000002").is_err());
+    let names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["latest"], "a temporary was left: {names:?}");
+    let _ = std::fs::remove_dir_all(&root);
+}

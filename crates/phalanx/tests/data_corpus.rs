@@ -1,0 +1,468 @@
+//! Corpora of many shards and sources (`phalanx::data::corpus`): formats,
+//! weights, an order independent of the layout and of the loader threads,
+//! exact resume (same and other world size, other global batch), bad data.
+
+use phalanx::data::source::LLMC_MAGIC_GPT2;
+use phalanx::data::{Corpus, CorpusConfig, DataLoader, DataState, OnBadRecord, SourceSpec};
+use std::path::{Path, PathBuf};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("phalanx-corpus-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn write_llmc(path: &Path, tokens: &[u32]) {
+    let mut header = [0u32; 256];
+    header[0] = LLMC_MAGIC_GPT2;
+    header[1] = 1;
+    header[2] = tokens.len() as u32;
+    let mut bytes: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
+    for &t in tokens {
+        bytes.extend_from_slice(&(t as u16).to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// JSONL shard `j`: `docs` records of varying length.
+fn write_jsonl(path: &Path, j: usize, docs: usize) {
+    let mut s = String::new();
+    for i in 0..docs {
+        let body = format!("shard {j} doc {i} ").repeat(1 + (i * 7 + j) % 5);
+        s.push_str(&serde_json::json!({"id": i, "text": body}).to_string());
+        s.push('\n');
+    }
+    std::fs::write(path, s).unwrap();
+}
+
+/// Three sources: llm.c shards (a glob), JSONL shards (a directory) and
+/// plain text files (a list), weighted 2 : 1 : 1.
+fn three_formats(dir: &Path) -> CorpusConfig {
+    std::fs::create_dir_all(dir.join("bin")).unwrap();
+    std::fs::create_dir_all(dir.join("jsonl")).unwrap();
+    for j in 0..3 {
+        let toks: Vec<u32> = (0..400 + 50 * j).map(|i| (i * 7 + j * 31) % 256).collect();
+        write_llmc(&dir.join(format!("bin/train_{j:06}.bin")), &toks);
+    }
+    for j in 0..4 {
+        write_jsonl(&dir.join(format!("jsonl/part-{j}.jsonl")), j, 12);
+    }
+    let texts: Vec<String> = (0..2)
+        .map(|j| {
+            let p = dir.join(format!("book{j}.txt"));
+            std::fs::write(&p, format!("book {j}: the quick brown fox. ").repeat(20)).unwrap();
+            p.display().to_string()
+        })
+        .collect();
+    let spec = |paths: Vec<String>, weight: f64, i: usize| SourceSpec {
+        paths,
+        weight,
+        field: "text".into(),
+        key: format!("data.sources[{i}]"),
+    };
+    let mut cfg = CorpusConfig::new(&[], 8);
+    cfg.sources = vec![
+        spec(vec![format!("{}/bin/train_*.bin", dir.display())], 2.0, 0),
+        spec(vec![dir.join("jsonl").display().to_string()], 1.0, 1),
+        spec(texts, 1.0, 2),
+    ];
+    cfg.val_fraction = 0.1;
+    cfg.seed = 5;
+    cfg.vocab_size = Some(256);
+    cfg
+}
+
+fn open(cfg: &CorpusConfig) -> DataLoader {
+    DataLoader::from_corpus(Corpus::open(cfg).unwrap())
+}
+
+/// Step `step`'s inputs, gathered over `dp` ranks and `accum` micro-steps.
+fn step_inputs(l: &DataLoader, step: u64, g: usize, dp: usize, accum: usize) -> Vec<u32> {
+    let micro = g / dp / accum;
+    let mut out = Vec::new();
+    for r in 0..dp {
+        for a in 0..accum {
+            out.extend(l.micro_batch(step, r, dp, a, micro, accum).unwrap().inputs);
+        }
+    }
+    out
+}
+
+#[test]
+fn three_formats_mix_and_serve_batches() {
+    let dir = temp_dir("mix");
+    let cfg = three_formats(&dir);
+    let l = open(&cfg);
+    let c = l.corpus().unwrap();
+    assert!(c.train_samples().is_none(), "text sources stream");
+    // Every source appears in the first steps, in the weights' proportion.
+    let counts = c.mixer().counts_before(400);
+    assert_eq!(counts, vec![200, 100, 100]);
+    for step in 0..20 {
+        let b = l.micro_batch(step, 0, 1, 0, 20, 1).unwrap();
+        assert_eq!(b.inputs.len(), 20 * 8);
+        assert!(b.inputs.iter().all(|&t| t < 256));
+        // Targets are inputs shifted by one within each row.
+        for row in 0..20 {
+            let (x, y) = (
+                &b.inputs[row * 8..row * 8 + 8],
+                &b.targets[row * 8..row * 8 + 8],
+            );
+            assert_eq!(&x[1..], &y[..7]);
+        }
+    }
+    // Validation: the tails of the token shards.
+    assert!(l.val_batch_count(2) > 0);
+    assert_eq!(l.val_batch(0, 2).unwrap().inputs.len(), 16);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn same_samples_on_1_2_3_ranks_any_threads_and_shared_loaders() {
+    let dir = temp_dir("layout");
+    let mut cfg = three_formats(&dir);
+    let g = 12;
+    let reference: Vec<Vec<u32>> = {
+        let l = open(&cfg);
+        (0..30).map(|k| step_inputs(&l, k, g, 1, 1)).collect()
+    };
+    for (dp, accum, threads) in [(2, 1, 1), (3, 2, 3), (2, 3, 2), (1, 4, 1)] {
+        cfg.threads = threads;
+        // Separate loaders per rank, as separate processes have.
+        let loaders: Vec<DataLoader> = (0..dp).map(|_| open(&cfg)).collect();
+        let micro = g / dp / accum;
+        for (k, want) in reference.iter().enumerate() {
+            let mut got = Vec::new();
+            for (r, l) in loaders.iter().enumerate() {
+                for a in 0..accum {
+                    got.extend(
+                        l.micro_batch(k as u64, r, dp, a, micro, accum)
+                            .unwrap()
+                            .inputs,
+                    );
+                }
+            }
+            assert_eq!(
+                &got, want,
+                "step {k} on dp {dp} x accum {accum}, {threads} threads"
+            );
+        }
+    }
+    // One loader shared by rank threads that run at their own pace (tp /
+    // pp ranks share theirs): the same samples.
+    let shared = std::sync::Arc::new(open(&cfg));
+    let per_rank: Vec<Vec<Vec<u32>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let l = shared.clone();
+                s.spawn(move || {
+                    (0..30u64)
+                        .map(|k| {
+                            if (k as usize + r).is_multiple_of(4) {
+                                std::thread::yield_now();
+                            }
+                            l.micro_batch(k, r, 3, 0, g / 3, 1).unwrap().inputs
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (k, want) in reference.iter().enumerate() {
+        let got: Vec<u32> = (0..3).flat_map(|r| per_rank[r][k].clone()).collect();
+        assert_eq!(&got, want, "step {k} with a shared loader");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn resume_mid_shard_is_exact_on_other_world_sizes_and_batches() {
+    let dir = temp_dir("resume");
+    let mut cfg = three_formats(&dir);
+    // Many small JSONL shards: the resume point lies deep in the stream.
+    for j in 4..12 {
+        write_jsonl(&dir.join(format!("jsonl/part-{j}.jsonl")), j, 12);
+    }
+    cfg.prefetch = 1;
+    let g = 12;
+    let full = open(&cfg);
+    let want: Vec<Vec<u32>> = (0..40).map(|k| step_inputs(&full, k, g, 1, 1)).collect();
+    // A checkpoint after 25 steps, through its JSON form.
+    let saved = full.state_at(25, g).unwrap();
+    let consumed = full.position(25, g);
+    assert_eq!(consumed, 25 * g as u64);
+    let text = serde_json::to_string(&saved).unwrap();
+    let state: DataState = serde_json::from_str(&text).unwrap();
+    assert!(state.cursors[1].is_some() && state.cursors[0].is_none());
+    for dp in [1, 2, 3] {
+        let l = open(&cfg);
+        l.resume_at(25, consumed, Some(&state)).unwrap();
+        for (k, w) in want.iter().enumerate().skip(25) {
+            assert_eq!(
+                &step_inputs(&l, k as u64, g, dp, 1),
+                w,
+                "step {k} resumed on dp {dp}"
+            );
+        }
+        // The text stream continued from the saved shard: it did not
+        // tokenize everything before it again.
+        let (resumed, whole) = (l.stats().unwrap().tokens, full.stats().unwrap().tokens);
+        assert!(
+            resumed < whole,
+            "resumed run tokenized {resumed} tokens, the full run {whole}"
+        );
+    }
+    // Another global batch (6 instead of 12): the same sample sequence
+    // continues, nothing repeated or skipped.
+    let l = open(&cfg);
+    l.resume_at(25, consumed, Some(&state)).unwrap();
+    let flat_want: Vec<u32> = want[25..].concat();
+    let flat_got: Vec<u32> = (25..55).flat_map(|k| step_inputs(&l, k, 6, 2, 1)).collect();
+    assert_eq!(flat_got, flat_want);
+    // A changed data config is refused, naming the key and both values.
+    let mut other = cfg.clone();
+    other.seed = 6;
+    let e = open(&other)
+        .resume_at(25, consumed, Some(&state))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.seed: checkpoint 5, this run 6"), "{e}");
+    let mut other = cfg.clone();
+    other.sources[0].weight = 3.0;
+    let e = open(&other)
+        .resume_at(25, consumed, Some(&state))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("data.sources[0].weight: checkpoint 2.0, this run 3.0"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn weights_are_followed_exactly_and_deterministically() {
+    let m = phalanx::data::mix::Mixer::new(&[0.5, 0.3, 0.2], 11).unwrap();
+    let n = 12 * phalanx::data::mix::BLOCK;
+    let mut counts = [0u64; 3];
+    let mut next = [0u64; 3];
+    for g in 0..n {
+        let (s, k) = m.locate(g);
+        // Each source's samples come in order 0, 1, 2, … (no gap, no repeat).
+        assert_eq!(k, next[s], "global index {g}");
+        next[s] += 1;
+        counts[s] += 1;
+        // At every point the counts so far are what `consumed` says (a
+        // resume's position); at every block boundary they are within one
+        // sample of the weights (the cumulative fractions are floor'd).
+        if (g + 1) % 1000 == 0 {
+            assert_eq!(m.consumed(g + 1), counts.to_vec(), "at {g}");
+        }
+        if (g + 1) % phalanx::data::mix::BLOCK == 0 {
+            for (i, w) in [0.5, 0.3, 0.2].iter().enumerate() {
+                let c = counts[i] as f64;
+                assert!(
+                    (c - w * (g + 1) as f64).abs() <= 1.0,
+                    "source {i} at {g}: {c}"
+                );
+            }
+        }
+    }
+    assert_eq!(counts.to_vec(), m.counts_before(n));
+    assert_eq!(counts, [24_576, 14_745, 9_831]);
+    // The same seed gives the same order; another seed another one.
+    let again = phalanx::data::mix::Mixer::new(&[0.5, 0.3, 0.2], 11).unwrap();
+    let other = phalanx::data::mix::Mixer::new(&[0.5, 0.3, 0.2], 12).unwrap();
+    let seq = |m: &phalanx::data::mix::Mixer| (0..5000).map(|g| m.locate(g)).collect::<Vec<_>>();
+    assert_eq!(seq(&m), seq(&again));
+    assert_ne!(seq(&m), seq(&other));
+}
+
+#[test]
+fn binary_shards_reshuffle_every_epoch_and_cover_each() {
+    let dir = temp_dir("epochs");
+    for j in 0..3 {
+        let toks: Vec<u32> = (0..(8 * 10 + 1)).map(|i| (j * 1000 + i) as u32).collect();
+        write_llmc(&dir.join(format!("s{j}.bin")), &toks);
+    }
+    let mut cfg = CorpusConfig::new(&[&format!("{}/s*.bin", dir.display())], 8);
+    cfg.seed = 3;
+    let l = open(&cfg);
+    assert_eq!(l.train_samples(), 30);
+    let firsts = |e: u64| -> Vec<u32> {
+        (0..30)
+            .map(|i| l.micro_batch(e * 30 + i, 0, 1, 0, 1, 1).unwrap().inputs[0])
+            .collect()
+    };
+    let (e0, e1) = (firsts(0), firsts(1));
+    let sorted = |mut v: Vec<u32>| {
+        v.sort();
+        v
+    };
+    assert_eq!(
+        sorted(e0.clone()),
+        sorted(e1.clone()),
+        "each epoch covers every sample"
+    );
+    assert_eq!(sorted(e0.clone()).len(), 30);
+    assert_ne!(e0, e1, "a new order each epoch");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn err_of(cfg: &CorpusConfig) -> String {
+    match Corpus::open(cfg) {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The error of the first batches that meet a bad record.
+fn batch_err(cfg: &CorpusConfig) -> String {
+    let l = open(cfg);
+    for k in 0..200 {
+        if let Err(e) = l.micro_batch(k, 0, 1, 0, 4, 1) {
+            return e.to_string();
+        }
+    }
+    panic!("no batch failed")
+}
+
+#[test]
+fn bad_data_is_named_with_file_and_line() {
+    let dir = temp_dir("bad");
+    let d = |n: &str| dir.join(n).display().to_string();
+    // A glob that matches nothing, a missing file: the key and the pattern.
+    let e = err_of(&CorpusConfig::new(&[&d("none_*.bin")], 8));
+    assert!(
+        e.contains("data.path") && e.contains("none_*.bin") && e.contains("matches no file"),
+        "{e}"
+    );
+    let e = err_of(&CorpusConfig::new(&[&d("missing.jsonl")], 8));
+    assert!(
+        e.contains("missing.jsonl") && e.contains("no such file"),
+        "{e}"
+    );
+    // A corrupted llm.c shard (header count disagrees with the size).
+    write_llmc(&dir.join("ok.bin"), &(0..100).collect::<Vec<_>>());
+    let mut bytes = std::fs::read(dir.join("ok.bin")).unwrap();
+    bytes.truncate(bytes.len() - 10);
+    std::fs::write(dir.join("cut.bin"), bytes).unwrap();
+    let e = err_of(&CorpusConfig::new(&[&d("*.bin")], 8));
+    assert!(
+        e.contains("cut.bin") && e.contains("llm.c header says 100 tokens"),
+        "{e}"
+    );
+    // An empty file and an empty source.
+    std::fs::write(dir.join("empty.jsonl"), "").unwrap();
+    let e = err_of(&CorpusConfig::new(&[&d("empty.jsonl")], 8));
+    assert!(e.contains("empty.jsonl") && e.contains("empty"), "{e}");
+    std::fs::create_dir_all(dir.join("nothing")).unwrap();
+    let e = err_of(&CorpusConfig::new(&[&d("nothing")], 8));
+    assert!(
+        e.contains("nothing") && e.contains("matches no file"),
+        "{e}"
+    );
+    // The first record is checked before training.
+    std::fs::write(dir.join("first.jsonl"), "{\"txt\": \"a\"}\n").unwrap();
+    let e = err_of(&CorpusConfig::new(&[&d("first.jsonl")], 8));
+    assert!(
+        e.contains("first.jsonl: line 1: no field \"text\" (data.field)"),
+        "{e}"
+    );
+    // Later records fail at the batch that meets them, naming file and line.
+    let good = "{\"text\": \"a good document of some length\"}\n";
+    let cases = [
+        (
+            "notjson.jsonl",
+            format!("{good}{good}{{not json\n"),
+            "line 3: not a JSON record",
+        ),
+        (
+            "nofield.jsonl",
+            format!("{good}\n{{\"body\": 1}}\n"),
+            "line 3: no field \"text\"",
+        ),
+        (
+            "number.jsonl",
+            format!("{good}{{\"text\": 5}}\n"),
+            "line 2: field \"text\" (data.field) is a number",
+        ),
+    ];
+    for (name, body, want) in &cases {
+        std::fs::write(dir.join(name), body).unwrap();
+        let e = batch_err(&CorpusConfig::new(&[&d(name)], 8));
+        assert!(e.contains(name) && e.contains(want), "{name}: {e}");
+    }
+    let mut bytes = good.repeat(2).into_bytes();
+    bytes.extend_from_slice(b"{\"text\": \"caf\xe9\"}\n");
+    std::fs::write(dir.join("latin1.jsonl"), &bytes).unwrap();
+    let e = batch_err(&CorpusConfig::new(&[&d("latin1.jsonl")], 8));
+    assert!(
+        e.contains("latin1.jsonl") && e.contains("line 3: not valid UTF-8"),
+        "{e}"
+    );
+    // Parquet: refused by name.
+    std::fs::write(dir.join("x.parquet"), b"PAR1").unwrap();
+    let e = err_of(&CorpusConfig::new(&[&d("x.parquet")], 8));
+    assert!(
+        e.contains("x.parquet") && e.contains("Parquet is not supported"),
+        "{e}"
+    );
+    // `skip`: the bad records are counted, the rest trains.
+    let mut cfg = CorpusConfig::new(
+        &[&d("notjson.jsonl"), &d("nofield.jsonl"), &d("latin1.jsonl")],
+        8,
+    );
+    cfg.on_bad_record = OnBadRecord::Skip;
+    let l = open(&cfg);
+    for k in 0..10 {
+        l.micro_batch(k, 0, 1, 0, 4, 1).unwrap();
+    }
+    let skipped = l.stats().unwrap().skipped;
+    assert!(skipped >= 3, "skipped {skipped}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn config_paths_lists_and_sources() {
+    use phalanx::config::TrainConfig;
+    let cfg = TrainConfig::build(None, &["data.path=\"shards/*.bin\"".into()]).unwrap();
+    assert!(cfg.data.uses_corpus());
+    let cfg = TrainConfig::build(None, &[]).unwrap();
+    assert!(
+        !cfg.data.uses_corpus(),
+        "one text file keeps the single-stream loader"
+    );
+    let cfg = TrainConfig::build(None, &["data.val_path=[\"v.bin\"]".into()]).unwrap();
+    assert_eq!(cfg.data.val_path.list(), vec!["v.bin".to_string()]);
+    assert!(cfg.data.uses_corpus());
+    let cfg = TrainConfig::build(None, &["data.path=[\"a.bin\", \"b.bin\"]".into()]).unwrap();
+    assert_eq!(cfg.data.path.to_string(), "a.bin, b.bin");
+    assert!(TrainConfig::build(None, &["data.path=5".into()]).is_err());
+    let dir = temp_dir("config");
+    let toml = dir.join("c.toml");
+    std::fs::write(
+        &toml,
+        "[[data.sources]]\npath = \"a/*.bin\"\nweight = 3\n[[data.sources]]\npath = [\"b.jsonl\", \"c\"]\nfield = \"content\"\n",
+    )
+    .unwrap();
+    let cfg = TrainConfig::build(Some(&toml), &[]).unwrap();
+    let cc = cfg
+        .data
+        .corpus_config(8, None, std::sync::Arc::new(phalanx::data::Tokenizer::Byte));
+    assert_eq!(cc.sources.len(), 2);
+    assert_eq!(
+        (cc.sources[0].weight, cc.sources[1].field.as_str()),
+        (3.0, "content")
+    );
+    assert_eq!(
+        cc.sources[1].paths,
+        vec!["b.jsonl".to_string(), "c".to_string()]
+    );
+    // Both `data.path` and sources: refused, naming both.
+    let e = TrainConfig::build(Some(&toml), &["data.path=\"x.bin\"".into()]).unwrap_err();
+    assert!(e.to_string().contains("[[data.sources]]"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
