@@ -236,6 +236,35 @@ impl Input {
 
 /// `p` can be written: not a directory, its directory exists or can be
 /// made, and takes a file.
+/// Create the directory of output `p` if it is missing, but only that one
+/// (as `mkdir` would, not `mkdir -p`): a path whose parent directory is
+/// missing too is more likely a typo than a wish, so it is refused naming
+/// the missing directory rather than created anywhere.
+pub fn create_own_dir(what: &str, p: &Path) -> Result<(), String> {
+    let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let above = dir
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !above.is_dir() {
+        return Err(format!(
+            "{what} {}: neither its directory {} nor {} exists; Phalanx creates at most the \
+             output's own directory: create {} first",
+            p.display(),
+            dir.display(),
+            above.display(),
+            above.display()
+        ));
+    }
+    std::fs::create_dir(dir)
+        .map_err(|e| format!("{what} {}: cannot create its directory: {e}", p.display()))
+}
+
 fn writable(what: &str, p: &Path) -> Result<(), String> {
     if p.is_dir() {
         return Err(format!("{what} {} is a directory, not a file", p.display()));
@@ -244,8 +273,7 @@ fn writable(what: &str, p: &Path) -> Result<(), String> {
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .map_err(|e| format!("{what} {}: cannot create its directory: {e}", p.display()))?;
+    create_own_dir(what, p)?;
     let probe = dir.join(format!(".phalanx-probe-{}", std::process::id()));
     std::fs::write(&probe, b"")
         .map_err(|e| format!("{what} {}: its directory is not writable: {e}", p.display()))?;

@@ -107,8 +107,6 @@ fn run(o: &TokenizeOpts) -> Result<(), String> {
 }
 
 fn write(p: &Path, bytes: &[u8]) -> Result<(), String> {
-    if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
-    }
+    crate::outputs::create_own_dir("output", p)?;
     phalanx::fsutil::write_atomic(p, bytes).map_err(|e| format!("{}: {e}", p.display()))
 }

@@ -275,3 +275,33 @@ fn plan_write_config_never_overwrites_its_inputs() {
     assert_eq!(std::fs::read_to_string(&data).unwrap(), "text ".repeat(100));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// An output whose directory is missing gets that one directory, never a
+/// chain of them (issue 27, item 25): a typo'd path is refused, naming the
+/// missing directory, and nothing is created.
+#[test]
+fn an_output_gets_its_own_directory_and_no_more() {
+    let d = fresh_dir("phalanx-outputs", "own-dir");
+    let run = |log: &Path| {
+        let mut a: Vec<String> = ["train", "--nproc-per-node", "1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(train_args(log, 1));
+        let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        phalanx(&a)
+    };
+    let deep = d.join("no/such/dir/log.jsonl");
+    let (code, _, err) = run(&deep);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--log-json") && err.contains("no/such"),
+        "{err}"
+    );
+    assert!(!d.join("no").exists(), "a directory was created");
+    let one = d.join("new/log.jsonl");
+    let (code, _, err) = run(&one);
+    assert_eq!(code, 0, "{err}");
+    assert!(one.is_file());
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -361,7 +361,7 @@ fn bad_data_is_named_with_file_and_line() {
     std::fs::create_dir_all(dir.join("nothing")).unwrap();
     let e = err_of(&CorpusConfig::new(&[&d("nothing")], 8));
     assert!(
-        e.contains("nothing") && e.contains("matches no file"),
+        e.contains("nothing") && e.contains("a directory holding no data files"),
         "{e}"
     );
     // The first record is checked before training.
