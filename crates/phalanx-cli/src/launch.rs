@@ -318,21 +318,9 @@ pub(crate) fn run_group(
             c.env("PHALANX_ELASTIC", "1");
         }
         // Each worker leads its own process group, so stopping it also stops
-        // whatever it started (a shell's children hold its pipes open); and
-        // workers die with the launcher even if it is SIGKILLed.
-        let parent = std::process::id() as libc::pid_t;
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            c.pre_exec(move || {
-                libc::setpgid(0, 0);
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                // The launcher may have died before the line above.
-                if libc::getppid() != parent {
-                    return Err(std::io::Error::other("the launcher is gone"));
-                }
-                Ok(())
-            });
-        }
+        // whatever it started; and workers die with the launcher even if it
+        // is SIGKILLed.
+        phalanx_comm::child::die_with_launcher(&mut c);
         let mut child = match c.spawn() {
             Ok(ch) => ch,
             Err(e) => {

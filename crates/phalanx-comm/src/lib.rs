@@ -28,6 +28,7 @@
 
 pub mod algo;
 pub mod backend;
+pub mod child;
 pub mod config;
 pub mod dtype;
 pub mod error;

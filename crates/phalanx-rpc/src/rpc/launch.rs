@@ -11,7 +11,6 @@
 //! SIGKILL after 3 s) before it exits with 128 + the signal.
 
 use phalanx_comm::store::StoreServer;
-use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -99,7 +98,6 @@ pub fn spawn_ranks_with(
     let server = StoreServer::bind("127.0.0.1:0", secret).map_err(|e| e.to_string())?;
     let port = server.addr().port().to_string();
     let _signals = CatchSignals::install();
-    let parent = std::process::id() as libc::pid_t;
     let mut kids: Vec<Child> = Vec::new();
     for rank in 0..world {
         if SIGNALLED.load(Ordering::SeqCst) != 0 {
@@ -118,18 +116,7 @@ pub fn spawn_ranks_with(
         for (k, v) in envs {
             c.env(k, v);
         }
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            c.pre_exec(move || {
-                libc::setpgid(0, 0);
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                // The launcher may have died before the line above.
-                if libc::getppid() != parent {
-                    return Err(std::io::Error::other("the launcher is gone"));
-                }
-                Ok(())
-            });
-        }
+        phalanx_comm::child::die_with_launcher(&mut c);
         match c.spawn() {
             Ok(k) => kids.push(k),
             Err(e) => {
