@@ -19,9 +19,29 @@ use phalanx_rpc::ps::{Optim, PsClient, Server};
 use phalanx_rpc::rpc::{self, launch, Options, Registry};
 use std::time::{Duration, Instant};
 
+const USAGE: &str = "usage: parameter_server [--trainers N] [--servers N] [--staleness S|async] \
+[--steps N] [--batch N] [--optim adagrad|sgd] [--lr X] [--vocab N] [--rows N] [--seed N]";
+
 fn main() {
-    let trainers: usize = launch::arg("--trainers", 2);
-    let servers: usize = launch::arg("--servers", 1);
+    launch::check_args(
+        USAGE,
+        &[
+            "--trainers",
+            "--servers",
+            "--staleness",
+            "--steps",
+            "--batch",
+            "--optim",
+            "--lr",
+            "--vocab",
+            "--rows",
+            "--seed",
+        ],
+        &[],
+    );
+    let most = launch::max_local_ranks();
+    let trainers: usize = launch::arg_checked("--trainers", 2, launch::within(1, most - 1));
+    let servers: usize = launch::arg_checked("--servers", 1, launch::within(1, most - trainers));
     let Some((rank, world)) = launch::rank_of_job() else {
         let code = launch::spawn_ranks(servers + trainers, Duration::from_secs(10));
         std::process::exit(code.unwrap_or_else(|e| {
@@ -37,26 +57,37 @@ fn main() {
     let staleness = if st == "async" {
         None
     } else {
-        Some(
-            st.parse::<u64>()
-                .expect("--staleness is a number or `async`"),
-        )
+        match st.parse::<u64>() {
+            Ok(s) => Some(s),
+            Err(_) => {
+                eprintln!("error: --staleness {st}: a number of steps (0 or more) or `async`");
+                std::process::exit(2);
+            }
+        }
     };
-    let steps: u64 = launch::arg("--steps", 1000);
-    let batch: usize = launch::arg("--batch", 256);
-    let lr: f32 = launch::arg("--lr", 0.5);
+    let steps: u64 = launch::arg_checked("--steps", 1000, |&s| {
+        (s > 0)
+            .then_some(())
+            .ok_or("must be at least 1".to_string())
+    });
+    let batch: usize = launch::arg_checked("--batch", 256, launch::within(1, 1 << 20));
+    let lr: f32 = launch::arg_checked("--lr", 0.5, launch::positive);
     let optim = match launch::arg("--optim", "adagrad".to_string()).as_str() {
         "sgd" => Optim::Sgd { lr },
-        _ => Optim::Adagrad {
+        "adagrad" => Optim::Adagrad {
             lr,
             init_acc: 0.1,
             eps: 1e-8,
         },
+        other => {
+            eprintln!("error: --optim {other}: adagrad or sgd");
+            std::process::exit(2);
+        }
     };
     let spec = CtrSpec {
         fields: 8,
-        vocab: launch::arg("--vocab", 10_000),
-        rows: launch::arg("--rows", 1 << 22),
+        vocab: launch::arg_checked("--vocab", 10_000, launch::within(1, 1 << 30)),
+        rows: launch::arg_checked("--rows", 1 << 22, launch::within(1, 1 << 30)),
         dim: 8,
         seed: launch::arg("--seed", 1),
     };

@@ -19,8 +19,39 @@ use phalanx_rpc::rl::{self, LearnerConfig};
 use phalanx_rpc::rpc::{self, launch, Options, Registry};
 use std::time::Duration;
 
+const USAGE: &str = "usage: rl_cartpole [--observers N] [--hidden N] [--lr X] [--max-episodes N] \
+[--seed N] [--no-stop] [--sync] [--learner-grads]";
+
 fn main() {
-    let observers: usize = launch::arg("--observers", 2);
+    launch::check_args(
+        USAGE,
+        &[
+            "--observers",
+            "--hidden",
+            "--lr",
+            "--max-episodes",
+            "--seed",
+        ],
+        &["--no-stop", "--sync", "--learner-grads"],
+    );
+    let most = launch::max_local_ranks();
+    let observers: usize = launch::arg_checked("--observers", 2, launch::within(1, most - 1));
+    // Every rank checks the learner's settings before any work starts.
+    let d = LearnerConfig::default();
+    let cfg = LearnerConfig {
+        hidden: launch::arg_checked("--hidden", d.hidden, launch::within(1, 1 << 16)),
+        lr: launch::arg_checked("--lr", d.lr, launch::positive),
+        max_episodes: launch::arg_checked(
+            "--max-episodes",
+            d.max_episodes,
+            launch::within(1, 1 << 30),
+        ),
+        seed: launch::arg("--seed", d.seed),
+        stop_when_solved: !std::env::args().any(|a| a == "--no-stop"),
+        asynchronous: !std::env::args().any(|a| a == "--sync"),
+        observer_grads: !std::env::args().any(|a| a == "--learner-grads"),
+        ..d
+    };
     let Some((rank, world)) = launch::rank_of_job() else {
         let code = launch::spawn_ranks(observers + 1, Duration::from_secs(10));
         std::process::exit(code.unwrap_or_else(|e| {
@@ -41,17 +72,6 @@ fn main() {
     };
     let rpc = rpc::init_rpc_with(&name, rank, world, reg, Options::default()).expect("init_rpc");
     if rank == 0 {
-        let d = LearnerConfig::default();
-        let cfg = LearnerConfig {
-            hidden: launch::arg("--hidden", d.hidden),
-            lr: launch::arg("--lr", d.lr),
-            max_episodes: launch::arg("--max-episodes", d.max_episodes),
-            seed: launch::arg("--seed", d.seed),
-            stop_when_solved: !std::env::args().any(|a| a == "--no-stop"),
-            asynchronous: !std::env::args().any(|a| a == "--sync"),
-            observer_grads: !std::env::args().any(|a| a == "--learner-grads"),
-            ..d
-        };
         let names: Vec<String> = (1..world).map(|r| format!("observer{r}")).collect();
         let rep = rl::learn(&rpc, &names, &cfg).expect("learn");
         for (i, chunk) in rep.returns.chunks(100).enumerate() {

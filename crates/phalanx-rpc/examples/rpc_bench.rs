@@ -16,6 +16,11 @@ use std::time::{Duration, Instant};
 const SIZES: [(usize, usize); 3] = [(8, 5000), (64 << 10, 2000), (4 << 20, 200)];
 
 fn main() {
+    launch::check_args(
+        "usage: rpc_bench (no options; PHALANX_TRANSPORT picks the transport)",
+        &[],
+        &[],
+    );
     let Some((rank, world)) = launch::rank_of_job() else {
         let code = launch::spawn_ranks(2, Duration::from_secs(10));
         std::process::exit(code.unwrap_or(2));

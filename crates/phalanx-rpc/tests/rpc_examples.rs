@@ -158,3 +158,41 @@ fn killing_an_examples_launcher_ends_its_ranks() {
         );
     }
 }
+
+/// Bad flags end an example before it starts any rank, naming the flag
+/// (issue 27, item 21): zero or too many ranks, a negative staleness, zero
+/// rows (a division by zero), an unknown flag; `--help` prints the usage
+/// and runs nothing.
+#[test]
+fn the_examples_refuse_bad_flags_naming_them() {
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("parameter_server", &["--servers", "0"], "--servers 0"),
+        ("parameter_server", &["--trainers", "0"], "--trainers 0"),
+        ("parameter_server", &["--trainers", "200"], "--trainers 200"),
+        ("parameter_server", &["--staleness", "-1"], "--staleness -1"),
+        ("parameter_server", &["--rows", "0"], "--rows 0"),
+        ("parameter_server", &["--lr", "nan"], "--lr NaN"),
+        ("parameter_server", &["--optim", "adam"], "--optim adam"),
+        ("parameter_server", &["--stalenes", "1"], "\"--stalenes\""),
+        ("rl_cartpole", &["--observers", "0"], "--observers 0"),
+        ("rl_cartpole", &["--hidden", "0"], "--hidden 0"),
+        ("rl_cartpole", &["--fast"], "\"--fast\""),
+        ("rpc_bench", &["--size", "1"], "\"--size\""),
+    ];
+    for (name, args, want) in cases {
+        let out = Command::new(example(name))
+            .args(*args)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {err}");
+        assert!(err.contains(want), "{name} {args:?}: {err}");
+    }
+    for name in ["parameter_server", "rl_cartpole", "rpc_bench"] {
+        let out = Command::new(example(name)).arg("--help").output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{name} --help");
+        assert!(String::from_utf8_lossy(&out.stdout).starts_with("usage: "));
+    }
+}

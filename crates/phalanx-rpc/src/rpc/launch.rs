@@ -71,6 +71,74 @@ pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     }
 }
 
+/// Check the command line against what an example takes: `--help` / `-h`
+/// prints `usage` and exits 0; a flag not in `with_value` (flags followed
+/// by a value) or `switches`, or a stray argument, ends the program with a
+/// message naming it and exit code 2, so a typo never runs the default job.
+pub fn check_args(usage: &str, with_value: &[&str], switches: &[&str]) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{usage}");
+        std::process::exit(0);
+    }
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].as_str();
+        if with_value.contains(&a) {
+            i += 2;
+        } else if switches.contains(&a) {
+            i += 1;
+        } else {
+            eprintln!("error: unknown argument {a:?} (--help lists the options)");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// [`arg`], then `check(value)`: `Err(why)` ends the program with a message
+/// naming the flag, its value and why, and exit code 2.
+pub fn arg_checked<T: std::str::FromStr + std::fmt::Display>(
+    name: &str,
+    default: T,
+    check: impl Fn(&T) -> Result<(), String>,
+) -> T {
+    let v = arg(name, default);
+    if let Err(why) = check(&v) {
+        eprintln!("error: {name} {v}: {why}");
+        std::process::exit(2);
+    }
+    v
+}
+
+/// For [`arg_checked`]: a number in `lo..=hi`.
+pub fn within<T: PartialOrd + Copy + std::fmt::Display>(
+    lo: T,
+    hi: T,
+) -> impl Fn(&T) -> Result<(), String> {
+    move |v| {
+        if (lo..=hi).contains(v) {
+            Ok(())
+        } else {
+            Err(format!("must be between {lo} and {hi}"))
+        }
+    }
+}
+
+/// For [`arg_checked`]: a finite number above zero.
+pub fn positive(v: &f32) -> Result<(), String> {
+    if v.is_finite() && *v > 0.0 {
+        Ok(())
+    } else {
+        Err("must be a finite number above 0".into())
+    }
+}
+
+/// The most ranks [`spawn_ranks`] starts on this host: 8 per core, as
+/// `phalanx run` allows by default.
+pub fn max_local_ranks() -> usize {
+    8 * std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// This process's rank and world size, when it was started as a rank.
 pub fn rank_of_job() -> Option<(usize, usize)> {
     let env = phalanx_comm::DistEnv::from_env().ok()?;
