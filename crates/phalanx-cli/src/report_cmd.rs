@@ -68,8 +68,8 @@ fn run(o: &ReportOpts) -> Result<PathBuf, String> {
     });
     let trace = match &trace_path {
         Some(t) => {
-            let text = std::fs::read_to_string(t)
-                .map_err(|e| format!("cannot read the trace {}: {e}", t.display()))?;
+            let text = phalanx::fsutil::read_text_capped("the trace", t, phalanx::fsutil::LOG_CAP)
+                .map_err(|e| format!("cannot read it: {e}"))?;
             Some(
                 serde_json::from_str::<serde_json::Value>(&text)
                     .map_err(|e| format!("{} is not a JSON trace: {e}", t.display()))?,

@@ -75,6 +75,7 @@ fn run(o: &TokenizeOpts) -> Result<(), String> {
     }
     let tj = hf_tokenizer::json_path(&o.tokenizer);
     let tok = hf_tokenizer::open(&tj).map_err(|e| e.to_string())?;
+    phalanx::fsutil::regular_file("input", &o.input)?;
     let text = std::fs::read_to_string(&o.input)
         .map_err(|e| format!("{}: {e} (the input must be UTF-8 text)", o.input.display()))?;
     let mut ids: Vec<u32> = Vec::new();

@@ -336,3 +336,76 @@ fn a_failing_rank_writes_torchruns_error_file() {
     assert!(left.is_empty(), "temporaries left: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Where a file is expected, a device, a FIFO or an oversized file is
+/// refused naming it (issue 27, item 9): never an endless read of
+/// `/dev/zero`, never a hang on a FIFO with no writer. A `latest` that
+/// points at `/dev/zero` is not read either; the run goes on.
+#[test]
+fn devices_fifos_and_oversized_files_are_refused_not_read() {
+    let d = fresh_dir("phalanx-nonregular", "cases");
+    let fifo = d.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) on a fresh path of the test's own directory.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let big = d.join("big.toml");
+    std::fs::write(&big, vec![b'#'; (16 << 20) + 1]).unwrap();
+    let log = d.join("log.jsonl");
+    std::fs::write(&log, "{\"step\": 0, \"loss\": 1.0}\n").unwrap();
+    let (fifo_s, big_s, log_s) = (
+        fifo.to_str().unwrap(),
+        big.to_str().unwrap(),
+        log.to_str().unwrap(),
+    );
+    let data = |p: &str| format!("data.path=\"{p}\"");
+    let (zero, ff) = (data("/dev/zero"), data(fifo_s));
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["train", "--config", "/dev/zero"], "not a regular file"),
+        (vec!["train", "--config", fifo_s], "not a regular file"),
+        (vec!["train", "--config", big_s], "larger than 16 MiB"),
+        (
+            vec!["train", "--nproc-per-node", "1", "--set", &zero],
+            "not a regular file",
+        ),
+        (
+            vec!["train", "--nproc-per-node", "1", "--set", &ff],
+            "not a regular file",
+        ),
+        (
+            vec!["report", log_s, "--trace", "/dev/zero"],
+            "not a regular file",
+        ),
+        (
+            vec!["report", log_s, "--trace", fifo_s],
+            "not a regular file",
+        ),
+        (vec!["report", "/dev/zero"], "not a regular file"),
+    ];
+    for (args, want) in &cases {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo()).args(args);
+        let r = run_until(c, std::time::Duration::from_secs(60));
+        assert_ne!(r.code, 0, "{args:?}: {r}");
+        assert!(r.err.contains(want), "{args:?}: {r}");
+        let named = args
+            .last()
+            .unwrap()
+            .trim_start_matches("data.path=")
+            .trim_matches('"');
+        assert!(r.err.contains(named), "{args:?} does not name {named}: {r}");
+    }
+    // `latest` linked to /dev/zero: read within a cap, ignored, and the
+    // run starts fresh.
+    let ck = d.join("ck");
+    std::fs::create_dir_all(&ck).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", ck.join("latest")).unwrap();
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .args(["train", "--nproc-per-node", "1", "--resume", "auto"])
+        .args(SMALL)
+        .args(["--set", "train.steps=1"])
+        .args(["--set", &format!("checkpoint.dir=\"{}\"", ck.display())]);
+    let r = run_until(c, std::time::Duration::from_secs(60));
+    assert_eq!(r.code, 0, "{r}");
+    let _ = std::fs::remove_dir_all(&d);
+}

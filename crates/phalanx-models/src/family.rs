@@ -458,7 +458,8 @@ pub fn build_for_hf(
         return Ok((build(file, overrides)?, None));
     };
     let bad = |e: String| phalanx::Error::Check(format!("{}: {e}", cj.display()));
-    let text = std::fs::read_to_string(&cj).map_err(|e| bad(e.to_string()))?;
+    let text = phalanx::fsutil::read_text_capped("config.json", &cj, phalanx::fsutil::CONFIG_CAP)
+        .map_err(bad)?;
     let json: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let family = for_hf_config(&json).map_err(|e| bad(e.0))?;
     let keys = family.hf_keys(&json).map_err(|e| bad(e.to_string()))?;
@@ -492,8 +493,8 @@ fn explicit_model_keys(
         !p.extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("json"))
     }) {
-        let text = std::fs::read_to_string(p)
-            .map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
+        let text = phalanx::fsutil::read_text_capped("config file", p, phalanx::fsutil::CONFIG_CAP)
+            .map_err(|e| ConfigError(format!("cannot read it: {e}")))?;
         let t: toml::Table = text
             .parse()
             .map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;

@@ -1,4 +1,7 @@
-//! Writing files whole: a temporary file beside the target (created with
+//! Reading files within bounds ([`read_capped`]: regular files only, at
+//! most a cap, so `/dev/zero`, a FIFO or a runaway file is an error naming
+//! it, never an endless read or a hang), and writing files whole: a
+//! temporary file beside the target (created with
 //! the process umask, like every other tool), fsynced, then renamed over
 //! the target; on any error the temporary is removed and the target is
 //! untouched. On Linux the temporary has no name while it is written
@@ -16,6 +19,62 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+/// Caps for what Phalanx reads whole: a config (TOML, DeepSpeed JSON or a
+/// model's `config.json`), a checkpoint's `latest`.
+pub const CONFIG_CAP: u64 = 16 << 20;
+/// A checkpoint's `metadata.json` (one entry per tensor region and rank).
+pub const METADATA_CAP: u64 = 1 << 30;
+/// A JSON log or a trace that `phalanx report` reads.
+pub const LOG_CAP: u64 = 4 << 30;
+
+/// `path` (`what` names it in errors: a flag or a key) if it is a regular
+/// file, after following symbolic links: a device such as `/dev/zero`
+/// would never end, and opening a FIFO waits for a writer.
+pub fn regular_file(what: &str, path: &Path) -> Result<std::fs::Metadata, String> {
+    let m = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+    if !m.is_file() {
+        let kind = if m.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a device, FIFO or socket)"
+        };
+        return Err(format!("{what} {} is {kind}", path.display()));
+    }
+    Ok(m)
+}
+
+/// The bytes of regular file `path`, at most `cap` of them: larger is an
+/// error naming the file and the cap (also when it grows while read).
+pub fn read_capped(what: &str, path: &Path, cap: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let m = regular_file(what, path)?;
+    let too_big = || {
+        format!(
+            "{what} {} is larger than {} MiB, more than such a file can be: refusing to read it",
+            path.display(),
+            cap >> 20
+        )
+    };
+    if m.len() > cap {
+        return Err(too_big());
+    }
+    let f = std::fs::File::open(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+    let mut out = Vec::with_capacity(m.len() as usize);
+    f.take(cap + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| format!("{what} {}: {e}", path.display()))?;
+    if out.len() as u64 > cap {
+        return Err(too_big());
+    }
+    Ok(out)
+}
+
+/// [`read_capped`] as UTF-8 text.
+pub fn read_text_capped(what: &str, path: &Path, cap: u64) -> Result<String, String> {
+    String::from_utf8(read_capped(what, path, cap)?)
+        .map_err(|_| format!("{what} {} is not UTF-8 text", path.display()))
+}
 
 /// The temporary `write_atomic` uses for `path`.
 fn temp_for(path: &Path) -> PathBuf {

@@ -136,8 +136,8 @@ fn text(v: &Value) -> String {
 /// A JSON log: one object per line (as `--log-json` writes). A line that
 /// is not a JSON object is an error naming it.
 pub fn read_log(path: &Path) -> Result<Vec<Value>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::Io(format!("cannot read the JSON log {}: {e}", path.display())))?;
+    let text = crate::fsutil::read_text_capped("the JSON log", path, crate::fsutil::LOG_CAP)
+        .map_err(|e| Error::Io(format!("cannot read it: {e}")))?;
     let mut out = Vec::new();
     for (i, line) in text
         .lines()

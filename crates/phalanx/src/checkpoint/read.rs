@@ -35,7 +35,7 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
     v.sort();
     v.reverse();
     // `latest` first, when it names one of them.
-    if let Ok(l) = std::fs::read_to_string(root.join("latest")) {
+    if let Ok(l) = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096) {
         let l = root.join(l.trim());
         if let Some(i) = v.iter().position(|p| *p == l) {
             let p = v.remove(i);
@@ -132,8 +132,12 @@ impl Reader {
     /// Read and check the metadata, and that every file has its size.
     pub fn open(dir: &Path) -> Result<Reader> {
         let mp = dir.join("metadata.json");
-        let text = std::fs::read_to_string(&mp)
-            .map_err(|e| Error::Check(format!("{}: {e}", mp.display())))?;
+        let text = crate::fsutil::read_text_capped(
+            "checkpoint metadata",
+            &mp,
+            crate::fsutil::METADATA_CAP,
+        )
+        .map_err(Error::Check)?;
         let meta =
             Metadata::parse(&text).map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
         for f in &meta.files {

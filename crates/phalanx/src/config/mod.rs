@@ -662,8 +662,8 @@ impl TrainConfig {
         let mut ds = deepspeed::Extra::default();
         let mut autos = deepspeed::Autos::default();
         if let Some(p) = file {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| ConfigError(format!("cannot read {}: {e}", p.display())))?;
+            let text = crate::fsutil::read_text_capped("config file", p, crate::fsutil::CONFIG_CAP)
+                .map_err(|e| ConfigError(format!("cannot read it: {e}")))?;
             if p.extension()
                 .is_some_and(|e| e.eq_ignore_ascii_case("json"))
             {

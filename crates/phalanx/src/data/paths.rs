@@ -37,6 +37,8 @@ pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
                 source,
             })?;
         } else if p.exists() {
+            // A device (/dev/zero) would be read without end, a FIFO hang.
+            crate::fsutil::regular_file(key, p).map_err(DataError::Config)?;
             out.push(p.to_path_buf());
         } else {
             return Err(DataError::Config(format!(

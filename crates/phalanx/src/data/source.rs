@@ -104,6 +104,10 @@ impl TokenData {
                 "is a directory, not a token or text file".into(),
             ));
         }
+        // A device (/dev/zero) would be read without end, a FIFO would hang.
+        if path.exists() {
+            crate::fsutil::regular_file("data file", path).map_err(|e| format_err(path, e))?;
+        }
         let is_bin = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("bin"));
