@@ -162,3 +162,24 @@ fn latest_is_replaced_whole_and_leaves_no_temporary_on_error() {
     assert_eq!(names, ["latest"], "a temporary was left: {names:?}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A checkpoint's file names are plain names inside it (issue 27, item
+/// 12): `metadata.json` naming `../x`, an absolute path or a path with a
+/// separator is refused naming the name, before any file is opened.
+#[test]
+fn metadata_naming_files_outside_the_checkpoint_is_refused() {
+    let with_file = |name: &str| {
+        let mut m: serde_json::Value = serde_json::from_str(&metadata(2)).unwrap();
+        m["files"] = serde_json::json!([{"name": name, "bytes": 0, "sha256": ""}]);
+        m.to_string()
+    };
+    let ok = phalanx::checkpoint::Metadata::parse(&with_file("rank-00000.safetensors"));
+    assert!(ok.is_ok(), "{ok:?}");
+    for bad in ["../x", "/etc/passwd", "a/b", "..", ".", "", "a\\b"] {
+        let e = phalanx::checkpoint::Metadata::parse(&with_file(bad)).unwrap_err();
+        assert!(
+            e.contains("not a plain file name") && e.contains(&format!("{bad:?}")),
+            "{bad:?}: {e}"
+        );
+    }
+}

@@ -207,6 +207,14 @@ impl Metadata {
                 m.format
             ));
         }
+        // A checkpoint's files are plain names inside it: `../x` or
+        // `/etc/passwd` would read (and a repair write) outside it.
+        if let Some(f) = m.files.iter().find(|f| !plain_file_name(&f.name)) {
+            return Err(format!(
+                "metadata.json: file name {:?} is not a plain file name inside the checkpoint",
+                f.name
+            ));
+        }
         if let Some(e) = m.rank_state.iter().find(|e| e.rank >= m.files.len()) {
             return Err(format!(
                 "rank state {} names rank {} of {}",
@@ -237,6 +245,12 @@ impl Metadata {
         }
         Ok(m)
     }
+}
+
+/// Whether `name` names a file directly inside a directory: not empty, no
+/// separator, not `.` or `..`, no NUL.
+pub fn plain_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\\', '\0'])
 }
 
 /// The name of the checkpoint of `step`.
