@@ -194,6 +194,14 @@ pub fn plan(
     if opts.iters == 0 {
         return Err("--iters must be at least 1 (got 0)".into());
     }
+    // A million iterations of the smallest message already take minutes;
+    // more is a typo, and `warmup + iters` must not wrap.
+    const MAX_ITERS: usize = 1_000_000;
+    for (key, v) in [("--iters", opts.iters), ("--warmup", opts.warmup)] {
+        if v > MAX_ITERS {
+            return Err(format!("{key} {v} is more than {MAX_ITERS}"));
+        }
+    }
     let sizes = parse_sizes(&opts.sizes, opts.factor).map_err(|e| format!("--sizes: {e}"))?;
     let esz = dtype.size();
     // Where the host does not say (no /proc/meminfo), assume 1 TiB.

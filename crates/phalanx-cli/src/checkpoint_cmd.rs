@@ -161,8 +161,12 @@ fn human(bytes: u64) -> String {
 fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
     let dir = locate(path)?;
     let mp = dir.join("metadata.json");
-    let text =
-        std::fs::read_to_string(&mp).map_err(|e| Error::Check(format!("{}: {e}", mp.display())))?;
+    let text = phalanx::fsutil::read_text_capped(
+        "checkpoint metadata",
+        &mp,
+        phalanx::fsutil::METADATA_CAP,
+    )
+    .map_err(Error::Check)?;
     let meta =
         Metadata::parse(&text).map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
 

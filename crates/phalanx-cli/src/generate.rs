@@ -177,6 +177,7 @@ fn load(
     let mut sets = tokenizer_sets(&o.model)?;
     sets.extend(o.set.iter().cloned());
     let (cfg, _) = family::build_for_hf(o.config.as_deref(), &sets, &o.model)?;
+    phalanx_models::common::backed::check_hf(&cfg, &o.model)?;
     let mut engine = train::build_engine(&cfg)?;
     family::of(&cfg)?
         .load_hf(&mut engine, &cfg, &o.model)

@@ -272,7 +272,12 @@ pub(crate) fn run_group(
 ) -> Result<Outcome, String> {
     let o = env.opts;
     let nproc = env.nproc;
-    let world = nproc * env.nnodes;
+    let world = nproc.checked_mul(env.nnodes).ok_or_else(|| {
+        format!(
+            "--nproc-per-node {nproc} x --nnodes {} ranks overflows",
+            env.nnodes
+        )
+    })?;
     let mut workers = Vec::new();
     for local in 0..nproc {
         // Stay interruptible while starting many workers: stop and reap the

@@ -55,6 +55,10 @@ pub struct LaunchOpts {
     pub rdzv_conf: Option<String>,
 }
 
+/// The most nodes a job may have: far beyond any cluster, and small enough
+/// that world sizes (nodes x ranks per node, itself capped) cannot wrap.
+pub const MAX_NODES: usize = 1 << 20;
+
 impl LaunchOpts {
     /// `--nnodes` as (min, max); equal for a fixed job.
     pub fn nnodes_range(&self) -> Result<(usize, usize), String> {
@@ -74,6 +78,13 @@ impl LaunchOpts {
         };
         if min == 0 || min > max {
             return Err(bad());
+        }
+        // The same bound as the world size a job may have (2^20 ranks).
+        if max > MAX_NODES {
+            return Err(format!(
+                "--nnodes {}: at most {MAX_NODES} nodes",
+                self.nnodes
+            ));
         }
         Ok((min, max))
     }

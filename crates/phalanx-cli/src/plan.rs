@@ -73,6 +73,24 @@ fn run(o: &PlanOpts) -> Result<(), String> {
     if o.nproc == 0 || o.nnodes == 0 {
         return Err("--nproc and --nnodes must be at least 1".into());
     }
+    // The largest job the planner searches: far beyond any cluster, and
+    // small enough that the search over its layouts takes moments.
+    const MAX_WORLD: usize = 1 << 20;
+    if o.nproc.checked_mul(o.nnodes).is_none_or(|w| w > MAX_WORLD) {
+        return Err(format!(
+            "--nproc {} x --nnodes {} ranks is more than the planner searches ({MAX_WORLD})",
+            o.nproc, o.nnodes
+        ));
+    }
+    for (key, v) in [
+        ("--flops", o.flops),
+        ("--bandwidth", o.bandwidth),
+        ("--inter-bandwidth", o.inter_bandwidth),
+    ] {
+        if let Some(x) = v.filter(|x| !(x.is_finite() && *x > 0.0)) {
+            return Err(format!("{key} {x} must be a positive number"));
+        }
+    }
     let device_memory = match &o.device_memory {
         Some(s) => plan::parse_bytes(s)?,
         None => machine_ram()? / o.nproc as u64,

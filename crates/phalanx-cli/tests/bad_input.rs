@@ -409,3 +409,95 @@ fn devices_fifos_and_oversized_files_are_refused_not_read() {
     assert_eq!(r.code, 0, "{r}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The arithmetic table (issue 27, item 20): numbers whose products or
+/// sums used to wrap, saturate or run for minutes are refused at once,
+/// naming the key or flag.
+#[test]
+fn numbers_that_would_wrap_are_refused_naming_the_key() {
+    let d = std::env::temp_dir().join(format!("phalanx-arith-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let ds = |body: &str| {
+        let p = d.join(format!("ds-{}.json", body.len()));
+        std::fs::write(&p, body).unwrap();
+        p.display().to_string()
+    };
+    let max = u64::MAX.to_string();
+    let (ds_big, ds_zero, ds_warm) = (
+        ds(r#"{"train_batch_size": 18446744073709551616}"#),
+        ds(r#"{"train_batch_size": 0}"#),
+        ds(
+            r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e30}}}"#,
+        ),
+    );
+    let train = |set: &str| -> Vec<String> {
+        let mut a: Vec<String> = ["train", "--nproc-per-node", "1"]
+            .iter()
+            .chain(SMALL)
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--set".into(), set.to_string()]);
+        a
+    };
+    let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // (arguments, words the message must hold)
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            {
+                let mut a = train("train.micro_batch_size=4611686018427387908");
+                a.extend(["--set".into(), "train.grad_accum_steps=4".into()]);
+                a
+            },
+            "train.micro_batch_size",
+        ),
+        (
+            {
+                let mut a = train("train.micro_batch_size=1048576");
+                a.extend(["--set".into(), "train.grad_accum_steps=2097152".into()]);
+                a
+            },
+            "train.grad_accum_steps",
+        ),
+        (train("train.steps=2199023255552"), "train.steps"),
+        (
+            train("optim.warmup_steps=9223372036854775807"),
+            "optim.warmup_steps",
+        ),
+        (
+            train("monitor.prometheus_port=65536"),
+            "monitor.prometheus_port",
+        ),
+        (args(&["train", "--config", &ds_big]), "train_batch_size"),
+        (args(&["train", "--config", &ds_zero]), "train_batch_size"),
+        (args(&["train", "--config", &ds_warm]), "warmup_num_steps"),
+        (args(&["bench", "collectives", "--iters", &max]), "--iters"),
+        (
+            args(&["bench", "collectives", "--warmup", &max]),
+            "--warmup",
+        ),
+        (args(&["plan", "--nproc", &max]), "--nproc"),
+        (args(&["plan", "--nnodes", "4294967296"]), "--nnodes"),
+        (args(&["plan", "--flops", "0"]), "--flops"),
+        (args(&["plan", "--flops", "nan"]), "--flops"),
+        (args(&["plan", "--bandwidth", "0"]), "--bandwidth"),
+        (args(&["plan", "--inter-bandwidth=-1"]), "--inter-bandwidth"),
+        (
+            args(&["run", "--nnodes", "4294967296", "--", "true"]),
+            "--nnodes",
+        ),
+    ];
+    for (a, want) in &cases {
+        let refs: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        let (code, out, err) = phalanx(&repo(), &refs);
+        assert!(code != 0, "{a:?}: rc 0: {out}{err}");
+        assert!(
+            err.contains(want),
+            "{a:?}: the message should name {want}: {err}"
+        );
+        assert!(
+            !out.contains("done:") && !out.contains("us "),
+            "{a:?}: ran before the check: {out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -392,3 +392,124 @@ fn resume_into_another_model_names_the_tensor() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `checkpoint inspect` checks what a resume needs (issue 27, item 11):
+/// an entry whose key is not in its file, two entries that overlap, and an
+/// optimizer step count beyond the step are refused naming the field, by
+/// inspect and by `train --resume` alike (which used to panic on the last).
+#[test]
+fn inspect_checks_what_resume_needs() {
+    let d = tmpdir("needs");
+    let ck = train_with_checkpoints(&d, &[]);
+    let step = "step-00000004";
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit, &str); 3] = [
+        (
+            "missing-key",
+            |m| m["entries"][0]["key"] = "param/999".into(),
+            "entries[0].key",
+        ),
+        (
+            "overlap",
+            |m| {
+                let mut e = m["entries"][0].clone();
+                e["key"] = "param/999".into();
+                m["entries"].as_array_mut().unwrap().push(e);
+            },
+            "overlap",
+        ),
+        (
+            "optimizer-steps",
+            |m| m["optimizer"][1] = u64::MAX.into(),
+            "optimizer step count",
+        ),
+    ];
+    for (what, edit, words) in cases {
+        let bad = d.join(what);
+        copy_dir(&ck, &bad);
+        let mp = bad.join(step).join("metadata.json");
+        let mut m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+        edit(&mut m);
+        std::fs::write(&mp, m.to_string()).unwrap();
+        let o = phalanx(&["checkpoint", "inspect", &s(&bad.join(step))]);
+        assert!(o.code == 1 || o.code == 2, "inspect of {what}: {}", o.all());
+        assert!(o.all().contains(words), "inspect of {what}: {}", o.all());
+        let o = train(&[
+            "--set".into(),
+            "train.steps=6".into(),
+            "--resume".into(),
+            s(&bad.join(step)),
+        ]);
+        assert!(
+            o.code == 1 && o.all().contains(words) && !o.all().contains("panicked"),
+            "--resume of {what}: {}",
+            o.all()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A `config.json` or a checkpoint's config with a huge shape is refused
+/// before the model is allocated (issue 27, item 10), naming the files and
+/// both sizes: by `generate --model`, `checkpoint from-hf`, `train
+/// --init-from`, `checkpoint convert` and `generate` of a checkpoint.
+#[test]
+fn huge_shapes_are_refused_before_allocating() {
+    let d = tmpdir("huge");
+    let ck = train_with_checkpoints(&d, &[]);
+    let fin = d.join("final.safetensors");
+    let cj = d.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cj).unwrap()).unwrap();
+    // 12e12 parameters' worth of embedding: the old code tried to allocate it.
+    c["n_embd"] = 3_000_000_000u64.into();
+    c["n_head"] = 1.into();
+    std::fs::write(&cj, c.to_string()).unwrap();
+    let refused = |o: &Out, what: &str, file: &str| {
+        assert!(
+            o.code != 0
+                && o.all().contains("refused before allocating")
+                && o.all().contains(file)
+                && !o.all().contains("memory allocation"),
+            "{what}: {}",
+            o.all()
+        );
+    };
+    let o = phalanx(&["generate", "--model", &s(&fin), "--tokens", "2"]);
+    refused(&o, "generate --model", "final.safetensors");
+    let o = phalanx(&["checkpoint", "from-hf", &s(&fin), &s(&d.join("imp"))]);
+    refused(&o, "from-hf", "final.safetensors");
+    assert!(!d.join("imp").join("step-00000000").exists());
+    let o = train(&[
+        "--set".into(),
+        format!("model.n_embd={}", 3_000_000_000u64),
+        "--set".into(),
+        "model.n_head=1".into(),
+        "--init-from".into(),
+        s(&fin),
+    ]);
+    refused(&o, "train --init-from", "final.safetensors");
+
+    // The checkpoint's own config, edited the same way.
+    let step = ck.join("step-00000004");
+    let mp = step.join("metadata.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+    let mut cfg: toml::Table = m["config"].as_str().unwrap().parse().unwrap();
+    let model = cfg["model"].as_table_mut().unwrap();
+    model.insert("n_embd".into(), toml::Value::Integer(3_000_000_000));
+    model.insert("n_head".into(), toml::Value::Integer(1));
+    m["config"] = toml::to_string(&cfg).unwrap().into();
+    std::fs::write(&mp, m.to_string()).unwrap();
+    let o = phalanx(&[
+        "checkpoint",
+        "convert",
+        &s(&step),
+        &s(&d.join("x.safetensors")),
+    ]);
+    refused(&o, "checkpoint convert", "step-00000004");
+    let o = phalanx(&["generate", "--model", &s(&step), "--tokens", "2"]);
+    refused(&o, "generate of a checkpoint", "step-00000004");
+    let _ = std::fs::remove_dir_all(&d);
+}

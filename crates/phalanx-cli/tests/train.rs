@@ -218,10 +218,15 @@ fn bad_data_and_weights_are_clear_errors() {
         "{err}"
     );
 
-    // A safetensors file without the model's tensors.
+    // A safetensors file without the model's tensors (as large as the
+    // model, or its size alone would refuse it, see checkpoint_cmd.rs).
     let bogus = d.join("bogus.safetensors");
-    let t = candle_core::Tensor::zeros((2, 2), candle_core::DType::F32, &candle_core::Device::Cpu)
-        .unwrap();
+    let t = candle_core::Tensor::zeros(
+        (200, 200),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
     candle_core::safetensors::save(
         &std::collections::HashMap::from([("something.else".to_string(), t)]),
         &bogus,

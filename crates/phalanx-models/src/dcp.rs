@@ -69,6 +69,8 @@ pub fn config_of(meta: &Metadata) -> Result<TrainConfig> {
 /// engine built for `cfg`. A checkpoint of another model is refused naming
 /// the first tensor that differs.
 pub fn gather(reader: &Reader, cfg: &TrainConfig) -> Result<Engine> {
+    let bytes = reader.meta.files.iter().map(|f| f.bytes).sum();
+    crate::common::backed::check(cfg, bytes, 4, &reader.dir().display().to_string())?;
     let mut engine = train::build_engine(cfg)?;
     let layout = engine.layout().clone();
     reader.check_model(&layout, &Whole)?;
@@ -100,6 +102,7 @@ pub fn export(reader: &Reader, out: &Path) -> Result<TrainConfig> {
 /// step 0 under `root` holding parameters only, and point `root/latest` at
 /// it. Other checkpoints under `root` are kept. Returns its directory.
 pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
+    crate::common::backed::check_hf(cfg, input)?;
     let mut engine = train::build_engine(cfg)?;
     family::of(cfg)?
         .load_hf(&mut engine, cfg, input)

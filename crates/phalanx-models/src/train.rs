@@ -75,6 +75,9 @@ pub fn trainer(
     let mesh = DeviceMesh::new(&pg, dp, cfg.parallel.pp, cfg.parallel.tp)?;
     let ecfg = phalanx::trainer::engine_config(cfg);
     let init_err = |p: &Path, e: Error| Error::Check(format!("--init-from {}: {e}", p.display()));
+    if let Some(p) = &run.init_from {
+        crate::common::backed::check_hf(cfg, p).map_err(|e| init_err(p, e))?;
+    }
     let tp = tp_of(cfg, &mesh);
     let (engine, replicated) = match &tp {
         None => {

@@ -109,6 +109,38 @@ impl LossScaler {
         }
     }
 
+    /// Check a scaler read from a checkpoint: a finite positive scale, and
+    /// counters that `update` can step without dividing by zero or
+    /// overflowing. The error names the field (`scale`, `dynamic.window`…).
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(format!("scale {} is not a positive number", self.scale));
+        }
+        let Some(d) = &self.dynamic else {
+            return Ok(());
+        };
+        const MAX: u64 = 1 << 40;
+        let bad = if d.window == 0 || d.window as u64 > MAX {
+            Some("window")
+        } else if d.hysteresis == 0 || d.hysteresis as u64 > MAX {
+            Some("hysteresis")
+        } else if d.cur_hysteresis == 0 || d.cur_hysteresis > d.hysteresis {
+            Some("cur_hysteresis")
+        } else if !(d.min_scale.is_finite() && d.min_scale > 0.0) {
+            Some("min_scale")
+        } else if d.iter > MAX {
+            Some("iter")
+        } else if d.last_overflow < -1 || d.last_overflow > d.iter as i64 {
+            Some("last_overflow")
+        } else {
+            None
+        };
+        match bad {
+            Some(f) => Err(format!("dynamic.{f} is out of range: {d:?}")),
+            None => Ok(()),
+        }
+    }
+
     /// The factor the loss is multiplied by before backward.
     pub fn scale(&self) -> f64 {
         self.scale

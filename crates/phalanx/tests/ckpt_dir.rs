@@ -28,7 +28,7 @@ fn metadata(step: usize) -> String {
         "rng": "none",
         "config": "",
         "tensors": {},
-        "files": [],
+        "files": [{"name": "rank-00000.safetensors", "bytes": 0, "sha256": "0".repeat(64)}],
         "entries": []
     })
     .to_string()
@@ -170,7 +170,7 @@ fn latest_is_replaced_whole_and_leaves_no_temporary_on_error() {
 fn metadata_naming_files_outside_the_checkpoint_is_refused() {
     let with_file = |name: &str| {
         let mut m: serde_json::Value = serde_json::from_str(&metadata(2)).unwrap();
-        m["files"] = serde_json::json!([{"name": name, "bytes": 0, "sha256": ""}]);
+        m["files"] = serde_json::json!([{"name": name, "bytes": 0, "sha256": "0".repeat(64)}]);
         m.to_string()
     };
     let ok = phalanx::checkpoint::Metadata::parse(&with_file("rank-00000.safetensors"));

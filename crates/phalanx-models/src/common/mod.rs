@@ -5,9 +5,11 @@
 //! - [`tp`]: tensor-parallel placements (rules, shards, gathering,
 //!   checkpoint placement);
 //! - [`hf`]: Hugging Face checkpoint files (single, sharded, `config.json`);
+//! - [`backed`]: a config's size checked against its weight files before allocating;
 //! - [`plan`]: the planner's parameters, declared by a family's blocks;
 //! - [`generate`]: the decoder interface generation runs on.
 
+pub mod backed;
 pub mod blocks;
 pub mod data;
 pub mod generate;

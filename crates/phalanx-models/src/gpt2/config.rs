@@ -101,13 +101,15 @@ impl Gpt2Config {
 
     /// Parameters, counting the tied wte/lm_head once.
     pub fn num_params(&self) -> usize {
-        let (c, l) = (self.n_embd, self.n_layer);
-        let per_layer = 2 * 2 * c        // ln_1, ln_2
-            + 3 * c * c + 3 * c          // attn.c_attn
+        // In f64, saturated: absurd sizes give a huge count, not a wrapped one.
+        let f = |x: usize| x as f64;
+        let (c, l) = (f(self.n_embd), f(self.n_layer));
+        let per_layer = 2.0 * 2.0 * c    // ln_1, ln_2
+            + 3.0 * c * c + 3.0 * c      // attn.c_attn
             + c * c + c                  // attn.c_proj
-            + 4 * c * c + 4 * c          // mlp.c_fc
-            + 4 * c * c + c; // mlp.c_proj
-        self.vocab_size * c + self.block_size * c + l * per_layer + 2 * c
+            + 4.0 * c * c + 4.0 * c      // mlp.c_fc
+            + 4.0 * c * c + c; // mlp.c_proj
+        (f(self.vocab_size) * c + f(self.block_size) * c + l * per_layer + 2.0 * c) as usize
     }
 
     /// The planner's description of this model with samples of `seq_len`

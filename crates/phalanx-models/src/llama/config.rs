@@ -263,25 +263,33 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Parameters (a tied head counted once).
+    /// Parameters (a tied head counted once). Counted in f64 and saturated,
+    /// so that a config of absurd sizes gives a huge count (refused by the
+    /// size checks) rather than a wrapped small one.
     pub fn num_params(&self) -> usize {
-        let (c, q, kv, m) = (
-            self.n_embd,
-            self.q_dim(),
-            self.kv_dim(),
-            self.intermediate_size,
-        );
-        let per_layer = 2 * c            // input_layernorm, post_attention_layernorm
-            + 2 * q * c                  // q_proj, o_proj
-            + 2 * kv * c                 // k_proj, v_proj
-            + 3 * c * m // gate_proj, up_proj, down_proj
-            + if self.qkv_bias { q + 2 * kv } else { 0 };
-        let head = if self.tie_word_embeddings {
-            0
+        let f = |x: usize| x as f64;
+        let hd = if self.head_size > 0 {
+            f(self.head_size)
         } else {
-            self.vocab_size * c
+            f(self.n_embd.checked_div(self.n_head).unwrap_or(0))
         };
-        self.vocab_size * c + self.n_layer * per_layer + c + head
+        let (c, q, kv, m) = (
+            f(self.n_embd),
+            f(self.n_head) * hd,
+            f(self.n_kv_head) * hd,
+            f(self.intermediate_size),
+        );
+        let per_layer = 2.0 * c          // input_layernorm, post_attention_layernorm
+            + 2.0 * q * c                // q_proj, o_proj
+            + 2.0 * kv * c               // k_proj, v_proj
+            + 3.0 * c * m // gate_proj, up_proj, down_proj
+            + if self.qkv_bias { q + 2.0 * kv } else { 0.0 };
+        let head = if self.tie_word_embeddings {
+            0.0
+        } else {
+            f(self.vocab_size) * c
+        };
+        (f(self.vocab_size) * c + f(self.n_layer) * per_layer + c + head) as usize
     }
 }
 

@@ -29,6 +29,7 @@ pub mod lock;
 pub mod read;
 pub mod region;
 pub mod rotate;
+pub mod validate;
 pub mod write;
 
 pub use read::{find, find_latest, find_latest_or_refuse, Reader};
@@ -198,51 +199,25 @@ pub struct Metadata {
 }
 
 impl Metadata {
-    /// Parse and check `metadata.json` text (format, regions, file indices).
+    /// Parse and check `metadata.json` text: every field (see
+    /// [`validate`]); an error names the field.
     pub fn parse(text: &str) -> Result<Metadata, String> {
-        let m: Metadata = serde_json::from_str(text).map_err(|e| format!("metadata.json: {e}"))?;
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let m: Metadata = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            if path == "." {
+                format!("metadata.json: {}", e.inner())
+            } else {
+                format!("metadata.json: {path}: {}", e.inner())
+            }
+        })?;
         if m.format != FORMAT {
             return Err(format!(
                 "metadata.json: format {:?}, this build reads {FORMAT:?}",
                 m.format
             ));
         }
-        // A checkpoint's files are plain names inside it: `../x` or
-        // `/etc/passwd` would read (and a repair write) outside it.
-        if let Some(f) = m.files.iter().find(|f| !plain_file_name(&f.name)) {
-            return Err(format!(
-                "metadata.json: file name {:?} is not a plain file name inside the checkpoint",
-                f.name
-            ));
-        }
-        if let Some(e) = m.rank_state.iter().find(|e| e.rank >= m.files.len()) {
-            return Err(format!(
-                "rank state {} names rank {} of {}",
-                e.name,
-                e.rank,
-                m.files.len()
-            ));
-        }
-        for e in &m.entries {
-            e.region.check()?;
-            if e.file >= m.files.len() {
-                return Err(format!(
-                    "entry {} names file {} of {}",
-                    e.key,
-                    e.file,
-                    m.files.len()
-                ));
-            }
-            match m.tensors.get(&e.tensor) {
-                Some(s) if *s == e.region.shape => {}
-                _ => {
-                    return Err(format!(
-                        "entry {} of tensor {} disagrees with its shape",
-                        e.key, e.tensor
-                    ))
-                }
-            }
-        }
+        validate::check(&m)?;
         Ok(m)
     }
 }

@@ -140,13 +140,13 @@ impl Reader {
         .map_err(Error::Check)?;
         let meta =
             Metadata::parse(&text).map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
-        for f in &meta.files {
+        for (i, f) in meta.files.iter().enumerate() {
             let p = dir.join(&f.name);
             let len = std::fs::metadata(&p)
                 .map_err(|e| {
                     Error::Check(if e.kind() == std::io::ErrorKind::NotFound {
                         format!(
-                            "checkpoint file {} is missing (the metadata lists it)",
+                            "checkpoint file {} is missing (metadata.json files[{i}].name lists it)",
                             p.display()
                         )
                     } else {
@@ -156,7 +156,8 @@ impl Reader {
                 .len();
             if len != f.bytes {
                 return Err(Error::Check(format!(
-                    "checkpoint file {} is {len} bytes, the metadata says {} (truncated or replaced)",
+                    "checkpoint file {} is {len} bytes, metadata.json files[{i}].bytes says {} \
+                     (truncated or replaced)",
                     p.display(),
                     f.bytes
                 )));
@@ -211,6 +212,25 @@ impl Reader {
             .filter(|(_, t)| t.dtype == safetensors::Dtype::F32 && t.shape.len() == 1)
             .map(|(k, t)| (k, 8 + n + t.data_offsets.0..8 + n + t.data_offsets.1))
             .collect();
+        // Every piece the metadata places in this file is there, with its
+        // size: what a resume reads, checked when the file is verified.
+        for (j, e) in self.meta.entries.iter().enumerate() {
+            if e.file == i {
+                check_key(
+                    &index,
+                    &p,
+                    &format!("entries[{j}].key"),
+                    &e.key,
+                    e.region.len(),
+                )?;
+            }
+        }
+        for (j, e) in self.meta.rank_state.iter().enumerate() {
+            if e.rank == i {
+                let key = super::write::rank_state_key(&e.name);
+                check_key(&index, &p, &format!("rank_state[{j}].name"), &key, e.len)?;
+            }
+        }
         let f = std::sync::Arc::new(MappedFile { map: m, index });
         self.mapped.lock().unwrap().insert(i, f.clone());
         Ok(f)
@@ -360,13 +380,36 @@ impl Reader {
             }
             if got != region.len() {
                 return Err(Error::Check(format!(
-                    "checkpoint {}: {kind} of `{name}` covers {got} of the {} values this rank needs",
+                    "checkpoint {}: the metadata.json entries of {kind} of `{name}` cover {got} \
+                     of the {} values this rank needs",
                     self.dir.display(),
                     region.len()
                 )));
             }
         }
         Ok(Some(out))
+    }
+}
+
+/// That `key` is in a rank file's header as `len` f32 values.
+fn check_key(
+    index: &HashMap<String, Range<usize>>,
+    file: &Path,
+    field: &str,
+    key: &str,
+    len: usize,
+) -> Result<()> {
+    match index.get(key) {
+        Some(r) if r.len() == len * 4 => Ok(()),
+        Some(r) => Err(Error::Check(format!(
+            "{}: {key} holds {} f32 values, metadata.json ({field}) says {len}",
+            file.display(),
+            r.len() / 4
+        ))),
+        None => Err(Error::Check(format!(
+            "{}: {key} is missing (metadata.json {field} names it)",
+            file.display()
+        ))),
     }
 }
 

@@ -60,8 +60,11 @@ impl Region {
                 .zip(&self.offsets)
                 .zip(&self.sizes)
                 .all(|((&n, &o), &s)| o.checked_add(s).is_some_and(|e| e <= n));
-        let box_len: usize = self.sizes.iter().product();
-        if !in_tensor || self.flat.start > self.flat.end || self.flat.end > box_len {
+        let box_len = self.sizes.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if !in_tensor
+            || self.flat.start > self.flat.end
+            || box_len.is_none_or(|b| self.flat.end > b)
+        {
             return Err(format!("region {self:?} is not inside its tensor"));
         }
         Ok(())

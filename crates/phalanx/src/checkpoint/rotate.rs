@@ -32,7 +32,12 @@ pub fn phalanx_checkpoint(dir: &Path) -> Option<usize> {
     if !md.is_dir() {
         return None;
     }
-    let text = std::fs::read_to_string(dir.join("metadata.json")).ok()?;
+    let text = crate::fsutil::read_text_capped(
+        "checkpoint metadata",
+        &dir.join("metadata.json"),
+        crate::fsutil::METADATA_CAP,
+    )
+    .ok()?;
     let meta = super::Metadata::parse(&text).ok()?;
     (meta.step == step).then_some(step)
 }

@@ -696,9 +696,10 @@ impl TrainConfig {
         };
         let mut merged = toml::Table::try_from(&base).map_err(|e| ConfigError(e.to_string()))?;
         merge::merge(&mut merged, table, "")?;
-        let mut cfg: TrainConfig = toml::Value::Table(merged)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError(e.message().to_string()))?;
+        // serde_path_to_error names the key of a value of the wrong type or
+        // range (`monitor.prometheus_port: invalid value 65536…`).
+        let mut cfg: TrainConfig = serde_path_to_error::deserialize(toml::Value::Table(merged))
+            .map_err(|e| ConfigError(format!("{}: {}", e.path(), e.inner().message())))?;
         cfg.derive = derive;
         cfg.ds_auto = autos;
         cfg.model_facts = schema.check(&cfg.model)?;
@@ -824,7 +825,11 @@ impl TrainConfig {
 
     /// Global batch in samples: micro_batch x dp x grad_accum.
     pub fn global_batch(&self, dp: usize) -> usize {
-        self.train.micro_batch_size * dp * self.train.grad_accum_steps
+        // (Saturating: the factors are bounded by `validate`, dp by the world.)
+        self.train
+            .micro_batch_size
+            .saturating_mul(dp)
+            .saturating_mul(self.train.grad_accum_steps)
     }
 
     pub fn to_toml(&self) -> String {

@@ -393,6 +393,50 @@ impl TrainConfig {
         if self.train.steps == 0 {
             return Err(ConfigError("train.steps must be at least 1".into()));
         }
+        self.check_counts()
+    }
+
+    /// Counts from the user are bounded, so that the products the trainer
+    /// forms (global batch = micro x dp x accum, samples x sequence length,
+    /// steps x batch) cannot wrap: every refusal names the key.
+    fn check_counts(&self) -> Result<()> {
+        const MAX: usize = 1 << 40;
+        let (t, o, p) = (&self.train, &self.optim, &self.parallel);
+        let counts = [
+            ("train.steps", t.steps),
+            ("train.micro_batch_size", t.micro_batch_size),
+            ("train.grad_accum_steps", t.grad_accum_steps),
+            ("train.global_batch_size", t.global_batch_size),
+            ("train.eval_interval", t.eval_interval),
+            ("train.eval_batches", t.eval_batches),
+            ("optim.warmup_steps", o.warmup_steps),
+            ("optim.decay_steps", o.decay_steps),
+            ("parallel.dp", p.dp),
+            ("parallel.tp", p.tp),
+            ("parallel.pp", p.pp),
+            ("checkpoint.interval", self.checkpoint.interval),
+            ("checkpoint.keep", self.checkpoint.keep),
+            ("diloco.inner_steps", self.diloco.inner_steps),
+        ];
+        for (k, v) in counts {
+            if v > MAX {
+                return Err(ConfigError(format!(
+                    "{k} = {v} is larger than any run needs (at most 2^40)"
+                )));
+            }
+        }
+        // Samples per rank per step: the factor of the global batch the
+        // config fixes (dp comes from the world, at most 2^20 ranks).
+        if t.micro_batch_size
+            .checked_mul(t.grad_accum_steps)
+            .is_none_or(|n| n > MAX)
+        {
+            return Err(ConfigError(format!(
+                "train.micro_batch_size {} x train.grad_accum_steps {} is more samples per rank \
+                 and step than any run needs (at most 2^40)",
+                t.micro_batch_size, t.grad_accum_steps
+            )));
+        }
         Ok(())
     }
 }

@@ -384,12 +384,13 @@ impl Corpus {
             .collect()
     }
 
-    pub fn add_cursors(&self, cursors: &[Option<Cursor>]) {
+    pub fn add_cursors(&self, cursors: &[Option<Cursor>]) -> Result<()> {
         for (s, c) in self.sources.iter().zip(cursors) {
             if let (Source::Text(t), Some(c)) = (s, c) {
-                t.add_cursor(*c);
+                t.add_cursor(*c)?;
             }
         }
+        Ok(())
     }
 }
 

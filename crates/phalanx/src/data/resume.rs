@@ -83,8 +83,23 @@ impl DataLoader {
                      or start a new run"
                 )));
             }
+            // A cursor lies at or before the position it resumes (the
+            // start of the shard holding the next sample).
+            let at = consumed.checked_mul(self.seq_len as u64);
+            if let Some(c) = st
+                .cursors
+                .iter()
+                .flatten()
+                .find(|c| at.is_none_or(|a| c.offset > a))
+            {
+                return Err(DataError::Config(format!(
+                    "the checkpoint's data cursor at token {} lies beyond its position \
+                     (sample {consumed} of {} tokens)",
+                    c.offset, self.seq_len
+                )));
+            }
             if let Some(c) = &self.corpus {
-                c.add_cursors(&st.cursors);
+                c.add_cursors(&st.cursors)?;
             }
         }
         *self.base.lock().unwrap_or_else(|e| e.into_inner()) = (step, consumed);

@@ -197,10 +197,18 @@ impl TextSource {
 
     /// Continue from a saved cursor: positions at or after it are read
     /// from its shard on, without tokenizing the shards before it.
-    pub fn add_cursor(&self, c: Cursor) {
+    pub fn add_cursor(&self, c: Cursor) -> Result<()> {
+        if c.slot >= self.spec.files.len() as u64 {
+            return Err(DataError::Config(format!(
+                "the checkpoint's data cursor names shard slot {} of {} files",
+                c.slot,
+                self.spec.files.len()
+            )));
+        }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.cursors.insert(c.offset, c);
         st.stream = None;
+        Ok(())
     }
 
     fn read(&self, start: u64, len: usize, out: &mut Vec<u32>) -> Result<()> {

@@ -128,9 +128,9 @@ pub(crate) fn translate(
             "train_batch_size" if is_auto(v) => tx.auto(k, Via::GlobalBatch),
             "train_micro_batch_size_per_gpu" if is_auto(v) => tx.auto(k, Via::Micro),
             "gradient_accumulation_steps" if is_auto(v) => tx.auto(k, Via::Accum),
-            "train_batch_size" => tx.int(k, v, "train.global_batch_size")?,
-            "train_micro_batch_size_per_gpu" => tx.int(k, v, "train.micro_batch_size")?,
-            "gradient_accumulation_steps" => tx.int(k, v, "train.grad_accum_steps")?,
+            "train_batch_size" => tx.count(k, v, "train.global_batch_size")?,
+            "train_micro_batch_size_per_gpu" => tx.count(k, v, "train.micro_batch_size")?,
+            "gradient_accumulation_steps" => tx.count(k, v, "train.grad_accum_steps")?,
             "steps_per_print" => tx.int(k, v, "log.interval")?,
             "gradient_clipping" => tx.num(k, v, "optim.grad_clip")?,
             "fp16" => tx.fp16(v)?,
@@ -273,13 +273,21 @@ impl<'a> Tx<'a> {
             .ok_or_else(|| self.err(path, &format!("must be a number, not {v}")))
     }
 
+    /// A non-negative integer of at most 2^40 (no count in a config is
+    /// larger; a bigger one would wrap or saturate where it is used).
     fn uint(&self, path: &str, v: &J) -> Result<i64> {
-        match v.as_u64() {
-            Some(u) => Ok(u as i64),
-            None => match v.as_f64() {
-                Some(f) if f >= 0.0 && f.fract() == 0.0 => Ok(f as i64),
-                _ => Err(self.err(path, &format!("must be a non-negative integer, not {v}"))),
-            },
+        const MAX: u64 = 1 << 40;
+        let u = match v.as_u64() {
+            Some(u) => Some(u),
+            None => v
+                .as_f64()
+                .filter(|f| *f >= 0.0 && f.fract() == 0.0)
+                .map(|f| if f > MAX as f64 { u64::MAX } else { f as u64 }),
+        };
+        match u {
+            Some(u) if u <= MAX => Ok(u as i64),
+            Some(_) => Err(self.err(path, &format!("{v} is larger than any run needs (2^40)"))),
+            None => Err(self.err(path, &format!("must be a non-negative integer, not {v}"))),
         }
     }
 
@@ -302,6 +310,14 @@ impl<'a> Tx<'a> {
         let i = self.uint(path, v)?;
         self.set(to, T::Integer(i));
         Ok(())
+    }
+
+    /// [`Self::int`] for a count that must be at least 1 (a batch size).
+    fn count(&mut self, path: &str, v: &J, to: &str) -> Result<()> {
+        if !is_auto(v) && self.uint(path, v)? == 0 {
+            return Err(self.err(path, "must be at least 1, not 0"));
+        }
+        self.int(path, v, to)
     }
 
     fn num(&mut self, path: &str, v: &J, to: &str) -> Result<()> {
