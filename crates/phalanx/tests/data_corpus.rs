@@ -403,11 +403,11 @@ fn bad_data_is_named_with_file_and_line() {
         e.contains("latin1.jsonl") && e.contains("line 3: not valid UTF-8"),
         "{e}"
     );
-    // Parquet: refused by name.
+    // A truncated Parquet file (more in data_parquet.rs).
     std::fs::write(dir.join("x.parquet"), b"PAR1").unwrap();
     let e = err_of(&CorpusConfig::new(&[&d("x.parquet")], 8));
     assert!(
-        e.contains("x.parquet") && e.contains("Parquet is not supported"),
+        e.contains("x.parquet") && e.contains("not a readable Parquet file"),
         "{e}"
     );
     // `skip`: the bad records are counted, the rest trains.

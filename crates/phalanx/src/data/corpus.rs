@@ -3,7 +3,8 @@
 //! Formats, by file: `*.bin` is a token file (llm.c with its header, else
 //! nanoGPT raw uint16; see [`super::source`]), memory-mapped; `*.jsonl` /
 //! `*.ndjson` is JSONL (one document per line, its text under `field`);
-//! `*.parquet` is refused with an error (not built); compressed files
+//! `*.parquet` is Parquet (one document per row, its string column
+//! `field`; see [`super::records`]); compressed files
 //! (`.gz`, `.zst`, `.xz`, `.bz2`) too; anything else is a plain text file,
 //! one document. A source holds token files or text files, not both (they
 //! are read differently: random access against a stream).
@@ -114,13 +115,6 @@ fn kind_of(p: &std::path::Path, key: &str) -> Result<Kind> {
         .unwrap_or_default();
     match ext.as_str() {
         "bin" => Ok(Kind::Bin),
-        "parquet" => Err(DataError::Format {
-            path: p.to_path_buf(),
-            msg: format!(
-                "Parquet is not supported by this build ({key}); convert it to JSONL or to \
-                 llm.c .bin shards (phalanx tokenize) first"
-            ),
-        }),
         "gz" | "zst" | "xz" | "bz2" | "zip" => Err(DataError::Format {
             path: p.to_path_buf(),
             msg: format!("compressed files are not read ({key}); decompress it first"),

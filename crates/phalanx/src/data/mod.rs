@@ -7,7 +7,8 @@
 //! - [`shuffle`]: the seeded permutation (splitmix64 + Fisher-Yates).
 //! - [`corpus`]: many shards and sources (files, globs, directories, lists;
 //!   token `.bin`, JSONL, text) mixed by weight ([`mix`]), token shards
-//!   mapped ([`shards`]), text streamed and tokenized ahead ([`text`]).
+//!   mapped ([`shards`]), text streamed and tokenized ahead ([`text`]),
+//!   a text file's documents ([`records`]).
 //!
 //! The repository ships a corpus in `data/corpus.txt` (see `data/README.md`).
 //!
@@ -27,6 +28,7 @@ pub mod error;
 pub mod loader;
 pub mod mix;
 pub mod paths;
+pub mod records;
 pub mod resume;
 pub mod shards;
 pub mod shuffle;

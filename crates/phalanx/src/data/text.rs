@@ -82,12 +82,8 @@ pub struct TextSpec {
     pub prefetch: usize,
 }
 
-/// Whether a file is read as JSONL (by its extension).
-pub fn is_jsonl(p: &Path) -> bool {
-    p.extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("ndjson"))
-}
+pub use super::records::is_jsonl;
+use super::records::record_text;
 
 /// A shard start in the stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -356,7 +352,12 @@ type Bad = (usize, String);
 fn bad_err(path: &Path, (line, msg): Bad) -> DataError {
     DataError::Format {
         path: path.to_path_buf(),
-        msg: format!("line {line}: {msg}"),
+        // (Line 0: the message says where, as a Parquet row.)
+        msg: if line == 0 {
+            msg
+        } else {
+            format!("line {line}: {msg}")
+        },
     }
 }
 
@@ -364,52 +365,47 @@ fn bad_err(path: &Path, (line, msg): Bad) -> DataError {
 /// followed by the separator.
 fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) -> Result<Vec<u32>> {
     let path = &spec.files[shard];
-    let bytes = std::fs::read(path).map_err(|source| DataError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    stats.bytes.fetch_add(bytes.len() as u64, Relaxed);
-    let docs: Vec<std::result::Result<Vec<u32>, Bad>> = if is_jsonl(path) {
-        let lines: Vec<(usize, &[u8])> = bytes
-            .split(|&b| b == b'\n')
-            .enumerate()
-            .map(|(i, l)| (i + 1, l.strip_suffix(b"\r").unwrap_or(l)))
-            .filter(|(_, l)| !l.iter().all(|b| b.is_ascii_whitespace()))
-            .collect();
-        let threads = spec.threads.max(1);
-        let per = lines.len().div_ceil(threads).max(1);
-        std::thread::scope(|s| {
-            let hs: Vec<_> = lines
-                .chunks(per)
-                .map(|group| {
-                    s.spawn(move || {
-                        group
-                            .iter()
-                            .map(|&(n, l)| {
-                                let text = record_text(l, &spec.field, &spec.field_key)
-                                    .map_err(|m| (n, m))?;
-                                Ok(spec.encoder.encode(&text))
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .flat_map(|h| h.join().expect("tokenizer thread panicked"))
-                .collect()
-        })
+    let threads = spec.threads.max(1);
+    let texts = if super::records::is_parquet(path) {
+        let n = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        stats.bytes.fetch_add(n, Relaxed);
+        super::records::documents(path, &spec.field, &spec.field_key, threads)?
     } else {
-        vec![match std::str::from_utf8(&bytes) {
-            Ok(t) => Ok(spec.encoder.encode(t)),
-            Err(e) => Err((
-                1 + bytes[..e.valid_up_to()]
-                    .iter()
-                    .filter(|&&b| b == b'\n')
-                    .count(),
-                format!("not valid UTF-8 at byte {}", e.valid_up_to()),
-            )),
-        }]
+        let bytes = std::fs::read(path).map_err(|source| DataError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        stats.bytes.fetch_add(bytes.len() as u64, Relaxed);
+        super::records::documents_of(
+            &bytes,
+            is_jsonl(path),
+            &spec.field,
+            &spec.field_key,
+            threads,
+        )
     };
+    // Encode on `threads` threads, in order.
+    let per = texts.len().div_ceil(threads).max(1);
+    let docs: Vec<std::result::Result<Vec<u32>, Bad>> = std::thread::scope(|s| {
+        let hs: Vec<_> = texts
+            .chunks(per)
+            .map(|group| {
+                s.spawn(move || {
+                    group
+                        .iter()
+                        .map(|d| {
+                            d.as_ref()
+                                .map(|t| spec.encoder.encode(t))
+                                .map_err(Clone::clone)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .flat_map(|h| h.join().expect("tokenizer thread panicked"))
+            .collect()
+    });
     let mut good = Vec::with_capacity(docs.len());
     for d in docs {
         match d {
@@ -441,33 +437,6 @@ fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) ->
     Ok(out)
 }
 
-/// The text of one JSONL record, or what is wrong with it.
-fn record_text(line: &[u8], field: &str, field_key: &str) -> std::result::Result<String, String> {
-    let s = std::str::from_utf8(line)
-        .map_err(|e| format!("not valid UTF-8 at byte {} of the line", e.valid_up_to()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(s).map_err(|e| format!("not a JSON record ({e})"))?;
-    match v.get(field) {
-        Some(serde_json::Value::String(t)) => Ok(t.clone()),
-        Some(other) => Err(format!(
-            "field {field:?} ({field_key}) is {}, not a string",
-            json_kind(other)
-        )),
-        None => Err(format!("no field {field:?} ({field_key})")),
-    }
-}
-
-fn json_kind(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
-}
-
 /// The checks made before training: the file reads, is not empty, and a
 /// JSONL file's first record is good (with `skip`, only that it reads).
 fn check_first_record(path: &Path, spec: &TextSpec) -> Result<()> {
@@ -482,6 +451,10 @@ fn check_first_record(path: &Path, spec: &TextSpec) -> Result<()> {
             path: path.to_path_buf(),
             msg: "the file is empty".into(),
         });
+    }
+    if super::records::is_parquet(path) {
+        // The column is there, a string, and there are rows.
+        return super::records::check_parquet(path, &spec.field, &spec.field_key);
     }
     if !is_jsonl(path) || spec.on_bad == OnBadRecord::Skip {
         return Ok(());
