@@ -295,7 +295,7 @@ fn run(
         );
         println!(
             "{model}, data {} ({} tokenizer): {} train / {} val tokens",
-            cfg.data.path,
+            cfg.data.describe(),
             cfg.data.tokenizer,
             loader.train_tokens(),
             loader.val_tokens()

@@ -219,3 +219,11 @@ fn bad_parquet_is_named_with_file_column_and_row() {
     assert!(l.stats().unwrap().skipped >= 1);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn one_parquet_file_as_data_path_is_read_as_records() {
+    let cfg =
+        phalanx::config::TrainConfig::build(None, &["data.path=\"shard.parquet\"".into()]).unwrap();
+    assert!(cfg.data.uses_corpus(), "read as one plain-text file");
+    assert_eq!(cfg.data.describe(), "shard.parquet");
+}

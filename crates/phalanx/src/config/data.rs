@@ -93,10 +93,33 @@ impl DataConfig {
     /// Whether the data is read as a corpus (sources, lists, globs,
     /// directories, JSONL, `data.val_path`) rather than one file.
     pub fn uses_corpus(&self) -> bool {
-        let jsonl = |p: &str| crate::data::text::is_jsonl(std::path::Path::new(p));
+        let records = |p: &str| {
+            let p = std::path::Path::new(p);
+            crate::data::records::is_jsonl(p) || crate::data::records::is_parquet(p)
+        };
         !self.sources.is_empty()
             || !self.val_path.list().is_empty()
-            || self.path.single_file().is_none_or(jsonl)
+            || self.path.single_file().is_none_or(records)
+    }
+
+    /// What the data is, in a line: `data.path`, or every source with its
+    /// weight (and the validation files, when given).
+    pub fn describe(&self) -> String {
+        let mut s = if self.sources.is_empty() {
+            self.path.to_string()
+        } else {
+            let total: f64 = self.sources.iter().map(|s| s.weight).sum();
+            let each: Vec<String> = self
+                .sources
+                .iter()
+                .map(|s| format!("{} ({:.0}%)", s.path, 100.0 * s.weight / total))
+                .collect();
+            format!("{} sources: {}", self.sources.len(), each.join("; "))
+        };
+        if !self.val_path.list().is_empty() {
+            s += &format!("; validation {}", self.val_path);
+        }
+        s
     }
 
     /// Checks of the section that need no file.
