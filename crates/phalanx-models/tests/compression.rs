@@ -123,6 +123,7 @@ fn hooks_keep_ranks_identical_and_send_what_the_theory_says() {
                     // The promised fraction from the first step (the
                     // warm-up's bytes are checked on their own below).
                     "parallel.topk_warmup_steps=0",
+                    "parallel.topk_freeze_variance=false",
                     &rank,
                     "parallel.powersgd_start_iter=0",
                     // DDP checks after every step that all ranks hold
@@ -162,6 +163,7 @@ fn error_feedback_brings_top_k_closer_to_uncompressed() {
         "parallel.comm_hook=topk",
         "parallel.topk_ratio=0.01",
         "parallel.topk_warmup_steps=0",
+        "parallel.topk_freeze_variance=false",
     ]];
     for hook in cases {
         let (ef, _) = train_run(2, steps, hook);
@@ -251,10 +253,33 @@ fn combinations_that_are_not_built_are_refused_naming_both_keys() {
         &[
             "parallel.comm_hook=topk",
             "parallel.topk_momentum=0.9",
+            "parallel.topk_freeze_variance=false",
             "zero_optimization.stage=2",
             "train.grad_accum_steps=2",
         ],
         &["parallel.topk_momentum", "train.grad_accum_steps"],
+    );
+    // Top-k for AdamW (the frozen variance): its hook carries the
+    // momentum, needs a warm-up to measure the variance, and updates once
+    // per reduction.
+    refused(
+        &["parallel.comm_hook=topk", "parallel.topk_momentum=0.9"],
+        &["parallel.topk_momentum", "parallel.topk_freeze_variance"],
+    );
+    refused(
+        &["parallel.comm_hook=topk", "parallel.topk_warmup_steps=0"],
+        &[
+            "parallel.topk_warmup_steps",
+            "parallel.topk_freeze_variance",
+        ],
+    );
+    refused(
+        &[
+            "parallel.comm_hook=topk",
+            "zero_optimization.stage=2",
+            "train.grad_accum_steps=2",
+        ],
+        &["parallel.topk_freeze_variance", "train.grad_accum_steps"],
     );
     // What DGC runs with is accepted.
     let ok: Vec<String> = [
@@ -381,6 +406,16 @@ fn top_k_sends_its_promised_bytes_after_the_warm_up() {
             "parallel.comm_hook=topk",
             "parallel.topk_ratio=0.01",
             "parallel.topk_warmup_steps=6",
+            "parallel.topk_freeze_variance=false",
+        ]),
+    );
+    // With AdamW's frozen variance (the default): 6 dense steps, then 1%.
+    let adam = bytes_per_step(
+        ring(),
+        sets(&[
+            "parallel.comm_hook=topk",
+            "parallel.topk_ratio=0.01",
+            "parallel.topk_warmup_steps=6",
         ]),
     );
     let k = |ratio: f64| (n as f64 * ratio).ceil() as u64;
@@ -395,6 +430,12 @@ fn top_k_sends_its_promised_bytes_after_the_warm_up() {
             "step {t}: top-k at {} sent {} bytes, the promise is {want} (n = {n})",
             fractions[t], topk[t]
         );
+        let want = if t < 6 {
+            none[t]
+        } else {
+            none[t] - 4 * n as u64 + 8 * k(0.01)
+        };
+        assert_eq!(adam[t], want, "step {t}: top-k for Adam");
     }
 }
 
@@ -422,12 +463,19 @@ fn tiny_loss(steps: usize, extra: &[&str]) -> f32 {
 fn deep_gradient_compression_gets_top_k_closer_to_uncompressed() {
     let steps = 80;
     let topk = ["parallel.comm_hook=topk", "parallel.topk_ratio=0.01"];
-    let plain = [&topk[..], &["parallel.topk_warmup_steps=0"]].concat();
+    let plain = [
+        &topk[..],
+        &[
+            "parallel.topk_warmup_steps=0",
+            "parallel.topk_freeze_variance=false",
+        ],
+    ]
+    .concat();
     // AdamW (the default): the sparsity warm-up brings top-k closer.
     let none = tiny_loss(steps, &[]);
     let old = tiny_loss(steps, &plain);
     let warm = tiny_loss(steps, &topk);
-    eprintln!("AdamW, gpt-tiny, mean loss of steps {}-{steps}: uncompressed {none}, top-1% {old}, with the default warm-up {warm}", steps - 9);
+    eprintln!("AdamW, gpt-tiny, mean loss of steps {}-{steps}: uncompressed {none}, top-1% {old}, with the defaults (60 dense steps, then the frozen variance) {warm}", steps - 9);
     assert!(
         (warm - none).abs() < 0.6 * (old - none).abs(),
         "the warm-up should bring top-k closer: {warm} vs {old} (uncompressed {none})"

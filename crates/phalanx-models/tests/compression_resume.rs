@@ -105,7 +105,7 @@ fn strip_hook_state(ck: &Path) {
 #[test]
 fn resume_with_a_compression_hook_is_bitwise_exact() {
     // (name, settings, hook state rank 0 must hold in the checkpoint)
-    let cases: [(&str, &[&str], &[&str]); 8] = [
+    let cases: [(&str, &[&str], &[&str]); 9] = [
         ("fp16", &["parallel.comm_hook=fp16"], &[]),
         ("bf16", &["parallel.comm_hook=bf16"], &[]),
         ("int8", &["parallel.comm_hook=int8"], &["bucket0/residual"]),
@@ -117,8 +117,19 @@ fn resume_with_a_compression_hook_is_bitwise_exact() {
         // The warm-up (6 reductions) straddles the checkpoint.
         (
             "topk",
-            &["parallel.comm_hook=topk", "parallel.topk_warmup_steps=6"],
+            &[
+                "parallel.comm_hook=topk",
+                "parallel.topk_warmup_steps=6",
+                "parallel.topk_freeze_variance=false",
+            ],
             &["bucket0/iter", "bucket0/residual"],
+        ),
+        // AdamW's frozen variance (the default), frozen before the
+        // checkpoint: the hook's velocity and the optimizer's frozen v.
+        (
+            "topk-adam",
+            &["parallel.comm_hook=topk", "parallel.topk_warmup_steps=2"],
+            &["bucket0/iter", "bucket0/residual", "bucket0/velocity"],
         ),
         // DGC as its paper runs it: momentum SGD with the momentum in
         // the hook.

@@ -162,9 +162,12 @@ fn continued(make: MakeHook, steps: usize, split: Option<usize>) -> Vec<Vec<Vec<
 
 #[test]
 fn a_hook_reloaded_from_its_state_continues_bitwise() {
-    let hooks: [(&str, MakeHook); 4] = [
+    let hooks: [(&str, MakeHook); 5] = [
         ("int8", || Box::new(Int8::new(true))),
         ("top-k with DGC", || Box::new(TopK::dgc(0.05, true, 4, 0.9))),
+        ("top-k for Adam", || {
+            Box::new(TopK::adam(0.05, true, 2, 0.9))
+        }),
         ("PowerSGD", || Box::new(PowerSgd::new(2, 2, true))),
         ("PowerSGD before its start", || {
             Box::new(PowerSgd::new(1, 5, true))
@@ -222,5 +225,71 @@ fn top_k_warm_up_sends_a_falling_fraction_then_its_promised_bytes() {
     let want: Vec<u64> = [32u64, 32, 8, 8, 7, 7, 7].iter().map(|k| 8 * k).collect();
     for (r, s) in sent.iter().enumerate() {
         assert_eq!(*s, want, "rank {r}");
+    }
+}
+
+/// Top-k for Adam (1-bit Adam's scheme): the warm-up reductions are exact
+/// averages (dense all-reduces); after it, the promised 2 x k x 4 bytes,
+/// delivering what a reference in f64 computes: per rank, the velocity
+/// u = b1 u + g from the end of the warm-up, accumulated with error
+/// feedback, its top-k sent and cleared with its velocity (DGC's masking),
+/// the ranks' pairs averaged.
+#[test]
+fn top_k_for_adam_warms_up_dense_then_carries_the_momentum() {
+    let (steps, warm, k, n) = (40, 3, 7, 126);
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let mut hook = TopK::adam(0.05, true, warm, 0.9);
+        (0..steps)
+            .map(|t| {
+                let b0 = pg.bytes_sent();
+                let got = hook
+                    .reduce(
+                        &bucket(),
+                        grad_at(pg.rank(), t),
+                        &Collective::AllReduce,
+                        &pg,
+                    )
+                    .wait()
+                    .unwrap();
+                (got, pg.bytes_sent() - b0)
+            })
+            .collect::<Vec<_>>()
+    });
+    // The reference.
+    let mut u = vec![vec![0f64; n]; 2];
+    let mut v = vec![vec![0f64; n]; 2];
+    for t in 0..steps {
+        let mut want = vec![0f64; n];
+        for r in 0..2 {
+            let g = grad_at(r, t);
+            if t < warm {
+                g.iter()
+                    .zip(want.iter_mut())
+                    .for_each(|(x, w)| *w += *x as f64 / 2.0);
+                continue;
+            }
+            for i in 0..n {
+                u[r][i] = 0.9 * u[r][i] + g[i] as f64;
+                v[r][i] += u[r][i];
+            }
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| v[r][b].abs().total_cmp(&v[r][a].abs()).then(a.cmp(&b)));
+            for &i in &order[..k] {
+                want[i] += v[r][i] / 2.0;
+                (u[r][i], v[r][i]) = (0.0, 0.0);
+            }
+        }
+        for (rank, o) in out.iter().enumerate() {
+            let (got, bytes) = &o[t];
+            if t >= warm {
+                assert_eq!(*bytes, 8 * k as u64, "step {t}: the promised bytes");
+            }
+            for (i, (x, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (*x as f64 - w).abs() < 1e-4 * (1.0 + w.abs()),
+                    "rank {rank}, step {t}, entry {i}: {x} vs {w}"
+                );
+            }
+        }
     }
 }

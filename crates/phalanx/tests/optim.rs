@@ -225,3 +225,54 @@ fn shard_ranges_cover_any_size() {
         }
     }
 }
+
+/// AdamW with its variance frozen after step F (1-bit Adam, for top-k):
+/// step F+1 on takes the gradient as the momentum in sum form and keeps v,
+/// so the update is linear: a gradient held back one step and delivered
+/// with the next moves the parameters exactly as far as delivering it at
+/// once (no weight decay), which plain Adam does not.
+#[test]
+fn adamw_with_a_frozen_variance_is_linear_in_what_it_is_handed() {
+    let layout = Layout::new(vec![vec![ParamDecl::new("w", &[2, 4])]]).unwrap();
+    let cfg = AdamWConfig {
+        weight_decay: 0.0,
+        ..AdamWConfig::default()
+    };
+    let warm: Vec<Vec<f32>> = (0..3)
+        .map(|t| (0..8).map(|i| ((i * 3 + t) as f32).sin()).collect())
+        .collect();
+    let (a, b): (Vec<f32>, Vec<f32>) = (
+        (0..8).map(|i| 0.5 + i as f32 * 0.1).collect(),
+        (0..8).map(|i| -0.3 + i as f32 * 0.05).collect(),
+    );
+    let zero = vec![0f32; 8];
+    let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    // (freeze?, the two deliveries after the warm-up) -> final parameters
+    let run = |freeze: bool, first: &[f32], second: &[f32]| {
+        let ledger = Ledger::new();
+        let mut opt = AdamW::new(cfg, &layout, 0..8, &ledger);
+        if freeze {
+            opt.freeze_variance_after(3).unwrap();
+        }
+        let mut p = vec![1f32; 8];
+        for g in warm.iter().map(|g| g.as_slice()).chain([first, second]) {
+            opt.step(&mut p, g, 1e-2, 1.0);
+        }
+        (p, opt.state().1.to_vec())
+    };
+    let (at_once, v1) = run(true, &sum, &zero);
+    let (later, v2) = run(true, &a, &b);
+    for (x, y) in at_once.iter().zip(&later) {
+        assert!((x - y).abs() < 1e-6, "frozen: {x} vs {y}");
+    }
+    // v stayed as step 3 left it, whatever was handed over.
+    assert_eq!(v1, v2);
+    let (p1, _) = run(false, &sum, &zero);
+    let (p2, _) = run(false, &a, &b);
+    let gap = p1
+        .iter()
+        .zip(&p2)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(gap > 1e-4, "plain Adam should not be linear: {gap}");
+}

@@ -327,6 +327,12 @@ pub struct ParallelConfig {
     /// refused). With AdamW, the default optimizer, leave it at 0: Adam's
     /// first moment over the hook's velocity trained worse when measured.
     pub topk_momentum: f64,
+    /// `topk` with AdamW (or Adam): 1-bit Adam's scheme, on by default:
+    /// `topk_warmup_steps` dense steps, then the optimizer's variance is
+    /// frozen and the hook carries the momentum (factor `optim.betas[0]`).
+    /// `false`: top-k of the gradients with error feedback under a plain
+    /// Adam (trails uncompressed further; see `strategy::topk`).
+    pub topk_freeze_variance: bool,
     /// `powersgd`: the rank of each matrix's approximation.
     pub powersgd_rank: usize,
     /// `powersgd`: steps of plain all-reduce before compressing (PyTorch's
@@ -586,6 +592,7 @@ impl Default for ParallelConfig {
             topk_ratio: 0.01,
             topk_warmup_steps: TOPK_WARMUP_STEPS,
             topk_momentum: 0.0,
+            topk_freeze_variance: true,
             powersgd_rank: POWERSGD_RANK,
             powersgd_start_iter: POWERSGD_START_ITER,
             error_feedback: true,
@@ -716,6 +723,14 @@ impl TrainConfig {
     /// strategies and the optimizers take it from here.
     pub fn device(&self) -> Result<candle_core::Device> {
         self.train.device.device()
+    }
+
+    /// Top-k under Adam with a frozen variance (`parallel.topk_freeze_variance`):
+    /// the optimizer step after which the variance freezes, or `None`.
+    pub fn topk_freeze_after(&self) -> Option<u64> {
+        let p = &self.parallel;
+        (p.comm_hook == CommHookKind::Topk && p.topk_freeze_variance && self.optim.name.is_adam())
+            .then_some(p.topk_warmup_steps.max(1) as u64)
     }
 
     /// What the model's schema said of its section.

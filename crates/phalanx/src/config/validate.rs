@@ -163,6 +163,42 @@ impl TrainConfig {
                 "parallel.topk_momentum must be in [0, 1) (0: no momentum correction), not {m}"
             )));
         }
+        if self.topk_freeze_after().is_some() {
+            if p.topk_warmup_steps == 0 {
+                return Err(ConfigError(
+                    "parallel.topk_warmup_steps = 0: with AdamW, top-k freezes the optimizer's \
+                     variance after its warm-up (parallel.topk_freeze_variance = true), which must \
+                     first measure it; give some steps (the default is 60), or set \
+                     parallel.topk_freeze_variance = false"
+                        .into(),
+                ));
+            }
+            if self.offload_dir().is_some() {
+                return Err(ConfigError(
+                    "zero_optimization.offload_optimizer keeps AdamW's state on disk, where \
+                     top-k's frozen variance (parallel.topk_freeze_variance = true) is not built; \
+                     set parallel.topk_freeze_variance = false, or do not offload"
+                        .into(),
+                ));
+            }
+            if m != 0.0 {
+                return Err(ConfigError(format!(
+                    "parallel.topk_momentum = {m}: with AdamW, top-k's hook already carries the \
+                     momentum at optim.betas[0] (parallel.topk_freeze_variance = true); set \
+                     parallel.topk_momentum = 0, or parallel.topk_freeze_variance = false"
+                )));
+            }
+            if stage >= 2 && self.train.grad_accum_steps > 1 {
+                return Err(ConfigError(format!(
+                    "parallel.topk_freeze_variance: the top-k hook's momentum updates once per \
+                     reduction, and ZeRO stage {stage} reduces every micro-step \
+                     (train.grad_accum_steps = {}); use stage 0 or 1, train.grad_accum_steps = 1, \
+                     or parallel.topk_freeze_variance = false",
+                    self.train.grad_accum_steps
+                )));
+            }
+            return Ok(());
+        }
         if p.comm_hook != super::CommHookKind::Topk || m == 0.0 {
             return Ok(());
         }

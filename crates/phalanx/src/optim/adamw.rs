@@ -6,6 +6,18 @@
 //!   p = p (1 - lr wd)                         (matrices only, as nanoGPT)
 //!   p = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 //!
+//! With the variance frozen after step F ([`Optimizer::freeze_variance_after`],
+//! 1-bit Adam's scheme; Tang et al., 2021), a later step takes what it is
+//! handed as the momentum in sum form (a compressing hook's velocity
+//! u = b1 u + g) and keeps v as step F left it:
+//!
+//!   m = (1 - b1) g;  p = p - lr m / (sqrt(v / (1 - b2^F)) + eps)
+//!
+//! The update is then linear in what is handed over, so what an
+//! error-feedback hook holds back and delivers later moves the parameters
+//! as far as it would have at once (a plain Adam would shrink such delayed
+//! spikes by its own normalisation).
+//!
 //! The state (m, v) covers `range` only, so a ZeRO-1 rank builds it with its
 //! shard `[lo, hi)`; the weight-decay mask comes from the layout (elements of
 //! parameters with ndim >= 2), run-length encoded.
@@ -57,6 +69,8 @@ pub struct AdamW {
     m: Vec<f32>,
     v: Vec<f32>,
     t: u64,
+    /// Steps after which v is frozen (0: never).
+    freeze_after: u64,
     _charge: Charge,
 }
 
@@ -73,6 +87,16 @@ struct StepConsts {
     inv_bc2_sqrt: f32,
     /// 1 - lr wd (1.0 where no decay)
     decay: f32,
+}
+
+/// After the freeze: `g` is the momentum in sum form; v stays.
+#[inline(always)]
+fn frozen_kernel(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: StepConsts) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        *m = (1.0 - k.b1) * g * k.scale;
+        let denom = v.sqrt() * k.inv_bc2_sqrt + k.eps;
+        *p = *p * k.decay - k.step_size * *m / denom;
+    }
 }
 
 #[inline(always)]
@@ -101,6 +125,7 @@ impl AdamW {
             m: vec![0.0; n],
             v: vec![0.0; n],
             t: 0,
+            freeze_after: 0,
             _charge: ledger.charge(Mem::OptState, n * 8),
         }
     }
@@ -147,8 +172,16 @@ impl Optimizer for AdamW {
         check_sub("AdamW", &self.range, &sub, params.len(), grads.len());
         assert!(self.t > 0, "AdamW: step_range before begin_step");
         let c = &self.cfg;
-        let bc1 = 1.0 - (c.beta1 as f64).powi(self.t as i32);
-        let bc2 = 1.0 - (c.beta2 as f64).powi(self.t as i32);
+        let frozen = self.freeze_after > 0 && self.t > self.freeze_after;
+        // Frozen: v's bias correction stays that of the freeze, and the
+        // momentum handed over is complete (no correction).
+        let bc1 = if frozen {
+            1.0
+        } else {
+            1.0 - (c.beta1 as f64).powi(self.t.min(i32::MAX as u64) as i32)
+        };
+        let t2 = if frozen { self.freeze_after } else { self.t };
+        let bc2 = 1.0 - (c.beta2 as f64).powi(t2.min(i32::MAX as u64) as i32);
         let base = StepConsts {
             b1: c.beta1,
             b2: c.beta2,
@@ -171,7 +204,11 @@ impl Optimizer for AdamW {
             let s = sub.start + r.start..sub.start + r.end;
             let (p, g) = (&mut params[r.clone()], &grads[r]);
             let (m, v) = (&mut self.m[s.clone()], &mut self.v[s]);
-            simd_dispatch!(adamw_kernel(p, g, m, v, k));
+            if frozen {
+                simd_dispatch!(frozen_kernel(p, g, m, v, k));
+            } else {
+                simd_dispatch!(adamw_kernel(p, g, m, v, k));
+            }
         }
     }
 
@@ -204,5 +241,10 @@ impl Optimizer for AdamW {
 
     fn set_step_count(&mut self, t: u64) {
         self.t = t;
+    }
+
+    fn freeze_variance_after(&mut self, after: u64) -> std::result::Result<(), String> {
+        self.freeze_after = after;
+        Ok(())
     }
 }

@@ -68,6 +68,18 @@ pub trait Optimizer {
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()>;
     fn set_step_count(&mut self, t: u64);
 
+    /// From step `after + 1` on, keep the second moment as it stands after
+    /// step `after` and take each gradient as the momentum itself (1-bit
+    /// Adam's frozen variance, which a compressing hook that carries the
+    /// momentum needs: see `strategy::topk`). Only AdamW has it.
+    fn freeze_variance_after(&mut self, after: u64) -> std::result::Result<(), String> {
+        let _ = after;
+        Err(format!(
+            "{} has no second moment to freeze (only adamw does)",
+            self.kind()
+        ))
+    }
+
     /// Whether [`Optimizer::begin_step`] / [`Optimizer::step_range`] work.
     fn steps_in_ranges(&self) -> bool {
         false

@@ -308,9 +308,13 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
                 dtype: crate::config::Precision::Bf16,
             })
         }),
-        CommHookKind::Topk => {
-            s.set_comm_hook(&|| Box::new(hooks::TopK::dgc(ratio, ef, warmup, momentum)))
-        }
+        CommHookKind::Topk => match cfg.topk_freeze_after() {
+            Some(after) => {
+                let beta1 = cfg.optim.betas[0] as f32;
+                s.set_comm_hook(&|| Box::new(hooks::TopK::adam(ratio, ef, after as usize, beta1)))
+            }
+            None => s.set_comm_hook(&|| Box::new(hooks::TopK::dgc(ratio, ef, warmup, momentum))),
+        },
         CommHookKind::Int8 => s.set_comm_hook(&|| Box::new(hooks::Int8::new(ef))),
         CommHookKind::Powersgd => {
             let (rank, start) = (p.powersgd_rank, p.powersgd_start_iter);

@@ -179,12 +179,18 @@ impl Trainer {
         }
         let offload = cfg.offload_dir();
         let tag = format!("rank{}", pg.global_rank());
-        let make_opt =
-            |e: &Engine, range: std::ops::Range<usize>| -> Result<Box<dyn Optimizer + Send>> {
-                let off = offload.as_deref().map(|d| (d, tag.as_str()));
-                crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
-                    .map_err(|e| Error::Io(format!("optimizer offload: {e}")))
-            };
+        let make_opt = |e: &Engine,
+                        range: std::ops::Range<usize>|
+         -> Result<Box<dyn Optimizer + Send>> {
+            let off = offload.as_deref().map(|d| (d, tag.as_str()));
+            let mut o = crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
+                .map_err(|e| Error::Io(format!("optimizer offload: {e}")))?;
+            if let Some(after) = cfg.topk_freeze_after() {
+                o.freeze_variance_after(after)
+                    .map_err(|m| Error::Check(format!("parallel.topk_freeze_variance: {m}")))?;
+            }
+            Ok(o)
+        };
         // A micro-batch to time the blocks on, for a time-balanced pipeline.
         let sample =
             if mesh.pp_size > 1 && cfg.parallel.pp_partition == crate::config::PpPartition::Time {
