@@ -31,6 +31,25 @@ pub fn group_kind(g: usize, kind: &str) -> String {
     format!("group{g}/{kind}")
 }
 
+/// The inverse of [`group_kind`]: `(Some(g), kind)` for `group{g}/kind`,
+/// `(None, kind)` for a kind no group owns.
+///
+/// ```
+/// use phalanx::strategy::state::{group_kind, split_group_kind};
+/// assert_eq!(split_group_kind(&group_kind(3, "exp_avg")), (Some(3), "exp_avg"));
+/// assert_eq!(split_group_kind("param"), (None, "param"));
+/// assert_eq!(split_group_kind("groupx/param"), (None, "groupx/param"));
+/// ```
+pub fn split_group_kind(kind: &str) -> (Option<usize>, &str) {
+    match kind.strip_prefix("group").and_then(|r| r.split_once('/')) {
+        Some((g, n)) => match g.parse::<usize>() {
+            Ok(g) => (Some(g), n),
+            Err(_) => (None, kind),
+        },
+        None => (None, kind),
+    }
+}
+
 /// Gives the values of a flat range for `"param"` or an optimizer buffer
 /// name; `None` when the checkpoint holds no such state (e.g. weights only).
 pub type StateFill<'a> = dyn FnMut(Range<usize>, &str) -> Result<Option<Vec<f32>>> + 'a;

@@ -185,10 +185,7 @@ impl Healed {
     /// a DiLoCo group's `group{g}/...`), pieced together from the ranges
     /// that cover it (a DDP replica writes 1/dp of the state).
     fn fill(all: &[Healed], range: Range<usize>, kind: &str) -> Result<Option<Vec<f32>>> {
-        let (group, name) = match kind.strip_prefix("group").and_then(|r| r.split_once('/')) {
-            Some((g, n)) if g.parse::<usize>().is_ok() => (g.parse().ok(), n),
-            _ => (None, kind),
-        };
+        let (group, name) = crate::strategy::state::split_group_kind(kind);
         let mut pieces: Vec<(Range<usize>, &[f32])> = all
             .iter()
             .filter(|h| h.group == group && h.range.start < range.end && range.start < h.range.end)
