@@ -7,7 +7,7 @@
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
 //! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
 //! - `phalanx report LOG`: a run's HTML report.
-//! - `phalanx tokenize`: text -> llm.c token file with an HF `tokenizer.json`.
+//! - `phalanx tokenize`: text and JSONL -> llm.c token shards (or one file).
 
 mod bench_collectives;
 mod checkpoint_cmd;
@@ -121,8 +121,9 @@ enum Cmd {
         #[command(flatten)]
         opts: report_cmd::ReportOpts,
     },
-    /// Encode a text file with a Hugging Face tokenizer.json into an llm.c
-    /// token file (`data.path` for models with that vocabulary).
+    /// Encode text and JSONL files (many, globs, directories) into llm.c
+    /// token shards on every core, resumably; or one text file into one
+    /// `.bin` (INPUT OUTPUT). With a Hugging Face tokenizer.json or gpt2/byte.
     Tokenize {
         #[command(flatten)]
         opts: tokenize::TokenizeOpts,

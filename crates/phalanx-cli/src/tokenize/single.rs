@@ -1,0 +1,55 @@
+//! The single-file form, `phalanx tokenize (--tokenizer T | --encoding E)
+//! INPUT OUTPUT [--bos TOK] [--force]`: one UTF-8 text file encoded whole
+//! (no document separators) into one llm.c file; `--bos` puts that token
+//! first. A `tokenizer.json` encodes in chunks of whole lines (about 1 MB
+//! each), as `data.tokenizer` does.
+
+use super::encoder::Encoder;
+use super::shard::{llmc_bytes, MAX_SHARD_TOKENS};
+use super::TokenizeOpts;
+use std::path::Path;
+
+pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> {
+    if output.exists() && !o.force {
+        return Err(format!("{} exists (--force replaces it)", output.display()));
+    }
+    crate::outputs::Io::new()
+        .input("input", input)
+        .output("OUTPUT", output)
+        .check()?;
+    let enc = Encoder::open(o.tokenizer.as_deref(), o.encoding.as_deref())?;
+    phalanx::fsutil::regular_file("input", input)?;
+    let text = std::fs::read_to_string(input)
+        .map_err(|e| format!("{}: {e} (the input must be UTF-8 text)", input.display()))?;
+    let mut ids: Vec<u32> = Vec::new();
+    if let Some(b) = &o.bos {
+        ids.push(
+            enc.token_id(b)
+                .ok_or_else(|| format!("--bos {b:?} is not a token of {}", enc.name()))?,
+        );
+    }
+    ids.extend(enc.encode(&text)?);
+    if ids.len() as u64 > MAX_SHARD_TOKENS {
+        return Err(format!(
+            "{} tokens do not fit an llm.c header: use --output-dir for shards",
+            ids.len()
+        ));
+    }
+    let vocab = enc.vocab() as u32;
+    let max_id = ids
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(vocab.saturating_sub(1));
+    crate::outputs::create_own_dir("output", output)?;
+    phalanx::fsutil::write_atomic(output, &llmc_bytes(&ids, max_id)).map_err(|e| e.to_string())?;
+    println!(
+        "wrote {} ({} tokens, vocabulary {vocab}, {} bits per token) from {}",
+        output.display(),
+        ids.len(),
+        if max_id > u16::MAX as u32 { 32 } else { 16 },
+        input.display()
+    );
+    Ok(())
+}
