@@ -338,6 +338,10 @@ impl BlockModule for LayerModule {
         }
         super::fused::layer_direct(x, self.params(), self.n_head, LN_EPS).map(Some)
     }
+
+    fn direct_params(&self) -> Option<Vec<Tensor>> {
+        Some(self.params().to_vec())
+    }
 }
 
 // --------------------------------------------------------------------- head

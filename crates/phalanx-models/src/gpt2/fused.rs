@@ -89,7 +89,9 @@ struct Acts {
 }
 
 struct FusedLayer {
-    p: Params,
+    /// `None` between a ZeRO-3 forward and its backward
+    /// ([`DirectBackward::release_params`]).
+    p: Option<Params>,
     n_head: usize,
     eps: f32,
     acts: Mutex<Option<Acts>>,
@@ -154,7 +156,7 @@ impl CustomOp1 for FusedLayer {
                 }))
             })
             .collect();
-        with_params(&self.p, |p| {
+        with_params(self.params()?, |p| {
             k::cpu::par_parts(parts, |i| {
                 let f = work[i].lock().unwrap().take().expect("each part runs once");
                 forward_part(f, p, (bp, t, c, nh), self.eps)
@@ -170,6 +172,13 @@ impl CustomOp1 for FusedLayer {
 }
 
 impl FusedLayer {
+    fn params(&self) -> Result<&Params> {
+        match &self.p {
+            Some(p) => Ok(p),
+            None => bail!("fused GPT-2 layer: its parameters were released and not rebound"),
+        }
+    }
+
     /// dx from dy; the parameter gradients go to the tape.
     fn backward(&self, x_t: &Tensor, dy_t: &Tensor) -> Result<Tensor> {
         let Some(a) = self.acts.lock().unwrap().take() else {
@@ -187,7 +196,7 @@ impl FusedLayer {
         let (n, nh, eps) = (b * t, self.n_head, self.eps);
         let dy_t = dy_t.contiguous()?;
         let mut w = LayerGrads {
-            p: self.p.clone(),
+            p: self.params()?.clone(),
             dims: (n, c),
             dy: dy_t.clone(),
             dh: buffers::take(n * 4 * c),
@@ -206,7 +215,7 @@ impl FusedLayer {
             (0..parts).map(|_| Mutex::new(None)).collect();
         k::cpu::with_f32(x_t, |x| {
             k::cpu::with_f32(&dy_t, |dy| {
-                with_params(&self.p, |p| {
+                with_params(self.params()?, |p| {
                     let sp = |v| split(v, parts);
                     let spm = |v| split_mut(v, parts);
                     let (mut dys, mut hs, mut x1s) = (sp(dy), sp(&a.h), sp(&a.x1));
@@ -264,6 +273,25 @@ struct Direct {
 impl DirectBackward for Direct {
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Tensor> {
         self.op.backward(&self.x, dy)
+    }
+
+    fn release_params(&mut self) -> bool {
+        self.op.p = None;
+        true
+    }
+
+    fn rebind(&mut self, m: &dyn phalanx::engine::BlockModule) -> Result<()> {
+        let Some(v) = m.direct_params() else {
+            bail!("fused GPT-2 layer: the rebuilt block has no direct parameters")
+        };
+        let p: Params = v.try_into().map_err(|v: Vec<Tensor>| {
+            candle_core::Error::Msg(format!(
+                "fused GPT-2 layer: rebound with {} parameters, not 12",
+                v.len()
+            ))
+        })?;
+        self.op.p = Some(p);
+        Ok(())
     }
 }
 
@@ -466,7 +494,7 @@ impl DeferredGrad for LayerGrads {
 /// computed by its backward and whose parameter gradients go to the tape.
 pub(crate) fn layer(x: &Tensor, p: Params, n_head: usize, eps: f32) -> Result<Tensor> {
     x.contiguous()?.apply_op1(FusedLayer {
-        p,
+        p: Some(p),
         n_head,
         eps,
         acts: Mutex::new(None),
@@ -482,7 +510,7 @@ pub(crate) fn layer_direct(
     eps: f32,
 ) -> Result<(Tensor, Box<dyn DirectBackward>)> {
     let op = FusedLayer {
-        p,
+        p: Some(p),
         n_head,
         eps,
         acts: Mutex::new(None),

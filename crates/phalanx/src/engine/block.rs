@@ -77,6 +77,12 @@ pub trait BlockModule {
     ) -> Result<Option<(Tensor, Box<dyn DirectBackward>)>> {
         Ok(None)
     }
+
+    /// The parameter tensors [`Self::forward_direct`]'s backward runs on,
+    /// for [`DirectBackward::rebind`] (`None`: it cannot be rebound).
+    fn direct_params(&self) -> Option<Vec<Tensor>> {
+        None
+    }
 }
 
 /// The backward of a forward that ran outside candle's graph
@@ -86,6 +92,21 @@ pub trait DirectBackward: Send {
     /// parameters' gradients go to the weight-gradient tape
     /// ([`crate::ops::tape`]) the engine runs this under.
     fn backward(self: Box<Self>, dy: &Tensor) -> Result<Tensor>;
+
+    /// Drop the parameters this backward holds, keeping its activations,
+    /// so that a strategy that gathers each block's parameters (ZeRO-3)
+    /// frees them between the forward and the backward; `false` (the
+    /// default): it cannot, and holds them.
+    fn release_params(&mut self) -> bool {
+        false
+    }
+
+    /// Hand the parameters back before the backward, from the block
+    /// rebuilt on them gathered again ([`BlockModule::direct_params`]).
+    fn rebind(&mut self, m: &dyn BlockModule) -> Result<()> {
+        let _ = m;
+        candle_core::bail!("this block's direct backward cannot take its parameters back")
+    }
 }
 
 /// A block of the model: knows how to build its module from a VarBuilder.

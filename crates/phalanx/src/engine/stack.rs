@@ -92,13 +92,18 @@ pub enum Activations {
     /// Recompute every k-th block (blocks 0, k, 2k, ...), keep the others'
     /// graphs: Megatron's `--recompute-method uniform` trade-off.
     RecomputeEvery(usize),
+    /// ZeRO-3 without recomputation: a block with a direct backward that
+    /// can let go of its parameters ([`super::DirectBackward::release_params`])
+    /// keeps its activations but not its parameters, which the backward
+    /// is served again (gathered again); every other block is recomputed.
+    KeepActivations,
 }
 
 impl Activations {
     /// Whether block `b` is recomputed in its backward.
     pub fn recomputes(self, b: usize) -> bool {
         match self {
-            Activations::KeepGraph => false,
+            Activations::KeepGraph | Activations::KeepActivations => false,
             Activations::Recompute => true,
             Activations::RecomputeEvery(k) => k > 0 && b.is_multiple_of(k),
         }
@@ -120,6 +125,9 @@ enum Saved {
         served: Served,
         _working: Charge,
     },
+    /// KeepActivations mode: a direct backward without its parameters
+    /// (rebound from the block rebuilt for the backward).
+    Released(Node),
 }
 
 /// Everything the backward of a forwarded range needs.
@@ -149,6 +157,8 @@ pub struct Stack {
     /// Partitioned checkpoints: the tp group whose ranks each keep a slice.
     partition: Option<phalanx_comm::ProcessGroup>,
     ledger: Ledger,
+    /// Blocks whose forward a backward ran again (recomputation), so far.
+    recomputed: std::sync::atomic::AtomicU64,
 }
 
 /// `sum(y * gy)`, whose backward gives the vector-Jacobian product; `gy`
@@ -190,7 +200,14 @@ impl Stack {
             compute: DType::F32,
             partition: None,
             ledger: ledger.clone(),
+            recomputed: Default::default(),
         })
+    }
+
+    /// Blocks whose forward a backward has run again (activation
+    /// recomputation) since the stack was built.
+    pub fn recomputed_blocks(&self) -> u64 {
+        self.recomputed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn layout(&self) -> &Layout {
@@ -366,6 +383,30 @@ impl Stack {
                     let (m, _served, _working) = self.build(b, src, false)?;
                     x = m.forward(&x, &ctx)?;
                 }
+                Activations::KeepActivations => {
+                    let (m, _served, _working) = self.build(b, src, false)?;
+                    let node = match x.dtype().is_float() && self.blocks[b].defers_weight_grads() {
+                        true => m.forward_direct(&x, &ctx)?,
+                        false => None,
+                    };
+                    let released =
+                        node.and_then(|(y, mut back)| back.release_params().then_some((y, back)));
+                    match released {
+                        Some((y, back)) => {
+                            act_bytes += tensor_bytes(&x) + tensor_bytes(&y);
+                            let shape = y.shape().clone();
+                            saved.push(Saved::Released(Node::Direct { back, shape }));
+                            x = y;
+                        }
+                        // No direct backward that lets go: recompute.
+                        None => {
+                            act_bytes += tensor_bytes(&x);
+                            saved.push(Saved::Input(x.clone()));
+                            let (m, _served, _working) = self.build(b, src, false)?;
+                            x = m.forward(&x, &ctx)?;
+                        }
+                    }
+                }
                 _ if !param_vars && !x.dtype().is_float() => {
                     // Token ids under a split backward: B has nothing to do
                     // for this block and W recomputes it from the ids.
@@ -426,6 +467,8 @@ impl Stack {
             let saved = partition::restore(saved, self.partition.as_ref())?;
             let (node, served, working) = match saved {
                 Saved::Input(x) => {
+                    self.recomputed
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let (m, served, working) = self.build(b, src, true)?;
                     let (_, node) = self.forward_node(b, m.as_ref(), &x, &ctx)?;
                     (node, served, working)
@@ -435,6 +478,13 @@ impl Stack {
                     served,
                     _working,
                 } => (node, served, _working),
+                Saved::Released(mut node) => {
+                    let (m, served, working) = self.build(b, src, true)?;
+                    if let Node::Direct { back, .. } = &mut node {
+                        back.rebind(m.as_ref())?;
+                    }
+                    (node, served, working)
+                }
                 Saved::Part(_) => unreachable!("restored above"),
             };
             let tape = self.blocks[b].defers_weight_grads();

@@ -169,6 +169,10 @@ impl Stack {
                      `forward_frozen` (not `forward`) before `backward_input`"
                 ),
                 Saved::Graph { node, served, .. } => (node.input(), Some(node), served.ids),
+                Saved::Released(_) => bail!(
+                    "block {b}: a ZeRO-3 forward (Activations::KeepActivations) has no split \
+                     backward; run the range with `forward_frozen`"
+                ),
             };
             let taped = node.is_some() && self.blocks[b].defers_weight_grads();
             let mut work = Vec::new();

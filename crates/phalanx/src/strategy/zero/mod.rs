@@ -223,9 +223,17 @@ impl Zero {
                 }
             };
             engine.release_params();
-            engine
-                .stack_mut()
-                .set_activations(crate::engine::Activations::Recompute);
+            // The parameters are gathered per block and freed after it, so a
+            // block cannot keep a graph that holds them: blocks with a
+            // direct backward keep their activations and are served their
+            // parameters again for the backward; the others are recomputed
+            // (all of them under train.activation_checkpointing).
+            use crate::engine::Activations;
+            let a = match engine.stack().activations() {
+                Activations::KeepGraph => Activations::KeepActivations,
+                _ => Activations::Recompute,
+            };
+            engine.stack_mut().set_activations(a);
         }
         let hpz = cfg.hpz_partition_size;
         let mut secondary = None;
