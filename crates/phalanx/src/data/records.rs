@@ -91,21 +91,28 @@ pub fn documents_of(
         .map(|(i, l)| (i + 1, l.strip_suffix(b"\r").unwrap_or(l)))
         .filter(|(_, l)| !l.iter().all(|b| b.is_ascii_whitespace()))
         .collect();
-    let per = lines.len().div_ceil(threads.max(1)).max(1);
+    par_map(&lines, threads, |&(n, l)| {
+        record_text(l, field, field_key).map_err(|m| (n, m))
+    })
+}
+
+/// `f` over `items` on up to `threads` scoped threads, each a contiguous
+/// share, the results in the items' order (so they do not depend on the
+/// thread count).
+pub fn par_map<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let per = items.len().div_ceil(threads.max(1)).max(1);
+    let f = &f;
     std::thread::scope(|s| {
-        let hs: Vec<_> = lines
+        let hs: Vec<_> = items
             .chunks(per)
-            .map(|group| {
-                s.spawn(move || {
-                    group
-                        .iter()
-                        .map(|&(n, l)| record_text(l, field, field_key).map_err(|m| (n, m)))
-                        .collect::<Vec<_>>()
-                })
-            })
+            .map(|share| s.spawn(move || share.iter().map(f).collect::<Vec<R>>()))
             .collect();
         hs.into_iter()
-            .flat_map(|h| h.join().expect("JSONL parser thread panicked"))
+            .flat_map(|h| h.join().expect("a data worker thread panicked"))
             .collect()
     })
 }

@@ -385,27 +385,12 @@ fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) ->
         )
     };
     // Encode on `threads` threads, in order.
-    let per = texts.len().div_ceil(threads).max(1);
-    let docs: Vec<std::result::Result<Vec<u32>, Bad>> = std::thread::scope(|s| {
-        let hs: Vec<_> = texts
-            .chunks(per)
-            .map(|group| {
-                s.spawn(move || {
-                    group
-                        .iter()
-                        .map(|d| {
-                            d.as_ref()
-                                .map(|t| spec.encoder.encode(t))
-                                .map_err(Clone::clone)
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .flat_map(|h| h.join().expect("tokenizer thread panicked"))
-            .collect()
-    });
+    let docs: Vec<std::result::Result<Vec<u32>, Bad>> =
+        super::records::par_map(&texts, threads, |d| {
+            d.as_ref()
+                .map(|t| spec.encoder.encode(t))
+                .map_err(Clone::clone)
+        });
     let mut good = Vec::with_capacity(docs.len());
     for d in docs {
         match d {

@@ -126,7 +126,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
     if l.tp > 1 {
         let layers = memory::stage_layers(m, l.pp, 0) as f64;
         let fwd = 2.0 * layers + 1.0;
-        let passes = if l.recomputes() { 2.0 } else { 1.0 };
+        let passes = if l.recomputes(m) { 2.0 } else { 1.0 };
         // A tp axis over the whole world is the world group: on one host
         // its all-reduces run in place in shared memory and count as the
         // ring's share whatever their size (tp across hosts is not a

@@ -197,7 +197,7 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     // Keeping graphs, the peak is at the end of the forward (every graph
     // alive, no gradient yet); recomputing, it is in a block's backward
     // (the rebuilt graph, its gradients, buckets in flight).
-    let act_elems = if l.recomputes() {
+    let act_elems = if l.recomputes(m) {
         in_flight * blocks * btc + layer_act.max(head_act) + layer_backward_transient(m, l)
     } else {
         in_flight * (layers as u64 * layer_act + btc + head_act)
@@ -210,7 +210,7 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
         // recomputed graph's parameter gradients (tensors) and the copy
         // staged for the reduce-scatter.
         5 * block_p * cb
-    } else if l.recomputes() {
+    } else if l.recomputes(m) {
         block_p * cb
     } else {
         // Every block's tensors stay alive with its graph; the head
@@ -220,7 +220,8 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
     };
     let grad_bytes = local * l.reduce_bytes as u64;
     let comm_buffers = match l.zero_stage {
-        _ if !l.recomputes() => 0,
+        3 if l.dp > 1 => 2 * block_p * 4,
+        _ if !l.recomputes(m) => 0,
         0 | 1 if l.dp > 1 => grad_bytes.min(l.bucket_bytes as u64),
         2 | 3 if l.dp > 1 => 2 * block_p * 4,
         _ => 0,

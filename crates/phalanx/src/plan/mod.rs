@@ -68,7 +68,8 @@ pub struct Layout {
     pub zero_stage: u8,
     /// Compute dtype (master weights, gradients and optimizer state stay f32).
     pub precision: Precision,
-    /// Recompute every block in its backward (always on under ZeRO-3).
+    /// Recompute every block in its backward (see [`Layout::recomputes`]
+    /// for ZeRO-3).
     pub activation_checkpointing: bool,
     /// Optimizer state streamed from files (`offload_optimizer.device = nvme`).
     pub offload_optimizer: bool,
@@ -150,9 +151,23 @@ impl Layout {
         self.micro_batch * self.dp * self.grad_accum
     }
 
-    /// Whether blocks are recomputed in backward (ZeRO-3 always does).
-    pub fn recomputes(&self) -> bool {
-        self.activation_checkpointing || self.zero_stage == 3
+    /// Whether blocks are recomputed in backward: with activation
+    /// checkpointing, and under ZeRO-3 unless the model's layers keep their
+    /// activations there (GPT-2's fused f32 layers, which let go of their
+    /// gathered parameters and take them back for the backward).
+    pub fn recomputes(&self, m: &ModelShape) -> bool {
+        self.activation_checkpointing || (self.zero_stage == 3 && !self.zero3_keeps(m))
+    }
+
+    /// Whether ZeRO-3 keeps the layers' activations for this model: the
+    /// fused GPT-2 layer, which runs in f32 without tensor parallelism.
+    pub fn zero3_keeps(&self, m: &ModelShape) -> bool {
+        Layout::zero3_keeps_for(m, self.precision, self.tp)
+    }
+
+    /// [`Layout::zero3_keeps`] before a layout is built.
+    pub fn zero3_keeps_for(m: &ModelShape, precision: Precision, tp: usize) -> bool {
+        m.family == shape::Family::Gpt2 && precision == Precision::Fp32 && tp == 1
     }
 
     /// Bytes of one element of the compute dtype.
@@ -256,7 +271,7 @@ pub fn estimate(m: &ModelShape, l: &Layout, hw: &Hardware) -> Estimate {
 fn step_time(m: &ModelShape, l: &Layout, hw: &Hardware, comm_bytes: u64) -> (f64, f64, f64) {
     let tokens = (l.global_batch() * m.seq_len) as f64;
     // Forward is a third of the 6N: recomputation adds one more forward.
-    let recompute = if l.recomputes() { 4.0 / 3.0 } else { 1.0 };
+    let recompute = if l.recomputes(m) { 4.0 / 3.0 } else { 1.0 };
     let world = l.world().max(1) as f64;
     let work = tokens * model_flops_per_token(m) * recompute / world;
     let m_micro = l.grad_accum.max(1) as f64;
