@@ -29,5 +29,6 @@ for round in 1 2; do
   run ddp
   run zero3 zero_optimization.stage=3
   run zero3-full zero_optimization.stage=3 'train.activation_checkpointing="full"'
+  run zero3-reuse zero_optimization.stage=3 zero_optimization.stage3_max_reuse_distance=1e9
 done
 rm -rf "$out"

@@ -22,23 +22,33 @@ fn shape(extra: &[&str]) -> Vec<String> {
     v
 }
 
-/// (losses, parameters, blocks recomputed, model states + activation peak) of rank 0.
-fn zero3(world: usize, extra: &[&str]) -> (Vec<f32>, Vec<f32>, u64, usize) {
+/// (losses, parameters, blocks recomputed, model states + activation peak,
+/// bytes sent in the last step) of rank 0.
+fn zero3(world: usize, extra: &[&str]) -> (Vec<f32>, Vec<f32>, u64, usize, u64) {
     let cfg = config(world, 1, &shape(extra));
     let loader = loader(cfg.seq_len().unwrap());
-    phalanx_comm::threads::run(world, move |pg| {
+    // Ring collectives: every gathered byte goes through the transport
+    // and is counted (in-place shared-memory collectives are not).
+    let ring = phalanx_comm::Config {
+        algo: phalanx_comm::Algo::Ring,
+        ..phalanx_comm::Config::from_env()
+    };
+    let deadline = phalanx_comm::threads::DEADLINE;
+    phalanx_comm::threads::run_with(world, ring, deadline, move |pg| {
         let (report, trainer) = train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
         let recomputed = trainer.engine().stack().recomputed_blocks();
         let m = trainer.memory_report().unwrap()[0];
         let params = trainer.full_params().unwrap();
-        (
+        Ok((
             report.losses,
             params,
             recomputed,
             m.model_states() + m.activations_peak,
-        )
+            *report.comm_bytes.last().unwrap(),
+        ))
     })
     .remove(0)
+    .expect("rank failed")
 }
 
 #[test]
@@ -79,5 +89,34 @@ fn zero3_keeps_the_layers_activations_and_equals_ddp() {
         "ZeRO-3 holds {} B of model states and activations, DDP {} B",
         keep.3,
         ddp.3
+    );
+}
+
+/// `zero_optimization.stage3_max_reuse_distance` (DeepSpeed's knob): the
+/// blocks used again within that many parameters keep what the forward
+/// gathered, so the backward gathers only the others: fewer bytes, the
+/// same run.
+#[test]
+fn a_reuse_distance_skips_the_backward_gathers_of_the_last_blocks() {
+    let z3 = |d: &str| {
+        zero3(
+            2,
+            &[
+                "zero_optimization.stage=3",
+                &format!("zero_optimization.stage3_max_reuse_distance={d}"),
+            ],
+        )
+    };
+    let (base, some, all) = (z3("0"), z3("30000"), z3("1e9"));
+    for (what, o) in [("some blocks kept", &some), ("every block kept", &all)] {
+        assert_eq!(o.0, base.0, "{what}: losses");
+        assert!(o.1 == base.1, "{what}: parameters");
+    }
+    assert!(
+        base.4 > some.4 && some.4 > all.4,
+        "bytes sent per step: {} (none kept) > {} (some) > {} (all)",
+        base.4,
+        some.4,
+        all.4
     );
 }

@@ -761,3 +761,25 @@ fn json_without_scheduler_or_clipping_takes_deepspeed_defaults() {
     assert_eq!(c.optim.grad_clip, 0.0);
     assert_eq!(c.train.micro_batch_size, 2);
 }
+
+#[test]
+fn stage3_max_reuse_distance_is_taken_not_ignored() {
+    let (cfg, warnings) = json(
+        "reuse.json",
+        r#"{"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9}}"#,
+    )
+    .unwrap();
+    assert_eq!(cfg.zero_optimization.stage3_max_reuse_distance, 1e9);
+    assert!(
+        !warnings
+            .iter()
+            .any(|w| w.contains("stage3_max_reuse_distance")),
+        "{warnings:?}"
+    );
+    let e = json(
+        "reuse-bad.json",
+        r#"{"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": -1}}"#,
+    )
+    .unwrap_err();
+    assert!(e.contains("stage3_max_reuse_distance"), "{e}");
+}

@@ -117,6 +117,12 @@ pub struct ZeroOptimization {
     pub reduce_bucket_size: f64,
     /// ZeRO-3 prefetch size in elements; 0 uses `parallel.forward_prefetch`.
     pub stage3_prefetch_bucket_size: f64,
+    /// ZeRO-3: a block whose parameters will be used again (in the
+    /// backward) within this many parameters gathered keeps them instead
+    /// of gathering them again (DeepSpeed's knob, per block here). 0 (the
+    /// default here; DeepSpeed's is 1e9) frees every block after its
+    /// forward: the least memory.
+    pub stage3_max_reuse_distance: f64,
     /// ZeRO++ qwZ: stage 3's parameter all-gathers carry block-wise int8
     /// (256 values and one scale per block).
     pub zero_quantized_weights: bool,
@@ -139,6 +145,7 @@ impl Default for ZeroOptimization {
             contiguous_gradients: true,
             reduce_bucket_size: 0.0,
             stage3_prefetch_bucket_size: 0.0,
+            stage3_max_reuse_distance: 0.0,
             zero_quantized_weights: false,
             zero_quantized_gradients: false,
             zero_hpz_partition_size: 1,

@@ -79,6 +79,12 @@ impl TrainConfig {
         {
             return bad("zero_optimization bucket sizes must not be negative".into());
         }
+        let d = self.zero_optimization.stage3_max_reuse_distance;
+        if d.is_nan() || d < 0.0 {
+            return bad(format!(
+                "zero_optimization.stage3_max_reuse_distance must be a non-negative number, not {d}"
+            ));
+        }
         self.fp16.check().map_err(ConfigError)?;
         self.checked_precision()?;
         if self.parallel.tp == 0 {

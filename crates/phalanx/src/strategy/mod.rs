@@ -281,6 +281,7 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             offload_chunk: cfg.zero_optimization.offload_param.buffer_size,
             quantized_weights: cfg.zero_optimization.zero_quantized_weights,
             hpz_partition_size: cfg.zero_optimization.zero_hpz_partition_size,
+            max_reuse_distance: cfg.zero_optimization.stage3_max_reuse_distance as usize,
         };
         if cfg.zero_optimization.offload_param.device == crate::config::OffloadDevice::Cpu {
             note_cpu_param_offload(mesh);

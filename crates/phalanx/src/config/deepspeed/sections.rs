@@ -115,9 +115,11 @@ impl Tx<'_> {
                 tx.no_effect(p, v, "Phalanx gathers parameters per block");
                 Ok(())
             }
+            "stage3_max_reuse_distance" => {
+                tx.num(p, v, "zero_optimization.stage3_max_reuse_distance")
+            }
             "stage3_param_persistence_threshold"
             | "stage3_max_live_parameters"
-            | "stage3_max_reuse_distance"
             | "stage3_gather_16bit_weights_on_model_save"
             | "sub_group_size"
             | "round_robin_gradients"

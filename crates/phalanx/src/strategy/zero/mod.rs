@@ -49,7 +49,7 @@ use crate::optim::step::{agree_and_clip, finish_step, weighted_sum_squares, Step
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
-use gather::{Gatherer, Staging};
+use gather::{Gathered, Gatherer, Staging};
 use offload::{InMemory, OnDisk, ShardStore};
 use phalanx_comm::{ProcessGroup, ReduceOp};
 use std::collections::HashMap;
@@ -78,6 +78,10 @@ pub struct ZeroConfig {
     /// ZeRO++ hpZ: keep a secondary shard within groups of this many
     /// consecutive ranks and gather inside them in backward (0 or 1: off).
     pub hpz_partition_size: usize,
+    /// Stage 3: keep a block's gathered parameters for its backward when
+    /// they are used again within this many parameters gathered (0: free
+    /// every block after its forward).
+    pub max_reuse_distance: usize,
 }
 
 /// ZeRO++ hpZ's secondary partition: this rank's piece of the parameters
@@ -370,6 +374,10 @@ impl Zero {
                 .quantized(qw);
             let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
             let mut h = x.clone();
+            // Blocks used again in the backward within max_reuse_distance
+            // parameters keep what the forward gathered: a suffix of blocks.
+            let first_kept = first_kept_block(engine, self.cfg.max_reuse_distance);
+            let mut kept: HashMap<usize, Gathered> = HashMap::new();
             for b in 0..nb {
                 let src = g.take(b)?;
                 if let Some(s) = &mut self.secondary {
@@ -379,6 +387,9 @@ impl Zero {
                 let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
                 h = out;
                 stashes.push(stash);
+                if b >= first_kept {
+                    kept.insert(b, src);
+                }
             }
             let loss = h.to_scalar::<f32>()?;
             // hpZ: gather from the secondary partition, inside the group
@@ -391,12 +402,15 @@ impl Zero {
                 src,
                 engine,
                 self.cfg.backward_prefetch,
-                (0..nb).rev().collect(),
+                (0..nb).rev().filter(|b| !kept.contains_key(b)).collect(),
             )
             .quantized(qw);
             let mut gy = gy;
             for b in (0..nb).rev() {
-                let src = g.take(b)?;
+                let src = match kept.remove(&b) {
+                    Some(src) => src,
+                    None => g.take(b)?,
+                };
                 let stash = stashes.pop().unwrap();
                 if let Some(dx) = engine
                     .stack()
@@ -663,4 +677,27 @@ impl Strategy for Zero {
             engine.grads_flat_mut()
         }
     }
+}
+
+/// The first block whose parameters, gathered for the forward, are kept
+/// for the backward under `max_reuse_distance`: block b's are used again
+/// after the forward and backward of every later block, 2 x their
+/// parameters later (`nb`, none, when the distance is 0).
+fn first_kept_block(engine: &Engine, max_reuse_distance: usize) -> usize {
+    let nb = engine.num_blocks();
+    if max_reuse_distance == 0 {
+        return nb;
+    }
+    let mut per_block = vec![0usize; nb];
+    for p in engine.layout().params() {
+        per_block[p.block] += p.numel;
+    }
+    let mut later = 0usize;
+    for b in (0..nb).rev() {
+        if later.saturating_mul(2) > max_reuse_distance {
+            return b + 1;
+        }
+        later += per_block[b];
+    }
+    0
 }
