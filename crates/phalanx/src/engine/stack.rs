@@ -389,23 +389,26 @@ impl Stack {
                         true => m.forward_direct(&x, &ctx)?,
                         false => None,
                     };
-                    let released =
-                        node.and_then(|(y, mut back)| back.release_params().then_some((y, back)));
+                    // A direct backward that lets go of its parameters is
+                    // kept; anything else keeps the input and recomputes the
+                    // block in its backward.
+                    let (y, released) = match node {
+                        Some((y, mut back)) => {
+                            let ok = back.release_params();
+                            (y, ok.then_some(back))
+                        }
+                        None => (m.forward(&x, &ctx)?, None),
+                    };
+                    act_bytes += tensor_bytes(&x);
                     match released {
-                        Some((y, back)) => {
-                            act_bytes += tensor_bytes(&x) + tensor_bytes(&y);
+                        Some(back) => {
+                            act_bytes += tensor_bytes(&y);
                             let shape = y.shape().clone();
                             saved.push(Saved::Released(Node::Direct { back, shape }));
-                            x = y;
                         }
-                        // No direct backward that lets go: recompute.
-                        None => {
-                            act_bytes += tensor_bytes(&x);
-                            saved.push(Saved::Input(x.clone()));
-                            let (m, _served, _working) = self.build(b, src, false)?;
-                            x = m.forward(&x, &ctx)?;
-                        }
+                        None => saved.push(Saved::Input(x.clone())),
                     }
+                    x = y;
                 }
                 _ if !param_vars && !x.dtype().is_float() => {
                     // Token ids under a split backward: B has nothing to do
