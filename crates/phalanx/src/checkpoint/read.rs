@@ -124,6 +124,8 @@ pub struct Reader {
     pub meta: Metadata,
     /// Entries by (tensor, kind).
     by_tensor: HashMap<(String, String), Vec<usize>>,
+    /// Entries by file.
+    by_file: Vec<Vec<usize>>,
     /// Files mapped (and verified, and their keys indexed) so far.
     mapped: Mutex<HashMap<usize, std::sync::Arc<MappedFile>>>,
 }
@@ -164,16 +166,19 @@ impl Reader {
             }
         }
         let mut by_tensor: HashMap<(String, String), Vec<usize>> = HashMap::new();
+        let mut by_file = vec![Vec::new(); meta.files.len()];
         for (i, e) in meta.entries.iter().enumerate() {
             by_tensor
                 .entry((e.tensor.clone(), e.kind.clone()))
                 .or_default()
                 .push(i);
+            by_file[e.file].push(i);
         }
         Ok(Reader {
             dir: dir.to_path_buf(),
             meta,
             by_tensor,
+            by_file,
             mapped: Mutex::new(HashMap::new()),
         })
     }
@@ -214,21 +219,16 @@ impl Reader {
             .collect();
         // Every piece the metadata places in this file is there, with its
         // size: what a resume reads, checked when the file is verified.
-        for (j, e) in self.meta.entries.iter().enumerate() {
-            if e.file == i {
-                check_key(
-                    &index,
-                    &p,
-                    &format!("entries[{j}].key"),
-                    &e.key,
-                    e.region.len(),
-                )?;
-            }
+        for &j in &self.by_file[i] {
+            let e = &self.meta.entries[j];
+            let field = || format!("entries[{j}].key");
+            check_key(&index, &p, field, &e.key, e.region.len())?;
         }
         for (j, e) in self.meta.rank_state.iter().enumerate() {
             if e.rank == i {
                 let key = super::write::rank_state_key(&e.name);
-                check_key(&index, &p, &format!("rank_state[{j}].name"), &key, e.len)?;
+                let field = || format!("rank_state[{j}].name");
+                check_key(&index, &p, field, &key, e.len)?;
             }
         }
         let f = std::sync::Arc::new(MappedFile { map: m, index });
@@ -395,20 +395,22 @@ impl Reader {
 fn check_key(
     index: &HashMap<String, Range<usize>>,
     file: &Path,
-    field: &str,
+    field: impl Fn() -> String,
     key: &str,
     len: usize,
 ) -> Result<()> {
     match index.get(key) {
         Some(r) if r.len() == len * 4 => Ok(()),
         Some(r) => Err(Error::Check(format!(
-            "{}: {key} holds {} f32 values, metadata.json ({field}) says {len}",
+            "{}: {key} holds {} f32 values, metadata.json ({}) says {len}",
             file.display(),
-            r.len() / 4
+            r.len() / 4,
+            field()
         ))),
         None => Err(Error::Check(format!(
-            "{}: {key} is missing (metadata.json {field} names it)",
-            file.display()
+            "{}: {key} is missing (metadata.json {} names it)",
+            file.display(),
+            field()
         ))),
     }
 }

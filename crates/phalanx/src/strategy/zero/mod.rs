@@ -135,6 +135,9 @@ pub struct Zero {
     tp_replicated: Vec<Range<usize>>,
     /// ZeRO++ hpZ.
     secondary: Option<Secondary>,
+    /// Stage 3: the first block whose forward-gathered parameters are kept
+    /// for its backward (`max_reuse_distance`; the number of blocks: none).
+    first_kept: usize,
 }
 
 impl Zero {
@@ -276,6 +279,7 @@ impl Zero {
         }
         let mut reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
         reducer.describe(super::reduce::describe(&layout, &units));
+        let first_kept = first_kept_block(engine, cfg.max_reuse_distance);
         Ok(Zero {
             cfg,
             dp,
@@ -292,6 +296,7 @@ impl Zero {
             tp_replicated,
             reducer,
             secondary,
+            first_kept,
         })
     }
 
@@ -376,7 +381,7 @@ impl Zero {
             let mut h = x.clone();
             // Blocks used again in the backward within max_reuse_distance
             // parameters keep what the forward gathered: a suffix of blocks.
-            let first_kept = first_kept_block(engine, self.cfg.max_reuse_distance);
+            let first_kept = self.first_kept;
             let mut kept: HashMap<usize, Gathered> = HashMap::new();
             for b in 0..nb {
                 let src = g.take(b)?;
