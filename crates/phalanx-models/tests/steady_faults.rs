@@ -15,18 +15,28 @@ use phalanx::engine::heap::{minor_faults, retain_freed_memory};
 use phalanx::engine::{Activations, EngineConfig};
 use phalanx::optim::{AdamW, AdamWConfig, Optimizer};
 use phalanx_models::gpt2::{self, Gpt2Config};
+use phalanx_models::llama::{self, LlamaConfig};
 
 #[test]
 fn steady_steps_take_no_fresh_pages() {
     // Activations of several MiB (B 8, T 64, C 128: a 4C MLP tensor is 1 MiB),
-    // well above glibc's default mmap threshold of 128 KiB.
-    let cfg = Gpt2Config::new(2, 4, 128, 256, 64);
-    let ecfg = EngineConfig {
+    // well above glibc's default mmap threshold of 128 KiB. GPT-2's fused
+    // layer, then Llama's direct one.
+    let ecfg = || EngineConfig {
         seed: 1,
         activations: Activations::KeepGraph,
         ..Default::default()
     };
-    let mut e = gpt2::engine(&cfg, &Device::Cpu, ecfg).unwrap();
+    let gpt = Gpt2Config::new(2, 4, 128, 256, 64);
+    steady(gpt2::engine(&gpt, &Device::Cpu, ecfg()).unwrap(), "GPT-2");
+    let llama = LlamaConfig::new(2, 4, 2, 128, 352, 256, 64);
+    steady(
+        llama::engine(&llama, &Device::Cpu, ecfg()).unwrap(),
+        "Llama",
+    );
+}
+
+fn steady(mut e: phalanx::engine::Engine, what: &str) {
     assert!(
         retain_freed_memory(),
         "glibc's malloc options must take the heap settings"
@@ -58,9 +68,12 @@ fn steady_steps_take_no_fresh_pages() {
         step();
     }
     let per_step = (minor_faults() - before) / steps;
-    eprintln!("{per_step} minor faults per steady step");
+    eprintln!("{what}: {per_step} minor faults per steady step");
     // One step's activations alone span about 2,000 pages; fresh buffers
     // fault on every one of them. A few stray faults (a thread's stack, the
     // allocator's bookkeeping) are allowed.
-    assert!(per_step < 64, "{per_step} minor faults per steady step");
+    assert!(
+        per_step < 64,
+        "{what}: {per_step} minor faults per steady step"
+    );
 }

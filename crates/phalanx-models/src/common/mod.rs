@@ -12,6 +12,7 @@
 pub mod backed;
 pub mod blocks;
 pub mod data;
+pub mod direct;
 pub mod generate;
 pub mod hf;
 pub mod plan;

@@ -75,7 +75,7 @@ pub(crate) fn bias(vb: &VarBuilder, on: bool, name: &str, dim: usize) -> Result<
 
 /// RMSNorm (HF `LlamaRMSNorm`): normalised in f32, scaled in the input dtype.
 pub struct RmsNorm {
-    w: Tensor,
+    pub(crate) w: Tensor,
     eps: f64,
 }
 
@@ -211,6 +211,9 @@ pub(crate) struct LayerModule {
     pub(crate) up: Tensor,   // (M, C)
     pub(crate) down: Tensor, // (C, M)
     pub(crate) cfg: LlamaConfig,
+    /// Built by the engine, which collects the weight-gradient tape: the
+    /// direct layer may run (its parameter gradients leave only that way).
+    tape_collected: bool,
 }
 
 impl Block for Layer {
@@ -250,6 +253,7 @@ impl LayerModule {
             up: weight(&vb, "mlp.up_proj", m, c)?,
             down: weight(&vb, "mlp.down_proj", c, m)?,
             cfg: *cfg,
+            tape_collected: phalanx::ops::tape::will_collect(),
         })
     }
 
@@ -288,8 +292,57 @@ impl LayerModule {
     }
 }
 
+impl LayerModule {
+    /// The parameters in [`super::direct::Params`] order.
+    fn params(&self) -> super::direct::Params {
+        let mut p = vec![
+            self.input_layernorm.w.clone(),
+            self.q.clone(),
+            self.k.clone(),
+            self.v.clone(),
+            self.o.clone(),
+            self.post_attention_layernorm.w.clone(),
+            self.gate.clone(),
+            self.up.clone(),
+            self.down.clone(),
+        ];
+        p.extend(self.qkv_b.iter().flatten().cloned());
+        p
+    }
+
+    /// f32 on CPU, built by the engine: the direct layer applies.
+    fn fusable(&self, x: &Tensor) -> bool {
+        self.tape_collected
+            && crate::common::direct::enabled()
+            && x.device().is_cpu()
+            && x.dtype() == DType::F32
+            && self
+                .params()
+                .iter()
+                .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+    }
+}
+
 impl BlockModule for LayerModule {
+    fn forward_direct(
+        &self,
+        x: &Tensor,
+        _ctx: &Ctx,
+    ) -> Result<Option<(Tensor, Box<dyn phalanx::engine::DirectBackward>)>> {
+        if !self.fusable(x) {
+            return Ok(None);
+        }
+        super::direct::layer_direct(x, self.params(), &self.cfg).map(Some)
+    }
+
+    fn direct_params(&self) -> Option<Vec<Tensor>> {
+        Some(self.params())
+    }
+
     fn forward(&self, x: &Tensor, _ctx: &Ctx) -> Result<Tensor> {
+        if self.fusable(x) {
+            return super::direct::layer(x, self.params(), &self.cfg);
+        }
         let x = (x + self.attention(&self.input_layernorm.forward(x)?)?)?;
         &x + self.mlp(&self.post_attention_layernorm.forward(&x)?)?
     }

@@ -30,6 +30,7 @@
 
 pub mod blocks;
 pub mod config;
+mod direct;
 pub mod family;
 pub mod generate;
 pub mod hf;

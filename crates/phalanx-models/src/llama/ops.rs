@@ -49,7 +49,7 @@ fn rstd(x: &[f32], eps: f32) -> f32 {
 }
 
 #[inline(always)]
-fn rms_row_fwd(x: &[f32], w: &[f32], y: &mut [f32], eps: f32) {
+pub(crate) fn rms_row_fwd(x: &[f32], w: &[f32], y: &mut [f32], eps: f32) {
     let r = rstd(x, eps);
     for i in 0..x.len() {
         y[i] = x[i] * r * w[i];
@@ -57,7 +57,14 @@ fn rms_row_fwd(x: &[f32], w: &[f32], y: &mut [f32], eps: f32) {
 }
 
 #[inline(always)]
-fn rms_row_bwd(x: &[f32], w: &[f32], dy: &[f32], dx: &mut [f32], dw: &mut [f32], eps: f32) {
+pub(crate) fn rms_row_bwd(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    dw: &mut [f32],
+    eps: f32,
+) {
     let c = x.len();
     let r = rstd(x, eps);
     // dx holds dxhat = dy w first; mean(dxhat xhat) = r mean(dxhat x).
@@ -238,7 +245,7 @@ pub fn rope(x: &Tensor, inv: &[f32], start: usize) -> Result<Tensor> {
 struct SwiGlu;
 
 #[inline(always)]
-fn sigmoid(g: f32) -> f32 {
+pub(crate) fn sigmoid(g: f32) -> f32 {
     1.0 / (1.0 + (-g).exp())
 }
 
