@@ -43,6 +43,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+AUTOCAST = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 WARMUP_STEPS = 2
 
 
@@ -204,7 +206,10 @@ def worker(rank, args, port):
         idx = ix[:, None] + offs
         x, y = data[idx], data[idx + 1]
         opt.zero_grad(set_to_none=True)
-        loss = net(x, y)
+        # torch.autocast(bfloat16 / float16) on CPU: the half-precision
+        # peer of `train.precision` (fp32 weights, half compute).
+        with torch.autocast("cpu", dtype=AUTOCAST[args.autocast], enabled=args.autocast != "none"):
+            loss = net(x, y)
         loss.backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -256,6 +261,8 @@ def main():
                    help="sdpa: F.scaled_dot_product_attention(is_causal); manual: masked softmax")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
+                   help="torch.autocast dtype for the forward (none: fp32)")
     p.add_argument("--log-every", type=int, default=1)
     args = p.parse_args()
     if args.steps <= WARMUP_STEPS:

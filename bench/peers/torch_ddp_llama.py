@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_ddp_gpt import WARMUP_STEPS, load_data, make_optimizer  # noqa: E402
+from torch_ddp_gpt import AUTOCAST, WARMUP_STEPS, load_data, make_optimizer  # noqa: E402
 
 # Phalanx's presets (crates/phalanx-models/src/llama/config.rs):
 # layers, heads, kv heads, width, MLP width, vocabulary, context.
@@ -126,7 +126,10 @@ def worker(rank, args, port):
         idx = ix[:, None] + offs
         x, y = data[idx], data[idx + 1]
         opt.zero_grad(set_to_none=True)
-        loss = net(x, y)
+        # torch.autocast(bfloat16 / float16) on CPU: the half-precision
+        # peer of `train.precision` (fp32 weights, half compute).
+        with torch.autocast("cpu", dtype=AUTOCAST[args.autocast], enabled=args.autocast != "none"):
+            loss = net(x, y)
         loss.backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -180,6 +183,8 @@ def main():
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
+                   help="torch.autocast dtype for the forward (none: fp32)")
     p.add_argument("--log-every", type=int, default=1)
     args = p.parse_args()
     shape = dict(zip(("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab",
