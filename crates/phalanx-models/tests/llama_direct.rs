@@ -7,7 +7,7 @@
 //! recomputation, and kept activations (the engine's direct path, which
 //! ZeRO-3 releases and rebinds the parameters around).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use phalanx::engine::{Activations, FlatBuffer, Stack};
 use phalanx::ledger::{Ledger, Mem};
 use phalanx_models::common::direct::set_fused_layer;
@@ -19,9 +19,23 @@ use common::token_ids as ids;
 /// (loss, flat gradient) of one forward and backward of the whole stack,
 /// with the direct layer on or off.
 fn run(cfg: &LlamaConfig, act: Activations, direct: bool, b: usize, t: usize) -> (f32, Vec<f32>) {
+    run_in(DType::F32, cfg, act, direct, b, t)
+}
+
+/// [`run`] with the blocks computing in `dtype` (mixed precision: f32
+/// master parameters and gradients).
+fn run_in(
+    dtype: DType,
+    cfg: &LlamaConfig,
+    act: Activations,
+    direct: bool,
+    b: usize,
+    t: usize,
+) -> (f32, Vec<f32>) {
     set_fused_layer(Some(direct));
     let ledger = Ledger::new();
-    let stack = Stack::new(llama::blocks(cfg).unwrap(), &Device::Cpu, act, &ledger).unwrap();
+    let mut stack = Stack::new(llama::blocks(cfg).unwrap(), &Device::Cpu, act, &ledger).unwrap();
+    stack.set_compute_dtype(dtype);
     let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
     stack.init_params(params.as_mut_slice(), 11);
     // Larger than init weights (and nonzero biases), so every path carries signal.
@@ -130,7 +144,11 @@ fn zero3_runs_the_direct_llama_layers_once() {
                 train::train(&cfg, pg, loader.clone(), &LlamaRun::default()).unwrap();
             let recomputed = trainer.engine().stack().recomputed_blocks();
             let m = trainer.memory_report().unwrap()[0];
-            (report.losses, recomputed, m.model_states() + m.activations_peak)
+            (
+                report.losses,
+                recomputed,
+                m.model_states() + m.activations_peak,
+            )
         })
         .remove(0)
     };
@@ -147,4 +165,46 @@ fn zero3_runs_the_direct_llama_layers_once() {
         z3.2,
         ddp.2
     );
+}
+
+/// In bf16 and f16 the direct layer widens to f32 at its boundary (f32
+/// kernels and accumulation), so it is at least as close to the f32 run
+/// as the composed layer computing in the half dtype.
+#[test]
+fn direct_layer_in_half_precision_is_as_close_to_f32_as_the_composed_one() {
+    let mut cfg = LlamaConfig::new(2, 6, 2, 36, 0, 50, 16);
+    cfg.intermediate_size = 50;
+    cfg.vocab_size = 61;
+    cfg.qkv_bias = true;
+    let (b, t) = (2, 7);
+    let err = |g: &[f32], r: &[f32]| {
+        let scale = r.iter().fold(0f32, |m, v| m.max(v.abs()));
+        g.iter()
+            .zip(r)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+            / scale
+    };
+    for act in [Activations::KeepGraph, Activations::KeepActivations] {
+        let (l32, g32) = run(&cfg, act, true, b, t);
+        for dtype in [DType::BF16, DType::F16] {
+            let (lc, gc) = run_in(dtype, &cfg, act, false, b, t);
+            let (ld, gd) = run_in(dtype, &cfg, act, true, b, t);
+            let (ec, ed) = (err(&gc, &g32), err(&gd, &g32));
+            let what = format!("{dtype:?}, {act:?}");
+            eprintln!("{what}: gradients from f32: direct {ed:e}, composed {ec:e}");
+            // Not the f32 run itself: the blocks' boundaries round.
+            assert!(gd != g32, "{what}: the half run equals f32's");
+            assert!(ed < 0.05, "{what}: gradients {ed:e} from f32's");
+            assert!(
+                ed <= 1.5 * ec + 1e-3,
+                "{what}: direct {ed:e}, composed {ec:e} from f32"
+            );
+            let (dc, dd) = ((lc - l32).abs(), (ld - l32).abs());
+            assert!(
+                dd <= 1.5 * dc + 1e-3 * l32,
+                "{what}: loss {ld} / {lc} / f32 {l32}"
+            );
+        }
+    }
 }

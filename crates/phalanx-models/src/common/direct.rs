@@ -20,7 +20,8 @@
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, Result, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, Result, Storage, Tensor};
 use phalanx::ops::cpu;
 
 thread_local! {
@@ -101,18 +102,20 @@ pub fn run_parts<T: Send, R: Send>(work: Vec<T>, f: impl Fn(usize, T) -> R + Syn
         .collect()
 }
 
-/// Runs `f` on the parameters as f32 slices (contiguous CPU f32 tensors);
-/// `what` names the layer in the error.
+/// Runs `f` on the parameters as f32 slices: contiguous CPU tensors, f32
+/// borrowed, f16 / bf16 widened (the kernel boundary of a half-precision
+/// layer); `what` names the layer in the error.
 pub fn with_f32_params<R>(p: &[Tensor], what: &str, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
     let held: Vec<_> = p.iter().map(|t| t.storage_and_layout()).collect();
-    let mut s = Vec::with_capacity(held.len());
+    let mut wide = Vec::with_capacity(held.len());
     for (st, l) in &held {
         match &**st {
-            Storage::Cpu(CpuStorage::F32(v)) if l.is_contiguous() => {
-                s.push(&v[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+            Storage::Cpu(s) if cpu::is_float(s.dtype()) && l.is_contiguous() => {
+                wide.push(cpu::cpu_f32(s, l)?)
             }
-            _ => bail!("{what}: parameters must be contiguous f32 on CPU"),
+            _ => bail!("{what}: parameters must be contiguous f32, f16 or bf16 on CPU"),
         }
     }
+    let s: Vec<&[f32]> = wide.iter().map(|w| &w[..]).collect();
     Ok(f(&s))
 }

@@ -310,16 +310,17 @@ impl LayerModule {
         p
     }
 
-    /// f32 on CPU, built by the engine: the direct layer applies.
+    /// f32, bf16 or f16 on CPU (parameters in x's dtype), built by the
+    /// engine: the direct layer applies.
     fn fusable(&self, x: &Tensor) -> bool {
         self.tape_collected
             && crate::common::direct::enabled()
             && x.device().is_cpu()
-            && x.dtype() == DType::F32
+            && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
             && self
                 .params()
                 .iter()
-                .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+                .all(|t| t.dtype() == x.dtype() && t.device().is_cpu())
     }
 }
 

@@ -34,10 +34,11 @@
 
 use std::sync::Mutex;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use phalanx::engine::DirectBackward;
 use phalanx::ops::buffers::{self, Buf};
-use phalanx::ops::cpu::{add_assign, cpu_f32};
+use phalanx::ops::cpu::{add_assign, cpu_f32, storage_in, tensor_in, with_f32_any};
 use phalanx::ops::tape::{self, DeferredGrad};
 use phalanx::ops::{self as k, sgemm, Mat};
 use phalanx::simd_dispatch;
@@ -335,8 +336,8 @@ impl DirectLayer {
         let parts = batch_parts(b);
         let tables = rope_tables(&self.cfg.inv_freq(), t);
         let tables = (&tables.0[..], &tables.1[..]);
-        let norms = k::cpu::with_f32(x_t, |x| {
-            k::cpu::with_f32(&dy_t, |dy| {
+        let norms = with_f32_any(x_t, |x| {
+            with_f32_any(&dy_t, |dy| {
                 crate::common::direct::with_f32_params(self.params()?, WHAT, |p| {
                     let acts = split_parts(a.each_ref().map(|b| &b[..]), parts);
                     let ins = split_parts([x, dy], parts);
@@ -365,7 +366,7 @@ impl DirectLayer {
             inputs: [h1, att, h2, s],
             norms: [(LN1, dw1), (LN2, dw2)],
         }));
-        Tensor::from_vec(dx, (b, t, c), x_t.device())
+        tensor_in(dx, x_t.dtype(), (b, t, c), x_t.device())
     }
 }
 
@@ -405,7 +406,7 @@ impl CustomOp1 for DirectLayer {
             });
         })?;
         *self.acts.lock().unwrap() = Some(Acts { bufs: a });
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((storage_in(st.dtype(), y)?, l.shape().clone()))
     }
 
     fn bwd(&self, x_t: &Tensor, _res: &Tensor, dy_t: &Tensor) -> Result<Option<Tensor>> {
@@ -446,7 +447,7 @@ impl DeferredGrad for LayerGrads {
             ));
             Ok(())
         };
-        k::cpu::with_f32(&self.dy, |dy| -> Result<()> {
+        with_f32_any(&self.dy, |dy| -> Result<()> {
             let linears: [Lin; 7] = [
                 (WD, None, s, dy, c, m),
                 (WG, None, h2, &o[DG], m, c),
