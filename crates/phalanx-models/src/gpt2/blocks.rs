@@ -306,16 +306,17 @@ impl LayerModule {
         ]
     }
 
-    /// f32 on CPU, built by the engine: the explicit forward / backward of
-    /// `fused` applies.
+    /// On CPU in f32, bf16 or f16 (input and parameters of one dtype),
+    /// built by the engine: the explicit forward / backward of `fused`
+    /// applies (half precision converting at its boundary).
     fn fusable(&self, x: &Tensor) -> bool {
         let p = self.params();
+        let dtype = x.dtype();
         self.tape_collected
             && super::fused::enabled()
             && x.device().is_cpu()
-            && x.dtype() == DType::F32
-            && p.iter()
-                .all(|t| t.dtype() == DType::F32 && t.device().is_cpu())
+            && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+            && p.iter().all(|t| t.dtype() == dtype && t.device().is_cpu())
     }
 }
 

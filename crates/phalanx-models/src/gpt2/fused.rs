@@ -1,6 +1,7 @@
 //! The GPT-2 transformer layer as one op with an explicit forward and
 //! backward (llm.c's layer: one pass of kernels each way over buffers the
-//! layer owns), used by [`super::blocks`] for f32 layers on CPU.
+//! layer owns), used by [`super::blocks`] for layers on CPU in f32, bf16 or
+//! f16 (parameters and input all of one dtype).
 //!
 //!   forward, x (B, T, C):
 //!     ln1 = LN(x);  qkv = ln1 Wa^T + ba (N, 3C);  att, P = attention(qkv)
@@ -34,16 +35,32 @@
 //! (`BlockModule::forward_direct`: `layer_direct`); `layer` is the same
 //! op as a graph node, for whole-model autograd.
 //!
+//! Half precision (`train.precision = bf16 | fp16`): the kernels stay f32
+//! (f32 accumulation, as the f32 layer); the op converts at its boundary
+//! ([`super::fused_half`]). The parameters are widened to f32 once per
+//! call into pooled buffers; x is widened and y narrowed to x's dtype by
+//! each batch part; dx is returned in x's dtype and each parameter
+//! gradient goes to the tape in its parameter's dtype. Nothing in between
+//! is rounded to half (the residual adds, every activation the next kernel
+//! reads), so the fused layer is more accurate than the composed one.
+//!
+//! The activations kept for the backward (and the W pass) are stored in
+//! x's dtype, half the bytes of f32, for a few percent of the layer's
+//! time (the measurements, and why: [`super::fused_half`]).
+//!
 //! `PHALANX_FUSED_LAYER=0` turns it off (the composed layer then runs).
 
 use std::sync::Mutex;
 
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use phalanx::engine::DirectBackward;
 use phalanx::ops::buffers::{self, Buf};
-use phalanx::ops::cpu::{add_assign, cpu_f32};
+use phalanx::ops::cpu::add_assign;
 use phalanx::ops::tape::{self, DeferredGrad};
 use phalanx::ops::{self as k};
+
+use super::fused_half::{self as half_io, pieces, with_src, with_wide, Dst, Kept, Src};
 
 thread_local! {
     static OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -58,7 +75,7 @@ pub(crate) fn enabled() -> bool {
     })
 }
 
-/// Turns the fused f32 layer on or off for layers built on this thread
+/// Turns the fused layer on or off for layers built on this thread
 /// (`None`: back to `PHALANX_FUSED_LAYER`); for comparisons and tests.
 pub fn set_fused_layer(on: Option<bool>) {
     OVERRIDE.with(|o| o.set(on));
@@ -76,16 +93,70 @@ const LN2_W: usize = 6;
 const FC_W: usize = 8;
 const MLP_W: usize = 10;
 
-/// What the forward keeps for the backward.
-struct Acts {
-    ln1: Buf,   // (N, C)
-    qkv: Buf,   // (N, 3C)
-    probs: Buf, // (B, nh, T, T)
-    att: Buf,   // (N, C)
-    x1: Buf,    // (N, C)
-    ln2: Buf,   // (N, C)
-    h: Buf,     // (N, 4C)
-    g: Buf,     // (N, 4C)
+/// The activations the forward computes and the backward reads, one `T`
+/// each: their sizes, f32 buffers, what is kept, a part's rows.
+#[derive(Clone, Copy)]
+struct Acts<T> {
+    ln1: T,   // (N, C)
+    qkv: T,   // (N, 3C)
+    probs: T, // (B, nh, T, T)
+    att: T,   // (N, C)
+    x1: T,    // (N, C)
+    ln2: T,   // (N, C)
+    h: T,     // (N, 4C)
+    g: T,     // (N, 4C)
+}
+
+impl<T> Acts<T> {
+    fn map<U>(self, mut f: impl FnMut(T) -> U) -> Acts<U> {
+        Acts {
+            ln1: f(self.ln1),
+            qkv: f(self.qkv),
+            probs: f(self.probs),
+            att: f(self.att),
+            x1: f(self.x1),
+            ln2: f(self.ln2),
+            h: f(self.h),
+            g: f(self.g),
+        }
+    }
+
+    fn as_mut(&mut self) -> Acts<&mut T> {
+        Acts {
+            ln1: &mut self.ln1,
+            qkv: &mut self.qkv,
+            probs: &mut self.probs,
+            att: &mut self.att,
+            x1: &mut self.x1,
+            ln2: &mut self.ln2,
+            h: &mut self.h,
+            g: &mut self.g,
+        }
+    }
+}
+
+impl<T> Acts<Vec<T>> {
+    /// `parts` pieces each -> each part's pieces.
+    fn per_part(self, parts: usize) -> Vec<Acts<T>> {
+        let mut it = self.map(Vec::into_iter);
+        let mut next = |i: &mut std::vec::IntoIter<T>| i.next().expect("a piece per part");
+        (0..parts).map(|_| it.as_mut().map(&mut next)).collect()
+    }
+}
+
+/// The activations' sizes.
+fn sizes(b: usize, t: usize, c: usize, nh: usize) -> Acts<usize> {
+    let n = b * t;
+    Acts {
+        ln1: n * c,
+        qkv: n * 3 * c,
+        probs: b * nh * t * t,
+        att: n * c,
+        x1: n * c,
+        ln2: n * c,
+        h: n * 4 * c,
+        g: n * 4 * c,
+    }
 }
 
 struct FusedLayer {
@@ -94,22 +165,13 @@ struct FusedLayer {
     p: Option<Params>,
     n_head: usize,
     eps: f32,
-    acts: Mutex<Option<Acts>>,
+    acts: Mutex<Option<Acts<Kept>>>,
 }
 
-/// Runs `f` on the parameters as f32 slices (contiguous CPU f32 tensors).
+/// Runs `f` on the parameters as f32 slices (CPU tensors; half ones are
+/// widened into pooled buffers, once per call).
 fn with_params<R>(p: &Params, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
-    let held: Vec<_> = p.iter().map(|t| t.storage_and_layout()).collect();
-    let mut s = Vec::with_capacity(held.len());
-    for (st, l) in &held {
-        match &**st {
-            Storage::Cpu(CpuStorage::F32(v)) if l.is_contiguous() => {
-                s.push(&v[l.start_offset()..l.start_offset() + l.shape().elem_count()])
-            }
-            _ => bail!("fused GPT-2 layer: parameters must be contiguous f32 on CPU"),
-        }
-    }
-    Ok(f(&s))
+    with_wide(&p.each_ref(), f)
 }
 
 impl CustomOp1 for FusedLayer {
@@ -119,40 +181,40 @@ impl CustomOp1 for FusedLayer {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (b, t, c) = l.shape().dims3()?;
-        let x = cpu_f32(s, l)?;
-        let (n, nh) = (b * t, self.n_head);
-        let mut a = Acts {
-            ln1: buffers::take(n * c),
-            qkv: buffers::take(n * 3 * c),
-            probs: buffers::take(b * nh * t * t),
-            att: buffers::take(n * c),
-            x1: buffers::take(n * c),
-            ln2: buffers::take(n * c),
-            h: buffers::take(n * 4 * c),
-            g: buffers::take(n * 4 * c),
+        let (dtype, nh) = (s.dtype(), self.n_head);
+        let x = Src::of(s, l)?;
+        let size = sizes(b, t, c, nh);
+        let mut y = half_io::Output::new(dtype, b * t * c)?;
+        // f32 buffers for every activation (kept as they are for f32), and
+        // for half, the half ones each part narrows them into.
+        let mut a = size.map(buffers::take);
+        let mut half = match dtype {
+            DType::F32 => None,
+            _ => Some(size.map(|len| Kept::half(dtype, len))),
         };
-        let mut y = vec![0f32; n * c];
+        let mut xs = x.scratch();
         let parts = batch_parts(b);
         let bp = b / parts;
         // Each part: its batch elements' rows of every buffer.
-        let sp = |v| split_mut(v, parts);
-        let (mut ln1, mut qkv, mut probs) = (sp(&mut a.ln1), sp(&mut a.qkv), sp(&mut a.probs));
-        let (mut att, mut x1, mut ln2) = (sp(&mut a.att), sp(&mut a.x1), sp(&mut a.ln2));
-        let (mut h, mut g, mut ys) = (sp(&mut a.h), sp(&mut a.g), sp(&mut y));
+        let acts = a.as_mut().map(|v| pieces(v, parts)).per_part(parts);
+        let keeps = match &mut half {
+            Some(h) => h.as_mut().map(|k| k.dsts(parts)).per_part(parts),
+            None => Vec::new(),
+        };
+        let (mut keeps, mut xss) = (keeps.into_iter(), pieces(&mut xs, parts).into_iter());
         let work: Vec<_> = x
-            .chunks(x.len() / parts)
-            .map(|x| {
+            .pieces(parts)
+            .into_iter()
+            .zip(acts)
+            .zip(y.pieces(parts))
+            .map(|((x, a), (y, y_half))| {
                 Mutex::new(Some(Fwd {
                     x,
-                    ln1: ln1.next().unwrap(),
-                    qkv: qkv.next().unwrap(),
-                    probs: probs.next().unwrap(),
-                    att: att.next().unwrap(),
-                    x1: x1.next().unwrap(),
-                    ln2: ln2.next().unwrap(),
-                    h: h.next().unwrap(),
-                    g: g.next().unwrap(),
-                    y: ys.next().unwrap(),
+                    xs: xss.next().unwrap(),
+                    a,
+                    keep: keeps.next(),
+                    y,
+                    y_half,
                 }))
             })
             .collect();
@@ -162,8 +224,11 @@ impl CustomOp1 for FusedLayer {
                 forward_part(f, p, (bp, t, c, nh), self.eps)
             })
         })?;
-        *self.acts.lock().unwrap() = Some(a);
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        drop(work);
+        // Half: the f32 buffers go back to the pool.
+        let kept = half.unwrap_or_else(|| a.map(Kept::F32));
+        *self.acts.lock().unwrap() = Some(kept);
+        Ok((y.storage(), l.shape().clone()))
     }
 
     fn bwd(&self, x_t: &Tensor, _res: &Tensor, dy_t: &Tensor) -> Result<Option<Tensor>> {
@@ -193,51 +258,52 @@ impl FusedLayer {
             )
         }
         let (b, t, c) = x_t.dims3()?;
-        let (n, nh, eps) = (b * t, self.n_head, self.eps);
-        let dy_t = dy_t.contiguous()?;
+        let (n, nh, eps, dtype) = (b * t, self.n_head, self.eps, x_t.dtype());
+        let (x_t, dy_t) = (x_t.contiguous()?, dy_t.contiguous()?);
         let mut w = LayerGrads {
             p: self.params()?.clone(),
             dims: (n, c),
             dy: dy_t.clone(),
             dh: buffers::take(n * 4 * c),
-            dx1: Buf::default(),
+            dx1: buffers::take(n * c),
             dqkv: buffers::take(n * 3 * c),
             ln: Vec::new(),
             inputs: None,
         };
         let parts = batch_parts(b);
         let bp = b / parts;
-        let mut dx = vec![0f32; n * c];
-        let mut dx1 = buffers::take(n * c);
+        let mut dx = half_io::Output::new(dtype, n * c)?;
         // The LayerNorms' gain and bias gradients, per part: summed below in
         // part order, so the result does not depend on thread timing.
         let ln_parts: Vec<Mutex<Option<Result<LnGrads>>>> =
             (0..parts).map(|_| Mutex::new(None)).collect();
-        k::cpu::with_f32(x_t, |x| {
-            k::cpu::with_f32(&dy_t, |dy| {
+        with_src(&x_t, |x| {
+            with_src(&dy_t, |dy| {
+                // What the input-gradient pass reads; f32 scratch for each
+                // half one (each part widens its rows where it reads them).
+                let srcs = [x, dy, a.h.src(), a.x1.src(), a.qkv.src(), a.probs.src()];
+                let mut scratch = srcs.map(|s| s.scratch());
+                let mut srcs = srcs.map(|s| s.pieces(parts).into_iter());
+                let mut scr = scratch.each_mut().map(|b| pieces(b, parts).into_iter());
+                let spm = |v| pieces(v, parts).into_iter();
+                let (mut dhs, mut dx1s, mut dqkvs) =
+                    (spm(&mut w.dh), spm(&mut w.dx1), spm(&mut w.dqkv));
+                let work: Vec<_> = dx
+                    .pieces(parts)
+                    .into_iter()
+                    .map(|(dx, dx_half)| {
+                        Mutex::new(Some(Bwd {
+                            src: srcs.each_mut().map(|s| s.next().unwrap()),
+                            scratch: scr.each_mut().map(|s| s.next().unwrap()),
+                            dh: dhs.next().unwrap(),
+                            dx1: dx1s.next().unwrap(),
+                            dqkv: dqkvs.next().unwrap(),
+                            dx,
+                            dx_half,
+                        }))
+                    })
+                    .collect();
                 with_params(self.params()?, |p| {
-                    let sp = |v| split(v, parts);
-                    let spm = |v| split_mut(v, parts);
-                    let (mut dys, mut hs, mut x1s) = (sp(dy), sp(&a.h), sp(&a.x1));
-                    let (mut qkvs, mut probs) = (sp(&a.qkv), sp(&a.probs));
-                    let (mut dhs, mut dx1s) = (spm(&mut w.dh), spm(&mut dx1));
-                    let (mut dqkvs, mut dxs) = (spm(&mut w.dqkv), spm(&mut dx));
-                    let work: Vec<_> = sp(x)
-                        .map(|x| {
-                            Mutex::new(Some(Bwd {
-                                x,
-                                dy: dys.next().unwrap(),
-                                h: hs.next().unwrap(),
-                                x1: x1s.next().unwrap(),
-                                qkv: qkvs.next().unwrap(),
-                                probs: probs.next().unwrap(),
-                                dh: dhs.next().unwrap(),
-                                dx1: dx1s.next().unwrap(),
-                                dqkv: dqkvs.next().unwrap(),
-                                dx: dxs.next().unwrap(),
-                            }))
-                        })
-                        .collect();
                     k::cpu::par_parts(parts, |i| {
                         let bw = work[i].lock().unwrap().take().expect("each part runs once");
                         let r = backward_part(bw, p, (bp, t, c, nh), eps);
@@ -245,7 +311,7 @@ impl FusedLayer {
                     })
                 })
             })
-        })???;
+        })?;
         let mut ln = [LN1_W, LN1_W + 1, LN2_W, LN2_W + 1].map(|i| (i, vec![0f32; c]));
         for part in ln_parts {
             let g = part.into_inner().unwrap().expect("every part ran")?;
@@ -253,13 +319,12 @@ impl FusedLayer {
                 add_assign(sum, &g);
             }
         }
-        w.dx1 = dx1;
         w.ln = ln.into();
         // W needs the linears' inputs only; qkv, P, x1 and h go back to
         // the pool now.
         w.inputs = Some([a.ln1, a.att, a.ln2, a.g]);
         tape::defer(Box::new(w));
-        Tensor::from_vec(dx, (b, t, c), x_t.device())
+        k::cpu::tensor_of(dx.storage(), (b, t, c), x_t.device())
     }
 }
 
@@ -307,62 +372,73 @@ fn batch_parts(b: usize) -> usize {
     }
 }
 
-/// `v` in `parts` equal pieces (the batch parts' rows).
-fn split(v: &[f32], parts: usize) -> std::slice::Chunks<'_, f32> {
-    v.chunks(v.len() / parts)
-}
-
-/// `v` in `parts` equal mutable pieces.
-fn split_mut(v: &mut [f32], parts: usize) -> std::slice::ChunksMut<'_, f32> {
-    let len = v.len() / parts;
-    v.chunks_mut(len)
-}
-
-/// One part's rows of the forward's input, activations and output.
+/// One part's rows of the forward's input, activations and output, and
+/// for half precision, where the activations are kept and y goes.
 struct Fwd<'a> {
-    x: &'a [f32],
-    ln1: &'a mut [f32],
-    qkv: &'a mut [f32],
-    probs: &'a mut [f32],
-    att: &'a mut [f32],
-    x1: &'a mut [f32],
-    ln2: &'a mut [f32],
-    h: &'a mut [f32],
-    g: &'a mut [f32],
+    x: Src<'a>,
+    /// x widened (half), else empty.
+    xs: &'a mut [f32],
+    a: Acts<&'a mut [f32]>,
+    keep: Option<Acts<Dst<'a>>>,
     y: &'a mut [f32],
+    y_half: Option<Dst<'a>>,
 }
 
-/// The forward on `b` batch elements (every element of the outputs written).
-fn forward_part(a: Fwd, p: &[&[f32]], (b, t, c, nh): (usize, usize, usize, usize), eps: f32) {
+/// The forward on `b` batch elements (every element of the outputs
+/// written); each activation is narrowed to its half copy right after the
+/// kernel that computed it, while it is in cache.
+fn forward_part(f: Fwd, p: &[&[f32]], (b, t, c, nh): (usize, usize, usize, usize), eps: f32) {
     let n = b * t;
-    k::layer_norm_forward(a.x, p[LN1_W], p[LN1_W + 1], eps, a.ln1);
+    let Fwd {
+        x,
+        xs,
+        a,
+        mut keep,
+        y,
+        mut y_half,
+    } = f;
+    macro_rules! keep {
+        ($($f:ident),*) => {
+            if let Some(k) = &mut keep {
+                $(k.$f.store(a.$f);)*
+            }
+        };
+    }
+    let x = x.get(xs);
+    k::layer_norm_forward(x, p[LN1_W], p[LN1_W + 1], eps, a.ln1);
+    keep!(ln1);
     let lin = (n, c, 3 * c);
     k::linear_forward(a.ln1, p[ATTN_W], Some(p[ATTN_W + 1]), lin, a.qkv);
+    keep!(qkv);
     k::attention_forward(a.qkv, (b, t, c, nh), a.att, a.probs);
+    keep!(att, probs);
     let lin = (n, c, c);
     k::linear_forward(a.att, p[PROJ_W], Some(p[PROJ_W + 1]), lin, a.x1);
-    add_assign(a.x1, a.x); // x1 = x + proj (the composed layer's add)
+    add_assign(a.x1, x); // x1 = x + proj (the composed layer's add)
+    keep!(x1);
     k::layer_norm_forward(a.x1, p[LN2_W], p[LN2_W + 1], eps, a.ln2);
+    keep!(ln2);
     let lin = (n, c, 4 * c);
     k::linear_forward(a.ln2, p[FC_W], Some(p[FC_W + 1]), lin, a.h);
+    keep!(h);
     k::gelu_forward(a.h, a.g);
+    keep!(g);
     let lin = (n, 4 * c, c);
-    k::linear_forward(a.g, p[MLP_W], Some(p[MLP_W + 1]), lin, a.y);
-    add_assign(a.y, a.x1);
+    k::linear_forward(a.g, p[MLP_W], Some(p[MLP_W + 1]), lin, y);
+    add_assign(y, a.x1);
+    half_io::store(&mut y_half, y);
 }
 
-/// One part's rows of what the backward reads and writes.
+/// One part's rows of what the backward reads (x, dy, h, x1, qkv, P: each
+/// with its f32 scratch, empty for f32) and writes.
 struct Bwd<'a> {
-    x: &'a [f32],
-    dy: &'a [f32],
-    h: &'a [f32],
-    x1: &'a [f32],
-    qkv: &'a [f32],
-    probs: &'a [f32],
+    src: [Src<'a>; 6],
+    scratch: [&'a mut [f32]; 6],
     dh: &'a mut [f32],
     dx1: &'a mut [f32],
     dqkv: &'a mut [f32],
     dx: &'a mut [f32],
+    dx_half: Option<Dst<'a>>,
 }
 
 /// The LayerNorms' gradients: ln_1 gain, bias; ln_2 gain, bias.
@@ -370,7 +446,7 @@ type LnGrads = [Vec<f32>; 4];
 
 /// The input-gradient pass on `b` batch elements: dx, and what the
 /// weight gradients need (dh, dx1, dqkv); returns the LayerNorms'
-/// gradients over these rows.
+/// gradients over these rows. Half inputs are widened where they are read.
 fn backward_part(
     a: Bwd,
     p: &[&[f32]],
@@ -378,28 +454,36 @@ fn backward_part(
     eps: f32,
 ) -> Result<LnGrads> {
     let n = b * t;
+    let [x, dy, h, x1, qkv, probs] = a.src;
+    let [sx, sdy, sh, sx1, sqkv, sprobs] = a.scratch;
     let [mut dw1, mut db1, mut dw2, mut db2] = std::array::from_fn(|_| vec![0f32; c]);
     // y = x1 + g Wp^T + bp
+    let dy = dy.get(sdy);
     let mut dg = buffers::take(n * 4 * c);
-    k::linear_backward_input(a.dy, p[MLP_W], (n, 4 * c, c), &mut dg);
-    k::gelu_backward(a.h, &dg, a.dh);
+    k::linear_backward_input(dy, p[MLP_W], (n, 4 * c, c), &mut dg);
+    k::gelu_backward(h.get(sh), &dg, a.dh);
     drop(dg);
     // h = ln2 Wf^T + bf;  ln2 = LN(x1)
     let mut dln2 = buffers::take(n * c);
     k::linear_backward_input(a.dh, p[FC_W], (n, c, 4 * c), &mut dln2);
-    k::layer_norm_backward_into(a.x1, p[LN2_W], &dln2, eps, a.dx1, &mut dw2, &mut db2)?;
+    let x1 = x1.get(sx1);
+    k::layer_norm_backward_into(x1, p[LN2_W], &dln2, eps, a.dx1, &mut dw2, &mut db2)?;
     drop(dln2);
     // The residual's share; then x1 = x + att Wo^T + bo.
-    add_assign(a.dx1, a.dy);
+    add_assign(a.dx1, dy);
     let mut datt = buffers::take(n * c);
     k::linear_backward_input(a.dx1, p[PROJ_W], (n, c, c), &mut datt);
-    k::attention_backward(a.qkv, &datt, a.probs, (b, t, c, nh), a.dqkv);
+    let dims = (b, t, c, nh);
+    k::attention_backward(qkv.get(sqkv), &datt, probs.get(sprobs), dims, a.dqkv);
     drop(datt);
     // qkv = ln1 Wa^T + ba;  ln1 = LN(x)
     let mut dln1 = buffers::take(n * c);
     k::linear_backward_input(a.dqkv, p[ATTN_W], (n, c, 3 * c), &mut dln1);
-    k::layer_norm_backward_into(a.x, p[LN1_W], &dln1, eps, a.dx, &mut dw1, &mut db1)?;
+    let x = x.get(sx);
+    k::layer_norm_backward_into(x, p[LN1_W], &dln1, eps, a.dx, &mut dw1, &mut db1)?;
     add_assign(a.dx, a.dx1); // and the residual's
+    let mut dx_half = a.dx_half;
+    half_io::store(&mut dx_half, a.dx);
     Ok([dw1, db1, dw2, db2])
 }
 
@@ -417,26 +501,29 @@ struct LayerGrads {
     /// The LayerNorms' (index, gradient): their kernel gives them with dx.
     ln: Vec<(usize, Vec<f32>)>,
     /// The inputs of the four linears: ln1, att, ln2, g.
-    inputs: Option<[Buf; 4]>,
+    inputs: Option<[Kept; 4]>,
 }
 
 impl DeferredGrad for LayerGrads {
     fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
         let (n, c) = self.dims;
-        let [ln1, att, ln2, g] = self.inputs.as_ref().expect("set before deferral");
+        let inputs = self.inputs.as_ref().expect("set before deferral");
+        let [ln1, att, ln2, g] = inputs.each_ref().map(|k| k.src().wide());
         let dev = self.dy.device();
         let mut out = Vec::with_capacity(12);
+        // Each gradient in its parameter's dtype.
         let mut push = |i: usize, v: Vec<f32>| -> Result<()> {
-            let t = Tensor::from_vec(v, self.p[i].shape(), dev)?;
+            let t = half_io::tensor(self.p[i].dtype(), v, self.p[i].shape(), dev)?;
             out.push((self.p[i].clone(), t));
             Ok(())
         };
-        k::cpu::with_f32(&self.dy, |dy| -> Result<()> {
+        with_wide(&[&self.dy], |dy| -> Result<()> {
+            let dy = dy[0];
             let linears: [Lin; 4] = [
-                (MLP_W, g, dy, c, 4 * c),
-                (FC_W, ln2, &self.dh, 4 * c, c),
-                (PROJ_W, att, &self.dx1, c, c),
-                (ATTN_W, ln1, &self.dqkv, 3 * c, c),
+                (MLP_W, &g, dy, c, 4 * c),
+                (FC_W, &ln2, &self.dh, 4 * c, c),
+                (PROJ_W, &att, &self.dx1, c, c),
+                (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
             ];
             // One parallel region for the whole pass: each thread computes
             // its share of every dW's and db's output rows, over all rows of
@@ -485,13 +572,14 @@ impl DeferredGrad for LayerGrads {
     }
 
     fn kept_buffer_bytes(&self) -> usize {
-        let a: usize = self.inputs.iter().flatten().map(|b| b.len()).sum();
-        4 * (a + self.dh.len() + self.dx1.len() + self.dqkv.len())
+        let a: usize = self.inputs.iter().flatten().map(Kept::bytes).sum();
+        a + 4 * (self.dh.len() + self.dx1.len() + self.dqkv.len())
     }
 }
 
-/// The layer on `x` (B, T, C), f32: one graph node whose input gradient is
-/// computed by its backward and whose parameter gradients go to the tape.
+/// The layer on `x` (B, T, C), f32, bf16 or f16: one graph node whose
+/// input gradient is computed by its backward and whose parameter
+/// gradients go to the tape.
 pub(crate) fn layer(x: &Tensor, p: Params, n_head: usize, eps: f32) -> Result<Tensor> {
     x.contiguous()?.apply_op1(FusedLayer {
         p: Some(p),

@@ -26,6 +26,7 @@ pub mod blocks;
 pub mod config;
 pub mod family;
 mod fused;
+mod fused_half;
 pub mod hf;
 pub mod tp;
 pub mod train;

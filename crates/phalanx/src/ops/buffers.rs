@@ -16,6 +16,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
 /// Free buffers kept per thread, in bytes, beyond which freed ones go back
@@ -87,5 +88,56 @@ impl Deref for Buf {
 impl DerefMut for Buf {
     fn deref_mut(&mut self) -> &mut [f32] {
         &mut self.0
+    }
+}
+
+/// A pooled buffer of `len` 16-bit floats (`half::f16` or `half::bf16`):
+/// an f32 [`Buf`] of half the length from the same pool underneath, so
+/// activations kept in half precision take half the bytes and, in steady
+/// steps, no fresh pages either. Stale contents, as [`take`]'s.
+pub struct HalfBuf<T> {
+    buf: Buf,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+/// A buffer of `len` f16 or bf16 values (see [`HalfBuf`]).
+///
+/// ```
+/// let mut h = phalanx::ops::buffers::take_half::<half::bf16>(5);
+/// h.fill(half::bf16::ONE);
+/// assert_eq!(h.len(), 5);
+/// assert_eq!(h.bytes(), 12); // three f32s underneath
+/// ```
+pub fn take_half<T: bytemuck::Pod>(len: usize) -> HalfBuf<T> {
+    assert_eq!(
+        std::mem::size_of::<T>(),
+        2,
+        "take_half: 16-bit elements only"
+    );
+    HalfBuf {
+        buf: take(len.div_ceil(2)),
+        len,
+        _t: PhantomData,
+    }
+}
+
+impl<T> HalfBuf<T> {
+    /// The bytes it holds (the pooled f32 buffer's).
+    pub fn bytes(&self) -> usize {
+        4 * self.buf.len()
+    }
+}
+
+impl<T: bytemuck::Pod> Deref for HalfBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &bytemuck::cast_slice(&self.buf[..])[..self.len]
+    }
+}
+
+impl<T: bytemuck::Pod> DerefMut for HalfBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut bytemuck::cast_slice_mut(&mut self.buf[..])[..self.len]
     }
 }
