@@ -62,24 +62,9 @@ use phalanx::ops::{self as k};
 
 use super::fused_half::{self as half_io, pieces, with_src, with_wide, Dst, Kept, Src};
 
-thread_local! {
-    static OVERRIDE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Whether the fused layer is on: this thread's [`set_fused_layer`], else
-/// `PHALANX_FUSED_LAYER` (default on).
-pub(crate) fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    OVERRIDE.with(|o| o.get()).unwrap_or_else(|| {
-        *ON.get_or_init(|| std::env::var("PHALANX_FUSED_LAYER").map_or(true, |v| v != "0"))
-    })
-}
-
-/// Turns the fused layer on or off for layers built on this thread
-/// (`None`: back to `PHALANX_FUSED_LAYER`); for comparisons and tests.
-pub fn set_fused_layer(on: Option<bool>) {
-    OVERRIDE.with(|o| o.set(on));
-}
+pub use crate::common::direct::set_fused_layer;
+use crate::common::direct::batch_parts;
+pub(crate) use crate::common::direct::enabled;
 
 /// The layer's parameters, in this order: ln_1 w, b; c_attn w (3C, C), b;
 /// attn.c_proj w (C, C), b; ln_2 w, b; c_fc w (4C, C), b; mlp.c_proj w
@@ -357,18 +342,6 @@ impl DirectBackward for Direct {
         })?;
         self.op.p = Some(p);
         Ok(())
-    }
-}
-
-/// How many parts to split a batch of `b` over: one per pool thread when
-/// they divide it evenly (each then runs the whole layer on its share of
-/// the batch), else 1 (the kernels then split their own work).
-fn batch_parts(b: usize) -> usize {
-    let threads = k::cpu::pool_threads();
-    if threads > 1 && b.is_multiple_of(threads) {
-        threads
-    } else {
-        1
     }
 }
 

@@ -153,24 +153,22 @@ impl Layout {
 
     /// Whether blocks are recomputed in backward: with activation
     /// checkpointing, and under ZeRO-3 unless the model's layers keep their
-    /// activations there (the GPT-2 and Llama direct f32 layers, which let
+    /// activations there (the GPT-2 and Llama direct layers, which let
     /// go of their gathered parameters and take them back for the backward).
     pub fn recomputes(&self, m: &ModelShape) -> bool {
         self.activation_checkpointing || (self.zero_stage == 3 && !self.zero3_keeps(m))
     }
 
     /// Whether ZeRO-3 keeps the layers' activations for this model: the
-    /// direct layers (GPT-2's, Llama's and so Qwen2's), which run in f32
-    /// without tensor parallelism.
+    /// direct layers (GPT-2's, Llama's and so Qwen2's), which run without
+    /// tensor parallelism in any precision.
     pub fn zero3_keeps(&self, m: &ModelShape) -> bool {
-        Layout::zero3_keeps_for(m, self.precision, self.tp)
+        Layout::zero3_keeps_for(m, self.tp)
     }
 
     /// [`Layout::zero3_keeps`] before a layout is built.
-    pub fn zero3_keeps_for(m: &ModelShape, precision: Precision, tp: usize) -> bool {
-        matches!(m.family, shape::Family::Gpt2 | shape::Family::Llama)
-            && precision == Precision::Fp32
-            && tp == 1
+    pub fn zero3_keeps_for(m: &ModelShape, tp: usize) -> bool {
+        matches!(m.family, shape::Family::Gpt2 | shape::Family::Llama) && tp == 1
     }
 
     /// Bytes of one element of the compute dtype.

@@ -96,7 +96,7 @@ pub fn enumerate(m: &ModelShape, hw: &Hardware, base: &Layout) -> Vec<Layout> {
             for &stage in stages {
                 for precision in [Precision::Fp32, Precision::Bf16] {
                     for ckpt in [false, true] {
-                        if stage == 3 && !ckpt && !Layout::zero3_keeps_for(m, precision, tp) {
+                        if stage == 3 && !ckpt && !Layout::zero3_keeps_for(m, tp) {
                             continue; // this model's ZeRO-3 recomputes anyway
                         }
                         for offload in [false, true] {
