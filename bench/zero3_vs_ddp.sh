@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-gpt-10m}; steps=${2:-20}; micro=${3:-2}
+case $preset in llama-*) arch=llama ;; *) arch= ;; esac
 out=$(mktemp -d)
 lscpu | grep -E 'Model name|^CPU\(s\)'; git rev-parse --short HEAD
 run() { # name, extra sets...
@@ -15,7 +16,7 @@ run() { # name, extra sets...
   local sets=()
   for s in "$@"; do sets+=(--set "$s"); done
   /usr/bin/time -f '%M' -o "$out/$name.rss" target/release/phalanx train --nproc-per-node 2 \
-    --set model.preset="$preset" --set train.steps="$steps" --set train.micro_batch_size="$micro" \
+    --set model.preset="$preset" ${arch:+--set model.arch=$arch} --set train.steps="$steps" --set train.micro_batch_size="$micro" \
     --set train.eval_interval=0 --set log.plot='""' --set log.report='""' \
     --log-json "$out/$name.jsonl" ${sets[@]+"${sets[@]}"} > /dev/null
   python3 - "$out/$name.jsonl" "$name" "$(cat "$out/$name.rss")" <<'PY'

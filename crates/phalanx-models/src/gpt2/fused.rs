@@ -62,9 +62,9 @@ use phalanx::ops::{self as k};
 
 use super::fused_half::{self as half_io, pieces, with_src, with_wide, Dst, Kept, Src};
 
-pub use crate::common::direct::set_fused_layer;
 use crate::common::direct::batch_parts;
 pub(crate) use crate::common::direct::enabled;
+pub use crate::common::direct::set_fused_layer;
 
 /// The layer's parameters, in this order: ln_1 w, b; c_attn w (3C, C), b;
 /// attn.c_proj w (C, C), b; ln_2 w, b; c_fc w (4C, C), b; mlp.c_proj w
