@@ -40,7 +40,7 @@ use phalanx::engine::DirectBackward;
 use phalanx::ops::buffers::{self, Buf};
 use phalanx::ops::cpu::{add_assign, cpu_f32, storage_in, tensor_in, with_f32_any};
 use phalanx::ops::tape::{self, DeferredGrad};
-use phalanx::ops::{self as k, sgemm, Mat};
+use phalanx::ops::{self as k};
 use phalanx::simd_dispatch;
 
 use super::config::LlamaConfig;
@@ -142,21 +142,6 @@ fn rope_rows(x: &mut [f32], dm: Dims, heads: usize, (cos, sin): (&[f32], &[f32])
     }
 }
 
-/// `dx (rows, k) += dy (rows, n) w (n, k)`.
-fn backward_input_acc(dy: &[f32], w: &[f32], (rows, k, n): (usize, usize, usize), dx: &mut [f32]) {
-    let g = Mat {
-        data: dy,
-        rs: n,
-        cs: 1,
-    };
-    let w = Mat {
-        data: w,
-        rs: k,
-        cs: 1,
-    };
-    sgemm(rows, k, n, dx, true, g, w);
-}
-
 /// The forward on one share of the batch: `a` the activations' rows
 /// (every element written), `y` the output's.
 fn forward_part(
@@ -244,7 +229,7 @@ fn backward_part(
     // g, u = h2 Wg^T, h2 Wu^T;  h2 = rms(x1)
     let mut dh = buffers::take(n * c);
     k::linear_backward_input(dg, p[WG], (n, c, m), &mut dh);
-    backward_input_acc(du, p[WU], (n, c, m), &mut dh);
+    k::linear_backward_input_acc(du, p[WU], (n, c, m), &mut dh);
     for ((x, d), o) in x1
         .chunks_exact(c)
         .zip(dh.chunks_exact(c))
@@ -278,8 +263,8 @@ fn backward_part(
     rope_rows(dk, dm, dm.nkv, tables, -1.0);
     // q, k, v = h1 W^T;  h1 = rms(x)
     k::linear_backward_input(dq, p[WQ], (n, c, q), &mut dh);
-    backward_input_acc(dk, p[WK], (n, c, kv), &mut dh);
-    backward_input_acc(dv, p[WV], (n, c, kv), &mut dh);
+    k::linear_backward_input_acc(dk, p[WK], (n, c, kv), &mut dh);
+    k::linear_backward_input_acc(dv, p[WV], (n, c, kv), &mut dh);
     for ((x, d), o) in x
         .chunks_exact(c)
         .zip(dh.chunks_exact(c))

@@ -312,6 +312,27 @@ pub fn linear_backward_input(
     (rows, k, n): (usize, usize, usize),
     dx: &mut [f32],
 ) {
+    backward_input_into(dy, w, (rows, k, n), dx, false)
+}
+
+/// [`linear_backward_input`] added into `dx` (`dx += dy w`): the input
+/// gradient of a tensor that feeds several linears.
+pub fn linear_backward_input_acc(
+    dy: &[f32],
+    w: &[f32],
+    (rows, k, n): (usize, usize, usize),
+    dx: &mut [f32],
+) {
+    backward_input_into(dy, w, (rows, k, n), dx, true)
+}
+
+fn backward_input_into(
+    dy: &[f32],
+    w: &[f32],
+    (rows, k, n): (usize, usize, usize),
+    dx: &mut [f32],
+    accumulate: bool,
+) {
     assert_eq!(dx.len(), rows * k);
     let g = Mat {
         data: dy,
@@ -323,7 +344,7 @@ pub fn linear_backward_input(
         rs: k,
         cs: 1,
     };
-    sgemm(rows, k, n, dx, false, g, w);
+    sgemm(rows, k, n, dx, accumulate, g, w);
 }
 
 /// Over slices: dw (n, k) = dy^T (n, rows) . x (rows, k); every element
