@@ -1,8 +1,9 @@
 //! GFLOP/s of the matrix products of a GPT-2 layer's training step, on one
 //! thread: `phalanx::ops::sgemm` (the gemm crate, as the engine calls it),
-//! and the weight-gradient product in its transposed form.
+//! the weight-gradient product in its transposed form, and the bf16 gemm
+//! (`ops::gemm_bf16`, bf16 products on AVX512-BF16) where the CPU has it.
 //! Usage: gemm_shapes ROWS C   (e.g. 2048 384 for gpt-10m at B 8, T 256)
-use phalanx::ops::{sgemm, Mat};
+use phalanx::ops::{gemm_bf16, sgemm, Mat};
 use std::time::Instant;
 
 fn best_of(mut f: impl FnMut()) -> f64 {
@@ -46,6 +47,10 @@ fn main() {
         let t = best_of(|| sgemm(m, n, k, &mut d, false, a, b));
         let flops = 2.0 * (m * n * k) as f64;
         print!("{name:20} {m}x{n}x{k}: {:6.1} GFLOP/s", flops / t / 1e9);
+        if gemm_bf16::available() {
+            let t3 = best_of(|| gemm_bf16::gemm(m, n, k, &mut d, n, false, a, b));
+            print!("   bf16: {:6.1} GFLOP/s ({:.2}x)", flops / t3 / 1e9, t / t3);
+        }
         if ars == 1 {
             // The same product as d^T = b^T a^T, d written column-major.
             let t2 = best_of(|| unsafe {

@@ -9,7 +9,8 @@
 //!   pass instead of one per kernel);
 //! - [`split_parts`] / [`split_parts_mut`]: a set of row-major buffers cut
 //!   into those shares;
-//! - [`with_f32_params`]: the parameters as f32 slices.
+//! - [`with_f32_params`]: the parameters as f32 slices;
+//! - [`bf16_weights`]: whether the layer's products run in bf16.
 //!
 //! ```
 //! use phalanx_models::common::direct::split_parts;
@@ -100,6 +101,15 @@ pub fn run_parts<T: Send, R: Send>(work: Vec<T>, f: impl Fn(usize, T) -> R + Syn
         .into_iter()
         .map(|s| s.into_inner().unwrap().1.expect("every part ran"))
         .collect()
+}
+
+/// Whether a layer with these parameters takes its matrix products in
+/// bf16 (`ops::cpu::with_bf16_products`): when its weights are bf16, as
+/// `autocast(bfloat16)` multiplies bf16 operands. On a CPU without
+/// AVX512-BF16 the products stay f32.
+pub fn bf16_weights(p: &[Tensor]) -> bool {
+    p.first()
+        .is_some_and(|t| t.dtype() == candle_core::DType::BF16)
 }
 
 /// Runs `f` on the parameters as f32 slices: contiguous CPU tensors, f32

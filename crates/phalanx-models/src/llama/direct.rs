@@ -45,7 +45,7 @@ use phalanx::simd_dispatch;
 
 use super::config::LlamaConfig;
 use super::ops::{rms_row_bwd, rms_row_fwd, sigmoid};
-use crate::common::direct::{batch_parts, run_parts, split_parts, split_parts_mut};
+use crate::common::direct::{batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut};
 
 const WHAT: &str = "direct Llama layer";
 
@@ -321,16 +321,19 @@ impl DirectLayer {
         let parts = batch_parts(b);
         let tables = rope_tables(&self.cfg.inv_freq(), t);
         let tables = (&tables.0[..], &tables.1[..]);
-        let norms = with_f32_any(x_t, |x| {
-            with_f32_any(&dy_t, |dy| {
-                crate::common::direct::with_f32_params(self.params()?, WHAT, |p| {
-                    let acts = split_parts(a.each_ref().map(|b| &b[..]), parts);
-                    let ins = split_parts([x, dy], parts);
-                    let outs = split_parts_mut(g.each_mut().map(|b| &mut b[..]), parts);
-                    let dxs = split_parts_mut([&mut dx[..]], parts);
-                    let work: Vec<_> = ins.into_iter().zip(acts).zip(outs).zip(dxs).collect();
-                    run_parts(work, |_, ((([x, dy], a), w), [dx])| {
-                        backward_part((x, dy, a), w, dx, p, dm.part(parts), self.eps(), tables)
+        let bf16 = bf16_weights(self.params()?);
+        let norms = k::cpu::with_bf16_products(bf16, || {
+            with_f32_any(x_t, |x| {
+                with_f32_any(&dy_t, |dy| {
+                    crate::common::direct::with_f32_params(self.params()?, WHAT, |p| {
+                        let acts = split_parts(a.each_ref().map(|b| &b[..]), parts);
+                        let ins = split_parts([x, dy], parts);
+                        let outs = split_parts_mut(g.each_mut().map(|b| &mut b[..]), parts);
+                        let dxs = split_parts_mut([&mut dx[..]], parts);
+                        let work: Vec<_> = ins.into_iter().zip(acts).zip(outs).zip(dxs).collect();
+                        run_parts(work, |_, ((([x, dy], a), w), [dx])| {
+                            backward_part((x, dy, a), w, dx, p, dm.part(parts), self.eps(), tables)
+                        })
                     })
                 })
             })
@@ -381,14 +384,17 @@ impl CustomOp1 for DirectLayer {
         let parts = batch_parts(b);
         let tables = rope_tables(&self.cfg.inv_freq(), t);
         let tables = (&tables.0[..], &tables.1[..]);
-        crate::common::direct::with_f32_params(self.params()?, WHAT, |p| {
-            let acts = split_parts_mut(a.each_mut().map(|b| &mut b[..]), parts);
-            let xs = split_parts([&x[..]], parts);
-            let ys = split_parts_mut([&mut y[..]], parts);
-            let work: Vec<_> = xs.into_iter().zip(acts).zip(ys).collect();
-            run_parts(work, |_, (([x], a), [y])| {
-                forward_part(x, a, y, p, dm.part(parts), self.eps(), tables)
-            });
+        let bf16 = bf16_weights(self.params()?);
+        k::cpu::with_bf16_products(bf16, || {
+            crate::common::direct::with_f32_params(self.params()?, WHAT, |p| {
+                let acts = split_parts_mut(a.each_mut().map(|b| &mut b[..]), parts);
+                let xs = split_parts([&x[..]], parts);
+                let ys = split_parts_mut([&mut y[..]], parts);
+                let work: Vec<_> = xs.into_iter().zip(acts).zip(ys).collect();
+                run_parts(work, |_, (([x], a), [y])| {
+                    forward_part(x, a, y, p, dm.part(parts), self.eps(), tables)
+                });
+            })
         })?;
         *self.acts.lock().unwrap() = Some(Acts { bufs: a });
         Ok((storage_in(st.dtype(), y)?, l.shape().clone()))
@@ -432,58 +438,61 @@ impl DeferredGrad for LayerGrads {
             ));
             Ok(())
         };
-        with_f32_any(&self.dy, |dy| -> Result<()> {
-            let linears: [Lin; 7] = [
-                (WD, None, s, dy, c, m),
-                (WG, None, h2, &o[DG], m, c),
-                (WU, None, h2, &o[DU], m, c),
-                (WO, None, att, &o[DX1], c, q),
-                (WQ, bias(0), h1, &o[DQ], q, c),
-                (WK, bias(1), h1, &o[DK], kv, c),
-                (WV, bias(2), h1, &o[DV], kv, c),
-            ];
-            // One parallel region: each thread computes its share of every
-            // dW's (and db's) output rows, over all rows of the batch.
-            let parts = k::cpu::pool_threads().min(kv).max(1);
-            let mut grads: Vec<(Vec<f32>, Vec<f32>)> = linears
-                .iter()
-                .map(|l| {
-                    (
-                        vec![0f32; l.4 * l.5],
-                        vec![0f32; if l.1.is_some() { l.4 } else { 0 }],
-                    )
-                })
-                .collect();
-            let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> =
-                (0..parts).map(|_| Vec::new()).collect();
-            for ((dw, db), l) in grads.iter_mut().zip(&linears) {
-                let (rows, inp) = (l.4, l.5);
-                let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
-                for (p, share) in shares.iter_mut().enumerate() {
-                    let r = rows * (p + 1) / parts - rows * p / parts;
-                    let (w0, w1) = std::mem::take(&mut dw).split_at_mut(r * inp);
-                    let nb = if db.is_empty() { 0 } else { r };
-                    let (b0, b1) = std::mem::take(&mut db).split_at_mut(nb);
-                    share.push((w0, b0));
-                    (dw, db) = (w1, b1);
-                }
-            }
-            run_parts(shares, |p, share| {
-                for (&(_, bi, x, d, rows, inp), (dw, db)) in linears.iter().zip(share) {
-                    let o0 = rows * p / parts;
-                    k::linear_backward_weight_rows(x, d, (n, inp, rows), o0, dw);
-                    if bi.is_some() {
-                        k::linear_backward_bias_cols(d, rows, o0, db);
+        let bf16 = bf16_weights(&self.p);
+        k::cpu::with_bf16_products(bf16, || {
+            with_f32_any(&self.dy, |dy| -> Result<()> {
+                let linears: [Lin; 7] = [
+                    (WD, None, s, dy, c, m),
+                    (WG, None, h2, &o[DG], m, c),
+                    (WU, None, h2, &o[DU], m, c),
+                    (WO, None, att, &o[DX1], c, q),
+                    (WQ, bias(0), h1, &o[DQ], q, c),
+                    (WK, bias(1), h1, &o[DK], kv, c),
+                    (WV, bias(2), h1, &o[DV], kv, c),
+                ];
+                // One parallel region: each thread computes its share of every
+                // dW's (and db's) output rows, over all rows of the batch.
+                let parts = k::cpu::pool_threads().min(kv).max(1);
+                let mut grads: Vec<(Vec<f32>, Vec<f32>)> = linears
+                    .iter()
+                    .map(|l| {
+                        (
+                            vec![0f32; l.4 * l.5],
+                            vec![0f32; if l.1.is_some() { l.4 } else { 0 }],
+                        )
+                    })
+                    .collect();
+                let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> =
+                    (0..parts).map(|_| Vec::new()).collect();
+                for ((dw, db), l) in grads.iter_mut().zip(&linears) {
+                    let (rows, inp) = (l.4, l.5);
+                    let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
+                    for (p, share) in shares.iter_mut().enumerate() {
+                        let r = rows * (p + 1) / parts - rows * p / parts;
+                        let (w0, w1) = std::mem::take(&mut dw).split_at_mut(r * inp);
+                        let nb = if db.is_empty() { 0 } else { r };
+                        let (b0, b1) = std::mem::take(&mut db).split_at_mut(nb);
+                        share.push((w0, b0));
+                        (dw, db) = (w1, b1);
                     }
                 }
-            });
-            for ((dw, db), (wi, bi, ..)) in grads.into_iter().zip(linears) {
-                push(wi, dw)?;
-                if let Some(bi) = bi {
-                    push(bi, db)?;
+                run_parts(shares, |p, share| {
+                    for (&(_, bi, x, d, rows, inp), (dw, db)) in linears.iter().zip(share) {
+                        let o0 = rows * p / parts;
+                        k::linear_backward_weight_rows(x, d, (n, inp, rows), o0, dw);
+                        if bi.is_some() {
+                            k::linear_backward_bias_cols(d, rows, o0, db);
+                        }
+                    }
+                });
+                for ((dw, db), (wi, bi, ..)) in grads.into_iter().zip(linears) {
+                    push(wi, dw)?;
+                    if let Some(bi) = bi {
+                        push(bi, db)?;
+                    }
                 }
-            }
-            Ok(())
+                Ok(())
+            })
         })??;
         for (i, g) in &self.norms {
             push(*i, g.clone())?;

@@ -285,7 +285,9 @@ pub fn attention_forward(
 ) {
     let d = dims_checked(b, t, c, nh);
     assert!(qkv.len() == b * t * 3 * c && y.len() == b * t * c && probs.len() == b * nh * t * t);
-    forward_into(qkv, d, y, probs)
+    // Attention's products stay f32 in a bf16 layer: they are a few percent
+    // of its products, and rounding the probabilities costs the most.
+    super::cpu::with_bf16_products(false, || forward_into(qkv, d, y, probs))
 }
 
 /// The backward of [`attention_forward`]: dqkv (B, T, 3C), every element
@@ -299,7 +301,7 @@ pub fn attention_backward(
 ) {
     let d = dims_checked(b, t, c, nh);
     assert!(dy.len() == b * t * c && probs.len() == b * nh * t * t && dqkv.len() == qkv.len());
-    backward_into(qkv, dy, Probs::F32(probs), d, dqkv)
+    super::cpu::with_bf16_products(false, || backward_into(qkv, dy, Probs::F32(probs), d, dqkv))
 }
 
 fn backward(qkv: &[f32], dy: &[f32], saved: Option<&CpuStorage>, d: Dims) -> Result<Vec<f32>> {

@@ -461,6 +461,38 @@ const PAR_MIN: usize = 1 << 15;
 thread_local! {
     /// Set while this thread runs one part of [`par_parts`].
     static IN_PART: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set while this thread's matrix products run in bf16 ([`with_bf16_products`]).
+    static BF16_PRODUCTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread's matrix products (`sgemm`, the attention kernels)
+/// take bf16 operands on the CPU's bf16 instructions: inside
+/// [`with_bf16_products`], and carried into the pool work it starts.
+pub fn bf16_products() -> bool {
+    BF16_PRODUCTS.with(|b| b.get())
+}
+
+/// Runs `f` with this thread's matrix products in bf16 (f32 sums) when
+/// `on` and the CPU has AVX512-BF16 ([`super::gemm_bf16::available`]),
+/// else in f32: what a bf16 layer's products round their operands to, as
+/// `autocast(bfloat16)` does. The pool work `f` starts ([`par_parts`],
+/// the kernels' chunks) runs under the same setting.
+pub fn with_bf16_products<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    let _restore = Bf16Scope::set(on && super::gemm_bf16::available());
+    f()
+}
+
+/// Sets [`BF16_PRODUCTS`] for a scope; restored on drop (unwind too).
+struct Bf16Scope(bool);
+impl Bf16Scope {
+    fn set(on: bool) -> Self {
+        Bf16Scope(BF16_PRODUCTS.with(|b| b.replace(on)))
+    }
+}
+impl Drop for Bf16Scope {
+    fn drop(&mut self) {
+        BF16_PRODUCTS.with(|b| b.set(self.0));
+    }
 }
 
 /// Threads a kernel may split over: candle's pool workers plus the calling
@@ -479,7 +511,11 @@ pub(crate) fn pool_chunked(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
     if IN_PART.with(|p| p.get()) {
         f(0..n_items)
     } else {
-        candle_core::utils::barrier_pool().execute_chunked(n_items, f)
+        let bf16 = bf16_products();
+        candle_core::utils::barrier_pool().execute_chunked(n_items, |r| {
+            let _scope = Bf16Scope::set(bf16);
+            f(r)
+        })
     }
 }
 
@@ -519,7 +555,11 @@ pub fn par_parts(parts: usize, f: impl Fn(usize) + Sync) {
     } else if parts == 0 || IN_PART.with(|p| p.get()) {
         (0..parts).for_each(run);
     } else {
-        candle_core::utils::barrier_pool().execute_chunked(parts, |r| r.for_each(run));
+        let bf16 = bf16_products();
+        candle_core::utils::barrier_pool().execute_chunked(parts, |r| {
+            let _scope = Bf16Scope::set(bf16);
+            r.for_each(run)
+        });
     }
 }
 

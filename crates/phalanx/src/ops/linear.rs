@@ -13,6 +13,9 @@
 //! widened weight costs O(out * in), small next to the O(N * out * in)
 //! product), the gemm accumulates in f32, and y is narrowed to x's dtype;
 //! dx, dw and db come back in the dtypes of x, w and b. f32 copies nothing.
+//! Where both operands of a product are bf16 and the CPU has AVX512-BF16,
+//! the product runs on its bf16 instructions (`gemm_bf16`: the same exact
+//! products, f32 sums, about 1.7-2x the f32 gemm's speed).
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -28,7 +31,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::cpu::{
-    cpu_f32, is_float, pool_chunked, pool_threads, storage_in, tensor_in, with_f32_any,
+    cpu_f32, is_float, pool_chunked, pool_threads, storage_in, tensor_in, with_bf16_products,
+    with_f32_any,
 };
 use super::tape;
 
@@ -143,6 +147,11 @@ pub(super) fn gemm_block(
     b: Mat,
 ) {
     assert!(a.data.len() >= span(m, k, a.rs, a.cs) && b.data.len() >= span(k, n, b.rs, b.cs));
+    if super::cpu::bf16_products() {
+        // SAFETY: the callers guarantee dst is valid for the (m, n, dst_rs) span.
+        let d = unsafe { std::slice::from_raw_parts_mut(dst, span(m, n, dst_rs, 1)) };
+        return super::gemm_bf16::gemm(m, n, k, d, dst_rs, accumulate, a, b);
+    }
     // SAFETY: lhs/rhs spans checked here, dst by the callers.
     unsafe {
         gemm::gemm(
@@ -167,6 +176,13 @@ pub(super) fn gemm_block(
             gemm::Parallelism::None,
         )
     }
+}
+
+/// Whether a product's two operands are both bf16 values: its products
+/// then run on the CPU's bf16 instructions where it has them (exact
+/// products, f32 sums; only the order of the sums changes).
+fn both_bf16(a: candle_core::DType, b: candle_core::DType) -> bool {
+    a == candle_core::DType::BF16 && b == candle_core::DType::BF16
 }
 
 /// (rows, in, out) of a linear on x with weight w (out, in).
@@ -269,10 +285,11 @@ pub(crate) fn defer_constant_weights(x: &Tensor, w: &Tensor, b: Option<&Tensor>,
 fn input_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let (k, n) = (w.dim(1)?, w.dim(0)?);
     let rows = x.elem_count() / k;
+    let bf16 = both_bf16(w.dtype(), dy.dtype());
     let dx = with_f32_any(w, |w| {
         with_f32_any(dy, |dy| {
             let mut dx = vec![0f32; rows * k];
-            linear_backward_input(dy, w, (rows, k, n), &mut dx);
+            with_bf16_products(bf16, || linear_backward_input(dy, w, (rows, k, n), &mut dx));
             dx
         })
     })??;
@@ -283,10 +300,13 @@ fn input_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
 fn weight_grad(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let (k, n) = (w.dim(1)?, w.dim(0)?);
     let rows = x.elem_count() / k;
+    let bf16 = both_bf16(x.dtype(), dy.dtype());
     let dw = with_f32_any(x, |x| {
         with_f32_any(dy, |dy| {
             let mut dw = vec![0f32; n * k];
-            linear_backward_weight(x, dy, (rows, k, n), &mut dw);
+            with_bf16_products(bf16, || {
+                linear_backward_weight(x, dy, (rows, k, n), &mut dw)
+            });
             dw
         })
     })??;
@@ -438,12 +458,10 @@ impl CustomOp3 for LinearBias {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
-        let y = forward(
-            &cpu_f32(s1, l1)?,
-            &cpu_f32(s2, l2)?,
-            Some(&cpu_f32(s3, l3)?),
-            d,
-        );
+        let (x, w, b) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?, cpu_f32(s3, l3)?);
+        let y = with_bf16_products(both_bf16(s1.dtype(), s2.dtype()), || {
+            forward(&x, &w, Some(&b), d)
+        });
         Ok((storage_in(s1.dtype(), y)?, out_shape(l1, d.2)))
     }
 
@@ -472,7 +490,10 @@ impl CustomOp2 for LinearNoBias {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = dims(l1, l2)?;
-        let y = forward(&cpu_f32(s1, l1)?, &cpu_f32(s2, l2)?, None, d);
+        let (x, w) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?);
+        let y = with_bf16_products(both_bf16(s1.dtype(), s2.dtype()), || {
+            forward(&x, &w, None, d)
+        });
         Ok((storage_in(s1.dtype(), y)?, out_shape(l1, d.2)))
     }
 

@@ -27,6 +27,7 @@ pub mod buffers;
 pub mod cpu;
 mod cross_entropy;
 mod gelu;
+pub mod gemm_bf16;
 mod layer_norm;
 pub(crate) mod linear;
 mod softmax;
