@@ -35,7 +35,7 @@ fn products(blocks: Vec<Box<dyn Block>>, vocab: usize, dtype: DType) -> u64 {
 }
 
 /// Builds a model's blocks.
-type Build = Box<dyn Fn() -> Vec<Box<dyn Block>>>;
+type Build<'a> = Box<dyn Fn() -> Vec<Box<dyn Block>> + 'a>;
 
 #[test]
 fn bf16_steps_take_every_linear_on_bf16_instructions_and_others_none() {
@@ -46,7 +46,7 @@ fn bf16_steps_take_every_linear_on_bf16_instructions_and_others_none() {
     let g = gpt2::Gpt2Config::new(2, 2, 32, 40, 16);
     let mut l = llama::LlamaConfig::new(2, 4, 2, 32, 48, 40, 16);
     l.qkv_bias = true;
-    let runs: [(&str, Build, u64); 2] = [
+    let runs: [(&str, Build<'_>, u64); 2] = [
         ("gpt2", Box::new(|| gpt2::blocks(&g).unwrap()), 4),
         ("llama", Box::new(|| llama::blocks(&l).unwrap()), 7),
     ];
