@@ -13,9 +13,10 @@
 //!   as u32 words, each word two bf16 of consecutive k (odd k padded with 0);
 //! - B is packed per block of [`KC`] k and [`NC`] columns into panels of
 //!   [`NR`] = 32 columns (two registers per pair of k);
-//! - A is packed per [`MR`] rows; the micro-kernel keeps an MR x 32 tile of
-//!   C in 24 registers, and per pair of k loads two B registers and
-//!   broadcasts one A word per row.
+//! - A is packed per [`MR`] rows (each row's words in a run when A has k
+//!   contiguous, so packing is a plain conversion); the micro-kernel keeps
+//!   an MR x 32 tile of C in 24 registers, and per pair of k loads two B
+//!   registers and broadcasts one A word per row.
 //!
 //! Packing reads either layout of each operand (k contiguous, or the other
 //! dimension contiguous), so `x . w^T`, `dy . w` and `dy^T . x` all pack
@@ -175,24 +176,28 @@ mod x86 {
                 }
                 ap.resize(kp * MR, 0);
                 let first = pc == 0 && !accumulate;
+                // A with k contiguous (x . w^T, dy . w) packs row by row
+                // (each row's words in a run); otherwise pair by pair.
+                let by_rows = a.cs == 1 && a.rs != 1;
                 for ic in (0..m).step_by(MR) {
                     let rows = MR.min(m - ic);
                     // A (r, kk) = data[r * rs + kk * cs]: lanes are rows.
-                    pack(a.data, ic * a.rs + pc * a.cs, a.rs, a.cs, rows, MR, kc, ap);
+                    let base = ic * a.rs + pc * a.cs;
+                    if by_rows {
+                        pack_runs(a.data, base, a.rs, rows, MR, kc, ap);
+                    } else {
+                        pack(a.data, base, a.rs, a.cs, rows, MR, kc, ap);
+                    }
                     for (j, panel) in bp.chunks_exact(kp * NR).enumerate() {
                         let c0 = jc + j * NR;
                         let cols = NR.min(jc + nc - c0);
                         let c = dst.as_mut_ptr().add(ic * dst_rs + c0);
-                        tile(
-                            kp,
-                            ap.as_ptr(),
-                            panel.as_ptr(),
-                            c,
-                            dst_rs,
-                            rows,
-                            cols,
-                            first,
-                        );
+                        let t = (rows, cols, first);
+                        if by_rows {
+                            tile::<true>(kp, ap.as_ptr(), panel.as_ptr(), c, dst_rs, t);
+                        } else {
+                            tile::<false>(kp, ap.as_ptr(), panel.as_ptr(), c, dst_rs, t);
+                        }
                     }
                 }
             }
@@ -291,6 +296,49 @@ mod x86 {
         }
     }
 
+    /// `out[l * kp + p]` = the bf16 pair (x(l, 2p), x(l, 2p + 1)) where
+    /// x(l, kk) = src[base + l * ls + kk] (k contiguous): each lane's words
+    /// in one run, converted 32 values at a time; lanes up to `width` and
+    /// an odd k's last half are 0.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn pack_runs(
+        src: &[f32],
+        base: usize,
+        ls: usize,
+        lanes: usize,
+        width: usize,
+        kc: usize,
+        out: &mut [u32],
+    ) {
+        let kp = kc.div_ceil(2);
+        let out = &mut out[..kp * width];
+        for (l, o) in out.chunks_exact_mut(kp).enumerate() {
+            if l >= lanes {
+                o.fill(0);
+                continue;
+            }
+            let run = src.as_ptr().add(base + l * ls);
+            let mut kk = 0;
+            while kk + 32 <= kc {
+                let lo = _mm512_loadu_ps(run.add(kk));
+                let hi = _mm512_loadu_ps(run.add(kk + 16));
+                let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(o.as_mut_ptr().add(kk / 2) as *mut _, h);
+                kk += 32;
+            }
+            for p in kk / 2..kp {
+                let lo = bf16_bits(*run.add(2 * p));
+                let hi = if 2 * p + 1 < kc {
+                    bf16_bits(*run.add(2 * p + 1))
+                } else {
+                    0
+                };
+                o[p] = lo | (hi << 16);
+            }
+        }
+    }
+
     /// f32 to bf16 bits, rounded to nearest-even (as `vcvtne2ps2bf16`).
     fn bf16_bits(x: f32) -> u32 {
         half::bf16::from_f32(x).to_bits() as u32
@@ -308,27 +356,27 @@ mod x86 {
     }
 
     /// One MR x NR tile of C over kp pairs: `c = [c +] a . b` for the first
-    /// `rows` rows and `cols` columns (row stride `rs`).
-    #[allow(clippy::too_many_arguments)]
+    /// `rows` rows and `cols` columns (row stride `rs`); `(rows, cols,
+    /// first)` in `t`, `first` overwriting C. A's word (r, p) is at
+    /// `a[r * kp + p]` when `BY_ROWS` ([`pack_runs`]), else `a[p * MR + r]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn tile(
+    unsafe fn tile<const BY_ROWS: bool>(
         kp: usize,
         a: *const u32,
         b: *const u32,
         c: *mut f32,
         rs: usize,
-        rows: usize,
-        cols: usize,
-        first: bool,
+        (rows, cols, first): (usize, usize, bool),
     ) {
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        let (lane, step) = if BY_ROWS { (kp, 1) } else { (1, MR) };
         for p in 0..kp {
             let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR) as *const _));
             let b1: __m512bh =
                 std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16) as *const _));
-            let ar = a.add(p * MR);
+            let ar = a.add(p * step);
             for (r, acc) in acc.iter_mut().enumerate() {
-                let w: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ar.add(r) as i32));
+                let w: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ar.add(r * lane) as i32));
                 acc[0] = _mm512_dpbf16_ps(acc[0], w, b0);
                 acc[1] = _mm512_dpbf16_ps(acc[1], w, b1);
             }
