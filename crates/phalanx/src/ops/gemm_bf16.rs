@@ -327,14 +327,14 @@ mod x86 {
                 _mm512_storeu_si512(o.as_mut_ptr().add(kk / 2) as *mut _, h);
                 kk += 32;
             }
-            for p in kk / 2..kp {
+            for (p, o) in o.iter_mut().enumerate().skip(kk / 2) {
                 let lo = bf16_bits(*run.add(2 * p));
                 let hi = if 2 * p + 1 < kc {
                     bf16_bits(*run.add(2 * p + 1))
                 } else {
                     0
                 };
-                o[p] = lo | (hi << 16);
+                *o = lo | (hi << 16);
             }
         }
     }
