@@ -246,6 +246,43 @@ mod x86 {
                     _mm512_mask_storeu_epi32(o.add(l0) as *mut _, m, w);
                 }
             }
+        } else if ks == 1 && width.is_multiple_of(16) {
+            // k contiguous (B of x . w^T): 16 lanes x 16 pairs at a time,
+            // converted in registers and transposed there.
+            for l0 in (0..width).step_by(16) {
+                let mut p0 = 0;
+                while p0 + 16 <= kc / 2 {
+                    let mut r = [_mm512_setzero_si512(); 16];
+                    for (i, r) in r.iter_mut().enumerate() {
+                        if l0 + i < lanes {
+                            let run = s.add((l0 + i) * ls + 2 * p0);
+                            let (lo, hi) = (_mm512_loadu_ps(run), _mm512_loadu_ps(run.add(16)));
+                            *r = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                        }
+                    }
+                    for (j, t) in transpose16(r).iter().enumerate() {
+                        let o = out.as_mut_ptr().add((p0 + j) * width + l0);
+                        _mm512_storeu_si512(o as *mut _, *t);
+                    }
+                    p0 += 16;
+                }
+                for p in p0..kp {
+                    for l in l0..l0 + 16 {
+                        let w = if l < lanes {
+                            let x = s.add(l * ls + 2 * p);
+                            let hi = if 2 * p + 1 < kc {
+                                bf16_bits(*x.add(1))
+                            } else {
+                                0
+                            };
+                            bf16_bits(*x) | (hi << 16)
+                        } else {
+                            0
+                        };
+                        *out.get_unchecked_mut(p * width + l) = w;
+                    }
+                }
+            }
         } else if ks == 1 {
             // k contiguous: convert each lane's run, then scatter its words.
             for l in 0..width {
@@ -337,6 +374,37 @@ mod x86 {
                 *o = lo | (hi << 16);
             }
         }
+    }
+
+    /// The 16 x 16 transpose of 32-bit words: `out[j]` word `i` = `r[i]`
+    /// word `j` (interleave words, then pairs, then 128-bit lanes twice).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        let mut a = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        // b[4g + c], 128-bit lane L: word 4L + c of rows 4g .. 4g + 4.
+        let mut b = [_mm512_setzero_si512(); 16];
+        for g in 0..4 {
+            b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+            b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+            b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+            b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for c in 0..4 {
+            let even01 = _mm512_shuffle_i32x4::<0x88>(b[c], b[4 + c]);
+            let odd01 = _mm512_shuffle_i32x4::<0xDD>(b[c], b[4 + c]);
+            let even23 = _mm512_shuffle_i32x4::<0x88>(b[8 + c], b[12 + c]);
+            let odd23 = _mm512_shuffle_i32x4::<0xDD>(b[8 + c], b[12 + c]);
+            out[c] = _mm512_shuffle_i32x4::<0x88>(even01, even23);
+            out[8 + c] = _mm512_shuffle_i32x4::<0xDD>(even01, even23);
+            out[4 + c] = _mm512_shuffle_i32x4::<0x88>(odd01, odd23);
+            out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(odd01, odd23);
+        }
+        out
     }
 
     /// f32 to bf16 bits, rounded to nearest-even (as `vcvtne2ps2bf16`).
