@@ -257,7 +257,9 @@ mod x86 {
                         if l0 + i < lanes {
                             let run = s.add((l0 + i) * ls + 2 * p0);
                             let (lo, hi) = (_mm512_loadu_ps(run), _mm512_loadu_ps(run.add(16)));
-                            *r = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                            *r = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(
+                                hi, lo,
+                            ));
                         }
                     }
                     for (j, t) in transpose16(r).iter().enumerate() {
