@@ -36,6 +36,58 @@ impl ProcessGroup {
         })
     }
 
+    /// [`ProcessGroup::reduce_scatter_async`] into `out`, a buffer the
+    /// caller supplies (its values are overwritten; it is resized only when
+    /// its length is not this rank's count), so that a caller that reuses
+    /// its buffers allocates nothing per call. `release` gets `input` back
+    /// on the communication thread as soon as the collective is done with
+    /// it (also when it failed), before `wait` returns: a caller that waits
+    /// late need not hold every input meanwhile. It runs ahead of the
+    /// group's next queued operation, so it should be quick (e.g. return
+    /// the buffer to a pool).
+    pub fn reduce_scatter_into_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        counts: Vec<usize>,
+        op: ReduceOp,
+        mut out: Vec<T>,
+        release: impl FnOnce(Vec<T>) + Send + 'static,
+    ) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            let n = counts.get(g.rank()).copied().unwrap_or(0);
+            if out.len() != n {
+                out.resize(n, T::zeroed());
+            }
+            let r = g.reduce_scatter_now(&input, &counts, &mut out, op);
+            release(input);
+            r.map(|_| out)
+        })
+    }
+
+    /// [`ProcessGroup::all_gather_async`] into `out`, a buffer the caller
+    /// supplies (resized only when its length is not the total), handing
+    /// `input` to `release` as soon as the gather is done with it: as
+    /// [`ProcessGroup::reduce_scatter_into_async`].
+    pub fn all_gather_into_async<T: Element>(
+        &self,
+        input: Vec<T>,
+        counts: Vec<usize>,
+        mut out: Vec<T>,
+        release: impl FnOnce(Vec<T>) + Send + 'static,
+    ) -> Work<Vec<T>> {
+        let g = self.clone();
+        self.inner.queue.submit(self.inner.cfg.timeout, move || {
+            let n = counts.iter().sum();
+            if out.len() != n {
+                out.resize(n, T::zeroed());
+            }
+            let r = g.all_gather_now(&input, &counts, &mut out);
+            release(input);
+            r.map(|_| out)
+        })
+    }
+
     /// [`ProcessGroup::all_to_all_v`] on the communication thread.
     pub fn all_to_all_v_async<T: Element>(
         &self,

@@ -241,6 +241,31 @@ pub fn send_recv_tags_and_async(pg: &ProcessGroup) {
         .wait()
         .unwrap();
     assert_eq!(rs, vec![3.0; if r == 2 { 1 } else { 2 }]);
+    // The `_into` variants fill the caller's buffer (resized when its
+    // length is not the result's) and give the input back early.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = tx.clone();
+    let out = vec![-1i32; 6];
+    let g = pg
+        .all_gather_into_async(vec![r as i32; 2], vec![2, 2, 2], out, move |v| {
+            t.send(v.len()).unwrap()
+        })
+        .wait()
+        .unwrap();
+    assert_eq!(g, vec![0, 0, 1, 1, 2, 2]);
+    let out = Vec::with_capacity(2);
+    let rs = pg
+        .reduce_scatter_into_async(
+            vec![1.0f32; 5],
+            vec![2, 2, 1],
+            ReduceOp::Sum,
+            out,
+            move |v| tx.send(v.len()).unwrap(),
+        )
+        .wait()
+        .unwrap();
+    assert_eq!(rs, vec![3.0; if r == 2 { 1 } else { 2 }]);
+    assert_eq!(rx.iter().collect::<Vec<_>>(), vec![2, 5]);
     let b = pg.broadcast_async(vec![r as i32; 4], 2).wait().unwrap();
     assert_eq!(b, vec![2; 4]);
 }

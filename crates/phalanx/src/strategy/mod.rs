@@ -12,6 +12,8 @@
 //! The seams every strategy shares:
 //! - [`reduce`]: a ready bucket of gradients is handed to a communication
 //!   hook (all-reduce, reduce-scatter, in fp32 / bf16 / fp16);
+//! - [`pool`]: the buffers ZeRO-2/3 reuse from step to step instead of
+//!   taking fresh pages every step;
 //! - [`crate::optim::step::finish_step`]: unscale → non-finite check agreed
 //!   by all ranks → global norm → clip → optimizer step, written once;
 //! - state access: the state a rank owns ([`Strategy::save_state`],
@@ -26,6 +28,7 @@ pub mod ddp;
 pub mod diloco;
 pub mod hooks;
 pub mod pipeline;
+pub mod pool;
 pub mod powersgd;
 pub mod reduce;
 pub mod shard;

@@ -22,6 +22,7 @@
 //! assert_eq!(plan_buckets(&ranges, 0).len(), 3);
 //! ```
 
+use super::pool::Pool;
 use crate::config::Precision;
 use crate::error::Result;
 use phalanx_comm::{ProcessGroup, ReduceOp, Work};
@@ -176,6 +177,22 @@ pub trait CommHook: Send {
         pg: &ProcessGroup,
     ) -> Pending;
 
+    /// [`CommHook::reduce`] with buffers from `pool`: a hook that supports
+    /// it takes its outputs from the pool and returns `grads` (taken from
+    /// it) once sent, so that steady steps allocate nothing. The default
+    /// reduces as `reduce` does, `grads` leaving the pool.
+    fn reduce_pooled(
+        &mut self,
+        bucket: &GradBucket,
+        grads: Vec<f32>,
+        coll: &Collective,
+        pg: &ProcessGroup,
+        pool: &Pool,
+    ) -> Pending {
+        pool.forget::<f32>(grads.capacity());
+        self.reduce(bucket, grads, coll, pg)
+    }
+
     /// What the hook carries from one step to the next (error-feedback
     /// residuals, warm starts, the step counts a schedule reads), as named
     /// f32 arrays, this rank's own. Checkpoints save it per rank, so that a
@@ -222,6 +239,21 @@ impl CommHook for DefaultHook {
             Precision::Fp16 => cast_reduce::<half::f16>(pg, grads, coll),
         }
     }
+
+    fn reduce_pooled(
+        &mut self,
+        _bucket: &GradBucket,
+        grads: Vec<f32>,
+        coll: &Collective,
+        pg: &ProcessGroup,
+        pool: &Pool,
+    ) -> Pending {
+        match self.dtype {
+            Precision::Fp32 => Pending::work(launch_pooled(pg, grads, coll, ReduceOp::Avg, pool)),
+            Precision::Bf16 => cast_reduce_pooled::<half::bf16>(pg, grads, coll, pool),
+            Precision::Fp16 => cast_reduce_pooled::<half::f16>(pg, grads, coll, pool),
+        }
+    }
 }
 
 fn launch<T: phalanx_comm::Element>(
@@ -233,6 +265,25 @@ fn launch<T: phalanx_comm::Element>(
     match coll {
         Collective::AllReduce => pg.all_reduce_async(buf, op),
         Collective::ReduceScatter { counts } => pg.reduce_scatter_async(buf, counts.clone(), op),
+    }
+}
+
+/// [`launch`] with the reduce-scatter's output from `pool` and its input
+/// returned there as soon as it is sent (an all-reduce works in place).
+fn launch_pooled<T: phalanx_comm::Element>(
+    pg: &ProcessGroup,
+    buf: Vec<T>,
+    coll: &Collective,
+    op: ReduceOp,
+    pool: &Pool,
+) -> Work<Vec<T>> {
+    match coll {
+        Collective::AllReduce => pg.all_reduce_async(buf, op),
+        Collective::ReduceScatter { counts } => {
+            let out = pool.take(counts.get(pg.rank()).copied().unwrap_or(0));
+            let p = pool.clone();
+            pg.reduce_scatter_into_async(buf, counts.clone(), op, out, move |v| p.put(v))
+        }
     }
 }
 
@@ -264,6 +315,32 @@ fn cast_reduce<T: Half>(pg: &ProcessGroup, grads: Vec<f32>, coll: &Collective) -
     Pending::new(move || Ok(w.wait()?.into_iter().map(T::to_f32).collect()))
 }
 
+/// [`cast_reduce`] through `pool`: the same values, no fresh buffers.
+fn cast_reduce_pooled<T: Half>(
+    pg: &ProcessGroup,
+    grads: Vec<f32>,
+    coll: &Collective,
+    pool: &Pool,
+) -> Pending {
+    let inv = 1.0 / pg.size() as f32;
+    let mut buf: Vec<T> = pool.take(grads.len());
+    for (b, &g) in buf.iter_mut().zip(&grads) {
+        *b = T::from_f32(g * inv);
+    }
+    pool.put(grads);
+    let w = launch_pooled(pg, buf, coll, ReduceOp::Sum, pool);
+    let pool = pool.clone();
+    Pending::new(move || {
+        let h = w.wait()?;
+        let mut out: Vec<f32> = pool.take(h.len());
+        for (o, &x) in out.iter_mut().zip(&h) {
+            *o = x.to_f32();
+        }
+        pool.put(h);
+        Ok(out)
+    })
+}
+
 /// Hands ready buckets to the hook and collects the results.
 pub struct Reducer {
     pg: ProcessGroup,
@@ -271,6 +348,8 @@ pub struct Reducer {
     inflight: Vec<(usize, Pending)>,
     /// What each bucket holds, by id (see [`Reducer::describe`]).
     described: std::collections::HashMap<usize, GradBucket>,
+    /// Buffers for the hook ([`CommHook::reduce_pooled`]), when set.
+    pool: Option<Pool>,
 }
 
 impl Reducer {
@@ -280,7 +359,15 @@ impl Reducer {
             hook,
             inflight: Vec::new(),
             described: Default::default(),
+            pool: None,
         }
+    }
+
+    /// Reduce through `pool` ([`CommHook::reduce_pooled`]): launched
+    /// gradients should come from it, and what [`Reducer::wait_all`] gives
+    /// may be returned to it.
+    pub fn set_pool(&mut self, pool: Pool) {
+        self.pool = Some(pool);
     }
 
     /// Tell hooks which parameters each bucket holds (from [`describe`]).
@@ -325,7 +412,10 @@ impl Reducer {
                     &fallback
                 }
             };
-            self.hook.reduce(bucket, grads, coll, &self.pg)
+            match &self.pool {
+                Some(pool) => self.hook.reduce_pooled(bucket, grads, coll, &self.pg, pool),
+                None => self.hook.reduce(bucket, grads, coll, &self.pg),
+            }
         };
         self.inflight.push((id, p));
     }

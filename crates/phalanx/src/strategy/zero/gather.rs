@@ -1,11 +1,14 @@
 //! Stage 3's movement of block parameters and gradients: the staging of a
 //! block's gradients until its reduce-scatter, and the all-gathers that
 //! bring a block's parameters in just before it runs and free them after.
+//! Their buffers come from, and go back to, the strategy's [`Pool`], so a
+//! steady step takes no fresh pages from the kernel.
 
 use super::offload::ShardStore;
 use crate::engine::{Engine, GradSink, ParamInfo, ParamSource};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
+use crate::strategy::pool::Pool;
 use crate::strategy::reduce::Bucket;
 use crate::strategy::shard::Shards;
 use phalanx_comm::ProcessGroup;
@@ -14,21 +17,23 @@ use std::collections::{HashMap, VecDeque};
 /// Gradient staging for stages 2-3: one buffer per reduction unit, created
 /// when the unit's first gradient arrives (a tied weight's unit may open
 /// early, from the head) and handed to the reduce-scatter when complete.
+/// Buffers come from `pool`, zeroed.
 pub(super) struct Staging<'a> {
     pub units: &'a [Bucket],
     pub unit_of_block: &'a [usize],
     pub bufs: HashMap<usize, (Vec<f32>, Option<Charge>)>,
     pub ledger: crate::ledger::Ledger,
+    pub pool: &'a Pool,
 }
 
 impl GradSink for Staging<'_> {
     fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> candle_core::Result<()> {
         let u = self.unit_of_block[p.block];
         let unit = &self.units[u];
-        let ledger = &self.ledger;
+        let (ledger, pool) = (&self.ledger, self.pool);
         let (buf, _) = self.bufs.entry(u).or_insert_with(|| {
             (
-                vec![0f32; unit.range.len()],
+                pool.take_zeroed(unit.range.len()),
                 Some(ledger.charge(Mem::Grads, unit.range.len() * 4)),
             )
         });
@@ -57,6 +62,8 @@ pub(super) struct Gatherer<'a> {
     ahead: usize,
     /// ZeRO++ qwZ: gather block-wise int8.
     quantized: bool,
+    /// Where pieces, gathered blocks and their staging come from.
+    pool: Pool,
 }
 
 /// A gather in flight: (block that needs it, block gathered, the gather,
@@ -74,6 +81,7 @@ impl<'a> Gatherer<'a> {
         engine: &'a Engine,
         ahead: usize,
         order: Vec<usize>,
+        pool: Pool,
     ) -> Self {
         let layout = engine.layout();
         let mut todo = VecDeque::new();
@@ -99,6 +107,7 @@ impl<'a> Gatherer<'a> {
             pending: VecDeque::new(),
             ahead,
             quantized: false,
+            pool,
         }
     }
 
@@ -115,15 +124,17 @@ impl<'a> Gatherer<'a> {
         let local = shards.local(&r);
         let charge = (!store.is_resident())
             .then(|| self.engine.ledger().charge(Mem::Params, local.len() * 4));
-        let mut piece = vec![0f32; local.len()];
+        // Overwritten whole by the read.
+        let mut piece = self.pool.take(local.len());
         store
             .read(local, &mut piece)
             .map_err(|e| Error::Io(e.to_string()))?;
         let counts = shards.counts(&r);
+        let pool = &self.pool;
         let w = if self.quantized {
-            gather_quantized(pg, piece, counts)
+            gather_quantized(pg, piece, counts, pool)
         } else {
-            gather_in(pg, piece, counts, self.engine.stack().compute_dtype())
+            gather_in(pg, piece, counts, self.engine.stack().compute_dtype(), pool)
         };
         self.pending.push_back((b, owner, w, charge));
         Ok(())
@@ -145,6 +156,7 @@ impl<'a> Gatherer<'a> {
         let mut out = Gathered {
             blocks: HashMap::new(),
             _charge: Vec::new(),
+            pool: self.pool.clone(),
         };
         while self.pending.front().is_some_and(|p| p.0 == b) {
             let (_, owner, w, _piece) = self.pending.pop_front().unwrap();
@@ -157,10 +169,21 @@ impl<'a> Gatherer<'a> {
     }
 }
 
-/// Gathered block parameters, freed when dropped.
+/// Gathered block parameters, returned to the pool when dropped.
 pub(super) struct Gathered {
     pub blocks: HashMap<usize, Vec<f32>>,
     _charge: Vec<Charge>,
+    pool: Pool,
+}
+
+impl Drop for Gathered {
+    fn drop(&mut self) {
+        // Released before the pool charges them as idle: never both.
+        self._charge.clear();
+        for (_, v) in self.blocks.drain() {
+            self.pool.put(v);
+        }
+    }
 }
 
 impl ParamSource for Gathered {
@@ -180,16 +203,23 @@ fn gather_quantized(
     pg: &ProcessGroup,
     piece: Vec<f32>,
     counts: Vec<usize>,
+    pool: &Pool,
 ) -> crate::strategy::reduce::Pending {
     use crate::strategy::hooks::{add_dequantised, quantise, INT8_BLOCK};
     let (packed, scales, _) = quantise(&piece);
+    pool.put(piece);
     let qc: Vec<usize> = counts.iter().map(|c| c.div_ceil(4)).collect();
     let sc: Vec<usize> = counts.iter().map(|c| c.div_ceil(INT8_BLOCK)).collect();
-    let wq = pg.all_gather_async(packed, qc.clone());
-    let ws = pg.all_gather_async(scales, sc.clone());
+    // `quantise` allocates its outputs: they are not the pool's.
+    let q_out = pool.take::<i32>(qc.iter().sum());
+    let wq = pg.all_gather_into_async(packed, qc.clone(), q_out, drop);
+    let s_out = pool.take::<f32>(sc.iter().sum());
+    let ws = pg.all_gather_into_async(scales, sc.clone(), s_out, drop);
+    let pool = pool.clone();
     crate::strategy::reduce::Pending::new(move || {
         let (q, s) = (wq.wait()?, ws.wait()?);
-        let mut out = vec![0f32; counts.iter().sum()];
+        // Dequantised values are added in: it starts at zero.
+        let mut out = pool.take_zeroed::<f32>(counts.iter().sum());
         let (mut o, mut qo, mut so) = (0, 0, 0);
         for r in 0..counts.len() {
             add_dequantised(
@@ -199,6 +229,8 @@ fn gather_quantized(
             );
             (o, qo, so) = (o + counts[r], qo + qc[r], so + sc[r]);
         }
+        pool.put(q);
+        pool.put(s);
         Ok(out)
     })
 }
@@ -206,39 +238,48 @@ fn gather_quantized(
 /// All-gather `piece` in the compute dtype (mixed precision halves the
 /// bytes): a block casts its parameters to that dtype anyway, and rounding
 /// to it is idempotent, so the block sees exactly what a full-precision
-/// gather would have given it.
+/// gather would have given it. Every buffer comes from `pool` and is
+/// overwritten whole; the inputs go back as soon as they are sent.
 fn gather_in(
     pg: &ProcessGroup,
     piece: Vec<f32>,
     counts: Vec<usize>,
     dtype: candle_core::DType,
+    pool: &Pool,
 ) -> crate::strategy::reduce::Pending {
     use crate::strategy::reduce::Pending as P;
     use candle_core::DType;
     use half::slice::HalfFloatSliceExt;
+    let total = counts.iter().sum();
+    let p = pool.clone();
+    let pool = pool.clone();
     match dtype {
         DType::BF16 => {
-            let mut h = vec![half::bf16::ZERO; piece.len()];
+            let mut h = pool.take::<half::bf16>(piece.len());
             crate::ops::cpu::f32_to_bf16(&piece, &mut h);
-            let w = pg.all_gather_async(h, counts);
+            pool.put(piece);
+            let w = pg.all_gather_into_async(h, counts, pool.take(total), move |h| p.put(h));
             P::new(move || {
                 let h = w.wait()?;
-                let mut out = vec![0f32; h.len()];
+                let mut out = pool.take::<f32>(h.len());
                 crate::ops::cpu::bf16_to_f32(&h, &mut out);
+                pool.put(h);
                 Ok(out)
             })
         }
         DType::F16 => {
-            let mut h = vec![half::f16::ZERO; piece.len()];
+            let mut h = pool.take::<half::f16>(piece.len());
             h.convert_from_f32_slice(&piece);
-            let w = pg.all_gather_async(h, counts);
+            pool.put(piece);
+            let w = pg.all_gather_into_async(h, counts, pool.take(total), move |h| p.put(h));
             P::new(move || {
                 let h = w.wait()?;
-                let mut out = vec![0f32; h.len()];
+                let mut out = pool.take::<f32>(h.len());
                 h.convert_to_f32_slice(&mut out);
+                pool.put(h);
                 Ok(out)
             })
         }
-        _ => P::work(pg.all_gather_async(piece, counts)),
+        _ => P::work(pg.all_gather_into_async(piece, counts, pool.take(total), move |v| p.put(v))),
     }
 }

@@ -30,11 +30,16 @@
 //! chunk at a time ([`crate::optim::step::agree_and_clip`] then
 //! [`Optimizer::step_range`] per chunk), so the parameters held are the
 //! pieces in flight plus one chunk, never the shard.
+//!
+//! Stages 2-3 take their per-step buffers (gathered blocks, gradient
+//! staging, reduce-scatter outputs) from a [`Pool`] that lives as long as
+//! the strategy, so steady steps reuse the previous step's memory.
 
 mod gather;
 pub mod offload;
 
 use super::ddp::all_reduce_micro_step;
+use super::pool::Pool;
 use super::reduce::{
     plan_buckets, Bucket, Collective, CommHook, DefaultHook, ReadyCursor, Reducer,
 };
@@ -138,6 +143,8 @@ pub struct Zero {
     /// Stage 3: the first block whose forward-gathered parameters are kept
     /// for its backward (`max_reuse_distance`; the number of blocks: none).
     first_kept: usize,
+    /// Stages 2-3: buffers reused from step to step.
+    pool: Pool,
 }
 
 impl Zero {
@@ -279,6 +286,10 @@ impl Zero {
         }
         let mut reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
         reducer.describe(super::reduce::describe(&layout, &units));
+        let pool = Pool::new(&ledger);
+        if cfg.stage >= 2 {
+            reducer.set_pool(pool.clone());
+        }
         let first_kept = first_kept_block(engine, cfg.max_reuse_distance);
         Ok(Zero {
             cfg,
@@ -297,6 +308,7 @@ impl Zero {
             reducer,
             secondary,
             first_kept,
+            pool,
         })
     }
 
@@ -349,8 +361,9 @@ impl Zero {
             unit_of_block: &self.unit_of_block,
             bufs: HashMap::new(),
             ledger: engine.ledger().clone(),
+            pool: &self.pool,
         };
-        let (units, shards) = (&self.units, &self.shards);
+        let (units, shards, pool) = (&self.units, &self.shards, &self.pool);
         let reducer = &mut self.reducer;
         let mut cursor = ReadyCursor::default();
         let mut hook = |b: usize, s: &mut Staging| -> candle_core::Result<()> {
@@ -358,7 +371,7 @@ impl Zero {
                 let (buf, _charge) = s
                     .bufs
                     .remove(&u)
-                    .unwrap_or_else(|| (vec![0f32; units[u].range.len()], None));
+                    .unwrap_or_else(|| (pool.take_zeroed(units[u].range.len()), None));
                 let counts = shards.counts(&units[u].range);
                 reducer.launch(u, buf, &Collective::ReduceScatter { counts });
             }
@@ -375,8 +388,9 @@ impl Zero {
         } else {
             let src = (&*self.store, &self.shards, &self.shard_pg);
             let qw = self.cfg.quantized_weights;
-            let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect())
-                .quantized(qw);
+            let ahead = self.cfg.forward_prefetch;
+            let mut g =
+                Gatherer::over(src, engine, ahead, (0..nb).collect(), pool.clone()).quantized(qw);
             let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
             let mut h = x.clone();
             // Blocks used again in the backward within max_reuse_distance
@@ -408,6 +422,7 @@ impl Zero {
                 engine,
                 self.cfg.backward_prefetch,
                 (0..nb).rev().filter(|b| !kept.contains_key(b)).collect(),
+                pool.clone(),
             )
             .quantized(qw);
             let mut gy = gy;
@@ -435,6 +450,7 @@ impl Zero {
             for (d, s) in self.grad_shard[local].iter_mut().zip(&piece) {
                 *d += s;
             }
+            self.pool.put(piece);
         }
         Ok(loss)
     }
@@ -499,8 +515,9 @@ impl Zero {
     fn stream_update(&mut self, engine: &Engine, lr: f32, factor: f32) -> Result<()> {
         let n = self.store.len();
         let chunk = self.cfg.offload_chunk.clamp(1, n.max(1));
-        let _held = engine.ledger().charge(Mem::Params, chunk * 4);
-        let mut buf = vec![0f32; chunk];
+        let held = engine.ledger().charge(Mem::Params, chunk * 4);
+        // Overwritten by each read; back to the pool after the update.
+        let mut buf = self.pool.take::<f32>(chunk);
         let io = |e: std::io::Error| Error::Io(e.to_string());
         self.opt.begin_step();
         for lo in (0..n).step_by(chunk) {
@@ -511,6 +528,8 @@ impl Zero {
                 .step_range(lo..hi, p, &self.grad_shard[lo..hi], lr, factor);
             self.store.write(lo..hi, p).map_err(io)?;
         }
+        drop(held);
+        self.pool.put(buf);
         Ok(())
     }
 
@@ -559,7 +578,8 @@ impl Zero {
         }
         let nb = engine.num_blocks();
         let src = (&*self.store, &self.shards, &self.shard_pg);
-        let mut g = Gatherer::over(src, engine, self.cfg.forward_prefetch, (0..nb).collect());
+        let ahead = self.cfg.forward_prefetch;
+        let mut g = Gatherer::over(src, engine, ahead, (0..nb).collect(), self.pool.clone());
         let mut h = x.clone();
         for b in 0..nb {
             let src = g.take(b)?;
