@@ -7,10 +7,12 @@
 //! - [`batch_parts`] and [`run_parts`]: one share of the batch per pool
 //!   thread, each running a whole pass serially (one parallel region per
 //!   pass instead of one per kernel);
-//! - [`split_parts`] / [`split_parts_mut`]: a set of row-major buffers cut
-//!   into those shares;
+//! - [`split_parts`] / [`split_parts_mut`] / [`pieces`]: a set of
+//!   row-major buffers (or one, of any element type) cut into those shares;
 //! - [`with_f32_params`]: the parameters as f32 slices;
-//! - [`bf16_weights`]: whether the layer's products run in bf16.
+//! - [`bf16_weights`]: whether the layer's products run in bf16;
+//! - [`weight_grads`]: a layer's weight pass (every dW and db) in one
+//!   parallel region.
 //!
 //! ```
 //! use phalanx_models::common::direct::split_parts;
@@ -21,7 +23,6 @@
 
 use std::sync::Mutex;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{bail, Result, Storage, Tensor};
 use phalanx::ops::cpu;
 
@@ -64,15 +65,21 @@ pub fn split_parts<const K: usize>(bufs: [&[f32]; K], parts: usize) -> Vec<[&[f3
         .collect()
 }
 
+/// `v` cut into `parts` equal pieces (the last shorter when `parts` does
+/// not divide it; empty ones for an empty `v`).
+pub fn pieces<T>(v: &mut [T], parts: usize) -> Vec<&mut [T]> {
+    let len = v.len().div_ceil(parts).max(1);
+    let mut out: Vec<&mut [T]> = v.chunks_mut(len).collect();
+    out.resize_with(parts, Default::default);
+    out
+}
+
 /// [`split_parts`] for buffers a pass writes.
 pub fn split_parts_mut<const K: usize>(
     bufs: [&mut [f32]; K],
     parts: usize,
 ) -> Vec<[&mut [f32]; K]> {
-    let mut its = bufs.map(|v| {
-        let len = v.len().div_ceil(parts).max(1);
-        v.chunks_mut(len)
-    });
+    let mut its = bufs.map(|v| pieces(v, parts).into_iter());
     (0..parts)
         .map(|_| std::array::from_fn(|k| its[k].next().unwrap_or_default()))
         .collect()
@@ -113,19 +120,95 @@ pub fn bf16_weights(p: &[Tensor]) -> bool {
 }
 
 /// Runs `f` on the parameters as f32 slices: contiguous CPU tensors, f32
-/// borrowed, f16 / bf16 widened (the kernel boundary of a half-precision
-/// layer); `what` names the layer in the error.
+/// borrowed, f16 / bf16 widened into this thread's pooled buffers (the
+/// kernel boundary of a half-precision layer: no fresh pages per call);
+/// `what` names the layer in the error.
 pub fn with_f32_params<R>(p: &[Tensor], what: &str, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
+    use candle_core::CpuStorage as C;
+    enum Wide<'a> {
+        Borrowed(&'a [f32]),
+        Pooled(phalanx::ops::buffers::Buf),
+    }
     let held: Vec<_> = p.iter().map(|t| t.storage_and_layout()).collect();
     let mut wide = Vec::with_capacity(held.len());
     for (st, l) in &held {
-        match &**st {
-            Storage::Cpu(s) if cpu::is_float(s.dtype()) && l.is_contiguous() => {
-                wide.push(cpu::cpu_f32(s, l)?)
+        let (Storage::Cpu(s), Some((lo, hi))) = (&**st, l.contiguous_offsets()) else {
+            bail!("{what}: parameters must be contiguous f32, f16 or bf16 on CPU")
+        };
+        let pooled = |n| phalanx::ops::buffers::take(n);
+        wide.push(match s {
+            C::F32(v) => Wide::Borrowed(&v[lo..hi]),
+            C::BF16(v) => {
+                let mut b = pooled(hi - lo);
+                cpu::bf16_to_f32(&v[lo..hi], &mut b);
+                Wide::Pooled(b)
+            }
+            C::F16(v) => {
+                let mut b = pooled(hi - lo);
+                cpu::f16_to_f32(&v[lo..hi], &mut b);
+                Wide::Pooled(b)
             }
             _ => bail!("{what}: parameters must be contiguous f32, f16 or bf16 on CPU"),
+        });
+    }
+    let s: Vec<&[f32]> = wide
+        .iter()
+        .map(|w| match w {
+            Wide::Borrowed(v) => *v,
+            Wide::Pooled(b) => &b[..],
+        })
+        .collect();
+    Ok(f(&s))
+}
+
+/// One linear of a layer's weight pass: dW (out, inp) = d^T x over the
+/// batch's rows, x (rows, inp) its input and d (rows, out) its output
+/// gradient; db (out,) = the sum of d's rows when `bias`.
+pub struct WeightGrad<'a> {
+    pub x: &'a [f32],
+    pub d: &'a [f32],
+    pub out: usize,
+    pub inp: usize,
+    pub bias: bool,
+}
+
+/// Every (dW, db) of `lins` over `rows` batch rows (db empty without a
+/// bias), in one parallel region: each pool thread computes its share of
+/// every product's output rows over all batch rows, so each element's sum
+/// is the unsplit one and the result does not depend on the thread count.
+pub fn weight_grads(rows: usize, lins: &[WeightGrad]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let least = lins.iter().map(|l| l.out).min().unwrap_or(1);
+    let parts = cpu::pool_threads().min(least).max(1);
+    let mut grads: Vec<(Vec<f32>, Vec<f32>)> = lins
+        .iter()
+        .map(|l| {
+            (
+                vec![0f32; l.out * l.inp],
+                vec![0f32; if l.bias { l.out } else { 0 }],
+            )
+        })
+        .collect();
+    // Part p's rows out * p / parts .. out * (p + 1) / parts of each product.
+    let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> = (0..parts).map(|_| Vec::new()).collect();
+    for ((dw, db), l) in grads.iter_mut().zip(lins) {
+        let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
+        for (p, share) in shares.iter_mut().enumerate() {
+            let r = l.out * (p + 1) / parts - l.out * p / parts;
+            let (w0, w1) = std::mem::take(&mut dw).split_at_mut(r * l.inp);
+            let nb = if l.bias { r } else { 0 };
+            let (b0, b1) = std::mem::take(&mut db).split_at_mut(nb);
+            share.push((w0, b0));
+            (dw, db) = (w1, b1);
         }
     }
-    let s: Vec<&[f32]> = wide.iter().map(|w| &w[..]).collect();
-    Ok(f(&s))
+    run_parts(shares, |p, share| {
+        for (l, (dw, db)) in lins.iter().zip(share) {
+            let o0 = l.out * p / parts;
+            phalanx::ops::linear_backward_weight_rows(l.x, l.d, (rows, l.inp, l.out), o0, dw);
+            if l.bias {
+                phalanx::ops::linear_backward_bias_cols(l.d, l.out, o0, db);
+            }
+        }
+    });
+    grads
 }

@@ -60,11 +60,11 @@ use phalanx::ops::cpu::add_assign;
 use phalanx::ops::tape::{self, DeferredGrad};
 use phalanx::ops::{self as k};
 
-use super::fused_half::{self as half_io, pieces, with_src, with_wide, Dst, Kept, Src};
+use super::fused_half::{self as half_io, with_src, with_wide, Dst, Kept, Src};
 
 pub(crate) use crate::common::direct::enabled;
 pub use crate::common::direct::set_fused_layer;
-use crate::common::direct::{batch_parts, bf16_weights};
+use crate::common::direct::{batch_parts, bf16_weights, pieces, weight_grads, WeightGrad};
 
 /// The layer's parameters, in this order: ln_1 w, b; c_attn w (3C, C), b;
 /// attn.c_proj w (C, C), b; ln_2 w, b; c_fc w (4C, C), b; mlp.c_proj w
@@ -506,36 +506,14 @@ impl DeferredGrad for LayerGrads {
                     (PROJ_W, &att, &self.dx1, c, c),
                     (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
                 ];
-                // One parallel region for the whole pass: each thread computes
-                // its share of every dW's and db's output rows, over all rows of
-                // the batch (so each element's sum is the unsplit one).
-                let parts = k::cpu::pool_threads().min(c);
-                let mut grads: Vec<(Vec<f32>, Vec<f32>)> = linears
-                    .iter()
-                    .map(|l| (vec![0f32; l.3 * l.4], vec![0f32; l.3]))
-                    .collect();
-                let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> =
-                    (0..parts).map(|_| Vec::new()).collect();
-                for ((dw, db), l) in grads.iter_mut().zip(&linears) {
-                    let (o, inp) = (l.3, l.4);
-                    let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
-                    for (p, share) in shares.iter_mut().enumerate() {
-                        let rows = o * (p + 1) / parts - o * p / parts;
-                        let (w0, w1) = std::mem::take(&mut dw).split_at_mut(rows * inp);
-                        let (b0, b1) = std::mem::take(&mut db).split_at_mut(rows);
-                        share.push((w0, b0));
-                        (dw, db) = (w1, b1);
-                    }
-                }
-                let work: Vec<_> = shares.into_iter().map(|s| Mutex::new(Some(s))).collect();
-                k::cpu::par_parts(parts, |p| {
-                    let share = work[p].lock().unwrap().take().expect("each part runs once");
-                    for (&(_, x, d, o, inp), (dw, db)) in linears.iter().zip(share) {
-                        let o0 = o * p / parts;
-                        k::linear_backward_weight_rows(x, d, (n, inp, o), o0, dw);
-                        k::linear_backward_bias_cols(d, o, o0, db);
-                    }
+                let lins = linears.map(|(_, x, d, out, inp)| WeightGrad {
+                    x,
+                    d,
+                    out,
+                    inp,
+                    bias: true,
                 });
+                let grads = weight_grads(n, &lins);
                 for ((dw, db), (i, ..)) in grads.into_iter().zip(linears) {
                     push(i, dw)?;
                     push(i + 1, db)?;

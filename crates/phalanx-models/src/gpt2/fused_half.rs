@@ -23,6 +23,7 @@
 
 use std::ops::Deref;
 
+use crate::common::direct::pieces;
 use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use phalanx::ops::buffers::{self, Buf, HalfBuf};
@@ -40,15 +41,6 @@ fn convert<S: Sync, D: Send>(src: &[S], dst: &mut [D], f: fn(&[S], &mut [D])) {
         f(&src[rows.start * CHUNK..rows.end * CHUNK], out)
     });
     f(&src[full..], tail);
-}
-
-/// `v` in `parts` equal pieces (`parts` empty ones for an empty `v`).
-pub(super) fn pieces<T>(v: &mut [T], parts: usize) -> Vec<&mut [T]> {
-    if v.is_empty() {
-        return (0..parts).map(|_| Default::default()).collect();
-    }
-    let len = v.len() / parts;
-    v.chunks_mut(len).collect()
 }
 
 /// Float data of the layer's dtype, borrowed.

@@ -45,7 +45,9 @@ use phalanx::simd_dispatch;
 
 use super::config::LlamaConfig;
 use super::ops::{rms_row_bwd, rms_row_fwd, sigmoid};
-use crate::common::direct::{batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut};
+use crate::common::direct::{
+    batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut, weight_grads, WeightGrad,
+};
 
 const WHAT: &str = "direct Llama layer";
 
@@ -450,41 +452,14 @@ impl DeferredGrad for LayerGrads {
                     (WK, bias(1), h1, &o[DK], kv, c),
                     (WV, bias(2), h1, &o[DV], kv, c),
                 ];
-                // One parallel region: each thread computes its share of every
-                // dW's (and db's) output rows, over all rows of the batch.
-                let parts = k::cpu::pool_threads().min(kv).max(1);
-                let mut grads: Vec<(Vec<f32>, Vec<f32>)> = linears
-                    .iter()
-                    .map(|l| {
-                        (
-                            vec![0f32; l.4 * l.5],
-                            vec![0f32; if l.1.is_some() { l.4 } else { 0 }],
-                        )
-                    })
-                    .collect();
-                let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> =
-                    (0..parts).map(|_| Vec::new()).collect();
-                for ((dw, db), l) in grads.iter_mut().zip(&linears) {
-                    let (rows, inp) = (l.4, l.5);
-                    let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
-                    for (p, share) in shares.iter_mut().enumerate() {
-                        let r = rows * (p + 1) / parts - rows * p / parts;
-                        let (w0, w1) = std::mem::take(&mut dw).split_at_mut(r * inp);
-                        let nb = if db.is_empty() { 0 } else { r };
-                        let (b0, b1) = std::mem::take(&mut db).split_at_mut(nb);
-                        share.push((w0, b0));
-                        (dw, db) = (w1, b1);
-                    }
-                }
-                run_parts(shares, |p, share| {
-                    for (&(_, bi, x, d, rows, inp), (dw, db)) in linears.iter().zip(share) {
-                        let o0 = rows * p / parts;
-                        k::linear_backward_weight_rows(x, d, (n, inp, rows), o0, dw);
-                        if bi.is_some() {
-                            k::linear_backward_bias_cols(d, rows, o0, db);
-                        }
-                    }
+                let lins = linears.map(|(_, bi, x, d, out, inp)| WeightGrad {
+                    x,
+                    d,
+                    out,
+                    inp,
+                    bias: bi.is_some(),
                 });
+                let grads = weight_grads(n, &lins);
                 for ((dw, db), (wi, bi, ..)) in grads.into_iter().zip(linears) {
                     push(wi, dw)?;
                     if let Some(bi) = bi {
