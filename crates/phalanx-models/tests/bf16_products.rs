@@ -11,7 +11,7 @@ use phalanx::ops::gemm_bf16;
 use phalanx_models::{gpt2, llama};
 
 mod common;
-use common::token_ids as ids;
+use common::{stack_step, token_ids as ids};
 
 /// bf16 products taken by one forward and backward of `blocks` in `dtype`.
 fn products(blocks: Vec<Box<dyn Block>>, vocab: usize, dtype: DType) -> u64 {
@@ -23,14 +23,8 @@ fn products(blocks: Vec<Box<dyn Block>>, vocab: usize, dtype: DType) -> u64 {
     let (x, y) = (ids(2, 8, vocab, 1), ids(2, 8, vocab, 2));
     let mut grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
     let before = gemm_bf16::calls();
-    let (loss, st) = stack
-        .forward(0..stack.num_blocks(), &x, Some(&y), &params)
-        .unwrap();
-    let one = Tensor::new(1f32, &Device::Cpu).unwrap();
-    stack
-        .backward(st, &one, &params, &mut grads, &mut |_, _| Ok(()))
-        .unwrap();
-    assert!(loss.to_scalar::<f32>().unwrap().is_finite());
+    let loss = stack_step(&stack, &params, (&x, &y), &mut grads);
+    assert!(loss.is_finite());
     gemm_bf16::calls() - before
 }
 

@@ -16,7 +16,7 @@ use phalanx::ledger::{Ledger, Mem};
 use phalanx_models::gpt2::{self, set_fused_layer, Gpt2Config};
 
 mod common;
-use common::token_ids as ids;
+use common::{stack_step, token_ids as ids};
 
 /// `v` rounded to `dtype` (and back): values the half runs see exactly.
 fn round_to(dtype: DType, v: &mut [f32]) {
@@ -130,14 +130,7 @@ fn model(cfg: &Gpt2Config, dtype: DType, half: DType, graph: bool, b: usize, t: 
         grads.as_mut_slice().copy_from_slice(&g);
         loss
     } else {
-        let (loss, st) = stack
-            .forward(0..stack.num_blocks(), &x, Some(&y), &params)
-            .unwrap();
-        let one = Tensor::new(1f32, &Device::Cpu).unwrap();
-        stack
-            .backward(st, &one, &params, &mut grads, &mut |_, _| Ok(()))
-            .unwrap();
-        loss.to_scalar::<f32>().unwrap()
+        stack_step(&stack, &params, (&x, &y), &mut grads)
     };
     let mut out = vec![("loss".into(), vec![loss])];
     param_grads(&stack, &grads, &mut out);

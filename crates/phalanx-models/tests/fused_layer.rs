@@ -9,7 +9,7 @@ use phalanx::ledger::{Ledger, Mem};
 use phalanx_models::gpt2::{self, set_fused_layer, Gpt2Config};
 
 mod common;
-use common::token_ids as ids;
+use common::{stack_step, token_ids as ids};
 
 /// (loss, flat gradient) of one forward and backward of the whole stack,
 /// with the fused layer on or off.
@@ -27,15 +27,9 @@ fn run(cfg: &Gpt2Config, act: Activations, fused: bool, b: usize, t: usize) -> (
         .for_each(|(i, p)| *p += 0.01 * ((i % 13) as f32 - 6.0));
     let (x, y) = (ids(b, t, cfg.vocab_size, 1), ids(b, t, cfg.vocab_size, 2));
     let mut grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
-    let (loss, stash) = stack
-        .forward(0..stack.num_blocks(), &x, Some(&y), &params)
-        .unwrap();
-    let scale = Tensor::new(1f32, &Device::Cpu).unwrap();
-    stack
-        .backward(stash, &scale, &params, &mut grads, &mut |_, _| Ok(()))
-        .unwrap();
+    let loss = stack_step(&stack, &params, (&x, &y), &mut grads);
     set_fused_layer(None);
-    (loss.to_scalar::<f32>().unwrap(), grads.as_slice().to_vec())
+    (loss, grads.as_slice().to_vec())
 }
 
 #[test]

@@ -62,6 +62,24 @@ pub fn token_ids(b: usize, t: usize, vocab: usize, seed: u32) -> candle_core::Te
     candle_core::Tensor::from_vec(v, (b, t), &candle_core::Device::Cpu).unwrap()
 }
 
+/// One forward and backward of the whole `stack` on (x, y) at loss scale
+/// 1, the gradients added into `grads`; returns the loss.
+pub fn stack_step(
+    stack: &phalanx::engine::Stack,
+    params: &phalanx::engine::FlatBuffer,
+    (x, y): (&candle_core::Tensor, &candle_core::Tensor),
+    grads: &mut phalanx::engine::FlatBuffer,
+) -> f32 {
+    let (loss, stash) = stack
+        .forward(0..stack.num_blocks(), x, Some(y), params)
+        .unwrap();
+    let one = candle_core::Tensor::new(1f32, &candle_core::Device::Cpu).unwrap();
+    stack
+        .backward(stash, &one, params, grads, &mut |_, _| Ok(()))
+        .unwrap();
+    loss.to_scalar::<f32>().unwrap()
+}
+
 /// The equivalence tests' data: 60 KB of the corpus as byte tokens, in
 /// samples of `seq_len`.
 pub fn loader(seq_len: usize) -> Arc<DataLoader> {

@@ -93,34 +93,7 @@ pub fn gemm(
 ) {
     assert!(available(), "gemm_bf16: this CPU has no AVX512-BF16");
     CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let span = |r: usize, c: usize, rs: usize, cs: usize| {
-        if r == 0 || c == 0 {
-            0
-        } else {
-            (r - 1) * rs + (c - 1) * cs + 1
-        }
-    };
-    assert!(
-        dst.len() >= span(m, n, dst_rs, 1),
-        "gemm_bf16: dst too small"
-    );
-    assert!(
-        a.data.len() >= span(m, k, a.rs, a.cs),
-        "gemm_bf16: lhs too small"
-    );
-    assert!(
-        b.data.len() >= span(k, n, b.rs, b.cs),
-        "gemm_bf16: rhs too small"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.chunks_mut(dst_rs)
-                .take(m)
-                .for_each(|r| r[..n].fill(0.0));
-        }
+    if !super::linear::checked("gemm_bf16", (m, n, k), dst, dst_rs, accumulate, a, b) {
         return;
     }
     #[cfg(target_arch = "x86_64")]

@@ -44,6 +44,36 @@ pub struct Mat<'a> {
     pub cs: usize,
 }
 
+/// Asserts that every view holds its (m, n, k) span, and does what a
+/// product with nothing to sum does (k = 0 zeroes dst unless
+/// accumulating); returns whether a product remains to compute.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn checked(
+    what: &str,
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    a: Mat,
+    b: Mat,
+) -> bool {
+    assert!(dst.len() >= span(m, n, dst_rs, 1), "{what}: dst too small");
+    assert!(
+        a.data.len() >= span(m, k, a.rs, a.cs),
+        "{what}: lhs too small"
+    );
+    assert!(
+        b.data.len() >= span(k, n, b.rs, b.cs),
+        "{what}: rhs too small"
+    );
+    if k == 0 && !accumulate && m > 0 && n > 0 {
+        dst.chunks_mut(dst_rs)
+            .take(m)
+            .for_each(|r| r[..n].fill(0.0));
+    }
+    m > 0 && n > 0 && k > 0
+}
+
 fn span(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     if rows == 0 || cols == 0 {
         0
@@ -72,24 +102,7 @@ pub fn sgemm_strided(
     b: Mat,
     par: bool,
 ) {
-    assert!(dst.len() >= span(m, n, dst_rs, 1), "sgemm: dst too small");
-    assert!(
-        a.data.len() >= span(m, k, a.rs, a.cs),
-        "sgemm: lhs too small"
-    );
-    assert!(
-        b.data.len() >= span(k, n, b.rs, b.cs),
-        "sgemm: rhs too small"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.chunks_mut(dst_rs)
-                .take(m)
-                .for_each(|r| r[..n].fill(0.0));
-        }
+    if !checked("sgemm", (m, n, k), dst, dst_rs, accumulate, a, b) {
         return;
     }
     // The pool's workers plus the calling thread (CANDLE_NUM_THREADS).
