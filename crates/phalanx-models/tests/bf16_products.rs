@@ -4,7 +4,7 @@
 //! test's products move the process-wide count. Skipped (with a note) on a
 //! CPU without AVX512-BF16.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use phalanx::engine::{Activations, Block, FlatBuffer, Stack};
 use phalanx::ledger::{Ledger, Mem};
 use phalanx::ops::gemm_bf16;

@@ -3,7 +3,7 @@
 //! loss and every gradient on odd shapes, through the block stack (its
 //! zero-bubble split and buffer reuse are in `zero_bubble.rs`).
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use phalanx::engine::{Activations, FlatBuffer, Stack};
 use phalanx::ledger::{Ledger, Mem};
 use phalanx_models::gpt2::{self, set_fused_layer, Gpt2Config};

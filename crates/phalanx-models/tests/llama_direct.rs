@@ -7,7 +7,7 @@
 //! recomputation, and kept activations (the engine's direct path, which
 //! ZeRO-3 releases and rebinds the parameters around).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use phalanx::engine::{Activations, FlatBuffer, Stack};
 use phalanx::ledger::{Ledger, Mem};
 use phalanx_models::common::direct::set_fused_layer;
