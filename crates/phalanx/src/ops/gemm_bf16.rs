@@ -42,8 +42,9 @@ pub const MR: usize = 12;
 pub const NR: usize = 32;
 /// k per packed block (a B panel of 32 x KC bf16 is 16 KiB: L1).
 pub const KC: usize = 256;
-/// Columns per packed B block (KC x NC bf16 is 512 KiB: L2).
-pub const NC: usize = 1024;
+/// Columns per packed B block (KC x NC bf16 is 2 MiB: its panels stream from
+/// L3 while a row tile's A stays in L1; wider blocks pack A fewer times).
+pub const NC: usize = 4096;
 
 /// Whether this CPU has AVX512-BF16 (and `PHALANX_BF16_GEMM` is not `0`).
 pub fn available() -> bool {
