@@ -44,7 +44,7 @@ use phalanx::ops::{self as k};
 use phalanx::simd_dispatch;
 
 use super::config::LlamaConfig;
-use super::ops::{rms_row_bwd, rms_row_fwd, sigmoid};
+use super::ops::{rms_row_bwd, rms_row_fwd, swiglu_bwd, swiglu_fwd};
 use crate::common::direct::{
     batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut, weight_grads, WeightGrad,
 };
@@ -189,9 +189,7 @@ fn forward_part(
     }
     k::linear_forward(h2, p[WG], None, (n, c, m), g);
     k::linear_forward(h2, p[WU], None, (n, c, m), u);
-    for ((s, g), u) in s.iter_mut().zip(&*g).zip(&*u) {
-        *s = g * sigmoid(*g) * u;
-    }
+    simd_dispatch!(swiglu_fwd(g, u, s));
     k::linear_forward(s, p[WD], None, (n, m, c), y);
     add_assign(y, x1);
 }
@@ -222,11 +220,7 @@ fn backward_part(
     // y = x1 + s Wd^T;  s = silu(g) u
     let mut ds = buffers::take(n * m);
     k::linear_backward_input(dy, p[WD], (n, m, c), &mut ds);
-    for i in 0..n * m {
-        let (gi, sg) = (g[i], sigmoid(g[i]));
-        dg[i] = ds[i] * u[i] * sg * (1.0 + gi * (1.0 - sg));
-        du[i] = ds[i] * gi * sg;
-    }
+    simd_dispatch!(swiglu_bwd(&ds, g, u, dg, du));
     drop(ds);
     // g, u = h2 Wg^T, h2 Wu^T;  h2 = rms(x1)
     let mut dh = buffers::take(n * c);
