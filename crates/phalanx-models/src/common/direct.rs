@@ -9,7 +9,8 @@
 //!   pass instead of one per kernel);
 //! - [`split_parts`] / [`split_parts_mut`] / [`pieces`]: a set of
 //!   row-major buffers (or one, of any element type) cut into those shares;
-//! - [`with_f32_params`]: the parameters as f32 slices;
+//! - [`with_f32_params`], [`Wide`], [`convert`]: the parameters (or any
+//!   half tensor) as f32 slices, widened in parallel into pooled buffers;
 //! - [`bf16_weights`]: whether the layer's products run in bf16;
 //! - [`weight_grads`]: a layer's weight pass (every dW and db) in one
 //!   parallel region.
@@ -24,6 +25,7 @@
 use std::sync::Mutex;
 
 use candle_core::{bail, Result, Storage, Tensor};
+use phalanx::ops::buffers::{self, Buf};
 use phalanx::ops::cpu;
 
 thread_local! {
@@ -119,45 +121,65 @@ pub fn bf16_weights(p: &[Tensor]) -> bool {
         .is_some_and(|t| t.dtype() == candle_core::DType::BF16)
 }
 
-/// Runs `f` on the parameters as f32 slices: contiguous CPU tensors, f32
-/// borrowed, f16 / bf16 widened into this thread's pooled buffers (the
-/// kernel boundary of a half-precision layer: no fresh pages per call);
-/// `what` names the layer in the error.
+/// f32 data: borrowed (f32), or widened into this thread's pooled buffer
+/// (half).
+pub enum Wide<'a> {
+    Borrowed(&'a [f32]),
+    Pooled(Buf),
+}
+
+impl std::ops::Deref for Wide<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Wide::Borrowed(s) => s,
+            Wide::Pooled(b) => b,
+        }
+    }
+}
+
+/// Elements per conversion task of [`convert`].
+const CHUNK: usize = 1 << 14;
+
+/// `f(src, dst)` over `dst` in chunks, in parallel on candle's pool.
+pub fn convert<S: Sync, D: Send>(src: &[S], dst: &mut [D], f: fn(&[S], &mut [D])) {
+    assert_eq!(src.len(), dst.len());
+    let full = dst.len() / CHUNK * CHUNK;
+    let (head, tail) = dst.split_at_mut(full);
+    cpu::par_rows(head, CHUNK, |rows, out| {
+        f(&src[rows.start * CHUNK..rows.end * CHUNK], out)
+    });
+    f(&src[full..], tail);
+}
+
+/// Runs `f` on the tensors (the parameters, a gradient) as f32 slices:
+/// contiguous CPU tensors, f32 borrowed, f16 / bf16 widened into this
+/// thread's pooled buffers (the kernel boundary of a half-precision layer:
+/// no fresh pages per call); `what` names the layer in the error.
 pub fn with_f32_params<R>(p: &[Tensor], what: &str, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
     use candle_core::CpuStorage as C;
-    enum Wide<'a> {
-        Borrowed(&'a [f32]),
-        Pooled(phalanx::ops::buffers::Buf),
-    }
     let held: Vec<_> = p.iter().map(|t| t.storage_and_layout()).collect();
     let mut wide = Vec::with_capacity(held.len());
     for (st, l) in &held {
         let (Storage::Cpu(s), Some((lo, hi))) = (&**st, l.contiguous_offsets()) else {
-            bail!("{what}: parameters must be contiguous f32, f16 or bf16 on CPU")
+            bail!("{what}: tensors must be contiguous f32, f16 or bf16 on CPU")
         };
-        let pooled = |n| phalanx::ops::buffers::take(n);
         wide.push(match s {
             C::F32(v) => Wide::Borrowed(&v[lo..hi]),
             C::BF16(v) => {
-                let mut b = pooled(hi - lo);
-                cpu::bf16_to_f32(&v[lo..hi], &mut b);
+                let mut b = buffers::take(hi - lo);
+                convert(&v[lo..hi], &mut b, cpu::bf16_to_f32);
                 Wide::Pooled(b)
             }
             C::F16(v) => {
-                let mut b = pooled(hi - lo);
-                cpu::f16_to_f32(&v[lo..hi], &mut b);
+                let mut b = buffers::take(hi - lo);
+                convert(&v[lo..hi], &mut b, cpu::f16_to_f32);
                 Wide::Pooled(b)
             }
-            _ => bail!("{what}: parameters must be contiguous f32, f16 or bf16 on CPU"),
+            _ => bail!("{what}: tensors must be contiguous f32, f16 or bf16 on CPU"),
         });
     }
-    let s: Vec<&[f32]> = wide
-        .iter()
-        .map(|w| match w {
-            Wide::Borrowed(v) => *v,
-            Wide::Pooled(b) => &b[..],
-        })
-        .collect();
+    let s: Vec<&[f32]> = wide.iter().map(|w| &w[..]).collect();
     Ok(f(&s))
 }
 

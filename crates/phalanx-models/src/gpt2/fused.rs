@@ -60,7 +60,7 @@ use phalanx::ops::cpu::add_assign;
 use phalanx::ops::tape::{self, DeferredGrad};
 use phalanx::ops::{self as k};
 
-use super::fused_half::{self as half_io, with_src, with_wide, Dst, Kept, Src};
+use super::fused_half::{self as half_io, with_src, Dst, Kept, Src};
 
 pub(crate) use crate::common::direct::enabled;
 pub use crate::common::direct::set_fused_layer;
@@ -156,7 +156,7 @@ struct FusedLayer {
 /// Runs `f` on the parameters as f32 slices (CPU tensors; half ones are
 /// widened into pooled buffers, once per call).
 fn with_params<R>(p: &Params, f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
-    with_wide(&p.each_ref(), f)
+    crate::common::direct::with_f32_params(p, "fused GPT-2 layer", f)
 }
 
 impl CustomOp1 for FusedLayer {
@@ -498,28 +498,33 @@ impl DeferredGrad for LayerGrads {
         };
         let bf16 = bf16_weights(&self.p);
         k::cpu::with_bf16_products(bf16, || {
-            with_wide(&[&self.dy], |dy| -> Result<()> {
-                let dy = dy[0];
-                let linears: [Lin; 4] = [
-                    (MLP_W, &g, dy, c, 4 * c),
-                    (FC_W, &ln2, &self.dh, 4 * c, c),
-                    (PROJ_W, &att, &self.dx1, c, c),
-                    (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
-                ];
-                let lins = linears.map(|(_, x, d, out, inp)| WeightGrad {
-                    x,
-                    d,
-                    out,
-                    inp,
-                    bias: true,
-                });
-                let grads = weight_grads(n, &lins);
-                for ((dw, db), (i, ..)) in grads.into_iter().zip(linears) {
-                    push(i, dw)?;
-                    push(i + 1, db)?;
-                }
-                Ok(())
-            })
+            let what = "fused GPT-2 layer";
+            crate::common::direct::with_f32_params(
+                std::slice::from_ref(&self.dy),
+                what,
+                |dy| -> Result<()> {
+                    let dy = dy[0];
+                    let linears: [Lin; 4] = [
+                        (MLP_W, &g, dy, c, 4 * c),
+                        (FC_W, &ln2, &self.dh, 4 * c, c),
+                        (PROJ_W, &att, &self.dx1, c, c),
+                        (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
+                    ];
+                    let lins = linears.map(|(_, x, d, out, inp)| WeightGrad {
+                        x,
+                        d,
+                        out,
+                        inp,
+                        bias: true,
+                    });
+                    let grads = weight_grads(n, &lins);
+                    for ((dw, db), (i, ..)) in grads.into_iter().zip(linears) {
+                        push(i, dw)?;
+                        push(i + 1, db)?;
+                    }
+                    Ok(())
+                },
+            )
         })??;
         for (i, g) in &self.ln {
             push(*i, g.clone())?;

@@ -21,27 +21,11 @@
 //! comes from the thread's pool (`phalanx::ops::buffers`), so a steady
 //! step takes no fresh pages for them. For f32 nothing is copied.
 
-use std::ops::Deref;
-
-use crate::common::direct::pieces;
+use crate::common::direct::{convert, pieces, Wide};
 use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use phalanx::ops::buffers::{self, Buf, HalfBuf};
 use phalanx::ops::cpu;
-
-/// Elements per conversion task of [`convert`].
-const CHUNK: usize = 1 << 14;
-
-/// `f(src, dst)` over `dst` in chunks, in parallel on candle's pool.
-fn convert<S: Sync, D: Send>(src: &[S], dst: &mut [D], f: fn(&[S], &mut [D])) {
-    assert_eq!(src.len(), dst.len());
-    let full = dst.len() / CHUNK * CHUNK;
-    let (head, tail) = dst.split_at_mut(full);
-    cpu::par_rows(head, CHUNK, |rows, out| {
-        f(&src[rows.start * CHUNK..rows.end * CHUNK], out)
-    });
-    f(&src[full..], tail);
-}
 
 /// Float data of the layer's dtype, borrowed.
 #[derive(Clone, Copy)]
@@ -145,22 +129,6 @@ pub(super) fn store(d: &mut Option<Dst>, v: &[f32]) {
     }
 }
 
-/// f32 data: borrowed (f32 input), or widened into a pooled buffer (half).
-pub(super) enum Wide<'a> {
-    Borrowed(&'a [f32]),
-    Pooled(Buf),
-}
-
-impl Deref for Wide<'_> {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        match self {
-            Wide::Borrowed(s) => s,
-            Wide::Pooled(b) => b,
-        }
-    }
-}
-
 /// A CPU tensor's data (contiguous; f32, f16 or bf16), for `f`.
 pub(super) fn with_src<R>(t: &Tensor, f: impl FnOnce(Src) -> Result<R>) -> Result<R> {
     let (s, l) = t.storage_and_layout();
@@ -168,25 +136,6 @@ pub(super) fn with_src<R>(t: &Tensor, f: impl FnOnce(Src) -> Result<R>) -> Resul
         Storage::Cpu(s) => f(Src::of(s, l)?),
         _ => bail!("fused GPT-2 layer: tensors must be on the CPU"),
     }
-}
-
-/// Runs `f` on the tensors (CPU; f32, f16 or bf16) as f32 slices, half
-/// ones widened whole (the parameters, once per call).
-pub(super) fn with_wide<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
-    let ts = ts
-        .iter()
-        .map(|t| t.contiguous())
-        .collect::<Result<Vec<_>>>()?;
-    let held: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let mut w = Vec::with_capacity(held.len());
-    for (s, l) in &held {
-        match &**s {
-            Storage::Cpu(s) => w.push(Src::of(s, l)?.wide()),
-            _ => bail!("fused GPT-2 layer: tensors must be on the CPU"),
-        }
-    }
-    let s: Vec<&[f32]> = w.iter().map(|w| &**w).collect();
-    Ok(f(&s))
 }
 
 /// A tensor of `dtype` from f32 values (narrowed in parallel for half).
