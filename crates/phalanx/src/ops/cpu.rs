@@ -465,8 +465,8 @@ thread_local! {
     static BF16_PRODUCTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Whether this thread's matrix products (`sgemm`, the attention kernels)
-/// take bf16 operands on the CPU's bf16 instructions: inside
+/// Whether this thread's matrix products (`sgemm` and the gemms under
+/// it; attention opts out) take bf16 operands on the CPU's bf16 instructions: inside
 /// [`with_bf16_products`], and carried into the pool work it starts.
 pub fn bf16_products() -> bool {
     BF16_PRODUCTS.with(|b| b.get())
@@ -480,6 +480,17 @@ pub fn bf16_products() -> bool {
 pub fn with_bf16_products<R>(on: bool, f: impl FnOnce() -> R) -> R {
     let _restore = Bf16Scope::set(on && super::gemm_bf16::available());
     f()
+}
+
+/// `f` over chunks of `0..n` on candle's pool, each chunk under the
+/// caller's [`bf16_products`] setting (a thread-local the workers would
+/// not see otherwise).
+fn on_pool(n: usize, f: impl Fn(Range<usize>) + Sync) {
+    let bf16 = bf16_products();
+    candle_core::utils::barrier_pool().execute_chunked(n, |r| {
+        let _scope = Bf16Scope::set(bf16);
+        f(r)
+    })
 }
 
 /// Sets [`BF16_PRODUCTS`] for a scope; restored on drop (unwind too).
@@ -511,11 +522,7 @@ pub(crate) fn pool_chunked(n_items: usize, f: impl Fn(Range<usize>) + Sync) {
     if IN_PART.with(|p| p.get()) {
         f(0..n_items)
     } else {
-        let bf16 = bf16_products();
-        candle_core::utils::barrier_pool().execute_chunked(n_items, |r| {
-            let _scope = Bf16Scope::set(bf16);
-            f(r)
-        })
+        on_pool(n_items, f)
     }
 }
 
@@ -555,11 +562,7 @@ pub fn par_parts(parts: usize, f: impl Fn(usize) + Sync) {
     } else if parts == 0 || IN_PART.with(|p| p.get()) {
         (0..parts).for_each(run);
     } else {
-        let bf16 = bf16_products();
-        candle_core::utils::barrier_pool().execute_chunked(parts, |r| {
-            let _scope = Bf16Scope::set(bf16);
-            r.for_each(run)
-        });
+        on_pool(parts, |r| r.for_each(run));
     }
 }
 
