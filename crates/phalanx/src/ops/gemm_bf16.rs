@@ -245,13 +245,7 @@ mod x86 {
                 for p in p0..kp {
                     for l in l0..l0 + 16 {
                         let w = if l < lanes {
-                            let x = s.add(l * ls + 2 * p);
-                            let hi = if 2 * p + 1 < kc {
-                                bf16_bits(*x.add(1))
-                            } else {
-                                0
-                            };
-                            bf16_bits(*x) | (hi << 16)
+                            pair(s.add(l * ls + 2 * p), 1, 2 * p + 1 < kc)
                         } else {
                             0
                         };
@@ -259,47 +253,11 @@ mod x86 {
                     }
                 }
             }
-        } else if ks == 1 {
-            // k contiguous: convert each lane's run, then scatter its words.
-            for l in 0..width {
-                if l >= lanes {
-                    for p in 0..kp {
-                        *out.get_unchecked_mut(p * width + l) = 0;
-                    }
-                    continue;
-                }
-                let run = s.add(l * ls);
-                let mut p = 0;
-                while p + 16 <= kc / 2 {
-                    let lo = _mm512_loadu_ps(run.add(2 * p));
-                    let hi = _mm512_loadu_ps(run.add(2 * p + 16));
-                    let words: [u32; 16] = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-                    for (q, w) in words.iter().enumerate() {
-                        *out.get_unchecked_mut((p + q) * width + l) = *w;
-                    }
-                    p += 16;
-                }
-                for p in p..kp {
-                    let lo = bf16_bits(*run.add(2 * p));
-                    let hi = if 2 * p + 1 < kc {
-                        bf16_bits(*run.add(2 * p + 1))
-                    } else {
-                        0
-                    };
-                    *out.get_unchecked_mut(p * width + l) = lo | (hi << 16);
-                }
-            }
         } else {
             for p in 0..kp {
                 for l in 0..width {
                     let w = if l < lanes {
-                        let x = s.add(l * ls + 2 * p * ks);
-                        let hi = if 2 * p + 1 < kc {
-                            bf16_bits(*x.add(ks))
-                        } else {
-                            0
-                        };
-                        bf16_bits(*x) | (hi << 16)
+                        pair(s.add(l * ls + 2 * p * ks), ks, 2 * p + 1 < kc)
                     } else {
                         0
                     };
@@ -341,13 +299,7 @@ mod x86 {
                 kk += 32;
             }
             for (p, o) in o.iter_mut().enumerate().skip(kk / 2) {
-                let lo = bf16_bits(*run.add(2 * p));
-                let hi = if 2 * p + 1 < kc {
-                    bf16_bits(*run.add(2 * p + 1))
-                } else {
-                    0
-                };
-                *o = lo | (hi << 16);
+                *o = pair(run.add(2 * p), 1, 2 * p + 1 < kc);
             }
         }
     }
@@ -381,6 +333,15 @@ mod x86 {
             out[12 + c] = _mm512_shuffle_i32x4::<0xDD>(odd01, odd23);
         }
         out
+    }
+
+    /// The word of the bf16 pair (x[0], x[step]), rounded to nearest-even
+    /// (as `vcvtne2ps2bf16`); the high half 0 without `hi` (an odd k's last
+    /// pair).
+    #[inline(always)]
+    unsafe fn pair(x: *const f32, step: usize, hi: bool) -> u32 {
+        let h = if hi { bf16_bits(*x.add(step)) } else { 0 };
+        bf16_bits(*x) | (h << 16)
     }
 
     /// f32 to bf16 bits, rounded to nearest-even (as `vcvtne2ps2bf16`).
