@@ -35,7 +35,8 @@ pub struct BenchOpts {
     /// Transport between the ranks: auto (what a job gets by default:
     /// shared memory on one host), shm, uds (Unix sockets) or tcp (sets
     /// PHALANX_TRANSPORT for the ranks); mpi (a build with `--features mpi`,
-    /// run under `mpirun`). nccl is not built.
+    /// run under `mpirun`); nccl (a build with `--features nccl`: NCCL on one
+    /// CUDA device per rank).
     #[arg(long, default_value = "auto")]
     pub backend: String,
     #[arg(long, default_value = "f32")]
@@ -53,6 +54,9 @@ const BACKENDS: [&str; 4] = ["auto", "shm", "uds", "tcp"];
 
 /// Whether this binary was built with the MPI backend.
 const MPI_BUILT: bool = cfg!(feature = "mpi");
+
+/// Whether this binary was built with the NCCL backend.
+const NCCL_BUILT: bool = cfg!(feature = "nccl");
 
 const OPS: [&str; 6] = [
     "all_reduce",
@@ -158,9 +162,12 @@ pub fn plan(
                 BACKENDS.join(", ")
             ))
         }
+        "nccl" if NCCL_BUILT => {}
         "nccl" => {
             return Err(format!(
-                "--backend nccl: not built (this phalanx has no NCCL backend yet); available: {}",
+                "--backend nccl: not built into this phalanx; rebuild with `cargo build --release \
+                 --features nccl` (no CUDA toolkit needed to build; the NVIDIA driver and libnccl \
+                 to run); available: {}",
                 BACKENDS.join(", ")
             ))
         }
@@ -275,6 +282,8 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             return 2;
         }
         std::env::set_var("PHALANX_BACKEND", "mpi");
+    } else if opts.backend == "nccl" {
+        std::env::set_var("PHALANX_BACKEND", "nccl");
     } else {
         std::env::set_var("PHALANX_BACKEND", "native");
         std::env::set_var("PHALANX_TRANSPORT", &opts.backend);

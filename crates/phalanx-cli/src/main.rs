@@ -147,6 +147,8 @@ enum BenchCmd {
 }
 
 fn main() {
+    // Before any thread starts: glibc keeps freed blocks for the next step.
+    phalanx::engine::heap::retain_unless_refused();
     let cli = Cli::parse();
     launch::share_cores_under_external_launcher();
     let code = match cli.cmd {

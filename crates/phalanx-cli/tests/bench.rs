@@ -80,7 +80,11 @@ fn bad_sizes_and_iterations_are_refused_naming_them() {
         (&["--iters", "0"], &["--iters"]),
         (&["--dtype", "f8"], &["--dtype", "f8"]),
         (&["--op", "all_sum"], &["all_sum"]),
-        (&["--backend", "nccl"], &["nccl", "not built"]),
+        #[cfg(not(feature = "nccl"))]
+        (
+            &["--backend", "nccl"],
+            &["nccl", "not built", "--features nccl"],
+        ),
         #[cfg(not(feature = "mpi"))]
         (&["--backend", "mpi"], &["--backend mpi", "not built"]),
         #[cfg(feature = "mpi")]

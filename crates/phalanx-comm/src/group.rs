@@ -84,6 +84,18 @@ impl ProcessGroup {
         ProcessGroup::make(Arc::new(comm), members, me, 1, cfg, None)
     }
 
+    /// The world group on another backend (NCCL), rank `me` of `world`.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn from_backend(
+        backend: Arc<dyn Backend>,
+        world: usize,
+        me: usize,
+        cfg: Config,
+        keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) -> ProcessGroup {
+        ProcessGroup::make(backend, (0..world).collect(), me, 1, cfg, keep)
+    }
+
     /// Rank `rank` of a group of `size` that has no peers: it says where
     /// the rank stands ([`Self::rank`], [`Self::size`]) and every operation
     /// fails, naming it. For code that only lays things out for a rank (a
@@ -152,7 +164,7 @@ impl ProcessGroup {
     pub fn global_rank(&self) -> usize {
         self.inner.members[self.inner.me]
     }
-    /// The backend that carries this group: `native` or `mpi`.
+    /// The backend that carries this group: `native`, `mpi` or `nccl`.
     pub fn backend_name(&self) -> &'static str {
         self.inner.backend.name()
     }

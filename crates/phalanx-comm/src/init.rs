@@ -251,12 +251,15 @@ pub enum BackendKind {
     Native,
     /// The system MPI library (`--features mpi`).
     Mpi,
+    /// NVIDIA's NCCL on one CUDA device per rank (`--features nccl`).
+    Nccl,
 }
 
 impl BackendKind {
-    /// `PHALANX_BACKEND`: `native`, `mpi`, or `auto` (the default): MPI when
-    /// this build has the `mpi` feature and an MPI launcher (`mpirun`,
-    /// `srun --mpi=pmix`) started the process, native otherwise.
+    /// `PHALANX_BACKEND`: `native`, `mpi`, `nccl`, or `auto` (the default):
+    /// MPI when this build has the `mpi` feature and an MPI launcher
+    /// (`mpirun`, `srun --mpi=pmix`) started the process, native otherwise.
+    /// NCCL is only ever chosen explicitly.
     pub fn from_env() -> Result<BackendKind> {
         let built = cfg!(feature = "mpi");
         match var("PHALANX_BACKEND")
@@ -275,8 +278,14 @@ impl BackendKind {
                  `cargo build --release --features mpi` (needs the system MPI, e.g. Debian's \
                  libopenmpi-dev, and libclang-dev)"
             )),
+            Some("nccl") if cfg!(feature = "nccl") => Ok(BackendKind::Nccl),
+            Some("nccl") => Err(invalid!(
+                "PHALANX_BACKEND=nccl, but this build has no NCCL backend: rebuild with \
+                 `cargo build --release --features nccl` (cargo feature `nccl`; building needs \
+                 no CUDA toolkit, running needs the NVIDIA driver and libnccl)"
+            )),
             Some(v) => Err(invalid!(
-                "PHALANX_BACKEND={v}: expected auto, native or mpi"
+                "PHALANX_BACKEND={v}: expected auto, native, mpi or nccl"
             )),
         }
     }
@@ -293,11 +302,27 @@ pub fn launched_by_mpi() -> bool {
 /// Initialise the world group from the environment (see the module docs).
 pub fn init_process_group() -> Result<ProcessGroup> {
     let cfg = Config::from_env();
-    if BackendKind::from_env()? == BackendKind::Mpi {
+    let kind = BackendKind::from_env()?;
+    if kind == BackendKind::Mpi {
         return init_mpi(cfg);
     }
     let env = DistEnv::from_env()?;
-    init_with(&env, cfg)
+    if kind == BackendKind::Nccl {
+        // Refuse at once on a machine without the driver, a device or
+        // libnccl, before waiting for the other ranks.
+        nccl_preflight()?;
+    }
+    init_kind(&env, cfg, kind)
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_preflight() -> Result<()> {
+    crate::nccl::probe::require().map(|_| ())
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_preflight() -> Result<()> {
+    unreachable!("BackendKind::from_env never picks NCCL without the feature")
 }
 
 /// The world group on the system MPI library: no store, no secret (the MPI
@@ -316,6 +341,12 @@ fn init_mpi(_cfg: Config) -> Result<ProcessGroup> {
 
 /// Initialise the world group from an explicit environment.
 pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
+    init_kind(env, cfg, BackendKind::Native)
+}
+
+/// [`init_with`] on the native transports or NCCL (which also connects
+/// the native mesh, for point-to-point messages).
+fn init_kind(env: &DistEnv, cfg: Config, kind: BackendKind) -> Result<ProcessGroup> {
     cfg.validate()?;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let deadline = std::time::Instant::now() + cfg.timeout;
@@ -367,6 +398,26 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
     }
     let keep: Option<Arc<dyn std::any::Any + Send + Sync>> =
         (!keep.is_empty()).then(|| Arc::new(keep) as Arc<dyn std::any::Any + Send + Sync>);
+    #[cfg(feature = "nccl")]
+    if kind == BackendKind::Nccl {
+        let b = crate::nccl::world(
+            &store,
+            &prefix,
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            &secret,
+            &cfg,
+        )?;
+        return Ok(ProcessGroup::from_backend(
+            b,
+            env.world_size,
+            env.rank,
+            cfg,
+            keep,
+        ));
+    }
+    debug_assert_eq!(kind, BackendKind::Native);
     from_store(
         &store,
         &prefix,

@@ -13,6 +13,8 @@
 //! - `group`: `ProcessGroup`, its collectives, async `Work`, sub-groups;
 //! - `init`: start from torchrun / mpirun / srun variables;
 //! - `mpi` (feature `mpi`): the same `ProcessGroup` on the system MPI library;
+//! - `nccl` (feature `nccl`): collectives on NVIDIA's NCCL, one CUDA device
+//!   per rank (built without CUDA; not yet run on GPU hardware);
 //! - `ft`: replica groups, the lighthouse and per-step quorums (fault tolerance);
 //! - `threads`: ranks as threads, for tests.
 //!
@@ -37,6 +39,8 @@ pub mod group;
 pub mod init;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod ratelog;
 pub mod secret_file;
 pub mod store;

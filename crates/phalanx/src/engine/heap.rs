@@ -11,11 +11,20 @@
 //! results are bit for bit the same.
 //!
 //! It costs memory: blocks freed into the heap fragment it, and the
-//! resident size stays at its peak. Measured on gpt-10m, 2 ranks: peak RSS
-//! 785 against about 650 MiB (DDP) and 357 against about 300 MiB (ZeRO-3),
-//! for about 1.1x the tokens/s (1.00-1.46x over 16 pairs). So the engine
-//! turns it on only when asked: `PHALANX_RETAIN_FREED=1`
-//! ([`retain_if_asked`]), or a program calls [`retain_freed_memory`].
+//! resident size stays at its peak. Measured on gpt-10m, 2 ranks, with a
+//! 1 GiB mmap threshold: peak RSS 785 against about 650 MiB (DDP) and 357
+//! against about 300 MiB (ZeRO-3), for about 1.1x the tokens/s (1.00-1.46x
+//! over 16 pairs). With the 32 MiB threshold below, on llama-60m (2 ranks
+//! x 1 thread, micro-batch 4; `perf stat -e page-faults,task-clock` of a
+//! 9-step run minus a 3-step one): bf16 went from 9,000 minor faults per
+//! rank per step (67,000 once DDP's bucket copies were pooled: glibc's
+//! mmap threshold then never adapted upwards) to none, and from 5.5 to 4.4
+//! CPU-seconds per step; peak RSS of a rank from 2.10 to 2.27 GB (bf16)
+//! and from 2.19 to 2.11 GB (fp32). So the `phalanx` binary turns it on first
+//! thing ([`retain_unless_refused`]; `PHALANX_RETAIN_FREED=0` keeps glibc's
+//! defaults), and a library user asks with `PHALANX_RETAIN_FREED=1`
+//! ([`retain_if_asked`], which the engine calls when it is built) or calls
+//! [`retain_freed_memory`].
 //!
 //! ```
 //! phalanx::engine::heap::retain_freed_memory();
@@ -26,9 +35,11 @@
 use std::sync::OnceLock;
 
 /// Blocks up to this size come from the heap (glibc's default is 128 KiB,
-/// adapting up to 32 MiB): covers gpt-50m's largest activation (25 MiB)
-/// with room to spare.
-const MMAP_THRESHOLD: i32 = 1 << 30;
+/// adapting up to 32 MiB as blocks are freed): covers gpt-50m's largest
+/// activation (25 MiB) and a llama-60m layer's bf16 weights (14 MiB);
+/// larger blocks are mapped and unmapped as before, so a rare huge buffer
+/// does not stay in the heap.
+const MMAP_THRESHOLD: i32 = 32 << 20;
 /// Free memory at the heap's top kept rather than returned to the kernel.
 const TRIM_THRESHOLD: i32 = i32::MAX;
 
@@ -37,6 +48,13 @@ const TRIM_THRESHOLD: i32 = i32::MAX;
 pub fn retain_freed_memory() -> bool {
     static DONE: OnceLock<bool> = OnceLock::new();
     *DONE.get_or_init(set_thresholds)
+}
+
+/// [`retain_freed_memory`] unless `PHALANX_RETAIN_FREED=0`: what the
+/// `phalanx` binary calls first in `main`, before any thread allocates.
+/// Returns whether freed memory is now retained.
+pub fn retain_unless_refused() -> bool {
+    std::env::var("PHALANX_RETAIN_FREED").as_deref() != Ok("0") && retain_freed_memory()
 }
 
 /// [`retain_freed_memory`] when `PHALANX_RETAIN_FREED=1`; the engine calls

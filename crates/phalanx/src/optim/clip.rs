@@ -16,10 +16,28 @@
 //! ```
 
 /// Sum of squares of a gradient slice, accumulated in f64 per block of 1024
-/// (exact enough for 1e9 elements, and the inner f32 loop vectorises).
+/// (exact enough for 1e9 elements). Within a block 16 f32 lanes add
+/// independently, so the loop runs at the CPU's vector width: one running
+/// f32 sum cannot be reordered by the compiler and ran one element at a
+/// time (about 0.5% of a llama-60m step).
 pub fn sum_squares(g: &[f32]) -> f64 {
+    crate::simd_dispatch!(sum_squares_kernel(g))
+}
+
+#[inline(always)]
+fn sum_squares_kernel(g: &[f32]) -> f64 {
     g.chunks(1024)
-        .map(|c| c.iter().map(|x| x * x).sum::<f32>() as f64)
+        .map(|c| {
+            let mut lanes = [0f32; 16];
+            let mut rows = c.chunks_exact(16);
+            for r in &mut rows {
+                for (l, x) in lanes.iter_mut().zip(r) {
+                    *l += x * x;
+                }
+            }
+            let tail: f32 = rows.remainder().iter().map(|x| x * x).sum();
+            (lanes.iter().sum::<f32>() + tail) as f64
+        })
         .sum()
 }
 
@@ -42,4 +60,24 @@ pub fn clip_grad_norm(g: &mut [f32], max_norm: f32) -> f32 {
     let (norm, scale) = clip_scale(sum_squares(g), max_norm);
     scale_in_place(g, scale);
     norm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sum_squares_matches_f64_on_odd_lengths() {
+        for n in [0, 1, 15, 17, 1023, 1025, 5000] {
+            let g: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let want: f64 = g.iter().map(|&x| (x as f64) * (x as f64)).sum();
+            let got = sum_squares(&g);
+            assert!(
+                (got - want).abs() <= 1e-6 * want.max(1.0),
+                "n {n}: {got} vs {want}"
+            );
+        }
+    }
 }

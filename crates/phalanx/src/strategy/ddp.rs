@@ -16,6 +16,7 @@
 //! Buckets are [`Bucket`]s of the gradient-reduction seam ([`super::reduce`]):
 //! contiguous ranges of the flat gradient buffer covering whole blocks.
 
+use super::pool::Pool;
 use super::reduce::{Collective, CommHook, DefaultHook, ReadyCursor, Reducer};
 use super::state::{fill_params, restore_optimizer, snapshot, StateFill, StateRange};
 use super::{accumulate, BatchFn, Strategy};
@@ -54,6 +55,8 @@ pub struct Ddp {
     cfg: DdpConfig,
     buckets: Vec<Bucket>,
     reducer: Reducer,
+    /// The buckets' copies, reused every step (see `all_reduce_micro_step`).
+    pool: Pool,
     opt: Box<dyn Optimizer + Send>,
     tp_replicated: Vec<Range<usize>>,
 }
@@ -80,12 +83,15 @@ impl Ddp {
         pg.broadcast(engine.params_flat_mut(), 0)?;
         let mut reducer = Reducer::new(pg.clone(), Box::new(DefaultHook::default()));
         reducer.describe(super::reduce::describe(engine.layout(), &buckets));
+        let pool = Pool::new(engine.ledger());
+        reducer.set_pool(pool.clone());
         Ok(Ddp {
             pg,
             mesh: mesh.clone(),
             cfg,
             buckets,
             reducer,
+            pool,
             opt,
             tp_replicated,
         })
@@ -121,6 +127,7 @@ impl Ddp {
             loss_scale,
             &self.buckets,
             &mut self.reducer,
+            &self.pool,
         )
     }
 
@@ -136,6 +143,12 @@ impl Ddp {
 
 /// One micro-step whose buckets are all-reduced as backward completes them
 /// (DDP, ZeRO-1), results written back into the flat gradient buffer.
+///
+/// Each bucket is reduced in a copy (backward goes on writing the flat
+/// buffer's other ranges meanwhile); the copies come from `pool` and go
+/// back to it, so a step takes no fresh pages from the kernel (a fresh
+/// copy per bucket per step cost llama-60m about 4% of its step zeroing
+/// pages).
 pub(crate) fn all_reduce_micro_step(
     engine: &mut Engine,
     inputs: &Tensor,
@@ -143,12 +156,15 @@ pub(crate) fn all_reduce_micro_step(
     loss_scale: f32,
     buckets: &[Bucket],
     reducer: &mut Reducer,
+    pool: &Pool,
 ) -> Result<f32> {
     let mut cursor = ReadyCursor::default();
     let loss = engine.forward_backward_with(inputs, targets, loss_scale, &mut |b, grads| {
         for id in cursor.advance(buckets, b) {
-            let r = buckets[id].range.clone();
-            reducer.launch(id, grads[r].to_vec(), &Collective::AllReduce);
+            let src = &grads[buckets[id].range.clone()];
+            let mut copy: Vec<f32> = pool.take(src.len());
+            copy.copy_from_slice(src);
+            reducer.launch(id, copy, &Collective::AllReduce);
         }
         Ok(())
     });
@@ -158,6 +174,7 @@ pub(crate) fn all_reduce_micro_step(
     let grads = engine.grads_flat_mut();
     for (id, g) in reduced? {
         grads[buckets[id].range.clone()].copy_from_slice(&g);
+        pool.put(g);
     }
     cursor.check_all(buckets, "DDP")?;
     Ok(loss)

@@ -287,9 +287,7 @@ impl Zero {
         let mut reducer = Reducer::new(shard_pg.clone(), Box::new(DefaultHook::default()));
         reducer.describe(super::reduce::describe(&layout, &units));
         let pool = Pool::new(&ledger);
-        if cfg.stage >= 2 {
-            reducer.set_pool(pool.clone());
-        }
+        reducer.set_pool(pool.clone());
         let first_kept = first_kept_block(engine, cfg.max_reuse_distance);
         Ok(Zero {
             cfg,
@@ -338,7 +336,10 @@ impl Zero {
     ) -> Result<f32> {
         match self.cfg.stage {
             1 if !last || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
-            1 => all_reduce_micro_step(engine, x, y, scale, &self.units, &mut self.reducer),
+            1 => {
+                let (units, pool) = (&self.units, &self.pool);
+                all_reduce_micro_step(engine, x, y, scale, units, &mut self.reducer, pool)
+            }
             2 => self.backward_sharded(engine, x, y, scale, false),
             _ => self.backward_sharded(engine, x, y, scale, true),
         }

@@ -1,0 +1,447 @@
+//! The NCCL communicator as a comm [`Backend`]: collectives on NCCL,
+//! point-to-point messages and signature checks on the native mesh.
+//!
+//! Status: compiles and its bookkeeping is unit-tested on CPU; not yet run
+//! on GPU hardware.
+//!
+//! Each collective stages the host buffers the trait gives to the device
+//! ([`Comm::run`]), runs the NCCL call on the communicator's stream, waits
+//! under the call's deadline and copies back. Uneven reduce-scatter and
+//! all-gather are padded to the largest count (see `layout`);
+//! all-to-all-v is grouped `ncclSend`/`ncclRecv` (its own block is copied
+//! on the host).
+//!
+//! Point-to-point (`send`, `recv_into`, `recv_message`) and the
+//! `PHALANX_DEBUG=detail` signature exchange go over the native mesh the
+//! world group also connects: the trait's `send` returns once the data is
+//! handed over (the receiver buffers it), which `ncclSend` cannot do (it
+//! completes only when the peer posts the matching receive, so two ranks
+//! that both send before receiving would deadlock), and the trait's
+//! buffers are on the host anyway.
+
+use super::comm::{Comm, Io};
+use super::layout::{nccl_dtype, nccl_op, offsets, split_color, split_key, Padded};
+use crate::backend::{Backend, Bytes, BytesMut, Call};
+use crate::dtype::{Element, ReduceOp};
+use crate::error::{invalid, CommError, Result};
+use crate::for_dtype;
+use crate::transport::{Link, Msg};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// One group on NCCL, beside its native carrier for messages.
+pub struct Nccl {
+    pub(crate) comm: Comm,
+    pub(crate) native: Arc<dyn Backend>,
+}
+
+fn bytes<T: Element>(x: &[T]) -> &[u8] {
+    bytemuck::cast_slice(x)
+}
+
+fn bytes_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(x)
+}
+
+impl Nccl {
+    /// Count what a ring would send, for `bytes_sent`.
+    fn count(&self, b: usize) {
+        self.comm.bytes.fetch_add(b as u64, Ordering::Relaxed);
+    }
+
+    fn all_reduce_t<T: Element>(&self, c: &Call, x: &mut [T], op: ReduceOp) -> Result<()> {
+        let n = c.n();
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (rop, div) = nccl_op(op);
+        let (dt, count) = (nccl_dtype(T::DTYPE), x.len());
+        self.count(2 * (n - 1) * std::mem::size_of_val(x) / n);
+        let io = Io::InPlace {
+            buf: bytes_mut(x),
+            copy_back: true,
+        };
+        self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+            // SAFETY: `src`/`dst` hold `count` elements on the device.
+            (api.ncclAllReduce)(
+                src as *const c_void,
+                dst as *mut c_void,
+                count,
+                dt,
+                rop,
+                comm,
+                s,
+            )
+        })?;
+        if div {
+            T::div_by(x, n);
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, esz) = (c.n(), std::mem::size_of::<T>());
+        let p = Padded::of(counts);
+        if p.max == 0 {
+            return Ok(());
+        }
+        let (rop, div) = nccl_op(op);
+        let (dt, m) = (nccl_dtype(T::DTYPE), p.max);
+        self.count((n - 1) * m * esz);
+        let mut launch = |api: &super::probe::NcclApi, comm, s, src: u64, dst: u64| unsafe {
+            // SAFETY: `src` holds n * m elements, `dst` m.
+            (api.ncclReduceScatter)(
+                src as *const c_void,
+                dst as *mut c_void,
+                m,
+                dt,
+                rop,
+                comm,
+                s,
+            )
+        };
+        if p.even {
+            let io = Io::Apart {
+                send: bytes(input),
+                recv_len: m * esz,
+                out: Some(bytes_mut(output)),
+            };
+            self.comm.run(c, io, &mut launch)?;
+        } else {
+            let mut padded = vec![0u8; n * m * esz];
+            p.pad(counts, esz, bytes(input), &mut padded);
+            let mut mine = vec![0u8; m * esz];
+            let io = Io::Apart {
+                send: &padded,
+                recv_len: m * esz,
+                out: Some(&mut mine),
+            };
+            self.comm.run(c, io, &mut launch)?;
+            let out = bytes_mut(output);
+            let len = out.len();
+            out.copy_from_slice(&mine[..len]);
+        }
+        if div {
+            T::div_by(output, n);
+        }
+        Ok(())
+    }
+
+    fn all_gather_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> Result<()> {
+        let (n, esz) = (c.n(), std::mem::size_of::<T>());
+        let p = Padded::of(counts);
+        if p.max == 0 {
+            return Ok(());
+        }
+        let (dt, m) = (nccl_dtype(T::DTYPE), p.max);
+        self.count((n - 1) * m * esz);
+        let mut launch = |api: &super::probe::NcclApi, comm, s, src: u64, dst: u64| unsafe {
+            // SAFETY: `src` holds m elements, `dst` n * m.
+            (api.ncclAllGather)(src as *const c_void, dst as *mut c_void, m, dt, comm, s)
+        };
+        if p.even {
+            let io = Io::Apart {
+                send: bytes(input),
+                recv_len: n * m * esz,
+                out: Some(bytes_mut(output)),
+            };
+            return self.comm.run(c, io, &mut launch);
+        }
+        let mut mine = vec![0u8; m * esz];
+        mine[..std::mem::size_of_val(input)].copy_from_slice(bytes(input));
+        let mut all = vec![0u8; n * m * esz];
+        let io = Io::Apart {
+            send: &mine,
+            recv_len: n * m * esz,
+            out: Some(&mut all),
+        };
+        self.comm.run(c, io, &mut launch)?;
+        p.cut(counts, esz, &all, bytes_mut(output));
+        Ok(())
+    }
+
+    fn rooted_t<T: Element>(
+        &self,
+        c: &Call,
+        x: &mut [T],
+        root: usize,
+        op: Option<ReduceOp>,
+    ) -> Result<()> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (dt, count, r) = (nccl_dtype(T::DTYPE), x.len(), root as c_int);
+        self.count(std::mem::size_of_val(x));
+        let mine = c.me == root;
+        match op {
+            None => {
+                let io = Io::InPlace {
+                    buf: bytes_mut(x),
+                    copy_back: !mine,
+                };
+                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+                    // SAFETY: `src`/`dst` hold `count` elements on the device.
+                    (api.ncclBroadcast)(
+                        src as *const c_void,
+                        dst as *mut c_void,
+                        count,
+                        dt,
+                        r,
+                        comm,
+                        s,
+                    )
+                })
+            }
+            Some(op) => {
+                let (rop, div) = nccl_op(op);
+                let io = Io::InPlace {
+                    buf: bytes_mut(x),
+                    copy_back: mine,
+                };
+                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+                    // SAFETY: as above.
+                    (api.ncclReduce)(
+                        src as *const c_void,
+                        dst as *mut c_void,
+                        count,
+                        dt,
+                        rop,
+                        r,
+                        comm,
+                        s,
+                    )
+                })?;
+                if div && mine {
+                    T::div_by(x, c.n());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn all_to_all_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> Result<()> {
+        let (me, esz, dt) = (c.me, std::mem::size_of::<T>(), nccl_dtype(T::DTYPE));
+        let (so, ro) = (offsets(send), offsets(recv));
+        let remote = |k: &[usize]| k.iter().enumerate().any(|(j, &x)| j != me && x > 0);
+        if remote(send) || remote(recv) {
+            self.count((send.iter().sum::<usize>() - send[me]) * esz);
+            let io = Io::Apart {
+                send: bytes(input),
+                recv_len: std::mem::size_of_val(output),
+                out: Some(bytes_mut(output)),
+            };
+            self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+                // SAFETY: offsets and counts lie within the staged buffers
+                // (validated by the group); grouped so that NCCL pairs them.
+                let mut rc = (api.ncclGroupStart)();
+                for j in (0..send.len()).filter(|&j| j != me) {
+                    if rc == 0 && send[j] > 0 {
+                        let p = src + (so[j] * esz) as u64;
+                        rc = (api.ncclSend)(p as *const c_void, send[j], dt, j as c_int, comm, s);
+                    }
+                    if rc == 0 && recv[j] > 0 {
+                        let p = dst + (ro[j] * esz) as u64;
+                        rc = (api.ncclRecv)(p as *mut c_void, recv[j], dt, j as c_int, comm, s);
+                    }
+                }
+                let end = (api.ncclGroupEnd)();
+                if rc == 0 {
+                    end
+                } else {
+                    rc
+                }
+            })?;
+        }
+        output[ro[me]..ro[me] + recv[me]].copy_from_slice(&input[so[me]..so[me] + send[me]]);
+        Ok(())
+    }
+}
+
+impl Backend for Nccl {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn all_reduce(&self, c: &Call, buf: BytesMut, op: ReduceOp) -> Result<()> {
+        for_dtype!(buf.dtype(), T => self.all_reduce_t(c, buf.typed::<T>(), op))
+    }
+
+    fn reduce_scatter_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        counts: &[usize],
+        output: BytesMut,
+        op: ReduceOp,
+    ) -> Result<()> {
+        for_dtype!(input.dtype(), T => {
+            self.reduce_scatter_t(c, input.typed::<T>(), counts, output.typed::<T>(), op)
+        })
+    }
+
+    fn all_gather_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        counts: &[usize],
+        output: BytesMut,
+    ) -> Result<()> {
+        for_dtype!(input.dtype(), T => {
+            self.all_gather_t(c, input.typed::<T>(), counts, output.typed::<T>())
+        })
+    }
+
+    fn broadcast(&self, c: &Call, buf: BytesMut, root: usize) -> Result<()> {
+        for_dtype!(buf.dtype(), T => self.rooted_t(c, buf.typed::<T>(), root, None))
+    }
+
+    fn reduce(&self, c: &Call, buf: BytesMut, root: usize, op: ReduceOp) -> Result<()> {
+        for_dtype!(buf.dtype(), T => self.rooted_t(c, buf.typed::<T>(), root, Some(op)))
+    }
+
+    fn all_to_all_v(
+        &self,
+        c: &Call,
+        input: Bytes,
+        send: &[usize],
+        output: BytesMut,
+        recv: &[usize],
+    ) -> Result<()> {
+        for_dtype!(input.dtype(), T => {
+            self.all_to_all_t(c, input.typed::<T>(), send, output.typed::<T>(), recv)
+        })
+    }
+
+    /// Over the native mesh (host bytes; no device round trip).
+    fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.native.exchange_signatures(c, mine)
+    }
+
+    fn send(&self, c: &Call, dst: usize, tag: u64, data: &[u8]) -> Result<()> {
+        self.native.send(c, dst, tag, data)
+    }
+
+    fn recv_into(&self, c: &Call, src: usize, tag: u64, buf: &mut [u8]) -> Result<()> {
+        self.native.recv_into(c, src, tag, buf)
+    }
+
+    fn recv_message(&self, c: &Call, src: usize, tag: u64) -> Result<Msg> {
+        self.native.recv_message(c, src, tag)
+    }
+
+    /// `ncclCommSplit` of this group's communicator (and the native
+    /// carrier's child for messages), checked to have `want` members.
+    fn child(
+        &self,
+        c: &Call,
+        color: Option<u32>,
+        key: i64,
+        want: usize,
+    ) -> Result<Option<Arc<dyn Backend>>> {
+        let native = self.native.child(c, color, key, want)?;
+        // Every member arrives (with the deadline, and dead peers named by
+        // the mesh) before NCCL's blocking split.
+        let mut one = [1i32];
+        self.native
+            .all_reduce(c, BytesMut::of(&mut one), ReduceOp::Sum)?;
+        let sub = self.comm.split(c, split_color(color), split_key(key))?;
+        let (Some(sub), Some(native)) = (sub, native) else {
+            return Ok(None);
+        };
+        let mut n = [1i32];
+        let probe = Call {
+            op: "new_group",
+            ..*c
+        };
+        let nc = Nccl { comm: sub, native };
+        // The child's size, from NCCL itself: a sum of ones over it.
+        let members: Vec<usize> = (0..want).collect();
+        let sc = Call {
+            members: &members,
+            me: 0,
+            ..probe
+        };
+        nc.comm.run(
+            &sc,
+            Io::InPlace {
+                buf: bytemuck::cast_slice_mut(&mut n),
+                copy_back: true,
+            },
+            &mut |api, comm, s, src, dst| unsafe {
+                // SAFETY: one i32 on the device.
+                (api.ncclAllReduce)(
+                    src as *const c_void,
+                    dst as *mut c_void,
+                    1,
+                    nccl_dtype(crate::DType::I32),
+                    0,
+                    comm,
+                    s,
+                )
+            },
+        )?;
+        if n[0] as usize != want {
+            return Err(invalid!(
+                "ncclCommSplit gave a group of {} ranks where {want} were asked for (two groups' \
+                 colors collided); create the groups in another order",
+                n[0]
+            ));
+        }
+        Ok(Some(Arc::new(nc)))
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.native.bytes_sent() + self.comm.bytes.load(Ordering::Relaxed)
+    }
+
+    fn in_place_all_reduces(&self) -> u64 {
+        0
+    }
+
+    /// The native link that carries point-to-point messages.
+    fn link(&self, me: usize, global: usize) -> Option<Link> {
+        self.native.link(me, global)
+    }
+
+    fn failure(&self) -> Option<CommError> {
+        self.comm.failure().or_else(|| self.native.failure())
+    }
+
+    /// `ncclCommDestroy`, then a goodbye on the mesh.
+    fn shutdown(&self) {
+        self.comm.destroy();
+        self.native.shutdown();
+    }
+
+    /// `ncclCommAbort`, and the mesh's abort (peers fail with `reason`).
+    fn abort(&self, reason: &str) {
+        self.comm.abort(reason);
+        self.native.abort(reason);
+    }
+
+    fn crash_for_test(&self) {
+        self.native.crash_for_test();
+        std::process::abort()
+    }
+}

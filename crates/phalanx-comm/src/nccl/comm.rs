@@ -1,0 +1,323 @@
+//! One NCCL communicator with its device lane: making it (from a unique
+//! id, or split from a parent), running one staged operation under the
+//! call's deadline, abort and destroy.
+//!
+//! Status: compiles without CUDA; not yet run on GPU hardware.
+//!
+//! `ncclCommInitRank` and `ncclCommSplit` block until every member calls
+//! them; they run on a helper thread and the caller waits until the
+//! deadline, so a missing rank gives a timeout naming the group and rank
+//! instead of a hang (the helper stays blocked until the process ends).
+
+use super::cuda::{Device, Lane};
+use super::probe::{NcclApi, Stream};
+use crate::backend::Call;
+use crate::error::{CommError, Result};
+use cudarc::driver::sys as cu;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A raw `ncclComm_t` that may cross threads.
+#[derive(Clone, Copy)]
+pub struct Handle(pub *mut c_void);
+// SAFETY: NCCL communicators may be used from any thread (one at a time,
+// which `Comm`'s mutex guarantees).
+unsafe impl Send for Handle {}
+
+impl Handle {
+    /// The raw handle (a method, so that closures capture the `Send` whole).
+    pub fn ptr(self) -> *mut c_void {
+        self.0
+    }
+}
+
+struct Inner {
+    /// Null once destroyed or aborted.
+    comm: Handle,
+    lane: Lane,
+}
+
+/// The host buffers of one staged operation.
+pub enum Io<'a> {
+    /// One buffer sent and received (all-reduce, broadcast, reduce); the
+    /// result is copied back into it when `copy_back`.
+    InPlace { buf: &'a mut [u8], copy_back: bool },
+    /// `send` goes to the device; `recv_len` bytes come back into `out`
+    /// (when given).
+    Apart {
+        send: &'a [u8],
+        recv_len: usize,
+        out: Option<&'a mut [u8]>,
+    },
+}
+
+/// An NCCL communicator of one group.
+pub struct Comm {
+    pub api: &'static NcclApi,
+    pub dev: Arc<Device>,
+    inner: Mutex<Inner>,
+    failed: Mutex<Option<CommError>>,
+    /// Payload bytes as a ring would send them, shared by a world and its
+    /// sub-groups.
+    pub bytes: Arc<AtomicU64>,
+}
+
+/// Run `f` on a helper thread with the device current; give up at
+/// `deadline` with a timeout naming `what`.
+fn blocking<R: Send + 'static>(
+    dev: &Arc<Device>,
+    deadline: Instant,
+    what: String,
+    f: impl FnOnce() -> Result<R> + Send + 'static,
+) -> Result<R> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = dev.clone();
+    std::thread::Builder::new()
+        .name("phalanx-nccl-init".into())
+        .spawn(move || {
+            let _ = tx.send(d.bind().and_then(|_| f()));
+        })
+        .map_err(|e| CommError::Io(format!("{what}: cannot start a thread: {e}")))?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    match rx.recv_timeout(left) {
+        Ok(r) => r,
+        Err(_) => Err(CommError::Timeout(format!(
+            "{what} did not finish within the timeout (PHALANX_TIMEOUT): a member of the group \
+             did not join (is every rank running with PHALANX_BACKEND=nccl?)"
+        ))),
+    }
+}
+
+impl Comm {
+    fn wrap(
+        api: &'static NcclApi,
+        dev: Arc<Device>,
+        comm: Handle,
+        bytes: Arc<AtomicU64>,
+    ) -> Result<Comm> {
+        dev.bind()?;
+        let lane = Lane::new()?;
+        Ok(Comm {
+            api,
+            dev,
+            inner: Mutex::new(Inner { comm, lane }),
+            failed: Mutex::new(None),
+            bytes,
+        })
+    }
+
+    /// `ncclCommInitRank` of rank `rank` of `size` with the shared `id`.
+    pub fn init(
+        api: &'static NcclApi,
+        dev: Arc<Device>,
+        id: [u8; super::id::ID_BYTES],
+        rank: usize,
+        size: usize,
+        deadline: Instant,
+    ) -> Result<Comm> {
+        let what = format!(
+            "ncclCommInitRank (rank {rank} of {size}, CUDA device {}, {} {})",
+            dev.ordinal,
+            api.path,
+            api.version()
+        );
+        let w = what.clone();
+        let h = blocking(&dev, deadline, what, move || {
+            let mut uid = cudarc::nccl::sys::ncclUniqueId { internal: [0; 128] };
+            for (d, s) in uid.internal.iter_mut().zip(id) {
+                *d = s as std::ffi::c_char;
+            }
+            let mut comm: *mut c_void = std::ptr::null_mut();
+            // SAFETY: an out-parameter; the id came from ncclGetUniqueId on rank 0.
+            let rc =
+                unsafe { (api.ncclCommInitRank)(&mut comm, size as c_int, uid, rank as c_int) };
+            api.check(rc, &|| {
+                format!("{w} (two ranks on one GPU are refused by NCCL: one rank per device)")
+            })?;
+            Ok(Handle(comm))
+        })?;
+        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)))
+    }
+
+    /// A fresh unique id (`ncclGetUniqueId`, on group rank 0).
+    pub fn unique_id(api: &NcclApi) -> Result<[u8; super::id::ID_BYTES]> {
+        let mut uid = cudarc::nccl::sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: an out-parameter.
+        api.check(unsafe { (api.ncclGetUniqueId)(&mut uid) }, &|| {
+            "ncclGetUniqueId".into()
+        })?;
+        Ok(uid.internal.map(|c| c as u8))
+    }
+
+    /// `ncclCommSplit` of this communicator (collective over it): `None`
+    /// for a rank without a color.
+    pub fn split(&self, c: &Call, color: c_int, key: c_int) -> Result<Option<Comm>> {
+        let inner = self.inner.lock().unwrap();
+        let parent = self.live(&inner, c)?;
+        let api = self.api;
+        let what = format!(
+            "ncclCommSplit of group {:x} (rank {}, global rank {})",
+            c.gid, c.me, c.members[c.me]
+        );
+        let w = what.clone();
+        let h = blocking(&self.dev, c.deadline, what, move || {
+            let mut out: *mut c_void = std::ptr::null_mut();
+            // SAFETY: a live parent; a null config inherits the parent's.
+            let rc = unsafe {
+                (api.ncclCommSplit)(parent.ptr(), color, key, &mut out, std::ptr::null_mut())
+            };
+            api.check(rc, &|| w.clone())?;
+            Ok(Handle(out))
+        });
+        let h = match h {
+            Ok(h) => h,
+            Err(e) => return Err(self.fail(e)),
+        };
+        drop(inner);
+        if h.0.is_null() {
+            return Ok(None);
+        }
+        Comm::wrap(self.api, self.dev.clone(), h, self.bytes.clone()).map(Some)
+    }
+
+    fn live(&self, inner: &Inner, c: &Call) -> Result<Handle> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        if inner.comm.0.is_null() {
+            return Err(CommError::Aborted(format!(
+                "{}: the NCCL communicator of group {:x} was shut down",
+                c.op, c.gid
+            )));
+        }
+        Ok(inner.comm)
+    }
+
+    fn fail(&self, e: CommError) -> CommError {
+        self.failed.lock().unwrap().get_or_insert(e).clone()
+    }
+
+    pub fn failure(&self) -> Option<CommError> {
+        self.failed.lock().unwrap().clone()
+    }
+
+    /// Stage and run one operation: copy the send bytes to the device, call
+    /// `launch(api, comm, stream, send_dev, recv_dev)`, wait for it until
+    /// the call's deadline, and copy the received bytes back (see [`Io`]).
+    pub fn run(
+        &self,
+        c: &Call,
+        io: Io,
+        launch: &mut dyn FnMut(
+            &NcclApi,
+            *mut c_void,
+            Stream,
+            cu::CUdeviceptr,
+            cu::CUdeviceptr,
+        ) -> c_int,
+    ) -> Result<()> {
+        let mut inner = self.inner.lock().unwrap();
+        let comm = self.live(&inner, c)?;
+        self.dev.bind()?;
+        let (send, recv_len): (&[u8], usize) = match &io {
+            Io::InPlace { buf, .. } => (buf, 0),
+            Io::Apart { send, recv_len, .. } => (send, *recv_len),
+        };
+        let send_room = send.len().next_multiple_of(256);
+        let base = inner.lane.ensure(send_room + recv_len)?;
+        let recv = match io {
+            Io::InPlace { .. } => base,
+            Io::Apart { .. } => base + send_room as u64,
+        };
+        inner.lane.h2d(base, send)?;
+        let stream = inner.lane.stream as Stream;
+        let rc = launch(self.api, comm.0, stream, base, recv);
+        let what = || {
+            format!(
+                "{} on group {:x} (rank {}, global rank {}, CUDA device {})",
+                c.op, c.gid, c.me, c.members[c.me], self.dev.ordinal
+            )
+        };
+        if let Err(e) = self.api.check(rc, &what) {
+            return Err(self.fail(e));
+        }
+        let api = self.api;
+        let mut check = || {
+            // An `abort` from another thread ends the wait.
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            let mut async_rc: c_int = 0;
+            // SAFETY: a live communicator; an out-parameter.
+            unsafe { (api.ncclCommGetAsyncError)(comm.0, &mut async_rc) };
+            // ncclInProgress (7) is not an error.
+            if async_rc == 7 {
+                return Ok(());
+            }
+            api.check(async_rc, &|| format!("{} (asynchronous error)", what()))
+        };
+        let done = inner.lane.wait(c.deadline, &mut check);
+        match done {
+            Ok(true) => {}
+            Ok(false) => {
+                self.abort_locked(&mut inner);
+                return Err(self.fail(CommError::Timeout(format!(
+                    "{} did not complete within {:?} (PHALANX_TIMEOUT); the NCCL communicator \
+                     was aborted",
+                    what(),
+                    c.cfg.timeout
+                ))));
+            }
+            Err(e) => {
+                self.abort_locked(&mut inner);
+                return Err(self.fail(e));
+            }
+        }
+        match io {
+            Io::InPlace {
+                buf,
+                copy_back: true,
+            } => inner.lane.d2h(buf, recv),
+            Io::Apart { out: Some(out), .. } => inner.lane.d2h(out, recv),
+            _ => Ok(()),
+        }
+    }
+
+    fn abort_locked(&self, inner: &mut Inner) {
+        if !inner.comm.0.is_null() {
+            // SAFETY: a live communicator, aborted once, then forgotten.
+            unsafe { (self.api.ncclCommAbort)(inner.comm.0) };
+            inner.comm = Handle(std::ptr::null_mut());
+            inner.lane.poisoned = true;
+        }
+    }
+
+    /// `ncclCommAbort`: pending work ends, later calls fail with `reason`.
+    /// Does not wait for the lock (a hung call holds it): the failure is
+    /// recorded first, and the communicator aborted when the lock is free.
+    pub fn abort(&self, reason: &str) {
+        self.fail(CommError::Aborted(reason.to_string()));
+        if let Ok(mut inner) = self.inner.try_lock() {
+            self.abort_locked(&mut inner);
+        }
+    }
+
+    /// `ncclCommDestroy` (after its work is done).
+    pub fn destroy(&self) {
+        let mut inner = self.inner.lock().unwrap();
+        if !inner.comm.0.is_null() {
+            let _ = self.dev.bind();
+            // SAFETY: a live communicator, destroyed once, then forgotten.
+            unsafe { (self.api.ncclCommDestroy)(inner.comm.0) };
+            inner.comm = Handle(std::ptr::null_mut());
+        }
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}
