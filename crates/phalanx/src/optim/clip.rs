@@ -27,17 +27,7 @@ pub fn sum_squares(g: &[f32]) -> f64 {
 #[inline(always)]
 fn sum_squares_kernel(g: &[f32]) -> f64 {
     g.chunks(1024)
-        .map(|c| {
-            let mut lanes = [0f32; 16];
-            let mut rows = c.chunks_exact(16);
-            for r in &mut rows {
-                for (l, x) in lanes.iter_mut().zip(r) {
-                    *l += x * x;
-                }
-            }
-            let tail: f32 = rows.remainder().iter().map(|x| x * x).sum();
-            (lanes.iter().sum::<f32>() + tail) as f64
-        })
+        .map(|c| crate::ops::cpu::dot_lanes(c, c) as f64)
         .sum()
 }
 
