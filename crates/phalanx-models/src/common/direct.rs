@@ -12,8 +12,9 @@
 //! - [`with_f32_params`], [`Wide`], [`convert`]: the parameters (or any
 //!   half tensor) as f32 slices, widened in parallel into pooled buffers;
 //! - [`bf16_weights`]: whether the layer's products run in bf16;
-//! - [`weight_grads`]: a layer's weight pass (every dW and db) in one
-//!   parallel region.
+//! - [`weight_grads`] / [`weight_grads_into`]: a layer's weight pass
+//!   (every dW and db) in one parallel region, returned or added into
+//!   the flat gradient buffer.
 //!
 //! ```
 //! use phalanx_models::common::direct::split_parts;
@@ -195,12 +196,8 @@ pub struct WeightGrad<'a> {
 }
 
 /// Every (dW, db) of `lins` over `rows` batch rows (db empty without a
-/// bias), in one parallel region: each pool thread computes its share of
-/// every product's output rows over all batch rows, so each element's sum
-/// is the unsplit one and the result does not depend on the thread count.
+/// bias), in one parallel region: [`weight_grads_into`] on zeroed buffers.
 pub fn weight_grads(rows: usize, lins: &[WeightGrad]) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let least = lins.iter().map(|l| l.out).min().unwrap_or(1);
-    let parts = cpu::pool_threads().min(least).max(1);
     let mut grads: Vec<(Vec<f32>, Vec<f32>)> = lins
         .iter()
         .map(|l| {
@@ -210,15 +207,41 @@ pub fn weight_grads(rows: usize, lins: &[WeightGrad]) -> Vec<(Vec<f32>, Vec<f32>
             )
         })
         .collect();
+    let dst = grads.iter_mut().map(|(w, b)| (&mut w[..], &mut b[..]));
+    weight_grads_into(rows, lins, dst.collect());
+    grads
+}
+
+/// Adds every (dW, db) of `lins` over `rows` batch rows into `dst` (one
+/// (dW, db) slot pair per linear, db empty without a bias: a flat gradient
+/// buffer's ranges, or zeroed buffers), in one parallel region: each pool
+/// thread computes its share of every product's output rows over all batch
+/// rows, so each element's sum is the unsplit one and the result does not
+/// depend on the thread count.
+pub fn weight_grads_into(rows: usize, lins: &[WeightGrad], dst: Vec<(&mut [f32], &mut [f32])>) {
+    assert_eq!(
+        dst.len(),
+        lins.len(),
+        "weight_grads_into: one slot pair per linear"
+    );
+    let least = lins.iter().map(|l| l.out).min().unwrap_or(1);
+    let parts = cpu::pool_threads().min(least).max(1);
     // Part p's rows out * p / parts .. out * (p + 1) / parts of each product.
     let mut shares: Vec<Vec<(&mut [f32], &mut [f32])>> = (0..parts).map(|_| Vec::new()).collect();
-    for ((dw, db), l) in grads.iter_mut().zip(lins) {
-        let (mut dw, mut db) = (&mut dw[..], &mut db[..]);
+    for ((mut dw, mut db), l) in dst.into_iter().zip(lins) {
+        let nb = if l.bias { l.out } else { 0 };
+        assert!(
+            dw.len() == l.out * l.inp && db.len() == nb,
+            "weight_grads_into: slots of {} and {} values for a ({}, {}) linear",
+            dw.len(),
+            db.len(),
+            l.out,
+            l.inp
+        );
         for (p, share) in shares.iter_mut().enumerate() {
             let r = l.out * (p + 1) / parts - l.out * p / parts;
             let (w0, w1) = std::mem::take(&mut dw).split_at_mut(r * l.inp);
-            let nb = if l.bias { r } else { 0 };
-            let (b0, b1) = std::mem::take(&mut db).split_at_mut(nb);
+            let (b0, b1) = std::mem::take(&mut db).split_at_mut(if l.bias { r } else { 0 });
             share.push((w0, b0));
             (dw, db) = (w1, b1);
         }
@@ -226,11 +249,14 @@ pub fn weight_grads(rows: usize, lins: &[WeightGrad]) -> Vec<(Vec<f32>, Vec<f32>
     run_parts(shares, |p, share| {
         for (l, (dw, db)) in lins.iter().zip(share) {
             let o0 = l.out * p / parts;
-            phalanx::ops::linear_backward_weight_rows(l.x, l.d, (rows, l.inp, l.out), o0, dw);
+            phalanx::ops::linear_backward_weight_rows_acc(l.x, l.d, (rows, l.inp, l.out), o0, dw);
             if l.bias {
-                phalanx::ops::linear_backward_bias_cols(l.d, l.out, o0, db);
+                // The bias's sum on its own, then added: as a bias
+                // gradient handed to the sink is.
+                let mut sum = vec![0f32; db.len()];
+                phalanx::ops::linear_backward_bias_cols(l.d, l.out, o0, &mut sum);
+                cpu::add_assign(db, &sum);
             }
         }
     });
-    grads
 }

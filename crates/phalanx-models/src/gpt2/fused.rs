@@ -64,7 +64,9 @@ use super::fused_half::{self as half_io, with_src, Dst, Kept, Src};
 
 pub(crate) use crate::common::direct::enabled;
 pub use crate::common::direct::set_fused_layer;
-use crate::common::direct::{batch_parts, bf16_weights, pieces, weight_grads, WeightGrad};
+use crate::common::direct::{
+    batch_parts, bf16_weights, pieces, weight_grads, weight_grads_into, WeightGrad,
+};
 
 /// The layer's parameters, in this order: ln_1 w, b; c_attn w (3C, C), b;
 /// attn.c_proj w (C, C), b; ln_2 w, b; c_fc w (4C, C), b; mlp.c_proj w
@@ -483,53 +485,100 @@ struct LayerGrads {
     inputs: Option<[Kept; 4]>,
 }
 
-impl DeferredGrad for LayerGrads {
-    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        let (n, c) = self.dims;
+impl LayerGrads {
+    /// `f` on the weight pass's four linears, under the layer's product
+    /// precision: each weight's index (its bias is the next) and what the
+    /// product reads.
+    fn with_linears<R>(&self, f: impl FnOnce(&[usize], &[WeightGrad]) -> R) -> Result<R> {
+        let c = self.dims.1;
         let inputs = self.inputs.as_ref().expect("set before deferral");
         let [ln1, att, ln2, g] = inputs.each_ref().map(|k| k.src().wide());
-        let dev = self.dy.device();
-        let mut out = Vec::with_capacity(12);
-        // Each gradient in its parameter's dtype.
-        let mut push = |i: usize, v: Vec<f32>| -> Result<()> {
-            let t = half_io::tensor(self.p[i].dtype(), v, self.p[i].shape(), dev)?;
-            out.push((self.p[i].clone(), t));
-            Ok(())
-        };
-        let bf16 = bf16_weights(&self.p);
-        k::cpu::with_bf16_products(bf16, || {
+        k::cpu::with_bf16_products(bf16_weights(&self.p), || {
             let what = "fused GPT-2 layer";
-            crate::common::direct::with_f32_params(
-                std::slice::from_ref(&self.dy),
-                what,
-                |dy| -> Result<()> {
-                    let dy = dy[0];
-                    let linears: [Lin; 4] = [
-                        (MLP_W, &g, dy, c, 4 * c),
-                        (FC_W, &ln2, &self.dh, 4 * c, c),
-                        (PROJ_W, &att, &self.dx1, c, c),
-                        (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
-                    ];
-                    let lins = linears.map(|(_, x, d, out, inp)| WeightGrad {
-                        x,
-                        d,
-                        out,
-                        inp,
-                        bias: true,
-                    });
-                    let grads = weight_grads(n, &lins);
-                    for ((dw, db), (i, ..)) in grads.into_iter().zip(linears) {
-                        push(i, dw)?;
-                        push(i + 1, db)?;
-                    }
-                    Ok(())
-                },
+            crate::common::direct::with_f32_params(std::slice::from_ref(&self.dy), what, |dy| {
+                let dy = dy[0];
+                let linears: [Lin; 4] = [
+                    (MLP_W, &g, dy, c, 4 * c),
+                    (FC_W, &ln2, &self.dh, 4 * c, c),
+                    (PROJ_W, &att, &self.dx1, c, c),
+                    (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
+                ];
+                let idx = linears.map(|(i, ..)| i);
+                let lins = linears.map(|(_, x, d, out, inp)| WeightGrad {
+                    x,
+                    d,
+                    out,
+                    inp,
+                    bias: true,
+                });
+                f(&idx, &lins)
+            })
+        })
+    }
+
+    /// The parameters' indices in the order `compute` returns them and
+    /// `accumulate_into` takes their slots: each linear's weight and bias,
+    /// then the LayerNorms'.
+    fn order(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = [MLP_W, FC_W, PROJ_W, ATTN_W]
+            .into_iter()
+            .flat_map(|i| [i, i + 1])
+            .collect();
+        v.extend(self.ln.iter().map(|(i, _)| *i));
+        v
+    }
+}
+
+impl DeferredGrad for LayerGrads {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        let n = self.dims.0;
+        let dev = self.dy.device();
+        let grads = self.with_linears(|_, lins| weight_grads(n, lins))?;
+        let vals = grads
+            .into_iter()
+            .flat_map(|(dw, db)| [dw, db])
+            .chain(self.ln.iter().map(|(_, g)| g.clone()));
+        // Each gradient in its parameter's dtype.
+        self.order()
+            .into_iter()
+            .zip(vals)
+            .map(|(i, v)| {
+                let t = half_io::tensor(self.p[i].dtype(), v, self.p[i].shape(), dev)?;
+                Ok((self.p[i].clone(), t))
+            })
+            .collect()
+    }
+
+    fn targets(&self) -> Option<Vec<&Tensor>> {
+        Some(self.order().into_iter().map(|i| &self.p[i]).collect())
+    }
+
+    /// In f32 whatever the parameters' dtype: the flat buffer's precision
+    /// (`compute` rounds a half parameter's gradient to its dtype first).
+    fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
+        let order = self.order();
+        if slots.len() != order.len() {
+            bail!(
+                "fused GPT-2 layer: {} gradient slots for {} parameters",
+                slots.len(),
+                order.len()
             )
-        })??;
-        for (i, g) in &self.ln {
-            push(*i, g.clone())?;
         }
-        Ok(out)
+        let mut by_param: Vec<Option<&mut [f32]>> = self.p.iter().map(|_| None).collect();
+        for (i, s) in order.into_iter().zip(slots) {
+            by_param[i] = Some(s);
+        }
+        for (i, g) in &self.ln {
+            add_assign(by_param[*i].as_deref_mut().expect("every slot given"), g);
+        }
+        let n = self.dims.0;
+        self.with_linears(|idx, lins| {
+            let dst = idx.iter().map(|&i| {
+                let dw = by_param[i].take().expect("every slot given");
+                (dw, by_param[i + 1].take().expect("every slot given"))
+            });
+            weight_grads_into(n, lins, dst.collect())
+        })
     }
 
     fn kept(&self) -> Vec<&Tensor> {

@@ -46,7 +46,8 @@ use phalanx::simd_dispatch;
 use super::config::LlamaConfig;
 use super::ops::{rms_row_bwd, rms_row_fwd, swiglu_bwd, swiglu_fwd};
 use crate::common::direct::{
-    batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut, weight_grads, WeightGrad,
+    batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut, weight_grads,
+    weight_grads_into, WeightGrad,
 };
 
 const WHAT: &str = "direct Llama layer";
@@ -417,26 +418,21 @@ struct LayerGrads {
     norms: [(usize, Vec<f32>); 2],
 }
 
-impl DeferredGrad for LayerGrads {
-    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+impl LayerGrads {
+    /// `f` on the weight pass's seven linears, under the layer's product
+    /// precision: (weight index, bias index) and what the product reads.
+    fn with_linears<R>(
+        &self,
+        f: impl FnOnce(&[(usize, Option<usize>)], &[WeightGrad]) -> R,
+    ) -> Result<R> {
         let dm = self.dm;
-        let (n, c, q, kv, m) = (dm.n(), dm.c, dm.q(), dm.kv(), dm.m);
+        let (c, q, kv, m) = (dm.c, dm.q(), dm.kv(), dm.m);
         let [h1, att, h2, s] = &self.inputs;
         let o = &self.outs;
         let biased = self.p.len() > BQ;
         let bias = |i: usize| biased.then_some(BQ + i);
-        let dev = self.dy.device();
-        let mut out = Vec::with_capacity(self.p.len());
-        let mut push = |i: usize, v: Vec<f32>| -> Result<()> {
-            out.push((
-                self.p[i].clone(),
-                Tensor::from_vec(v, self.p[i].shape(), dev)?,
-            ));
-            Ok(())
-        };
-        let bf16 = bf16_weights(&self.p);
-        k::cpu::with_bf16_products(bf16, || {
-            with_f32_any(&self.dy, |dy| -> Result<()> {
+        k::cpu::with_bf16_products(bf16_weights(&self.p), || {
+            with_f32_any(&self.dy, |dy| {
                 let linears: [Lin; 7] = [
                     (WD, None, s, dy, c, m),
                     (WG, None, h2, &o[DG], m, c),
@@ -446,6 +442,7 @@ impl DeferredGrad for LayerGrads {
                     (WK, bias(1), h1, &o[DK], kv, c),
                     (WV, bias(2), h1, &o[DV], kv, c),
                 ];
+                let idx = linears.map(|(wi, bi, ..)| (wi, bi));
                 let lins = linears.map(|(_, bi, x, d, out, inp)| WeightGrad {
                     x,
                     d,
@@ -453,20 +450,83 @@ impl DeferredGrad for LayerGrads {
                     inp,
                     bias: bi.is_some(),
                 });
-                let grads = weight_grads(n, &lins);
-                for ((dw, db), (wi, bi, ..)) in grads.into_iter().zip(linears) {
-                    push(wi, dw)?;
-                    if let Some(bi) = bi {
-                        push(bi, db)?;
-                    }
-                }
-                Ok(())
+                f(&idx, &lins)
             })
-        })??;
-        for (i, g) in &self.norms {
-            push(*i, g.clone())?;
+        })
+    }
+
+    /// The parameters' indices in the order `compute` returns them and
+    /// `accumulate_into` takes their slots: each linear's weight (and
+    /// bias), then the norms' gains.
+    fn order(&self) -> Vec<usize> {
+        let biased = self.p.len() > BQ;
+        let mut v = vec![WD, WG, WU, WO, WQ];
+        v.extend(biased.then_some(BQ));
+        v.push(WK);
+        v.extend(biased.then_some(BQ + 1));
+        v.push(WV);
+        v.extend(biased.then_some(BQ + 2));
+        v.extend(self.norms.iter().map(|(i, _)| *i));
+        v
+    }
+}
+
+impl DeferredGrad for LayerGrads {
+    fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        let n = self.dm.n();
+        let dev = self.dy.device();
+        let mut grads = self.with_linears(|_, lins| weight_grads(n, lins))?;
+        let mut vals = Vec::with_capacity(self.p.len());
+        for (dw, db) in grads.drain(..) {
+            vals.push(dw);
+            if !db.is_empty() {
+                vals.push(db);
+            }
         }
-        Ok(out)
+        vals.extend(self.norms.iter().map(|(_, g)| g.clone()));
+        self.order()
+            .into_iter()
+            .zip(vals)
+            .map(|(i, v)| {
+                Ok((
+                    self.p[i].clone(),
+                    Tensor::from_vec(v, self.p[i].shape(), dev)?,
+                ))
+            })
+            .collect()
+    }
+
+    fn targets(&self) -> Option<Vec<&Tensor>> {
+        Some(self.order().into_iter().map(|i| &self.p[i]).collect())
+    }
+
+    fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
+        let order = self.order();
+        if slots.len() != order.len() {
+            bail!(
+                "{WHAT}: {} gradient slots for {} parameters",
+                slots.len(),
+                order.len()
+            )
+        }
+        let mut by_param: Vec<Option<&mut [f32]>> = self.p.iter().map(|_| None).collect();
+        for (i, s) in order.into_iter().zip(slots) {
+            by_param[i] = Some(s);
+        }
+        let n = self.dm.n();
+        for (i, g) in &self.norms {
+            add_assign(by_param[*i].as_deref_mut().expect("every slot given"), g);
+        }
+        self.with_linears(|idx, lins| {
+            let dst = idx.iter().map(|&(wi, bi)| {
+                let dw = by_param[wi].take().expect("every slot given");
+                let db = bi.map_or(Default::default(), |b| {
+                    by_param[b].take().expect("every slot given")
+                });
+                (dw, db)
+            });
+            weight_grads_into(n, lins, dst.collect())
+        })
     }
 
     fn kept(&self) -> Vec<&Tensor> {

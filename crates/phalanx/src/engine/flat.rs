@@ -32,6 +32,15 @@ use crate::ledger::{Charge, Ledger, Mem};
 pub trait GradSink {
     /// Add `grad` (flat, `p.numel` values) into the gradient of parameter `p`.
     fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> Result<()>;
+
+    /// The gradient slots of `ps` (pairwise distinct), in that order, for
+    /// a kernel to add into directly (a gemm with accumulate), when this
+    /// sink holds them as f32 in one buffer; `None` (the default): use
+    /// [`GradSink::accumulate`].
+    fn slots(&mut self, ps: &[&ParamInfo]) -> Option<Vec<&mut [f32]>> {
+        let _ = ps;
+        None
+    }
 }
 
 /// Where the values live: the heap, or an anonymous mapping whose pages
@@ -208,4 +217,35 @@ impl GradSink for FlatBuffer {
         crate::ops::cpu::add_assign(&mut self.as_mut_slice()[p.range()], grad);
         Ok(())
     }
+
+    fn slots(&mut self, ps: &[&ParamInfo]) -> Option<Vec<&mut [f32]>> {
+        split_slots(self.as_mut_slice(), 0, ps)
+    }
+}
+
+/// The ranges of `ps` (pairwise disjoint) cut out of `buf`, which holds
+/// the flat range starting at `base`, in the order of `ps`: what
+/// [`GradSink::slots`] hands out. `None` when two overlap (a repeated
+/// parameter) or one lies outside `buf`.
+pub fn split_slots<'a>(
+    buf: &'a mut [f32],
+    base: usize,
+    ps: &[&ParamInfo],
+) -> Option<Vec<&'a mut [f32]>> {
+    // Cut at the ranges in offset order, then hand them back in the order
+    // asked.
+    let mut order: Vec<usize> = (0..ps.len()).collect();
+    order.sort_by_key(|&i| ps[i].offset);
+    let mut out: Vec<Option<&mut [f32]>> = ps.iter().map(|_| None).collect();
+    let (mut rest, mut base) = (buf, base);
+    for i in order {
+        let r = ps[i].range();
+        if r.start < base || r.end - base > rest.len() {
+            return None;
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - base);
+        let (slot, tail) = tail.split_at_mut(r.len());
+        (out[i], rest, base) = (Some(slot), tail, r.end);
+    }
+    out.into_iter().collect()
 }

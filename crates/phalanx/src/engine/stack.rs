@@ -69,7 +69,7 @@ use super::backend::{ParamSource, Recorder, Served, Server};
 use super::block::{Block, BlockModule, Ctx};
 use super::flat::{FlatBuffer, GradSink};
 use super::init;
-use super::layout::Layout;
+use super::layout::{Layout, ParamInfo};
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::ops::cpu::{with_f32, with_f32_any};
 use crate::ops::tape::DeferredGrad;
@@ -550,6 +550,20 @@ impl Stack {
     ) -> Result<HashSet<usize>> {
         let mut got = HashSet::new();
         for w in work {
+            // Straight into the sink's buffer when both sides can: the
+            // work's weights all parameters here, the sink one f32 buffer.
+            if let Some(ks) = w.targets().and_then(|ts| {
+                ts.iter()
+                    .map(|t| ids.get(&t.id()).copied())
+                    .collect::<Option<Vec<usize>>>()
+            }) {
+                let infos: Vec<&ParamInfo> = ks.iter().map(|&k| &self.layout.params()[k]).collect();
+                if let Some(slots) = sink.slots(&infos) {
+                    w.accumulate_into(slots)?;
+                    got.extend(ks);
+                    continue;
+                }
+            }
             for (t, g) in w.compute()? {
                 let Some(&k) = ids.get(&t.id()) else { continue };
                 with_f32_any(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;

@@ -398,9 +398,33 @@ pub fn linear_backward_weight(
 pub fn linear_backward_weight_rows(
     x: &[f32],
     dy: &[f32],
+    dims: (usize, usize, usize),
+    o0: usize,
+    dw: &mut [f32],
+) {
+    weight_rows_into(x, dy, dims, o0, dw, false)
+}
+
+/// [`linear_backward_weight_rows`] added into `dw` (`dw += dy^T x` over
+/// those rows): a weight gradient written straight into the flat gradient
+/// buffer, with no temporary to zero and add.
+pub fn linear_backward_weight_rows_acc(
+    x: &[f32],
+    dy: &[f32],
+    dims: (usize, usize, usize),
+    o0: usize,
+    dw: &mut [f32],
+) {
+    weight_rows_into(x, dy, dims, o0, dw, true)
+}
+
+fn weight_rows_into(
+    x: &[f32],
+    dy: &[f32],
     (rows, k, n): (usize, usize, usize),
     o0: usize,
     dw: &mut [f32],
+    accumulate: bool,
 ) {
     assert!(dw.len().is_multiple_of(k) && o0 + dw.len() / k <= n);
     let gt = Mat {
@@ -413,7 +437,7 @@ pub fn linear_backward_weight_rows(
         rs: k,
         cs: 1,
     };
-    sgemm(dw.len() / k, k, rows, dw, false, gt, x);
+    sgemm(dw.len() / k, k, rows, dw, accumulate, gt, x);
 }
 
 /// Over slices: db (n,) = the sum of the rows of dy (rows, n); `db` is

@@ -49,6 +49,20 @@ pub trait DeferredGrad: Send {
     fn kept_buffer_bytes(&self) -> usize {
         0
     }
+    /// The weights [`DeferredGrad::accumulate_into`] writes, in its slot
+    /// order; `None` (the default): the work only has `compute`.
+    fn targets(&self) -> Option<Vec<&Tensor>> {
+        None
+    }
+    /// Adds each target's gradient (f32, flat, the target's element count)
+    /// straight into its slot of `slots` (a flat gradient buffer's ranges),
+    /// instead of returning it as a fresh tensor for the caller to add: no
+    /// temporary to zero, fill and add per weight. Called only when
+    /// [`DeferredGrad::targets`] is `Some`.
+    fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
+        let _ = slots;
+        candle_core::bail!("this deferred gradient has no accumulate_into (targets() is None)")
+    }
 }
 
 /// Gradients already computed (a kernel that yields a weight's gradient

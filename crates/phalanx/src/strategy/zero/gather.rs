@@ -26,9 +26,9 @@ pub(super) struct Staging<'a> {
     pub pool: &'a Pool,
 }
 
-impl GradSink for Staging<'_> {
-    fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> candle_core::Result<()> {
-        let u = self.unit_of_block[p.block];
+impl Staging<'_> {
+    /// Unit `u`'s staging buffer, opened (zeroed, charged) on first use.
+    fn unit_buf(&mut self, u: usize) -> &mut Vec<f32> {
         let unit = &self.units[u];
         let (ledger, pool) = (&self.ledger, self.pool);
         let (buf, _) = self.bufs.entry(u).or_insert_with(|| {
@@ -37,11 +37,26 @@ impl GradSink for Staging<'_> {
                 Some(ledger.charge(Mem::Grads, unit.range.len() * 4)),
             )
         });
-        let lo = p.offset - unit.range.start;
-        for (d, g) in buf[lo..lo + p.numel].iter_mut().zip(grad) {
-            *d += g;
-        }
+        buf
+    }
+}
+
+impl GradSink for Staging<'_> {
+    fn accumulate(&mut self, p: &ParamInfo, grad: &[f32]) -> candle_core::Result<()> {
+        let u = self.unit_of_block[p.block];
+        let lo = p.offset - self.units[u].range.start;
+        crate::ops::cpu::add_assign(&mut self.unit_buf(u)[lo..lo + p.numel], grad);
         Ok(())
+    }
+
+    /// Slots when every parameter is in one unit (a block's own layer).
+    fn slots(&mut self, ps: &[&ParamInfo]) -> Option<Vec<&mut [f32]>> {
+        let u = self.unit_of_block[ps.first()?.block];
+        if ps.iter().any(|p| self.unit_of_block[p.block] != u) {
+            return None;
+        }
+        let base = self.units[u].range.start;
+        crate::engine::flat::split_slots(self.unit_buf(u), base, ps)
     }
 }
 
