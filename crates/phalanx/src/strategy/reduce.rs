@@ -226,18 +226,17 @@ pub struct DefaultHook {
 }
 
 impl CommHook for DefaultHook {
+    /// The pooled path on a pool of its own (its buffers freed with the
+    /// reduction): the same values.
     fn reduce(
         &mut self,
-        _bucket: &GradBucket,
+        bucket: &GradBucket,
         grads: Vec<f32>,
         coll: &Collective,
         pg: &ProcessGroup,
     ) -> Pending {
-        match self.dtype {
-            Precision::Fp32 => Pending::work(launch(pg, grads, coll, ReduceOp::Avg)),
-            Precision::Bf16 => cast_reduce::<half::bf16>(pg, grads, coll),
-            Precision::Fp16 => cast_reduce::<half::f16>(pg, grads, coll),
-        }
+        let pool = Pool::new(&crate::ledger::Ledger::new());
+        self.reduce_pooled(bucket, grads, coll, pg, &pool)
     }
 
     fn reduce_pooled(
@@ -256,20 +255,9 @@ impl CommHook for DefaultHook {
     }
 }
 
-fn launch<T: phalanx_comm::Element>(
-    pg: &ProcessGroup,
-    buf: Vec<T>,
-    coll: &Collective,
-    op: ReduceOp,
-) -> Work<Vec<T>> {
-    match coll {
-        Collective::AllReduce => pg.all_reduce_async(buf, op),
-        Collective::ReduceScatter { counts } => pg.reduce_scatter_async(buf, counts.clone(), op),
-    }
-}
-
-/// [`launch`] with the reduce-scatter's output from `pool` and its input
-/// returned there as soon as it is sent (an all-reduce works in place).
+/// Start `coll` on `buf`: the reduce-scatter's output from `pool` and its
+/// input returned there as soon as it is sent (an all-reduce works in
+/// place).
 fn launch_pooled<T: phalanx_comm::Element>(
     pg: &ProcessGroup,
     buf: Vec<T>,
@@ -308,14 +296,9 @@ impl Half for half::f16 {
     }
 }
 
-fn cast_reduce<T: Half>(pg: &ProcessGroup, grads: Vec<f32>, coll: &Collective) -> Pending {
-    let inv = 1.0 / pg.size() as f32;
-    let buf: Vec<T> = grads.iter().map(|&g| T::from_f32(g * inv)).collect();
-    let w = launch(pg, buf, coll, ReduceOp::Sum);
-    Pending::new(move || Ok(w.wait()?.into_iter().map(T::to_f32).collect()))
-}
-
-/// [`cast_reduce`] through `pool`: the same values, no fresh buffers.
+/// The collective in half precision `T`: each gradient divided by the
+/// group size (so that fp16 sums cannot overflow), cast, summed, and
+/// widened back; buffers from `pool`.
 fn cast_reduce_pooled<T: Half>(
     pg: &ProcessGroup,
     grads: Vec<f32>,
