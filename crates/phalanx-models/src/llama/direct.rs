@@ -130,6 +130,7 @@ fn rope_tables(inv: &[f32], t: usize) -> (Vec<f32>, Vec<f32>) {
 /// Rotates each d-wide head of every token row of `x` (N, heads d), token
 /// r at position r % T, by +angle (`sign` 1) or -angle (-1), in place:
 /// HF's rotate-half pairs (i, i + d/2), computed as `ops::rope` does.
+#[inline(always)]
 fn rope_rows(x: &mut [f32], dm: Dims, heads: usize, (cos, sin): (&[f32], &[f32]), sign: f32) {
     let h2 = dm.d / 2;
     for (r, row) in x.chunks_exact_mut(heads * dm.d).enumerate() {
@@ -168,8 +169,8 @@ fn forward_part(
     k::linear_forward(h1, p[WQ], bias(0), (n, c, q), &mut qb);
     k::linear_forward(h1, p[WK], bias(1), (n, c, kv), &mut kb);
     k::linear_forward(h1, p[WV], bias(2), (n, c, kv), &mut vb);
-    rope_rows(&mut qb, dm, dm.nh, tables, 1.0);
-    rope_rows(&mut kb, dm, dm.nkv, tables, 1.0);
+    simd_dispatch!(rope_rows(&mut qb, dm, dm.nh, tables, 1.0));
+    simd_dispatch!(rope_rows(&mut kb, dm, dm.nkv, tables, 1.0));
     // [q | repeat_kv(k) | repeat_kv(v)]: query head j reads kv head j / rep.
     let (d, rep) = (dm.d, dm.nh / dm.nkv);
     for r in 0..n {
@@ -256,8 +257,8 @@ fn backward_part(
         }
     }
     drop(dqkv);
-    rope_rows(dq, dm, dm.nh, tables, -1.0);
-    rope_rows(dk, dm, dm.nkv, tables, -1.0);
+    simd_dispatch!(rope_rows(dq, dm, dm.nh, tables, -1.0));
+    simd_dispatch!(rope_rows(dk, dm, dm.nkv, tables, -1.0));
     // q, k, v = h1 W^T;  h1 = rms(x)
     k::linear_backward_input(dq, p[WQ], (n, c, q), &mut dh);
     k::linear_backward_input_acc(dk, p[WK], (n, c, kv), &mut dh);

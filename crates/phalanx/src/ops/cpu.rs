@@ -644,12 +644,26 @@ macro_rules! simd_dispatch {
             unsafe fn v3<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
+            // The closure must be inlined into v4 / v3 to be compiled with
+            // their features: left to itself LLVM keeps a large one (a
+            // whole row kernel) as a function of its own, at the baseline
+            // (SSE2) width.
             if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
             {
-                unsafe { v4(|| $body) }
+                unsafe {
+                    v4(
+                        #[inline(always)]
+                        || $body,
+                    )
+                }
             } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
             {
-                unsafe { v3(|| $body) }
+                unsafe {
+                    v3(
+                        #[inline(always)]
+                        || $body,
+                    )
+                }
             } else {
                 $body
             }
