@@ -71,6 +71,17 @@ fn grads(stack: &Stack, start: &[f32], direct: bool) -> (Vec<f32>, usize) {
     (g.as_slice().to_vec(), taken)
 }
 
+/// (largest difference, largest magnitude of `b`).
+fn worst(a: &[f32], b: &[f32]) -> (f32, f32) {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    (worst, scale)
+}
+
 fn check(name: &str, mut stack: Stack) {
     let n = stack.layout().num_params();
     let zeros = vec![0f32; n];
@@ -88,22 +99,12 @@ fn check(name: &str, mut stack: Stack) {
         } else {
             // compute() rounds a half parameter's gradient to its dtype
             // (GPT-2); the slots keep f32.
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let (worst, scale) = worst(&a, &b);
             assert!(worst <= 1e-2 * scale, "{what}: {worst:e} of {scale:e}");
         }
         let (a, _) = grads(&stack, &earlier, true);
         let (b, _) = grads(&stack, &earlier, false);
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let (worst, scale) = worst(&a, &b);
         let tol = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
         assert!(
             worst <= tol * scale,

@@ -260,3 +260,37 @@ pub fn weight_grads_into(rows: usize, lins: &[WeightGrad], dst: Vec<(&mut [f32],
         }
     });
 }
+
+/// The gradient slots a direct layer's `accumulate_into` was given (in its
+/// `order`: parameter indices), by parameter index, with each `ready`
+/// gradient (a norm's, computed with dx) already added into its slot; `what`
+/// names the layer in the error.
+pub fn slots_by_param<'a>(
+    params: usize,
+    order: &[usize],
+    slots: Vec<&'a mut [f32]>,
+    ready: &[(usize, Vec<f32>)],
+    what: &str,
+) -> Result<Vec<Option<&'a mut [f32]>>> {
+    if slots.len() != order.len() {
+        bail!(
+            "{what}: {} gradient slots for {} parameters",
+            slots.len(),
+            order.len()
+        )
+    }
+    let mut by_param: Vec<Option<&mut [f32]>> = (0..params).map(|_| None).collect();
+    for (&i, s) in order.iter().zip(slots) {
+        by_param[i] = Some(s);
+    }
+    for (i, g) in ready {
+        match by_param.get_mut(*i).and_then(|s| s.as_deref_mut()) {
+            Some(s) if s.len() == g.len() => cpu::add_assign(s, g),
+            _ => bail!(
+                "{what}: no gradient slot of {} values for parameter {i}",
+                g.len()
+            ),
+        }
+    }
+    Ok(by_param)
+}

@@ -65,7 +65,7 @@ use super::fused_half::{self as half_io, with_src, Dst, Kept, Src};
 pub(crate) use crate::common::direct::enabled;
 pub use crate::common::direct::set_fused_layer;
 use crate::common::direct::{
-    batch_parts, bf16_weights, pieces, weight_grads, weight_grads_into, WeightGrad,
+    batch_parts, bf16_weights, pieces, slots_by_param, weight_grads, weight_grads_into, WeightGrad,
 };
 
 /// The layer's parameters, in this order: ln_1 w, b; c_attn w (3C, C), b;
@@ -556,21 +556,8 @@ impl DeferredGrad for LayerGrads {
     /// In f32 whatever the parameters' dtype: the flat buffer's precision
     /// (`compute` rounds a half parameter's gradient to its dtype first).
     fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
-        let order = self.order();
-        if slots.len() != order.len() {
-            bail!(
-                "fused GPT-2 layer: {} gradient slots for {} parameters",
-                slots.len(),
-                order.len()
-            )
-        }
-        let mut by_param: Vec<Option<&mut [f32]>> = self.p.iter().map(|_| None).collect();
-        for (i, s) in order.into_iter().zip(slots) {
-            by_param[i] = Some(s);
-        }
-        for (i, g) in &self.ln {
-            add_assign(by_param[*i].as_deref_mut().expect("every slot given"), g);
-        }
+        let what = "fused GPT-2 layer";
+        let mut by_param = slots_by_param(self.p.len(), &self.order(), slots, &self.ln, what)?;
         let n = self.dims.0;
         self.with_linears(|idx, lins| {
             let dst = idx.iter().map(|&i| {

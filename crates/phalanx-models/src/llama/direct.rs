@@ -46,8 +46,8 @@ use phalanx::simd_dispatch;
 use super::config::LlamaConfig;
 use super::ops::{rms_row_bwd, rms_row_fwd, swiglu_bwd, swiglu_fwd};
 use crate::common::direct::{
-    batch_parts, bf16_weights, run_parts, split_parts, split_parts_mut, weight_grads,
-    weight_grads_into, WeightGrad,
+    batch_parts, bf16_weights, run_parts, slots_by_param, split_parts, split_parts_mut,
+    weight_grads, weight_grads_into, WeightGrad,
 };
 
 const WHAT: &str = "direct Llama layer";
@@ -503,21 +503,8 @@ impl DeferredGrad for LayerGrads {
 
     fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
         let order = self.order();
-        if slots.len() != order.len() {
-            bail!(
-                "{WHAT}: {} gradient slots for {} parameters",
-                slots.len(),
-                order.len()
-            )
-        }
-        let mut by_param: Vec<Option<&mut [f32]>> = self.p.iter().map(|_| None).collect();
-        for (i, s) in order.into_iter().zip(slots) {
-            by_param[i] = Some(s);
-        }
+        let mut by_param = slots_by_param(self.p.len(), &order, slots, &self.norms, WHAT)?;
         let n = self.dm.n();
-        for (i, g) in &self.norms {
-            add_assign(by_param[*i].as_deref_mut().expect("every slot given"), g);
-        }
         self.with_linears(|idx, lins| {
             let dst = idx.iter().map(|&(wi, bi)| {
                 let dw = by_param[wi].take().expect("every slot given");
