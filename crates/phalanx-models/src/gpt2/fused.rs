@@ -553,8 +553,9 @@ impl DeferredGrad for LayerGrads {
         Some(self.order().into_iter().map(|i| &self.p[i]).collect())
     }
 
-    /// In f32 whatever the parameters' dtype: the flat buffer's precision
-    /// (`compute` rounds a half parameter's gradient to its dtype first).
+    /// In f32, the flat buffer's precision, whatever the parameters' dtype
+    /// (`compute` rounds a half parameter's gradient to it); the engine
+    /// keeps fp16 weights on `compute`, where an overflow shows as inf.
     fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
         let what = "fused GPT-2 layer";
         let mut by_param = slots_by_param(self.p.len(), &self.order(), slots, &self.ln, what)?;

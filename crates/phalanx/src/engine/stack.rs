@@ -552,9 +552,16 @@ impl Stack {
         for w in work {
             // Straight into the sink's buffer when both sides can: the
             // work's weights all parameters here, the sink one f32 buffer.
+            // fp16 weights keep `compute`, which rounds each gradient to
+            // fp16: that rounding is where a gradient past 65504 becomes
+            // the inf the loss scaler skips on. (bf16 has f32's range;
+            // its gradients stay f32, more precise than rounded.)
             if let Some(ks) = w.targets().and_then(|ts| {
                 ts.iter()
-                    .map(|t| ids.get(&t.id()).copied())
+                    .map(|t| match t.dtype() {
+                        DType::F16 => None,
+                        _ => ids.get(&t.id()).copied(),
+                    })
                     .collect::<Option<Vec<usize>>>()
             }) {
                 let infos: Vec<&ParamInfo> = ks.iter().map(|&k| &self.layout.params()[k]).collect();

@@ -58,7 +58,9 @@ pub trait DeferredGrad: Send {
     /// straight into its slot of `slots` (a flat gradient buffer's ranges),
     /// instead of returning it as a fresh tensor for the caller to add: no
     /// temporary to zero, fill and add per weight. Called only when
-    /// [`DeferredGrad::targets`] is `Some`.
+    /// [`DeferredGrad::targets`] is `Some` and no target is fp16: an fp16
+    /// weight's gradient is rounded to fp16 (`compute`), which is where an
+    /// overflow becomes the inf the loss scaler skips on.
     fn accumulate_into(&self, slots: Vec<&mut [f32]>) -> Result<()> {
         let _ = slots;
         candle_core::bail!("this deferred gradient has no accumulate_into (targets() is None)")
