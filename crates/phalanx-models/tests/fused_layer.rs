@@ -72,3 +72,20 @@ fn fused_layer_matches_candle_autograd_on_odd_shapes() {
         }
     }
 }
+
+/// The memory ledger sees what the fused layer keeps: in f32, after a
+/// forward, the composed layer's count (block inputs and outputs) plus
+/// each layer's buffers: ln_1, qkv, attention output, residual, ln_2
+/// (7C), the MLP's hidden and GELU (8C) per token and the probabilities.
+#[test]
+fn the_ledger_counts_the_fused_layers_buffers() {
+    let cfg = Gpt2Config::new(2, 3, 24, 37, 16);
+    let (b, t) = (2, 9);
+    let kept = |fused| {
+        let blocks = gpt2::blocks(&cfg).unwrap();
+        common::forward_activation_bytes(blocks, candle_core::DType::F32, fused, (b, t, 37))
+    };
+    let per_layer = 4 * (b * t * 15 * cfg.n_embd + b * cfg.n_head * t * t);
+    let (on, off) = (kept(true), kept(false));
+    assert_eq!(on - off, cfg.n_layer * per_layer, "{on} vs {off}");
+}

@@ -202,3 +202,28 @@ fn direct_layer_in_half_precision_is_as_close_to_f32_as_the_composed_one() {
         }
     }
 }
+
+/// The memory ledger sees what the direct layer keeps: after a forward,
+/// its activations are the composed layer's count (block inputs and
+/// outputs) plus each layer's own f32 buffers, `N (3C + 4Q + 3M)` and the
+/// probabilities `B H T^2`, in every compute dtype.
+#[test]
+fn the_ledger_counts_the_direct_layers_buffers() {
+    // (layers, heads, kv heads, C, MLP, vocab, block).
+    let cfg = LlamaConfig::new(2, 6, 2, 36, 50, 61, 16);
+    let (b, t) = (2, 9);
+    let kept = |dtype, direct| {
+        let blocks = llama::blocks(&cfg).unwrap();
+        common::forward_activation_bytes(blocks, dtype, direct, (b, t, cfg.vocab_size))
+    };
+    let (n, c, q, m) = (b * t, cfg.n_embd, cfg.n_embd, cfg.intermediate_size);
+    let per_layer = 4 * (n * (3 * c + 4 * q + 3 * m) + b * cfg.n_head * t * t);
+    for dtype in [DType::F32, DType::BF16] {
+        let (on, off) = (kept(dtype, true), kept(dtype, false));
+        assert_eq!(
+            on - off,
+            cfg.n_layer * per_layer,
+            "{dtype:?}: {on} vs {off}"
+        );
+    }
+}

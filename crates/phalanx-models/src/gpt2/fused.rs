@@ -338,6 +338,26 @@ impl DirectBackward for Direct {
         true
     }
 
+    fn kept_bytes(&self) -> usize {
+        let acts = self.op.acts.lock().unwrap();
+        acts.as_ref().map_or(0, |a| {
+            let Acts {
+                ln1,
+                qkv,
+                probs,
+                att,
+                x1,
+                ln2,
+                h,
+                g,
+            } = a;
+            [ln1, qkv, probs, att, x1, ln2, h, g]
+                .iter()
+                .map(|k| k.bytes())
+                .sum()
+        })
+    }
+
     fn rebind(&mut self, m: &dyn phalanx::engine::BlockModule) -> Result<()> {
         let Some(v) = m.direct_params() else {
             bail!("fused GPT-2 layer: the rebuilt block has no direct parameters")

@@ -543,6 +543,12 @@ impl DirectBackward for Direct {
         true
     }
 
+    fn kept_bytes(&self) -> usize {
+        let acts = self.op.acts.lock().unwrap();
+        acts.as_ref()
+            .map_or(0, |a| a.bufs.iter().map(|b| 4 * b.len()).sum())
+    }
+
     fn rebind(&mut self, m: &dyn phalanx::engine::BlockModule) -> Result<()> {
         let Some(v) = m.direct_params() else {
             bail!("{WHAT}: the rebuilt block has no direct parameters")

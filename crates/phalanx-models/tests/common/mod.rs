@@ -80,6 +80,36 @@ pub fn stack_step(
     loss.to_scalar::<f32>().unwrap()
 }
 
+/// The memory ledger's activation bytes after a forward of a whole stack
+/// of `blocks` (keeping graphs) in `dtype` on a (b, t) batch of token ids
+/// below `vocab`, with the direct layers on or off; checks that dropping
+/// the stash gives them all back.
+pub fn forward_activation_bytes(
+    blocks: Vec<Box<dyn phalanx::engine::Block>>,
+    dtype: candle_core::DType,
+    direct: bool,
+    (b, t, vocab): (usize, usize, usize),
+) -> usize {
+    use phalanx::ledger::{Ledger, Mem};
+    phalanx_models::common::direct::set_fused_layer(Some(direct));
+    let ledger = Ledger::new();
+    let act = phalanx::engine::Activations::KeepGraph;
+    let dev = candle_core::Device::Cpu;
+    let mut stack = phalanx::engine::Stack::new(blocks, &dev, act, &ledger).unwrap();
+    stack.set_compute_dtype(dtype);
+    let mut params = phalanx::engine::FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+    stack.init_params(params.as_mut_slice(), 3);
+    let (x, y) = (token_ids(b, t, vocab, 1), token_ids(b, t, vocab, 2));
+    let (_, stash) = stack
+        .forward(0..stack.num_blocks(), &x, Some(&y), &params)
+        .unwrap();
+    let bytes = ledger.current(Mem::Activations);
+    drop(stash);
+    assert_eq!(ledger.current(Mem::Activations), 0);
+    phalanx_models::common::direct::set_fused_layer(None);
+    bytes
+}
+
 /// The equivalence tests' data: 60 KB of the corpus as byte tokens, in
 /// samples of `seq_len`.
 pub fn loader(seq_len: usize) -> Arc<DataLoader> {

@@ -101,6 +101,12 @@ pub trait DirectBackward: Send {
         false
     }
 
+    /// Bytes of activations this backward keeps outside tensors (a direct
+    /// layer's own buffers), for the memory ledger; 0 (the default): none.
+    fn kept_bytes(&self) -> usize {
+        0
+    }
+
     /// Hand the parameters back before the backward, from the block
     /// rebuilt on them gathered again ([`BlockModule::direct_params`]).
     fn rebind(&mut self, m: &dyn BlockModule) -> Result<()> {

@@ -402,7 +402,7 @@ impl Stack {
                     act_bytes += tensor_bytes(&x);
                     match released {
                         Some(back) => {
-                            act_bytes += tensor_bytes(&y);
+                            act_bytes += tensor_bytes(&y) + back.kept_bytes();
                             let shape = y.shape().clone();
                             saved.push(Saved::Released(Node::Direct { back, shape }));
                         }
@@ -422,7 +422,7 @@ impl Stack {
                     act_bytes += tensor_bytes(&x);
                     let (m, served, working) = self.build(b, src, param_vars)?;
                     let (y, node) = self.forward_node(b, m.as_ref(), &x, &ctx)?;
-                    act_bytes += tensor_bytes(&y);
+                    act_bytes += tensor_bytes(&y) + node.kept_bytes();
                     x = y.detach();
                     saved.push(Saved::Graph {
                         node,

@@ -27,7 +27,12 @@
 //! q and rotated q, k, rotated k, v, the kv heads repeated for their query
 //! heads, the packed [q | k | v], the attention output, gate, up and SwiGLU
 //! output ([`ModelShape::layer_split_activations`]), plus the
-//! probabilities.
+//! probabilities. Without tensor parallel a Llama layer runs the direct
+//! layer instead, which keeps its input (compute dtype) and, in f32
+//! whatever the compute dtype, `3C + 4Q + 3M` per token
+//! ([`ModelShape::direct_layer_activations`]) and the probabilities: in
+//! half precision that is more than the composed count in half bytes, in
+//! fp32 less.
 //! Recomputation keeps each block's input (`BTC`) and rebuilds one block's
 //! graph at a time. A pipeline stage holds its in-flight micro-batches:
 //! `min(m, p - s)` under 1F1B, `m` under GPipe.
@@ -123,7 +128,23 @@ pub fn stage_layers(m: &ModelShape, pp: usize, stage: usize) -> usize {
     base + usize::from(stage < extra)
 }
 
-/// Elements one layer keeps for backward (see the module docs).
+/// Bytes one layer keeps for backward (see the module docs).
+fn layer_activation_bytes(m: &ModelShape, l: &Layout) -> u64 {
+    let cb = l.compute_bytes() as u64;
+    if !m.direct_layer(l.tp) {
+        return layer_activations(m, l) * cb;
+    }
+    let (b, t, c, h) = (
+        l.micro_batch as u64,
+        m.seq_len as u64,
+        m.n_embd as u64,
+        m.n_head as u64,
+    );
+    let kept = b * t * m.direct_layer_activations() as u64 + h * t * t * b;
+    b * t * c * cb + 4 * kept
+}
+
+/// Elements one composed layer keeps for backward (see the module docs).
 fn layer_activations(m: &ModelShape, l: &Layout) -> u64 {
     let (b, t, c, h) = (
         l.micro_batch as u64,
@@ -191,18 +212,18 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
         l.grad_accum.max(1).min(pp)
     } as u64;
     let btc = (l.micro_batch * m.seq_len * m.n_embd) as u64;
-    let layer_act = layer_activations(m, l);
+    let layer_act = layer_activation_bytes(m, l);
     let head_act = if pp == 1 { head_activations(m, l) } else { 0 };
     let blocks = layers as u64 + 1 + u64::from(pp == 1);
     // Keeping graphs, the peak is at the end of the forward (every graph
     // alive, no gradient yet); recomputing, it is in a block's backward
     // (the rebuilt graph, its gradients, buckets in flight).
-    let act_elems = if l.recomputes(m) {
-        in_flight * blocks * btc + layer_act.max(head_act) + layer_backward_transient(m, l)
+    let activations = if l.recomputes(m) {
+        (in_flight * blocks * btc + layer_backward_transient(m, l)) * cb
+            + layer_act.max(head_act * cb)
     } else {
-        in_flight * (layers as u64 * layer_act + btc + head_act)
+        in_flight * (layers as u64 * layer_act + (btc + head_act) * cb)
     };
-    let activations = act_elems * cb;
     let block_p = layer_p.max(emb_p).max(head_p) as u64;
     let working = if l.zero_stage == 3 {
         // The current block and the one prefetched, gathered flat; the
@@ -218,12 +239,13 @@ pub fn per_rank_with_data(m: &ModelShape, l: &Layout, data_tokens: u64) -> Memor
         let tied = pp == 1 && m.tied_embeddings();
         (local + if tied { emb_p as u64 } else { 0 }) * cb
     };
-    let grad_bytes = local * l.reduce_bytes as u64;
     let comm_buffers = match l.zero_stage {
+        // DDP's bucket copies (f32) come from a pool that keeps them from
+        // one step to the next (`strategy::pool`): a whole gradient's
+        // worth, alive through the forward's peak too.
+        0 | 1 if l.dp > 1 => local * 4,
         3 if l.dp > 1 => 2 * block_p * 4,
-        _ if !l.recomputes(m) => 0,
-        0 | 1 if l.dp > 1 => grad_bytes.min(l.bucket_bytes as u64),
-        2 | 3 if l.dp > 1 => 2 * block_p * 4,
+        2 if l.dp > 1 && l.recomputes(m) => 2 * block_p * 4,
         _ => 0,
     };
     MemoryEstimate {

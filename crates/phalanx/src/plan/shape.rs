@@ -227,6 +227,23 @@ impl ModelShape {
         }
     }
 
+    /// Whether a layer on one of `tp` ranks runs Llama's direct layer
+    /// (`phalanx_models::llama::direct`: Llama and Qwen2 without tensor
+    /// parallel), which keeps its activations in f32 whatever the compute
+    /// dtype.
+    pub fn direct_layer(&self, tp: usize) -> bool {
+        self.family == Family::Llama && tp.max(1) == 1
+    }
+
+    /// f32 elements per token the direct Llama layer keeps besides its
+    /// input and the probabilities: the first RMSNorm's output, the
+    /// residual and the second RMSNorm's output (3C); q | k | v rotated,
+    /// the kv heads repeated for their query heads (3Q), the attention
+    /// output (Q); gate, up and SwiGLU (3M).
+    pub fn direct_layer_activations(&self) -> usize {
+        3 * self.n_embd + 4 * self.q_dim() + 3 * self.mlp_hidden
+    }
+
     /// Elements per token of the widest gradients alive together in one
     /// layer's backward (the MLP's hidden ones), on one of `tp` ranks.
     pub fn layer_backward_transient(&self, tp: usize) -> usize {

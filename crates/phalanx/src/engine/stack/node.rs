@@ -67,6 +67,15 @@ impl Node {
         }
     }
 
+    /// Bytes a direct node keeps in buffers of its own (a graph's
+    /// tensors are candle's, not counted here).
+    pub(super) fn kept_bytes(&self) -> usize {
+        match self {
+            Node::Graph { .. } => 0,
+            Node::Direct { back, .. } => back.kept_bytes(),
+        }
+    }
+
     /// Whether the input is token ids (a graph with no input variable).
     pub(super) fn has_id_input(&self) -> bool {
         matches!(self, Node::Graph { x: None, .. })

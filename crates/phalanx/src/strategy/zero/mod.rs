@@ -15,10 +15,14 @@
 //! as backward completes it, into the rank's gradient shard (every
 //! micro-step: full gradients never outlive a bucket). Stage 3 runs the
 //! model block by block: a block's parameters (and those it ties to) are
-//! all-gathered just before its forward and again before its backward,
-//! recomputing its forward (FSDP with activation checkpointing), then freed;
-//! the next `prefetch` blocks' gathers are already in flight. Gradients are
-//! reduce-scattered per block.
+//! all-gathered just before its forward and again before its backward, then
+//! freed; the next `prefetch` blocks' gathers are already in flight. Blocks
+//! whose direct backward can let go of its parameters (the fused GPT-2 and
+//! direct Llama layers) keep their activations in between
+//! ([`crate::engine::Activations::KeepActivations`]); the others (and every block under
+//! `train.activation_checkpointing = "full"`) recompute their forward in
+//! the backward, FSDP with activation checkpointing. Gradients are
+//! reduce-scattered per block ([`sharded`]).
 //!
 //! Gradient clipping uses the global norm: each rank's shard sum of squares
 //! is all-reduced.
@@ -37,16 +41,15 @@
 
 mod gather;
 pub mod offload;
+mod sharded;
 
 use super::ddp::all_reduce_micro_step;
 use super::pool::Pool;
-use super::reduce::{
-    plan_buckets, Bucket, Collective, CommHook, DefaultHook, ReadyCursor, Reducer,
-};
+use super::reduce::{plan_buckets, Bucket, CommHook, DefaultHook, Reducer};
 use super::shard::Shards;
 use super::state::{fill_params, restore_optimizer, snapshot, StateFill, StateRange};
 use super::{accumulate, BatchFn, MakeOptimizer, Strategy};
-use crate::engine::{Engine, Stash};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
 use crate::mesh::{Axis, DeviceMesh};
@@ -54,10 +57,9 @@ use crate::optim::step::{agree_and_clip, finish_step, weighted_sum_squares, Step
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
-use gather::{Gathered, Gatherer, Staging};
+use gather::Gatherer;
 use offload::{InMemory, OnDisk, ShardStore};
-use phalanx_comm::{ProcessGroup, ReduceOp};
-use std::collections::HashMap;
+use phalanx_comm::ProcessGroup;
 use std::ops::Range;
 use std::path::PathBuf;
 
@@ -343,117 +345,6 @@ impl Zero {
             2 => self.backward_sharded(engine, x, y, scale, false),
             _ => self.backward_sharded(engine, x, y, scale, true),
         }
-    }
-
-    /// Stages 2 and 3: gradients go to per-unit staging buffers and each
-    /// unit is reduce-scattered into the shard as soon as it is complete.
-    fn backward_sharded(
-        &mut self,
-        engine: &mut Engine,
-        x: &Tensor,
-        y: &Tensor,
-        scale: f32,
-        gather: bool,
-    ) -> Result<f32> {
-        let nb = engine.num_blocks();
-        let gy = Tensor::new(scale, engine.device())?;
-        let mut sink = Staging {
-            units: &self.units,
-            unit_of_block: &self.unit_of_block,
-            bufs: HashMap::new(),
-            ledger: engine.ledger().clone(),
-            pool: &self.pool,
-        };
-        let (units, shards, pool) = (&self.units, &self.shards, &self.pool);
-        let reducer = &mut self.reducer;
-        let mut cursor = ReadyCursor::default();
-        let mut hook = |b: usize, s: &mut Staging| -> candle_core::Result<()> {
-            for u in cursor.advance(units, b) {
-                let (buf, _charge) = s
-                    .bufs
-                    .remove(&u)
-                    .unwrap_or_else(|| (pool.take_zeroed(units[u].range.len()), None));
-                let counts = shards.counts(&units[u].range);
-                reducer.launch(u, buf, &Collective::ReduceScatter { counts });
-            }
-            Ok(())
-        };
-        let loss = if !gather {
-            let (loss, stash) = engine
-                .stack()
-                .forward(0..nb, x, Some(y), engine.param_source())?;
-            engine
-                .stack()
-                .backward(stash, &gy, engine.param_source(), &mut sink, &mut hook)?;
-            loss.to_scalar::<f32>()?
-        } else {
-            let src = (&*self.store, &self.shards, &self.shard_pg);
-            let qw = self.cfg.quantized_weights;
-            let ahead = self.cfg.forward_prefetch;
-            let mut g =
-                Gatherer::over(src, engine, ahead, (0..nb).collect(), pool.clone()).quantized(qw);
-            let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
-            let mut h = x.clone();
-            // Blocks used again in the backward within max_reuse_distance
-            // parameters keep what the forward gathered: a suffix of blocks.
-            let first_kept = self.first_kept;
-            let mut kept: HashMap<usize, Gathered> = HashMap::new();
-            for b in 0..nb {
-                let src = g.take(b)?;
-                if let Some(s) = &mut self.secondary {
-                    s.keep(engine, &src);
-                }
-                let targets = (b + 1 == nb).then_some(y);
-                let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
-                h = out;
-                stashes.push(stash);
-                if b >= first_kept {
-                    kept.insert(b, src);
-                }
-            }
-            let loss = h.to_scalar::<f32>()?;
-            // hpZ: gather from the secondary partition, inside the group
-            // (exact: it holds what the forward gathered).
-            let (src, qw) = match &self.secondary {
-                Some(s) => ((&s.store as &dyn ShardStore, &s.shards, &s.pg), false),
-                None => (src, qw),
-            };
-            let mut g = Gatherer::over(
-                src,
-                engine,
-                self.cfg.backward_prefetch,
-                (0..nb).rev().filter(|b| !kept.contains_key(b)).collect(),
-                pool.clone(),
-            )
-            .quantized(qw);
-            let mut gy = gy;
-            for b in (0..nb).rev() {
-                let src = match kept.remove(&b) {
-                    Some(src) => src,
-                    None => g.take(b)?,
-                };
-                let stash = stashes.pop().unwrap();
-                if let Some(dx) = engine
-                    .stack()
-                    .backward(stash, &gy, &src, &mut sink, &mut hook)?
-                {
-                    gy = dx;
-                }
-            }
-            loss
-        };
-        cursor.check_all(&self.units, "ZeRO")?;
-        for (u, mut piece) in self.reducer.wait_all()? {
-            if let Some(rp) = &self.replica_pg {
-                rp.all_reduce(&mut piece, ReduceOp::Avg)?;
-            }
-            let local = self.shards.local(&self.units[u].range);
-            for (d, s) in self.grad_shard[local].iter_mut().zip(&piece) {
-                *d += s;
-            }
-            self.pool.put(piece);
-        }
-        Ok(loss)
     }
 
     /// The finish path over this rank's shard, then make the parameters
