@@ -80,8 +80,6 @@ pub struct Layout {
     pub gpipe: bool,
     /// Bytes of optimizer state per parameter (8: AdamW; 4: SGD momentum).
     pub optim_bytes_per_param: usize,
-    /// DDP bucket size in bytes.
-    pub bucket_bytes: usize,
     /// Bytes per element gradients travel in (`train.reduce_dtype`).
     pub reduce_bytes: usize,
 }
@@ -101,14 +99,13 @@ impl Layout {
             grad_accum,
             gpipe: false,
             optim_bytes_per_param: 8,
-            bucket_bytes: 25 << 20,
             reduce_bytes: 4,
         }
     }
 
     /// The layout a training config asks for on `world` ranks: its
     /// parallel sizes, stage, precision, checkpointing, offload, optimizer
-    /// and buckets; the batch checked, or derived from
+    /// and reduce dtype; the batch checked, or derived from
     /// `train.global_batch_size`, for its dp size.
     pub fn from_config(
         cfg: &crate::config::TrainConfig,
@@ -134,7 +131,6 @@ impl Layout {
                 OptimName::Sgd => 4,
                 _ => 8,
             },
-            bucket_bytes: cfg.bucket_bytes(),
             reduce_bytes: match cfg.train.reduce_dtype {
                 Precision::Fp32 => 4,
                 _ => 2,

@@ -63,7 +63,7 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
-/// Every layout of `hw.world()` ranks; batch, optimizer and bucket
+/// Every layout of `hw.world()` ranks; batch, optimizer and reduce-dtype
 /// settings come from `base` (its `grad_accum` is kept, or derived from
 /// `base.global_batch()` when dp changes: the global batch stays fixed).
 pub fn enumerate(m: &ModelShape, hw: &Hardware, base: &Layout) -> Vec<Layout> {
