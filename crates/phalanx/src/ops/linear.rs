@@ -389,24 +389,13 @@ pub fn linear_backward_weight(
     dw: &mut [f32],
 ) {
     assert_eq!(dw.len(), n * k);
-    linear_backward_weight_rows(x, dy, (rows, k, n), 0, dw)
+    weight_rows_into(x, dy, (rows, k, n), 0, dw, false)
 }
 
-/// Output rows `o0..o0 + dw.len() / k` of [`linear_backward_weight`]'s dw,
-/// each element summed over all `rows` exactly as there (a thread's share
-/// of the product's output rows); every element of `dw` is written.
-pub fn linear_backward_weight_rows(
-    x: &[f32],
-    dy: &[f32],
-    dims: (usize, usize, usize),
-    o0: usize,
-    dw: &mut [f32],
-) {
-    weight_rows_into(x, dy, dims, o0, dw, false)
-}
-
-/// [`linear_backward_weight_rows`] added into `dw` (`dw += dy^T x` over
-/// those rows): a weight gradient written straight into the flat gradient
+/// Output rows `o0..o0 + dw.len() / k` of [`linear_backward_weight`]'s dw
+/// added into `dw` (`dw += dy^T x` over those rows), each element summed
+/// over all `rows` exactly as there (a thread's share of the product's
+/// output rows): a weight gradient written straight into the flat gradient
 /// buffer, with no temporary to zero and add.
 pub fn linear_backward_weight_rows_acc(
     x: &[f32],
@@ -418,6 +407,8 @@ pub fn linear_backward_weight_rows_acc(
     weight_rows_into(x, dy, dims, o0, dw, true)
 }
 
+/// Output rows `o0..` of dw = dy^T x into `dw`: overwritten, or added to
+/// with `accumulate`.
 fn weight_rows_into(
     x: &[f32],
     dy: &[f32],

@@ -44,7 +44,7 @@ pub use layer_norm::{
 };
 pub use linear::{
     linear, linear_backward_bias, linear_backward_bias_cols, linear_backward_input,
-    linear_backward_input_acc, linear_backward_weight, linear_backward_weight_rows,
-    linear_backward_weight_rows_acc, linear_forward, sgemm, sgemm_strided, Mat,
+    linear_backward_input_acc, linear_backward_weight, linear_backward_weight_rows_acc,
+    linear_forward, sgemm, sgemm_strided, Mat,
 };
 pub use softmax::{causal_softmax, softmax_last_dim};
