@@ -488,8 +488,10 @@ fn backward_part(
     Ok([dw1, db1, dw2, db2])
 }
 
-/// (weight index, its input, the output gradient, out, in) of a linear.
-type Lin<'a> = (usize, &'a [f32], &'a [f32], usize, usize);
+/// The weight pass's linears by weight index (each bias is the next), in
+/// the order it runs them: the MLP's projection and fc, the attention's
+/// projection and c_attn.
+const LINEARS: [usize; 4] = [MLP_W, FC_W, PROJ_W, ATTN_W];
 
 /// The layer's parameter gradients, computed when the tape's work runs.
 struct LayerGrads {
@@ -506,10 +508,9 @@ struct LayerGrads {
 }
 
 impl LayerGrads {
-    /// `f` on the weight pass's four linears, under the layer's product
-    /// precision: each weight's index (its bias is the next) and what the
-    /// product reads.
-    fn with_linears<R>(&self, f: impl FnOnce(&[usize], &[WeightGrad]) -> R) -> Result<R> {
+    /// `f` on what the weight pass's four linears ([`LINEARS`]) read,
+    /// under the layer's product precision.
+    fn with_linears<R>(&self, f: impl FnOnce(&[WeightGrad]) -> R) -> Result<R> {
         let c = self.dims.1;
         let inputs = self.inputs.as_ref().expect("set before deferral");
         let [ln1, att, ln2, g] = inputs.each_ref().map(|k| k.src().wide());
@@ -517,21 +518,21 @@ impl LayerGrads {
             let what = "fused GPT-2 layer";
             crate::common::direct::with_f32_params(std::slice::from_ref(&self.dy), what, |dy| {
                 let dy = dy[0];
-                let linears: [Lin; 4] = [
-                    (MLP_W, &g, dy, c, 4 * c),
-                    (FC_W, &ln2, &self.dh, 4 * c, c),
-                    (PROJ_W, &att, &self.dx1, c, c),
-                    (ATTN_W, &ln1, &self.dqkv, 3 * c, c),
+                // (input, output gradient, out, in), in LINEARS' order.
+                let reads: [(&[f32], &[f32], usize, usize); 4] = [
+                    (&g, dy, c, 4 * c),
+                    (&ln2, &self.dh, 4 * c, c),
+                    (&att, &self.dx1, c, c),
+                    (&ln1, &self.dqkv, 3 * c, c),
                 ];
-                let idx = linears.map(|(i, ..)| i);
-                let lins = linears.map(|(_, x, d, out, inp)| WeightGrad {
+                let lins = reads.map(|(x, d, out, inp)| WeightGrad {
                     x,
                     d,
                     out,
                     inp,
                     bias: true,
                 });
-                f(&idx, &lins)
+                f(&lins)
             })
         })
     }
@@ -540,10 +541,7 @@ impl LayerGrads {
     /// `accumulate_into` takes their slots: each linear's weight and bias,
     /// then the LayerNorms'.
     fn order(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = [MLP_W, FC_W, PROJ_W, ATTN_W]
-            .into_iter()
-            .flat_map(|i| [i, i + 1])
-            .collect();
+        let mut v: Vec<usize> = LINEARS.into_iter().flat_map(|i| [i, i + 1]).collect();
         v.extend(self.ln.iter().map(|(i, _)| *i));
         v
     }
@@ -553,7 +551,7 @@ impl DeferredGrad for LayerGrads {
     fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
         let n = self.dims.0;
         let dev = self.dy.device();
-        let grads = self.with_linears(|_, lins| weight_grads(n, lins))?;
+        let grads = self.with_linears(|lins| weight_grads(n, lins))?;
         let vals = grads
             .into_iter()
             .flat_map(|(dw, db)| [dw, db])
@@ -580,8 +578,8 @@ impl DeferredGrad for LayerGrads {
         let what = "fused GPT-2 layer";
         let mut by_param = slots_by_param(self.p.len(), &self.order(), slots, &self.ln, what)?;
         let n = self.dims.0;
-        self.with_linears(|idx, lins| {
-            let dst = idx.iter().map(|&i| {
+        self.with_linears(|lins| {
+            let dst = LINEARS.iter().map(|&i| {
                 let dw = by_param[i].take().expect("every slot given");
                 (dw, by_param[i + 1].take().expect("every slot given"))
             });

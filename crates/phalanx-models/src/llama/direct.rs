@@ -403,9 +403,6 @@ impl CustomOp1 for DirectLayer {
     }
 }
 
-/// (weight index, bias index, the linear's input, its output gradient, out, in).
-type Lin<'a> = (usize, Option<usize>, &'a [f32], &'a [f32], usize, usize);
-
 /// The layer's parameter gradients, computed when the tape's work runs.
 struct LayerGrads {
     p: Params,
@@ -420,38 +417,52 @@ struct LayerGrads {
 }
 
 impl LayerGrads {
-    /// `f` on the weight pass's seven linears, under the layer's product
-    /// precision: (weight index, bias index) and what the product reads.
-    fn with_linears<R>(
-        &self,
-        f: impl FnOnce(&[(usize, Option<usize>)], &[WeightGrad]) -> R,
-    ) -> Result<R> {
+    /// The weight pass's seven linears as (weight index, bias index), in
+    /// the order it runs them: down, gate, up, o, then q, k and v (with
+    /// Qwen2's biases).
+    fn linears(&self) -> [(usize, Option<usize>); 7] {
+        let biased = self.p.len() > BQ;
+        let bias = |i: usize| biased.then_some(BQ + i);
+        [
+            (WD, None),
+            (WG, None),
+            (WU, None),
+            (WO, None),
+            (WQ, bias(0)),
+            (WK, bias(1)),
+            (WV, bias(2)),
+        ]
+    }
+
+    /// `f` on what the weight pass's linears ([`LayerGrads::linears`])
+    /// read, under the layer's product precision.
+    fn with_linears<R>(&self, f: impl FnOnce(&[WeightGrad]) -> R) -> Result<R> {
         let dm = self.dm;
         let (c, q, kv, m) = (dm.c, dm.q(), dm.kv(), dm.m);
         let [h1, att, h2, s] = &self.inputs;
         let o = &self.outs;
-        let biased = self.p.len() > BQ;
-        let bias = |i: usize| biased.then_some(BQ + i);
         k::cpu::with_bf16_products(bf16_weights(&self.p), || {
             with_f32_any(&self.dy, |dy| {
-                let linears: [Lin; 7] = [
-                    (WD, None, s, dy, c, m),
-                    (WG, None, h2, &o[DG], m, c),
-                    (WU, None, h2, &o[DU], m, c),
-                    (WO, None, att, &o[DX1], c, q),
-                    (WQ, bias(0), h1, &o[DQ], q, c),
-                    (WK, bias(1), h1, &o[DK], kv, c),
-                    (WV, bias(2), h1, &o[DV], kv, c),
+                // (input, output gradient, out, in), in linears()' order.
+                let reads: [(&[f32], &[f32], usize, usize); 7] = [
+                    (s, dy, c, m),
+                    (h2, &o[DG], m, c),
+                    (h2, &o[DU], m, c),
+                    (att, &o[DX1], c, q),
+                    (h1, &o[DQ], q, c),
+                    (h1, &o[DK], kv, c),
+                    (h1, &o[DV], kv, c),
                 ];
-                let idx = linears.map(|(wi, bi, ..)| (wi, bi));
-                let lins = linears.map(|(_, bi, x, d, out, inp)| WeightGrad {
-                    x,
-                    d,
-                    out,
-                    inp,
-                    bias: bi.is_some(),
-                });
-                f(&idx, &lins)
+                let lins: Vec<WeightGrad> = (self.linears().iter().zip(reads))
+                    .map(|(&(_, bias), (x, d, out, inp))| WeightGrad {
+                        x,
+                        d,
+                        out,
+                        inp,
+                        bias: bias.is_some(),
+                    })
+                    .collect();
+                f(&lins)
             })
         })
     }
@@ -460,13 +471,11 @@ impl LayerGrads {
     /// `accumulate_into` takes their slots: each linear's weight (and
     /// bias), then the norms' gains.
     fn order(&self) -> Vec<usize> {
-        let biased = self.p.len() > BQ;
-        let mut v = vec![WD, WG, WU, WO, WQ];
-        v.extend(biased.then_some(BQ));
-        v.push(WK);
-        v.extend(biased.then_some(BQ + 1));
-        v.push(WV);
-        v.extend(biased.then_some(BQ + 2));
+        let mut v: Vec<usize> = self
+            .linears()
+            .into_iter()
+            .flat_map(|(w, b)| std::iter::once(w).chain(b))
+            .collect();
         v.extend(self.norms.iter().map(|(i, _)| *i));
         v
     }
@@ -476,7 +485,7 @@ impl DeferredGrad for LayerGrads {
     fn compute(&self) -> Result<Vec<(Tensor, Tensor)>> {
         let n = self.dm.n();
         let dev = self.dy.device();
-        let mut grads = self.with_linears(|_, lins| weight_grads(n, lins))?;
+        let mut grads = self.with_linears(|lins| weight_grads(n, lins))?;
         let mut vals = Vec::with_capacity(self.p.len());
         for (dw, db) in grads.drain(..) {
             vals.push(dw);
@@ -505,8 +514,8 @@ impl DeferredGrad for LayerGrads {
         let order = self.order();
         let mut by_param = slots_by_param(self.p.len(), &order, slots, &self.norms, WHAT)?;
         let n = self.dm.n();
-        self.with_linears(|idx, lins| {
-            let dst = idx.iter().map(|&(wi, bi)| {
+        self.with_linears(|lins| {
+            let dst = self.linears().into_iter().map(|(wi, bi)| {
                 let dw = by_param[wi].take().expect("every slot given");
                 let db = bi.map_or(Default::default(), |b| {
                     by_param[b].take().expect("every slot given")
