@@ -24,7 +24,8 @@ impl GradSink for NoSlots<'_> {
     }
 }
 
-/// The flat buffer itself, counting the slots it hands out.
+/// The flat buffer itself, counting the slots it hands out (not those
+/// only asked for).
 struct Counting<'a>(&'a mut FlatBuffer, usize);
 
 impl GradSink for Counting<'_> {
@@ -32,8 +33,9 @@ impl GradSink for Counting<'_> {
         self.0.accumulate(p, grad)
     }
     fn slots(&mut self, ps: &[&ParamInfo]) -> Option<Vec<&mut [f32]>> {
-        self.1 += ps.len();
-        self.0.slots(ps)
+        let slots = self.0.slots(ps);
+        self.1 += slots.as_ref().map_or(0, Vec::len);
+        slots
     }
 }
 
