@@ -1,31 +1,53 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: check Phalanx's NCCL backend on a machine with one or
-# more NVIDIA GPUs, in one command (a few minutes; every step under `timeout`).
+# scripts/gpu_check.sh: check Phalanx on a machine with one or more NVIDIA
+# GPUs, in one command (under 10 minutes on one GPU; every step under
+# `timeout`).
 #
-#   scripts/gpu_check.sh            # from the repository root
+#   scripts/gpu_check.sh                          # build with cuda,nccl, then check
+#   PHALANX_BIN=/path/to/phalanx scripts/gpu_check.sh   # a binary built elsewhere
+#   DEVICE=cpu scripts/gpu_check.sh               # rehearsal on a CPU machine
 #
-# Status: written and syntax-checked on CPU machines; NOT YET RUN ON GPU
-# HARDWARE. The CUDA engine (`train.device = "cuda"`, `--features cuda`) is
-# not built yet, so this checks the NCCL backend only (collectives of host
-# buffers staged through the GPU), not training on the GPU.
+# Status: built, not yet run on GPU hardware. The rehearsal (DEVICE=cpu:
+# the "device" runs take the CPU's device-generic path, PHALANX_HOST_KERNELS=0,
+# and the GPU-only steps are skipped) passes on the project's CPU machines.
 #
-# Steps:
+# Steps (every command under `timeout`):
 #   1. the driver and GPUs (`nvidia-smi -L`);
-#   2. `cargo build --release -p phalanx-cli --features nccl`;
+#   2. the build: `cargo build --release -p phalanx-cli --features cuda,nccl`
+#      (nvcc from the system, else from scripts/cuda_toolchain.sh), unless
+#      PHALANX_BIN names a binary;
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
-#      and at world 2 where `nvidia-smi -L` lists 2+ GPUs;
-#   4. all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB (the largest world).
-#      These times include the host<->device staging of every call (the
-#      backend works on host buffers), so they understate NCCL's own busbw.
+#      and at world 2 where there are 2+ GPUs;
+#   4. every strategy on the device against the CPU's 1-rank run of the same
+#      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps): the loss of
+#      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
+#      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
+#      native backend carries their collectives through host memory);
+#   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
+#      and the reverse, each against 8 uninterrupted CPU steps;
+#   6. GPT-2 124M in bf16 on one GPU: tokens/s and MFU against the GPU's
+#      dense bf16 peak (PEAK_TFLOPS, default 989: H100/H200 SXM);
+#   7. NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB (host-staged:
+#      the backend takes host buffers).
 # The last line reads `N passed, M failed`; the exit status is 0 when none
-# failed.
+# failed. LOG_DIR (default a temporary directory) keeps every run's output.
 #
-# Environment: PHALANX_NCCL_LIBRARY (a libnccl file or directory, e.g. the
-# PyPI wheel's site-packages/nvidia/nccl/lib) when libnccl is not on the
-# system's library path; CARGO_TARGET_DIR as for cargo.
+# Environment: the `lib` folders of python3's `nvidia` wheels (cuBLAS,
+# cuRAND, NVRTC, the CUDA runtime, NCCL) are added to LD_LIBRARY_PATH;
+# PHALANX_NCCL_LIBRARY (a libnccl file or directory) where libnccl is
+# elsewhere. On a machine without Rust, build here (`eval "$(scripts/cuda_toolchain.sh)"`,
+# then `cargo build --release -p phalanx-cli --features cuda,nccl`; 70 MB
+# stripped, 19 MB gzipped), copy the binary there and give it as PHALANX_BIN.
 
 set -u
 cd "$(dirname "$0")/.."
+
+DEVICE=${DEVICE:-cuda}
+LOSS_TOL=${LOSS_TOL:-1e-3}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+LOG_DIR=${LOG_DIR:-$(mktemp -d /tmp/phalanx-gpu-check.XXXXXX)}
+mkdir -p "$LOG_DIR"
+echo "device: $DEVICE; logs: $LOG_DIR"
 
 passed=0
 failed=0
@@ -33,9 +55,13 @@ step() { # step NAME SECONDS CMD...: run CMD under a timeout and count it
     local name=$1 secs=$2
     shift 2
     echo "=== $name (timeout ${secs}s)"
-    local t0=$SECONDS
-    timeout "$secs" "$@"
-    local rc=$?
+    local t0=$SECONDS rc
+    if declare -F "$1" >/dev/null; then
+        STEP_TIMEOUT=$secs "$@" # a function: each command in it under the timeout
+    else
+        timeout "$secs" "$@"
+    fi
+    rc=$?
     if [ $rc -eq 0 ]; then
         passed=$((passed + 1))
         echo "--- PASS $name ($((SECONDS - t0))s)"
@@ -53,28 +79,151 @@ finish() {
 }
 
 gpus=0
-if step "driver and GPUs (nvidia-smi -L)" 30 nvidia-smi -L; then
-    gpus=$(timeout 30 nvidia-smi -L | grep -c '^GPU')
+if [ "$DEVICE" = cuda ]; then
+    # The CUDA libraries of PyPI's wheels (PyTorch brings them), after
+    # whatever the library path already has.
+    for d in $(python3 -c 'import nvidia; print(*nvidia.__path__)' 2>/dev/null); do
+        for lib in $(find "$d" -maxdepth 3 -type d -name lib 2>/dev/null); do
+            LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$lib
+        done
+    done
+    export LD_LIBRARY_PATH
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    if step "driver and GPUs (nvidia-smi -L)" 30 nvidia-smi -L; then
+        gpus=$(timeout 30 nvidia-smi -L | grep -c '^GPU')
+    fi
+    echo "GPUs: $gpus"
+else
+    export PHALANX_HOST_KERNELS=0 # the "device" runs: the generic path
 fi
-echo "GPUs: $gpus"
 
-if ! step "build (cargo build --release -p phalanx-cli --features nccl)" 900 \
-    cargo build --release -p phalanx-cli --features nccl; then
-    finish
+if [ -n "${PHALANX_BIN:-}" ]; then
+    bin=$PHALANX_BIN
+else
+    features=cuda,nccl
+    [ "$DEVICE" = cuda ] || features=nccl
+    if [ "$DEVICE" = cuda ] && ! command -v nvcc >/dev/null; then
+        eval "$(scripts/cuda_toolchain.sh)" || finish
+    fi
+    step "build (cargo build --release -p phalanx-cli --features $features)" 1200 \
+        cargo build --release -p phalanx-cli --features "$features" || finish
+    bin="${CARGO_TARGET_DIR:-target}/release/phalanx"
 fi
-bin="${CARGO_TARGET_DIR:-target}/release/phalanx"
 
-worlds="1"
-[ "$gpus" -ge 2 ] && worlds="1 2"
-for n in $worlds; do
-    step "NCCL collectives --check, world $n" 300 \
-        "$bin" bench collectives --backend nccl --nproc "$n" --op all \
-        --sizes 8:64M --factor 8 --iters 3 --warmup 1 --check
+if [ "$DEVICE" = cuda ]; then
+    worlds="1"
+    [ "$gpus" -ge 2 ] && worlds="1 2"
+    for n in $worlds; do
+        step "NCCL collectives --check, world $n" 120 \
+            "$bin" bench collectives --backend nccl --nproc "$n" --op all \
+            --sizes 8:64M --factor 8 --iters 3 --warmup 1 --check
+    done
+fi
+
+# train NAME NPROC DEVICE HOST_KERNELS SET...: one `phalanx train`, its
+# per-step log in $LOG_DIR/NAME.jsonl, its output in NAME.out.
+train() {
+    local name=$1 n=$2 dev=$3 host=$4
+    shift 4
+    local sets=()
+    for s in "$@"; do sets+=(--set "$s"); done
+    PHALANX_HOST_KERNELS=$host timeout "${STEP_TIMEOUT:-300}" "$bin" train --nproc-per-node "$n" \
+        --set train.device="\"$dev\"" --set train.eval_interval=0 \
+        --set log.plot= --set log.report= "${sets[@]}" \
+        --log-json "$LOG_DIR/$name.jsonl" >"$LOG_DIR/$name.out" 2>&1 ||
+        { tail -20 "$LOG_DIR/$name.out"; return 1; }
+}
+# same A B TOL: every step's loss of run A within TOL relative of run B's.
+same() {
+    python3 - "$LOG_DIR/$1.jsonl" "$LOG_DIR/$2.jsonl" "$3" <<'EOF'
+import json, sys
+def losses(p):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if "loss" in r}
+a, b, tol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+if not a or sorted(a) != sorted(b):
+    sys.exit(f"steps differ: {sorted(a)} vs {sorted(b)}")
+worst = max(abs(a[k] - b[k]) / abs(b[k]) for k in b)
+print(f"{len(b)} steps, first loss {b[min(b)]:.5f}, last {b[max(b)]:.5f}; "
+      f"largest relative difference {worst:.2e} (tolerance {tol:g})")
+sys.exit(0 if worst <= tol else 1)
+EOF
+}
+# check NAME NPROC BASE TOL SET...: train NAME on the device, compare to BASE.
+check() {
+    local name=$1 n=$2 base=$3 tol=$4
+    shift 4
+    train "$name" "$n" "$DEVICE" "${PHALANX_HOST_KERNELS:-1}" "$@" && same "$name" "$base" "$tol"
+}
+
+gpt=(model.arch=\"gpt2\" model.n_layer=2 model.n_head=4 model.n_embd=64 model.block_size=32
+    train.steps=8 optim.lr=0.003 optim.warmup_steps=2)
+llama=(model.arch=\"llama\" model.n_layer=2 model.n_head=4 model.n_kv_head=2 model.n_embd=64
+    model.intermediate_size=96 model.block_size=32 train.steps=8 optim.lr=0.003 optim.warmup_steps=2)
+for fam in gpt llama; do
+    declare -n m=$fam
+    # The CPU's 1-rank runs (its own kernels), fp32 and bf16: global batch 8.
+    step "$fam: CPU 1 rank (the reference)" 120 train "$fam-base" 1 cpu 1 "${m[@]}" train.micro_batch_size=8
+    step "$fam: CPU 1 rank bf16" 120 train "$fam-base-bf16" 1 cpu 1 "${m[@]}" train.micro_batch_size=8 \
+        train.precision=\"bf16\"
+    b=$fam-base
+    step "$fam: 1 rank" 120 check "$fam-1" 1 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8
+    step "$fam: DDP 2 ranks" 120 check "$fam-ddp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4
+    for z in 1 2 3; do
+        step "$fam: ZeRO-$z 2 ranks" 120 check "$fam-zero$z" 2 $b "$LOSS_TOL" "${m[@]}" \
+            train.micro_batch_size=4 zero_optimization.stage=$z
+    done
+    step "$fam: tp 2" 120 check "$fam-tp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8 parallel.tp=2
+    step "$fam: pp 2 (1f1b)" 120 check "$fam-pp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
+        train.grad_accum_steps=4 parallel.pp=2
+    step "$fam: dp 2 x pp 2 x tp 2" 180 check "$fam-3d" 8 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
+        train.grad_accum_steps=2 parallel.pp=2 parallel.tp=2
+    step "$fam: full activation checkpointing, ZeRO-2" 120 check "$fam-recompute" 2 $b "$LOSS_TOL" "${m[@]}" \
+        train.micro_batch_size=4 zero_optimization.stage=2 train.activation_checkpointing=\"full\"
+    step "$fam: bf16" 120 check "$fam-bf16" 1 "$fam-base-bf16" 0.02 "${m[@]}" train.micro_batch_size=8 \
+        train.precision=\"bf16\"
+    unset -n m
 done
 
-n=${worlds##* }
-step "NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB, world $n" 300 \
-    "$bin" bench collectives --backend nccl --nproc "$n" --op all_reduce \
-    --sizes 1M,64M,1G --iters 10 --warmup 3
+# Resume across devices: 4 steps on one, the rest on the other.
+resume() { # resume FROM TO
+    local from=$1 to=$2 ck="$LOG_DIR/ck-$1-$2" hk_from=1 hk_to=1
+    [ "$from" = cpu ] || hk_from=${PHALANX_HOST_KERNELS:-1}
+    [ "$to" = cpu ] || hk_to=${PHALANX_HOST_KERNELS:-1}
+    # decay_steps fixes the schedule, which train.steps would otherwise set.
+    local c=(checkpoint.dir=\""$ck"\" checkpoint.interval=4 train.micro_batch_size=8 optim.decay_steps=8)
+    train "resume-$from-$to-a" 1 "$from" "$hk_from" "${gpt[@]}" "${c[@]}" train.steps=4 &&
+        PHALANX_HOST_KERNELS=$hk_to timeout "${STEP_TIMEOUT:-300}" "$bin" train --resume "$ck" --nproc-per-node 1 \
+            --set train.device="\"$to\"" --set train.eval_interval=0 --set log.plot= --set log.report= \
+            $(printf -- '--set %s ' "${gpt[@]}" "${c[@]}") \
+            --log-json "$LOG_DIR/resume-$from-$to.jsonl" >"$LOG_DIR/resume-$from-$to.out" 2>&1 &&
+        python3 - "$LOG_DIR/resume-$from-$to-a.jsonl" "$LOG_DIR/resume-$from-$to.jsonl" \
+            "$LOG_DIR/resume-joined-$from-$to.jsonl" <<'EOF' && same "resume-joined-$from-$to" gpt-base "$LOSS_TOL"
+import sys
+open(sys.argv[3], "w").write(open(sys.argv[1]).read() + open(sys.argv[2]).read())
+EOF
+}
+step "resume: saved on $DEVICE, resumed on cpu" 180 resume "$DEVICE" cpu
+step "resume: saved on cpu, resumed on $DEVICE" 180 resume cpu "$DEVICE"
+
+if [ "$DEVICE" = cuda ]; then
+    mfu() {
+        train gpt2-124m 1 cuda 1 model.arch=\"gpt2\" model.preset=\"gpt2-124m\" train.precision=\"bf16\" \
+            train.micro_batch_size=16 train.steps=30 optim.warmup_steps=2 &&
+            python3 - "$LOG_DIR/gpt2-124m.jsonl" "$PEAK_TFLOPS" <<'EOF'
+import json, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in r][10:]
+tok = sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2]
+n, L, C, T = 124_439_808, 12, 768, 1024  # GPT-2 124M (tied head), context 1024
+flops = 6 * n + 12 * L * C * T           # per token, forward and backward
+print(f"GPT-2 124M bf16: {tok:,.0f} tokens/s (median of steps 10-29), "
+      f"MFU {flops * tok / (float(sys.argv[2]) * 1e12):.1%} of {sys.argv[2]} TFLOP/s")
+EOF
+    }
+    step "GPT-2 124M tokens/s and MFU (bf16, one GPU)" 300 mfu
+    n=${worlds##* }
+    step "NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB, world $n" 120 \
+        "$bin" bench collectives --backend nccl --nproc "$n" --op all_reduce \
+        --sizes 1M,64M,1G --iters 10 --warmup 3
+fi
 
 finish

@@ -2,6 +2,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod fault;

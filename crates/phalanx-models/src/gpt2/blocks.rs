@@ -314,9 +314,10 @@ impl LayerModule {
         let dtype = x.dtype();
         self.tape_collected
             && super::fused::enabled()
-            && x.device().is_cpu()
+            && phalanx::ops::host_kernels(x.device())
             && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-            && p.iter().all(|t| t.dtype() == dtype && t.device().is_cpu())
+            && p.iter()
+                .all(|t| t.dtype() == dtype && phalanx::ops::host_kernels(t.device()))
     }
 }
 

@@ -315,12 +315,12 @@ impl LayerModule {
     fn fusable(&self, x: &Tensor) -> bool {
         self.tape_collected
             && crate::common::direct::enabled()
-            && x.device().is_cpu()
+            && phalanx::ops::host_kernels(x.device())
             && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
             && self
                 .params()
                 .iter()
-                .all(|t| t.dtype() == x.dtype() && t.device().is_cpu())
+                .all(|t| t.dtype() == x.dtype() && phalanx::ops::host_kernels(t.device()))
     }
 }
 

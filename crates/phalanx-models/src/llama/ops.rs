@@ -151,7 +151,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if w.dims() != [c] {
         bail!("rms_norm: x {:?}, weight {:?}", x.shape(), w.shape())
     }
-    if !is_float(x.dtype()) || !is_float(w.dtype()) || !x.device().is_cpu() {
+    if !is_float(x.dtype()) || !is_float(w.dtype()) || !phalanx::ops::host_kernels(x.device()) {
         return super::blocks::rms_norm_composed(x, w, eps);
     }
     x.contiguous()?
@@ -218,7 +218,7 @@ pub fn rope(x: &Tensor, inv: &[f32], start: usize) -> Result<Tensor> {
             inv.len()
         )
     }
-    if !is_float(x.dtype()) || !x.device().is_cpu() {
+    if !is_float(x.dtype()) || !phalanx::ops::host_kernels(x.device()) {
         let (cos, sin) = super::blocks::rope_tables(inv, start, t, x.dtype(), x.device())?;
         return super::blocks::apply_rope(x, &cos, &sin);
     }
@@ -341,7 +341,7 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     if g.shape() != u.shape() {
         bail!("swiglu: gate {:?}, up {:?}", g.shape(), u.shape())
     }
-    if !is_float(g.dtype()) || g.dtype() != u.dtype() || !g.device().is_cpu() {
+    if !is_float(g.dtype()) || g.dtype() != u.dtype() || !phalanx::ops::host_kernels(g.device()) {
         return g.silu()? * u;
     }
     g.contiguous()?.apply_op2(&u.contiguous()?, SwiGlu)

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod llama;
+
 use phalanx::config::TrainConfig;
 use phalanx::data::{DataLoader, LoaderConfig, TokenData};
 use phalanx::trainer::MemoryReport;

@@ -297,8 +297,8 @@ impl ShardingStrategy {
     }
 }
 
-/// `train.device`: where parameters, gradients, optimizer state and
-/// activations live, and what runs the model's kernels. The engine,
+/// `train.device`: what runs the model's kernels and holds the activations
+/// ([`crate::device`] says what each choice keeps where). The engine,
 /// strategies and optimizers take it from here ([`DeviceKind::device`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceKind {
@@ -306,8 +306,8 @@ pub enum DeviceKind {
     /// the CPU has it).
     #[default]
     Cpu,
-    /// An NVIDIA GPU (`LOCAL_RANK` picks it): named so a config can ask,
-    /// refused by this build, which has no CUDA backend.
+    /// An NVIDIA GPU (`LOCAL_RANK` picks it), through candle's CUDA backend;
+    /// builds without the `cuda` feature refuse it, naming the feature.
     Cuda,
 }
 
@@ -317,16 +317,15 @@ impl Choice for DeviceKind {
 }
 
 impl DeviceKind {
-    /// The candle device this rank computes on.
+    /// Whether this build can compute on this device (no device is opened).
+    pub fn check_built(self) -> Result<(), ConfigError> {
+        crate::device::built(self).map_err(ConfigError)
+    }
+
+    /// The candle device this rank computes on (opened on first use, then
+    /// the same handle).
     pub fn device(self) -> Result<candle_core::Device, ConfigError> {
-        match self {
-            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
-            DeviceKind::Cuda => Err(ConfigError(
-                "train.device = \"cuda\": this build has no CUDA backend; \
-                 train.device = \"cpu\" is the one built"
-                    .into(),
-            )),
-        }
+        crate::device::open(self).map_err(ConfigError)
     }
 }
 

@@ -6,8 +6,9 @@ impl TrainConfig {
     /// Checks that do not depend on the world size.
     pub fn validate(&self) -> Result<()> {
         let bad = |s: String| Err(ConfigError(s));
-        // A device this build cannot run on is refused before anything starts.
-        self.device()?;
+        // A device this build cannot run on is refused before anything starts
+        // (the device itself is opened by each rank).
+        self.train.device.check_built()?;
         if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
             return bad(
                 "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),

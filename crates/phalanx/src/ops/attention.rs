@@ -413,15 +413,44 @@ fn backward_into(qkv: &[f32], dy: &[f32], saved: Probs, d: Dims, dqkv: &mut [f32
 /// heads; returns (B, T, C), heads concatenated, in qkv's dtype. f32, f16
 /// or bf16 on CPU.
 pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    if !is_float(qkv.dtype()) || !qkv.device().is_cpu() {
+    if !is_float(qkv.dtype()) {
         bail!(
-            "causal_attention: only f32 / f16 / bf16 on CPU is built (got {:?} on {:?})",
-            qkv.dtype(),
-            qkv.device()
+            "causal_attention: f32, f16 or bf16 only (got {:?})",
+            qkv.dtype()
         )
+    }
+    if !super::host_kernels(qkv.device()) {
+        return composed(qkv, n_head);
     }
     qkv.contiguous()?.apply_op1(Attention {
         n_head,
         probs: Mutex::new(None),
     })
+}
+
+/// The same attention from candle's ops (the device-generic path: what a
+/// CUDA device runs): per head `softmax(q k^T / sqrt(d) + mask) v`, the
+/// softmax in f32, the products in qkv's dtype.
+fn composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    if c3 % 3 != 0 || n_head == 0 || c % n_head != 0 {
+        bail!(
+            "causal_attention: qkv {:?} with {n_head} heads",
+            qkv.shape()
+        )
+    }
+    let d = c / n_head;
+    // (B, T, C) -> (B, H, T, d)
+    let heads = |i: usize| {
+        qkv.narrow(2, i * c, c)?
+            .reshape((b, t, n_head, d))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+    let s = q.matmul(&k.t()?.contiguous()?)?; // (B, H, T, T)
+    let p = super::softmax::composed_causal(&s, 1.0 / (d as f32).sqrt())?;
+    // (B, H, T, d) -> (B, T, C)
+    p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))
 }

@@ -113,7 +113,7 @@ pub fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
             x.shape()
         )
     }
-    if !is_float(x.dtype()) || !is_float(b.dtype()) || !x.device().is_cpu() {
+    if !is_float(x.dtype()) || !is_float(b.dtype()) || !super::host_kernels(x.device()) {
         return x.broadcast_add(b);
     }
     x.contiguous()?.apply_op2(&b.contiguous()?, AddBias)

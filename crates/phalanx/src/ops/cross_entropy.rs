@@ -160,7 +160,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             targets.dtype()
         )
     }
-    if !is_float(logits.dtype()) || !logits.device().is_cpu() {
+    if !is_float(logits.dtype()) || !super::host_kernels(logits.device()) {
         let v = ld[ld.len() - 1];
         let x = logits.reshape(((), v))?.to_dtype(DType::F32)?;
         let lp = candle_nn::ops::log_softmax(&x, 1)?;

@@ -258,7 +258,7 @@ impl CustomOp1 for Gelu {
 /// GELU (tanh approximation) with a fused, vectorised forward and backward.
 /// f32, f16 or bf16 on CPU; other dtypes/devices fall back to candle's `gelu`.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if !is_float(x.dtype()) || !x.device().is_cpu() {
+    if !is_float(x.dtype()) || !super::host_kernels(x.device()) {
         return x.gelu();
     }
     x.contiguous()?.apply_op1(Gelu)

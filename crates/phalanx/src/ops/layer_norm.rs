@@ -227,7 +227,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> Result<Tensor
         )
     }
     let float = [x, w, b].iter().all(|t| is_float(t.dtype()));
-    if !float || !x.device().is_cpu() {
+    if !float || !super::host_kernels(x.device()) {
         return candle_nn::ops::layer_norm_slow(x, w, b, eps);
     }
     x.contiguous()?

@@ -542,7 +542,7 @@ impl CustomOp2 for LinearNoBias {
 /// candle's matmul.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let float = is_float(x.dtype()) && is_float(w.dtype()) && b.is_none_or(|b| is_float(b.dtype()));
-    if !x.device().is_cpu() || !float {
+    if !super::host_kernels(x.device()) || !float {
         let lin = candle_nn::Linear::new(w.clone(), b.cloned());
         return candle_core::Module::forward(&lin, x);
     }

@@ -48,3 +48,65 @@ pub use linear::{
     linear_forward, sgemm, sgemm_strided, Mat,
 };
 pub use softmax::{causal_softmax, softmax_last_dim};
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use candle_core::{Device, Result, Tensor};
+
+/// [`set_host_kernels`]'s override: 0 none (read `PHALANX_HOST_KERNELS`),
+/// 1 on, 2 off.
+static HOST_KERNELS: AtomicU8 = AtomicU8::new(0);
+
+/// Whether a tensor on `dev` takes Phalanx's CPU kernels (these ops' own
+/// passes, the families' direct layers): on the CPU, unless they were
+/// turned off with `PHALANX_HOST_KERNELS=0` or [`set_host_kernels`].
+/// Otherwise the op runs candle's composed ops, the path a CUDA device
+/// takes: turning the CPU kernels off runs that device-generic path on the
+/// CPU, where a test can hold it against the fused one.
+pub fn host_kernels(dev: &Device) -> bool {
+    let on = dev.is_cpu() && host_kernels_on();
+    if on {
+        HOST_DISPATCHES.fetch_add(1, Ordering::Relaxed);
+    }
+    on
+}
+
+/// How many times [`host_kernels`] has sent an op to the CPU kernels in
+/// this process (so a test can tell which path ran).
+pub fn host_kernel_dispatches() -> usize {
+    HOST_DISPATCHES.load(Ordering::Relaxed)
+}
+
+static HOST_DISPATCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn host_kernels_on() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match HOST_KERNELS.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => *ENV.get_or_init(|| std::env::var("PHALANX_HOST_KERNELS").map_or(true, |v| v != "0")),
+    }
+}
+
+/// Turns the CPU kernels on or off for the whole process (`None`: back to
+/// `PHALANX_HOST_KERNELS`, default on); for comparisons and tests.
+pub fn set_host_kernels(on: Option<bool>) {
+    let v = match on {
+        None => 0,
+        Some(true) => 1,
+        Some(false) => 2,
+    };
+    HOST_KERNELS.store(v, Ordering::Relaxed);
+}
+
+/// `f` applied to `x` on the host: a CPU tensor as it is, a device tensor
+/// copied to host memory and the result copied back (both copies are
+/// differentiable). For the ops whose passes exist only on the CPU, such as
+/// the tensor-parallel exchanges, whose buffers the comm backend takes from
+/// host memory.
+pub fn on_host(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        return f(x);
+    }
+    f(&x.to_device(&Device::Cpu)?)?.to_device(x.device())
+}

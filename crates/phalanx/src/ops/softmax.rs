@@ -18,7 +18,7 @@
 //! ```
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, D};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
 use super::cpu::{
     cpu_f32, dot_lanes, is_float, max_lanes, par_rows, storage_in, sum_lanes, tensor_in,
@@ -105,14 +105,47 @@ fn apply(x: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
     if scale.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
         bail!("softmax scale must be positive, got {scale}")
     }
-    if !is_float(x.dtype()) || !x.device().is_cpu() {
+    if !is_float(x.dtype()) {
         bail!(
-            "phalanx softmax: only f32 / f16 / bf16 on CPU is built (got {:?} on {:?})",
-            x.dtype(),
-            x.device()
+            "phalanx softmax: f32, f16 or bf16 only (got {:?})",
+            x.dtype()
         )
     }
+    if !super::host_kernels(x.device()) {
+        return composed(x, scale, causal);
+    }
     x.contiguous()?.apply_op1(Softmax { scale, causal })
+}
+
+/// The same softmax from candle's ops (the device-generic path): in f32,
+/// the causal mask added as -inf above the diagonal, the result in x's
+/// dtype.
+fn composed(x: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+    let mut s = (x.to_dtype(DType::F32)? * scale as f64)?;
+    if causal {
+        let t = x.dim(D::Minus1)?;
+        s = s.broadcast_add(&causal_mask(t, x.device())?)?;
+    }
+    candle_nn::ops::softmax(&s, D::Minus1)?.to_dtype(x.dtype())
+}
+
+/// [`causal_softmax`]'s device-generic path, for the composed attention.
+pub(crate) fn composed_causal(x: &Tensor, scale: f32) -> Result<Tensor> {
+    composed(x, scale, true)
+}
+
+/// (T, T) f32: 0 where a query may see the key (key <= query), -inf above.
+fn causal_mask(t: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t <= i / t {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    Tensor::from_vec(m, (t, t), dev)
 }
 
 /// `softmax(x)` over the last dimension, with a backward.

@@ -186,10 +186,11 @@ fn apply(x: &Tensor, pg: &ProcessGroup, kind: Kind) -> Result<Tensor> {
     if pg.size() == 1 {
         return Ok(x.clone());
     }
-    x.contiguous()?.apply_op1(TpOp {
+    let op = TpOp {
         pg: pg.clone(),
         kind,
-    })
+    };
+    crate::ops::on_host(x, |h| h.contiguous()?.apply_op1(op))
 }
 
 /// Along the sequence axis (dim 1 of (B, T, C)): move it to the front, apply, move back.

@@ -332,7 +332,7 @@ pub fn vocab_parallel_cross_entropy(
         targets: t,
         saved: Mutex::new(None),
     };
-    logits.contiguous()?.apply_op1(op)
+    crate::ops::on_host(logits, |h| h.contiguous()?.apply_op1(op))
 }
 
 struct VocabCe {

@@ -89,7 +89,7 @@ pub fn column_parallel_linear(
     b: Option<&Tensor>,
 ) -> Result<Tensor> {
     let float = is_float(x.dtype()) && is_float(w.dtype()) && b.is_none_or(|b| is_float(b.dtype()));
-    if tp.size() == 1 || !x.device().is_cpu() || !float {
+    if tp.size() == 1 || !crate::ops::host_kernels(x.device()) || !float {
         return crate::ops::linear(&tp.enter(x)?, w, b);
     }
     let (x, w) = (x.contiguous()?, w.contiguous()?);

@@ -488,7 +488,10 @@ impl Trainer {
     /// sharing a host share its cores, as in training) and the figures are
     /// summed. `None` when the model's FLOPs are unknown.
     fn matmul_peak(&self) -> Result<Option<f64>> {
-        if self.flops_per_token.is_none() {
+        // The probe times the CPU's products; on a GPU the peak to hold a
+        // step against is the device's (scripts/gpu_check.sh takes it).
+        if self.flops_per_token.is_none() || self.cfg.train.device != crate::config::DeviceKind::Cpu
+        {
             return Ok(None);
         }
         let world = self.mesh.world();

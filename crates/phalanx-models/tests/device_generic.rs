@@ -1,0 +1,104 @@
+//! The device-generic path on the CPU. With Phalanx's CPU kernels off
+//! (`PHALANX_HOST_KERNELS=0`, here `phalanx::ops::set_host_kernels`), every
+//! op takes the branch a CUDA device takes: candle's composed ops (matmul,
+//! softmax, layer norm ...), no direct layers, and the tensor-parallel
+//! exchanges through `ops::on_host`. Trained that way under each strategy,
+//! Llama and GPT-2 reproduce the 1-rank run on the CPU kernels, as
+//! `scripts/gpu_check.sh` checks the same strategies on a GPU.
+//!
+//! One test per binary: the switch is process-wide.
+
+mod common;
+use common::llama::{self, STEPS};
+use common::{assert_named_match, RankResult};
+use phalanx::ops::{host_kernel_dispatches, set_host_kernels};
+use phalanx_models::llama::train::LlamaRun;
+
+/// The strategies run on the generic path: (what, world, dp, accum, overrides).
+fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
+    vec![
+        ("1 rank", 1, 1, 1, vec![]),
+        ("DDP 2 ranks", 2, 2, 1, vec![]),
+        ("ZeRO-1 2 ranks", 2, 2, 2, vec!["zero_optimization.stage=1"]),
+        (
+            "ZeRO-2 2 ranks",
+            2,
+            2,
+            1,
+            vec!["zero_optimization.stage=2", "parallel.bucket_mb=0.01"],
+        ),
+        ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
+        ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
+        ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
+        (
+            "dp 2 x pp 2 x tp 2",
+            8,
+            2,
+            2,
+            vec!["parallel.pp=2", "parallel.tp=2"],
+        ),
+        (
+            "full recompute, ZeRO-2",
+            2,
+            2,
+            1,
+            vec![
+                "train.activation_checkpointing=full",
+                "zero_optimization.stage=2",
+            ],
+        ),
+    ]
+}
+
+fn llama_run(world: usize, dp: usize, accum: usize, extra: &[&str]) -> Vec<RankResult> {
+    llama::run(world, llama::config(dp, accum, extra), LlamaRun::default())
+}
+
+#[test]
+fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
+    // The generic path first: no op may take the CPU kernels.
+    set_host_kernels(Some(false));
+    let host = host_kernel_dispatches();
+    let mut runs = Vec::new();
+    for (what, world, dp, accum, extra) in strategies() {
+        runs.push((what, llama_run(world, dp, accum, &extra)));
+    }
+    let bf16 = llama_run(1, 1, 1, &["train.precision=bf16"]).remove(0);
+    let gpt_generic = common::run(1, common::config(1, 1, &[])).remove(0);
+    assert_eq!(
+        host_kernel_dispatches(),
+        host,
+        "an op took the CPU kernels while they were off"
+    );
+
+    // The 1-rank runs on the CPU kernels (direct layers, fused ops).
+    set_host_kernels(Some(true));
+    let base = llama::base();
+    assert!(
+        host_kernel_dispatches() > host,
+        "the CPU kernels did not run"
+    );
+    assert!(base.losses[STEPS - 1] < base.losses[0], "{:?}", base.losses);
+    for (what, out) in &runs {
+        assert_named_match(&format!("generic {what}"), out, &base, 1e-5);
+    }
+    // bf16 rounds differently on the two paths: each within 2% of fp32's.
+    let base_bf16 = llama_run(1, 1, 1, &["train.precision=bf16"]).remove(0);
+    for (k, ((g, f), b)) in bf16
+        .losses
+        .iter()
+        .zip(&base_bf16.losses)
+        .zip(&base.losses)
+        .enumerate()
+    {
+        for (name, v) in [("generic", g), ("fused", f)] {
+            assert!(
+                ((v - b) / b).abs() < 0.02,
+                "step {k}: {name} bf16 {v} vs fp32 {b}"
+            );
+        }
+    }
+    let gpt_fused = common::run(1, common::config(1, 1, &[])).remove(0);
+    common::assert_matches("GPT-2 generic 1 rank", &[gpt_generic], &gpt_fused);
+    set_host_kernels(None);
+}

@@ -1,0 +1,106 @@
+//! The device a rank computes on (`train.device`), opened once per process.
+//!
+//! - `cpu`: candle's CPU device; Phalanx's own CPU kernels run the ops
+//!   ([`crate::ops::host_kernels`]).
+//! - `cuda` (feature `cuda`): CUDA device `LOCAL_RANK` modulo the number of
+//!   visible devices, as PyTorch's `device_ids=[local_rank]` (several ranks on
+//!   one GPU is a test set-up). The model's ops run on it through candle's
+//!   CUDA backend (the composed layers, cuBLAS products); the flat parameter,
+//!   gradient and optimizer buffers stay in host memory and each block's
+//!   parameters are copied in and its gradients out, once per pass.
+//!
+//! candle gives each `Device::new_cuda` call its own context handle and
+//! stream, and tensors of two handles cannot meet, so the handle is made once
+//! per ordinal and shared by every caller of [`open`].
+//!
+//! ```
+//! use phalanx::config::DeviceKind;
+//! assert!(phalanx::device::open(DeviceKind::Cpu).unwrap().is_cpu());
+//! ```
+
+use candle_core::Device;
+
+use crate::config::DeviceKind;
+
+/// This process's local rank: `LOCAL_RANK` as the launchers set it (torchrun,
+/// `phalanx run`, and `OMPI_COMM_WORLD_LOCAL_RANK` / `SLURM_LOCALID` already
+/// mapped to it by the launcher), 0 when unset.
+pub fn local_rank() -> Result<usize, String> {
+    match std::env::var("LOCAL_RANK") {
+        Err(_) => Ok(0),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map_err(|_| format!("LOCAL_RANK={v:?}: expected a whole number")),
+    }
+}
+
+/// Whether this build can compute on `kind` (checked when the config is
+/// built, before anything starts); the error names the feature.
+pub fn built(kind: DeviceKind) -> Result<(), String> {
+    match kind {
+        DeviceKind::Cpu => Ok(()),
+        DeviceKind::Cuda if cfg!(feature = "cuda") => Ok(()),
+        DeviceKind::Cuda => Err("train.device = \"cuda\": this build has no CUDA backend; \
+             build with `cargo build --release --features cuda` (docs/transports.md, \"CUDA\"), \
+             or train with train.device = \"cpu\""
+            .into()),
+    }
+}
+
+/// The device this rank computes on; the same handle on every call.
+pub fn open(kind: DeviceKind) -> Result<Device, String> {
+    built(kind)?;
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        DeviceKind::Cuda => cuda::open(local_rank()?),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    use candle_core::Device;
+
+    /// CUDA device `local_rank % count`, opened on first use.
+    pub fn open(local_rank: usize) -> Result<Device, String> {
+        static OPEN: Mutex<Option<HashMap<usize, Device>>> = Mutex::new(None);
+        let count = CudaContext::device_count().map_err(|e| {
+            format!(
+                "train.device = \"cuda\": the NVIDIA driver did not start ({:?}); \
+                 is this a machine with an NVIDIA GPU and its driver?",
+                e.0
+            )
+        })?;
+        if count <= 0 {
+            let vis = std::env::var("CUDA_VISIBLE_DEVICES")
+                .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v:?})"))
+                .unwrap_or_default();
+            return Err(format!(
+                "train.device = \"cuda\": the driver sees no CUDA device{vis}"
+            ));
+        }
+        let ordinal = local_rank % count as usize;
+        let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+        let open = open.get_or_insert_with(HashMap::new);
+        if let Some(d) = open.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Device::new_cuda(ordinal).map_err(|e| {
+            format!("train.device = \"cuda\": opening CUDA device {ordinal} of {count}: {e}")
+        })?;
+        open.insert(ordinal, d.clone());
+        Ok(d)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cuda {
+    /// Unreachable: [`super::built`] refuses CUDA first in this build.
+    pub fn open(_local_rank: usize) -> Result<candle_core::Device, String> {
+        Err(super::built(crate::config::DeviceKind::Cuda).unwrap_err())
+    }
+}
