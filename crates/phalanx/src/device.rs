@@ -11,16 +11,15 @@
 //!
 //! candle gives each `Device::new_cuda` call its own context handle and
 //! stream, and tensors of two handles cannot meet, so the handle is made once
-//! per ordinal and shared by every caller of [`open`].
+//! per ordinal and shared by every caller of [`open_cuda`].
 //!
 //! ```
-//! use phalanx::config::DeviceKind;
-//! assert!(phalanx::device::open(DeviceKind::Cpu).unwrap().is_cpu());
+//! // A build without the `cuda` feature names it.
+//! let built = phalanx::device::cuda_built();
+//! assert!(built.is_ok() || built.unwrap_err().contains("--features cuda"));
 //! ```
 
 use candle_core::Device;
-
-use crate::config::DeviceKind;
 
 /// This process's local rank: `LOCAL_RANK` as the launchers set it (torchrun,
 /// `phalanx run`, and `OMPI_COMM_WORLD_LOCAL_RANK` / `SLURM_LOCALID` already
@@ -35,26 +34,24 @@ pub fn local_rank() -> Result<usize, String> {
     }
 }
 
-/// Whether this build can compute on `kind` (checked when the config is
+/// Whether this build can compute on CUDA (checked when the config is
 /// built, before anything starts); the error names the feature.
-pub fn built(kind: DeviceKind) -> Result<(), String> {
-    match kind {
-        DeviceKind::Cpu => Ok(()),
-        DeviceKind::Cuda if cfg!(feature = "cuda") => Ok(()),
-        DeviceKind::Cuda => Err("train.device = \"cuda\": this build has no CUDA backend; \
-             build with `cargo build --release --features cuda` (docs/transports.md, \"CUDA\"), \
+pub fn cuda_built() -> Result<(), String> {
+    if cfg!(feature = "cuda") {
+        Ok(())
+    } else {
+        Err("train.device = \"cuda\": this build has no CUDA backend; \
+             build with `cargo build --release --features cuda` (docs/gpu.md), \
              or train with train.device = \"cpu\""
-            .into()),
+            .into())
     }
 }
 
-/// The device this rank computes on; the same handle on every call.
-pub fn open(kind: DeviceKind) -> Result<Device, String> {
-    built(kind)?;
-    match kind {
-        DeviceKind::Cpu => Ok(Device::Cpu),
-        DeviceKind::Cuda => cuda::open(local_rank()?),
-    }
+/// The CUDA device this rank computes on (`LOCAL_RANK` modulo the device
+/// count); the same handle on every call.
+pub fn open_cuda() -> Result<Device, String> {
+    cuda_built()?;
+    cuda::open(local_rank()?)
 }
 
 #[cfg(feature = "cuda")]
@@ -99,8 +96,8 @@ mod cuda {
 
 #[cfg(not(feature = "cuda"))]
 mod cuda {
-    /// Unreachable: [`super::built`] refuses CUDA first in this build.
+    /// Unreachable: [`super::cuda_built`] refuses CUDA first in this build.
     pub fn open(_local_rank: usize) -> Result<candle_core::Device, String> {
-        Err(super::built(crate::config::DeviceKind::Cuda).unwrap_err())
+        super::cuda_built().map(|_| candle_core::Device::Cpu)
     }
 }

@@ -10,7 +10,7 @@ use std::path::Path;
 const LAYERS: &[&[&str]] = &[
     // Reading and writing files within bounds: std only.
     &["fsutil"],
-    &["data", "fault", "ledger", "ops", "precision"],
+    &["data", "device", "fault", "ledger", "ops", "precision"],
     &["placement"],
     &["config"],
     &["error"],

@@ -319,13 +319,19 @@ impl Choice for DeviceKind {
 impl DeviceKind {
     /// Whether this build can compute on this device (no device is opened).
     pub fn check_built(self) -> Result<(), ConfigError> {
-        crate::device::built(self).map_err(ConfigError)
+        match self {
+            DeviceKind::Cpu => Ok(()),
+            DeviceKind::Cuda => crate::device::cuda_built().map_err(ConfigError),
+        }
     }
 
     /// The candle device this rank computes on (opened on first use, then
     /// the same handle).
     pub fn device(self) -> Result<candle_core::Device, ConfigError> {
-        crate::device::open(self).map_err(ConfigError)
+        match self {
+            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
+            DeviceKind::Cuda => crate::device::open_cuda().map_err(ConfigError),
+        }
     }
 }
 
