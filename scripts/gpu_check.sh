@@ -22,7 +22,8 @@
 #      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps): the loss of
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
-#      native backend carries their collectives through host memory);
+#      native backend carries their collectives through host memory); with
+#      2+ GPUs, ZeRO-2 once more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
 #      and the reverse, each against 8 uninterrupted CPU steps;
 #   6. GPT-2 124M in bf16 on one GPU: tokens/s and MFU against the GPU's
@@ -181,6 +182,10 @@ for fam in gpt llama; do
         train.micro_batch_size=4 zero_optimization.stage=2 train.activation_checkpointing=\"full\"
     step "$fam: bf16" 120 check "$fam-bf16" 1 "$fam-base-bf16" 0.02 "${m[@]}" train.micro_batch_size=8 \
         train.precision=\"bf16\"
+    if [ "$gpus" -ge 2 ]; then # one GPU per rank: NCCL carries the collectives
+        PHALANX_BACKEND=nccl step "$fam: ZeRO-2 2 ranks over NCCL" 120 check "$fam-zero2-nccl" 2 $b \
+            "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4 zero_optimization.stage=2
+    fi
     unset -n m
 done
 
