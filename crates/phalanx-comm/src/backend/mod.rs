@@ -155,6 +155,124 @@ impl Call<'_> {
     }
 }
 
+/// A backend's six collectives, generic over the element type: what a
+/// backend writes once. [`dispatch_collectives!`] writes, inside its
+/// `impl Backend`, the type-erased [`Backend`] collectives that match the
+/// buffer's dtype and call these.
+pub trait Collectives {
+    fn all_reduce_t<T: Element>(&self, c: &Call, buf: &mut [T], op: ReduceOp) -> Result<()>;
+    fn reduce_scatter_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()>;
+    fn all_gather_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        counts: &[usize],
+        output: &mut [T],
+    ) -> Result<()>;
+    fn broadcast_t<T: Element>(&self, c: &Call, buf: &mut [T], root: usize) -> Result<()>;
+    fn reduce_t<T: Element>(
+        &self,
+        c: &Call,
+        buf: &mut [T],
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<()>;
+    fn all_to_all_t<T: Element>(
+        &self,
+        c: &Call,
+        input: &[T],
+        send: &[usize],
+        output: &mut [T],
+        recv: &[usize],
+    ) -> Result<()>;
+}
+
+/// The [`Backend`] collectives of a type that implements [`Collectives`]:
+/// write `dispatch_collectives!();` inside its `impl Backend`.
+macro_rules! dispatch_collectives {
+    () => {
+        fn all_reduce(
+            &self,
+            c: &$crate::backend::Call,
+            buf: $crate::backend::BytesMut,
+            op: $crate::dtype::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            use $crate::backend::Collectives;
+            $crate::for_dtype!(buf.dtype(), T => self.all_reduce_t(c, buf.typed::<T>(), op))
+        }
+
+        fn reduce_scatter_v(
+            &self,
+            c: &$crate::backend::Call,
+            input: $crate::backend::Bytes,
+            counts: &[usize],
+            output: $crate::backend::BytesMut,
+            op: $crate::dtype::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            use $crate::backend::Collectives;
+            $crate::for_dtype!(input.dtype(), T => {
+                self.reduce_scatter_t(c, input.typed::<T>(), counts, output.typed::<T>(), op)
+            })
+        }
+
+        fn all_gather_v(
+            &self,
+            c: &$crate::backend::Call,
+            input: $crate::backend::Bytes,
+            counts: &[usize],
+            output: $crate::backend::BytesMut,
+        ) -> $crate::error::Result<()> {
+            use $crate::backend::Collectives;
+            $crate::for_dtype!(input.dtype(), T => {
+                self.all_gather_t(c, input.typed::<T>(), counts, output.typed::<T>())
+            })
+        }
+
+        fn broadcast(
+            &self,
+            c: &$crate::backend::Call,
+            buf: $crate::backend::BytesMut,
+            root: usize,
+        ) -> $crate::error::Result<()> {
+            use $crate::backend::Collectives;
+            $crate::for_dtype!(buf.dtype(), T => self.broadcast_t(c, buf.typed::<T>(), root))
+        }
+
+        fn reduce(
+            &self,
+            c: &$crate::backend::Call,
+            buf: $crate::backend::BytesMut,
+            root: usize,
+            op: $crate::dtype::ReduceOp,
+        ) -> $crate::error::Result<()> {
+            use $crate::backend::Collectives;
+            $crate::for_dtype!(buf.dtype(), T => self.reduce_t(c, buf.typed::<T>(), root, op))
+        }
+
+        fn all_to_all_v(
+            &self,
+            c: &$crate::backend::Call,
+            input: $crate::backend::Bytes,
+            send: &[usize],
+            output: $crate::backend::BytesMut,
+            recv: &[usize],
+        ) -> $crate::error::Result<()> {
+            use $crate::backend::Collectives;
+            $crate::for_dtype!(input.dtype(), T => {
+                self.all_to_all_t(c, input.typed::<T>(), send, output.typed::<T>(), recv)
+            })
+        }
+    };
+}
+pub(crate) use dispatch_collectives;
+
 /// What runs a group's operations. One value per group (a sub-group's comes
 /// from its parent's [`Backend::child`]); every method may be called from
 /// the group's caller thread or its communication threads, one collective

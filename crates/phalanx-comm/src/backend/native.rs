@@ -6,12 +6,11 @@
 //! channels of its own (`gid * 4 + kind`), so a sub-group's [`Backend::child`]
 //! is the same transport again.
 
-use super::{Backend, Bytes, BytesMut, Call};
+use super::{dispatch_collectives, Backend, Call, Collectives};
 use crate::algo::{self, even_split, ranges, Ctx};
 use crate::config::Algo;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
-use crate::for_dtype;
 use crate::transport::{Link, Msg, Transport};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -52,7 +51,9 @@ impl Native {
             chunk_elems: (c.cfg.chunk_bytes / elem).max(1),
         }
     }
+}
 
+impl Collectives for Native {
     fn all_reduce_t<T: Element>(&self, c: &Call, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let cx = self.ctx(c, std::mem::size_of::<T>());
         if cx.n() == 1 || buf.is_empty() {
@@ -218,55 +219,7 @@ impl Backend for Native {
         "native"
     }
 
-    fn all_reduce(&self, c: &Call, buf: BytesMut, op: ReduceOp) -> Result<()> {
-        for_dtype!(buf.dtype(), T => self.all_reduce_t(c, buf.typed::<T>(), op))
-    }
-
-    fn reduce_scatter_v(
-        &self,
-        c: &Call,
-        input: Bytes,
-        counts: &[usize],
-        output: BytesMut,
-        op: ReduceOp,
-    ) -> Result<()> {
-        for_dtype!(input.dtype(), T => {
-            self.reduce_scatter_t(c, input.typed::<T>(), counts, output.typed::<T>(), op)
-        })
-    }
-
-    fn all_gather_v(
-        &self,
-        c: &Call,
-        input: Bytes,
-        counts: &[usize],
-        output: BytesMut,
-    ) -> Result<()> {
-        for_dtype!(input.dtype(), T => {
-            self.all_gather_t(c, input.typed::<T>(), counts, output.typed::<T>())
-        })
-    }
-
-    fn broadcast(&self, c: &Call, buf: BytesMut, root: usize) -> Result<()> {
-        for_dtype!(buf.dtype(), T => self.broadcast_t(c, buf.typed::<T>(), root))
-    }
-
-    fn reduce(&self, c: &Call, buf: BytesMut, root: usize, op: ReduceOp) -> Result<()> {
-        for_dtype!(buf.dtype(), T => self.reduce_t(c, buf.typed::<T>(), root, op))
-    }
-
-    fn all_to_all_v(
-        &self,
-        c: &Call,
-        input: Bytes,
-        send: &[usize],
-        output: BytesMut,
-        recv: &[usize],
-    ) -> Result<()> {
-        for_dtype!(input.dtype(), T => {
-            self.all_to_all_t(c, input.typed::<T>(), send, output.typed::<T>(), recv)
-        })
-    }
+    dispatch_collectives!();
 
     /// On the signature channel: a rank that never calls is named as such
     /// (not as a plain timeout).

@@ -21,10 +21,9 @@
 
 use super::comm::{Comm, Io};
 use super::layout::{nccl_dtype, nccl_op, offsets, split_color, split_key, Padded};
-use crate::backend::{Backend, Bytes, BytesMut, Call};
+use crate::backend::{dispatch_collectives, Backend, BytesMut, Call, Collectives};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
-use crate::for_dtype;
 use crate::transport::{Link, Msg};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::Ordering;
@@ -50,6 +49,67 @@ impl Nccl {
         self.comm.bytes.fetch_add(b as u64, Ordering::Relaxed);
     }
 
+    fn rooted_t<T: Element>(
+        &self,
+        c: &Call,
+        x: &mut [T],
+        root: usize,
+        op: Option<ReduceOp>,
+    ) -> Result<()> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (dt, count, r) = (nccl_dtype(T::DTYPE), x.len(), root as c_int);
+        self.count(std::mem::size_of_val(x));
+        let mine = c.me == root;
+        match op {
+            None => {
+                let io = Io::InPlace {
+                    buf: bytes_mut(x),
+                    copy_back: !mine,
+                };
+                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+                    // SAFETY: `src`/`dst` hold `count` elements on the device.
+                    (api.ncclBroadcast)(
+                        src as *const c_void,
+                        dst as *mut c_void,
+                        count,
+                        dt,
+                        r,
+                        comm,
+                        s,
+                    )
+                })
+            }
+            Some(op) => {
+                let (rop, div) = nccl_op(op);
+                let io = Io::InPlace {
+                    buf: bytes_mut(x),
+                    copy_back: mine,
+                };
+                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+                    // SAFETY: as above.
+                    (api.ncclReduce)(
+                        src as *const c_void,
+                        dst as *mut c_void,
+                        count,
+                        dt,
+                        rop,
+                        r,
+                        comm,
+                        s,
+                    )
+                })?;
+                if div && mine {
+                    T::div_by(x, c.n());
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Collectives for Nccl {
     fn all_reduce_t<T: Element>(&self, c: &Call, x: &mut [T], op: ReduceOp) -> Result<()> {
         let n = c.n();
         if x.is_empty() {
@@ -174,63 +234,18 @@ impl Nccl {
         Ok(())
     }
 
-    fn rooted_t<T: Element>(
+    fn broadcast_t<T: Element>(&self, c: &Call, buf: &mut [T], root: usize) -> Result<()> {
+        self.rooted_t(c, buf, root, None)
+    }
+
+    fn reduce_t<T: Element>(
         &self,
         c: &Call,
-        x: &mut [T],
+        buf: &mut [T],
         root: usize,
-        op: Option<ReduceOp>,
+        op: ReduceOp,
     ) -> Result<()> {
-        if x.is_empty() {
-            return Ok(());
-        }
-        let (dt, count, r) = (nccl_dtype(T::DTYPE), x.len(), root as c_int);
-        self.count(std::mem::size_of_val(x));
-        let mine = c.me == root;
-        match op {
-            None => {
-                let io = Io::InPlace {
-                    buf: bytes_mut(x),
-                    copy_back: !mine,
-                };
-                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
-                    // SAFETY: `src`/`dst` hold `count` elements on the device.
-                    (api.ncclBroadcast)(
-                        src as *const c_void,
-                        dst as *mut c_void,
-                        count,
-                        dt,
-                        r,
-                        comm,
-                        s,
-                    )
-                })
-            }
-            Some(op) => {
-                let (rop, div) = nccl_op(op);
-                let io = Io::InPlace {
-                    buf: bytes_mut(x),
-                    copy_back: mine,
-                };
-                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
-                    // SAFETY: as above.
-                    (api.ncclReduce)(
-                        src as *const c_void,
-                        dst as *mut c_void,
-                        count,
-                        dt,
-                        rop,
-                        r,
-                        comm,
-                        s,
-                    )
-                })?;
-                if div && mine {
-                    T::div_by(x, c.n());
-                }
-                Ok(())
-            }
-        }
+        self.rooted_t(c, buf, root, Some(op))
     }
 
     fn all_to_all_t<T: Element>(
@@ -283,57 +298,8 @@ impl Backend for Nccl {
         "nccl"
     }
 
-    fn all_reduce(&self, c: &Call, buf: BytesMut, op: ReduceOp) -> Result<()> {
-        for_dtype!(buf.dtype(), T => self.all_reduce_t(c, buf.typed::<T>(), op))
-    }
+    dispatch_collectives!();
 
-    fn reduce_scatter_v(
-        &self,
-        c: &Call,
-        input: Bytes,
-        counts: &[usize],
-        output: BytesMut,
-        op: ReduceOp,
-    ) -> Result<()> {
-        for_dtype!(input.dtype(), T => {
-            self.reduce_scatter_t(c, input.typed::<T>(), counts, output.typed::<T>(), op)
-        })
-    }
-
-    fn all_gather_v(
-        &self,
-        c: &Call,
-        input: Bytes,
-        counts: &[usize],
-        output: BytesMut,
-    ) -> Result<()> {
-        for_dtype!(input.dtype(), T => {
-            self.all_gather_t(c, input.typed::<T>(), counts, output.typed::<T>())
-        })
-    }
-
-    fn broadcast(&self, c: &Call, buf: BytesMut, root: usize) -> Result<()> {
-        for_dtype!(buf.dtype(), T => self.rooted_t(c, buf.typed::<T>(), root, None))
-    }
-
-    fn reduce(&self, c: &Call, buf: BytesMut, root: usize, op: ReduceOp) -> Result<()> {
-        for_dtype!(buf.dtype(), T => self.rooted_t(c, buf.typed::<T>(), root, Some(op)))
-    }
-
-    fn all_to_all_v(
-        &self,
-        c: &Call,
-        input: Bytes,
-        send: &[usize],
-        output: BytesMut,
-        recv: &[usize],
-    ) -> Result<()> {
-        for_dtype!(input.dtype(), T => {
-            self.all_to_all_t(c, input.typed::<T>(), send, output.typed::<T>(), recv)
-        })
-    }
-
-    /// Over the native mesh (host bytes; no device round trip).
     fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.native.exchange_signatures(c, mine)
     }
