@@ -2,7 +2,7 @@
 //!
 //! - `cpu`: candle's CPU device; Phalanx's own CPU kernels run the ops
 //!   ([`crate::ops::host_kernels`]).
-//! - `cuda` (feature `cuda`): CUDA device `LOCAL_RANK` modulo the number of
+//! - `cuda` (feature `cuda`): CUDA device local rank modulo the number of
 //!   visible devices, as PyTorch's `device_ids=[local_rank]` (several ranks on
 //!   one GPU is a test set-up). The model's ops run on it through candle's
 //!   CUDA backend (the composed layers, cuBLAS products); the flat parameter,
@@ -21,17 +21,14 @@
 
 use candle_core::Device;
 
-/// This process's local rank: `LOCAL_RANK` as the launchers set it (torchrun,
-/// `phalanx run`, and `OMPI_COMM_WORLD_LOCAL_RANK` / `SLURM_LOCALID` already
-/// mapped to it by the launcher), 0 when unset.
+/// This process's local rank, from the launcher's variables as process-group
+/// init reads them (`LOCAL_RANK` under torchrun and `phalanx run`,
+/// `OMPI_COMM_WORLD_LOCAL_RANK` under mpirun, `SLURM_LOCALID` under srun;
+/// 0 for a single process).
 pub fn local_rank() -> Result<usize, String> {
-    match std::env::var("LOCAL_RANK") {
-        Err(_) => Ok(0),
-        Ok(v) => v
-            .trim()
-            .parse()
-            .map_err(|_| format!("LOCAL_RANK={v:?}: expected a whole number")),
-    }
+    phalanx_comm::DistEnv::from_env()
+        .map(|e| e.local_rank)
+        .map_err(|e| e.to_string())
 }
 
 /// Whether this build can compute on CUDA (checked when the config is
@@ -47,7 +44,7 @@ pub fn cuda_built() -> Result<(), String> {
     }
 }
 
-/// The CUDA device this rank computes on (`LOCAL_RANK` modulo the device
+/// The CUDA device this rank computes on (the local rank modulo the device
 /// count); the same handle on every call.
 pub fn open_cuda() -> Result<Device, String> {
     cuda_built()?;
