@@ -3,7 +3,7 @@
 //! op takes the branch a CUDA device takes: candle's composed ops (matmul,
 //! softmax, layer norm ...), no direct layers, and the tensor-parallel
 //! exchanges through `ops::on_host`. Trained that way under each strategy,
-//! Llama and GPT-2 reproduce the 1-rank run on the CPU kernels, as
+//! Llama and GPT-2 reproduce their 1-rank runs on the CPU kernels, as
 //! `scripts/gpu_check.sh` checks the same strategies on a GPU.
 //!
 //! One test per binary: the switch is process-wide.
@@ -50,6 +50,23 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
     ]
 }
 
+/// GPT-2's strategies on the generic path (6 heads, 36 wide: tp 2 divides it).
+fn gpt_strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
+    vec![
+        ("1 rank", 1, 1, 1, vec![]),
+        ("DDP 2 ranks", 2, 2, 1, vec![]),
+        ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
+        ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
+        ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
+    ]
+}
+
+fn gpt_run(world: usize, dp: usize, accum: usize, extra: &[&str]) -> Vec<RankResult> {
+    let mut sets = vec!["model.n_head=6".to_string(), "model.n_embd=36".to_string()];
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    common::run(world, common::config(dp, accum, &sets))
+}
+
 fn llama_run(world: usize, dp: usize, accum: usize, extra: &[&str]) -> Vec<RankResult> {
     llama::run(world, llama::config(dp, accum, extra), LlamaRun::default())
 }
@@ -64,7 +81,10 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         runs.push((what, llama_run(world, dp, accum, &extra)));
     }
     let bf16 = llama_run(1, 1, 1, &["train.precision=bf16"]).remove(0);
-    let gpt_generic = common::run(1, common::config(1, 1, &[])).remove(0);
+    let gpt_runs: Vec<_> = gpt_strategies()
+        .into_iter()
+        .map(|(what, world, dp, accum, extra)| (what, gpt_run(world, dp, accum, &extra)))
+        .collect();
     assert_eq!(
         host_kernel_dispatches(),
         host,
@@ -98,7 +118,9 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             );
         }
     }
-    let gpt_fused = common::run(1, common::config(1, 1, &[])).remove(0);
-    common::assert_matches("GPT-2 generic 1 rank", &[gpt_generic], &gpt_fused);
+    let gpt_base = gpt_run(1, 1, 1, &[]).remove(0);
+    for (what, out) in &gpt_runs {
+        assert_named_match(&format!("GPT-2 generic {what}"), out, &gpt_base, 1e-5);
+    }
     set_host_kernels(None);
 }
