@@ -15,7 +15,7 @@
 #   1. the driver and GPUs (`nvidia-smi -L`);
 #   2. the build: `cargo build --release -p phalanx-cli --features cuda,nccl`
 #      (nvcc from the system, else from scripts/cuda_toolchain.sh), unless
-#      PHALANX_BIN names a binary;
+#      PHALANX_BIN names a binary; then every library it needs (`ldd`);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
 #      and at world 2 where there are 2+ GPUs;
 #   4. every strategy on the device against the CPU's 1-rank run of the same
@@ -25,7 +25,8 @@
 #      native backend carries their collectives through host memory); with
 #      2+ GPUs, ZeRO-2 once more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
-#      and the reverse, each against 8 uninterrupted CPU steps;
+#      and the reverse, each against 8 uninterrupted CPU steps (in the
+#      rehearsal, the device's side takes the generic path);
 #   6. GPT-2 124M in bf16 on one GPU: tokens/s and MFU against the GPU's
 #      dense bf16 peak (PEAK_TFLOPS, default 989: H100/H200 SXM);
 #   7. NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB (host-staged:
@@ -104,7 +105,10 @@ else
     features=cuda,nccl
     [ "$DEVICE" = cuda ] || features=nccl
     if [ "$DEVICE" = cuda ] && ! command -v nvcc >/dev/null; then
-        eval "$(scripts/cuda_toolchain.sh)" || finish
+        # The toolchain's link stubs come from cudarc's sources: fetch first.
+        cargo fetch --quiet || finish
+        tc=$(scripts/cuda_toolchain.sh) || finish
+        eval "$tc"
     fi
     step "build (cargo build --release -p phalanx-cli --features $features)" 1200 \
         cargo build --release -p phalanx-cli --features "$features" || finish
@@ -112,6 +116,10 @@ else
 fi
 
 if [ "$DEVICE" = cuda ]; then
+    # Every library the binary needs, found before anything runs.
+    step "the binary's libraries (ldd)" 30 bash -c \
+        "ldd '$bin' | grep 'not found' && { echo 'missing: put them on LD_LIBRARY_PATH'; exit 1; } || true" ||
+        finish
     worlds="1"
     [ "$gpus" -ge 2 ] && worlds="1 2"
     for n in $worlds; do
@@ -190,25 +198,24 @@ for fam in gpt llama; do
 done
 
 # Resume across devices: 4 steps on one, the rest on the other.
-resume() { # resume FROM TO
-    local from=$1 to=$2 ck="$LOG_DIR/ck-$1-$2" hk_from=1 hk_to=1
-    [ "$from" = cpu ] || hk_from=${PHALANX_HOST_KERNELS:-1}
-    [ "$to" = cpu ] || hk_to=${PHALANX_HOST_KERNELS:-1}
+resume() { # resume FROM HOST_KERNELS TO HOST_KERNELS
+    local from=$1 hk_from=$2 to=$3 hk_to=$4 name="resume-$1$2-$3$4"
+    local ck="$LOG_DIR/ck-$name"
     # decay_steps fixes the schedule, which train.steps would otherwise set.
     local c=(checkpoint.dir=\""$ck"\" checkpoint.interval=4 train.micro_batch_size=8 optim.decay_steps=8)
-    train "resume-$from-$to-a" 1 "$from" "$hk_from" "${gpt[@]}" "${c[@]}" train.steps=4 &&
-        PHALANX_HOST_KERNELS=$hk_to timeout "${STEP_TIMEOUT:-300}" "$bin" train --resume "$ck" --nproc-per-node 1 \
-            --set train.device="\"$to\"" --set train.eval_interval=0 --set log.plot= --set log.report= \
-            $(printf -- '--set %s ' "${gpt[@]}" "${c[@]}") \
-            --log-json "$LOG_DIR/resume-$from-$to.jsonl" >"$LOG_DIR/resume-$from-$to.out" 2>&1 &&
-        python3 - "$LOG_DIR/resume-$from-$to-a.jsonl" "$LOG_DIR/resume-$from-$to.jsonl" \
-            "$LOG_DIR/resume-joined-$from-$to.jsonl" <<'EOF' && same "resume-joined-$from-$to" gpt-base "$LOSS_TOL"
-import sys
-open(sys.argv[3], "w").write(open(sys.argv[1]).read() + open(sys.argv[2]).read())
-EOF
+    local sets=()
+    for x in "${gpt[@]}" "${c[@]}"; do sets+=(--set "$x"); done
+    train "$name-a" 1 "$from" "$hk_from" "${gpt[@]}" "${c[@]}" train.steps=4 &&
+        PHALANX_HOST_KERNELS=$hk_to timeout "${STEP_TIMEOUT:-300}" "$bin" train --resume "$ck" \
+            --nproc-per-node 1 --set train.device="\"$to\"" --set train.eval_interval=0 \
+            --set log.plot= --set log.report= "${sets[@]}" \
+            --log-json "$LOG_DIR/$name-b.jsonl" >"$LOG_DIR/$name-b.out" 2>&1 &&
+        cat "$LOG_DIR/$name-a.jsonl" "$LOG_DIR/$name-b.jsonl" >"$LOG_DIR/$name.jsonl" &&
+        same "$name" gpt-base "$LOSS_TOL"
 }
-step "resume: saved on $DEVICE, resumed on cpu" 180 resume "$DEVICE" cpu
-step "resume: saved on cpu, resumed on $DEVICE" 180 resume cpu "$DEVICE"
+dev_hk=${PHALANX_HOST_KERNELS:-1} # the device's runs: 0 in the rehearsal
+step "resume: saved on $DEVICE, resumed on cpu" 180 resume "$DEVICE" "$dev_hk" cpu 1
+step "resume: saved on cpu, resumed on $DEVICE" 180 resume cpu 1 "$DEVICE" "$dev_hk"
 
 if [ "$DEVICE" = cuda ]; then
     mfu() {

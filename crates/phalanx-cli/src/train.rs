@@ -270,6 +270,10 @@ fn run(
             libc::signal(libc::SIGUSR1, on_stop as *const () as libc::sighandler_t);
         }
     }
+    // The device first (as torch.cuda.set_device before
+    // init_process_group): a rank without a usable GPU fails here, alone,
+    // naming what is missing, before it meets the others.
+    cfg.device()?;
     let pg = phalanx_comm::init_process_group()?;
     let lead = pg.rank() == 0;
     let elastic_cfg = elastic_batch(cfg, &pg, opts)?;

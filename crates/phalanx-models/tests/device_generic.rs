@@ -11,7 +11,7 @@
 mod common;
 use common::llama::{self, STEPS};
 use common::{assert_named_match, RankResult};
-use phalanx::ops::{host_kernel_dispatches, set_host_kernels};
+use phalanx::ops::{kernel_runs, set_host_kernels};
 use phalanx_models::llama::train::LlamaRun;
 
 /// The strategies run on the generic path: (what, world, dp, accum, overrides).
@@ -30,6 +30,13 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
         ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
         ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
         ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
+        (
+            "pp 2 (zero-bubble)",
+            2,
+            1,
+            4,
+            vec!["parallel.pp=2", "parallel.pp_schedule=\"zb-h1\""],
+        ),
         (
             "dp 2 x pp 2 x tp 2",
             8,
@@ -75,7 +82,7 @@ fn llama_run(world: usize, dp: usize, accum: usize, extra: &[&str]) -> Vec<RankR
 fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     // The generic path first: no op may take the CPU kernels.
     set_host_kernels(Some(false));
-    let host = host_kernel_dispatches();
+    let host = kernel_runs();
     let mut runs = Vec::new();
     for (what, world, dp, accum, extra) in strategies() {
         runs.push((what, llama_run(world, dp, accum, &extra)));
@@ -86,7 +93,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         .map(|(what, world, dp, accum, extra)| (what, gpt_run(world, dp, accum, &extra)))
         .collect();
     assert_eq!(
-        host_kernel_dispatches(),
+        kernel_runs(),
         host,
         "an op took the CPU kernels while they were off"
     );
@@ -94,10 +101,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     // The 1-rank runs on the CPU kernels (direct layers, fused ops).
     set_host_kernels(Some(true));
     let base = llama::base();
-    assert!(
-        host_kernel_dispatches() > host,
-        "the CPU kernels did not run"
-    );
+    assert!(kernel_runs() > host, "the CPU kernels did not run");
     assert!(base.losses[STEPS - 1] < base.losses[0], "{:?}", base.losses);
     for (what, out) in &runs {
         assert_named_match(&format!("generic {what}"), out, &base, 1e-5);

@@ -338,6 +338,7 @@ impl BlockModule for LayerModule {
         if !self.fusable(x) {
             return Ok(None);
         }
+        phalanx::ops::kernel_ran();
         super::fused::layer_direct(x, self.params(), self.n_head, LN_EPS).map(Some)
     }
 

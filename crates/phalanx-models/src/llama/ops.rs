@@ -90,6 +90,7 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        phalanx::ops::kernel_ran();
         let (x, w) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?);
         let w = &w[..];
         let c = w.len();
@@ -196,6 +197,7 @@ impl CustomOp1 for Rope {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        phalanx::ops::kernel_ran();
         let y = self.apply(&cpu_f32(s, l)?, 1.0);
         Ok((storage_in(s.dtype(), y)?, l.shape().clone()))
     }
@@ -284,6 +286,7 @@ impl CustomOp2 for SwiGlu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        phalanx::ops::kernel_ran();
         let (g, u) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?);
         let c = *l1.dims().last().unwrap_or(&1);
         let mut y = vec![0f32; g.len()];

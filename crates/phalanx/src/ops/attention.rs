@@ -33,7 +33,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu::{
     cpu_f32, dot_lanes, is_float, max_lanes, pool_chunked, storage_f32, storage_in, sum_lanes,
@@ -181,6 +181,7 @@ impl CustomOp1 for Attention {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        crate::ops::kernel_ran();
         let qkv = cpu_f32(s, l)?;
         let d = dims_of(l, self.n_head)?;
         let mut y = vec![0f32; d.b * d.t * d.c];
@@ -449,8 +450,17 @@ fn composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
             .contiguous()
     };
     let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+    // fp16 scores can pass 65504 (inf, and NaN beside the mask): they are
+    // taken in f32, as the CPU kernel takes them.
+    let (q, k) = match qkv.dtype() {
+        DType::F16 => (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?),
+        _ => (q, k),
+    };
     let s = q.matmul(&k.t()?.contiguous()?)?; // (B, H, T, T)
     let p = super::softmax::composed_causal(&s, 1.0 / (d as f32).sqrt())?;
     // (B, H, T, d) -> (B, T, C)
-    p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))
+    p.to_dtype(v.dtype())?
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((b, t, c))
 }

@@ -237,6 +237,7 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        crate::ops::kernel_ran();
         let x = cpu_f32(s, l)?;
         let mut y = vec![0f32; x.len()];
         gelu_forward(&x, &mut y);

@@ -485,6 +485,7 @@ impl CustomOp3 for LinearBias {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        crate::ops::kernel_ran();
         let d = dims(l1, l2)?;
         let (x, w, b) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?, cpu_f32(s3, l3)?);
         let y = with_bf16_products(both_bf16(s1.dtype(), s2.dtype()), || {
@@ -517,6 +518,7 @@ impl CustomOp2 for LinearNoBias {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        crate::ops::kernel_ran();
         let d = dims(l1, l2)?;
         let (x, w) = (cpu_f32(s1, l1)?, cpu_f32(s2, l2)?);
         let y = with_bf16_products(both_bf16(s1.dtype(), s2.dtype()), || {

@@ -64,20 +64,23 @@ static HOST_KERNELS: AtomicU8 = AtomicU8::new(0);
 /// takes: turning the CPU kernels off runs that device-generic path on the
 /// CPU, where a test can hold it against the fused one.
 pub fn host_kernels(dev: &Device) -> bool {
-    let on = dev.is_cpu() && host_kernels_on();
-    if on {
-        HOST_DISPATCHES.fetch_add(1, Ordering::Relaxed);
-    }
-    on
+    dev.is_cpu() && host_kernels_on()
 }
 
-/// How many times [`host_kernels`] has sent an op to the CPU kernels in
-/// this process (so a test can tell which path ran).
-pub fn host_kernel_dispatches() -> usize {
-    HOST_DISPATCHES.load(Ordering::Relaxed)
+/// Counts one run of a CPU kernel (each op's `cpu_fwd`, each direct layer's
+/// forward): the kernels call it first thing.
+pub fn kernel_ran() {
+    KERNEL_RUNS.fetch_add(1, Ordering::Relaxed);
 }
 
-static HOST_DISPATCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// How many CPU kernels have run in this process, so that a test can tell
+/// which path ran (the tensor-parallel exchanges, which run on the host on
+/// every path, are not counted).
+pub fn kernel_runs() -> usize {
+    KERNEL_RUNS.load(Ordering::Relaxed)
+}
+
+static KERNEL_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn host_kernels_on() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -67,6 +67,7 @@ impl CustomOp1 for Softmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        crate::ops::kernel_ran();
         let x = cpu_f32(s, l)?;
         let n = l.dims()[l.dims().len() - 1];
         let mut y = vec![0f32; x.len()];
@@ -118,13 +119,16 @@ fn apply(x: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
 }
 
 /// The same softmax from candle's ops (the device-generic path): in f32,
-/// the causal mask added as -inf above the diagonal, the result in x's
-/// dtype.
+/// entries above the diagonal masked to -inf, the result in x's dtype.
 fn composed(x: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
     let mut s = (x.to_dtype(DType::F32)? * scale as f64)?;
     if causal {
+        // Built on x's device from two ranges (no (T, T) upload): key <= query.
         let t = x.dim(D::Minus1)?;
-        s = s.broadcast_add(&causal_mask(t, x.device())?)?;
+        let r = Tensor::arange(0u32, t as u32, x.device())?;
+        let visible = r.unsqueeze(1)?.broadcast_ge(&r.unsqueeze(0)?)?; // (T, T)
+        let hidden = Tensor::new(f32::NEG_INFINITY, x.device())?.broadcast_as(s.shape())?;
+        s = visible.broadcast_as(s.shape())?.where_cond(&s, &hidden)?;
     }
     candle_nn::ops::softmax(&s, D::Minus1)?.to_dtype(x.dtype())
 }
@@ -132,20 +136,6 @@ fn composed(x: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
 /// [`causal_softmax`]'s device-generic path, for the composed attention.
 pub(crate) fn composed_causal(x: &Tensor, scale: f32) -> Result<Tensor> {
     composed(x, scale, true)
-}
-
-/// (T, T) f32: 0 where a query may see the key (key <= query), -inf above.
-fn causal_mask(t: usize, dev: &candle_core::Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t <= i / t {
-                0.0
-            } else {
-                f32::NEG_INFINITY
-            }
-        })
-        .collect();
-    Tensor::from_vec(m, (t, t), dev)
 }
 
 /// `softmax(x)` over the last dimension, with a backward.

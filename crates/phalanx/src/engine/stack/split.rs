@@ -174,7 +174,11 @@ impl Stack {
                      backward; run the range with `forward_frozen`"
                 ),
             };
-            let taped = node.is_some() && self.blocks[b].defers_weight_grads();
+            // Only the CPU kernels record weight gradients for later; on the
+            // device-generic path the block recomputes for its W pass.
+            let taped = node.is_some()
+                && self.blocks[b].defers_weight_grads()
+                && crate::ops::host_kernels(&self.device);
             let mut work = Vec::new();
             dx = match node {
                 Some(node) => {
