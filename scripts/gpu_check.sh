@@ -129,14 +129,16 @@ if [ "$DEVICE" = cuda ]; then
     done
 fi
 
-# train NAME NPROC DEVICE HOST_KERNELS SET...: one `phalanx train`, its
-# per-step log in $LOG_DIR/NAME.jsonl, its output in NAME.out.
+# train NAME NPROC DEVICE HOST_KERNELS SET...: one `phalanx train` (from the
+# checkpoint $RESUME when set), its per-step log in $LOG_DIR/NAME.jsonl, its
+# output in NAME.out.
 train() {
     local name=$1 n=$2 dev=$3 host=$4
     shift 4
     local sets=()
     for s in "$@"; do sets+=(--set "$s"); done
-    PHALANX_HOST_KERNELS=$host timeout "${STEP_TIMEOUT:-300}" "$bin" train --nproc-per-node "$n" \
+    PHALANX_HOST_KERNELS=$host timeout "${STEP_TIMEOUT:-300}" "$bin" train ${RESUME:+--resume "$RESUME"} \
+        --nproc-per-node "$n" \
         --set train.device="\"$dev\"" --set train.eval_interval=0 \
         --set log.plot= --set log.report= "${sets[@]}" \
         --log-json "$LOG_DIR/$name.jsonl" >"$LOG_DIR/$name.out" 2>&1 ||
@@ -203,13 +205,8 @@ resume() { # resume FROM HOST_KERNELS TO HOST_KERNELS
     local ck="$LOG_DIR/ck-$name"
     # decay_steps fixes the schedule, which train.steps would otherwise set.
     local c=(checkpoint.dir=\""$ck"\" checkpoint.interval=4 train.micro_batch_size=8 optim.decay_steps=8)
-    local sets=()
-    for x in "${gpt[@]}" "${c[@]}"; do sets+=(--set "$x"); done
     train "$name-a" 1 "$from" "$hk_from" "${gpt[@]}" "${c[@]}" train.steps=4 &&
-        PHALANX_HOST_KERNELS=$hk_to timeout "${STEP_TIMEOUT:-300}" "$bin" train --resume "$ck" \
-            --nproc-per-node 1 --set train.device="\"$to\"" --set train.eval_interval=0 \
-            --set log.plot= --set log.report= "${sets[@]}" \
-            --log-json "$LOG_DIR/$name-b.jsonl" >"$LOG_DIR/$name-b.out" 2>&1 &&
+        RESUME=$ck train "$name-b" 1 "$to" "$hk_to" "${gpt[@]}" "${c[@]}" &&
         cat "$LOG_DIR/$name-a.jsonl" "$LOG_DIR/$name-b.jsonl" >"$LOG_DIR/$name.jsonl" &&
         same "$name" gpt-base "$LOSS_TOL"
 }

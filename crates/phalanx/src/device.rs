@@ -31,24 +31,31 @@ pub fn local_rank() -> Result<usize, String> {
         .map_err(|e| e.to_string())
 }
 
+/// What a build without the `cuda` feature says when asked for CUDA.
+const NOT_BUILT: &str = "train.device = \"cuda\": this build has no CUDA backend; \
+     build with `cargo build --release --features cuda` (docs/gpu.md), \
+     or train with train.device = \"cpu\"";
+
 /// Whether this build can compute on CUDA (checked when the config is
 /// built, before anything starts); the error names the feature.
 pub fn cuda_built() -> Result<(), String> {
-    if cfg!(feature = "cuda") {
-        Ok(())
-    } else {
-        Err("train.device = \"cuda\": this build has no CUDA backend; \
-             build with `cargo build --release --features cuda` (docs/gpu.md), \
-             or train with train.device = \"cpu\""
-            .into())
+    match cfg!(feature = "cuda") {
+        true => Ok(()),
+        false => Err(NOT_BUILT.into()),
     }
 }
 
 /// The CUDA device this rank computes on (the local rank modulo the device
 /// count); the same handle on every call.
+#[cfg(feature = "cuda")]
 pub fn open_cuda() -> Result<Device, String> {
-    cuda_built()?;
     cuda::open(local_rank()?)
+}
+
+/// The CUDA device this rank computes on: refused, naming the feature.
+#[cfg(not(feature = "cuda"))]
+pub fn open_cuda() -> Result<Device, String> {
+    Err(NOT_BUILT.into())
 }
 
 #[cfg(feature = "cuda")]
@@ -88,13 +95,5 @@ mod cuda {
         })?;
         open.insert(ordinal, d.clone());
         Ok(d)
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-mod cuda {
-    /// Unreachable: [`super::cuda_built`] refuses CUDA first in this build.
-    pub fn open(_local_rank: usize) -> Result<candle_core::Device, String> {
-        super::cuda_built().map(|_| candle_core::Device::Cpu)
     }
 }

@@ -1,7 +1,7 @@
 //! The Llama equivalence runs' model and runner (`llama_parallel.rs`,
 //! `device_generic.rs`).
 
-use super::{loader, RankResult, G};
+use super::{loader, named_f32s, run_sets, RankResult};
 use phalanx::config::TrainConfig;
 use phalanx_models::arch;
 use phalanx_models::llama::train::{self, LlamaRun};
@@ -19,15 +19,9 @@ pub fn config(dp: usize, accum: usize, extra: &[&str]) -> TrainConfig {
         "model.n_embd=32".into(),
         "model.intermediate_size=40".into(),
         "model.block_size=15".into(),
-        format!("train.steps={STEPS}"),
-        format!("train.micro_batch_size={}", G / dp / accum),
-        format!("train.grad_accum_steps={accum}"),
-        "train.eval_interval=0".into(),
-        "optim.lr=0.01".into(),
-        "optim.warmup_steps=2".into(),
-        "log.plot=\"\"".into(),
         "log.report=\"\"".into(),
     ];
+    sets.extend(run_sets(STEPS, dp, accum));
     sets.extend(extra.iter().map(|s| s.to_string()));
     arch::build(None, &sets).unwrap()
 }
@@ -36,11 +30,7 @@ pub fn run(world: usize, cfg: TrainConfig, run: LlamaRun) -> Vec<RankResult> {
     let loader = loader(cfg.seq_len().unwrap());
     phalanx_comm::threads::run(world, move |pg| {
         let (report, mut trainer) = train::train(&cfg, pg, loader.clone(), &run).unwrap();
-        let named = train::full_named_params(&mut trainer, &cfg)
-            .unwrap()
-            .into_iter()
-            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-            .collect();
+        let named = named_f32s(train::full_named_params(&mut trainer, &cfg).unwrap());
         RankResult {
             losses: report.losses,
             grad_norms: report.grad_norms,

@@ -31,16 +31,35 @@ pub fn config(dp: usize, accum: usize, extra: &[String]) -> TrainConfig {
         "model.n_head=5".into(),
         "model.n_embd=35".into(),
         "model.block_size=15".into(),
-        format!("train.steps={STEPS}"),
+    ];
+    sets.extend(run_sets(STEPS, dp, accum));
+    sets.extend_from_slice(extra);
+    phalanx_models::gpt2::config::build(None, &sets).unwrap()
+}
+
+/// The overrides every equivalence run shares: `steps` steps at global
+/// batch G over `dp` ranks and `accum` micro-steps, no evaluation, a short
+/// warmup, no plot.
+pub fn run_sets(steps: usize, dp: usize, accum: usize) -> Vec<String> {
+    vec![
+        format!("train.steps={steps}"),
         format!("train.micro_batch_size={}", G / dp / accum),
         format!("train.grad_accum_steps={accum}"),
         "train.eval_interval=0".into(),
         "optim.lr=0.01".into(),
         "optim.warmup_steps=2".into(),
         "log.plot=\"\"".into(),
-    ];
-    sets.extend_from_slice(extra);
-    phalanx_models::gpt2::config::build(None, &sets).unwrap()
+    ]
+}
+
+/// A model by parameter name, as f32 values (what `full_named_params` gives).
+pub fn named_f32s(
+    named: impl IntoIterator<Item = (String, candle_core::Tensor)>,
+) -> std::collections::HashMap<String, Vec<f32>> {
+    named
+        .into_iter()
+        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
 }
 
 pub struct RankResult {
@@ -131,11 +150,7 @@ pub fn run(world: usize, cfg: TrainConfig) -> Vec<RankResult> {
     phalanx_comm::threads::run(world, move |pg| {
         let (report, mut trainer) =
             train::train(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
-        let named = train::full_named_params(&mut trainer, &cfg)
-            .unwrap()
-            .into_iter()
-            .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-            .collect();
+        let named = named_f32s(train::full_named_params(&mut trainer, &cfg).unwrap());
         let chunks = trainer.strategy().pipeline().map(|p| p.chunks().to_vec());
         RankResult {
             losses: report.losses,

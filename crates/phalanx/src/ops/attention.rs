@@ -433,15 +433,7 @@ pub fn causal_attention(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
 /// CUDA device runs): per head `softmax(q k^T / sqrt(d) + mask) v`, the
 /// softmax in f32, the products in qkv's dtype.
 fn composed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
-    let (b, t, c3) = qkv.dims3()?;
-    let c = c3 / 3;
-    if c3 % 3 != 0 || n_head == 0 || c % n_head != 0 {
-        bail!(
-            "causal_attention: qkv {:?} with {n_head} heads",
-            qkv.shape()
-        )
-    }
-    let d = c / n_head;
+    let Dims { b, t, c, hs: d, .. } = dims_of(qkv.layout(), n_head)?;
     // (B, T, C) -> (B, H, T, d)
     let heads = |i: usize| {
         qkv.narrow(2, i * c, c)?

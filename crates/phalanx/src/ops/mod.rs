@@ -49,7 +49,7 @@ pub use linear::{
 };
 pub use softmax::{causal_softmax, softmax_last_dim};
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use candle_core::{Device, Result, Tensor};
 
@@ -80,7 +80,7 @@ pub fn kernel_runs() -> usize {
     KERNEL_RUNS.load(Ordering::Relaxed)
 }
 
-static KERNEL_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static KERNEL_RUNS: AtomicUsize = AtomicUsize::new(0);
 
 fn host_kernels_on() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
