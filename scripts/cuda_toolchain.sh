@@ -20,7 +20,14 @@
 #     against the real libraries (the driver's libcuda.so.1, the wheels'
 #     libcublas.so.13 ...) wherever they are on the library path, and against
 #     the stubs (LD_LIBRARY_PATH=$PHALANX_CUDA_HOME/cu13/lib/stubs) on a
-#     machine with none, where the stub driver then refuses cleanly.
+#     machine with none, where the stub driver then refuses cleanly;
+#   - on x86-64, lazy-loading link libraries in their place (lib<name>.a in
+#     $CUDA_HOME/lib, which the linker takes before the stubs; see
+#     scripts/cuda_lazy.py): the program then names none of the CUDA
+#     libraries among its dependencies, starts (and trains on the CPU) on a
+#     machine without them, and opens them with dlopen on its first CUDA
+#     call. PHALANX_CUDA_LINK=linked keeps the plain dynamic linking
+#     (run `cargo clean -p phalanx-cli` after switching, so it relinks).
 # CUDA_COMPUTE_CAP (default 90, Hopper) is the architecture candle's
 # kernels are compiled for.
 set -euo pipefail
@@ -44,7 +51,6 @@ if [ ! -x "$home/cu13/bin/nvcc" ]; then
         "$py" -m zipfile -e "$w" "$tmp" >&2
     done
     chmod +x "$tmp"/nvidia/cu13/bin/* "$tmp"/nvidia/cu13/nvvm/bin/*
-    ln -sf libcudart.so.13 "$tmp/nvidia/cu13/lib/libcudart.so"
     rm -rf "$home/cu13"
     mv "$tmp/nvidia/cu13" "$home/cu13"
 fi
@@ -71,6 +77,51 @@ if [ ! -f "$stubs/.from" ] || [ "$(cat "$stubs/.from")" != "$reg" ]; then
     done
     echo "$reg" >"$stubs/.from"
 fi
+
+# How the program links them: lazily (x86-64) or as DT_NEEDED libraries.
+link=${PHALANX_CUDA_LINK:-$([ "$(uname -m)" = x86_64 ] && echo lazy || echo linked)}
+lib="$home/cu13/lib"
+here=$(cd "$(dirname "$0")" && pwd)
+case $link in
+lazy)
+    from="$reg $(cksum <"$here/cuda_lazy.py")"
+    if [ "$(cat "$lib/.lazy-from" 2>/dev/null)" != "$from" ]; then
+        rm -f "$lib/libcudart.so" "$lib"/lib*.a
+        tmp=$(mktemp -d)
+        trap 'rm -rf "$tmp"' EXIT
+        # The runtime's own exports (its start-up registration calls are
+        # not in cudarc's bindings); __cudaRegisterFatBinary returns a handle.
+        nm -D --defined-only "$lib/libcudart.so.13" | awk '$2 == "T" {print $3}' |
+            sed 's/@.*//; s/^__cudaRegisterFatBinary$/& ptr/' >"$tmp/cudart.extra"
+        # lib: sys module, soname, the code a call returns when the library
+        # is missing (CUDA_ERROR_STUB_LIBRARY, CUBLAS_STATUS_NOT_INITIALIZED,
+        # CURAND_STATUS_INITIALIZATION_FAILED, NVRTC_ERROR_BUILTIN_OPERATION_FAILURE,
+        # cudaErrorStubLibrary, ncclSystemError)
+        for spec in cuda:driver:libcuda.so.1:34 cublas:cublas:libcublas.so.13:1 \
+            cublasLt:cublaslt:libcublasLt.so.13:1 curand:curand:libcurand.so.10:203 \
+            nvrtc:nvrtc:libnvrtc.so.13:7 cudart:runtime:libcudart.so.13:34 \
+            nccl:nccl:libnccl.so.2:2; do
+            IFS=: read -r name sys soname code <<<"$spec"
+            "${PYTHON:-python3}" "$here/cuda_lazy.py" names "$reg/src/$sys/sys/mod.rs" >"$tmp/$name.names"
+            extra=()
+            [ -f "$tmp/$name.extra" ] && extra=("$tmp/$name.extra")
+            "${PYTHON:-python3}" "$here/cuda_lazy.py" "$soname" "$code" "$tmp/$name.c" \
+                "$tmp/$name.names" "${extra[@]}"
+            gcc -c -fPIC -O2 -o "$tmp/$name.o" "$tmp/$name.c"
+            ar rcs "$lib/lib$name.a" "$tmp/$name.o"
+        done
+        echo "$from" >"$lib/.lazy-from"
+    fi
+    ;;
+linked)
+    rm -f "$lib"/lib*.a "$lib/.lazy-from"
+    ln -sf libcudart.so.13 "$lib/libcudart.so"
+    ;;
+*)
+    echo "cuda_toolchain: PHALANX_CUDA_LINK must be lazy or linked, not $link" >&2
+    exit 1
+    ;;
+esac
 
 cat <<EOF
 export PATH="$home/cu13/bin:\$PATH"

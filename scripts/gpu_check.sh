@@ -15,7 +15,8 @@
 #   1. the driver and GPUs (`nvidia-smi -L`);
 #   2. the build: `cargo build --release -p phalanx-cli --features cuda,nccl`
 #      (nvcc from the system, else from scripts/cuda_toolchain.sh), unless
-#      PHALANX_BIN names a binary; then every library it needs (`ldd`);
+#      PHALANX_BIN names a binary; then every library it needs (`ldd`, and
+#      the ones a toolchain build opens on its first CUDA call);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
 #      and at world 2 where there are 2+ GPUs;
 #   4. every strategy on the device against the CPU's 1-rank run of the same
@@ -116,10 +117,25 @@ else
 fi
 
 if [ "$DEVICE" = cuda ]; then
-    # Every library the binary needs, found before anything runs.
-    step "the binary's libraries (ldd)" 30 bash -c \
-        "ldd '$bin' | grep 'not found' && { echo 'missing: put them on LD_LIBRARY_PATH'; exit 1; } || true" ||
-        finish
+    # Every library the binary needs, found before anything runs: those it
+    # links (ldd) and those it opens on its first CUDA call (a toolchain
+    # build's lazy loader names them in the binary; scripts/cuda_lazy.py).
+    libs_found() {
+        local missing=0 so
+        ldd "$bin" | grep 'not found' && missing=1
+        for so in $(strings -a "$bin" | sed -n 's/^phalanx-cuda-lazy: //p' | sort -u); do
+            if python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$so" 2>/dev/null ||
+                ldconfig -p | grep -q " $so "; then
+                echo "opened on first use: $so (found)"
+            else
+                echo "opened on first use: $so not found"
+                missing=1
+            fi
+        done
+        [ $missing = 0 ] || echo 'missing: put them on LD_LIBRARY_PATH'
+        return $missing
+    }
+    step "the binary's libraries (ldd, and those it opens on first use)" 30 libs_found || finish
     worlds="1"
     [ "$gpus" -ge 2 ] && worlds="1 2"
     for n in $worlds; do
