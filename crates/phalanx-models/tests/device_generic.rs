@@ -11,6 +11,7 @@
 mod common;
 use common::llama::{self, STEPS};
 use common::{assert_named_match, RankResult};
+use phalanx::engine::resident::uploads;
 use phalanx::ops::{kernel_runs, set_host_kernels};
 use phalanx_models::llama::train::LlamaRun;
 
@@ -88,6 +89,26 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         runs.push((what, llama_run(world, dp, accum, &extra)));
     }
     let bf16 = llama_run(1, 1, 1, &["train.precision=bf16"]).remove(0);
+    // The parameters stay on the device between changes (engine::resident):
+    // 4 micro-batches with full recomputation (8 builds of each block per
+    // step) upload them as often as 1 micro-batch (1 build) does: once per
+    // optimizer step.
+    let counted = |accum, extra: &[&str]| {
+        let before = uploads();
+        let out = llama_run(1, 1, accum, extra);
+        (uploads() - before, out)
+    };
+    let (one, _) = counted(1, &[]);
+    let (accumulated, out) = counted(4, &["train.activation_checkpointing=full"]);
+    eprintln!(
+        "parameter uploads in {STEPS} steps: {one} (1 micro-batch), {accumulated} (4, recomputed)"
+    );
+    assert!(one > 0, "no parameter was uploaded");
+    assert_eq!(
+        accumulated, one,
+        "micro-batches or recomputation uploaded again"
+    );
+    runs.push(("4 micro-batches, full recompute", out));
     let gpt_runs: Vec<_> = gpt_strategies()
         .into_iter()
         .map(|(what, world, dp, accum, extra)| (what, gpt_run(world, dp, accum, &extra)))

@@ -13,7 +13,9 @@
 //! The copy is deliberate: candle cannot alias memory it does not own, and
 //! viewing parameters as `narrow`s of one big tensor makes every backward pay
 //! a full-size zero-padded gradient per parameter. A copy per block forward is
-//! O(params), negligible next to the O(params x tokens) matmuls.
+//! O(params), negligible next to the O(params x tokens) matmuls. Off the CPU
+//! kernels (CUDA), where it is a host-to-device copy, the server takes the
+//! stack's kept device copies instead ([`super::resident`]).
 //!
 //! ```
 //! use phalanx::engine::backend::Recorder;
@@ -34,6 +36,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::block::Block;
 use super::layout::{Layout, ParamDecl};
+use super::resident::Resident;
 
 /// Where a block's parameters come from: the engine's flat buffer, or (for
 /// ZeRO-3 / FSDP) a buffer gathered from shards just before the forward.
@@ -41,6 +44,14 @@ pub trait ParamSource: Sync {
     /// The parameters owned by block `b`, flat, in layout order
     /// (`layout.block(b).range.len()` elements).
     fn block_params(&self, b: usize) -> Result<&[f32]>;
+
+    /// Which values these are: (the source, how many times it has been
+    /// changed), or `None` when that is not tracked. Device copies of the
+    /// parameters ([`super::resident::Resident`]) are kept only for a
+    /// source with a version, and only while it stays the same.
+    fn version(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// Records parameter requests; serves zeros.
@@ -140,6 +151,8 @@ pub struct Server<'a> {
     grad: bool,
     device: Device,
     served: Arc<Mutex<Served>>,
+    /// Device copies kept between builds, when the stack keeps them.
+    resident: Option<&'a Resident>,
 }
 
 impl<'a> Server<'a> {
@@ -161,11 +174,21 @@ impl<'a> Server<'a> {
             grad,
             device: device.clone(),
             served: served.clone(),
+            resident: None,
         };
         (server, served)
     }
 
-    fn materialise(&self, k: usize, dev: &Device) -> Result<Tensor> {
+    /// Serve from (and keep in) `resident`'s device copies while the
+    /// source is unchanged.
+    pub fn keeping(mut self, resident: Option<&'a Resident>) -> Self {
+        self.resident = resident;
+        self
+    }
+
+    /// Parameter `k` as a tensor on `dev`, and whether it is a fresh copy
+    /// (not one kept in `resident`).
+    fn materialise(&self, k: usize, dev: &Device) -> Result<(Tensor, bool)> {
         let p = &self.layout.params()[k];
         let owner = self.layout.block(p.block);
         let flat = self.src.block_params(p.block)?;
@@ -179,13 +202,26 @@ impl<'a> Server<'a> {
         }
         let lo = p.offset - owner.range.start;
         let data = &flat[lo..lo + p.numel];
+        if let Some(kept) = self.resident {
+            if let Some(v) = kept.get(k, p, self.src, data, dev)? {
+                // The kept copy: a variable when gradients are wanted, else
+                // a constant view of the same storage.
+                let t = v.as_tensor().clone();
+                if !self.grad {
+                    return Ok((t.detach(), false));
+                }
+                self.served.lock().unwrap().vars.push((k, v));
+                return Ok((t, false));
+            }
+        }
+        super::resident::uploaded();
         if self.grad {
             let v = Var::from_slice(data, p.shape.as_slice(), dev)?;
             let t = v.as_tensor().clone();
             self.served.lock().unwrap().vars.push((k, v));
-            Ok(t)
+            Ok((t, true))
         } else {
-            Tensor::from_slice(data, p.shape.as_slice(), dev)
+            Ok((Tensor::from_slice(data, p.shape.as_slice(), dev)?, true))
         }
     }
 }
@@ -220,9 +256,11 @@ impl SimpleBackend for Server<'_> {
         let t = match cached {
             Some(t) => t,
             None => {
-                let t = self.materialise(k, dev)?;
+                let (t, fresh) = self.materialise(k, dev)?;
                 let mut served = self.served.lock().unwrap();
-                served.bytes += p.numel * 4;
+                if fresh {
+                    served.bytes += p.numel * 4;
+                }
                 served.cache.insert(k, t.clone());
                 t
             }

@@ -84,6 +84,16 @@ pub struct FlatBuffer {
     ledger: Ledger,
     kind: Mem,
     _charge: Charge,
+    /// This buffer (unique in the process) and how many times it was
+    /// borrowed mutably: [`ParamSource::version`].
+    id: u64,
+    generation: u64,
+}
+
+/// A fresh buffer id.
+fn next_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl FlatBuffer {
@@ -97,6 +107,8 @@ impl FlatBuffer {
             ledger: ledger.clone(),
             kind,
             _charge: ledger.charge(kind, n * 4),
+            id: next_id(),
+            generation: 0,
         }
     }
 
@@ -111,6 +123,8 @@ impl FlatBuffer {
             ledger: ledger.clone(),
             kind,
             _charge: ledger.charge(kind, n * 4),
+            id: next_id(),
+            generation: 0,
         }
     }
 
@@ -123,6 +137,8 @@ impl FlatBuffer {
             ledger: ledger.clone(),
             kind,
             _charge: ledger.charge(kind, 0),
+            id: next_id(),
+            generation: 0,
         }
     }
 
@@ -144,6 +160,7 @@ impl FlatBuffer {
             }
         }
         self.data = data;
+        self.generation += 1;
         let bytes = keep.iter().map(|r| r.len() * 4).sum();
         self._charge = self.ledger.charge(self.kind, bytes);
         self.held = Some(keep);
@@ -166,7 +183,10 @@ impl FlatBuffer {
         self.data.as_slice()
     }
 
+    /// Every change to the values goes through here (or `hold_only`), and
+    /// each borrow counts as one ([`ParamSource::version`]).
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        self.generation += 1;
         self.data.as_mut_slice()
     }
 
@@ -200,6 +220,10 @@ impl ParamSource for FlatBuffer {
             Some(r) => Ok(&self.as_slice()[r.clone()]),
             None => bail!("no block {b} (model has {})", self.blocks.len()),
         }
+    }
+
+    fn version(&self) -> Option<(u64, u64)> {
+        Some((self.id, self.generation))
     }
 }
 

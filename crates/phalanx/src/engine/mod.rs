@@ -8,7 +8,9 @@
 //! - [`flat`]: the flat buffers and the `GradSink` trait;
 //! - [`stack`]: forward / backward over block ranges, per-block grad hook;
 //! - [`model`]: `Engine`, the stack with its parameter and gradient buffers;
-//! - [`heap`]: freed memory kept for the next step (no page faults per step).
+//! - [`heap`]: freed memory kept for the next step (no page faults per step);
+//! - [`resident`]: off the CPU kernels (CUDA), the parameters' device copies
+//!   kept between builds while the flat buffer is unchanged.
 //!
 //! How the distributed layers plug in:
 //! - DDP: `Engine::forward_backward_with(.., hook)`; `hook(b, grads)` runs in
@@ -42,6 +44,7 @@ pub mod heap;
 pub mod init;
 pub mod layout;
 pub mod model;
+pub mod resident;
 pub mod stack;
 
 pub use crate::placement::{Placement, Rule};

@@ -70,6 +70,7 @@ use super::block::{Block, BlockModule, Ctx};
 use super::flat::{FlatBuffer, GradSink};
 use super::init;
 use super::layout::{Layout, ParamInfo};
+use super::resident::Resident;
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::ops::cpu::{with_f32, with_f32_any};
 use crate::ops::tape::DeferredGrad;
@@ -159,6 +160,8 @@ pub struct Stack {
     ledger: Ledger,
     /// Blocks whose forward a backward ran again (recomputation), so far.
     recomputed: std::sync::atomic::AtomicU64,
+    /// The parameters' device copies, kept while the source is unchanged.
+    resident: Resident,
 }
 
 /// `sum(y * gy)`, whose backward gives the vector-Jacobian product; `gy`
@@ -201,6 +204,7 @@ impl Stack {
             partition: None,
             ledger: ledger.clone(),
             recomputed: Default::default(),
+            resident: Resident::new(ledger),
         })
     }
 
@@ -286,6 +290,10 @@ impl Stack {
         grad: bool,
     ) -> Result<(Box<dyn BlockModule>, Served, Charge)> {
         let (server, served) = Server::new(&self.layout, src, Some(b), grad, &self.device);
+        // Off the CPU kernels (CUDA), the parameters stay on the device
+        // between builds while they are unchanged (`resident`).
+        let keep = !crate::ops::host_kernels(&self.device);
+        let server = server.keeping(keep.then_some(&self.resident));
         let vb = VarBuilder::from_backend(Box::new(server), self.compute, self.device.clone());
         // A deferring block's backward always runs under a tape
         // (`backward_taped`), so it may build tape-only modules.

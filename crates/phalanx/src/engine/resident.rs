@@ -1,0 +1,132 @@
+//! Parameters kept resident on the compute device between changes.
+//!
+//! On a device whose ops are not Phalanx's CPU kernels (CUDA, or the CPU's
+//! device-generic path), each block's parameters would otherwise be copied
+//! from the flat host buffer into device tensors at every build: once per
+//! micro-batch forward, once more per recomputation, once per evaluation.
+//! [`Resident`] keeps the device copy (one `Var` per parameter) and hands
+//! it out again for as long as the flat buffer it came from is unchanged:
+//! a [`FlatBuffer`](super::FlatBuffer) counts every mutable borrow
+//! ([`ParamSource::version`]), so the optimizer's step, a ZeRO all-gather
+//! or a checkpoint load invalidate the copies and the next build uploads
+//! afresh. With gradient accumulation over k micro-batches and full
+//! recomputation, that is one upload per parameter per step instead of 2k.
+//!
+//! A source without a version (ZeRO-3 / FSDP's gathered blocks, whose full
+//! parameters must not stay) is never kept. The copies are charged to the
+//! ledger as `Working` memory for as long as they are held.
+//!
+//! ```
+//! use candle_core::Device;
+//! use phalanx::engine::resident::{uploads, Resident};
+//! use phalanx::engine::{FlatBuffer, Layout, ParamDecl};
+//! use phalanx::ledger::{Ledger, Mem};
+//! let layout = Layout::new(vec![vec![ParamDecl::new("w", &[2])]]).unwrap();
+//! let ledger = Ledger::new();
+//! let mut flat = FlatBuffer::from_vec(&layout, &ledger, Mem::Params, vec![1.0, 2.0]);
+//! let kept = Resident::new(&ledger);
+//! let p = &layout.params()[0];
+//! let before = uploads();
+//! let a = kept.get(0, p, &flat, &[1.0, 2.0], &Device::Cpu).unwrap().unwrap();
+//! let b = kept.get(0, p, &flat, &[1.0, 2.0], &Device::Cpu).unwrap().unwrap();
+//! assert_eq!(a.as_tensor().id(), b.as_tensor().id()); // the same device copy
+//! flat.as_mut_slice()[0] = 3.0; // a change: the next get uploads again
+//! let c = kept.get(0, p, &flat, &[3.0, 2.0], &Device::Cpu).unwrap().unwrap();
+//! assert_eq!(c.as_tensor().to_vec1::<f32>().unwrap(), vec![3.0, 2.0]);
+//! assert!(uploads() >= before + 2);
+//! ```
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use candle_core::{Device, Result, Var};
+
+use super::backend::ParamSource;
+use super::layout::ParamInfo;
+use crate::ledger::{Charge, Ledger, Mem};
+
+/// Parameter uploads (host buffer to device tensor) by every server in this
+/// process, kept or not: what a test counts.
+pub fn uploads() -> usize {
+    UPLOADS.load(Ordering::Relaxed)
+}
+
+static UPLOADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts one upload of a parameter to the device.
+pub(super) fn uploaded() {
+    UPLOADS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The device copies of one stack's parameters, valid for one version of
+/// one source.
+pub struct Resident {
+    inner: Mutex<Inner>,
+    ledger: Ledger,
+}
+
+struct Inner {
+    /// The source version the copies were taken from.
+    version: Option<(u64, u64)>,
+    /// Parameter index to its device copy.
+    vars: HashMap<usize, Var>,
+    bytes: usize,
+    _charge: Option<Charge>,
+}
+
+impl Resident {
+    pub fn new(ledger: &Ledger) -> Self {
+        Resident {
+            inner: Mutex::new(Inner {
+                version: None,
+                vars: HashMap::new(),
+                bytes: 0,
+                _charge: None,
+            }),
+            ledger: ledger.clone(),
+        }
+    }
+
+    /// The device copy of parameter `k` (`p`, whose values are `data`, read
+    /// from `src`), uploaded when `src` changed since it was taken; `None`
+    /// when `src` has no version (nothing is kept for it).
+    pub fn get(
+        &self,
+        k: usize,
+        p: &ParamInfo,
+        src: &dyn ParamSource,
+        data: &[f32],
+        dev: &Device,
+    ) -> Result<Option<Var>> {
+        let Some(version) = src.version() else {
+            return Ok(None);
+        };
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.version != Some(version) {
+            inner.vars.clear();
+            inner.bytes = 0;
+            inner._charge = None;
+            inner.version = Some(version);
+        }
+        if let Some(v) = inner.vars.get(&k) {
+            return Ok(Some(v.clone()));
+        }
+        let v = Var::from_slice(data, p.shape.as_slice(), dev)?;
+        uploaded();
+        inner.vars.insert(k, v.clone());
+        inner.bytes += p.numel * 4;
+        inner._charge = None; // released before the larger charge is taken
+        inner._charge = Some(self.ledger.charge(Mem::Working, inner.bytes));
+        Ok(Some(v))
+    }
+
+    /// Let go of every copy (the memory goes back to the device).
+    pub fn clear(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.vars.clear();
+        inner.bytes = 0;
+        inner._charge = None;
+        inner.version = None;
+    }
+}
