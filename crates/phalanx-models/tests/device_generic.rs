@@ -11,7 +11,7 @@
 mod common;
 use common::llama::{self, STEPS};
 use common::{assert_named_match, RankResult};
-use phalanx::engine::resident::uploads;
+use phalanx::engine::resident::{downloads, uploads};
 use phalanx::ops::{kernel_runs, set_host_kernels};
 use phalanx_models::llama::train::LlamaRun;
 
@@ -89,26 +89,26 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         runs.push((what, llama_run(world, dp, accum, &extra)));
     }
     let bf16 = llama_run(1, 1, 1, &["train.precision=bf16"]).remove(0);
-    // The parameters stay on the device between changes (engine::resident):
-    // 4 micro-batches with full recomputation (8 builds of each block per
-    // step) upload them as often as 1 micro-batch (1 build) does: once per
-    // optimizer step.
+    // The parameters stay on the device between changes, and DDP's
+    // unreduced micro-batches add their gradients up there
+    // (engine::resident): 4 micro-batches with full recomputation (8 builds
+    // of each block per step, 4 backwards) upload the parameters and read
+    // the gradients back as often as 1 micro-batch does: once per step.
     let counted = |accum, extra: &[&str]| {
-        let before = uploads();
-        let out = llama_run(1, 1, accum, extra);
-        (uploads() - before, out)
+        let (up, down) = (uploads(), downloads());
+        let out = llama_run(2, 2, accum, extra);
+        (uploads() - up, downloads() - down, out)
     };
-    let (one, _) = counted(1, &[]);
-    let (accumulated, out) = counted(4, &["train.activation_checkpointing=full"]);
+    let (up1, down1, _) = counted(1, &[]);
+    let (up4, down4, out) = counted(4, &["train.activation_checkpointing=full"]);
     eprintln!(
-        "parameter uploads in {STEPS} steps: {one} (1 micro-batch), {accumulated} (4, recomputed)"
+        "DDP 2 ranks, {STEPS} steps: uploads {up1} (1 micro-batch) {up4} (4, recomputed); \
+         gradient reads {down1} and {down4}"
     );
-    assert!(one > 0, "no parameter was uploaded");
-    assert_eq!(
-        accumulated, one,
-        "micro-batches or recomputation uploaded again"
-    );
-    runs.push(("4 micro-batches, full recompute", out));
+    assert!(up1 > 0 && down1 > 0, "nothing was uploaded or read back");
+    assert_eq!(up4, up1, "micro-batches or recomputation uploaded again");
+    assert_eq!(down4, down1, "held micro-batches read their gradients back");
+    runs.push(("DDP 2 ranks, 4 micro-batches, full recompute", out));
     let gpt_runs: Vec<_> = gpt_strategies()
         .into_iter()
         .map(|(what, world, dp, accum, extra)| (what, gpt_run(world, dp, accum, &extra)))

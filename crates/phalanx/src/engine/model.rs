@@ -204,6 +204,17 @@ impl Engine {
     /// Start a new accumulation: gradients are added by every backward.
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);
+        self.stack.drop_held_grads();
+    }
+
+    /// Gradient accumulation without reduction (DDP's `no_sync`): while
+    /// `on`, off the CPU kernels (CUDA), each backward adds its gradients
+    /// up on the device instead of reading them back into the flat buffer;
+    /// the first backward with it off reads back the sum, block by block,
+    /// before its hook runs. The flat buffer then holds bitwise what it
+    /// would have. On the CPU kernels it changes nothing.
+    pub fn hold_grads(&mut self, on: bool) {
+        self.stack.hold_grads(on);
     }
 
     fn find(&self, name: &str) -> Result<&ParamInfo> {

@@ -1,4 +1,5 @@
-//! Parameters kept resident on the compute device between changes.
+//! Parameters, and gradients being accumulated, kept resident on the
+//! compute device.
 //!
 //! On a device whose ops are not Phalanx's CPU kernels (CUDA, or the CPU's
 //! device-generic path), each block's parameters would otherwise be copied
@@ -15,6 +16,15 @@
 //! A source without a version (ZeRO-3 / FSDP's gathered blocks, whose full
 //! parameters must not stay) is never kept. The copies are charged to the
 //! ledger as `Working` memory for as long as they are held.
+//!
+//! [`HeldGrads`] is the gradients' side: while a strategy accumulates
+//! micro-batches without reducing them (DDP's `no_sync`, ZeRO-1), each
+//! backward adds its gradients into device tensors instead of reading them
+//! back to the flat host buffer; the next backward that is not held adds
+//! what was held to its own gradient and reads the sum back, once, still
+//! block by block (so DDP's bucketed all-reduce overlaps as before). IEEE
+//! addition commutes, so the host buffer receives bitwise the sum it would
+//! have added up itself.
 //!
 //! ```
 //! use candle_core::Device;
@@ -37,10 +47,10 @@
 //! ```
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use candle_core::{Device, Result, Var};
+use candle_core::{Device, Result, Tensor, Var};
 
 use super::backend::ParamSource;
 use super::layout::ParamInfo;
@@ -57,6 +67,19 @@ static UPLOADS: AtomicUsize = AtomicUsize::new(0);
 /// Counts one upload of a parameter to the device.
 pub(super) fn uploaded() {
     UPLOADS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Gradients read back from the device into a flat host buffer, off the
+/// CPU kernels, in this process: what a test counts.
+pub fn downloads() -> usize {
+    DOWNLOADS.load(Ordering::Relaxed)
+}
+
+static DOWNLOADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts one gradient read back from the device.
+pub(super) fn downloaded() {
+    DOWNLOADS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The device copies of one stack's parameters, valid for one version of
@@ -128,5 +151,63 @@ impl Resident {
         inner.bytes = 0;
         inner._charge = None;
         inner.version = None;
+    }
+}
+
+/// Gradients added up on the device across held backwards
+/// ([`crate::engine::Engine::hold_grads`]).
+pub struct HeldGrads {
+    on: AtomicBool,
+    inner: Mutex<(HashMap<usize, Tensor>, Option<Charge>)>,
+    ledger: Ledger,
+}
+
+impl HeldGrads {
+    pub fn new(ledger: &Ledger) -> Self {
+        HeldGrads {
+            on: AtomicBool::new(false),
+            inner: Mutex::new((HashMap::new(), None)),
+            ledger: ledger.clone(),
+        }
+    }
+
+    /// Whether backwards now hold their gradients.
+    pub fn holding(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    pub fn set_holding(&self, on: bool) {
+        self.on.store(on, Ordering::Relaxed);
+    }
+
+    /// Add `g`, parameter `k`'s gradient of one backward, to what is held.
+    pub fn add(&self, k: usize, g: &Tensor) -> Result<()> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let sum = match inner.0.remove(&k) {
+            Some(h) => (h + g)?,
+            None => g.clone(),
+        };
+        inner.0.insert(k, sum);
+        let bytes = inner.0.values().map(|t| t.elem_count() * 4).sum();
+        inner.1 = None;
+        inner.1 = Some(self.ledger.charge(Mem::Grads, bytes));
+        Ok(())
+    }
+
+    /// What is held for parameter `k`, taken out.
+    pub fn take(&self, k: usize) -> Option<Tensor> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let t = inner.0.remove(&k);
+        if inner.0.is_empty() {
+            inner.1 = None;
+        }
+        t
+    }
+
+    /// Let go of everything held (a new step's `zero_grad`).
+    pub fn clear(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.0.clear();
+        inner.1 = None;
     }
 }

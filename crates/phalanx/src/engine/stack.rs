@@ -70,7 +70,7 @@ use super::block::{Block, BlockModule, Ctx};
 use super::flat::{FlatBuffer, GradSink};
 use super::init;
 use super::layout::{Layout, ParamInfo};
-use super::resident::Resident;
+use super::resident::{self, HeldGrads, Resident};
 use crate::ledger::{Charge, Ledger, Mem};
 use crate::ops::cpu::{with_f32, with_f32_any};
 use crate::ops::tape::DeferredGrad;
@@ -162,6 +162,8 @@ pub struct Stack {
     recomputed: std::sync::atomic::AtomicU64,
     /// The parameters' device copies, kept while the source is unchanged.
     resident: Resident,
+    /// Gradients held on the device across micro-batches.
+    held: HeldGrads,
 }
 
 /// `sum(y * gy)`, whose backward gives the vector-Jacobian product; `gy`
@@ -205,7 +207,21 @@ impl Stack {
             ledger: ledger.clone(),
             recomputed: Default::default(),
             resident: Resident::new(ledger),
+            held: HeldGrads::new(ledger),
         })
+    }
+
+    /// Off the CPU kernels (CUDA): while `on`, backwards add their
+    /// gradients up on the device instead of into the sink; the first
+    /// backward after adds them to its own and reads the sum back (see
+    /// [`super::resident`]). On the CPU kernels it changes nothing.
+    pub fn hold_grads(&self, on: bool) {
+        self.held.set_holding(on);
+    }
+
+    /// Drop every gradient held on the device.
+    pub fn drop_held_grads(&self) {
+        self.held.clear();
     }
 
     /// Blocks whose forward a backward has run again (activation
@@ -600,9 +616,22 @@ impl Stack {
         sink: &mut S,
     ) -> Result<()> {
         let got = self.accumulate_deferred(work, &served.ids, sink)?;
+        // Off the CPU kernels, a held backward keeps its gradients on the
+        // device; the next one adds them in and reads the sum back.
+        let on_device = !crate::ops::host_kernels(&self.device);
+        let hold = on_device && self.held.holding();
         for (k, var) in &served.vars {
             let p = &self.layout.params()[*k];
             match grads.and_then(|g| g.get(var.as_tensor())) {
+                Some(g) if hold => self.held.add(*k, g)?,
+                Some(g) if on_device => {
+                    let g = match self.held.take(*k) {
+                        Some(h) => (h + g)?,
+                        None => g.clone(),
+                    };
+                    resident::downloaded();
+                    with_f32(&g, |g| sink.accumulate(p, g))??
+                }
                 Some(g) => with_f32(g, |g| sink.accumulate(p, g))??,
                 None if got.contains(k) => {}
                 None => {

@@ -117,6 +117,8 @@ impl Ddp {
         loss_scale: f32,
         sync: bool,
     ) -> Result<f32> {
+        // Unreduced micro-steps keep their gradients on the device (CUDA).
+        engine.hold_grads(!sync);
         if !sync || self.pg.size() == 1 {
             return Ok(engine.forward_backward(inputs, targets, loss_scale)?);
         }

@@ -336,6 +336,9 @@ impl Zero {
         scale: f32,
         last: bool,
     ) -> Result<f32> {
+        // ZeRO-1 reduces on the last micro-step only: the ones before keep
+        // their gradients on the device (CUDA).
+        engine.hold_grads(self.cfg.stage == 1 && !last);
         match self.cfg.stage {
             1 if !last || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
             1 => {
