@@ -84,32 +84,10 @@ lib="$home/cu13/lib"
 here=$(cd "$(dirname "$0")" && pwd)
 case $link in
 lazy)
-    from="$reg $(cksum <"$here/cuda_lazy.py")"
+    from="$reg $(cat "$here/cuda_lazy.py" "$here/cuda_lazy_libs.sh" | cksum)"
     if [ "$(cat "$lib/.lazy-from" 2>/dev/null)" != "$from" ]; then
         rm -f "$lib/libcudart.so" "$lib"/lib*.a
-        tmp=$(mktemp -d)
-        trap 'rm -rf "$tmp"' EXIT
-        # The runtime's own exports (its start-up registration calls are
-        # not in cudarc's bindings); __cudaRegisterFatBinary returns a handle.
-        nm -D --defined-only "$lib/libcudart.so.13" | awk '$2 == "T" {print $3}' |
-            sed 's/@.*//; s/^__cudaRegisterFatBinary$/& ptr/' >"$tmp/cudart.extra"
-        # lib: sys module, soname, the code a call returns when the library
-        # is missing (CUDA_ERROR_STUB_LIBRARY, CUBLAS_STATUS_NOT_INITIALIZED,
-        # CURAND_STATUS_INITIALIZATION_FAILED, NVRTC_ERROR_BUILTIN_OPERATION_FAILURE,
-        # cudaErrorStubLibrary, ncclSystemError)
-        for spec in cuda:driver:libcuda.so.1:34 cublas:cublas:libcublas.so.13:1 \
-            cublasLt:cublaslt:libcublasLt.so.13:1 curand:curand:libcurand.so.10:203 \
-            nvrtc:nvrtc:libnvrtc.so.13:7 cudart:runtime:libcudart.so.13:34 \
-            nccl:nccl:libnccl.so.2:2; do
-            IFS=: read -r name sys soname code <<<"$spec"
-            "${PYTHON:-python3}" "$here/cuda_lazy.py" names "$reg/src/$sys/sys/mod.rs" >"$tmp/$name.names"
-            extra=()
-            [ -f "$tmp/$name.extra" ] && extra=("$tmp/$name.extra")
-            "${PYTHON:-python3}" "$here/cuda_lazy.py" "$soname" "$code" "$tmp/$name.c" \
-                "$tmp/$name.names" "${extra[@]}"
-            gcc -c -fPIC -O2 -o "$tmp/$name.o" "$tmp/$name.c"
-            ar rcs "$lib/lib$name.a" "$tmp/$name.o"
-        done
+        "$here/cuda_lazy_libs.sh" "$lib" "$reg" 13 "$lib/libcudart.so.13" >&2
         echo "$from" >"$lib/.lazy-from"
     fi
     ;;
