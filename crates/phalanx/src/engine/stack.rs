@@ -36,6 +36,9 @@
 //! tape (`ops::tape`) for blocks that defer their weight gradients, else by
 //! running the block's forward again with the parameters as `Var`s.
 //!
+//! How each backward's gradients reach the sink (candle's, the deferred
+//! ones, or held on the device): [`grads`].
+//!
 //! ```
 //! use phalanx::engine::{Activations, FlatBuffer, FnBlock, Stack, Block};
 //! use phalanx::ledger::{Ledger, Mem};
@@ -59,22 +62,20 @@
 //! assert_eq!(dx.unwrap().dims(), &[2, 3]);
 //! ```
 
-use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
-use candle_core::{bail, DType, Device, Result, Tensor, TensorId};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::backend::{ParamSource, Recorder, Served, Server};
 use super::block::{Block, BlockModule, Ctx};
 use super::flat::{FlatBuffer, GradSink};
 use super::init;
-use super::layout::{Layout, ParamInfo};
-use super::resident::{self, HeldGrads, Resident};
+use super::layout::Layout;
+use super::resident::{HeldGrads, Resident};
 use crate::ledger::{Charge, Ledger, Mem};
-use crate::ops::cpu::{with_f32, with_f32_any};
-use crate::ops::tape::DeferredGrad;
 
+mod grads;
 mod node;
 mod partition;
 mod split;
@@ -557,94 +558,5 @@ impl Stack {
         let mut flat = FlatBuffer::zeros(&self.layout, &Ledger::new(), Mem::Grads);
         self.accumulate_vars(None, &served, Some(&grads), work, &mut flat)?;
         Ok((loss, flat.as_slice().to_vec()))
-    }
-}
-
-impl Stack {
-    /// Runs deferred weight-gradient work and adds each gradient of a
-    /// parameter (found by tensor id in `ids`) into `sink`, in the order the
-    /// ops deferred it. Returns the parameters that got one. Work on a
-    /// constant that is not a parameter is dropped (a single backward
-    /// computes nothing for it either).
-    pub(super) fn accumulate_deferred<S: GradSink>(
-        &self,
-        work: Vec<Box<dyn DeferredGrad>>,
-        ids: &HashMap<TensorId, usize>,
-        sink: &mut S,
-    ) -> Result<HashSet<usize>> {
-        let mut got = HashSet::new();
-        for w in work {
-            // Straight into the sink's buffer when both sides can: the
-            // work's weights all parameters here, the sink one f32 buffer.
-            // fp16 weights keep `compute`, which rounds each gradient to
-            // fp16: that rounding is where a gradient past 65504 becomes
-            // the inf the loss scaler skips on. (bf16 has f32's range;
-            // its gradients stay f32, more precise than rounded.)
-            if let Some(ks) = w.targets().and_then(|ts| {
-                ts.iter()
-                    .map(|t| match t.dtype() {
-                        DType::F16 => None,
-                        _ => ids.get(&t.id()).copied(),
-                    })
-                    .collect::<Option<Vec<usize>>>()
-            }) {
-                let infos: Vec<&ParamInfo> = ks.iter().map(|&k| &self.layout.params()[k]).collect();
-                if let Some(slots) = sink.slots(&infos) {
-                    w.accumulate_into(slots)?;
-                    got.extend(ks);
-                    continue;
-                }
-            }
-            for (t, g) in w.compute()? {
-                let Some(&k) = ids.get(&t.id()) else { continue };
-                with_f32_any(&g, |g| sink.accumulate(&self.layout.params()[k], g))??;
-                got.insert(k);
-            }
-        }
-        Ok(got)
-    }
-
-    /// Adds each served parameter's gradient (candle's, and what its ops
-    /// deferred to `work`) into `sink`; a parameter with neither is an error
-    /// naming it (and block `b`, when given).
-    fn accumulate_vars<S: GradSink>(
-        &self,
-        b: Option<usize>,
-        served: &Served,
-        grads: Option<&candle_core::backprop::GradStore>,
-        work: Vec<Box<dyn DeferredGrad>>,
-        sink: &mut S,
-    ) -> Result<()> {
-        let got = self.accumulate_deferred(work, &served.ids, sink)?;
-        // Off the CPU kernels, a held backward keeps its gradients on the
-        // device; the next one adds them in and reads the sum back.
-        let on_device = !crate::ops::host_kernels(&self.device);
-        let hold = on_device && self.held.holding();
-        for (k, var) in &served.vars {
-            let p = &self.layout.params()[*k];
-            match grads.and_then(|g| g.get(var.as_tensor())) {
-                Some(g) if hold => self.held.add(*k, g)?,
-                Some(g) if on_device => {
-                    let g = match self.held.take(*k) {
-                        Some(h) => (h + g)?,
-                        None => g.clone(),
-                    };
-                    resident::downloaded();
-                    with_f32(&g, |g| sink.accumulate(p, g))??
-                }
-                Some(g) => with_f32(g, |g| sink.accumulate(p, g))??,
-                None if got.contains(k) => {}
-                None => {
-                    let block = b.map_or(String::new(), |b| format!(" (block {b})"));
-                    bail!(
-                        "parameter `{}`{block} received no gradient: it is unused, or an op \
-                         without backward (candle-nn's fused layer_norm/softmax_last_dim) cut it \
-                         off; use phalanx::ops",
-                        p.name
-                    )
-                }
-            }
-        }
-        Ok(())
     }
 }
