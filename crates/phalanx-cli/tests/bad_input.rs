@@ -62,8 +62,7 @@ fn bad_training_numbers_name_the_key() {
 
 #[test]
 fn bad_generate_input_names_it() {
-    let d = std::env::temp_dir().join(format!("phalanx-badgen-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "badgen");
     let model = d.join("model.safetensors");
     std::fs::write(&model, b"not a model").unwrap();
     let m = model.to_str().unwrap();
@@ -92,8 +91,7 @@ fn bad_generate_input_names_it() {
 
 #[test]
 fn train_runs_from_any_directory_and_reports_tokens_per_second() {
-    let d = std::env::temp_dir().join(format!("phalanx-anydir-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "anydir");
     let mut args = vec!["train", "--nproc-per-node", "1", "--set", "train.steps=2"];
     args.extend_from_slice(SMALL);
     let (code, out, err) = phalanx(&d, &args);
@@ -160,8 +158,7 @@ fn saved_models_use_the_umask_and_leave_no_temporary() {
 /// input is refused (table: arguments, words the message must hold).
 #[test]
 fn outputs_are_checked_before_training() {
-    let d = std::env::temp_dir().join(format!("phalanx-outs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "outs");
     std::fs::create_dir_all(d.join("adir")).unwrap();
     let data = d.join("data.txt");
     std::fs::write(&data, "x".repeat(20_000)).unwrap();
@@ -236,7 +233,7 @@ fn a_full_disk_under_the_json_log_is_named() {
 /// pipeline too deep for the model says what a block is.
 #[test]
 fn messages_name_the_file_and_explain_blocks() {
-    let d = std::env::temp_dir().join(format!("phalanx-msgs-{}", std::process::id()));
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "msgs");
     std::fs::create_dir_all(d.join("x.bin")).unwrap();
     let data = format!("data.path=\"{}\"", d.join("x.bin").display());
     let mut args = vec!["train", "--nproc-per-node", "1", "--set", &data];
@@ -415,8 +412,7 @@ fn devices_fifos_and_oversized_files_are_refused_not_read() {
 /// naming the key or flag.
 #[test]
 fn numbers_that_would_wrap_are_refused_naming_the_key() {
-    let d = std::env::temp_dir().join(format!("phalanx-arith-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "arith");
     let ds = |body: &str| {
         let p = d.join(format!("ds-{}.json", body.len()));
         std::fs::write(&p, body).unwrap();

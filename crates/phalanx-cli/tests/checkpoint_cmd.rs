@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn tmpdir(name: &str) -> PathBuf {
+fn tmpdir(name: &str) -> ScratchDir {
     fresh_dir("phalanx-ckcmd", name)
 }
 
@@ -124,7 +124,7 @@ fn inspect_json(path: &Path) -> (i32, serde_json::Value) {
 
 /// Inspect, convert (bitwise the `--save-final` file), import back, convert
 /// again (bitwise), for checkpoints of one layout; returns the import.
-fn round_trip(what: &str, extra: &[&str], zero_stage: u64) -> (PathBuf, PathBuf) {
+fn round_trip(what: &str, extra: &[&str], zero_stage: u64) -> (ScratchDir, PathBuf) {
     let d = tmpdir(what);
     let ck = train_with_checkpoints(&d, extra);
     let fin = d.join("final.safetensors");

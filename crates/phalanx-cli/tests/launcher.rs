@@ -48,9 +48,7 @@ fn workers_get_torchrun_environment_and_prefixed_output() {
 fn failed_worker_stops_the_others_and_is_named() {
     // Ranks 0 and 2 say so if a signal ends their 60 s sleep; rank 1 fails
     // once both are listening for it.
-    let d = std::env::temp_dir().join(format!("phalanx-failed-worker-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "failed-worker");
     let script = format!(
         "d={}; if [ $RANK = 1 ]; then \
            while [ ! -e $d/0 ] || [ ! -e $d/2 ]; do sleep 0.05; done; \
@@ -382,9 +380,7 @@ fn too_many_local_ranks_are_refused_up_front() {
 #[test]
 fn sigterm_while_starting_workers_stops_and_reaps_them() {
     const N: usize = 400;
-    let d = std::env::temp_dir().join(format!("phalanx-spawn-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "spawn");
     let started = d.join("started");
     // Each worker leaves a line, then sleeps (marked to be found).
     let script = format!("echo x >> {}; exec sleep 59.83", started.display());

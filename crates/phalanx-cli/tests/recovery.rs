@@ -13,7 +13,7 @@ use std::time::Duration;
 /// No run of these tests takes more than a few seconds; a hang fails.
 const DEADLINE: Duration = Duration::from_secs(180);
 
-fn tmpdir(name: &str) -> PathBuf {
+fn tmpdir(name: &str) -> ScratchDir {
     fresh_dir("phalanx-recovery", name)
 }
 

@@ -84,7 +84,8 @@ fn hostile_strings_in_a_log_are_escaped_everywhere() {
         "</title></svg><iframe src=javascript:alert(4)>",
     ];
     // The title comes from the log's path: a directory named with markup.
-    let d = fresh_dir("phalanx-report", "hostile").join("<b>&'\"");
+    let root = fresh_dir("phalanx-report", "hostile");
+    let d = root.join("<b>&'\"");
     std::fs::create_dir_all(&d).unwrap();
     let log = d.join("log.jsonl");
     // The memory table is drawn from the first step that has one.

@@ -161,9 +161,7 @@ fn a_single_host_job_runs_without_a_secret() {
 #[test]
 fn a_single_host_job_without_a_secret_makes_a_private_one() {
     use std::os::unix::fs::PermissionsExt;
-    let rt = std::env::temp_dir().join(format!("phalanx-xdg-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&rt);
-    std::fs::create_dir_all(&rt).unwrap();
+    let rt = phalanx::fsutil::ScratchDir::new("phalanx", "xdg");
     std::fs::set_permissions(&rt, std::fs::Permissions::from_mode(0o700)).unwrap();
     let port = free_port();
     let p = port.to_string();

@@ -14,7 +14,6 @@
 mod common;
 use common::*;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -60,7 +59,7 @@ fn two_nodes(
         .collect()
 }
 
-fn dir(name: &str) -> PathBuf {
+fn dir(name: &str) -> ScratchDir {
     fresh_dir("phalanx-torchrun", name)
 }
 

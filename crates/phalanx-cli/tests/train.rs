@@ -3,10 +3,9 @@
 mod common;
 use common::*;
 
-use std::path::PathBuf;
 use std::process::Command;
 
-fn tmpdir(name: &str) -> PathBuf {
+fn tmpdir(name: &str) -> ScratchDir {
     fresh_dir("phalanx-test", name)
 }
 

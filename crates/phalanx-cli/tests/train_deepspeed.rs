@@ -65,8 +65,7 @@ fn config_and_deepspeed_config_together_is_an_error() {
 
 #[test]
 fn bad_json_key_and_batch_identity_fail_before_launch() {
-    let d = std::env::temp_dir().join(format!("phalanx-test-ds-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "test-ds");
     let bad = d.join("bad.json");
     std::fs::write(&bad, r#"{"zero_optimization": {"stage": 2, "foo": 1}}"#).unwrap();
     let (code, _, err) = phalanx(&["train", "--deepspeed_config", bad.to_str().unwrap()]);

@@ -10,9 +10,7 @@ use std::process::Command;
 
 #[test]
 fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {
-    let d = std::env::temp_dir().join(format!("phalanx-test-fp16-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "test-fp16");
     let log = d.join("log.jsonl");
     let sets = [
         "model.n_layer=1",

@@ -11,11 +11,9 @@ use phalanx::config::TrainConfig;
 use phalanx_models::gpt2::train::{self, GptRun};
 use std::path::{Path, PathBuf};
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("phalanx-ckpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory, removed when the test ends.
+fn tmp(name: &str) -> phalanx::fsutil::ScratchDir {
+    phalanx::fsutil::ScratchDir::new("phalanx-ckpt", name)
 }
 
 /// 6 heads of 36: tp 2 divides them; 3 layers: pp 2 and 3 split them.

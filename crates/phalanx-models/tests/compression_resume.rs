@@ -59,11 +59,9 @@ fn ok(v: Vec<phalanx::Result<Steps>>) -> Vec<Steps> {
     v.into_iter().map(|r| r.expect("rank failed")).collect()
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("phalanx-compression-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory, removed when the test ends.
+fn tmp(name: &str) -> phalanx::fsutil::ScratchDir {
+    phalanx::fsutil::ScratchDir::new("phalanx-compression", name)
 }
 
 /// A config of `N` steps on `dp` ranks saving under `dir`, with small

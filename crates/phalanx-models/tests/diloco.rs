@@ -314,14 +314,19 @@ fn int8_pseudo_gradients_send_a_quarter_of_the_bytes() {
     );
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("phalanx-diloco-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory, removed when the test ends.
+fn tmp(name: &str) -> phalanx::fsutil::ScratchDir {
+    phalanx::fsutil::ScratchDir::new("phalanx-diloco", name)
 }
 
-fn exact_resume(what: &str, extra: &[&str], k: usize, n: usize) -> PathBuf {
+/// The checkpoint of step `k`, in a directory removed when the caller drops
+/// the first half.
+fn exact_resume(
+    what: &str,
+    extra: &[&str],
+    k: usize,
+    n: usize,
+) -> (phalanx::fsutil::ScratchDir, PathBuf) {
     let dir = tmp(what);
     let mut e = sets(extra);
     e.push(format!("checkpoint.dir=\"{}\"", dir.display()));
@@ -341,7 +346,7 @@ fn exact_resume(what: &str, extra: &[&str], k: usize, n: usize) -> PathBuf {
     }
     // The groups trained apart since the last outer step.
     assert_ne!(whole[0].params[k - 1], whole[1].params[k - 1], "{what}");
-    ck
+    (dir, ck)
 }
 
 fn kinds(ck: &Path) -> Vec<String> {
@@ -355,7 +360,7 @@ fn kinds(ck: &Path) -> Vec<String> {
 #[test]
 fn resume_is_bitwise_under_diloco() {
     // AdamW inner, Nesterov outer momentum, saved between outer steps.
-    let ck = exact_resume("diloco", &["diloco.inner_steps=4"], 6, 10);
+    let (_dir, ck) = exact_resume("diloco", &["diloco.inner_steps=4"], 6, 10);
     let k = kinds(&ck);
     for want in [
         "param",
@@ -369,7 +374,7 @@ fn resume_is_bitwise_under_diloco() {
     }
     assert!(!k.iter().any(|x| x == "outer_pending"), "{k:?}");
     // Streaming, int8, with fragment 0's all-reduce in flight at the save.
-    let ck = exact_resume(
+    let (_dir, ck) = exact_resume(
         "streaming",
         &[
             "diloco.inner_steps=4",

@@ -116,7 +116,7 @@ fn ledger_model_states_match_theory() {
 
 #[test]
 fn disk_offload_reproduces_training_with_less_memory() {
-    let dir = std::env::temp_dir().join(format!("phalanx-offload-test-{}", std::process::id()));
+    let dir = phalanx::fsutil::ScratchDir::new("phalanx", "offload-test");
     let off = [
         "zero_optimization.offload_optimizer.device=nvme".to_string(),
         format!(

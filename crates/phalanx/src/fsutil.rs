@@ -167,3 +167,55 @@ fn write_unnamed(path: &Path, tmp: &Path, bytes: &[u8]) -> std::io::Result<bool>
 fn write_unnamed(_: &Path, _: &Path, _: &[u8]) -> std::io::Result<bool> {
     Ok(false)
 }
+
+/// A fresh, empty directory under the system's temporary directory
+/// (`prefix-name-pid`), removed with everything in it when dropped, also
+/// when a test panics. Tests and examples take their scratch space from it;
+/// `PHALANX_KEEP_SCRATCH=1` keeps it for a look afterwards.
+///
+/// ```
+/// let d = phalanx::fsutil::ScratchDir::new("phalanx-doc", "scratch");
+/// std::fs::write(d.join("a.txt"), b"x").unwrap();
+/// let path = d.to_path_buf();
+/// drop(d);
+/// assert!(!path.exists());
+/// ```
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    pub fn new(prefix: &str, name: &str) -> ScratchDir {
+        let d = std::env::temp_dir().join(format!("{prefix}-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        if let Err(e) = std::fs::create_dir_all(&d) {
+            panic!("creating {}: {e}", d.display());
+        }
+        ScratchDir(d)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if std::env::var_os("PHALANX_KEEP_SCRATCH").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl std::ops::Deref for ScratchDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for ScratchDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for ScratchDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}

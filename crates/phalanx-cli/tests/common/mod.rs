@@ -5,6 +5,7 @@
 
 pub mod ft;
 
+pub use phalanx::fsutil::ScratchDir;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -31,12 +32,10 @@ pub fn phalanx(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// A fresh, empty directory for one test (`prefix-name-pid`).
-pub fn fresh_dir(prefix: &str, name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("{prefix}-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh, empty directory for one test (`prefix-name-pid`), removed when
+/// the test ends.
+pub fn fresh_dir(prefix: &str, name: &str) -> ScratchDir {
+    ScratchDir::new(prefix, name)
 }
 
 /// Variables of every launcher (and of Phalanx's own), removed where a test
