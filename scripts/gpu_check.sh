@@ -20,7 +20,8 @@
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
 #      and at world 2 where there are 2+ GPUs;
 #   4. every strategy on the device against the CPU's 1-rank run of the same
-#      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps): the loss of
+#      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps; DDP also with 4
+#      micro-batches and full activation checkpointing): the loss of
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
@@ -195,6 +196,11 @@ for fam in gpt llama; do
     b=$fam-base
     step "$fam: 1 rank" 120 check "$fam-1" 1 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8
     step "$fam: DDP 2 ranks" 120 check "$fam-ddp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4
+    # Micro-batches DDP does not reduce hold their gradients on the device,
+    # recomputation builds each block twice on the kept parameters.
+    step "$fam: DDP 2 ranks, 4 micro-batches, full checkpointing" 120 check "$fam-ddp-accum" 2 $b \
+        "$LOSS_TOL" "${m[@]}" train.micro_batch_size=1 train.grad_accum_steps=4 \
+        train.activation_checkpointing=\"full\"
     for z in 1 2 3; do
         step "$fam: ZeRO-$z 2 ranks" 120 check "$fam-zero$z" 2 $b "$LOSS_TOL" "${m[@]}" \
             train.micro_batch_size=4 zero_optimization.stage=$z
