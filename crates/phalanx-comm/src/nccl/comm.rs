@@ -8,14 +8,6 @@
 //! them; they run on a helper thread and the caller waits until the
 //! deadline, so a missing rank gives a timeout naming the group and rank
 //! instead of a hang (the helper stays blocked until the process ends).
-//!
-//! An operation's launch can block too: NCCL connects two ranks when they
-//! first exchange data (point-to-point at `ncclGroupEnd`, collectives when
-//! connections are made at run time), and waits for the peer there. So the
-//! launch runs under a watchdog ([`watched`]): past the deadline it aborts
-//! the communicator from another thread, which NCCL documents as the way
-//! to end a blocked call, and the operation fails with a timeout naming the
-//! group and rank.
 
 use super::cuda::{Device, Lane};
 use super::probe::{NcclApi, Stream};
@@ -96,37 +88,6 @@ fn blocking<R: Send + 'static>(
              did not join (is every rank running with PHALANX_BACKEND=nccl?)"
         ))),
     }
-}
-
-/// Runs `f` on this thread; if it has not returned by `deadline`, runs
-/// `expire` once on a watchdog thread (it must make `f` return: NCCL's
-/// abort). Returns `f`'s result and whether `expire` ran, in which case
-/// that result is not to be trusted. Costs one thread start per call.
-pub fn watched<R>(
-    deadline: Instant,
-    expire: impl FnOnce() + Send,
-    f: impl FnOnce() -> R,
-) -> (R, bool) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::mpsc::{channel, RecvTimeoutError};
-    let (done, wait) = channel::<()>();
-    let fired = AtomicBool::new(false);
-    let fired_ref = &fired;
-    // The scope joins the watchdog before `fired` is read: a watchdog that
-    // timed out as `f` returned has aborted by then, and says so.
-    let r = std::thread::scope(|s| {
-        s.spawn(move || {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if let Err(RecvTimeoutError::Timeout) = wait.recv_timeout(left) {
-                fired_ref.store(true, Ordering::SeqCst);
-                expire();
-            }
-        });
-        let r = f();
-        drop(done); // wakes the watchdog, which then ends
-        r
-    });
-    (r, fired.load(Ordering::SeqCst))
 }
 
 impl Comm {
@@ -272,34 +233,17 @@ impl Comm {
         };
         inner.lane.h2d(base, send)?;
         let stream = inner.lane.stream as Stream;
+        let rc = launch(self.api, comm.0, stream, base, recv);
         let what = || {
             format!(
                 "{} on group {:x} (rank {}, global rank {}, CUDA device {})",
                 c.op, c.gid, c.me, c.members[c.me], self.dev.ordinal
             )
         };
-        let api = self.api;
-        let (rc, expired) = watched(
-            c.deadline,
-            // SAFETY: a live communicator, aborted once (then forgotten below).
-            move || unsafe {
-                (api.ncclCommAbort)(comm.ptr());
-            },
-            || launch(api, comm.0, stream, base, recv),
-        );
-        if expired {
-            inner.comm = Handle(std::ptr::null_mut());
-            inner.lane.poisoned = true;
-            return Err(self.fail(CommError::Timeout(format!(
-                "{} was not under way within {:?} (PHALANX_TIMEOUT): a peer did not connect; \
-                 the NCCL communicator was aborted",
-                what(),
-                c.cfg.timeout
-            ))));
-        }
         if let Err(e) = self.api.check(rc, &what) {
             return Err(self.fail(e));
         }
+        let api = self.api;
         let mut check = || {
             // An `abort` from another thread ends the wait.
             if let Some(e) = self.failure() {
@@ -375,36 +319,5 @@ impl Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         self.destroy();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::watched;
-    use std::sync::mpsc::channel;
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn a_launch_that_returns_is_not_aborted() {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (r, expired) = watched(deadline, || panic!("aborted a call that returned"), || 7);
-        assert_eq!((r, expired), (7, false));
-    }
-
-    #[test]
-    fn a_blocked_launch_is_aborted_at_the_deadline_and_returns() {
-        // The launch blocks until "aborted", as ncclGroupEnd waiting for a
-        // peer that never connects does until ncclCommAbort.
-        let (abort, blocked) = channel::<()>();
-        let t0 = Instant::now();
-        let deadline = t0 + Duration::from_millis(200);
-        let (r, expired) = watched(
-            deadline,
-            move || abort.send(()).unwrap(),
-            || blocked.recv_timeout(Duration::from_secs(60)).is_ok(),
-        );
-        assert!(r, "the launch was not unblocked by the abort");
-        assert!(expired);
-        assert!(Instant::now() >= deadline);
     }
 }
