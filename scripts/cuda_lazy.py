@@ -49,9 +49,13 @@ def cudarc_names(path):
         r'let _f = _S.get_or_init\(\|\| unsafe \{ load::<_F>\("(\w+)"\) \}\);',
         re.S,
     )
+    found = 0
     for m in pat.finditer(text):
         ret = m.group(2) or ""
         print(m.group(3) + (" ptr" if "*" in ret else ""))
+        found += 1
+    if not found:
+        sys.exit(f"cuda_lazy.py: no functions found in {path} (has cudarc's format changed?)")
 
 
 def main():
@@ -61,6 +65,8 @@ def main():
         return
     soname, code, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     names = read_names(sys.argv[4:])
+    if not names:
+        sys.exit(f"cuda_lazy.py: no function names for {soname} in {sys.argv[4:]}")
     tag = re.sub(r"\W", "_", soname)
     n = len(names)
     c = []
@@ -134,6 +140,9 @@ __attribute__((visibility("hidden"), used)) void *phx_{tag}_resolve(long i) {{
         asm += [
             ".p2align 4",
             f".globl {name}",
+            # Hidden: never exported, so the opened libraries' calls among
+            # themselves cannot bind to these even under -rdynamic.
+            f".hidden {name}",
             f".type {name},@function",
             f"{name}:",
             f"  movq phx_{tag}_slot+{8 * i}(%rip), %r11",

@@ -38,7 +38,7 @@ for spec in cuda:driver:libcuda.so.1:34 cublas:cublas:libcublas.so.$major:1 \
     "$py" "$here/cuda_lazy.py" names "$reg/src/$sys/sys/mod.rs" >"$tmp/$name.names"
     extra=()
     [ -f "$tmp/$name.extra" ] && extra=("$tmp/$name.extra")
-    "$py" "$here/cuda_lazy.py" "$soname" "$code" "$tmp/$name.c" "$tmp/$name.names" "${extra[@]}"
+    "$py" "$here/cuda_lazy.py" "$soname" "$code" "$tmp/$name.c" "$tmp/$name.names" ${extra[@]+"${extra[@]}"}
     gcc -c -fPIC -O2 -o "$tmp/$name.o" "$tmp/$name.c"
     rm -f "$out/lib$name.a"
     ar rcs "$out/lib$name.a" "$tmp/$name.o"

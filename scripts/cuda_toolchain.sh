@@ -69,7 +69,7 @@ if [ ! -f "$stubs/.from" ] || [ "$(cat "$stubs/.from")" != "$reg" ]; then
         cublasLt:cublaslt:libcublasLt.so.13 curand:curand:libcurand.so.10 \
         nvrtc:nvrtc:libnvrtc.so.13 nccl:nccl:libnccl.so.2; do
         IFS=: read -r lib sys soname <<<"$spec"
-        sed -n 's/^pub unsafe fn \([A-Za-z0-9_]*\)(.*/\1/p' "$reg/src/$sys/sys/mod.rs" |
+        "$py" "$(dirname "$0")/cuda_lazy.py" names "$reg/src/$sys/sys/mod.rs" | awk '{print $1}' |
             sort -u | sed 's/.*/int &(void) { return 34; }/' >"$stubs/$lib.c"
         gcc -shared -fPIC -O0 -Wl,-soname,"$soname" -o "$stubs/$soname" "$stubs/$lib.c"
         ln -sf "$soname" "$stubs/lib$lib.so"
@@ -86,13 +86,13 @@ case $link in
 lazy)
     from="$reg $(cat "$here/cuda_lazy.py" "$here/cuda_lazy_libs.sh" | cksum)"
     if [ "$(cat "$lib/.lazy-from" 2>/dev/null)" != "$from" ]; then
-        rm -f "$lib/libcudart.so" "$lib"/lib*.a
+        rm -f "$lib/libcudart.so"
         "$here/cuda_lazy_libs.sh" "$lib" "$reg" 13 "$lib/libcudart.so.13" >&2
         echo "$from" >"$lib/.lazy-from"
     fi
     ;;
 linked)
-    rm -f "$lib"/lib*.a "$lib/.lazy-from"
+    rm -f "$lib"/lib{cuda,cublas,cublasLt,curand,nvrtc,cudart,nccl}.a "$lib/.lazy-from"
     ln -sf libcudart.so.13 "$lib/libcudart.so"
     ;;
 *)

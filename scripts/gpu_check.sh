@@ -126,7 +126,7 @@ if [ "$DEVICE" = cuda ]; then
         ldd "$bin" | grep 'not found' && missing=1
         for so in $(strings -a "$bin" | sed -n 's/^phalanx-cuda-lazy: //p' | sort -u); do
             if python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$so" 2>/dev/null ||
-                ldconfig -p | grep -q " $so "; then
+                ldconfig -p | grep -q "^[[:space:]]*$so "; then
                 echo "opened on first use: $so (found)"
             else
                 echo "opened on first use: $so not found"

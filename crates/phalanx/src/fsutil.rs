@@ -195,7 +195,8 @@ impl ScratchDir {
 
 impl Drop for ScratchDir {
     fn drop(&mut self) {
-        if std::env::var_os("PHALANX_KEEP_SCRATCH").is_none() {
+        let keep = std::env::var("PHALANX_KEEP_SCRATCH").is_ok_and(|v| !v.is_empty() && v != "0");
+        if !keep {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }

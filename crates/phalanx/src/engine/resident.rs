@@ -22,9 +22,10 @@
 //! backward adds its gradients into device tensors instead of reading them
 //! back to the flat host buffer; the next backward that is not held adds
 //! what was held to its own gradient and reads the sum back, once, still
-//! block by block (so DDP's bucketed all-reduce overlaps as before). IEEE
-//! addition commutes, so the host buffer receives bitwise the sum it would
-//! have added up itself.
+//! block by block (so DDP's bucketed all-reduce overlaps as before). The
+//! additions happen in the same order as the host's (((g1 + g2) + g3) +
+//! g4, then into a zeroed buffer), so the host buffer receives bitwise the
+//! sum it would have added up itself.
 //!
 //! ```
 //! use candle_core::Device;
@@ -123,6 +124,9 @@ impl Resident {
         dev: &Device,
     ) -> Result<Option<Var>> {
         let Some(version) = src.version() else {
+            // An untracked source (ZeRO-3's gathered blocks): nothing is
+            // kept for it, and copies of an earlier source are let go.
+            self.clear();
             return Ok(None);
         };
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -197,15 +201,17 @@ impl HeldGrads {
     /// What is held for parameter `k`, taken out.
     pub fn take(&self, k: usize) -> Option<Tensor> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let t = inner.0.remove(&k);
-        if inner.0.is_empty() {
-            inner.1 = None;
-        }
-        t
+        let t = inner.0.remove(&k)?;
+        let bytes: usize = inner.0.values().map(|t| t.elem_count() * 4).sum();
+        inner.1 = None;
+        inner.1 = (bytes > 0).then(|| self.ledger.charge(Mem::Grads, bytes));
+        Some(t)
     }
 
-    /// Let go of everything held (a new step's `zero_grad`).
+    /// Stop holding and let go of everything held (a new step's
+    /// `zero_grad`).
     pub fn clear(&self) {
+        self.set_holding(false);
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.0.clear();
         inner.1 = None;

@@ -101,6 +101,16 @@ impl Stack {
                 }
             }
         }
+        if on_device && !hold {
+            // A parameter whose gradient came only through deferred work
+            // this time still has its held sum read back.
+            for (k, _) in &served.vars {
+                if let Some(h) = self.held.take(*k) {
+                    resident::downloaded();
+                    with_f32(&h, |h| sink.accumulate(&self.layout.params()[*k], h))??;
+                }
+            }
+        }
         Ok(())
     }
 }
