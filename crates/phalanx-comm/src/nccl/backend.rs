@@ -21,10 +21,12 @@
 
 use super::comm::{Comm, Io};
 use super::layout::{nccl_dtype, nccl_op, offsets, split_color, split_key, Padded};
+use super::probe::{NcclApi, Stream};
 use crate::backend::{dispatch_collectives, Backend, BytesMut, Call, Collectives};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use crate::transport::{Link, Msg};
+use cudarc::driver::sys::CUdeviceptr;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -42,6 +44,10 @@ fn bytes<T: Element>(x: &[T]) -> &[u8] {
 fn bytes_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
     bytemuck::cast_slice_mut(x)
 }
+
+/// A reduction's NCCL call: (api, comm, stream, send, receive, NCCL op).
+type ReduceLaunch<'a> =
+    dyn Fn(&NcclApi, *mut c_void, Stream, CUdeviceptr, CUdeviceptr, c_int) -> c_int + 'a;
 
 impl Nccl {
     /// Count what a ring would send, for `bytes_sent`.
@@ -82,12 +88,7 @@ impl Nccl {
                 })
             }
             Some(op) => {
-                let (rop, div) = nccl_op(op);
-                let io = Io::InPlace {
-                    buf: bytes_mut(x),
-                    copy_back: mine,
-                };
-                self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+                self.reduce_in_place(c, x, op, mine, &|api, comm, s, src, dst, rop| unsafe {
                     // SAFETY: as above.
                     (api.ncclReduce)(
                         src as *const c_void,
@@ -99,13 +100,35 @@ impl Nccl {
                         comm,
                         s,
                     )
-                })?;
-                if div && mine {
-                    T::div_by(x, c.n());
-                }
-                Ok(())
+                })
             }
         }
+    }
+
+    /// A reduction of `x` in place on the staged buffer (all-reduce, or
+    /// reduce to a root): `launch(api, comm, stream, src, dst, nccl_op)`,
+    /// the result copied back when `copy_back`, and divided there by the
+    /// group size for `Avg` (NCCL sums).
+    fn reduce_in_place<T: Element>(
+        &self,
+        c: &Call,
+        x: &mut [T],
+        op: ReduceOp,
+        copy_back: bool,
+        launch: &ReduceLaunch<'_>,
+    ) -> Result<()> {
+        let (rop, div) = nccl_op(op);
+        let io = Io::InPlace {
+            buf: bytes_mut(x),
+            copy_back,
+        };
+        self.comm.run(c, io, &mut |api, comm, s, src, dst| {
+            launch(api, comm, s, src, dst, rop)
+        })?;
+        if div && copy_back {
+            T::div_by(x, c.n());
+        }
+        Ok(())
     }
 }
 
@@ -115,14 +138,9 @@ impl Collectives for Nccl {
         if x.is_empty() {
             return Ok(());
         }
-        let (rop, div) = nccl_op(op);
         let (dt, count) = (nccl_dtype(T::DTYPE), x.len());
         self.count(2 * (n - 1) * std::mem::size_of_val(x) / n);
-        let io = Io::InPlace {
-            buf: bytes_mut(x),
-            copy_back: true,
-        };
-        self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+        self.reduce_in_place(c, x, op, true, &|api, comm, s, src, dst, rop| unsafe {
             // SAFETY: `src`/`dst` hold `count` elements on the device.
             (api.ncclAllReduce)(
                 src as *const c_void,
@@ -133,11 +151,7 @@ impl Collectives for Nccl {
                 comm,
                 s,
             )
-        })?;
-        if div {
-            T::div_by(x, n);
-        }
-        Ok(())
+        })
     }
 
     fn reduce_scatter_t<T: Element>(
