@@ -83,32 +83,78 @@ pub(super) fn downloaded() {
     DOWNLOADS.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Device tensors by parameter index, charged to the ledger as `kind` for
+/// as long as they are held.
+struct Charged<T> {
+    map: HashMap<usize, (T, usize)>,
+    bytes: usize,
+    kind: Mem,
+    ledger: Ledger,
+    _charge: Option<Charge>,
+}
+
+impl<T> Charged<T> {
+    fn new(ledger: &Ledger, kind: Mem) -> Self {
+        Charged {
+            map: HashMap::new(),
+            bytes: 0,
+            kind,
+            ledger: ledger.clone(),
+            _charge: None,
+        }
+    }
+
+    fn get(&self, k: usize) -> Option<&T> {
+        self.map.get(&k).map(|(t, _)| t)
+    }
+
+    /// Hold `t` (`bytes` of device memory) for `k`, in place of what was.
+    fn insert(&mut self, k: usize, t: T, bytes: usize) {
+        if let Some((_, old)) = self.map.insert(k, (t, bytes)) {
+            self.bytes -= old;
+        }
+        self.bytes += bytes;
+        self.recharge();
+    }
+
+    fn remove(&mut self, k: usize) -> Option<T> {
+        let (t, bytes) = self.map.remove(&k)?;
+        self.bytes -= bytes;
+        self.recharge();
+        Some(t)
+    }
+
+    fn clear(&mut self) {
+        self.map.clear();
+        self.bytes = 0;
+        self._charge = None;
+    }
+
+    fn recharge(&mut self) {
+        self._charge = None; // released before the new charge is taken
+        self._charge = (self.bytes > 0).then(|| self.ledger.charge(self.kind, self.bytes));
+    }
+}
+
 /// The device copies of one stack's parameters, valid for one version of
 /// one source.
 pub struct Resident {
-    inner: Mutex<Inner>,
-    ledger: Ledger,
+    inner: Mutex<Kept>,
 }
 
-struct Inner {
+struct Kept {
     /// The source version the copies were taken from.
     version: Option<(u64, u64)>,
-    /// Parameter index to its device copy.
-    vars: HashMap<usize, Var>,
-    bytes: usize,
-    _charge: Option<Charge>,
+    vars: Charged<Var>,
 }
 
 impl Resident {
     pub fn new(ledger: &Ledger) -> Self {
         Resident {
-            inner: Mutex::new(Inner {
+            inner: Mutex::new(Kept {
                 version: None,
-                vars: HashMap::new(),
-                bytes: 0,
-                _charge: None,
+                vars: Charged::new(ledger, Mem::Working),
             }),
-            ledger: ledger.clone(),
         }
     }
 
@@ -130,21 +176,20 @@ impl Resident {
             return Ok(None);
         };
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if inner.version != Some(version) {
-            inner.vars.clear();
-            inner.bytes = 0;
-            inner._charge = None;
-            inner.version = Some(version);
+        let Kept {
+            version: kept_for,
+            vars,
+        } = &mut *inner;
+        if *kept_for != Some(version) {
+            vars.clear();
+            *kept_for = Some(version);
         }
-        if let Some(v) = inner.vars.get(&k) {
+        if let Some(v) = vars.get(k) {
             return Ok(Some(v.clone()));
         }
         let v = Var::from_slice(data, p.shape.as_slice(), dev)?;
         uploaded();
-        inner.vars.insert(k, v.clone());
-        inner.bytes += p.numel * 4;
-        inner._charge = None; // released before the larger charge is taken
-        inner._charge = Some(self.ledger.charge(Mem::Working, inner.bytes));
+        vars.insert(k, v.clone(), p.numel * 4);
         Ok(Some(v))
     }
 
@@ -152,8 +197,6 @@ impl Resident {
     pub fn clear(&self) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.vars.clear();
-        inner.bytes = 0;
-        inner._charge = None;
         inner.version = None;
     }
 }
@@ -162,16 +205,14 @@ impl Resident {
 /// ([`crate::engine::Engine::hold_grads`]).
 pub struct HeldGrads {
     on: AtomicBool,
-    inner: Mutex<(HashMap<usize, Tensor>, Option<Charge>)>,
-    ledger: Ledger,
+    inner: Mutex<Charged<Tensor>>,
 }
 
 impl HeldGrads {
     pub fn new(ledger: &Ledger) -> Self {
         HeldGrads {
             on: AtomicBool::new(false),
-            inner: Mutex::new((HashMap::new(), None)),
-            ledger: ledger.clone(),
+            inner: Mutex::new(Charged::new(ledger, Mem::Grads)),
         }
     }
 
@@ -187,33 +228,26 @@ impl HeldGrads {
     /// Add `g`, parameter `k`'s gradient of one backward, to what is held.
     pub fn add(&self, k: usize, g: &Tensor) -> Result<()> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let sum = match inner.0.remove(&k) {
+        let sum = match inner.get(k) {
             Some(h) => (h + g)?,
             None => g.clone(),
         };
-        inner.0.insert(k, sum);
-        let bytes = inner.0.values().map(|t| t.elem_count() * 4).sum();
-        inner.1 = None;
-        inner.1 = Some(self.ledger.charge(Mem::Grads, bytes));
+        inner.insert(k, sum, g.elem_count() * 4);
         Ok(())
     }
 
     /// What is held for parameter `k`, taken out.
     pub fn take(&self, k: usize) -> Option<Tensor> {
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let t = inner.0.remove(&k)?;
-        let bytes: usize = inner.0.values().map(|t| t.elem_count() * 4).sum();
-        inner.1 = None;
-        inner.1 = (bytes > 0).then(|| self.ledger.charge(Mem::Grads, bytes));
-        Some(t)
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(k)
     }
 
     /// Stop holding and let go of everything held (a new step's
     /// `zero_grad`).
     pub fn clear(&self) {
         self.set_holding(false);
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.0.clear();
-        inner.1 = None;
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
