@@ -21,7 +21,9 @@
 #      and at world 2 where there are 2+ GPUs;
 #   4. every strategy on the device against the CPU's 1-rank run of the same
 #      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps; DDP also with 4
-#      micro-batches and full activation checkpointing): the loss of
+#      micro-batches and full activation checkpointing, and with the
+#      optimizer offloaded to the host; elsewhere its state and step are
+#      on the device): the loss of
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
@@ -201,6 +203,10 @@ for fam in gpt llama; do
     step "$fam: DDP 2 ranks, 4 micro-batches, full checkpointing" 120 check "$fam-ddp-accum" 2 $b \
         "$LOSS_TOL" "${m[@]}" train.micro_batch_size=1 train.grad_accum_steps=4 \
         train.activation_checkpointing=\"full\"
+    # The optimizer's state and step are on the device unless offloaded:
+    # DeepSpeed's offload_optimizer.device = cpu keeps them on the host.
+    step "$fam: DDP 2 ranks, optimizer offloaded to the host" 120 check "$fam-ddp-offload" 2 $b \
+        "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4 zero_optimization.offload_optimizer.device=\"cpu\"
     for z in 1 2 3; do
         step "$fam: ZeRO-$z 2 ranks" 120 check "$fam-zero$z" 2 $b "$LOSS_TOL" "${m[@]}" \
             train.micro_batch_size=4 zero_optimization.stage=$z

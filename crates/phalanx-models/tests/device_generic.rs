@@ -13,6 +13,7 @@ use common::llama::{self, STEPS};
 use common::{assert_named_match, RankResult};
 use phalanx::engine::resident::{downloads, uploads};
 use phalanx::ops::{kernel_runs, set_host_kernels};
+use phalanx::optim::device::steps as device_opt_steps;
 use phalanx_models::llama::train::LlamaRun;
 
 /// The strategies run on the generic path: (what, world, dp, accum, overrides).
@@ -86,8 +87,26 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     let host = kernel_runs();
     let mut runs = Vec::new();
     for (what, world, dp, accum, extra) in strategies() {
+        // The optimizer's state and step on the device too
+        // (optim::DeviceOptimizer): every rank steps every step there.
+        let before = device_opt_steps();
         runs.push((what, llama_run(world, dp, accum, &extra)));
+        let stepped = device_opt_steps() - before;
+        assert!(
+            stepped >= world * STEPS,
+            "{what}: {stepped} optimizer steps on the device, wanted {world} ranks x {STEPS}"
+        );
     }
+    // Unless offloaded: DeepSpeed's offload_optimizer.device = cpu keeps
+    // the state in host memory and steps with the host's loop.
+    let before = device_opt_steps();
+    let offloaded = llama_run(2, 2, 1, &["zero_optimization.offload_optimizer.device=cpu"]);
+    assert_eq!(
+        device_opt_steps(),
+        before,
+        "offloaded, yet stepped on the device"
+    );
+    runs.push(("DDP 2 ranks, optimizer offloaded to the host", offloaded));
     let bf16 = llama_run(1, 1, 1, &["train.precision=bf16"]).remove(0);
     // The parameters stay on the device between changes, and DDP's
     // unreduced micro-batches add their gradients up there
@@ -119,10 +138,17 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         "an op took the CPU kernels while they were off"
     );
 
-    // The 1-rank runs on the CPU kernels (direct layers, fused ops).
+    // The 1-rank runs on the CPU kernels (direct layers, fused ops), and
+    // the host's optimizer.
     set_host_kernels(Some(true));
+    let before = device_opt_steps();
     let base = llama::base();
     assert!(kernel_runs() > host, "the CPU kernels did not run");
+    assert_eq!(
+        device_opt_steps(),
+        before,
+        "the CPU kernels' run stepped on the device"
+    );
     assert!(base.losses[STEPS - 1] < base.losses[0], "{:?}", base.losses);
     for (what, out) in &runs {
         assert_named_match(&format!("generic {what}"), out, &base, 1e-5);

@@ -5,11 +5,13 @@
 //! - `cuda` (feature `cuda`): CUDA device local rank modulo the number of
 //!   visible devices, as PyTorch's `device_ids=[local_rank]` (several ranks on
 //!   one GPU is a test set-up). The model's ops run on it through candle's
-//!   CUDA backend (the composed layers, cuBLAS products); the flat parameter,
-//!   gradient and optimizer buffers stay in host memory, the parameters'
-//!   device copies are kept while they are unchanged
-//!   ([`crate::engine::resident`]: one upload per optimizer step), and each
-//!   block's gradients are read back after its backward.
+//!   CUDA backend (the composed layers, cuBLAS products); the flat parameter
+//!   and gradient buffers stay in host memory, the parameters' device
+//!   copies are kept while they are unchanged ([`crate::engine::resident`]:
+//!   one upload per optimizer step), each block's gradients are read back
+//!   after the backward that reduces them, and the optimizer's state and
+//!   step are on the device ([`crate::optim::DeviceOptimizer`]) unless
+//!   offloaded.
 //!
 //! candle gives each `Device::new_cuda` call its own context handle and
 //! stream, and tensors of two handles cannot meet, so the handle is made once

@@ -780,6 +780,16 @@ impl TrainConfig {
         (o.device == OffloadDevice::Nvme).then(|| o.nvme_path.clone().into())
     }
 
+    /// Whether the optimizer's state and step go on `device`
+    /// ([`crate::optim::DeviceOptimizer`]): off the CPU kernels (CUDA, or
+    /// the CPU's device-generic path) unless
+    /// `zero_optimization.offload_optimizer.device` offloads it (`cpu`:
+    /// host memory and the host's loop; `nvme`: files).
+    pub fn optimizer_on_device(&self, device: &candle_core::Device) -> bool {
+        self.zero_optimization.offload_optimizer.device == OffloadDevice::None
+            && !crate::ops::host_kernels(device)
+    }
+
     /// Where optimizer state is offloaded to (nvme), if anywhere.
     pub fn offload_dir(&self) -> Option<PathBuf> {
         let o = &self.zero_optimization.offload_optimizer;

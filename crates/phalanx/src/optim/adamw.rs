@@ -74,19 +74,54 @@ pub struct AdamW {
     _charge: Charge,
 }
 
-/// Constants of one step, shared by every element.
+/// Constants of one step, shared by every element (and by the device's
+/// AdamW, `super::device`, so that both compute the same numbers).
 #[derive(Clone, Copy)]
-struct StepConsts {
-    b1: f32,
-    b2: f32,
-    eps: f32,
-    scale: f32,
+pub(super) struct StepConsts {
+    pub b1: f32,
+    pub b2: f32,
+    pub eps: f32,
+    pub scale: f32,
     /// lr / (1 - b1^t)
-    step_size: f32,
+    pub step_size: f32,
     /// 1 / sqrt(1 - b2^t)
-    inv_bc2_sqrt: f32,
+    pub inv_bc2_sqrt: f32,
     /// 1 - lr wd (1.0 where no decay)
-    decay: f32,
+    pub decay: f32,
+}
+
+impl StepConsts {
+    /// The constants of step `t` (decay 1.0: the caller sets it where a
+    /// segment decays), and whether the variance is frozen at this step
+    /// (`freeze_after` > 0 and passed).
+    pub fn of_step(
+        c: &AdamWConfig,
+        t: u64,
+        freeze_after: u64,
+        lr: f32,
+        grad_scale: f32,
+    ) -> (StepConsts, bool) {
+        let frozen = freeze_after > 0 && t > freeze_after;
+        // Frozen: v's bias correction stays that of the freeze, and the
+        // momentum handed over is complete (no correction).
+        let bc1 = if frozen {
+            1.0
+        } else {
+            1.0 - (c.beta1 as f64).powi(t.min(i32::MAX as u64) as i32)
+        };
+        let t2 = if frozen { freeze_after } else { t };
+        let bc2 = 1.0 - (c.beta2 as f64).powi(t2.min(i32::MAX as u64) as i32);
+        let k = StepConsts {
+            b1: c.beta1,
+            b2: c.beta2,
+            eps: c.eps,
+            scale: grad_scale,
+            step_size: (lr as f64 / bc1) as f32,
+            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
+            decay: 1.0,
+        };
+        (k, frozen)
+    }
 }
 
 /// After the freeze: `g` is the momentum in sum form; v stays.
@@ -172,25 +207,7 @@ impl Optimizer for AdamW {
         check_sub("AdamW", &self.range, &sub, params.len(), grads.len());
         assert!(self.t > 0, "AdamW: step_range before begin_step");
         let c = &self.cfg;
-        let frozen = self.freeze_after > 0 && self.t > self.freeze_after;
-        // Frozen: v's bias correction stays that of the freeze, and the
-        // momentum handed over is complete (no correction).
-        let bc1 = if frozen {
-            1.0
-        } else {
-            1.0 - (c.beta1 as f64).powi(self.t.min(i32::MAX as u64) as i32)
-        };
-        let t2 = if frozen { self.freeze_after } else { self.t };
-        let bc2 = 1.0 - (c.beta2 as f64).powi(t2.min(i32::MAX as u64) as i32);
-        let base = StepConsts {
-            b1: c.beta1,
-            b2: c.beta2,
-            eps: c.eps,
-            scale: grad_scale,
-            step_size: (lr as f64 / bc1) as f32,
-            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
-            decay: 1.0,
-        };
+        let (base, frozen) = StepConsts::of_step(c, self.t, self.freeze_after, lr, grad_scale);
         for (seg, decays) in segments_in(&self.segments, &sub) {
             let k = StepConsts {
                 decay: if decays {

@@ -20,6 +20,7 @@
 
 pub mod adamw;
 pub mod clip;
+pub mod device;
 pub mod offload;
 pub mod schedule;
 pub mod sgd;
@@ -28,7 +29,8 @@ pub mod step;
 use std::ops::Range;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use offload::{from_config, DiskAdamW};
+pub use device::DeviceOptimizer;
+pub use offload::{from_config, from_config_on, DiskAdamW};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 

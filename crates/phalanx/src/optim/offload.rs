@@ -198,12 +198,7 @@ pub fn from_config(
     ledger: &Ledger,
     offload: Option<(&Path, &str)>,
 ) -> std::io::Result<Box<dyn Optimizer + Send>> {
-    let adam = AdamWConfig {
-        beta1: o.betas[0] as f32,
-        beta2: o.betas[1] as f32,
-        eps: o.eps as f32,
-        weight_decay: o.weight_decay as f32,
-    };
+    let adam = adamw_config(o);
     // "adam" is DeepSpeed's Adam with its default adam_w_mode = true: AdamW.
     Ok(match (o.name.is_adam(), offload) {
         (true, None) => Box::new(AdamW::new(adam, layout, range, ledger)),
@@ -221,15 +216,43 @@ pub fn from_config(
                 "optimizer offload is built for adamw (and adam) only",
             ));
         }
-        _ => Box::new(super::Sgd::new(
-            super::SgdConfig {
-                momentum: o.momentum as f32,
-                nesterov: false,
-                weight_decay: o.weight_decay as f32,
-            },
-            layout,
-            range,
-            ledger,
-        )),
+        _ => Box::new(super::Sgd::new(sgd_config(o), layout, range, ledger)),
     })
+}
+
+/// The optimizer `o` names with its state for `range` on `device` and its
+/// step run there ([`super::DeviceOptimizer`]): what a rank computing off
+/// the CPU kernels gets unless the optimizer is offloaded.
+pub fn from_config_on(
+    o: &crate::config::OptimConfig,
+    layout: &Layout,
+    range: Range<usize>,
+    ledger: &Ledger,
+    device: &candle_core::Device,
+) -> std::io::Result<Box<dyn Optimizer + Send>> {
+    let opt = if o.name.is_adam() {
+        super::DeviceOptimizer::adamw(adamw_config(o), layout, range, ledger, device)
+    } else {
+        super::DeviceOptimizer::sgd(sgd_config(o), layout, range, ledger, device)
+    };
+    Ok(Box::new(opt.map_err(|e| {
+        std::io::Error::other(format!("optimizer state on {:?}: {e}", device.location()))
+    })?))
+}
+
+fn adamw_config(o: &crate::config::OptimConfig) -> AdamWConfig {
+    AdamWConfig {
+        beta1: o.betas[0] as f32,
+        beta2: o.betas[1] as f32,
+        eps: o.eps as f32,
+        weight_decay: o.weight_decay as f32,
+    }
+}
+
+fn sgd_config(o: &crate::config::OptimConfig) -> super::SgdConfig {
+    super::SgdConfig {
+        momentum: o.momentum as f32,
+        nesterov: false,
+        weight_decay: o.weight_decay as f32,
+    }
 }

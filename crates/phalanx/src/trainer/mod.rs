@@ -183,8 +183,13 @@ impl Trainer {
                         range: std::ops::Range<usize>|
          -> Result<Box<dyn Optimizer + Send>> {
             let off = offload.as_deref().map(|d| (d, tag.as_str()));
-            let mut o = crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
-                .map_err(|e| Error::Io(format!("optimizer offload: {e}")))?;
+            let mut o = if cfg.optimizer_on_device(e.device()) {
+                crate::optim::from_config_on(&cfg.optim, e.layout(), range, e.ledger(), e.device())
+                    .map_err(|e| Error::Io(e.to_string()))?
+            } else {
+                crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
+                    .map_err(|e| Error::Io(format!("optimizer offload: {e}")))?
+            };
             if let Some(after) = cfg.topk_freeze_after() {
                 o.freeze_variance_after(after)
                     .map_err(|m| Error::Check(format!("parallel.topk_freeze_variance: {m}")))?;

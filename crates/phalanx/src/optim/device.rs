@@ -1,0 +1,356 @@
+//! The optimizer's state in device memory and its step run there: AdamW's
+//! moments or SGD's momentum as candle tensors on the compute device, the
+//! update as a handful of element-wise device ops over the whole range.
+//!
+//! Off the CPU kernels (CUDA, or the CPU's device-generic path) this is the
+//! optimizer a rank gets, unless `zero_optimization.offload_optimizer.device`
+//! says `cpu` (DeepSpeed's optimizer offload: the state in host memory and
+//! the host's fused loop, [`super::AdamW`]) or `nvme`. Each step uploads
+//! the range's reduced gradients and parameters, updates the state where it
+//! lies, and writes the new parameters back into the flat host buffer,
+//! which stays the master copy the strategies reduce, gather and
+//! checkpoint. So the state's 8 bytes per parameter (AdamW) leave host
+//! memory and the host does no arithmetic; what still crosses per step is
+//! the gradients and parameters of the range, both ways for the parameters.
+//!
+//! The ops are those of the host loops in the same order, each rounded to
+//! f32 (`x.affine(a, 0)` is `a * x`): on the CPU the device path gives the
+//! host's results bit for bit (`tests/optim_device.rs`); on a GPU, where
+//! the compiler may fuse a multiply and an add, within rounding.
+//!
+//! ```
+//! use candle_core::Device;
+//! use phalanx::engine::{Layout, ParamDecl};
+//! use phalanx::ledger::{Ledger, Mem};
+//! use phalanx::optim::{AdamW, AdamWConfig, DeviceOptimizer, Optimizer};
+//! let layout = Layout::new(vec![vec![ParamDecl::new("w", &[2, 2]), ParamDecl::new("b", &[2])]]).unwrap();
+//! let ledger = Ledger::new();
+//! let cfg = AdamWConfig::default();
+//! let mut dev = DeviceOptimizer::adamw(cfg, &layout, 0..6, &ledger, &Device::Cpu).unwrap();
+//! let mut host = AdamW::new(cfg, &layout, 0..6, &Ledger::new());
+//! let (mut p, mut q) = (vec![0.5f32; 6], vec![0.5f32; 6]);
+//! let g = [0.1f32, -0.2, 0.3, 0.0, 1.5, -7.0];
+//! for _ in 0..3 {
+//!     dev.step(&mut p, &g, 1e-2, 0.5);
+//!     host.step(&mut q, &g, 1e-2, 0.5);
+//! }
+//! assert_eq!(p, q); // bit for bit on the CPU
+//! assert_eq!(ledger.current(Mem::OptState), 6 * 8);
+//! ```
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use candle_core::{Device, Tensor};
+
+use super::adamw::StepConsts;
+use super::{check_sub, AdamWConfig, OptimState, Optimizer, SgdConfig};
+use crate::engine::Layout;
+use crate::ledger::{Charge, Ledger, Mem};
+
+/// Steps begun by device optimizers in this process: what a test counts
+/// to tell where the optimizer ran.
+pub fn steps() -> usize {
+    STEPS.load(Ordering::Relaxed)
+}
+
+static STEPS: AtomicUsize = AtomicUsize::new(0);
+
+/// Which update rule, with its settings.
+#[derive(Debug, Clone, Copy)]
+enum Rule {
+    AdamW(AdamWConfig),
+    Sgd(SgdConfig),
+}
+
+/// An optimizer whose state lives on `device` (see the module docs).
+pub struct DeviceOptimizer {
+    rule: Rule,
+    range: Range<usize>,
+    device: Device,
+    /// (n,) 1.0 where weight decay applies (matrices), else 0.0.
+    mask: Tensor,
+    /// AdamW: `exp_avg`, `exp_avg_sq`; SGD: `momentum_buffer` (none
+    /// without momentum). Each (n,) f32 on `device`.
+    bufs: Vec<(&'static str, Tensor)>,
+    t: u64,
+    /// AdamW: steps after which v is frozen (0: never).
+    freeze_after: u64,
+    _charge: Charge,
+}
+
+impl DeviceOptimizer {
+    /// AdamW with its moments for `range` on `device`.
+    pub fn adamw(
+        cfg: AdamWConfig,
+        layout: &Layout,
+        range: Range<usize>,
+        ledger: &Ledger,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        Self::new(
+            Rule::AdamW(cfg),
+            &["exp_avg", "exp_avg_sq"],
+            layout,
+            range,
+            ledger,
+            device,
+        )
+    }
+
+    /// SGD with its momentum buffer (if any) for `range` on `device`.
+    pub fn sgd(
+        cfg: SgdConfig,
+        layout: &Layout,
+        range: Range<usize>,
+        ledger: &Ledger,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let names: &[&'static str] = if cfg.momentum != 0.0 {
+            &["momentum_buffer"]
+        } else {
+            &[]
+        };
+        Self::new(Rule::Sgd(cfg), names, layout, range, ledger, device)
+    }
+
+    fn new(
+        rule: Rule,
+        names: &[&'static str],
+        layout: &Layout,
+        range: Range<usize>,
+        ledger: &Ledger,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        assert!(
+            range.end <= layout.num_params(),
+            "range {range:?} beyond the layout"
+        );
+        let n = range.len();
+        let mut mask = vec![0f32; n];
+        for (seg, decays) in layout.decay_segments(range.clone()) {
+            if decays {
+                mask[seg].fill(1.0);
+            }
+        }
+        let mask = Tensor::from_vec(mask, n, device)?;
+        let bufs = names
+            .iter()
+            .map(|&name| Ok((name, Tensor::zeros(n, candle_core::DType::F32, device)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(DeviceOptimizer {
+            rule,
+            _charge: ledger.charge(Mem::OptState, n * 4 * bufs.len()),
+            range,
+            device: device.clone(),
+            mask,
+            bufs,
+            t: 0,
+            freeze_after: 0,
+        })
+    }
+
+    /// The device the state lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// One piece `sub` of the step begun by `begin_step`: upload, update
+    /// the state in place, write the parameters back.
+    fn update(
+        &mut self,
+        sub: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) -> candle_core::Result<()> {
+        let n = sub.len();
+        let dev = &self.device;
+        let p = Tensor::from_slice(params, n, dev)?; // (n,)
+        let g = Tensor::from_slice(grads, n, dev)?; // (n,)
+        let mask = self.mask.narrow(0, sub.start, n)?;
+        let mut state: Vec<Tensor> = self
+            .bufs
+            .iter()
+            .map(|(_, b)| b.narrow(0, sub.start, n))
+            .collect::<candle_core::Result<_>>()?;
+        let p = match self.rule {
+            Rule::AdamW(c) => {
+                let (k, frozen) =
+                    StepConsts::of_step(&c, self.t, self.freeze_after, lr, grad_scale);
+                adamw(k, frozen, lr * c.weight_decay, &mask, p, &g, &mut state)?
+            }
+            Rule::Sgd(c) => sgd(&c, self.t == 1, lr, grad_scale, &mask, p, &g, &mut state)?,
+        };
+        let whole = sub.start == 0 && n == self.range.len();
+        for ((_, buf), new) in self.bufs.iter_mut().zip(state) {
+            if whole {
+                *buf = new;
+            } else {
+                buf.slice_set(&new.contiguous()?, 0, sub.start)?;
+            }
+        }
+        params.copy_from_slice(&p.to_vec1::<f32>()?);
+        Ok(())
+    }
+}
+
+/// AdamW over (n,) tensors, the host loop's ops in its order:
+/// g = grad * scale; m = b1 m + (1 - b1) g; v = b2 v + ((1 - b2) g) g;
+/// p = p decay - (step_size m) / (sqrt(v) inv_bc2_sqrt + eps).
+/// Frozen: m = ((1 - b1) grad) scale, v kept. `lr_wd` is lr x weight decay.
+fn adamw(
+    k: StepConsts,
+    frozen: bool,
+    lr_wd: f32,
+    mask: &Tensor,
+    p: Tensor,
+    grad: &Tensor,
+    state: &mut [Tensor],
+) -> candle_core::Result<Tensor> {
+    let f = |x: f32| x as f64;
+    let (m, v) = (&state[0], &state[1]);
+    let (m, v) = if frozen {
+        let m = grad.affine(f(1.0 - k.b1), 0.0)?.affine(f(k.scale), 0.0)?;
+        (m, v.clone())
+    } else {
+        let g = grad.affine(f(k.scale), 0.0)?;
+        let m = (m.affine(f(k.b1), 0.0)? + g.affine(f(1.0 - k.b1), 0.0)?)?;
+        let v = (v.affine(f(k.b2), 0.0)? + (g.affine(f(1.0 - k.b2), 0.0)? * &g)?)?;
+        (m, v)
+    };
+    let denom = v.sqrt()?.affine(f(k.inv_bc2_sqrt), f(k.eps))?;
+    let step = (m.affine(f(k.step_size), 0.0)? / denom)?;
+    let p = if lr_wd != 0.0 {
+        // 1 - lr wd where the mask is 1, exactly 1.0 where it is 0.
+        let decay = mask.affine(-f(lr_wd), 1.0)?;
+        (p * decay)?
+    } else {
+        p
+    };
+    state[0] = m;
+    state[1] = v;
+    p - step
+}
+
+/// SGD over (n,) tensors, the host loop's ops in its order:
+/// g = grad * scale + wd p (where the mask is 1); b = g on the first step,
+/// else momentum b + g; p = p - lr (nesterov ? g + momentum b : b).
+#[allow(clippy::too_many_arguments)]
+fn sgd(
+    c: &SgdConfig,
+    first: bool,
+    lr: f32,
+    grad_scale: f32,
+    mask: &Tensor,
+    p: Tensor,
+    grad: &Tensor,
+    state: &mut [Tensor],
+) -> candle_core::Result<Tensor> {
+    let f = |x: f32| x as f64;
+    let mut g = grad.affine(f(grad_scale), 0.0)?;
+    if c.weight_decay != 0.0 {
+        g = (g + (mask.affine(f(c.weight_decay), 0.0)? * &p)?)?;
+    }
+    if c.momentum != 0.0 {
+        let b = if first {
+            g.clone()
+        } else {
+            (state[0].affine(f(c.momentum), 0.0)? + &g)?
+        };
+        g = if c.nesterov {
+            (g + b.affine(f(c.momentum), 0.0)?)?
+        } else {
+            b.clone()
+        };
+        state[0] = b;
+    }
+    p - g.affine(f(lr), 0.0)?
+}
+
+impl Optimizer for DeviceOptimizer {
+    fn steps_in_ranges(&self) -> bool {
+        true
+    }
+
+    fn begin_step(&mut self) {
+        STEPS.fetch_add(1, Ordering::Relaxed);
+        self.t += 1;
+    }
+
+    fn step_range(
+        &mut self,
+        sub: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) {
+        check_sub(self.kind(), &self.range, &sub, params.len(), grads.len());
+        assert!(self.t > 0, "{}: step_range before begin_step", self.kind());
+        // The trait's step cannot fail (the host loops cannot); a device
+        // that fails here (out of memory, a lost GPU) ends the rank with
+        // what it said, as the disk optimizer's I/O errors do.
+        if let Err(e) = self.update(sub, params, grads, lr, grad_scale) {
+            panic!(
+                "the optimizer's step on {:?} failed: {e}",
+                self.device.location()
+            );
+        }
+    }
+
+    fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.bufs.len() * self.range.len() * 4
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.rule {
+            Rule::AdamW(_) => "adamw",
+            Rule::Sgd(_) => "sgd",
+        }
+    }
+
+    fn state(&self) -> std::io::Result<OptimState> {
+        let bufs = self
+            .bufs
+            .iter()
+            .map(|(name, b)| Ok((*name, b.to_vec1::<f32>().map_err(std::io::Error::other)?)))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        Ok((bufs, self.t))
+    }
+
+    fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
+        let kind = self.kind();
+        let n = self.range.len();
+        let Some((_, buf)) = self.bufs.iter_mut().find(|(b, _)| *b == name) else {
+            return Err(super::unknown_state(kind, name));
+        };
+        if values.len() != n {
+            return Err(std::io::Error::other(format!(
+                "{kind} state {name:?}: {} values for a range of {n}",
+                values.len()
+            )));
+        }
+        *buf = Tensor::from_slice(values, n, &self.device).map_err(std::io::Error::other)?;
+        Ok(())
+    }
+
+    fn set_step_count(&mut self, t: u64) {
+        self.t = t;
+    }
+
+    fn freeze_variance_after(&mut self, after: u64) -> std::result::Result<(), String> {
+        match self.rule {
+            Rule::AdamW(_) => {
+                self.freeze_after = after;
+                Ok(())
+            }
+            Rule::Sgd(_) => Err("sgd has no second moment to freeze (only adamw does)".into()),
+        }
+    }
+}

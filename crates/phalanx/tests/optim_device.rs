@@ -1,0 +1,173 @@
+//! The optimizer on the device (`optim::DeviceOptimizer`) against the host's
+//! fused loops: on the CPU, where both round every op to f32 in the same
+//! order, they must agree bit for bit, step after step, whole or in pieces,
+//! across a checkpoint of the state, and with 1-bit Adam's frozen variance.
+
+use candle_core::Device;
+use phalanx::engine::{Layout, ParamDecl};
+use phalanx::ledger::{Ledger, Mem};
+use phalanx::optim::{AdamW, AdamWConfig, DeviceOptimizer, Optimizer, Sgd, SgdConfig};
+
+/// Matrices (decayed) and vectors (not) interleaved: 3 segments per block.
+fn layout() -> Layout {
+    let block = |i: usize| {
+        vec![
+            ParamDecl::new(&format!("w{i}"), &[7, 5]),
+            ParamDecl::new(&format!("b{i}"), &[5]),
+            ParamDecl::new(&format!("u{i}"), &[3, 4]),
+        ]
+    };
+    Layout::new(vec![block(0), block(1)]).unwrap()
+}
+
+/// Deterministic values spanning several magnitudes and both signs.
+fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let u = (x as f32 / u32::MAX as f32) * 2.0 - 1.0;
+            u * scale * if x.is_multiple_of(7) { 30.0 } else { 1.0 }
+        })
+        .collect()
+}
+
+/// Step both optimizers `steps` times on the same gradients (a changing
+/// lr and gradient factor) and require bitwise equal parameters and state.
+fn same_steps(
+    host: &mut dyn Optimizer,
+    dev: &mut dyn Optimizer,
+    n: usize,
+    steps: u32,
+    pieces: &[usize],
+) {
+    let mut p = values(n, 1, 1.0);
+    let mut q = p.clone();
+    for s in 0..steps {
+        let g = values(n, 100 + s, 0.3);
+        let lr = 1e-2 / (1.0 + s as f32);
+        let scale = 0.25 + 0.5 * s as f32;
+        host.step(&mut p, &g, lr, scale);
+        if pieces.is_empty() {
+            dev.step(&mut q, &g, lr, scale);
+        } else {
+            // One step in pieces: the cut points `pieces`.
+            dev.begin_step();
+            let mut cuts = vec![0];
+            cuts.extend_from_slice(pieces);
+            cuts.push(n);
+            for w in cuts.windows(2) {
+                let r = w[0]..w[1];
+                dev.step_range(r.clone(), &mut q[r.clone()], &g[r], lr, scale);
+            }
+        }
+        assert_eq!(p, q, "parameters after step {}", s + 1);
+    }
+    let (hs, ht) = host.state().unwrap();
+    let (ds, dt) = dev.state().unwrap();
+    assert_eq!(ht, dt, "step counts");
+    assert_eq!(hs, ds, "state buffers");
+}
+
+#[test]
+fn adamw_on_the_device_is_the_host_loop_bit_for_bit() {
+    let l = layout();
+    let n = l.num_params();
+    for (wd, range) in [(0.01f32, 0..n), (0.0, 0..n), (0.1, 9..n - 4)] {
+        let cfg = AdamWConfig {
+            weight_decay: wd,
+            ..AdamWConfig::default()
+        };
+        let mut host = AdamW::new(cfg, &l, range.clone(), &Ledger::new());
+        let ledger = Ledger::new();
+        let mut dev =
+            DeviceOptimizer::adamw(cfg, &l, range.clone(), &ledger, &Device::Cpu).unwrap();
+        assert_eq!(ledger.current(Mem::OptState), range.len() * 8);
+        assert_eq!(dev.state_bytes(), host.state_bytes());
+        same_steps(&mut host, &mut dev, range.len(), 6, &[]);
+        // In pieces that cut segments in the middle, as the disk-streamed
+        // ZeRO update does.
+        let mut host = AdamW::new(cfg, &l, range.clone(), &Ledger::new());
+        let mut dev =
+            DeviceOptimizer::adamw(cfg, &l, range.clone(), &Ledger::new(), &Device::Cpu).unwrap();
+        same_steps(&mut host, &mut dev, range.len(), 4, &[3, 20, 21, 50]);
+    }
+}
+
+#[test]
+fn frozen_variance_on_the_device_is_the_host_loop() {
+    let l = layout();
+    let n = l.num_params();
+    let cfg = AdamWConfig::default();
+    let mut host = AdamW::new(cfg, &l, 0..n, &Ledger::new());
+    let mut dev = DeviceOptimizer::adamw(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu).unwrap();
+    host.freeze_variance_after(2).unwrap();
+    dev.freeze_variance_after(2).unwrap();
+    same_steps(&mut host, &mut dev, n, 5, &[]);
+}
+
+#[test]
+fn sgd_on_the_device_is_the_host_loop_bit_for_bit() {
+    let l = layout();
+    let n = l.num_params();
+    for (momentum, nesterov, wd) in [
+        (0.9f32, false, 0.01f32),
+        (0.9, true, 0.0),
+        (0.0, false, 0.05),
+    ] {
+        let cfg = SgdConfig {
+            momentum,
+            nesterov,
+            weight_decay: wd,
+        };
+        let mut host = Sgd::new(cfg, &l, 0..n, &Ledger::new());
+        let mut dev = DeviceOptimizer::sgd(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu).unwrap();
+        assert_eq!(dev.state_bytes(), host.state_bytes());
+        same_steps(&mut host, &mut dev, n, 5, &[]);
+        let mut host = Sgd::new(cfg, &l, 0..n, &Ledger::new());
+        let mut dev = DeviceOptimizer::sgd(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu).unwrap();
+        same_steps(&mut host, &mut dev, n, 3, &[10, 40]);
+    }
+}
+
+#[test]
+fn device_state_moves_through_a_checkpoint_to_the_host_and_back() {
+    let l = layout();
+    let n = l.num_params();
+    let cfg = AdamWConfig::default();
+    let mut dev = DeviceOptimizer::adamw(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu).unwrap();
+    let mut p = values(n, 3, 1.0);
+    for s in 0..3 {
+        dev.step(&mut p, &values(n, 50 + s, 0.2), 1e-2, 1.0);
+    }
+    // Save from the device, resume on the host, and the reverse.
+    let (bufs, t) = dev.state().unwrap();
+    let mut host = AdamW::new(cfg, &l, 0..n, &Ledger::new());
+    let mut back = DeviceOptimizer::adamw(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu).unwrap();
+    for (name, v) in &bufs {
+        host.load_state(name, v).unwrap();
+        back.load_state(name, v).unwrap();
+    }
+    host.set_step_count(t);
+    back.set_step_count(t);
+    let (mut a, mut b, mut c) = (p.clone(), p.clone(), p.clone());
+    let g = values(n, 99, 0.2);
+    dev.step(&mut a, &g, 1e-2, 1.0);
+    host.step(&mut b, &g, 1e-2, 1.0);
+    back.step(&mut c, &g, 1e-2, 1.0);
+    assert_eq!(a, b);
+    assert_eq!(a, c);
+    // A wrong name or length is an error, not a panic.
+    let e = back.load_state("momentum_buffer", &bufs[0].1).unwrap_err();
+    assert!(e.to_string().contains("momentum_buffer"), "{e}");
+    let e = back.load_state("exp_avg", &bufs[0].1[1..]).unwrap_err();
+    assert!(e.to_string().contains("values for a range of"), "{e}");
+    assert!(
+        DeviceOptimizer::sgd(SgdConfig::default(), &l, 0..n, &Ledger::new(), &Device::Cpu)
+            .unwrap()
+            .freeze_variance_after(1)
+            .is_err()
+    );
+}
