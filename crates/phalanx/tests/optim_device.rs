@@ -88,11 +88,21 @@ fn adamw_on_the_device_is_the_host_loop_bit_for_bit() {
         assert_eq!(dev.state_bytes(), host.state_bytes());
         same_steps(&mut host, &mut dev, range.len(), 6, &[]);
         // In pieces that cut segments in the middle, as the disk-streamed
-        // ZeRO update does.
-        let mut host = AdamW::new(cfg, &l, range.clone(), &Ledger::new());
-        let mut dev =
-            DeviceOptimizer::adamw(cfg, &l, range.clone(), &Ledger::new(), &Device::Cpu).unwrap();
-        same_steps(&mut host, &mut dev, range.len(), 4, &[3, 20, 21, 50]);
+        // ZeRO update does, and in chunks of 7 elements.
+        for chunk in [usize::MAX, 7] {
+            let mut host = AdamW::new(cfg, &l, range.clone(), &Ledger::new());
+            let mut dev =
+                DeviceOptimizer::adamw(cfg, &l, range.clone(), &Ledger::new(), &Device::Cpu)
+                    .unwrap()
+                    .with_chunk(chunk);
+            same_steps(&mut host, &mut dev, range.len(), 4, &[3, 20, 21, 50]);
+            let mut host = AdamW::new(cfg, &l, range.clone(), &Ledger::new());
+            let mut dev =
+                DeviceOptimizer::adamw(cfg, &l, range.clone(), &Ledger::new(), &Device::Cpu)
+                    .unwrap()
+                    .with_chunk(chunk);
+            same_steps(&mut host, &mut dev, range.len(), 3, &[]);
+        }
     }
 }
 
@@ -127,7 +137,9 @@ fn sgd_on_the_device_is_the_host_loop_bit_for_bit() {
         assert_eq!(dev.state_bytes(), host.state_bytes());
         same_steps(&mut host, &mut dev, n, 5, &[]);
         let mut host = Sgd::new(cfg, &l, 0..n, &Ledger::new());
-        let mut dev = DeviceOptimizer::sgd(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu).unwrap();
+        let mut dev = DeviceOptimizer::sgd(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu)
+            .unwrap()
+            .with_chunk(11);
         same_steps(&mut host, &mut dev, n, 3, &[10, 40]);
     }
 }

@@ -13,6 +13,8 @@
 //! memory and the host does no arithmetic; what still crosses per step is
 //! the gradients and parameters of the range, both ways for the parameters.
 //!
+//! The update goes a chunk of [`CHUNK`] elements at a time, the state
+//! written in place, so its temporaries stay small whatever the range.
 //! The ops are those of the host loops in the same order, each rounded to
 //! f32 (`x.affine(a, 0)` is `a * x`): on the CPU the device path gives the
 //! host's results bit for bit (`tests/optim_device.rs`); on a GPU, where
@@ -56,6 +58,11 @@ pub fn steps() -> usize {
 
 static STEPS: AtomicUsize = AtomicUsize::new(0);
 
+/// Elements updated per pass: the step's temporaries (about ten of them,
+/// f32) are bounded by this, whatever the range (64 MiB each at 2^24), where
+/// one pass over a 7B model's range would take ten times its 28 GB.
+pub const CHUNK: usize = 1 << 24;
+
 /// Which update rule, with its settings.
 #[derive(Debug, Clone, Copy)]
 enum Rule {
@@ -76,6 +83,8 @@ pub struct DeviceOptimizer {
     t: u64,
     /// AdamW: steps after which v is frozen (0: never).
     freeze_after: u64,
+    /// Elements per pass ([`CHUNK`]).
+    chunk: usize,
     _charge: Charge,
 }
 
@@ -147,6 +156,7 @@ impl DeviceOptimizer {
             bufs,
             t: 0,
             freeze_after: 0,
+            chunk: CHUNK,
         })
     }
 
@@ -155,8 +165,15 @@ impl DeviceOptimizer {
         &self.device
     }
 
-    /// One piece `sub` of the step begun by `begin_step`: upload, update
-    /// the state in place, write the parameters back.
+    /// Elements updated per pass (default [`CHUNK`]): a smaller chunk
+    /// for tests that cross chunk boundaries.
+    pub fn with_chunk(mut self, chunk: usize) -> Self {
+        self.chunk = chunk.max(1);
+        self
+    }
+
+    /// One piece `sub` of the step begun by `begin_step`, a chunk at a
+    /// time: upload, update the state in place, write the parameters back.
     fn update(
         &mut self,
         sub: Range<usize>,
@@ -165,15 +182,33 @@ impl DeviceOptimizer {
         lr: f32,
         grad_scale: f32,
     ) -> candle_core::Result<()> {
-        let n = sub.len();
+        let mut lo = 0;
+        while lo < sub.len() {
+            let hi = (lo + self.chunk).min(sub.len());
+            let at = sub.start + lo..sub.start + hi;
+            self.update_chunk(at, &mut params[lo..hi], &grads[lo..hi], lr, grad_scale)?;
+            lo = hi;
+        }
+        Ok(())
+    }
+
+    fn update_chunk(
+        &mut self,
+        at: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        grad_scale: f32,
+    ) -> candle_core::Result<()> {
+        let n = at.len();
         let dev = &self.device;
         let p = Tensor::from_slice(params, n, dev)?; // (n,)
         let g = Tensor::from_slice(grads, n, dev)?; // (n,)
-        let mask = self.mask.narrow(0, sub.start, n)?;
+        let mask = self.mask.narrow(0, at.start, n)?;
         let mut state: Vec<Tensor> = self
             .bufs
             .iter()
-            .map(|(_, b)| b.narrow(0, sub.start, n))
+            .map(|(_, b)| b.narrow(0, at.start, n))
             .collect::<candle_core::Result<_>>()?;
         let p = match self.rule {
             Rule::AdamW(c) => {
@@ -183,12 +218,12 @@ impl DeviceOptimizer {
             }
             Rule::Sgd(c) => sgd(&c, self.t == 1, lr, grad_scale, &mask, p, &g, &mut state)?,
         };
-        let whole = sub.start == 0 && n == self.range.len();
+        let whole = n == self.range.len();
         for ((_, buf), new) in self.bufs.iter_mut().zip(state) {
             if whole {
                 *buf = new;
             } else {
-                buf.slice_set(&new.contiguous()?, 0, sub.start)?;
+                buf.slice_set(&new.contiguous()?, 0, at.start)?;
             }
         }
         params.copy_from_slice(&p.to_vec1::<f32>()?);
