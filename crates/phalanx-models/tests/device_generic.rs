@@ -126,6 +126,11 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     );
     assert!(up1 > 0 && down1 > 0, "nothing was uploaded or read back");
     assert_eq!(up4, up1, "micro-batches or recomputation uploaded again");
+    // And the optimizer steps on the device's copies and keeps its result
+    // as the next forward's (optim::DeviceOptimizer::step_on): the
+    // parameters go up once, for the first forward, however many steps.
+    let (up_first, _, _) = counted(1, &["train.steps=1"]);
+    assert_eq!(up1, up_first, "later steps uploaded the parameters again");
     assert_eq!(down4, down1, "held micro-batches read their gradients back");
     runs.push(("DDP 2 ranks, 4 micro-batches, full recompute", out));
     let gpt_runs: Vec<_> = gpt_strategies()

@@ -84,7 +84,9 @@ fn adamw_on_the_device_is_the_host_loop_bit_for_bit() {
         let ledger = Ledger::new();
         let mut dev =
             DeviceOptimizer::adamw(cfg, &l, range.clone(), &ledger, &Device::Cpu).unwrap();
-        assert_eq!(ledger.current(Mem::OptState), range.len() * 8);
+        // The moments, and the weight-decay mask where there is decay.
+        let mask = if wd != 0.0 { 4 } else { 0 };
+        assert_eq!(ledger.current(Mem::OptState), range.len() * (8 + mask));
         assert_eq!(dev.state_bytes(), host.state_bytes());
         same_steps(&mut host, &mut dev, range.len(), 6, &[]);
         // In pieces that cut segments in the middle, as the disk-streamed
@@ -116,6 +118,17 @@ fn frozen_variance_on_the_device_is_the_host_loop() {
     host.freeze_variance_after(2).unwrap();
     dev.freeze_variance_after(2).unwrap();
     same_steps(&mut host, &mut dev, n, 5, &[]);
+    // In pieces and chunks, where the untouched variance is a view of the
+    // buffer it would be written back into.
+    for (chunk, pieces) in [(usize::MAX, &[3usize, 20, 21, 50][..]), (7, &[])] {
+        let mut host = AdamW::new(cfg, &l, 0..n, &Ledger::new());
+        let mut dev = DeviceOptimizer::adamw(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu)
+            .unwrap()
+            .with_chunk(chunk);
+        host.freeze_variance_after(2).unwrap();
+        dev.freeze_variance_after(2).unwrap();
+        same_steps(&mut host, &mut dev, n, 5, pieces);
+    }
 }
 
 #[test]
@@ -182,4 +195,32 @@ fn device_state_moves_through_a_checkpoint_to_the_host_and_back() {
             .freeze_variance_after(1)
             .is_err()
     );
+}
+
+#[test]
+fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
+    let l = layout();
+    let n = l.num_params();
+    let cfg = AdamWConfig::default();
+    let mut host = AdamW::new(cfg, &l, 0..n, &Ledger::new());
+    let mut dev = DeviceOptimizer::adamw(cfg, &l, 0..n, &Ledger::new(), &Device::Cpu)
+        .unwrap()
+        .with_chunk(13);
+    let mut p = values(n, 5, 1.0);
+    let mut q = p.clone();
+    let on = candle_core::Tensor::from_slice(&q, n, &Device::Cpu).unwrap();
+    for s in 0..4 {
+        let g = values(n, 70 + s, 0.3);
+        host.step(&mut p, &g, 1e-2, 0.5);
+        dev.step_on(&mut q, &on, &g, 1e-2, 0.5).unwrap();
+        assert_eq!(p, q, "step {}", s + 1);
+        // The device tensor was updated in place to the same values.
+        assert_eq!(on.to_vec1::<f32>().unwrap(), q);
+    }
+    // A tensor of the wrong shape is refused.
+    let bad = candle_core::Tensor::zeros(n - 1, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let e = dev
+        .step_on(&mut q, &bad, &values(n, 1, 1.0), 1e-2, 1.0)
+        .unwrap_err();
+    assert!(e.to_string().contains("device parameters"), "{e}");
 }

@@ -180,8 +180,10 @@ impl Default for OffloadParam {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct OffloadOptimizer {
-    /// `none`, `cpu` (host memory: on CPU training the state is already
-    /// there) or `nvme` (files under `nvme_path`, streamed in chunks).
+    /// `none`, `cpu` (host memory and the host's loop: on CPU training the
+    /// state is there already; on a GPU, where `none` keeps it in device
+    /// memory, this offloads it) or `nvme` (files under `nvme_path`,
+    /// streamed in chunks).
     pub device: OffloadDevice,
     pub nvme_path: String,
 }

@@ -178,6 +178,24 @@ impl Engine {
         (self.params.as_mut_slice(), self.grads.as_mut_slice())
     }
 
+    /// Off the CPU kernels: the parameters of `range` on the device as one
+    /// (n,) tensor when the kept copies are current (no upload), else
+    /// `None` ([`super::resident`]).
+    pub fn device_params(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
+        self.stack.device_params(&self.params, range)
+    }
+
+    /// Off the CPU kernels: keep `flat`, the values of `range` the
+    /// optimizer just wrote on the device and into the flat buffer, as the
+    /// parameters' device copies (the next forward uploads nothing).
+    pub fn keep_device_params(
+        &self,
+        range: Range<usize>,
+        flat: &Tensor,
+    ) -> candle_core::Result<()> {
+        self.stack.keep_device_params(&self.params, range, flat)
+    }
+
     /// The flat parameter buffer as a [`ParamSource`] (e.g. to run the stack
     /// with another gradient sink).
     pub fn param_source(&self) -> &dyn ParamSource {

@@ -48,6 +48,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -193,12 +194,96 @@ impl Resident {
         Ok(Some(v))
     }
 
+    /// The copies of `params` (the layout's, covering `range` in flat
+    /// order) as one (n,) f32 tensor of fresh storage, when every one of
+    /// them is kept for `src`'s current version; else `None`.
+    pub fn flat(
+        &self,
+        src: &dyn ParamSource,
+        params: &[ParamInfo],
+        range: Range<usize>,
+    ) -> Result<Option<Tensor>> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if src.version().is_none() || inner.version != src.version() {
+            return Ok(None);
+        }
+        let mut pieces = Vec::new();
+        let mut covered = 0;
+        for (k, p) in covering(params, &range) {
+            match inner.vars.get(k) {
+                Some(v) => pieces.push(v.as_tensor().flatten_all()?),
+                None => return Ok(None),
+            }
+            covered += p.numel;
+        }
+        if pieces.is_empty() || covered != range.len() {
+            return Ok(None);
+        }
+        // One piece would come back as itself: copy, so that the caller
+        // may write it in place.
+        let flat = if pieces.len() == 1 {
+            pieces[0].copy()?
+        } else {
+            Tensor::cat(&pieces, 0)?
+        };
+        Ok(Some(flat))
+    }
+
+    /// Keep the pieces of `flat` ((n,) f32, the values of `range` just
+    /// written to `src`) as the device copies of `params` for `src`'s
+    /// current version, in place of whatever was kept: the next build
+    /// uploads nothing.
+    pub fn adopt(
+        &self,
+        src: &dyn ParamSource,
+        params: &[ParamInfo],
+        range: Range<usize>,
+        flat: &Tensor,
+    ) -> Result<()> {
+        let Some(version) = src.version() else {
+            self.clear();
+            return Ok(());
+        };
+        let covered: usize = covering(params, &range).map(|(_, p)| p.numel).sum();
+        if covered != range.len() || flat.dims() != [range.len()] {
+            candle_core::bail!(
+                "adopting {:?} for the parameters of {range:?}, which cover {covered}",
+                flat.dims()
+            );
+        }
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.version != Some(version) {
+            inner.vars.clear();
+            inner.version = Some(version);
+        }
+        for (k, p) in covering(params, &range) {
+            let piece = flat.narrow(0, p.offset - range.start, p.numel)?;
+            let v = Var::from_tensor(&piece.reshape(p.shape.as_slice())?)?;
+            inner.vars.insert(k, v, p.numel * 4);
+        }
+        Ok(())
+    }
+
     /// Let go of every copy (the memory goes back to the device).
     pub fn clear(&self) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.vars.clear();
         inner.version = None;
     }
+}
+
+/// The parameters (by layout index) that lie inside `range`; `range` must
+/// start and end on parameter boundaries with nothing between them
+/// missing, which a caller's range over whole blocks does.
+fn covering<'a>(
+    params: &'a [ParamInfo],
+    range: &Range<usize>,
+) -> impl Iterator<Item = (usize, &'a ParamInfo)> {
+    let range = range.clone();
+    params
+        .iter()
+        .enumerate()
+        .filter(move |(_, p)| range.start <= p.offset && p.offset + p.numel <= range.end)
 }
 
 /// Gradients added up on the device across held backwards

@@ -220,6 +220,35 @@ impl Stack {
         self.held.set_holding(on);
     }
 
+    /// Off the CPU kernels: the parameters of `range` (whole parameters)
+    /// on the device as one (n,) f32 tensor, when the copies kept for
+    /// `src` are current; `None` otherwise (the caller uploads).
+    pub fn device_params(
+        &self,
+        src: &dyn ParamSource,
+        range: Range<usize>,
+    ) -> Result<Option<Tensor>> {
+        if crate::ops::host_kernels(&self.device) {
+            return Ok(None);
+        }
+        self.resident.flat(src, self.layout.params(), range)
+    }
+
+    /// Off the CPU kernels: keep `flat`, the values of `range` just
+    /// written into `src` (an optimizer's step on the device), as the
+    /// parameters' device copies, so that the next build uploads nothing.
+    pub fn keep_device_params(
+        &self,
+        src: &dyn ParamSource,
+        range: Range<usize>,
+        flat: &Tensor,
+    ) -> Result<()> {
+        if crate::ops::host_kernels(&self.device) {
+            return Ok(());
+        }
+        self.resident.adopt(src, self.layout.params(), range, flat)
+    }
+
     /// Drop every gradient held on the device.
     pub fn drop_held_grads(&self) {
         self.held.clear();

@@ -82,6 +82,13 @@ pub trait Optimizer {
         ))
     }
 
+    /// The optimizer with its state on the device, which can also step on
+    /// parameters already there ([`DeviceOptimizer::step_on`]); `None`
+    /// for the host's.
+    fn as_device(&mut self) -> Option<&mut DeviceOptimizer> {
+        None
+    }
+
     /// Whether [`Optimizer::begin_step`] / [`Optimizer::step_range`] work.
     fn steps_in_ranges(&self) -> bool {
         false

@@ -230,6 +230,11 @@ pub fn from_config_on(
     ledger: &Ledger,
     device: &candle_core::Device,
 ) -> std::io::Result<Box<dyn Optimizer + Send>> {
+    if range.is_empty() {
+        // An empty shard (more ranks than elements) has nothing to put on
+        // the device; a device may also refuse an allocation of 0 bytes.
+        return from_config(o, layout, range, ledger, None);
+    }
     let opt = if o.name.is_adam() {
         super::DeviceOptimizer::adamw(adamw_config(o), layout, range, ledger, device)
     } else {

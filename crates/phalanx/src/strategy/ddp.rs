@@ -23,7 +23,7 @@ use super::{accumulate, BatchFn, Strategy};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::step::{agree_and_clip, finish_step, weighted_sum_squares, StepOutcome, Update};
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
@@ -214,13 +214,34 @@ impl Strategy for Ddp {
         let w = 1.0 / self.pg.size() as f64;
         let tp = self.mesh.tp_size;
         let ss = weighted_sum_squares(engine.grads_flat(), 0, w, &self.tp_replicated, tp);
+        let n = engine.num_params();
+        // With the optimizer on the device and the parameters' copies
+        // there current, it steps on those (no upload), and they stay the
+        // copies for the next forward (`engine::resident`).
+        let kept = match self.opt.as_device() {
+            Some(_) => engine.device_params(0..n)?,
+            None => None,
+        };
         let (p, g) = engine.params_and_grads_mut();
-        let u = vec![Update {
-            params: p,
-            grads: g,
-            opt: self.opt.as_mut(),
-        }];
-        let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
+        let out = match (kept, self.opt.as_device()) {
+            (Some(dev), Some(opt)) => {
+                let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
+                if let Some(factor) = factor {
+                    opt.step_on(p, &dev, g, lr, factor)?;
+                }
+                // Skipped, the values are unchanged: still the copies.
+                engine.keep_device_params(0..n, &dev)?;
+                out
+            }
+            _ => {
+                let u = vec![Update {
+                    params: p,
+                    grads: g,
+                    opt: self.opt.as_mut(),
+                }];
+                finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?
+            }
+        };
         self.maybe_check(engine, step + 1)?;
         Ok(out)
     }
