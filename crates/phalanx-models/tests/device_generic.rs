@@ -89,13 +89,23 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     for (what, world, dp, accum, extra) in strategies() {
         // The optimizer's state and step on the device too
         // (optim::DeviceOptimizer): every rank steps every step there.
-        let before = device_opt_steps();
+        let (before, down) = (device_opt_steps(), downloads());
         runs.push((what, llama_run(world, dp, accum, &extra)));
         let stepped = device_opt_steps() - before;
         assert!(
             stepped >= world * STEPS,
             "{what}: {stepped} optimizer steps on the device, wanted {world} ranks x {STEPS}"
         );
+        // DDP with one data-parallel rank has nothing to reduce: the
+        // gradients stay on the device through the optimizer's step.
+        let read = downloads() - down;
+        match what {
+            "1 rank" | "tp 2" => assert_eq!(read, 0, "{what}: gradients read back"),
+            _ => assert!(
+                read > 0,
+                "{what}: no gradient read back, yet reduced on the host"
+            ),
+        }
     }
     // Unless offloaded: DeepSpeed's offload_optimizer.device = cpu keeps
     // the state in host memory and steps with the host's loop.
@@ -137,6 +147,20 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         .into_iter()
         .map(|(what, world, dp, accum, extra)| (what, gpt_run(world, dp, accum, &extra)))
         .collect();
+    // Sequence parallelism sums the replicated parameters' gradients over
+    // tp in the trainer, from the flat buffer: there they must go, though
+    // DDP has one data-parallel rank (a 16-token context, which tp divides).
+    let sp = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "model.block_size=16",
+    ];
+    let down = downloads();
+    let gpt_sp = gpt_run(2, 1, 1, &sp);
+    assert!(
+        downloads() > down,
+        "sequence parallel: the gradients never reached the host"
+    );
     assert_eq!(
         kernel_runs(),
         host,
@@ -178,5 +202,12 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     for (what, out) in &gpt_runs {
         assert_named_match(&format!("GPT-2 generic {what}"), out, &gpt_base, 1e-5);
     }
+    let gpt_base16 = gpt_run(1, 1, 1, &["model.block_size=16"]).remove(0);
+    assert_named_match(
+        "GPT-2 generic tp 2 + sequence parallel",
+        &gpt_sp,
+        &gpt_base16,
+        1e-5,
+    );
     set_host_kernels(None);
 }

@@ -6,7 +6,7 @@
 use candle_core::Device;
 use phalanx::engine::{Layout, ParamDecl};
 use phalanx::ledger::{Ledger, Mem};
-use phalanx::optim::{AdamW, AdamWConfig, DeviceOptimizer, Optimizer, Sgd, SgdConfig};
+use phalanx::optim::{AdamW, AdamWConfig, DeviceOptimizer, Grads, Optimizer, Sgd, SgdConfig};
 
 /// Matrices (decayed) and vectors (not) interleaved: 3 segments per block.
 fn layout() -> Layout {
@@ -212,7 +212,15 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
     for s in 0..4 {
         let g = values(n, 70 + s, 0.3);
         host.step(&mut p, &g, 1e-2, 0.5);
-        dev.step_on(&mut q, &on, &g, 1e-2, 0.5).unwrap();
+        if s % 2 == 0 {
+            dev.step_on(&mut q, &on, Grads::Host(&g), 1e-2, 0.5)
+                .unwrap();
+        } else {
+            // Gradients that never left the device.
+            let gt = candle_core::Tensor::from_slice(&g, n, &Device::Cpu).unwrap();
+            dev.step_on(&mut q, &on, Grads::Device(&gt), 1e-2, 0.5)
+                .unwrap();
+        }
         assert_eq!(p, q, "step {}", s + 1);
         // The device tensor was updated in place to the same values.
         assert_eq!(on.to_vec1::<f32>().unwrap(), q);
@@ -220,7 +228,21 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
     // A tensor of the wrong shape is refused.
     let bad = candle_core::Tensor::zeros(n - 1, candle_core::DType::F32, &Device::Cpu).unwrap();
     let e = dev
-        .step_on(&mut q, &bad, &values(n, 1, 1.0), 1e-2, 1.0)
+        .step_on(&mut q, &bad, Grads::Host(&values(n, 1, 1.0)), 1e-2, 1.0)
         .unwrap_err();
     assert!(e.to_string().contains("device parameters"), "{e}");
+    let e = dev
+        .step_on(&mut q, &on, Grads::Device(&bad), 1e-2, 1.0)
+        .unwrap_err();
+    assert!(e.to_string().contains("device gradients"), "{e}");
+    // The sum of squares on the device (f64 throughout) is the host's
+    // (f32 lanes over 1024 elements, then f64) up to the host's rounding.
+    let g = values(n, 8, 2.0);
+    let gt = candle_core::Tensor::from_slice(&g, n, &Device::Cpu).unwrap();
+    let host_ss = phalanx::optim::clip::sum_squares(&g);
+    let dev_ss = phalanx::optim::device::sum_squares(&gt).unwrap();
+    assert!(
+        (host_ss - dev_ss).abs() <= 1e-6 * host_ss,
+        "{host_ss} vs {dev_ss}"
+    );
 }

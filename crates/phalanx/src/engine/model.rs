@@ -196,6 +196,14 @@ impl Engine {
         self.stack.keep_device_params(&self.params, range, flat)
     }
 
+    /// Off the CPU kernels: the gradients of `range` that backwards held on
+    /// the device ([`Engine::hold_grads`]) and never read back, taken out
+    /// as one (n,) tensor; `None` when none are held. The flat gradient
+    /// buffer does not hold them.
+    pub fn take_device_grads(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
+        self.stack.take_held_grads(range)
+    }
+
     /// The flat parameter buffer as a [`ParamSource`] (e.g. to run the stack
     /// with another gradient sink).
     pub fn param_source(&self) -> &dyn ParamSource {

@@ -329,6 +329,44 @@ impl HeldGrads {
             .remove(k)
     }
 
+    /// Everything held for the parameters of `range` (the layout's
+    /// `params`, whole ones), taken out as one (n,) f32 tensor in flat
+    /// order, zeros where a parameter has nothing held; `None` when
+    /// nothing at all is held for them.
+    pub fn take_flat(
+        &self,
+        params: &[ParamInfo],
+        range: Range<usize>,
+        dev: &Device,
+    ) -> Result<Option<Tensor>> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pieces = Vec::new();
+        let (mut covered, mut any) = (0, false);
+        for (k, p) in covering(params, &range) {
+            let piece = match inner.remove(k) {
+                Some(g) => {
+                    any = true;
+                    g.to_dtype(candle_core::DType::F32)?.flatten_all()?
+                }
+                None => Tensor::zeros(p.numel, candle_core::DType::F32, dev)?,
+            };
+            pieces.push(piece);
+            covered += p.numel;
+        }
+        if covered != range.len() {
+            candle_core::bail!("the parameters of {range:?} cover {covered} of it");
+        }
+        if !any {
+            return Ok(None);
+        }
+        let flat = if pieces.len() == 1 {
+            pieces.remove(0).contiguous()?
+        } else {
+            Tensor::cat(&pieces, 0)?
+        };
+        Ok(Some(flat))
+    }
+
     /// Stop holding and let go of everything held (a new step's
     /// `zero_grad`).
     pub fn clear(&self) {

@@ -249,6 +249,17 @@ impl Stack {
         self.resident.adopt(src, self.layout.params(), range, flat)
     }
 
+    /// Off the CPU kernels: the gradients held on the device for `range`
+    /// (whole parameters), taken out as one (n,) f32 tensor; `None` when
+    /// none are held.
+    pub fn take_held_grads(&self, range: Range<usize>) -> Result<Option<Tensor>> {
+        if crate::ops::host_kernels(&self.device) {
+            return Ok(None);
+        }
+        self.held
+            .take_flat(self.layout.params(), range, &self.device)
+    }
+
     /// Drop every gradient held on the device.
     pub fn drop_held_grads(&self) {
         self.held.clear();

@@ -71,6 +71,37 @@ static STEPS: AtomicUsize = AtomicUsize::new(0);
 /// one pass over a 7B model's range would take ten times its 28 GB.
 pub const CHUNK: usize = 1 << 24;
 
+/// Where [`DeviceOptimizer::step_on`] finds the gradients: the flat host
+/// buffer (reduced there), or a (n,) f32 tensor on the device (nothing to
+/// reduce: they never left it).
+#[derive(Clone, Copy)]
+pub enum Grads<'a> {
+    Host(&'a [f32]),
+    Device(&'a Tensor),
+}
+
+/// The sum of squares of `t` (f32, any shape, on any device), in f64 as
+/// the host's [`super::clip::sum_squares`], a chunk at a time (one f64
+/// chunk's temporary); one read back of the per-chunk sums.
+pub fn sum_squares(t: &Tensor) -> candle_core::Result<f64> {
+    let flat = t.flatten_all()?;
+    let n = flat.elem_count();
+    let mut sums = Vec::new();
+    let mut lo = 0;
+    while lo < n {
+        let hi = (lo + CHUNK).min(n);
+        let x = flat
+            .narrow(0, lo, hi - lo)?
+            .to_dtype(candle_core::DType::F64)?;
+        sums.push(x.sqr()?.sum_all()?);
+        lo = hi;
+    }
+    if sums.is_empty() {
+        return Ok(0.0);
+    }
+    Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.iter().sum())
+}
+
 /// Which update rule, with its settings.
 #[derive(Debug, Clone, Copy)]
 enum Rule {
@@ -195,29 +226,43 @@ impl DeviceOptimizer {
     /// values of `params`, which is this optimizer's whole range) is
     /// updated in place, so the caller may keep it as the parameters'
     /// device copy; `params` receives the same new values. Only the
-    /// gradients go up.
+    /// gradients go up, unless they are on the device too.
     pub fn step_on(
         &mut self,
         params: &mut [f32],
         dev: &Tensor,
-        grads: &[f32],
+        grads: Grads,
         lr: f32,
         grad_scale: f32,
     ) -> candle_core::Result<()> {
         let n = self.range.len();
-        super::check_lens(self.kind(), &self.range, params.len(), grads.len());
-        if dev.dims() != [n] || !dev.is_contiguous() {
-            candle_core::bail!(
-                "{}: the device parameters are {:?}, not ({n},) contiguous",
-                self.kind(),
-                dev.dims()
-            );
+        let glen = match grads {
+            Grads::Host(g) => g.len(),
+            Grads::Device(g) => g.elem_count(),
+        };
+        super::check_lens(self.kind(), &self.range, params.len(), glen);
+        let mut checks = vec![("parameters", dev)];
+        if let Grads::Device(g) = grads {
+            checks.push(("gradients", g));
+        }
+        for (what, t) in checks {
+            if t.dims() != [n] || !t.is_contiguous() || t.dtype() != candle_core::DType::F32 {
+                candle_core::bail!(
+                    "{}: the device {what} are {:?} {:?}, not ({n},) contiguous f32",
+                    self.kind(),
+                    t.dims(),
+                    t.dtype()
+                );
+            }
         }
         self.begin_step();
         let mut lo = 0;
         while lo < n {
             let hi = (lo + self.chunk).min(n);
-            let g = Tensor::from_slice(&grads[lo..hi], hi - lo, &self.device)?;
+            let g = match grads {
+                Grads::Host(g) => Tensor::from_slice(&g[lo..hi], hi - lo, &self.device)?,
+                Grads::Device(g) => g.narrow(0, lo, hi - lo)?,
+            };
             let p = self.step_chunk(lo..hi, dev.narrow(0, lo, hi - lo)?, &g, lr, grad_scale)?;
             dev.slice_set(&p, 0, lo)?;
             params[lo..hi].copy_from_slice(&p.to_vec1::<f32>()?);

@@ -29,7 +29,7 @@ pub mod step;
 use std::ops::Range;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use device::DeviceOptimizer;
+pub use device::{DeviceOptimizer, Grads};
 pub use offload::{from_config, from_config_on, DiskAdamW};
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};

@@ -156,6 +156,30 @@ pub fn weighted_sum_squares(
     ss * weight
 }
 
+/// [`weighted_sum_squares`] of gradients on the device: `g` is the (n,)
+/// f32 tensor of flat positions `offset..`.
+pub fn weighted_sum_squares_on(
+    g: &candle_core::Tensor,
+    offset: usize,
+    weight: f64,
+    replicated: &[Range<usize>],
+    tp: usize,
+) -> candle_core::Result<f64> {
+    let n = g.elem_count();
+    let mut ss = super::device::sum_squares(g)?;
+    if tp > 1 {
+        for r in replicated {
+            let lo = r.start.max(offset);
+            let hi = r.end.min(offset + n);
+            if lo < hi {
+                let part = g.narrow(0, lo - offset, hi - lo)?;
+                ss -= (1.0 - 1.0 / tp as f64) * super::device::sum_squares(&part)?;
+            }
+        }
+    }
+    Ok(ss * weight)
+}
+
 /// What to try when training diverges, given the clipping in force.
 pub fn diverged_hint(max_norm: f32) -> String {
     if max_norm > 0.0 {

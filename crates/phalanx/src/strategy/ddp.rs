@@ -23,7 +23,10 @@ use super::{accumulate, BatchFn, Strategy};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{agree_and_clip, finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::step::{
+    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, StepOutcome, Update,
+};
+use crate::optim::Grads;
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
@@ -59,6 +62,9 @@ pub struct Ddp {
     pool: Pool,
     opt: Box<dyn Optimizer + Send>,
     tp_replicated: Vec<Range<usize>>,
+    /// Allowed to keep unreduced gradients on the device through the step
+    /// ([`Strategy::keep_grads_on_device`]).
+    device_grads: bool,
 }
 
 impl Ddp {
@@ -94,7 +100,18 @@ impl Ddp {
             pool,
             opt,
             tp_replicated,
+            device_grads: false,
         })
+    }
+
+    /// One data-parallel rank, the optimizer on the device, off the CPU
+    /// kernels, and allowed: the gradients need no reduction, so every
+    /// micro-batch holds them on the device and the step takes them there.
+    fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
+        self.device_grads
+            && self.pg.size() == 1
+            && !crate::ops::host_kernels(engine.device())
+            && self.opt.as_device().is_some()
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -117,8 +134,10 @@ impl Ddp {
         loss_scale: f32,
         sync: bool,
     ) -> Result<f32> {
-        // Unreduced micro-steps keep their gradients on the device (CUDA).
-        engine.hold_grads(!sync);
+        // Unreduced micro-steps keep their gradients on the device (CUDA);
+        // with nothing to reduce, all of them do.
+        let all = self.grads_stay_on_device(engine);
+        engine.hold_grads(!sync || all);
         if !sync || self.pg.size() == 1 {
             return Ok(engine.forward_backward(inputs, targets, loss_scale)?);
         }
@@ -213,8 +232,18 @@ impl Strategy for Ddp {
         // 1/dp of them; tp shards add up, tp-replicated ranges count once.
         let w = 1.0 / self.pg.size() as f64;
         let tp = self.mesh.tp_size;
-        let ss = weighted_sum_squares(engine.grads_flat(), 0, w, &self.tp_replicated, tp);
         let n = engine.num_params();
+        // Gradients that stayed on the device (nothing to reduce), else
+        // the reduced ones in the flat buffer.
+        let on_device = if self.grads_stay_on_device(engine) {
+            engine.take_device_grads(0..n)?
+        } else {
+            None
+        };
+        let ss = match &on_device {
+            Some(g) => weighted_sum_squares_on(g, 0, w, &self.tp_replicated, tp)?,
+            None => weighted_sum_squares(engine.grads_flat(), 0, w, &self.tp_replicated, tp),
+        };
         // With the optimizer on the device and the parameters' copies
         // there current, it steps on those (no upload), and they stay the
         // copies for the next forward (`engine::resident`).
@@ -227,11 +256,23 @@ impl Strategy for Ddp {
             (Some(dev), Some(opt)) => {
                 let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
                 if let Some(factor) = factor {
-                    opt.step_on(p, &dev, g, lr, factor)?;
+                    let grads = match &on_device {
+                        Some(t) => Grads::Device(t),
+                        None => Grads::Host(g),
+                    };
+                    opt.step_on(p, &dev, grads, lr, factor)?;
                 }
                 // Skipped, the values are unchanged: still the copies.
                 engine.keep_device_params(0..n, &dev)?;
                 out
+            }
+            (None, _) if on_device.is_some() => {
+                // Kept gradients come with kept parameters (the same
+                // forward built them): this is a bug, not an input.
+                return Err(Error::Check(
+                    "DDP: the gradients stayed on the device but the parameters' copies did not"
+                        .into(),
+                ));
             }
             _ => {
                 let u = vec![Update {
@@ -279,6 +320,10 @@ impl Strategy for Ddp {
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.reducer.set_hook(make());
+    }
+
+    fn keep_grads_on_device(&mut self, allowed: bool) {
+        self.device_grads = allowed;
     }
 
     fn hook_state(&self) -> Vec<(String, Vec<f32>)> {

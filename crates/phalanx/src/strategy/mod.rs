@@ -154,6 +154,17 @@ pub trait Strategy: Send {
         }
     }
 
+    /// Whether gradients that nothing reduces may stay on the device
+    /// through the optimizer's step, never reaching the flat gradient
+    /// buffer: the trainer allows it when nothing else reads that buffer
+    /// between the backward and the step (no sequence-parallel sum over
+    /// tp, no fault-tolerant average across replica groups). Only DDP
+    /// with one data-parallel rank and the optimizer on the device acts on
+    /// it.
+    fn keep_grads_on_device(&mut self, allowed: bool) {
+        let _ = allowed;
+    }
+
     /// The pipeline, for pipeline strategies (timelines and traces).
     fn pipeline(&self) -> Option<&pipeline::Pipeline> {
         None

@@ -369,6 +369,11 @@ impl Trainer {
         if crate::fault::overflow_at(step, dp_rank) {
             scale = f32::INFINITY;
         }
+        // Gradients may stay on the device through the step unless
+        // something here reads the flat buffer in between (below).
+        let sp_sum = self.mesh.tp_size > 1 && self.cfg.parallel.sequence_parallel;
+        self.strat
+            .keep_grads_on_device(!sp_sum && self.ft.is_none());
         let loss = self
             .strat
             .forward_backward(&mut self.engine, &mut batch, accum, scale)?;
