@@ -234,7 +234,7 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
     let e = dev
         .step_on(&mut q, &on, Grads::Device(&bad), 1e-2, 1.0)
         .unwrap_err();
-    assert!(e.to_string().contains("device gradients"), "{e}");
+    assert!(e.to_string().contains("device gradients must be"), "{e}");
     // The sum of squares on the device (f64 throughout) is the host's
     // (f32 lanes over 1024 elements, then f64) up to the host's rounding.
     let g = values(n, 8, 2.0);

@@ -240,7 +240,15 @@ impl DeviceOptimizer {
             Grads::Host(g) => g.len(),
             Grads::Device(g) => g.elem_count(),
         };
-        super::check_lens(self.kind(), &self.range, params.len(), glen);
+        if params.len() != n || glen != n {
+            candle_core::bail!(
+                "{}: range {:?} needs {n} parameters and gradients, got {} and {glen} \
+                 (the device gradients must be ({n},))",
+                self.kind(),
+                self.range,
+                params.len()
+            );
+        }
         let mut checks = vec![("parameters", dev)];
         if let Grads::Device(g) = grads {
             checks.push(("gradients", g));
