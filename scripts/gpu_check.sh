@@ -18,7 +18,10 @@
 #      PHALANX_BIN names a binary; then every library it needs (`ldd`, and
 #      the ones a toolchain build opens on its first CUDA call);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
-#      and at world 2 where there are 2+ GPUs;
+#      and at world 2 where there are 2+ GPUs; `phalanx bench optimizer
+#      --check` (the optimizer's step on the device against the host's, in
+#      chunks, pieces and with frozen variance; then timed over 124M
+#      elements, host against device);
 #   4. every strategy on the device against the CPU's 1-rank run of the same
 #      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps; DDP also with 4
 #      micro-batches and full activation checkpointing, and with the
@@ -147,6 +150,12 @@ if [ "$DEVICE" = cuda ]; then
             --sizes 8:64M --factor 8 --iters 3 --warmup 1 --check
     done
 fi
+
+# The optimizer's state and step on the device against the host's loop:
+# chunks, pieces, frozen variance, parameters already there; then timed.
+if [ "$DEVICE" = cuda ]; then opt_params=124M; else opt_params=4M; fi
+step "optimizer on $DEVICE: --check against the host, timed over $opt_params elements" 180 \
+    "$bin" bench optimizer --device "$DEVICE" --check --params "$opt_params" --steps 3
 
 # train NAME NPROC DEVICE HOST_KERNELS SET...: one `phalanx train` (from the
 # checkpoint $RESUME when set), its per-step log in $LOG_DIR/NAME.jsonl, its

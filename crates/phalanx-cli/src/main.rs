@@ -5,11 +5,13 @@
 //! - `phalanx plan`: rank layouts by predicted memory and step time.
 //! - `phalanx generate`: sample text from a model.
 //! - `phalanx bench collectives`: nccl-tests style collective sweep.
+//! - `phalanx bench optimizer`: the optimizer's step on the device against the host's.
 //! - `phalanx checkpoint inspect | convert | from-hf`: distributed checkpoints.
 //! - `phalanx report LOG`: a run's HTML report.
 //! - `phalanx tokenize`: text and JSONL -> llm.c token shards (or one file).
 
 mod bench_collectives;
+mod bench_optimizer;
 mod checkpoint_cmd;
 mod config_args;
 mod elastic;
@@ -135,6 +137,8 @@ enum Cmd {
     },
 }
 
+// Parsed once per run: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Sweep collective sizes and report time, algbw and busbw.
@@ -143,6 +147,12 @@ enum BenchCmd {
         opts: bench_collectives::BenchOpts,
         #[command(flatten)]
         launch: launch::LaunchOpts,
+    },
+    /// Time the optimizer's step on the device against the host's loop;
+    /// `--check` compares their results first.
+    Optimizer {
+        #[command(flatten)]
+        opts: bench_optimizer::OptimBenchOpts,
     },
 }
 
@@ -175,6 +185,9 @@ fn main() {
         Cmd::Bench {
             what: BenchCmd::Collectives { opts, launch },
         } => bench_collectives::main(&opts, &launch),
+        Cmd::Bench {
+            what: BenchCmd::Optimizer { opts },
+        } => bench_optimizer::main(&opts),
     };
     std::process::exit(code);
 }

@@ -179,3 +179,47 @@ fn every_backend_runs_over_the_links_it_names() {
         assert!(leftovers(&mark).is_empty());
     }
 }
+
+/// `phalanx bench optimizer ARGS`: (exit code, stdout, stderr).
+fn bench_optimizer(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(BIN)
+        .args(["bench", "optimizer"])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_optimizer_bench_checks_the_device_against_the_host() {
+    let (code, out, err) = bench_optimizer(&["--check", "--params", "100k", "--steps", "1"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    // Six checks, each within the tolerance: on the CPU bit for bit.
+    let checks: Vec<&str> = out.lines().filter(|l| l.starts_with("check ")).collect();
+    assert_eq!(checks.len(), 6, "{out}");
+    for c in &checks {
+        assert!(c.ends_with("difference 0.00e0 (ok)"), "not bitwise: {c}");
+    }
+    for way in ["host", "device", "device, resident"] {
+        assert!(
+            out.lines()
+                .any(|l| l.trim_start().starts_with(way) && l.contains("ms per step")),
+            "no timing for {way}: {out}"
+        );
+    }
+    // Bad input names what is wrong; a cuda device needs the feature (or a GPU).
+    let (code, _, err) = bench_optimizer(&["--params", "lots"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--params") && err.contains("lots"), "{err}");
+    let (code, _, err) = bench_optimizer(&["--device", "tpu"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--device") && err.contains("tpu"), "{err}");
+    let (code, _, err) = bench_optimizer(&["--device", "cuda", "--params", "1k"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("cuda"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

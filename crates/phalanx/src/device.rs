@@ -8,10 +8,10 @@
 //!   CUDA backend (the composed layers, cuBLAS products); the flat parameter
 //!   and gradient buffers stay in host memory, the parameters' device
 //!   copies are kept while they are unchanged ([`crate::engine::resident`]:
-//!   one upload per optimizer step), each block's gradients are read back
-//!   after the backward that reduces them, and the optimizer's state and
-//!   step are on the device ([`crate::optim::DeviceOptimizer`]) unless
-//!   offloaded.
+//!   at most one upload per optimizer step), each block's gradients are
+//!   read back after the backward that reduces them (never, under DDP with
+//!   one data-parallel rank), and the optimizer's state and step are on
+//!   the device ([`crate::optim::DeviceOptimizer`]) unless offloaded.
 //!
 //! candle gives each `Device::new_cuda` call its own context handle and
 //! stream, and tensors of two handles cannot meet, so the handle is made once

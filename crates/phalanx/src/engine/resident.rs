@@ -27,6 +27,13 @@
 //! g4, then into a zeroed buffer), so the host buffer receives bitwise the
 //! sum it would have added up itself.
 //!
+//! Both sides also meet the optimizer on the device
+//! (`optim::DeviceOptimizer::step_on`): [`Resident::flat`] hands it the
+//! kept copies as one tensor, [`Resident::adopt`] keeps its result as the
+//! copies of the buffer it has just written; and where nothing reduces the
+//! gradients (DDP with one data-parallel rank), [`HeldGrads::take_flat`]
+//! hands it every backward's sum without a read back.
+//!
 //! ```
 //! use candle_core::Device;
 //! use phalanx::engine::resident::{uploads, Resident};
