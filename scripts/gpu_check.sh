@@ -35,7 +35,8 @@
 #      and the reverse, each against 8 uninterrupted CPU steps (in the
 #      rehearsal, the device's side takes the generic path);
 #   6. GPT-2 124M in bf16 on one GPU: tokens/s and MFU against the GPU's
-#      dense bf16 peak (PEAK_TFLOPS, default 989: H100/H200 SXM);
+#      dense bf16 peak (PEAK_TFLOPS, default 989: H100/H200 SXM), and again
+#      with the optimizer offloaded to the host;
 #   7. NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB (host-staged:
 #      the backend takes host buffers).
 # The last line reads `N passed, M failed`; the exit status is 0 when none
@@ -252,20 +253,27 @@ step "resume: saved on $DEVICE, resumed on cpu" 180 resume "$DEVICE" "$dev_hk" c
 step "resume: saved on cpu, resumed on $DEVICE" 180 resume cpu 1 "$DEVICE" "$dev_hk"
 
 if [ "$DEVICE" = cuda ]; then
-    mfu() {
-        train gpt2-124m 1 cuda 1 model.arch=\"gpt2\" model.preset=\"gpt2-124m\" train.precision=\"bf16\" \
-            train.micro_batch_size=16 train.steps=30 optim.warmup_steps=2 &&
-            python3 - "$LOG_DIR/gpt2-124m.jsonl" "$PEAK_TFLOPS" <<'EOF'
+    mfu() { # mfu NAME SET...: GPT-2 124M in bf16 on one GPU, its tokens/s and MFU
+        local name=$1
+        shift
+        train "$name" 1 cuda 1 model.arch=\"gpt2\" model.preset=\"gpt2-124m\" train.precision=\"bf16\" \
+            train.micro_batch_size=16 train.steps=30 optim.warmup_steps=2 "$@" &&
+            python3 - "$LOG_DIR/$name.jsonl" "$PEAK_TFLOPS" "$*" <<'EOF'
 import json, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in r][10:]
 tok = sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2]
 n, L, C, T = 124_439_808, 12, 768, 1024  # GPT-2 124M (tied head), context 1024
 flops = 6 * n + 12 * L * C * T           # per token, forward and backward
-print(f"GPT-2 124M bf16: {tok:,.0f} tokens/s (median of steps 10-29), "
+print(f"GPT-2 124M bf16 {sys.argv[3] or '(defaults)'}: {tok:,.0f} tokens/s (median of steps 10-29), "
       f"MFU {flops * tok / (float(sys.argv[2]) * 1e12):.1%} of {sys.argv[2]} TFLOP/s")
 EOF
     }
-    step "GPT-2 124M tokens/s and MFU (bf16, one GPU)" 300 mfu
+    step "GPT-2 124M tokens/s and MFU (bf16, one GPU)" 300 mfu gpt2-124m
+    # The same with the optimizer offloaded to the host (its state in host
+    # memory, its step the host's loop, the gradients read back and the
+    # parameters sent up every step): what keeping it on the device gains.
+    step "GPT-2 124M tokens/s, optimizer offloaded to the host" 300 mfu gpt2-124m-offload \
+        zero_optimization.offload_optimizer.device=\"cpu\"
     n=${worlds##* }
     step "NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB, world $n" 120 \
         "$bin" bench collectives --backend nccl --nproc "$n" --op all_reduce \
