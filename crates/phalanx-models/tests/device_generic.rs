@@ -141,6 +141,20 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     // parameters go up once, for the first forward, however many steps.
     let (up_first, _, _) = counted(1, &["train.steps=1"]);
     assert_eq!(up1, up_first, "later steps uploaded the parameters again");
+    // So does each pipeline stage's optimizer over its own ranges.
+    let pp_uploads = |extra: &[&str]| {
+        let up = uploads();
+        llama_run(2, 1, 4, extra);
+        uploads() - up
+    };
+    let (pp_all, pp_first) = (
+        pp_uploads(&["parallel.pp=2"]),
+        pp_uploads(&["parallel.pp=2", "train.steps=1"]),
+    );
+    assert_eq!(
+        pp_all, pp_first,
+        "pp 2: later steps uploaded the parameters again"
+    );
     assert_eq!(down4, down1, "held micro-batches read their gradients back");
     runs.push(("DDP 2 ranks, 4 micro-batches, full recompute", out));
     let gpt_runs: Vec<_> = gpt_strategies()

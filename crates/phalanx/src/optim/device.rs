@@ -10,11 +10,12 @@
 //! the host's fused loop, [`super::AdamW`]) or `nvme`. The flat host buffer
 //! stays the master copy the strategies reduce, gather and checkpoint: a
 //! step uploads the range's reduced gradients, and writes the new
-//! parameters back into it. DDP steps on the parameters' device copies
-//! ([`DeviceOptimizer::step_on`]: kept between builds by
-//! `engine::resident`), so the parameters do not go up, and keeps the
-//! result as the next forward's copies; the other strategies upload the
-//! range's parameters too ([`Optimizer::step_range`]). The state takes 8
+//! parameters back into it. DDP and pipeline stages step on the
+//! parameters' device copies ([`DeviceOptimizer::step_on`], through
+//! `optim::step::OnDevice`: kept between builds by `engine::resident`), so
+//! the parameters do not go up, and keep the result as the next forward's
+//! copies; ZeRO uploads its shard's parameters too
+//! ([`Optimizer::step_range`]). The state takes 8
 //! bytes per parameter (AdamW; SGD 4, or none without momentum) of device
 //! memory, plus 4 for the weight-decay mask where anything decays; the host
 //! does no arithmetic.

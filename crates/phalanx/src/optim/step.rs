@@ -21,7 +21,7 @@
 //!     let mut opt = Sgd::new(cfg, &layout, 0..2, &Default::default());
 //!     let (mut p, g) = (vec![1.0f32, 1.0], vec![3.0f32 * 8.0, 4.0 * 8.0]); // scaled by 8
 //!     let mut scaler = LossScaler::fixed(8.0);
-//!     let u = vec![Update { params: &mut p, grads: &g, opt: &mut opt }];
+//!     let u = vec![Update { params: &mut p, grads: &g, opt: &mut opt, on_device: None }];
 //!     let out = finish_step(&world, clip::sum_squares(&g), u, &mut scaler, 0.1, 0.0, 0).unwrap();
 //!     assert!((out.grad_norm - 5.0).abs() < 1e-4 && !out.skipped);
 //!     p
@@ -42,6 +42,18 @@ pub struct Update<'a> {
     pub params: &'a mut [f32],
     pub grads: &'a [f32],
     pub opt: &'a mut (dyn Optimizer + Send),
+    /// The same on the device, where they are there already: an optimizer
+    /// on the device steps on them ([`super::DeviceOptimizer::step_on`]).
+    pub on_device: Option<OnDevice<'a>>,
+}
+
+/// An update's parameters (and maybe gradients) already on the device.
+pub struct OnDevice<'a> {
+    /// (n,) f32, the current values of `Update::params`, updated in place.
+    pub params: &'a candle_core::Tensor,
+    /// (n,) f32 when the gradients never left the device (then
+    /// `Update::grads` does not hold them).
+    pub grads: Option<&'a candle_core::Tensor>,
 }
 
 /// What the finish path did.
@@ -71,7 +83,21 @@ pub fn finish_step(
     let (out, factor) = agree_and_clip(world, local_ss, scaler, max_norm, step)?;
     if let Some(factor) = factor {
         for u in updates {
-            u.opt.step(u.params, u.grads, lr, factor);
+            match (u.on_device, u.opt.as_device()) {
+                (Some(d), Some(opt)) => {
+                    let grads = match d.grads {
+                        Some(g) => super::Grads::Device(g),
+                        None => super::Grads::Host(u.grads),
+                    };
+                    opt.step_on(u.params, d.params, grads, lr, factor)?;
+                }
+                (Some(OnDevice { grads: Some(_), .. }), None) => {
+                    return Err(Error::Check(
+                        "gradients on the device for an optimizer on the host".into(),
+                    ))
+                }
+                _ => u.opt.step(u.params, u.grads, lr, factor),
+            }
         }
     }
     Ok(out)

@@ -24,9 +24,8 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
 use crate::optim::step::{
-    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, StepOutcome, Update,
+    finish_step, weighted_sum_squares, weighted_sum_squares_on, OnDevice, StepOutcome, Update,
 };
-use crate::optim::Grads;
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
@@ -251,38 +250,28 @@ impl Strategy for Ddp {
             Some(_) => engine.device_params(0..n)?,
             None => None,
         };
+        if on_device.is_some() && kept.is_none() {
+            // Kept gradients come with kept parameters (the same forward
+            // built them): this is a bug, not an input.
+            return Err(Error::Check(
+                "DDP: the gradients stayed on the device but the parameters' copies did not".into(),
+            ));
+        }
         let (p, g) = engine.params_and_grads_mut();
-        let out = match (kept, self.opt.as_device()) {
-            (Some(dev), Some(opt)) => {
-                let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
-                if let Some(factor) = factor {
-                    let grads = match &on_device {
-                        Some(t) => Grads::Device(t),
-                        None => Grads::Host(g),
-                    };
-                    opt.step_on(p, &dev, grads, lr, factor)?;
-                }
-                // Skipped, the values are unchanged: still the copies.
-                engine.keep_device_params(0..n, &dev)?;
-                out
-            }
-            (None, _) if on_device.is_some() => {
-                // Kept gradients come with kept parameters (the same
-                // forward built them): this is a bug, not an input.
-                return Err(Error::Check(
-                    "DDP: the gradients stayed on the device but the parameters' copies did not"
-                        .into(),
-                ));
-            }
-            _ => {
-                let u = vec![Update {
-                    params: p,
-                    grads: g,
-                    opt: self.opt.as_mut(),
-                }];
-                finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?
-            }
-        };
+        let u = vec![Update {
+            params: p,
+            grads: g,
+            opt: self.opt.as_mut(),
+            on_device: kept.as_ref().map(|params| OnDevice {
+                params,
+                grads: on_device.as_ref(),
+            }),
+        }];
+        let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
+        if let Some(dev) = &kept {
+            // Stepped on (or, skipped, unchanged): still the copies.
+            engine.keep_device_params(0..n, dev)?;
+        }
         self.maybe_check(engine, step + 1)?;
         Ok(out)
     }

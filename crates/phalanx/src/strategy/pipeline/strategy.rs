@@ -7,7 +7,7 @@ use crate::config::{PpPartition, TrainConfig};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::step::{finish_step, weighted_sum_squares, OnDevice, StepOutcome, Update};
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use crate::strategy::reduce::CommHook;
@@ -126,12 +126,22 @@ impl PipeStrategy {
                 .map(|r| weighted_sum_squares(&g[r.clone()], r.start, w, rep, tp))
                 .sum()
         };
+        // An optimizer on the device steps on the parameters' kept copies
+        // of its range, where they are current, and they stay the copies
+        // for the next forward (as DDP's; `engine::resident`).
+        let mut kept = Vec::with_capacity(self.opts.len());
+        for (r, opt) in &mut self.opts {
+            kept.push(match opt.as_device() {
+                Some(_) => engine.device_params(r.clone())?,
+                None => None,
+            });
+        }
         let (p, g) = engine.params_and_grads_mut();
         // The owned ranges are disjoint and in flat order: split the
         // buffers into them.
         let mut updates = Vec::with_capacity(self.opts.len());
         let (mut prest, mut grest, mut at) = (&mut p[..], &g[..], 0);
-        for (r, opt) in &mut self.opts {
+        for ((r, opt), dev) in self.opts.iter_mut().zip(&kept) {
             let (_, ptail) = std::mem::take(&mut prest).split_at_mut(r.start - at);
             let (pr, ptail) = ptail.split_at_mut(r.len());
             let (gr, gtail) = grest[r.start - at..].split_at(r.len());
@@ -139,10 +149,19 @@ impl PipeStrategy {
                 params: pr,
                 grads: gr,
                 opt: opt.as_mut(),
+                on_device: dev.as_ref().map(|params| OnDevice {
+                    params,
+                    grads: None,
+                }),
             });
             (prest, grest, at) = (ptail, gtail, r.end);
         }
         let out = finish_step(self.mesh.world(), ss, updates, scaler, lr, max_norm, step)?;
+        for ((r, _), dev) in self.opts.iter().zip(&kept) {
+            if let Some(dev) = dev {
+                engine.keep_device_params(r.clone(), dev)?;
+            }
+        }
         if !out.skipped {
             self.regather(engine)?;
         }

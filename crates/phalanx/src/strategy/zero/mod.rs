@@ -382,6 +382,7 @@ impl Zero {
                 params: &mut p[mine.clone()],
                 grads: &g[mine.clone()],
                 opt: self.opt.as_mut(),
+                on_device: None,
             };
             finish_step(&world, ss, vec![u], scaler, lr, max_norm, step)?
         } else {
@@ -395,6 +396,7 @@ impl Zero {
                 params,
                 grads: &self.grad_shard,
                 opt: self.opt.as_mut(),
+                on_device: None,
             };
             finish_step(&world, ss, vec![u], scaler, lr, max_norm, step)?
         };
