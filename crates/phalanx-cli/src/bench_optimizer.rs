@@ -13,12 +13,15 @@
 //! - `host`: the host's loop (what `offload_optimizer.device = "cpu"` runs);
 //! - `device`: the device optimizer given host buffers (ZeRO's and the
 //!   pipeline's step: gradients and parameters up, parameters down);
-//! - `device, resident`: parameters and gradients already on the device
-//!   (DDP with one data-parallel rank), the new parameters still written
-//!   back to the host buffer.
+//! - `device, resident`: parameters and gradients already on the device,
+//!   the new parameters written back to the host buffer (DDP with more
+//!   than one data-parallel rank, whose gradients come up reduced);
+//! - `device, deferred`: nothing crosses (DDP with one data-parallel rank:
+//!   the host's copy waits on the device until read).
 //!
-//! Timing a GPU step includes the read back that ends it, so the time is
-//! the device's, not the launch's.
+//! A step that reads back waits for the device; the deferred way's steps
+//! do not, so it reads one element after its last step, and times all of
+//! its steps (the first included) up to that read.
 
 use std::time::Instant;
 
@@ -138,7 +141,7 @@ fn compare(
             }
             Way::Resident => {
                 let gt = Tensor::from_slice(&g, n, device).map_err(e)?;
-                dev.step_on(&mut q, &on, Grads::Device(&gt), lr, scale)
+                dev.step_on(Some(&mut q), &on, Grads::Device(&gt), lr, scale)
                     .map_err(e)?;
                 let back = on.to_vec1::<f32>().map_err(e)?;
                 if back != q {
@@ -257,12 +260,25 @@ fn time(dev: &Device, n: usize, steps: usize) -> Result<(), String> {
     let on = Tensor::from_slice(&p, n, dev).map_err(e)?;
     let gt = Tensor::from_slice(&g, n, dev).map_err(e)?;
     let res_s = timed(&mut || {
-        opt.step_on(&mut p, &on, Grads::Device(&gt), 1e-4, 1.0)
+        opt.step_on(Some(&mut p), &on, Grads::Device(&gt), 1e-4, 1.0)
             .map_err(|e| e.to_string())
     })?;
     report("device, resident", res_s);
+    // One element read at the end waits for the device's queue, so the
+    // time is the device's, not the launches'.
+    let t = Instant::now();
+    for _ in 0..=steps {
+        opt.step_on(None, &on, Grads::Device(&gt), 1e-4, 1.0)
+            .map_err(e)?;
+    }
+    on.narrow(0, 0, 1)
+        .and_then(|x| x.to_vec1::<f32>())
+        .map_err(e)?;
+    let def_s = t.elapsed().as_secs_f64() / (steps + 1) as f64;
+    report("device, deferred", def_s);
     println!(
-        "host / device, resident: {:.2}x; host / device: {:.2}x",
+        "host / device, deferred: {:.2}x; host / device, resident: {:.2}x; host / device: {:.2}x",
+        host_s / def_s,
         host_s / res_s,
         host_s / dev_s
     );

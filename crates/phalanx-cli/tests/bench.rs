@@ -204,7 +204,7 @@ fn the_optimizer_bench_checks_the_device_against_the_host() {
     for c in &checks {
         assert!(c.ends_with("difference 0.00e0 (ok)"), "not bitwise: {c}");
     }
-    for way in ["host", "device", "device, resident"] {
+    for way in ["host", "device", "device, resident", "device, deferred"] {
         assert!(
             out.lines()
                 .any(|l| l.trim_start().starts_with(way) && l.contains("ms per step")),

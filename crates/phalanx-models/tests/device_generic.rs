@@ -11,9 +11,10 @@
 mod common;
 use common::llama::{self, STEPS};
 use common::{assert_named_match, RankResult};
+use phalanx::engine::flat::deferred_reads;
 use phalanx::engine::resident::{downloads, uploads};
 use phalanx::ops::{kernel_runs, set_host_kernels};
-use phalanx::optim::device::steps as device_opt_steps;
+use phalanx::optim::device::{read_back, steps as device_opt_steps};
 use phalanx_models::llama::train::LlamaRun;
 
 /// The strategies run on the generic path: (what, world, dp, accum, overrides).
@@ -90,7 +91,9 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         // The optimizer's state and step on the device too
         // (optim::DeviceOptimizer): every rank steps every step there.
         let (before, down) = (device_opt_steps(), downloads());
+        let (back, deferred) = (read_back(), deferred_reads());
         runs.push((what, llama_run(world, dp, accum, &extra)));
+        let (back, deferred) = (read_back() - back, deferred_reads() - deferred);
         let stepped = device_opt_steps() - before;
         assert!(
             stepped >= world * STEPS,
@@ -98,13 +101,26 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         );
         // DDP with one data-parallel rank has nothing to reduce: the
         // gradients stay on the device through the optimizer's step.
+        // Nor do its parameters come back each step: the flat buffer's
+        // values stay on the device (FlatBuffer::defer_to) until the run's
+        // end reads them, once per rank.
         let read = downloads() - down;
         match what {
-            "1 rank" | "tp 2" => assert_eq!(read, 0, "{what}: gradients read back"),
-            _ => assert!(
-                read > 0,
-                "{what}: no gradient read back, yet reduced on the host"
-            ),
+            "1 rank" | "tp 2" => {
+                assert_eq!(read, 0, "{what}: gradients read back");
+                assert_eq!(back, 0, "{what}: the optimizer wrote the parameters back");
+                assert_eq!(
+                    deferred, world,
+                    "{what}: parameters read back {deferred} times"
+                );
+            }
+            _ => {
+                assert!(
+                    read > 0,
+                    "{what}: no gradient read back, yet reduced on the host"
+                );
+                assert!(back > 0, "{what}: the host buffer was not kept current");
+            }
         }
     }
     // Unless offloaded: DeepSpeed's offload_optimizer.device = cpu keeps

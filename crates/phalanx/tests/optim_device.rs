@@ -213,12 +213,12 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
         let g = values(n, 70 + s, 0.3);
         host.step(&mut p, &g, 1e-2, 0.5);
         if s % 2 == 0 {
-            dev.step_on(&mut q, &on, Grads::Host(&g), 1e-2, 0.5)
+            dev.step_on(Some(&mut q), &on, Grads::Host(&g), 1e-2, 0.5)
                 .unwrap();
         } else {
             // Gradients that never left the device.
             let gt = candle_core::Tensor::from_slice(&g, n, &Device::Cpu).unwrap();
-            dev.step_on(&mut q, &on, Grads::Device(&gt), 1e-2, 0.5)
+            dev.step_on(Some(&mut q), &on, Grads::Device(&gt), 1e-2, 0.5)
                 .unwrap();
         }
         assert_eq!(p, q, "step {}", s + 1);
@@ -228,11 +228,17 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
     // A tensor of the wrong shape is refused.
     let bad = candle_core::Tensor::zeros(n - 1, candle_core::DType::F32, &Device::Cpu).unwrap();
     let e = dev
-        .step_on(&mut q, &bad, Grads::Host(&values(n, 1, 1.0)), 1e-2, 1.0)
+        .step_on(
+            Some(&mut q),
+            &bad,
+            Grads::Host(&values(n, 1, 1.0)),
+            1e-2,
+            1.0,
+        )
         .unwrap_err();
     assert!(e.to_string().contains("device parameters"), "{e}");
     let e = dev
-        .step_on(&mut q, &on, Grads::Device(&bad), 1e-2, 1.0)
+        .step_on(Some(&mut q), &on, Grads::Device(&bad), 1e-2, 1.0)
         .unwrap_err();
     assert!(e.to_string().contains("device gradients must be"), "{e}");
     // The sum of squares on the device (f64 throughout) is the host's

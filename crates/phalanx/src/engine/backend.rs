@@ -189,6 +189,10 @@ impl<'a> Server<'a> {
     /// Parameter `k` as a tensor on `dev`, and whether it is a fresh copy
     /// (not one kept in `resident`).
     fn materialise(&self, k: usize, dev: &Device) -> Result<(Tensor, bool)> {
+        // A kept copy first, without reading the source's values.
+        if let Some(v) = self.resident.and_then(|kept| kept.kept(k, self.src)) {
+            return Ok(self.serve_kept(k, v));
+        }
         let p = &self.layout.params()[k];
         let owner = self.layout.block(p.block);
         let flat = self.src.block_params(p.block)?;
@@ -204,14 +208,7 @@ impl<'a> Server<'a> {
         let data = &flat[lo..lo + p.numel];
         if let Some(kept) = self.resident {
             if let Some(v) = kept.get(k, p, self.src, data, dev)? {
-                // The kept copy: a variable when gradients are wanted, else
-                // a constant view of the same storage.
-                let t = v.as_tensor().clone();
-                if !self.grad {
-                    return Ok((t.detach(), false));
-                }
-                self.served.lock().unwrap().vars.push((k, v));
-                return Ok((t, false));
+                return Ok(self.serve_kept(k, v));
             }
         }
         super::resident::uploaded();
@@ -223,6 +220,19 @@ impl<'a> Server<'a> {
         } else {
             Ok((Tensor::from_slice(data, p.shape.as_slice(), dev)?, true))
         }
+    }
+}
+
+impl Server<'_> {
+    /// A kept copy: a variable when gradients are wanted, else a constant
+    /// view of the same storage.
+    fn serve_kept(&self, k: usize, v: Var) -> (Tensor, bool) {
+        let t = v.as_tensor().clone();
+        if !self.grad {
+            return (t.detach(), false);
+        }
+        self.served.lock().unwrap().vars.push((k, v));
+        (t, false)
     }
 }
 

@@ -18,9 +18,12 @@
 //! assert_eq!(ledger.current(Mem::Grads), 16);
 //! ```
 
+use std::cell::UnsafeCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
-use candle_core::{bail, Result};
+use candle_core::{bail, Result, Tensor};
 
 use super::backend::ParamSource;
 use super::layout::{Layout, ParamInfo};
@@ -77,7 +80,13 @@ impl Storage {
 /// ranges ([`FlatBuffer::hold_only`]), the rest reading as zeros and costing
 /// no memory.
 pub struct FlatBuffer {
-    data: Storage,
+    /// Written through `&self` only by `sync` (see the `Sync` impl).
+    data: UnsafeCell<Storage>,
+    len: usize,
+    /// Values that live on the device until the host reads them
+    /// ([`FlatBuffer::defer_to`]); `has_pending` says so without the lock.
+    pending: Mutex<Option<Tensor>>,
+    has_pending: AtomicBool,
     blocks: Vec<Range<usize>>,
     /// The ranges held (sorted, disjoint); `None`: all of it.
     held: Option<Vec<Range<usize>>>,
@@ -90,6 +99,24 @@ pub struct FlatBuffer {
     generation: u64,
 }
 
+// SAFETY: the storage is written through `&self` only in `sync`, under the
+// `pending` lock and only while `has_pending` is set. `has_pending` is set
+// only by `defer_to`, through `&mut self`, so when it is set no borrow of
+// the values exists; every borrow handed out through `&self` (`as_slice`)
+// is taken after `sync` has run and cleared it (the write happens-before
+// the Release store that clears it, which the borrower's Acquire load
+// sees), and a reader that finds it set waits on the lock. So the write
+// never overlaps a borrow, and otherwise the storage is only read.
+unsafe impl Sync for FlatBuffer {}
+
+/// Device-to-host reads of deferred values ([`FlatBuffer::defer_to`]) in
+/// this process: what a test counts.
+pub fn deferred_reads() -> usize {
+    DEFERRED_READS.load(Ordering::Relaxed)
+}
+
+static DEFERRED_READS: AtomicUsize = AtomicUsize::new(0);
+
 /// A fresh buffer id.
 fn next_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -101,7 +128,10 @@ impl FlatBuffer {
     pub fn zeros(layout: &Layout, ledger: &Ledger, kind: Mem) -> Self {
         let n = layout.num_params();
         Self {
-            data: Storage::anon_zeros(n),
+            data: UnsafeCell::new(Storage::anon_zeros(n)),
+            len: n,
+            pending: Mutex::new(None),
+            has_pending: AtomicBool::new(false),
             blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
             held: None,
             ledger: ledger.clone(),
@@ -117,7 +147,10 @@ impl FlatBuffer {
         assert_eq!(data.len(), layout.num_params(), "flat buffer size");
         let n = data.len();
         Self {
-            data: Storage::Heap(data),
+            data: UnsafeCell::new(Storage::Heap(data)),
+            len: n,
+            pending: Mutex::new(None),
+            has_pending: AtomicBool::new(false),
             blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
             held: None,
             ledger: ledger.clone(),
@@ -131,7 +164,10 @@ impl FlatBuffer {
     /// An empty stand-in for a buffer a sharding strategy released.
     pub fn released(ledger: &Ledger, kind: Mem) -> Self {
         Self {
-            data: Storage::Heap(Vec::new()),
+            data: UnsafeCell::new(Storage::Heap(Vec::new())),
+            len: 0,
+            pending: Mutex::new(None),
+            has_pending: AtomicBool::new(false),
             blocks: Vec::new(),
             held: None,
             ledger: ledger.clone(),
@@ -154,12 +190,12 @@ impl FlatBuffer {
         // them is ever touched, on any storage the buffer had before.
         let mut data = Storage::anon_zeros(n);
         {
-            let (src, dst) = (self.data.as_slice(), data.as_mut_slice());
+            let (src, dst) = (self.as_slice(), data.as_mut_slice());
             for r in &keep {
                 dst[r.clone()].copy_from_slice(&src[r.clone()]);
             }
         }
-        self.data = data;
+        *self.data.get_mut() = data;
         self.generation += 1;
         let bytes = keep.iter().map(|r| r.len() * 4).sum();
         self._charge = self.ledger.charge(self.kind, bytes);
@@ -172,22 +208,74 @@ impl FlatBuffer {
     }
 
     pub fn len(&self) -> usize {
-        self.data.as_slice().len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The values (read back from the device first, when deferred there).
     pub fn as_slice(&self) -> &[f32] {
-        self.data.as_slice()
+        self.sync();
+        // SAFETY: after `sync` no write happens until the next `&mut self`
+        // (see the `Sync` impl).
+        unsafe { (*self.data.get()).as_slice() }
     }
 
     /// Every change to the values goes through here (or `hold_only`), and
     /// each borrow counts as one ([`ParamSource::version`]).
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        self.sync();
         self.generation += 1;
-        self.data.as_mut_slice()
+        self.data.get_mut().as_mut_slice()
+    }
+
+    /// From now on the values are `t`'s ((len,) f32, on a device), until
+    /// the host reads them: the first read copies them back, once. What an
+    /// optimizer that updated them on the device leaves behind when nothing
+    /// on the host needs them every step (`optim::DeviceOptimizer`).
+    /// Counts as a change. A later change to `t`'s values before that read
+    /// is what the read sees; a buffer holding only some ranges cannot.
+    pub fn defer_to(&mut self, t: Tensor) -> Result<()> {
+        if self.held.is_some() || t.dims() != [self.len] || t.dtype() != candle_core::DType::F32 {
+            bail!(
+                "deferring a flat buffer of {} (held {:?}) to a {:?} {:?} tensor",
+                self.len,
+                self.held,
+                t.dims(),
+                t.dtype()
+            );
+        }
+        self.generation += 1;
+        *self.pending.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        self.has_pending.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether the values are on the device, not yet read back.
+    pub fn is_deferred(&self) -> bool {
+        self.has_pending.load(Ordering::Acquire)
+    }
+
+    /// Read deferred values back into the storage (once).
+    fn sync(&self) {
+        if !self.has_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = pending.take() {
+            // Reads cannot fail in their signature; a device that fails
+            // here (a lost GPU) ends the rank with what it said.
+            let v = t
+                .to_vec1::<f32>()
+                .unwrap_or_else(|e| panic!("reading the parameters back from the device: {e}"));
+            // SAFETY: `has_pending` is still set and we hold the lock: no
+            // borrow of the values exists (see the `Sync` impl).
+            unsafe { (*self.data.get()).as_mut_slice().copy_from_slice(&v) };
+            DEFERRED_READS.fetch_add(1, Ordering::Relaxed);
+            self.has_pending.store(false, Ordering::Release);
+        }
     }
 
     /// Block `b`'s part of the buffer.

@@ -196,6 +196,15 @@ impl Engine {
         self.stack.keep_device_params(&self.params, range, flat)
     }
 
+    /// The parameters' values are `t`'s ((n,) f32 on the device) from now
+    /// on, until the host reads them (`FlatBuffer::defer_to`): what DDP
+    /// with one data-parallel rank leaves after its optimizer's step on the
+    /// device, so no step reads them back; a checkpoint, an evaluation on
+    /// the host or any other read copies them back then, once.
+    pub fn defer_params(&mut self, t: Tensor) -> candle_core::Result<()> {
+        self.params.defer_to(t)
+    }
+
     /// Off the CPU kernels: the gradients of `range` that backwards held on
     /// the device ([`Engine::hold_grads`]) and never read back, taken out
     /// as one (n,) tensor; `None` when none are held. The flat gradient

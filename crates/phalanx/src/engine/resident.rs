@@ -166,6 +166,18 @@ impl Resident {
         }
     }
 
+    /// The copy of parameter `k` kept for `src`'s current version, if any:
+    /// no read of `src`'s values (which may live on the device until read:
+    /// `FlatBuffer::defer_to`).
+    pub fn kept(&self, k: usize, src: &dyn ParamSource) -> Option<Var> {
+        let version = src.version()?;
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.version != Some(version) {
+            return None;
+        }
+        inner.vars.get(k).cloned()
+    }
+
     /// The device copy of parameter `k` (`p`, whose values are `data`, read
     /// from `src`), uploaded when `src` changed since it was taken; `None`
     /// when `src` has no version (nothing is kept for it).

@@ -67,6 +67,14 @@ pub fn steps() -> usize {
 
 static STEPS: AtomicUsize = AtomicUsize::new(0);
 
+/// Parameters (elements) device optimizers wrote back into host buffers
+/// in this process: what a test counts.
+pub fn read_back() -> usize {
+    READ_BACK.load(Ordering::Relaxed)
+}
+
+static READ_BACK: AtomicUsize = AtomicUsize::new(0);
+
 /// Elements updated per pass: the step's temporaries (about ten of them,
 /// f32) are bounded by this, whatever the range (64 MiB each at 2^24), where
 /// one pass over a 7B model's range would take ten times its 28 GB.
@@ -224,13 +232,14 @@ impl DeviceOptimizer {
 
     /// One whole step (it begins the step itself) with the parameters
     /// already on the device: `dev` ((n,) f32, contiguous, the current
-    /// values of `params`, which is this optimizer's whole range) is
-    /// updated in place, so the caller may keep it as the parameters'
-    /// device copy; `params` receives the same new values. Only the
+    /// values of this optimizer's whole range) is updated in place, so the
+    /// caller may keep it as the parameters' device copy; `params`, when
+    /// given, receives the same new values (when not, the caller defers
+    /// the host's copy to `dev`: `FlatBuffer::defer_to`). Only the
     /// gradients go up, unless they are on the device too.
     pub fn step_on(
         &mut self,
-        params: &mut [f32],
+        mut params: Option<&mut [f32]>,
         dev: &Tensor,
         grads: Grads,
         lr: f32,
@@ -241,13 +250,13 @@ impl DeviceOptimizer {
             Grads::Host(g) => g.len(),
             Grads::Device(g) => g.elem_count(),
         };
-        if params.len() != n || glen != n {
+        let plen = params.as_ref().map_or(n, |p| p.len());
+        if plen != n || glen != n {
             candle_core::bail!(
-                "{}: range {:?} needs {n} parameters and gradients, got {} and {glen} \
+                "{}: range {:?} needs {n} parameters and gradients, got {plen} and {glen} \
                  (the device gradients must be ({n},))",
                 self.kind(),
                 self.range,
-                params.len()
             );
         }
         let mut checks = vec![("parameters", dev)];
@@ -274,7 +283,10 @@ impl DeviceOptimizer {
             };
             let p = self.step_chunk(lo..hi, dev.narrow(0, lo, hi - lo)?, &g, lr, grad_scale)?;
             dev.slice_set(&p, 0, lo)?;
-            params[lo..hi].copy_from_slice(&p.to_vec1::<f32>()?);
+            if let Some(params) = params.as_deref_mut() {
+                params[lo..hi].copy_from_slice(&p.to_vec1::<f32>()?);
+                READ_BACK.fetch_add(hi - lo, Ordering::Relaxed);
+            }
             lo = hi;
         }
         Ok(())
@@ -302,6 +314,7 @@ impl DeviceOptimizer {
             );
             let new = self.step_chunk(at, pt, &gt, lr, grad_scale)?;
             p.copy_from_slice(&new.to_vec1::<f32>()?);
+            READ_BACK.fetch_add(hi - lo, Ordering::Relaxed);
             lo = hi;
         }
         Ok(())

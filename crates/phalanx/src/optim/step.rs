@@ -89,7 +89,7 @@ pub fn finish_step(
                         Some(g) => super::Grads::Device(g),
                         None => super::Grads::Host(u.grads),
                     };
-                    opt.step_on(u.params, d.params, grads, lr, factor)?;
+                    opt.step_on(Some(u.params), d.params, grads, lr, factor)?;
                 }
                 (Some(OnDevice { grads: Some(_), .. }), None) => {
                     return Err(Error::Check(

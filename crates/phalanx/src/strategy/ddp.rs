@@ -24,8 +24,10 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
 use crate::optim::step::{
-    finish_step, weighted_sum_squares, weighted_sum_squares_on, OnDevice, StepOutcome, Update,
+    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, OnDevice,
+    StepOutcome, Update,
 };
+use crate::optim::Grads;
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
@@ -159,6 +161,39 @@ impl Ddp {
         }
         check_identical(&self.pg, engine.params_flat(), step)
     }
+
+    /// The step with the reduced gradients in the flat buffer: on `kept`
+    /// (the parameters' device copies, current) where the optimizer is on
+    /// the device, which it then keeps as the copies for the next forward.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_on_host(
+        &mut self,
+        engine: &mut Engine,
+        kept: Option<Tensor>,
+        ss: f64,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        let n = engine.num_params();
+        let (p, g) = engine.params_and_grads_mut();
+        let u = vec![Update {
+            params: p,
+            grads: g,
+            opt: self.opt.as_mut(),
+            on_device: kept.as_ref().map(|params| OnDevice {
+                params,
+                grads: None,
+            }),
+        }];
+        let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
+        if let Some(dev) = &kept {
+            // Stepped on (or, skipped, unchanged): still the copies.
+            engine.keep_device_params(0..n, dev)?;
+        }
+        Ok(out)
+    }
 }
 
 /// One micro-step whose buckets are all-reduced as backward completes them
@@ -250,28 +285,33 @@ impl Strategy for Ddp {
             Some(_) => engine.device_params(0..n)?,
             None => None,
         };
-        if on_device.is_some() && kept.is_none() {
-            // Kept gradients come with kept parameters (the same forward
-            // built them): this is a bug, not an input.
-            return Err(Error::Check(
-                "DDP: the gradients stayed on the device but the parameters' copies did not".into(),
-            ));
+        let (grads_dev, params_dev) = match (on_device, kept) {
+            (Some(g), Some(p)) => (g, p),
+            (Some(_), None) => {
+                // Kept gradients come with kept parameters (the same
+                // forward built them): this is a bug, not an input.
+                return Err(Error::Check(
+                    "DDP: the gradients stayed on the device but the parameters' copies did not"
+                        .into(),
+                ));
+            }
+            (None, kept) => {
+                let out = self.finish_on_host(engine, kept, ss, scaler, lr, max_norm, step)?;
+                self.maybe_check(engine, step + 1)?;
+                return Ok(out);
+            }
+        };
+        // Everything on the device: the step too, and the host's copy of
+        // the parameters waits there until something on the host reads it
+        // (a checkpoint, `check_every`, the end of training).
+        let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
+        if let Some(factor) = factor {
+            if let Some(opt) = self.opt.as_device() {
+                opt.step_on(None, &params_dev, Grads::Device(&grads_dev), lr, factor)?;
+            }
         }
-        let (p, g) = engine.params_and_grads_mut();
-        let u = vec![Update {
-            params: p,
-            grads: g,
-            opt: self.opt.as_mut(),
-            on_device: kept.as_ref().map(|params| OnDevice {
-                params,
-                grads: on_device.as_ref(),
-            }),
-        }];
-        let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
-        if let Some(dev) = &kept {
-            // Stepped on (or, skipped, unchanged): still the copies.
-            engine.keep_device_params(0..n, dev)?;
-        }
+        engine.defer_params(params_dev.clone())?;
+        engine.keep_device_params(0..n, &params_dev)?;
         self.maybe_check(engine, step + 1)?;
         Ok(out)
     }
