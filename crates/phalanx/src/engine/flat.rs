@@ -84,8 +84,9 @@ pub struct FlatBuffer {
     data: UnsafeCell<Storage>,
     len: usize,
     /// Values that live on the device until the host reads them
-    /// ([`FlatBuffer::defer_to`]); `has_pending` says so without the lock.
-    pending: Mutex<Option<Tensor>>,
+    /// ([`FlatBuffer::defer_to`]): pieces by offset, covering the buffer;
+    /// `has_pending` says so without the lock.
+    pending: Mutex<Vec<(usize, Tensor)>>,
     has_pending: AtomicBool,
     blocks: Vec<Range<usize>>,
     /// The ranges held (sorted, disjoint); `None`: all of it.
@@ -130,7 +131,7 @@ impl FlatBuffer {
         Self {
             data: UnsafeCell::new(Storage::anon_zeros(n)),
             len: n,
-            pending: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
             blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
             held: None,
@@ -149,7 +150,7 @@ impl FlatBuffer {
         Self {
             data: UnsafeCell::new(Storage::Heap(data)),
             len: n,
-            pending: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
             blocks: layout.blocks().iter().map(|b| b.range.clone()).collect(),
             held: None,
@@ -166,7 +167,7 @@ impl FlatBuffer {
         Self {
             data: UnsafeCell::new(Storage::Heap(Vec::new())),
             len: 0,
-            pending: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
             blocks: Vec::new(),
             held: None,
@@ -231,25 +232,39 @@ impl FlatBuffer {
         self.data.get_mut().as_mut_slice()
     }
 
-    /// From now on the values are `t`'s ((len,) f32, on a device), until
-    /// the host reads them: the first read copies them back, once. What an
-    /// optimizer that updated them on the device leaves behind when nothing
-    /// on the host needs them every step (`optim::DeviceOptimizer`).
-    /// Counts as a change. A later change to `t`'s values before that read
-    /// is what the read sees; a buffer holding only some ranges cannot.
-    pub fn defer_to(&mut self, t: Tensor) -> Result<()> {
-        if self.held.is_some() || t.dims() != [self.len] || t.dtype() != candle_core::DType::F32 {
+    /// From now on the values are the device tensors `pieces` hold (each
+    /// f32, any shape, placed at its offset; together covering the buffer
+    /// in order), until the host reads them: the first read copies them
+    /// back, once. What an optimizer that updated them on the device leaves
+    /// behind when nothing on the host needs them every step
+    /// (`optim::DeviceOptimizer`); the pieces may be the very copies the
+    /// forward is served (`engine::resident`), so nothing is held twice.
+    /// Counts as a change. A later change to a piece's values before that
+    /// read is what the read sees; a buffer holding only some ranges
+    /// cannot.
+    pub fn defer_to(&mut self, pieces: Vec<(usize, Tensor)>) -> Result<()> {
+        let mut at = 0;
+        for (offset, t) in &pieces {
+            if *offset != at || t.dtype() != candle_core::DType::F32 {
+                bail!(
+                    "deferring a flat buffer: a {:?} piece at {offset}, where {at} comes next",
+                    t.dtype()
+                );
+            }
+            at += t.elem_count();
+        }
+        if self.held.is_some() || at != self.len {
             bail!(
-                "deferring a flat buffer of {} (held {:?}) to a {:?} {:?} tensor",
+                "deferring a flat buffer of {} (held {:?}) to pieces covering {at}",
                 self.len,
-                self.held,
-                t.dims(),
-                t.dtype()
+                self.held
             );
         }
         self.generation += 1;
-        *self.pending.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(t);
-        self.has_pending.store(true, Ordering::Release);
+        if !pieces.is_empty() {
+            *self.pending.get_mut().unwrap_or_else(|e| e.into_inner()) = pieces;
+            self.has_pending.store(true, Ordering::Release);
+        }
         Ok(())
     }
 
@@ -264,18 +279,26 @@ impl FlatBuffer {
             return;
         }
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = pending.take() {
+        if pending.is_empty() {
+            return; // another reader did it while this one waited
+        }
+        for (offset, t) in pending.iter() {
             // Reads cannot fail in their signature; a device that fails
-            // here (a lost GPU) ends the rank with what it said.
+            // here (a lost GPU) ends the rank with what it said, and the
+            // pieces stay pending, so no later read sees stale values.
             let v = t
-                .to_vec1::<f32>()
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
                 .unwrap_or_else(|e| panic!("reading the parameters back from the device: {e}"));
             // SAFETY: `has_pending` is still set and we hold the lock: no
             // borrow of the values exists (see the `Sync` impl).
-            unsafe { (*self.data.get()).as_mut_slice().copy_from_slice(&v) };
-            DEFERRED_READS.fetch_add(1, Ordering::Relaxed);
-            self.has_pending.store(false, Ordering::Release);
+            unsafe {
+                (*self.data.get()).as_mut_slice()[*offset..*offset + v.len()].copy_from_slice(&v)
+            };
         }
+        pending.clear();
+        DEFERRED_READS.fetch_add(1, Ordering::Relaxed);
+        self.has_pending.store(false, Ordering::Release);
     }
 
     /// Block `b`'s part of the buffer.

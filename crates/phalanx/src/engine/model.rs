@@ -73,6 +73,10 @@ pub struct Engine {
     ledger: Ledger,
     /// The init seed while the parameters await [`Engine::init_params`].
     pending_init: Option<u64>,
+    /// The gradient buffer's version when it was last zeroed: unchanged
+    /// since, it is zero still and `zero_grad` leaves it (gradients that
+    /// stay on the device never touch it).
+    grads_zeroed: Option<(u64, u64)>,
 }
 
 impl Engine {
@@ -94,6 +98,7 @@ impl Engine {
             grads,
             ledger,
             pending_init: cfg.defer_init.then_some(cfg.seed),
+            grads_zeroed: None,
         })
     }
 
@@ -201,8 +206,10 @@ impl Engine {
     /// with one data-parallel rank leaves after its optimizer's step on the
     /// device, so no step reads them back; a checkpoint, an evaluation on
     /// the host or any other read copies them back then, once.
-    pub fn defer_params(&mut self, t: Tensor) -> candle_core::Result<()> {
-        self.params.defer_to(t)
+    /// The values are copied once per parameter, and those copies also
+    /// serve the next forward (`engine::resident`): `t` may be dropped.
+    pub fn defer_params(&mut self, t: &Tensor) -> candle_core::Result<()> {
+        self.stack.defer_params(&mut self.params, t)
     }
 
     /// Off the CPU kernels: the gradients of `range` that backwards held on
@@ -238,7 +245,10 @@ impl Engine {
 
     /// Start a new accumulation: gradients are added by every backward.
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        if self.grads_zeroed.is_none() || self.grads.version() != self.grads_zeroed {
+            self.grads.fill(0.0);
+            self.grads_zeroed = self.grads.version();
+        }
         self.stack.drop_held_grads();
     }
 

@@ -239,19 +239,61 @@ impl Resident {
             return Ok(None);
         }
         // One piece would come back as itself: copy, so that the caller
-        // may write it in place.
+        // may write it in place. Detached: the pieces are variables, and
+        // what is computed from the copy must not keep a graph back to
+        // them (step after step, it would keep every step's tensors).
         let flat = if pieces.len() == 1 {
             pieces[0].copy()?
         } else {
             Tensor::cat(&pieces, 0)?
         };
-        Ok(Some(flat))
+        Ok(Some(flat.detach()))
+    }
+
+    /// Device copies (fresh storage) of the pieces of `flat` ((n,) f32, the
+    /// values of `range`), one per parameter of `params` inside it, by
+    /// layout index: what [`Resident::keep`] takes.
+    pub fn copies(
+        params: &[ParamInfo],
+        range: Range<usize>,
+        flat: &Tensor,
+    ) -> Result<Vec<(usize, Var)>> {
+        let covered: usize = covering(params, &range).map(|(_, p)| p.numel).sum();
+        if covered != range.len() || flat.dims() != [range.len()] {
+            candle_core::bail!(
+                "copying {:?} for the parameters of {range:?}, which cover {covered}",
+                flat.dims()
+            );
+        }
+        covering(params, &range)
+            .map(|(k, p)| {
+                let piece = flat.narrow(0, p.offset - range.start, p.numel)?;
+                Ok((k, Var::from_tensor(&piece.reshape(p.shape.as_slice())?)?))
+            })
+            .collect()
+    }
+
+    /// Keep `vars` (by layout index; from [`Resident::copies`]) as the
+    /// device copies for `src`'s current version, in place of whatever was
+    /// kept for them: the next build uploads nothing for them.
+    pub fn keep(&self, src: &dyn ParamSource, params: &[ParamInfo], vars: &[(usize, Var)]) {
+        let Some(version) = src.version() else {
+            self.clear();
+            return;
+        };
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.version != Some(version) {
+            inner.vars.clear();
+            inner.version = Some(version);
+        }
+        for (k, v) in vars {
+            inner.vars.insert(*k, v.clone(), params[*k].numel * 4);
+        }
     }
 
     /// Keep the pieces of `flat` ((n,) f32, the values of `range` just
     /// written to `src`) as the device copies of `params` for `src`'s
-    /// current version, in place of whatever was kept: the next build
-    /// uploads nothing.
+    /// current version: [`Resident::copies`], then [`Resident::keep`].
     pub fn adopt(
         &self,
         src: &dyn ParamSource,
@@ -259,27 +301,8 @@ impl Resident {
         range: Range<usize>,
         flat: &Tensor,
     ) -> Result<()> {
-        let Some(version) = src.version() else {
-            self.clear();
-            return Ok(());
-        };
-        let covered: usize = covering(params, &range).map(|(_, p)| p.numel).sum();
-        if covered != range.len() || flat.dims() != [range.len()] {
-            candle_core::bail!(
-                "adopting {:?} for the parameters of {range:?}, which cover {covered}",
-                flat.dims()
-            );
-        }
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if inner.version != Some(version) {
-            inner.vars.clear();
-            inner.version = Some(version);
-        }
-        for (k, p) in covering(params, &range) {
-            let piece = flat.narrow(0, p.offset - range.start, p.numel)?;
-            let v = Var::from_tensor(&piece.reshape(p.shape.as_slice())?)?;
-            inner.vars.insert(k, v, p.numel * 4);
-        }
+        let vars = Self::copies(params, range, flat)?;
+        self.keep(src, params, &vars);
         Ok(())
     }
 
@@ -383,7 +406,7 @@ impl HeldGrads {
         } else {
             Tensor::cat(&pieces, 0)?
         };
-        Ok(Some(flat))
+        Ok(Some(flat.detach()))
     }
 
     /// Stop holding and let go of everything held (a new step's

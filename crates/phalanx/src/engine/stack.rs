@@ -249,6 +249,25 @@ impl Stack {
         self.resident.adopt(src, self.layout.params(), range, flat)
     }
 
+    /// `flat` ((n,) f32 on the device) becomes the values of `params` (the
+    /// whole buffer), left on the device until the host reads them
+    /// ([`FlatBuffer::defer_to`]), and, off the CPU kernels, the kept
+    /// copies for the next build: one copy per parameter, shared by both.
+    pub fn defer_params(&self, params: &mut FlatBuffer, flat: &Tensor) -> Result<()> {
+        if crate::ops::host_kernels(&self.device) {
+            return params.defer_to(vec![(0, flat.copy()?)]);
+        }
+        let infos = self.layout.params();
+        let vars = Resident::copies(infos, 0..params.len(), flat)?;
+        let pieces = vars
+            .iter()
+            .map(|(k, v)| (infos[*k].offset, v.as_tensor().clone()))
+            .collect();
+        params.defer_to(pieces)?;
+        self.resident.keep(params, infos, &vars);
+        Ok(())
+    }
+
     /// Off the CPU kernels: the gradients held on the device for `range`
     /// (whole parameters), taken out as one (n,) f32 tensor; `None` when
     /// none are held.

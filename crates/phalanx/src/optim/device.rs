@@ -93,6 +93,12 @@ pub enum Grads<'a> {
 /// the host's [`super::clip::sum_squares`], a chunk at a time (one f64
 /// chunk's temporary); one read back of the per-chunk sums.
 pub fn sum_squares(t: &Tensor) -> candle_core::Result<f64> {
+    Ok(read_sums(&[square_sums(t)?])?[0])
+}
+
+/// The per-chunk sums of squares of `t` as 0-d f64 tensors on its device,
+/// not read yet ([`read_sums`] reads many groups at once).
+pub fn square_sums(t: &Tensor) -> candle_core::Result<Vec<Tensor>> {
     let flat = t.flatten_all()?;
     let n = flat.elem_count();
     let mut sums = Vec::new();
@@ -105,10 +111,26 @@ pub fn sum_squares(t: &Tensor) -> candle_core::Result<f64> {
         sums.push(x.sqr()?.sum_all()?);
         lo = hi;
     }
-    if sums.is_empty() {
-        return Ok(0.0);
-    }
-    Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.iter().sum())
+    Ok(sums)
+}
+
+/// Each group's total, read back from the device in one copy.
+pub fn read_sums(groups: &[Vec<Tensor>]) -> candle_core::Result<Vec<f64>> {
+    let all: Vec<Tensor> = groups.iter().flatten().cloned().collect();
+    let values = if all.is_empty() {
+        Vec::new()
+    } else {
+        Tensor::stack(&all, 0)?.to_vec1::<f64>()?
+    };
+    let mut at = 0;
+    Ok(groups
+        .iter()
+        .map(|g| {
+            let total = values[at..at + g.len()].iter().sum();
+            at += g.len();
+            total
+        })
+        .collect())
 }
 
 /// Which update rule, with its settings.
@@ -372,7 +394,8 @@ impl DeviceOptimizer {
         let whole = n == self.range.len();
         for (i, ((_, buf), new)) in self.bufs.iter_mut().zip(state).enumerate() {
             if whole {
-                *buf = new;
+                // Detached: no graph from one step's state to the next.
+                *buf = new.detach();
             } else if untouched != Some(i) {
                 buf.slice_set(&new.contiguous()?, 0, at.start)?;
             }

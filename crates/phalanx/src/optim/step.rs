@@ -91,10 +91,12 @@ pub fn finish_step(
                     };
                     opt.step_on(Some(u.params), d.params, grads, lr, factor)?;
                 }
-                (Some(OnDevice { grads: Some(_), .. }), None) => {
+                (Some(_), None) => {
+                    // The caller would keep its device copy as the new
+                    // values, which a host step leaves stale.
                     return Err(Error::Check(
-                        "gradients on the device for an optimizer on the host".into(),
-                    ))
+                        "parameters on the device for an optimizer on the host".into(),
+                    ));
                 }
                 _ => u.opt.step(u.params, u.grads, lr, factor),
             }
@@ -191,17 +193,23 @@ pub fn weighted_sum_squares_on(
     replicated: &[Range<usize>],
     tp: usize,
 ) -> candle_core::Result<f64> {
+    use super::device::{read_sums, square_sums};
     let n = g.elem_count();
-    let mut ss = super::device::sum_squares(g)?;
+    // The whole and every replicated part, read back in one copy.
+    let mut groups = vec![square_sums(g)?];
     if tp > 1 {
         for r in replicated {
             let lo = r.start.max(offset);
             let hi = r.end.min(offset + n);
             if lo < hi {
-                let part = g.narrow(0, lo - offset, hi - lo)?;
-                ss -= (1.0 - 1.0 / tp as f64) * super::device::sum_squares(&part)?;
+                groups.push(square_sums(&g.narrow(0, lo - offset, hi - lo)?)?);
             }
         }
+    }
+    let sums = read_sums(&groups)?;
+    let mut ss = sums[0];
+    for part in &sums[1..] {
+        ss -= (1.0 - 1.0 / tp as f64) * part;
     }
     Ok(ss * weight)
 }

@@ -66,6 +66,9 @@ pub struct Ddp {
     /// Allowed to keep unreduced gradients on the device through the step
     /// ([`Strategy::keep_grads_on_device`]).
     device_grads: bool,
+    /// This step's micro-batches held all their gradients on the device
+    /// (decided by the first micro-step, read by `finish_step`).
+    held_all: bool,
 }
 
 impl Ddp {
@@ -102,6 +105,7 @@ impl Ddp {
             opt,
             tp_replicated,
             device_grads: false,
+            held_all: false,
         })
     }
 
@@ -138,6 +142,7 @@ impl Ddp {
         // Unreduced micro-steps keep their gradients on the device (CUDA);
         // with nothing to reduce, all of them do.
         let all = self.grads_stay_on_device(engine);
+        self.held_all = all;
         engine.hold_grads(!sync || all);
         if !sync || self.pg.size() == 1 {
             return Ok(engine.forward_backward(inputs, targets, loss_scale)?);
@@ -269,7 +274,8 @@ impl Strategy for Ddp {
         let n = engine.num_params();
         // Gradients that stayed on the device (nothing to reduce), else
         // the reduced ones in the flat buffer.
-        let on_device = if self.grads_stay_on_device(engine) {
+        let on_device = if std::mem::take(&mut self.held_all) {
+            engine.hold_grads(false);
             engine.take_device_grads(0..n)?
         } else {
             None
@@ -310,8 +316,7 @@ impl Strategy for Ddp {
                 opt.step_on(None, &params_dev, Grads::Device(&grads_dev), lr, factor)?;
             }
         }
-        engine.defer_params(params_dev.clone())?;
-        engine.keep_device_params(0..n, &params_dev)?;
+        engine.defer_params(&params_dev)?;
         self.maybe_check(engine, step + 1)?;
         Ok(out)
     }
