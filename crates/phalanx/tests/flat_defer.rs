@@ -115,7 +115,10 @@ fn the_kept_copies_flattened_carry_no_graph() {
     // tensors alive.
     let f = kept.flat(&flat, l.params(), 0..7).unwrap().unwrap();
     assert!(!f.track_op());
-    assert_eq!(f.to_vec1::<f32>().unwrap(), (0..7).map(|x| x as f32).collect::<Vec<_>>());
+    assert_eq!(
+        f.to_vec1::<f32>().unwrap(),
+        (0..7).map(|x| x as f32).collect::<Vec<_>>()
+    );
     // Changed since: none.
     let mut flat = flat;
     flat.as_mut_slice()[0] = 1.0;

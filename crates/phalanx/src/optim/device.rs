@@ -100,18 +100,12 @@ pub fn sum_squares(t: &Tensor) -> candle_core::Result<f64> {
 /// not read yet ([`read_sums`] reads many groups at once).
 pub fn square_sums(t: &Tensor) -> candle_core::Result<Vec<Tensor>> {
     let flat = t.flatten_all()?;
-    let n = flat.elem_count();
-    let mut sums = Vec::new();
-    let mut lo = 0;
-    while lo < n {
-        let hi = (lo + CHUNK).min(n);
-        let x = flat
-            .narrow(0, lo, hi - lo)?
-            .to_dtype(candle_core::DType::F64)?;
-        sums.push(x.sqr()?.sum_all()?);
-        lo = hi;
-    }
-    Ok(sums)
+    chunks(flat.elem_count(), CHUNK)
+        .map(|c| {
+            let x = flat.narrow(0, c.start, c.len())?;
+            x.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all()
+        })
+        .collect()
 }
 
 /// Each group's total, read back from the device in one copy.
@@ -131,6 +125,21 @@ pub fn read_sums(groups: &[Vec<Tensor>]) -> candle_core::Result<Vec<f64>> {
             total
         })
         .collect())
+}
+
+/// `0..n` in consecutive pieces of `chunk` elements (the last shorter).
+fn chunks(n: usize, chunk: usize) -> impl Iterator<Item = Range<usize>> {
+    let chunk = chunk.max(1);
+    (0..n)
+        .step_by(chunk)
+        .map(move |lo| lo..lo.saturating_add(chunk).min(n))
+}
+
+/// `t`'s values (one chunk of new parameters) into `dst`, counted.
+fn write_back(dst: &mut [f32], t: &Tensor) -> candle_core::Result<()> {
+    dst.copy_from_slice(&t.to_vec1::<f32>()?);
+    READ_BACK.fetch_add(dst.len(), Ordering::Relaxed);
+    Ok(())
 }
 
 /// Which update rule, with its settings.
@@ -296,20 +305,17 @@ impl DeviceOptimizer {
             }
         }
         self.begin_step();
-        let mut lo = 0;
-        while lo < n {
-            let hi = (lo + self.chunk).min(n);
+        for c in chunks(n, self.chunk) {
             let g = match grads {
-                Grads::Host(g) => Tensor::from_slice(&g[lo..hi], hi - lo, &self.device)?,
-                Grads::Device(g) => g.narrow(0, lo, hi - lo)?,
+                Grads::Host(g) => Tensor::from_slice(&g[c.clone()], c.len(), &self.device)?,
+                Grads::Device(g) => g.narrow(0, c.start, c.len())?,
             };
-            let p = self.step_chunk(lo..hi, dev.narrow(0, lo, hi - lo)?, &g, lr, grad_scale)?;
-            dev.slice_set(&p, 0, lo)?;
+            let p = dev.narrow(0, c.start, c.len())?;
+            let p = self.step_chunk(c.clone(), p, &g, lr, grad_scale)?;
+            dev.slice_set(&p, 0, c.start)?;
             if let Some(params) = params.as_deref_mut() {
-                params[lo..hi].copy_from_slice(&p.to_vec1::<f32>()?);
-                READ_BACK.fetch_add(hi - lo, Ordering::Relaxed);
+                write_back(&mut params[c], &p)?;
             }
-            lo = hi;
         }
         Ok(())
     }
@@ -324,20 +330,16 @@ impl DeviceOptimizer {
         lr: f32,
         grad_scale: f32,
     ) -> candle_core::Result<()> {
-        let mut lo = 0;
-        while lo < sub.len() {
-            let hi = (lo + self.chunk).min(sub.len());
-            let at = sub.start + lo..sub.start + hi;
-            let (p, g) = (&mut params[lo..hi], &grads[lo..hi]);
+        for c in chunks(sub.len(), self.chunk) {
+            let at = sub.start + c.start..sub.start + c.end;
+            let (p, g) = (&mut params[c.clone()], &grads[c]);
             let dev = &self.device;
             let (pt, gt) = (
                 Tensor::from_slice(p, p.len(), dev)?,
                 Tensor::from_slice(g, g.len(), dev)?,
             );
             let new = self.step_chunk(at, pt, &gt, lr, grad_scale)?;
-            p.copy_from_slice(&new.to_vec1::<f32>()?);
-            READ_BACK.fetch_add(hi - lo, Ordering::Relaxed);
-            lo = hi;
+            write_back(p, &new)?;
         }
         Ok(())
     }
