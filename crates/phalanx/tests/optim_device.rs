@@ -252,3 +252,33 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
         "{host_ss} vs {dev_ss}"
     );
 }
+
+#[test]
+fn parameters_on_the_device_for_a_host_optimizer_are_refused_before_any_step() {
+    use phalanx::optim::step::{finish_step, OnDevice, Update};
+    use phalanx::precision::LossScaler;
+    let l = layout();
+    let n = l.num_params();
+    let out = phalanx_comm::threads::run(1, move |world| {
+        let mut host = AdamW::new(AdamWConfig::default(), &l, 0..n, &Ledger::new());
+        let mut p = values(n, 1, 1.0);
+        let g = values(n, 2, 0.1);
+        let dev = candle_core::Tensor::from_slice(&p, n, &Device::Cpu).unwrap();
+        let before = p.clone();
+        let u = vec![Update {
+            params: &mut p,
+            grads: &g,
+            opt: &mut host,
+            on_device: Some(OnDevice {
+                params: &dev,
+                grads: None,
+            }),
+        }];
+        let mut scaler = LossScaler::fixed(1.0);
+        let e = finish_step(&world, 1.0, u, &mut scaler, 1e-2, 0.0, 0).unwrap_err();
+        (e.to_string(), p == before, host.step_count())
+    });
+    let (e, unchanged, steps) = &out[0];
+    assert!(e.contains("optimizer on the host"), "{e}");
+    assert!(*unchanged && *steps == 0, "a step was taken");
+}

@@ -282,20 +282,20 @@ impl FlatBuffer {
         if pending.is_empty() {
             return; // another reader did it while this one waited
         }
-        for (offset, t) in pending.iter() {
-            // Reads cannot fail in their signature; a device that fails
-            // here (a lost GPU) ends the rank with what it said, and the
-            // pieces stay pending, so no later read sees stale values.
-            let v = t
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .unwrap_or_else(|e| panic!("reading the parameters back from the device: {e}"));
-            // SAFETY: `has_pending` is still set and we hold the lock: no
-            // borrow of the values exists (see the `Sync` impl).
-            unsafe {
-                (*self.data.get()).as_mut_slice()[*offset..*offset + v.len()].copy_from_slice(&v)
-            };
-        }
+        // One read back for all the pieces (they cover the buffer in
+        // order). Reads cannot fail in their signature; a device that fails
+        // here (a lost GPU) ends the rank with what it said, and the pieces
+        // stay pending, so no later read sees stale values.
+        let v = pending
+            .iter()
+            .map(|(_, t)| t.flatten_all())
+            .collect::<Result<Vec<_>>>()
+            .and_then(|flat| Tensor::cat(&flat, 0))
+            .and_then(|t| t.to_vec1::<f32>())
+            .unwrap_or_else(|e| panic!("reading the parameters back from the device: {e}"));
+        // SAFETY: `has_pending` is still set and we hold the lock: no
+        // borrow of the values exists (see the `Sync` impl).
+        unsafe { (*self.data.get()).as_mut_slice().copy_from_slice(&v) };
         pending.clear();
         DEFERRED_READS.fetch_add(1, Ordering::Relaxed);
         self.has_pending.store(false, Ordering::Release);

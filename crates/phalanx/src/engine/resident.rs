@@ -301,9 +301,26 @@ impl Resident {
         range: Range<usize>,
         flat: &Tensor,
     ) -> Result<()> {
+        // The copies being replaced go first, so that old and new are not
+        // on the device together.
+        self.forget(src, params, &range);
         let vars = Self::copies(params, range, flat)?;
         self.keep(src, params, &vars);
         Ok(())
+    }
+
+    /// Let go of the copies of `params` inside `range` (all of them, when
+    /// they were kept for another version of `src`).
+    pub fn forget(&self, src: &dyn ParamSource, params: &[ParamInfo], range: &Range<usize>) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.version != src.version() {
+            inner.vars.clear();
+            inner.version = None;
+            return;
+        }
+        for (k, _) in covering(params, range) {
+            inner.vars.remove(k);
+        }
     }
 
     /// Let go of every copy (the memory goes back to the device).
@@ -354,9 +371,12 @@ impl HeldGrads {
 
     /// Add `g`, parameter `k`'s gradient of one backward, to what is held.
     pub fn add(&self, k: usize, g: &Tensor) -> Result<()> {
+        // Detached: a gradient computed from a product may still refer to
+        // the micro-batch's activations, which holding it must not keep.
+        let g = g.detach();
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let sum = match inner.get(k) {
-            Some(h) => (h + g)?,
+            Some(h) => (h + &g)?,
             None => g.clone(),
         };
         inner.insert(k, sum, g.elem_count() * 4);

@@ -258,6 +258,11 @@ impl Stack {
             return params.defer_to(vec![(0, flat.copy()?)]);
         }
         let infos = self.layout.params();
+        // The old values (the kept copies, and the pieces the buffer was
+        // deferred to, the same tensors) go before the new copies are
+        // made: `flat` holds the new values meanwhile.
+        params.defer_to(vec![(0, flat.clone())])?;
+        self.resident.clear();
         let vars = Resident::copies(infos, 0..params.len(), flat)?;
         let pieces = vars
             .iter()

@@ -80,6 +80,18 @@ pub fn finish_step(
     max_norm: f32,
     step: usize,
 ) -> Result<StepOutcome> {
+    // Checked before anything is agreed or stepped: parameters on the
+    // device need an optimizer there (the caller keeps its device copy as
+    // the new values, which a host step would leave stale).
+    let mut updates = updates;
+    if updates
+        .iter_mut()
+        .any(|u| u.on_device.is_some() && u.opt.as_device().is_none())
+    {
+        return Err(Error::Check(
+            "parameters on the device for an optimizer on the host".into(),
+        ));
+    }
     let (out, factor) = agree_and_clip(world, local_ss, scaler, max_norm, step)?;
     if let Some(factor) = factor {
         for u in updates {
@@ -90,13 +102,6 @@ pub fn finish_step(
                         None => super::Grads::Host(u.grads),
                     };
                     opt.step_on(Some(u.params), d.params, grads, lr, factor)?;
-                }
-                (Some(_), None) => {
-                    // The caller would keep its device copy as the new
-                    // values, which a host step leaves stale.
-                    return Err(Error::Check(
-                        "parameters on the device for an optimizer on the host".into(),
-                    ));
                 }
                 _ => u.opt.step(u.params, u.grads, lr, factor),
             }

@@ -67,7 +67,8 @@ pub struct Ddp {
     /// ([`Strategy::keep_grads_on_device`]).
     device_grads: bool,
     /// This step's micro-batches held all their gradients on the device
-    /// (decided by the first micro-step, read by `finish_step`).
+    /// (set by each micro-step, the same for all of a step's; read by
+    /// `finish_step`).
     held_all: bool,
 }
 
