@@ -1,9 +1,12 @@
 //! `phalanx bench collectives`: bad input is refused at once, naming the
-//! option and value, before any rank starts.
+//! option and value, before any rank starts. `phalanx bench optimizer`:
+//! the device's step checked against the host's.
+
+mod common;
 
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_phalanx");
+use common::BIN;
 
 /// Processes of ours still carrying `mark` in their environment.
 fn leftovers(mark: &str) -> Vec<String> {
@@ -182,16 +185,7 @@ fn every_backend_runs_over_the_links_it_names() {
 
 /// `phalanx bench optimizer ARGS`: (exit code, stdout, stderr).
 fn bench_optimizer(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(BIN)
-        .args(["bench", "optimizer"])
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    common::phalanx(&[&["bench", "optimizer"], args].concat())
 }
 
 #[test]

@@ -255,7 +255,7 @@ fn a_step_on_parameters_already_on_the_device_is_the_same_step() {
 
 #[test]
 fn parameters_on_the_device_for_a_host_optimizer_are_refused_before_any_step() {
-    use phalanx::optim::step::{finish_step, OnDevice, Update};
+    use phalanx::optim::step::{finish_step, Update};
     use phalanx::precision::LossScaler;
     let l = layout();
     let n = l.num_params();
@@ -269,10 +269,7 @@ fn parameters_on_the_device_for_a_host_optimizer_are_refused_before_any_step() {
             params: &mut p,
             grads: &g,
             opt: &mut host,
-            on_device: Some(OnDevice {
-                params: &dev,
-                grads: None,
-            }),
+            on_device: Some(&dev),
         }];
         let mut scaler = LossScaler::fixed(1.0);
         let e = finish_step(&world, 1.0, u, &mut scaler, 1e-2, 0.0, 0).unwrap_err();

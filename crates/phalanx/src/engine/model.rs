@@ -245,7 +245,8 @@ impl Engine {
 
     /// Start a new accumulation: gradients are added by every backward.
     pub fn zero_grad(&mut self) {
-        if self.grads_zeroed.is_none() || self.grads.version() != self.grads_zeroed {
+        // (A FlatBuffer always has a version: `None` here never matches.)
+        if self.grads.version() != self.grads_zeroed {
             self.grads.fill(0.0);
             self.grads_zeroed = self.grads.version();
         }

@@ -311,7 +311,7 @@ impl Resident {
 
     /// Let go of the copies of `params` inside `range` (all of them, when
     /// they were kept for another version of `src`).
-    pub fn forget(&self, src: &dyn ParamSource, params: &[ParamInfo], range: &Range<usize>) {
+    fn forget(&self, src: &dyn ParamSource, params: &[ParamInfo], range: &Range<usize>) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if inner.version != src.version() {
             inner.vars.clear();

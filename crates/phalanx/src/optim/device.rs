@@ -12,7 +12,7 @@
 //! step uploads the range's reduced gradients, and writes the new
 //! parameters back into it. DDP and pipeline stages step on the
 //! parameters' device copies ([`DeviceOptimizer::step_on`], through
-//! `optim::step::OnDevice`: kept between builds by `engine::resident`), so
+//! `optim::step::Update::on_device`: kept between builds by `engine::resident`), so
 //! the parameters do not go up, and keep the result as the next forward's
 //! copies; ZeRO uploads its shard's parameters too
 //! ([`Optimizer::step_range`]). The state takes 8

@@ -42,18 +42,11 @@ pub struct Update<'a> {
     pub params: &'a mut [f32],
     pub grads: &'a [f32],
     pub opt: &'a mut (dyn Optimizer + Send),
-    /// The same on the device, where they are there already: an optimizer
-    /// on the device steps on them ([`super::DeviceOptimizer::step_on`]).
-    pub on_device: Option<OnDevice<'a>>,
-}
-
-/// An update's parameters (and maybe gradients) already on the device.
-pub struct OnDevice<'a> {
-    /// (n,) f32, the current values of `Update::params`, updated in place.
-    pub params: &'a candle_core::Tensor,
-    /// (n,) f32 when the gradients never left the device (then
-    /// `Update::grads` does not hold them).
-    pub grads: Option<&'a candle_core::Tensor>,
+    /// The parameters on the device, where they are there already ((n,)
+    /// f32, the current values of `params`): an optimizer on the device
+    /// steps on them in place ([`super::DeviceOptimizer::step_on`]) and
+    /// writes the result into `params` too.
+    pub on_device: Option<&'a candle_core::Tensor>,
 }
 
 /// What the finish path did.
@@ -96,12 +89,9 @@ pub fn finish_step(
     if let Some(factor) = factor {
         for u in updates {
             match (u.on_device, u.opt.as_device()) {
-                (Some(d), Some(opt)) => {
-                    let grads = match d.grads {
-                        Some(g) => super::Grads::Device(g),
-                        None => super::Grads::Host(u.grads),
-                    };
-                    opt.step_on(Some(u.params), d.params, grads, lr, factor)?;
+                (Some(dev), Some(opt)) => {
+                    let grads = super::Grads::Host(u.grads);
+                    opt.step_on(Some(u.params), dev, grads, lr, factor)?;
                 }
                 _ => u.opt.step(u.params, u.grads, lr, factor),
             }

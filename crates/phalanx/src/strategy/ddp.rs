@@ -24,8 +24,7 @@ use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
 use crate::optim::step::{
-    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, OnDevice,
-    StepOutcome, Update,
+    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, StepOutcome, Update,
 };
 use crate::optim::Grads;
 use crate::optim::Optimizer;
@@ -188,10 +187,7 @@ impl Ddp {
             params: p,
             grads: g,
             opt: self.opt.as_mut(),
-            on_device: kept.as_ref().map(|params| OnDevice {
-                params,
-                grads: None,
-            }),
+            on_device: kept.as_ref(),
         }];
         let out = finish_step(self.mesh.world(), ss, u, scaler, lr, max_norm, step)?;
         if let Some(dev) = &kept {

@@ -7,7 +7,7 @@ use crate::config::{PpPartition, TrainConfig};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{finish_step, weighted_sum_squares, OnDevice, StepOutcome, Update};
+use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use crate::strategy::reduce::CommHook;
@@ -149,10 +149,7 @@ impl PipeStrategy {
                 params: pr,
                 grads: gr,
                 opt: opt.as_mut(),
-                on_device: dev.as_ref().map(|params| OnDevice {
-                    params,
-                    grads: None,
-                }),
+                on_device: dev.as_ref(),
             });
             (prest, grest, at) = (ptail, gtail, r.end);
         }
