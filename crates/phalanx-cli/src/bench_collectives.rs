@@ -299,7 +299,7 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             return 1;
         }
     };
-    let r = match dtype {
+    let mut r = match dtype {
         DType::F32 => sweep::<f32>(&pg, opts, ops, sizes),
         DType::F64 => sweep::<f64>(&pg, opts, ops, sizes),
         DType::F16 => sweep::<f16>(&pg, opts, ops, sizes),
@@ -307,6 +307,30 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         DType::I32 => sweep::<i32>(&pg, opts, ops, sizes),
         DType::I64 => sweep::<i64>(&pg, opts, ops, sizes),
     };
+    if opts.check && ops.contains(&"all_reduce") {
+        if let Ok(wrong) = r {
+            r = match crate::bench_device_memory::check(&pg) {
+                Ok((dev, w)) => {
+                    if pg.rank() == 0 {
+                        let line = format!(
+                            "# all_reduce of tensors in place on {dev} (ops::collective): \
+                             f32 and bf16 at 1, 7 and 1048577 elements, {w} wrong"
+                        );
+                        // The JSON output is one array on stdout.
+                        match opts.json {
+                            true => eprintln!("{line}"),
+                            false => println!("{line}"),
+                        }
+                    }
+                    Ok(wrong + w)
+                }
+                Err(e) => {
+                    eprintln!("phalanx bench: rank {}: tensors in place: {e}", pg.rank());
+                    return 1;
+                }
+            };
+        }
+    }
     if r.is_ok() {
         // Leave cleanly (MPI wants every rank to finalise).
         pg.shutdown();
@@ -326,7 +350,7 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
 
 /// A value that depends on (rank, index, iteration) through a hash, small
 /// enough that sums over up to 16 ranks are exact even in bf16.
-fn fill_value(rank: usize, i: usize, iter: usize) -> i64 {
+pub(crate) fn fill_value(rank: usize, i: usize, iter: usize) -> i64 {
     let mut h = (rank as u64).wrapping_mul(0x9E3779B97F4A7C15)
         ^ (i as u64).wrapping_mul(0xBF58476D1CE4E5B9)
         ^ (iter as u64);

@@ -11,6 +11,7 @@
 //! - `phalanx tokenize`: text and JSONL -> llm.c token shards (or one file).
 
 mod bench_collectives;
+mod bench_device_memory;
 mod bench_optimizer;
 mod checkpoint_cmd;
 mod config_args;

@@ -179,6 +179,11 @@ fn every_backend_runs_over_the_links_it_names() {
             .collect();
         assert_eq!(rows.len(), 12, "{backend}: {so}");
         assert!(rows.iter().all(|l| l.trim_end().ends_with(" 0")), "{so}");
+        // And the all-reduce of tensors where they lie (host memory here).
+        assert!(
+            so.contains("# all_reduce of tensors in place on cpu") && so.contains(", 0 wrong"),
+            "{backend}: {so}"
+        );
         assert!(leftovers(&mark).is_empty());
     }
 }

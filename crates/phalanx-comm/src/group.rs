@@ -279,6 +279,39 @@ impl ProcessGroup {
         self.collective(sig, |b, c| b.all_reduce(c, BytesMut::of(buf), op))
     }
 
+    /// The CUDA device whose memory this group's backend reduces where it
+    /// lies ([`ProcessGroup::all_reduce_device`]); `None`: host memory only.
+    pub fn device_ordinal(&self) -> Option<usize> {
+        self.inner.backend.device_ordinal()
+    }
+
+    /// Reduce `buf`, in CUDA device memory, in place across the group; every
+    /// rank gets the result. Backends without device memory
+    /// ([`ProcessGroup::device_ordinal`] is `None`) refuse, as does one on
+    /// another device than `buf.ordinal`.
+    ///
+    /// # Safety
+    /// `buf.ptr` must address `buf.count` elements of `buf.dtype` on that
+    /// device, in a context of the process's primary one (candle's and the
+    /// CUDA runtime's), with every earlier write to them complete, and
+    /// nothing else may touch them until this returns.
+    pub unsafe fn all_reduce_device(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.inner.queue.drain();
+        let sig = Signature {
+            op: "all_reduce",
+            dtype: buf.dtype,
+            count: buf.count as u64,
+            reduce: Some(op),
+            root: None,
+            layout: 0,
+        };
+        self.collective(sig, |b, c| b.all_reduce_device(c, buf, op))
+    }
+
     /// Reduce `input` (size * output.len() elements) across the group and
     /// leave block `rank` of the result in `output`.
     pub fn reduce_scatter<T: Element>(

@@ -111,3 +111,29 @@ fn subgroups_run_concurrently_with_parent() {
         suite::subgroups(&pg);
     });
 }
+
+#[test]
+fn host_backends_refuse_device_memory_naming_themselves() {
+    // Only NCCL reduces CUDA memory where it lies; a host backend says so
+    // (on every rank, before touching the address) instead of reading it.
+    let out = threads::run(2, |pg| {
+        let buf = phalanx_comm::DeviceBuf {
+            ptr: 0x1000,
+            count: 4,
+            dtype: phalanx_comm::DType::F32,
+            ordinal: 0,
+        };
+        // SAFETY: a host backend refuses without dereferencing `ptr`.
+        let e = unsafe { pg.all_reduce_device(buf, ReduceOp::Sum) }.unwrap_err();
+        // The group goes on working after the refusal.
+        let mut x = [1.0f32; 2];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        (pg.device_ordinal(), e.to_string(), x)
+    });
+    for (ordinal, e, x) in out {
+        assert_eq!(ordinal, None);
+        assert!(e.contains("native backend reduces host memory only"), "{e}");
+        assert!(e.contains("PHALANX_BACKEND=nccl"), "{e}");
+        assert_eq!(x, [2.0; 2]);
+    }
+}

@@ -43,6 +43,17 @@ use crate::transport::{Link, Msg};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// A buffer in CUDA device memory, reduced where it lies by a backend that
+/// can ([`Backend::device_ordinal`]): `count` elements of `dtype` at
+/// device address `ptr` on CUDA device `ordinal`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBuf {
+    pub ptr: u64,
+    pub count: usize,
+    pub dtype: DType,
+    pub ordinal: usize,
+}
+
 /// The bytes of a `[T]`, with `T`'s dtype.
 #[derive(Clone, Copy)]
 pub struct Bytes<'a> {
@@ -315,6 +326,26 @@ pub trait Backend: Send + Sync {
         output: BytesMut,
         recv: &[usize],
     ) -> Result<()>;
+
+    /// The CUDA device whose memory [`Backend::all_reduce_device`] reduces
+    /// in place (NCCL); `None`, the default: host memory only.
+    fn device_ordinal(&self) -> Option<usize> {
+        None
+    }
+
+    /// All-reduce `buf` in device memory, in place, without staging it
+    /// through the host. The caller has finished every write to it (its
+    /// stream synchronised) and touches it again only after the return.
+    /// The default refuses: this backend reduces host memory only.
+    fn all_reduce_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+        let _ = (buf, op);
+        Err(CommError::Invalid(format!(
+            "{}: the {} backend reduces host memory only, not CUDA device memory \
+             (PHALANX_BACKEND=nccl reduces it where it lies)",
+            c.op,
+            self.name()
+        )))
+    }
 
     /// `PHALANX_DEBUG=detail`: send `mine` (this rank's encoded signature,
     /// the same length on every rank) to the group and return every rank's,

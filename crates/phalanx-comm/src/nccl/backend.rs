@@ -20,9 +20,9 @@
 //! buffers are on the host anyway.
 
 use super::comm::{Comm, Io};
-use super::layout::{nccl_dtype, nccl_op, offsets, split_color, split_key, Padded};
+use super::layout::{nccl_device_op, nccl_dtype, nccl_op, offsets, split_color, split_key, Padded};
 use super::probe::{NcclApi, Stream};
-use crate::backend::{dispatch_collectives, Backend, BytesMut, Call, Collectives};
+use crate::backend::{dispatch_collectives, Backend, BytesMut, Call, Collectives, DeviceBuf};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use crate::transport::{Link, Msg};
@@ -313,6 +313,43 @@ impl Backend for Nccl {
     }
 
     dispatch_collectives!();
+
+    fn device_ordinal(&self) -> Option<usize> {
+        Some(self.comm.dev.ordinal)
+    }
+
+    /// `ncclAllReduce` on the caller's device memory, in place, on the
+    /// communicator's stream: no staging, no copy back (`Avg` is NCCL's).
+    fn all_reduce_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+        let ordinal = self.comm.dev.ordinal;
+        if buf.ordinal != ordinal {
+            return Err(invalid!(
+                "{}: the buffer is on CUDA device {} but this NCCL communicator on device {ordinal}",
+                c.op,
+                buf.ordinal
+            ));
+        }
+        let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
+        if buf.count == 0 {
+            return Ok(());
+        }
+        let (n, dt, count) = (c.n(), nccl_dtype(buf.dtype), buf.count);
+        self.count(2 * (n - 1) * count * buf.dtype.size() / n);
+        let io = Io::Device { ptr: buf.ptr };
+        self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
+            // SAFETY: `src` = `dst` = the caller's `count` elements on this
+            // device (`ProcessGroup::all_reduce_device`'s contract).
+            (api.ncclAllReduce)(
+                src as *const c_void,
+                dst as *mut c_void,
+                count,
+                dt,
+                rop,
+                comm,
+                s,
+            )
+        })
+    }
 
     fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.native.exchange_signatures(c, mine)

@@ -39,7 +39,8 @@ struct Inner {
     lane: Lane,
 }
 
-/// The host buffers of one staged operation.
+/// The buffers of one operation: host ones staged through the lane, or
+/// one already on the device.
 pub enum Io<'a> {
     /// One buffer sent and received (all-reduce, broadcast, reduce); the
     /// result is copied back into it when `copy_back`.
@@ -51,6 +52,9 @@ pub enum Io<'a> {
         recv_len: usize,
         out: Option<&'a mut [u8]>,
     },
+    /// Device memory of this communicator's device, sent and received in
+    /// place: nothing staged, nothing copied back.
+    Device { ptr: cu::CUdeviceptr },
 }
 
 /// An NCCL communicator of one group.
@@ -203,9 +207,10 @@ impl Comm {
         self.failed.lock().unwrap().clone()
     }
 
-    /// Stage and run one operation: copy the send bytes to the device, call
-    /// `launch(api, comm, stream, send_dev, recv_dev)`, wait for it until
-    /// the call's deadline, and copy the received bytes back (see [`Io`]).
+    /// Stage and run one operation: copy the send bytes to the device (host
+    /// buffers), call `launch(api, comm, stream, send_dev, recv_dev)`, wait
+    /// for it until the call's deadline, and copy the received bytes back
+    /// (see [`Io`]).
     pub fn run(
         &self,
         c: &Call,
@@ -221,17 +226,20 @@ impl Comm {
         let mut inner = self.inner.lock().unwrap();
         let comm = self.live(&inner, c)?;
         self.dev.bind()?;
-        let (send, recv_len): (&[u8], usize) = match &io {
-            Io::InPlace { buf, .. } => (buf, 0),
-            Io::Apart { send, recv_len, .. } => (send, *recv_len),
+        let (base, recv) = match &io {
+            Io::Device { ptr } => (*ptr, *ptr),
+            Io::InPlace { buf, .. } => {
+                let base = inner.lane.ensure(buf.len())?;
+                inner.lane.h2d(base, buf)?;
+                (base, base)
+            }
+            Io::Apart { send, recv_len, .. } => {
+                let send_room = send.len().next_multiple_of(256);
+                let base = inner.lane.ensure(send_room + recv_len)?;
+                inner.lane.h2d(base, send)?;
+                (base, base + send_room as u64)
+            }
         };
-        let send_room = send.len().next_multiple_of(256);
-        let base = inner.lane.ensure(send_room + recv_len)?;
-        let recv = match io {
-            Io::InPlace { .. } => base,
-            Io::Apart { .. } => base + send_room as u64,
-        };
-        inner.lane.h2d(base, send)?;
         let stream = inner.lane.stream as Stream;
         let rc = launch(self.api, comm.0, stream, base, recv);
         let what = || {

@@ -42,6 +42,19 @@ pub fn nccl_op(op: ReduceOp) -> (c_int, bool) {
     (r as c_int, div)
 }
 
+/// NCCL's reduction for `op` on device memory, where no host divides
+/// afterwards: `Avg` is `ncclAvg` (NCCL 2.10 and later), which only
+/// floating-point dtypes have.
+pub fn nccl_device_op(op: ReduceOp, d: DType) -> Result<c_int, String> {
+    match (op, d) {
+        (ReduceOp::Avg, DType::I32 | DType::I64) => Err(format!(
+            "an average of {d:?} in device memory (NCCL averages floating-point dtypes only)"
+        )),
+        (ReduceOp::Avg, _) => Ok(R::ncclAvg as c_int),
+        _ => Ok(nccl_op(op).0),
+    }
+}
+
 /// Offsets of consecutive blocks of `counts` elements.
 pub fn offsets(counts: &[usize]) -> Vec<usize> {
     counts
@@ -128,6 +141,13 @@ mod tests {
         assert_eq!(nccl_op(ReduceOp::Avg), (0, true));
         assert_eq!(nccl_op(ReduceOp::Max), (2, false));
         assert_eq!(nccl_op(ReduceOp::Min), (3, false));
+        // On device memory nobody divides afterwards: Avg is ncclAvg (4).
+        assert_eq!(nccl_device_op(ReduceOp::Avg, DType::F32), Ok(4));
+        assert_eq!(nccl_device_op(ReduceOp::Avg, DType::BF16), Ok(4));
+        assert_eq!(nccl_device_op(ReduceOp::Sum, DType::I64), Ok(0));
+        assert_eq!(nccl_device_op(ReduceOp::Max, DType::F32), Ok(2));
+        let e = nccl_device_op(ReduceOp::Avg, DType::I32).unwrap_err();
+        assert!(e.contains("I32") && e.contains("floating-point"), "{e}");
     }
 
     #[test]

@@ -30,7 +30,7 @@ use crate::optim::Grads;
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use candle_core::Tensor;
-use phalanx_comm::ProcessGroup;
+use phalanx_comm::{ProcessGroup, ReduceOp};
 use std::ops::Range;
 
 pub use super::reduce::{plan_buckets, Bucket};
@@ -109,14 +109,19 @@ impl Ddp {
         })
     }
 
-    /// One data-parallel rank, the optimizer on the device, off the CPU
-    /// kernels, and allowed: the gradients need no reduction, so every
+    /// The optimizer on the device, off the CPU kernels, allowed, and the
+    /// gradients either in no need of reduction (one data-parallel rank)
+    /// or reduced where they lie (the plain average, on a backend that
+    /// reduces the device's memory: NCCL on CUDA; any on the CPU): every
     /// micro-batch holds them on the device and the step takes them there.
     fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
+        let dev = engine.device();
         self.device_grads
-            && self.pg.size() == 1
-            && !crate::ops::host_kernels(engine.device())
+            && !crate::ops::host_kernels(dev)
             && self.opt.as_device().is_some()
+            && (self.pg.size() == 1
+                || (self.reducer.plain_average()
+                    && crate::ops::collective::reduces_on(&self.pg, dev)))
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -140,11 +145,11 @@ impl Ddp {
         sync: bool,
     ) -> Result<f32> {
         // Unreduced micro-steps keep their gradients on the device (CUDA);
-        // with nothing to reduce, all of them do.
+        // with nothing to reduce, or reduced there, all of them do.
         let all = self.grads_stay_on_device(engine);
         self.held_all = all;
         engine.hold_grads(!sync || all);
-        if !sync || self.pg.size() == 1 {
+        if !sync || all || self.pg.size() == 1 {
             return Ok(engine.forward_backward(inputs, targets, loss_scale)?);
         }
         all_reduce_micro_step(
@@ -269,11 +274,24 @@ impl Strategy for Ddp {
         let w = 1.0 / self.pg.size() as f64;
         let tp = self.mesh.tp_size;
         let n = engine.num_params();
-        // Gradients that stayed on the device (nothing to reduce), else
-        // the reduced ones in the flat buffer.
+        // Gradients that stayed on the device, averaged over dp there (one
+        // all-reduce of all of them, after backward), else the reduced ones
+        // in the flat buffer.
         let on_device = if std::mem::take(&mut self.held_all) {
             engine.hold_grads(false);
-            engine.take_device_grads(0..n)?
+            let held = engine.take_device_grads(0..n)?;
+            if self.pg.size() == 1 {
+                held
+            } else {
+                // Every rank joins the reduction, one that held nothing
+                // with zeros.
+                let g = match held {
+                    Some(g) => g,
+                    None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
+                };
+                crate::ops::collective::all_reduce_in_place(&self.pg, &g, ReduceOp::Avg)?;
+                Some(g)
+            }
         } else {
             None
         };

@@ -193,6 +193,13 @@ pub trait CommHook: Send {
         self.reduce(bucket, grads, coll, pg)
     }
 
+    /// Whether the hook is the plain f32 average of every gradient (the
+    /// default hook in f32): then the reduction may run anywhere, on the
+    /// device's own memory too. Any other hook runs on host buffers.
+    fn is_plain_average(&self) -> bool {
+        false
+    }
+
     /// What the hook carries from one step to the next (error-feedback
     /// residuals, warm starts, the step counts a schedule reads), as named
     /// f32 arrays, this rank's own. Checkpoints save it per rank, so that a
@@ -226,6 +233,10 @@ pub struct DefaultHook {
 }
 
 impl CommHook for DefaultHook {
+    fn is_plain_average(&self) -> bool {
+        self.dtype == Precision::Fp32
+    }
+
     /// The pooled path on a pool of its own (its buffers freed with the
     /// reduction): the same values.
     fn reduce(
@@ -364,6 +375,11 @@ impl Reducer {
     }
 
     /// The hook's state, for checkpoints ([`CommHook::state`]).
+    /// The hook is the plain f32 average ([`CommHook::is_plain_average`]).
+    pub fn plain_average(&self) -> bool {
+        self.hook.is_plain_average()
+    }
+
     pub fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
         self.hook.state()
     }

@@ -1,0 +1,49 @@
+//! `phalanx bench collectives --check`'s last check: the all-reduce of a
+//! tensor where it lies (`phalanx::ops::collective`, what DDP's
+//! device-held gradients take), on the memory the group's backend reduces
+//! in place: a CUDA device's under NCCL (no staging through the host),
+//! host memory under the others. Each rank fills f32 and bf16 tensors of
+//! 1, 7 and 2^20 + 1 elements with the sweep's hashed values; every
+//! element must be the exact sum.
+
+use crate::bench_collectives::fill_value;
+use candle_core::{DType, Device, DeviceLocation, Tensor};
+use phalanx::ops::collective::all_reduce_in_place;
+use phalanx_comm::{ProcessGroup, ReduceOp};
+
+/// Where the check ran and how many elements were wrong; an error where it
+/// could not run (a build without CUDA tensors under NCCL).
+pub fn check(pg: &ProcessGroup) -> Result<(String, usize), String> {
+    let dev = match pg.device_ordinal() {
+        None => Device::Cpu,
+        Some(_) => phalanx::device::open_cuda()?,
+    };
+    let (me, n) = (pg.rank(), pg.size());
+    let mut wrong = 0;
+    for count in [1usize, 7, (1 << 20) + 1] {
+        let mine: Vec<f32> = (0..count).map(|i| fill_value(me, i, 0) as f32).collect();
+        for dt in [DType::F32, DType::BF16] {
+            let t = Tensor::from_vec(mine.clone(), count, &dev)
+                .and_then(|t| t.to_dtype(dt))
+                .map_err(|e| e.to_string())?;
+            all_reduce_in_place(pg, &t, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            let got = t
+                .to_dtype(DType::F32)
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| e.to_string())?;
+            wrong += got
+                .iter()
+                .enumerate()
+                .filter(|&(i, &g)| g != (0..n).map(|r| fill_value(r, i, 0)).sum::<i64>() as f32)
+                .count();
+        }
+    }
+    let mut w = [wrong as i64];
+    pg.all_reduce(&mut w, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    let place = match dev.location() {
+        DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        _ => "cpu".to_string(),
+    };
+    Ok((place, w[0] as usize))
+}

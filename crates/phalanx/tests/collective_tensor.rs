@@ -1,0 +1,84 @@
+//! `ops::collective`: all-reduce of candle tensors where they lie, the
+//! path DDP's device-held gradients take (host memory here; NCCL's device
+//! memory on a GPU, which `scripts/gpu_check.sh` runs).
+
+use candle_core::{DType, Device, Tensor};
+use phalanx::ops::collective::{all_reduce_in_place, reduces_on};
+use phalanx_comm::{threads, ReduceOp};
+
+#[test]
+fn reduces_the_tensors_own_range_in_every_float_dtype() {
+    let out = threads::run(3, |pg| {
+        let r = pg.rank() as f32;
+        let mut got = Vec::new();
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            // (8,), of which the view (2..5) is reduced: its elements only.
+            let whole = Tensor::arange(0f32, 8.0, &Device::Cpu)
+                .unwrap()
+                .affine(1.0, r as f64)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let view = whole.narrow(0, 2, 3).unwrap();
+            all_reduce_in_place(&pg, &view, ReduceOp::Sum).unwrap();
+            let all = whole
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            got.push((dt, all));
+        }
+        let avg = Tensor::new(&[1.0f32 + r, 4.0 * r], &Device::Cpu).unwrap();
+        all_reduce_in_place(&pg, &avg, ReduceOp::Avg).unwrap();
+        (got, avg.to_vec1::<f32>().unwrap(), r)
+    });
+    for (got, avg, r) in out {
+        for (dt, all) in got {
+            // Ranks add 0, 1, 2 to arange(8): the view sums to 3x + 3.
+            let want: Vec<f32> = (0..8)
+                .map(|i| {
+                    let x = i as f32;
+                    if (2..5).contains(&i) {
+                        3.0 * x + 3.0
+                    } else {
+                        x + r
+                    }
+                })
+                .collect();
+            assert_eq!(all, want, "{dt:?} on rank {r}");
+        }
+        assert_eq!(avg, [2.0, 4.0], "rank {r}");
+    }
+}
+
+#[test]
+fn refuses_what_it_cannot_reduce_and_keeps_the_groups_error() {
+    let out = threads::run(2, |pg| {
+        assert!(reduces_on(&pg, &Device::Cpu));
+        // A transposed matrix has no contiguous range: refused before any
+        // message (so both ranks stay in step).
+        let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        let strided = all_reduce_in_place(&pg, &m, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        let ints = Tensor::zeros(4, DType::U8, &Device::Cpu).unwrap();
+        let u8s = all_reduce_in_place(&pg, &ints, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        // A torn-down group fails with its own error, not candle's.
+        if pg.rank() == 1 {
+            pg.abort("rank 1 stopped on purpose");
+        }
+        let t = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+        let e = all_reduce_in_place(&pg, &t, ReduceOp::Sum).unwrap_err();
+        (strided, u8s, e)
+    });
+    for (strided, u8s, e) in out {
+        assert!(strided.contains("non-contiguous"), "{strided}");
+        assert!(u8s.contains("U8"), "{u8s}");
+        assert!(matches!(e, phalanx::error::Error::Comm(_)), "{e:?}");
+    }
+}
