@@ -18,7 +18,8 @@
 #      PHALANX_BIN names a binary; then every library it needs (`ldd`, and
 #      the ones a toolchain build opens on its first CUDA call);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
-#      and at world 2 where there are 2+ GPUs; `phalanx bench optimizer
+#      and at world 2 where there are 2+ GPUs (it ends with the all-reduce
+#      of CUDA tensors in place: NCCL on device memory); `phalanx bench optimizer
 #      --check` (the optimizer's step on the device against the host's, in
 #      chunks, pieces and with frozen variance; then timed over 124M
 #      elements, host against device);
@@ -30,7 +31,8 @@
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
-#      2+ GPUs, ZeRO-2 once more over NCCL;
+#      2+ GPUs, DDP (gradients averaged in device memory) and ZeRO-2 once
+#      more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
 #      and the reverse, each against 8 uninterrupted CPU steps (in the
 #      rehearsal, the device's side takes the generic path);
@@ -188,6 +190,16 @@ print(f"{len(b)} steps, first loss {b[min(b)]:.5f}, last {b[max(b)]:.5f}; "
 sys.exit(0 if worst <= tol else 1)
 EOF
 }
+# no_reads NAME: no step of run NAME read a gradient back from the device
+# (the step log's `grad_reads`, rank 0's process).
+no_reads() {
+    python3 - "$LOG_DIR/$1.jsonl" <<'EOF'
+import json, sys
+reads = [r.get("grad_reads") for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
+print(f"gradient read-backs per step: {reads}")
+sys.exit(0 if reads and all(x == 0 for x in reads) else 1)
+EOF
+}
 # check NAME NPROC BASE TOL SET...: train NAME on the device, compare to BASE.
 check() {
     local name=$1 n=$2 base=$3 tol=$4
@@ -206,8 +218,13 @@ for fam in gpt llama; do
     step "$fam: CPU 1 rank bf16" 120 train "$fam-base-bf16" 1 cpu 1 "${m[@]}" train.micro_batch_size=8 \
         train.precision=\"bf16\"
     b=$fam-base
+    # One data-parallel rank: the gradients never leave the device.
     step "$fam: 1 rank" 120 check "$fam-1" 1 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8
+    step "$fam: 1 rank read no gradient back" 10 no_reads "$fam-1"
     step "$fam: DDP 2 ranks" 120 check "$fam-ddp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4
+    if [ "$DEVICE" = cpu ]; then # the rehearsal: host memory is the "device's"
+        step "$fam: DDP 2 ranks reduced where the gradients lie" 10 no_reads "$fam-ddp"
+    fi
     # Micro-batches DDP does not reduce hold their gradients on the device,
     # recomputation builds each block twice on the kept parameters.
     step "$fam: DDP 2 ranks, 4 micro-batches, full checkpointing" 120 check "$fam-ddp-accum" 2 $b \
@@ -231,6 +248,13 @@ for fam in gpt llama; do
     step "$fam: bf16" 120 check "$fam-bf16" 1 "$fam-base-bf16" 0.02 "${m[@]}" train.micro_batch_size=8 \
         train.precision=\"bf16\"
     if [ "$gpus" -ge 2 ]; then # one GPU per rank: NCCL carries the collectives
+        # DDP's held gradients averaged where they lie (ncclAllReduce on
+        # device memory, ops::collective).
+        PHALANX_BACKEND=nccl step "$fam: DDP 2 ranks over NCCL" 120 check "$fam-ddp-nccl" 2 $b \
+            "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4
+        step "$fam: DDP over NCCL read no gradient back" 10 no_reads "$fam-ddp-nccl"
+        PHALANX_BACKEND=nccl step "$fam: DDP 2 ranks over NCCL, 4 micro-batches" 120 check \
+            "$fam-ddp-nccl-accum" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=1 train.grad_accum_steps=4
         PHALANX_BACKEND=nccl step "$fam: ZeRO-2 2 ranks over NCCL" 120 check "$fam-zero2-nccl" 2 $b \
             "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4 zero_optimization.stage=2
     fi

@@ -301,8 +301,10 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.inner.queue.drain();
+        // Named apart from the host's all-reduce: under
+        // PHALANX_DEBUG=detail a rank on the other path is a mismatch.
         let sig = Signature {
-            op: "all_reduce",
+            op: "all_reduce_dev",
             dtype: buf.dtype,
             count: buf.count as u64,
             reduce: Some(op),

@@ -9,8 +9,9 @@
 //!   and gradient buffers stay in host memory, the parameters' device
 //!   copies are kept while they are unchanged ([`crate::engine::resident`]:
 //!   at most one upload per optimizer step), each block's gradients are
-//!   read back after the backward that reduces them (never, under DDP with
-//!   one data-parallel rank), and the optimizer's state and step are on
+//!   read back after the backward that reduces them (never under DDP with
+//!   one data-parallel rank or over NCCL, which reduces them on the
+//!   device), and the optimizer's state and step are on
 //!   the device ([`crate::optim::DeviceOptimizer`]) unless offloaded.
 //!
 //! candle gives each `Device::new_cuda` call its own context handle and

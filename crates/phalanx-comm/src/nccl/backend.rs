@@ -9,7 +9,8 @@
 //! under the call's deadline and copies back. Uneven reduce-scatter and
 //! all-gather are padded to the largest count (see `layout`);
 //! all-to-all-v is grouped `ncclSend`/`ncclRecv` (its own block is copied
-//! on the host).
+//! on the host). `all_reduce_device` skips the staging: NCCL reduces the
+//! caller's device memory in place (`Io::Device`).
 //!
 //! Point-to-point (`send`, `recv_into`, `recv_message`) and the
 //! `PHALANX_DEBUG=detail` signature exchange go over the native mesh the

@@ -203,8 +203,8 @@ impl Engine {
 
     /// The parameters' values are `t`'s ((n,) f32 on the device) from now
     /// on, until the host reads them (`FlatBuffer::defer_to`): what DDP
-    /// with one data-parallel rank leaves after its optimizer's step on the
-    /// device, so no step reads them back; a checkpoint, an evaluation on
+    /// with its gradients on the device leaves after its optimizer's step
+    /// there, so no step reads them back; a checkpoint, an evaluation on
     /// the host or any other read copies them back then, once.
     /// The values are copied once per parameter, and those copies also
     /// serve the next forward (`engine::resident`): `t` may be dropped.

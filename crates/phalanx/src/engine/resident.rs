@@ -31,7 +31,8 @@
 //! (`optim::DeviceOptimizer::step_on`): [`Resident::flat`] hands it the
 //! kept copies as one tensor, [`Resident::adopt`] keeps its result as the
 //! copies of the buffer it has just written; and where nothing reduces the
-//! gradients (DDP with one data-parallel rank), [`HeldGrads::take_flat`]
+//! gradients on the host (DDP with one data-parallel rank, or reducing
+//! them on the device), [`HeldGrads::take_flat`]
 //! hands it every backward's sum without a read back.
 //!
 //! ```

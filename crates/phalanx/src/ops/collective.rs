@@ -49,7 +49,18 @@ pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Resul
     match t.inplace_op1(&o) {
         Ok(()) => Ok(()),
         Err(e) => Err(match o.failure.into_inner().unwrap_or(None) {
-            Some(c) => Error::Comm(c),
+            Some(c) => {
+                if !t.device().is_cpu()
+                    && matches!(c, CommError::Timeout(_) | CommError::Aborted(_))
+                {
+                    // The aborted NCCL kernel may still be on its stream,
+                    // over this memory: never give it back to candle's
+                    // allocator (as the backend leaks its own staging
+                    // buffer then). The process is failing anyway.
+                    std::mem::forget(t.clone());
+                }
+                Error::Comm(c)
+            }
             None => Error::Tensor(e),
         }),
     }

@@ -135,7 +135,9 @@ impl Ddp {
     /// Forward and backward of one micro-batch. With `sync` (the last
     /// micro-step), each bucket's reduction is launched as soon as it is
     /// ready and all are awaited before returning; otherwise gradients only
-    /// accumulate locally (`no_sync`).
+    /// accumulate locally (`no_sync`). Where they stay on the device
+    /// (`grads_stay_on_device`) every micro-step only accumulates, and
+    /// `finish_step` reduces them there.
     pub fn micro_step(
         &mut self,
         engine: &mut Engine,
@@ -283,13 +285,20 @@ impl Strategy for Ddp {
             if self.pg.size() == 1 {
                 held
             } else {
-                // Every rank joins the reduction, one that held nothing
-                // with zeros.
-                let g = match held {
-                    Some(g) => g,
+                // Every rank joins the reduction (no peer waits for one
+                // that held nothing), then one that held nothing fails:
+                // its zeros would have been averaged in.
+                let g = match &held {
+                    Some(g) => g.clone(),
                     None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
                 };
                 crate::ops::collective::all_reduce_in_place(&self.pg, &g, ReduceOp::Avg)?;
+                if held.is_none() {
+                    return Err(Error::Check(format!(
+                        "DDP: rank {} held no gradients on the device after backward",
+                        self.pg.rank()
+                    )));
+                }
                 Some(g)
             }
         } else {

@@ -154,13 +154,13 @@ pub trait Strategy: Send {
         }
     }
 
-    /// Whether gradients that nothing reduces may stay on the device
-    /// through the optimizer's step, never reaching the flat gradient
-    /// buffer: the trainer allows it when nothing else reads that buffer
-    /// between the backward and the step (no sequence-parallel sum over
-    /// tp, no fault-tolerant average across replica groups). Only DDP
-    /// with one data-parallel rank and the optimizer on the device acts on
-    /// it.
+    /// Whether gradients may stay on the device through the optimizer's
+    /// step, never reaching the flat gradient buffer: the trainer allows it
+    /// when nothing else reads that buffer between the backward and the
+    /// step (no sequence-parallel sum over tp, no fault-tolerant average
+    /// across replica groups). Only DDP with the optimizer on the device
+    /// acts on it (one data-parallel rank, or a plain average on a backend
+    /// that reduces the device's memory).
     fn keep_grads_on_device(&mut self, allowed: bool) {
         let _ = allowed;
     }

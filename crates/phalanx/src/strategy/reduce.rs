@@ -374,12 +374,12 @@ impl Reducer {
         self.hook = hook;
     }
 
-    /// The hook's state, for checkpoints ([`CommHook::state`]).
     /// The hook is the plain f32 average ([`CommHook::is_plain_average`]).
     pub fn plain_average(&self) -> bool {
         self.hook.is_plain_average()
     }
 
+    /// The hook's state, for checkpoints ([`CommHook::state`]).
     pub fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
         self.hook.state()
     }

@@ -128,6 +128,9 @@ impl StepLog {
             if let Some(m) = s.mfu {
                 v["mfu"] = serde_json::json!(m);
             }
+            if let Some(r) = s.grad_reads {
+                v["grad_reads"] = serde_json::json!(r);
+            }
             if let Some(g) = s.groups_committed {
                 v["groups_committed"] = serde_json::json!(g);
             }

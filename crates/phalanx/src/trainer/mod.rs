@@ -70,6 +70,10 @@ pub struct StepStats {
     /// records, tokens tokenized, reader time, queue depth), when a text
     /// source is read.
     pub data: Option<crate::data::LoaderStats>,
+    /// Off the CPU kernels (a GPU, or the CPU's device-generic path): the
+    /// gradient read-backs from the device during the step, in this
+    /// process (`engine::resident::downloads`; 0 where they stay there).
+    pub grad_reads: Option<u64>,
 }
 
 /// What a run produced.
@@ -348,6 +352,7 @@ impl Trainer {
     fn step_inner(&mut self, step: usize) -> Result<Option<StepStats>> {
         let t0 = Instant::now();
         let blocked0 = phalanx_comm::blocked_seconds();
+        let reads0 = crate::engine::resident::downloads();
         let sent0 = self.pg.bytes_sent();
         if let Some(d) = crate::fault::step_delay(self.mesh.world().rank()) {
             std::thread::sleep(d);
@@ -458,6 +463,8 @@ impl Trainer {
                 .and_then(|f| f.quorum.as_ref())
                 .map(|q| q.size),
             data: self.loader.stats(),
+            grad_reads: (!crate::ops::host_kernels(self.engine.device()))
+                .then(|| (crate::engine::resident::downloads() - reads0) as u64),
         }))
     }
 
