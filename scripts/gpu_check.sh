@@ -31,8 +31,8 @@
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
-#      2+ GPUs, DDP (gradients averaged in device memory) and ZeRO-2 once
-#      more over NCCL;
+#      2+ GPUs, DDP and ZeRO-1 (gradients averaged in device memory, no
+#      read-back: the step log's grad_reads) and ZeRO-2 once more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
 #      and the reverse, each against 8 uninterrupted CPU steps (in the
 #      rehearsal, the device's side takes the generic path);
@@ -255,6 +255,9 @@ for fam in gpt llama; do
         step "$fam: DDP over NCCL read no gradient back" 10 no_reads "$fam-ddp-nccl"
         PHALANX_BACKEND=nccl step "$fam: DDP 2 ranks over NCCL, 4 micro-batches" 120 check \
             "$fam-ddp-nccl-accum" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=1 train.grad_accum_steps=4
+        PHALANX_BACKEND=nccl step "$fam: ZeRO-1 2 ranks over NCCL" 120 check "$fam-zero1-nccl" 2 $b \
+            "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=2 zero_optimization.stage=1
+        step "$fam: ZeRO-1 over NCCL read no gradient back" 10 no_reads "$fam-zero1-nccl"
         PHALANX_BACKEND=nccl step "$fam: ZeRO-2 2 ranks over NCCL" 120 check "$fam-zero2-nccl" 2 $b \
             "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4 zero_optimization.stage=2
     fi

@@ -41,6 +41,7 @@
 
 mod gather;
 pub mod offload;
+mod on_device;
 mod sharded;
 
 use super::ddp::all_reduce_micro_step;
@@ -147,6 +148,11 @@ pub struct Zero {
     first_kept: usize,
     /// Stages 2-3: buffers reused from step to step.
     pool: Pool,
+    /// Allowed to keep gradients on the device through the step
+    /// ([`Strategy::keep_grads_on_device`]; stage 1 acts on it, `on_device`).
+    device_grads: bool,
+    /// This step's micro-batches held all their gradients on the device.
+    held_all: bool,
 }
 
 impl Zero {
@@ -309,6 +315,8 @@ impl Zero {
             secondary,
             first_kept,
             pool,
+            device_grads: false,
+            held_all: false,
         })
     }
 
@@ -337,10 +345,13 @@ impl Zero {
         last: bool,
     ) -> Result<f32> {
         // ZeRO-1 reduces on the last micro-step only: the ones before keep
-        // their gradients on the device (CUDA).
-        engine.hold_grads(self.cfg.stage == 1 && !last);
+        // their gradients on the device (CUDA); where it reduces them there
+        // too (`on_device`), all of them do.
+        let all = self.grads_stay_on_device(engine);
+        self.held_all = all;
+        engine.hold_grads(self.cfg.stage == 1 && (!last || all));
         match self.cfg.stage {
-            1 if !last || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
+            1 if !last || all || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
             1 => {
                 let (units, pool) = (&self.units, &self.pool);
                 all_reduce_micro_step(engine, x, y, scale, units, &mut self.reducer, pool)
@@ -368,7 +379,9 @@ impl Zero {
         let rep = &self.tp_replicated;
         let world = self.mesh.world().clone();
         let stage = self.cfg.stage;
-        let out = if stage == 3 && !self.store.is_resident() {
+        let out = if std::mem::take(&mut self.held_all) {
+            self.finish_on_device(engine, scaler, lr, max_norm, step)?
+        } else if stage == 3 && !self.store.is_resident() {
             let ss = weighted_sum_squares(&self.grad_shard, mine.start, w, rep, tp);
             let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
             if let Some(factor) = factor {
@@ -581,6 +594,10 @@ impl Strategy for Zero {
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.reducer.set_hook(make());
+    }
+
+    fn keep_grads_on_device(&mut self, allowed: bool) {
+        self.device_grads = allowed;
     }
 
     fn hook_state(&self) -> Vec<(String, Vec<f32>)> {

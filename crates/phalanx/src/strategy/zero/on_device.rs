@@ -1,0 +1,79 @@
+//! ZeRO-1 with its gradients on the device (a GPU, or the CPU's
+//! device-generic path): every micro-batch holds its gradients there, one
+//! all-reduce averages their sum where it lies (`ops::collective`: NCCL on
+//! device memory, any backend on host memory), and the optimizer steps its
+//! shard with the shard's gradients straight from that sum, so no gradient
+//! is read back to the host. The parameters stay as ZeRO-1 keeps them: the
+//! shard's new values written to the host buffer, then all-gathered there.
+//!
+//! As DDP's (`strategy::ddp`): taken only where every rank takes it (the
+//! optimizer on the device, the plain f32 average, a group that reduces
+//! the device's memory, and the trainer's leave).
+
+use super::Zero;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
+use crate::optim::Grads;
+use crate::precision::LossScaler;
+use candle_core::Tensor;
+use phalanx_comm::ReduceOp;
+
+impl Zero {
+    /// Stage 1, allowed, off the CPU kernels, the optimizer on the device,
+    /// and the gradients' reduction possible where they lie.
+    pub(super) fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
+        let dev = engine.device();
+        self.cfg.stage == 1
+            && self.device_grads
+            && !crate::ops::host_kernels(dev)
+            && self.opt.as_device().is_some()
+            && (self.shard_pg.size() == 1
+                || (self.reducer.plain_average()
+                    && crate::ops::collective::reduces_on(&self.shard_pg, dev)))
+    }
+
+    /// The step from the held gradients: averaged over the group on the
+    /// device, the norm summed there over this rank's shard, the shard
+    /// stepped on the device and written back to the host buffer.
+    pub(super) fn finish_on_device(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        engine.hold_grads(false);
+        let n = engine.num_params();
+        let held = engine.take_device_grads(0..n)?;
+        // Every rank joins the reduction (none waits for one that held
+        // nothing), then one that held nothing fails.
+        let g = match &held {
+            Some(g) => g.clone(),
+            None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
+        };
+        if self.shard_pg.size() > 1 {
+            crate::ops::collective::all_reduce_in_place(&self.shard_pg, &g, ReduceOp::Avg)?;
+        }
+        if held.is_none() {
+            return Err(Error::Check(format!(
+                "ZeRO-1: rank {} held no gradients on the device after backward",
+                self.shard_pg.rank()
+            )));
+        }
+        let mine = self.shards.mine();
+        let gs = g.narrow(0, mine.start, mine.len())?;
+        let ss =
+            weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
+        let world = self.mesh.world().clone();
+        let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
+        if let (Some(factor), Some(opt)) = (factor, self.opt.as_device()) {
+            let p = &mut engine.params_flat_mut()[mine.clone()];
+            // A shard cuts parameters: its values go up as they are.
+            let dev = Tensor::from_slice(p, p.len(), g.device())?;
+            opt.step_on(Some(p), &dev, Grads::Device(&gs), lr, factor)?;
+        }
+        Ok(out)
+    }
+}
