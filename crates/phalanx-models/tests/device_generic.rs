@@ -107,13 +107,9 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         // the run's end reads them, once per rank.
         let read = downloads() - down;
         match what {
-            // ZeRO-1 reduces them there as well and steps its shard from
-            // them, then writes the shard back for the all-gather.
-            "ZeRO-1 2 ranks" => {
-                assert_eq!(read, 0, "{what}: gradients read back");
-                assert!(back > 0, "{what}: the host buffer was not kept current");
-            }
-            "1 rank" | "tp 2" | "DDP 2 ranks" => {
+            // ZeRO-1 reduces them there as well, steps its shard in the
+            // kept copies and gathers the others' shards there.
+            "1 rank" | "tp 2" | "DDP 2 ranks" | "ZeRO-1 2 ranks" => {
                 assert_eq!(read, 0, "{what}: gradients read back");
                 assert_eq!(back, 0, "{what}: the optimizer wrote the parameters back");
                 assert_eq!(
@@ -186,6 +182,21 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     assert_eq!(
         pp_all, pp_first,
         "pp 2: later steps uploaded the parameters again"
+    );
+    // As does ZeRO-1 with its gradients on the device: its shard stepped
+    // in the kept copies and the others' gathered there.
+    let z1_uploads = |extra: &[&str]| {
+        let up = uploads();
+        llama_run(2, 2, 2, extra);
+        uploads() - up
+    };
+    let (z1_all, z1_first) = (
+        z1_uploads(&["zero_optimization.stage=1"]),
+        z1_uploads(&["zero_optimization.stage=1", "train.steps=1"]),
+    );
+    assert_eq!(
+        z1_all, z1_first,
+        "ZeRO-1: later steps uploaded the parameters again"
     );
     assert_eq!(down4, down1, "held micro-batches read their gradients back");
     runs.push(("DDP 2 ranks, 4 micro-batches, full recompute", out));

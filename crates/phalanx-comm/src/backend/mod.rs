@@ -347,6 +347,21 @@ pub trait Backend: Send + Sync {
         )))
     }
 
+    /// All-gather in place in device memory: `buf` holds `count` elements
+    /// per rank, rank k's at `k * count`; this rank's block is its
+    /// contribution, and every block is its owner's on return. The
+    /// caller's obligations are [`Backend::all_reduce_device`]'s. The
+    /// default refuses: this backend gathers into host memory only.
+    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, count: usize) -> Result<()> {
+        let _ = (buf, count);
+        Err(CommError::Invalid(format!(
+            "{}: the {} backend gathers into host memory only, not CUDA device memory \
+             (PHALANX_BACKEND=nccl gathers there)",
+            c.op,
+            self.name()
+        )))
+    }
+
     /// `PHALANX_DEBUG=detail`: send `mine` (this rank's encoded signature,
     /// the same length on every rank) to the group and return every rank's,
     /// in group order, before the collective runs.

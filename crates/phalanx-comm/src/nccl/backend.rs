@@ -352,6 +352,41 @@ impl Backend for Nccl {
         })
     }
 
+    /// `ncclAllGather` in place on the caller's device memory (this rank's
+    /// block is the send buffer, NCCL's in-place form).
+    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, count: usize) -> Result<()> {
+        let ordinal = self.comm.dev.ordinal;
+        if buf.ordinal != ordinal {
+            return Err(invalid!(
+                "{}: the buffer is on CUDA device {} but this NCCL communicator on device {ordinal}",
+                c.op,
+                buf.ordinal
+            ));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let (n, dt, size) = (c.n(), nccl_dtype(buf.dtype), buf.dtype.size());
+        self.count((n - 1) * count * size);
+        let mine = buf.ptr + (c.me * count * size) as u64;
+        self.comm.run(
+            c,
+            Io::Device { ptr: buf.ptr },
+            &mut |api, comm, s, _, dst| unsafe {
+                // SAFETY: `dst` holds n x `count` elements on this device,
+                // `mine` is this rank's block of it (in place).
+                (api.ncclAllGather)(
+                    mine as *const c_void,
+                    dst as *mut c_void,
+                    count,
+                    dt,
+                    comm,
+                    s,
+                )
+            },
+        )
+    }
+
     fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.native.exchange_signatures(c, mine)
     }

@@ -18,13 +18,13 @@
 //!   device, run on the communicator's stream, waited for under the call's
 //!   deadline (`PHALANX_TIMEOUT`; then `ncclCommAbort` and an error naming
 //!   the operation, group and rank) and copied back ([`backend`]).
-//!   `all_reduce_device` takes the caller's device memory instead, in
-//!   place, nothing staged.
+//!   `all_reduce_device` and `all_gather_device` take the caller's device
+//!   memory instead, in place, nothing staged.
 //! - Point-to-point messages and `PHALANX_DEBUG=detail` signature checks go
 //!   over the native mesh, which the world group connects as well.
 //!
 //! Not yet built (issue 30): device buffers for the collectives other than
-//! the all-reduce.
+//! the all-reduce and the all-gather.
 
 mod backend;
 mod comm;

@@ -1,11 +1,15 @@
 //! Collectives on candle tensors where they lie: a tensor in host memory
 //! through its group's backend, one in CUDA memory through a backend that
-//! reduces device memory (NCCL), without a copy through the host.
+//! reduces device memory (NCCL), without a copy through the host. Two
+//! collectives, what the data-parallel strategies need on the device: the
+//! all-reduce of held gradients, and the all-gather of updated shards.
 //!
-//! The reduction runs as a candle in-place op, the one way candle lends its
+//! Each runs as a candle in-place op, the one way candle lends its
 //! storage mutably: the CPU side reduces the tensor's own elements, the
 //! CUDA side hands NCCL their device address after candle's stream has
-//! finished writing them ([`phalanx_comm::ProcessGroup::all_reduce_device`]).
+//! finished writing them ([`phalanx_comm::ProcessGroup::all_reduce_device`],
+//! `all_gather_device`). NCCL gathers equal blocks only: uneven ones go
+//! through a padded copy ([`all_gather_padded`]).
 //! A failure of the group comes back as the group's error (a timeout naming
 //! the rank), not as candle's.
 //!
@@ -41,9 +45,78 @@ pub fn reduces_on(pg: &ProcessGroup, dev: &Device) -> bool {
 /// `t` holds the result. `t` must own its storage (nothing else may read
 /// it meanwhile: a detached tensor of this caller's, not a view).
 pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
-    let o = AllReduce {
+    run(pg, t, Coll::AllReduce(op))
+}
+
+/// All-gather in place: `t` ((sum of `counts`,), contiguous) holds rank
+/// k's block of `counts[k]` elements after the blocks before it; each
+/// rank's own block is its contribution, and on return every block is its
+/// owner's on every rank. On CUDA, uneven blocks go through
+/// [`all_gather_padded`].
+pub fn all_gather_in_place(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
+    check_counts(pg, t, counts)?;
+    let even = counts.windows(2).all(|w| w[0] == w[1]);
+    if !t.device().is_cpu() && !even {
+        return all_gather_padded(pg, t, counts);
+    }
+    run(pg, t, Coll::AllGather(counts))
+}
+
+/// [`all_gather_in_place`] through a copy with every block padded to the
+/// largest, for a backend that gathers equal blocks only (NCCL): this
+/// rank's block is copied into its padded slot, the padded copy gathered in
+/// place, and the others' blocks copied back into `t`.
+pub fn all_gather_padded(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
+    check_counts(pg, t, counts)?;
+    let (n, me) = (counts.len(), pg.rank());
+    let m = counts.iter().copied().max().unwrap_or(0);
+    let offsets: Vec<usize> = counts
+        .iter()
+        .scan(0, |a, &c| {
+            *a += c;
+            Some(*a - c)
+        })
+        .collect();
+    // (n * m,): block k at k * m.
+    let padded = Tensor::zeros(n * m, t.dtype(), t.device())?;
+    if counts[me] > 0 {
+        padded.slice_set(
+            &t.narrow(0, offsets[me], counts[me])?.contiguous()?,
+            0,
+            me * m,
+        )?;
+    }
+    run(pg, &padded, Coll::AllGather(&vec![m; n]))?;
+    for k in (0..n).filter(|&k| k != me && counts[k] > 0) {
+        t.slice_set(
+            &padded.narrow(0, k * m, counts[k])?.contiguous()?,
+            0,
+            offsets[k],
+        )?;
+    }
+    Ok(())
+}
+
+fn check_counts(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
+    let total: usize = counts.iter().sum();
+    if counts.len() != pg.size() || t.rank() != 1 || t.elem_count() != total {
+        return Err(Error::Check(format!(
+            "all-gather in place: {} counts summing to {total} for a tensor of shape {:?} \
+             (group size {})",
+            counts.len(),
+            t.shape(),
+            pg.size()
+        )));
+    }
+    Ok(())
+}
+
+/// Run `coll` on `t` as an in-place op; the group's own error comes back
+/// whole.
+fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
+    let o = InPlace {
         pg,
-        op,
+        coll,
         failure: Mutex::new(None),
     };
     match t.inplace_op1(&o) {
@@ -66,41 +139,65 @@ pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Resul
     }
 }
 
-struct AllReduce<'a> {
+#[derive(Clone, Copy)]
+enum Coll<'a> {
+    AllReduce(ReduceOp),
+    /// Per-rank counts (equal on CUDA).
+    AllGather(&'a [usize]),
+}
+
+struct InPlace<'a> {
     pg: &'a ProcessGroup,
-    op: ReduceOp,
+    coll: Coll<'a>,
     /// The group's own error, kept whole for the caller.
     failure: Mutex<Option<CommError>>,
 }
 
-impl AllReduce<'_> {
+impl InPlace<'_> {
     fn fail(&self, e: CommError) -> candle_core::Error {
         let msg = e.to_string();
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         candle_core::Error::Msg(msg)
     }
+
+    /// The collective on host memory `v` (the tensor's range).
+    fn host<T: phalanx_comm::Element>(&self, v: &mut [T]) -> phalanx_comm::Result<()> {
+        match self.coll {
+            Coll::AllReduce(op) => self.pg.all_reduce(v, op),
+            Coll::AllGather(counts) => {
+                let me = self.pg.rank();
+                let at: usize = counts[..me].iter().sum();
+                let mine = v[at..at + counts[me]].to_vec();
+                self.pg.all_gather_v(&mine, counts, v)
+            }
+        }
+    }
 }
 
 /// The contiguous element range of `l`.
 fn span(l: &Layout) -> candle_core::Result<(usize, usize)> {
-    l.contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("all-reduce of a non-contiguous tensor".into()))
+    l.contiguous_offsets().ok_or_else(|| {
+        candle_core::Error::Msg("a collective in place on a non-contiguous tensor".into())
+    })
 }
 
-impl InplaceOp1 for AllReduce<'_> {
+impl InplaceOp1 for InPlace<'_> {
     fn name(&self) -> &'static str {
-        "all-reduce"
+        match self.coll {
+            Coll::AllReduce(_) => "all-reduce",
+            Coll::AllGather(_) => "all-gather",
+        }
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
         let (a, b) = span(l)?;
         let r = match s {
-            CpuStorage::F32(v) => self.pg.all_reduce(&mut v[a..b], self.op),
-            CpuStorage::F64(v) => self.pg.all_reduce(&mut v[a..b], self.op),
-            CpuStorage::BF16(v) => self.pg.all_reduce(&mut v[a..b], self.op),
-            CpuStorage::F16(v) => self.pg.all_reduce(&mut v[a..b], self.op),
-            CpuStorage::I64(v) => self.pg.all_reduce(&mut v[a..b], self.op),
-            _ => candle_core::bail!("all-reduce of a {:?} tensor", s.dtype()),
+            CpuStorage::F32(v) => self.host(&mut v[a..b]),
+            CpuStorage::F64(v) => self.host(&mut v[a..b]),
+            CpuStorage::BF16(v) => self.host(&mut v[a..b]),
+            CpuStorage::F16(v) => self.host(&mut v[a..b]),
+            CpuStorage::I64(v) => self.host(&mut v[a..b]),
+            _ => candle_core::bail!("{} of a {:?} tensor", self.name(), s.dtype()),
         };
         r.map_err(|e| self.fail(e))
     }
@@ -114,7 +211,7 @@ impl InplaceOp1 for AllReduce<'_> {
         let (a, b) = span(l)?;
         let dev = s.device.clone();
         let DeviceLocation::Cuda { gpu_id } = dev.location() else {
-            candle_core::bail!("all-reduce: CUDA storage off a CUDA device");
+            candle_core::bail!("{}: CUDA storage off a CUDA device", self.name());
         };
         let stream = dev.cuda_stream();
         let (ptr, dtype) = match s.dtype() {
@@ -134,12 +231,12 @@ impl InplaceOp1 for AllReduce<'_> {
                     .0,
                 D::F16,
             ),
-            d => candle_core::bail!("all-reduce of a {d:?} tensor on CUDA"),
+            d => candle_core::bail!("{} of a {d:?} tensor on CUDA", self.name()),
         };
         // NCCL runs on its own stream: what candle's stream wrote (the
-        // backward that made these gradients) must be complete first, and
-        // NCCL's wait returns only once the reduction is (so candle's
-        // later kernels read the result).
+        // backward that made these gradients, the step that made these
+        // shards) must be complete first, and NCCL's wait returns only once
+        // the collective is (so candle's later kernels read the result).
         stream.synchronize().map_err(candle_core::Error::wrap)?;
         let buf = DeviceBuf {
             ptr: ptr + (a * dtype.size()) as u64,
@@ -150,6 +247,16 @@ impl InplaceOp1 for AllReduce<'_> {
         // SAFETY: `buf` is this tensor's contiguous range on device
         // `gpu_id`, candle's writes to it are complete (synchronised above),
         // and candle lends it mutably (an in-place op) until we return.
-        unsafe { self.pg.all_reduce_device(buf, self.op) }.map_err(|e| self.fail(e))
+        let r = match self.coll {
+            Coll::AllReduce(op) => unsafe { self.pg.all_reduce_device(buf, op) },
+            Coll::AllGather(counts) => {
+                if counts.windows(2).any(|w| w[0] != w[1]) {
+                    candle_core::bail!("all-gather in place on CUDA: uneven blocks {counts:?}");
+                }
+                let each = counts.first().copied().unwrap_or(0);
+                unsafe { self.pg.all_gather_device(buf, each) }
+            }
+        };
+        r.map_err(|e| self.fail(e))
     }
 }

@@ -379,8 +379,11 @@ impl Zero {
         let rep = &self.tp_replicated;
         let world = self.mesh.world().clone();
         let stage = self.cfg.stage;
+        let mut gathered = false;
         let out = if std::mem::take(&mut self.held_all) {
-            self.finish_on_device(engine, scaler, lr, max_norm, step)?
+            let (out, done) = self.finish_on_device(engine, scaler, lr, max_norm, step)?;
+            gathered = done;
+            out
         } else if stage == 3 && !self.store.is_resident() {
             let ss = weighted_sum_squares(&self.grad_shard, mine.start, w, rep, tp);
             let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
@@ -413,7 +416,7 @@ impl Zero {
             };
             finish_step(&world, ss, vec![u], scaler, lr, max_norm, step)?
         };
-        if stage < 3 && !out.skipped {
+        if stage < 3 && !out.skipped && !gathered {
             self.gather_params(engine)?;
         }
         Ok(out)

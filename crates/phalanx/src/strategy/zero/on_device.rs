@@ -3,8 +3,10 @@
 //! all-reduce averages their sum where it lies (`ops::collective`: NCCL on
 //! device memory, any backend on host memory), and the optimizer steps its
 //! shard with the shard's gradients straight from that sum, so no gradient
-//! is read back to the host. The parameters stay as ZeRO-1 keeps them: the
-//! shard's new values written to the host buffer, then all-gathered there.
+//! is read back to the host. The shard is stepped in place in the
+//! parameters' kept device copies, which an all-gather in place makes
+//! whole again, and the host buffer is deferred to them (as DDP's): a
+//! step moves nothing between host and device but the batch and the loss.
 //!
 //! As DDP's (`strategy::ddp`): taken only where every rank takes it (the
 //! optimizer on the device, the plain f32 average, a group that reduces
@@ -35,7 +37,9 @@ impl Zero {
 
     /// The step from the held gradients: averaged over the group on the
     /// device, the norm summed there over this rank's shard, the shard
-    /// stepped on the device and written back to the host buffer.
+    /// stepped in the kept copies and gathered there (`gathered`: nothing
+    /// left for the host's all-gather), or, without kept copies, written
+    /// back to the host buffer.
     pub(super) fn finish_on_device(
         &mut self,
         engine: &mut Engine,
@@ -43,7 +47,7 @@ impl Zero {
         lr: f32,
         max_norm: f32,
         step: usize,
-    ) -> Result<StepOutcome> {
+    ) -> Result<(StepOutcome, bool)> {
         engine.hold_grads(false);
         let n = engine.num_params();
         let held = engine.take_device_grads(0..n)?;
@@ -68,12 +72,29 @@ impl Zero {
             weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
         let world = self.mesh.world().clone();
         let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
-        if let (Some(factor), Some(opt)) = (factor, self.opt.as_device()) {
-            let p = &mut engine.params_flat_mut()[mine.clone()];
-            // A shard cuts parameters: its values go up as they are.
-            let dev = Tensor::from_slice(p, p.len(), g.device())?;
-            opt.step_on(Some(p), &dev, Grads::Device(&gs), lr, factor)?;
+        let (Some(factor), Some(opt)) = (factor, self.opt.as_device()) else {
+            // Skipped: the parameters, here and there, are unchanged.
+            return Ok((out, true));
+        };
+        // The forward kept every parameter's copy (the same on every rank:
+        // the same model, the same forward).
+        if let Some(all) = engine.device_params(0..n)? {
+            opt.step_on(
+                None,
+                &all.narrow(0, mine.start, mine.len())?,
+                Grads::Device(&gs),
+                lr,
+                factor,
+            )?;
+            let counts = self.shards.counts(&(0..n));
+            crate::ops::collective::all_gather_in_place(&self.shard_pg, &all, &counts)?;
+            engine.defer_params(&all)?;
+            return Ok((out, true));
         }
-        Ok(out)
+        let p = &mut engine.params_flat_mut()[mine.clone()];
+        // A shard cuts parameters: its values go up as they are.
+        let dev = Tensor::from_slice(p, p.len(), g.device())?;
+        opt.step_on(Some(p), &dev, Grads::Device(&gs), lr, factor)?;
+        Ok((out, false))
     }
 }
