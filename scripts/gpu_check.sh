@@ -249,7 +249,7 @@ for fam in gpt llama; do
         train.precision=\"bf16\"
     if [ "$gpus" -ge 2 ]; then # one GPU per rank: NCCL carries the collectives
         # DDP's held gradients averaged where they lie (ncclAllReduce on
-        # device memory, ops::collective).
+        # device memory, collective).
         PHALANX_BACKEND=nccl step "$fam: DDP 2 ranks over NCCL" 120 check "$fam-ddp-nccl" 2 $b \
             "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4
         step "$fam: DDP over NCCL read no gradient back" 10 no_reads "$fam-ddp-nccl"

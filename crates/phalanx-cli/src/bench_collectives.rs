@@ -315,9 +315,9 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
                     if pg.rank() == 0 {
                         let line = match done {
                             Some((dev, w)) => format!(
-                                "# all_reduce of tensors in place on {dev} (ops::collective): \
-                                 sums in f32 and bf16, averages in f32, at 1, 7 and 1048577 \
-                                 elements, {w} wrong"
+                                "# all_reduce and all_gather of tensors in place on {dev} \
+                                 (phalanx::collective): sums in f32 and bf16, averages in f32, \
+                                 even and uneven gathers, {w} wrong"
                             ),
                             None => "# all_reduce of tensors in place: not checked (this build \
                                      has no CUDA tensors: --features cuda)"

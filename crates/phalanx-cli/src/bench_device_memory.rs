@@ -1,16 +1,19 @@
 //! `phalanx bench collectives --check`'s last check: the all-reduce of a
-//! tensor where it lies (`phalanx::ops::collective`, what DDP's
+//! tensor where it lies (`phalanx::collective`, what DDP's
 //! device-held gradients take), on the memory the group's backend reduces
 //! in place: a CUDA device's under NCCL (no staging through the host),
 //! host memory under the others. Each rank fills f32 and bf16 tensors of
 //! 1, 7 and 2^20 + 1 elements with the sweep's hashed values; every
 //! element must be the exact sum; and an f32 average, within 1e-6 of the
 //! sum divided by the group size (NCCL's `ncclAvg` multiplies by 1/n
-//! first, so it may differ in the last bit).
+//! first, so it may differ in the last bit). Then the all-gather in place
+//! (ZeRO-1's gather of shards) with even blocks and uneven ones (the last
+//! one short, one empty where the group has 3+ ranks): every block its
+//! owner's values.
 
 use crate::bench_collectives::fill_value;
 use candle_core::{DType, Device, DeviceLocation, Tensor};
-use phalanx::ops::collective::all_reduce_in_place;
+use phalanx::collective::{all_gather_in_place, all_reduce_in_place};
 use phalanx_comm::{ProcessGroup, ReduceOp};
 
 /// Where the check ran and how many elements were wrong (`None`: not
@@ -52,6 +55,32 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
                 (g - want).abs() > 1e-6 * want.abs().max(1.0)
             })
             .count();
+    }
+    for each in [1usize, 7, (1 << 18) + 1] {
+        for uneven in [false, true] {
+            let mut counts = vec![each; n];
+            if uneven {
+                counts[n - 1] = each / 2;
+                if n >= 3 {
+                    counts[1] = 0;
+                }
+            }
+            let total: usize = counts.iter().sum();
+            let at: usize = counts[..me].iter().sum();
+            // Everyone's block -1 but this rank's own.
+            let mut v = vec![-1.0f32; total];
+            for (i, x) in v[at..at + counts[me]].iter_mut().enumerate() {
+                *x = fill_value(me, i, 1) as f32;
+            }
+            let t = Tensor::from_vec(v, total, &dev).map_err(|e| e.to_string())?;
+            all_gather_in_place(pg, &t, &counts).map_err(|e| e.to_string())?;
+            let got = t.to_vec1::<f32>().map_err(|e| e.to_string())?;
+            let want = counts
+                .iter()
+                .enumerate()
+                .flat_map(|(k, &c)| (0..c).map(move |i| fill_value(k, i, 1) as f32));
+            wrong += got.iter().zip(want).filter(|(g, w)| *g != w).count();
+        }
     }
     let mut w = [wrong as i64];
     pg.all_reduce(&mut w, ReduceOp::Sum)

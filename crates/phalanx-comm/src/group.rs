@@ -314,35 +314,30 @@ impl ProcessGroup {
         self.collective(sig, |b, c| b.all_reduce_device(c, buf, op))
     }
 
-    /// All-gather in place in CUDA device memory: `buf` holds `count`
-    /// elements per rank (`buf.count` = size x `count`), rank k's block at
-    /// `k * count`; each rank's own block is what it contributes. Refused
-    /// as [`ProcessGroup::all_reduce_device`] is.
+    /// All-gather in place in CUDA device memory: `buf` holds rank k's
+    /// block of `counts[k]` elements after the blocks before it; each
+    /// rank's own block is what it contributes, and every block is its
+    /// owner's on return. Refused as [`ProcessGroup::all_reduce_device`] is.
     ///
     /// # Safety
     /// As for [`ProcessGroup::all_reduce_device`].
     pub unsafe fn all_gather_device(
         &self,
         buf: crate::backend::DeviceBuf,
-        count: usize,
+        counts: &[usize],
     ) -> Result<()> {
         self.inner.queue.drain();
-        if count.checked_mul(self.size()) != Some(buf.count) {
-            return Err(invalid!(
-                "all_gather_device: a buffer of {} elements is not {} ranks x {count}",
-                buf.count,
-                self.size()
-            ));
-        }
+        let mine = counts.get(self.rank()).copied().unwrap_or(0);
+        self.check_counts("all_gather_device", counts, buf.count, mine)?;
         let sig = Signature {
             op: "all_gather_dev",
             dtype: buf.dtype,
             count: buf.count as u64,
             reduce: None,
             root: None,
-            layout: 0,
+            layout: digest(counts),
         };
-        self.collective(sig, |b, c| b.all_gather_device(c, buf, count))
+        self.collective(sig, |b, c| b.all_gather_device(c, buf, counts))
     }
 
     /// Reduce `input` (size * output.len() elements) across the group and

@@ -125,18 +125,21 @@ fn host_backends_refuse_device_memory_naming_themselves() {
         };
         // SAFETY: a host backend refuses without dereferencing `ptr`.
         let e = unsafe { pg.all_reduce_device(buf, ReduceOp::Sum) }.unwrap_err();
-        let g = unsafe { pg.all_gather_device(buf, 2) }
+        let g = unsafe { pg.all_gather_device(buf, &[1, 3]) }
             .unwrap_err()
             .to_string();
         assert!(
             g.contains("native backend gathers into host memory only"),
             "{g}"
         );
-        // 4 elements are not 2 ranks x 3.
-        let odd = unsafe { pg.all_gather_device(buf, 3) }
+        // Counts that do not cover the 4 elements.
+        let odd = unsafe { pg.all_gather_device(buf, &[1, 1]) }
             .unwrap_err()
             .to_string();
-        assert!(odd.contains("not 2 ranks x 3"), "{odd}");
+        assert!(
+            odd.contains("2 counts summing to 2 for a full buffer of 4"),
+            "{odd}"
+        );
         // The group goes on working after the refusal.
         let mut x = [1.0f32; 2];
         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();

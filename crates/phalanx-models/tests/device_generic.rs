@@ -101,7 +101,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         );
         // DDP's gradients stay on the device through the optimizer's step:
         // with one data-parallel rank there is nothing to reduce, with two
-        // they are averaged where they lie (ops::collective; NCCL on a
+        // they are averaged where they lie (collective; NCCL on a
         // GPU). Nor do its parameters come back each step: the flat
         // buffer's values stay on the device (FlatBuffer::defer_to) until
         // the run's end reads them, once per rank.

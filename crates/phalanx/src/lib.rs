@@ -1,5 +1,6 @@
 //! Phalanx: distributed training for candle models.
 pub mod checkpoint;
+pub mod collective;
 pub mod config;
 pub mod data;
 pub mod device;

@@ -1,12 +1,10 @@
-//! `ops::collective`: all-reduce and all-gather of candle tensors where
+//! `collective`: all-reduce and all-gather of candle tensors where
 //! they lie, the path DDP's and ZeRO-1's device-held gradients and shards
 //! take (host memory here; NCCL's device memory on a GPU, which
 //! `scripts/gpu_check.sh` runs).
 
 use candle_core::{DType, Device, Tensor};
-use phalanx::ops::collective::{
-    all_gather_in_place, all_gather_padded, all_reduce_in_place, reduces_on,
-};
+use phalanx::collective::{all_gather_in_place, all_reduce_in_place, reduces_on};
 use phalanx_comm::{threads, ReduceOp};
 
 #[test]
@@ -87,34 +85,28 @@ fn refuses_what_it_cannot_reduce_and_keeps_the_groups_error() {
 }
 
 #[test]
-fn gathers_every_ranks_block_in_place_even_uneven_and_padded() {
+fn gathers_every_ranks_block_in_place_even_and_uneven() {
     // Uneven blocks (one empty), as ZeRO's shards of a model that the
-    // group size does not divide; and even ones. The padded path is the
-    // one CUDA takes for uneven blocks (NCCL gathers equal ones only).
+    // group size does not divide; and even ones.
     let out = threads::run(3, |pg| {
         let me = pg.rank();
         let mut got = Vec::new();
         for counts in [vec![2usize, 0, 3], vec![2, 2, 2]] {
-            for padded in [false, true] {
-                for dt in [DType::F32, DType::BF16] {
-                    let n: usize = counts.iter().sum();
-                    let at: usize = counts[..me].iter().sum();
-                    // Everyone's block garbage (-1) but this rank's own.
-                    let mut v = vec![-1.0f32; n];
-                    for (i, x) in v[at..at + counts[me]].iter_mut().enumerate() {
-                        *x = (10 * me + i) as f32;
-                    }
-                    let t = Tensor::from_vec(v, n, &Device::Cpu)
-                        .unwrap()
-                        .to_dtype(dt)
-                        .unwrap();
-                    match padded {
-                        false => all_gather_in_place(&pg, &t, &counts).unwrap(),
-                        true => all_gather_padded(&pg, &t, &counts).unwrap(),
-                    }
-                    let all = t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
-                    got.push((counts.clone(), padded, dt, all));
+            for dt in [DType::F32, DType::BF16] {
+                let n: usize = counts.iter().sum();
+                let at: usize = counts[..me].iter().sum();
+                // Everyone's block garbage (-1) but this rank's own.
+                let mut v = vec![-1.0f32; n];
+                for (i, x) in v[at..at + counts[me]].iter_mut().enumerate() {
+                    *x = (10 * me + i) as f32;
                 }
+                let t = Tensor::from_vec(v, n, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap();
+                all_gather_in_place(&pg, &t, &counts).unwrap();
+                let all = t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+                got.push((counts.clone(), dt, all));
             }
         }
         // Counts that do not cover the tensor are refused before any message.
@@ -125,14 +117,29 @@ fn gathers_every_ranks_block_in_place_even_uneven_and_padded() {
         (got, e)
     });
     for (got, e) in out {
-        for (counts, padded, dt, all) in got {
+        for (counts, dt, all) in got {
             let want: Vec<f32> = counts
                 .iter()
                 .enumerate()
                 .flat_map(|(k, &c)| (0..c).map(move |i| (10 * k + i) as f32))
                 .collect();
-            assert_eq!(all, want, "{counts:?} padded {padded} {dt:?}");
+            assert_eq!(all, want, "{counts:?} {dt:?}");
         }
         assert!(e.contains("3 counts summing to 3"), "{e}");
     }
+}
+
+#[test]
+fn a_group_of_one_leaves_the_tensor_as_it_is() {
+    // Nothing to exchange: no call reaches the backend (a host backend's
+    // group of one may hold CUDA tensors: one GPU without NCCL).
+    let out = threads::run(1, |pg| {
+        let t = Tensor::new(&[1.5f32, -2.0, 3.0], &Device::Cpu).unwrap();
+        all_reduce_in_place(&pg, &t, ReduceOp::Avg).unwrap();
+        all_gather_in_place(&pg, &t, &[3]).unwrap();
+        let e = all_gather_in_place(&pg, &t, &[2]).unwrap_err().to_string();
+        (t.to_vec1::<f32>().unwrap(), e)
+    });
+    assert_eq!(out[0].0, [1.5, -2.0, 3.0]);
+    assert!(out[0].1.contains("1 counts summing to 2"), "{}", out[0].1);
 }

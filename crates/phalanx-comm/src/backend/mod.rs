@@ -347,13 +347,14 @@ pub trait Backend: Send + Sync {
         )))
     }
 
-    /// All-gather in place in device memory: `buf` holds `count` elements
-    /// per rank, rank k's at `k * count`; this rank's block is its
-    /// contribution, and every block is its owner's on return. The
-    /// caller's obligations are [`Backend::all_reduce_device`]'s. The
-    /// default refuses: this backend gathers into host memory only.
-    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, count: usize) -> Result<()> {
-        let _ = (buf, count);
+    /// All-gather in place in device memory: `buf` holds rank k's block of
+    /// `counts[k]` elements after the blocks before it (the counts cover
+    /// it: validated by the group); this rank's block is its contribution,
+    /// and every block is its owner's on return. The caller's obligations
+    /// are [`Backend::all_reduce_device`]'s. The default refuses: this
+    /// backend gathers into host memory only.
+    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, counts: &[usize]) -> Result<()> {
+        let _ = (buf, counts);
         Err(CommError::Invalid(format!(
             "{}: the {} backend gathers into host memory only, not CUDA device memory \
              (PHALANX_BACKEND=nccl gathers there)",

@@ -51,6 +51,19 @@ type ReduceLaunch<'a> =
     dyn Fn(&NcclApi, *mut c_void, Stream, CUdeviceptr, CUdeviceptr, c_int) -> c_int + 'a;
 
 impl Nccl {
+    /// `buf` lies on this communicator's device.
+    fn on_my_device(&self, c: &Call, buf: &DeviceBuf) -> Result<()> {
+        let ordinal = self.comm.dev.ordinal;
+        if buf.ordinal != ordinal {
+            return Err(invalid!(
+                "{}: the buffer is on CUDA device {} but this NCCL communicator on device {ordinal}",
+                c.op,
+                buf.ordinal
+            ));
+        }
+        Ok(())
+    }
+
     /// Count what a ring would send, for `bytes_sent`.
     fn count(&self, b: usize) {
         self.comm.bytes.fetch_add(b as u64, Ordering::Relaxed);
@@ -322,14 +335,7 @@ impl Backend for Nccl {
     /// `ncclAllReduce` on the caller's device memory, in place, on the
     /// communicator's stream: no staging, no copy back (`Avg` is NCCL's).
     fn all_reduce_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
-        let ordinal = self.comm.dev.ordinal;
-        if buf.ordinal != ordinal {
-            return Err(invalid!(
-                "{}: the buffer is on CUDA device {} but this NCCL communicator on device {ordinal}",
-                c.op,
-                buf.ordinal
-            ));
-        }
+        self.on_my_device(c, &buf)?;
         let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
         if buf.count == 0 {
             return Ok(());
@@ -352,39 +358,57 @@ impl Backend for Nccl {
         })
     }
 
-    /// `ncclAllGather` in place on the caller's device memory (this rank's
-    /// block is the send buffer, NCCL's in-place form).
-    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, count: usize) -> Result<()> {
-        let ordinal = self.comm.dev.ordinal;
-        if buf.ordinal != ordinal {
-            return Err(invalid!(
-                "{}: the buffer is on CUDA device {} but this NCCL communicator on device {ordinal}",
-                c.op,
-                buf.ordinal
-            ));
-        }
-        if count == 0 {
+    /// The gather in place on the caller's device memory: equal blocks
+    /// are one `ncclAllGather` (this rank's block as the send buffer, its
+    /// in-place form); uneven ones, one `ncclBroadcast` in place from each
+    /// rank of its block, grouped (no padded copy).
+    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, counts: &[usize]) -> Result<()> {
+        self.on_my_device(c, &buf)?;
+        if buf.count == 0 {
             return Ok(());
         }
-        let (n, dt, size) = (c.n(), nccl_dtype(buf.dtype), buf.dtype.size());
-        self.count((n - 1) * count * size);
-        let mine = buf.ptr + (c.me * count * size) as u64;
-        self.comm.run(
-            c,
-            Io::Device { ptr: buf.ptr },
-            &mut |api, comm, s, _, dst| unsafe {
-                // SAFETY: `dst` holds n x `count` elements on this device,
-                // `mine` is this rank's block of it (in place).
-                (api.ncclAllGather)(
+        let (dt, size) = (nccl_dtype(buf.dtype), buf.dtype.size());
+        self.count(buf.count * size - counts[c.me] * size);
+        let at = offsets(counts);
+        let even = counts.windows(2).all(|w| w[0] == w[1]);
+        let io = Io::Device { ptr: buf.ptr };
+        self.comm.run(c, io, &mut |api, comm, s, _, dst| unsafe {
+            // SAFETY: `dst` holds the sum of `counts` elements on this
+            // device (the group checked the counts against `buf`); every
+            // block lies within it.
+            if even {
+                let mine = dst + (at[c.me] * size) as u64;
+                return (api.ncclAllGather)(
                     mine as *const c_void,
                     dst as *mut c_void,
-                    count,
+                    counts[0],
                     dt,
                     comm,
                     s,
-                )
-            },
-        )
+                );
+            }
+            let mut rc = (api.ncclGroupStart)();
+            for (k, &n) in counts.iter().enumerate() {
+                if rc == 0 && n > 0 {
+                    let p = dst + (at[k] * size) as u64;
+                    rc = (api.ncclBroadcast)(
+                        p as *const c_void,
+                        p as *mut c_void,
+                        n,
+                        dt,
+                        k as c_int,
+                        comm,
+                        s,
+                    );
+                }
+            }
+            let end = (api.ncclGroupEnd)();
+            if rc == 0 {
+                end
+            } else {
+                rc
+            }
+        })
     }
 
     fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -24,7 +24,6 @@
 mod attention;
 mod bias;
 pub mod buffers;
-pub mod collective;
 pub mod cpu;
 mod cross_entropy;
 mod gelu;

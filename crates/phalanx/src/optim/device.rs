@@ -15,7 +15,8 @@
 //! `optim::step::Update::on_device`: kept between builds by `engine::resident`), so
 //! the parameters do not go up, and keep the result as the next forward's
 //! copies; ZeRO uploads its shard's parameters too
-//! ([`Optimizer::step_range`]). The state takes 8
+//! ([`Optimizer::step_range`]), except ZeRO-1 with its gradients on the
+//! device, which steps its shard in place in the kept copies. The state takes 8
 //! bytes per parameter (AdamW; SGD 4, or none without momentum) of device
 //! memory, plus 4 for the weight-decay mask where anything decays; the host
 //! does no arithmetic.

@@ -120,8 +120,7 @@ impl Ddp {
             && !crate::ops::host_kernels(dev)
             && self.opt.as_device().is_some()
             && (self.pg.size() == 1
-                || (self.reducer.plain_average()
-                    && crate::ops::collective::reduces_on(&self.pg, dev)))
+                || (self.reducer.plain_average() && crate::collective::reduces_on(&self.pg, dev)))
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -205,6 +204,33 @@ impl Ddp {
     }
 }
 
+/// The gradients every micro-batch of the step held on the device (DDP's
+/// and ZeRO-1's device path), taken out as one (n,) f32 tensor and
+/// averaged over `pg` where they lie (`collective`). Every rank joins the
+/// reduction, so no peer waits for one that held nothing; that one fails
+/// after it (its zeros were averaged in), naming `what` and its rank.
+pub(crate) fn take_reduced_grads(
+    engine: &mut Engine,
+    pg: &ProcessGroup,
+    what: &str,
+) -> Result<Tensor> {
+    engine.hold_grads(false);
+    let n = engine.num_params();
+    let held = engine.take_device_grads(0..n)?;
+    let g = match &held {
+        Some(g) => g.clone(),
+        None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
+    };
+    crate::collective::all_reduce_in_place(pg, &g, ReduceOp::Avg)?;
+    match held {
+        Some(_) => Ok(g),
+        None => Err(Error::Check(format!(
+            "{what}: rank {} held no gradients on the device after backward",
+            pg.rank()
+        ))),
+    }
+}
+
 /// One micro-step whose buckets are all-reduced as backward completes them
 /// (DDP, ZeRO-1), results written back into the flat gradient buffer.
 ///
@@ -280,27 +306,7 @@ impl Strategy for Ddp {
         // all-reduce of all of them, after backward), else the reduced ones
         // in the flat buffer.
         let on_device = if std::mem::take(&mut self.held_all) {
-            engine.hold_grads(false);
-            let held = engine.take_device_grads(0..n)?;
-            if self.pg.size() == 1 {
-                held
-            } else {
-                // Every rank joins the reduction (no peer waits for one
-                // that held nothing), then one that held nothing fails:
-                // its zeros would have been averaged in.
-                let g = match &held {
-                    Some(g) => g.clone(),
-                    None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
-                };
-                crate::ops::collective::all_reduce_in_place(&self.pg, &g, ReduceOp::Avg)?;
-                if held.is_none() {
-                    return Err(Error::Check(format!(
-                        "DDP: rank {} held no gradients on the device after backward",
-                        self.pg.rank()
-                    )));
-                }
-                Some(g)
-            }
+            Some(take_reduced_grads(engine, &self.pg, "DDP")?)
         } else {
             None
         };

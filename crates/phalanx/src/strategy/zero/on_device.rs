@@ -1,6 +1,6 @@
 //! ZeRO-1 with its gradients on the device (a GPU, or the CPU's
 //! device-generic path): every micro-batch holds its gradients there, one
-//! all-reduce averages their sum where it lies (`ops::collective`: NCCL on
+//! all-reduce averages their sum where it lies (`collective`: NCCL on
 //! device memory, any backend on host memory), and the optimizer steps its
 //! shard with the shard's gradients straight from that sum, so no gradient
 //! is read back to the host. The shard is stepped in place in the
@@ -18,8 +18,8 @@ use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
+use crate::strategy::ddp::take_reduced_grads;
 use candle_core::Tensor;
-use phalanx_comm::ReduceOp;
 
 impl Zero {
     /// Stage 1, allowed, off the CPU kernels, the optimizer on the device,
@@ -32,7 +32,7 @@ impl Zero {
             && self.opt.as_device().is_some()
             && (self.shard_pg.size() == 1
                 || (self.reducer.plain_average()
-                    && crate::ops::collective::reduces_on(&self.shard_pg, dev)))
+                    && crate::collective::reduces_on(&self.shard_pg, dev)))
     }
 
     /// The step from the held gradients: averaged over the group on the
@@ -48,33 +48,26 @@ impl Zero {
         max_norm: f32,
         step: usize,
     ) -> Result<(StepOutcome, bool)> {
-        engine.hold_grads(false);
         let n = engine.num_params();
-        let held = engine.take_device_grads(0..n)?;
-        // Every rank joins the reduction (none waits for one that held
-        // nothing), then one that held nothing fails.
-        let g = match &held {
-            Some(g) => g.clone(),
-            None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
-        };
-        if self.shard_pg.size() > 1 {
-            crate::ops::collective::all_reduce_in_place(&self.shard_pg, &g, ReduceOp::Avg)?;
-        }
-        if held.is_none() {
-            return Err(Error::Check(format!(
-                "ZeRO-1: rank {} held no gradients on the device after backward",
-                self.shard_pg.rank()
-            )));
-        }
+        let g = take_reduced_grads(engine, &self.shard_pg, "ZeRO-1")?;
         let mine = self.shards.mine();
-        let gs = g.narrow(0, mine.start, mine.len())?;
+        // This rank's shard of them; the rest is let go before the
+        // parameters' flat copy is made.
+        let gs = g.narrow(0, mine.start, mine.len())?.copy()?;
+        drop(g);
         let ss =
             weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
         let world = self.mesh.world().clone();
         let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
-        let (Some(factor), Some(opt)) = (factor, self.opt.as_device()) else {
+        let Some(factor) = factor else {
             // Skipped: the parameters, here and there, are unchanged.
             return Ok((out, true));
+        };
+        let Some(opt) = self.opt.as_device() else {
+            // `grads_stay_on_device` asked for it: a bug, not an input.
+            return Err(Error::Check(
+                "ZeRO-1: the gradients stayed on the device but the optimizer is not there".into(),
+            ));
         };
         // The forward kept every parameter's copy (the same on every rank:
         // the same model, the same forward).
@@ -87,13 +80,13 @@ impl Zero {
                 factor,
             )?;
             let counts = self.shards.counts(&(0..n));
-            crate::ops::collective::all_gather_in_place(&self.shard_pg, &all, &counts)?;
+            crate::collective::all_gather_in_place(&self.shard_pg, &all, &counts)?;
             engine.defer_params(&all)?;
             return Ok((out, true));
         }
         let p = &mut engine.params_flat_mut()[mine.clone()];
         // A shard cuts parameters: its values go up as they are.
-        let dev = Tensor::from_slice(p, p.len(), g.device())?;
+        let dev = Tensor::from_slice(p, p.len(), gs.device())?;
         opt.step_on(Some(p), &dev, Grads::Device(&gs), lr, factor)?;
         Ok((out, false))
     }

@@ -8,8 +8,7 @@
 //! storage mutably: the CPU side reduces the tensor's own elements, the
 //! CUDA side hands NCCL their device address after candle's stream has
 //! finished writing them ([`phalanx_comm::ProcessGroup::all_reduce_device`],
-//! `all_gather_device`). NCCL gathers equal blocks only: uneven ones go
-//! through a padded copy ([`all_gather_padded`]).
+//! `all_gather_device`).
 //! A failure of the group comes back as the group's error (a timeout naming
 //! the rank), not as candle's.
 //!
@@ -18,8 +17,8 @@
 //! use phalanx_comm::{threads, ReduceOp};
 //! let sums = threads::run(2, |pg| {
 //!     let t = Tensor::new(&[1.0f32 + pg.rank() as f32, 10.0], &Device::Cpu).unwrap();
-//!     assert!(phalanx::ops::collective::reduces_on(&pg, &Device::Cpu));
-//!     phalanx::ops::collective::all_reduce_in_place(&pg, &t, ReduceOp::Sum).unwrap();
+//!     assert!(phalanx::collective::reduces_on(&pg, &Device::Cpu));
+//!     phalanx::collective::all_reduce_in_place(&pg, &t, ReduceOp::Sum).unwrap();
 //!     t.to_vec1::<f32>().unwrap()
 //! });
 //! assert_eq!(sums, vec![vec![3.0, 20.0]; 2]);
@@ -51,50 +50,11 @@ pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Resul
 /// All-gather in place: `t` ((sum of `counts`,), contiguous) holds rank
 /// k's block of `counts[k]` elements after the blocks before it; each
 /// rank's own block is its contribution, and on return every block is its
-/// owner's on every rank. On CUDA, uneven blocks go through
-/// [`all_gather_padded`].
+/// owner's on every rank. Blocks may be uneven (ZeRO's shards of a model
+/// the group size does not divide), on CUDA too: no padded copy.
 pub fn all_gather_in_place(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
     check_counts(pg, t, counts)?;
-    let even = counts.windows(2).all(|w| w[0] == w[1]);
-    if !t.device().is_cpu() && !even {
-        return all_gather_padded(pg, t, counts);
-    }
     run(pg, t, Coll::AllGather(counts))
-}
-
-/// [`all_gather_in_place`] through a copy with every block padded to the
-/// largest, for a backend that gathers equal blocks only (NCCL): this
-/// rank's block is copied into its padded slot, the padded copy gathered in
-/// place, and the others' blocks copied back into `t`.
-pub fn all_gather_padded(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
-    check_counts(pg, t, counts)?;
-    let (n, me) = (counts.len(), pg.rank());
-    let m = counts.iter().copied().max().unwrap_or(0);
-    let offsets: Vec<usize> = counts
-        .iter()
-        .scan(0, |a, &c| {
-            *a += c;
-            Some(*a - c)
-        })
-        .collect();
-    // (n * m,): block k at k * m.
-    let padded = Tensor::zeros(n * m, t.dtype(), t.device())?;
-    if counts[me] > 0 {
-        padded.slice_set(
-            &t.narrow(0, offsets[me], counts[me])?.contiguous()?,
-            0,
-            me * m,
-        )?;
-    }
-    run(pg, &padded, Coll::AllGather(&vec![m; n]))?;
-    for k in (0..n).filter(|&k| k != me && counts[k] > 0) {
-        t.slice_set(
-            &padded.narrow(0, k * m, counts[k])?.contiguous()?,
-            0,
-            offsets[k],
-        )?;
-    }
-    Ok(())
 }
 
 fn check_counts(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
@@ -112,8 +72,12 @@ fn check_counts(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
 }
 
 /// Run `coll` on `t` as an in-place op; the group's own error comes back
-/// whole.
+/// whole. A group of one has nothing to exchange (and a host backend's
+/// group of one may hold CUDA tensors: one GPU, no NCCL).
 fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
+    if pg.size() == 1 {
+        return Ok(());
+    }
     let o = InPlace {
         pg,
         coll,
@@ -142,7 +106,7 @@ fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
 #[derive(Clone, Copy)]
 enum Coll<'a> {
     AllReduce(ReduceOp),
-    /// Per-rank counts (equal on CUDA).
+    /// Per-rank counts.
     AllGather(&'a [usize]),
 }
 
@@ -249,13 +213,7 @@ impl InplaceOp1 for InPlace<'_> {
         // and candle lends it mutably (an in-place op) until we return.
         let r = match self.coll {
             Coll::AllReduce(op) => unsafe { self.pg.all_reduce_device(buf, op) },
-            Coll::AllGather(counts) => {
-                if counts.windows(2).any(|w| w[0] != w[1]) {
-                    candle_core::bail!("all-gather in place on CUDA: uneven blocks {counts:?}");
-                }
-                let each = counts.first().copied().unwrap_or(0);
-                unsafe { self.pg.all_gather_device(buf, each) }
-            }
+            Coll::AllGather(counts) => unsafe { self.pg.all_gather_device(buf, counts) },
         };
         r.map_err(|e| self.fail(e))
     }
