@@ -27,7 +27,8 @@
 #      model (a 2-layer GPT-2 and a 2-layer Llama, 8 steps; DDP also with 4
 #      micro-batches and full activation checkpointing, and with the
 #      optimizer offloaded to the host; elsewhere its state and step are
-#      on the device): the loss of
+#      on the device; 1 rank and ZeRO-1 on 1 rank also reading no gradient
+#      back, the step log's grad_reads): the loss of
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
@@ -238,6 +239,13 @@ for fam in gpt llama; do
         step "$fam: ZeRO-$z 2 ranks" 120 check "$fam-zero$z" 2 $b "$LOSS_TOL" "${m[@]}" \
             train.micro_batch_size=4 zero_optimization.stage=$z
     done
+    if [ "$DEVICE" = cpu ]; then
+        step "$fam: ZeRO-1 2 ranks reduced where the gradients lie" 10 no_reads "$fam-zero1"
+    fi
+    # ZeRO-1 on one rank: its shard is the model, stepped in the kept copies.
+    step "$fam: ZeRO-1 1 rank" 120 check "$fam-zero1-1" 1 $b "$LOSS_TOL" "${m[@]}" \
+        train.micro_batch_size=8 zero_optimization.stage=1
+    step "$fam: ZeRO-1 1 rank read no gradient back" 10 no_reads "$fam-zero1-1"
     step "$fam: tp 2" 120 check "$fam-tp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8 parallel.tp=2
     step "$fam: pp 2 (1f1b)" 120 check "$fam-pp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
         train.grad_accum_steps=4 parallel.pp=2

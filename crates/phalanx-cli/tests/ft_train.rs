@@ -58,11 +58,13 @@ fn plain(
     steps: usize,
     extra: &[String],
     threads: Option<usize>,
+    env: &[(&str, &str)],
 ) -> (Vec<f64>, Vec<u8>) {
     let mut c = Command::new(BIN);
     if let Some(t) = threads {
         c.env("RAYON_NUM_THREADS", t.to_string());
     }
+    c.envs(env.iter().copied());
     c.current_dir(repo())
         .args(["train", "--nproc-per-node", &nproc.to_string()])
         .args(group_args(d, "plain", steps, extra));
@@ -85,6 +87,7 @@ fn two_groups(
     steps: usize,
     extra: &[String],
     threads: Option<usize>,
+    env: &[(&str, &str)],
 ) -> [(Vec<f64>, Vec<u8>); 2] {
     let (_lh, addr) = lighthouse(d, "2");
     let grp = Group {
@@ -93,6 +96,7 @@ fn two_groups(
         replicas: 2,
         fault: None,
         threads,
+        env,
     };
     let mut g: Vec<Proc> = (0..2)
         .map(|i| {
@@ -116,11 +120,16 @@ fn two_groups(
 /// the mean over its own samples), within float tolerance; both groups
 /// end with the same bytes.
 fn groups_of_two_match_four_ranks(name: &str, layout: &[&str]) {
+    groups_of_two_match_four_ranks_with(name, layout, &[]);
+}
+
+/// As [`groups_of_two_match_four_ranks`], every rank with `env` more.
+fn groups_of_two_match_four_ranks_with(name: &str, layout: &[&str], env: &[(&str, &str)]) {
     let d = fresh_dir("phalanx-ft-train", name);
     let steps = 8;
     let layout = strs(layout);
-    let (want, _) = plain(&d, 4, steps, &layout, None);
-    let [(l0, w0), (l1, w1)] = two_groups(&d, 2, steps, &layout, None);
+    let (want, _) = plain(&d, 4, steps, &layout, None, env);
+    let [(l0, w0), (l1, w1)] = two_groups(&d, 2, steps, &layout, None, env);
     assert_eq!((l0.len(), l1.len()), (steps, steps));
     for s in 0..steps {
         let got = (l0[s] + l1[s]) / 2.0;
@@ -137,6 +146,18 @@ fn groups_of_two_match_four_ranks(name: &str, layout: &[&str]) {
 #[test]
 fn replica_groups_of_two_ddp_ranks_match_a_four_rank_job() {
     groups_of_two_match_four_ranks("ddp", &[]);
+}
+
+/// The device-generic path (the one a GPU takes): there DDP would keep its
+/// gradients on the device and average them in place, which the
+/// cross-group average could not see; under fault tolerance the trainer
+/// keeps them on the host (without that guard each group stepped on its
+/// own gradients and this failed). ZeRO-1 likewise.
+#[test]
+fn replica_groups_on_the_device_generic_path_match_a_four_rank_job() {
+    let generic = [("PHALANX_HOST_KERNELS", "0")];
+    groups_of_two_match_four_ranks_with("ddp-generic", &[], &generic);
+    groups_of_two_match_four_ranks_with("zero1-generic", &["zero_optimization.stage=1"], &generic);
 }
 
 #[test]
@@ -212,6 +233,7 @@ fn killed_group_heals(name: &str, nproc: usize, layout: &[&str]) {
         replicas: 2,
         fault: Some("slow:0:60"),
         threads: None,
+        env: &[],
     };
     let (_, ob, la) = kill_and_restart(
         &d,
@@ -267,8 +289,8 @@ fn diloco_over_a_quorum_equals_diloco_in_a_plain_job() {
     // One kernel thread per rank everywhere: the plain job's two ranks
     // would otherwise split the cores that each group has alone, and sum
     // their matmuls in another order.
-    let (want, w) = plain(&d, 2, steps, &cfg, Some(1));
-    let [(l0, w0), (l1, w1)] = two_groups(&d, 1, steps, &cfg, Some(1));
+    let (want, w) = plain(&d, 2, steps, &cfg, Some(1), &[]);
+    let [(l0, w0), (l1, w1)] = two_groups(&d, 1, steps, &cfg, Some(1), &[]);
     // (The logs' decimal losses average to within a unit in the last place.)
     for s in 0..steps {
         let got = (l0[s] + l1[s]) / 2.0;
@@ -305,6 +327,7 @@ fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step()
         replicas: 2,
         fault: Some("slow:0:60"),
         threads: None,
+        env: &[],
     };
     let (_, ob, _) = kill_and_restart(
         &d,

@@ -135,6 +135,8 @@ pub struct Group<'a> {
     pub replicas: usize,
     pub fault: Option<&'a str>,
     pub threads: Option<usize>,
+    /// More environment for every rank (e.g. `PHALANX_HOST_KERNELS=0`).
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 impl Group<'_> {
@@ -163,5 +165,6 @@ fn train_group(d: &Path, name: &str, grp: &Group, g: usize, args: &[String]) -> 
     if let Some(t) = grp.threads {
         c.env("RAYON_NUM_THREADS", t.to_string());
     }
+    c.envs(grp.env.iter().copied());
     Proc::spawn(d, name, c)
 }
