@@ -50,6 +50,28 @@ fn bytes_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
 type ReduceLaunch<'a> =
     dyn Fn(&NcclApi, *mut c_void, Stream, CUdeviceptr, CUdeviceptr, c_int) -> c_int + 'a;
 
+/// `ncclAllReduce` of `count` elements of NCCL type `dt`, as a
+/// [`ReduceLaunch`]: the caller's send and receive addresses must hold
+/// them on the communicator's device.
+fn all_reduce_launch(
+    count: usize,
+    dt: c_int,
+) -> impl Fn(&NcclApi, *mut c_void, Stream, CUdeviceptr, CUdeviceptr, c_int) -> c_int {
+    move |api, comm, s, src, dst, rop| unsafe {
+        // SAFETY: `src`/`dst` hold `count` elements on the device (the
+        // caller's contract).
+        (api.ncclAllReduce)(
+            src as *const c_void,
+            dst as *mut c_void,
+            count,
+            dt,
+            rop,
+            comm,
+            s,
+        )
+    }
+}
+
 impl Nccl {
     /// `buf` lies on this communicator's device.
     fn on_my_device(&self, c: &Call, buf: &DeviceBuf) -> Result<()> {
@@ -154,18 +176,7 @@ impl Collectives for Nccl {
         }
         let (dt, count) = (nccl_dtype(T::DTYPE), x.len());
         self.count(2 * (n - 1) * std::mem::size_of_val(x) / n);
-        self.reduce_in_place(c, x, op, true, &|api, comm, s, src, dst, rop| unsafe {
-            // SAFETY: `src`/`dst` hold `count` elements on the device.
-            (api.ncclAllReduce)(
-                src as *const c_void,
-                dst as *mut c_void,
-                count,
-                dt,
-                rop,
-                comm,
-                s,
-            )
-        })
+        self.reduce_in_place(c, x, op, true, &all_reduce_launch(count, dt))
     }
 
     fn reduce_scatter_t<T: Element>(
@@ -343,18 +354,11 @@ impl Backend for Nccl {
         let (n, dt, count) = (c.n(), nccl_dtype(buf.dtype), buf.count);
         self.count(2 * (n - 1) * count * buf.dtype.size() / n);
         let io = Io::Device { ptr: buf.ptr };
-        self.comm.run(c, io, &mut |api, comm, s, src, dst| unsafe {
-            // SAFETY: `src` = `dst` = the caller's `count` elements on this
-            // device (`ProcessGroup::all_reduce_device`'s contract).
-            (api.ncclAllReduce)(
-                src as *const c_void,
-                dst as *mut c_void,
-                count,
-                dt,
-                rop,
-                comm,
-                s,
-            )
+        // `src` = `dst` = the caller's `count` elements on this device
+        // (`ProcessGroup::all_reduce_device`'s contract).
+        let launch = all_reduce_launch(count, dt);
+        self.comm.run(c, io, &mut |api, comm, s, src, dst| {
+            launch(api, comm, s, src, dst, rop)
         })
     }
 
