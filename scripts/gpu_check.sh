@@ -19,7 +19,8 @@
 #      the ones a toolchain build opens on its first CUDA call);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
 #      and at world 2 where there are 2+ GPUs (it ends with the all-reduce
-#      of CUDA tensors in place: NCCL on device memory); `phalanx bench optimizer
+#      and all-gather of CUDA tensors in place: NCCL on device memory);
+#      `phalanx bench optimizer
 #      --check` (the optimizer's step on the device against the host's, in
 #      chunks, pieces and with frozen variance; then timed over 124M
 #      elements, host against device);

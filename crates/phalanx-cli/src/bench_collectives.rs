@@ -319,7 +319,7 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
                                  (phalanx::collective): sums in f32 and bf16, averages in f32, \
                                  even and uneven gathers, {w} wrong"
                             ),
-                            None => "# all_reduce of tensors in place: not checked (this build \
+                            None => "# all_reduce and all_gather of tensors in place: not checked (this build \
                                      has no CUDA tensors: --features cuda)"
                                 .to_string(),
                         };

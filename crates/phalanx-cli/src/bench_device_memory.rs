@@ -57,7 +57,10 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
             .count();
     }
     for each in [1usize, 7, (1 << 18) + 1] {
-        for uneven in [false, true] {
+        // One rank has no uneven blocks (and a block of 0 elements would
+        // be a 0-byte device allocation, which CUDA refuses).
+        let variants: &[bool] = if n > 1 { &[false, true] } else { &[false] };
+        for &uneven in variants {
             let mut counts = vec![each; n];
             if uneven {
                 counts[n - 1] = each / 2;

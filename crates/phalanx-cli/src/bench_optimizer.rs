@@ -11,13 +11,15 @@
 //! `--params` elements (AdamW), each way:
 //!
 //! - `host`: the host's loop (what `offload_optimizer.device = "cpu"` runs);
-//! - `device`: the device optimizer given host buffers (ZeRO's and the
-//!   pipeline's step: gradients and parameters up, parameters down);
+//! - `device`: the device optimizer given host buffers (ZeRO-2/3's and
+//!   the pipeline's step: gradients and parameters up, parameters down);
 //! - `device, resident`: parameters and gradients already on the device,
-//!   the new parameters written back to the host buffer (DDP with more
-//!   than one data-parallel rank, whose gradients come up reduced);
-//! - `device, deferred`: nothing crosses (DDP with one data-parallel rank:
-//!   the host's copy waits on the device until read).
+//!   the new parameters written back to the host buffer (DDP with its
+//!   gradients reduced on the host: a compression hook, ranks sharing a
+//!   GPU);
+//! - `device, deferred`: nothing crosses (DDP and ZeRO-1 with their
+//!   gradients on the device: one data-parallel rank, or over NCCL; the
+//!   host's copy waits on the device until read).
 //!
 //! A step that reads back waits for the device; the deferred way's steps
 //! do not, so it reads one element after its last step, and times all of

@@ -327,8 +327,17 @@ impl ProcessGroup {
         counts: &[usize],
     ) -> Result<()> {
         self.inner.queue.drain();
-        let mine = counts.get(self.rank()).copied().unwrap_or(0);
-        self.check_counts("all_gather_device", counts, buf.count, mine)?;
+        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        if counts.len() != self.size() || total != Some(buf.count) {
+            return Err(invalid!(
+                "all_gather_device: {} counts summing to {} for a buffer of {} elements \
+                 (group size {})",
+                counts.len(),
+                total.map_or("more than usize".to_string(), |t| t.to_string()),
+                buf.count,
+                self.size()
+            ));
+        }
         let sig = Signature {
             op: "all_gather_dev",
             dtype: buf.dtype,

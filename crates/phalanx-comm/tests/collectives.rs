@@ -137,7 +137,7 @@ fn host_backends_refuse_device_memory_naming_themselves() {
             .unwrap_err()
             .to_string();
         assert!(
-            odd.contains("2 counts summing to 2 for a full buffer of 4"),
+            odd.contains("2 counts summing to 2 for a buffer of 4"),
             "{odd}"
         );
         // The group goes on working after the refusal.

@@ -194,6 +194,9 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         z1_uploads(&["zero_optimization.stage=1"]),
         z1_uploads(&["zero_optimization.stage=1", "train.steps=1"]),
     );
+    eprintln!(
+        "ZeRO-1 2 ranks, 2 micro-batches: uploads {z1_all} in {STEPS} steps, {z1_first} in 1"
+    );
     assert_eq!(
         z1_all, z1_first,
         "ZeRO-1: later steps uploaded the parameters again"

@@ -72,12 +72,8 @@ fn check_counts(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
 }
 
 /// Run `coll` on `t` as an in-place op; the group's own error comes back
-/// whole. A group of one has nothing to exchange (and a host backend's
-/// group of one may hold CUDA tensors: one GPU, no NCCL).
+/// whole.
 fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
-    if pg.size() == 1 {
-        return Ok(());
-    }
     let o = InPlace {
         pg,
         coll,
@@ -202,6 +198,11 @@ impl InplaceOp1 for InPlace<'_> {
         // shards) must be complete first, and NCCL's wait returns only once
         // the collective is (so candle's later kernels read the result).
         stream.synchronize().map_err(candle_core::Error::wrap)?;
+        // A group of one on a host backend (one GPU without NCCL) has
+        // nothing to exchange and no way to: the tensor is the result.
+        if self.pg.size() == 1 && self.pg.device_ordinal() != Some(gpu_id) {
+            return Ok(());
+        }
         let buf = DeviceBuf {
             ptr: ptr + (a * dtype.size()) as u64,
             count: b - a,

@@ -130,16 +130,23 @@ fn gathers_every_ranks_block_in_place_even_and_uneven() {
 }
 
 #[test]
-fn a_group_of_one_leaves_the_tensor_as_it_is() {
-    // Nothing to exchange: no call reaches the backend (a host backend's
-    // group of one may hold CUDA tensors: one GPU without NCCL).
+fn a_group_of_one_leaves_the_tensor_as_it_is_and_refuses_as_larger_ones() {
     let out = threads::run(1, |pg| {
         let t = Tensor::new(&[1.5f32, -2.0, 3.0], &Device::Cpu).unwrap();
         all_reduce_in_place(&pg, &t, ReduceOp::Avg).unwrap();
         all_gather_in_place(&pg, &t, &[3]).unwrap();
-        let e = all_gather_in_place(&pg, &t, &[2]).unwrap_err().to_string();
-        (t.to_vec1::<f32>().unwrap(), e)
+        let counts = all_gather_in_place(&pg, &t, &[2]).unwrap_err().to_string();
+        let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        let strided = all_reduce_in_place(&pg, &m, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        (t.to_vec1::<f32>().unwrap(), counts, strided)
     });
-    assert_eq!(out[0].0, [1.5, -2.0, 3.0]);
-    assert!(out[0].1.contains("1 counts summing to 2"), "{}", out[0].1);
+    let (t, counts, strided) = &out[0];
+    assert_eq!(t, &[1.5, -2.0, 3.0]);
+    assert!(counts.contains("1 counts summing to 2"), "{counts}");
+    assert!(strided.contains("non-contiguous"), "{strided}");
 }

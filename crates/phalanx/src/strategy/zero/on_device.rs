@@ -51,9 +51,10 @@ impl Zero {
         let n = engine.num_params();
         let g = take_reduced_grads(engine, &self.shard_pg, "ZeRO-1")?;
         let mine = self.shards.mine();
-        // This rank's shard of them; the rest is let go before the
-        // parameters' flat copy is made.
-        let gs = g.narrow(0, mine.start, mine.len())?.copy()?;
+        // This rank's shard of them, in storage of its own (`copy` would
+        // clone the whole storage under the view); the rest is let go
+        // before the parameters' flat copy is made.
+        let gs = g.narrow(0, mine.start, mine.len())?.force_contiguous()?;
         drop(g);
         let ss =
             weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
