@@ -7,6 +7,14 @@ use candle_core::{DType, Device, Tensor};
 use phalanx::collective::{all_gather_in_place, all_reduce_in_place, reduces_on};
 use phalanx_comm::{threads, ReduceOp};
 
+/// A (3, 2) view of a (2, 3) matrix: no contiguous range.
+fn transposed() -> Tensor {
+    Tensor::zeros((2, 3), DType::F32, &Device::Cpu)
+        .unwrap()
+        .t()
+        .unwrap()
+}
+
 #[test]
 fn reduces_the_tensors_own_range_in_every_float_dtype() {
     let out = threads::run(3, |pg| {
@@ -58,11 +66,7 @@ fn refuses_what_it_cannot_reduce_and_keeps_the_groups_error() {
         assert!(reduces_on(&pg, &Device::Cpu));
         // A transposed matrix has no contiguous range: refused before any
         // message (so both ranks stay in step).
-        let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)
-            .unwrap()
-            .t()
-            .unwrap();
-        let strided = all_reduce_in_place(&pg, &m, ReduceOp::Sum)
+        let strided = all_reduce_in_place(&pg, &transposed(), ReduceOp::Sum)
             .unwrap_err()
             .to_string();
         let ints = Tensor::zeros(4, DType::U8, &Device::Cpu).unwrap();
@@ -136,11 +140,7 @@ fn a_group_of_one_leaves_the_tensor_as_it_is_and_refuses_as_larger_ones() {
         all_reduce_in_place(&pg, &t, ReduceOp::Avg).unwrap();
         all_gather_in_place(&pg, &t, &[3]).unwrap();
         let counts = all_gather_in_place(&pg, &t, &[2]).unwrap_err().to_string();
-        let m = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)
-            .unwrap()
-            .t()
-            .unwrap();
-        let strided = all_reduce_in_place(&pg, &m, ReduceOp::Sum)
+        let strided = all_reduce_in_place(&pg, &transposed(), ReduceOp::Sum)
             .unwrap_err()
             .to_string();
         (t.to_vec1::<f32>().unwrap(), counts, strided)
