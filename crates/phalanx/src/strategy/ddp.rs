@@ -109,18 +109,17 @@ impl Ddp {
         })
     }
 
-    /// The optimizer on the device, off the CPU kernels, allowed, and the
-    /// gradients either in no need of reduction (one data-parallel rank)
-    /// or reduced where they lie (the plain average, on a backend that
-    /// reduces the device's memory: NCCL on CUDA; any on the CPU): every
-    /// micro-batch holds them on the device and the step takes them there.
+    /// Every micro-batch holds its gradients on the device and the step
+    /// takes them there ([`grads_may_stay_on_device`]).
     fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
-        let dev = engine.device();
-        self.device_grads
-            && !crate::ops::host_kernels(dev)
-            && self.opt.as_device().is_some()
-            && (self.pg.size() == 1
-                || (self.reducer.plain_average() && crate::collective::reduces_on(&self.pg, dev)))
+        let on_device = self.opt.as_device().is_some();
+        grads_may_stay_on_device(
+            self.device_grads,
+            on_device,
+            engine,
+            &self.pg,
+            &self.reducer,
+        )
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -202,6 +201,26 @@ impl Ddp {
         }
         Ok(out)
     }
+}
+
+/// Whether DDP's and ZeRO-1's gradients may stay on the device through
+/// the step: `allowed` by the trainer, the optimizer on the device
+/// (`opt_on_device`), off the CPU kernels, and the gradients either in no
+/// need of reduction (a group `pg` of one) or reduced where they lie (the
+/// plain average of `reducer`'s hook, on a backend that reduces the
+/// device's memory: NCCL on CUDA; any on the CPU). The same on every rank.
+pub(crate) fn grads_may_stay_on_device(
+    allowed: bool,
+    opt_on_device: bool,
+    engine: &Engine,
+    pg: &ProcessGroup,
+    reducer: &Reducer,
+) -> bool {
+    let dev = engine.device();
+    allowed
+        && opt_on_device
+        && !crate::ops::host_kernels(dev)
+        && (pg.size() == 1 || (reducer.plain_average() && crate::collective::reduces_on(pg, dev)))
 }
 
 /// The gradients every micro-batch of the step held on the device (DDP's

@@ -18,21 +18,22 @@ use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
-use crate::strategy::ddp::take_reduced_grads;
+use crate::strategy::ddp::{grads_may_stay_on_device, take_reduced_grads};
 use candle_core::Tensor;
 
 impl Zero {
-    /// Stage 1, allowed, off the CPU kernels, the optimizer on the device,
-    /// and the gradients' reduction possible where they lie.
+    /// Stage 1, where DDP's would stay ([`grads_may_stay_on_device`], over
+    /// the group the gradients are averaged in).
     pub(super) fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
-        let dev = engine.device();
+        let on_device = self.opt.as_device().is_some();
         self.cfg.stage == 1
-            && self.device_grads
-            && !crate::ops::host_kernels(dev)
-            && self.opt.as_device().is_some()
-            && (self.shard_pg.size() == 1
-                || (self.reducer.plain_average()
-                    && crate::collective::reduces_on(&self.shard_pg, dev)))
+            && grads_may_stay_on_device(
+                self.device_grads,
+                on_device,
+                engine,
+                &self.shard_pg,
+                &self.reducer,
+            )
     }
 
     /// The step from the held gradients: averaged over the group on the
