@@ -349,6 +349,37 @@ impl ProcessGroup {
         self.collective(sig, |b, c| b.all_gather_device(c, buf, counts))
     }
 
+    /// Reduce-scatter in place in CUDA device memory: `buf` holds the
+    /// group's size of equal blocks, this rank's whole contribution; on
+    /// return block `rank` holds the reduced block (the others are
+    /// unspecified). Refused as [`ProcessGroup::all_reduce_device`] is.
+    ///
+    /// # Safety
+    /// As for [`ProcessGroup::all_reduce_device`].
+    pub unsafe fn reduce_scatter_device(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.inner.queue.drain();
+        if !buf.count.is_multiple_of(self.size()) {
+            return Err(invalid!(
+                "reduce_scatter_device: a buffer of {} elements does not split into {} equal blocks",
+                buf.count,
+                self.size()
+            ));
+        }
+        let sig = Signature {
+            op: "reduce_scatter_dev",
+            dtype: buf.dtype,
+            count: buf.count as u64,
+            reduce: Some(op),
+            root: None,
+            layout: 0,
+        };
+        self.collective(sig, |b, c| b.reduce_scatter_device(c, buf, op))
+    }
+
     /// Reduce `input` (size * output.len() elements) across the group and
     /// leave block `rank` of the result in `output`.
     pub fn reduce_scatter<T: Element>(

@@ -132,6 +132,22 @@ fn host_backends_refuse_device_memory_naming_themselves() {
             g.contains("native backend gathers into host memory only"),
             "{g}"
         );
+        let rs = unsafe { pg.reduce_scatter_device(buf, ReduceOp::Sum) }
+            .unwrap_err()
+            .to_string();
+        assert!(
+            rs.contains("native backend reduces host memory only"),
+            "{rs}"
+        );
+        // 3 elements do not split into 2 blocks.
+        let three = phalanx_comm::DeviceBuf { count: 3, ..buf };
+        let uneven = unsafe { pg.reduce_scatter_device(three, ReduceOp::Sum) }
+            .unwrap_err()
+            .to_string();
+        assert!(
+            uneven.contains("3 elements does not split into 2"),
+            "{uneven}"
+        );
         // Counts that do not cover the 4 elements.
         let odd = unsafe { pg.all_gather_device(buf, &[1, 1]) }
             .unwrap_err()

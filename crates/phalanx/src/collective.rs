@@ -1,14 +1,18 @@
 //! Collectives on candle tensors where they lie: a tensor in host memory
 //! through its group's backend, one in CUDA memory through a backend that
-//! reduces device memory (NCCL), without a copy through the host. Two
-//! collectives, what the data-parallel strategies need on the device: the
-//! all-reduce of held gradients, and the all-gather of updated shards.
+//! reduces device memory (NCCL), without a copy through the host. Three
+//! collectives, what the strategies need on the device: the all-reduce of
+//! held gradients, the all-gather of updated shards, and the
+//! reduce-scatter (with the all-reduce and the all-gather, tensor
+//! parallelism's exchanges: `tp::comm`).
 //!
 //! Each runs as a candle in-place op, the one way candle lends its
 //! storage mutably: the CPU side reduces the tensor's own elements, the
 //! CUDA side hands NCCL their device address after candle's stream has
 //! finished writing them ([`phalanx_comm::ProcessGroup::all_reduce_device`],
-//! `all_gather_device`).
+//! `all_gather_device`, `reduce_scatter_device`). The same code on a
+//! storage ([`OnStorage`]) serves custom ops that build a buffer and
+//! exchange it (tensor parallelism's).
 //! A failure of the group comes back as the group's error (a timeout naming
 //! the rank), not as candle's.
 //!
@@ -57,6 +61,21 @@ pub fn all_gather_in_place(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> R
     run(pg, t, Coll::AllGather(counts))
 }
 
+/// Reduce-scatter in place: `t` ((`n` * k,), contiguous, `n` the group
+/// size) holds this rank's whole contribution; on return block `rank`
+/// (elements `rank * k..(rank + 1) * k`) holds the reduced block, and the
+/// other blocks are unspecified.
+pub fn reduce_scatter_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
+    if t.rank() != 1 || !t.elem_count().is_multiple_of(pg.size()) {
+        return Err(Error::Check(format!(
+            "reduce-scatter in place: a tensor of shape {:?} does not split into {} equal blocks",
+            t.shape(),
+            pg.size()
+        )));
+    }
+    run(pg, t, Coll::ReduceScatter(op))
+}
+
 fn check_counts(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
     let total: usize = counts.iter().sum();
     if counts.len() != pg.size() || t.rank() != 1 || t.elem_count() != total {
@@ -99,11 +118,63 @@ fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
     }
 }
 
+/// What runs on the storage.
 #[derive(Clone, Copy)]
-enum Coll<'a> {
+pub(crate) enum Coll<'a> {
     AllReduce(ReduceOp),
     /// Per-rank counts.
     AllGather(&'a [usize]),
+    /// Equal blocks, one per rank.
+    ReduceScatter(ReduceOp),
+}
+
+impl Coll<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Coll::AllReduce(_) => "all-reduce",
+            Coll::AllGather(_) => "all-gather",
+            Coll::ReduceScatter(_) => "reduce-scatter",
+        }
+    }
+
+    /// The collective on host memory `v` (the tensor's range).
+    fn host<T: phalanx_comm::Element>(
+        &self,
+        pg: &ProcessGroup,
+        v: &mut [T],
+    ) -> phalanx_comm::Result<()> {
+        let me = pg.rank();
+        match *self {
+            Coll::AllReduce(op) => pg.all_reduce(v, op),
+            Coll::AllGather(counts) => {
+                let at: usize = counts[..me].iter().sum();
+                let mine = v[at..at + counts[me]].to_vec();
+                pg.all_gather_v(&mine, counts, v)
+            }
+            Coll::ReduceScatter(op) => {
+                let k = v.len() / pg.size();
+                let mut mine = v[me * k..(me + 1) * k].to_vec();
+                pg.reduce_scatter(v, &mut mine, op)?;
+                v[me * k..(me + 1) * k].copy_from_slice(&mine);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A collective on a storage's contiguous range, where it lies: host
+/// memory through the group's backend, CUDA memory through one that
+/// reduces it (after candle's stream has finished writing it). `fail`
+/// turns the group's error into candle's (keeping it, for the caller's
+/// own error type).
+pub(crate) trait OnStorage: BackendStorage {
+    fn collective(
+        &mut self,
+        l: &Layout,
+        pg: &ProcessGroup,
+        coll: Coll,
+        fail: &dyn Fn(CommError) -> candle_core::Error,
+    ) -> candle_core::Result<()>;
 }
 
 struct InPlace<'a> {
@@ -119,19 +190,6 @@ impl InPlace<'_> {
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         candle_core::Error::Msg(msg)
     }
-
-    /// The collective on host memory `v` (the tensor's range).
-    fn host<T: phalanx_comm::Element>(&self, v: &mut [T]) -> phalanx_comm::Result<()> {
-        match self.coll {
-            Coll::AllReduce(op) => self.pg.all_reduce(v, op),
-            Coll::AllGather(counts) => {
-                let me = self.pg.rank();
-                let at: usize = counts[..me].iter().sum();
-                let mine = v[at..at + counts[me]].to_vec();
-                self.pg.all_gather_v(&mine, counts, v)
-            }
-        }
-    }
 }
 
 /// The contiguous element range of `l`.
@@ -143,64 +201,87 @@ fn span(l: &Layout) -> candle_core::Result<(usize, usize)> {
 
 impl InplaceOp1 for InPlace<'_> {
     fn name(&self) -> &'static str {
-        match self.coll {
-            Coll::AllReduce(_) => "all-reduce",
-            Coll::AllGather(_) => "all-gather",
-        }
+        self.coll.name()
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let (a, b) = span(l)?;
-        let r = match s {
-            CpuStorage::F32(v) => self.host(&mut v[a..b]),
-            CpuStorage::F64(v) => self.host(&mut v[a..b]),
-            CpuStorage::BF16(v) => self.host(&mut v[a..b]),
-            CpuStorage::F16(v) => self.host(&mut v[a..b]),
-            CpuStorage::I64(v) => self.host(&mut v[a..b]),
-            _ => candle_core::bail!("{} of a {:?} tensor", self.name(), s.dtype()),
-        };
-        r.map_err(|e| self.fail(e))
+        s.collective(l, self.pg, self.coll, &|e| self.fail(e))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        s.collective(l, self.pg, self.coll, &|e| self.fail(e))
+    }
+}
+
+impl OnStorage for CpuStorage {
+    fn collective(
+        &mut self,
+        l: &Layout,
+        pg: &ProcessGroup,
+        coll: Coll,
+        fail: &dyn Fn(CommError) -> candle_core::Error,
+    ) -> candle_core::Result<()> {
+        let (a, b) = span(l)?;
+        let r = match self {
+            CpuStorage::F32(v) => coll.host(pg, &mut v[a..b]),
+            CpuStorage::F64(v) => coll.host(pg, &mut v[a..b]),
+            CpuStorage::BF16(v) => coll.host(pg, &mut v[a..b]),
+            CpuStorage::F16(v) => coll.host(pg, &mut v[a..b]),
+            CpuStorage::I64(v) => coll.host(pg, &mut v[a..b]),
+            s => candle_core::bail!("{} of a {:?} tensor", coll.name(), s.dtype()),
+        };
+        r.map_err(fail)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl OnStorage for candle_core::CudaStorage {
+    fn collective(
+        &mut self,
+        l: &Layout,
+        pg: &ProcessGroup,
+        coll: Coll,
+        fail: &dyn Fn(CommError) -> candle_core::Error,
+    ) -> candle_core::Result<()> {
         use candle_core::backend::BackendDevice;
         use candle_core::cuda::cudarc::driver::DevicePtrMut;
         use candle_core::DType as C;
         use phalanx_comm::{DType as D, DeviceBuf};
         let (a, b) = span(l)?;
-        let dev = s.device.clone();
+        let dev = self.device.clone();
         let DeviceLocation::Cuda { gpu_id } = dev.location() else {
-            candle_core::bail!("{}: CUDA storage off a CUDA device", self.name());
+            candle_core::bail!("{}: CUDA storage off a CUDA device", coll.name());
         };
         let stream = dev.cuda_stream();
-        let (ptr, dtype) = match s.dtype() {
+        let (ptr, dtype) = match self.dtype() {
             C::F32 => (
-                s.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream).0,
+                self.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream).0,
                 D::F32,
             ),
             C::BF16 => (
-                s.as_cuda_slice_mut::<half::bf16>()?
+                self.as_cuda_slice_mut::<half::bf16>()?
                     .device_ptr_mut(&stream)
                     .0,
                 D::BF16,
             ),
             C::F16 => (
-                s.as_cuda_slice_mut::<half::f16>()?
+                self.as_cuda_slice_mut::<half::f16>()?
                     .device_ptr_mut(&stream)
                     .0,
                 D::F16,
             ),
-            d => candle_core::bail!("{} of a {d:?} tensor on CUDA", self.name()),
+            d => candle_core::bail!("{} of a {d:?} tensor on CUDA", coll.name()),
         };
         // NCCL runs on its own stream: what candle's stream wrote (the
         // backward that made these gradients, the step that made these
-        // shards) must be complete first, and NCCL's wait returns only once
-        // the collective is (so candle's later kernels read the result).
+        // shards, the op that built this buffer) must be complete first,
+        // and NCCL's wait returns only once the collective is (so candle's
+        // later kernels read the result).
         stream.synchronize().map_err(candle_core::Error::wrap)?;
         // A group of one on a host backend (one GPU without NCCL) has
         // nothing to exchange and no way to: the tensor is the result.
-        if self.pg.size() == 1 && self.pg.device_ordinal() != Some(gpu_id) {
+        if pg.size() == 1 && pg.device_ordinal() != Some(gpu_id) {
             return Ok(());
         }
         let buf = DeviceBuf {
@@ -209,13 +290,14 @@ impl InplaceOp1 for InPlace<'_> {
             dtype,
             ordinal: gpu_id,
         };
-        // SAFETY: `buf` is this tensor's contiguous range on device
-        // `gpu_id`, candle's writes to it are complete (synchronised above),
-        // and candle lends it mutably (an in-place op) until we return.
-        let r = match self.coll {
-            Coll::AllReduce(op) => unsafe { self.pg.all_reduce_device(buf, op) },
-            Coll::AllGather(counts) => unsafe { self.pg.all_gather_device(buf, counts) },
+        // SAFETY: `buf` is this storage's contiguous range on device
+        // `gpu_id`, candle's writes to it are complete (synchronised
+        // above), and the caller lends it mutably until we return.
+        let r = match coll {
+            Coll::AllReduce(op) => unsafe { pg.all_reduce_device(buf, op) },
+            Coll::AllGather(counts) => unsafe { pg.all_gather_device(buf, counts) },
+            Coll::ReduceScatter(op) => unsafe { pg.reduce_scatter_device(buf, op) },
         };
-        r.map_err(|e| self.fail(e))
+        r.map_err(fail)
     }
 }

@@ -363,6 +363,22 @@ pub trait Backend: Send + Sync {
         )))
     }
 
+    /// Reduce-scatter in place in device memory: `buf` holds `n` equal
+    /// blocks (`n` the group size, validated by the group), each rank's
+    /// whole contribution; on return block `rank` holds the reduced block
+    /// and the others are unspecified. The caller's obligations are
+    /// [`Backend::all_reduce_device`]'s. The default refuses: this backend
+    /// reduces host memory only.
+    fn reduce_scatter_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+        let _ = (buf, op);
+        Err(CommError::Invalid(format!(
+            "{}: the {} backend reduces host memory only, not CUDA device memory \
+             (PHALANX_BACKEND=nccl reduces it where it lies)",
+            c.op,
+            self.name()
+        )))
+    }
+
     /// `PHALANX_DEBUG=detail`: send `mine` (this rank's encoded signature,
     /// the same length on every rank) to the group and return every rank's,
     /// in group order, before the collective runs.

@@ -415,6 +415,35 @@ impl Backend for Nccl {
         })
     }
 
+    /// `ncclReduceScatter` in place on the caller's device memory: this
+    /// rank's block of `buf` is the receive buffer (NCCL's in-place form).
+    fn reduce_scatter_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+        self.on_my_device(c, &buf)?;
+        let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
+        if buf.count == 0 {
+            return Ok(());
+        }
+        let (n, dt, size) = (c.n(), nccl_dtype(buf.dtype), buf.dtype.size());
+        // Equal blocks: the group checked that `n` divides the count.
+        let k = buf.count / n;
+        self.count((n - 1) * k * size);
+        let io = Io::Device { ptr: buf.ptr };
+        self.comm.run(c, io, &mut |api, comm, s, src, _| unsafe {
+            // SAFETY: `src` holds `n * k` elements on this device (the
+            // caller's contract); this rank's block lies within it.
+            let mine = src + (c.me * k * size) as u64;
+            (api.ncclReduceScatter)(
+                src as *const c_void,
+                mine as *mut c_void,
+                k,
+                dt,
+                rop,
+                comm,
+                s,
+            )
+        })
+    }
+
     fn exchange_signatures(&self, c: &Call, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.native.exchange_signatures(c, mine)
     }

@@ -74,8 +74,8 @@ pub fn kernel_ran() {
 }
 
 /// How many CPU kernels have run in this process, so that a test can tell
-/// which path ran (the tensor-parallel exchanges, which run on the host on
-/// every path, are not counted).
+/// which path ran (the tensor-parallel exchanges, the same code on both
+/// paths, are not counted).
 pub fn kernel_runs() -> usize {
     KERNEL_RUNS.load(Ordering::Relaxed)
 }

@@ -12,6 +12,12 @@
 //! Activations are (B, T, C); the sequence ops move the T axis to the front
 //! (contiguous per-rank chunks), call the flat collective, and move it back.
 //!
+//! Each op builds its result's buffer on the tensor's device and runs the
+//! collective on it in place (`collective::OnStorage`; the CPU runs the
+//! same code): on a GPU under NCCL nothing crosses to the host. Ranks
+//! sharing a GPU (the native backend: host memory only) go through a host
+//! copy.
+//!
 //! Mixed precision: f16 / bf16 tensors are communicated in their own dtype
 //! (half the bytes of f32); `phalanx_comm` reduces half elements in f32 and
 //! rounds once per reduction step, as gloo does. f32 and f64 work too.
@@ -28,17 +34,17 @@
 //! assert_eq!(out[0].1, vec![2.0, 2.0]); // f's backward summed the ranks' gradients
 //! ```
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
-use phalanx_comm::{Element, ProcessGroup, ReduceOp};
+use crate::collective::{reduces_on, Coll, OnStorage};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{bail, CpuStorage, CustomOp1, DeviceLocation, Layout, Result, Shape, Tensor};
+use phalanx_comm::{ProcessGroup, ReduceOp};
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     /// Identity forward, all-reduce backward.
     Copy,
-    /// All-reduce forward, identity backward.
-    Reduce,
+    /// All-reduce forward (a sum; a maximum has no backward), identity backward.
+    Reduce(ReduceOp),
     /// All-gather dim 0 forward, reduce-scatter backward.
     Gather,
     /// Reduce-scatter dim 0 forward, all-gather backward.
@@ -56,54 +62,90 @@ pub(super) fn comm_err(e: phalanx_comm::CommError) -> candle_core::Error {
     candle_core::Error::Msg(format!("tensor-parallel collective: {e}"))
 }
 
+/// A new contiguous storage of `shape` on `s`'s device, holding the
+/// elements `l` selects from `s`.
+fn copied<S>(s: &S, l: &Layout, shape: &Shape) -> Result<S>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    // SAFETY: every element is written by the copy below before it is read.
+    let mut out = unsafe { s.device().alloc_uninit(shape, s.dtype())? };
+    s.copy_strided_src(&mut out, 0, l)?;
+    Ok(out)
+}
+
 impl TpOp {
-    /// The flat operation on `x` with leading dimension `rows` (after the
-    /// sequence axis was moved to the front).
-    fn run<T: Element + Default>(
-        &self,
-        kind: Kind,
-        x: &[T],
-        shape: &[usize],
-    ) -> Result<(Vec<T>, Vec<usize>)> {
-        let n = self.pg.size();
-        let r = self.pg.rank();
-        let mut out_shape = shape.to_vec();
-        let v = match kind {
-            Kind::Copy => x.to_vec(),
-            Kind::Reduce => {
-                let mut v = x.to_vec();
-                self.pg
-                    .all_reduce(&mut v, ReduceOp::Sum)
-                    .map_err(comm_err)?;
-                v
+    /// The exchange on storage `s` (layout `l`, contiguous, dim 0 the
+    /// sequence axis for the sequence ops), on `s`'s device: the result's
+    /// buffer is built there and the collective runs on it in place
+    /// ([`OnStorage`]: host memory through the backend, CUDA memory
+    /// through NCCL), so nothing crosses to the host. The CPU runs this
+    /// very code.
+    fn exchange<S>(&self, s: &S, l: &Layout) -> Result<(S, Shape)>
+    where
+        S: OnStorage,
+        S::Device: BackendDevice<Storage = S>,
+    {
+        if !l.is_contiguous() {
+            bail!("tensor-parallel collective: expected a contiguous tensor")
+        }
+        let (n, r) = (self.pg.size(), self.pg.rank());
+        let shape = l.shape().clone();
+        let mut part = shape.dims().to_vec();
+        let mut whole = part.clone();
+        if matches!(self.kind, Kind::Scatter | Kind::Split) {
+            if !part[0].is_multiple_of(n) {
+                bail!(
+                    "sequence length {} is not divisible by the tensor-parallel size {n}",
+                    part[0]
+                );
+            }
+            part[0] /= n;
+        }
+        whole[0] *= n;
+        let (part, whole) = (Shape::from(part), Shape::from(whole));
+        let out = match self.kind {
+            Kind::Copy => (copied(s, l, &shape)?, shape),
+            Kind::Reduce(op) => {
+                let out = copied(s, l, &shape)?;
+                (self.run(out, &shape, Coll::AllReduce(op))?, shape)
             }
             Kind::Gather => {
-                out_shape[0] *= n;
-                let mut v = vec![T::default(); x.len() * n];
-                self.pg.all_gather(x, &mut v).map_err(comm_err)?;
-                v
+                // This rank's block in place; the gather fills the others.
+                let mut out = s.device().zeros_impl(&whole, s.dtype())?;
+                s.copy_strided_src(&mut out, r * shape.elem_count(), l)?;
+                let counts = vec![shape.elem_count(); n];
+                (self.run(out, &whole, Coll::AllGather(&counts))?, whole)
             }
-            Kind::Scatter | Kind::Split => {
-                if !shape[0].is_multiple_of(n) {
-                    candle_core::bail!(
-                        "sequence length {} is not divisible by the tensor-parallel size {n}",
-                        shape[0]
-                    );
-                }
-                out_shape[0] /= n;
-                let k = x.len() / n;
-                if kind == Kind::Split {
-                    x[r * k..(r + 1) * k].to_vec()
-                } else {
-                    let mut v = vec![T::default(); k];
-                    self.pg
-                        .reduce_scatter(x, &mut v, ReduceOp::Sum)
-                        .map_err(comm_err)?;
-                    v
-                }
+            Kind::Scatter => {
+                let full = copied(s, l, &shape)?;
+                let full = self.run(full, &shape, Coll::ReduceScatter(ReduceOp::Sum))?;
+                let k = part.elem_count();
+                let mine = Layout::contiguous_with_offset(&part, r * k);
+                (copied(&full, &mine, &part)?, part)
+            }
+            Kind::Split => {
+                let rows = part.dims()[0];
+                (copied(s, &l.narrow(0, r * rows, rows)?, &part)?, part)
             }
         };
-        Ok((v, out_shape))
+        Ok(out)
+    }
+
+    /// The collective in place on `out` (contiguous, `shape`). On a
+    /// failure off the host `out` is never freed: an aborted NCCL kernel
+    /// may still be over it, and the process is failing anyway.
+    fn run<S: OnStorage>(&self, mut out: S, shape: &Shape, coll: Coll) -> Result<S> {
+        match out.collective(&Layout::contiguous(shape), &self.pg, coll, &comm_err) {
+            Ok(()) => Ok(out),
+            Err(e) => {
+                if !matches!(out.device().location(), DeviceLocation::Cpu) {
+                    std::mem::forget(out);
+                }
+                Err(e)
+            }
+        }
     }
 }
 
@@ -111,7 +153,7 @@ impl CustomOp1 for TpOp {
     fn name(&self) -> &'static str {
         match self.kind {
             Kind::Copy => "tp-copy",
-            Kind::Reduce => "tp-reduce",
+            Kind::Reduce(_) => "tp-reduce",
             Kind::Gather => "tp-gather-seq",
             Kind::Scatter => "tp-reduce-scatter-seq",
             Kind::Split => "tp-split-seq",
@@ -119,66 +161,28 @@ impl CustomOp1 for TpOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let Some((lo, hi)) = l.contiguous_offsets() else {
-            bail!("tensor-parallel collective: expected a contiguous tensor")
-        };
-        let dims = l.dims();
-        let (storage, shape) = match s {
-            CpuStorage::F32(x) => {
-                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
-                (CpuStorage::F32(v), sh)
-            }
-            CpuStorage::F16(x) => {
-                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
-                (CpuStorage::F16(v), sh)
-            }
-            CpuStorage::BF16(x) => {
-                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
-                (CpuStorage::BF16(v), sh)
-            }
-            CpuStorage::F64(x) => {
-                let (v, sh) = self.run(self.kind, &x[lo..hi], dims)?;
-                (CpuStorage::F64(v), sh)
-            }
-            other => bail!(
-                "tensor-parallel collective: unsupported dtype {:?}",
-                other.dtype()
-            ),
-        };
-        Ok((storage, Shape::from(shape)))
+        self.exchange(s, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.exchange(s, l)
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let back = match self.kind {
-            Kind::Copy => Kind::Reduce,
-            Kind::Reduce => Kind::Copy,
+            Kind::Copy => Kind::Reduce(ReduceOp::Sum),
+            Kind::Reduce(ReduceOp::Sum) => Kind::Copy,
+            Kind::Reduce(op) => bail!("tensor-parallel collective: no backward for {op:?}"),
             Kind::Gather => Kind::Scatter,
             Kind::Scatter | Kind::Split => Kind::Gather,
         };
-        let g = g.contiguous()?;
-        let flat = g.flatten_all()?;
-        let dev = g.device();
         // The gradient is communicated in its own dtype (the forward input's).
-        let t = match g.dtype() {
-            DType::F32 => {
-                let (v, sh) = self.run(back, &flat.to_vec1::<f32>()?, g.dims())?;
-                Tensor::from_vec(v, sh, dev)?
-            }
-            DType::F16 => {
-                let (v, sh) = self.run(back, &flat.to_vec1::<f16>()?, g.dims())?;
-                Tensor::from_vec(v, sh, dev)?
-            }
-            DType::BF16 => {
-                let (v, sh) = self.run(back, &flat.to_vec1::<bf16>()?, g.dims())?;
-                Tensor::from_vec(v, sh, dev)?
-            }
-            DType::F64 => {
-                let (v, sh) = self.run(back, &flat.to_vec1::<f64>()?, g.dims())?;
-                Tensor::from_vec(v, sh, dev)?
-            }
-            d => bail!("tensor-parallel collective: unsupported dtype {d:?}"),
-        };
-        Ok(Some(t))
+        Ok(Some(exchange(g, &self.pg, back, false)?))
     }
 }
 
@@ -186,11 +190,30 @@ fn apply(x: &Tensor, pg: &ProcessGroup, kind: Kind) -> Result<Tensor> {
     if pg.size() == 1 {
         return Ok(x.clone());
     }
+    exchange(x, pg, kind, true)
+}
+
+/// `kind` on `x` where it lies when the group reduces that memory (host
+/// memory; a GPU's under NCCL), else through a host copy (ranks sharing a
+/// GPU: the native backend). `track`: as an op of autograd's.
+fn exchange(x: &Tensor, pg: &ProcessGroup, kind: Kind, track: bool) -> Result<Tensor> {
     let op = TpOp {
         pg: pg.clone(),
         kind,
     };
-    crate::ops::on_host(x, |h| h.contiguous()?.apply_op1(op))
+    let go = |h: &Tensor| {
+        let h = h.contiguous()?;
+        if track {
+            h.apply_op1(op)
+        } else {
+            h.apply_op1_no_bwd(&op)
+        }
+    };
+    if reduces_on(pg, x.device()) {
+        go(x)
+    } else {
+        crate::ops::on_host(x, go)
+    }
 }
 
 /// Along the sequence axis (dim 1 of (B, T, C)): move it to the front, apply, move back.
@@ -211,7 +234,16 @@ pub fn copy_to_tp(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
 /// Megatron's g: all-reduce forward (after a row-parallel layer's partial
 /// sums), identity backward.
 pub fn reduce_from_tp(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
-    apply(x, pg, Kind::Reduce)
+    apply(x, pg, Kind::Reduce(ReduceOp::Sum))
+}
+
+/// The element-wise maximum over the group, outside autograd (a value
+/// only: the vocabulary-parallel loss's row maxima).
+pub(crate) fn max_over_tp(x: &Tensor, pg: &ProcessGroup) -> Result<Tensor> {
+    if pg.size() == 1 {
+        return Ok(x.detach());
+    }
+    exchange(&x.detach(), pg, Kind::Reduce(ReduceOp::Max), false)
 }
 
 /// Sequence parallel: (B, T/tp, C) -> (B, T, C); backward reduce-scatters.

@@ -37,10 +37,9 @@ use super::comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq};
 use super::overlap::{column_parallel_linear, tp_overlap_enabled};
 use crate::ops;
 use crate::placement::{declare, Placement};
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
-use phalanx_comm::{ProcessGroup, ReduceOp};
-use std::sync::Mutex;
+use phalanx_comm::ProcessGroup;
 
 /// The tensor-parallel group and mode a layer is built for.
 #[derive(Clone)]
@@ -304,128 +303,5 @@ impl VocabParallelEmbedding {
             .broadcast_mul(&mask)?
             .reshape((b, t, c))?;
         self.tp.leave(&e)
-    }
-}
-
-/// Mean cross-entropy over N rows from vocabulary-sharded logits
-/// (N, V_pad/tp) on each rank; `vocab` is the real vocabulary (columns at or
-/// past it are padding and masked out). Three small all-reduces of N values
-/// (max, sum of exponentials, target logit) replace gathering the logits.
-pub fn vocab_parallel_cross_entropy(
-    logits: &Tensor,
-    targets: &Tensor,
-    tp: &Tp,
-    vocab: usize,
-) -> Result<Tensor> {
-    let (n, v) = logits.dims2()?;
-    let t: Vec<u32> = targets.flatten_all()?.to_vec1()?;
-    if t.len() != n {
-        bail!(
-            "vocab_parallel_cross_entropy: {} targets for {n} rows",
-            t.len()
-        )
-    }
-    let op = VocabCe {
-        pg: tp.pg.clone(),
-        lo: tp.rank() * v,
-        vocab,
-        targets: t,
-        saved: Mutex::new(None),
-    };
-    crate::ops::on_host(logits, |h| h.contiguous()?.apply_op1(op))
-}
-
-struct VocabCe {
-    pg: ProcessGroup,
-    lo: usize,
-    vocab: usize,
-    targets: Vec<u32>,
-    /// Per row: global max and sum of exp(x - max), for the backward.
-    saved: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
-}
-
-impl VocabCe {
-    fn valid(&self, v: usize) -> usize {
-        // Columns of this shard that are real vocabulary.
-        self.vocab.saturating_sub(self.lo).min(v)
-    }
-}
-
-impl CustomOp1 for VocabCe {
-    fn name(&self) -> &'static str {
-        "vocab-parallel-cross-entropy"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = ops::cpu::cpu_f32(s, l)?;
-        let x = &x[..];
-        let (n, v) = l.shape().dims2()?;
-        let valid = self.valid(v);
-        let err = |e: phalanx_comm::CommError| {
-            candle_core::Error::Msg(format!("vocab-parallel loss: {e}"))
-        };
-        // (N,) per-row max over this shard, then over all shards.
-        let mut max: Vec<f32> = (0..n)
-            .map(|r| {
-                x[r * v..r * v + valid]
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &a| m.max(a))
-            })
-            .collect();
-        self.pg.all_reduce(&mut max, ReduceOp::Max).map_err(err)?;
-        let mut sum: Vec<f32> = (0..n)
-            .map(|r| {
-                x[r * v..r * v + valid]
-                    .iter()
-                    .map(|&a| (a - max[r]).exp())
-                    .sum()
-            })
-            .collect();
-        // The target's logit lives on exactly one shard.
-        let mut tgt: Vec<f32> = (0..n)
-            .map(|r| {
-                let j = self.targets[r] as usize;
-                if (self.lo..self.lo + valid).contains(&j) {
-                    x[r * v + j - self.lo]
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        self.pg.all_reduce(&mut sum, ReduceOp::Sum).map_err(err)?;
-        self.pg.all_reduce(&mut tgt, ReduceOp::Sum).map_err(err)?;
-        let loss: f64 = (0..n)
-            .map(|r| (sum[r].ln() + max[r] - tgt[r]) as f64)
-            .sum::<f64>()
-            / n as f64;
-        *self.saved.lock().unwrap() = Some((max, sum));
-        Ok((CpuStorage::F32(vec![loss as f32]), Shape::from(())))
-    }
-
-    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let (n, v) = arg.dims2()?;
-        let valid = self.valid(v);
-        let g = grad.to_scalar::<f32>()? / n as f32;
-        let saved = self.saved.lock().unwrap();
-        let Some((max, sum)) = saved.as_ref() else {
-            bail!("vocab-parallel loss: backward before forward")
-        };
-        let x: Vec<f32> = arg.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-        let mut dx = vec![0f32; n * v];
-        for r in 0..n {
-            let j = self.targets[r] as usize;
-            for c in 0..valid {
-                let p = (x[r * v + c] - max[r]).exp() / sum[r];
-                let hot = if self.lo + c == j { 1.0 } else { 0.0 };
-                dx[r * v + c] = g * (p - hot);
-            }
-        }
-        // The gradient in the logits' dtype.
-        Ok(Some(ops::cpu::tensor_in(
-            dx,
-            arg.dtype(),
-            (n, v),
-            arg.device(),
-        )?))
     }
 }

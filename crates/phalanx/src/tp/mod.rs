@@ -8,10 +8,12 @@
 mod comm;
 mod layers;
 mod overlap;
+mod vocab_loss;
 
 pub use comm::{copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq, split_seq};
 pub use layers::{
-    linear_params, padded_vocab, vocab_parallel_cross_entropy, vocab_table, ColumnParallelLinear,
-    RowParallelLinear, Tp, VocabParallelEmbedding, COLUMN_PARALLEL, ROW_PARALLEL,
+    linear_params, padded_vocab, vocab_table, ColumnParallelLinear, RowParallelLinear, Tp,
+    VocabParallelEmbedding, COLUMN_PARALLEL, ROW_PARALLEL,
 };
 pub use overlap::{column_parallel_linear, tp_overlap_enabled};
+pub use vocab_loss::vocab_parallel_cross_entropy;
