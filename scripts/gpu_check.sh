@@ -18,8 +18,9 @@
 #      PHALANX_BIN names a binary; then every library it needs (`ldd`, and
 #      the ones a toolchain build opens on its first CUDA call);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
-#      and at world 2 where there are 2+ GPUs (it ends with the all-reduce
-#      and all-gather of CUDA tensors in place: NCCL on device memory);
+#      and at world 2 where there are 2+ GPUs (it ends with the all-reduce,
+#      all-gather and reduce-scatter of CUDA tensors in place: NCCL on
+#      device memory);
 #      `phalanx bench optimizer
 #      --check` (the optimizer's step on the device against the host's, in
 #      chunks, pieces and with frozen variance; then timed over 124M
@@ -34,7 +35,9 @@
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
 #      2+ GPUs, DDP and ZeRO-1 (gradients averaged in device memory, no
-#      read-back: the step log's grad_reads) and ZeRO-2 once more over NCCL;
+#      read-back: the step log's grad_reads), ZeRO-2, and tp 2 with and
+#      without sequence parallelism (its exchanges in device memory) once
+#      more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
 #      and the reverse, each against 8 uninterrupted CPU steps (in the
 #      rehearsal, the device's side takes the generic path);
@@ -269,6 +272,15 @@ for fam in gpt llama; do
         step "$fam: ZeRO-1 over NCCL read no gradient back" 10 no_reads "$fam-zero1-nccl"
         PHALANX_BACKEND=nccl step "$fam: ZeRO-2 2 ranks over NCCL" 120 check "$fam-zero2-nccl" 2 $b \
             "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4 zero_optimization.stage=2
+        # Tensor parallelism's exchanges on the activations where they lie
+        # (tp::comm: ncclAllReduce, ncclAllGather, ncclReduceScatter in
+        # place) and the vocabulary-parallel loss in candle's ops.
+        PHALANX_BACKEND=nccl step "$fam: tp 2 over NCCL" 120 check "$fam-tp-nccl" 2 $b "$LOSS_TOL" \
+            "${m[@]}" train.micro_batch_size=8 parallel.tp=2
+        step "$fam: tp 2 over NCCL read no gradient back" 10 no_reads "$fam-tp-nccl"
+        PHALANX_BACKEND=nccl step "$fam: tp 2 with sequence parallelism over NCCL" 120 check \
+            "$fam-sp-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8 parallel.tp=2 \
+            parallel.sequence_parallel=true
     fi
     unset -n m
 done

@@ -315,11 +315,11 @@ pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
                     if pg.rank() == 0 {
                         let line = match done {
                             Some((dev, w)) => format!(
-                                "# all_reduce and all_gather of tensors in place on {dev} \
-                                 (phalanx::collective): sums in f32 and bf16, averages in f32, \
-                                 even and uneven gathers, {w} wrong"
+                                "# all_reduce, all_gather and reduce_scatter of tensors in place \
+                                 on {dev} (phalanx::collective): sums in f32 and bf16, averages \
+                                 in f32, even and uneven gathers, scatters, {w} wrong"
                             ),
-                            None => "# all_reduce and all_gather of tensors in place: not checked (this build \
+                            None => "# all_reduce, all_gather and reduce_scatter of tensors in place: not checked (this build \
                                      has no CUDA tensors: --features cuda)"
                                 .to_string(),
                         };

@@ -181,7 +181,7 @@ fn every_backend_runs_over_the_links_it_names() {
         assert!(rows.iter().all(|l| l.trim_end().ends_with(" 0")), "{so}");
         // And the all-reduce of tensors where they lie (host memory here).
         assert!(
-            so.contains("# all_reduce and all_gather of tensors in place on cpu")
+            so.contains("# all_reduce, all_gather and reduce_scatter of tensors in place on cpu")
                 && so.contains(", 0 wrong"),
             "{backend}: {so}"
         );
