@@ -97,7 +97,8 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
             .narrow(0, me * k, k)
             .and_then(|b| b.to_vec1::<f32>())
             .map_err(|e| e.to_string())?;
-        let want = (me * k..(me + 1) * k).map(|i| (0..n).map(|r| fill_value(r, i, 2)).sum::<i64>() as f32);
+        let want =
+            (me * k..(me + 1) * k).map(|i| (0..n).map(|r| fill_value(r, i, 2)).sum::<i64>() as f32);
         wrong += got.iter().zip(want).filter(|(g, w)| **g != *w).count();
     }
     let mut w = [wrong as i64];

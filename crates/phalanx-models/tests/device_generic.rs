@@ -23,6 +23,9 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
         ("1 rank", 1, 1, 1, vec![]),
         ("DDP 2 ranks", 2, 2, 1, vec![]),
         ("ZeRO-1 2 ranks", 2, 2, 2, vec!["zero_optimization.stage=1"]),
+        // 3 ranks: shards of ceil(n / 3), the flat sum padded for the
+        // reduce-scatter.
+        ("ZeRO-1 3 ranks", 3, 3, 1, vec!["zero_optimization.stage=1"]),
         (
             "ZeRO-2 2 ranks",
             2,
@@ -109,7 +112,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         match what {
             // ZeRO-1 reduces them there as well, steps its shard in the
             // kept copies and gathers the others' shards there.
-            "1 rank" | "tp 2" | "DDP 2 ranks" | "ZeRO-1 2 ranks" => {
+            "1 rank" | "tp 2" | "DDP 2 ranks" | "ZeRO-1 2 ranks" | "ZeRO-1 3 ranks" => {
                 assert_eq!(read, 0, "{what}: gradients read back");
                 assert_eq!(back, 0, "{what}: the optimizer wrote the parameters back");
                 assert_eq!(

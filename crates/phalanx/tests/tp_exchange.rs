@@ -64,7 +64,7 @@ fn sequence_exchanges_move_the_sequence_axis_and_their_gradients() {
                 rs.dims().to_vec(),
                 flat(&rs),
                 flat(&g),
-                flat(&dx),
+                flat(dx),
                 split_seq(&Tensor::zeros((1, 3, 2), dt, &Device::Cpu).unwrap(), &pg)
                     .unwrap_err()
                     .to_string(),

@@ -233,21 +233,36 @@ pub(crate) fn take_reduced_grads(
     pg: &ProcessGroup,
     what: &str,
 ) -> Result<Tensor> {
+    let (g, held) = take_held_grads(engine)?;
+    crate::collective::all_reduce_in_place(pg, &g, ReduceOp::Avg)?;
+    held_or_fail(g, held, pg, what)
+}
+
+/// The held gradients as one (n,) f32 tensor, and whether there were
+/// any (zeros stand in where not, so that the rank still joins its
+/// group's reduction; [`held_or_fail`] then fails it).
+pub(crate) fn take_held_grads(engine: &mut Engine) -> Result<(Tensor, bool)> {
     engine.hold_grads(false);
     let n = engine.num_params();
-    let held = engine.take_device_grads(0..n)?;
-    let g = match &held {
-        Some(g) => g.clone(),
-        None => Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
-    };
-    crate::collective::all_reduce_in_place(pg, &g, ReduceOp::Avg)?;
-    match held {
-        Some(_) => Ok(g),
-        None => Err(Error::Check(format!(
-            "{what}: rank {} held no gradients on the device after backward",
-            pg.rank()
-        ))),
+    Ok(match engine.take_device_grads(0..n)? {
+        Some(g) => (g, true),
+        None => (
+            Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
+            false,
+        ),
+    })
+}
+
+/// `g`, the reduced gradients, where this rank held some; an error naming
+/// `what` and the rank where it held none.
+pub(crate) fn held_or_fail(g: Tensor, held: bool, pg: &ProcessGroup, what: &str) -> Result<Tensor> {
+    if held {
+        return Ok(g);
     }
+    Err(Error::Check(format!(
+        "{what}: rank {} held no gradients on the device after backward",
+        pg.rank()
+    )))
 }
 
 /// One micro-step whose buckets are all-reduced as backward completes them

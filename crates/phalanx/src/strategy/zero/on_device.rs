@@ -1,9 +1,9 @@
 //! ZeRO-1 with its gradients on the device (a GPU, or the CPU's
 //! device-generic path): every micro-batch holds its gradients there, one
-//! all-reduce averages their sum where it lies (`collective`: NCCL on
-//! device memory, any backend on host memory), and the optimizer steps its
-//! shard with the shard's gradients straight from that sum, so no gradient
-//! is read back to the host. The shard is stepped in place in the
+//! reduce-scatter averages their sum where it lies, leaving each rank its
+//! shard (`collective`: NCCL on device memory, any backend on host
+//! memory), and the optimizer steps the shard with those gradients, so no
+//! gradient is read back to the host. The shard is stepped in place in the
 //! parameters' kept device copies, which an all-gather in place makes
 //! whole again, and the host buffer is deferred to them (as DDP's): a
 //! step moves nothing between host and device but the batch and the loss.
@@ -18,8 +18,9 @@ use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
-use crate::strategy::ddp::{grads_may_stay_on_device, take_reduced_grads};
+use crate::strategy::ddp::{grads_may_stay_on_device, held_or_fail, take_held_grads};
 use candle_core::Tensor;
+use phalanx_comm::ReduceOp;
 
 impl Zero {
     /// Stage 1, where DDP's would stay ([`grads_may_stay_on_device`], over
@@ -36,6 +37,31 @@ impl Zero {
             )
     }
 
+    /// This rank's shard of the held gradients averaged over the group,
+    /// in storage of its own: one reduce-scatter in place (DeepSpeed's
+    /// stage 1 reduces each gradient to its owner too), half an
+    /// all-reduce's traffic. The shards are blocks of ceil(n / size) (the
+    /// last ones short or empty), so the flat sum is padded with zeros to
+    /// `size` whole blocks where the size does not divide it.
+    fn reduce_scatter_held(&self, engine: &mut Engine) -> Result<Tensor> {
+        let (g, held) = take_held_grads(engine)?;
+        let (n, size) = (g.elem_count(), self.shard_pg.size());
+        let block = n.div_ceil(size);
+        let g = if block * size == n {
+            g
+        } else {
+            let pad = Tensor::zeros(block * size - n, g.dtype(), g.device())?;
+            Tensor::cat(&[&g, &pad], 0)?
+        };
+        crate::collective::reduce_scatter_in_place(&self.shard_pg, &g, ReduceOp::Avg)?;
+        let mine = self.shards.mine();
+        // The shard in storage of its own (`copy` would clone the whole
+        // storage under the view); the rest is let go before the
+        // parameters' flat copy is made.
+        let gs = g.narrow(0, mine.start, mine.len())?.force_contiguous()?;
+        held_or_fail(gs, held, &self.shard_pg, "ZeRO-1")
+    }
+
     /// The step from the held gradients: averaged over the group on the
     /// device, the norm summed there over this rank's shard, the shard
     /// stepped in the kept copies and gathered there (`gathered`: nothing
@@ -50,13 +76,8 @@ impl Zero {
         step: usize,
     ) -> Result<(StepOutcome, bool)> {
         let n = engine.num_params();
-        let g = take_reduced_grads(engine, &self.shard_pg, "ZeRO-1")?;
+        let gs = self.reduce_scatter_held(engine)?;
         let mine = self.shards.mine();
-        // This rank's shard of them, in storage of its own (`copy` would
-        // clone the whole storage under the view); the rest is let go
-        // before the parameters' flat copy is made.
-        let gs = g.narrow(0, mine.start, mine.len())?.force_contiguous()?;
-        drop(g);
         let ss =
             weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
         let world = self.mesh.world().clone();
