@@ -34,8 +34,8 @@
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
-#      2+ GPUs, DDP and ZeRO-1 (gradients averaged in device memory, no
-#      read-back: the step log's grad_reads), ZeRO-2, and tp 2 with and
+#      2+ GPUs, DDP, ZeRO-1 and ZeRO-2 (gradients averaged in device
+#      memory, no read-back: the step log's grad_reads), and tp 2 with and
 #      without sequence parallelism (its exchanges in device memory) once
 #      more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
@@ -245,6 +245,7 @@ for fam in gpt llama; do
     done
     if [ "$DEVICE" = cpu ]; then
         step "$fam: ZeRO-1 2 ranks reduced where the gradients lie" 10 no_reads "$fam-zero1"
+        step "$fam: ZeRO-2 2 ranks reduced where the gradients lie" 10 no_reads "$fam-zero2"
     fi
     # ZeRO-1 on one rank: its shard is the model, stepped in the kept copies.
     step "$fam: ZeRO-1 1 rank" 120 check "$fam-zero1-1" 1 $b "$LOSS_TOL" "${m[@]}" \
@@ -270,8 +271,11 @@ for fam in gpt llama; do
         PHALANX_BACKEND=nccl step "$fam: ZeRO-1 2 ranks over NCCL" 120 check "$fam-zero1-nccl" 2 $b \
             "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=2 zero_optimization.stage=1
         step "$fam: ZeRO-1 over NCCL read no gradient back" 10 no_reads "$fam-zero1-nccl"
-        PHALANX_BACKEND=nccl step "$fam: ZeRO-2 2 ranks over NCCL" 120 check "$fam-zero2-nccl" 2 $b \
-            "$LOSS_TOL" "${m[@]}" train.micro_batch_size=4 zero_optimization.stage=2
+        # ZeRO-2 reduce-scatters each micro-batch's where they lie.
+        PHALANX_BACKEND=nccl step "$fam: ZeRO-2 2 ranks over NCCL, 2 micro-batches" 120 check \
+            "$fam-zero2-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
+            train.grad_accum_steps=2 zero_optimization.stage=2
+        step "$fam: ZeRO-2 over NCCL read no gradient back" 10 no_reads "$fam-zero2-nccl"
         # Tensor parallelism's exchanges on the activations where they lie
         # (tp::comm: ncclAllReduce, ncclAllGather, ncclReduceScatter in
         # place) and the vocabulary-parallel loss in candle's ops.

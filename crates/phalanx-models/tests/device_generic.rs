@@ -27,10 +27,10 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
         // reduce-scatter.
         ("ZeRO-1 3 ranks", 3, 3, 1, vec!["zero_optimization.stage=1"]),
         (
-            "ZeRO-2 2 ranks",
+            "ZeRO-2 2 ranks, 2 micro-batches",
             2,
             2,
-            1,
+            2,
             vec!["zero_optimization.stage=2", "parallel.bucket_mb=0.01"],
         ),
         ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
@@ -112,7 +112,14 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         match what {
             // ZeRO-1 reduces them there as well, steps its shard in the
             // kept copies and gathers the others' shards there.
-            "1 rank" | "tp 2" | "DDP 2 ranks" | "ZeRO-1 2 ranks" | "ZeRO-1 3 ranks" => {
+            // ZeRO-2 reduce-scatters each micro-batch's there.
+            "1 rank"
+            | "tp 2"
+            | "DDP 2 ranks"
+            | "ZeRO-1 2 ranks"
+            | "ZeRO-1 3 ranks"
+            | "ZeRO-2 2 ranks, 2 micro-batches"
+            | "full recompute, ZeRO-2" => {
                 assert_eq!(read, 0, "{what}: gradients read back");
                 assert_eq!(back, 0, "{what}: the optimizer wrote the parameters back");
                 assert_eq!(
@@ -139,6 +146,23 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         "offloaded, yet stepped on the device"
     );
     runs.push(("DDP 2 ranks, optimizer offloaded to the host", offloaded));
+    // ZeRO-2 with its optimizer on the host reduce-scatters into the
+    // host's shard, bucket by bucket, and reads the gradients back.
+    let down = downloads();
+    let offloaded = llama_run(
+        2,
+        2,
+        2,
+        &[
+            "zero_optimization.stage=2",
+            "zero_optimization.offload_optimizer.device=cpu",
+        ],
+    );
+    assert!(
+        downloads() > down,
+        "ZeRO-2 offloaded: the gradients never reached the host"
+    );
+    runs.push(("ZeRO-2 2 ranks, optimizer offloaded to the host", offloaded));
     // A hook other than the plain f32 average reduces host buffers: there
     // the gradients go, bucket by bucket as backward makes them.
     let down = downloads();

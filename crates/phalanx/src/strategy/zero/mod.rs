@@ -153,6 +153,9 @@ pub struct Zero {
     device_grads: bool,
     /// This step's micro-batches held all their gradients on the device.
     held_all: bool,
+    /// Stage 2 on the device: this rank's shard of the step's gradients,
+    /// summed over the micro-batches reduce-scattered so far.
+    device_shard: Option<Tensor>,
 }
 
 impl Zero {
@@ -317,6 +320,7 @@ impl Zero {
             pool,
             device_grads: false,
             held_all: false,
+            device_shard: None,
         })
     }
 
@@ -332,6 +336,7 @@ impl Zero {
     pub fn zero_grad(&mut self, engine: &mut Engine) {
         engine.zero_grad();
         self.grad_shard.fill(0.0);
+        self.device_shard = None;
     }
 
     /// Forward and backward of one micro-batch; `last` marks the final
@@ -346,11 +351,13 @@ impl Zero {
     ) -> Result<f32> {
         // ZeRO-1 reduces on the last micro-step only: the ones before keep
         // their gradients on the device (CUDA); where it reduces them there
-        // too (`on_device`), all of them do.
+        // too (`on_device`), all of them do. ZeRO-2 reduces them there
+        // after every micro-batch's backward.
         let all = self.grads_stay_on_device(engine);
         self.held_all = all;
-        engine.hold_grads(self.cfg.stage == 1 && (!last || all));
+        engine.hold_grads((self.cfg.stage == 1 && !last) || all);
         match self.cfg.stage {
+            2 if all => self.scatter_on_device(engine, x, y, scale),
             1 if !last || all || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
             1 => {
                 let (units, pool) = (&self.units, &self.pool);

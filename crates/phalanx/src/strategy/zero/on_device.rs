@@ -1,9 +1,11 @@
-//! ZeRO-1 with its gradients on the device (a GPU, or the CPU's
-//! device-generic path): every micro-batch holds its gradients there, one
-//! reduce-scatter averages their sum where it lies, leaving each rank its
-//! shard (`collective`: NCCL on device memory, any backend on host
-//! memory), and the optimizer steps the shard with those gradients, so no
-//! gradient is read back to the host. The shard is stepped in place in the
+//! ZeRO-1 and ZeRO-2 with their gradients on the device (a GPU, or the
+//! CPU's device-generic path): every micro-batch holds its gradients
+//! there, and a reduce-scatter averages them where they lie, leaving each
+//! rank its shard (`collective`: NCCL on device memory, any backend on
+//! host memory): ZeRO-1 once, the step's sum after the last backward;
+//! ZeRO-2 after every micro-batch's backward, keeping only the shard's
+//! sum between them. The optimizer steps the shard with those gradients,
+//! so no gradient is read back to the host. The shard is stepped in place in the
 //! parameters' kept device copies, which an all-gather in place makes
 //! whole again, and the host buffer is deferred to them (as DDP's): a
 //! step moves nothing between host and device but the batch and the loss.
@@ -23,11 +25,11 @@ use candle_core::Tensor;
 use phalanx_comm::ReduceOp;
 
 impl Zero {
-    /// Stage 1, where DDP's would stay ([`grads_may_stay_on_device`], over
-    /// the group the gradients are averaged in).
+    /// Stages 1 and 2, where DDP's would stay ([`grads_may_stay_on_device`],
+    /// over the group the gradients are averaged in).
     pub(super) fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
         let on_device = self.opt.as_device().is_some();
-        self.cfg.stage == 1
+        self.cfg.stage <= 2
             && grads_may_stay_on_device(
                 self.device_grads,
                 on_device,
@@ -35,6 +37,28 @@ impl Zero {
                 &self.shard_pg,
                 &self.reducer,
             )
+    }
+
+    /// Stage 2's micro-step on the device: forward and backward holding
+    /// the gradients, then their reduce-scatter, this rank's shard added
+    /// to the step's, so that no more than one micro-batch's full
+    /// gradients are ever held (DeepSpeed's stage 2 reduces every
+    /// micro-batch too; the buckets of its backward are not overlapped
+    /// here).
+    pub(super) fn scatter_on_device(
+        &mut self,
+        engine: &mut Engine,
+        x: &Tensor,
+        y: &Tensor,
+        scale: f32,
+    ) -> Result<f32> {
+        let loss = engine.forward_backward(x, y, scale)?;
+        let gs = self.reduce_scatter_held(engine)?;
+        self.device_shard = Some(match self.device_shard.take() {
+            Some(sum) => (sum + gs)?,
+            None => gs,
+        });
+        Ok(loss)
     }
 
     /// This rank's shard of the held gradients averaged over the group,
@@ -59,7 +83,8 @@ impl Zero {
         // storage under the view); the rest is let go before the
         // parameters' flat copy is made.
         let gs = g.narrow(0, mine.start, mine.len())?.force_contiguous()?;
-        held_or_fail(gs, held, &self.shard_pg, "ZeRO-1")
+        let what = format!("ZeRO-{}", self.cfg.stage);
+        held_or_fail(gs, held, &self.shard_pg, &what)
     }
 
     /// The step from the held gradients: averaged over the group on the
@@ -76,7 +101,17 @@ impl Zero {
         step: usize,
     ) -> Result<(StepOutcome, bool)> {
         let n = engine.num_params();
-        let gs = self.reduce_scatter_held(engine)?;
+        let stage = self.cfg.stage;
+        // Stage 1 reduces the step's held sum now; stage 2 has reduced
+        // every micro-batch's already.
+        let gs = match stage {
+            1 => self.reduce_scatter_held(engine)?,
+            _ => self.device_shard.take().ok_or_else(|| {
+                Error::Check(format!(
+                    "ZeRO-{stage}: the step ended with no gradient shard on the device"
+                ))
+            })?,
+        };
         let mine = self.shards.mine();
         let ss =
             weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
@@ -88,9 +123,9 @@ impl Zero {
         };
         let Some(opt) = self.opt.as_device() else {
             // `grads_stay_on_device` asked for it: a bug, not an input.
-            return Err(Error::Check(
-                "ZeRO-1: the gradients stayed on the device but the optimizer is not there".into(),
-            ));
+            return Err(Error::Check(format!(
+                "ZeRO-{stage}: the gradients stayed on the device but the optimizer is not there"
+            )));
         };
         // The forward kept every parameter's copy (the same on every rank:
         // the same model, the same forward).
