@@ -271,6 +271,10 @@ impl OnStorage for candle_core::CudaStorage {
                     .0,
                 D::F16,
             ),
+            C::F64 => (
+                self.as_cuda_slice_mut::<f64>()?.device_ptr_mut(&stream).0,
+                D::F64,
+            ),
             d => candle_core::bail!("{} of a {d:?} tensor on CUDA", coll.name()),
         };
         // NCCL runs on its own stream: what candle's stream wrote (the

@@ -1,10 +1,12 @@
-//! `collective`: all-reduce and all-gather of candle tensors where
-//! they lie, the path DDP's and ZeRO-1's device-held gradients and shards
-//! take (host memory here; NCCL's device memory on a GPU, which
+//! `collective`: all-reduce, all-gather and reduce-scatter of candle
+//! tensors where they lie, the path DDP's and ZeRO's device-held
+//! gradients and shards take (host memory here; NCCL's device memory on a GPU, which
 //! `scripts/gpu_check.sh` runs).
 
 use candle_core::{DType, Device, Tensor};
-use phalanx::collective::{all_gather_in_place, all_reduce_in_place, reduces_on};
+use phalanx::collective::{
+    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on,
+};
 use phalanx_comm::{threads, ReduceOp};
 
 /// A (3, 2) view of a (2, 3) matrix: no contiguous range.
@@ -149,4 +151,69 @@ fn a_group_of_one_leaves_the_tensor_as_it_is_and_refuses_as_larger_ones() {
     assert_eq!(t, &[1.5, -2.0, 3.0]);
     assert!(counts.contains("1 counts summing to 2"), "{counts}");
     assert!(strided.contains("non-contiguous"), "{strided}");
+}
+
+#[test]
+fn reduce_scatters_into_this_ranks_block_of_the_tensors_own_range() {
+    let out = threads::run(3, |pg| {
+        let r = pg.rank();
+        let mut got = Vec::new();
+        for dt in [DType::F32, DType::BF16, DType::F64] {
+            // (10,), of which the view (1..7) is 3 blocks of 2.
+            let whole = Tensor::arange(0f32, 10.0, &Device::Cpu)
+                .unwrap()
+                .affine(1.0, r as f64)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let view = whole.narrow(0, 1, 6).unwrap();
+            reduce_scatter_in_place(&pg, &view, ReduceOp::Sum).unwrap();
+            let all = whole
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            got.push((dt, all));
+        }
+        let avg = Tensor::new(
+            &[1.0f32 + r as f32, 2.0, 3.0, 4.0, 5.0, 6.0 * r as f32],
+            &Device::Cpu,
+        )
+        .unwrap();
+        reduce_scatter_in_place(&pg, &avg, ReduceOp::Avg).unwrap();
+        let avg = avg.narrow(0, 2 * r, 2).unwrap().to_vec1::<f32>().unwrap();
+        // 7 elements do not split into 3 blocks; a matrix is no flat
+        // buffer: both refused before any message.
+        let seven = Tensor::zeros(7, DType::F32, &Device::Cpu).unwrap();
+        let uneven = reduce_scatter_in_place(&pg, &seven, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        let matrix = Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap();
+        let matrix = reduce_scatter_in_place(&pg, &matrix, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        (r, got, avg, uneven, matrix)
+    });
+    let avg_want = [[2.0f32, 2.0], [3.0, 4.0], [5.0, 6.0]];
+    for (r, got, avg, uneven, matrix) in out {
+        for (dt, all) in got {
+            // This rank's block of the view, elements 1 + 2r and 2 + 2r,
+            // is the sum 3x + 3; the rest of the tensor outside the view
+            // is untouched.
+            for (i, v) in all.iter().enumerate() {
+                let x = i as f32;
+                if i == 0 || i >= 7 {
+                    assert_eq!(*v, x + r as f32, "{dt:?} rank {r} element {i}");
+                } else if (i - 1) / 2 == r {
+                    assert_eq!(*v, 3.0 * x + 3.0, "{dt:?} rank {r} element {i}");
+                }
+            }
+        }
+        assert_eq!(avg, avg_want[r], "rank {r}");
+        assert!(
+            uneven.contains("does not split into 3 equal blocks"),
+            "{uneven}"
+        );
+        assert!(matrix.contains("[3, 2]"), "{matrix}");
+    }
 }

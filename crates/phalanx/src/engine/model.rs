@@ -214,10 +214,15 @@ impl Engine {
 
     /// Off the CPU kernels: the gradients of `range` that backwards held on
     /// the device ([`Engine::hold_grads`]) and never read back, taken out
-    /// as one (n,) tensor; `None` when none are held. The flat gradient
-    /// buffer does not hold them.
-    pub fn take_device_grads(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
-        self.stack.take_held_grads(range)
+    /// as one (n + `pad`,) tensor, `pad` zeros last (a collective's whole
+    /// blocks, in the same allocation); `None` when none are held. The
+    /// flat gradient buffer does not hold them.
+    pub fn take_device_grads(
+        &self,
+        range: Range<usize>,
+        pad: usize,
+    ) -> candle_core::Result<Option<Tensor>> {
+        self.stack.take_held_grads(range, pad)
     }
 
     /// The flat parameter buffer as a [`ParamSource`] (e.g. to run the stack

@@ -393,14 +393,16 @@ impl HeldGrads {
     }
 
     /// Everything held for the parameters of `range` (the layout's
-    /// `params`, whole ones), taken out as one (n,) f32 tensor in flat
-    /// order, zeros where a parameter has nothing held; `None` when
+    /// `params`, whole ones), taken out as one (n + `pad`,) f32 tensor in
+    /// flat order, zeros where a parameter has nothing held and `pad`
+    /// zeros last (put together in the one allocation); `None` when
     /// nothing at all is held for them.
     pub fn take_flat(
         &self,
         params: &[ParamInfo],
         range: Range<usize>,
         dev: &Device,
+        pad: usize,
     ) -> Result<Option<Tensor>> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let mut pieces = Vec::new();
@@ -421,6 +423,9 @@ impl HeldGrads {
         }
         if !any {
             return Ok(None);
+        }
+        if pad > 0 {
+            pieces.push(Tensor::zeros(pad, candle_core::DType::F32, dev)?);
         }
         let flat = if pieces.len() == 1 {
             pieces.remove(0).contiguous()?

@@ -274,14 +274,14 @@ impl Stack {
     }
 
     /// Off the CPU kernels: the gradients held on the device for `range`
-    /// (whole parameters), taken out as one (n,) f32 tensor; `None` when
-    /// none are held.
-    pub fn take_held_grads(&self, range: Range<usize>) -> Result<Option<Tensor>> {
+    /// (whole parameters), taken out as one (n + `pad`,) f32 tensor, `pad`
+    /// zeros last; `None` when none are held.
+    pub fn take_held_grads(&self, range: Range<usize>, pad: usize) -> Result<Option<Tensor>> {
         if crate::ops::host_kernels(&self.device) {
             return Ok(None);
         }
         self.held
-            .take_flat(self.layout.params(), range, &self.device)
+            .take_flat(self.layout.params(), range, &self.device, pad)
     }
 
     /// Drop every gradient held on the device.

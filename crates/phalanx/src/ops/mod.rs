@@ -104,9 +104,9 @@ pub fn set_host_kernels(on: Option<bool>) {
 
 /// `f` applied to `x` on the host: a CPU tensor as it is, a device tensor
 /// copied to host memory and the result copied back (both copies are
-/// differentiable). For the ops whose passes exist only on the CPU, such as
-/// the tensor-parallel exchanges, whose buffers the comm backend takes from
-/// host memory.
+/// differentiable). For the ops whose passes exist only on the CPU: the
+/// tensor-parallel exchanges where the group's backend reduces host memory
+/// only (ranks sharing a GPU).
 pub fn on_host(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     if x.device().is_cpu() {
         return f(x);

@@ -233,21 +233,21 @@ pub(crate) fn take_reduced_grads(
     pg: &ProcessGroup,
     what: &str,
 ) -> Result<Tensor> {
-    let (g, held) = take_held_grads(engine)?;
+    let (g, held) = take_held_grads(engine, 0)?;
     crate::collective::all_reduce_in_place(pg, &g, ReduceOp::Avg)?;
     held_or_fail(g, held, pg, what)
 }
 
-/// The held gradients as one (n,) f32 tensor, and whether there were
-/// any (zeros stand in where not, so that the rank still joins its
-/// group's reduction; [`held_or_fail`] then fails it).
-pub(crate) fn take_held_grads(engine: &mut Engine) -> Result<(Tensor, bool)> {
+/// The held gradients as one (n + `pad`,) f32 tensor, `pad` zeros last,
+/// and whether there were any (zeros stand in where not, so that the rank
+/// still joins its group's reduction; [`held_or_fail`] then fails it).
+pub(crate) fn take_held_grads(engine: &mut Engine, pad: usize) -> Result<(Tensor, bool)> {
     engine.hold_grads(false);
     let n = engine.num_params();
-    Ok(match engine.take_device_grads(0..n)? {
+    Ok(match engine.take_device_grads(0..n, pad)? {
         Some(g) => (g, true),
         None => (
-            Tensor::zeros(n, candle_core::DType::F32, engine.device())?,
+            Tensor::zeros(n + pad, candle_core::DType::F32, engine.device())?,
             false,
         ),
     })

@@ -19,8 +19,9 @@
 //! copy.
 //!
 //! Mixed precision: f16 / bf16 tensors are communicated in their own dtype
-//! (half the bytes of f32); `phalanx_comm` reduces half elements in f32 and
-//! rounds once per reduction step, as gloo does. f32 and f64 work too.
+//! (half the bytes of f32); on the host `phalanx_comm` reduces half
+//! elements in f32 and rounds once per reduction step, as gloo does, and
+//! on a GPU NCCL reduces them in their own dtype. f32 and f64 work too.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
@@ -37,7 +38,8 @@
 use crate::collective::{reduces_on, Coll, OnStorage};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{bail, CpuStorage, CustomOp1, DeviceLocation, Layout, Result, Shape, Tensor};
-use phalanx_comm::{ProcessGroup, ReduceOp};
+use phalanx_comm::{CommError, ProcessGroup, ReduceOp};
+use std::cell::Cell;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -113,7 +115,9 @@ impl TpOp {
             }
             Kind::Gather => {
                 // This rank's block in place; the gather fills the others.
-                let mut out = s.device().zeros_impl(&whole, s.dtype())?;
+                // SAFETY: every block is written (this one by the copy, the
+                // others by the gather) before the result is read.
+                let mut out = unsafe { s.device().alloc_uninit(&whole, s.dtype())? };
                 s.copy_strided_src(&mut out, r * shape.elem_count(), l)?;
                 let counts = vec![shape.elem_count(); n];
                 (self.run(out, &whole, Coll::AllGather(&counts))?, whole)
@@ -133,14 +137,19 @@ impl TpOp {
         Ok(out)
     }
 
-    /// The collective in place on `out` (contiguous, `shape`). On a
-    /// failure off the host `out` is never freed: an aborted NCCL kernel
-    /// may still be over it, and the process is failing anyway.
+    /// The collective in place on `out` (contiguous, `shape`). After a
+    /// timeout or an abort off the host `out` is never freed: the aborted
+    /// NCCL kernel may still be over it, and the process is failing anyway.
     fn run<S: OnStorage>(&self, mut out: S, shape: &Shape, coll: Coll) -> Result<S> {
-        match out.collective(&Layout::contiguous(shape), &self.pg, coll, &comm_err) {
+        let aborted = Cell::new(false);
+        let fail = |e: CommError| {
+            aborted.set(matches!(e, CommError::Timeout(_) | CommError::Aborted(_)));
+            comm_err(e)
+        };
+        match out.collective(&Layout::contiguous(shape), &self.pg, coll, &fail) {
             Ok(()) => Ok(out),
             Err(e) => {
-                if !matches!(out.device().location(), DeviceLocation::Cpu) {
+                if aborted.get() && !matches!(out.device().location(), DeviceLocation::Cpu) {
                     std::mem::forget(out);
                 }
                 Err(e)

@@ -68,15 +68,9 @@ impl Zero {
     /// last ones short or empty), so the flat sum is padded with zeros to
     /// `size` whole blocks where the size does not divide it.
     fn reduce_scatter_held(&self, engine: &mut Engine) -> Result<Tensor> {
-        let (g, held) = take_held_grads(engine)?;
-        let (n, size) = (g.elem_count(), self.shard_pg.size());
-        let block = n.div_ceil(size);
-        let g = if block * size == n {
-            g
-        } else {
-            let pad = Tensor::zeros(block * size - n, g.dtype(), g.device())?;
-            Tensor::cat(&[&g, &pad], 0)?
-        };
+        let (n, size) = (engine.num_params(), self.shard_pg.size());
+        // The padding comes in the held gradients' own allocation.
+        let (g, held) = take_held_grads(engine, n.div_ceil(size) * size - n)?;
         crate::collective::reduce_scatter_in_place(&self.shard_pg, &g, ReduceOp::Avg)?;
         let mine = self.shards.mine();
         // The shard in storage of its own (`copy` would clone the whole
