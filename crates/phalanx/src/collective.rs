@@ -102,10 +102,8 @@ fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
         Ok(()) => Ok(()),
         Err(e) => Err(match o.failure.into_inner().unwrap_or(None) {
             Some(c) => {
-                if !t.device().is_cpu()
-                    && matches!(c, CommError::Timeout(_) | CommError::Aborted(_))
-                {
-                    // The aborted NCCL kernel may still be on its stream,
+                if !t.device().is_cpu() && may_be_in_flight(&c) {
+                    // An aborted NCCL kernel may still be on its stream,
                     // over this memory: never give it back to candle's
                     // allocator (as the backend leaks its own staging
                     // buffer then). The process is failing anyway.
@@ -119,6 +117,15 @@ fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
 }
 
 /// What runs on the storage.
+/// Whether a collective that failed with `e` may have launched a kernel
+/// that is still over its memory: every failure but a refusal before the
+/// launch (`Invalid`: a wrong device, dtype or count). NCCL's wait aborts
+/// the communicator on a timeout, and on an error NCCL itself reports
+/// (`Io`: a peer gone), with its kernel perhaps still queued.
+pub(crate) fn may_be_in_flight(e: &CommError) -> bool {
+    !matches!(e, CommError::Invalid(_))
+}
+
 #[derive(Clone, Copy)]
 pub(crate) enum Coll<'a> {
     AllReduce(ReduceOp),

@@ -14,15 +14,10 @@ const LAYERS: &[&[&str]] = &[
     &["placement"],
     &["config"],
     &["error"],
-    &[
-        "collective",
-        "engine",
-        "mesh",
-        "monitor",
-        "plan",
-        "report",
-        "tp",
-    ],
+    // Collectives on candle tensors: what the parallel layers and the
+    // strategies reduce on a device.
+    &["collective"],
+    &["engine", "mesh", "monitor", "plan", "report", "tp"],
     &["optim"],
     &["strategy"],
     &["checkpoint"],

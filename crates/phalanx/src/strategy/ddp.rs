@@ -203,7 +203,7 @@ impl Ddp {
     }
 }
 
-/// Whether DDP's and ZeRO-1's gradients may stay on the device through
+/// Whether DDP's and ZeRO-1/2's gradients may stay on the device through
 /// the step: `allowed` by the trainer, the optimizer on the device
 /// (`opt_on_device`), off the CPU kernels, and the gradients either in no
 /// need of reduction (a group `pg` of one) or reduced where they lie (the

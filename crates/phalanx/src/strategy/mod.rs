@@ -158,9 +158,9 @@ pub trait Strategy: Send {
     /// step, never reaching the flat gradient buffer: the trainer allows it
     /// when nothing else reads that buffer between the backward and the
     /// step (no sequence-parallel sum over tp, no fault-tolerant average
-    /// across replica groups). DDP and ZeRO-1 with the optimizer on the
-    /// device act on it (one data-parallel rank, or a plain average on a
-    /// backend that reduces the device's memory).
+    /// across replica groups). DDP, ZeRO-1 and ZeRO-2 with the optimizer
+    /// on the device act on it (one data-parallel rank, or a plain average
+    /// on a backend that reduces the device's memory).
     fn keep_grads_on_device(&mut self, allowed: bool) {
         let _ = allowed;
     }

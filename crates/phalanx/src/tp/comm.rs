@@ -35,7 +35,7 @@
 //! assert_eq!(out[0].1, vec![2.0, 2.0]); // f's backward summed the ranks' gradients
 //! ```
 
-use crate::collective::{reduces_on, Coll, OnStorage};
+use crate::collective::{may_be_in_flight, reduces_on, Coll, OnStorage};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{bail, CpuStorage, CustomOp1, DeviceLocation, Layout, Result, Shape, Tensor};
 use phalanx_comm::{CommError, ProcessGroup, ReduceOp};
@@ -138,12 +138,13 @@ impl TpOp {
     }
 
     /// The collective in place on `out` (contiguous, `shape`). After a
-    /// timeout or an abort off the host `out` is never freed: the aborted
-    /// NCCL kernel may still be over it, and the process is failing anyway.
+    /// failure that may have launched (anything but a refusal) off the
+    /// host `out` is never freed: an aborted NCCL kernel may still be over
+    /// it, and the process is failing anyway.
     fn run<S: OnStorage>(&self, mut out: S, shape: &Shape, coll: Coll) -> Result<S> {
         let aborted = Cell::new(false);
         let fail = |e: CommError| {
-            aborted.set(matches!(e, CommError::Timeout(_) | CommError::Aborted(_)));
+            aborted.set(may_be_in_flight(&e));
             comm_err(e)
         };
         match out.collective(&Layout::contiguous(shape), &self.pg, coll, &fail) {

@@ -13,7 +13,9 @@
 //! Stage 1 all-reduces full gradients (DDP's buckets) and all-gathers the
 //! updated parameters. Stage 2 reduce-scatters each gradient bucket as soon
 //! as backward completes it, into the rank's gradient shard (every
-//! micro-step: full gradients never outlive a bucket). Stage 3 runs the
+//! micro-step: full gradients never outlive a bucket; with its gradients
+//! on the device, `on_device`, a micro-batch's whole gradients are
+//! reduce-scattered once its backward ends). Stage 3 runs the
 //! model block by block: a block's parameters (and those it ties to) are
 //! all-gathered just before its forward and again before its backward, then
 //! freed; the next `prefetch` blocks' gathers are already in flight. Blocks
@@ -149,7 +151,8 @@ pub struct Zero {
     /// Stages 2-3: buffers reused from step to step.
     pool: Pool,
     /// Allowed to keep gradients on the device through the step
-    /// ([`Strategy::keep_grads_on_device`]; stage 1 acts on it, `on_device`).
+    /// ([`Strategy::keep_grads_on_device`]; stages 1 and 2 act on it,
+    /// `on_device`).
     device_grads: bool,
     /// This step's micro-batches held all their gradients on the device.
     held_all: bool,

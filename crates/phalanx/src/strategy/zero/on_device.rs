@@ -41,10 +41,11 @@ impl Zero {
 
     /// Stage 2's micro-step on the device: forward and backward holding
     /// the gradients, then their reduce-scatter, this rank's shard added
-    /// to the step's, so that no more than one micro-batch's full
-    /// gradients are ever held (DeepSpeed's stage 2 reduces every
-    /// micro-batch too; the buckets of its backward are not overlapped
-    /// here).
+    /// to the step's, so that between micro-batches only the shard's sum
+    /// is held (DeepSpeed's stage 2 reduces every micro-batch too; the
+    /// buckets of its backward are not overlapped here, and while a
+    /// micro-batch's are put together into one flat tensor they are there
+    /// twice).
     pub(super) fn scatter_on_device(
         &mut self,
         engine: &mut Engine,
