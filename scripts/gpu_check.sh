@@ -34,8 +34,9 @@
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
-#      2+ GPUs, DDP, ZeRO-1 and ZeRO-2 (gradients averaged in device
-#      memory, no read-back: the step log's grad_reads), and tp 2 with and
+#      2+ GPUs, DDP, ZeRO-1, ZeRO-2 and pp 2 (gradients averaged or
+#      summed in device memory, no read-back: the step log's grad_reads),
+#      and tp 2 with and
 #      without sequence parallelism (its exchanges in device memory) once
 #      more over NCCL;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
@@ -254,6 +255,9 @@ for fam in gpt llama; do
     step "$fam: tp 2" 120 check "$fam-tp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8 parallel.tp=2
     step "$fam: pp 2 (1f1b)" 120 check "$fam-pp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
         train.grad_accum_steps=4 parallel.pp=2
+    if [ "$DEVICE" = cpu ]; then # each stage's gradients held and stepped where they lie
+        step "$fam: pp 2 read no gradient back" 10 no_reads "$fam-pp"
+    fi
     step "$fam: dp 2 x pp 2 x tp 2" 180 check "$fam-3d" 8 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
         train.grad_accum_steps=2 parallel.pp=2 parallel.tp=2
     step "$fam: full activation checkpointing, ZeRO-2" 120 check "$fam-recompute" 2 $b "$LOSS_TOL" "${m[@]}" \
@@ -276,6 +280,10 @@ for fam in gpt llama; do
             "$fam-zero2-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
             train.grad_accum_steps=2 zero_optimization.stage=2
         step "$fam: ZeRO-2 over NCCL read no gradient back" 10 no_reads "$fam-zero2-nccl"
+        # Each stage's gradients held, tied copies summed over NCCL there.
+        PHALANX_BACKEND=nccl step "$fam: pp 2 over NCCL" 120 check "$fam-pp-nccl" 2 $b "$LOSS_TOL" \
+            "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=4 parallel.pp=2
+        step "$fam: pp 2 over NCCL read no gradient back" 10 no_reads "$fam-pp-nccl"
         # Tensor parallelism's exchanges on the activations where they lie
         # (tp::comm: ncclAllReduce, ncclAllGather, ncclReduceScatter in
         # place) and the vocabulary-parallel loss in candle's ops.

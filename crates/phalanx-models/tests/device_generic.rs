@@ -128,6 +128,14 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
                     "{what}: parameters read back {deferred} times"
                 );
             }
+            // A pipeline stage holds its micro-batches' gradients there,
+            // sums tied copies and averages over dp there, and steps
+            // there; its optimizers write the new values to the host
+            // buffer.
+            "pp 2 (1f1b)" | "pp 2 (zero-bubble)" | "dp 2 x pp 2 x tp 2" => {
+                assert_eq!(read, 0, "{what}: gradients read back");
+                assert!(back > 0, "{what}: the host buffer was not kept current");
+            }
             _ => {
                 assert!(
                     read > 0,

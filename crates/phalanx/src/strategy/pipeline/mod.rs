@@ -22,7 +22,10 @@
 //! for a strategy that reduces gradients its own way, e.g. ZeRO-1:
 //! [`Pipeline::run_schedule_with`] and its per-chunk `done` callback,
 //! [`Pipeline::reduce_tied_grads`], [`Pipeline::reduce_dp_grads`]), then the
-//! caller's optimizer over `owned_ranges()`.
+//! caller's optimizer over `owned_ranges()`. On a GPU the gradients may
+//! stay there instead: [`Pipeline::forward_backward_on_device`] holds them
+//! through the schedule and does both reductions in device memory
+//! (`on_device`).
 //!
 //! Micro-batches: `m = train.grad_accum_steps`; micro-batch `a` of a step is
 //! the loader's `micro_batch(step, dp_rank, dp, a, micro, m)`, so a run
@@ -62,6 +65,7 @@
 
 pub mod check;
 mod eval;
+mod on_device;
 pub mod p2p;
 pub mod partition;
 pub mod runtime;

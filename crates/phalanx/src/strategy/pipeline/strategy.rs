@@ -7,7 +7,10 @@ use crate::config::{PpPartition, TrainConfig};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
+use crate::optim::step::{
+    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, StepOutcome, Update,
+};
+use crate::optim::Grads;
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use crate::strategy::reduce::CommHook;
@@ -26,6 +29,12 @@ pub struct PipeStrategy {
     mesh: DeviceMesh,
     /// Flat ranges every tensor-parallel rank holds whole (for the norm).
     tp_replicated: Vec<Range<usize>>,
+    /// Allowed to keep gradients on the device through the step
+    /// ([`Strategy::keep_grads_on_device`]).
+    device_grads: bool,
+    /// This step's gradients of the owned ranges, reduced on the device
+    /// (`on_device`), for `finish`.
+    held: Option<Vec<Tensor>>,
 }
 
 /// The pipeline settings of a training config.
@@ -99,7 +108,73 @@ impl PipeStrategy {
             zero1: zero1.then_some(pieces),
             mesh: mesh.clone(),
             tp_replicated,
+            device_grads: false,
+            held: None,
         })
+    }
+
+    /// Whether this step's gradients stay on the device
+    /// ([`Pipeline::forward_backward_on_device`]): the trainer's leave,
+    /// plain data parallel (ZeRO-1's pieces take the host's buffers),
+    /// every optimizer on the device, and the pipeline's reductions on
+    /// that device's memory.
+    fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
+        self.device_grads
+            && self.zero1.is_none()
+            && self.opts.iter_mut().all(|(_, o)| o.as_device().is_some())
+            && self.pipe.grads_may_stay_on_device(engine)
+    }
+
+    /// The step from the gradients reduced on the device (`grads`, one per
+    /// owned range): the norm summed there over the primary ranges, each
+    /// optimizer stepping on its range's kept device copies (uploaded
+    /// where there are none) and writing the new values to the host
+    /// buffer, the copies kept for the next forward.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_on_device(
+        &mut self,
+        engine: &mut Engine,
+        grads: Vec<Tensor>,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        let (tp, dp) = (self.mesh.tp_size, self.mesh.dp().size());
+        let (w, rep) = (1.0 / dp as f64, &self.tp_replicated);
+        let owned = self.pipe.owned_ranges().to_vec();
+        let mut ss = 0.0;
+        for r in self.pipe.primary_ranges() {
+            let g = super::on_device::view(&owned, &grads, r)?;
+            ss += weighted_sum_squares_on(&g, r.start, w, rep, tp)?;
+        }
+        let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
+        let Some(factor) = factor else {
+            // Skipped: the parameters, here and on the device, are unchanged.
+            return Ok(out);
+        };
+        for (((r, opt), g), o) in self.opts.iter_mut().zip(&grads).zip(&owned) {
+            let Some(opt) = opt.as_device() else {
+                return Err(Error::Check(format!(
+                    "pipeline: the gradients of {r:?} stayed on the device but its optimizer is not there"
+                )));
+            };
+            if r != o {
+                return Err(Error::Check(format!(
+                    "pipeline: optimizer range {r:?} is not the owned range {o:?}"
+                )));
+            }
+            let kept = engine.device_params(r.clone())?;
+            let p = &mut engine.params_flat_mut()[r.clone()];
+            let dev = match kept {
+                Some(k) => k,
+                None => Tensor::from_slice(p, p.len(), g.device())?,
+            };
+            opt.step_on(Some(p), &dev, Grads::Device(g), lr, factor)?;
+            // Stepped: the new values, here and in the host buffer.
+            engine.keep_device_params(r.clone(), &dev)?;
+        }
+        Ok(out)
     }
 
     /// The finish path over the owned ranges, then (ZeRO-1) the dp ranks
@@ -208,7 +283,13 @@ impl Strategy for PipeStrategy {
             )));
         }
         self.pipe.set_loss_scale(loss_scale);
+        self.held = None;
         // Already the mean over micro-batches and dp replicas.
+        if self.grads_stay_on_device(engine) {
+            let (loss, grads) = self.pipe.forward_backward_on_device(engine, batch)?;
+            self.held = Some(grads);
+            return Ok(loss);
+        }
         self.pipe.forward_backward(engine, batch)
     }
 
@@ -220,7 +301,10 @@ impl Strategy for PipeStrategy {
         max_norm: f32,
         step: usize,
     ) -> Result<StepOutcome> {
-        self.finish(engine, scaler, lr, max_norm, step)
+        match self.held.take() {
+            Some(grads) => self.finish_on_device(engine, grads, scaler, lr, max_norm, step),
+            None => self.finish(engine, scaler, lr, max_norm, step),
+        }
     }
 
     fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
@@ -270,6 +354,10 @@ impl Strategy for PipeStrategy {
 
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>) {
         self.pipe.set_comm_hook(make());
+    }
+
+    fn keep_grads_on_device(&mut self, allowed: bool) {
+        self.device_grads = allowed;
     }
 
     fn hook_state(&self) -> Vec<(String, Vec<f32>)> {

@@ -101,6 +101,12 @@ impl Ties {
         })
     }
 
+    /// Each group of stages that read the same parameters, and the flat
+    /// ranges of those (in the same order on every member).
+    pub fn groups(&self) -> impl Iterator<Item = (&ProcessGroup, &[Range<usize>])> {
+        self.groups.iter().map(|g| (&g.group, g.ranges.as_slice()))
+    }
+
     /// Sum the shared gradients over each group of stages sharing them.
     pub fn reduce(&self, grads: &mut [f32]) -> Result<()> {
         for g in &self.groups {
