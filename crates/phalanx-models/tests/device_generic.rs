@@ -224,6 +224,18 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         pp_all, pp_first,
         "pp 2: later steps uploaded the parameters again"
     );
+    // GPT-2's last stage owns two ranges (the tied embedding, its
+    // blocks): each kept across the step as well.
+    let gpt_pp_uploads = |steps: usize| {
+        let up = uploads();
+        gpt_run(2, 1, 4, &["parallel.pp=2", &format!("train.steps={steps}")]);
+        uploads() - up
+    };
+    let (gpt_all, gpt_first) = (gpt_pp_uploads(STEPS), gpt_pp_uploads(1));
+    assert_eq!(
+        gpt_all, gpt_first,
+        "GPT-2 pp 2: later steps uploaded the parameters again"
+    );
     // As does ZeRO-1 with its gradients on the device: its shard stepped
     // in the kept copies and the others' gathered there.
     let z1_uploads = |extra: &[&str]| {

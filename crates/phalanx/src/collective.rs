@@ -45,8 +45,9 @@ pub fn reduces_on(pg: &ProcessGroup, dev: &Device) -> bool {
 }
 
 /// Reduce the contiguous tensor `t` across `pg`, in place: every rank's
-/// `t` holds the result. `t` must own its storage (nothing else may read
-/// it meanwhile: a detached tensor of this caller's, not a view).
+/// `t` holds the result. `t` is the caller's own (a detached tensor, or a
+/// contiguous view of one: its elements only are reduced), and nothing
+/// else may read it meanwhile.
 pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
     run(pg, t, Coll::AllReduce(op))
 }

@@ -64,6 +64,10 @@ impl Pipeline {
             });
         }
         let t0 = self.timeline.now_us();
+        // One all-reduce per tied range, in place in its view (the host
+        // path packs a group's ranges into one buffer): every member of a
+        // group takes this path or none does, since everything the choice
+        // reads is the same on every rank.
         for (group, ranges) in self.ties.groups() {
             for r in ranges {
                 all_reduce_in_place(group, &view(&self.ties.owned, &grads, r)?, ReduceOp::Sum)?;

@@ -153,26 +153,41 @@ impl PipeStrategy {
             // Skipped: the parameters, here and on the device, are unchanged.
             return Ok(out);
         };
-        for (((r, opt), g), o) in self.opts.iter_mut().zip(&grads).zip(&owned) {
-            let Some(opt) = opt.as_device() else {
-                return Err(Error::Check(format!(
-                    "pipeline: the gradients of {r:?} stayed on the device but its optimizer is not there"
-                )));
-            };
+        // Every range's kept copies first: the one mutable borrow of the
+        // flat buffer below makes them all stale, and each is kept again
+        // after it (as `finish` does).
+        let mut kept = Vec::with_capacity(self.opts.len());
+        for ((r, _), o) in self.opts.iter().zip(&owned) {
             if r != o {
                 return Err(Error::Check(format!(
                     "pipeline: optimizer range {r:?} is not the owned range {o:?}"
                 )));
             }
-            let kept = engine.device_params(r.clone())?;
-            let p = &mut engine.params_flat_mut()[r.clone()];
-            let dev = match kept {
-                Some(k) => k,
-                None => Tensor::from_slice(p, p.len(), g.device())?,
+            kept.push(engine.device_params(r.clone())?);
+        }
+        let p = engine.params_flat_mut();
+        // The ranges are disjoint and in flat order: split the buffer into them.
+        let (mut rest, mut at) = (&mut p[..], 0);
+        let mut stepped = Vec::with_capacity(kept.len());
+        for (((r, opt), g), k) in self.opts.iter_mut().zip(&grads).zip(kept) {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+            let (pr, tail) = tail.split_at_mut(r.len());
+            (rest, at) = (tail, r.end);
+            let Some(opt) = opt.as_device() else {
+                return Err(Error::Check(format!(
+                    "pipeline: the gradients of {r:?} stayed on the device but its optimizer is not there"
+                )));
             };
-            opt.step_on(Some(p), &dev, Grads::Device(g), lr, factor)?;
-            // Stepped: the new values, here and in the host buffer.
-            engine.keep_device_params(r.clone(), &dev)?;
+            let dev = match k {
+                Some(k) => k,
+                None => Tensor::from_slice(pr, pr.len(), g.device())?,
+            };
+            opt.step_on(Some(pr), &dev, Grads::Device(g), lr, factor)?;
+            stepped.push(dev);
+        }
+        // Stepped: the new values, here and in the host buffer.
+        for ((r, _), dev) in self.opts.iter().zip(&stepped) {
+            engine.keep_device_params(r.clone(), dev)?;
         }
         Ok(out)
     }
