@@ -255,8 +255,11 @@ for fam in gpt llama; do
     step "$fam: tp 2" 120 check "$fam-tp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8 parallel.tp=2
     step "$fam: pp 2 (1f1b)" 120 check "$fam-pp" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
         train.grad_accum_steps=4 parallel.pp=2
+    step "$fam: dp 2 x pp 2, ZeRO-1" 120 check "$fam-pp-zero1" 4 $b "$LOSS_TOL" "${m[@]}" \
+        train.micro_batch_size=2 train.grad_accum_steps=2 parallel.pp=2 zero_optimization.stage=1
     if [ "$DEVICE" = cpu ]; then # each stage's gradients held and stepped where they lie
         step "$fam: pp 2 read no gradient back" 10 no_reads "$fam-pp"
+        step "$fam: dp 2 x pp 2, ZeRO-1 read no gradient back" 10 no_reads "$fam-pp-zero1"
     fi
     step "$fam: dp 2 x pp 2 x tp 2" 180 check "$fam-3d" 8 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
         train.grad_accum_steps=2 parallel.pp=2 parallel.tp=2

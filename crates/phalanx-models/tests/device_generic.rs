@@ -52,6 +52,13 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             vec!["parallel.pp=2", "parallel.tp=2"],
         ),
         (
+            "dp 2 x pp 2, ZeRO-1",
+            4,
+            2,
+            2,
+            vec!["parallel.pp=2", "zero_optimization.stage=1"],
+        ),
+        (
             "full recompute, ZeRO-2",
             2,
             2,
@@ -72,6 +79,14 @@ fn gpt_strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>
         ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
         ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
         ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
+        // The tied embedding summed over the stages, then reduce-scattered.
+        (
+            "dp 2 x pp 2, ZeRO-1",
+            4,
+            2,
+            2,
+            vec!["parallel.pp=2", "zero_optimization.stage=1"],
+        ),
     ]
 }
 
@@ -132,7 +147,9 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             // sums tied copies and averages over dp there, and steps
             // there; its optimizers write the new values to the host
             // buffer.
-            "pp 2 (1f1b)" | "pp 2 (zero-bubble)" | "dp 2 x pp 2 x tp 2" => {
+            // Under ZeRO-1 each dp rank steps its piece of every range and
+            // the pieces are gathered there.
+            "pp 2 (1f1b)" | "pp 2 (zero-bubble)" | "dp 2 x pp 2 x tp 2" | "dp 2 x pp 2, ZeRO-1" => {
                 assert_eq!(read, 0, "{what}: gradients read back");
                 assert!(back > 0, "{what}: the host buffer was not kept current");
             }

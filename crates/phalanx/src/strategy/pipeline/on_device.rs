@@ -3,20 +3,27 @@
 //! up there (`Engine::hold_grads`) instead of reading them back, the tied
 //! parameters' copies are summed over their stages and the owned ranges
 //! averaged over dp where they lie (`collective`: NCCL on device memory,
-//! any backend on host memory), and the stage's optimizers step on them
-//! there (`PipeStrategy`'s finish). Nothing reads a gradient back.
+//! any backend on host memory): all-reduced under plain data parallel,
+//! reduce-scattered under ZeRO-1, each dp rank keeping its piece of each
+//! range. The stage's optimizers step on them there, in the ranges' kept
+//! device copies (ZeRO-1 then all-gathers the pieces there), and write
+//! the new values to the host buffer. Nothing reads a gradient back.
 //!
 //! Taken where every rank of the stage takes it, as DDP's is (the
 //! optimizers on the device, the CPU kernels off, the trainer's leave):
-//! plain data parallel over dp (no ZeRO-1 pieces), with one dp rank or
-//! the plain f32 average on a group that reduces the device's memory, and
-//! tie groups that reduce it too.
+//! one dp rank or the plain f32 average on a group that reduces the
+//! device's memory, and tie groups that reduce it too.
 
 use super::trace::EventKind;
-use super::{BatchFn, Pipeline};
-use crate::collective::{all_reduce_in_place, reduces_on};
-use crate::engine::Engine;
+use super::{BatchFn, PipeStrategy, Pipeline};
+use crate::collective::{
+    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on,
+};
+use crate::engine::{shard_range, Engine};
 use crate::error::{Error, Result};
+use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
+use crate::optim::Grads;
+use crate::precision::LossScaler;
 use candle_core::Tensor;
 use phalanx_comm::ReduceOp;
 use std::ops::Range;
@@ -37,29 +44,37 @@ impl Pipeline {
     /// One step with the gradients held on the device: the schedule runs
     /// with every backward adding its gradients up there, then each owned
     /// range's sum is taken out (in [`Pipeline::owned_ranges`]' order),
-    /// the tied copies summed over their stages and every range averaged
-    /// over dp, in place. Returns the mean loss (as
+    /// the tied copies summed over their stages and, unless `scatter`
+    /// (ZeRO-1: the caller reduce-scatters them), every range averaged
+    /// over dp, in place. With `scatter` each range comes padded with
+    /// zeros to whole pieces of ceil(len / dp). Returns the mean loss (as
     /// [`Pipeline::forward_backward`]) and the ranges' gradients.
     pub fn forward_backward_on_device(
         &mut self,
         engine: &mut Engine,
         batch: &mut BatchFn,
+        scatter: bool,
     ) -> Result<(f32, Vec<Tensor>)> {
         engine.zero_grad();
         engine.hold_grads(true);
         let loss = self.run_schedule(engine, batch);
         engine.hold_grads(false);
         let loss = loss?;
+        let dp = self.mesh.dp().clone();
         let mut grads = Vec::with_capacity(self.ties.owned.len());
         let mut missing = None;
         for r in &self.ties.owned {
-            grads.push(match engine.take_device_grads(r.clone(), 0)? {
+            let pad = match scatter {
+                true => r.len().div_ceil(dp.size()) * dp.size() - r.len(),
+                false => 0,
+            };
+            grads.push(match engine.take_device_grads(r.clone(), pad)? {
                 Some(g) => g,
                 None => {
                     // Zeros stand in, so that this rank still joins the
                     // reductions below; it fails after them.
                     missing.get_or_insert(r.clone());
-                    Tensor::zeros(r.len(), candle_core::DType::F32, engine.device())?
+                    Tensor::zeros(r.len() + pad, candle_core::DType::F32, engine.device())?
                 }
             });
         }
@@ -74,8 +89,7 @@ impl Pipeline {
             }
         }
         self.event(EventKind::TieReduce, t0);
-        let dp = self.mesh.dp().clone();
-        if dp.size() > 1 {
+        if dp.size() > 1 && !scatter {
             let t0 = self.timeline.now_us();
             for g in &grads {
                 all_reduce_in_place(&dp, g, ReduceOp::Avg)?;
@@ -100,4 +114,107 @@ pub(crate) fn view(owned: &[Range<usize>], grads: &[Tensor], r: &Range<usize>) -
         .position(|o| o.start <= r.start && r.end <= o.end)
         .ok_or_else(|| Error::Check(format!("pipeline: {r:?} lies in no owned range")))?;
     Ok(grads[i].narrow(0, r.start - owned[i].start, r.len())?)
+}
+
+impl PipeStrategy {
+    /// The step from the gradients taken on the device (`grads`, one per
+    /// owned range, as [`Pipeline::forward_backward_on_device`] leaves
+    /// them): under ZeRO-1 first reduce-scattered over dp, each rank
+    /// keeping its piece; the norm summed there over the primary ranges;
+    /// each optimizer stepping on its range (or piece) in the ranges' kept
+    /// device copies (uploaded where there are none), ZeRO-1's pieces then
+    /// all-gathered there; the new values written to the host buffer and
+    /// the copies kept for the next forward.
+    pub(super) fn finish_on_device(
+        &mut self,
+        engine: &mut Engine,
+        grads: Vec<Tensor>,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        let dp = self.mesh.dp().clone();
+        let owned = self.pipe.owned_ranges().to_vec();
+        // The optimizers' ranges: the owned ones, or (ZeRO-1) this dp
+        // rank's piece of each, in the same order.
+        let ranges: Vec<Range<usize>> = self.opts.iter().map(|(r, _)| r.clone()).collect();
+        let fits = ranges.len() == owned.len()
+            && ranges
+                .iter()
+                .zip(&owned)
+                .all(|(r, o)| o.start <= r.start && r.end <= o.end);
+        if !fits {
+            return Err(Error::Check(format!(
+                "pipeline: optimizer ranges {ranges:?} do not follow the owned ranges {owned:?}"
+            )));
+        }
+        // Every rank's share of the norm counts once: the averaged ranges
+        // are on every dp rank (1/dp each), a piece on its owner only.
+        let (grads, w) = match &self.zero1 {
+            None => (grads, 1.0 / dp.size() as f64),
+            Some(_) => {
+                let mut mine = Vec::with_capacity(grads.len());
+                for (g, o) in grads.iter().zip(&owned) {
+                    reduce_scatter_in_place(&dp, g, ReduceOp::Avg)?;
+                    let s = shard_range(o.len(), dp.rank(), dp.size());
+                    mine.push(g.narrow(0, s.start, s.len())?.force_contiguous()?);
+                }
+                (mine, 1.0)
+            }
+        };
+        let (tp, rep) = (self.mesh.tp_size, &self.tp_replicated);
+        let mut ss = 0.0;
+        for (g, r) in grads.iter().zip(&ranges) {
+            for p in self.pipe.primary_ranges() {
+                let (lo, hi) = (p.start.max(r.start), p.end.min(r.end));
+                if lo < hi {
+                    let part = g.narrow(0, lo - r.start, hi - lo)?;
+                    ss += weighted_sum_squares_on(&part, lo, w, rep, tp)?;
+                }
+            }
+        }
+        let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
+        let Some(factor) = factor else {
+            // Skipped: the parameters, here and on the device, are unchanged.
+            return Ok(out);
+        };
+        // Every range's kept copies first: the one mutable borrow of the
+        // flat buffer below makes them all stale, and each is kept again
+        // after it (as `finish` does).
+        let mut kept = Vec::with_capacity(owned.len());
+        for o in &owned {
+            kept.push(engine.device_params(o.clone())?);
+        }
+        let dev = engine.device().clone();
+        let p = engine.params_flat_mut();
+        let mut full = Vec::with_capacity(owned.len());
+        for (i, (r, opt)) in self.opts.iter_mut().enumerate() {
+            let (o, g) = (&owned[i], &grads[i]);
+            let all = match kept[i].take() {
+                Some(k) => k,
+                None => Tensor::from_slice(&p[o.clone()], o.len(), &dev)?,
+            };
+            let Some(opt) = opt.as_device() else {
+                return Err(Error::Check(format!(
+                    "pipeline: the gradients of {r:?} stayed on the device but its optimizer is not there"
+                )));
+            };
+            if r.start < r.end {
+                let mine = all.narrow(0, r.start - o.start, r.len())?;
+                opt.step_on(Some(&mut p[r.clone()]), &mine, Grads::Device(g), lr, factor)?;
+            }
+            if let Some(pieces) = &self.zero1 {
+                // The others' pieces, into the kept copies and the host buffer.
+                all_gather_in_place(&dp, &all, &pieces[i].1)?;
+                p[o.clone()].copy_from_slice(&all.to_vec1::<f32>()?);
+            }
+            full.push(all);
+        }
+        // Stepped: the new values, here and in the host buffer.
+        for (o, all) in owned.iter().zip(&full) {
+            engine.keep_device_params(o.clone(), all)?;
+        }
+        Ok(out)
+    }
 }

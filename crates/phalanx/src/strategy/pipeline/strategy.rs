@@ -7,10 +7,7 @@ use crate::config::{PpPartition, TrainConfig};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::mesh::DeviceMesh;
-use crate::optim::step::{
-    agree_and_clip, finish_step, weighted_sum_squares, weighted_sum_squares_on, StepOutcome, Update,
-};
-use crate::optim::Grads;
+use crate::optim::step::{finish_step, weighted_sum_squares, StepOutcome, Update};
 use crate::optim::Optimizer;
 use crate::precision::LossScaler;
 use crate::strategy::reduce::CommHook;
@@ -23,12 +20,12 @@ pub struct PipeStrategy {
     pub pipe: Pipeline,
     /// (range of the flat buffer, its optimizer): with ZeRO-1, this dp
     /// rank's piece of each owned range.
-    opts: Vec<(Range<usize>, Box<dyn Optimizer + Send>)>,
+    pub(super) opts: Vec<(Range<usize>, Box<dyn Optimizer + Send>)>,
     /// ZeRO-1: each owned range and the dp ranks' pieces of it.
-    zero1: Option<Vec<(Range<usize>, Vec<usize>)>>,
-    mesh: DeviceMesh,
+    pub(super) zero1: Option<Vec<(Range<usize>, Vec<usize>)>>,
+    pub(super) mesh: DeviceMesh,
     /// Flat ranges every tensor-parallel rank holds whole (for the norm).
-    tp_replicated: Vec<Range<usize>>,
+    pub(super) tp_replicated: Vec<Range<usize>>,
     /// Allowed to keep gradients on the device through the step
     /// ([`Strategy::keep_grads_on_device`]).
     device_grads: bool,
@@ -115,81 +112,12 @@ impl PipeStrategy {
 
     /// Whether this step's gradients stay on the device
     /// ([`Pipeline::forward_backward_on_device`]): the trainer's leave,
-    /// plain data parallel (ZeRO-1's pieces take the host's buffers),
     /// every optimizer on the device, and the pipeline's reductions on
     /// that device's memory.
     fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
         self.device_grads
-            && self.zero1.is_none()
             && self.opts.iter_mut().all(|(_, o)| o.as_device().is_some())
             && self.pipe.grads_may_stay_on_device(engine)
-    }
-
-    /// The step from the gradients reduced on the device (`grads`, one per
-    /// owned range): the norm summed there over the primary ranges, each
-    /// optimizer stepping on its range's kept device copies (uploaded
-    /// where there are none) and writing the new values to the host
-    /// buffer, the copies kept for the next forward.
-    #[allow(clippy::too_many_arguments)]
-    fn finish_on_device(
-        &mut self,
-        engine: &mut Engine,
-        grads: Vec<Tensor>,
-        scaler: &mut LossScaler,
-        lr: f32,
-        max_norm: f32,
-        step: usize,
-    ) -> Result<StepOutcome> {
-        let (tp, dp) = (self.mesh.tp_size, self.mesh.dp().size());
-        let (w, rep) = (1.0 / dp as f64, &self.tp_replicated);
-        let owned = self.pipe.owned_ranges().to_vec();
-        let mut ss = 0.0;
-        for r in self.pipe.primary_ranges() {
-            let g = super::on_device::view(&owned, &grads, r)?;
-            ss += weighted_sum_squares_on(&g, r.start, w, rep, tp)?;
-        }
-        let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
-        let Some(factor) = factor else {
-            // Skipped: the parameters, here and on the device, are unchanged.
-            return Ok(out);
-        };
-        // Every range's kept copies first: the one mutable borrow of the
-        // flat buffer below makes them all stale, and each is kept again
-        // after it (as `finish` does).
-        let mut kept = Vec::with_capacity(self.opts.len());
-        for ((r, _), o) in self.opts.iter().zip(&owned) {
-            if r != o {
-                return Err(Error::Check(format!(
-                    "pipeline: optimizer range {r:?} is not the owned range {o:?}"
-                )));
-            }
-            kept.push(engine.device_params(r.clone())?);
-        }
-        let p = engine.params_flat_mut();
-        // The ranges are disjoint and in flat order: split the buffer into them.
-        let (mut rest, mut at) = (&mut p[..], 0);
-        let mut stepped = Vec::with_capacity(kept.len());
-        for (((r, opt), g), k) in self.opts.iter_mut().zip(&grads).zip(kept) {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
-            let (pr, tail) = tail.split_at_mut(r.len());
-            (rest, at) = (tail, r.end);
-            let Some(opt) = opt.as_device() else {
-                return Err(Error::Check(format!(
-                    "pipeline: the gradients of {r:?} stayed on the device but its optimizer is not there"
-                )));
-            };
-            let dev = match k {
-                Some(k) => k,
-                None => Tensor::from_slice(pr, pr.len(), g.device())?,
-            };
-            opt.step_on(Some(pr), &dev, Grads::Device(g), lr, factor)?;
-            stepped.push(dev);
-        }
-        // Stepped: the new values, here and in the host buffer.
-        for ((r, _), dev) in self.opts.iter().zip(&stepped) {
-            engine.keep_device_params(r.clone(), dev)?;
-        }
-        Ok(out)
     }
 
     /// The finish path over the owned ranges, then (ZeRO-1) the dp ranks
@@ -301,7 +229,8 @@ impl Strategy for PipeStrategy {
         self.held = None;
         // Already the mean over micro-batches and dp replicas.
         if self.grads_stay_on_device(engine) {
-            let (loss, grads) = self.pipe.forward_backward_on_device(engine, batch)?;
+            let zero1 = self.zero1.is_some();
+            let (loss, grads) = self.pipe.forward_backward_on_device(engine, batch, zero1)?;
             self.held = Some(grads);
             return Ok(loss);
         }
