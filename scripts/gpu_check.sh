@@ -38,7 +38,7 @@
 #      summed in device memory, no read-back: the step log's grad_reads),
 #      and tp 2 with and
 #      without sequence parallelism (its exchanges in device memory) once
-#      more over NCCL;
+#      more over NCCL, and with 4+ GPUs dp 2 x pp 2 under ZeRO-1;
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
 #      and the reverse, each against 8 uninterrupted CPU steps (in the
 #      rehearsal, the device's side takes the generic path);
@@ -287,6 +287,12 @@ for fam in gpt llama; do
         PHALANX_BACKEND=nccl step "$fam: pp 2 over NCCL" 120 check "$fam-pp-nccl" 2 $b "$LOSS_TOL" \
             "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=4 parallel.pp=2
         step "$fam: pp 2 over NCCL read no gradient back" 10 no_reads "$fam-pp-nccl"
+        if [ "$gpus" -ge 4 ]; then
+            PHALANX_BACKEND=nccl step "$fam: dp 2 x pp 2, ZeRO-1 over NCCL" 120 check "$fam-pp-zero1-nccl" 4 \
+                $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=2 parallel.pp=2 \
+                zero_optimization.stage=1
+            step "$fam: dp 2 x pp 2, ZeRO-1 over NCCL read no gradient back" 10 no_reads "$fam-pp-zero1-nccl"
+        fi
         # Tensor parallelism's exchanges on the activations where they lie
         # (tp::comm: ncclAllReduce, ncclAllGather, ncclReduceScatter in
         # place) and the vocabulary-parallel loss in candle's ops.

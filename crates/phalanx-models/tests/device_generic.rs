@@ -147,11 +147,17 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             // sums tied copies and averages over dp there, and steps
             // there; its optimizers write the new values to the host
             // buffer.
-            // Under ZeRO-1 each dp rank steps its piece of every range and
-            // the pieces are gathered there.
-            "pp 2 (1f1b)" | "pp 2 (zero-bubble)" | "dp 2 x pp 2 x tp 2" | "dp 2 x pp 2, ZeRO-1" => {
+            "pp 2 (1f1b)" | "pp 2 (zero-bubble)" | "dp 2 x pp 2 x tp 2" => {
                 assert_eq!(read, 0, "{what}: gradients read back");
                 assert!(back > 0, "{what}: the host buffer was not kept current");
+            }
+            // Under ZeRO-1 each dp rank steps its piece of every range and
+            // the pieces are gathered there; the gathered ranges go to the
+            // host buffer whole, not through the optimizer (the final
+            // comparison reads that buffer).
+            "dp 2 x pp 2, ZeRO-1" => {
+                assert_eq!(read, 0, "{what}: gradients read back");
+                assert_eq!(back, 0, "{what}: the optimizer wrote its piece back too");
             }
             _ => {
                 assert!(
@@ -249,6 +255,18 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         uploads() - up
     };
     let (gpt_all, gpt_first) = (gpt_pp_uploads(STEPS), gpt_pp_uploads(1));
+    // And under ZeRO-1 over dp, whose pieces are gathered in the kept copies.
+    let z1 = ["parallel.pp=2", "zero_optimization.stage=1"];
+    let pp_z1 = |extra: &[&str]| {
+        let up = uploads();
+        llama_run(4, 2, 2, &[&z1[..], extra].concat());
+        uploads() - up
+    };
+    assert_eq!(
+        pp_z1(&[]),
+        pp_z1(&["train.steps=1"]),
+        "dp 2 x pp 2, ZeRO-1: later steps uploaded the parameters again"
+    );
     assert_eq!(
         gpt_all, gpt_first,
         "GPT-2 pp 2: later steps uploaded the parameters again"

@@ -24,8 +24,9 @@
 //! [`Pipeline::reduce_tied_grads`], [`Pipeline::reduce_dp_grads`]), then the
 //! caller's optimizer over `owned_ranges()`. On a GPU the gradients may
 //! stay there instead: [`Pipeline::forward_backward_on_device`] holds them
-//! through the schedule and does both reductions in device memory
-//! (`on_device`).
+//! through the schedule and sums the tied ones in device memory, and
+//! averages over dp there (ZeRO-1: the strategy's reduce-scatter in its
+//! finish; `on_device`).
 //!
 //! Micro-batches: `m = train.grad_accum_steps`; micro-batch `a` of a step is
 //! the loader's `micro_batch(step, dp_rank, dp, a, micro, m)`, so a run

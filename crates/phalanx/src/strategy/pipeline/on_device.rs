@@ -72,7 +72,8 @@ impl Pipeline {
                 Some(g) => g,
                 None => {
                     // Zeros stand in, so that this rank still joins the
-                    // reductions below; it fails after them.
+                    // reductions below (not ZeRO-1's reduce-scatter, in
+                    // the finish); it fails after them.
                     missing.get_or_insert(r.clone());
                     Tensor::zeros(r.len() + pad, candle_core::DType::F32, engine.device())?
                 }
@@ -151,21 +152,33 @@ impl PipeStrategy {
         }
         // Every rank's share of the norm counts once: the averaged ranges
         // are on every dp rank (1/dp each), a piece on its owner only.
-        let (grads, w) = match &self.zero1 {
-            None => (grads, 1.0 / dp.size() as f64),
+        // (`None`: an empty piece, which needs no storage: CUDA refuses
+        // an allocation of 0 bytes.)
+        let (grads, w): (Vec<Option<Tensor>>, f64) = match &self.zero1 {
+            None => (
+                grads.into_iter().map(Some).collect(),
+                1.0 / dp.size() as f64,
+            ),
             Some(_) => {
+                let t0 = self.pipe.timeline.now_us();
                 let mut mine = Vec::with_capacity(grads.len());
-                for (g, o) in grads.iter().zip(&owned) {
-                    reduce_scatter_in_place(&dp, g, ReduceOp::Avg)?;
+                // Each range's whole gradients let go once its piece is out.
+                for (g, o) in grads.into_iter().zip(&owned) {
+                    reduce_scatter_in_place(&dp, &g, ReduceOp::Avg)?;
                     let s = shard_range(o.len(), dp.rank(), dp.size());
-                    mine.push(g.narrow(0, s.start, s.len())?.force_contiguous()?);
+                    mine.push(match s.is_empty() {
+                        true => None,
+                        false => Some(g.narrow(0, s.start, s.len())?.force_contiguous()?),
+                    });
                 }
+                self.pipe.event(EventKind::DpReduce, t0);
                 (mine, 1.0)
             }
         };
         let (tp, rep) = (self.mesh.tp_size, &self.tp_replicated);
         let mut ss = 0.0;
         for (g, r) in grads.iter().zip(&ranges) {
+            let Some(g) = g else { continue };
             for p in self.pipe.primary_ranges() {
                 let (lo, hi) = (p.start.max(r.start), p.end.min(r.end));
                 if lo < hi {
@@ -200,9 +213,15 @@ impl PipeStrategy {
                     "pipeline: the gradients of {r:?} stayed on the device but its optimizer is not there"
                 )));
             };
-            if r.start < r.end {
+            if let Some(g) = g {
                 let mine = all.narrow(0, r.start - o.start, r.len())?;
-                opt.step_on(Some(&mut p[r.clone()]), &mine, Grads::Device(g), lr, factor)?;
+                // Under ZeRO-1 the host buffer takes the whole gathered
+                // range below, this piece with it.
+                let host = match self.zero1 {
+                    None => Some(&mut p[r.clone()]),
+                    Some(_) => None,
+                };
+                opt.step_on(host, &mine, Grads::Device(g), lr, factor)?;
             }
             if let Some(pieces) = &self.zero1 {
                 // The others' pieces, into the kept copies and the host buffer.
