@@ -301,16 +301,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.inner.queue.drain();
-        // Named apart from the host's all-reduce: under
-        // PHALANX_DEBUG=detail a rank on the other path is a mismatch.
-        let sig = Signature {
-            op: "all_reduce_dev",
-            dtype: buf.dtype,
-            count: buf.count as u64,
-            reduce: Some(op),
-            root: None,
-            layout: 0,
-        };
+        let sig = device_sig("all_reduce_dev", &buf, Some(op), 0);
         self.collective(sig, |b, c| b.all_reduce_device(c, buf, op))
     }
 
@@ -338,14 +329,7 @@ impl ProcessGroup {
                 self.size()
             ));
         }
-        let sig = Signature {
-            op: "all_gather_dev",
-            dtype: buf.dtype,
-            count: buf.count as u64,
-            reduce: None,
-            root: None,
-            layout: digest(counts),
-        };
+        let sig = device_sig("all_gather_dev", &buf, None, digest(counts));
         self.collective(sig, |b, c| b.all_gather_device(c, buf, counts))
     }
 
@@ -369,14 +353,7 @@ impl ProcessGroup {
                 self.size()
             ));
         }
-        let sig = Signature {
-            op: "reduce_scatter_dev",
-            dtype: buf.dtype,
-            count: buf.count as u64,
-            reduce: Some(op),
-            root: None,
-            layout: 0,
-        };
+        let sig = device_sig("reduce_scatter_dev", &buf, Some(op), 0);
         self.collective(sig, |b, c| b.reduce_scatter_device(c, buf, op))
     }
 
@@ -609,5 +586,24 @@ impl ProcessGroup {
     /// The failure that broke this group, if any.
     pub fn failure(&self) -> Option<CommError> {
         self.inner.backend.failure()
+    }
+}
+
+/// The signature of a collective on device memory, named apart from its
+/// host form (`op`): under PHALANX_DEBUG=detail a rank on the other path
+/// is a mismatch.
+fn device_sig(
+    op: &'static str,
+    buf: &crate::backend::DeviceBuf,
+    reduce: Option<ReduceOp>,
+    layout: u64,
+) -> Signature {
+    Signature {
+        op,
+        dtype: buf.dtype,
+        count: buf.count as u64,
+        reduce,
+        root: None,
+        layout,
     }
 }

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 use phalanx::ops;
 
 mod common;
-use common::randn;
+use common::{flat, randn};
 
 /// Unit roundoff of a dtype: 2^-(significant bits).
 fn unit(dt: DType) -> f32 {
@@ -24,15 +24,6 @@ fn unit(dt: DType) -> f32 {
         DType::F16 => 2f32.powi(-11),
         _ => 2f32.powi(-24),
     }
-}
-
-fn f32s(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// Value and input gradients of `sum(f(inputs) * w)`, `w` random (rounded
@@ -63,7 +54,7 @@ fn run(
 
 /// Elementwise: |a - b| <= u |b| + 1e-6 max|b| (+ f16's subnormal spacing).
 fn check_rounded(what: &str, half: &Tensor, reference: &Tensor, dt: DType) {
-    let (a, b) = (f32s(half), f32s(reference));
+    let (a, b) = (flat(half), flat(reference));
     assert_eq!(a.len(), b.len(), "{what}: sizes");
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
     let u = unit(dt);
@@ -81,7 +72,7 @@ fn check_rounded(what: &str, half: &Tensor, reference: &Tensor, dt: DType) {
 
 /// Normwise: |a - b|_2 <= k u |b|_2.
 fn check_norm(what: &str, half: &Tensor, reference: &Tensor, dt: DType, k: f32) {
-    let (a, b) = (f32s(half), f32s(reference));
+    let (a, b) = (flat(half), flat(reference));
     let num: f64 = a
         .iter()
         .zip(&b)

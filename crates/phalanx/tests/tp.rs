@@ -13,7 +13,7 @@ use phalanx::ops;
 use phalanx::tp::{column_parallel_linear, copy_to_tp, gather_seq, ColumnParallelLinear, Tp};
 
 mod common;
-use common::randn;
+use common::{flat, randn};
 
 const IN: usize = 7;
 const OUT: usize = 10;
@@ -25,15 +25,6 @@ struct Run {
     dx: Option<Vec<f32>>,
     dw: Option<Vec<f32>>,
     db: Option<Vec<f32>>,
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// One rank's column-parallel linear on its shard of a (10, 7) weight:

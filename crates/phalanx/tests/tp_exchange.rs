@@ -18,16 +18,7 @@ use phalanx::tp::{gather_seq, reduce_scatter_seq, split_seq, vocab_parallel_cros
 use phalanx_comm::threads;
 
 mod common;
-use common::randn;
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
+use common::{flat, randn};
 
 #[test]
 fn sequence_exchanges_move_the_sequence_axis_and_their_gradients() {

@@ -284,6 +284,16 @@ macro_rules! dispatch_collectives {
 }
 pub(crate) use dispatch_collectives;
 
+/// The refusal of a device-memory collective by backend `name`, which
+/// `does` host memory only (what `PHALANX_BACKEND=nccl` `instead`).
+fn host_only(c: &Call, name: &str, does: &str, instead: &str) -> CommError {
+    CommError::Invalid(format!(
+        "{}: the {name} backend {does} host memory only, not CUDA device memory \
+         (PHALANX_BACKEND=nccl {instead})",
+        c.op
+    ))
+}
+
 /// What runs a group's operations. One value per group (a sub-group's comes
 /// from its parent's [`Backend::child`]); every method may be called from
 /// the group's caller thread or its communication threads, one collective
@@ -339,12 +349,12 @@ pub trait Backend: Send + Sync {
     /// The default refuses: this backend reduces host memory only.
     fn all_reduce_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
         let _ = (buf, op);
-        Err(CommError::Invalid(format!(
-            "{}: the {} backend reduces host memory only, not CUDA device memory \
-             (PHALANX_BACKEND=nccl reduces it where it lies)",
-            c.op,
-            self.name()
-        )))
+        Err(host_only(
+            c,
+            self.name(),
+            "reduces",
+            "reduces it where it lies",
+        ))
     }
 
     /// All-gather in place in device memory: `buf` holds rank k's block of
@@ -355,12 +365,7 @@ pub trait Backend: Send + Sync {
     /// backend gathers into host memory only.
     fn all_gather_device(&self, c: &Call, buf: DeviceBuf, counts: &[usize]) -> Result<()> {
         let _ = (buf, counts);
-        Err(CommError::Invalid(format!(
-            "{}: the {} backend gathers into host memory only, not CUDA device memory \
-             (PHALANX_BACKEND=nccl gathers there)",
-            c.op,
-            self.name()
-        )))
+        Err(host_only(c, self.name(), "gathers into", "gathers there"))
     }
 
     /// Reduce-scatter in place in device memory: `buf` holds `n` equal
@@ -371,12 +376,12 @@ pub trait Backend: Send + Sync {
     /// reduces host memory only.
     fn reduce_scatter_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
         let _ = (buf, op);
-        Err(CommError::Invalid(format!(
-            "{}: the {} backend reduces host memory only, not CUDA device memory \
-             (PHALANX_BACKEND=nccl reduces it where it lies)",
-            c.op,
-            self.name()
-        )))
+        Err(host_only(
+            c,
+            self.name(),
+            "reduces",
+            "reduces it where it lies",
+        ))
     }
 
     /// `PHALANX_DEBUG=detail`: send `mine` (this rank's encoded signature,

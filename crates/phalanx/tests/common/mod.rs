@@ -1,6 +1,6 @@
-//! Shared by the op tests (`ops.rs`, `ops_half.rs`, `tp.rs`).
+//! Shared by the op tests (`ops.rs`, `ops_half.rs`, `tp.rs`, `tp_exchange.rs`).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 /// A deterministic pseudo-random f32 tensor of `shape`, values in about
 /// [-2, 2], different per `seed`.
@@ -19,4 +19,15 @@ pub fn randn(shape: &[usize], seed: u64) -> Tensor {
         })
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// `t`'s elements as f32, flat (row-major).
+#[allow(dead_code)] // not every test that shares this module reads tensors back
+pub fn flat(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
