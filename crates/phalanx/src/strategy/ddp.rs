@@ -233,24 +233,36 @@ pub(crate) fn take_reduced_grads(
     pg: &ProcessGroup,
     what: &str,
 ) -> Result<Tensor> {
-    let (g, held) = take_held_grads(engine, 0)?;
+    let n = engine.num_params();
+    let (g, held) = take_held_grads(engine, 0..n, 0)?;
     crate::collective::all_reduce_in_place(pg, &g, ReduceOp::Avg)?;
     held_or_fail(g, held, pg, what)
 }
 
-/// The held gradients as one (n + `pad`,) f32 tensor, `pad` zeros last,
-/// and whether there were any (zeros stand in where not, so that the rank
-/// still joins its group's reduction; [`held_or_fail`] then fails it).
-pub(crate) fn take_held_grads(engine: &mut Engine, pad: usize) -> Result<(Tensor, bool)> {
+/// The gradients of `range` held on the device as one (len + `pad`,) f32
+/// tensor, `pad` zeros last, and whether there were any (zeros stand in
+/// where not, so that the rank still joins its group's reduction;
+/// [`held_or_fail`] then fails it). Holding stops.
+pub(crate) fn take_held_grads(
+    engine: &mut Engine,
+    range: Range<usize>,
+    pad: usize,
+) -> Result<(Tensor, bool)> {
     engine.hold_grads(false);
-    let n = engine.num_params();
-    Ok(match engine.take_device_grads(0..n, pad)? {
+    let len = range.len();
+    Ok(match engine.take_device_grads(range, pad)? {
         Some(g) => (g, true),
         None => (
-            Tensor::zeros(n + pad, candle_core::DType::F32, engine.device())?,
+            Tensor::zeros(len + pad, candle_core::DType::F32, engine.device())?,
             false,
         ),
     })
+}
+
+/// The zeros that pad `len` elements to `n` equal blocks (a
+/// reduce-scatter's, of ceil(`len` / `n`) each: the shards' geometry).
+pub(crate) fn block_padding(len: usize, n: usize) -> usize {
+    len.div_ceil(n) * n - len
 }
 
 /// `g`, the reduced gradients, where this rank held some; an error naming

@@ -24,21 +24,31 @@ use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
+use crate::strategy::ddp::{block_padding, grads_may_stay_on_device, take_held_grads};
 use candle_core::Tensor;
 use phalanx_comm::ReduceOp;
 use std::ops::Range;
 
 impl Pipeline {
     /// Whether this stage's gradients can stay on `engine`'s device
-    /// through the step (the caller checks the optimizers and the
-    /// trainer's leave): the CPU kernels off, and every reduction they
-    /// need (ties over pp, the average over dp) reducing that memory.
-    pub fn grads_may_stay_on_device(&self, engine: &Engine) -> bool {
+    /// through the step: where DDP's would over dp
+    /// ([`grads_may_stay_on_device`]: `allowed` by the trainer, the
+    /// optimizers on the device, the CPU kernels off, the dp average
+    /// reducing that memory), and the tie groups reducing it too.
+    pub fn grads_may_stay_on_device(
+        &self,
+        allowed: bool,
+        opts_on_device: bool,
+        engine: &Engine,
+    ) -> bool {
         let dev = engine.device();
-        let dp = self.mesh.dp();
-        !crate::ops::host_kernels(dev)
-            && (dp.size() == 1 || (self.reducer.plain_average() && reduces_on(dp, dev)))
-            && self.ties.groups().all(|(g, _)| reduces_on(g, dev))
+        grads_may_stay_on_device(
+            allowed,
+            opts_on_device,
+            engine,
+            self.mesh.dp(),
+            &self.reducer,
+        ) && self.ties.groups().all(|(g, _)| reduces_on(g, dev))
     }
 
     /// One step with the gradients held on the device: the schedule runs
@@ -65,19 +75,17 @@ impl Pipeline {
         let mut missing = None;
         for r in &self.ties.owned {
             let pad = match scatter {
-                true => r.len().div_ceil(dp.size()) * dp.size() - r.len(),
+                true => block_padding(r.len(), dp.size()),
                 false => 0,
             };
-            grads.push(match engine.take_device_grads(r.clone(), pad)? {
-                Some(g) => g,
-                None => {
-                    // Zeros stand in, so that this rank still joins the
-                    // reductions below (not ZeRO-1's reduce-scatter, in
-                    // the finish); it fails after them.
-                    missing.get_or_insert(r.clone());
-                    Tensor::zeros(r.len() + pad, candle_core::DType::F32, engine.device())?
-                }
-            });
+            // Zeros stand in where none are held, so that this rank still
+            // joins the reductions below (not ZeRO-1's reduce-scatter, in
+            // the finish); it fails after them.
+            let (g, held) = take_held_grads(engine, r.clone(), pad)?;
+            if !held {
+                missing.get_or_insert(r.clone());
+            }
+            grads.push(g);
         }
         let t0 = self.timeline.now_us();
         // One all-reduce per tied range, in place in its view (the host

@@ -115,9 +115,9 @@ impl PipeStrategy {
     /// every optimizer on the device, and the pipeline's reductions on
     /// that device's memory.
     fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
-        self.device_grads
-            && self.opts.iter_mut().all(|(_, o)| o.as_device().is_some())
-            && self.pipe.grads_may_stay_on_device(engine)
+        let on_device = self.opts.iter_mut().all(|(_, o)| o.as_device().is_some());
+        self.pipe
+            .grads_may_stay_on_device(self.device_grads, on_device, engine)
     }
 
     /// The finish path over the owned ranges, then (ZeRO-1) the dp ranks

@@ -20,7 +20,9 @@ use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
-use crate::strategy::ddp::{grads_may_stay_on_device, held_or_fail, take_held_grads};
+use crate::strategy::ddp::{
+    block_padding, grads_may_stay_on_device, held_or_fail, take_held_grads,
+};
 use candle_core::Tensor;
 use phalanx_comm::ReduceOp;
 
@@ -71,7 +73,7 @@ impl Zero {
     fn reduce_scatter_held(&self, engine: &mut Engine) -> Result<Tensor> {
         let (n, size) = (engine.num_params(), self.shard_pg.size());
         // The padding comes in the held gradients' own allocation.
-        let (g, held) = take_held_grads(engine, n.div_ceil(size) * size - n)?;
+        let (g, held) = take_held_grads(engine, 0..n, block_padding(n, size))?;
         crate::collective::reduce_scatter_in_place(&self.shard_pg, &g, ReduceOp::Avg)?;
         let mine = self.shards.mine();
         // The shard in storage of its own (`copy` would clone the whole
