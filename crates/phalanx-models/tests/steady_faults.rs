@@ -62,18 +62,27 @@ fn steady(mut e: phalanx::engine::Engine, what: &str) {
     for _ in 0..3 {
         step();
     }
+    // Counted over several windows of 4 steps; the quietest one is judged.
+    // A steady step that takes fresh pages does so in every window, while
+    // faults from outside the step (the kernel's work on a loaded machine)
+    // come and go between windows.
     let steps = 4;
-    let before = minor_faults();
-    for _ in 0..steps {
-        step();
-    }
-    let per_step = (minor_faults() - before) / steps;
-    eprintln!("{what}: {per_step} minor faults per steady step");
+    let windows: Vec<u64> = (0..5)
+        .map(|_| {
+            let before = minor_faults();
+            for _ in 0..steps {
+                step();
+            }
+            (minor_faults() - before) / steps
+        })
+        .collect();
+    let per_step = *windows.iter().min().unwrap();
+    eprintln!("{what}: {per_step} minor faults per steady step (windows {windows:?})");
     // One step's activations alone span about 2,000 pages; fresh buffers
     // fault on every one of them. A few stray faults (a thread's stack, the
     // allocator's bookkeeping) are allowed.
     assert!(
         per_step < 64,
-        "{what}: {per_step} minor faults per steady step"
+        "{what}: {per_step} minor faults per steady step (windows {windows:?})"
     );
 }

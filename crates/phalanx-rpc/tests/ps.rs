@@ -67,8 +67,15 @@ fn distributed(cfg: PsConfig, steps: u64, ids: Vec<u64>, slow: usize, delay: Dur
                 c.push(&[(&g.ids, &g.rows)], &[g.dense]).unwrap();
             }
             let fin = c.pull_final(&[&ids]).unwrap();
+            // Every trainer's final pull reaches the servers before any
+            // trainer reads their counters (the barrier on the world group,
+            // which the RPC agent does not use).
+            pg.barrier().unwrap();
             let stats = c.server_stats().unwrap();
             res = Some((losses, fin.rows[0].clone(), fin.dense[0].clone(), stats));
+        } else {
+            // The servers join the barrier; their handlers run meanwhile.
+            pg.barrier().unwrap();
         }
         rpc.shutdown().unwrap();
         res
