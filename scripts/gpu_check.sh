@@ -19,8 +19,8 @@
 #      the ones a toolchain build opens on its first CUDA call);
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
 #      and at world 2 where there are 2+ GPUs (it ends with the all-reduce,
-#      all-gather and reduce-scatter of CUDA tensors in place: NCCL on
-#      device memory);
+#      all-gather and reduce-scatter of CUDA tensors in place, even and
+#      uneven blocks: NCCL on device memory);
 #      `phalanx bench optimizer
 #      --check` (the optimizer's step on the device against the host's, in
 #      chunks, pieces and with frozen variance; then timed over 124M
@@ -34,8 +34,9 @@
 #      every step within LOSS_TOL (default 1e-3) relative; bf16 against the
 #      CPU's bf16 run within 2%. Ranks beyond the GPU count share GPUs (the
 #      native backend carries their collectives through host memory); with
-#      2+ GPUs, DDP, ZeRO-1, ZeRO-2 and pp 2 (gradients averaged or
-#      summed in device memory, no read-back: the step log's grad_reads),
+#      2+ GPUs, DDP, ZeRO-1, ZeRO-2, ZeRO-3 and pp 2 (gradients averaged or
+#      summed in device memory, no read-back: the step log's grad_reads;
+#      ZeRO-3's blocks gathered there too),
 #      and tp 2 with and
 #      without sequence parallelism (its exchanges in device memory) once
 #      more over NCCL, and with 4+ GPUs dp 2 x pp 2 under ZeRO-1;
@@ -247,6 +248,7 @@ for fam in gpt llama; do
     if [ "$DEVICE" = cpu ]; then
         step "$fam: ZeRO-1 2 ranks reduced where the gradients lie" 10 no_reads "$fam-zero1"
         step "$fam: ZeRO-2 2 ranks reduced where the gradients lie" 10 no_reads "$fam-zero2"
+        step "$fam: ZeRO-3 2 ranks gathered and reduced where the shards lie" 10 no_reads "$fam-zero3"
     fi
     # ZeRO-1 on one rank: its shard is the model, stepped in the kept copies.
     step "$fam: ZeRO-1 1 rank" 120 check "$fam-zero1-1" 1 $b "$LOSS_TOL" "${m[@]}" \
@@ -283,6 +285,13 @@ for fam in gpt llama; do
             "$fam-zero2-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
             train.grad_accum_steps=2 zero_optimization.stage=2
         step "$fam: ZeRO-2 over NCCL read no gradient back" 10 no_reads "$fam-zero2-nccl"
+        # ZeRO-3 gathers each block from the shards on the devices and
+        # reduce-scatters its gradients there (ncclBroadcast / ncclReduce
+        # grouped where the shards cut a block unevenly).
+        PHALANX_BACKEND=nccl step "$fam: ZeRO-3 2 ranks over NCCL, 2 micro-batches" 120 check \
+            "$fam-zero3-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
+            train.grad_accum_steps=2 zero_optimization.stage=3
+        step "$fam: ZeRO-3 over NCCL read no gradient back" 10 no_reads "$fam-zero3-nccl"
         # Each stage's gradients held, tied copies summed over NCCL there.
         PHALANX_BACKEND=nccl step "$fam: pp 2 over NCCL" 120 check "$fam-pp-nccl" 2 $b "$LOSS_TOL" \
             "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=4 parallel.pp=2

@@ -10,12 +10,15 @@
 //! (ZeRO-1's gather of shards) with even blocks and uneven ones (the last
 //! one short, one empty where the group has 3+ ranks): every block its
 //! owner's values. Last the reduce-scatter in place (tensor parallelism's
-//! sequence exchange) of n blocks of 1, 7 and 2^18 + 1 elements: this
-//! rank's block the exact sum.
+//! sequence exchange) of n blocks of 1, 7 and 2^18 + 1 elements, even and
+//! uneven as the all-gather's (ZeRO-3's pieces of a block): this rank's
+//! block the exact sum.
 
 use crate::bench_collectives::fill_value;
 use candle_core::{DType, Device, DeviceLocation, Tensor};
-use phalanx::collective::{all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place};
+use phalanx::collective::{
+    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduce_scatter_v_in_place,
+};
 use phalanx_comm::{ProcessGroup, ReduceOp};
 
 /// Where the check ran and how many elements were wrong (`None`: not
@@ -89,17 +92,38 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
     }
     for k in [1usize, 7, (1 << 18) + 1] {
         // The reduce-scatter in place (tensor parallelism's sequence
-        // exchange): this rank's block of the n blocks, summed.
-        let v: Vec<f32> = (0..n * k).map(|i| fill_value(me, i, 2) as f32).collect();
-        let t = Tensor::from_vec(v, n * k, &dev).map_err(|e| e.to_string())?;
-        reduce_scatter_in_place(pg, &t, ReduceOp::Sum).map_err(|e| e.to_string())?;
-        let got = t
-            .narrow(0, me * k, k)
-            .and_then(|b| b.to_vec1::<f32>())
-            .map_err(|e| e.to_string())?;
-        let want =
-            (me * k..(me + 1) * k).map(|i| (0..n).map(|r| fill_value(r, i, 2)).sum::<i64>() as f32);
-        wrong += got.iter().zip(want).filter(|(g, w)| **g != *w).count();
+        // exchange): this rank's block of the n blocks, summed. Then
+        // uneven blocks (ZeRO-3's pieces of a model block), as the
+        // all-gather's above.
+        let variants: &[bool] = if n > 1 { &[false, true] } else { &[false] };
+        for &uneven in variants {
+            let mut counts = vec![k; n];
+            if uneven {
+                counts[n - 1] = k / 2;
+                if n >= 3 {
+                    counts[1] = 0;
+                }
+            }
+            let total: usize = counts.iter().sum();
+            let at: usize = counts[..me].iter().sum();
+            let v: Vec<f32> = (0..total).map(|i| fill_value(me, i, 2) as f32).collect();
+            let t = Tensor::from_vec(v, total, &dev).map_err(|e| e.to_string())?;
+            let r = match uneven {
+                false => reduce_scatter_in_place(pg, &t, ReduceOp::Sum),
+                true => reduce_scatter_v_in_place(pg, &t, &counts, ReduceOp::Sum),
+            };
+            r.map_err(|e| e.to_string())?;
+            if counts[me] == 0 {
+                continue;
+            }
+            let got = t
+                .narrow(0, at, counts[me])
+                .and_then(|b| b.to_vec1::<f32>())
+                .map_err(|e| e.to_string())?;
+            let want = (at..at + counts[me])
+                .map(|i| (0..n).map(|r| fill_value(r, i, 2)).sum::<i64>() as f32);
+            wrong += got.iter().zip(want).filter(|(g, w)| **g != *w).count();
+        }
     }
     let mut w = [wrong as i64];
     pg.all_reduce(&mut w, ReduceOp::Sum)

@@ -318,43 +318,49 @@ impl ProcessGroup {
         counts: &[usize],
     ) -> Result<()> {
         self.inner.queue.drain();
-        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
-        if counts.len() != self.size() || total != Some(buf.count) {
-            return Err(invalid!(
-                "all_gather_device: {} counts summing to {} for a buffer of {} elements \
-                 (group size {})",
-                counts.len(),
-                total.map_or("more than usize".to_string(), |t| t.to_string()),
-                buf.count,
-                self.size()
-            ));
-        }
+        self.check_device_counts("all_gather_device", &buf, counts)?;
         let sig = device_sig("all_gather_dev", &buf, None, digest(counts));
         self.collective(sig, |b, c| b.all_gather_device(c, buf, counts))
     }
 
-    /// Reduce-scatter in place in CUDA device memory: `buf` holds the
-    /// group's size of equal blocks, this rank's whole contribution; on
-    /// return block `rank` holds the reduced block (the others are
-    /// unspecified). Refused as [`ProcessGroup::all_reduce_device`] is.
+    /// Reduce-scatter in place in CUDA device memory: `buf` holds this
+    /// rank's whole contribution, rank k's block of `counts[k]` elements
+    /// after the blocks before it (uneven blocks: ZeRO-3's pieces of a
+    /// block); on return block `rank` holds the reduced block (the others
+    /// are unspecified). Refused as [`ProcessGroup::all_reduce_device`] is.
     ///
     /// # Safety
     /// As for [`ProcessGroup::all_reduce_device`].
     pub unsafe fn reduce_scatter_device(
         &self,
         buf: crate::backend::DeviceBuf,
+        counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
         self.inner.queue.drain();
-        if !buf.count.is_multiple_of(self.size()) {
+        self.check_device_counts("reduce_scatter_device", &buf, counts)?;
+        let sig = device_sig("reduce_scatter_dev", &buf, Some(op), digest(counts));
+        self.collective(sig, |b, c| b.reduce_scatter_device(c, buf, counts, op))
+    }
+
+    /// One count per rank, summing to the buffer's elements.
+    fn check_device_counts(
+        &self,
+        what: &str,
+        buf: &crate::backend::DeviceBuf,
+        counts: &[usize],
+    ) -> Result<()> {
+        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        if counts.len() != self.size() || total != Some(buf.count) {
             return Err(invalid!(
-                "reduce_scatter_device: a buffer of {} elements does not split into {} equal blocks",
+                "{what}: {} counts summing to {} for a buffer of {} elements (group size {})",
+                counts.len(),
+                total.map_or("more than usize".to_string(), |t| t.to_string()),
                 buf.count,
                 self.size()
             ));
         }
-        let sig = device_sig("reduce_scatter_dev", &buf, Some(op), 0);
-        self.collective(sig, |b, c| b.reduce_scatter_device(c, buf, op))
+        Ok(())
     }
 
     /// Reduce `input` (size * output.len() elements) across the group and

@@ -132,20 +132,19 @@ fn host_backends_refuse_device_memory_naming_themselves() {
             g.contains("native backend gathers into host memory only"),
             "{g}"
         );
-        let rs = unsafe { pg.reduce_scatter_device(buf, ReduceOp::Sum) }
+        let rs = unsafe { pg.reduce_scatter_device(buf, &[2, 2], ReduceOp::Sum) }
             .unwrap_err()
             .to_string();
         assert!(
             rs.contains("native backend reduces host memory only"),
             "{rs}"
         );
-        // 3 elements do not split into 2 blocks.
-        let three = phalanx_comm::DeviceBuf { count: 3, ..buf };
-        let uneven = unsafe { pg.reduce_scatter_device(three, ReduceOp::Sum) }
+        // Counts that do not cover the 4 elements, for the reduce-scatter.
+        let uneven = unsafe { pg.reduce_scatter_device(buf, &[1, 2], ReduceOp::Sum) }
             .unwrap_err()
             .to_string();
         assert!(
-            uneven.contains("3 elements does not split into 2"),
+            uneven.contains("2 counts summing to 3 for a buffer of 4"),
             "{uneven}"
         );
         // Counts that do not cover the 4 elements.

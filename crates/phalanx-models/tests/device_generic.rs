@@ -35,6 +35,38 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             vec!["zero_optimization.stage=2", "parallel.bucket_mb=0.01"],
         ),
         ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
+        // 3 ranks: the shards cut blocks unevenly (the reduce-scatter's
+        // uneven form); 2 micro-batches summed in the pieces.
+        (
+            "ZeRO-3 3 ranks, 2 micro-batches",
+            3,
+            3,
+            2,
+            vec!["zero_optimization.stage=3"],
+        ),
+        // The last blocks keep their forward gathers for the backward.
+        (
+            "ZeRO-3, kept gathers, full recompute",
+            2,
+            2,
+            1,
+            vec![
+                "zero_optimization.stage=3",
+                "zero_optimization.stage3_max_reuse_distance=1e9",
+                "train.activation_checkpointing=full",
+            ],
+        ),
+        // Sharded within pairs, the pieces averaged over the replicas.
+        (
+            "HYBRID_SHARD 2 x 2",
+            4,
+            4,
+            1,
+            vec![
+                "parallel.sharding_strategy=HYBRID_SHARD",
+                "parallel.hybrid_shard_size=2",
+            ],
+        ),
         ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
         ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
         (
@@ -109,10 +141,11 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     for (what, world, dp, accum, extra) in strategies() {
         // The optimizer's state and step on the device too
         // (optim::DeviceOptimizer): every rank steps every step there.
-        let (before, down) = (device_opt_steps(), downloads());
+        let (before, down, up) = (device_opt_steps(), downloads(), uploads());
         let (back, deferred) = (read_back(), deferred_reads());
         runs.push((what, llama_run(world, dp, accum, &extra)));
         let (back, deferred) = (read_back() - back, deferred_reads() - deferred);
+        let up = uploads() - up;
         let stepped = device_opt_steps() - before;
         assert!(
             stepped >= world * STEPS,
@@ -147,9 +180,23 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             // sums tied copies and averages over dp there, and steps
             // there; its optimizers write the new values to the host
             // buffer.
-            "pp 2 (1f1b)" | "pp 2 (zero-bubble)" | "dp 2 x pp 2 x tp 2" => {
+            // ZeRO-3 gathers each block's parameters from the shard it
+            // keeps there, reduce-scatters each block's gradients there,
+            // and steps the shard there, writing it to the host's.
+            "pp 2 (1f1b)"
+            | "pp 2 (zero-bubble)"
+            | "dp 2 x pp 2 x tp 2"
+            | "ZeRO-3 2 ranks"
+            | "ZeRO-3 3 ranks, 2 micro-batches"
+            | "ZeRO-3, kept gathers, full recompute"
+            | "HYBRID_SHARD 2 x 2" => {
                 assert_eq!(read, 0, "{what}: gradients read back");
                 assert!(back > 0, "{what}: the host buffer was not kept current");
+                // No block's parameters went up from the host: each was
+                // served from its gather on the device.
+                if what.starts_with("ZeRO-3") || what.starts_with("HYBRID") {
+                    assert_eq!(up, 0, "{what}: {up} parameters uploaded");
+                }
             }
             // Under ZeRO-1 each dp rank steps its piece of every range and
             // the pieces are gathered there; the gathered ranges go to the

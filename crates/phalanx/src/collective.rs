@@ -58,7 +58,7 @@ pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Resul
 /// owner's on every rank. Blocks may be uneven (ZeRO's shards of a model
 /// the group size does not divide), on CUDA too: no padded copy.
 pub fn all_gather_in_place(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
-    check_counts(pg, t, counts)?;
+    check_counts("all-gather", pg, t, counts)?;
     run(pg, t, Coll::AllGather(counts))
 }
 
@@ -74,14 +74,31 @@ pub fn reduce_scatter_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> R
             pg.size()
         )));
     }
-    run(pg, t, Coll::ReduceScatter(op))
+    let counts = vec![t.elem_count() / pg.size(); pg.size()];
+    run(pg, t, Coll::ReduceScatter(op, &counts))
 }
 
-fn check_counts(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
+/// Reduce-scatter in place with uneven blocks: `t` ((sum of `counts`,),
+/// contiguous) holds this rank's whole contribution, rank k's block of
+/// `counts[k]` elements after the blocks before it; on return this rank's
+/// block holds the reduced block (the others are unspecified). ZeRO-3's
+/// pieces of a model block, which the shards cut anywhere: on CUDA one
+/// reduce of each block to its owner, grouped, with no padded copy.
+pub fn reduce_scatter_v_in_place(
+    pg: &ProcessGroup,
+    t: &Tensor,
+    counts: &[usize],
+    op: ReduceOp,
+) -> Result<()> {
+    check_counts("reduce-scatter", pg, t, counts)?;
+    run(pg, t, Coll::ReduceScatter(op, counts))
+}
+
+fn check_counts(what: &str, pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
     let total: usize = counts.iter().sum();
     if counts.len() != pg.size() || t.rank() != 1 || t.elem_count() != total {
         return Err(Error::Check(format!(
-            "all-gather in place: {} counts summing to {total} for a tensor of shape {:?} \
+            "{what} in place: {} counts summing to {total} for a tensor of shape {:?} \
              (group size {})",
             counts.len(),
             t.shape(),
@@ -132,8 +149,8 @@ pub(crate) enum Coll<'a> {
     AllReduce(ReduceOp),
     /// Per-rank counts.
     AllGather(&'a [usize]),
-    /// Equal blocks, one per rank.
-    ReduceScatter(ReduceOp),
+    /// Per-rank counts.
+    ReduceScatter(ReduceOp, &'a [usize]),
 }
 
 impl Coll<'_> {
@@ -141,7 +158,7 @@ impl Coll<'_> {
         match self {
             Coll::AllReduce(_) => "all-reduce",
             Coll::AllGather(_) => "all-gather",
-            Coll::ReduceScatter(_) => "reduce-scatter",
+            Coll::ReduceScatter(..) => "reduce-scatter",
         }
     }
 
@@ -159,11 +176,11 @@ impl Coll<'_> {
                 let mine = v[at..at + counts[me]].to_vec();
                 pg.all_gather_v(&mine, counts, v)
             }
-            Coll::ReduceScatter(op) => {
-                let k = v.len() / pg.size();
-                let mut mine = v[me * k..(me + 1) * k].to_vec();
-                pg.reduce_scatter(v, &mut mine, op)?;
-                v[me * k..(me + 1) * k].copy_from_slice(&mine);
+            Coll::ReduceScatter(op, counts) => {
+                let at: usize = counts[..me].iter().sum();
+                let mut mine = v[at..at + counts[me]].to_vec();
+                pg.reduce_scatter_v(v, counts, &mut mine, op)?;
+                v[at..at + counts[me]].copy_from_slice(&mine);
                 Ok(())
             }
         }
@@ -308,7 +325,7 @@ impl OnStorage for candle_core::CudaStorage {
         let r = match coll {
             Coll::AllReduce(op) => unsafe { pg.all_reduce_device(buf, op) },
             Coll::AllGather(counts) => unsafe { pg.all_gather_device(buf, counts) },
-            Coll::ReduceScatter(op) => unsafe { pg.reduce_scatter_device(buf, op) },
+            Coll::ReduceScatter(op, counts) => unsafe { pg.reduce_scatter_device(buf, counts, op) },
         };
         r.map_err(fail)
     }

@@ -5,7 +5,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use phalanx::collective::{
-    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on,
+    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduce_scatter_v_in_place,
+    reduces_on,
 };
 use phalanx_comm::{threads, ReduceOp};
 
@@ -215,5 +216,44 @@ fn reduce_scatters_into_this_ranks_block_of_the_tensors_own_range() {
             "{uneven}"
         );
         assert!(matrix.contains("[3, 2]"), "{matrix}");
+    }
+}
+
+#[test]
+fn reduce_scatters_uneven_blocks_in_place() {
+    // ZeRO-3's pieces of a model block: the shards cut it anywhere, so a
+    // rank's block may be short or empty.
+    let counts = [3usize, 0, 2];
+    let out = threads::run(3, move |pg| {
+        let r = pg.rank();
+        // (5,) values 10 * rank + i.
+        let t = Tensor::arange(0f32, 5.0, &Device::Cpu)
+            .unwrap()
+            .affine(1.0, 10.0 * r as f64)
+            .unwrap();
+        reduce_scatter_v_in_place(&pg, &t, &counts, ReduceOp::Sum).unwrap();
+        let at: usize = counts[..r].iter().sum();
+        let mine = t
+            .narrow(0, at, counts[r])
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        // Counts that do not cover the tensor: refused before any message.
+        let short = reduce_scatter_v_in_place(&pg, &t, &[1, 1, 1], ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        (r, mine, short)
+    });
+    for (r, mine, short) in out {
+        // Element i summed over the 3 ranks: 3i + 30.
+        let at: usize = counts[..r].iter().sum();
+        let want: Vec<f32> = (at..at + counts[r])
+            .map(|i| 3.0 * i as f32 + 30.0)
+            .collect();
+        assert_eq!(mine, want, "rank {r}");
+        assert!(
+            short.contains("reduce-scatter in place: 3 counts summing to 3"),
+            "{short}"
+        );
     }
 }

@@ -368,14 +368,21 @@ pub trait Backend: Send + Sync {
         Err(host_only(c, self.name(), "gathers into", "gathers there"))
     }
 
-    /// Reduce-scatter in place in device memory: `buf` holds `n` equal
-    /// blocks (`n` the group size, validated by the group), each rank's
-    /// whole contribution; on return block `rank` holds the reduced block
-    /// and the others are unspecified. The caller's obligations are
+    /// Reduce-scatter in place in device memory: `buf` holds each rank's
+    /// whole contribution, rank k's block of `counts[k]` elements after
+    /// the blocks before it (the counts cover it: validated by the group);
+    /// on return block `rank` holds the reduced block and the others are
+    /// unspecified. The caller's obligations are
     /// [`Backend::all_reduce_device`]'s. The default refuses: this backend
     /// reduces host memory only.
-    fn reduce_scatter_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
-        let _ = (buf, op);
+    fn reduce_scatter_device(
+        &self,
+        c: &Call,
+        buf: DeviceBuf,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let _ = (buf, counts, op);
         Err(host_only(
             c,
             self.name(),

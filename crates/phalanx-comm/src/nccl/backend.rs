@@ -415,32 +415,66 @@ impl Backend for Nccl {
         })
     }
 
-    /// `ncclReduceScatter` in place on the caller's device memory: this
-    /// rank's block of `buf` is the receive buffer (NCCL's in-place form).
-    fn reduce_scatter_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+    /// The reduce-scatter in place on the caller's device memory: equal
+    /// blocks are one `ncclReduceScatter` (this rank's block as the
+    /// receive buffer, its in-place form); uneven ones, one `ncclReduce`
+    /// in place of each rank's block to that rank, grouped (no padded
+    /// copy).
+    fn reduce_scatter_device(
+        &self,
+        c: &Call,
+        buf: DeviceBuf,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
         self.on_my_device(c, &buf)?;
         let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
         if buf.count == 0 {
             return Ok(());
         }
-        let (n, dt, size) = (c.n(), nccl_dtype(buf.dtype), buf.dtype.size());
-        // Equal blocks: the group checked that `n` divides the count.
-        let k = buf.count / n;
-        self.count((n - 1) * k * size);
+        let (dt, size) = (nccl_dtype(buf.dtype), buf.dtype.size());
+        self.count(buf.count * size - counts[c.me] * size);
+        let at = offsets(counts);
+        let even = counts.windows(2).all(|w| w[0] == w[1]);
         let io = Io::Device { ptr: buf.ptr };
         self.comm.run(c, io, &mut |api, comm, s, src, _| unsafe {
-            // SAFETY: `src` holds `n * k` elements on this device (the
-            // caller's contract); this rank's block lies within it.
-            let mine = src + (c.me * k * size) as u64;
-            (api.ncclReduceScatter)(
-                src as *const c_void,
-                mine as *mut c_void,
-                k,
-                dt,
-                rop,
-                comm,
-                s,
-            )
+            // SAFETY: `src` holds the sum of `counts` elements on this
+            // device (the group checked the counts against `buf`); every
+            // block lies within it.
+            if even {
+                let mine = src + (at[c.me] * size) as u64;
+                return (api.ncclReduceScatter)(
+                    src as *const c_void,
+                    mine as *mut c_void,
+                    counts[0],
+                    dt,
+                    rop,
+                    comm,
+                    s,
+                );
+            }
+            let mut rc = (api.ncclGroupStart)();
+            for (k, &n) in counts.iter().enumerate() {
+                if rc == 0 && n > 0 {
+                    let p = src + (at[k] * size) as u64;
+                    rc = (api.ncclReduce)(
+                        p as *const c_void,
+                        p as *mut c_void,
+                        n,
+                        dt,
+                        rop,
+                        k as c_int,
+                        comm,
+                        s,
+                    );
+                }
+            }
+            let end = (api.ncclGroupEnd)();
+            if rc == 0 {
+                end
+            } else {
+                rc
+            }
         })
     }
 

@@ -52,6 +52,16 @@ pub trait ParamSource: Sync {
     fn version(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Block `b`'s parameters as one (n,) f32 tensor on the compute
+    /// device, when this source holds them there (ZeRO-3's blocks gathered
+    /// in device memory); `None`, the default: read them with
+    /// [`ParamSource::block_params`]. A server then serves each parameter
+    /// from that tensor, without a host copy.
+    fn block_tensor(&self, b: usize) -> Result<Option<Tensor>> {
+        let _ = b;
+        Ok(None)
+    }
 }
 
 /// Records parameter requests; serves zeros.
@@ -195,6 +205,9 @@ impl<'a> Server<'a> {
         }
         let p = &self.layout.params()[k];
         let owner = self.layout.block(p.block);
+        if let Some(t) = self.src.block_tensor(p.block)? {
+            return self.serve_from_device(k, &t, owner.range.start);
+        }
         let flat = self.src.block_params(p.block)?;
         if flat.len() != owner.range.len() {
             bail!(
@@ -224,6 +237,33 @@ impl<'a> Server<'a> {
 }
 
 impl Server<'_> {
+    /// Parameter `k` out of `t`, its block's parameters on the device
+    /// (flat from `start`, the block's first offset): a variable of its
+    /// own when gradients are wanted (candle's gradient is per variable),
+    /// else a view.
+    fn serve_from_device(&self, k: usize, t: &Tensor, start: usize) -> Result<(Tensor, bool)> {
+        let p = &self.layout.params()[k];
+        let owner = self.layout.block(p.block).range.len();
+        if t.dims() != [owner] || t.dtype() != DType::F32 {
+            bail!(
+                "parameter source gave a {:?} {:?} tensor for block {}, layout says ({owner},) f32",
+                t.dims(),
+                t.dtype(),
+                p.block
+            )
+        }
+        let piece = t
+            .narrow(0, p.offset - start, p.numel)?
+            .reshape(p.shape.as_slice())?;
+        if !self.grad {
+            return Ok((piece.detach(), false));
+        }
+        let v = Var::from_tensor(&piece)?;
+        let out = v.as_tensor().clone();
+        self.served.lock().unwrap().vars.push((k, v));
+        Ok((out, true))
+    }
+
     /// A kept copy: a variable when gradients are wanted, else a constant
     /// view of the same storage.
     fn serve_kept(&self, k: usize, v: Var) -> (Tensor, bool) {

@@ -267,7 +267,7 @@ pub(crate) fn block_padding(len: usize, n: usize) -> usize {
 
 /// `g`, the reduced gradients, where this rank held some; an error naming
 /// `what` and the rank where it held none.
-pub(crate) fn held_or_fail(g: Tensor, held: bool, pg: &ProcessGroup, what: &str) -> Result<Tensor> {
+pub(crate) fn held_or_fail<T>(g: T, held: bool, pg: &ProcessGroup, what: &str) -> Result<T> {
     if held {
         return Ok(g);
     }

@@ -124,8 +124,9 @@ impl TpOp {
             }
             Kind::Scatter => {
                 let full = copied(s, l, &shape)?;
-                let full = self.run(full, &shape, Coll::ReduceScatter(ReduceOp::Sum))?;
                 let k = part.elem_count();
+                let counts = vec![k; n];
+                let full = self.run(full, &shape, Coll::ReduceScatter(ReduceOp::Sum, &counts))?;
                 let mine = Layout::contiguous_with_offset(&part, r * k);
                 (copied(&full, &mine, &part)?, part)
             }

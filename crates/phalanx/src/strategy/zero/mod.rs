@@ -24,7 +24,9 @@
 //! ([`crate::engine::Activations::KeepActivations`]); the others (and every block under
 //! `train.activation_checkpointing = "full"`) recompute their forward in
 //! the backward, FSDP with activation checkpointing. Gradients are
-//! reduce-scattered per block ([`sharded`]).
+//! reduce-scattered per block ([`sharded`]); with them on the device
+//! (`stage3_on_device`), the shard, the gathers and the reduce-scatters
+//! are in device memory as well.
 //!
 //! Gradient clipping uses the global norm: each rank's shard sum of squares
 //! is all-reduced.
@@ -45,6 +47,7 @@ mod gather;
 pub mod offload;
 mod on_device;
 mod sharded;
+mod stage3_on_device;
 
 use super::ddp::all_reduce_micro_step;
 use super::pool::Pool;
@@ -151,14 +154,20 @@ pub struct Zero {
     /// Stages 2-3: buffers reused from step to step.
     pool: Pool,
     /// Allowed to keep gradients on the device through the step
-    /// ([`Strategy::keep_grads_on_device`]; stages 1 and 2 act on it,
-    /// `on_device`).
+    /// ([`Strategy::keep_grads_on_device`]; every stage acts on it,
+    /// `on_device` and `stage3_on_device`).
     device_grads: bool,
     /// This step's micro-batches held all their gradients on the device.
     held_all: bool,
     /// Stage 2 on the device: this rank's shard of the step's gradients,
     /// summed over the micro-batches reduce-scattered so far.
     device_shard: Option<Tensor>,
+    /// Stage 3 on the device: this rank's parameter shard there (the host
+    /// shard holds the same values after every step).
+    device_store: Option<Tensor>,
+    /// Stage 3 on the device: this rank's piece of each unit's gradients,
+    /// summed over the step's micro-batches so far.
+    device_pieces: std::collections::HashMap<usize, Tensor>,
 }
 
 impl Zero {
@@ -324,6 +333,8 @@ impl Zero {
             device_grads: false,
             held_all: false,
             device_shard: None,
+            device_store: None,
+            device_pieces: Default::default(),
         })
     }
 
@@ -340,6 +351,7 @@ impl Zero {
         engine.zero_grad();
         self.grad_shard.fill(0.0);
         self.device_shard = None;
+        self.device_pieces.clear();
     }
 
     /// Forward and backward of one micro-batch; `last` marks the final
@@ -361,6 +373,7 @@ impl Zero {
         engine.hold_grads((self.cfg.stage == 1 && !last) || all);
         match self.cfg.stage {
             2 if all => self.scatter_on_device(engine, x, y, scale),
+            3 if all => self.gathered_on_device(engine, x, y, scale),
             1 if !last || all || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
             1 => {
                 let (units, pool) = (&self.units, &self.pool);
@@ -390,7 +403,13 @@ impl Zero {
         let world = self.mesh.world().clone();
         let stage = self.cfg.stage;
         let mut gathered = false;
-        let out = if std::mem::take(&mut self.held_all) {
+        let held = std::mem::take(&mut self.held_all);
+        if !held {
+            // The host path steps the host shard: stage 3's device copy
+            // of it would be stale.
+            self.device_store = None;
+        }
+        let out = if held {
             let (out, done) = self.finish_on_device(engine, scaler, lr, max_norm, step)?;
             gathered = done;
             out
@@ -594,6 +613,8 @@ impl Strategy for Zero {
     ) -> Result<()> {
         let mine = self.shards.mine();
         let p = fill_params(fill, mine.clone())?;
+        // The device's copy of the shard is uploaded again from the host's.
+        self.device_store = None;
         if self.cfg.stage == 3 {
             self.store
                 .write(0..mine.len(), &p)

@@ -12,7 +12,8 @@
 //!
 //! As DDP's (`strategy::ddp`): taken only where every rank takes it (the
 //! optimizer on the device, the plain f32 average, a group that reduces
-//! the device's memory, and the trainer's leave).
+//! the device's memory, and the trainer's leave). Stage 3's micro-step on
+//! the device is `stage3_on_device`'s; its step finishes here too.
 
 use super::Zero;
 use crate::engine::Engine;
@@ -27,11 +28,12 @@ use candle_core::Tensor;
 use phalanx_comm::ReduceOp;
 
 impl Zero {
-    /// Stages 1 and 2, where DDP's would stay ([`grads_may_stay_on_device`],
-    /// over the group the gradients are averaged in).
+    /// Where DDP's would stay ([`grads_may_stay_on_device`], over the
+    /// group the gradients are averaged in), and for stage 3 its own
+    /// conditions too.
     pub(super) fn grads_stay_on_device(&mut self, engine: &Engine) -> bool {
         let on_device = self.opt.as_device().is_some();
-        self.cfg.stage <= 2
+        (self.cfg.stage <= 2 || self.stage3_may_stay_on_device(engine))
             && grads_may_stay_on_device(
                 self.device_grads,
                 on_device,
@@ -88,7 +90,8 @@ impl Zero {
     /// device, the norm summed there over this rank's shard, the shard
     /// stepped in the kept copies and gathered there (`gathered`: nothing
     /// left for the host's all-gather), or, without kept copies, written
-    /// back to the host buffer.
+    /// back to the host buffer. Stage 3's shard: its pieces of the step's
+    /// reduce-scatters, stepping the shard kept on the device.
     pub(super) fn finish_on_device(
         &mut self,
         engine: &mut Engine,
@@ -103,6 +106,7 @@ impl Zero {
         // every micro-batch's already.
         let gs = match stage {
             1 => self.reduce_scatter_held(engine)?,
+            3 => self.device_grad_shard(engine)?,
             _ => self.device_shard.take().ok_or_else(|| {
                 Error::Check(format!(
                     "ZeRO-{stage}: the step ended with no gradient shard on the device"
@@ -110,14 +114,20 @@ impl Zero {
             })?,
         };
         let mine = self.shards.mine();
+        // Hybrid sharding's replicas of a shard count 1/replicas each.
+        let w = 1.0 / self.replica_pg.as_ref().map_or(1, |r| r.size()) as f64;
         let ss =
-            weighted_sum_squares_on(&gs, mine.start, 1.0, &self.tp_replicated, self.mesh.tp_size)?;
+            weighted_sum_squares_on(&gs, mine.start, w, &self.tp_replicated, self.mesh.tp_size)?;
         let world = self.mesh.world().clone();
         let (out, factor) = agree_and_clip(&world, ss, scaler, max_norm, step)?;
         let Some(factor) = factor else {
             // Skipped: the parameters, here and there, are unchanged.
             return Ok((out, true));
         };
+        if stage == 3 {
+            self.step_device_store(&gs, lr, factor)?;
+            return Ok((out, true));
+        }
         let Some(opt) = self.opt.as_device() else {
             // `grads_stay_on_device` asked for it: a bug, not an input.
             return Err(Error::Check(format!(

@@ -1,0 +1,292 @@
+//! ZeRO-3 with its parameters and gradients on the device (a GPU, or the
+//! CPU's device-generic path): this rank's parameter shard is kept in
+//! device memory (uploaded once, then stepped there); before a block runs,
+//! its parameters (and those it ties to) are all-gathered in place into a
+//! device buffer built from that shard (`collective`: NCCL on device
+//! memory, any backend on host memory), served to the block without a
+//! host copy ([`crate::engine::ParamSource::block_tensor`]) and let go
+//! after it; the backward holds each block's gradients on the device, and
+//! as soon as a block is done its gradients are reduce-scattered in place
+//! (uneven blocks: the shards cut a block anywhere), leaving this rank its
+//! piece, summed over the step's micro-batches. The optimizer steps the
+//! shard where it lies and writes the new values to the host shard, so
+//! checkpoints, evaluation and the host path read it as before.
+//!
+//! Taken only where every rank takes it (DDP's conditions, and a shard in
+//! memory without ZeRO++'s quantised or secondary gathers). The gathers
+//! are issued as each block needs them: a collective on device memory
+//! waits for its result here, so nothing is prefetched.
+
+use super::Zero;
+use crate::engine::{Engine, GradSink, ParamInfo, ParamSource, Stash};
+use crate::error::{Error, Result};
+use crate::strategy::ddp::held_or_fail;
+use crate::strategy::reduce::ReadyCursor;
+use candle_core::{DType, Tensor};
+use phalanx_comm::ReduceOp;
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// Blocks' parameters gathered in device memory, by block: what a block's
+/// build is served from. Dropped after the block, which frees them.
+struct OnDevice {
+    blocks: HashMap<usize, Tensor>,
+}
+
+impl ParamSource for OnDevice {
+    fn block_params(&self, b: usize) -> candle_core::Result<&[f32]> {
+        candle_core::bail!(
+            "ZeRO-3: block {b}'s parameters were gathered on the device, not the host"
+        )
+    }
+
+    fn block_tensor(&self, b: usize) -> candle_core::Result<Option<Tensor>> {
+        match self.blocks.get(&b) {
+            Some(t) => Ok(Some(t.clone())),
+            None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
+        }
+    }
+}
+
+/// The held backward's sink: every gradient stays on the device, so one
+/// that reaches the host is a bug, named.
+struct NoHostGrads;
+
+impl GradSink for NoHostGrads {
+    fn accumulate(&mut self, p: &ParamInfo, _grad: &[f32]) -> candle_core::Result<()> {
+        candle_core::bail!(
+            "ZeRO-3 on the device: the gradient of `{}` reached the host",
+            p.name
+        )
+    }
+}
+
+impl Zero {
+    /// Stage 3's own conditions on top of DDP's: the shard in memory (not
+    /// offloaded) and plain gathers (no qwZ, no hpZ); hybrid sharding's
+    /// replica group must reduce the device's memory too.
+    pub(super) fn stage3_may_stay_on_device(&self, engine: &Engine) -> bool {
+        self.store.is_resident()
+            && self.secondary.is_none()
+            && !self.cfg.quantized_weights
+            && self
+                .replica_pg
+                .as_ref()
+                .is_none_or(|rp| crate::collective::reduces_on(rp, engine.device()))
+    }
+
+    /// This rank's parameter shard on the device, uploaded from the host
+    /// shard the first time (and after a checkpoint load let it go).
+    fn device_store(&mut self, engine: &Engine) -> Result<Tensor> {
+        if let Some(t) = &self.device_store {
+            return Ok(t.clone());
+        }
+        let host = self
+            .store
+            .resident()
+            .ok_or_else(|| Error::Check("ZeRO-3 on the device needs a shard in memory".into()))?;
+        let t = Tensor::from_slice(host, host.len(), engine.device())?;
+        self.device_store = Some(t.clone());
+        Ok(t)
+    }
+
+    /// Block `b`'s parameters, and those of the blocks it ties to, each
+    /// gathered in place into a device buffer holding this rank's piece.
+    fn gather_on_device(&self, engine: &Engine, shard: &Tensor, b: usize) -> Result<OnDevice> {
+        let layout = engine.layout();
+        let mut owners: Vec<usize> = layout
+            .block(b)
+            .tied
+            .iter()
+            .map(|&k| layout.params()[k].block)
+            .collect();
+        owners.push(b);
+        owners.sort_unstable();
+        owners.dedup();
+        let me = self.shard_pg.rank();
+        let mut blocks = HashMap::new();
+        for o in owners {
+            let r = layout.block(o).range.clone();
+            let counts = self.shards.counts(&r);
+            let local = self.shards.local(&r);
+            let at: usize = counts[..me].iter().sum();
+            let dev = engine.device();
+            let mut parts = Vec::new();
+            if at > 0 {
+                parts.push(Tensor::zeros(at, DType::F32, dev)?);
+            }
+            if !local.is_empty() {
+                // `local` counts from the shard's start.
+                parts.push(shard.narrow(0, local.start, local.len())?);
+            }
+            let after = r.len() - at - local.len();
+            if after > 0 {
+                parts.push(Tensor::zeros(after, DType::F32, dev)?);
+            }
+            // A buffer of its own (one part would be the shard's view):
+            // the gather writes every other rank's piece into it.
+            let buf = match parts.len() {
+                1 => parts[0].force_contiguous()?,
+                _ => Tensor::cat(&parts, 0)?,
+            };
+            crate::collective::all_gather_in_place(&self.shard_pg, &buf, &counts)?;
+            blocks.insert(o, buf);
+        }
+        Ok(OnDevice { blocks })
+    }
+
+    /// Stage 3's micro-step on the device: each block's forward on its
+    /// gathered parameters, then the backward block by block from the top,
+    /// gathering again where the forward's were let go, each block's
+    /// gradients reduce-scattered as soon as it is done and this rank's
+    /// piece added to the step's.
+    pub(super) fn gathered_on_device(
+        &mut self,
+        engine: &mut Engine,
+        x: &Tensor,
+        y: &Tensor,
+        scale: f32,
+    ) -> Result<f32> {
+        let shard = self.device_store(engine)?;
+        let engine: &Engine = engine;
+        let nb = engine.num_blocks();
+        let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
+        let mut kept: HashMap<usize, OnDevice> = HashMap::new();
+        let mut h = x.clone();
+        for b in 0..nb {
+            let src = self.gather_on_device(engine, &shard, b)?;
+            let targets = (b + 1 == nb).then_some(y);
+            let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
+            h = out;
+            stashes.push(stash);
+            if b >= self.first_kept {
+                kept.insert(b, src);
+            }
+        }
+        let loss = h.to_scalar::<f32>()?;
+        let mut gy = Tensor::new(scale, engine.device())?;
+        let mut cursor = ReadyCursor::default();
+        // A failure inside the backward's hook, kept whole (a timeout
+        // naming its rank) rather than as candle's message.
+        let mut failed: Option<Error> = None;
+        let mut pieces = std::mem::take(&mut self.device_pieces);
+        for b in (0..nb).rev() {
+            let src = match kept.remove(&b) {
+                Some(src) => src,
+                None => self.gather_on_device(engine, &shard, b)?,
+            };
+            let stash = stashes.pop().expect("one stash per block");
+            let mut hook = |b: usize, _: &mut NoHostGrads| -> candle_core::Result<()> {
+                for u in cursor.advance(&self.units, b) {
+                    let range = self.units[u].range.clone();
+                    match self.reduce_unit(engine, range) {
+                        Ok(Some(piece)) => {
+                            let sum = match pieces.remove(&u) {
+                                Some(s) => (s + piece)?,
+                                None => piece,
+                            };
+                            pieces.insert(u, sum);
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            let msg = e.to_string();
+                            failed = Some(e);
+                            candle_core::bail!("{msg}")
+                        }
+                    }
+                }
+                Ok(())
+            };
+            let r = engine
+                .stack()
+                .backward(stash, &gy, &src, &mut NoHostGrads, &mut hook);
+            let dx = match (r, failed.take()) {
+                (_, Some(e)) => return Err(e),
+                (r, None) => r?,
+            };
+            if let Some(dx) = dx {
+                gy = dx;
+            }
+        }
+        self.device_pieces = pieces;
+        cursor.check_all(&self.units, "ZeRO-3")?;
+        Ok(loss)
+    }
+
+    /// The gradients held for `range` (a unit: one block's parameters)
+    /// averaged over the shard group, this rank's piece in storage of its
+    /// own (`None` when it owns none of the range); averaged over the
+    /// replicas too under hybrid sharding. Every rank joins, one that held
+    /// nothing with zeros, and fails after.
+    fn reduce_unit(&self, engine: &Engine, range: Range<usize>) -> Result<Option<Tensor>> {
+        let len = range.len();
+        let counts = self.shards.counts(&range);
+        let (g, held) = match engine.stack().take_held_grads(range, 0)? {
+            Some(g) => (g, true),
+            None => (Tensor::zeros(len, DType::F32, engine.device())?, false),
+        };
+        crate::collective::reduce_scatter_v_in_place(&self.shard_pg, &g, &counts, ReduceOp::Avg)?;
+        let me = self.shard_pg.rank();
+        let piece = match counts[me] {
+            0 => None,
+            c => {
+                let at: usize = counts[..me].iter().sum();
+                let piece = g.narrow(0, at, c)?.force_contiguous()?;
+                if let Some(rp) = &self.replica_pg {
+                    crate::collective::all_reduce_in_place(rp, &piece, ReduceOp::Avg)?;
+                }
+                Some(piece)
+            }
+        };
+        held_or_fail(piece, held, &self.shard_pg, "ZeRO-3")
+    }
+
+    /// The step's gradient shard on the device, (shard length,): the
+    /// pieces of every unit in flat order (the units cover the model, so
+    /// their pieces cover the shard).
+    pub(super) fn device_grad_shard(&mut self, engine: &Engine) -> Result<Tensor> {
+        let mut pieces: Vec<(usize, Tensor)> = std::mem::take(&mut self.device_pieces)
+            .into_iter()
+            .collect();
+        // In flat order (units are numbered in backward order).
+        pieces.sort_unstable_by_key(|(u, _)| self.units[*u].range.start);
+        let len = self.shards.mine().len();
+        let got: usize = pieces.iter().map(|(_, t)| t.elem_count()).sum();
+        if got != len {
+            return Err(Error::Check(format!(
+                "ZeRO-3: the step's gradient pieces on the device cover {got} of the shard's {len}"
+            )));
+        }
+        let pieces: Vec<Tensor> = pieces.into_iter().map(|(_, t)| t).collect();
+        Ok(match pieces.len() {
+            0 => Tensor::zeros(0, DType::F32, engine.device())?,
+            1 => pieces.into_iter().next().unwrap(),
+            _ => Tensor::cat(&pieces, 0)?,
+        })
+    }
+
+    /// Step the device shard with `gs` in place, writing the new values to
+    /// the host shard too.
+    pub(super) fn step_device_store(&mut self, gs: &Tensor, lr: f32, factor: f32) -> Result<()> {
+        let dev = self.device_store.clone().ok_or_else(|| {
+            Error::Check("ZeRO-3: the step ended with no parameter shard on the device".into())
+        })?;
+        let host = self
+            .store
+            .resident_mut()
+            .ok_or_else(|| Error::Check("ZeRO-3 on the device needs a shard in memory".into()))?;
+        let opt = self.opt.as_device().ok_or_else(|| {
+            Error::Check(
+                "ZeRO-3: the gradients stayed on the device but the optimizer is not there".into(),
+            )
+        })?;
+        opt.step_on(
+            Some(host),
+            &dev,
+            crate::optim::Grads::Device(gs),
+            lr,
+            factor,
+        )?;
+        Ok(())
+    }
+}
