@@ -36,7 +36,13 @@ const MODEL: &[&str] = &[
 /// `phalanx train MODEL ARGS` with `fault` in `PHALANX_FAULT`, killed (and
 /// failed) past the deadline. The launcher's workers die with it.
 fn train(args: &[&str], fault: Option<&str>) -> Run {
+    train_env(args, fault, &[])
+}
+
+/// [`train`] with `env` set too.
+fn train_env(args: &[&str], fault: Option<&str>, env: &[(&str, &str)]) -> Run {
     let mut c = Command::new(BIN);
+    c.envs(env.iter().copied());
     c.arg("train")
         .args(MODEL)
         .args(args)
@@ -93,8 +99,38 @@ fn latest(d: &Path) -> String {
 /// uninterrupted run ends; the JSON log holds every step once.
 #[test]
 fn killed_worker_restarts_from_the_last_checkpoint_bitwise() {
-    let d = tmpdir("kill");
+    restart_matches_uninterrupted("kill", &[], &[]);
+}
+
+/// The same under ZeRO-3 with its shard, gathers and gradients on the
+/// device (the CPU's device-generic path): the restarted group uploads
+/// its shards afresh from the checkpoint, and no step reads a gradient
+/// back.
+#[test]
+fn zero3_on_the_device_restarts_bitwise() {
+    let d = restart_matches_uninterrupted(
+        "zero3-device",
+        &["--set", "zero_optimization.stage=3"],
+        &[("PHALANX_HOST_KERNELS", "0")],
+    );
+    let log = std::fs::read_to_string(d.join("b/log.jsonl")).unwrap();
+    let reads: Vec<u64> = log
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["grad_reads"].as_u64().expect("grad_reads logged")
+        })
+        .collect();
+    assert_eq!(reads, vec![0; 8], "gradients read back");
+}
+
+/// Kill rank 1 at step 5 of 8 (checkpoints every 2 steps) of a run with
+/// `extra` and `env`, and compare with an uninterrupted one (the scratch
+/// directory: `a` uninterrupted, `b` restarted).
+fn restart_matches_uninterrupted(name: &str, extra: &[&str], env: &[(&str, &str)]) -> ScratchDir {
+    let d = tmpdir(name);
     let mut base = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    base.extend(extra);
     base.push("--log-json");
     let (a, b) = (d.join("a"), d.join("b"));
     let (log_a, log_b) = (a.join("log.jsonl"), b.join("log.jsonl"));
@@ -103,7 +139,7 @@ fn killed_worker_restarts_from_the_last_checkpoint_bitwise() {
     let mut args = base.clone();
     args.push(log_a.to_str().unwrap());
     args.extend(strs(&sa));
-    let ref_run = train(&args, None);
+    let ref_run = train_env(&args, None, env);
     assert_eq!(ref_run.code, 0, "{ref_run}");
 
     let sb = settings(&b, 8, 2);
@@ -111,7 +147,7 @@ fn killed_worker_restarts_from_the_last_checkpoint_bitwise() {
     args.push(log_b.to_str().unwrap());
     args.extend(strs(&sb));
     args.extend(["--max-restarts", "1"]);
-    let r = train(&args, Some("exit-at-step:1:5"));
+    let r = train_env(&args, Some("exit-at-step:1:5"), env);
     assert_eq!(r.code, 0, "{r}");
     assert!(
         r.err.contains(
@@ -135,6 +171,7 @@ fn killed_worker_restarts_from_the_last_checkpoint_bitwise() {
     assert_eq!(la, lb);
     assert_eq!(lb.last().unwrap().1.to_bits(), la[7].1.to_bits());
     assert_eq!(latest(&b), "step-00000008");
+    d
 }
 
 /// A killed save (rank 0 dies after every file is written, before the

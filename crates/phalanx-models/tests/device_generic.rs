@@ -56,6 +56,18 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
                 "train.activation_checkpointing=full",
             ],
         ),
+        // The shard kept in host memory (offload_param.device = cpu): the
+        // host path, each block uploaded for its pass.
+        (
+            "ZeRO-3, parameters offloaded to the host",
+            2,
+            2,
+            1,
+            vec![
+                "zero_optimization.stage=3",
+                "zero_optimization.offload_param.device=cpu",
+            ],
+        ),
         // Sharded within pairs, the pieces averaged over the replicas.
         (
             "HYBRID_SHARD 2 x 2",
@@ -340,7 +352,17 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     runs.push(("DDP 2 ranks, 4 micro-batches, full recompute", out));
     let gpt_runs: Vec<_> = gpt_strategies()
         .into_iter()
-        .map(|(what, world, dp, accum, extra)| (what, gpt_run(world, dp, accum, &extra)))
+        .map(|(what, world, dp, accum, extra)| {
+            let (up, down) = (uploads(), downloads());
+            let out = gpt_run(world, dp, accum, &extra);
+            if what.starts_with("ZeRO-3") {
+                // The tied embedding's gradient, from the head and the
+                // embedding, reduce-scattered on the device too.
+                let (up, down) = (uploads() - up, downloads() - down);
+                assert_eq!((up, down), (0, 0), "GPT-2 {what}: uploads, gradient reads");
+            }
+            (what, out)
+        })
         .collect();
     // Sequence parallelism sums the replicated parameters' gradients over
     // tp in the trainer, from the flat buffer: there they must go, though

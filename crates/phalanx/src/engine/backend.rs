@@ -9,6 +9,9 @@
 //!   the flat buffer into a fresh candle tensor, a `Var` when gradients are
 //!   wanted, and remembers the `Var` so the engine can read its gradient.
 //!   A name asked twice returns the same tensor (like candle-nn's `VarMap`).
+//!   A source that holds a block's parameters on the device already
+//!   ([`ParamSource::block_tensor`]: ZeRO-3's device gathers) is served
+//!   from there: views, or a device copy per variable.
 //!
 //! The copy is deliberate: candle cannot alias memory it does not own, and
 //! viewing parameters as `narrow`s of one big tensor makes every backward pay
@@ -250,6 +253,14 @@ impl Server<'_> {
                 t.dims(),
                 t.dtype(),
                 p.block
+            )
+        }
+        if !t.device().same_device(&self.device) {
+            bail!(
+                "parameter source gave block {}'s parameters on {:?}, the engine runs on {:?}",
+                p.block,
+                t.device(),
+                self.device
             )
         }
         let piece = t

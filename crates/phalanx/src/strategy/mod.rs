@@ -292,12 +292,14 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             backward_prefetch: cfg.parallel.backward_prefetch,
             shard_group_size: sharding.hybrid_group,
             param_offload: cfg.param_offload_dir(),
+            param_offload_host: cfg.zero_optimization.offload_param.device
+                == crate::config::OffloadDevice::Cpu,
             offload_chunk: cfg.zero_optimization.offload_param.buffer_size,
             quantized_weights: cfg.zero_optimization.zero_quantized_weights,
             hpz_partition_size: cfg.zero_optimization.zero_hpz_partition_size,
             max_reuse_distance: cfg.zero_optimization.stage3_max_reuse_distance as usize,
         };
-        if cfg.zero_optimization.offload_param.device == crate::config::OffloadDevice::Cpu {
+        if zcfg.param_offload_host && cfg.train.device == crate::config::DeviceKind::Cpu {
             note_cpu_param_offload(mesh);
         }
         Box::new(Zero::new(

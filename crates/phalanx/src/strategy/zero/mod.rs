@@ -26,7 +26,9 @@
 //! the backward, FSDP with activation checkpointing. Gradients are
 //! reduce-scattered per block ([`sharded`]); with them on the device
 //! (`stage3_on_device`), the shard, the gathers and the reduce-scatters
-//! are in device memory as well.
+//! are in device memory as well (there the gathers are not prefetched
+//! and the buffers do not come from the [`Pool`]: candle's allocator
+//! reuses device memory).
 //!
 //! Gradient clipping uses the global norm: each rank's shard sum of squares
 //! is all-reduced.
@@ -84,6 +86,10 @@ pub struct ZeroConfig {
     /// Stage 3: keep the parameter shard in a file under this directory
     /// (`offload_param.device = "nvme"`); `None` keeps it in memory.
     pub param_offload: Option<PathBuf>,
+    /// Stage 3: `offload_param.device = "cpu"`: the parameter shard stays
+    /// in host memory (on a GPU, off the device: each block goes up for
+    /// its pass; on the CPU it is there anyway).
+    pub param_offload_host: bool,
     /// Elements per chunk of the offloaded shard's streamed update.
     pub offload_chunk: usize,
     /// ZeRO++ qwZ: stage 3's parameter gathers carry block-wise int8.

@@ -13,7 +13,10 @@
 //! As DDP's (`strategy::ddp`): taken only where every rank takes it (the
 //! optimizer on the device, the plain f32 average, a group that reduces
 //! the device's memory, and the trainer's leave). Stage 3's micro-step on
-//! the device is `stage3_on_device`'s; its step finishes here too.
+//! the device is `stage3_on_device`'s; its step finishes here too, on
+//! the shard kept on the device, and writes the new shard to the host's
+//! (a copy down of 1/dp of the model per step, which checkpoints and
+//! evaluation read).
 
 use super::Zero;
 use crate::engine::Engine;

@@ -62,11 +62,13 @@ impl GradSink for NoHostGrads {
 }
 
 impl Zero {
-    /// Stage 3's own conditions on top of DDP's: the shard in memory (not
-    /// offloaded) and plain gathers (no qwZ, no hpZ); hybrid sharding's
-    /// replica group must reduce the device's memory too.
+    /// Stage 3's own conditions on top of DDP's: the shard in memory and
+    /// not offloaded to the host (`offload_param.device = "cpu"` keeps it
+    /// off the device) and plain gathers (no qwZ, no hpZ); hybrid
+    /// sharding's replica group must reduce the device's memory too.
     pub(super) fn stage3_may_stay_on_device(&self, engine: &Engine) -> bool {
         self.store.is_resident()
+            && !self.cfg.param_offload_host
             && self.secondary.is_none()
             && !self.cfg.quantized_weights
             && self
@@ -107,28 +109,20 @@ impl Zero {
         let mut blocks = HashMap::new();
         for o in owners {
             let r = layout.block(o).range.clone();
+            if r.is_empty() {
+                // Nothing to serve (a block whose parameters are all
+                // another's, e.g. a tied head).
+                continue;
+            }
             let counts = self.shards.counts(&r);
             let local = self.shards.local(&r);
             let at: usize = counts[..me].iter().sum();
-            let dev = engine.device();
-            let mut parts = Vec::new();
-            if at > 0 {
-                parts.push(Tensor::zeros(at, DType::F32, dev)?);
-            }
+            // This rank's piece in place; the gather writes the others'.
+            let buf = Tensor::zeros(r.len(), DType::F32, engine.device())?;
             if !local.is_empty() {
                 // `local` counts from the shard's start.
-                parts.push(shard.narrow(0, local.start, local.len())?);
+                buf.slice_set(&shard.narrow(0, local.start, local.len())?, 0, at)?;
             }
-            let after = r.len() - at - local.len();
-            if after > 0 {
-                parts.push(Tensor::zeros(after, DType::F32, dev)?);
-            }
-            // A buffer of its own (one part would be the shard's view):
-            // the gather writes every other rank's piece into it.
-            let buf = match parts.len() {
-                1 => parts[0].force_contiguous()?,
-                _ => Tensor::cat(&parts, 0)?,
-            };
             crate::collective::all_gather_in_place(&self.shard_pg, &buf, &counts)?;
             blocks.insert(o, buf);
         }
@@ -170,6 +164,11 @@ impl Zero {
         // naming its rank) rather than as candle's message.
         let mut failed: Option<Error> = None;
         let mut pieces = std::mem::take(&mut self.device_pieces);
+        // Whether every unit held gradients: a rank that held none for a
+        // unit joins its reduce-scatter with zeros and every later
+        // collective, and fails once the backward is done, so its peers
+        // finish theirs rather than wait.
+        let mut held_all = true;
         for b in (0..nb).rev() {
             let src = match kept.remove(&b) {
                 Some(src) => src,
@@ -180,14 +179,15 @@ impl Zero {
                 for u in cursor.advance(&self.units, b) {
                     let range = self.units[u].range.clone();
                     match self.reduce_unit(engine, range) {
-                        Ok(Some(piece)) => {
+                        Ok((piece, held)) => {
+                            held_all &= held;
+                            let Some(piece) = piece else { continue };
                             let sum = match pieces.remove(&u) {
                                 Some(s) => (s + piece)?,
                                 None => piece,
                             };
                             pieces.insert(u, sum);
                         }
-                        Ok(None) => {}
                         Err(e) => {
                             let msg = e.to_string();
                             failed = Some(e);
@@ -210,15 +210,15 @@ impl Zero {
         }
         self.device_pieces = pieces;
         cursor.check_all(&self.units, "ZeRO-3")?;
-        Ok(loss)
+        held_or_fail(loss, held_all, &self.shard_pg, "ZeRO-3")
     }
 
     /// The gradients held for `range` (a unit: one block's parameters)
     /// averaged over the shard group, this rank's piece in storage of its
-    /// own (`None` when it owns none of the range); averaged over the
-    /// replicas too under hybrid sharding. Every rank joins, one that held
-    /// nothing with zeros, and fails after.
-    fn reduce_unit(&self, engine: &Engine, range: Range<usize>) -> Result<Option<Tensor>> {
+    /// own (`None` when it owns none of the range), averaged over the
+    /// replicas too under hybrid sharding; and whether any were held (zeros
+    /// stand in where not, so that the rank still joins).
+    fn reduce_unit(&self, engine: &Engine, range: Range<usize>) -> Result<(Option<Tensor>, bool)> {
         let len = range.len();
         let counts = self.shards.counts(&range);
         let (g, held) = match engine.stack().take_held_grads(range, 0)? {
@@ -238,7 +238,7 @@ impl Zero {
                 Some(piece)
             }
         };
-        held_or_fail(piece, held, &self.shard_pg, "ZeRO-3")
+        Ok((piece, held))
     }
 
     /// The step's gradient shard on the device, (shard length,): the
