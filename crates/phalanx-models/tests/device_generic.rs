@@ -144,6 +144,30 @@ fn llama_run(world: usize, dp: usize, accum: usize, extra: &[&str]) -> Vec<RankR
     llama::run(world, llama::config(dp, accum, extra), LlamaRun::default())
 }
 
+/// ZeRO-3 on 2 ranks evaluating every 2 steps on a tenth of the corpus
+/// held out: rank 0's validation losses.
+fn zero3_val_losses() -> Vec<(usize, f32)> {
+    use phalanx::data::{DataLoader, LoaderConfig, TokenData};
+    let extra = ["zero_optimization.stage=3", "train.eval_interval=2"];
+    let cfg = llama::config(2, 1, &extra);
+    let lc = LoaderConfig {
+        seq_len: cfg.seq_len().unwrap(),
+        val_fraction: 0.1,
+        shuffle: true,
+        seed: 7,
+        vocab_size: Some(256),
+    };
+    let data = TokenData::from_tokens(common::corpus());
+    let loader = std::sync::Arc::new(DataLoader::new(data, lc).unwrap());
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let run = LlamaRun::default();
+        let (report, _) =
+            phalanx_models::llama::train::train(&cfg, pg, loader.clone(), &run).unwrap();
+        report.val_losses
+    });
+    out[0].clone()
+}
+
 #[test]
 fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
     // The generic path first: no op may take the CPU kernels.
@@ -378,6 +402,12 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         downloads() > down,
         "sequence parallel: the gradients never reached the host"
     );
+    // ZeRO-3's evaluation gathers its blocks from the shards kept on the
+    // device too: nothing goes up from the host.
+    let up = uploads();
+    let z3_val = zero3_val_losses();
+    assert_eq!(uploads() - up, 0, "ZeRO-3's evaluation uploaded parameters");
+    assert!(!z3_val.is_empty(), "ZeRO-3 did not evaluate");
     assert_eq!(
         kernel_runs(),
         host,
@@ -414,6 +444,16 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
                 "step {k}: {name} bf16 {v} vs fp32 {b}"
             );
         }
+    }
+    // The same validation losses as the host path's.
+    let host_val = zero3_val_losses();
+    assert_eq!(host_val.len(), z3_val.len());
+    for ((k, d), (j, h)) in z3_val.iter().zip(&host_val) {
+        assert_eq!(k, j);
+        assert!(
+            ((d - h) / h).abs() < 1e-5,
+            "step {k}: ZeRO-3's validation loss {d} on the device, {h} on the host"
+        );
     }
     let gpt_base = gpt_run(1, 1, 1, &[]).remove(0);
     for (what, out) in &gpt_runs {

@@ -169,11 +169,13 @@ pub struct Zero {
     /// summed over the micro-batches reduce-scattered so far.
     device_shard: Option<Tensor>,
     /// Stage 3 on the device: this rank's parameter shard there (the host
-    /// shard holds the same values after every step).
-    device_store: Option<Tensor>,
+    /// shard holds the same values after every step), and its charge.
+    device_store: Option<(Tensor, Charge)>,
     /// Stage 3 on the device: this rank's piece of each unit's gradients,
     /// summed over the step's micro-batches so far.
     device_pieces: std::collections::HashMap<usize, Tensor>,
+    /// Their charge, as gradients.
+    device_pieces_charge: Option<Charge>,
 }
 
 impl Zero {
@@ -341,6 +343,7 @@ impl Zero {
             device_shard: None,
             device_store: None,
             device_pieces: Default::default(),
+            device_pieces_charge: None,
         })
     }
 
@@ -358,6 +361,7 @@ impl Zero {
         self.grad_shard.fill(0.0);
         self.device_shard = None;
         self.device_pieces.clear();
+        self.device_pieces_charge = None;
     }
 
     /// Forward and backward of one micro-batch; `last` marks the final
@@ -523,6 +527,9 @@ impl Zero {
     pub fn eval_loss(&self, engine: &Engine, x: &Tensor, y: &Tensor) -> Result<f32> {
         if self.cfg.stage != 3 {
             return Ok(engine.eval_loss(x, y)?);
+        }
+        if let Some(loss) = self.eval_on_device(engine, x, y)? {
+            return Ok(loss);
         }
         let nb = engine.num_blocks();
         let src = (&*self.store, &self.shards, &self.shard_pg);

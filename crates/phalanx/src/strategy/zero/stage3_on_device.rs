@@ -10,7 +10,8 @@
 //! (uneven blocks: the shards cut a block anywhere), leaving this rank its
 //! piece, summed over the step's micro-batches. The optimizer steps the
 //! shard where it lies and writes the new values to the host shard, so
-//! checkpoints, evaluation and the host path read it as before.
+//! checkpoints and the host path read it as before; evaluation gathers
+//! from the device's shards as the forward does.
 //!
 //! Taken only where every rank takes it (DDP's conditions, and a shard in
 //! memory without ZeRO++'s quantised or secondary gathers). The gathers
@@ -20,6 +21,7 @@
 use super::Zero;
 use crate::engine::{Engine, GradSink, ParamInfo, ParamSource, Stash};
 use crate::error::{Error, Result};
+use crate::ledger::{Charge, Mem};
 use crate::strategy::ddp::held_or_fail;
 use crate::strategy::reduce::ReadyCursor;
 use candle_core::{DType, Tensor};
@@ -28,9 +30,11 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 /// Blocks' parameters gathered in device memory, by block: what a block's
-/// build is served from. Dropped after the block, which frees them.
+/// build is served from, charged as working memory. Dropped after the
+/// block, which frees them.
 struct OnDevice {
     blocks: HashMap<usize, Tensor>,
+    _charge: Charge,
 }
 
 impl ParamSource for OnDevice {
@@ -80,7 +84,7 @@ impl Zero {
     /// This rank's parameter shard on the device, uploaded from the host
     /// shard the first time (and after a checkpoint load let it go).
     fn device_store(&mut self, engine: &Engine) -> Result<Tensor> {
-        if let Some(t) = &self.device_store {
+        if let Some((t, _)) = &self.device_store {
             return Ok(t.clone());
         }
         let host = self
@@ -88,7 +92,9 @@ impl Zero {
             .resident()
             .ok_or_else(|| Error::Check("ZeRO-3 on the device needs a shard in memory".into()))?;
         let t = Tensor::from_slice(host, host.len(), engine.device())?;
-        self.device_store = Some(t.clone());
+        // The device's copy, beside the host shard (charged as parameters).
+        let charge = engine.ledger().charge(Mem::Working, host.len() * 4);
+        self.device_store = Some((t.clone(), charge));
         Ok(t)
     }
 
@@ -126,7 +132,11 @@ impl Zero {
             crate::collective::all_gather_in_place(&self.shard_pg, &buf, &counts)?;
             blocks.insert(o, buf);
         }
-        Ok(OnDevice { blocks })
+        let bytes = blocks.values().map(|t| t.elem_count() * 4).sum();
+        Ok(OnDevice {
+            blocks,
+            _charge: engine.ledger().charge(Mem::Working, bytes),
+        })
     }
 
     /// Stage 3's micro-step on the device: each block's forward on its
@@ -208,9 +218,35 @@ impl Zero {
                 gy = dx;
             }
         }
+        let bytes = pieces.values().map(|t| t.elem_count() * 4).sum();
         self.device_pieces = pieces;
+        self.device_pieces_charge = None; // released before the new charge
+        self.device_pieces_charge = Some(engine.ledger().charge(Mem::Grads, bytes));
         cursor.check_all(&self.units, "ZeRO-3")?;
         held_or_fail(loss, held_all, &self.shard_pg, "ZeRO-3")
+    }
+
+    /// Validation loss without autograd, block by block on parameters
+    /// gathered from the shard kept on the device; `None` when there is no
+    /// such shard (no step took the device path yet, or a checkpoint load
+    /// let it go; the same on every rank), for the host's gathers.
+    pub(super) fn eval_on_device(
+        &self,
+        engine: &Engine,
+        x: &Tensor,
+        y: &Tensor,
+    ) -> Result<Option<f32>> {
+        let Some((shard, _)) = &self.device_store else {
+            return Ok(None);
+        };
+        let nb = engine.num_blocks();
+        let mut h = x.clone();
+        for b in 0..nb {
+            let src = self.gather_on_device(engine, shard, b)?;
+            let targets = (b + 1 == nb).then_some(y);
+            h = engine.stack().forward_eval(b..b + 1, &h, targets, &src)?;
+        }
+        Ok(Some(h.to_scalar::<f32>()?))
     }
 
     /// The gradients held for `range` (a unit: one block's parameters)
@@ -245,6 +281,7 @@ impl Zero {
     /// pieces of every unit in flat order (the units cover the model, so
     /// their pieces cover the shard).
     pub(super) fn device_grad_shard(&mut self, engine: &Engine) -> Result<Tensor> {
+        self.device_pieces_charge = None;
         let mut pieces: Vec<(usize, Tensor)> = std::mem::take(&mut self.device_pieces)
             .into_iter()
             .collect();
@@ -268,9 +305,13 @@ impl Zero {
     /// Step the device shard with `gs` in place, writing the new values to
     /// the host shard too.
     pub(super) fn step_device_store(&mut self, gs: &Tensor, lr: f32, factor: f32) -> Result<()> {
-        let dev = self.device_store.clone().ok_or_else(|| {
-            Error::Check("ZeRO-3: the step ended with no parameter shard on the device".into())
-        })?;
+        let dev = self
+            .device_store
+            .as_ref()
+            .map(|(t, _)| t.clone())
+            .ok_or_else(|| {
+                Error::Check("ZeRO-3: the step ended with no parameter shard on the device".into())
+            })?;
         let host = self
             .store
             .resident_mut()
