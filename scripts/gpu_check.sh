@@ -123,8 +123,8 @@ else
     [ "$DEVICE" = cuda ] || features=nccl
     if [ "$DEVICE" = cuda ] && ! command -v nvcc >/dev/null; then
         # The toolchain's link stubs come from cudarc's sources: fetch first.
-        cargo fetch --quiet || finish
-        tc=$(scripts/cuda_toolchain.sh) || finish
+        cargo fetch --quiet || { echo "cargo fetch failed (no registry?): give PHALANX_BIN"; failed=$((failed + 1)); finish; }
+        tc=$(scripts/cuda_toolchain.sh) || { echo "scripts/cuda_toolchain.sh failed"; failed=$((failed + 1)); finish; }
         eval "$tc"
     fi
     step "build (cargo build --release -p phalanx-cli --features $features)" 1200 \

@@ -305,6 +305,37 @@ impl ProcessGroup {
         self.collective(sig, |b, c| b.all_reduce_device(c, buf, op))
     }
 
+    /// Start [`ProcessGroup::all_reduce_device`] and return without
+    /// waiting where the backend can (NCCL launches it on its own stream);
+    /// [`ProcessGroup::settle_device`] waits for every one started. Ranks
+    /// see the same sequence of collectives as with the blocking call.
+    ///
+    /// # Safety
+    /// As for [`ProcessGroup::all_reduce_device`], and nothing may touch
+    /// (or free) the memory until `settle_device` has returned.
+    pub unsafe fn all_reduce_device_start(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.inner.queue.drain();
+        let sig = device_sig("all_reduce_dev", &buf, Some(op), 0);
+        self.collective(sig, |b, c| b.all_reduce_device_start(c, buf, op))
+    }
+
+    /// Wait, until the deadline, for every device collective started on
+    /// this group ([`ProcessGroup::all_reduce_device_start`]). Not a
+    /// collective: nothing is exchanged.
+    pub fn settle_device(&self) -> Result<()> {
+        let inner = &*self.inner;
+        if let Some(e) = inner.backend.failure() {
+            return Err(e);
+        }
+        let _g = inner.exec.lock().unwrap();
+        let c = self.call("settle_device", inner.seq.load(Ordering::SeqCst));
+        inner.backend.settle_device(&c)
+    }
+
     /// All-gather in place in CUDA device memory: `buf` holds rank k's
     /// block of `counts[k]` elements after the blocks before it; each
     /// rank's own block is what it contributes, and every block is its

@@ -132,6 +132,15 @@ fn host_backends_refuse_device_memory_naming_themselves() {
             g.contains("native backend gathers into host memory only"),
             "{g}"
         );
+        // Started or whole, the same refusal; nothing is left to settle.
+        let started = unsafe { pg.all_reduce_device_start(buf, ReduceOp::Sum) }
+            .unwrap_err()
+            .to_string();
+        assert!(
+            started.contains("native backend reduces host memory only"),
+            "{started}"
+        );
+        pg.settle_device().unwrap();
         let rs = unsafe { pg.reduce_scatter_device(buf, &[2, 2], ReduceOp::Sum) }
             .unwrap_err()
             .to_string();

@@ -23,6 +23,14 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
     vec![
         ("1 rank", 1, 1, 1, vec![]),
         ("DDP 2 ranks", 2, 2, 1, vec![]),
+        // Buckets of 10 KB: each averaged as the backward completes it.
+        (
+            "DDP 2 ranks, 2 micro-batches, small buckets",
+            2,
+            2,
+            2,
+            vec!["parallel.bucket_mb=0.01"],
+        ),
         ("ZeRO-1 2 ranks", 2, 2, 2, vec!["zero_optimization.stage=1"]),
         // 3 ranks: shards of ceil(n / 3), the flat sum padded for the
         // reduce-scatter.
@@ -201,6 +209,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             "1 rank"
             | "tp 2"
             | "DDP 2 ranks"
+            | "DDP 2 ranks, 2 micro-batches, small buckets"
             | "ZeRO-1 2 ranks"
             | "ZeRO-1 3 ranks"
             | "ZeRO-2 2 ranks, 2 micro-batches"

@@ -52,6 +52,88 @@ pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Resul
     run(pg, t, Coll::AllReduce(op))
 }
 
+/// All-reduces started on tensors where they lie and not yet awaited:
+/// under NCCL each is launched on the communicator's own stream and the
+/// call returns, so candle's stream goes on (the backward of earlier
+/// blocks) while it runs; on host memory each runs whole when started.
+/// [`Started::wait`] waits for all of them. Each tensor is held until then
+/// (and, after a failure that may have left a kernel over it, never given
+/// back to candle's allocator).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use phalanx_comm::{threads, ReduceOp};
+/// let sums = threads::run(2, |pg| {
+///     let mut started = phalanx::collective::Started::new(&pg);
+///     for k in 0..2 {
+///         let t = Tensor::new(&[(k + pg.rank()) as f32], &Device::Cpu).unwrap();
+///         started.all_reduce(t, ReduceOp::Sum).unwrap();
+///     }
+///     let out = started.wait().unwrap();
+///     out.iter().map(|t| t.to_vec1::<f32>().unwrap()[0]).collect::<Vec<_>>()
+/// });
+/// assert_eq!(sums, vec![vec![1.0, 3.0]; 2]);
+/// ```
+pub struct Started<'a> {
+    pg: &'a ProcessGroup,
+    tensors: Vec<Tensor>,
+}
+
+impl<'a> Started<'a> {
+    pub fn new(pg: &'a ProcessGroup) -> Self {
+        Started {
+            pg,
+            tensors: Vec::new(),
+        }
+    }
+
+    /// Start the all-reduce of `t` (contiguous, the caller's own, as for
+    /// [`all_reduce_in_place`]); nothing may read or write it until
+    /// [`Started::wait`] returns it.
+    pub fn all_reduce(&mut self, t: Tensor, op: ReduceOp) -> Result<()> {
+        run(self.pg, &t, Coll::AllReduceStart(op))?;
+        self.tensors.push(t);
+        Ok(())
+    }
+
+    /// Wait for every all-reduce started; the tensors, reduced, in the
+    /// order they were started.
+    pub fn wait(mut self) -> Result<Vec<Tensor>> {
+        let tensors = std::mem::take(&mut self.tensors);
+        match settle(self.pg, &tensors) {
+            Ok(()) => Ok(tensors),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Started<'_> {
+    /// Left without a wait (a failure on the way): the memory may still be
+    /// under a kernel until the group settles.
+    fn drop(&mut self) {
+        let tensors = std::mem::take(&mut self.tensors);
+        let _ = settle(self.pg, &tensors);
+    }
+}
+
+/// Wait for `pg`'s started device collectives over `tensors`; after a
+/// failure that may have left a kernel over them, keep them from candle's
+/// allocator.
+fn settle(pg: &ProcessGroup, tensors: &[Tensor]) -> Result<()> {
+    if tensors.iter().all(|t| t.device().is_cpu()) {
+        // Host memory: every one ran whole when started.
+        return Ok(());
+    }
+    pg.settle_device().map_err(|e| {
+        if may_be_in_flight(&e) {
+            for t in tensors {
+                std::mem::forget(t.clone());
+            }
+        }
+        Error::Comm(e)
+    })
+}
+
 /// All-gather in place: `t` ((sum of `counts`,), contiguous) holds rank
 /// k's block of `counts[k]` elements after the blocks before it; each
 /// rank's own block is its contribution, and on return every block is its
@@ -147,6 +229,8 @@ pub(crate) fn may_be_in_flight(e: &CommError) -> bool {
 #[derive(Clone, Copy)]
 pub(crate) enum Coll<'a> {
     AllReduce(ReduceOp),
+    /// Started, awaited with the group's `settle_device` ([`Started`]).
+    AllReduceStart(ReduceOp),
     /// Per-rank counts.
     AllGather(&'a [usize]),
     /// Per-rank counts.
@@ -156,7 +240,7 @@ pub(crate) enum Coll<'a> {
 impl Coll<'_> {
     fn name(&self) -> &'static str {
         match self {
-            Coll::AllReduce(_) => "all-reduce",
+            Coll::AllReduce(_) | Coll::AllReduceStart(_) => "all-reduce",
             Coll::AllGather(_) => "all-gather",
             Coll::ReduceScatter(..) => "reduce-scatter",
         }
@@ -170,7 +254,7 @@ impl Coll<'_> {
     ) -> phalanx_comm::Result<()> {
         let me = pg.rank();
         match *self {
-            Coll::AllReduce(op) => pg.all_reduce(v, op),
+            Coll::AllReduce(op) | Coll::AllReduceStart(op) => pg.all_reduce(v, op),
             Coll::AllGather(counts) => {
                 let at: usize = counts[..me].iter().sum();
                 let mine = v[at..at + counts[me]].to_vec();
@@ -324,6 +408,8 @@ impl OnStorage for candle_core::CudaStorage {
         // above), and the caller lends it mutably until we return.
         let r = match coll {
             Coll::AllReduce(op) => unsafe { pg.all_reduce_device(buf, op) },
+            // The caller holds the tensor until `settle_device` ([`Started`]).
+            Coll::AllReduceStart(op) => unsafe { pg.all_reduce_device_start(buf, op) },
             Coll::AllGather(counts) => unsafe { pg.all_gather_device(buf, counts) },
             Coll::ReduceScatter(op, counts) => unsafe { pg.reduce_scatter_device(buf, counts, op) },
         };

@@ -357,6 +357,22 @@ pub trait Backend: Send + Sync {
         ))
     }
 
+    /// Start [`Backend::all_reduce_device`] and return without waiting for
+    /// it where the backend can (NCCL: launched on its stream);
+    /// [`Backend::settle_device`] waits for every one started. The caller
+    /// touches `buf` again only after that. The default runs it whole.
+    fn all_reduce_device_start(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+        self.all_reduce_device(c, buf, op)
+    }
+
+    /// Wait until every device collective started
+    /// ([`Backend::all_reduce_device_start`]) is complete, until the
+    /// call's deadline. The default has none in flight.
+    fn settle_device(&self, c: &Call) -> Result<()> {
+        let _ = c;
+        Ok(())
+    }
+
     /// All-gather in place in device memory: `buf` holds rank k's block of
     /// `counts[k]` elements after the blocks before it (the counts cover
     /// it: validated by the group); this rank's block is its contribution,

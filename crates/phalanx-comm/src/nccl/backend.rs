@@ -362,6 +362,30 @@ impl Backend for Nccl {
         })
     }
 
+    /// `ncclAllReduce` as [`Backend::all_reduce_device`], launched on the
+    /// communicator's stream without waiting: candle's stream goes on
+    /// with the next kernels (the backward of earlier blocks) meanwhile.
+    fn all_reduce_device_start(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+        self.on_my_device(c, &buf)?;
+        let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
+        if buf.count == 0 {
+            return Ok(());
+        }
+        let (n, dt, count) = (c.n(), nccl_dtype(buf.dtype), buf.count);
+        self.count(2 * (n - 1) * count * buf.dtype.size() / n);
+        let launch = all_reduce_launch(count, dt);
+        // `src` = `dst` = the caller's `count` elements on this device,
+        // untouched until `settle_device` (the caller's contract).
+        self.comm.start(c, buf.ptr, &mut |api, comm, s, src, dst| {
+            launch(api, comm, s, src, dst, rop)
+        })
+    }
+
+    /// Wait for the communicator's stream: every operation started on it.
+    fn settle_device(&self, c: &Call) -> Result<()> {
+        self.comm.settle(c)
+    }
+
     /// The gather in place on the caller's device memory: equal blocks
     /// are one `ncclAllGather` (this rank's block as the send buffer, its
     /// in-place form); uneven ones, one `ncclBroadcast` in place from each

@@ -57,6 +57,11 @@ pub enum Io<'a> {
     Device { ptr: cu::CUdeviceptr },
 }
 
+/// What launches one operation: `(api, comm, stream, send_dev, recv_dev)`,
+/// returning NCCL's code.
+pub type Launch<'a> =
+    dyn FnMut(&NcclApi, *mut c_void, Stream, cu::CUdeviceptr, cu::CUdeviceptr) -> c_int + 'a;
+
 /// An NCCL communicator of one group.
 pub struct Comm {
     pub api: &'static NcclApi,
@@ -129,7 +134,7 @@ impl Comm {
         );
         let w = what.clone();
         let h = blocking(&dev, deadline, what, move || {
-            let mut uid = cudarc::nccl::sys::ncclUniqueId { internal: [0; 128] };
+            let mut uid = super::layout::UniqueId { internal: [0; 128] };
             for (d, s) in uid.internal.iter_mut().zip(id) {
                 *d = s as std::ffi::c_char;
             }
@@ -147,7 +152,7 @@ impl Comm {
 
     /// A fresh unique id (`ncclGetUniqueId`, on group rank 0).
     pub fn unique_id(api: &NcclApi) -> Result<[u8; super::id::ID_BYTES]> {
-        let mut uid = cudarc::nccl::sys::ncclUniqueId { internal: [0; 128] };
+        let mut uid = super::layout::UniqueId { internal: [0; 128] };
         // SAFETY: an out-parameter.
         api.check(unsafe { (api.ncclGetUniqueId)(&mut uid) }, &|| {
             "ncclGetUniqueId".into()
@@ -158,7 +163,7 @@ impl Comm {
     /// `ncclCommSplit` of this communicator (collective over it): `None`
     /// for a rank without a color.
     pub fn split(&self, c: &Call, color: c_int, key: c_int) -> Result<Option<Comm>> {
-        let inner = self.inner.lock().unwrap();
+        let mut inner = self.inner.lock().unwrap();
         let parent = self.live(&inner, c)?;
         let api = self.api;
         let what = format!(
@@ -177,7 +182,13 @@ impl Comm {
         });
         let h = match h {
             Ok(h) => h,
-            Err(e) => return Err(self.fail(e)),
+            Err(e) => {
+                // Past the deadline the helper thread may still be inside
+                // `ncclCommSplit` on the parent: abort it rather than let a
+                // later destroy free a communicator in use.
+                self.abort_locked(&mut inner);
+                return Err(self.fail(e));
+            }
         };
         drop(inner);
         if h.0.is_null() {
@@ -211,22 +222,58 @@ impl Comm {
     /// buffers), call `launch(api, comm, stream, send_dev, recv_dev)`, wait
     /// for it until the call's deadline, and copy the received bytes back
     /// (see [`Io`]).
-    pub fn run(
-        &self,
-        c: &Call,
-        io: Io,
-        launch: &mut dyn FnMut(
-            &NcclApi,
-            *mut c_void,
-            Stream,
-            cu::CUdeviceptr,
-            cu::CUdeviceptr,
-        ) -> c_int,
-    ) -> Result<()> {
+    pub fn run(&self, c: &Call, io: Io, launch: &mut Launch) -> Result<()> {
         let mut inner = self.inner.lock().unwrap();
-        let comm = self.live(&inner, c)?;
+        let recv = self.launch_locked(&mut inner, c, &io, launch)?;
+        self.wait_locked(&mut inner, c)?;
+        match io {
+            Io::InPlace {
+                buf,
+                copy_back: true,
+            } => inner.lane.d2h(buf, recv),
+            Io::Apart { out: Some(out), .. } => inner.lane.d2h(out, recv),
+            _ => Ok(()),
+        }
+    }
+
+    /// Launch one operation on the caller's device memory at `ptr` and
+    /// return without waiting for it: [`Comm::settle`] waits for every
+    /// operation launched on this communicator's stream so far.
+    pub fn start(&self, c: &Call, ptr: cu::CUdeviceptr, launch: &mut Launch) -> Result<()> {
+        let mut inner = self.inner.lock().unwrap();
+        self.launch_locked(&mut inner, c, &Io::Device { ptr }, launch)
+            .map(|_| ())
+    }
+
+    /// Wait until every operation launched on this communicator's stream
+    /// is complete, until the call's deadline (past it, or on NCCL's
+    /// asynchronous error, the communicator is aborted).
+    pub fn settle(&self, c: &Call) -> Result<()> {
+        let mut inner = self.inner.lock().unwrap();
+        self.live(&inner, c)?;
         self.dev.bind()?;
-        let (base, recv) = match &io {
+        self.wait_locked(&mut inner, c)
+    }
+
+    /// What a failure names: the operation, group, ranks and device.
+    fn what(&self, c: &Call) -> String {
+        format!(
+            "{} on group {:x} (rank {}, global rank {}, CUDA device {})",
+            c.op, c.gid, c.me, c.members[c.me], self.dev.ordinal
+        )
+    }
+
+    /// Stage `io`'s send bytes and launch; returns the receive address.
+    fn launch_locked(
+        &self,
+        inner: &mut Inner,
+        c: &Call,
+        io: &Io,
+        launch: &mut Launch,
+    ) -> Result<cu::CUdeviceptr> {
+        let comm = self.live(inner, c)?;
+        self.dev.bind()?;
+        let (base, recv) = match io {
             Io::Device { ptr } => (*ptr, *ptr),
             Io::InPlace { buf, .. } => {
                 let base = inner.lane.ensure(buf.len())?;
@@ -242,15 +289,17 @@ impl Comm {
         };
         let stream = inner.lane.stream as Stream;
         let rc = launch(self.api, comm.0, stream, base, recv);
-        let what = || {
-            format!(
-                "{} on group {:x} (rank {}, global rank {}, CUDA device {})",
-                c.op, c.gid, c.me, c.members[c.me], self.dev.ordinal
-            )
-        };
-        if let Err(e) = self.api.check(rc, &what) {
+        if let Err(e) = self.api.check(rc, &|| self.what(c)) {
             return Err(self.fail(e));
         }
+        Ok(recv)
+    }
+
+    /// Wait for the stream until the call's deadline, watching NCCL's
+    /// asynchronous error and an abort from another thread; past the
+    /// deadline, or on an error, abort the communicator.
+    fn wait_locked(&self, inner: &mut Inner, c: &Call) -> Result<()> {
+        let comm = self.live(inner, c)?;
         let api = self.api;
         let mut check = || {
             // An `abort` from another thread ends the wait.
@@ -264,32 +313,26 @@ impl Comm {
             if async_rc == 7 {
                 return Ok(());
             }
-            api.check(async_rc, &|| format!("{} (asynchronous error)", what()))
+            api.check(async_rc, &|| {
+                format!("{} (asynchronous error)", self.what(c))
+            })
         };
         let done = inner.lane.wait(c.deadline, &mut check);
         match done {
-            Ok(true) => {}
+            Ok(true) => Ok(()),
             Ok(false) => {
-                self.abort_locked(&mut inner);
-                return Err(self.fail(CommError::Timeout(format!(
+                self.abort_locked(inner);
+                Err(self.fail(CommError::Timeout(format!(
                     "{} did not complete within {:?} (PHALANX_TIMEOUT); the NCCL communicator \
                      was aborted",
-                    what(),
+                    self.what(c),
                     c.cfg.timeout
-                ))));
+                ))))
             }
             Err(e) => {
-                self.abort_locked(&mut inner);
-                return Err(self.fail(e));
+                self.abort_locked(inner);
+                Err(self.fail(e))
             }
-        }
-        match io {
-            Io::InPlace {
-                buf,
-                copy_back: true,
-            } => inner.lane.d2h(buf, recv),
-            Io::Apart { out: Some(out), .. } => inner.lane.d2h(out, recv),
-            _ => Ok(()),
         }
     }
 
@@ -327,5 +370,8 @@ impl Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         self.destroy();
+        // The lane's stream and buffer are freed next, in this device's
+        // context (`destroy` may have run before, from `shutdown`).
+        let _ = self.dev.bind();
     }
 }

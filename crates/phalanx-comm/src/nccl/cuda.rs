@@ -71,9 +71,12 @@ impl Lane {
     /// A new stream on the current device.
     pub fn new() -> Result<Lane> {
         let mut stream: cu::CUstream = std::ptr::null_mut();
-        // SAFETY: an out-parameter; flag 0 is CU_STREAM_DEFAULT.
+        // SAFETY: an out-parameter. CU_STREAM_NON_BLOCKING (1): no
+        // implicit synchronisation with the legacy default stream (as
+        // PyTorch's NCCL streams); candle's stream and this one are
+        // ordered explicitly (`collective` synchronises candle's first).
         cu_check(
-            unsafe { cu::cuStreamCreate(&mut stream, 0) },
+            unsafe { cu::cuStreamCreate(&mut stream, 1) },
             "cuStreamCreate",
         )?;
         Ok(Lane {
@@ -84,8 +87,9 @@ impl Lane {
         })
     }
 
-    /// The staging buffer, at least `bytes` long (the lane is idle: every
-    /// call waits for its stream before returning).
+    /// The staging buffer, at least `bytes` long (no staged call is in
+    /// flight: each waits for its stream before returning; a started
+    /// device-memory one does not use this buffer).
     pub fn ensure(&mut self, bytes: usize) -> Result<cu::CUdeviceptr> {
         if bytes > self.cap {
             if self.buf != 0 {
@@ -120,19 +124,25 @@ impl Lane {
         )
     }
 
-    /// Copy device address `src` into `dst` (after [`Self::wait`]: the
-    /// stream is idle, so this returns at once).
+    /// Copy device address `src` into `dst`, complete when this returns
+    /// (after [`Self::wait`]: the stream holds nothing else).
     pub fn d2h(&self, dst: &mut [u8], src: cu::CUdeviceptr) -> Result<()> {
         if dst.is_empty() {
             return Ok(());
         }
-        // SAFETY: `src` lies in the staging buffer; to pageable memory the
-        // copy has completed when the call returns.
+        // SAFETY: `src` lies in the staging buffer, `dst` is the caller's.
         cu_check(
             unsafe {
                 cu::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), self.stream)
             },
             "cuMemcpyDtoHAsync",
+        )?;
+        // A copy to pageable memory "might be synchronous" (CUDA's API
+        // synchronisation notes): wait for it before `dst` is read.
+        // SAFETY: a live stream.
+        cu_check(
+            unsafe { cu::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
         )
     }
 

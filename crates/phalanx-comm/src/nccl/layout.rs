@@ -13,19 +13,52 @@
 //! costs at most `n * (m - min)` extra elements.
 
 use crate::dtype::{DType, ReduceOp};
-use cudarc::nccl::sys::{ncclDataType_t as T, ncclRedOp_t as R};
 use std::ffi::c_int;
+
+/// `ncclDataType_t`'s values (nccl.h), kept here rather than taken from
+/// cudarc's NCCL bindings: that feature of cudarc, beside candle's
+/// dynamic linking, makes the build link `-lnccl` (an unversioned
+/// `libnccl.so` that NCCL's wheel and Debian's `libnccl2` do not ship),
+/// while the library is opened at run time here (`probe`).
+#[allow(non_upper_case_globals)]
+mod nccl_dtype_t {
+    use std::ffi::c_int;
+    pub const ncclInt32: c_int = 2;
+    pub const ncclInt64: c_int = 4;
+    pub const ncclFloat16: c_int = 6;
+    pub const ncclFloat32: c_int = 7;
+    pub const ncclFloat64: c_int = 8;
+    pub const ncclBfloat16: c_int = 9;
+}
+
+/// `ncclRedOp_t`'s values (nccl.h).
+#[allow(non_upper_case_globals)]
+mod nccl_red_op_t {
+    use std::ffi::c_int;
+    pub const ncclSum: c_int = 0;
+    pub const ncclMax: c_int = 2;
+    pub const ncclMin: c_int = 3;
+    pub const ncclAvg: c_int = 4;
+}
+
+/// NCCL's `ncclUniqueId` (nccl.h: 128 bytes, passed by value to
+/// `ncclCommInitRank`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    pub internal: [std::ffi::c_char; 128],
+}
 
 /// NCCL's datatype for a Phalanx dtype.
 pub fn nccl_dtype(d: DType) -> c_int {
-    (match d {
-        DType::F32 => T::ncclFloat32,
-        DType::F64 => T::ncclFloat64,
-        DType::F16 => T::ncclFloat16,
-        DType::BF16 => T::ncclBfloat16,
-        DType::I32 => T::ncclInt32,
-        DType::I64 => T::ncclInt64,
-    }) as c_int
+    match d {
+        DType::F32 => nccl_dtype_t::ncclFloat32,
+        DType::F64 => nccl_dtype_t::ncclFloat64,
+        DType::F16 => nccl_dtype_t::ncclFloat16,
+        DType::BF16 => nccl_dtype_t::ncclBfloat16,
+        DType::I32 => nccl_dtype_t::ncclInt32,
+        DType::I64 => nccl_dtype_t::ncclInt64,
+    }
 }
 
 /// NCCL's reduction for a Phalanx op, and whether the host must divide by
@@ -34,12 +67,12 @@ pub fn nccl_dtype(d: DType) -> c_int {
 /// integers; NCCL's `ncclAvg` pre-multiplies floats by 1/n instead).
 pub fn nccl_op(op: ReduceOp) -> (c_int, bool) {
     let (r, div) = match op {
-        ReduceOp::Sum => (R::ncclSum, false),
-        ReduceOp::Avg => (R::ncclSum, true),
-        ReduceOp::Max => (R::ncclMax, false),
-        ReduceOp::Min => (R::ncclMin, false),
+        ReduceOp::Sum => (nccl_red_op_t::ncclSum, false),
+        ReduceOp::Avg => (nccl_red_op_t::ncclSum, true),
+        ReduceOp::Max => (nccl_red_op_t::ncclMax, false),
+        ReduceOp::Min => (nccl_red_op_t::ncclMin, false),
     };
-    (r as c_int, div)
+    (r, div)
 }
 
 /// NCCL's reduction for `op` on device memory, where no host divides
@@ -50,7 +83,7 @@ pub fn nccl_device_op(op: ReduceOp, d: DType) -> Result<c_int, String> {
         (ReduceOp::Avg, DType::I32 | DType::I64) => Err(format!(
             "an average of {d:?} in device memory (NCCL averages floating-point dtypes only)"
         )),
-        (ReduceOp::Avg, _) => Ok(R::ncclAvg as c_int),
+        (ReduceOp::Avg, _) => Ok(nccl_red_op_t::ncclAvg),
         _ => Ok(nccl_op(op).0),
     }
 }

@@ -86,9 +86,9 @@ pub struct NcclApi {
     pub path: String,
     pub ncclGetVersion: unsafe extern "C" fn(*mut c_int) -> c_int,
     pub ncclGetErrorString: unsafe extern "C" fn(c_int) -> *const c_char,
-    pub ncclGetUniqueId: unsafe extern "C" fn(*mut cudarc::nccl::sys::ncclUniqueId) -> c_int,
+    pub ncclGetUniqueId: unsafe extern "C" fn(*mut super::layout::UniqueId) -> c_int,
     pub ncclCommInitRank:
-        unsafe extern "C" fn(*mut Comm, c_int, cudarc::nccl::sys::ncclUniqueId, c_int) -> c_int,
+        unsafe extern "C" fn(*mut Comm, c_int, super::layout::UniqueId, c_int) -> c_int,
     pub ncclCommSplit: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> c_int,
     pub ncclCommDestroy: unsafe extern "C" fn(Comm) -> c_int,
     pub ncclCommAbort: unsafe extern "C" fn(Comm) -> c_int,

@@ -15,6 +15,9 @@
 //!
 //! Buckets are [`Bucket`]s of the gradient-reduction seam ([`super::reduce`]):
 //! contiguous ranges of the flat gradient buffer covering whole blocks.
+//! With the gradients held on the device (a GPU under NCCL, or the CPU's
+//! device-generic path), the same buckets are averaged where they lie
+//! (`held::forward_backward_reducing`).
 
 use super::pool::Pool;
 use super::reduce::{Collective, CommHook, DefaultHook, ReadyCursor, Reducer};
@@ -69,6 +72,9 @@ pub struct Ddp {
     /// (set by each micro-step, the same for all of a step's; read by
     /// `finish_step`).
     held_all: bool,
+    /// The step's gradients averaged on the device bucket by bucket
+    /// during the last backward (`held::forward_backward_reducing`).
+    reduced: Option<Tensor>,
 }
 
 impl Ddp {
@@ -106,6 +112,7 @@ impl Ddp {
             tp_replicated,
             device_grads: false,
             held_all: false,
+            reduced: None,
         })
     }
 
@@ -149,6 +156,21 @@ impl Ddp {
         let all = self.grads_stay_on_device(engine);
         self.held_all = all;
         engine.hold_grads(!sync || all);
+        if all && sync && self.pg.size() > 1 {
+            // Each bucket averaged where it lies as the backward completes
+            // it, overlapping the backward of earlier blocks (NCCL).
+            let (loss, g) = super::held::forward_backward_reducing(
+                engine,
+                inputs,
+                targets,
+                loss_scale,
+                &self.buckets,
+                &self.pg,
+                "DDP",
+            )?;
+            self.reduced = Some(g);
+            return Ok(loss);
+        }
         if !sync || all || self.pg.size() == 1 {
             return Ok(engine.forward_backward(inputs, targets, loss_scale)?);
         }
@@ -329,6 +351,7 @@ impl Strategy for Ddp {
         loss_scale: f32,
     ) -> Result<f32> {
         engine.zero_grad();
+        self.reduced = None;
         let dp = self.pg.clone();
         accumulate(&dp, batch, accum, loss_scale, &mut |x, y, scale, last| {
             self.micro_step(engine, x, y, scale, last)
@@ -348,11 +371,14 @@ impl Strategy for Ddp {
         let w = 1.0 / self.pg.size() as f64;
         let tp = self.mesh.tp_size;
         let n = engine.num_params();
-        // Gradients that stayed on the device, averaged over dp there (one
-        // all-reduce of all of them, after backward), else the reduced ones
-        // in the flat buffer.
+        // Gradients that stayed on the device, averaged over dp there
+        // (bucket by bucket during the last backward; with one rank there
+        // is nothing to average), else the reduced ones in the flat buffer.
         let on_device = if std::mem::take(&mut self.held_all) {
-            Some(take_reduced_grads(engine, &self.pg, "DDP")?)
+            Some(match self.reduced.take() {
+                Some(g) => g,
+                None => take_reduced_grads(engine, &self.pg, "DDP")?,
+            })
         } else {
             None
         };

@@ -26,6 +26,7 @@
 
 pub mod ddp;
 pub mod diloco;
+mod held;
 pub mod hooks;
 pub mod pipeline;
 pub mod pool;

@@ -19,10 +19,11 @@
 //! waits for its result here, so nothing is prefetched.
 
 use super::Zero;
-use crate::engine::{Engine, GradSink, ParamInfo, ParamSource, Stash};
+use crate::engine::{Engine, ParamSource, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
 use crate::strategy::ddp::held_or_fail;
+use crate::strategy::held::NoHostGrads;
 use crate::strategy::reduce::ReadyCursor;
 use candle_core::{DType, Tensor};
 use phalanx_comm::ReduceOp;
@@ -49,19 +50,6 @@ impl ParamSource for OnDevice {
             Some(t) => Ok(Some(t.clone())),
             None => candle_core::bail!("ZeRO-3: block {b}'s parameters were not gathered"),
         }
-    }
-}
-
-/// The held backward's sink: every gradient stays on the device, so one
-/// that reaches the host is a bug, named.
-struct NoHostGrads;
-
-impl GradSink for NoHostGrads {
-    fn accumulate(&mut self, p: &ParamInfo, _grad: &[f32]) -> candle_core::Result<()> {
-        candle_core::bail!(
-            "ZeRO-3 on the device: the gradient of `{}` reached the host",
-            p.name
-        )
     }
 }
 
@@ -207,9 +195,10 @@ impl Zero {
                 }
                 Ok(())
             };
-            let r = engine
-                .stack()
-                .backward(stash, &gy, &src, &mut NoHostGrads, &mut hook);
+            let r =
+                engine
+                    .stack()
+                    .backward(stash, &gy, &src, &mut NoHostGrads("ZeRO-3"), &mut hook);
             let dx = match (r, failed.take()) {
                 (_, Some(e)) => return Err(e),
                 (r, None) => r?,
