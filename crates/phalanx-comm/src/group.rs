@@ -327,13 +327,18 @@ impl ProcessGroup {
     /// this group ([`ProcessGroup::all_reduce_device_start`]). Not a
     /// collective: nothing is exchanged.
     pub fn settle_device(&self) -> Result<()> {
+        let _blocked = crate::work::BlockedTimer::start();
         let inner = &*self.inner;
-        if let Some(e) = inner.backend.failure() {
-            return Err(e);
-        }
-        let _g = inner.exec.lock().unwrap();
+        // Even after a failure: the backend aborts what is in flight. A
+        // lock poisoned by a panic elsewhere still settles (this may run
+        // while unwinding).
+        let _g = inner.exec.lock().unwrap_or_else(|p| p.into_inner());
         let c = self.call("settle_device", inner.seq.load(Ordering::SeqCst));
-        inner.backend.settle_device(&c)
+        let r = inner.backend.settle_device(&c);
+        match inner.backend.failure() {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     /// All-gather in place in CUDA device memory: `buf` holds rank k's

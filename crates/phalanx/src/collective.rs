@@ -390,7 +390,8 @@ impl OnStorage for candle_core::CudaStorage {
         // backward that made these gradients, the step that made these
         // shards, the op that built this buffer) must be complete first,
         // and NCCL's wait returns only once the collective is (so candle's
-        // later kernels read the result).
+        // later kernels read the result); a started all-reduce's result is
+        // read only after the group's `settle_device` ([`Started::wait`]).
         stream.synchronize().map_err(candle_core::Error::wrap)?;
         // A group of one on a host backend (one GPU without NCCL) has
         // nothing to exchange and no way to: the tensor is the result.

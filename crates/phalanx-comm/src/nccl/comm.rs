@@ -1,6 +1,8 @@
 //! One NCCL communicator with its device lane: making it (from a unique
 //! id, or split from a parent), running one staged operation under the
-//! call's deadline, abort and destroy.
+//! call's deadline, starting one on the caller's device memory without
+//! waiting and settling every one started (`start`, `settle`), abort and
+//! destroy.
 //!
 //! Status: compiles without CUDA; not yet run on GPU hardware.
 //!
@@ -249,8 +251,9 @@ impl Comm {
     /// is complete, until the call's deadline (past it, or on NCCL's
     /// asynchronous error, the communicator is aborted).
     pub fn settle(&self, c: &Call) -> Result<()> {
-        let mut inner = self.inner.lock().unwrap();
-        self.live(&inner, c)?;
+        // A lock poisoned by a panic elsewhere still settles (this may run
+        // while unwinding: `collective::Started`'s drop).
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         self.dev.bind()?;
         self.wait_locked(&mut inner, c)
     }
@@ -299,6 +302,13 @@ impl Comm {
     /// asynchronous error and an abort from another thread; past the
     /// deadline, or on an error, abort the communicator.
     fn wait_locked(&self, inner: &mut Inner, c: &Call) -> Result<()> {
+        // A failure recorded meanwhile (an `abort` that found the lock
+        // taken, a peer gone): what was launched is aborted now, not left
+        // running on a live communicator.
+        if let Some(e) = self.failure() {
+            self.abort_locked(inner);
+            return Err(e);
+        }
         let comm = self.live(inner, c)?;
         let api = self.api;
         let mut check = || {

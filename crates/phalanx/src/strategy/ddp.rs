@@ -141,8 +141,9 @@ impl Ddp {
     /// micro-step), each bucket's reduction is launched as soon as it is
     /// ready and all are awaited before returning; otherwise gradients only
     /// accumulate locally (`no_sync`). Where they stay on the device
-    /// (`grads_stay_on_device`) every micro-step only accumulates, and
-    /// `finish_step` reduces them there.
+    /// (`grads_stay_on_device`) every micro-step holds them there, and the
+    /// last averages each bucket there as its backward completes it
+    /// (`held::forward_backward_reducing`; with one rank, nothing to).
     pub fn micro_step(
         &mut self,
         engine: &mut Engine,

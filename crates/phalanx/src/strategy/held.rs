@@ -83,6 +83,9 @@ pub(crate) fn forward_backward_reducing(
         Ok(())
     };
     let r = stack.backward(stash, &gy, src, &mut NoHostGrads(what), &mut hook);
+    // The step's last backward: later ones (a new step's) hold only when
+    // asked again.
+    stack.hold_grads(false);
     if let Some(e) = failed {
         return Err(e);
     }
