@@ -16,7 +16,7 @@
 //! assert!(sums.iter().all(|x| x == &vec![3.0; 4]));
 //! ```
 
-use crate::backend::{native::Native, Backend, Bytes, BytesMut, Call};
+use crate::backend::{native::Native, Backend, Bytes, BytesMut, Call, DeviceMode};
 use crate::config::Config;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
@@ -300,9 +300,18 @@ impl ProcessGroup {
         buf: crate::backend::DeviceBuf,
         op: ReduceOp,
     ) -> Result<()> {
+        self.all_reduce_device_in(buf, op, DeviceMode::Wait)
+    }
+
+    unsafe fn all_reduce_device_in(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        op: ReduceOp,
+        mode: DeviceMode,
+    ) -> Result<()> {
         self.inner.queue.drain();
         let sig = device_sig("all_reduce_dev", &buf, Some(op), 0);
-        self.collective(sig, |b, c| b.all_reduce_device(c, buf, op))
+        self.collective(sig, |b, c| b.all_reduce_device(c, buf, op, mode))
     }
 
     /// Start [`ProcessGroup::all_reduce_device`] and return without
@@ -318,13 +327,38 @@ impl ProcessGroup {
         buf: crate::backend::DeviceBuf,
         op: ReduceOp,
     ) -> Result<()> {
-        self.inner.queue.drain();
-        let sig = device_sig("all_reduce_dev", &buf, Some(op), 0);
-        self.collective(sig, |b, c| b.all_reduce_device_start(c, buf, op))
+        self.all_reduce_device_in(buf, op, DeviceMode::Start)
+    }
+
+    /// [`ProcessGroup::all_gather_device`], started as
+    /// [`ProcessGroup::all_reduce_device_start`] is.
+    ///
+    /// # Safety
+    /// As for [`ProcessGroup::all_reduce_device_start`].
+    pub unsafe fn all_gather_device_start(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        counts: &[usize],
+    ) -> Result<()> {
+        self.all_gather_device_in(buf, counts, DeviceMode::Start)
+    }
+
+    /// [`ProcessGroup::reduce_scatter_device`], started as
+    /// [`ProcessGroup::all_reduce_device_start`] is.
+    ///
+    /// # Safety
+    /// As for [`ProcessGroup::all_reduce_device_start`].
+    pub unsafe fn reduce_scatter_device_start(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_device_in(buf, counts, op, DeviceMode::Start)
     }
 
     /// Wait, until the deadline, for every device collective started on
-    /// this group ([`ProcessGroup::all_reduce_device_start`]). Not a
+    /// this group (`*_device_start`). Not a
     /// collective: nothing is exchanged.
     pub fn settle_device(&self) -> Result<()> {
         let _blocked = crate::work::BlockedTimer::start();
@@ -353,10 +387,19 @@ impl ProcessGroup {
         buf: crate::backend::DeviceBuf,
         counts: &[usize],
     ) -> Result<()> {
+        self.all_gather_device_in(buf, counts, DeviceMode::Wait)
+    }
+
+    unsafe fn all_gather_device_in(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        counts: &[usize],
+        mode: DeviceMode,
+    ) -> Result<()> {
         self.inner.queue.drain();
         self.check_device_counts("all_gather_device", &buf, counts)?;
         let sig = device_sig("all_gather_dev", &buf, None, digest(counts));
-        self.collective(sig, |b, c| b.all_gather_device(c, buf, counts))
+        self.collective(sig, |b, c| b.all_gather_device(c, buf, counts, mode))
     }
 
     /// Reduce-scatter in place in CUDA device memory: `buf` holds this
@@ -373,10 +416,22 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
+        self.reduce_scatter_device_in(buf, counts, op, DeviceMode::Wait)
+    }
+
+    unsafe fn reduce_scatter_device_in(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        counts: &[usize],
+        op: ReduceOp,
+        mode: DeviceMode,
+    ) -> Result<()> {
         self.inner.queue.drain();
         self.check_device_counts("reduce_scatter_device", &buf, counts)?;
         let sig = device_sig("reduce_scatter_dev", &buf, Some(op), digest(counts));
-        self.collective(sig, |b, c| b.reduce_scatter_device(c, buf, counts, op))
+        self.collective(sig, |b, c| {
+            b.reduce_scatter_device(c, buf, counts, op, mode)
+        })
     }
 
     /// One count per rank, summing to the buffer's elements.

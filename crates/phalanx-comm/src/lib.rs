@@ -49,7 +49,7 @@ pub mod transport;
 pub mod wire;
 pub mod work;
 
-pub use backend::{Backend, DeviceBuf};
+pub use backend::{Backend, DeviceBuf, DeviceMode};
 pub use config::{Algo, Config, NetEmulate, TransportPref};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};

@@ -52,7 +52,8 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             2,
             vec!["zero_optimization.stage=3"],
         ),
-        // The last blocks keep their forward gathers for the backward.
+        // The last blocks keep their forward gathers for the backward;
+        // nothing gathered ahead.
         (
             "ZeRO-3, kept gathers, full recompute",
             2,
@@ -62,6 +63,8 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
                 "zero_optimization.stage=3",
                 "zero_optimization.stage3_max_reuse_distance=1e9",
                 "train.activation_checkpointing=full",
+                "parallel.forward_prefetch=0",
+                "parallel.backward_prefetch=0",
             ],
         ),
         // The shard kept in host memory (offload_param.device = cpu): the

@@ -31,7 +31,7 @@
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Device, DeviceLocation, InplaceOp1, Layout, Tensor};
-use phalanx_comm::{CommError, ProcessGroup, ReduceOp};
+use phalanx_comm::{CommError, DeviceMode, ProcessGroup, ReduceOp};
 use std::sync::Mutex;
 
 /// Whether `pg` reduces tensors on `dev` where they lie: host memory on
@@ -49,10 +49,10 @@ pub fn reduces_on(pg: &ProcessGroup, dev: &Device) -> bool {
 /// contiguous view of one: its elements only are reduced), and nothing
 /// else may read it meanwhile.
 pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
-    run(pg, t, Coll::AllReduce(op))
+    run(pg, t, Coll::AllReduce(op), DeviceMode::Wait)
 }
 
-/// All-reduces started on tensors where they lie and not yet awaited:
+/// Collectives started on tensors where they lie and not yet awaited:
 /// under NCCL each is launched on the communicator's own stream and the
 /// call returns, so candle's stream goes on (the backward of earlier
 /// blocks) while it runs; on host memory each runs whole when started.
@@ -91,13 +91,44 @@ impl<'a> Started<'a> {
     /// [`all_reduce_in_place`]); nothing may read or write it until
     /// [`Started::wait`] returns it.
     pub fn all_reduce(&mut self, t: Tensor, op: ReduceOp) -> Result<()> {
-        run(self.pg, &t, Coll::AllReduceStart(op))?;
+        run(self.pg, &t, Coll::AllReduce(op), DeviceMode::Start)?;
         self.tensors.push(t);
         Ok(())
     }
 
-    /// Wait for every all-reduce started; the tensors, reduced, in the
-    /// order they were started.
+    /// Start [`all_gather_in_place`] on `t`, as [`Started::all_reduce`].
+    pub fn all_gather(&mut self, t: Tensor, counts: &[usize]) -> Result<()> {
+        check_counts("all-gather", self.pg, &t, counts)?;
+        run(self.pg, &t, Coll::AllGather(counts), DeviceMode::Start)?;
+        self.tensors.push(t);
+        Ok(())
+    }
+
+    /// Start [`reduce_scatter_v_in_place`] on `t`, as
+    /// [`Started::all_reduce`].
+    pub fn reduce_scatter_v(&mut self, t: Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+        check_counts("reduce-scatter", self.pg, &t, counts)?;
+        run(
+            self.pg,
+            &t,
+            Coll::ReduceScatter(op, counts),
+            DeviceMode::Start,
+        )?;
+        self.tensors.push(t);
+        Ok(())
+    }
+
+    /// How many collectives were started.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Wait for every collective started; the tensors, done, in the order
+    /// they were started.
     pub fn wait(mut self) -> Result<Vec<Tensor>> {
         let tensors = std::mem::take(&mut self.tensors);
         match settle(self.pg, &tensors) {
@@ -141,7 +172,7 @@ fn settle(pg: &ProcessGroup, tensors: &[Tensor]) -> Result<()> {
 /// the group size does not divide), on CUDA too: no padded copy.
 pub fn all_gather_in_place(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
     check_counts("all-gather", pg, t, counts)?;
-    run(pg, t, Coll::AllGather(counts))
+    run(pg, t, Coll::AllGather(counts), DeviceMode::Wait)
 }
 
 /// Reduce-scatter in place: `t` ((`n` * k,), contiguous, `n` the group
@@ -157,7 +188,7 @@ pub fn reduce_scatter_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> R
         )));
     }
     let counts = vec![t.elem_count() / pg.size(); pg.size()];
-    run(pg, t, Coll::ReduceScatter(op, &counts))
+    run(pg, t, Coll::ReduceScatter(op, &counts), DeviceMode::Wait)
 }
 
 /// Reduce-scatter in place with uneven blocks: `t` ((sum of `counts`,),
@@ -173,7 +204,7 @@ pub fn reduce_scatter_v_in_place(
     op: ReduceOp,
 ) -> Result<()> {
     check_counts("reduce-scatter", pg, t, counts)?;
-    run(pg, t, Coll::ReduceScatter(op, counts))
+    run(pg, t, Coll::ReduceScatter(op, counts), DeviceMode::Wait)
 }
 
 fn check_counts(what: &str, pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
@@ -192,10 +223,11 @@ fn check_counts(what: &str, pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> 
 
 /// Run `coll` on `t` as an in-place op; the group's own error comes back
 /// whole.
-fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
+fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll, mode: DeviceMode) -> Result<()> {
     let o = InPlace {
         pg,
         coll,
+        mode,
         failure: Mutex::new(None),
     };
     match t.inplace_op1(&o) {
@@ -229,8 +261,6 @@ pub(crate) fn may_be_in_flight(e: &CommError) -> bool {
 #[derive(Clone, Copy)]
 pub(crate) enum Coll<'a> {
     AllReduce(ReduceOp),
-    /// Started, awaited with the group's `settle_device` ([`Started`]).
-    AllReduceStart(ReduceOp),
     /// Per-rank counts.
     AllGather(&'a [usize]),
     /// Per-rank counts.
@@ -240,7 +270,7 @@ pub(crate) enum Coll<'a> {
 impl Coll<'_> {
     fn name(&self) -> &'static str {
         match self {
-            Coll::AllReduce(_) | Coll::AllReduceStart(_) => "all-reduce",
+            Coll::AllReduce(_) => "all-reduce",
             Coll::AllGather(_) => "all-gather",
             Coll::ReduceScatter(..) => "reduce-scatter",
         }
@@ -254,7 +284,7 @@ impl Coll<'_> {
     ) -> phalanx_comm::Result<()> {
         let me = pg.rank();
         match *self {
-            Coll::AllReduce(op) | Coll::AllReduceStart(op) => pg.all_reduce(v, op),
+            Coll::AllReduce(op) => pg.all_reduce(v, op),
             Coll::AllGather(counts) => {
                 let at: usize = counts[..me].iter().sum();
                 let mine = v[at..at + counts[me]].to_vec();
@@ -277,11 +307,14 @@ impl Coll<'_> {
 /// turns the group's error into candle's (keeping it, for the caller's
 /// own error type).
 pub(crate) trait OnStorage: BackendStorage {
+    /// `mode`: on device memory, return once complete or once launched
+    /// (host memory: always complete).
     fn collective(
         &mut self,
         l: &Layout,
         pg: &ProcessGroup,
         coll: Coll,
+        mode: DeviceMode,
         fail: &dyn Fn(CommError) -> candle_core::Error,
     ) -> candle_core::Result<()>;
 }
@@ -289,6 +322,7 @@ pub(crate) trait OnStorage: BackendStorage {
 struct InPlace<'a> {
     pg: &'a ProcessGroup,
     coll: Coll<'a>,
+    mode: DeviceMode,
     /// The group's own error, kept whole for the caller.
     failure: Mutex<Option<CommError>>,
 }
@@ -314,12 +348,12 @@ impl InplaceOp1 for InPlace<'_> {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        s.collective(l, self.pg, self.coll, &|e| self.fail(e))
+        s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        s.collective(l, self.pg, self.coll, &|e| self.fail(e))
+        s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))
     }
 }
 
@@ -329,6 +363,7 @@ impl OnStorage for CpuStorage {
         l: &Layout,
         pg: &ProcessGroup,
         coll: Coll,
+        _mode: DeviceMode,
         fail: &dyn Fn(CommError) -> candle_core::Error,
     ) -> candle_core::Result<()> {
         let (a, b) = span(l)?;
@@ -351,6 +386,7 @@ impl OnStorage for candle_core::CudaStorage {
         l: &Layout,
         pg: &ProcessGroup,
         coll: Coll,
+        mode: DeviceMode,
         fail: &dyn Fn(CommError) -> candle_core::Error,
     ) -> candle_core::Result<()> {
         use candle_core::backend::BackendDevice;
@@ -407,12 +443,25 @@ impl OnStorage for candle_core::CudaStorage {
         // SAFETY: `buf` is this storage's contiguous range on device
         // `gpu_id`, candle's writes to it are complete (synchronised
         // above), and the caller lends it mutably until we return.
-        let r = match coll {
-            Coll::AllReduce(op) => unsafe { pg.all_reduce_device(buf, op) },
-            // The caller holds the tensor until `settle_device` ([`Started`]).
-            Coll::AllReduceStart(op) => unsafe { pg.all_reduce_device_start(buf, op) },
-            Coll::AllGather(counts) => unsafe { pg.all_gather_device(buf, counts) },
-            Coll::ReduceScatter(op, counts) => unsafe { pg.reduce_scatter_device(buf, counts, op) },
+        // A started one is held by the caller until `settle_device`
+        // ([`Started`]).
+        let r = match (coll, mode) {
+            (Coll::AllReduce(op), DeviceMode::Wait) => unsafe { pg.all_reduce_device(buf, op) },
+            (Coll::AllReduce(op), DeviceMode::Start) => unsafe {
+                pg.all_reduce_device_start(buf, op)
+            },
+            (Coll::AllGather(counts), DeviceMode::Wait) => unsafe {
+                pg.all_gather_device(buf, counts)
+            },
+            (Coll::AllGather(counts), DeviceMode::Start) => unsafe {
+                pg.all_gather_device_start(buf, counts)
+            },
+            (Coll::ReduceScatter(op, counts), DeviceMode::Wait) => unsafe {
+                pg.reduce_scatter_device(buf, counts, op)
+            },
+            (Coll::ReduceScatter(op, counts), DeviceMode::Start) => unsafe {
+                pg.reduce_scatter_device_start(buf, counts, op)
+            },
         };
         r.map_err(fail)
     }

@@ -54,6 +54,17 @@ pub struct DeviceBuf {
     pub ordinal: usize,
 }
 
+/// When a device-memory collective returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceMode {
+    /// Once it is complete.
+    Wait,
+    /// Once it is launched, where the backend can (NCCL, on its own
+    /// stream); [`Backend::settle_device`] waits for every one started.
+    /// The caller touches the buffer only after that.
+    Start,
+}
+
 /// The bytes of a `[T]`, with `T`'s dtype.
 #[derive(Clone, Copy)]
 pub struct Bytes<'a> {
@@ -347,8 +358,15 @@ pub trait Backend: Send + Sync {
     /// through the host. The caller has finished every write to it (its
     /// stream synchronised) and touches it again only after the return.
     /// The default refuses: this backend reduces host memory only.
-    fn all_reduce_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
-        let _ = (buf, op);
+    /// `mode` says whether it returns once complete or once launched.
+    fn all_reduce_device(
+        &self,
+        c: &Call,
+        buf: DeviceBuf,
+        op: ReduceOp,
+        mode: DeviceMode,
+    ) -> Result<()> {
+        let _ = (buf, op, mode);
         Err(host_only(
             c,
             self.name(),
@@ -357,17 +375,9 @@ pub trait Backend: Send + Sync {
         ))
     }
 
-    /// Start [`Backend::all_reduce_device`] and return without waiting for
-    /// it where the backend can (NCCL: launched on its stream);
-    /// [`Backend::settle_device`] waits for every one started. The caller
-    /// touches `buf` again only after that. The default runs it whole.
-    fn all_reduce_device_start(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
-        self.all_reduce_device(c, buf, op)
-    }
-
-    /// Wait until every device collective started
-    /// ([`Backend::all_reduce_device_start`]) is complete, until the
-    /// call's deadline. The default has none in flight.
+    /// Wait until every device collective started ([`DeviceMode::Start`])
+    /// is complete, until the call's deadline. The default has none in
+    /// flight.
     fn settle_device(&self, c: &Call) -> Result<()> {
         let _ = c;
         Ok(())
@@ -379,8 +389,14 @@ pub trait Backend: Send + Sync {
     /// and every block is its owner's on return. The caller's obligations
     /// are [`Backend::all_reduce_device`]'s. The default refuses: this
     /// backend gathers into host memory only.
-    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, counts: &[usize]) -> Result<()> {
-        let _ = (buf, counts);
+    fn all_gather_device(
+        &self,
+        c: &Call,
+        buf: DeviceBuf,
+        counts: &[usize],
+        mode: DeviceMode,
+    ) -> Result<()> {
+        let _ = (buf, counts, mode);
         Err(host_only(c, self.name(), "gathers into", "gathers there"))
     }
 
@@ -397,8 +413,9 @@ pub trait Backend: Send + Sync {
         buf: DeviceBuf,
         counts: &[usize],
         op: ReduceOp,
+        mode: DeviceMode,
     ) -> Result<()> {
-        let _ = (buf, counts, op);
+        let _ = (buf, counts, op, mode);
         Err(host_only(
             c,
             self.name(),

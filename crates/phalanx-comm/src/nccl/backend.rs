@@ -23,7 +23,9 @@
 use super::comm::{Comm, Io};
 use super::layout::{nccl_device_op, nccl_dtype, nccl_op, offsets, split_color, split_key, Padded};
 use super::probe::{NcclApi, Stream};
-use crate::backend::{dispatch_collectives, Backend, BytesMut, Call, Collectives, DeviceBuf};
+use crate::backend::{
+    dispatch_collectives, Backend, BytesMut, Call, Collectives, DeviceBuf, DeviceMode,
+};
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{invalid, CommError, Result};
 use crate::transport::{Link, Msg};
@@ -74,6 +76,21 @@ fn all_reduce_launch(
 
 impl Nccl {
     /// `buf` lies on this communicator's device.
+    /// Run `launch` on the caller's device memory at `ptr`: waited for,
+    /// or only launched (`DeviceMode::Start`; `settle_device` waits).
+    fn on_device(
+        &self,
+        c: &Call,
+        ptr: CUdeviceptr,
+        mode: DeviceMode,
+        launch: &mut super::comm::Launch,
+    ) -> Result<()> {
+        match mode {
+            DeviceMode::Wait => self.comm.run(c, Io::Device { ptr }, launch),
+            DeviceMode::Start => self.comm.start(c, ptr, launch),
+        }
+    }
+
     fn on_my_device(&self, c: &Call, buf: &DeviceBuf) -> Result<()> {
         let ordinal = self.comm.dev.ordinal;
         if buf.ordinal != ordinal {
@@ -345,7 +362,13 @@ impl Backend for Nccl {
 
     /// `ncclAllReduce` on the caller's device memory, in place, on the
     /// communicator's stream: no staging, no copy back (`Avg` is NCCL's).
-    fn all_reduce_device(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
+    fn all_reduce_device(
+        &self,
+        c: &Call,
+        buf: DeviceBuf,
+        op: ReduceOp,
+        mode: DeviceMode,
+    ) -> Result<()> {
         self.on_my_device(c, &buf)?;
         let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
         if buf.count == 0 {
@@ -353,30 +376,10 @@ impl Backend for Nccl {
         }
         let (n, dt, count) = (c.n(), nccl_dtype(buf.dtype), buf.count);
         self.count(2 * (n - 1) * count * buf.dtype.size() / n);
-        let io = Io::Device { ptr: buf.ptr };
         // `src` = `dst` = the caller's `count` elements on this device
         // (`ProcessGroup::all_reduce_device`'s contract).
         let launch = all_reduce_launch(count, dt);
-        self.comm.run(c, io, &mut |api, comm, s, src, dst| {
-            launch(api, comm, s, src, dst, rop)
-        })
-    }
-
-    /// `ncclAllReduce` as [`Backend::all_reduce_device`], launched on the
-    /// communicator's stream without waiting: candle's stream goes on
-    /// with the next kernels (the backward of earlier blocks) meanwhile.
-    fn all_reduce_device_start(&self, c: &Call, buf: DeviceBuf, op: ReduceOp) -> Result<()> {
-        self.on_my_device(c, &buf)?;
-        let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
-        if buf.count == 0 {
-            return Ok(());
-        }
-        let (n, dt, count) = (c.n(), nccl_dtype(buf.dtype), buf.count);
-        self.count(2 * (n - 1) * count * buf.dtype.size() / n);
-        let launch = all_reduce_launch(count, dt);
-        // `src` = `dst` = the caller's `count` elements on this device,
-        // untouched until `settle_device` (the caller's contract).
-        self.comm.start(c, buf.ptr, &mut |api, comm, s, src, dst| {
+        self.on_device(c, buf.ptr, mode, &mut |api, comm, s, src, dst| {
             launch(api, comm, s, src, dst, rop)
         })
     }
@@ -390,7 +393,13 @@ impl Backend for Nccl {
     /// are one `ncclAllGather` (this rank's block as the send buffer, its
     /// in-place form); uneven ones, one `ncclBroadcast` in place from each
     /// rank of its block, grouped (no padded copy).
-    fn all_gather_device(&self, c: &Call, buf: DeviceBuf, counts: &[usize]) -> Result<()> {
+    fn all_gather_device(
+        &self,
+        c: &Call,
+        buf: DeviceBuf,
+        counts: &[usize],
+        mode: DeviceMode,
+    ) -> Result<()> {
         self.on_my_device(c, &buf)?;
         if buf.count == 0 {
             return Ok(());
@@ -399,8 +408,7 @@ impl Backend for Nccl {
         self.count(buf.count * size - counts[c.me] * size);
         let at = offsets(counts);
         let even = counts.windows(2).all(|w| w[0] == w[1]);
-        let io = Io::Device { ptr: buf.ptr };
-        self.comm.run(c, io, &mut |api, comm, s, _, dst| unsafe {
+        self.on_device(c, buf.ptr, mode, &mut |api, comm, s, _, dst| unsafe {
             // SAFETY: `dst` holds the sum of `counts` elements on this
             // device (the group checked the counts against `buf`); every
             // block lies within it.
@@ -450,6 +458,7 @@ impl Backend for Nccl {
         buf: DeviceBuf,
         counts: &[usize],
         op: ReduceOp,
+        mode: DeviceMode,
     ) -> Result<()> {
         self.on_my_device(c, &buf)?;
         let rop = nccl_device_op(op, buf.dtype).map_err(|e| invalid!("{}: {e}", c.op))?;
@@ -460,8 +469,7 @@ impl Backend for Nccl {
         self.count(buf.count * size - counts[c.me] * size);
         let at = offsets(counts);
         let even = counts.windows(2).all(|w| w[0] == w[1]);
-        let io = Io::Device { ptr: buf.ptr };
-        self.comm.run(c, io, &mut |api, comm, s, src, _| unsafe {
+        self.on_device(c, buf.ptr, mode, &mut |api, comm, s, src, _| unsafe {
             // SAFETY: `src` holds the sum of `counts` elements on this
             // device (the group checked the counts against `buf`); every
             // block lies within it.

@@ -148,7 +148,8 @@ impl TpOp {
             aborted.set(may_be_in_flight(&e));
             comm_err(e)
         };
-        match out.collective(&Layout::contiguous(shape), &self.pg, coll, &fail) {
+        let wait = phalanx_comm::DeviceMode::Wait;
+        match out.collective(&Layout::contiguous(shape), &self.pg, coll, wait, &fail) {
             Ok(()) => Ok(out),
             Err(e) => {
                 if aborted.get() && !matches!(out.device().location(), DeviceLocation::Cpu) {

@@ -26,7 +26,7 @@
 //! the backward, FSDP with activation checkpointing. Gradients are
 //! reduce-scattered per block ([`sharded`]); with them on the device
 //! (`stage3_on_device`), the shard, the gathers and the reduce-scatters
-//! are in device memory as well (there the gathers are not prefetched
+//! are in device memory as well (there the gathers run one block ahead
 //! and the buffers do not come from the [`Pool`]: candle's allocator
 //! reuses device memory).
 //!

@@ -14,11 +14,16 @@
 //! from the device's shards as the forward does.
 //!
 //! Taken only where every rank takes it (DDP's conditions, and a shard in
-//! memory without ZeRO++'s quantised or secondary gathers). The gathers
-//! are issued as each block needs them: a collective on device memory
-//! waits for its result here, so nothing is prefetched.
+//! memory without ZeRO++'s quantised or secondary gathers). With
+//! `parallel.forward_prefetch` / `backward_prefetch` above 0, the next
+//! block's gather is started before a block computes, and a block's
+//! reduce-scatters as its backward completes them ([`Started`]: under
+//! NCCL launched on its own stream, so they run while candle's stream
+//! computes); all are waited for before the next block: one block ahead,
+//! whatever the setting.
 
 use super::Zero;
+use crate::collective::Started;
 use crate::engine::{Engine, ParamSource, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
@@ -89,6 +94,21 @@ impl Zero {
     /// Block `b`'s parameters, and those of the blocks it ties to, each
     /// gathered in place into a device buffer holding this rank's piece.
     fn gather_on_device(&self, engine: &Engine, shard: &Tensor, b: usize) -> Result<OnDevice> {
+        let mut started = Started::new(&self.shard_pg);
+        let g = self.start_gather(engine, shard, b, &mut started)?;
+        started.wait()?;
+        Ok(g)
+    }
+
+    /// [`Zero::gather_on_device`]'s buffers, their gathers started in
+    /// `started`: the parameters are there once it is waited for.
+    fn start_gather(
+        &self,
+        engine: &Engine,
+        shard: &Tensor,
+        b: usize,
+        started: &mut Started,
+    ) -> Result<OnDevice> {
         let layout = engine.layout();
         let mut owners: Vec<usize> = layout
             .block(b)
@@ -117,7 +137,7 @@ impl Zero {
                 // `local` counts from the shard's start.
                 buf.slice_set(&shard.narrow(0, local.start, local.len())?, 0, at)?;
             }
-            crate::collective::all_gather_in_place(&self.shard_pg, &buf, &counts)?;
+            started.all_gather(buf.clone(), &counts)?;
             blocks.insert(o, buf);
         }
         let bytes = blocks.values().map(|t| t.elem_count() * 4).sum();
@@ -145,10 +165,24 @@ impl Zero {
         let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
         let mut kept: HashMap<usize, OnDevice> = HashMap::new();
         let mut h = x.clone();
+        let (fwd_ahead, bwd_ahead) = (
+            self.cfg.forward_prefetch > 0,
+            self.cfg.backward_prefetch > 0,
+        );
+        let mut next: Option<OnDevice> = None;
         for b in 0..nb {
-            let src = self.gather_on_device(engine, &shard, b)?;
+            let src = match next.take() {
+                Some(src) => src,
+                None => self.gather_on_device(engine, &shard, b)?,
+            };
+            // The next block's gather runs while this one computes.
+            let mut started = Started::new(&self.shard_pg);
+            if fwd_ahead && b + 1 < nb {
+                next = Some(self.start_gather(engine, &shard, b + 1, &mut started)?);
+            }
             let targets = (b + 1 == nb).then_some(y);
             let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
+            started.wait()?;
             h = out;
             stashes.push(stash);
             if b >= self.first_kept {
@@ -167,24 +201,30 @@ impl Zero {
         // collective, and fails once the backward is done, so its peers
         // finish theirs rather than wait.
         let mut held_all = true;
+        let mut next: Option<OnDevice> = None;
         for b in (0..nb).rev() {
-            let src = match kept.remove(&b) {
-                Some(src) => src,
-                None => self.gather_on_device(engine, &shard, b)?,
+            let src = match (kept.remove(&b), next.take()) {
+                (Some(src), _) | (None, Some(src)) => src,
+                (None, None) => self.gather_on_device(engine, &shard, b)?,
             };
             let stash = stashes.pop().expect("one stash per block");
+            // The block below's gather, and this block's reduce-scatters,
+            // run while its backward computes; all are waited for before
+            // the next block.
+            let mut started = Started::new(&self.shard_pg);
+            if bwd_ahead && b > 0 && !kept.contains_key(&(b - 1)) {
+                next = Some(self.start_gather(engine, &shard, b - 1, &mut started)?);
+            }
+            let gathers = started.len();
+            // The units reduce-scattered, in the order started.
+            let mut scattered: Vec<(usize, Vec<usize>)> = Vec::new();
             let mut hook = |b: usize, _: &mut NoHostGrads| -> candle_core::Result<()> {
                 for u in cursor.advance(&self.units, b) {
                     let range = self.units[u].range.clone();
-                    match self.reduce_unit(engine, range) {
-                        Ok((piece, held)) => {
+                    match self.start_unit(engine, range, &mut started) {
+                        Ok((counts, held)) => {
                             held_all &= held;
-                            let Some(piece) = piece else { continue };
-                            let sum = match pieces.remove(&u) {
-                                Some(s) => (s + piece)?,
-                                None => piece,
-                            };
-                            pieces.insert(u, sum);
+                            scattered.push((u, counts));
                         }
                         Err(e) => {
                             let msg = e.to_string();
@@ -203,6 +243,16 @@ impl Zero {
                 (_, Some(e)) => return Err(e),
                 (r, None) => r?,
             };
+            let done = started.wait()?;
+            for ((u, counts), g) in scattered.into_iter().zip(&done[gathers..]) {
+                if let Some(piece) = self.my_piece(g, &counts)? {
+                    let sum = match pieces.remove(&u) {
+                        Some(s) => (s + piece)?,
+                        None => piece,
+                    };
+                    pieces.insert(u, sum);
+                }
+            }
             if let Some(dx) = dx {
                 gy = dx;
             }
@@ -238,32 +288,41 @@ impl Zero {
         Ok(Some(h.to_scalar::<f32>()?))
     }
 
-    /// The gradients held for `range` (a unit: one block's parameters)
-    /// averaged over the shard group, this rank's piece in storage of its
-    /// own (`None` when it owns none of the range), averaged over the
-    /// replicas too under hybrid sharding; and whether any were held (zeros
-    /// stand in where not, so that the rank still joins).
-    fn reduce_unit(&self, engine: &Engine, range: Range<usize>) -> Result<(Option<Tensor>, bool)> {
+    /// Start the reduce-scatter (average) over the shard group of the
+    /// gradients held for `range` (a unit: one block's parameters), in
+    /// place in storage of their own; the counts it splits them by, and
+    /// whether any were held (zeros stand in where not, so that the rank
+    /// still joins).
+    fn start_unit(
+        &self,
+        engine: &Engine,
+        range: Range<usize>,
+        started: &mut Started,
+    ) -> Result<(Vec<usize>, bool)> {
         let len = range.len();
         let counts = self.shards.counts(&range);
         let (g, held) = match engine.stack().take_held_grads(range, 0)? {
             Some(g) => (g, true),
             None => (Tensor::zeros(len, DType::F32, engine.device())?, false),
         };
-        crate::collective::reduce_scatter_v_in_place(&self.shard_pg, &g, &counts, ReduceOp::Avg)?;
+        started.reduce_scatter_v(g, &counts, ReduceOp::Avg)?;
+        Ok((counts, held))
+    }
+
+    /// This rank's piece of `g`, a unit's gradients reduce-scattered by
+    /// `counts`, in storage of its own (`None` when it owns none of the
+    /// unit), averaged over the replicas too under hybrid sharding.
+    fn my_piece(&self, g: &Tensor, counts: &[usize]) -> Result<Option<Tensor>> {
         let me = self.shard_pg.rank();
-        let piece = match counts[me] {
-            0 => None,
-            c => {
-                let at: usize = counts[..me].iter().sum();
-                let piece = g.narrow(0, at, c)?.force_contiguous()?;
-                if let Some(rp) = &self.replica_pg {
-                    crate::collective::all_reduce_in_place(rp, &piece, ReduceOp::Avg)?;
-                }
-                Some(piece)
-            }
-        };
-        Ok((piece, held))
+        if counts[me] == 0 {
+            return Ok(None);
+        }
+        let at: usize = counts[..me].iter().sum();
+        let piece = g.narrow(0, at, counts[me])?.force_contiguous()?;
+        if let Some(rp) = &self.replica_pg {
+            crate::collective::all_reduce_in_place(rp, &piece, ReduceOp::Avg)?;
+        }
+        Ok(Some(piece))
     }
 
     /// The step's gradient shard on the device, (shard length,): the
