@@ -44,16 +44,21 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
         ),
         ("ZeRO-3 2 ranks", 2, 2, 1, vec!["zero_optimization.stage=3"]),
         // 3 ranks: the shards cut blocks unevenly (the reduce-scatter's
-        // uneven form); 2 micro-batches summed in the pieces.
+        // uneven form); 2 micro-batches summed in the pieces; nothing
+        // gathered ahead.
         (
             "ZeRO-3 3 ranks, 2 micro-batches",
             3,
             3,
             2,
-            vec!["zero_optimization.stage=3"],
+            vec![
+                "zero_optimization.stage=3",
+                "parallel.forward_prefetch=0",
+                "parallel.backward_prefetch=0",
+            ],
         ),
-        // The last blocks keep their forward gathers for the backward;
-        // nothing gathered ahead.
+        // The last blocks keep their forward gathers for the backward
+        // (a block gathered ahead in the forward, then kept).
         (
             "ZeRO-3, kept gathers, full recompute",
             2,
@@ -63,8 +68,6 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
                 "zero_optimization.stage=3",
                 "zero_optimization.stage3_max_reuse_distance=1e9",
                 "train.activation_checkpointing=full",
-                "parallel.forward_prefetch=0",
-                "parallel.backward_prefetch=0",
             ],
         ),
         // The shard kept in host memory (offload_param.device = cpu): the

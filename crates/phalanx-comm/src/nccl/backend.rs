@@ -75,7 +75,6 @@ fn all_reduce_launch(
 }
 
 impl Nccl {
-    /// `buf` lies on this communicator's device.
     /// Run `launch` on the caller's device memory at `ptr`: waited for,
     /// or only launched (`DeviceMode::Start`; `settle_device` waits).
     fn on_device(
@@ -91,6 +90,7 @@ impl Nccl {
         }
     }
 
+    /// `buf` lies on this communicator's device.
     fn on_my_device(&self, c: &Call, buf: &DeviceBuf) -> Result<()> {
         let ordinal = self.comm.dev.ordinal;
         if buf.ordinal != ordinal {

@@ -16,11 +16,13 @@
 //! Taken only where every rank takes it (DDP's conditions, and a shard in
 //! memory without ZeRO++'s quantised or secondary gathers). With
 //! `parallel.forward_prefetch` / `backward_prefetch` above 0, the next
-//! block's gather is started before a block computes, and a block's
-//! reduce-scatters as its backward completes them ([`Started`]: under
-//! NCCL launched on its own stream, so they run while candle's stream
-//! computes); all are waited for before the next block: one block ahead,
-//! whatever the setting.
+//! block's gather is started before a block computes ([`Started`]: under
+//! NCCL launched on its own stream, so it runs while candle's stream
+//! computes the block) and waited for after it: one block ahead, whatever
+//! the setting. A block's reduce-scatters are started once its backward
+//! is done and waited for with that gather, before the next block builds:
+//! they do not overlap computation (waiting for the gather alone, before
+//! them on the same stream, needs an event per operation).
 
 use super::Zero;
 use crate::collective::Started;
@@ -208,9 +210,9 @@ impl Zero {
                 (None, None) => self.gather_on_device(engine, &shard, b)?,
             };
             let stash = stashes.pop().expect("one stash per block");
-            // The block below's gather, and this block's reduce-scatters,
-            // run while its backward computes; all are waited for before
-            // the next block.
+            // The block below's gather runs while this block's backward
+            // computes; this block's reduce-scatters start after it, and
+            // all are waited for before the next block.
             let mut started = Started::new(&self.shard_pg);
             if bwd_ahead && b > 0 && !kept.contains_key(&(b - 1)) {
                 next = Some(self.start_gather(engine, &shard, b - 1, &mut started)?);
@@ -244,6 +246,13 @@ impl Zero {
                 (r, None) => r?,
             };
             let done = started.wait()?;
+            if done.len() != gathers + scattered.len() {
+                return Err(Error::Check(format!(
+                    "ZeRO-3: {} collectives came back from {gathers} gathers and {} reduce-scatters",
+                    done.len(),
+                    scattered.len()
+                )));
+            }
             for ((u, counts), g) in scattered.into_iter().zip(&done[gathers..]) {
                 if let Some(piece) = self.my_piece(g, &counts)? {
                     let sum = match pieces.remove(&u) {
