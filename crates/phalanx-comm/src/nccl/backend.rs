@@ -74,6 +74,37 @@ fn all_reduce_launch(
     }
 }
 
+/// One NCCL call per rank k with a non-empty block (`call(address,
+/// count, k)`, the block at `base + at[k]` elements of `size` bytes),
+/// grouped: uneven in-place collectives without a padded copy. The first
+/// failing code, else `ncclGroupEnd`'s.
+///
+/// # Safety
+/// Every block lies in the caller's device memory at `base`.
+unsafe fn per_block(
+    api: &NcclApi,
+    base: CUdeviceptr,
+    at: &[usize],
+    counts: &[usize],
+    size: usize,
+    call: &mut dyn FnMut(CUdeviceptr, usize, c_int) -> c_int,
+) -> c_int {
+    // SAFETY: the caller's (every block within its memory).
+    let mut rc = unsafe { (api.ncclGroupStart)() };
+    for (k, &n) in counts.iter().enumerate() {
+        if rc == 0 && n > 0 {
+            rc = call(base + (at[k] * size) as u64, n, k as c_int);
+        }
+    }
+    // SAFETY: closes the group opened above.
+    let end = unsafe { (api.ncclGroupEnd)() };
+    if rc == 0 {
+        end
+    } else {
+        rc
+    }
+}
+
 impl Nccl {
     /// Run `launch` on the caller's device memory at `ptr`: waited for,
     /// or only launched (`DeviceMode::Start`; `settle_device` waits).
@@ -423,27 +454,9 @@ impl Backend for Nccl {
                     s,
                 );
             }
-            let mut rc = (api.ncclGroupStart)();
-            for (k, &n) in counts.iter().enumerate() {
-                if rc == 0 && n > 0 {
-                    let p = dst + (at[k] * size) as u64;
-                    rc = (api.ncclBroadcast)(
-                        p as *const c_void,
-                        p as *mut c_void,
-                        n,
-                        dt,
-                        k as c_int,
-                        comm,
-                        s,
-                    );
-                }
-            }
-            let end = (api.ncclGroupEnd)();
-            if rc == 0 {
-                end
-            } else {
-                rc
-            }
+            per_block(api, dst, &at, counts, size, &mut |p, n, k| {
+                (api.ncclBroadcast)(p as *const c_void, p as *mut c_void, n, dt, k, comm, s)
+            })
         })
     }
 
@@ -485,28 +498,9 @@ impl Backend for Nccl {
                     s,
                 );
             }
-            let mut rc = (api.ncclGroupStart)();
-            for (k, &n) in counts.iter().enumerate() {
-                if rc == 0 && n > 0 {
-                    let p = src + (at[k] * size) as u64;
-                    rc = (api.ncclReduce)(
-                        p as *const c_void,
-                        p as *mut c_void,
-                        n,
-                        dt,
-                        rop,
-                        k as c_int,
-                        comm,
-                        s,
-                    );
-                }
-            }
-            let end = (api.ncclGroupEnd)();
-            if rc == 0 {
-                end
-            } else {
-                rc
-            }
+            per_block(api, src, &at, counts, size, &mut |p, n, k| {
+                (api.ncclReduce)(p as *const c_void, p as *mut c_void, n, dt, rop, k, comm, s)
+            })
         })
     }
 

@@ -102,16 +102,7 @@ impl<'a> Gatherer<'a> {
         let mut todo = VecDeque::new();
         for b in order {
             todo.push_back((b, b));
-            // `tied` lists parameter indices; gather each owner block once.
-            let mut owners: Vec<usize> = layout
-                .block(b)
-                .tied
-                .iter()
-                .map(|&k| layout.params()[k].block)
-                .collect();
-            owners.sort_unstable();
-            owners.dedup();
-            for o in owners.into_iter().filter(|&o| o != b) {
+            for o in tied_owners(layout, b) {
                 todo.push_back((b, o));
             }
         }
@@ -182,6 +173,22 @@ impl<'a> Gatherer<'a> {
         }
         Ok(out)
     }
+}
+
+/// The other blocks whose parameters block `b` reads (its ties: GPT-2's
+/// head reads the embedding's), each once, in block order.
+pub(super) fn tied_owners(layout: &crate::engine::Layout, b: usize) -> Vec<usize> {
+    // `tied` lists parameter indices.
+    let mut owners: Vec<usize> = layout
+        .block(b)
+        .tied
+        .iter()
+        .map(|&k| layout.params()[k].block)
+        .filter(|&o| o != b)
+        .collect();
+    owners.sort_unstable();
+    owners.dedup();
+    owners
 }
 
 /// Gathered block parameters, returned to the pool when dropped.

@@ -112,15 +112,9 @@ impl Zero {
         started: &mut Started,
     ) -> Result<OnDevice> {
         let layout = engine.layout();
-        let mut owners: Vec<usize> = layout
-            .block(b)
-            .tied
-            .iter()
-            .map(|&k| layout.params()[k].block)
-            .collect();
+        let mut owners = super::gather::tied_owners(layout, b);
         owners.push(b);
         owners.sort_unstable();
-        owners.dedup();
         let me = self.shard_pg.rank();
         let mut blocks = HashMap::new();
         for o in owners {
