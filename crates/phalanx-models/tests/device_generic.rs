@@ -32,9 +32,15 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             vec!["parallel.bucket_mb=0.01"],
         ),
         ("ZeRO-1 2 ranks", 2, 2, 2, vec!["zero_optimization.stage=1"]),
-        // 3 ranks: shards of ceil(n / 3), the flat sum padded for the
-        // reduce-scatter.
-        ("ZeRO-1 3 ranks", 3, 3, 1, vec!["zero_optimization.stage=1"]),
+        // 3 ranks: shards of ceil(n / 3) cut the buckets (of 10 KB)
+        // unevenly.
+        (
+            "ZeRO-1 3 ranks",
+            3,
+            3,
+            1,
+            vec!["zero_optimization.stage=1", "parallel.bucket_mb=0.01"],
+        ),
         (
             "ZeRO-2 2 ranks, 2 micro-batches",
             2,
@@ -209,9 +215,10 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
         // the run's end reads them, once per rank.
         let read = downloads() - down;
         match what {
-            // ZeRO-1 reduces them there as well, steps its shard in the
-            // kept copies and gathers the others' shards there.
-            // ZeRO-2 reduce-scatters each micro-batch's there.
+            // ZeRO-1 reduces them there as well (each bucket
+            // reduce-scattered as the last backward completes it), steps
+            // its shard in the kept copies and gathers the others' shards
+            // there. ZeRO-2 reduce-scatters each micro-batch's there.
             "1 rank"
             | "tp 2"
             | "DDP 2 ranks"
@@ -266,11 +273,15 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             }
         }
     }
-    // The 3-rank ZeRO-1 run padded the held sum for its reduce-scatter
-    // (a model that 3 does not divide).
+    // The 3-rank ZeRO-1 run's shards are uneven (a model that 3 does not
+    // divide).
     let (_, z3) = runs.iter().find(|(w, _)| *w == "ZeRO-1 3 ranks").unwrap();
     let n: usize = z3[0].named.values().map(|v| v.len()).sum();
-    assert_ne!(n % 3, 0, "{n} parameters: ZeRO-1 on 3 ranks did not pad");
+    assert_ne!(
+        n % 3,
+        0,
+        "{n} parameters: ZeRO-1's shards on 3 ranks are even"
+    );
     // Unless offloaded: DeepSpeed's offload_optimizer.device = cpu keeps
     // the state in host memory and steps with the host's loop.
     let before = device_opt_steps();

@@ -14,8 +14,8 @@
 //! updated parameters. Stage 2 reduce-scatters each gradient bucket as soon
 //! as backward completes it, into the rank's gradient shard (every
 //! micro-step: full gradients never outlive a bucket; with its gradients
-//! on the device, `on_device`, a micro-batch's whole gradients are
-//! reduce-scattered once its backward ends). Stage 3 runs the
+//! on the device, `on_device`, each bucket is reduce-scattered there as
+//! the backward completes it, stage 1 in the last micro-batch only). Stage 3 runs the
 //! model block by block: a block's parameters (and those it ties to) are
 //! all-gathered just before its forward and again before its backward, then
 //! freed; the next `prefetch` blocks' gathers are already in flight. Blocks
@@ -165,14 +165,12 @@ pub struct Zero {
     device_grads: bool,
     /// This step's micro-batches held all their gradients on the device.
     held_all: bool,
-    /// Stage 2 on the device: this rank's shard of the step's gradients,
-    /// summed over the micro-batches reduce-scattered so far.
-    device_shard: Option<Tensor>,
     /// Stage 3 on the device: this rank's parameter shard there (the host
     /// shard holds the same values after every step), and its charge.
     device_store: Option<(Tensor, Charge)>,
-    /// Stage 3 on the device: this rank's piece of each unit's gradients,
-    /// summed over the step's micro-batches so far.
+    /// On the device: this rank's piece of each unit's gradients (stage
+    /// 3's blocks, stages 1-2's buckets), summed over the step's
+    /// micro-batches so far.
     device_pieces: std::collections::HashMap<usize, Tensor>,
     /// Their charge, as gradients.
     device_pieces_charge: Option<Charge>,
@@ -340,7 +338,6 @@ impl Zero {
             pool,
             device_grads: false,
             held_all: false,
-            device_shard: None,
             device_store: None,
             device_pieces: Default::default(),
             device_pieces_charge: None,
@@ -359,7 +356,6 @@ impl Zero {
     pub fn zero_grad(&mut self, engine: &mut Engine) {
         engine.zero_grad();
         self.grad_shard.fill(0.0);
-        self.device_shard = None;
         self.device_pieces.clear();
         self.device_pieces_charge = None;
     }
@@ -382,7 +378,10 @@ impl Zero {
         self.held_all = all;
         engine.hold_grads((self.cfg.stage == 1 && !last) || all);
         match self.cfg.stage {
-            2 if all => self.scatter_on_device(engine, x, y, scale),
+            // ZeRO-1's earlier micro-batches only hold theirs.
+            1 | 2 if all && (last || self.cfg.stage == 2) => {
+                self.scatter_on_device(engine, x, y, scale)
+            }
             3 if all => self.gathered_on_device(engine, x, y, scale),
             1 if !last || all || self.dp.size() == 1 => Ok(engine.forward_backward(x, y, scale)?),
             1 => {

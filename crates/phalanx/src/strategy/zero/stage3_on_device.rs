@@ -24,6 +24,7 @@
 //! they do not overlap computation (waiting for the gather alone, before
 //! them on the same stream, needs an event per operation).
 
+use super::on_device::keep_failure;
 use super::Zero;
 use crate::collective::Started;
 use crate::engine::{Engine, ParamSource, Stash};
@@ -33,9 +34,7 @@ use crate::strategy::ddp::held_or_fail;
 use crate::strategy::held::NoHostGrads;
 use crate::strategy::reduce::ReadyCursor;
 use candle_core::{DType, Tensor};
-use phalanx_comm::ReduceOp;
 use std::collections::HashMap;
-use std::ops::Range;
 
 /// Blocks' parameters gathered in device memory, by block: what a block's
 /// build is served from, charged as working memory. Dropped after the
@@ -191,7 +190,6 @@ impl Zero {
         // A failure inside the backward's hook, kept whole (a timeout
         // naming its rank) rather than as candle's message.
         let mut failed: Option<Error> = None;
-        let mut pieces = std::mem::take(&mut self.device_pieces);
         // Whether every unit held gradients: a rank that held none for a
         // unit joins its reduce-scatter with zeros and every later
         // collective, and fails once the backward is done, so its peers
@@ -215,21 +213,9 @@ impl Zero {
             // The units reduce-scattered, in the order started.
             let mut scattered: Vec<(usize, Vec<usize>)> = Vec::new();
             let mut hook = |b: usize, _: &mut NoHostGrads| -> candle_core::Result<()> {
-                for u in cursor.advance(&self.units, b) {
-                    let range = self.units[u].range.clone();
-                    match self.start_unit(engine, range, &mut started) {
-                        Ok((counts, held)) => {
-                            held_all &= held;
-                            scattered.push((u, counts));
-                        }
-                        Err(e) => {
-                            let msg = e.to_string();
-                            failed = Some(e);
-                            candle_core::bail!("{msg}")
-                        }
-                    }
-                }
-                Ok(())
+                let ready = cursor.advance(&self.units, b);
+                let r = self.start_units(engine, ready, &mut started, &mut scattered);
+                keep_failure(r.map(|held| held_all &= held), &mut failed)
             };
             let r =
                 engine
@@ -240,30 +226,11 @@ impl Zero {
                 (r, None) => r?,
             };
             let done = started.wait()?;
-            if done.len() != gathers + scattered.len() {
-                return Err(Error::Check(format!(
-                    "ZeRO-3: {} collectives came back from {gathers} gathers and {} reduce-scatters",
-                    done.len(),
-                    scattered.len()
-                )));
-            }
-            for ((u, counts), g) in scattered.into_iter().zip(&done[gathers..]) {
-                if let Some(piece) = self.my_piece(g, &counts)? {
-                    let sum = match pieces.remove(&u) {
-                        Some(s) => (s + piece)?,
-                        None => piece,
-                    };
-                    pieces.insert(u, sum);
-                }
-            }
+            self.add_pieces(engine, scattered, &done, gathers)?;
             if let Some(dx) = dx {
                 gy = dx;
             }
         }
-        let bytes = pieces.values().map(|t| t.elem_count() * 4).sum();
-        self.device_pieces = pieces;
-        self.device_pieces_charge = None; // released before the new charge
-        self.device_pieces_charge = Some(engine.ledger().charge(Mem::Grads, bytes));
         cursor.check_all(&self.units, "ZeRO-3")?;
         held_or_fail(loss, held_all, &self.shard_pg, "ZeRO-3")
     }
@@ -289,68 +256,6 @@ impl Zero {
             h = engine.stack().forward_eval(b..b + 1, &h, targets, &src)?;
         }
         Ok(Some(h.to_scalar::<f32>()?))
-    }
-
-    /// Start the reduce-scatter (average) over the shard group of the
-    /// gradients held for `range` (a unit: one block's parameters), in
-    /// place in storage of their own; the counts it splits them by, and
-    /// whether any were held (zeros stand in where not, so that the rank
-    /// still joins).
-    fn start_unit(
-        &self,
-        engine: &Engine,
-        range: Range<usize>,
-        started: &mut Started,
-    ) -> Result<(Vec<usize>, bool)> {
-        let len = range.len();
-        let counts = self.shards.counts(&range);
-        let (g, held) = match engine.stack().take_held_grads(range, 0)? {
-            Some(g) => (g, true),
-            None => (Tensor::zeros(len, DType::F32, engine.device())?, false),
-        };
-        started.reduce_scatter_v(g, &counts, ReduceOp::Avg)?;
-        Ok((counts, held))
-    }
-
-    /// This rank's piece of `g`, a unit's gradients reduce-scattered by
-    /// `counts`, in storage of its own (`None` when it owns none of the
-    /// unit), averaged over the replicas too under hybrid sharding.
-    fn my_piece(&self, g: &Tensor, counts: &[usize]) -> Result<Option<Tensor>> {
-        let me = self.shard_pg.rank();
-        if counts[me] == 0 {
-            return Ok(None);
-        }
-        let at: usize = counts[..me].iter().sum();
-        let piece = g.narrow(0, at, counts[me])?.force_contiguous()?;
-        if let Some(rp) = &self.replica_pg {
-            crate::collective::all_reduce_in_place(rp, &piece, ReduceOp::Avg)?;
-        }
-        Ok(Some(piece))
-    }
-
-    /// The step's gradient shard on the device, (shard length,): the
-    /// pieces of every unit in flat order (the units cover the model, so
-    /// their pieces cover the shard).
-    pub(super) fn device_grad_shard(&mut self, engine: &Engine) -> Result<Tensor> {
-        self.device_pieces_charge = None;
-        let mut pieces: Vec<(usize, Tensor)> = std::mem::take(&mut self.device_pieces)
-            .into_iter()
-            .collect();
-        // In flat order (units are numbered in backward order).
-        pieces.sort_unstable_by_key(|(u, _)| self.units[*u].range.start);
-        let len = self.shards.mine().len();
-        let got: usize = pieces.iter().map(|(_, t)| t.elem_count()).sum();
-        if got != len {
-            return Err(Error::Check(format!(
-                "ZeRO-3: the step's gradient pieces on the device cover {got} of the shard's {len}"
-            )));
-        }
-        let pieces: Vec<Tensor> = pieces.into_iter().map(|(_, t)| t).collect();
-        Ok(match pieces.len() {
-            0 => Tensor::zeros(0, DType::F32, engine.device())?,
-            1 => pieces.into_iter().next().unwrap(),
-            _ => Tensor::cat(&pieces, 0)?,
-        })
     }
 
     /// Step the device shard with `gs` in place, writing the new values to
