@@ -247,7 +247,7 @@ pub(crate) fn grads_may_stay_on_device(
 }
 
 /// The gradients every micro-batch of the step held on the device (DDP's
-/// and ZeRO-1's device path), taken out as one (n,) f32 tensor and
+/// device path with one rank), taken out as one (n,) f32 tensor and
 /// averaged over `pg` where they lie (`collective`). Every rank joins the
 /// reduction, so no peer waits for one that held nothing; that one fails
 /// after it (its zeros were averaged in), naming `what` and its rank.

@@ -13,9 +13,10 @@
 //! Stage 1 all-reduces full gradients (DDP's buckets) and all-gathers the
 //! updated parameters. Stage 2 reduce-scatters each gradient bucket as soon
 //! as backward completes it, into the rank's gradient shard (every
-//! micro-step: full gradients never outlive a bucket; with its gradients
-//! on the device, `on_device`, each bucket is reduce-scattered there as
-//! the backward completes it, stage 1 in the last micro-batch only). Stage 3 runs the
+//! micro-step: on the host path full gradients never outlive a bucket;
+//! with its gradients on the device, `on_device`, each bucket is
+//! reduce-scattered there as the backward completes it, stage 1 in the
+//! last micro-batch only, and kept until the backward's end). Stage 3 runs the
 //! model block by block: a block's parameters (and those it ties to) are
 //! all-gathered just before its forward and again before its backward, then
 //! freed; the next `prefetch` blocks' gathers are already in flight. Blocks
@@ -373,7 +374,7 @@ impl Zero {
         // ZeRO-1 reduces on the last micro-step only: the ones before keep
         // their gradients on the device (CUDA); where it reduces them there
         // too (`on_device`), all of them do. ZeRO-2 reduces them there
-        // after every micro-batch's backward.
+        // bucket by bucket during every micro-batch's backward.
         let all = self.grads_stay_on_device(engine);
         self.held_all = all;
         engine.hold_grads((self.cfg.stage == 1 && !last) || all);

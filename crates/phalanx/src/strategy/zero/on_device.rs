@@ -116,7 +116,8 @@ impl Zero {
     }
 
     /// Start the reduce-scatter (average) over the shard group of the
-    /// gradients held for `range` (a unit: one block's parameters), in
+    /// gradients held for `range` (a unit: stage 3's block, stages 1-2's
+    /// bucket), in
     /// place in storage of their own; the counts it splits them by, and
     /// whether any were held (zeros stand in where not, so that the rank
     /// still joins).
@@ -166,7 +167,8 @@ impl Zero {
         let got: usize = pieces.iter().map(|(_, t)| t.elem_count()).sum();
         if got != len {
             return Err(Error::Check(format!(
-                "ZeRO-3: the step's gradient pieces on the device cover {got} of the shard's {len}"
+                "ZeRO-{}: the step's gradient pieces on the device cover {got} of the shard's {len}",
+                self.cfg.stage
             )));
         }
         let pieces: Vec<Tensor> = pieces.into_iter().map(|(_, t)| t).collect();
@@ -229,8 +231,6 @@ impl Zero {
     ) -> Result<(StepOutcome, bool)> {
         let n = engine.num_params();
         let stage = self.cfg.stage;
-        // Stage 1 reduces the step's held sum now; stage 2 has reduced
-        // every micro-batch's already.
         // Every stage reduce-scattered its units' held gradients in the
         // backward; their pieces make this rank's shard.
         let gs = self.device_grad_shard(engine)?;
