@@ -62,17 +62,7 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
             .count();
     }
     for each in [1usize, 7, (1 << 18) + 1] {
-        // One rank has no uneven blocks (and a block of 0 elements would
-        // be a 0-byte device allocation, which CUDA refuses).
-        let variants: &[bool] = if n > 1 { &[false, true] } else { &[false] };
-        for &uneven in variants {
-            let mut counts = vec![each; n];
-            if uneven {
-                counts[n - 1] = each / 2;
-                if n >= 3 {
-                    counts[1] = 0;
-                }
-            }
+        for counts in block_counts(each, n) {
             let total: usize = counts.iter().sum();
             let at: usize = counts[..me].iter().sum();
             // Everyone's block -1 but this rank's own.
@@ -95,15 +85,8 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
         // exchange): this rank's block of the n blocks, summed. Then
         // uneven blocks (ZeRO-3's pieces of a model block), as the
         // all-gather's above.
-        let variants: &[bool] = if n > 1 { &[false, true] } else { &[false] };
-        for &uneven in variants {
-            let mut counts = vec![k; n];
-            if uneven {
-                counts[n - 1] = k / 2;
-                if n >= 3 {
-                    counts[1] = 0;
-                }
-            }
+        for counts in block_counts(k, n) {
+            let uneven = counts.windows(2).any(|w| w[0] != w[1]);
             let total: usize = counts.iter().sum();
             let at: usize = counts[..me].iter().sum();
             let v: Vec<f32> = (0..total).map(|i| fill_value(me, i, 2) as f32).collect();
@@ -133,4 +116,22 @@ pub fn check(pg: &ProcessGroup) -> Result<Option<(String, usize)>, String> {
         _ => "cpu".to_string(),
     };
     Ok(Some((place, w[0] as usize)))
+}
+
+/// The per-rank counts the in-place gather and reduce-scatter are checked
+/// with: `n` blocks of `each`, then (with 2+ ranks) uneven ones, the last
+/// short and, with 3+, one empty. One rank has no uneven blocks (and a
+/// block of 0 elements would be a 0-byte device allocation, which CUDA
+/// refuses).
+fn block_counts(each: usize, n: usize) -> Vec<Vec<usize>> {
+    let mut out = vec![vec![each; n]];
+    if n > 1 {
+        let mut counts = vec![each; n];
+        counts[n - 1] = each / 2;
+        if n >= 3 {
+            counts[1] = 0;
+        }
+        out.push(counts);
+    }
+    out
 }

@@ -74,11 +74,7 @@ pub(crate) fn forward_backward_reducing(
                 ranges.push(r);
                 Ok(())
             })();
-            if let Err(e) = res {
-                let msg = e.to_string();
-                failed = Some(e);
-                candle_core::bail!("{msg}")
-            }
+            keep_failure(res, &mut failed)?;
         }
         Ok(())
     };
@@ -109,4 +105,14 @@ pub(crate) fn forward_backward_reducing(
         _ => Tensor::cat(&pieces, 0)?,
     };
     held_or_fail((loss, g), held_all, pg, what)
+}
+
+/// A backward hook's result as candle's error, the failure itself kept
+/// whole in `failed` (a timeout naming its rank) for the caller to return.
+pub(crate) fn keep_failure(r: Result<()>, failed: &mut Option<Error>) -> candle_core::Result<()> {
+    r.map_err(|e| {
+        let msg = e.to_string();
+        *failed = Some(e);
+        candle_core::Error::Msg(msg)
+    })
 }

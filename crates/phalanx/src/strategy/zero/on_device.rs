@@ -28,7 +28,7 @@ use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
 use crate::strategy::ddp::{grads_may_stay_on_device, held_or_fail};
-use crate::strategy::held::NoHostGrads;
+use crate::strategy::held::{keep_failure, NoHostGrads};
 use crate::strategy::reduce::ReadyCursor;
 use candle_core::{DType, Tensor};
 use phalanx_comm::ReduceOp;
@@ -276,14 +276,4 @@ impl Zero {
         opt.step_on(Some(p), &dev, Grads::Device(&gs), lr, factor)?;
         Ok((out, false))
     }
-}
-
-/// A hook's result as candle's error, the failure itself kept whole in
-/// `failed` (a timeout naming its rank) for the caller to return.
-pub(super) fn keep_failure(r: Result<()>, failed: &mut Option<Error>) -> candle_core::Result<()> {
-    r.map_err(|e| {
-        let msg = e.to_string();
-        *failed = Some(e);
-        candle_core::Error::Msg(msg)
-    })
 }

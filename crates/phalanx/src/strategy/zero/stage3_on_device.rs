@@ -24,14 +24,13 @@
 //! they do not overlap computation (waiting for the gather alone, before
 //! them on the same stream, needs an event per operation).
 
-use super::on_device::keep_failure;
 use super::Zero;
 use crate::collective::Started;
 use crate::engine::{Engine, ParamSource, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::{Charge, Mem};
 use crate::strategy::ddp::held_or_fail;
-use crate::strategy::held::NoHostGrads;
+use crate::strategy::held::{keep_failure, NoHostGrads};
 use crate::strategy::reduce::ReadyCursor;
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
