@@ -301,6 +301,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.all_reduce_device_in(buf, op, DeviceMode::Wait)
+            .map(|_| ())
     }
 
     unsafe fn all_reduce_device_in(
@@ -308,25 +309,30 @@ impl ProcessGroup {
         buf: crate::backend::DeviceBuf,
         op: ReduceOp,
         mode: DeviceMode,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.inner.queue.drain();
         let sig = device_sig("all_reduce_dev", &buf, Some(op), 0);
-        self.collective(sig, |b, c| b.all_reduce_device(c, buf, op, mode))
+        self.collective(sig, |b, c| {
+            b.all_reduce_device(c, buf, op, mode)?;
+            Ok(b.device_mark())
+        })
     }
 
     /// Start [`ProcessGroup::all_reduce_device`] and return without
-    /// waiting where the backend can (NCCL launches it on its own stream);
-    /// [`ProcessGroup::settle_device`] waits for every one started. Ranks
-    /// see the same sequence of collectives as with the blocking call.
+    /// waiting where the backend can (NCCL launches it on its own stream).
+    /// Returns its mark: [`ProcessGroup::settle_device_to`] with it waits
+    /// for this one (and every one started before it), and
+    /// [`ProcessGroup::settle_device`] for every one started. Ranks see
+    /// the same sequence of collectives as with the blocking call.
     ///
     /// # Safety
     /// As for [`ProcessGroup::all_reduce_device`], and nothing may touch
-    /// (or free) the memory until `settle_device` has returned.
+    /// (or free) the memory until a settle has returned.
     pub unsafe fn all_reduce_device_start(
         &self,
         buf: crate::backend::DeviceBuf,
         op: ReduceOp,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.all_reduce_device_in(buf, op, DeviceMode::Start)
     }
 
@@ -339,7 +345,7 @@ impl ProcessGroup {
         &self,
         buf: crate::backend::DeviceBuf,
         counts: &[usize],
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.all_gather_device_in(buf, counts, DeviceMode::Start)
     }
 
@@ -353,7 +359,7 @@ impl ProcessGroup {
         buf: crate::backend::DeviceBuf,
         counts: &[usize],
         op: ReduceOp,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.reduce_scatter_device_in(buf, counts, op, DeviceMode::Start)
     }
 
@@ -361,6 +367,19 @@ impl ProcessGroup {
     /// this group (`*_device_start`). Not a
     /// collective: nothing is exchanged.
     pub fn settle_device(&self) -> Result<()> {
+        self.settle_device_in(None)
+    }
+
+    /// Wait, until the deadline, for the device collective started on this
+    /// group whose mark (what its `*_device_start` returned) is `mark`, and
+    /// for every one started before it; later ones may still run (on NCCL
+    /// one event per started collective, waited for alone). Not a
+    /// collective.
+    pub fn settle_device_to(&self, mark: u64) -> Result<()> {
+        self.settle_device_in(Some(mark))
+    }
+
+    fn settle_device_in(&self, mark: Option<u64>) -> Result<()> {
         let _blocked = crate::work::BlockedTimer::start();
         let inner = &*self.inner;
         // Even after a failure: the backend aborts what is in flight. A
@@ -368,7 +387,7 @@ impl ProcessGroup {
         // while unwinding).
         let _g = inner.exec.lock().unwrap_or_else(|p| p.into_inner());
         let c = self.call("settle_device", inner.seq.load(Ordering::SeqCst));
-        let r = inner.backend.settle_device(&c);
+        let r = inner.backend.settle_device(&c, mark);
         match inner.backend.failure() {
             Some(e) => Err(e),
             None => r,
@@ -388,6 +407,7 @@ impl ProcessGroup {
         counts: &[usize],
     ) -> Result<()> {
         self.all_gather_device_in(buf, counts, DeviceMode::Wait)
+            .map(|_| ())
     }
 
     unsafe fn all_gather_device_in(
@@ -395,11 +415,14 @@ impl ProcessGroup {
         buf: crate::backend::DeviceBuf,
         counts: &[usize],
         mode: DeviceMode,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.inner.queue.drain();
         self.check_device_counts("all_gather_device", &buf, counts)?;
         let sig = device_sig("all_gather_dev", &buf, None, digest(counts));
-        self.collective(sig, |b, c| b.all_gather_device(c, buf, counts, mode))
+        self.collective(sig, |b, c| {
+            b.all_gather_device(c, buf, counts, mode)?;
+            Ok(b.device_mark())
+        })
     }
 
     /// Reduce-scatter in place in CUDA device memory: `buf` holds this
@@ -417,6 +440,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.reduce_scatter_device_in(buf, counts, op, DeviceMode::Wait)
+            .map(|_| ())
     }
 
     unsafe fn reduce_scatter_device_in(
@@ -425,12 +449,13 @@ impl ProcessGroup {
         counts: &[usize],
         op: ReduceOp,
         mode: DeviceMode,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         self.inner.queue.drain();
         self.check_device_counts("reduce_scatter_device", &buf, counts)?;
         let sig = device_sig("reduce_scatter_dev", &buf, Some(op), digest(counts));
         self.collective(sig, |b, c| {
-            b.reduce_scatter_device(c, buf, counts, op, mode)
+            b.reduce_scatter_device(c, buf, counts, op, mode)?;
+            Ok(b.device_mark())
         })
     }
 
@@ -683,6 +708,12 @@ impl ProcessGroup {
     /// The failure that broke this group, if any.
     pub fn failure(&self) -> Option<CommError> {
         self.inner.backend.failure()
+    }
+
+    /// Whether `other` is this group (a clone of it), not another with the
+    /// same members.
+    pub fn same_group(&self, other: &ProcessGroup) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 }
 

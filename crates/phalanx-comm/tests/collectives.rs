@@ -122,6 +122,7 @@ fn host_backends_refuse_device_memory_naming_themselves() {
             count: 4,
             dtype: phalanx_comm::DType::F32,
             ordinal: 0,
+            after: None,
         };
         // SAFETY: a host backend refuses without dereferencing `ptr`.
         let e = unsafe { pg.all_reduce_device(buf, ReduceOp::Sum) }.unwrap_err();

@@ -70,6 +70,21 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
                 "parallel.backward_prefetch=0",
             ],
         ),
+        // Two blocks gathered ahead, each waited for just before it runs
+        // (a started gather runs on the CPU only when waited for, so one
+        // read early would be caught), the reduce-scatters waited for a
+        // block later.
+        (
+            "ZeRO-3 2 ranks, 2 blocks ahead, 2 micro-batches",
+            2,
+            2,
+            2,
+            vec![
+                "zero_optimization.stage=3",
+                "parallel.forward_prefetch=2",
+                "parallel.backward_prefetch=2",
+            ],
+        ),
         // The last blocks keep their forward gathers for the backward
         // (a block gathered ahead in the forward, then kept).
         (
@@ -262,6 +277,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             | "dp 2 x pp 2 x tp 2"
             | "ZeRO-3 2 ranks"
             | "ZeRO-3 3 ranks, 2 micro-batches"
+            | "ZeRO-3 2 ranks, 2 blocks ahead, 2 micro-batches"
             | "ZeRO-3, kept gathers, full recompute"
             | "HYBRID_SHARD 2 x 2" => {
                 assert_eq!(read, 0, "{what}: gradients read back");

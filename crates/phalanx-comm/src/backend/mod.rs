@@ -52,6 +52,12 @@ pub struct DeviceBuf {
     pub count: usize,
     pub dtype: DType,
     pub ordinal: usize,
+    /// The CUDA stream (a raw `CUstream`; 0 is the legacy default stream)
+    /// on which the caller queued its writes to the buffer: the collective
+    /// is ordered after them on the device (an event recorded there and
+    /// waited for on the backend's stream), and the host does not wait for
+    /// them. `None`: they are complete.
+    pub after: Option<u64>,
 }
 
 /// When a device-memory collective returns.
@@ -60,8 +66,9 @@ pub enum DeviceMode {
     /// Once it is complete.
     Wait,
     /// Once it is launched, where the backend can (NCCL, on its own
-    /// stream); [`Backend::settle_device`] waits for every one started.
-    /// The caller touches the buffer only after that.
+    /// stream); [`Backend::settle_device`] waits for the first so many
+    /// started ([`Backend::device_mark`]). The caller touches the buffer
+    /// only after that.
     Start,
 }
 
@@ -355,8 +362,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// All-reduce `buf` in device memory, in place, without staging it
-    /// through the host. The caller has finished every write to it (its
-    /// stream synchronised) and touches it again only after the return.
+    /// through the host. The caller's writes to it are complete or queued
+    /// on `buf.after`, and it touches it again only after the return.
     /// The default refuses: this backend reduces host memory only.
     /// `mode` says whether it returns once complete or once launched.
     fn all_reduce_device(
@@ -375,11 +382,20 @@ pub trait Backend: Send + Sync {
         ))
     }
 
-    /// Wait until every device collective started ([`DeviceMode::Start`])
-    /// is complete, until the call's deadline. The default has none in
+    /// How many device collectives were started on this backend so far
+    /// ([`DeviceMode::Start`]): read right after a start, the mark that
+    /// [`Backend::settle_device`] waits for to know that one complete. The
+    /// default starts none.
+    fn device_mark(&self) -> u64 {
+        0
+    }
+
+    /// Wait, until the call's deadline, until the first `mark` device
+    /// collectives started ([`DeviceMode::Start`]) are complete (every
+    /// one: `None`); later ones may still run. The default has none in
     /// flight.
-    fn settle_device(&self, c: &Call) -> Result<()> {
-        let _ = c;
+    fn settle_device(&self, c: &Call, mark: Option<u64>) -> Result<()> {
+        let _ = (c, mark);
         Ok(())
     }
 

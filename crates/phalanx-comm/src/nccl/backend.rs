@@ -106,18 +106,23 @@ unsafe fn per_block(
 }
 
 impl Nccl {
-    /// Run `launch` on the caller's device memory at `ptr`: waited for,
-    /// or only launched (`DeviceMode::Start`; `settle_device` waits).
+    /// Run `launch` on the caller's device memory `buf`, ordered after
+    /// the writes queued on its stream: waited for, or only launched
+    /// (`DeviceMode::Start`; `settle_device` waits, by its mark).
     fn on_device(
         &self,
         c: &Call,
-        ptr: CUdeviceptr,
+        buf: &DeviceBuf,
         mode: DeviceMode,
         launch: &mut super::comm::Launch,
     ) -> Result<()> {
+        let io = Io::Device {
+            ptr: buf.ptr,
+            after: buf.after,
+        };
         match mode {
-            DeviceMode::Wait => self.comm.run(c, Io::Device { ptr }, launch),
-            DeviceMode::Start => self.comm.start(c, ptr, launch),
+            DeviceMode::Wait => self.comm.run(c, io, launch),
+            DeviceMode::Start => self.comm.start(c, io, launch),
         }
     }
 
@@ -410,14 +415,21 @@ impl Backend for Nccl {
         // `src` = `dst` = the caller's `count` elements on this device
         // (`ProcessGroup::all_reduce_device`'s contract).
         let launch = all_reduce_launch(count, dt);
-        self.on_device(c, buf.ptr, mode, &mut |api, comm, s, src, dst| {
+        self.on_device(c, &buf, mode, &mut |api, comm, s, src, dst| {
             launch(api, comm, s, src, dst, rop)
         })
     }
 
-    /// Wait for the communicator's stream: every operation started on it.
-    fn settle_device(&self, c: &Call) -> Result<()> {
-        self.comm.settle(c)
+    /// The mark of the last operation started on the communicator's
+    /// stream.
+    fn device_mark(&self) -> u64 {
+        self.comm.started()
+    }
+
+    /// Wait for the started operation `mark` (its event: later ones may
+    /// still run), or for the communicator's stream (`None`: every one).
+    fn settle_device(&self, c: &Call, mark: Option<u64>) -> Result<()> {
+        self.comm.settle(c, mark)
     }
 
     /// The gather in place on the caller's device memory: equal blocks
@@ -439,7 +451,7 @@ impl Backend for Nccl {
         self.count(buf.count * size - counts[c.me] * size);
         let at = offsets(counts);
         let even = counts.windows(2).all(|w| w[0] == w[1]);
-        self.on_device(c, buf.ptr, mode, &mut |api, comm, s, _, dst| unsafe {
+        self.on_device(c, &buf, mode, &mut |api, comm, s, _, dst| unsafe {
             // SAFETY: `dst` holds the sum of `counts` elements on this
             // device (the group checked the counts against `buf`); every
             // block lies within it.
@@ -482,7 +494,7 @@ impl Backend for Nccl {
         self.count(buf.count * size - counts[c.me] * size);
         let at = offsets(counts);
         let even = counts.windows(2).all(|w| w[0] == w[1]);
-        self.on_device(c, buf.ptr, mode, &mut |api, comm, s, src, _| unsafe {
+        self.on_device(c, &buf, mode, &mut |api, comm, s, src, _| unsafe {
             // SAFETY: `src` holds the sum of `counts` elements on this
             // device (the group checked the counts against `buf`); every
             // block lies within it.

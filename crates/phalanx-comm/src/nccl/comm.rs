@@ -1,8 +1,8 @@
 //! One NCCL communicator with its device lane: making it (from a unique
 //! id, or split from a parent), running one staged operation under the
 //! call's deadline, starting one on the caller's device memory without
-//! waiting and settling every one started (`start`, `settle`), abort and
-//! destroy.
+//! waiting and settling the ones started, all or up to a mark (`start`,
+//! `settle`: an event after each), abort and destroy.
 //!
 //! Status: compiles without CUDA; not yet run on GPU hardware.
 //!
@@ -55,8 +55,12 @@ pub enum Io<'a> {
         out: Option<&'a mut [u8]>,
     },
     /// Device memory of this communicator's device, sent and received in
-    /// place: nothing staged, nothing copied back.
-    Device { ptr: cu::CUdeviceptr },
+    /// place: nothing staged, nothing copied back; ordered after the work
+    /// queued so far on the stream `after` (a raw `CUstream`), if given.
+    Device {
+        ptr: cu::CUdeviceptr,
+        after: Option<u64>,
+    },
 }
 
 /// What launches one operation: `(api, comm, stream, send_dev, recv_dev)`,
@@ -227,7 +231,9 @@ impl Comm {
     pub fn run(&self, c: &Call, io: Io, launch: &mut Launch) -> Result<()> {
         let mut inner = self.inner.lock().unwrap();
         let recv = self.launch_locked(&mut inner, c, &io, launch)?;
-        self.wait_locked(&mut inner, c)?;
+        self.wait_locked(&mut inner, c, None)?;
+        // The stream is idle: every operation started before is complete.
+        inner.lane.retire(None);
         match io {
             Io::InPlace {
                 buf,
@@ -238,24 +244,47 @@ impl Comm {
         }
     }
 
-    /// Launch one operation on the caller's device memory at `ptr` and
-    /// return without waiting for it: [`Comm::settle`] waits for every
-    /// operation launched on this communicator's stream so far.
-    pub fn start(&self, c: &Call, ptr: cu::CUdeviceptr, launch: &mut Launch) -> Result<()> {
+    /// Launch one operation on the caller's device memory (`io`: an
+    /// [`Io::Device`]) and return without waiting for it: an event is
+    /// recorded after it, and [`Comm::settle`] waits for it by its mark,
+    /// which [`Comm::started`] then reads.
+    pub fn start(&self, c: &Call, io: Io, launch: &mut Launch) -> Result<()> {
         let mut inner = self.inner.lock().unwrap();
-        self.launch_locked(&mut inner, c, &Io::Device { ptr }, launch)
-            .map(|_| ())
+        self.launch_locked(&mut inner, c, &io, launch)?;
+        // Launched: without its event nothing could wait for it alone, so
+        // a failure here fails the communicator (what waits aborts it).
+        inner.lane.mark().map(|_| ()).map_err(|e| self.fail(e))
     }
 
-    /// Wait until every operation launched on this communicator's stream
-    /// is complete, until the call's deadline (past it, or on NCCL's
-    /// asynchronous error, the communicator is aborted).
-    pub fn settle(&self, c: &Call) -> Result<()> {
+    /// How many operations were started ([`Comm::start`]): the last one's
+    /// mark.
+    pub fn started(&self) -> u64 {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.lane.marks.started()
+    }
+
+    /// Wait until the operation started with `mark` (and so every one
+    /// launched before it on this communicator's stream) is complete, or
+    /// with `None` every operation launched, until the call's deadline
+    /// (past it, or on NCCL's asynchronous error, the communicator is
+    /// aborted).
+    pub fn settle(&self, c: &Call, mark: Option<u64>) -> Result<()> {
         // A lock poisoned by a panic elsewhere still settles (this may run
         // while unwinding: `collective::Started`'s drop).
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         self.dev.bind()?;
-        self.wait_locked(&mut inner, c)
+        let event = match mark {
+            None => None,
+            Some(m) => match inner.lane.marks.event_of(m)? {
+                Some(ev) => Some(ev),
+                // Known to be complete (a later wait saw it done); a
+                // failure recorded since still reports.
+                None => return self.failure().map_or(Ok(()), Err),
+            },
+        };
+        self.wait_locked(&mut inner, c, event)?;
+        inner.lane.retire(mark);
+        Ok(())
     }
 
     /// What a failure names: the operation, group, ranks and device.
@@ -277,7 +306,12 @@ impl Comm {
         let comm = self.live(inner, c)?;
         self.dev.bind()?;
         let (base, recv) = match io {
-            Io::Device { ptr } => (*ptr, *ptr),
+            Io::Device { ptr, after } => {
+                if let Some(s) = after {
+                    inner.lane.after(*s).map_err(|e| self.fail(e))?;
+                }
+                (*ptr, *ptr)
+            }
             Io::InPlace { buf, .. } => {
                 let base = inner.lane.ensure(buf.len())?;
                 inner.lane.h2d(base, buf)?;
@@ -298,10 +332,11 @@ impl Comm {
         Ok(recv)
     }
 
-    /// Wait for the stream until the call's deadline, watching NCCL's
-    /// asynchronous error and an abort from another thread; past the
-    /// deadline, or on an error, abort the communicator.
-    fn wait_locked(&self, inner: &mut Inner, c: &Call) -> Result<()> {
+    /// Wait for the stream (or, given `event`, for the work before that
+    /// event) until the call's deadline, watching NCCL's asynchronous
+    /// error and an abort from another thread; past the deadline, or on
+    /// an error, abort the communicator.
+    fn wait_locked(&self, inner: &mut Inner, c: &Call, event: Option<cu::CUevent>) -> Result<()> {
         // A failure recorded meanwhile (an `abort` that found the lock
         // taken, a peer gone): what was launched is aborted now, not left
         // running on a live communicator.
@@ -327,7 +362,7 @@ impl Comm {
                 format!("{} (asynchronous error)", self.what(c))
             })
         };
-        let done = inner.lane.wait(c.deadline, &mut check);
+        let done = inner.lane.wait(event, c.deadline, &mut check);
         match done {
             Ok(true) => Ok(()),
             Ok(false) => {

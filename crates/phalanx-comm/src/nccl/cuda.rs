@@ -7,10 +7,15 @@
 //!
 //! Copies to the device are asynchronous on the lane's stream (ordered
 //! before the NCCL kernel). The host never blocks in the driver on a
-//! kernel: [`Lane::wait`] polls `cuStreamQuery` (and the caller's check,
-//! `ncclCommGetAsyncError`) until the deadline, and only then copies back,
-//! when the stream is idle.
+//! kernel: [`Lane::wait`] polls `cuStreamQuery` (or one started
+//! operation's event, `cuEventQuery`) and the caller's check
+//! (`ncclCommGetAsyncError`) until the deadline, and only then copies
+//! back, when the stream is idle. A collective on memory another stream
+//! wrote (candle's) is ordered after those writes on the device
+//! ([`Lane::after`]: an event recorded there, waited for here), not by the
+//! host waiting for them.
 
+use super::marks::Marks;
 use super::probe::{cu_check, cu_error};
 use crate::error::Result;
 use cudarc::driver::sys as cu;
@@ -54,11 +59,15 @@ impl Device {
     }
 }
 
-/// A stream and a staging buffer on the device.
+/// A stream and a staging buffer on the device, and the events of the
+/// operations started on the stream without waiting.
 pub struct Lane {
     pub stream: cu::CUstream,
     buf: cu::CUdeviceptr,
     cap: usize,
+    /// The operations started ([`Lane::mark`]) and the events after those
+    /// not yet known to be complete.
+    pub marks: Marks<cu::CUevent>,
     /// Set after an abort: the stream may still hold the aborted kernel, so
     /// the buffer and stream are leaked rather than freed under it.
     pub poisoned: bool,
@@ -83,8 +92,65 @@ impl Lane {
             stream,
             buf: 0,
             cap: 0,
+            marks: Marks::default(),
             poisoned: false,
         })
+    }
+
+    /// A new event without timing (the cheap kind: PyTorch's for stream
+    /// ordering).
+    fn event() -> Result<cu::CUevent> {
+        let mut ev: cu::CUevent = std::ptr::null_mut();
+        // SAFETY: an out-parameter. CU_EVENT_DISABLE_TIMING (2).
+        cu_check(unsafe { cu::cuEventCreate(&mut ev, 2) }, "cuEventCreate")?;
+        Ok(ev)
+    }
+
+    /// Order the work queued next on this stream after everything queued
+    /// so far on `stream` (a raw `CUstream` of this context: candle's),
+    /// without the host waiting: an event recorded there and waited for
+    /// here.
+    pub fn after(&self, stream: u64) -> Result<()> {
+        let ev = Self::event()?;
+        let other = stream as usize as cu::CUstream;
+        // SAFETY: a fresh event; `other` is a live stream of the current
+        // context (the caller's contract); the wait takes the event's
+        // state now, so the event may be destroyed right after (its
+        // resources are released once it completes).
+        let r = cu_check(unsafe { cu::cuEventRecord(ev, other) }, "cuEventRecord").and_then(|_| {
+            cu_check(
+                unsafe { cu::cuStreamWaitEvent(self.stream, ev, 0) },
+                "cuStreamWaitEvent",
+            )
+        });
+        // SAFETY: created above, destroyed once.
+        unsafe { cu::cuEventDestroy_v2(ev) };
+        r
+    }
+
+    /// Record that an operation was started on the stream (an event after
+    /// it); returns its mark ([`Marks`]).
+    pub fn mark(&mut self) -> Result<u64> {
+        let ev = Self::event()?;
+        // SAFETY: a fresh event on this live stream.
+        if let Err(e) = cu_check(
+            unsafe { cu::cuEventRecord(ev, self.stream) },
+            "cuEventRecord",
+        ) {
+            // SAFETY: created above, destroyed once.
+            unsafe { cu::cuEventDestroy_v2(ev) };
+            return Err(e);
+        }
+        Ok(self.marks.push(ev))
+    }
+
+    /// Let go of the events of the operations up to `mark` (all: `None`),
+    /// known to be complete.
+    pub fn retire(&mut self, mark: Option<u64>) {
+        // SAFETY: each a recorded event, complete, destroyed once.
+        self.marks.retire(mark, |ev| unsafe {
+            cu::cuEventDestroy_v2(ev);
+        });
     }
 
     /// The staging buffer, at least `bytes` long (no staged call is in
@@ -146,17 +212,27 @@ impl Lane {
         )
     }
 
-    /// Poll the stream until its work is done (Ok(true)), `check` fails,
-    /// or `deadline` passes (Ok(false): the caller aborts the communicator).
-    pub fn wait(&self, deadline: Instant, check: &mut dyn FnMut() -> Result<()>) -> Result<bool> {
+    /// Poll the stream until its work is done (or, given `event`, until
+    /// that event is: the work before it) (Ok(true)), `check` fails, or
+    /// `deadline` passes (Ok(false): the caller aborts the communicator).
+    pub fn wait(
+        &self,
+        event: Option<cu::CUevent>,
+        deadline: Instant,
+        check: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<bool> {
         let mut polls = 0u32;
         let mut nap = Duration::from_micros(10);
         loop {
-            // SAFETY: a live stream.
-            match unsafe { cu::cuStreamQuery(self.stream) } {
+            // SAFETY: a live stream; a recorded event not yet destroyed.
+            let (rc, what) = match event {
+                None => (unsafe { cu::cuStreamQuery(self.stream) }, "cuStreamQuery"),
+                Some(ev) => (unsafe { cu::cuEventQuery(ev) }, "cuEventQuery"),
+            };
+            match rc {
                 cu::CUresult::CUDA_SUCCESS => return Ok(true),
                 cu::CUresult::CUDA_ERROR_NOT_READY => {}
-                rc => return Err(cu_error(rc, "cuStreamQuery")),
+                rc => return Err(cu_error(rc, what)),
             }
             check()?;
             polls += 1;
@@ -178,6 +254,7 @@ impl Drop for Lane {
         if self.poisoned {
             return;
         }
+        self.retire(None);
         // SAFETY: owned handles, freed once; the stream is idle.
         unsafe {
             if self.buf != 0 {

@@ -18,19 +18,23 @@
 //!   device, run on the communicator's stream, waited for under the call's
 //!   deadline (`PHALANX_TIMEOUT`; then `ncclCommAbort` and an error naming
 //!   the operation, group and rank) and copied back ([`backend`]).
-//!   `all_reduce_device` and `all_gather_device` take the caller's device
-//!   memory instead, in place, nothing staged.
+//!   `all_reduce_device`, `all_gather_device` and `reduce_scatter_device`
+//!   take the caller's device memory instead, in place, nothing staged,
+//!   ordered after the caller's stream by an event; started without
+//!   waiting, each gets an event and a mark to wait for it alone
+//!   ([`marks`]).
 //! - Point-to-point messages and `PHALANX_DEBUG=detail` signature checks go
 //!   over the native mesh, which the world group connects as well.
 //!
 //! Not yet built (issue 30): device buffers for the collectives other than
-//! the all-reduce and the all-gather.
+//! the all-reduce, the all-gather and the reduce-scatter.
 
 mod backend;
 mod comm;
 mod cuda;
 pub mod id;
 pub mod layout;
+pub mod marks;
 pub mod probe;
 
 pub use backend::Nccl;

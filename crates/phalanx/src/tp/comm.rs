@@ -150,7 +150,7 @@ impl TpOp {
         };
         let wait = phalanx_comm::DeviceMode::Wait;
         match out.collective(&Layout::contiguous(shape), &self.pg, coll, wait, &fail) {
-            Ok(()) => Ok(out),
+            Ok(_) => Ok(out),
             Err(e) => {
                 if aborted.get() && !matches!(out.device().location(), DeviceLocation::Cpu) {
                     std::mem::forget(out);

@@ -92,7 +92,7 @@ impl Zero {
         r?;
         cursor.check_all(&self.units, what)?;
         let done = started.wait()?;
-        self.add_pieces(engine, scattered, &done, 0)?;
+        self.add_pieces(engine, scattered, done)?;
         held_or_fail(loss, held_all, &self.shard_pg, what)
     }
 
@@ -180,23 +180,25 @@ impl Zero {
     }
 
     /// Add this rank's piece of each unit in `scattered` (reduce-scattered,
-    /// `done[skip..]` in the same order) to the step's.
+    /// `done` in the same order) to the step's.
     pub(super) fn add_pieces(
         &mut self,
         engine: &Engine,
         scattered: Vec<(usize, Vec<usize>)>,
-        done: &[Tensor],
-        skip: usize,
+        done: Vec<Tensor>,
     ) -> Result<()> {
-        if done.len() != skip + scattered.len() {
+        if done.len() != scattered.len() {
             return Err(Error::Check(format!(
-                "ZeRO-{}: {} collectives came back for {skip} gathers and {} reduce-scatters",
+                "ZeRO-{}: {} collectives came back for {} reduce-scatters",
                 self.cfg.stage,
                 done.len(),
                 scattered.len()
             )));
         }
-        for ((u, counts), g) in scattered.into_iter().zip(&done[skip..]) {
+        if done.is_empty() {
+            return Ok(());
+        }
+        for ((u, counts), g) in scattered.into_iter().zip(&done) {
             if let Some(piece) = self.my_piece(g, &counts)? {
                 let sum = match self.device_pieces.remove(&u) {
                     Some(s) => (s + piece)?,

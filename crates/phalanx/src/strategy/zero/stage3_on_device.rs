@@ -14,15 +14,15 @@
 //! from the device's shards as the forward does.
 //!
 //! Taken only where every rank takes it (DDP's conditions, and a shard in
-//! memory without ZeRO++'s quantised or secondary gathers). With
-//! `parallel.forward_prefetch` / `backward_prefetch` above 0, the next
-//! block's gather is started before a block computes ([`Started`]: under
-//! NCCL launched on its own stream, so it runs while candle's stream
-//! computes the block) and waited for after it: one block ahead, whatever
-//! the setting. A block's reduce-scatters are started once its backward
-//! is done and waited for with that gather, before the next block builds:
-//! they do not overlap computation (waiting for the gather alone, before
-//! them on the same stream, needs an event per operation).
+//! memory without ZeRO++'s quantised or secondary gathers). Every
+//! collective of a pass is started without waiting, in one [`Started`]
+//! (under NCCL launched on its own stream, an event after each), and
+//! waited for by its own event, no earlier than needed: the gathers of the
+//! next `parallel.forward_prefetch` (backward: `backward_prefetch`) blocks
+//! are started before a block computes, so they run while it does, and a
+//! block's are waited for just before it runs; a block's reduce-scatters
+//! are started once its backward is done and waited for after the next
+//! block's backward, so they run while it computes.
 
 use super::Zero;
 use crate::collective::Started;
@@ -33,7 +33,19 @@ use crate::strategy::ddp::held_or_fail;
 use crate::strategy::held::{keep_failure, NoHostGrads};
 use crate::strategy::reduce::ReadyCursor;
 use candle_core::{DType, Tensor};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+
+/// The collectives of one ZeRO-3 pass on the device, in the order started.
+struct Flight<'a> {
+    started: Started<'a>,
+    /// What each one not yet waited for is: a gather (`None`: its buffer
+    /// is held by its block's [`OnDevice`]) or a unit's reduce-scatter
+    /// (unit, counts).
+    kinds: VecDeque<Option<(usize, Vec<usize>)>>,
+    /// Blocks whose gathers were started ahead, in the order they run:
+    /// (block, buffers, how many collectives were started through them).
+    ahead: VecDeque<(usize, OnDevice, usize)>,
+}
 
 /// Blocks' parameters gathered in device memory, by block: what a block's
 /// build is served from, charged as working memory. Dropped after the
@@ -146,6 +158,14 @@ impl Zero {
     /// gathering again where the forward's were let go, each block's
     /// gradients reduce-scattered as soon as it is done and this rank's
     /// piece added to the step's.
+    ///
+    /// Every collective of the pass is started in one [`Started`] and
+    /// waited for no earlier than needed: a block's gathers just before
+    /// it computes (`forward_prefetch` / `backward_prefetch` blocks' gathers
+    /// are started ahead, so they run while earlier blocks compute), and a
+    /// block's reduce-scatters after the next block's backward (so they
+    /// run while it computes; at most two blocks' held gradients are in
+    /// flight).
     pub(super) fn gathered_on_device(
         &mut self,
         engine: &mut Engine,
@@ -156,33 +176,36 @@ impl Zero {
         let shard = self.device_store(engine)?;
         let engine: &Engine = engine;
         let nb = engine.num_blocks();
+        let pg = self.shard_pg.clone();
+        let mut flight = Flight {
+            started: Started::new(&pg),
+            kinds: VecDeque::new(),
+            ahead: VecDeque::new(),
+        };
         let mut stashes: Vec<Stash> = Vec::with_capacity(nb);
         let mut kept: HashMap<usize, OnDevice> = HashMap::new();
         let mut h = x.clone();
-        let (fwd_ahead, bwd_ahead) = (
-            self.cfg.forward_prefetch > 0,
-            self.cfg.backward_prefetch > 0,
-        );
-        let mut next: Option<OnDevice> = None;
+        // The next block whose gathers are not started yet.
+        let mut next = 0;
         for b in 0..nb {
-            let src = match next.take() {
-                Some(src) => src,
-                None => self.gather_on_device(engine, &shard, b)?,
-            };
-            // The next block's gather runs while this one computes.
-            let mut started = Started::new(&self.shard_pg);
-            if fwd_ahead && b + 1 < nb {
-                next = Some(self.start_gather(engine, &shard, b + 1, &mut started)?);
+            let src = self.take_gathered(engine, &shard, &mut flight, b)?;
+            next = next.max(b + 1);
+            while next < nb && next <= b + self.cfg.forward_prefetch {
+                self.gather_ahead(engine, &shard, &mut flight, next)?;
+                next += 1;
             }
             let targets = (b + 1 == nb).then_some(y);
             let (out, stash) = engine.stack().forward(b..b + 1, &h, targets, &src)?;
-            started.wait()?;
             h = out;
             stashes.push(stash);
             if b >= self.first_kept {
                 kept.insert(b, src);
             }
         }
+        // Nothing gathered ahead outlives the forward (the last block's
+        // prefetch stops at the last block).
+        self.retire(engine, &mut flight, usize::MAX)?;
+        flight.ahead.clear();
         let loss = h.to_scalar::<f32>()?;
         let mut gy = Tensor::new(scale, engine.device())?;
         let mut cursor = ReadyCursor::default();
@@ -194,26 +217,33 @@ impl Zero {
         // collective, and fails once the backward is done, so its peers
         // finish theirs rather than wait.
         let mut held_all = true;
-        let mut next: Option<OnDevice> = None;
+        // The collectives started through the previous block's
+        // reduce-scatters: waited for after this block's backward.
+        let mut previous = 0;
+        // The next block below whose gathers are not started (blocks are
+        // counted from 1 here: 0 means none left).
+        let mut below = nb;
         for b in (0..nb).rev() {
-            let src = match (kept.remove(&b), next.take()) {
-                (Some(src), _) | (None, Some(src)) => src,
-                (None, None) => self.gather_on_device(engine, &shard, b)?,
+            let src = match kept.remove(&b) {
+                Some(src) => src,
+                None => self.take_gathered(engine, &shard, &mut flight, b)?,
             };
-            let stash = stashes.pop().expect("one stash per block");
-            // The block below's gather runs while this block's backward
-            // computes; this block's reduce-scatters start after it, and
-            // all are waited for before the next block.
-            let mut started = Started::new(&self.shard_pg);
-            if bwd_ahead && b > 0 && !kept.contains_key(&(b - 1)) {
-                next = Some(self.start_gather(engine, &shard, b - 1, &mut started)?);
+            below = below.min(b);
+            // The blocks below gathered while this one's backward computes.
+            while below > 0 && b - (below - 1) <= self.cfg.backward_prefetch {
+                let k = below - 1;
+                if !kept.contains_key(&k) {
+                    self.gather_ahead(engine, &shard, &mut flight, k)?;
+                }
+                below -= 1;
             }
-            let gathers = started.len();
+            let stash = stashes.pop().expect("one stash per block");
             // The units reduce-scattered, in the order started.
             let mut scattered: Vec<(usize, Vec<usize>)> = Vec::new();
+            let started = &mut flight.started;
             let mut hook = |b: usize, _: &mut NoHostGrads| -> candle_core::Result<()> {
                 let ready = cursor.advance(&self.units, b);
-                let r = self.start_units(engine, ready, &mut started, &mut scattered);
+                let r = self.start_units(engine, ready, started, &mut scattered);
                 keep_failure(r.map(|held| held_all &= held), &mut failed)
             };
             let r =
@@ -224,14 +254,85 @@ impl Zero {
                 (_, Some(e)) => return Err(e),
                 (r, None) => r?,
             };
-            let done = started.wait()?;
-            self.add_pieces(engine, scattered, &done, gathers)?;
+            drop(src);
+            flight.kinds.extend(scattered.into_iter().map(Some));
+            // The block above's reduce-scatters ran while this one computed.
+            self.retire(engine, &mut flight, previous)?;
+            previous = flight.started.len();
             if let Some(dx) = dx {
                 gy = dx;
             }
         }
+        self.retire(engine, &mut flight, usize::MAX)?;
         cursor.check_all(&self.units, "ZeRO-3")?;
         held_or_fail(loss, held_all, &self.shard_pg, "ZeRO-3")
+    }
+
+    /// Block `b`'s gathered parameters, waited for: started ahead (the
+    /// front of `flight.ahead`), or gathered now.
+    fn take_gathered(
+        &mut self,
+        engine: &Engine,
+        shard: &Tensor,
+        flight: &mut Flight,
+        b: usize,
+    ) -> Result<OnDevice> {
+        if flight.ahead.front().is_some_and(|(k, ..)| *k == b) {
+            let (_, src, through) = flight.ahead.pop_front().expect("a front");
+            self.retire(engine, flight, through)?;
+            return Ok(src);
+        }
+        let src = self.gather_ahead_into(engine, shard, flight, b)?;
+        self.retire(engine, flight, flight.started.len())?;
+        Ok(src)
+    }
+
+    /// Start block `b`'s gathers, queued in `flight.ahead` for
+    /// [`Zero::take_gathered`].
+    fn gather_ahead(
+        &self,
+        engine: &Engine,
+        shard: &Tensor,
+        flight: &mut Flight,
+        b: usize,
+    ) -> Result<()> {
+        let src = self.gather_ahead_into(engine, shard, flight, b)?;
+        let through = flight.started.len();
+        flight.ahead.push_back((b, src, through));
+        Ok(())
+    }
+
+    /// Start block `b`'s gathers in `flight` (their buffers held by the
+    /// result, not by `flight.kinds`).
+    fn gather_ahead_into(
+        &self,
+        engine: &Engine,
+        shard: &Tensor,
+        flight: &mut Flight,
+        b: usize,
+    ) -> Result<OnDevice> {
+        let before = flight.started.len();
+        let src = self.start_gather(engine, shard, b, &mut flight.started)?;
+        let n = flight.started.len() - before;
+        flight.kinds.extend(std::iter::repeat_n(None, n));
+        Ok(src)
+    }
+
+    /// Wait for the first `n` collectives of `flight` (all: `usize::MAX`),
+    /// adding this rank's pieces of the reduce-scatters among them to the
+    /// step's.
+    fn retire(&mut self, engine: &Engine, flight: &mut Flight, n: usize) -> Result<()> {
+        let n = n.min(flight.started.len());
+        let done = flight.started.wait_first(n)?;
+        let mut scattered = Vec::new();
+        let mut grads = Vec::new();
+        for (kind, t) in flight.kinds.drain(..done.len()).zip(done) {
+            if let Some(unit) = kind {
+                scattered.push(unit);
+                grads.push(t);
+            }
+        }
+        self.add_pieces(engine, scattered, grads)
     }
 
     /// Validation loss without autograd, block by block on parameters

@@ -8,9 +8,11 @@
 //!
 //! Each runs as a candle in-place op, the one way candle lends its
 //! storage mutably: the CPU side reduces the tensor's own elements, the
-//! CUDA side hands NCCL their device address after candle's stream has
-//! finished writing them ([`phalanx_comm::ProcessGroup::all_reduce_device`],
-//! `all_gather_device`, `reduce_scatter_device`). The same code on a
+//! CUDA side hands NCCL their device address, ordered after what candle's
+//! stream has queued to write them (an event, not a host wait:
+//! [`phalanx_comm::ProcessGroup::all_reduce_device`], `all_gather_device`,
+//! `reduce_scatter_device`). [`Started`] starts them without waiting and
+//! waits for them one by one. The same code on a
 //! storage ([`OnStorage`]) serves custom ops that build a buffer and
 //! exchange it (tensor parallelism's).
 //! A failure of the group comes back as the group's error (a timeout naming
@@ -34,6 +36,9 @@ use candle_core::{CpuStorage, Device, DeviceLocation, InplaceOp1, Layout, Tensor
 use phalanx_comm::{CommError, DeviceMode, ProcessGroup, ReduceOp};
 use std::sync::Mutex;
 
+mod started;
+pub use started::Started;
+
 /// Whether `pg` reduces tensors on `dev` where they lie: host memory on
 /// every backend, a CUDA device's memory on a backend of that device.
 pub fn reduces_on(pg: &ProcessGroup, dev: &Device) -> bool {
@@ -49,120 +54,7 @@ pub fn reduces_on(pg: &ProcessGroup, dev: &Device) -> bool {
 /// contiguous view of one: its elements only are reduced), and nothing
 /// else may read it meanwhile.
 pub fn all_reduce_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> Result<()> {
-    run(pg, t, Coll::AllReduce(op), DeviceMode::Wait)
-}
-
-/// Collectives started on tensors where they lie and not yet awaited:
-/// under NCCL each is launched on the communicator's own stream and the
-/// call returns, so candle's stream goes on (the backward of earlier
-/// blocks) while it runs; on host memory each runs whole when started.
-/// [`Started::wait`] waits for all of them. Each tensor is held until then
-/// (and, after a failure that may have left a kernel over it, never given
-/// back to candle's allocator).
-///
-/// ```
-/// use candle_core::{Device, Tensor};
-/// use phalanx_comm::{threads, ReduceOp};
-/// let sums = threads::run(2, |pg| {
-///     let mut started = phalanx::collective::Started::new(&pg);
-///     for k in 0..2 {
-///         let t = Tensor::new(&[(k + pg.rank()) as f32], &Device::Cpu).unwrap();
-///         started.all_reduce(t, ReduceOp::Sum).unwrap();
-///     }
-///     let out = started.wait().unwrap();
-///     out.iter().map(|t| t.to_vec1::<f32>().unwrap()[0]).collect::<Vec<_>>()
-/// });
-/// assert_eq!(sums, vec![vec![1.0, 3.0]; 2]);
-/// ```
-pub struct Started<'a> {
-    pg: &'a ProcessGroup,
-    tensors: Vec<Tensor>,
-}
-
-impl<'a> Started<'a> {
-    pub fn new(pg: &'a ProcessGroup) -> Self {
-        Started {
-            pg,
-            tensors: Vec::new(),
-        }
-    }
-
-    /// Start the all-reduce of `t` (contiguous, the caller's own, as for
-    /// [`all_reduce_in_place`]); nothing may read or write it until
-    /// [`Started::wait`] returns it.
-    pub fn all_reduce(&mut self, t: Tensor, op: ReduceOp) -> Result<()> {
-        run(self.pg, &t, Coll::AllReduce(op), DeviceMode::Start)?;
-        self.tensors.push(t);
-        Ok(())
-    }
-
-    /// Start [`all_gather_in_place`] on `t`, as [`Started::all_reduce`].
-    pub fn all_gather(&mut self, t: Tensor, counts: &[usize]) -> Result<()> {
-        check_counts("all-gather", self.pg, &t, counts)?;
-        run(self.pg, &t, Coll::AllGather(counts), DeviceMode::Start)?;
-        self.tensors.push(t);
-        Ok(())
-    }
-
-    /// Start [`reduce_scatter_v_in_place`] on `t`, as
-    /// [`Started::all_reduce`].
-    pub fn reduce_scatter_v(&mut self, t: Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
-        check_counts("reduce-scatter", self.pg, &t, counts)?;
-        run(
-            self.pg,
-            &t,
-            Coll::ReduceScatter(op, counts),
-            DeviceMode::Start,
-        )?;
-        self.tensors.push(t);
-        Ok(())
-    }
-
-    /// How many collectives were started.
-    pub fn len(&self) -> usize {
-        self.tensors.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
-    }
-
-    /// Wait for every collective started; the tensors, done, in the order
-    /// they were started.
-    pub fn wait(mut self) -> Result<Vec<Tensor>> {
-        let tensors = std::mem::take(&mut self.tensors);
-        match settle(self.pg, &tensors) {
-            Ok(()) => Ok(tensors),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-impl Drop for Started<'_> {
-    /// Left without a wait (a failure on the way): the memory may still be
-    /// under a kernel until the group settles.
-    fn drop(&mut self) {
-        let tensors = std::mem::take(&mut self.tensors);
-        let _ = settle(self.pg, &tensors);
-    }
-}
-
-/// Wait for `pg`'s started device collectives over `tensors`; after a
-/// failure that may have left a kernel over them, keep them from candle's
-/// allocator.
-fn settle(pg: &ProcessGroup, tensors: &[Tensor]) -> Result<()> {
-    if tensors.iter().all(|t| t.device().is_cpu()) {
-        // Host memory: every one ran whole when started.
-        return Ok(());
-    }
-    pg.settle_device().map_err(|e| {
-        if may_be_in_flight(&e) {
-            for t in tensors {
-                std::mem::forget(t.clone());
-            }
-        }
-        Error::Comm(e)
-    })
+    run(pg, t, Coll::AllReduce(op))
 }
 
 /// All-gather in place: `t` ((sum of `counts`,), contiguous) holds rank
@@ -172,7 +64,7 @@ fn settle(pg: &ProcessGroup, tensors: &[Tensor]) -> Result<()> {
 /// the group size does not divide), on CUDA too: no padded copy.
 pub fn all_gather_in_place(pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
     check_counts("all-gather", pg, t, counts)?;
-    run(pg, t, Coll::AllGather(counts), DeviceMode::Wait)
+    run(pg, t, Coll::AllGather(counts))
 }
 
 /// Reduce-scatter in place: `t` ((`n` * k,), contiguous, `n` the group
@@ -188,7 +80,7 @@ pub fn reduce_scatter_in_place(pg: &ProcessGroup, t: &Tensor, op: ReduceOp) -> R
         )));
     }
     let counts = vec![t.elem_count() / pg.size(); pg.size()];
-    run(pg, t, Coll::ReduceScatter(op, &counts), DeviceMode::Wait)
+    run(pg, t, Coll::ReduceScatter(op, &counts))
 }
 
 /// Reduce-scatter in place with uneven blocks: `t` ((sum of `counts`,),
@@ -204,7 +96,7 @@ pub fn reduce_scatter_v_in_place(
     op: ReduceOp,
 ) -> Result<()> {
     check_counts("reduce-scatter", pg, t, counts)?;
-    run(pg, t, Coll::ReduceScatter(op, counts), DeviceMode::Wait)
+    run(pg, t, Coll::ReduceScatter(op, counts))
 }
 
 fn check_counts(what: &str, pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> Result<()> {
@@ -221,17 +113,27 @@ fn check_counts(what: &str, pg: &ProcessGroup, t: &Tensor, counts: &[usize]) -> 
     Ok(())
 }
 
+/// Run `coll` on `t` as an in-place op and wait for it, after the
+/// collectives started on `pg` and not yet run (host memory: see
+/// [`Started`]), as NCCL's stream runs them in the order launched.
+fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll) -> Result<()> {
+    started::flush(pg, None)?;
+    run_op(pg, t, coll, DeviceMode::Wait).map(|_| ())
+}
+
 /// Run `coll` on `t` as an in-place op; the group's own error comes back
-/// whole.
-fn run(pg: &ProcessGroup, t: &Tensor, coll: Coll, mode: DeviceMode) -> Result<()> {
+/// whole. Returns the mark of a collective started on device memory
+/// (`DeviceMode::Start`).
+fn run_op(pg: &ProcessGroup, t: &Tensor, coll: Coll, mode: DeviceMode) -> Result<Option<u64>> {
     let o = InPlace {
         pg,
         coll,
         mode,
         failure: Mutex::new(None),
+        mark: Mutex::new(None),
     };
     match t.inplace_op1(&o) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(o.mark.into_inner().unwrap_or(None)),
         Err(e) => Err(match o.failure.into_inner().unwrap_or(None) {
             Some(c) => {
                 if !t.device().is_cpu() && may_be_in_flight(&c) {
@@ -303,12 +205,13 @@ impl Coll<'_> {
 
 /// A collective on a storage's contiguous range, where it lies: host
 /// memory through the group's backend, CUDA memory through one that
-/// reduces it (after candle's stream has finished writing it). `fail`
+/// reduces it (ordered after what candle's stream has queued). `fail`
 /// turns the group's error into candle's (keeping it, for the caller's
 /// own error type).
 pub(crate) trait OnStorage: BackendStorage {
-    /// `mode`: on device memory, return once complete or once launched
-    /// (host memory: always complete).
+    /// `mode`: on device memory, return once complete or once launched,
+    /// with the group's mark for it (host memory: always complete, no
+    /// mark).
     fn collective(
         &mut self,
         l: &Layout,
@@ -316,7 +219,7 @@ pub(crate) trait OnStorage: BackendStorage {
         coll: Coll,
         mode: DeviceMode,
         fail: &dyn Fn(CommError) -> candle_core::Error,
-    ) -> candle_core::Result<()>;
+    ) -> candle_core::Result<Option<u64>>;
 }
 
 struct InPlace<'a> {
@@ -325,6 +228,8 @@ struct InPlace<'a> {
     mode: DeviceMode,
     /// The group's own error, kept whole for the caller.
     failure: Mutex<Option<CommError>>,
+    /// A started collective's mark.
+    mark: Mutex<Option<u64>>,
 }
 
 impl InPlace<'_> {
@@ -348,12 +253,16 @@ impl InplaceOp1 for InPlace<'_> {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))
+        let m = s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))?;
+        *self.mark.lock().unwrap_or_else(|p| p.into_inner()) = m;
+        Ok(())
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))
+        let m = s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))?;
+        *self.mark.lock().unwrap_or_else(|p| p.into_inner()) = m;
+        Ok(())
     }
 }
 
@@ -365,7 +274,7 @@ impl OnStorage for CpuStorage {
         coll: Coll,
         _mode: DeviceMode,
         fail: &dyn Fn(CommError) -> candle_core::Error,
-    ) -> candle_core::Result<()> {
+    ) -> candle_core::Result<Option<u64>> {
         let (a, b) = span(l)?;
         let r = match self {
             CpuStorage::F32(v) => coll.host(pg, &mut v[a..b]),
@@ -375,7 +284,7 @@ impl OnStorage for CpuStorage {
             CpuStorage::I64(v) => coll.host(pg, &mut v[a..b]),
             s => candle_core::bail!("{} of a {:?} tensor", coll.name(), s.dtype()),
         };
-        r.map_err(fail)
+        r.map(|_| None).map_err(fail)
     }
 }
 
@@ -388,7 +297,7 @@ impl OnStorage for candle_core::CudaStorage {
         coll: Coll,
         mode: DeviceMode,
         fail: &dyn Fn(CommError) -> candle_core::Error,
-    ) -> candle_core::Result<()> {
+    ) -> candle_core::Result<Option<u64>> {
         use candle_core::backend::BackendDevice;
         use candle_core::cuda::cudarc::driver::DevicePtrMut;
         use candle_core::DType as C;
@@ -422,46 +331,50 @@ impl OnStorage for candle_core::CudaStorage {
             ),
             d => candle_core::bail!("{} of a {d:?} tensor on CUDA", coll.name()),
         };
-        // NCCL runs on its own stream: what candle's stream wrote (the
-        // backward that made these gradients, the step that made these
-        // shards, the op that built this buffer) must be complete first,
-        // and NCCL's wait returns only once the collective is (so candle's
-        // later kernels read the result); a started all-reduce's result is
-        // read only after the group's `settle_device` ([`Started::wait`]).
-        stream.synchronize().map_err(candle_core::Error::wrap)?;
         // A group of one on a host backend (one GPU without NCCL) has
         // nothing to exchange and no way to: the tensor is the result.
         if pg.size() == 1 && pg.device_ordinal() != Some(gpu_id) {
-            return Ok(());
+            return Ok(None);
         }
+        // NCCL runs on its own stream, after what candle's stream has
+        // queued so far (the backward that made these gradients, the step
+        // that made these shards, the op that built this buffer): an event
+        // recorded there and waited for on NCCL's, so the host does not
+        // wait for candle's kernels. NCCL's wait returns only once the
+        // collective is complete (so candle's later kernels read the
+        // result); a started one's result is read only after the group
+        // has settled its mark ([`Started`]).
         let buf = DeviceBuf {
             ptr: ptr + (a * dtype.size()) as u64,
             count: b - a,
             dtype,
             ordinal: gpu_id,
+            after: Some(stream.cu_stream() as usize as u64),
         };
         // SAFETY: `buf` is this storage's contiguous range on device
-        // `gpu_id`, candle's writes to it are complete (synchronised
-        // above), and the caller lends it mutably until we return.
-        // A started one is held by the caller until `settle_device`
-        // ([`Started`]).
+        // `gpu_id`, candle's writes to it are queued on `buf.after` (the
+        // collective is ordered after them), and the caller lends it
+        // mutably until we return. A started one is held by the caller
+        // until the group settles its mark ([`Started`]).
         let r = match (coll, mode) {
-            (Coll::AllReduce(op), DeviceMode::Wait) => unsafe { pg.all_reduce_device(buf, op) },
-            (Coll::AllReduce(op), DeviceMode::Start) => unsafe {
-                pg.all_reduce_device_start(buf, op)
-            },
-            (Coll::AllGather(counts), DeviceMode::Wait) => unsafe {
-                pg.all_gather_device(buf, counts)
-            },
-            (Coll::AllGather(counts), DeviceMode::Start) => unsafe {
-                pg.all_gather_device_start(buf, counts)
-            },
-            (Coll::ReduceScatter(op, counts), DeviceMode::Wait) => unsafe {
-                pg.reduce_scatter_device(buf, counts, op)
-            },
-            (Coll::ReduceScatter(op, counts), DeviceMode::Start) => unsafe {
-                pg.reduce_scatter_device_start(buf, counts, op)
-            },
+            (Coll::AllReduce(op), DeviceMode::Wait) => {
+                unsafe { pg.all_reduce_device(buf, op) }.map(|_| None)
+            }
+            (Coll::AllReduce(op), DeviceMode::Start) => {
+                unsafe { pg.all_reduce_device_start(buf, op) }.map(Some)
+            }
+            (Coll::AllGather(counts), DeviceMode::Wait) => {
+                unsafe { pg.all_gather_device(buf, counts) }.map(|_| None)
+            }
+            (Coll::AllGather(counts), DeviceMode::Start) => {
+                unsafe { pg.all_gather_device_start(buf, counts) }.map(Some)
+            }
+            (Coll::ReduceScatter(op, counts), DeviceMode::Wait) => {
+                unsafe { pg.reduce_scatter_device(buf, counts, op) }.map(|_| None)
+            }
+            (Coll::ReduceScatter(op, counts), DeviceMode::Start) => {
+                unsafe { pg.reduce_scatter_device_start(buf, counts, op) }.map(Some)
+            }
         };
         r.map_err(fail)
     }
