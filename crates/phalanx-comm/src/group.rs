@@ -293,8 +293,9 @@ impl ProcessGroup {
     /// # Safety
     /// `buf.ptr` must address `buf.count` elements of `buf.dtype` on that
     /// device, in a context of the process's primary one (candle's and the
-    /// CUDA runtime's), with every earlier write to them complete, and
-    /// nothing else may touch them until this returns.
+    /// CUDA runtime's), with every earlier write to them complete or
+    /// queued on `buf.after` (a live stream of that context), and nothing
+    /// else may touch them until this returns.
     pub unsafe fn all_reduce_device(
         &self,
         buf: crate::backend::DeviceBuf,
@@ -377,6 +378,70 @@ impl ProcessGroup {
     /// collective.
     pub fn settle_device_to(&self, mark: u64) -> Result<()> {
         self.settle_device_in(Some(mark))
+    }
+
+    /// Whether the device operation started on this group with `mark` is
+    /// complete, without waiting (an error where the backend reports one).
+    pub fn device_done(&self, mark: u64) -> Result<bool> {
+        let inner = &*self.inner;
+        let _g = inner.exec.lock().unwrap_or_else(|p| p.into_inner());
+        let c = self.call("device_done", inner.seq.load(Ordering::SeqCst));
+        inner.backend.device_done(&c, mark)
+    }
+
+    /// Send `buf`, in CUDA device memory, to rank `dst` of this group,
+    /// started without waiting; returns its mark
+    /// ([`ProcessGroup::settle_device_to`], [`ProcessGroup::device_done`]).
+    /// No tags: messages between two ranks match in the order sent and
+    /// received (NCCL's `ncclSend`/`ncclRecv`), so a group should carry one
+    /// direction of one pair. Refused as
+    /// [`ProcessGroup::all_reduce_device`] is.
+    ///
+    /// # Safety
+    /// As for [`ProcessGroup::all_reduce_device_start`].
+    pub unsafe fn send_device_start(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        dst: usize,
+    ) -> Result<u64> {
+        self.p2p_device("send_device", dst, |b, c| b.send_device(c, buf, dst))
+    }
+
+    /// Receive the next message from rank `src` of this group into `buf`,
+    /// in CUDA device memory, started without waiting, as
+    /// [`ProcessGroup::send_device_start`].
+    ///
+    /// # Safety
+    /// As for [`ProcessGroup::all_reduce_device_start`].
+    pub unsafe fn recv_device_start(
+        &self,
+        buf: crate::backend::DeviceBuf,
+        src: usize,
+    ) -> Result<u64> {
+        self.p2p_device("recv_device", src, |b, c| b.recv_device(c, buf, src))
+    }
+
+    fn p2p_device(
+        &self,
+        op: &'static str,
+        peer: usize,
+        f: impl FnOnce(&dyn Backend, &Call) -> Result<()>,
+    ) -> Result<u64> {
+        if peer >= self.size() || peer == self.rank() {
+            return Err(invalid!(
+                "{op}: peer {peer} of a group of {} (this rank is {})",
+                self.size(),
+                self.rank()
+            ));
+        }
+        let inner = &*self.inner;
+        if let Some(e) = inner.backend.failure() {
+            return Err(e);
+        }
+        let _g = inner.exec.lock().unwrap();
+        let c = self.call(op, inner.seq.load(Ordering::SeqCst));
+        f(&*inner.backend, &c)?;
+        Ok(inner.backend.device_mark())
     }
 
     fn settle_device_in(&self, mark: Option<u64>) -> Result<()> {

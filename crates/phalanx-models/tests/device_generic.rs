@@ -130,6 +130,17 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             4,
             vec!["parallel.pp=2", "parallel.pp_schedule=\"zb-h1\""],
         ),
+        // Two chunks per stage, 3 micro-batches: a link carries
+        // activations and gradients of several chunks, which its receiver
+        // takes in another order than its sender sends them (links post in
+        // the sender's).
+        (
+            "pp 2 (interleaved)",
+            2,
+            1,
+            3,
+            vec!["parallel.pp=2", "parallel.pp_schedule=\"interleaved:2\""],
+        ),
         (
             "dp 2 x pp 2 x tp 2",
             8,
@@ -274,6 +285,7 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             // and steps the shard there, writing it to the host's.
             "pp 2 (1f1b)"
             | "pp 2 (zero-bubble)"
+            | "pp 2 (interleaved)"
             | "dp 2 x pp 2 x tp 2"
             | "ZeRO-3 2 ranks"
             | "ZeRO-3 3 ranks, 2 micro-batches"

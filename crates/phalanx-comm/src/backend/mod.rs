@@ -399,6 +399,37 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Whether the device operation started with `mark` is complete,
+    /// without waiting (a failure reported by the backend is an error).
+    /// The default has none in flight.
+    fn device_done(&self, c: &Call, mark: u64) -> Result<bool> {
+        let _ = (c, mark);
+        Ok(true)
+    }
+
+    /// Send `buf`, in device memory, to group rank `peer`, started without
+    /// waiting ([`DeviceMode::Start`]: its mark waits for it). No tags:
+    /// messages between two ranks match in the order sent and received, so
+    /// a group carries one direction of one pair (the pipeline's links).
+    /// The caller's obligations are [`Backend::all_reduce_device`]'s. The
+    /// default refuses: this backend sends host memory only.
+    fn send_device(&self, c: &Call, buf: DeviceBuf, peer: usize) -> Result<()> {
+        let _ = (buf, peer);
+        Err(host_only(c, self.name(), "sends", "sends it where it lies"))
+    }
+
+    /// Receive the next message from group rank `peer` into `buf`, in
+    /// device memory, started without waiting, as [`Backend::send_device`].
+    fn recv_device(&self, c: &Call, buf: DeviceBuf, peer: usize) -> Result<()> {
+        let _ = (buf, peer);
+        Err(host_only(
+            c,
+            self.name(),
+            "receives into",
+            "receives it where it lies",
+        ))
+    }
+
     /// All-gather in place in device memory: `buf` holds rank k's block of
     /// `counts[k]` elements after the blocks before it (the counts cover
     /// it: validated by the group); this rank's block is its contribution,

@@ -432,6 +432,50 @@ impl Backend for Nccl {
         self.comm.settle(c, mark)
     }
 
+    fn device_done(&self, c: &Call, mark: u64) -> Result<bool> {
+        self.comm.done(c, mark)
+    }
+
+    /// `ncclSend` of the caller's device memory to `peer`, started on the
+    /// communicator's stream (a one-way link: its peer only receives).
+    fn send_device(&self, c: &Call, buf: DeviceBuf, peer: usize) -> Result<()> {
+        self.on_my_device(c, &buf)?;
+        if buf.count == 0 {
+            return Ok(());
+        }
+        let (dt, count, to) = (nccl_dtype(buf.dtype), buf.count, peer as c_int);
+        self.count(count * buf.dtype.size());
+        self.on_device(
+            c,
+            &buf,
+            DeviceMode::Start,
+            &mut |api, comm, s, src, _| unsafe {
+                // SAFETY: `src` holds `count` elements on this device (the
+                // caller's contract).
+                (api.ncclSend)(src as *const c_void, count, dt, to, comm, s)
+            },
+        )
+    }
+
+    /// `ncclRecv` from `peer` into the caller's device memory, started on
+    /// the communicator's stream.
+    fn recv_device(&self, c: &Call, buf: DeviceBuf, peer: usize) -> Result<()> {
+        self.on_my_device(c, &buf)?;
+        if buf.count == 0 {
+            return Ok(());
+        }
+        let (dt, count, from) = (nccl_dtype(buf.dtype), buf.count, peer as c_int);
+        self.on_device(
+            c,
+            &buf,
+            DeviceMode::Start,
+            &mut |api, comm, s, _, dst| unsafe {
+                // SAFETY: `dst` holds room for `count` elements on this device.
+                (api.ncclRecv)(dst as *mut c_void, count, dt, from, comm, s)
+            },
+        )
+    }
+
     /// The gather in place on the caller's device memory: equal blocks
     /// are one `ncclAllGather` (this rank's block as the send buffer, its
     /// in-place form); uneven ones, one `ncclBroadcast` in place from each

@@ -249,6 +249,8 @@ impl Comm {
     /// recorded after it, and [`Comm::settle`] waits for it by its mark,
     /// which [`Comm::started`] then reads.
     pub fn start(&self, c: &Call, io: Io, launch: &mut Launch) -> Result<()> {
+        // A staged one would return with the staging buffer in use.
+        debug_assert!(matches!(io, Io::Device { .. }), "only device memory starts");
         let mut inner = self.inner.lock().unwrap();
         self.launch_locked(&mut inner, c, &io, launch)?;
         // Launched: without its event nothing could wait for it alone, so
@@ -285,6 +287,49 @@ impl Comm {
         self.wait_locked(&mut inner, c, event)?;
         inner.lane.retire(mark);
         Ok(())
+    }
+
+    /// Whether the operation started with `mark` is complete, without
+    /// waiting (NCCL's asynchronous error, or an abort, is an error).
+    pub fn done(&self, c: &Call, mark: u64) -> Result<bool> {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = self.failure() {
+            self.abort_locked(&mut inner);
+            return Err(e);
+        }
+        let Some(ev) = inner.lane.marks.event_of(mark)? else {
+            return Ok(true);
+        };
+        let comm = self.live(&inner, c)?;
+        self.dev.bind()?;
+        // SAFETY: a recorded event not yet destroyed.
+        match unsafe { cu::cuEventQuery(ev) } {
+            cu::CUresult::CUDA_SUCCESS => {
+                inner.lane.retire(Some(mark));
+                Ok(true)
+            }
+            cu::CUresult::CUDA_ERROR_NOT_READY => {
+                let mut rc: c_int = 0;
+                // SAFETY: a live communicator; an out-parameter.
+                unsafe { (self.api.ncclCommGetAsyncError)(comm.0, &mut rc) };
+                // ncclInProgress (7) is not an error.
+                if rc != 0 && rc != 7 {
+                    let e = self
+                        .api
+                        .check(rc, &|| format!("{} (asynchronous error)", self.what(c)));
+                    if let Err(e) = e {
+                        self.abort_locked(&mut inner);
+                        return Err(self.fail(e));
+                    }
+                }
+                Ok(false)
+            }
+            rc => {
+                let e = super::probe::cu_error(rc, "cuEventQuery");
+                self.abort_locked(&mut inner);
+                Err(self.fail(e))
+            }
+        }
     }
 
     /// What a failure names: the operation, group, ranks and device.

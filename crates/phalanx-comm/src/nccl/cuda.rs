@@ -83,7 +83,8 @@ impl Lane {
         // SAFETY: an out-parameter. CU_STREAM_NON_BLOCKING (1): no
         // implicit synchronisation with the legacy default stream (as
         // PyTorch's NCCL streams); candle's stream and this one are
-        // ordered explicitly (`collective` synchronises candle's first).
+        // ordered explicitly (an event of candle's waited for here:
+        // [`Lane::after`]).
         cu_check(
             unsafe { cu::cuStreamCreate(&mut stream, 1) },
             "cuStreamCreate",

@@ -150,6 +150,28 @@ fn run_op(pg: &ProcessGroup, t: &Tensor, coll: Coll, mode: DeviceMode) -> Result
     }
 }
 
+/// Start sending (`send`), or receiving into, the contiguous device tensor
+/// `t` to or from rank `peer` of `pg`, without waiting: messages between
+/// two ranks match in order, without tags (NCCL's point-to-point; `pg`
+/// carries one direction of one pair). Returns the group's mark for it
+/// (`ProcessGroup::settle_device_to`, `device_done`); `t` is the caller's
+/// until then, and untouched. Device memory only: host memory travels by
+/// tagged messages.
+pub(crate) fn start_p2p(pg: &ProcessGroup, t: &Tensor, send: bool, peer: usize) -> Result<u64> {
+    let coll = match send {
+        true => Coll::Send(peer),
+        false => Coll::Recv(peer),
+    };
+    run_op(pg, t, coll, DeviceMode::Start)?.ok_or_else(|| {
+        Error::Check(format!(
+            "a tagless {} on {:?} through the {} backend (device memory on NCCL only)",
+            coll.name(),
+            t.device().location(),
+            pg.backend_name()
+        ))
+    })
+}
+
 /// What runs on the storage.
 /// Whether a collective that failed with `e` may have launched a kernel
 /// that is still over its memory: every failure but a refusal before the
@@ -167,6 +189,12 @@ pub(crate) enum Coll<'a> {
     AllGather(&'a [usize]),
     /// Per-rank counts.
     ReduceScatter(ReduceOp, &'a [usize]),
+    /// Point-to-point on device memory only (always started): to, or
+    /// from, this group rank ([`start_p2p`]; read on CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Send(usize),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Recv(usize),
 }
 
 impl Coll<'_> {
@@ -175,6 +203,8 @@ impl Coll<'_> {
             Coll::AllReduce(_) => "all-reduce",
             Coll::AllGather(_) => "all-gather",
             Coll::ReduceScatter(..) => "reduce-scatter",
+            Coll::Send(_) => "send",
+            Coll::Recv(_) => "receive",
         }
     }
 
@@ -199,6 +229,12 @@ impl Coll<'_> {
                 v[at..at + counts[me]].copy_from_slice(&mine);
                 Ok(())
             }
+            // Host memory travels by tagged messages instead
+            // (`ProcessGroup::send`): nothing calls this.
+            Coll::Send(_) | Coll::Recv(_) => Err(CommError::Invalid(format!(
+                "a tagless {} of host memory",
+                self.name()
+            ))),
         }
     }
 }
@@ -375,6 +411,8 @@ impl OnStorage for candle_core::CudaStorage {
             (Coll::ReduceScatter(op, counts), DeviceMode::Start) => {
                 unsafe { pg.reduce_scatter_device_start(buf, counts, op) }.map(Some)
             }
+            (Coll::Send(dst), _) => unsafe { pg.send_device_start(buf, dst) }.map(Some),
+            (Coll::Recv(src), _) => unsafe { pg.recv_device_start(buf, src) }.map(Some),
         };
         r.map_err(fail)
     }

@@ -5,9 +5,11 @@
 //! alone (the ones started after it may still run).
 //!
 //! On host memory a started collective is not run when started but when
-//! it is waited for, or when a later collective on its group runs
-//! ([`super::all_reduce_in_place`] and the others flush it first): the
-//! order NCCL's stream would finish them in. The CPU then computes what a
+//! it is waited for, or when a later collective on its group runs through
+//! this module ([`super::all_reduce_in_place`] and the others flush it
+//! first; the group's own host calls and tensor parallelism's exchanges,
+//! on other groups, do not): the order NCCL's stream would finish them
+//! in. A `Started` stays on the thread that made it. The CPU then computes what a
 //! GPU would, and code that read a started tensor before waiting for it
 //! reads it unreduced there too, so the device-generic tests catch it.
 
@@ -17,6 +19,7 @@ use candle_core::Tensor;
 use phalanx_comm::{DeviceMode, ProcessGroup, ReduceOp};
 use std::cell::RefCell;
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -73,9 +76,10 @@ pub(super) fn flush(pg: &ProcessGroup, through: Option<u64>) -> Result<()> {
 }
 
 /// Forget started host collectives `ids` (a [`Started`] dropped without a
-/// wait: a failure on the way).
+/// wait: a failure on the way; its peers fail at their waits, as the
+/// trainer's abort makes them).
 fn cancel(ids: &[u64]) {
-    DEFERRED.with(|d| d.borrow_mut().1.retain(|op| !ids.contains(&op.id)));
+    let _ = DEFERRED.try_with(|d| d.borrow_mut().1.retain(|op| !ids.contains(&op.id)));
 }
 
 /// How a started collective is waited for.
@@ -115,6 +119,8 @@ pub struct Started<'a> {
     pending: VecDeque<(Tensor, Ticket)>,
     /// How many were returned before them.
     returned: usize,
+    /// Not `Send`: host collectives wait in their thread's queue.
+    _thread: PhantomData<*const ()>,
 }
 
 impl<'a> Started<'a> {
@@ -123,6 +129,7 @@ impl<'a> Started<'a> {
             pg,
             pending: VecDeque::new(),
             returned: 0,
+            _thread: PhantomData,
         }
     }
 
@@ -212,8 +219,12 @@ impl<'a> Started<'a> {
                 _ => true,
             });
             if !ran {
+                // Dropped unrun by an earlier failure of the group.
+                if let Some(e) = self.pg.failure() {
+                    return Err(Error::Comm(e));
+                }
                 return Err(Error::Check(
-                    "a collective started on one thread was waited for on another".into(),
+                    "a started collective was dropped unrun by an earlier failure".into(),
                 ));
             }
         }

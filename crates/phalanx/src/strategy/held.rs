@@ -6,7 +6,7 @@
 //! out and its all-reduce started ([`crate::collective::Started`]: under
 //! NCCL launched on the communicator's own stream, so it runs while
 //! candle's stream computes the earlier blocks' backward; on host memory
-//! it runs whole). After the backward every one is awaited and the
+//! it runs when waited for). After the backward every one is awaited and the
 //! buckets are put together as the step's (n,) gradient tensor.
 
 use super::ddp::held_or_fail;

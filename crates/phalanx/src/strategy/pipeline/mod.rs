@@ -66,6 +66,7 @@
 
 pub mod check;
 mod eval;
+mod links;
 mod on_device;
 pub mod p2p;
 pub mod partition;
@@ -139,6 +140,11 @@ pub struct Pipeline {
     /// Data-parallel gradient reduction (the shared seam), over `mesh.dp()`.
     reducer: Reducer,
     loss_scale: f32,
+    /// Activations and gradients between stages on device links (off the
+    /// CPU kernels, where the pipeline group moves the device's memory:
+    /// NCCL on a GPU, the host on the CPU's generic path); `None`: tagged
+    /// host messages.
+    links: Option<links::Links>,
 }
 
 impl Pipeline {
@@ -172,6 +178,14 @@ impl Pipeline {
         let stage = mesh.coords().pp;
         let ties = ties::Ties::new(engine.layout(), &chunks, p, stage, mesh)?;
         let dp_buckets = ties::dp_buckets(engine.layout(), &chunks, &schedule, stage);
+        let dev = engine.device();
+        let links = match p > 1
+            && !crate::ops::host_kernels(dev)
+            && crate::collective::reduces_on(mesh.pp(), dev)
+        {
+            true => Some(links::Links::new(mesh.pp(), &schedule, stage, dev)?),
+            false => None,
+        };
         let mut timeline = Timeline::new(cfg.trace_steps);
         mesh.world().barrier()?;
         timeline.reset_epoch();
@@ -187,6 +201,7 @@ impl Pipeline {
             step: 0,
             reducer: Reducer::new(mesh.dp().clone(), Box::new(DefaultHook::default())),
             loss_scale: 1.0,
+            links,
         })
     }
 
@@ -343,6 +358,7 @@ impl Pipeline {
             step: self.step,
             lookahead: self.cfg.recv_lookahead,
             loss_scale: self.loss_scale,
+            links: self.links.as_mut(),
         };
         let out = runtime::run(step, batch, done)?;
         // ... and end together: the loss (last stage) reaches every stage.

@@ -29,7 +29,7 @@ use phalanx_comm::{bf16, f16, ProcessGroup, Work};
 use crate::error::{Error, Result};
 
 /// What a message carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dir {
     /// An activation's header: dtype, rank, dims.
     ActHeader = 0,
@@ -88,30 +88,58 @@ pub fn send_tensor(
     tag_header: Option<u64>,
 ) -> Result<()> {
     if let Some(th) = tag_header {
-        let dims = t.dims();
-        if dims.len() > HEADER - 2 {
-            return Err(Error::Check(format!(
-                "pipeline: activation of rank {} (at most {})",
-                dims.len(),
-                HEADER - 2
-            )));
-        }
-        let mut h = vec![0i64; HEADER];
-        h[0] = dtype_code(t.dtype())?;
-        h[1] = dims.len() as i64;
-        for (i, d) in dims.iter().enumerate() {
-            h[2 + i] = *d as i64;
-        }
-        pg.send(&h, dst, th)?;
+        send_header(pg, t, dst, th)?;
     }
-    let flat = t.flatten_all()?;
-    match t.dtype() {
-        DType::F32 => pg.send(&flat.to_vec1::<f32>()?, dst, tag_data)?,
-        DType::BF16 => pg.send(&flat.to_vec1::<bf16>()?, dst, tag_data)?,
-        DType::F16 => pg.send(&flat.to_vec1::<f16>()?, dst, tag_data)?,
+    send_data(pg, &t.flatten_all()?, dst, tag_data)
+}
+
+/// Send `t`'s dtype and shape to group rank `dst`.
+pub fn send_header(pg: &ProcessGroup, t: &Tensor, dst: usize, tag: u64) -> Result<()> {
+    let dims = t.dims();
+    if dims.len() > HEADER - 2 {
+        return Err(Error::Check(format!(
+            "pipeline: activation of rank {} (at most {})",
+            dims.len(),
+            HEADER - 2
+        )));
+    }
+    let mut h = vec![0i64; HEADER];
+    h[0] = dtype_code(t.dtype())?;
+    h[1] = dims.len() as i64;
+    for (i, d) in dims.iter().enumerate() {
+        h[2 + i] = *d as i64;
+    }
+    pg.send(&h, dst, tag)?;
+    Ok(())
+}
+
+/// Send the elements of `flat` (1-d) to group rank `dst`.
+pub fn send_data(pg: &ProcessGroup, flat: &Tensor, dst: usize, tag: u64) -> Result<()> {
+    match flat.dtype() {
+        DType::F32 => pg.send(&flat.to_vec1::<f32>()?, dst, tag)?,
+        DType::BF16 => pg.send(&flat.to_vec1::<bf16>()?, dst, tag)?,
+        DType::F16 => pg.send(&flat.to_vec1::<f16>()?, dst, tag)?,
         d => return Err(unsupported(d)),
     }
     Ok(())
+}
+
+/// Receive a header ([`send_header`]) from group rank `src`: the shape
+/// and dtype of the activation that follows.
+pub fn recv_header(pg: &ProcessGroup, src: usize, tag: u64) -> Result<(Shape, DType)> {
+    let mut h = vec![0i64; HEADER];
+    pg.recv(&mut h, src, tag)?;
+    decode_header(&h)
+}
+
+/// The shape and dtype a header names, checked.
+fn decode_header(h: &[i64]) -> Result<(Shape, DType)> {
+    let nd = h[1];
+    if !(0..=(HEADER - 2) as i64).contains(&nd) || h[2..2 + nd as usize].iter().any(|&d| d < 0) {
+        return Err(Error::Check(format!("pipeline: bad header {h:?}")));
+    }
+    let dims: Vec<usize> = h[2..2 + nd as usize].iter().map(|&d| d as usize).collect();
+    Ok((Shape::from(dims), dtype_of(h[0])?))
 }
 
 /// A receive in flight.
@@ -164,16 +192,11 @@ impl Pending {
                 src,
             } => {
                 let h = work.wait()?;
-                let nd = h[1] as usize;
-                if nd > HEADER - 2 || h[2..2 + nd].iter().any(|&d| d < 0) {
-                    return Err(Error::Check(format!("pipeline: bad header {h:?}")));
-                }
-                let shape =
-                    Shape::from(h[2..2 + nd].iter().map(|&d| d as usize).collect::<Vec<_>>());
+                let (shape, dtype) = decode_header(&h)?;
                 let n = shape.elem_count();
                 // The data follows its header on the same connection, so it is
                 // already here or nearly: receive it directly.
-                match dtype_of(h[0])? {
+                match dtype {
                     DType::F32 => {
                         let mut v = vec![0f32; n];
                         pg.recv(&mut v, src, tag_data)?;

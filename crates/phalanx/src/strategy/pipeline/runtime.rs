@@ -20,6 +20,7 @@ use std::ops::Range;
 use candle_core::{DType, Shape, Tensor};
 use phalanx_comm::ProcessGroup;
 
+use super::links::Links;
 use super::p2p::{self, Dir, Pending};
 use super::schedule::{Action, Schedule};
 use super::trace::{Event, EventKind, Timeline};
@@ -50,6 +51,9 @@ pub(super) struct Step<'a> {
     /// The fp16 loss scale (1 otherwise): the last chunk's backward starts
     /// from `loss_scale / m`.
     pub loss_scale: f32,
+    /// Where the data moves over device links (see `links`) instead of
+    /// tagged host messages.
+    pub links: Option<&'a mut Links>,
 }
 
 /// What a step leaves behind.
@@ -65,7 +69,7 @@ fn missing(what: &str, a: &Action) -> Error {
 }
 
 /// Run this rank's table once.
-pub(super) fn run(s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Result<Outcome> {
+pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Result<Outcome> {
     let sched = s.schedule;
     let (p, m, rank) = (sched.p, sched.m, s.rank);
     let last = sched.num_chunks() - 1;
@@ -73,11 +77,17 @@ pub(super) fn run(s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Resul
     let dev = s.engine.device().clone();
     let split = sched.kind.split_backward();
     let actions = &sched.ranks[rank];
+    // Receives posted ahead (tagged host messages); links post their own,
+    // in their senders' order.
     let recvs: Vec<Action> = actions
         .iter()
         .filter(|a| matches!(a, Action::RecvAct { .. } | Action::RecvGrad { .. }))
+        .filter(|_| s.links.is_none())
         .copied()
         .collect();
+    if let Some(l) = s.links.as_deref_mut() {
+        l.begin_step()?;
+    }
     let scale = Tensor::new(s.loss_scale / m as f32, &dev)?;
 
     let mut data: HashMap<usize, (Option<Tensor>, Option<Tensor>)> = HashMap::new();
@@ -227,27 +237,45 @@ pub(super) fn run(s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Resul
                         .ok_or_else(|| missing("output", a))?;
                     let th = p2p::tag(s.step, Dir::ActHeader, mb, c + 1);
                     let td = p2p::tag(s.step, Dir::Act, mb, c + 1);
-                    p2p::send_tensor(s.pg, &t, owner(c + 1), td, Some(th))?;
+                    match s.links.as_deref_mut() {
+                        Some(l) => l.send(s.pg, &t, owner(c + 1), Some(th))?,
+                        None => p2p::send_tensor(s.pg, &t, owner(c + 1), td, Some(th))?,
+                    }
                     EventKind::SendAct
                 } else {
                     let t = grad_out
                         .remove(&(mb, c))
                         .ok_or_else(|| missing("output", a))?;
                     let td = p2p::tag(s.step, Dir::Grad, mb, c - 1);
-                    p2p::send_tensor(s.pg, &t, owner(c - 1), td, None)?;
+                    match s.links.as_deref_mut() {
+                        Some(l) => l.send(s.pg, &t, owner(c - 1), None)?,
+                        None => p2p::send_tensor(s.pg, &t, owner(c - 1), td, None)?,
+                    }
                     EventKind::SendGrad
                 }
             }
             Action::RecvAct { .. } | Action::RecvGrad { .. } => {
-                let (r, pend) = posted
-                    .pop_front()
-                    .ok_or_else(|| missing("posted receive", a))?;
-                if r != *a {
-                    return Err(Error::Check(format!(
-                        "pipeline runtime: receive {a:?} out of order (posted {r:?})"
-                    )));
-                }
-                let t = pend.wait(s.pg, &dev)?;
+                let t = match s.links.as_deref_mut() {
+                    Some(l) => {
+                        let (from, key) = match a {
+                            Action::RecvAct { .. } => (owner(c - 1), (Dir::Act, mb, c)),
+                            _ => (owner(c + 1), (Dir::Grad, mb, c)),
+                        };
+                        let meta = |mb: usize, c: usize| out_meta.get(&(mb, c)).cloned();
+                        l.recv(s.pg, from, key, s.step, &dev, &meta)?
+                    }
+                    None => {
+                        let (r, pend) = posted
+                            .pop_front()
+                            .ok_or_else(|| missing("posted receive", a))?;
+                        if r != *a {
+                            return Err(Error::Check(format!(
+                                "pipeline runtime: receive {a:?} out of order (posted {r:?})"
+                            )));
+                        }
+                        pend.wait(s.pg, &dev)?
+                    }
+                };
                 consumed += 1;
                 if matches!(a, Action::RecvAct { .. }) {
                     inputs.insert((mb, c), t);
@@ -275,6 +303,9 @@ pub(super) fn run(s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Resul
                 done(c, s.engine.grads_flat_mut())?;
             }
         }
+    }
+    if let Some(l) = s.links.as_deref_mut() {
+        l.end_step()?;
     }
     let unsent = act_out.len() + grad_out.len();
     if !stashes.is_empty() || !wstashes.is_empty() || unsent > 0 || !posted.is_empty() {

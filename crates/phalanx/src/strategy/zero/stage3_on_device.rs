@@ -190,7 +190,7 @@ impl Zero {
         for b in 0..nb {
             let src = self.take_gathered(engine, &shard, &mut flight, b)?;
             next = next.max(b + 1);
-            while next < nb && next <= b + self.cfg.forward_prefetch {
+            while next < nb && next - b <= self.cfg.forward_prefetch {
                 self.gather_ahead(engine, &shard, &mut flight, next)?;
                 next += 1;
             }
