@@ -36,7 +36,8 @@
 #      native backend carries their collectives through host memory); with
 #      2+ GPUs, DDP, ZeRO-1, ZeRO-2, ZeRO-3 and pp 2 (gradients averaged or
 #      summed in device memory, no read-back: the step log's grad_reads;
-#      ZeRO-3's blocks gathered there too),
+#      ZeRO-3's blocks gathered there too, 2 blocks ahead; pp's activations
+#      by ncclSend / ncclRecv, also interleaved),
 #      and tp 2 with and
 #      without sequence parallelism (its exchanges in device memory) once
 #      more over NCCL, and with 4+ GPUs dp 2 x pp 2 under ZeRO-1;
@@ -288,14 +289,22 @@ for fam in gpt llama; do
         # ZeRO-3 gathers each block from the shards on the devices and
         # reduce-scatters its gradients there (ncclBroadcast / ncclReduce
         # grouped where the shards cut a block unevenly).
+        # Two blocks gathered ahead, each waited for by its own event.
         PHALANX_BACKEND=nccl step "$fam: ZeRO-3 2 ranks over NCCL, 2 micro-batches" 120 check \
             "$fam-zero3-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 \
-            train.grad_accum_steps=2 zero_optimization.stage=3
+            train.grad_accum_steps=2 zero_optimization.stage=3 parallel.forward_prefetch=2 \
+            parallel.backward_prefetch=2
         step "$fam: ZeRO-3 over NCCL read no gradient back" 10 no_reads "$fam-zero3-nccl"
-        # Each stage's gradients held, tied copies summed over NCCL there.
+        # Each stage's gradients held, tied copies summed over NCCL there;
+        # activations and their gradients between the stages by ncclSend /
+        # ncclRecv on device memory (the pipeline's links).
         PHALANX_BACKEND=nccl step "$fam: pp 2 over NCCL" 120 check "$fam-pp-nccl" 2 $b "$LOSS_TOL" \
             "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=4 parallel.pp=2
         step "$fam: pp 2 over NCCL read no gradient back" 10 no_reads "$fam-pp-nccl"
+        # Two chunks per stage: each link carries several chunks' messages.
+        PHALANX_BACKEND=nccl step "$fam: pp 2 interleaved over NCCL" 120 check "$fam-ppi-nccl" 2 $b \
+            "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=4 parallel.pp=2 \
+            parallel.pp_schedule=\"interleaved:2\"
         if [ "$gpus" -ge 4 ]; then
             PHALANX_BACKEND=nccl step "$fam: dp 2 x pp 2, ZeRO-1 over NCCL" 120 check "$fam-pp-zero1-nccl" 4 \
                 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=2 train.grad_accum_steps=2 parallel.pp=2 \

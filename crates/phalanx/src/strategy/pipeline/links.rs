@@ -21,7 +21,10 @@
 //! out of the sender's order would take another message's data, as on
 //! NCCL, and the tests that compare the pipeline with one rank fail.
 //! Sends on the device are held until complete, polled without waiting
-//! at each send and awaited at the end of the step.
+//! at each send and awaited at the end of the step. Receives are posted
+//! ahead ([`Links::post_ahead`], as far as the step's receive look-ahead
+//! and what is known of their shapes allow), so on NCCL a transfer runs
+//! as soon as its sender sends.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
@@ -68,7 +71,12 @@ pub(super) struct Links {
     plan: HashMap<usize, Vec<Key>>,
     /// Per peer stage, how many of them are posted this step.
     next: HashMap<usize, usize>,
+    /// Per peer stage, how many of them were taken this step.
+    taken: HashMap<usize, usize>,
     posted: HashMap<Key, Posted>,
+    /// Activations' headers whose receives are posted (ahead of their
+    /// data's).
+    headers: HashMap<Key, Work<Vec<i64>>>,
 }
 
 /// The stage a chunk runs on.
@@ -132,8 +140,10 @@ impl Links {
             out,
             inp,
             next: plan.keys().map(|&k| (k, 0)).collect(),
+            taken: plan.keys().map(|&k| (k, 0)).collect(),
             plan,
             posted: HashMap::new(),
+            headers: HashMap::new(),
         };
         if !dev.is_cpu() {
             links.connect(&pairs, stage, dev)?;
@@ -158,13 +168,14 @@ impl Links {
 
     /// A new step: nothing of the last one may be left.
     pub fn begin_step(&mut self) -> Result<()> {
-        if !self.posted.is_empty() {
+        if !self.posted.is_empty() || !self.headers.is_empty() {
             return Err(Error::Check(format!(
                 "pipeline links: {} receives of the last step were never taken",
-                self.posted.len()
+                self.posted.len() + self.headers.len()
             )));
         }
         self.next.values_mut().for_each(|n| *n = 0);
+        self.taken.values_mut().for_each(|n| *n = 0);
         Ok(())
     }
 
@@ -202,6 +213,99 @@ impl Links {
         Ok(())
     }
 
+    /// Post, without waiting, the receives each peer's next messages
+    /// need, up to `ahead` beyond those taken, as far as their shapes are
+    /// known (a gradient's once this stage's activation was made, an
+    /// activation's once its header is in): on NCCL the transfer then runs
+    /// as soon as the peer sends, while this stage computes.
+    pub fn post_ahead(
+        &mut self,
+        pp: &ProcessGroup,
+        step: u64,
+        dev: &Device,
+        grad_shape: &dyn Fn(usize, usize) -> Option<(Shape, DType)>,
+        ahead: usize,
+    ) -> Result<()> {
+        let mut peers: Vec<usize> = self.plan.keys().copied().collect();
+        peers.sort_unstable();
+        for from in peers {
+            while self.next[&from] < self.taken[&from] + ahead
+                && self.post_next(pp, from, step, dev, grad_shape, false)?
+            {}
+        }
+        Ok(())
+    }
+
+    /// Post the receive of stage `from`'s next message, in its send order.
+    /// Without `block`, only where its shape is known now (`Ok(false)`
+    /// where not, or where none is left).
+    fn post_next(
+        &mut self,
+        pp: &ProcessGroup,
+        from: usize,
+        step: u64,
+        dev: &Device,
+        grad_shape: &dyn Fn(usize, usize) -> Option<(Shape, DType)>,
+        block: bool,
+    ) -> Result<bool> {
+        let n = self.next.get(&from).copied().unwrap_or(0);
+        let Some(&k) = self.plan.get(&from).and_then(|p| p.get(n)) else {
+            return match block {
+                true => Err(Error::Check(format!(
+                    "pipeline links: stage {from} sends no more messages this step"
+                ))),
+                false => Ok(false),
+            };
+        };
+        let (dir, mb, c) = k;
+        let (shape, dtype) = match dir {
+            Dir::Grad => match (grad_shape(mb, c), block) {
+                (Some(s), _) => s,
+                (None, false) => return Ok(false),
+                (None, true) => {
+                    return Err(Error::Check(format!(
+                        "pipeline links: the gradient {k:?} comes before its activation was made"
+                    )))
+                }
+            },
+            _ => {
+                let tag = p2p::tag(step, Dir::ActHeader, mb, c);
+                let w = self
+                    .headers
+                    .remove(&k)
+                    .unwrap_or_else(|| p2p::post_header(pp, from, tag));
+                if !block && !w.is_completed() {
+                    self.headers.insert(k, w);
+                    return Ok(false);
+                }
+                p2p::header_of(w)?
+            }
+        };
+        let link = self
+            .inp
+            .get_mut(&from)
+            .ok_or_else(|| Error::Check(format!("pipeline links: no link from stage {from}")))?;
+        let posted = if dev.is_cpu() {
+            let n = shape.elem_count();
+            let (pg, peer, tag) = (&link.pg, link.peer, link.seq);
+            let w = match dtype {
+                DType::F32 => HostWork::F32(pg.recv_async(vec![0f32; n], peer, tag)),
+                DType::BF16 => HostWork::BF16(pg.recv_async(vec![bf16::ZERO; n], peer, tag)),
+                DType::F16 => HostWork::F16(pg.recv_async(vec![f16::ZERO; n], peer, tag)),
+                d => return Err(Error::Check(format!("pipeline links: a {d:?} activation"))),
+            };
+            Posted::Host(w, shape)
+        } else {
+            let buf = Tensor::zeros(shape, dtype, dev)?;
+            let mark = start_p2p(&link.pg, &buf, false, link.peer)?;
+            Posted::Device(buf, mark)
+        };
+        link.seq += 1;
+        self.posted.insert(k, posted);
+        self.next.insert(from, n + 1);
+        Ok(true)
+    }
+
     /// Take message `key` from stage `from`, posting first every message
     /// that stage sends before it. `grad_shape(mb, chunk)` is the shape and
     /// dtype of the activation a gradient answers (this stage's output).
@@ -215,44 +319,9 @@ impl Links {
         grad_shape: &dyn Fn(usize, usize) -> Option<(Shape, DType)>,
     ) -> Result<Tensor> {
         while !self.posted.contains_key(&key) {
-            let plan = self.plan.get(&from).map_or(&[][..], |v| &v[..]);
-            let n = self.next.get(&from).copied().unwrap_or(0);
-            let Some(&k) = plan.get(n) else {
-                return Err(Error::Check(format!(
-                    "pipeline links: stage {from} sends no {key:?} this step"
-                )));
-            };
-            let (dir, mb, c) = k;
-            let (shape, dtype) = match dir {
-                Dir::Grad => grad_shape(mb, c).ok_or_else(|| {
-                    Error::Check(format!(
-                        "pipeline links: the gradient {k:?} came before its activation was sent"
-                    ))
-                })?,
-                _ => p2p::recv_header(pp, from, p2p::tag(step, Dir::ActHeader, mb, c))?,
-            };
-            let link = self.inp.get_mut(&from).ok_or_else(|| {
-                Error::Check(format!("pipeline links: no link from stage {from}"))
-            })?;
-            let posted = if dev.is_cpu() {
-                let n = shape.elem_count();
-                let (pg, peer, tag) = (&link.pg, link.peer, link.seq);
-                let w = match dtype {
-                    DType::F32 => HostWork::F32(pg.recv_async(vec![0f32; n], peer, tag)),
-                    DType::BF16 => HostWork::BF16(pg.recv_async(vec![bf16::ZERO; n], peer, tag)),
-                    DType::F16 => HostWork::F16(pg.recv_async(vec![f16::ZERO; n], peer, tag)),
-                    d => return Err(Error::Check(format!("pipeline links: a {d:?} activation"))),
-                };
-                Posted::Host(w, shape)
-            } else {
-                let buf = Tensor::zeros(shape, dtype, dev)?;
-                let mark = start_p2p(&link.pg, &buf, false, link.peer)?;
-                Posted::Device(buf, mark)
-            };
-            link.seq += 1;
-            self.posted.insert(k, posted);
-            self.next.insert(from, n + 1);
+            self.post_next(pp, from, step, dev, grad_shape, true)?;
         }
+        *self.taken.entry(from).or_default() += 1;
         let link = &self.inp[&from];
         match self.posted.remove(&key).expect("posted above") {
             Posted::Host(w, shape) => Ok(match w {

@@ -124,12 +124,15 @@ pub fn send_data(pg: &ProcessGroup, flat: &Tensor, dst: usize, tag: u64) -> Resu
     Ok(())
 }
 
-/// Receive a header ([`send_header`]) from group rank `src`: the shape
-/// and dtype of the activation that follows.
-pub fn recv_header(pg: &ProcessGroup, src: usize, tag: u64) -> Result<(Shape, DType)> {
-    let mut h = vec![0i64; HEADER];
-    pg.recv(&mut h, src, tag)?;
-    decode_header(&h)
+/// Post the receive of a header ([`send_header`]) from group rank `src`;
+/// [`header_of`] reads it.
+pub fn post_header(pg: &ProcessGroup, src: usize, tag: u64) -> Work<Vec<i64>> {
+    pg.recv_async(vec![0i64; HEADER], src, tag)
+}
+
+/// The shape and dtype of the activation a posted header announces.
+pub fn header_of(w: Work<Vec<i64>>) -> Result<(Shape, DType)> {
+    decode_header(&w.wait()?)
 }
 
 /// The shape and dtype a header names, checked.

@@ -113,6 +113,10 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
     }
 
     for a in actions {
+        if let Some(l) = s.links.as_deref_mut() {
+            let meta = |mb: usize, c: usize| out_meta.get(&(mb, c)).cloned();
+            l.post_ahead(s.pg, s.step, &dev, &meta, s.lookahead.max(1))?;
+        }
         // Post receives ahead, in consumption order; a gradient's receive
         // waits until the forward that fixes its shape has run.
         while next_post < recvs.len() && next_post < consumed + s.lookahead.max(1) {
