@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 use phalanx::collective::{
     all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduce_scatter_v_in_place,
-    reduces_on,
+    reduces_on, Started,
 };
 use phalanx_comm::{threads, ReduceOp};
 
@@ -255,5 +255,52 @@ fn reduce_scatters_uneven_blocks_in_place() {
             short.contains("reduce-scatter in place: 3 counts summing to 3"),
             "{short}"
         );
+    }
+}
+
+#[test]
+fn started_collectives_run_in_order_when_waited_for_as_on_a_stream() {
+    // On host memory a started collective runs when it is waited for, or
+    // when a later collective on its group runs: NCCL's stream order. So a
+    // tensor read before its wait is still this rank's own (as a GPU's
+    // would be, unfinished), and code that reads early is caught on the CPU.
+    let out = threads::run(2, |pg| {
+        let r = pg.rank() as f32;
+        let t = |x: f32| Tensor::new(&[x + r], &Device::Cpu).unwrap();
+        let v = |t: &Tensor| t.to_vec1::<f32>().unwrap()[0];
+        let mut started = Started::new(&pg);
+        let (a, b, c) = (t(1.0), t(10.0), t(100.0));
+        started.all_reduce(a.clone(), ReduceOp::Sum).unwrap();
+        started.all_reduce(b.clone(), ReduceOp::Sum).unwrap();
+        started.all_reduce(c.clone(), ReduceOp::Sum).unwrap();
+        assert_eq!(started.len(), 3);
+        let early = (v(&a), v(&b), v(&c));
+        // The first alone: the later ones are still this rank's.
+        let first = started.wait_first(1).unwrap();
+        assert_eq!(first.len(), 1);
+        let after_first = (v(&a), v(&b), v(&c));
+        // A blocking collective on the group runs what was started before
+        // it, in order, first.
+        let d = t(1000.0);
+        all_reduce_in_place(&pg, &d, ReduceOp::Sum).unwrap();
+        let after_blocking = (v(&b), v(&c), v(&d));
+        // What is left comes back without running anything twice.
+        let rest = started.wait().unwrap();
+        assert_eq!(rest.len(), 2);
+        // A started one dropped without a wait is never run.
+        let mut dropped = Started::new(&pg);
+        let e = t(5.0);
+        dropped.all_reduce(e.clone(), ReduceOp::Sum).unwrap();
+        drop(dropped);
+        all_reduce_in_place(&pg, &t(0.0), ReduceOp::Sum).unwrap();
+        (early, after_first, after_blocking, v(&b), v(&e))
+    });
+    for (rank, (early, after_first, after_blocking, b, e)) in out.into_iter().enumerate() {
+        let r = rank as f32;
+        assert_eq!(early, (1.0 + r, 10.0 + r, 100.0 + r), "rank {rank}");
+        assert_eq!(after_first, (3.0, 10.0 + r, 100.0 + r), "rank {rank}");
+        assert_eq!(after_blocking, (21.0, 201.0, 2001.0), "rank {rank}");
+        assert_eq!(b, 21.0, "rank {rank}: reduced once");
+        assert_eq!(e, 5.0 + r, "rank {rank}: the dropped one ran");
     }
 }
