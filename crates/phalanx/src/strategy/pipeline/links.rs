@@ -146,6 +146,19 @@ impl Links {
             headers: HashMap::new(),
         };
         if !dev.is_cpu() {
+            // One hardware queue for every stream serialises the links'
+            // kernels: a send waiting for its receive then holds up the
+            // receive queued after it on another link, on both stages.
+            let conns = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok();
+            if let Some(n) = conns.as_deref().and_then(|v| v.trim().parse::<u32>().ok()) {
+                if n < 4 {
+                    eprintln!(
+                        "phalanx: warning: CUDA_DEVICE_MAX_CONNECTIONS={n}: the pipeline's \
+                         NCCL links (a stream per direction of each pair of stages) may wait \
+                         on each other's queued kernels; unset it (CUDA's default is 8)"
+                    );
+                }
+            }
             links.connect(&pairs, stage, dev)?;
         }
         Ok(links)
@@ -356,7 +369,50 @@ impl Links {
                 keys.len()
             )));
         }
+        if !self.posted.is_empty() || !self.headers.is_empty() {
+            return Err(Error::Check(format!(
+                "pipeline links: {} messages were received and never taken this step",
+                self.posted.len() + self.headers.len()
+            )));
+        }
         Ok(())
+    }
+}
+
+impl Drop for Links {
+    /// Left in the middle of a step (a failure on the way): a send whose
+    /// receive was never posted, or a receive whose send never comes,
+    /// would hold its NCCL communicator's destroy forever, so those links
+    /// are aborted, and their device buffers never given back to candle
+    /// (a kernel may still be over them; the process is failing anyway).
+    fn drop(&mut self) {
+        for link in self.out.values_mut() {
+            let open = link
+                .sending
+                .back()
+                .is_some_and(|(_, m)| !link.pg.device_done(*m).unwrap_or(false));
+            if open {
+                link.pg
+                    .abort("a pipeline link was let go with a send in flight");
+                for (t, _) in link.sending.drain(..) {
+                    std::mem::forget(t);
+                }
+            }
+        }
+        for (key, posted) in self.posted.drain() {
+            if let Posted::Device(buf, _) = posted {
+                let from = self
+                    .plan
+                    .iter()
+                    .find(|(_, keys)| keys.contains(&key))
+                    .map(|(from, _)| *from);
+                if let Some(link) = from.and_then(|f| self.inp.get(&f)) {
+                    link.pg
+                        .abort("a pipeline link was let go with a receive in flight");
+                }
+                std::mem::forget(buf);
+            }
+        }
     }
 }
 

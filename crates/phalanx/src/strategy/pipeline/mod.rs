@@ -179,10 +179,15 @@ impl Pipeline {
         let ties = ties::Ties::new(engine.layout(), &chunks, p, stage, mesh)?;
         let dp_buckets = ties::dp_buckets(engine.layout(), &chunks, &schedule, stage);
         let dev = engine.device();
-        let links = match p > 1
-            && !crate::ops::host_kernels(dev)
-            && crate::collective::reduces_on(mesh.pp(), dev)
-        {
+        // Every stage must make the links or none (their groups are
+        // collective over the pipeline group): the stages agree first.
+        let mut wants = [i32::from(
+            p > 1
+                && !crate::ops::host_kernels(dev)
+                && crate::collective::reduces_on(mesh.pp(), dev),
+        )];
+        mesh.pp().all_reduce(&mut wants, ReduceOp::Min)?;
+        let links = match wants[0] == 1 {
             true => Some(links::Links::new(mesh.pp(), &schedule, stage, dev)?),
             false => None,
         };
