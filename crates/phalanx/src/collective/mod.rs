@@ -269,6 +269,13 @@ struct InPlace<'a> {
 }
 
 impl InPlace<'_> {
+    /// The collective on storage `s`, its mark kept.
+    fn on<S: OnStorage>(&self, s: &mut S, l: &Layout) -> candle_core::Result<()> {
+        let m = s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))?;
+        *self.mark.lock().unwrap_or_else(|p| p.into_inner()) = m;
+        Ok(())
+    }
+
     fn fail(&self, e: CommError) -> candle_core::Error {
         let msg = e.to_string();
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
@@ -289,16 +296,12 @@ impl InplaceOp1 for InPlace<'_> {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        let m = s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))?;
-        *self.mark.lock().unwrap_or_else(|p| p.into_inner()) = m;
-        Ok(())
+        self.on(s, l)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
-        let m = s.collective(l, self.pg, self.coll, self.mode, &|e| self.fail(e))?;
-        *self.mark.lock().unwrap_or_else(|p| p.into_inner()) = m;
-        Ok(())
+        self.on(s, l)
     }
 }
 
