@@ -293,8 +293,9 @@ impl Pipeline {
             &mut self.reducer,
             Reducer::new(dp.clone(), Box::new(DefaultHook::default())),
         );
-        let mut done = |c: usize, g: &mut [f32]| {
+        let mut done = |c: usize, engine: &mut Engine| {
             if let Some(rs) = buckets.get(&c) {
+                let g = engine.grads_flat_mut();
                 reducer.launch(c, gather_ranges(g, rs), &Collective::AllReduce);
             }
             Ok(())

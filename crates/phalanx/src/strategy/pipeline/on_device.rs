@@ -3,9 +3,10 @@
 //! up there (`Engine::hold_grads`) instead of reading them back, the tied
 //! parameters' copies are summed over their stages and the owned ranges
 //! averaged over dp where they lie (`collective`: NCCL on device memory,
-//! any backend on host memory): all-reduced under plain data parallel,
-//! reduce-scattered under ZeRO-1, each dp rank keeping its piece of each
-//! range. The stage's optimizers step on them there, in the ranges' kept
+//! any backend on host memory): all-reduced under plain data parallel
+//! (each chunk's started as soon as its last backward has run, so it runs
+//! while the schedule goes on), reduce-scattered under ZeRO-1, each dp
+//! rank keeping its piece of each range. The stage's optimizers step on them there, in the ranges' kept
 //! device copies (ZeRO-1 then all-gathers the pieces there), and write
 //! the new values to the host buffer. Nothing reads a gradient back.
 //!
@@ -17,7 +18,7 @@
 use super::trace::EventKind;
 use super::{BatchFn, PipeStrategy, Pipeline};
 use crate::collective::{
-    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on,
+    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on, Started,
 };
 use crate::engine::{shard_range, Engine};
 use crate::error::{Error, Result};
@@ -25,7 +26,7 @@ use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
 use crate::strategy::ddp::{block_padding, grads_may_stay_on_device, take_held_grads};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use phalanx_comm::ReduceOp;
 use std::ops::Range;
 
@@ -56,36 +57,97 @@ impl Pipeline {
     /// range's sum is taken out (in [`Pipeline::owned_ranges`]' order),
     /// the tied copies summed over their stages and, unless `scatter`
     /// (ZeRO-1: the caller reduce-scatters them), every range averaged
-    /// over dp, in place. With `scatter` each range comes padded with
-    /// zeros to whole pieces of ceil(len / dp). Returns the mean loss (as
-    /// [`Pipeline::forward_backward`]) and the ranges' gradients.
+    /// over dp, in place. Under plain data parallelism with `overlap_dp`
+    /// (the default) the average is started chunk by chunk as each
+    /// chunk's last backward has run, during the schedule, and the ranges
+    /// are put together from those pieces. With `scatter` each range comes
+    /// padded with zeros to whole pieces of ceil(len / dp). Returns the
+    /// mean loss (as [`Pipeline::forward_backward`]) and the ranges'
+    /// gradients.
     pub fn forward_backward_on_device(
         &mut self,
         engine: &mut Engine,
         batch: &mut BatchFn,
         scatter: bool,
     ) -> Result<(f32, Vec<Tensor>)> {
+        let dp = self.mesh.dp().clone();
+        // As the host path: each chunk's ranges averaged over dp as soon
+        // as its last backward has run, while the schedule goes on
+        // (`Started`: under NCCL on its own stream; the last stages, done
+        // first, reduce while the first ones finish).
+        let overlap = !scatter && dp.size() > 1 && self.cfg.overlap_dp;
         engine.zero_grad();
         engine.hold_grads(true);
-        let loss = self.run_schedule(engine, batch);
+        let mut started = Started::new(&dp);
+        // The ranges started, in order, and the first held nowhere.
+        let mut pieces: Vec<Range<usize>> = Vec::new();
+        let mut missing = None;
+        let loss = if overlap {
+            let buckets = self.dp_buckets.clone();
+            let mut done = |c: usize, engine: &mut Engine| -> Result<()> {
+                for r in buckets.get(&c).into_iter().flatten() {
+                    // Zeros stand in where none are held, so that this rank
+                    // still joins; it fails after.
+                    let g = match engine.take_device_grads(r.clone(), 0)? {
+                        Some(g) => g,
+                        None => {
+                            missing.get_or_insert(r.clone());
+                            Tensor::zeros(r.len(), DType::F32, engine.device())?
+                        }
+                    };
+                    started.all_reduce(g, ReduceOp::Avg)?;
+                    pieces.push(r.clone());
+                }
+                Ok(())
+            };
+            self.run_schedule_with(engine, batch, &mut done)
+        } else {
+            self.run_schedule(engine, batch)
+        };
         engine.hold_grads(false);
         let loss = loss?;
-        let dp = self.mesh.dp().clone();
         let mut grads = Vec::with_capacity(self.ties.owned.len());
-        let mut missing = None;
-        for r in &self.ties.owned {
-            let pad = match scatter {
-                true => block_padding(r.len(), dp.size()),
-                false => 0,
-            };
-            // Zeros stand in where none are held, so that this rank still
-            // joins the reductions below (not ZeRO-1's reduce-scatter, in
-            // the finish); it fails after them.
-            let (g, held) = take_held_grads(engine, r.clone(), pad)?;
-            if !held {
-                missing.get_or_insert(r.clone());
+        if overlap {
+            let t0 = self.timeline.now_us();
+            let reduced = started.wait()?;
+            self.event(EventKind::DpReduce, t0);
+            let mut parts: Vec<(Range<usize>, Tensor)> = pieces.into_iter().zip(reduced).collect();
+            parts.sort_unstable_by_key(|(r, _)| r.start);
+            for o in &self.ties.owned {
+                let mine: Vec<Tensor> = parts
+                    .iter()
+                    .filter(|(r, _)| o.start <= r.start && r.end <= o.end)
+                    .map(|(_, t)| t.clone())
+                    .collect();
+                let got: usize = mine.iter().map(|t| t.elem_count()).sum();
+                if got != o.len() {
+                    return Err(Error::Check(format!(
+                        "pipeline: stage {}'s chunks reduced {got} of the {} gradients of {o:?}",
+                        self.stage,
+                        o.len()
+                    )));
+                }
+                grads.push(match mine.len() {
+                    1 => mine.into_iter().next().expect("one"),
+                    _ => Tensor::cat(&mine, 0)?,
+                });
             }
-            grads.push(g);
+        } else {
+            drop(started);
+            for r in &self.ties.owned {
+                let pad = match scatter {
+                    true => block_padding(r.len(), dp.size()),
+                    false => 0,
+                };
+                // Zeros stand in where none are held, so that this rank
+                // still joins the reductions below (not ZeRO-1's
+                // reduce-scatter, in the finish); it fails after them.
+                let (g, held) = take_held_grads(engine, r.clone(), pad)?;
+                if !held {
+                    missing.get_or_insert(r.clone());
+                }
+                grads.push(g);
+            }
         }
         let t0 = self.timeline.now_us();
         // One all-reduce per tied range, in place in its view (the host
@@ -98,7 +160,7 @@ impl Pipeline {
             }
         }
         self.event(EventKind::TieReduce, t0);
-        if dp.size() > 1 && !scatter {
+        if dp.size() > 1 && !scatter && !overlap {
             let t0 = self.timeline.now_us();
             for g in &grads {
                 all_reduce_in_place(&dp, g, ReduceOp::Avg)?;

@@ -32,10 +32,11 @@ use crate::ledger::Mem;
 /// A source of micro-batches: `batch(a) = (inputs, targets)` of micro-batch `a`.
 pub type BatchFn<'a> = dyn FnMut(usize) -> Result<(Tensor, Tensor)> + 'a;
 
-/// Called with (chunk, flat gradients) once a chunk's last backward of the
-/// step has run: the gradients of the parameters it owns are final on this
-/// stage (tied ones still lack the other stages' share).
-pub type ChunkDoneFn<'a> = dyn FnMut(usize, &mut [f32]) -> Result<()> + 'a;
+/// Called with (chunk, engine) once a chunk's last backward of the step
+/// has run: the gradients of the parameters it owns are final on this
+/// stage (tied ones still lack the other stages' share), in the flat
+/// buffer or, held on the device, in the engine's held gradients.
+pub type ChunkDoneFn<'a> = dyn FnMut(usize, &mut Engine) -> Result<()> + 'a;
 
 /// Everything one step needs.
 pub(super) struct Step<'a> {
@@ -304,7 +305,7 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
             let n = left.get_mut(&c).ok_or_else(|| missing("chunk count", a))?;
             *n -= 1;
             if *n == 0 {
-                done(c, s.engine.grads_flat_mut())?;
+                done(c, s.engine)?;
             }
         }
     }
