@@ -141,6 +141,23 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             3,
             vec!["parallel.pp=2", "parallel.pp_schedule=\"interleaved:2\""],
         ),
+        // The chunks' dp averages started as each chunk finishes: under
+        // zero-bubble after its last W pass, interleaved while the other
+        // chunk still computes.
+        (
+            "dp 2 x pp 2 (zero-bubble)",
+            4,
+            2,
+            2,
+            vec!["parallel.pp=2", "parallel.pp_schedule=\"zb-h1\""],
+        ),
+        (
+            "dp 2 x pp 2 (interleaved)",
+            4,
+            2,
+            2,
+            vec!["parallel.pp=2", "parallel.pp_schedule=\"interleaved:2\""],
+        ),
         (
             "dp 2 x pp 2 x tp 2",
             8,
@@ -184,6 +201,9 @@ fn gpt_strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>
         ),
         ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
         ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
+        // Each chunk's dp average started as its last backward has run,
+        // the tied embedding summed over the stages after.
+        ("dp 2 x pp 2", 4, 2, 2, vec!["parallel.pp=2"]),
         // The tied embedding summed over the stages, then reduce-scattered.
         (
             "dp 2 x pp 2, ZeRO-1",
@@ -286,6 +306,8 @@ fn every_strategy_on_the_generic_path_reproduces_the_fused_one_rank_run() {
             "pp 2 (1f1b)"
             | "pp 2 (zero-bubble)"
             | "pp 2 (interleaved)"
+            | "dp 2 x pp 2 (zero-bubble)"
+            | "dp 2 x pp 2 (interleaved)"
             | "dp 2 x pp 2 x tp 2"
             | "ZeRO-3 2 ranks"
             | "ZeRO-3 3 ranks, 2 micro-batches"

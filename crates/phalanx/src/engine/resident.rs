@@ -435,6 +435,15 @@ impl HeldGrads {
         Ok(Some(flat.detach()))
     }
 
+    /// How many parameters' gradients are held.
+    pub fn count(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map
+            .len()
+    }
+
     /// Stop holding and let go of everything held (a new step's
     /// `zero_grad`).
     pub fn clear(&self) {

@@ -284,6 +284,11 @@ impl Stack {
             .take_flat(self.layout.params(), range, &self.device, pad)
     }
 
+    /// How many parameters' gradients are held on the device.
+    pub fn held_grads_count(&self) -> usize {
+        self.held.count()
+    }
+
     /// Drop every gradient held on the device.
     pub fn drop_held_grads(&self) {
         self.held.clear();

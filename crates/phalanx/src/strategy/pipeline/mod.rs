@@ -338,11 +338,12 @@ impl Pipeline {
         self.run_schedule_with(engine, batch, &mut |_, _| Ok(()))
     }
 
-    /// As [`Pipeline::run_schedule`], calling `done(chunk, grads)` as soon
+    /// As [`Pipeline::run_schedule`], calling `done(chunk, engine)` as soon
     /// as each of this rank's chunks has run its last backward of the step
-    /// (its parameters' gradients are final here): the place to start a
-    /// data-parallel reduction (all-reduce, or ZeRO's reduce-scatter) that
-    /// overlaps the rest of the schedule.
+    /// (its parameters' gradients are final here: in the flat buffer, or
+    /// held on the device, `Engine::take_device_grads`): the place to start
+    /// a data-parallel reduction (all-reduce, or ZeRO's reduce-scatter)
+    /// that overlaps the rest of the schedule.
     pub fn run_schedule_with(
         &mut self,
         engine: &mut Engine,

@@ -4,9 +4,9 @@
 //! parameters' copies are summed over their stages and the owned ranges
 //! averaged over dp where they lie (`collective`: NCCL on device memory,
 //! any backend on host memory): all-reduced under plain data parallel
-//! (each chunk's started as soon as its last backward has run, so it runs
-//! while the schedule goes on), reduce-scattered under ZeRO-1, each dp
-//! rank keeping its piece of each range. The stage's optimizers step on them there, in the ranges' kept
+//! (each chunk's started as soon as its last backward has run, so it
+//! runs while the schedule goes on), reduce-scattered under ZeRO-1, each
+//! dp rank keeping its piece of each range. The stage's optimizers step on them there, in the ranges' kept
 //! device copies (ZeRO-1 then all-gathers the pieces there), and write
 //! the new values to the host buffer. Nothing reads a gradient back.
 //!
@@ -82,6 +82,8 @@ impl Pipeline {
         // The ranges started, in order, and the first held nowhere.
         let mut pieces: Vec<Range<usize>> = Vec::new();
         let mut missing = None;
+        // A fault found after the schedule, reported after the reductions.
+        let mut uncovered: Option<String> = None;
         let loss = if overlap {
             let buckets = self.dp_buckets.clone();
             let mut done = |c: usize, engine: &mut Engine| -> Result<()> {
@@ -120,17 +122,33 @@ impl Pipeline {
                     .map(|(_, t)| t.clone())
                     .collect();
                 let got: usize = mine.iter().map(|t| t.elem_count()).sum();
+                // Zeros stand in where the pieces fall short, so that this
+                // rank still joins the tied sums below; it fails after.
                 if got != o.len() {
-                    return Err(Error::Check(format!(
+                    uncovered.get_or_insert(format!(
                         "pipeline: stage {}'s chunks reduced {got} of the {} gradients of {o:?}",
                         self.stage,
                         o.len()
-                    )));
+                    ));
+                    grads.push(Tensor::zeros(o.len(), DType::F32, engine.device())?);
+                    continue;
                 }
                 grads.push(match mine.len() {
                     1 => mine.into_iter().next().expect("one"),
                     _ => Tensor::cat(&mine, 0)?,
                 });
+            }
+            // A gradient held after its chunk's reduction started would be
+            // lost: no backward may add to a chunk's parameters after the
+            // chunk's last backward.
+            let late = engine.stack().held_grads_count();
+            if late > 0 {
+                uncovered.get_or_insert(format!(
+                    "pipeline: stage {} held {late} parameters' gradients after their chunks' \
+                     reductions had started",
+                    self.stage
+                ));
+                engine.stack().drop_held_grads();
             }
         } else {
             drop(started);
@@ -172,6 +190,9 @@ impl Pipeline {
                 "pipeline: stage {} held no gradients on the device for {r:?} after backward",
                 self.stage
             )));
+        }
+        if let Some(e) = uncovered {
+            return Err(Error::Check(e));
         }
         Ok((self.dp_mean(loss)?, grads))
     }
