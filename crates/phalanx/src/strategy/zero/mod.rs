@@ -27,7 +27,8 @@
 //! the backward, FSDP with activation checkpointing. Gradients are
 //! reduce-scattered per block ([`sharded`]); with them on the device
 //! (`stage3_on_device`), the shard, the gathers and the reduce-scatters
-//! are in device memory as well (there the gathers run one block ahead
+//! are in device memory as well (there the gathers run as many blocks
+//! ahead as the prefetch settings say, each waited for by its own event,
 //! and the buffers do not come from the [`Pool`]: candle's allocator
 //! reuses device memory).
 //!
