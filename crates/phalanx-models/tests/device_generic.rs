@@ -141,15 +141,20 @@ fn strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>)> {
             3,
             vec!["parallel.pp=2", "parallel.pp_schedule=\"interleaved:2\""],
         ),
-        // The chunks' dp averages started as each chunk finishes: under
-        // zero-bubble after its last W pass, interleaved while the other
+        // The chunks' dp averages started inside their last backwards:
+        // under zero-bubble block by block in the last W pass (buckets of
+        // one block), interleaved one bucket per chunk while the other
         // chunk still computes.
         (
             "dp 2 x pp 2 (zero-bubble)",
             4,
             2,
             2,
-            vec!["parallel.pp=2", "parallel.pp_schedule=\"zb-h1\""],
+            vec![
+                "parallel.pp=2",
+                "parallel.pp_schedule=\"zb-h1\"",
+                "parallel.bucket_mb=0.0001",
+            ],
         ),
         (
             "dp 2 x pp 2 (interleaved)",
@@ -201,9 +206,15 @@ fn gpt_strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>
         ),
         ("tp 2", 2, 1, 1, vec!["parallel.tp=2"]),
         ("pp 2 (1f1b)", 2, 1, 4, vec!["parallel.pp=2"]),
-        // Each chunk's dp average started as its last backward has run,
-        // the tied embedding summed over the stages after.
-        ("dp 2 x pp 2", 4, 2, 2, vec!["parallel.pp=2"]),
+        // Each chunk's dp average started block by block in its last
+        // backward, the tied embedding summed over the stages after.
+        (
+            "dp 2 x pp 2",
+            4,
+            2,
+            2,
+            vec!["parallel.pp=2", "parallel.bucket_mb=0.0001"],
+        ),
         // The tied embedding summed over the stages, then reduce-scattered.
         (
             "dp 2 x pp 2, ZeRO-1",

@@ -109,7 +109,7 @@ pub(crate) fn forward_backward_reducing(
 
 /// A backward hook's result as candle's error, the failure itself kept
 /// whole in `failed` (a timeout naming its rank) for the caller to return.
-pub(crate) fn keep_failure(r: Result<()>, failed: &mut Option<Error>) -> candle_core::Result<()> {
+pub(crate) fn keep_failure<T>(r: Result<T>, failed: &mut Option<Error>) -> candle_core::Result<T> {
     r.map_err(|e| {
         let msg = e.to_string();
         *failed = Some(e);

@@ -20,7 +20,7 @@
 //! thread as soon as its last backward has run (`overlap_dp`), overlapping
 //! the rest of the schedule. Each step is `forward_backward` (or its parts,
 //! for a strategy that reduces gradients its own way, e.g. ZeRO-1:
-//! [`Pipeline::run_schedule_with`] and its per-chunk `done` callback,
+//! [`Pipeline::run_schedule_with`] and its [`GradsFinal`] callback,
 //! [`Pipeline::reduce_tied_grads`], [`Pipeline::reduce_dp_grads`]), then the
 //! caller's optimizer over `owned_ranges()`. On a GPU the gradients may
 //! stay there instead: [`Pipeline::forward_backward_on_device`] holds them
@@ -84,7 +84,7 @@ use phalanx_comm::ReduceOp;
 
 pub use check::{Costs, Simulation};
 pub use partition::Partition;
-pub use runtime::{BatchFn, ChunkDoneFn};
+pub use runtime::{BatchFn, GradsFinal};
 pub use schedule::{Action, Schedule, ScheduleKind};
 pub use strategy::{pipeline_config, PipeStrategy};
 pub use trace::{StepRecord, Timeline};
@@ -110,6 +110,10 @@ pub struct PipelineConfig {
     /// Start each chunk's data-parallel all-reduce as soon as its gradients
     /// are final, overlapping the rest of the schedule.
     pub overlap_dp: bool,
+    /// With the gradients on the device: the chunk's all-reduce cut into
+    /// buckets of at least this many bytes, each started as soon as the
+    /// chunk's last backward has made it final (`parallel.bucket_mb`).
+    pub bucket_bytes: usize,
 }
 
 impl Default for PipelineConfig {
@@ -121,6 +125,7 @@ impl Default for PipelineConfig {
             recv_lookahead: 2,
             trace_steps: 4,
             overlap_dp: true,
+            bucket_bytes: 25 << 20,
         }
     }
 }
@@ -135,6 +140,9 @@ pub struct Pipeline {
     ties: ties::Ties,
     /// Ranges reduced over dp when each chunk finishes (see `overlap_dp`).
     dp_buckets: BTreeMap<usize, Vec<Range<usize>>>,
+    /// The same cut by when each chunk's last backward makes them final
+    /// (the device path's buckets, `bucket_bytes`).
+    dp_block_buckets: BTreeMap<usize, Vec<ties::BlockBucket>>,
     timeline: Timeline,
     step: u64,
     /// Data-parallel gradient reduction (the shared seam), over `mesh.dp()`.
@@ -178,6 +186,8 @@ impl Pipeline {
         let stage = mesh.coords().pp;
         let ties = ties::Ties::new(engine.layout(), &chunks, p, stage, mesh)?;
         let dp_buckets = ties::dp_buckets(engine.layout(), &chunks, &schedule, stage);
+        let dp_block_buckets =
+            ties::dp_block_buckets(engine.layout(), &chunks, &schedule, stage, cfg.bucket_bytes);
         let dev = engine.device();
         // Every stage must make the links or none (their groups are
         // collective over the pipeline group): the stages agree first.
@@ -202,6 +212,7 @@ impl Pipeline {
             stage,
             ties,
             dp_buckets,
+            dp_block_buckets,
             timeline,
             step: 0,
             reducer: Reducer::new(mesh.dp().clone(), Box::new(DefaultHook::default())),
@@ -335,20 +346,23 @@ impl Pipeline {
     /// over micro-batches) are added to the engine's buffer, unreduced.
     /// Returns this pipeline's mean loss, on every stage.
     pub fn run_schedule(&mut self, engine: &mut Engine, batch: &mut BatchFn) -> Result<f32> {
-        self.run_schedule_with(engine, batch, &mut |_, _| Ok(()))
+        self.run_schedule_with(engine, batch, &mut |_: usize, _: &mut Engine| Ok(()))
     }
 
-    /// As [`Pipeline::run_schedule`], calling `done(chunk, engine)` as soon
+    /// As [`Pipeline::run_schedule`], calling `done.chunk(chunk, engine)` as soon
     /// as each of this rank's chunks has run its last backward of the step
     /// (its parameters' gradients are final here: in the flat buffer, or
     /// held on the device, `Engine::take_device_grads`): the place to start
     /// a data-parallel reduction (all-reduce, or ZeRO's reduce-scatter)
-    /// that overlaps the rest of the schedule.
+    /// that overlaps the rest of the schedule. Where `done.by_block()`
+    /// (the gradients held on the device), that last backward also calls
+    /// `done.block(chunk, block, stack)` after each block, top first, so
+    /// that buckets start while the lower blocks compute.
     pub fn run_schedule_with(
         &mut self,
         engine: &mut Engine,
         batch: &mut BatchFn,
-        done: &mut ChunkDoneFn,
+        done: &mut dyn GradsFinal,
     ) -> Result<f32> {
         let pp = self.mesh.pp().clone();
         self.timeline.begin_step(self.step);

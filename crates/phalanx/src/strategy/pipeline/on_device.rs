@@ -4,8 +4,9 @@
 //! parameters' copies are summed over their stages and the owned ranges
 //! averaged over dp where they lie (`collective`: NCCL on device memory,
 //! any backend on host memory): all-reduced under plain data parallel
-//! (each chunk's started as soon as its last backward has run, so it
-//! runs while the schedule goes on), reduce-scattered under ZeRO-1, each
+//! (bucket by bucket, each started as soon as its chunk's last backward
+//! has run the lowest block reading it, so it runs while the blocks below
+//! and the rest of the schedule compute), reduce-scattered under ZeRO-1, each
 //! dp rank keeping its piece of each range. The stage's optimizers step on them there, in the ranges' kept
 //! device copies (ZeRO-1 then all-gathers the pieces there), and write
 //! the new values to the host buffer. Nothing reads a gradient back.
@@ -15,19 +16,22 @@
 //! one dp rank or the plain f32 average on a group that reduces the
 //! device's memory, and tie groups that reduce it too.
 
+use super::ties::BlockBucket;
 use super::trace::EventKind;
-use super::{BatchFn, PipeStrategy, Pipeline};
+use super::{BatchFn, GradsFinal, PipeStrategy, Pipeline};
 use crate::collective::{
     all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on, Started,
 };
+use crate::engine::stack::Stack;
 use crate::engine::{shard_range, Engine};
 use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
 use crate::strategy::ddp::{block_padding, grads_may_stay_on_device, take_held_grads};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use phalanx_comm::ReduceOp;
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 impl Pipeline {
@@ -58,9 +62,10 @@ impl Pipeline {
     /// the tied copies summed over their stages and, unless `scatter`
     /// (ZeRO-1: the caller reduce-scatters them), every range averaged
     /// over dp, in place. Under plain data parallelism with `overlap_dp`
-    /// (the default) the average is started chunk by chunk as each
-    /// chunk's last backward has run, during the schedule, and the ranges
-    /// are put together from those pieces. With `scatter` each range comes
+    /// (the default) the average is started bucket by bucket as each
+    /// chunk's last backward makes them final (blocks put together up to
+    /// `bucket_bytes`, as DDP's), during the schedule, and the ranges are
+    /// put together from those pieces. With `scatter` each range comes
     /// padded with zeros to whole pieces of ceil(len / dp). Returns the
     /// mean loss (as [`Pipeline::forward_backward`]) and the ranges'
     /// gradients.
@@ -71,44 +76,37 @@ impl Pipeline {
         scatter: bool,
     ) -> Result<(f32, Vec<Tensor>)> {
         let dp = self.mesh.dp().clone();
-        // As the host path: each chunk's ranges averaged over dp as soon
-        // as its last backward has run, while the schedule goes on
+        // As DDP's device path: each bucket of a chunk's ranges averaged
+        // over dp as soon as the chunk's last backward has run its lowest
+        // block, while the blocks below and the rest of the schedule go on
         // (`Started`: under NCCL on its own stream; the last stages, done
         // first, reduce while the first ones finish).
         let overlap = !scatter && dp.size() > 1 && self.cfg.overlap_dp;
         engine.zero_grad();
         engine.hold_grads(true);
-        let mut started = Started::new(&dp);
-        // The ranges started, in order, and the first held nowhere.
-        let mut pieces: Vec<Range<usize>> = Vec::new();
-        let mut missing = None;
+        let mut flight = Flight {
+            buckets: self.dp_block_buckets.clone(),
+            next: BTreeMap::new(),
+            started: Started::new(&dp),
+            pieces: Vec::new(),
+            missing: None,
+            dev: engine.device().clone(),
+        };
         // A fault found after the schedule, reported after the reductions.
         let mut uncovered: Option<String> = None;
-        let loss = if overlap {
-            let buckets = self.dp_buckets.clone();
-            let mut done = |c: usize, engine: &mut Engine| -> Result<()> {
-                for r in buckets.get(&c).into_iter().flatten() {
-                    // Zeros stand in where none are held, so that this rank
-                    // still joins; it fails after.
-                    let g = match engine.take_device_grads(r.clone(), 0)? {
-                        Some(g) => g,
-                        None => {
-                            missing.get_or_insert(r.clone());
-                            Tensor::zeros(r.len(), DType::F32, engine.device())?
-                        }
-                    };
-                    started.all_reduce(g, ReduceOp::Avg)?;
-                    pieces.push(r.clone());
-                }
-                Ok(())
-            };
-            self.run_schedule_with(engine, batch, &mut done)
-        } else {
-            self.run_schedule(engine, batch)
+        let loss = match overlap {
+            true => self.run_schedule_with(engine, batch, &mut flight),
+            false => self.run_schedule(engine, batch),
         };
         engine.hold_grads(false);
         let loss = loss?;
         let mut grads = Vec::with_capacity(self.ties.owned.len());
+        let Flight {
+            started,
+            pieces,
+            mut missing,
+            ..
+        } = flight;
         if overlap {
             let t0 = self.timeline.now_us();
             let reduced = started.wait()?;
@@ -195,6 +193,67 @@ impl Pipeline {
             return Err(Error::Check(e));
         }
         Ok((self.dp_mean(loss)?, grads))
+    }
+}
+
+/// The dp averages of one step's chunks in flight: each bucket's held
+/// gradients taken out and its all-reduce started as soon as the chunk's
+/// last backward has made them final (`Started`: under NCCL on the
+/// communicator's stream while candle's computes the blocks below).
+struct Flight<'a> {
+    /// Per chunk, in the order they become final.
+    buckets: BTreeMap<usize, Vec<BlockBucket>>,
+    /// Per chunk, the buckets started so far.
+    next: BTreeMap<usize, usize>,
+    started: Started<'a>,
+    /// The ranges started, in order.
+    pieces: Vec<Range<usize>>,
+    /// The first range held nowhere: zeros stand in, so that this rank
+    /// still joins; it fails after.
+    missing: Option<Range<usize>>,
+    dev: Device,
+}
+
+impl Flight<'_> {
+    /// Start chunk `c`'s buckets that are final once block `b` has run
+    /// (every one left with `None`: the chunk is done); how many.
+    fn start(&mut self, c: usize, b: Option<usize>, stack: &Stack) -> Result<usize> {
+        let Some(bs) = self.buckets.get(&c) else {
+            return Ok(0);
+        };
+        let next = self.next.entry(c).or_default();
+        let lo = *next;
+        while *next < bs.len() && b.is_none_or(|b| bs[*next].ready_at >= b) {
+            for r in &bs[*next].ranges {
+                let g = match stack.take_held_grads(r.clone(), 0)? {
+                    Some(g) => g,
+                    None => {
+                        self.missing.get_or_insert(r.clone());
+                        Tensor::zeros(r.len(), DType::F32, &self.dev)?
+                    }
+                };
+                self.started.all_reduce(g, ReduceOp::Avg)?;
+                self.pieces.push(r.clone());
+            }
+            *next += 1;
+        }
+        Ok(*next - lo)
+    }
+}
+
+impl GradsFinal for Flight<'_> {
+    fn by_block(&self) -> bool {
+        true
+    }
+
+    fn block(&mut self, chunk: usize, block: usize, stack: &Stack) -> Result<usize> {
+        self.start(chunk, Some(block), stack)
+    }
+
+    /// Whatever the blocks left (none, as each block's backward reports).
+    fn chunk(&mut self, chunk: usize, engine: &mut Engine) -> Result<()> {
+        self.start(chunk, None, engine.stack())?;
+        Ok(())
     }
 }
 

@@ -24,19 +24,51 @@ use super::links::Links;
 use super::p2p::{self, Dir, Pending};
 use super::schedule::{Action, Schedule};
 use super::trace::{Event, EventKind, Timeline};
-use crate::engine::stack::WeightStash;
+use crate::engine::stack::{Stack, WeightStash};
 use crate::engine::{Engine, Stash};
 use crate::error::{Error, Result};
 use crate::ledger::Mem;
+use crate::strategy::held::{keep_failure, NoHostGrads};
 
 /// A source of micro-batches: `batch(a) = (inputs, targets)` of micro-batch `a`.
 pub type BatchFn<'a> = dyn FnMut(usize) -> Result<(Tensor, Tensor)> + 'a;
 
-/// Called with (chunk, engine) once a chunk's last backward of the step
-/// has run: the gradients of the parameters it owns are final on this
-/// stage (tied ones still lack the other stages' share), in the flat
-/// buffer or, held on the device, in the engine's held gradients.
-pub type ChunkDoneFn<'a> = dyn FnMut(usize, &mut Engine) -> Result<()> + 'a;
+/// What a step tells its caller as this stage's gradients become final:
+/// the place to start a data-parallel reduction (all-reduce, or ZeRO's
+/// reduce-scatter) that overlaps the rest of the schedule. A closure
+/// `FnMut(chunk, &mut Engine) -> Result<()>` is one that is told chunk by
+/// chunk.
+pub trait GradsFinal {
+    /// Whether to be told block by block as well ([`GradsFinal::block`]):
+    /// only where the gradients are held on the device
+    /// (`Engine::hold_grads`), since the chunk's last backward then runs
+    /// with a sink that refuses any gradient reaching the host.
+    fn by_block(&self) -> bool {
+        false
+    }
+
+    /// After block `block`'s backward within chunk `chunk`'s last backward
+    /// of the step (top block first): the held gradients of the parameters
+    /// that only this block and those above it in the chunk read are final
+    /// (`Stack::take_held_grads`). Returns how many reductions it started
+    /// (the timeline records a `DpLaunch` where any did).
+    fn block(&mut self, chunk: usize, block: usize, stack: &Stack) -> Result<usize> {
+        let _ = (chunk, block, stack);
+        Ok(0)
+    }
+
+    /// Once chunk `chunk`'s last backward of the step has run: the
+    /// gradients of the parameters it owns are final on this stage (tied
+    /// ones still lack the other stages' share), in the flat buffer or,
+    /// held on the device, in the engine's held gradients.
+    fn chunk(&mut self, chunk: usize, engine: &mut Engine) -> Result<()>;
+}
+
+impl<F: FnMut(usize, &mut Engine) -> Result<()>> GradsFinal for F {
+    fn chunk(&mut self, chunk: usize, engine: &mut Engine) -> Result<()> {
+        self(chunk, engine)
+    }
+}
 
 /// Everything one step needs.
 pub(super) struct Step<'a> {
@@ -70,7 +102,7 @@ fn missing(what: &str, a: &Action) -> Error {
 }
 
 /// Run this rank's table once.
-pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> Result<Outcome> {
+pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut dyn GradsFinal) -> Result<Outcome> {
     let sched = s.schedule;
     let (p, m, rank) = (sched.p, sched.m, s.rank);
     let last = sched.num_chunks() - 1;
@@ -147,6 +179,8 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
         let (mb, c) = (a.mb(), a.chunk());
         let lc = c / p;
         let t0 = s.timeline.now_us();
+        // The chunk's last backward of the step, told block by block.
+        let by_block = a.is_last_backward() && left.get(&c) == Some(&1) && done.by_block();
         let kind = match *a {
             Action::Forward { .. } => {
                 if (c == 0 || c == last) && !data.contains_key(&mb) {
@@ -205,7 +239,11 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
                     .remove(&(mb, c))
                     .ok_or_else(|| missing("stash", a))?;
                 let full = matches!(a, Action::Backward { .. });
-                let dx = if full {
+                let dx = if full && by_block {
+                    in_flight -= 1;
+                    let pass = LastPass::Full(stash, gy);
+                    by_blocks(&mut s, done, pass, (mb, c, lc))?
+                } else if full {
                     in_flight -= 1;
                     s.engine.backward_range(stash, &gy, &mut hook)?
                 } else {
@@ -231,7 +269,11 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
                 let w = wstashes
                     .remove(&(mb, c))
                     .ok_or_else(|| missing("W stash", a))?;
-                s.engine.backward_weight_range(w, &mut hook)?;
+                if by_block {
+                    by_blocks(&mut s, done, LastPass::Weight(w), (mb, c, lc))?;
+                } else {
+                    s.engine.backward_weight_range(w, &mut hook)?;
+                }
                 in_flight -= 1;
                 EventKind::BackwardWeight
             }
@@ -305,7 +347,7 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
             let n = left.get_mut(&c).ok_or_else(|| missing("chunk count", a))?;
             *n -= 1;
             if *n == 0 {
-                done(c, s.engine)?;
+                done.chunk(c, s.engine)?;
             }
         }
     }
@@ -328,4 +370,55 @@ pub(super) fn run(mut s: Step, batch: &mut BatchFn, done: &mut ChunkDoneFn) -> R
         peak_in_flight: peak,
         peak_activation_bytes: peak_bytes,
     })
+}
+
+/// A chunk's last backward pass: a whole one (its stash and upstream
+/// gradient), or zero-bubble's W.
+enum LastPass {
+    Full(Stash, Tensor),
+    Weight(WeightStash),
+}
+
+/// Run a chunk's last backward with its gradients held on the device,
+/// telling `done` after each block (`GradsFinal::block`); a gradient that
+/// reaches the host fails it. The timeline records a `DpLaunch` (no
+/// duration) where a block started reductions. `at` is (micro-batch,
+/// chunk, the rank's local chunk). Returns the input gradient (a whole
+/// pass).
+fn by_blocks(
+    s: &mut Step,
+    done: &mut dyn GradsFinal,
+    pass: LastPass,
+    at: (usize, usize, usize),
+) -> Result<Option<Tensor>> {
+    let (mb, c, lc) = at;
+    let (stack, src) = (s.engine.stack(), s.engine.param_source());
+    let (timeline, step) = (&mut *s.timeline, s.step);
+    let mut failed = None;
+    let mut h = |b: usize, _: &mut NoHostGrads| -> candle_core::Result<()> {
+        let t = timeline.now_us();
+        let n = keep_failure(done.block(c, b, stack), &mut failed)?;
+        if n > 0 {
+            timeline.record(Event {
+                kind: EventKind::DpLaunch,
+                step,
+                mb,
+                chunk: lc,
+                start_us: t,
+                dur_us: 0.0,
+            });
+        }
+        Ok(())
+    };
+    let mut sink = NoHostGrads("pipeline");
+    let r = match pass {
+        LastPass::Full(stash, gy) => stack.backward(stash, &gy, src, &mut sink, &mut h),
+        LastPass::Weight(w) => stack
+            .backward_weight(w, src, &mut sink, &mut h)
+            .map(|_| None),
+    };
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    Ok(r?)
 }

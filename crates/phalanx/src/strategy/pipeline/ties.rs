@@ -125,6 +125,35 @@ impl Ties {
     }
 }
 
+/// For every parameter this stage reads: the local chunk reading it whose
+/// last backward of the step comes last in the table (its gradient is
+/// final there); `None` for the others.
+fn final_chunks(
+    layout: &Layout,
+    chunks: &[Range<usize>],
+    schedule: &Schedule,
+    stage: usize,
+) -> Vec<Option<usize>> {
+    let p = schedule.p;
+    let mut finish: BTreeMap<usize, usize> = BTreeMap::new();
+    for (i, a) in schedule.ranks[stage].iter().enumerate() {
+        if a.is_last_backward() {
+            finish.insert(a.chunk(), i);
+        }
+    }
+    let mut last: Vec<Option<usize>> = vec![None; layout.params().len()];
+    for (c, blocks) in chunks.iter().enumerate().filter(|(c, _)| c % p == stage) {
+        for b in blocks.clone() {
+            for k in layout.block_param_indices(b) {
+                if last[k].is_none_or(|l| finish[&l] < finish[&c]) {
+                    last[k] = Some(c);
+                }
+            }
+        }
+    }
+    last
+}
+
 /// The flat ranges whose gradients are final on this stage once a chunk's
 /// last backward of the step has run, by chunk: every parameter this stage
 /// reads goes with the local chunk reading it that finishes last in the
@@ -137,24 +166,7 @@ pub(super) fn dp_buckets(
     schedule: &Schedule,
     stage: usize,
 ) -> BTreeMap<usize, Vec<Range<usize>>> {
-    let p = schedule.p;
-    let mut finish: BTreeMap<usize, usize> = BTreeMap::new();
-    for (i, a) in schedule.ranks[stage].iter().enumerate() {
-        if a.is_last_backward() {
-            finish.insert(a.chunk(), i);
-        }
-    }
-    // For each parameter: the local chunk reading it that finishes last.
-    let mut last: Vec<Option<usize>> = vec![None; layout.params().len()];
-    for (c, blocks) in chunks.iter().enumerate().filter(|(c, _)| c % p == stage) {
-        for b in blocks.clone() {
-            for k in layout.block_param_indices(b) {
-                if last[k].is_none_or(|l| finish[&l] < finish[&c]) {
-                    last[k] = Some(c);
-                }
-            }
-        }
-    }
+    let last = final_chunks(layout, chunks, schedule, stage);
     let mut out: BTreeMap<usize, Vec<Range<usize>>> = BTreeMap::new();
     for (k, c) in last.iter().enumerate() {
         if let Some(c) = c {
@@ -162,4 +174,166 @@ pub(super) fn dp_buckets(
         }
     }
     out.into_iter().map(|(c, rs)| (c, merge(rs))).collect()
+}
+
+/// Part of a chunk's [`dp_buckets`] whose gradients are final as soon as
+/// block `ready_at`'s backward has run within the chunk's last backward.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct BlockBucket {
+    pub ready_at: usize,
+    pub ranges: Vec<Range<usize>>,
+}
+
+/// Each chunk's [`dp_buckets`] cut by when its last backward makes them
+/// final (the device path's buckets, as DDP's): a parameter is final once
+/// the lowest block of that chunk reading it has run its backward (the
+/// backward runs top block first). Blocks are put together, top first,
+/// until a bucket holds at least `cap` bytes (the lowest bucket may hold
+/// less). Per chunk, in the order they become ready.
+pub(super) fn dp_block_buckets(
+    layout: &Layout,
+    chunks: &[Range<usize>],
+    schedule: &Schedule,
+    stage: usize,
+    cap: usize,
+) -> BTreeMap<usize, Vec<BlockBucket>> {
+    let last = final_chunks(layout, chunks, schedule, stage);
+    // Per (chunk, block): the ranges final once the block has run.
+    let mut ready: BTreeMap<(usize, usize), Vec<Range<usize>>> = BTreeMap::new();
+    for (k, c) in last.iter().enumerate() {
+        let Some(c) = *c else { continue };
+        let lowest = chunks[c]
+            .clone()
+            .find(|&b| layout.block_param_indices(b).any(|j| j == k));
+        if let Some(b) = lowest {
+            ready
+                .entry((c, b))
+                .or_default()
+                .push(layout.params()[k].range());
+        }
+    }
+    let mut out: BTreeMap<usize, Vec<BlockBucket>> = BTreeMap::new();
+    let mut cur: Option<(usize, BlockBucket)> = None;
+    for ((c, b), rs) in ready.into_iter().rev() {
+        if let Some((cc, bk)) = cur.take() {
+            match cc == c {
+                true => cur = Some((cc, bk)),
+                false => out.entry(cc).or_default().push(bk),
+            }
+        }
+        let (_, bk) = cur.get_or_insert((
+            c,
+            BlockBucket {
+                ready_at: b,
+                ranges: vec![],
+            },
+        ));
+        bk.ready_at = b;
+        bk.ranges.extend(rs);
+        let bytes: usize = bk.ranges.iter().map(|r| r.len() * 4).sum();
+        if bytes >= cap.max(1) {
+            let (cc, mut bk) = cur.take().expect("just set");
+            bk.ranges = merge(bk.ranges);
+            out.entry(cc).or_default().push(bk);
+        }
+    }
+    if let Some((cc, mut bk)) = cur {
+        bk.ranges = merge(bk.ranges);
+        out.entry(cc).or_default().push(bk);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::ParamDecl;
+    use crate::strategy::pipeline::ScheduleKind;
+
+    /// GPT-2's shape: the embedding in block 0, read again by the head.
+    fn layout() -> Layout {
+        let d = |n: &str, k: usize| ParamDecl::new(n, &[k]);
+        Layout::new(vec![
+            vec![d("wte", 8), d("wpe", 4)],
+            vec![d("h0.a", 6), d("h0.b", 2)],
+            vec![d("h1.a", 6), d("h1.b", 2)],
+            vec![d("h2.a", 6)],
+            vec![d("lnf", 2), d("wte", 8)],
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn block_buckets_cut_each_chunks_ranges_by_when_they_are_final() {
+        let l = layout();
+        let chunks = vec![0..2, 2..3, 3..4, 4..5];
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::Interleaved { v: 2 }] {
+            let chunks: Vec<Range<usize>> = match kind {
+                ScheduleKind::OneFOneB => vec![0..3, 3..5],
+                _ => chunks.clone(),
+            };
+            let s = Schedule::new(kind, 2, 3).unwrap();
+            for stage in 0..2 {
+                let whole = dp_buckets(&l, &chunks, &s, stage);
+                for cap in [0, 40, 1 << 20] {
+                    let cut = dp_block_buckets(&l, &chunks, &s, stage, cap);
+                    assert_eq!(
+                        cut.keys().collect::<Vec<_>>(),
+                        whole.keys().collect::<Vec<_>>()
+                    );
+                    for (c, bs) in &cut {
+                        // Together they are the chunk's ranges, ...
+                        let all = merge(bs.iter().flat_map(|b| b.ranges.clone()).collect());
+                        assert_eq!(
+                            &all, &whole[c],
+                            "{kind:?} stage {stage} chunk {c} cap {cap}"
+                        );
+                        // ... ready from the top block down, inside the chunk.
+                        for w in bs.windows(2) {
+                            assert!(w[0].ready_at > w[1].ready_at, "{bs:?}");
+                        }
+                        assert!(bs.iter().all(|b| chunks[*c].contains(&b.ready_at)));
+                        if cap == 1 << 20 {
+                            assert_eq!(bs.len(), 1, "one bucket under a large cap: {bs:?}");
+                        }
+                    }
+                }
+            }
+        }
+        // 1F1B, stage 0 (blocks 0..3), every block its own bucket: h1 first,
+        // then h0, then the embedding (wpe, and wte: read by block 0 only
+        // on this stage).
+        let s = Schedule::new(ScheduleKind::OneFOneB, 2, 3).unwrap();
+        let cut = dp_block_buckets(&l, &[0..3, 3..5], &s, 0, 0);
+        let r = |n: &str| l.find(n).unwrap().range();
+        let want = vec![
+            BlockBucket {
+                ready_at: 2,
+                ranges: merge(vec![r("h1.a"), r("h1.b")]),
+            },
+            BlockBucket {
+                ready_at: 1,
+                ranges: merge(vec![r("h0.a"), r("h0.b")]),
+            },
+            BlockBucket {
+                ready_at: 0,
+                ranges: merge(vec![r("wte"), r("wpe")]),
+            },
+        ];
+        assert_eq!(cut[&0], want);
+        // Stage 1 (blocks 3..5): the tied wte is final with lnf, after
+        // block 4 (the head, its only reader there).
+        let cut = dp_block_buckets(&l, &[0..3, 3..5], &s, 1, 0);
+        let want = vec![
+            BlockBucket {
+                ready_at: 4,
+                ranges: merge(vec![r("lnf"), r("wte")]),
+            },
+            BlockBucket {
+                ready_at: 3,
+                ranges: vec![r("h2.a")],
+            },
+        ];
+        assert_eq!(cut[&1], want);
+    }
 }

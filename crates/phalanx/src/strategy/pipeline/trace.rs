@@ -45,9 +45,12 @@ pub enum EventKind {
     TieReduce,
     /// All-reduce of gradients over the data-parallel group.
     DpReduce,
+    /// Data-parallel reductions started inside a backward (no duration:
+    /// they run on the communicator's stream; `DpReduce` waits for them).
+    DpLaunch,
 }
 
-const KINDS: [EventKind; 10] = [
+const KINDS: [EventKind; 11] = [
     EventKind::Forward,
     EventKind::Backward,
     EventKind::BackwardInput,
@@ -58,6 +61,7 @@ const KINDS: [EventKind; 10] = [
     EventKind::SendGrad,
     EventKind::TieReduce,
     EventKind::DpReduce,
+    EventKind::DpLaunch,
 ];
 
 impl EventKind {
@@ -110,6 +114,7 @@ impl Event {
             EventKind::SendGrad => format!("send grad {mb}{c}"),
             EventKind::TieReduce => "all-reduce tied grads".into(),
             EventKind::DpReduce => "all-reduce dp grads".into(),
+            EventKind::DpLaunch => format!("start dp all-reduce {mb}{c}"),
         }
     }
 }
