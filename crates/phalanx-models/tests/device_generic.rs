@@ -215,13 +215,18 @@ fn gpt_strategies() -> Vec<(&'static str, usize, usize, usize, Vec<&'static str>
             2,
             vec!["parallel.pp=2", "parallel.bucket_mb=0.0001"],
         ),
-        // The tied embedding summed over the stages, then reduce-scattered.
+        // Each block's reduce-scatter started in its chunk's last backward;
+        // the tied embedding summed over the stages after, then cut.
         (
             "dp 2 x pp 2, ZeRO-1",
             4,
             2,
             2,
-            vec!["parallel.pp=2", "zero_optimization.stage=1"],
+            vec![
+                "parallel.pp=2",
+                "zero_optimization.stage=1",
+                "parallel.bucket_mb=0.0001",
+            ],
         ),
     ]
 }

@@ -6,7 +6,9 @@
 //! bucket (`bucket_bytes = 0`) is started within the timeline's span of
 //! that last backward, and the gradients match the same stage's with the
 //! reductions after the schedule (`overlap_dp = false`) and the host
-//! path's (the flat buffer), tied embedding included.
+//! path's (the flat buffer), tied embedding included. So does ZeRO-1's
+//! reduce-scatter, each dp rank's piece of every owned range (the tied
+//! embedding summed over its stages after the schedule, then cut).
 
 mod common;
 
@@ -15,6 +17,7 @@ use std::sync::Arc;
 use candle_core::Device;
 use phalanx::config::TrainConfig;
 use phalanx::data::{DataLoader, LoaderConfig, TokenData};
+use phalanx::engine::shard_range;
 use phalanx::mesh::DeviceMesh;
 use phalanx::ops::set_host_kernels;
 use phalanx::strategy::pipeline::trace::EventKind;
@@ -65,7 +68,7 @@ enum Path {
 /// dp, tied parts summed over the stages), and the `DpLaunch` events that
 /// fell outside their chunk's last backward (described), with how many fell
 /// inside.
-fn run(kind: ScheduleKind, path: Path) -> Vec<(Vec<Vec<f32>>, Vec<String>, usize)> {
+fn run(kind: ScheduleKind, path: Path, zero1: bool) -> Vec<(Vec<Vec<f32>>, Vec<String>, usize)> {
     let data = loader();
     phalanx_comm::threads::run(4, move |pg| {
         let cfg = config();
@@ -90,7 +93,22 @@ fn run(kind: ScheduleKind, path: Path) -> Vec<(Vec<Vec<f32>>, Vec<String>, usize
             if path == Path::Host {
                 pipe.forward_backward(&mut engine, &mut batch).unwrap();
                 for r in pipe.owned_ranges() {
-                    g.extend_from_slice(&engine.grads_flat()[r.clone()]);
+                    // ZeRO-1: this dp rank's piece of each.
+                    let r = match zero1 {
+                        true => {
+                            let s = shard_range(r.len(), dp_rank, 2);
+                            r.start + s.start..r.start + s.end
+                        }
+                        false => r.clone(),
+                    };
+                    g.extend_from_slice(&engine.grads_flat()[r]);
+                }
+            } else if zero1 {
+                let (_, gs) = pipe
+                    .forward_backward_scattered(&mut engine, &mut batch)
+                    .unwrap();
+                for t in gs.into_iter().flatten() {
+                    g.extend(t.to_vec1::<f32>().unwrap());
                 }
             } else {
                 let (_, gs) = pipe
@@ -136,32 +154,35 @@ fn each_bucket_starts_inside_its_chunks_last_backward_and_the_gradients_match() 
         ScheduleKind::ZbH1,
         ScheduleKind::Interleaved { v: 2 },
     ] {
-        let buckets = run(kind, Path::Buckets);
-        let after = run(kind, Path::After);
-        let host = run(kind, Path::Host);
-        for (rank, ((b, a), h)) in buckets.iter().zip(&after).zip(&host).enumerate() {
-            assert!(b.1.is_empty(), "{kind:?} rank {rank}: {:?}", b.1);
-            // Every local chunk's last backward, every step, started more
-            // than one bucket (each block's), all inside it.
-            let chunks = match kind {
-                ScheduleKind::Interleaved { v } => v,
-                _ => 1,
-            };
-            assert!(
-                b.2 >= 2 * chunks * STEPS as usize,
-                "{kind:?} rank {rank}: {} buckets started inside the last backwards",
-                b.2
-            );
-            assert_eq!(
-                a.2, 0,
-                "nothing is started inside a backward after the schedule"
-            );
-            for step in 0..STEPS as usize {
-                let (gb, ga, gh) = (&b.0[step], &a.0[step], &h.0[step]);
-                assert_eq!(gb.len(), ga.len());
-                let (e1, e2) = (rel(gb, ga), rel(gb, gh));
-                assert!(e1 < 1e-6, "{kind:?} rank {rank} step {step}: vs after {e1}");
-                assert!(e2 < 1e-5, "{kind:?} rank {rank} step {step}: vs host {e2}");
+        for zero1 in [false, true] {
+            let buckets = run(kind, Path::Buckets, zero1);
+            let after = run(kind, Path::After, zero1);
+            let host = run(kind, Path::Host, zero1);
+            for (rank, ((b, a), h)) in buckets.iter().zip(&after).zip(&host).enumerate() {
+                assert!(b.1.is_empty(), "{kind:?} rank {rank}: {:?}", b.1);
+                // Every local chunk's last backward, every step, started more
+                // than one bucket (each block's), all inside it.
+                let chunks = match kind {
+                    ScheduleKind::Interleaved { v } => v,
+                    _ => 1,
+                };
+                assert!(
+                    b.2 >= 2 * chunks * STEPS as usize,
+                    "{kind:?} rank {rank}: {} buckets started inside the last backwards",
+                    b.2
+                );
+                assert_eq!(
+                    a.2, 0,
+                    "nothing is started inside a backward after the schedule"
+                );
+                for step in 0..STEPS as usize {
+                    let (gb, ga, gh) = (&b.0[step], &a.0[step], &h.0[step]);
+                    assert_eq!(gb.len(), ga.len());
+                    let (e1, e2) = (rel(gb, ga), rel(gb, gh));
+                    let what = format!("{kind:?} (ZeRO-1: {zero1}) rank {rank} step {step}");
+                    assert!(e1 < 1e-6, "{what}: vs after {e1}");
+                    assert!(e2 < 1e-5, "{what}: vs host {e2}");
+                }
             }
         }
     }

@@ -71,6 +71,7 @@ mod on_device;
 pub mod p2p;
 pub mod partition;
 pub mod runtime;
+mod scatter;
 pub mod schedule;
 pub mod strategy;
 mod ties;

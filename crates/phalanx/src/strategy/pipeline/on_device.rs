@@ -6,31 +6,31 @@
 //! any backend on host memory): all-reduced under plain data parallel
 //! (bucket by bucket, each started as soon as its chunk's last backward
 //! has run the lowest block reading it, so it runs while the blocks below
-//! and the rest of the schedule compute), reduce-scattered under ZeRO-1, each
-//! dp rank keeping its piece of each range. The stage's optimizers step on them there, in the ranges' kept
-//! device copies (ZeRO-1 then all-gathers the pieces there), and write
-//! the new values to the host buffer. Nothing reads a gradient back.
+//! and the rest of the schedule compute), reduce-scattered under ZeRO-1
+//! (`scatter`), each dp rank keeping its piece of each range. The stage's
+//! optimizers step on them there, in the ranges' kept device copies
+//! (ZeRO-1 then all-gathers the pieces there), and write the new values
+//! to the host buffer. Nothing reads a gradient back.
 //!
 //! Taken where every rank of the stage takes it, as DDP's is (the
 //! optimizers on the device, the CPU kernels off, the trainer's leave):
 //! one dp rank or the plain f32 average on a group that reduces the
 //! device's memory, and tie groups that reduce it too.
 
+use super::scatter::Scatter;
 use super::ties::BlockBucket;
 use super::trace::EventKind;
 use super::{BatchFn, GradsFinal, PipeStrategy, Pipeline};
-use crate::collective::{
-    all_gather_in_place, all_reduce_in_place, reduce_scatter_in_place, reduces_on, Started,
-};
+use crate::collective::{all_gather_in_place, all_reduce_in_place, reduces_on, Started};
 use crate::engine::stack::Stack;
-use crate::engine::{shard_range, Engine};
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::optim::step::{agree_and_clip, weighted_sum_squares_on, StepOutcome};
 use crate::optim::Grads;
 use crate::precision::LossScaler;
 use crate::strategy::ddp::{block_padding, grads_may_stay_on_device, take_held_grads};
 use candle_core::{DType, Device, Tensor};
-use phalanx_comm::ReduceOp;
+use phalanx_comm::{ProcessGroup, ReduceOp};
 use std::collections::BTreeMap;
 use std::ops::Range;
 
@@ -84,14 +84,7 @@ impl Pipeline {
         let overlap = !scatter && dp.size() > 1 && self.cfg.overlap_dp;
         engine.zero_grad();
         engine.hold_grads(true);
-        let mut flight = Flight {
-            buckets: self.dp_block_buckets.clone(),
-            next: BTreeMap::new(),
-            started: Started::new(&dp),
-            pieces: Vec::new(),
-            missing: None,
-            dev: engine.device().clone(),
-        };
+        let mut flight = Flight::new(self.dp_block_buckets.clone(), &dp, None, engine.device());
         // A fault found after the schedule, reported after the reductions.
         let mut uncovered: Option<String> = None;
         let loss = match overlap {
@@ -107,6 +100,7 @@ impl Pipeline {
             mut missing,
             ..
         } = flight;
+        let pieces: Vec<Range<usize>> = pieces.into_iter().map(|(r, _)| r).collect();
         if overlap {
             let t0 = self.timeline.now_us();
             let reduced = started.wait()?;
@@ -197,24 +191,45 @@ impl Pipeline {
 }
 
 /// The dp averages of one step's chunks in flight: each bucket's held
-/// gradients taken out and its all-reduce started as soon as the chunk's
-/// last backward has made them final (`Started`: under NCCL on the
-/// communicator's stream while candle's computes the blocks below).
-struct Flight<'a> {
+/// gradients taken out and its all-reduce (ZeRO-1: reduce-scatter) started
+/// as soon as the chunk's last backward has made them final (`Started`:
+/// under NCCL on the communicator's stream while candle's computes the
+/// blocks below).
+pub(super) struct Flight<'a> {
     /// Per chunk, in the order they become final.
     buckets: BTreeMap<usize, Vec<BlockBucket>>,
     /// Per chunk, the buckets started so far.
     next: BTreeMap<usize, usize>,
-    started: Started<'a>,
-    /// The ranges started, in order.
-    pieces: Vec<Range<usize>>,
+    /// ZeRO-1's cut of the ranges; `None`: all-reduced.
+    scatter: Option<Scatter>,
+    pub started: Started<'a>,
+    /// The ranges started, in order, with their reduce-scatters' counts
+    /// (empty for an all-reduce).
+    pub pieces: Vec<(Range<usize>, Vec<usize>)>,
     /// The first range held nowhere: zeros stand in, so that this rank
     /// still joins; it fails after.
-    missing: Option<Range<usize>>,
+    pub missing: Option<Range<usize>>,
     dev: Device,
 }
 
-impl Flight<'_> {
+impl<'a> Flight<'a> {
+    pub fn new(
+        buckets: BTreeMap<usize, Vec<BlockBucket>>,
+        dp: &'a ProcessGroup,
+        scatter: Option<Scatter>,
+        dev: &Device,
+    ) -> Self {
+        Flight {
+            buckets,
+            next: BTreeMap::new(),
+            scatter,
+            started: Started::new(dp),
+            pieces: Vec::new(),
+            missing: None,
+            dev: dev.clone(),
+        }
+    }
+
     /// Start chunk `c`'s buckets that are final once block `b` has run
     /// (every one left with `None`: the chunk is done); how many.
     fn start(&mut self, c: usize, b: Option<usize>, stack: &Stack) -> Result<usize> {
@@ -225,15 +240,32 @@ impl Flight<'_> {
         let lo = *next;
         while *next < bs.len() && b.is_none_or(|b| bs[*next].ready_at >= b) {
             for r in &bs[*next].ranges {
-                let g = match stack.take_held_grads(r.clone(), 0)? {
-                    Some(g) => g,
-                    None => {
-                        self.missing.get_or_insert(r.clone());
-                        Tensor::zeros(r.len(), DType::F32, &self.dev)?
-                    }
+                // ZeRO-1 leaves the tied parts for after their sums.
+                let parts = match &self.scatter {
+                    Some(sc) => sc.untied(r),
+                    None => vec![r.clone()],
                 };
-                self.started.all_reduce(g, ReduceOp::Avg)?;
-                self.pieces.push(r.clone());
+                for r in parts {
+                    let g = match stack.take_held_grads(r.clone(), 0)? {
+                        Some(g) => g,
+                        None => {
+                            self.missing.get_or_insert(r.clone());
+                            Tensor::zeros(r.len(), DType::F32, &self.dev)?
+                        }
+                    };
+                    let counts = match &self.scatter {
+                        Some(sc) => {
+                            let counts = sc.counts(&r)?;
+                            self.started.reduce_scatter_v(g, &counts, ReduceOp::Avg)?;
+                            counts
+                        }
+                        None => {
+                            self.started.all_reduce(g, ReduceOp::Avg)?;
+                            Vec::new()
+                        }
+                    };
+                    self.pieces.push((r, counts));
+                }
             }
             *next += 1;
         }
@@ -269,9 +301,11 @@ pub(crate) fn view(owned: &[Range<usize>], grads: &[Tensor], r: &Range<usize>) -
 
 impl PipeStrategy {
     /// The step from the gradients taken on the device (`grads`, one per
-    /// owned range, as [`Pipeline::forward_backward_on_device`] leaves
-    /// them): under ZeRO-1 first reduce-scattered over dp, each rank
-    /// keeping its piece; the norm summed there over the primary ranges;
+    /// optimizer range: each owned range's as
+    /// [`Pipeline::forward_backward_on_device`] leaves them, or under
+    /// ZeRO-1 this dp rank's piece of each as
+    /// [`Pipeline::forward_backward_scattered`] does, `None` where empty):
+    /// the norm summed there over the primary ranges;
     /// each optimizer stepping on its range (or piece) in the ranges' kept
     /// device copies (uploaded where there are none), ZeRO-1's pieces then
     /// all-gathered there; the new values written to the host buffer and
@@ -279,7 +313,7 @@ impl PipeStrategy {
     pub(super) fn finish_on_device(
         &mut self,
         engine: &mut Engine,
-        grads: Vec<Tensor>,
+        grads: Vec<Option<Tensor>>,
         scaler: &mut LossScaler,
         lr: f32,
         max_norm: f32,
@@ -304,27 +338,17 @@ impl PipeStrategy {
         // are on every dp rank (1/dp each), a piece on its owner only.
         // (`None`: an empty piece, which needs no storage: CUDA refuses
         // an allocation of 0 bytes.)
-        let (grads, w): (Vec<Option<Tensor>>, f64) = match &self.zero1 {
-            None => (
-                grads.into_iter().map(Some).collect(),
-                1.0 / dp.size() as f64,
-            ),
-            Some(_) => {
-                let t0 = self.pipe.timeline.now_us();
-                let mut mine = Vec::with_capacity(grads.len());
-                // Each range's whole gradients let go once its piece is out.
-                for (g, o) in grads.into_iter().zip(&owned) {
-                    reduce_scatter_in_place(&dp, &g, ReduceOp::Avg)?;
-                    let s = shard_range(o.len(), dp.rank(), dp.size());
-                    mine.push(match s.is_empty() {
-                        true => None,
-                        false => Some(g.narrow(0, s.start, s.len())?.force_contiguous()?),
-                    });
-                }
-                self.pipe.event(EventKind::DpReduce, t0);
-                (mine, 1.0)
-            }
+        let w = match &self.zero1 {
+            None => 1.0 / dp.size() as f64,
+            Some(_) => 1.0,
         };
+        if grads.len() != ranges.len() {
+            return Err(Error::Check(format!(
+                "pipeline: {} gradients for {} optimizer ranges",
+                grads.len(),
+                ranges.len()
+            )));
+        }
         let (tp, rep) = (self.mesh.tp_size, &self.tp_replicated);
         let mut ss = 0.0;
         for (g, r) in grads.iter().zip(&ranges) {

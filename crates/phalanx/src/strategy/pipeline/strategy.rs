@@ -29,9 +29,9 @@ pub struct PipeStrategy {
     /// Allowed to keep gradients on the device through the step
     /// ([`Strategy::keep_grads_on_device`]).
     device_grads: bool,
-    /// This step's gradients of the owned ranges, reduced on the device
-    /// (`on_device`), for `finish`.
-    held: Option<Vec<Tensor>>,
+    /// This step's gradients of the optimizers' ranges, reduced on the
+    /// device (`on_device`, `scatter`), for `finish`.
+    held: Option<Vec<Option<Tensor>>>,
 }
 
 /// The pipeline settings of a training config.
@@ -230,8 +230,13 @@ impl Strategy for PipeStrategy {
         self.held = None;
         // Already the mean over micro-batches and dp replicas.
         if self.grads_stay_on_device(engine) {
-            let zero1 = self.zero1.is_some();
-            let (loss, grads) = self.pipe.forward_backward_on_device(engine, batch, zero1)?;
+            let (loss, grads) = match self.zero1.is_some() {
+                true => self.pipe.forward_backward_scattered(engine, batch)?,
+                false => {
+                    let (loss, g) = self.pipe.forward_backward_on_device(engine, batch, false)?;
+                    (loss, g.into_iter().map(Some).collect())
+                }
+            };
             self.held = Some(grads);
             return Ok(loss);
         }
