@@ -151,7 +151,8 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         let best = ranked.first().ok_or("no layout to write")?;
         let text = recommended_config(&cfg, &best.layout);
         crate::outputs::check_plan_output(&cfg, &o.cfg, path)?;
-        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        phalanx::fsutil::write_atomic(path, text.as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         if !o.json {
             println!("wrote {} ({})", path.display(), best.layout.name());
         }

@@ -20,8 +20,9 @@ use phalanx::data::{DataLoader, LoaderConfig, TokenData};
 use phalanx::engine::shard_range;
 use phalanx::mesh::DeviceMesh;
 use phalanx::ops::set_host_kernels;
-use phalanx::strategy::pipeline::trace::EventKind;
+use phalanx::strategy::pipeline::trace::{write_chrome_trace, EventKind};
 use phalanx::strategy::pipeline::{Pipeline, PipelineConfig, ScheduleKind};
+use phalanx_comm::ReduceOp;
 use phalanx_models::gpt2::train::build_engine;
 
 const MICRO: usize = 2;
@@ -119,6 +120,44 @@ fn run(kind: ScheduleKind, path: Path, zero1: bool) -> Vec<(Vec<Vec<f32>>, Vec<S
                 }
             }
             grads.push(g);
+        }
+        if path == Path::Buckets && !zero1 && kind == ScheduleKind::OneFOneB {
+            // The starts in the Chrome trace: instants on the comm row.
+            let f =
+                std::env::temp_dir().join(format!("phalanx-buckets-{}.json", std::process::id()));
+            let v = 1;
+            write_chrome_trace(mesh.world(), mesh.coords(), v, pipe.timeline(), &f).unwrap();
+            mesh.world().barrier().unwrap();
+            let text = std::fs::read_to_string(&f).unwrap();
+            let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let starts = trace["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["ph"] == "i" && e["tid"] == 1)
+                .filter(|e| {
+                    e["name"]
+                        .as_str()
+                        .unwrap()
+                        .starts_with("start dp all-reduce")
+                })
+                .count();
+            // Every rank's starts, once each.
+            let mine = pipe
+                .timeline()
+                .events()
+                .filter(|e| e.kind == EventKind::DpLaunch)
+                .count();
+            let mut all = [mine as f32];
+            mesh.world().all_reduce(&mut all, ReduceOp::Sum).unwrap();
+            assert!(
+                mine > 0 && starts == all[0] as usize,
+                "{starts} starts in the trace, {all:?} made"
+            );
+            mesh.world().barrier().unwrap();
+            if pg.rank() == 0 {
+                std::fs::remove_file(&f).unwrap();
+            }
         }
         // Each DpLaunch against its chunk's last backward of that step.
         let events: Vec<_> = pipe.timeline().events().cloned().collect();

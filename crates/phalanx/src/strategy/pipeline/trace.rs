@@ -308,6 +308,18 @@ pub fn write_chrome_trace(
                 dur_us: e[5],
             };
             let tid = if ev.kind.is_compute() { 0 } else { 1 };
+            if ev.kind == EventKind::DpLaunch {
+                // A moment, not a span: an instant event on the comm row.
+                let _ = write!(
+                    out,
+                    "{}{{\"name\":\"{}\",\"ph\":\"i\",\"s\":\"t\",\"ts\":{:.3},\"pid\":{rank},\"tid\":{tid},\"args\":{{\"step\":{}}}}}",
+                    sep(&mut first),
+                    ev.name(v),
+                    ev.start_us,
+                    ev.step
+                );
+                continue;
+            }
             let _ = write!(
                 out,
                 "{}{{\"name\":\"{}\",\"ph\":\"X\",\"ts\":{:.3},\"dur\":{:.3},\"pid\":{rank},\"tid\":{tid},\"args\":{{\"step\":{}}}}}",
@@ -320,10 +332,7 @@ pub fn write_chrome_trace(
         }
     }
     out.push_str("\n]}\n");
-    std::fs::write(path, out).map_err(|e| {
-        Error::Io(format!(
-            "writing the pipeline trace {}: {e}",
-            path.display()
-        ))
-    })
+    // Whole or not at all (a temporary renamed over it).
+    crate::fsutil::write_atomic(path, out.as_bytes())
+        .map_err(|e| Error::Io(format!("writing the pipeline trace: {e}")))
 }
