@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: check Phalanx on a machine with one or more NVIDIA
-# GPUs, in one command (under 10 minutes on one GPU; every step under
-# `timeout`).
+# GPUs, in one command (the checks under 10 minutes on one GPU, every step
+# under `timeout`; the build before them takes longer: candle's kernels
+# are about 8 minutes of nvcc on 2 cores, so on a machine lent for minutes
+# build elsewhere and give PHALANX_BIN).
 #
 #   scripts/gpu_check.sh                          # build with cuda,nccl, then check
 #   PHALANX_BIN=/path/to/phalanx scripts/gpu_check.sh   # a binary built elsewhere
@@ -111,6 +113,19 @@ if [ "$DEVICE" = cuda ]; then
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     if step "driver and GPUs (nvidia-smi -L)" 30 nvidia-smi -L; then
         gpus=$(timeout 30 nvidia-smi -L | grep -c '^GPU')
+        # nvidia-smi lists every GPU; CUDA (and so NCCL's one GPU per
+        # rank) sees only CUDA_VISIBLE_DEVICES' where it is set.
+        if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+            vis=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '^[^-]')
+            [ "$vis" -lt "$gpus" ] && gpus=$vis
+        fi
+        # A binary from scripts/cuda_toolchain.sh (CUDA 13.0) needs a
+        # CUDA 13 driver: 580 or later.
+        drv=$(timeout 30 nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+        echo "driver: $drv"
+        if [ "${drv%%.*}" -lt 580 ] 2>/dev/null; then
+            echo "note: driver $drv is older than 580: a binary built by scripts/cuda_toolchain.sh (CUDA 13.0) will not load its kernels; build with this machine's CUDA 12 nvcc instead"
+        fi
     fi
     echo "GPUs: $gpus"
 else
@@ -125,7 +140,7 @@ else
     if [ "$DEVICE" = cuda ] && ! command -v nvcc >/dev/null; then
         # The toolchain's link stubs come from cudarc's sources: fetch first.
         cargo fetch --quiet || { echo "cargo fetch failed (no registry?): give PHALANX_BIN"; failed=$((failed + 1)); finish; }
-        tc=$(scripts/cuda_toolchain.sh) || { echo "scripts/cuda_toolchain.sh failed"; failed=$((failed + 1)); finish; }
+        tc=$(scripts/cuda_toolchain.sh) || { echo "scripts/cuda_toolchain.sh failed (it downloads NVIDIA's wheels from PyPI: without a network, build the binary elsewhere and give PHALANX_BIN)"; failed=$((failed + 1)); finish; }
         eval "$tc"
     fi
     step "build (cargo build --release -p phalanx-cli --features $features)" 1200 \
@@ -139,6 +154,7 @@ if [ "$DEVICE" = cuda ]; then
     # build's lazy loader names them in the binary; scripts/cuda_lazy.py).
     libs_found() {
         local missing=0 so
+        command -v strings >/dev/null || { echo "strings (binutils) is needed to list the libraries opened on first use"; return 1; }
         ldd "$bin" | grep 'not found' && missing=1
         for so in $(strings -a "$bin" | sed -n 's/^phalanx-cuda-lazy: //p' | sort -u); do
             if python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$so" 2>/dev/null ||
