@@ -10,16 +10,23 @@
 //! them; they run on a helper thread and the caller waits until the
 //! deadline, so a missing rank gives a timeout naming the group and rank
 //! instead of a hang (the helper stays blocked until the process ends).
+//! With `NCCL_COMM_BLOCKING=0` in the environment NCCL makes every
+//! communicator non-blocking: creation, splits and launches return
+//! `ncclInProgress` while they connect, and are polled under the same
+//! deadline ([`super::progress`]), aborted past it; so the first
+//! collective or send to a peer that never connects times out too,
+//! where a blocking launch would hold it.
 
 use super::cuda::{Device, Lane};
 use super::probe::{NcclApi, Stream};
+use super::progress::{self, Progress, IN_PROGRESS};
 use crate::backend::Call;
 use crate::error::{CommError, Result};
 use cudarc::driver::sys as cu;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A raw `ncclComm_t` that may cross threads.
 #[derive(Clone, Copy)]
@@ -77,6 +84,40 @@ pub struct Comm {
     /// Payload bytes as a ring would send them, shared by a world and its
     /// sub-groups.
     pub bytes: Arc<AtomicU64>,
+    /// How long `destroy` lets started work finish before it aborts
+    /// instead (the time its creation was given).
+    settle_for: Duration,
+}
+
+/// Wait for a non-blocking call on `comm` that returned `rc` (see
+/// [`super::progress`]): `rc` itself unless it is `ncclInProgress`, else
+/// what polling says by `deadline` (`stop`: a failure recorded
+/// elsewhere). Past the deadline a timeout naming `what`.
+fn settle_call(
+    api: &NcclApi,
+    comm: Handle,
+    rc: c_int,
+    deadline: Instant,
+    stop: &mut dyn FnMut() -> Option<CommError>,
+    what: &dyn Fn() -> String,
+) -> Result<()> {
+    if rc != IN_PROGRESS {
+        return api.check(rc, what);
+    }
+    let mut state = || {
+        let mut async_rc: c_int = 0;
+        // SAFETY: a communicator NCCL handed out; an out-parameter.
+        unsafe { (api.ncclCommGetAsyncError)(comm.ptr(), &mut async_rc) };
+        async_rc
+    };
+    match progress::poll(deadline, &mut state, stop) {
+        Progress::Done(rc) => api.check(rc, what),
+        Progress::Stopped(e) => Err(e),
+        Progress::TimedOut => Err(CommError::Timeout(format!(
+            "{} was still connecting at the deadline (PHALANX_TIMEOUT): a peer did not join",
+            what()
+        ))),
+    }
 }
 
 /// Run `f` on a helper thread with the device current; give up at
@@ -111,6 +152,7 @@ impl Comm {
         dev: Arc<Device>,
         comm: Handle,
         bytes: Arc<AtomicU64>,
+        settle_for: Duration,
     ) -> Result<Comm> {
         dev.bind()?;
         let lane = Lane::new()?;
@@ -120,6 +162,7 @@ impl Comm {
             inner: Mutex::new(Inner { comm, lane }),
             failed: Mutex::new(None),
             bytes,
+            settle_for: settle_for.max(Duration::from_secs(1)),
         })
     }
 
@@ -148,12 +191,19 @@ impl Comm {
             // SAFETY: an out-parameter; the id came from ncclGetUniqueId on rank 0.
             let rc =
                 unsafe { (api.ncclCommInitRank)(&mut comm, size as c_int, uid, rank as c_int) };
-            api.check(rc, &|| {
-                format!("{w} (two ranks on one GPU are refused by NCCL: one rank per device)")
-            })?;
+            let what =
+                || format!("{w} (two ranks on one GPU are refused by NCCL: one rank per device)");
+            if let Err(e) = settle_call(api, Handle(comm), rc, deadline, &mut || None, &what) {
+                if rc == IN_PROGRESS {
+                    // SAFETY: a communicator still connecting, given up.
+                    unsafe { (api.ncclCommAbort)(comm) };
+                }
+                return Err(e);
+            }
             Ok(Handle(comm))
         })?;
-        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)))
+        let left = deadline.saturating_duration_since(Instant::now());
+        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)), left)
     }
 
     /// A fresh unique id (`ncclGetUniqueId`, on group rank 0).
@@ -176,23 +226,40 @@ impl Comm {
             "ncclCommSplit of group {:x} (rank {}, global rank {})",
             c.gid, c.me, c.members[c.me]
         );
-        let w = what.clone();
+        let (w, deadline) = (what.clone(), c.deadline);
         let h = blocking(&self.dev, c.deadline, what, move || {
             let mut out: *mut c_void = std::ptr::null_mut();
             // SAFETY: a live parent; a null config inherits the parent's.
             let rc = unsafe {
                 (api.ncclCommSplit)(parent.ptr(), color, key, &mut out, std::ptr::null_mut())
             };
-            api.check(rc, &|| w.clone())?;
+            // Non-blocking (inherited from the parent): the new
+            // communicator says when it is made; a rank without a color
+            // gets none.
+            let on = if out.is_null() { parent } else { Handle(out) };
+            if let Err(e) = settle_call(api, on, rc, deadline, &mut || None, &|| w.clone()) {
+                if rc == IN_PROGRESS && !out.is_null() {
+                    // SAFETY: a communicator still connecting, given up.
+                    unsafe { (api.ncclCommAbort)(out) };
+                }
+                return Err(e);
+            }
             Ok(Handle(out))
         });
         let h = match h {
             Ok(h) => h,
             Err(e) => {
-                // Past the deadline the helper thread may still be inside
-                // `ncclCommSplit` on the parent: abort it rather than let a
-                // later destroy free a communicator in use.
-                self.abort_locked(&mut inner);
+                match e {
+                    // Past the deadline the helper thread may still be
+                    // inside `ncclCommSplit` on the parent: it is let go
+                    // (leaked, failed), since aborting or destroying it
+                    // would free a communicator in use.
+                    CommError::Timeout(_) => {
+                        inner.comm = Handle(std::ptr::null_mut());
+                        inner.lane.poisoned = true;
+                    }
+                    _ => self.abort_locked(&mut inner),
+                }
                 return Err(self.fail(e));
             }
         };
@@ -200,7 +267,15 @@ impl Comm {
         if h.0.is_null() {
             return Ok(None);
         }
-        Comm::wrap(self.api, self.dev.clone(), h, self.bytes.clone()).map(Some)
+        let settle_for = self.settle_for;
+        Comm::wrap(
+            self.api,
+            self.dev.clone(),
+            h,
+            self.bytes.clone(),
+            settle_for,
+        )
+        .map(Some)
     }
 
     fn live(&self, inner: &Inner, c: &Call) -> Result<Handle> {
@@ -371,7 +446,13 @@ impl Comm {
         };
         let stream = inner.lane.stream as Stream;
         let rc = launch(self.api, comm.0, stream, base, recv);
-        if let Err(e) = self.api.check(rc, &|| self.what(c)) {
+        // Non-blocking: launched once NCCL no longer says in progress.
+        let mut stop = || self.failure();
+        let r = settle_call(self.api, comm, rc, c.deadline, &mut stop, &|| self.what(c));
+        if let Err(e) = r {
+            // Part of a group may have been launched: abort, so that a
+            // later destroy does not wait for it.
+            self.abort_locked(inner);
             return Err(self.fail(e));
         }
         Ok(recv)
@@ -445,14 +526,38 @@ impl Comm {
         }
     }
 
-    /// `ncclCommDestroy` (after its work is done).
+    /// `ncclCommDestroy` once the work started on it is done; `ncclCommAbort`
+    /// instead where it failed, or where that work is still running after
+    /// `settle_for` (destroy waits for NCCL's stream, which would wait
+    /// forever for a peer that is gone).
     pub fn destroy(&self) {
-        let mut inner = self.inner.lock().unwrap();
-        if !inner.comm.0.is_null() {
-            let _ = self.dev.bind();
+        // May run while unwinding (`Drop`): a poisoned lock still destroys.
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if inner.comm.0.is_null() {
+            return;
+        }
+        let _ = self.dev.bind();
+        let comm = inner.comm;
+        let settled = self.failure().is_none() && {
+            let api = self.api;
+            let mut check = || {
+                let mut rc: c_int = 0;
+                // SAFETY: a live communicator; an out-parameter.
+                unsafe { (api.ncclCommGetAsyncError)(comm.0, &mut rc) };
+                match rc {
+                    0 | IN_PROGRESS => Ok(()),
+                    rc => api.check(rc, &|| "ncclCommDestroy".into()),
+                }
+            };
+            let deadline = Instant::now() + self.settle_for;
+            matches!(inner.lane.wait(None, deadline, &mut check), Ok(true))
+        };
+        if settled {
             // SAFETY: a live communicator, destroyed once, then forgotten.
-            unsafe { (self.api.ncclCommDestroy)(inner.comm.0) };
+            unsafe { (self.api.ncclCommDestroy)(comm.0) };
             inner.comm = Handle(std::ptr::null_mut());
+        } else {
+            self.abort_locked(&mut inner);
         }
     }
 }

@@ -36,6 +36,7 @@ pub mod id;
 pub mod layout;
 pub mod marks;
 pub mod probe;
+pub mod progress;
 
 pub use backend::Nccl;
 
