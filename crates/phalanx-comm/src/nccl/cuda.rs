@@ -71,6 +71,8 @@ pub struct Lane {
     /// Set after an abort: the stream may still hold the aborted kernel, so
     /// the buffer and stream are leaked rather than freed under it.
     pub poisoned: bool,
+    /// The buffer came from the stream's memory pool (`cuMemAllocAsync`).
+    pooled: bool,
 }
 
 // SAFETY: a lane is used under its communicator's mutex only.
@@ -95,6 +97,7 @@ impl Lane {
             cap: 0,
             marks: Marks::default(),
             poisoned: false,
+            pooled: false,
         })
     }
 
@@ -159,23 +162,53 @@ impl Lane {
     /// device-memory one does not use this buffer).
     pub fn ensure(&mut self, bytes: usize) -> Result<cu::CUdeviceptr> {
         if bytes > self.cap {
+            // Stream-ordered (cuMemFreeAsync, cuMemAllocAsync on this
+            // stream): the plain cuMemFree / cuMemAlloc synchronise the
+            // whole device, which would wait on whatever NCCL kernel of
+            // another communicator is still waiting for its peer (a
+            // pipeline link's receive), outside any deadline.
             if self.buf != 0 {
-                // SAFETY: allocated below; the stream is idle.
-                unsafe { cu::cuMemFree_v2(self.buf) };
-                self.buf = 0;
-                self.cap = 0;
+                self.free();
             }
             let cap = bytes.next_power_of_two().max(1 << 20);
             let mut p: cu::CUdeviceptr = 0;
-            // SAFETY: an out-parameter.
-            cu_check(
-                unsafe { cu::cuMemAlloc_v2(&mut p, cap) },
-                &format!("cuMemAlloc of {cap} bytes for NCCL staging"),
-            )?;
+            // SAFETY: an out-parameter, on this live stream.
+            let rc = unsafe { cu::cuMemAllocAsync(&mut p, cap, self.stream) };
+            if rc == cu::CUresult::CUDA_ERROR_NOT_SUPPORTED {
+                // No memory pools on this device: the plain allocation.
+                self.pooled = false;
+                // SAFETY: an out-parameter.
+                cu_check(
+                    unsafe { cu::cuMemAlloc_v2(&mut p, cap) },
+                    &format!("cuMemAlloc of {cap} bytes for NCCL staging"),
+                )?;
+            } else {
+                cu_check(
+                    rc,
+                    &format!("cuMemAllocAsync of {cap} bytes for NCCL staging"),
+                )?;
+                self.pooled = true;
+            }
             self.buf = p;
             self.cap = cap;
         }
         Ok(self.buf)
+    }
+
+    /// Let go of the staging buffer (ordered on the stream where it came
+    /// from the stream's pool).
+    fn free(&mut self) {
+        // SAFETY: allocated by `ensure`, freed once; nothing queued after
+        // this uses it.
+        unsafe {
+            if self.pooled {
+                cu::cuMemFreeAsync(self.buf, self.stream);
+            } else {
+                cu::cuMemFree_v2(self.buf);
+            }
+        }
+        self.buf = 0;
+        self.cap = 0;
     }
 
     /// Queue a copy of `src` to device address `dst` on the stream.
@@ -256,12 +289,10 @@ impl Drop for Lane {
             return;
         }
         self.retire(None);
-        // SAFETY: owned handles, freed once; the stream is idle.
-        unsafe {
-            if self.buf != 0 {
-                cu::cuMemFree_v2(self.buf);
-            }
-            cu::cuStreamDestroy_v2(self.stream);
+        if self.buf != 0 {
+            self.free();
         }
+        // SAFETY: an owned handle, destroyed once; the stream is idle.
+        unsafe { cu::cuStreamDestroy_v2(self.stream) };
     }
 }
