@@ -22,7 +22,7 @@ fn steady_zero3_steps_take_no_fresh_pages() {
     // pieces and reduce-scatter outputs): far above glibc's mmap threshold
     // (128 KiB, adapting up to 32 MiB), and trimmed off the heap when
     // freed. Measured: 3,200 to 10,100 faults per rank per step with every
-    // buffer fresh (the pool disabled), 36 to 119 with it.
+    // buffer fresh (the pool disabled), 32 to 339 with it.
     let sets: Vec<String> = [
         "model.n_layer=2",
         "model.n_head=6",
@@ -60,9 +60,10 @@ fn steady_zero3_steps_take_no_fresh_pages() {
     eprintln!("ZeRO-3: {per_step} minor faults per rank per steady step");
     // A few stray faults (a thread's stack, the allocator's bookkeeping, a
     // heap grown by a slightly different interleaving of the ranks) are
-    // allowed; fresh buffers fault on thousands of pages.
+    // allowed: 32 to 339 seen with the pool; fresh buffers fault on 3,200
+    // pages or more.
     assert!(
-        per_step < 256,
+        per_step < 1000,
         "{per_step} minor faults per rank per steady ZeRO-3 step"
     );
 }

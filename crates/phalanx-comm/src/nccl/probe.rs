@@ -161,8 +161,15 @@ impl NcclApi {
             ($name:ident) => {{
                 // SAFETY: the field's type is the C signature of the symbol
                 // of the same name (NCCL's nccl.h).
-                let s = unsafe { lib.get(concat!(stringify!($name), "\0").as_bytes()) }
-                    .map_err(|e| format!("{path} has no {}: {e}", stringify!($name)))?;
+                let s = unsafe { lib.get(concat!(stringify!($name), "\0").as_bytes()) }.map_err(
+                    |e| {
+                        format!(
+                            "{path} has no {}: {e} (Phalanx needs NCCL 2.18 or later, \
+                             for ncclCommSplit)",
+                            stringify!($name)
+                        )
+                    },
+                )?;
                 *s
             }};
         }
