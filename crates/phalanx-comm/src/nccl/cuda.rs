@@ -73,6 +73,8 @@ pub struct Lane {
     pub poisoned: bool,
     /// The buffer came from the stream's memory pool (`cuMemAllocAsync`).
     pooled: bool,
+    /// The event [`Lane::after`] records on the caller's stream.
+    order: Option<cu::CUevent>,
 }
 
 // SAFETY: a lane is used under its communicator's mutex only.
@@ -98,6 +100,7 @@ impl Lane {
             marks: Marks::default(),
             poisoned: false,
             pooled: false,
+            order: None,
         })
     }
 
@@ -113,23 +116,23 @@ impl Lane {
     /// Order the work queued next on this stream after everything queued
     /// so far on `stream` (a raw `CUstream` of this context: candle's),
     /// without the host waiting: an event recorded there and waited for
-    /// here.
-    pub fn after(&self, stream: u64) -> Result<()> {
-        let ev = Self::event()?;
+    /// here. One event serves every call: the wait takes the state of
+    /// the record before it, so the event may be recorded again at once
+    /// (CUDA's `cuStreamWaitEvent`).
+    pub fn after(&mut self, stream: u64) -> Result<()> {
+        let ev = match self.order {
+            Some(ev) => ev,
+            None => *self.order.insert(Self::event()?),
+        };
         let other = stream as usize as cu::CUstream;
-        // SAFETY: a fresh event; `other` is a live stream of the current
-        // context (the caller's contract); the wait takes the event's
-        // state now, so the event may be destroyed right after (its
-        // resources are released once it completes).
-        let r = cu_check(unsafe { cu::cuEventRecord(ev, other) }, "cuEventRecord").and_then(|_| {
-            cu_check(
-                unsafe { cu::cuStreamWaitEvent(self.stream, ev, 0) },
-                "cuStreamWaitEvent",
-            )
-        });
-        // SAFETY: created above, destroyed once.
-        unsafe { cu::cuEventDestroy_v2(ev) };
-        r
+        // SAFETY: a live event of this lane; `other` is a live stream of
+        // the current context (the caller's contract).
+        cu_check(unsafe { cu::cuEventRecord(ev, other) }, "cuEventRecord")?;
+        // SAFETY: as above.
+        cu_check(
+            unsafe { cu::cuStreamWaitEvent(self.stream, ev, 0) },
+            "cuStreamWaitEvent",
+        )
     }
 
     /// Record that an operation was started on the stream (an event after
@@ -289,6 +292,11 @@ impl Drop for Lane {
             return;
         }
         self.retire(None);
+        if let Some(ev) = self.order.take() {
+            // SAFETY: created by `after`, destroyed once (a pending wait on
+            // it keeps what it needs: CUDA releases it on completion).
+            unsafe { cu::cuEventDestroy_v2(ev) };
+        }
         if self.buf != 0 {
             self.free();
         }
