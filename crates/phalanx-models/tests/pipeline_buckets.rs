@@ -12,11 +12,8 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use candle_core::Device;
 use phalanx::config::TrainConfig;
-use phalanx::data::{DataLoader, LoaderConfig, TokenData};
 use phalanx::engine::shard_range;
 use phalanx::mesh::DeviceMesh;
 use phalanx::ops::set_host_kernels;
@@ -43,17 +40,6 @@ fn config() -> TrainConfig {
     phalanx_models::gpt2::config::build(None, &sets).unwrap()
 }
 
-fn loader() -> Arc<DataLoader> {
-    let lc = LoaderConfig {
-        seq_len: T,
-        val_fraction: 0.0,
-        shuffle: true,
-        seed: 7,
-        vocab_size: Some(256),
-    };
-    Arc::new(DataLoader::new(TokenData::from_tokens(common::corpus()), lc).unwrap())
-}
-
 /// How a stage reduces its gradients in one run.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Path {
@@ -70,7 +56,7 @@ enum Path {
 /// fell outside their chunk's last backward (described), with how many fell
 /// inside.
 fn run(kind: ScheduleKind, path: Path, zero1: bool) -> Vec<(Vec<Vec<f32>>, Vec<String>, usize)> {
-    let data = loader();
+    let data = common::loader(T);
     phalanx_comm::threads::run(4, move |pg| {
         let cfg = config();
         let mesh = DeviceMesh::new(&pg, 2, 2, 1).unwrap();
