@@ -22,7 +22,8 @@
 #   3. `phalanx bench collectives --backend nccl --op all --check` at world 1,
 #      and at world 2 where there are 2+ GPUs (it ends with the all-reduce,
 #      all-gather and reduce-scatter of CUDA tensors in place, even and
-#      uneven blocks: NCCL on device memory);
+#      uneven blocks: NCCL on device memory); again with non-blocking
+#      communicators (NCCL_COMM_BLOCKING=0) at the largest world;
 #      `phalanx bench optimizer
 #      --check` (the optimizer's step on the device against the host's, in
 #      chunks, pieces and with frozen variance; then timed over 124M
@@ -176,6 +177,12 @@ if [ "$DEVICE" = cuda ]; then
             "$bin" bench collectives --backend nccl --nproc "$n" --op all \
             --sizes 8:64M --factor 8 --iters 3 --warmup 1 --check
     done
+    # Non-blocking communicators: creation, splits and launches answer
+    # ncclInProgress and are polled under the deadline (nccl::progress).
+    n=${worlds##* }
+    step "NCCL collectives --check, world $n, non-blocking (NCCL_COMM_BLOCKING=0)" 120 \
+        env NCCL_COMM_BLOCKING=0 "$bin" bench collectives --backend nccl --nproc "$n" \
+        --op all --sizes 8:1M --factor 8 --iters 2 --warmup 1 --check
 fi
 
 # The optimizer's state and step on the device against the host's loop:
