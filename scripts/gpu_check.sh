@@ -117,7 +117,10 @@ if [ "$DEVICE" = cuda ]; then
         # nvidia-smi lists every GPU; CUDA (and so NCCL's one GPU per
         # rank) sees only CUDA_VISIBLE_DEVICES' where it is set.
         if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
-            vis=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '^[^-]')
+            # (CUDA stops at the first entry that names no device.)
+            vis=$(printf '%s\n' "$CUDA_VISIBLE_DEVICES" |
+                awk -F, '{ n = 0; for (i = 1; i <= NF; i++) { if ($i == "" || $i ~ /^-/) break; n++ } print n }')
+            vis=${vis:-0}
             [ "$vis" -lt "$gpus" ] && gpus=$vis
         fi
         # A binary from scripts/cuda_toolchain.sh (CUDA 13.0) needs a

@@ -125,7 +125,7 @@ fn run(kind: ScheduleKind, path: Path, zero1: bool) -> Vec<(Vec<Vec<f32>>, Vec<S
                     e["name"]
                         .as_str()
                         .unwrap()
-                        .starts_with("start dp all-reduce")
+                        .starts_with("start dp reduction")
                 })
                 .count();
             // Every rank's starts, once each.

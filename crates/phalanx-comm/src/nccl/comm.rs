@@ -13,9 +13,10 @@
 //! With `NCCL_COMM_BLOCKING=0` in the environment NCCL makes every
 //! communicator non-blocking: creation, splits and launches return
 //! `ncclInProgress` while they connect, and are polled under the same
-//! deadline ([`super::progress`]), aborted past it; so the first
-//! collective or send to a peer that never connects times out too,
-//! where a blocking launch would hold it.
+//! deadline ([`super::progress`]); past it a creation or launch is
+//! aborted, and a split lets its parent go (its job may still use it), so
+//! the first collective or send to a peer that never connects times out
+//! too, where a blocking launch would hold it.
 
 use super::cuda::{Device, Lane};
 use super::probe::{NcclApi, Stream};
@@ -182,6 +183,9 @@ impl Comm {
             api.version()
         );
         let w = what.clone();
+        // What destroy may wait for started work: the time this call was
+        // given (the group's timeout).
+        let given = deadline.saturating_duration_since(Instant::now());
         let h = blocking(&dev, deadline, what, move || {
             let mut uid = super::layout::UniqueId { internal: [0; 128] };
             for (d, s) in uid.internal.iter_mut().zip(id) {
@@ -202,8 +206,7 @@ impl Comm {
             }
             Ok(Handle(comm))
         })?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)), left)
+        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)), given)
     }
 
     /// A fresh unique id (`ncclGetUniqueId`, on group rank 0).
@@ -228,23 +231,30 @@ impl Comm {
         );
         let (w, deadline) = (what.clone(), c.deadline);
         let h = blocking(&self.dev, c.deadline, what, move || {
-            let mut out: *mut c_void = std::ptr::null_mut();
-            // SAFETY: a live parent; a null config inherits the parent's.
+            // Non-blocking (inherited from the parent), NCCL writes the new
+            // communicator through this pointer when the split's job ends,
+            // which may be after this call gave up: a heap slot, freed
+            // only once the job is known to have written it (else leaked).
+            let slot: *mut *mut c_void = Box::into_raw(Box::new(std::ptr::null_mut()));
+            // SAFETY: a live parent; a null config inherits the parent's;
+            // `slot` outlives any write to it.
             let rc = unsafe {
-                (api.ncclCommSplit)(parent.ptr(), color, key, &mut out, std::ptr::null_mut())
+                (api.ncclCommSplit)(parent.ptr(), color, key, slot, std::ptr::null_mut())
             };
-            // Non-blocking (inherited from the parent): the new
-            // communicator says when it is made; a rank without a color
-            // gets none.
-            let on = if out.is_null() { parent } else { Handle(out) };
-            if let Err(e) = settle_call(api, on, rc, deadline, &mut || None, &|| w.clone()) {
-                if rc == IN_PROGRESS && !out.is_null() {
-                    // SAFETY: a communicator still connecting, given up.
-                    unsafe { (api.ncclCommAbort)(out) };
+            // In progress: the job belongs to the parent, which says when
+            // it is done (`ncclCommGetAsyncError`).
+            let r = settle_call(api, parent, rc, deadline, &mut || None, &|| w.clone());
+            match r {
+                // The job may still write the slot: let it go.
+                Err(e) if rc == IN_PROGRESS => Err(e),
+                r => {
+                    // SAFETY: NCCL is done with the slot (the call returned
+                    // without a job, or its job was polled as done);
+                    // allocated above, freed once.
+                    let out = unsafe { *Box::from_raw(slot) };
+                    r.map(|_| Handle(out))
                 }
-                return Err(e);
             }
-            Ok(Handle(out))
         });
         let h = match h {
             Ok(h) => h,

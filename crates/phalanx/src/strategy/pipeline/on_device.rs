@@ -231,13 +231,14 @@ impl<'a> Flight<'a> {
     }
 
     /// Start chunk `c`'s buckets that are final once block `b` has run
-    /// (every one left with `None`: the chunk is done); how many.
+    /// (every one left with `None`: the chunk is done); how many
+    /// reductions that started.
     fn start(&mut self, c: usize, b: Option<usize>, stack: &Stack) -> Result<usize> {
         let Some(bs) = self.buckets.get(&c) else {
             return Ok(0);
         };
         let next = self.next.entry(c).or_default();
-        let lo = *next;
+        let lo = self.pieces.len();
         while *next < bs.len() && b.is_none_or(|b| bs[*next].ready_at >= b) {
             for r in &bs[*next].ranges {
                 // ZeRO-1 leaves the tied parts for after their sums.
@@ -269,7 +270,7 @@ impl<'a> Flight<'a> {
             }
             *next += 1;
         }
-        Ok(*next - lo)
+        Ok(self.pieces.len() - lo)
     }
 }
 

@@ -213,12 +213,17 @@ pub(super) fn dp_block_buckets(
         }
     }
     let mut out: BTreeMap<usize, Vec<BlockBucket>> = BTreeMap::new();
+    // A bucket is closed with its ranges merged (one reduction each).
+    let close = |out: &mut BTreeMap<usize, Vec<BlockBucket>>, c: usize, mut bk: BlockBucket| {
+        bk.ranges = merge(bk.ranges);
+        out.entry(c).or_default().push(bk);
+    };
     let mut cur: Option<(usize, BlockBucket)> = None;
     for ((c, b), rs) in ready.into_iter().rev() {
         if let Some((cc, bk)) = cur.take() {
             match cc == c {
                 true => cur = Some((cc, bk)),
-                false => out.entry(cc).or_default().push(bk),
+                false => close(&mut out, cc, bk),
             }
         }
         let (_, bk) = cur.get_or_insert((
@@ -232,14 +237,12 @@ pub(super) fn dp_block_buckets(
         bk.ranges.extend(rs);
         let bytes: usize = bk.ranges.iter().map(|r| r.len() * 4).sum();
         if bytes >= cap.max(1) {
-            let (cc, mut bk) = cur.take().expect("just set");
-            bk.ranges = merge(bk.ranges);
-            out.entry(cc).or_default().push(bk);
+            let (cc, bk) = cur.take().expect("just set");
+            close(&mut out, cc, bk);
         }
     }
-    if let Some((cc, mut bk)) = cur {
-        bk.ranges = merge(bk.ranges);
-        out.entry(cc).or_default().push(bk);
+    if let Some((cc, bk)) = cur {
+        close(&mut out, cc, bk);
     }
     out
 }
@@ -257,7 +260,7 @@ mod tests {
             vec![d("wte", 8), d("wpe", 4)],
             vec![d("h0.a", 6), d("h0.b", 2)],
             vec![d("h1.a", 6), d("h1.b", 2)],
-            vec![d("h2.a", 6)],
+            vec![d("h2.a", 6), d("h2.b", 2)],
             vec![d("lnf", 2), d("wte", 8)],
         ])
         .unwrap()
@@ -282,7 +285,12 @@ mod tests {
                         whole.keys().collect::<Vec<_>>()
                     );
                     for (c, bs) in &cut {
-                        // Together they are the chunk's ranges, ...
+                        // Each bucket's ranges merged (one reduction
+                        // per run of parameters); together they are the
+                        // chunk's ranges, ...
+                        for b in bs {
+                            assert_eq!(b.ranges, merge(b.ranges.clone()), "{kind:?} {bs:?}");
+                        }
                         let all = merge(bs.iter().flat_map(|b| b.ranges.clone()).collect());
                         assert_eq!(
                             &all, &whole[c],
@@ -331,7 +339,7 @@ mod tests {
             },
             BlockBucket {
                 ready_at: 3,
-                ranges: vec![r("h2.a")],
+                ranges: merge(vec![r("h2.a"), r("h2.b")]),
             },
         ];
         assert_eq!(cut[&1], want);

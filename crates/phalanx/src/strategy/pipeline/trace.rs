@@ -45,8 +45,9 @@ pub enum EventKind {
     TieReduce,
     /// All-reduce of gradients over the data-parallel group.
     DpReduce,
-    /// Data-parallel reductions started inside a backward (no duration:
-    /// they run on the communicator's stream; `DpReduce` waits for them).
+    /// Data-parallel reductions (all-reduces, ZeRO-1's reduce-scatters)
+    /// started inside a backward (no duration: they run on the
+    /// communicator's stream; `DpReduce` waits for them).
     DpLaunch,
 }
 
@@ -114,7 +115,7 @@ impl Event {
             EventKind::SendGrad => format!("send grad {mb}{c}"),
             EventKind::TieReduce => "all-reduce tied grads".into(),
             EventKind::DpReduce => "all-reduce dp grads".into(),
-            EventKind::DpLaunch => format!("start dp all-reduce {mb}{c}"),
+            EventKind::DpLaunch => format!("start dp reduction {mb}{c}"),
         }
     }
 }
