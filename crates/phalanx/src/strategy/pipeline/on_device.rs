@@ -75,6 +75,25 @@ impl Pipeline {
         batch: &mut BatchFn,
         scatter: bool,
     ) -> Result<(f32, Vec<Tensor>)> {
+        let (loss, grads, fault) = self.forward_backward_held(engine, batch, scatter)?;
+        match fault {
+            Some(e) => Err(e),
+            None => Ok((loss, grads)),
+        }
+    }
+
+    /// [`Pipeline::forward_backward_on_device`], a fault found on this
+    /// rank (no gradients held, chunks that fell short) returned beside
+    /// the result rather than as the error, once this rank has joined
+    /// every collective its peers join here (the loss's mean too), so
+    /// that a caller with collectives still to run (ZeRO-1's
+    /// reduce-scatter) joins those before failing.
+    pub(super) fn forward_backward_held(
+        &mut self,
+        engine: &mut Engine,
+        batch: &mut BatchFn,
+        scatter: bool,
+    ) -> Result<(f32, Vec<Tensor>, Option<Error>)> {
         let dp = self.mesh.dp().clone();
         // As DDP's device path: each bucket of a chunk's ranges averaged
         // over dp as soon as the chunk's last backward has run its lowest
@@ -177,16 +196,15 @@ impl Pipeline {
             }
             self.event(EventKind::DpReduce, t0);
         }
-        if let Some(r) = missing {
-            return Err(Error::Check(format!(
+        let mean = self.dp_mean(loss)?;
+        let fault = match (missing, uncovered) {
+            (Some(r), _) => Some(Error::Check(format!(
                 "pipeline: stage {} held no gradients on the device for {r:?} after backward",
                 self.stage
-            )));
-        }
-        if let Some(e) = uncovered {
-            return Err(Error::Check(e));
-        }
-        Ok((self.dp_mean(loss)?, grads))
+            ))),
+            (None, e) => e.map(Error::Check),
+        };
+        Ok((mean, grads, fault))
     }
 }
 

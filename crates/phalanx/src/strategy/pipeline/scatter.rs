@@ -165,7 +165,9 @@ impl Pipeline {
         if dp.size() == 1 || !self.cfg.overlap_dp {
             // Everything after the schedule: whole ranges, padded to whole
             // pieces of ceil(len / dp) for the even reduce-scatter.
-            let (loss, grads) = self.forward_backward_on_device(engine, batch, true)?;
+            // A fault of this rank's reported after the reduce-scatters,
+            // which its dp peers join.
+            let (loss, grads, fault) = self.forward_backward_held(engine, batch, true)?;
             let t0 = self.timeline.now_us();
             let mut mine = Vec::with_capacity(grads.len());
             // Each range's whole gradients let go once its piece is out.
@@ -178,7 +180,10 @@ impl Pipeline {
                 });
             }
             self.event(EventKind::DpReduce, t0);
-            return Ok((loss, mine));
+            return match fault {
+                Some(e) => Err(e),
+                None => Ok((loss, mine)),
+            };
         }
         engine.zero_grad();
         engine.hold_grads(true);
@@ -224,6 +229,8 @@ impl Pipeline {
             parts.extend(sc.mine(r, &counts, g)?);
         }
         self.event(EventKind::DpReduce, t0);
+        // The loss's mean joined before any fault of this rank's returns.
+        let mean = self.dp_mean(loss)?;
         // A gradient held after its bucket started would be lost.
         let late = engine.stack().held_grads_count();
         if late > 0 {
@@ -240,7 +247,7 @@ impl Pipeline {
                 self.stage
             )));
         }
-        Ok((self.dp_mean(loss)?, sc.assemble(parts)?))
+        Ok((mean, sc.assemble(parts)?))
     }
 }
 
