@@ -90,6 +90,25 @@ pub struct Comm {
     settle_for: Duration,
 }
 
+/// NCCL's asynchronous state of `comm` (`ncclCommGetAsyncError`): 0,
+/// [`IN_PROGRESS`], or the error that ended its work.
+fn async_state(api: &NcclApi, comm: Handle) -> c_int {
+    let mut rc: c_int = 0;
+    // SAFETY: a communicator NCCL handed out, not yet destroyed; an
+    // out-parameter.
+    unsafe { (api.ncclCommGetAsyncError)(comm.ptr(), &mut rc) };
+    rc
+}
+
+/// [`async_state`] as a result: work in progress is not an error; an
+/// error names `what`.
+fn async_check(api: &NcclApi, comm: Handle, what: &dyn Fn() -> String) -> Result<()> {
+    match async_state(api, comm) {
+        IN_PROGRESS => Ok(()),
+        rc => api.check(rc, &|| format!("{} (asynchronous error)", what())),
+    }
+}
+
 /// Wait for a non-blocking call on `comm` that returned `rc` (see
 /// [`super::progress`]): `rc` itself unless it is `ncclInProgress`, else
 /// what polling says by `deadline` (`stop`: a failure recorded
@@ -105,12 +124,7 @@ fn settle_call(
     if rc != IN_PROGRESS {
         return api.check(rc, what);
     }
-    let mut state = || {
-        let mut async_rc: c_int = 0;
-        // SAFETY: a communicator NCCL handed out; an out-parameter.
-        unsafe { (api.ncclCommGetAsyncError)(comm.ptr(), &mut async_rc) };
-        async_rc
-    };
+    let mut state = || async_state(api, comm);
     match progress::poll(deadline, &mut state, stop) {
         Progress::Done(rc) => api.check(rc, what),
         Progress::Stopped(e) => Err(e),
@@ -394,18 +408,9 @@ impl Comm {
                 Ok(true)
             }
             cu::CUresult::CUDA_ERROR_NOT_READY => {
-                let mut rc: c_int = 0;
-                // SAFETY: a live communicator; an out-parameter.
-                unsafe { (self.api.ncclCommGetAsyncError)(comm.0, &mut rc) };
-                // ncclInProgress (7) is not an error.
-                if rc != 0 && rc != 7 {
-                    let e = self
-                        .api
-                        .check(rc, &|| format!("{} (asynchronous error)", self.what(c)));
-                    if let Err(e) = e {
-                        self.abort_locked(&mut inner);
-                        return Err(self.fail(e));
-                    }
+                if let Err(e) = async_check(self.api, comm, &|| self.what(c)) {
+                    self.abort_locked(&mut inner);
+                    return Err(self.fail(e));
                 }
                 Ok(false)
             }
@@ -487,16 +492,7 @@ impl Comm {
             if let Some(e) = self.failure() {
                 return Err(e);
             }
-            let mut async_rc: c_int = 0;
-            // SAFETY: a live communicator; an out-parameter.
-            unsafe { (api.ncclCommGetAsyncError)(comm.0, &mut async_rc) };
-            // ncclInProgress (7) is not an error.
-            if async_rc == 7 {
-                return Ok(());
-            }
-            api.check(async_rc, &|| {
-                format!("{} (asynchronous error)", self.what(c))
-            })
+            async_check(api, comm, &|| self.what(c))
         };
         let done = inner.lane.wait(event, c.deadline, &mut check);
         match done {
@@ -549,16 +545,7 @@ impl Comm {
         let _ = self.dev.bind();
         let comm = inner.comm;
         let settled = self.failure().is_none() && {
-            let api = self.api;
-            let mut check = || {
-                let mut rc: c_int = 0;
-                // SAFETY: a live communicator; an out-parameter.
-                unsafe { (api.ncclCommGetAsyncError)(comm.0, &mut rc) };
-                match rc {
-                    0 | IN_PROGRESS => Ok(()),
-                    rc => api.check(rc, &|| "ncclCommDestroy".into()),
-                }
-            };
+            let mut check = || async_check(self.api, comm, &|| "ncclCommDestroy".into());
             let deadline = Instant::now() + self.settle_for;
             matches!(inner.lane.wait(None, deadline, &mut check), Ok(true))
         };

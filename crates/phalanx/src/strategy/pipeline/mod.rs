@@ -113,7 +113,8 @@ pub struct PipelineConfig {
     pub overlap_dp: bool,
     /// With the gradients on the device: the chunk's all-reduce cut into
     /// buckets of at least this many bytes, each started as soon as the
-    /// chunk's last backward has made it final (`parallel.bucket_mb`).
+    /// chunk's last backward has made it final (the trainer's gradient
+    /// bucket size, `TrainConfig::bucket_bytes`, as DDP's and ZeRO's).
     pub bucket_bytes: usize,
 }
 

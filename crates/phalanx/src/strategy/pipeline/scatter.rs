@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use phalanx_comm::ReduceOp;
 
 use super::on_device::Flight;
@@ -24,6 +24,7 @@ use super::{BatchFn, Pipeline};
 use crate::collective::{all_reduce_in_place, reduce_scatter_in_place, reduce_scatter_v_in_place};
 use crate::engine::{shard_range, Engine};
 use crate::error::{Error, Result};
+use crate::strategy::ddp::take_held_grads;
 
 /// ZeRO-1's cut of a stage's owned ranges over `n` dp ranks, and the tied
 /// ranges, left whole until their sums.
@@ -155,13 +156,6 @@ impl Pipeline {
         batch: &mut BatchFn,
     ) -> Result<(f32, Vec<Option<Tensor>>)> {
         let dp = self.mesh.dp().clone();
-        let tied: Vec<Range<usize>> = {
-            let mut t: Vec<Range<usize>> =
-                self.ties.groups().flat_map(|(_, rs)| rs.to_vec()).collect();
-            t.sort_unstable_by_key(|r| r.start);
-            t
-        };
-        let sc = Scatter::new(self.ties.owned.clone(), tied, dp.rank(), dp.size());
         if dp.size() == 1 || !self.cfg.overlap_dp {
             // Everything after the schedule: whole ranges, padded to whole
             // pieces of ceil(len / dp) for the even reduce-scatter.
@@ -185,6 +179,13 @@ impl Pipeline {
                 None => Ok((loss, mine)),
             };
         }
+        let tied: Vec<Range<usize>> = {
+            let mut t: Vec<Range<usize>> =
+                self.ties.groups().flat_map(|(_, rs)| rs.to_vec()).collect();
+            t.sort_unstable_by_key(|r| r.start);
+            t
+        };
+        let sc = Scatter::new(self.ties.owned.clone(), tied, dp.rank(), dp.size());
         engine.zero_grad();
         engine.hold_grads(true);
         let buckets = self.dp_block_buckets.clone();
@@ -210,13 +211,12 @@ impl Pipeline {
         let mut tied = Vec::new();
         for (group, ranges) in self.ties.groups() {
             for r in ranges {
-                let g = match engine.take_device_grads(r.clone(), 0)? {
-                    Some(g) => g,
-                    None => {
-                        missing.get_or_insert(r.clone());
-                        Tensor::zeros(r.len(), DType::F32, engine.device())?
-                    }
-                };
+                // Zeros stand in where none are held, so that this rank
+                // still joins; it fails after.
+                let (g, held) = take_held_grads(engine, r.clone(), 0)?;
+                if !held {
+                    missing.get_or_insert(r.clone());
+                }
                 all_reduce_in_place(group, &g, ReduceOp::Sum)?;
                 tied.push((r.clone(), g));
             }

@@ -47,7 +47,7 @@ pub fn pipeline_config(cfg: &TrainConfig) -> Result<PipelineConfig> {
         schedule,
         micro_batches: cfg.train.grad_accum_steps,
         partition,
-        bucket_bytes: (p.bucket_mb * (1u64 << 20) as f64) as usize,
+        bucket_bytes: cfg.bucket_bytes(),
         ..PipelineConfig::default()
     })
 }

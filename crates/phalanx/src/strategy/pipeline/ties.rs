@@ -313,35 +313,21 @@ mod tests {
         // on this stage).
         let s = Schedule::new(ScheduleKind::OneFOneB, 2, 3).unwrap();
         let cut = dp_block_buckets(&l, &[0..3, 3..5], &s, 0, 0);
-        let r = |n: &str| l.find(n).unwrap().range();
+        // The bucket of `names`, final once block `at` has run.
+        let bucket = |at: usize, names: &[&str]| BlockBucket {
+            ready_at: at,
+            ranges: merge(names.iter().map(|n| l.find(n).unwrap().range()).collect()),
+        };
         let want = vec![
-            BlockBucket {
-                ready_at: 2,
-                ranges: merge(vec![r("h1.a"), r("h1.b")]),
-            },
-            BlockBucket {
-                ready_at: 1,
-                ranges: merge(vec![r("h0.a"), r("h0.b")]),
-            },
-            BlockBucket {
-                ready_at: 0,
-                ranges: merge(vec![r("wte"), r("wpe")]),
-            },
+            bucket(2, &["h1.a", "h1.b"]),
+            bucket(1, &["h0.a", "h0.b"]),
+            bucket(0, &["wte", "wpe"]),
         ];
         assert_eq!(cut[&0], want);
         // Stage 1 (blocks 3..5): the tied wte is final with lnf, after
         // block 4 (the head, its only reader there).
         let cut = dp_block_buckets(&l, &[0..3, 3..5], &s, 1, 0);
-        let want = vec![
-            BlockBucket {
-                ready_at: 4,
-                ranges: merge(vec![r("lnf"), r("wte")]),
-            },
-            BlockBucket {
-                ready_at: 3,
-                ranges: merge(vec![r("h2.a"), r("h2.b")]),
-            },
-        ];
+        let want = vec![bucket(4, &["lnf", "wte"]), bucket(3, &["h2.a", "h2.b"])];
         assert_eq!(cut[&1], want);
     }
 }
