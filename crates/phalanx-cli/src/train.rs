@@ -275,8 +275,26 @@ fn run(
     // naming what is missing, before it meets the others.
     cfg.device()?;
     let pg = phalanx_comm::init_process_group()?;
+    let r = as_rank(cfg, hf_config, opts, &pg, elastic);
+    if let (Err(e), None) = (&r, pg.failure()) {
+        // Peers waiting in a collective with this rank fail at once with
+        // this error (`rank N (host) aborted: …`) instead of a bare
+        // "shut down before sending" or, on NCCL, a timeout.
+        pg.abort(&e.to_string());
+    }
+    r
+}
+
+/// `run` once the process group is up: everything a rank does in the job.
+fn as_rank(
+    cfg: &TrainConfig,
+    hf_config: Option<&std::path::Path>,
+    opts: &TrainOpts,
+    pg: &phalanx_comm::ProcessGroup,
+    elastic: bool,
+) -> phalanx::Result<Option<usize>> {
     let lead = pg.rank() == 0;
-    let elastic_cfg = elastic_batch(cfg, &pg, opts)?;
+    let elastic_cfg = elastic_batch(cfg, pg, opts)?;
     let cfg = elastic_cfg.as_ref().unwrap_or(cfg);
     let family = family::of(cfg)?;
     let loader = Arc::new(train::open_data(cfg)?);

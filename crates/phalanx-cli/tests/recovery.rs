@@ -449,3 +449,30 @@ fn nothing_to_do_and_all_broken_checkpoints_are_refused_not_rotated() {
         "trained anyway: {r}"
     );
 }
+
+/// A rank whose step returns an error (not a crash) tells its peers why:
+/// the launcher names it, with its error, as the rank that failed; a peer
+/// that reports before it is stopped gives the same reason.
+#[test]
+fn a_ranks_error_is_named_with_its_reason() {
+    let r = train(
+        &["--nproc-per-node", "3", "--set", "train.steps=6"],
+        Some("error-at-step:1:3"),
+    );
+    assert_eq!(r.code, 1, "{r}");
+    let why = "injected error at step 3 on rank 1 (test hook)";
+    assert!(r.err.contains("rank 1 failed (exit code 1)"), "{r}");
+    assert!(
+        r.err
+            .contains(&format!("[rank 1] phalanx train: error: {why}")),
+        "{r}"
+    );
+    for peer in [
+        "[rank 0] phalanx train: error:",
+        "[rank 2] phalanx train: error:",
+    ] {
+        if let Some(l) = r.err.lines().find(|l| l.starts_with(peer)) {
+            assert!(l.contains("rank 1 (") && l.contains(why), "{r}");
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Monitoring a running job: stragglers found by rank, the Prometheus
-//! endpoint serving every rank's figures during a run, and what a
-//! non-finite gradient does (`train.on_nonfinite`).
+//! endpoint serving every rank's figures during a run, what a non-finite
+//! gradient does (`train.on_nonfinite`), and a rank's error reaching its
+//! peers.
 
 mod common;
 use common::*;
@@ -169,5 +170,30 @@ fn non_finite_gradients_stop_naming_the_rank_or_are_skipped() {
         let skipped: Vec<bool> = rank.iter().map(|r| r.as_ref().unwrap().0).collect();
         assert_eq!(skipped, vec![false, false, true, false, false]);
         assert!(rank[4].as_ref().unwrap().1.is_finite());
+    }
+}
+
+/// A rank whose step fails aborts the job with its error: its peers, waiting
+/// for it in the step's all-reduce, fail at once naming it and its reason
+/// (without the abort they hear only that it shut down).
+#[test]
+fn a_ranks_error_reaches_its_peers_with_its_reason() {
+    let cfg = config(3, 1, &["train.steps=6".to_string()]);
+    let loader = loader(cfg.seq_len().unwrap());
+    let out = phalanx_comm::threads::run(3, move |pg| {
+        let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        phalanx::fault::inject_error(2, 1);
+        let e = t.run(&RunOptions::default()).unwrap_err().to_string();
+        phalanx::fault::clear();
+        e
+    });
+    let why = "injected error at step 2 on rank 1 (test hook)";
+    assert_eq!(out[1], why);
+    for r in [0, 2] {
+        let e = &out[r];
+        assert!(
+            e.contains("rank 1 (") && e.contains(&format!("aborted: {why}")),
+            "rank {r}: {e}"
+        );
     }
 }

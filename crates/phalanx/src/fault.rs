@@ -29,6 +29,9 @@
 //!   `.tmp-*` directory, nothing is renamed yet (see
 //!   [`crate::checkpoint::write`]).
 //!
+//! - `error-at-step:RANK:STEP`: global rank RANK's step STEP returns an
+//!   error (the process stays up: what its peers are told is the test);
+//!
 //! - `slow:RANK:MS`: global rank RANK sleeps MS milliseconds in every
 //!   step (a straggler for `phalanx::monitor` to find; every attempt).
 //!
@@ -70,6 +73,14 @@ pub fn at_step(rank: usize, step: usize) {
     }
 }
 
+/// `error-at-step:RANK:STEP` (or [`inject_error`] on this thread): the
+/// error global rank `rank`'s step `step` returns instead of running.
+pub fn error_at(rank: usize, step: usize) -> Option<String> {
+    let injected = ARMED.with(|a| a.get().error) == Some((step, rank));
+    (injected || armed(&format!("error-at-step:{rank}:{step}")))
+        .then(|| format!("injected error at step {step} on rank {rank} (test hook)"))
+}
+
 /// `exit-in-save:STEP`: called by rank 0 between writing a checkpoint and
 /// renaming it into place.
 pub fn in_save(step: usize) {
@@ -94,6 +105,7 @@ fn slow_env() -> Option<(usize, Duration)> {
 struct Armed {
     overflow: Option<(usize, usize)>,
     delay: Option<(usize, Duration)>,
+    error: Option<(usize, usize)>,
 }
 
 thread_local! {
@@ -113,6 +125,12 @@ fn arm(f: impl FnOnce(&mut Armed)) {
 /// (this thread only).
 pub fn inject_overflow(step: usize, rank: usize) {
     arm(|a| a.overflow = Some((step, rank)));
+}
+
+/// At `step`, global rank `rank`'s step returns an error instead of
+/// running (this thread only).
+pub fn inject_error(step: usize, rank: usize) {
+    arm(|a| a.error = Some((step, rank)));
 }
 
 /// Global rank `rank` spends `delay` more on every step (computing, as far

@@ -20,7 +20,7 @@
 
 use super::cuda::{Device, Lane};
 use super::probe::{NcclApi, Stream};
-use super::progress::{self, Progress, IN_PROGRESS};
+use super::progress::{self, Progress, Waited, IN_PROGRESS};
 use crate::backend::Call;
 use crate::error::{CommError, Result};
 use cudarc::driver::sys as cu;
@@ -76,6 +76,12 @@ pub enum Io<'a> {
 pub type Launch<'a> =
     dyn FnMut(&NcclApi, *mut c_void, Stream, cu::CUdeviceptr, cu::CUdeviceptr) -> c_int + 'a;
 
+/// What the job's other channel says of it: the native mesh's failure (a
+/// peer's ABORT, crash or silence, or this rank's own abort), asked in
+/// every wait. NCCL itself does not notice a peer that stopped: its kernel
+/// would wait for it until the deadline.
+pub type Peers = Arc<dyn Fn() -> Option<CommError> + Send + Sync>;
+
 /// An NCCL communicator of one group.
 pub struct Comm {
     pub api: &'static NcclApi,
@@ -88,6 +94,8 @@ pub struct Comm {
     /// How long `destroy` lets started work finish before it aborts
     /// instead (the time its creation was given).
     settle_for: Duration,
+    /// The job's failure as the native mesh sees it.
+    peers: Peers,
 }
 
 /// NCCL's asynchronous state of `comm` (`ncclCommGetAsyncError`): 0,
@@ -136,25 +144,21 @@ fn settle_call(
 }
 
 /// Run `f` on a helper thread with the device current; give up at
-/// `deadline` with a timeout naming `what`.
+/// `deadline` with a timeout naming `what`, or when `stop` reports a
+/// failure of the job (see [`progress::on_helper`]).
 fn blocking<R: Send + 'static>(
     dev: &Arc<Device>,
     deadline: Instant,
     what: String,
+    stop: &dyn Fn() -> Option<CommError>,
     f: impl FnOnce() -> Result<R> + Send + 'static,
 ) -> Result<R> {
-    let (tx, rx) = std::sync::mpsc::channel();
     let d = dev.clone();
-    std::thread::Builder::new()
-        .name("phalanx-nccl-init".into())
-        .spawn(move || {
-            let _ = tx.send(d.bind().and_then(|_| f()));
-        })
-        .map_err(|e| CommError::Io(format!("{what}: cannot start a thread: {e}")))?;
-    let left = deadline.saturating_duration_since(Instant::now());
-    match rx.recv_timeout(left) {
-        Ok(r) => r,
-        Err(_) => Err(CommError::Timeout(format!(
+    let run = move || d.bind().and_then(|_| f());
+    match progress::on_helper("phalanx-nccl-init", deadline, stop, run) {
+        Waited::Done(r) => r,
+        Waited::Stopped(e) => Err(e),
+        Waited::TimedOut => Err(CommError::Timeout(format!(
             "{what} did not finish within the timeout (PHALANX_TIMEOUT): a member of the group \
              did not join (is every rank running with PHALANX_BACKEND=nccl?)"
         ))),
@@ -168,6 +172,7 @@ impl Comm {
         comm: Handle,
         bytes: Arc<AtomicU64>,
         settle_for: Duration,
+        peers: Peers,
     ) -> Result<Comm> {
         dev.bind()?;
         let lane = Lane::new()?;
@@ -178,10 +183,12 @@ impl Comm {
             failed: Mutex::new(None),
             bytes,
             settle_for: settle_for.max(Duration::from_secs(1)),
+            peers,
         })
     }
 
-    /// `ncclCommInitRank` of rank `rank` of `size` with the shared `id`.
+    /// `ncclCommInitRank` of rank `rank` of `size` with the shared `id`;
+    /// given up when `peers` reports the job failed.
     pub fn init(
         api: &'static NcclApi,
         dev: Arc<Device>,
@@ -189,6 +196,7 @@ impl Comm {
         rank: usize,
         size: usize,
         deadline: Instant,
+        peers: Peers,
     ) -> Result<Comm> {
         let what = format!(
             "ncclCommInitRank (rank {rank} of {size}, CUDA device {}, {} {})",
@@ -200,7 +208,8 @@ impl Comm {
         // What destroy may wait for started work: the time this call was
         // given (the group's timeout).
         let given = deadline.saturating_duration_since(Instant::now());
-        let h = blocking(&dev, deadline, what, move || {
+        let p = peers.clone();
+        let h = blocking(&dev, deadline, what, &|| peers(), move || {
             let mut uid = super::layout::UniqueId { internal: [0; 128] };
             for (d, s) in uid.internal.iter_mut().zip(id) {
                 *d = s as std::ffi::c_char;
@@ -211,7 +220,8 @@ impl Comm {
                 unsafe { (api.ncclCommInitRank)(&mut comm, size as c_int, uid, rank as c_int) };
             let what =
                 || format!("{w} (two ranks on one GPU are refused by NCCL: one rank per device)");
-            if let Err(e) = settle_call(api, Handle(comm), rc, deadline, &mut || None, &what) {
+            let mut stop = || p();
+            if let Err(e) = settle_call(api, Handle(comm), rc, deadline, &mut stop, &what) {
                 if rc == IN_PROGRESS {
                     // SAFETY: a communicator still connecting, given up.
                     unsafe { (api.ncclCommAbort)(comm) };
@@ -220,7 +230,7 @@ impl Comm {
             }
             Ok(Handle(comm))
         })?;
-        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)), given)
+        Comm::wrap(api, dev, h, Arc::new(AtomicU64::new(0)), given, peers)
     }
 
     /// A fresh unique id (`ncclGetUniqueId`, on group rank 0).
@@ -243,8 +253,9 @@ impl Comm {
             "ncclCommSplit of group {:x} (rank {}, global rank {})",
             c.gid, c.me, c.members[c.me]
         );
-        let (w, deadline) = (what.clone(), c.deadline);
-        let h = blocking(&self.dev, c.deadline, what, move || {
+        let (w, deadline, p) = (what.clone(), c.deadline, self.peers.clone());
+        let peers = || (self.peers)();
+        let h = blocking(&self.dev, c.deadline, what, &peers, move || {
             // Non-blocking (inherited from the parent), NCCL writes the new
             // communicator through this pointer when the split's job ends,
             // which may be after this call gave up: a heap slot, freed
@@ -257,7 +268,7 @@ impl Comm {
             };
             // In progress: the job belongs to the parent, which says when
             // it is done (`ncclCommGetAsyncError`).
-            let r = settle_call(api, parent, rc, deadline, &mut || None, &|| w.clone());
+            let r = settle_call(api, parent, rc, deadline, &mut || p(), &|| w.clone());
             match r {
                 // The job may still write the slot: let it go.
                 Err(e) if rc == IN_PROGRESS => Err(e),
@@ -273,17 +284,13 @@ impl Comm {
         let h = match h {
             Ok(h) => h,
             Err(e) => {
-                match e {
-                    // Past the deadline the helper thread may still be
-                    // inside `ncclCommSplit` on the parent: it is let go
-                    // (leaked, failed), since aborting or destroying it
-                    // would free a communicator in use.
-                    CommError::Timeout(_) => {
-                        inner.comm = Handle(std::ptr::null_mut());
-                        inner.lane.poisoned = true;
-                    }
-                    _ => self.abort_locked(&mut inner),
-                }
+                // Given up (the deadline, or the job failed elsewhere), the
+                // helper thread may still be inside `ncclCommSplit` on the
+                // parent, or NCCL's job of a non-blocking split still on
+                // it: the parent is let go (leaked, failed), since aborting
+                // or destroying it would free a communicator in use.
+                inner.comm = Handle(std::ptr::null_mut());
+                inner.lane.poisoned = true;
                 return Err(self.fail(e));
             }
         };
@@ -298,6 +305,7 @@ impl Comm {
             h,
             self.bytes.clone(),
             settle_for,
+            self.peers.clone(),
         )
         .map(Some)
     }
@@ -316,11 +324,20 @@ impl Comm {
     }
 
     fn fail(&self, e: CommError) -> CommError {
-        self.failed.lock().unwrap().get_or_insert(e).clone()
+        let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        f.get_or_insert(e).clone()
     }
 
+    /// This communicator's failure, or else the job's as the native mesh
+    /// sees it (then recorded as this communicator's too, so every wait
+    /// ends with it and `destroy` aborts rather than waits).
     pub fn failure(&self) -> Option<CommError> {
-        self.failed.lock().unwrap().clone()
+        let own = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        own.or_else(|| (self.peers)().map(|e| self.fail(e)))
     }
 
     /// Stage and run one operation: copy the send bytes to the device (host

@@ -24,7 +24,11 @@
 //!   waiting, each gets an event and a mark to wait for it alone
 //!   ([`marks`]).
 //! - Point-to-point messages and `PHALANX_DEBUG=detail` signature checks go
-//!   over the native mesh, which the world group connects as well.
+//!   over the native mesh, which the world group connects as well. The
+//!   mesh also carries the job's failures (a peer's ABORT, crash or
+//!   silence): every NCCL wait asks it, so a rank that fails ends its
+//!   peers' collectives at once with its reason, where NCCL alone would
+//!   wait for it until the deadline.
 //!
 //! Not yet built (issue 30): device buffers for the collectives other than
 //! the all-reduce, the all-gather and the reduce-scatter.
@@ -67,9 +71,11 @@ pub(crate) fn world(
     let uid = id::share(store, &id::key(prefix, 1), rank, deadline, || {
         comm::Comm::unique_id(api)
     })?;
-    let comm = comm::Comm::init(api, dev, uid, rank, world, deadline)?;
-    Ok(Arc::new(Nccl {
-        comm,
-        native: Arc::new(Native::new(t)),
-    }))
+    let native: Arc<dyn Backend> = Arc::new(Native::new(t));
+    // A peer that aborts or dies is seen on the mesh: every NCCL wait of
+    // this job (creation, splits, collectives) ends with it at once.
+    let mesh = native.clone();
+    let peers: comm::Peers = Arc::new(move || mesh.failure());
+    let comm = comm::Comm::init(api, dev, uid, rank, world, deadline, peers)?;
+    Ok(Arc::new(Nccl { comm, native }))
 }

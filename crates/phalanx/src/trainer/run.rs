@@ -9,11 +9,23 @@ use std::time::Instant;
 
 impl Trainer {
     /// Train for `train.steps` steps, logging on global rank 0.
+    ///
+    /// An error aborts the job's process group with it (unless the group
+    /// failed already, which its peers know): the other ranks, whatever
+    /// collective they wait in, fail at once with `rank N (host) aborted:
+    /// <this error>` rather than with a bare "shut down" or, on NCCL, a
+    /// timeout.
     pub fn run(&mut self, opts: &RunOptions) -> Result<Report> {
         let r = self.run_steps(opts);
-        if let (Err(e), Some(f)) = (&r, self.ft.as_mut()) {
-            // The other replica groups go on without this one at once.
-            f.mgr.abort(&e.to_string());
+        if let Err(e) = &r {
+            if let Some(f) = self.ft.as_mut() {
+                // The other replica groups go on without this one at once.
+                f.mgr.abort(&e.to_string());
+            }
+            let world = self.mesh.world();
+            if world.failure().is_none() {
+                world.abort(&e.to_string());
+            }
         }
         r
     }
@@ -99,6 +111,9 @@ impl Trainer {
                 }
             }
             fault::at_step(self.mesh.world().rank(), k);
+            if let Some(m) = fault::error_at(self.mesh.world().rank(), k) {
+                return Err(crate::Error::Check(m));
+            }
             let Some(mut s) = self.step_inner(k)? else {
                 continue; // not committed: the same step with the next quorum
             };
