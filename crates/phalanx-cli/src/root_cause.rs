@@ -8,7 +8,14 @@
 //! named whom to the rank the failure started at.
 
 /// What a peer's error says about a named rank.
-const VERDICTS: [&str; 3] = [") failed: ", ") aborted: ", ") stopped after an error: "];
+/// (A rank that waited for another past the deadline names the one it
+/// waited for: that one did not come.)
+const VERDICTS: [&str; 4] = [
+    ") failed: ",
+    ") aborted: ",
+    ") stopped after an error: ",
+    ") past the deadline",
+];
 
 /// Ranks other than `own` that `lines` name as failed, first named first.
 pub fn named(lines: &[String], own: usize) -> Vec<usize> {
@@ -86,6 +93,9 @@ mod tests {
         ]);
         assert_eq!(named(&lines, 0), vec![2, 1]);
         assert!(named(&l(&["rank 0 (h) failed: itself"]), 0).is_empty());
+        // A timeout names the rank waited for.
+        let late = "timeout: all_reduce (collective #7) waited for rank 3 (h:1) past the deadline";
+        assert_eq!(named(&l(&[late]), 0), vec![3]);
     }
 
     #[test]

@@ -224,7 +224,17 @@ impl ProcessGroup {
         if inner.cfg.detail && c.n() > 1 {
             self.check_signatures(&c, &sig)?;
         }
-        f(&*inner.backend, &c)
+        let r = f(&*inner.backend, &c);
+        if let Err(e @ CommError::Timeout(_)) = &r {
+            // Past a collective's deadline the ranks no longer agree on
+            // where they are: a later collective could take this one's
+            // frames, and each one queued behind it would wait out a
+            // deadline of its own (k buckets, k timeouts). Tear the group's
+            // transport down, telling the peers why, as NCCL's watchdog
+            // does: they fail at once, and so does every later call here.
+            inner.backend.abort(&e.to_string());
+        }
+        r
     }
 
     fn sig<T: Element>(&self, op: &'static str, count: usize) -> Signature {

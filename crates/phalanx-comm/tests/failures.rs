@@ -25,6 +25,94 @@ fn missing_rank_times_out_with_its_name() {
     assert!(msg.contains("timeout") && msg.contains("rank 1"), "{msg}");
 }
 
+/// A collective past its deadline tears the transport down: the collectives
+/// queued behind it fail at once instead of each waiting out a deadline of
+/// its own (8 buckets, 8 timeouts), and a peer that was not the one late
+/// hears why at once too.
+#[test]
+fn a_timeout_fails_what_is_queued_behind_it_at_once() {
+    // The ring over the links (the in-place shared-memory all-reduce of
+    // the world group fails its transport on any error already).
+    let c = Config {
+        shm_all_reduce: false,
+        ..cfg(0.5)
+    };
+    let out = threads::run_with(3, c, Duration::from_secs(60), |pg| {
+        pg.barrier()?;
+        if pg.rank() == 2 {
+            // Alive (its heartbeats go on) but stuck outside the job.
+            std::thread::sleep(Duration::from_secs(5));
+            return Ok(None);
+        }
+        let t = std::time::Instant::now();
+        let works: Vec<_> = (0..8)
+            .map(|_| pg.all_reduce_async(vec![1.0f32; 1 << 16], ReduceOp::Sum))
+            .collect();
+        let errs: Vec<String> = works
+            .into_iter()
+            .map(|w| w.wait().unwrap_err().to_string())
+            .collect();
+        let took = t.elapsed();
+        let later = pg.barrier().unwrap_err().to_string();
+        Ok(Some((errs, took, later)))
+    });
+    for (r, o) in out.into_iter().enumerate().take(2) {
+        let (errs, took, later) = o.unwrap().unwrap();
+        // One deadline (0.5 s) and the teardown, not 8 (4 s).
+        assert!(took < Duration::from_secs(3), "rank {r}: {took:?} {errs:?}");
+        assert!(errs[0].contains("timeout"), "rank {r}: {}", errs[0]);
+        for e in errs.iter().chain([&later]) {
+            assert!(e.contains("past the deadline"), "rank {r}: {e}");
+        }
+    }
+}
+
+/// An abort while another thread of the rank is sending to a peer (a
+/// bucket's all-reduce) still reaches that peer with its reason: it waits
+/// for the send to let go of the socket instead of skipping the peer,
+/// which then heard nothing until its heartbeat deadline.
+#[test]
+fn abort_during_a_send_still_reaches_that_peer() {
+    // The emulated link holds a send's socket for its latency (2 s): the
+    // abort lands while the send has it.
+    let c = Config {
+        transport: phalanx_comm::TransportPref::Tcp,
+        net_emulate: Some(phalanx_comm::NetEmulate {
+            bandwidth_bps: None,
+            latency: Duration::from_secs(2),
+        }),
+        heartbeat_timeout: Duration::from_secs(30),
+        ..cfg(60.0)
+    };
+    let out = threads::run_with(2, c, Duration::from_secs(90), |pg| {
+        pg.barrier()?;
+        if pg.rank() == 0 {
+            let sender = pg.clone();
+            let big = std::thread::spawn(move || {
+                let _ = sender.send(&[1.0f32; 64], 1, 7);
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            pg.abort("the loss became NaN");
+            big.join().unwrap();
+            return Ok(None);
+        }
+        let t = std::time::Instant::now();
+        let far = std::time::Instant::now() + Duration::from_secs(60);
+        let Err(e) = pg.recv_bytes(0, 8, far) else {
+            panic!("a message where none was sent")
+        };
+        let e = e.to_string();
+        Ok(Some((e, t.elapsed())))
+    });
+    let (e, took) = out.into_iter().nth(1).unwrap().unwrap().unwrap();
+    assert!(
+        e.contains("rank 0 (") && e.contains("aborted: the loss became NaN"),
+        "{e}"
+    );
+    // Not the heartbeat deadline (30 s).
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
 #[test]
 fn crashed_rank_fails_everyone_fast_naming_it() {
     let out = threads::run_with(4, cfg(60.0), Duration::from_secs(60), |pg| {

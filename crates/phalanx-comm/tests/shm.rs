@@ -355,3 +355,34 @@ fn in_place_all_reduce_is_exact_and_checks_sizes() {
         }
     }
 }
+
+/// A rank that leaves cleanly (its goodbye read) while a peer waits for it
+/// in the in-place all-reduce's barrier, or writes to its full ring, fails
+/// that peer at once naming it: waits on shared memory alone would not
+/// notice, and ran to the deadline (60 s here).
+#[test]
+fn a_rank_that_leaves_cleanly_fails_waits_on_shared_memory_at_once() {
+    let cfg = Config {
+        transport: TransportPref::Shm,
+        timeout: Duration::from_secs(60),
+        shm_ring_bytes: 64 << 10,
+        ..Config::default()
+    };
+    let out = phalanx_comm::threads::run_with(2, cfg, Duration::from_secs(120), |pg| {
+        pg.barrier()?;
+        if pg.rank() == 1 {
+            pg.shutdown();
+            return Ok(None);
+        }
+        let t = std::time::Instant::now();
+        // More than the ring holds, so the send waits for rank 1 to read.
+        let big = vec![1.0f32; 1 << 18];
+        let sent = pg.send(&big, 1, 5).unwrap_err().to_string();
+        let reduced = pg.all_reduce(&mut [1.0f32; 8], ReduceOp::Sum).unwrap_err();
+        Ok(Some((sent, reduced.to_string(), t.elapsed())))
+    });
+    let (sent, reduced, took) = out.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    assert!(sent.contains("rank 1 ("), "{sent}");
+    assert!(reduced.contains("rank 1 ("), "{reduced}");
+}

@@ -237,6 +237,7 @@ pub fn connect_mesh(
                     shm,
                     shm_rx,
                     bucket: Mutex::new(super::Bucket::full()),
+                    torn: AtomicBool::new(false),
                 }));
             }
         }

@@ -147,6 +147,19 @@ pub(crate) struct Peer {
     /// Token bucket of the emulated link to this peer; used only under
     /// `writer`'s lock and only when network emulation is on.
     pub bucket: Mutex<Bucket>,
+    /// A write on `writer` failed part-way through a frame: the byte
+    /// stream can no longer be framed, so `abort` only closes it.
+    pub torn: AtomicBool,
+}
+
+impl Peer {
+    /// Mark the stream torn when `part_way` (a frame failed after some of
+    /// its bytes went out).
+    pub(crate) fn tear_if(&self, part_way: bool) {
+        if part_way {
+            self.torn.store(true, Ordering::SeqCst);
+        }
+    }
 }
 
 /// Largest chunk the emulated link paces at once (and the bucket's depth).
@@ -255,6 +268,13 @@ impl Transport {
         }
     }
 
+    /// `rank` left cleanly (its goodbye was read): it will not send, read
+    /// or reach a barrier again, which only waits on shared memory (the
+    /// rings, `shm_coll`) would not notice by themselves.
+    pub(crate) fn has_left(&self, rank: usize) -> bool {
+        self.inbox.lock().unwrap().closed.contains_key(&rank)
+    }
+
     /// The kind of socket that connects this process to `rank` (`None` for
     /// itself).
     pub fn link(&self, rank: usize) -> Option<Link> {
@@ -333,6 +353,12 @@ impl Transport {
             let mut tx = ring.lock().unwrap();
             let mut check = || match self.failure() {
                 Some(f) => Err(f),
+                // Gone without draining its ring: the rest would never fit.
+                None if self.has_left(to) => Err(CommError::PeerDead {
+                    rank: to,
+                    host: p.host.clone(),
+                    reason: "shut down without reading what was sent to it".into(),
+                }),
                 None if Instant::now() >= deadline => Err(CommError::Timeout(format!(
                     "sending to rank {to} ({}): the peer stopped reading its shared-memory ring",
                     p.host
@@ -342,18 +368,22 @@ impl Transport {
             return tx.write_all(&[&h, data], &mut check);
         }
         let mut w = p.writer.lock().unwrap();
+        // Bytes of this frame written, if it fails part-way.
+        let mut wrote = 0;
         let res = if let (Some(ne), Some(t0)) = (self.netem, handed) {
-            self.send_emulated(&mut w, p, ne, t0, &h, data, deadline)
+            self.send_emulated(&mut w, p, ne, t0, &h, data, deadline, &mut wrote)
         } else if data.len() <= 64 << 10 {
             // One write for small messages: one packet, lower latency.
             let mut buf = Vec::with_capacity(HEADER + data.len());
             buf.extend_from_slice(&h);
             buf.extend_from_slice(data);
-            self.write_all(&mut w, &buf, deadline)
+            self.write_all(&mut w, &buf, deadline, &mut wrote)
         } else {
-            self.write_all(&mut w, &h, deadline)
-                .and_then(|_| self.write_all(&mut w, data, deadline))
+            self.write_all(&mut w, &h, deadline, &mut wrote)
+                .and_then(|_| self.write_all(&mut w, data, deadline, &mut wrote))
         };
+        p.tear_if(res.is_err() && wrote > 0);
+        drop(w);
         res.map_err(|e| match self.failure_after_send_error() {
             Some(f) => f,
             None => match e {
@@ -381,12 +411,13 @@ impl Transport {
         h: &[u8],
         data: &[u8],
         deadline: Instant,
+        wrote: &mut usize,
     ) -> Result<()> {
         self.sleep_until(t0 + ne.latency, deadline)?;
         let Some(bps) = ne.bandwidth_bps else {
             return self
-                .write_all(w, h, deadline)
-                .and_then(|_| self.write_all(w, data, deadline));
+                .write_all(w, h, deadline, wrote)
+                .and_then(|_| self.write_all(w, data, deadline, wrote));
         };
         let rate = bps / 8.0;
         let mut bucket = p.bucket.lock().unwrap();
@@ -394,7 +425,7 @@ impl Transport {
             for chunk in part.chunks(NETEM_CHUNK) {
                 let at = bucket.take(chunk.len(), rate);
                 self.sleep_until(at, deadline)?;
-                self.write_all(w, chunk, deadline)?;
+                self.write_all(w, chunk, deadline, wrote)?;
             }
         }
         Ok(())
@@ -439,16 +470,22 @@ impl Transport {
         }
     }
 
+    /// Write `buf` whole, adding to `wrote` what went out (a frame that
+    /// fails part-way tears the stream: see [`Peer::tear_if`]).
     pub(crate) fn write_all(
         &self,
         s: &mut Stream,
         mut buf: &[u8],
         deadline: Instant,
+        wrote: &mut usize,
     ) -> Result<()> {
         while !buf.is_empty() {
             match s.write(buf) {
                 Ok(0) => return Err(CommError::Io("connection closed".into())),
-                Ok(n) => buf = &buf[n..],
+                Ok(n) => {
+                    buf = &buf[n..];
+                    *wrote += n;
+                }
                 Err(e)
                     if matches!(
                         e.kind(),
@@ -598,13 +635,33 @@ impl Transport {
             self.rank
         )));
         self.closing.store(true, Ordering::SeqCst);
-        let deadline = Instant::now() + Duration::from_millis(500);
+        // A send in progress on another thread (a bucket's all-reduce)
+        // holds a writer: it gives up within its write timeout (1 s) once
+        // it sees the failure recorded above, so wait for it rather than
+        // skip that peer, who would then hear nothing until the process
+        // exits. Past the deadline the peer is skipped still.
+        let deadline = Instant::now() + Duration::from_millis(1500);
         for p in self.peers.iter().flatten() {
-            if let Ok(mut w) = p.writer.try_lock() {
-                let h = header(K_ABORT, 0, 0, reason.len());
-                let _ = self.write_raw(&mut w, &h, reason.as_bytes(), deadline);
-            }
-            if let Ok(w) = p.writer.try_lock() {
+            let mut w = loop {
+                match p.writer.try_lock() {
+                    Ok(w) => break Some(w),
+                    Err(std::sync::TryLockError::Poisoned(e)) => {
+                        // A panic mid-write may have torn the stream too.
+                        p.torn.store(true, Ordering::SeqCst);
+                        break Some(e.into_inner());
+                    }
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(_) => break None,
+                }
+            };
+            if let Some(w) = w.as_mut() {
+                if !p.torn.load(Ordering::SeqCst) {
+                    let h = header(K_ABORT, 0, 0, reason.len());
+                    let until = (Instant::now() + Duration::from_millis(500)).max(deadline);
+                    let _ = self.write_raw(w, &h, reason.as_bytes(), until);
+                }
                 let _ = w.shutdown(std::net::Shutdown::Both);
             }
         }

@@ -175,7 +175,9 @@ pub(crate) fn heartbeat_loop(t: Weak<Transport>, every: Duration) {
         for p in tr.peers.iter().flatten() {
             // A busy writer is already sending bytes, which is as good.
             if let Ok(mut w) = p.writer.try_lock() {
-                let _ = tr.write_all(&mut w, &h, Instant::now() + every);
+                let mut wrote = 0;
+                let r = tr.write_all(&mut w, &h, Instant::now() + every, &mut wrote);
+                p.tear_if(r.is_err() && wrote > 0);
             }
         }
     }

@@ -135,6 +135,15 @@ fn barrier(
             if let Some(f) = t.failure() {
                 return Err(f);
             }
+            // Left cleanly without reaching this barrier (its epoch is
+            // raised before its goodbye is sent: look once more).
+            if t.has_left(r) && word.load(Ordering::Acquire) < e {
+                return Err(CommError::PeerDead {
+                    rank: r,
+                    host: t.host_of(r),
+                    reason: format!("shut down before reaching {}", op()),
+                });
+            }
             if Instant::now() >= deadline {
                 return Err(CommError::Timeout(format!(
                     "{} waited for rank {r} ({}) past the deadline (PHALANX_TIMEOUT)",
