@@ -165,6 +165,42 @@ fn touched(steps: u64) -> Vec<u64> {
     ids
 }
 
+/// A server whose pool has no thread left for the pushes its waiting pulls
+/// need (threads <= trainers) stalled every step until the pulls' wait
+/// limit; it is refused at start, naming the setting, and its peers fail
+/// at once with the reason.
+#[test]
+fn a_pool_too_small_for_the_trainers_is_refused_at_start() {
+    let cfg = spec().ps_config(TRAINERS, Optim::Sgd { lr: 0.5 }, Some(0));
+    let out = phalanx_comm::threads::run(1 + TRAINERS, move |pg| {
+        let mut reg = Registry::new();
+        if pg.rank() == 0 {
+            Server::new(cfg.clone(), 0, 1).serve(&mut reg);
+        }
+        let opts = Options {
+            threads: TRAINERS,
+            timeout: Duration::from_secs(60),
+            ..Options::default()
+        };
+        let t = std::time::Instant::now();
+        let name = format!("w{}", pg.rank());
+        let e = Rpc::start(&pg, &name, reg, opts)
+            .err()
+            .map(|e| e.to_string());
+        (e, t.elapsed())
+    });
+    let want = format!("Options::threads = {TRAINERS} is too few");
+    for (r, (e, took)) in out.into_iter().enumerate() {
+        let e = e.unwrap_or_else(|| panic!("rank {r} started"));
+        assert!(e.contains(&want), "rank {r}: {e}");
+        assert!(
+            e.contains(&format!("at least {}", TRAINERS + 1)),
+            "rank {r}: {e}"
+        );
+        assert!(took < Duration::from_secs(20), "rank {r}: {took:?}");
+    }
+}
+
 #[test]
 fn synchronous_mode_is_exactly_single_process_sgd() {
     let steps = 12;

@@ -43,6 +43,17 @@ fn registry() -> Registry {
             .remote::<_, Mutex<i64>>("w1", "counter", &start)
             .map_err(|e| e.to_string())
     });
+    // Calls itself, `depth` deep, through its own worker.
+    reg.register_fallible("nest", |c, depth: u32| -> Result<u32, String> {
+        if depth == 0 {
+            return Ok(0);
+        }
+        let me = c.rpc().name().to_string();
+        c.rpc()
+            .rpc_sync::<_, u32>(me.as_str(), "nest", &(depth - 1))
+            .map(|d| d + 1)
+            .map_err(|e| e.to_string())
+    });
     reg.register("crash", |c, (): ()| {
         c.rpc().group().crash_for_test();
     });
@@ -122,6 +133,29 @@ fn sync_async_and_errors_are_carried_back() {
         // The callee survived all of it.
         let s: i64 = rpc.rpc_sync(to.as_str(), "add", &(1i64, 2i64)).unwrap();
         assert_eq!(s, 3);
+        rpc.shutdown().unwrap();
+    });
+}
+
+/// Calls a worker makes to itself from its pool run where they are: nested
+/// deeper than the pool is wide (one thread, a queue of one) they complete,
+/// where queued they waited for a thread their caller held, until the
+/// timeout.
+#[test]
+fn nested_calls_to_itself_do_not_starve_the_pool() {
+    let opts = Options {
+        timeout: Duration::from_secs(10),
+        threads: 1,
+        queue: 1,
+    };
+    threads::run(2, move |pg| {
+        let rpc = start(&pg, opts.clone());
+        let t = Instant::now();
+        let mine: u32 = rpc.rpc_sync(rpc.name(), "nest", &5u32).unwrap();
+        let other = format!("w{}", 1 - pg.rank());
+        let theirs: u32 = rpc.rpc_sync(other.as_str(), "nest", &5u32).unwrap();
+        assert_eq!((mine, theirs), (5, 5));
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         rpc.shutdown().unwrap();
     });
 }

@@ -107,6 +107,16 @@ impl Server {
 
     /// Register `ps.pull`, `ps.push` and `ps.stats` for this shard.
     pub fn serve(self, reg: &mut Registry) -> Arc<Server> {
+        // A waiting pull holds a pool thread until the pushes it waits for
+        // run: one thread per trainer, and one more for those pushes.
+        let n = self.cfg.trainers;
+        reg.require_threads(
+            n + 1,
+            &format!(
+                "a parameter server shard of {n} trainer(s) needs a pool thread for each \
+                 trainer's pull (which may wait for the others' pushes) and one for the pushes"
+            ),
+        );
         let s = Arc::new(self);
         let (a, b, c) = (s.clone(), s.clone(), s.clone());
         reg.register_fallible("ps.pull", move |_c, r: PullReq| a.pull(r));

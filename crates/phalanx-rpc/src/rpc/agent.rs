@@ -17,7 +17,7 @@ use super::registry::{Ctx, Kind, Payload, Registry};
 use phalanx_comm::{CommError, ProcessGroup};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -83,6 +83,17 @@ impl Agent {
         reg: Registry,
         opts: Options,
     ) -> RpcResult<Arc<Agent>> {
+        if let Some((n, why)) = reg.min_threads().filter(|(n, _)| opts.threads < *n) {
+            let e = format!(
+                "Options::threads = {} is too few for the functions this worker serves: {why} \
+                 (set threads to at least {n})",
+                opts.threads
+            );
+            // Its peers are about to wait for it in the set-up: they fail
+            // at once with this.
+            pg.abort(&e);
+            return Err(RpcError::Invalid(e));
+        }
         let all: Vec<usize> = (0..pg.size()).collect();
         let pg = pg.new_group(&all)?.expect("every rank is a member");
         let names = exchange_names(&pg, name, opts.timeout)?;
@@ -302,8 +313,22 @@ impl Agent {
                     me.reply(from, id, res);
                 };
                 let tx = self.jobs.lock().unwrap().clone();
-                if let Some(tx) = tx {
+                let Some(tx) = tx else { return };
+                if from != self.rank {
+                    // Back-pressure: a full queue holds this peer's reader.
                     let _ = tx.send(Box::new(job));
+                    return;
+                }
+                // A call to this worker itself. Made from a pool thread, it
+                // runs here: queued, it would wait for a pool thread while
+                // holding one (calls nested as deep as the pool is wide
+                // would wait each other out until the timeout), and a full
+                // queue would hold every such thread forever. From another
+                // thread it is queued when there is room, else run here too.
+                if super::loops::ON_POOL.with(|p| p.get()) {
+                    job();
+                } else if let Err(TrySendError::Full(job)) = tx.try_send(Box::new(job)) {
+                    job();
                 }
             }
         }

@@ -11,7 +11,14 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+thread_local! {
+    /// Set on the pool's threads: a call they make to their own worker
+    /// runs where they are (see `Agent::dispatch`).
+    pub(crate) static ON_POOL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 pub(crate) fn run_jobs(rx: Arc<Mutex<Receiver<Job>>>) {
+    ON_POOL.with(|p| p.set(true));
     loop {
         let job = rx.lock().unwrap().recv();
         match job {

@@ -107,11 +107,29 @@ fn fetch<R: Serialize + Send + Sync + 'static>(v: &Value) -> RpcResult<Encoded<'
 #[derive(Default, Clone)]
 pub struct Registry {
     map: HashMap<String, Arc<Entry>>,
+    /// The fewest pool threads (`Options::threads`) the functions need,
+    /// and why: the largest asked for.
+    min_threads: Option<(usize, String)>,
 }
 
 impl Registry {
     pub fn new() -> Registry {
         Registry::default()
+    }
+
+    /// The functions served need at least `n` pool threads (some of them
+    /// wait, on a pool thread, for calls that need a thread of their own);
+    /// `Rpc::start` with fewer is refused with `why`.
+    pub fn require_threads(&mut self, n: usize, why: &str) -> &mut Self {
+        if self.min_threads.as_ref().is_none_or(|(m, _)| n > *m) {
+            self.min_threads = Some((n, why.to_string()));
+        }
+        self
+    }
+
+    /// What [`Registry::require_threads`] asked for, if anything.
+    pub fn min_threads(&self) -> Option<(usize, &str)> {
+        self.min_threads.as_ref().map(|(n, w)| (*n, w.as_str()))
     }
 
     /// Serve `f` under `name`.
