@@ -167,8 +167,8 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
         phalanx::fsutil::METADATA_CAP,
     )
     .map_err(Error::Check)?;
-    let meta =
-        Metadata::parse(&text).map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
+    let meta = Metadata::parse_fields(&text)
+        .map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
 
     // Files as the metadata lists them, against what is on disk.
     let on_disk: Vec<Option<u64>> = meta
@@ -176,7 +176,24 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
         .iter()
         .map(|f| std::fs::metadata(dir.join(&f.name)).ok().map(|m| m.len()))
         .collect();
-    let cover = coverage(&meta);
+    // Coverage walks every row the entries span, which only files of the
+    // sizes the metadata claims bound: with a size wrong (reported below)
+    // the kinds are listed, their coverage not computed.
+    let sizes_ok = meta
+        .files
+        .iter()
+        .zip(&on_disk)
+        .all(|(f, d)| *d == Some(f.bytes));
+    let cover = if sizes_ok {
+        coverage(&meta)
+    } else {
+        let kinds: std::collections::BTreeSet<&str> =
+            meta.entries.iter().map(|e| e.kind.as_str()).collect();
+        kinds
+            .into_iter()
+            .map(|k| (k.to_string(), Vec::new()))
+            .collect()
+    };
     let incomplete: Vec<String> = cover
         .iter()
         .flat_map(|(kind, miss)| {

@@ -276,11 +276,11 @@ fn run(
     cfg.device()?;
     let pg = phalanx_comm::init_process_group()?;
     let r = as_rank(cfg, hf_config, opts, &pg, elastic);
-    if let (Err(e), None) = (&r, pg.failure()) {
+    if let Err(e) = &r {
         // Peers waiting in a collective with this rank fail at once with
         // this error (`rank N (host) aborted: …`) instead of a bare
         // "shut down before sending" or, on NCCL, a timeout.
-        pg.abort(&e.to_string());
+        pg.fail_peers(&e.to_string());
     }
     r
 }

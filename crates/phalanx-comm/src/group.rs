@@ -222,17 +222,20 @@ impl ProcessGroup {
         let seq = inner.seq.fetch_add(1, Ordering::SeqCst);
         let c = self.call(sig.op, seq);
         if inner.cfg.detail && c.n() > 1 {
-            self.check_signatures(&c, &sig)?;
+            self.down_on_timeout(self.check_signatures(&c, &sig))?;
         }
-        let r = f(&*inner.backend, &c);
+        self.down_on_timeout(f(&*inner.backend, &c))
+    }
+
+    /// `r`, once the group's transport is torn down if `r` is a timeout.
+    /// Past an operation's deadline the ranks no longer agree on where they
+    /// are: a later collective could take this one's frames, and each one
+    /// queued behind it would wait out a deadline of its own (k buckets, k
+    /// timeouts). So the peers are told why, as NCCL's watchdog does: they
+    /// fail at once, and so does every later call here.
+    fn down_on_timeout<R>(&self, r: Result<R>) -> Result<R> {
         if let Err(e @ CommError::Timeout(_)) = &r {
-            // Past a collective's deadline the ranks no longer agree on
-            // where they are: a later collective could take this one's
-            // frames, and each one queued behind it would wait out a
-            // deadline of its own (k buckets, k timeouts). Tear the group's
-            // transport down, telling the peers why, as NCCL's watchdog
-            // does: they fail at once, and so does every later call here.
-            inner.backend.abort(&e.to_string());
+            self.fail_peers(&e.to_string());
         }
         r
     }
@@ -396,7 +399,7 @@ impl ProcessGroup {
         let inner = &*self.inner;
         let _g = inner.exec.lock().unwrap_or_else(|p| p.into_inner());
         let c = self.call("device_done", inner.seq.load(Ordering::SeqCst));
-        inner.backend.device_done(&c, mark)
+        self.down_on_timeout(inner.backend.device_done(&c, mark))
     }
 
     /// Send `buf`, in CUDA device memory, to rank `dst` of this group,
@@ -450,7 +453,7 @@ impl ProcessGroup {
         }
         let _g = inner.exec.lock().unwrap();
         let c = self.call(op, inner.seq.load(Ordering::SeqCst));
-        f(&*inner.backend, &c)?;
+        self.down_on_timeout(f(&*inner.backend, &c))?;
         Ok(inner.backend.device_mark())
     }
 
@@ -462,7 +465,7 @@ impl ProcessGroup {
         // while unwinding).
         let _g = inner.exec.lock().unwrap_or_else(|p| p.into_inner());
         let c = self.call("settle_device", inner.seq.load(Ordering::SeqCst));
-        let r = inner.backend.settle_device(&c, mark);
+        let r = self.down_on_timeout(inner.backend.settle_device(&c, mark));
         match inner.backend.failure() {
             Some(e) => Err(e),
             None => r,
@@ -771,8 +774,22 @@ impl ProcessGroup {
 
     /// Tear down the transport under this group (and every group sharing
     /// it): pending and later calls here and on peers fail with `reason`.
+    /// Under MPI this ends the whole job at once (`MPI_Abort`).
     pub fn abort(&self, reason: &str) {
         self.inner.backend.abort(reason);
+    }
+
+    /// Tell the peers this rank has failed, with `reason`, where that
+    /// leaves this process running and the group has not failed already:
+    /// [`ProcessGroup::abort`] on the native and NCCL backends (peers fail
+    /// at once with `rank N (host) aborted: reason`); nothing under MPI,
+    /// whose abort would end the job before the caller sees its error (the
+    /// rank's exit with that error ends an mpirun job).
+    pub fn fail_peers(&self, reason: &str) {
+        let b = &self.inner.backend;
+        if b.failure().is_none() && !b.abort_ends_job() {
+            b.abort(reason);
+        }
     }
 
     #[doc(hidden)]

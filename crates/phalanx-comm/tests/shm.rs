@@ -368,11 +368,18 @@ fn a_rank_that_leaves_cleanly_fails_waits_on_shared_memory_at_once() {
         shm_ring_bytes: 64 << 10,
         ..Config::default()
     };
+    // Rank 0 starts once rank 1 has shut down: before that, rank 1's
+    // reader may still drain its ring, and the send would fit.
+    static LEFT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let out = phalanx_comm::threads::run_with(2, cfg, Duration::from_secs(120), |pg| {
         pg.barrier()?;
         if pg.rank() == 1 {
             pg.shutdown();
+            LEFT.store(true, std::sync::atomic::Ordering::SeqCst);
             return Ok(None);
+        }
+        while !LEFT.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
         }
         let t = std::time::Instant::now();
         // More than the ring holds, so the send waits for rank 1 to read.

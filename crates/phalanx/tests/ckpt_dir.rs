@@ -183,3 +183,40 @@ fn metadata_naming_files_outside_the_checkpoint_is_refused() {
         );
     }
 }
+
+/// A metadata.json that claims a file of 2 TiB and a region of 2^39 rows
+/// (each check of the fields passes) is refused on its file's real size
+/// before any per-row work: the overlap check (and `checkpoint inspect`'s
+/// coverage) would have held one run per row, terabytes. Rotation reads
+/// the fields only, so such a directory cannot stop later saves either.
+#[test]
+fn metadata_claiming_more_rows_than_its_files_hold_is_refused_at_once() {
+    let root = fresh("claims");
+    let rows: u64 = 1 << 39;
+    let mut m: serde_json::Value = serde_json::from_str(&metadata(3)).unwrap();
+    m["tensors"] = serde_json::json!({"w": [rows, 2]});
+    m["files"] = serde_json::json!([{"name": "rank-00000.safetensors", "bytes": 4 * rows, "sha256": "0".repeat(64)}]);
+    m["entries"] = serde_json::json!([{
+        "tensor": "w", "kind": "param", "file": 0, "key": "w",
+        "region": {"shape": [rows, 2], "offsets": [0, 0], "sizes": [rows, 1], "flat": {"start": 0, "end": rows}}
+    }]);
+    let text = m.to_string();
+    phalanx::checkpoint::Metadata::parse_fields(&text).expect("every field is in range");
+    let d = root.join(step_dir_name(3));
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(d.join("metadata.json"), &text).unwrap();
+    std::fs::write(d.join("rank-00000.safetensors"), b"tiny").unwrap();
+    let e = phalanx::checkpoint::Reader::open(&d)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("is 4 bytes") && e.contains("truncated or replaced"),
+        "{e}"
+    );
+    // Rotation sees a checkpoint of step 3 and prunes it behind a newer one.
+    dir_with(&root, &step_dir_name(4), Some(&metadata(4)));
+    rotate::prune(&root, &step_dir_name(4), 1);
+    assert!(!d.exists());
+    let _ = std::fs::remove_dir_all(&root);
+}

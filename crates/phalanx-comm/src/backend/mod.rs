@@ -511,6 +511,11 @@ pub trait Backend: Send + Sync {
     fn shutdown(&self);
     /// Tear down: pending and later calls here and on peers fail with `reason`.
     fn abort(&self, reason: &str);
+    /// Whether `abort` ends the whole job on the spot instead of returning
+    /// (MPI's `MPI_Abort`).
+    fn abort_ends_job(&self) -> bool {
+        false
+    }
     /// Die as a crashed process would (tests of failure detection).
     fn crash_for_test(&self);
 }

@@ -136,6 +136,10 @@ impl Backend for Comm {
         Comm::abort(self, reason)
     }
 
+    fn abort_ends_job(&self) -> bool {
+        true
+    }
+
     fn crash_for_test(&self) {
         std::process::abort()
     }

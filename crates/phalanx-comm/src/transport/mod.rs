@@ -148,18 +148,9 @@ pub(crate) struct Peer {
     /// `writer`'s lock and only when network emulation is on.
     pub bucket: Mutex<Bucket>,
     /// A write on `writer` failed part-way through a frame: the byte
-    /// stream can no longer be framed, so `abort` only closes it.
+    /// stream can no longer be framed, so nothing more is written to it
+    /// (`Transport::tear`).
     pub torn: AtomicBool,
-}
-
-impl Peer {
-    /// Mark the stream torn when `part_way` (a frame failed after some of
-    /// its bytes went out).
-    pub(crate) fn tear_if(&self, part_way: bool) {
-        if part_way {
-            self.torn.store(true, Ordering::SeqCst);
-        }
-    }
 }
 
 /// Largest chunk the emulated link paces at once (and the bucket's depth).
@@ -266,6 +257,19 @@ impl Transport {
             Some(p) => p.host.clone(),
             None => "this process".into(),
         }
+    }
+
+    /// A frame to `to` failed part-way with `e`: the peer can no longer
+    /// tell where frames begin, so nothing more may be written to it (no
+    /// heartbeat, ABORT or goodbye), and the transport fails: every
+    /// pending and later call reports it.
+    pub(crate) fn tear(&self, to: usize, p: &Peer, e: &CommError) {
+        p.torn.store(true, Ordering::SeqCst);
+        self.fail(CommError::PeerDead {
+            rank: to,
+            host: p.host.clone(),
+            reason: format!("a message to it failed part-way ({e}), which ends the connection"),
+        });
     }
 
     /// `rank` left cleanly (its goodbye was read): it will not send, read
@@ -382,7 +386,9 @@ impl Transport {
             self.write_all(&mut w, &h, deadline, &mut wrote)
                 .and_then(|_| self.write_all(&mut w, data, deadline, &mut wrote))
         };
-        p.tear_if(res.is_err() && wrote > 0);
+        if let (Err(e), true) = (&res, wrote > 0) {
+            self.tear(to, p, e);
+        }
         drop(w);
         res.map_err(|e| match self.failure_after_send_error() {
             Some(f) => f,
@@ -658,8 +664,10 @@ impl Transport {
             };
             if let Some(w) = w.as_mut() {
                 if !p.torn.load(Ordering::SeqCst) {
+                    // One deadline for the whole abort, with a moment for
+                    // each peer's frame however long the waits took.
                     let h = header(K_ABORT, 0, 0, reason.len());
-                    let until = (Instant::now() + Duration::from_millis(500)).max(deadline);
+                    let until = deadline.max(Instant::now() + Duration::from_millis(100));
                     let _ = self.write_raw(w, &h, reason.as_bytes(), until);
                 }
                 let _ = w.shutdown(std::net::Shutdown::Both);
@@ -744,8 +752,10 @@ impl Transport {
                 }
             }
             if let Ok(mut w) = p.writer.lock() {
-                let h = header(K_GOODBYE, 0, 0, why.len());
-                let _ = self.write_raw(&mut w, &h, why.as_bytes(), deadline);
+                if !p.torn.load(Ordering::SeqCst) {
+                    let h = header(K_GOODBYE, 0, 0, why.len());
+                    let _ = self.write_raw(&mut w, &h, why.as_bytes(), deadline);
+                }
                 let _ = w.shutdown(std::net::Shutdown::Both);
             }
         }

@@ -172,12 +172,15 @@ pub(crate) fn heartbeat_loop(t: Weak<Transport>, every: Duration) {
         if tr.closing.load(Ordering::SeqCst) || tr.failed_flag.load(Ordering::Acquire) {
             return;
         }
-        for p in tr.peers.iter().flatten() {
+        for (peer, p) in tr.peers.iter().enumerate() {
+            let Some(p) = p else { continue };
             // A busy writer is already sending bytes, which is as good.
             if let Ok(mut w) = p.writer.try_lock() {
                 let mut wrote = 0;
                 let r = tr.write_all(&mut w, &h, Instant::now() + every, &mut wrote);
-                p.tear_if(r.is_err() && wrote > 0);
+                if let (Err(e), true) = (&r, wrote > 0) {
+                    tr.tear(peer, p, e);
+                }
             }
         }
     }

@@ -107,14 +107,15 @@ impl Server {
 
     /// Register `ps.pull`, `ps.push` and `ps.stats` for this shard.
     pub fn serve(self, reg: &mut Registry) -> Arc<Server> {
-        // A waiting pull holds a pool thread until the pushes it waits for
-        // run: one thread per trainer, and one more for those pushes.
+        // A waiting pull holds a pool thread until the push it waits for
+        // runs: every trainer but the slowest may wait in a pull, and the
+        // slowest one's push needs a thread of its own.
         let n = self.cfg.trainers;
         reg.require_threads(
-            n + 1,
+            n,
             &format!(
-                "a parameter server shard of {n} trainer(s) needs a pool thread for each \
-                 trainer's pull (which may wait for the others' pushes) and one for the pushes"
+                "a parameter server shard of {n} trainer(s) needs a pool thread for each: all \
+                 but the slowest may wait in a pull for its push, which needs one more"
             ),
         );
         let s = Arc::new(self);

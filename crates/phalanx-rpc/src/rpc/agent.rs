@@ -91,7 +91,7 @@ impl Agent {
             );
             // Its peers are about to wait for it in the set-up: they fail
             // at once with this.
-            pg.abort(&e);
+            pg.fail_peers(&e);
             return Err(RpcError::Invalid(e));
         }
         let all: Vec<usize> = (0..pg.size()).collect();

@@ -199,9 +199,20 @@ pub struct Metadata {
 }
 
 impl Metadata {
-    /// Parse and check `metadata.json` text: every field (see
-    /// [`validate`]); an error names the field.
+    /// Parse and check `metadata.json` text: every field and that no two
+    /// entries overlap (see [`validate`]); an error names the field. For a
+    /// checkpoint on disk use [`Metadata::parse_fields`] and
+    /// [`Metadata::verify_files`], which check the files' sizes before the
+    /// overlaps (whose memory only the real bytes bound).
     pub fn parse(text: &str) -> Result<Metadata, String> {
+        let m = Metadata::parse_fields(text)?;
+        validate::overlaps(&m.entries)?;
+        Ok(m)
+    }
+
+    /// Every field of `metadata.json` text checked, but not yet the
+    /// overlaps of its entries.
+    pub fn parse_fields(text: &str) -> Result<Metadata, String> {
         let de = &mut serde_json::Deserializer::from_str(text);
         let m: Metadata = serde_path_to_error::deserialize(de).map_err(|e| {
             let path = e.path().to_string();
@@ -219,6 +230,35 @@ impl Metadata {
         }
         validate::check(&m)?;
         Ok(m)
+    }
+
+    /// The files in `dir` have the sizes this metadata gives them, and
+    /// then no two entries overlap.
+    pub fn verify_files(&self, dir: &std::path::Path) -> Result<(), String> {
+        for (i, f) in self.files.iter().enumerate() {
+            let p = dir.join(&f.name);
+            let len = std::fs::metadata(&p)
+                .map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        format!(
+                            "checkpoint file {} is missing (metadata.json files[{i}].name lists it)",
+                            p.display()
+                        )
+                    } else {
+                        format!("checkpoint file {}: {e}", p.display())
+                    }
+                })?
+                .len();
+            if len != f.bytes {
+                return Err(format!(
+                    "checkpoint file {} is {len} bytes, metadata.json files[{i}].bytes says {} \
+                     (truncated or replaced)",
+                    p.display(),
+                    f.bytes
+                ));
+            }
+        }
+        validate::overlaps(&self.entries).map_err(|e| format!("{}: {e}", dir.display()))
     }
 }
 

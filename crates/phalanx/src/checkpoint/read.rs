@@ -140,31 +140,9 @@ impl Reader {
             crate::fsutil::METADATA_CAP,
         )
         .map_err(Error::Check)?;
-        let meta =
-            Metadata::parse(&text).map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
-        for (i, f) in meta.files.iter().enumerate() {
-            let p = dir.join(&f.name);
-            let len = std::fs::metadata(&p)
-                .map_err(|e| {
-                    Error::Check(if e.kind() == std::io::ErrorKind::NotFound {
-                        format!(
-                            "checkpoint file {} is missing (metadata.json files[{i}].name lists it)",
-                            p.display()
-                        )
-                    } else {
-                        format!("checkpoint file {}: {e}", p.display())
-                    })
-                })?
-                .len();
-            if len != f.bytes {
-                return Err(Error::Check(format!(
-                    "checkpoint file {} is {len} bytes, metadata.json files[{i}].bytes says {} \
-                     (truncated or replaced)",
-                    p.display(),
-                    f.bytes
-                )));
-            }
-        }
+        let meta = Metadata::parse_fields(&text)
+            .map_err(|e| Error::Check(format!("{}: {e}", dir.display())))?;
+        meta.verify_files(dir).map_err(Error::Check)?;
         let mut by_tensor: HashMap<(String, String), Vec<usize>> = HashMap::new();
         let mut by_file = vec![Vec::new(); meta.files.len()];
         for (i, e) in meta.entries.iter().enumerate() {

@@ -38,7 +38,10 @@ pub fn phalanx_checkpoint(dir: &Path) -> Option<usize> {
         crate::fsutil::METADATA_CAP,
     )
     .ok()?;
-    let meta = super::Metadata::parse(&text).ok()?;
+    // The fields only: the overlap check walks the entries' rows, which a
+    // metadata.json alone may claim by the trillion (this runs at every
+    // save, over every step directory).
+    let meta = super::Metadata::parse_fields(&text).ok()?;
     (meta.step == step).then_some(step)
 }
 

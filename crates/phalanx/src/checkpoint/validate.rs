@@ -14,7 +14,9 @@
 //! - entries: regions inside their tensors, keys unique per file, what a
 //!   file's entries hold fits in the file's bytes, and no two entries of
 //!   the same tensor and kind overlap (which would make a load depend on
-//!   the order the entries are read);
+//!   the order the entries are read; checked once the files' sizes on
+//!   disk agree with the metadata, since the check's memory grows with
+//!   the rows the entries span, which only real bytes bound);
 //! - the loss scaler's state and the data position.
 //!
 //! ```
@@ -222,11 +224,14 @@ fn entries(m: &Metadata) -> Result<(), String> {
             ));
         }
     }
-    overlaps(&m.entries)
+    Ok(())
 }
 
-/// No two entries of one tensor and kind cover the same value.
-fn overlaps(entries: &[Entry]) -> Result<(), String> {
+/// No two entries of one tensor and kind cover the same value. Holds one
+/// run per row a region spans, which the files' bytes on disk bound (see
+/// [`super::Metadata::verify_files`]): a metadata.json alone could claim
+/// far more.
+pub(super) fn overlaps(entries: &[Entry]) -> Result<(), String> {
     // (tensor, kind) -> (global start, end, entry index) of each run.
     type Runs<'a> = BTreeMap<(&'a str, &'a str), Vec<(usize, usize, usize)>>;
     let mut runs: Runs = BTreeMap::new();

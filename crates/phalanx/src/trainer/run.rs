@@ -10,8 +10,9 @@ use std::time::Instant;
 impl Trainer {
     /// Train for `train.steps` steps, logging on global rank 0.
     ///
-    /// An error aborts the job's process group with it (unless the group
-    /// failed already, which its peers know): the other ranks, whatever
+    /// An error aborts the job's process group with it
+    /// (`ProcessGroup::fail_peers`: unless the group failed already, which
+    /// its peers know, and not under MPI): the other ranks, whatever
     /// collective they wait in, fail at once with `rank N (host) aborted:
     /// <this error>` rather than with a bare "shut down" or, on NCCL, a
     /// timeout.
@@ -22,10 +23,7 @@ impl Trainer {
                 // The other replica groups go on without this one at once.
                 f.mgr.abort(&e.to_string());
             }
-            let world = self.mesh.world();
-            if world.failure().is_none() {
-                world.abort(&e.to_string());
-            }
+            self.mesh.world().fail_peers(&e.to_string());
         }
         r
     }
