@@ -35,7 +35,7 @@ fn secret() -> Result<Vec<u8>, String> {
 
 fn secs(name: &str, v: f64) -> Result<Duration, String> {
     if v.is_finite() && v > 0.0 {
-        Ok(Duration::from_secs_f64(v))
+        Ok(phalanx_comm::config::wait_secs(v))
     } else {
         Err(format!(
             "--{name} {v}: expected a positive number of seconds"

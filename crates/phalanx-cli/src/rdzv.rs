@@ -45,7 +45,7 @@ pub struct Conf {
 impl Conf {
     pub fn from_opts(o: &LaunchOpts) -> Result<Conf, String> {
         let mut c = Conf {
-            join_timeout: Duration::from_secs(o.rdzv_timeout),
+            join_timeout: phalanx_comm::config::wait_secs(o.rdzv_timeout as f64),
             last_call: Duration::from_secs(5),
             heartbeat: Duration::from_secs(15),
         };
@@ -65,7 +65,7 @@ impl Conf {
                 .ok_or_else(|| {
                     format!("--rdzv-conf {k}={v}: expected a positive number of seconds")
                 })?;
-            let d = Duration::from_secs_f64(secs);
+            let d = phalanx_comm::config::wait_secs(secs);
             match k.trim() {
                 "join_timeout" | "timeout" => c.join_timeout = d,
                 "last_call_timeout" => c.last_call = d,

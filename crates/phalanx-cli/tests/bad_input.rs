@@ -60,6 +60,30 @@ fn bad_training_numbers_name_the_key() {
     }
 }
 
+/// A model configured far beyond the machine (a 2^19-wide layer: 3.3e12
+/// parameters in one block) is an error naming the block and the memory,
+/// not the allocator's abort.
+#[test]
+fn a_model_too_big_for_the_machine_is_an_error() {
+    let mut args = vec!["train", "--nproc-per-node", "1"];
+    args.extend_from_slice(SMALL);
+    args.extend_from_slice(&[
+        "--set",
+        "model.n_embd=524288",
+        "--set",
+        "model.n_head=1",
+        "--set",
+        "model.n_layer=1",
+    ]);
+    let (code, out, err) = phalanx(&repo(), &args);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("block 1 declares") && err.contains("of memory and swap"),
+        "{err}"
+    );
+    assert!(!err.contains("memory allocation of"), "{err}");
+}
+
 #[test]
 fn bad_generate_input_names_it() {
     let d = phalanx::fsutil::ScratchDir::new("phalanx", "badgen");

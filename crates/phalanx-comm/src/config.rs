@@ -106,10 +106,29 @@ impl Default for Config {
     }
 }
 
+/// The longest wait any setting may ask for: 10^9 s (about 31 years).
+/// Longer is as good as forever, and a deadline of now + a longer time
+/// could overflow the clock.
+pub const MAX_WAIT_SECS: f64 = 1e9;
+
+/// `secs` seconds (finite and non-negative) as a `Duration`, at most
+/// [`MAX_WAIT_SECS`]: what every timeout setting goes through, so that a
+/// value like `1e20` means "a very long time" rather than a panic.
+///
+/// ```
+/// use phalanx_comm::config::{wait_secs, MAX_WAIT_SECS};
+/// assert_eq!(wait_secs(1.5).as_millis(), 1500);
+/// assert_eq!(wait_secs(1e300).as_secs_f64(), MAX_WAIT_SECS);
+/// ```
+pub fn wait_secs(secs: f64) -> Duration {
+    debug_assert!(secs.is_finite() && secs >= 0.0, "{secs}");
+    Duration::from_secs_f64(secs.clamp(0.0, MAX_WAIT_SECS))
+}
+
 fn env_f64(name: &str) -> Option<f64> {
     let v = std::env::var(name).ok()?;
     match v.trim().parse::<f64>() {
-        Ok(x) if x > 0.0 => Some(x),
+        Ok(x) if x > 0.0 && x.is_finite() => Some(x),
         _ => {
             eprintln!("[phalanx] ignoring {name}={v}: expected a positive number");
             None
@@ -133,10 +152,10 @@ impl Config {
     pub fn from_env() -> Config {
         let mut c = Config::default();
         if let Some(s) = env_f64("PHALANX_TIMEOUT") {
-            c.timeout = Duration::from_secs_f64(s);
+            c.timeout = wait_secs(s);
         }
         if let Some(s) = env_f64("PHALANX_HEARTBEAT_TIMEOUT") {
-            c.heartbeat_timeout = Duration::from_secs_f64(s);
+            c.heartbeat_timeout = wait_secs(s);
         }
         c.detail = std::env::var("PHALANX_DEBUG")
             .map(|v| v.eq_ignore_ascii_case("detail"))
@@ -163,7 +182,8 @@ impl Config {
         }
         if let Ok(v) = std::env::var("PHALANX_SHM_SPIN_US") {
             match v.trim().parse::<f64>() {
-                Ok(x) if x >= 0.0 && x.is_finite() => c.shm_spin_us = Some(x),
+                // At most a second: a spin is a moment, not a wait.
+                Ok(x) if x >= 0.0 && x.is_finite() => c.shm_spin_us = Some(x.min(1e6)),
                 _ => eprintln!(
                     "[phalanx] ignoring PHALANX_SHM_SPIN_US={v}: expected microseconds >= 0"
                 ),
@@ -240,7 +260,7 @@ impl NetEmulate {
                 "latency" => {
                     let x = number_with_unit(v, &[("us", 1e-6), ("ms", 1e-3)])
                         .map_err(|e| format!("latency `{v}`: {e}"))?;
-                    n.latency = Duration::from_secs_f64(x);
+                    n.latency = wait_secs(x);
                 }
                 _ => {
                     return Err(format!(
@@ -307,6 +327,11 @@ mod tests {
         assert!(e.contains("key=value"), "{e}");
         let e = NetEmulate::parse("bandwidth=0mbit").unwrap_err();
         assert!(e.contains("positive"), "{e}");
+        // Absurd but well-formed: a very long time, not a panic.
+        let n = NetEmulate::parse(&format!("latency={}ms", "9".repeat(40)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.latency.as_secs_f64(), MAX_WAIT_SECS);
     }
 
     #[test]

@@ -91,33 +91,44 @@ pub struct HfEncoder {
 }
 
 impl HfEncoder {
-    pub fn new(tok: Tokenizer, name: &str) -> HfEncoder {
-        let sep = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"]
+    /// An error where the tokenizer has no end-of-text token and cannot
+    /// encode a newline either: documents would run together unseparated.
+    pub fn new(tok: Tokenizer, name: &str) -> std::result::Result<HfEncoder, String> {
+        let eot = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"]
             .iter()
             .find_map(|t| tok.token_to_id(t))
-            .map(|id| vec![id])
-            .unwrap_or_else(|| {
-                tok.encode("\n", false)
-                    .map(|e| e.get_ids().to_vec())
-                    .unwrap_or_default()
-            });
-        HfEncoder {
+            .map(|id| vec![id]);
+        let sep = match eot {
+            Some(s) => s,
+            None => tok
+                .encode("\n", false)
+                .map(|e| e.get_ids().to_vec())
+                .ok()
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| {
+                    format!(
+                        "{name}: the tokenizer has no end-of-text token (<|endoftext|>, \
+                         <|end_of_text|>, </s>, <eos>) and cannot encode a newline to put \
+                         between documents"
+                    )
+                })?,
+        };
+        Ok(HfEncoder {
             tok,
             sep,
             name: name.to_string(),
-        }
+        })
     }
 }
 
 impl phalanx::data::TextEncoder for HfEncoder {
-    fn encode(&self, text: &str) -> Vec<u32> {
-        // A text this tokenizer fails on yields no tokens rather than
-        // stopping a background reader; tokenizers fails only on
-        // malformed configs, which `open` has already refused.
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
+        // A text this tokenizer fails on (a word-level vocabulary without
+        // an unknown token, say) is a bad record, not an empty document.
         self.tok
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .unwrap_or_default()
+            .map_err(|e| format!("tokenizer {}: {e}", self.name))
     }
     fn separator(&self) -> Vec<u32> {
         self.sep.clone()
@@ -164,7 +175,27 @@ pub fn save_beside(spec: &TokenizerSpec, dir: &Path) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::chunks;
+    use super::{chunks, HfEncoder};
+    use phalanx::data::TextEncoder;
+
+    /// A word-level vocabulary with `</s>` and no unknown token.
+    const WORDS: &str = r#"{
+      "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+      "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+      "decoder": null,
+      "model": {"type": "WordLevel", "unk_token": "",
+                "vocab": {"in": 1, "the": 2, "beginning": 3, "</s>": 4}}
+    }"#;
+
+    #[test]
+    fn a_word_the_vocabulary_lacks_is_an_error_not_an_empty_document() {
+        let tok: tokenizers::Tokenizer = WORDS.parse().unwrap();
+        let enc = HfEncoder::new(tok, "words.json").unwrap();
+        assert_eq!(enc.separator(), [4]);
+        assert_eq!(enc.encode("in the beginning").unwrap(), [1, 2, 3]);
+        let e = enc.encode("in the end").unwrap_err();
+        assert!(e.contains("words.json"), "{e}");
+    }
 
     #[test]
     fn chunks_are_whole_lines_and_cover_the_text() {

@@ -466,3 +466,47 @@ fn config_paths_lists_and_sources() {
     assert!(e.to_string().contains("[[data.sources]]"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A tokenizer that refuses one word (as a word-level vocabulary without
+/// an unknown token does).
+struct Picky;
+
+impl phalanx::data::TextEncoder for Picky {
+    fn encode(&self, t: &str) -> Result<Vec<u32>, String> {
+        match t.contains("xyzzy") {
+            true => Err("no id for the word \"xyzzy\"".into()),
+            false => Ok(t.bytes().map(u32::from).collect()),
+        }
+    }
+    fn separator(&self) -> Vec<u32> {
+        vec![10]
+    }
+    fn name(&self) -> String {
+        "picky".into()
+    }
+}
+
+/// A document the tokenizer fails on is a bad record (`data.on_bad_record`),
+/// named with its file and the tokenizer's reason; it used to become an
+/// empty document, silently.
+#[test]
+fn a_document_the_tokenizer_refuses_is_a_bad_record() {
+    let dir = temp_dir("picky");
+    let good = "{\"text\": \"a document the tokenizer takes, in plain bytes\"}\n".repeat(40);
+    let p = dir.join("p.jsonl");
+    std::fs::write(&p, format!("{good}{{\"text\": \"say xyzzy\"}}\n")).unwrap();
+    let mut cfg = CorpusConfig::new(&[p.to_str().unwrap()], 8);
+    cfg.encoder = std::sync::Arc::new(Picky);
+    let e = batch_err(&cfg);
+    assert!(
+        e.contains("p.jsonl") && e.contains("could not be tokenized: no id for the word"),
+        "{e}"
+    );
+    cfg.on_bad_record = OnBadRecord::Skip;
+    let l = open(&cfg);
+    for k in 0..10 {
+        l.micro_batch(k, 0, 1, 0, 4, 1).unwrap();
+    }
+    assert_eq!(l.stats().unwrap().skipped, 1);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -84,7 +84,7 @@ impl StoreClient {
         f: impl FnOnce(&mut TcpStream) -> Result<T>,
     ) -> Result<T> {
         let mut s = self.conn.lock().unwrap();
-        s.set_read_timeout(Some(wait + Duration::from_secs(10)))?;
+        s.set_read_timeout(Some(wait.saturating_add(Duration::from_secs(10))))?;
         f(&mut s).map_err(|e| match e {
             CommError::Io(m) => CommError::Io(format!("{m} (store at {})", self.addr)),
             e => e,
@@ -103,7 +103,7 @@ impl StoreClient {
 
     fn request(&self, req: Writer, wait: Duration) -> Result<Vec<u8>> {
         let mut s = self.conn.lock().unwrap();
-        s.set_read_timeout(Some(wait + Duration::from_secs(10)))?;
+        s.set_read_timeout(Some(wait.saturating_add(Duration::from_secs(10))))?;
         wire::write_frame(&mut *s, &req.buf)
             .map_err(|e| CommError::Io(format!("rendezvous store at {}: {e}", self.addr)))?;
         wire::read_frame(&mut *s, MAX_FRAME)

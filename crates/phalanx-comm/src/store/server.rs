@@ -353,7 +353,8 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
                 return Err(CommError::Protocol(format!("wait for {n} keys")));
             }
             let keys: Vec<String> = (0..n).map(|_| r.string()).collect::<Result<_>>()?;
-            let timeout = Duration::from_millis(r.u64()?);
+            let timeout = Duration::from_millis(r.u64()?)
+                .min(crate::config::wait_secs(crate::config::MAX_WAIT_SECS));
             r.finish()?;
             if let Some(e) = keys.iter().find_map(|k| refuse_key(sh, k)) {
                 return Ok(w.u8(R_ERROR).bytes(e.as_bytes()).buf);

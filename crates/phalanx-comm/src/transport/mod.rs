@@ -181,7 +181,7 @@ impl Bucket {
         if self.tokens >= 0.0 {
             now
         } else {
-            now + Duration::from_secs_f64(-self.tokens / rate)
+            now + crate::config::wait_secs(-self.tokens / rate)
         }
     }
 }

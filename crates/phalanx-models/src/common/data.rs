@@ -30,10 +30,13 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
     if cfg.data.uses_corpus() {
         let encoder: std::sync::Arc<dyn phalanx::data::TextEncoder> = match &cfg.data.tokenizer {
             TokenizerSpec::Builtin(t) => std::sync::Arc::new(*t),
-            TokenizerSpec::HfJson(j) => std::sync::Arc::new(hf_tokenizer::HfEncoder::new(
-                hf_tokenizer::open_for_model(Path::new(j), vocab_size)?,
-                j,
-            )),
+            TokenizerSpec::HfJson(j) => std::sync::Arc::new(
+                hf_tokenizer::HfEncoder::new(
+                    hf_tokenizer::open_for_model(Path::new(j), vocab_size)?,
+                    j,
+                )
+                .map_err(|e| phalanx::Error::Data(phalanx::data::DataError::Tokenizer(e)))?,
+            ),
         };
         let cc = cfg.data.corpus_config(seq_len, Some(vocab_size), encoder);
         return Ok(DataLoader::from_corpus(phalanx::data::Corpus::open(&cc)?));

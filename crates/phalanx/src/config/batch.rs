@@ -130,18 +130,36 @@ impl TrainConfig {
         if m * a * dp == global {
             return Ok(None);
         }
+        if !global.is_multiple_of(dp) {
+            return Err(ConfigError(format!(
+                "cannot keep the global batch of {global} samples on {dp} data-parallel ranks: \
+                 it does not divide by {dp}"
+            )));
+        }
         let (m2, a2) = if global.is_multiple_of(m * dp) {
             (m, global / (m * dp))
         } else {
-            (1..=global)
-                .filter(|acc| global.is_multiple_of(dp * acc) && global / (dp * acc) <= m)
-                .map(|acc| (global / (dp * acc), acc))
-                .next()
-                .ok_or_else(|| {
-                    ConfigError(format!(
-                        "cannot keep the global batch of {global} samples on {dp} data-parallel                          ranks: it does not divide by {dp}"
-                    ))
-                })?
+            // The smallest accumulation that divides a rank's share with a
+            // micro-batch no larger than m: the least divisor of the share
+            // from ceil(share / m) up (the share itself always is one).
+            // Divisors come in pairs around the square root, so this looks
+            // at sqrt(share) numbers, not share many (a checkpoint may say
+            // 10^12).
+            let per = global / dp;
+            let lo = per.div_ceil(m.max(1));
+            let mut best = per;
+            let mut i = 1usize;
+            while i <= per / i {
+                if per.is_multiple_of(i) {
+                    for d in [i, per / i] {
+                        if d >= lo && d < best {
+                            best = d;
+                        }
+                    }
+                }
+                i += 1;
+            }
+            (per / best, best)
         };
         self.train.micro_batch_size = m2;
         self.train.grad_accum_steps = a2;
@@ -169,5 +187,46 @@ impl TrainConfig {
             self.resolve_batch(dp)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(micro: usize, accum: usize) -> TrainConfig {
+        TrainConfig::build(
+            None,
+            &[
+                format!("train.micro_batch_size={micro}"),
+                format!("train.grad_accum_steps={accum}"),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_global_batch_is_kept_by_the_smallest_accumulation_that_fits() {
+        // 12 on dp 2 with micro-batch 4: 6 per rank, 3 x 2.
+        let mut c = cfg(4, 1);
+        assert!(c.keep_global_batch(12, 2).unwrap().is_some());
+        assert_eq!((c.train.micro_batch_size, c.train.grad_accum_steps), (3, 2));
+        // The micro-batch stays where it divides.
+        let mut c = cfg(4, 1);
+        c.keep_global_batch(24, 2).unwrap();
+        assert_eq!((c.train.micro_batch_size, c.train.grad_accum_steps), (4, 3));
+        // A prime share of about 10^12 per rank (a checkpoint's claim):
+        // micro-batch 1, found by looking up to its square root, not 10^12.
+        let p = 999_999_999_989usize;
+        let mut c = cfg(4, 1);
+        c.keep_global_batch(2 * p, 2).unwrap();
+        assert_eq!((c.train.micro_batch_size, c.train.grad_accum_steps), (1, p));
+        // Not divisible by dp: refused at once, in one readable sentence.
+        let e = cfg(4, 1).keep_global_batch((1 << 40) - 1, 2).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("does not divide by 2") && !e.contains("  "),
+            "{e}"
+        );
     }
 }

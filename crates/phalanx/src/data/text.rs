@@ -32,7 +32,9 @@ use std::sync::{Arc, Mutex};
 /// Turns text into token ids (the built-in tokenizers implement it; a
 /// Hugging Face `tokenizer.json` does in `phalanx-models`).
 pub trait TextEncoder: Send + Sync {
-    fn encode(&self, text: &str) -> Vec<u32>;
+    /// The text's token ids; an error (what the tokenizer said) makes the
+    /// document a bad record (`data.on_bad_record`), never an empty one.
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String>;
     /// Tokens put after every document.
     fn separator(&self) -> Vec<u32>;
     /// Its name, part of the data fingerprint a resume checks.
@@ -40,8 +42,8 @@ pub trait TextEncoder: Send + Sync {
 }
 
 impl TextEncoder for Tokenizer {
-    fn encode(&self, text: &str) -> Vec<u32> {
-        Tokenizer::encode(self, text)
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
+        Ok(Tokenizer::encode(self, text))
     }
     fn separator(&self) -> Vec<u32> {
         match self.eot_token() {
@@ -387,9 +389,15 @@ fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) ->
     // Encode on `threads` threads, in order.
     let docs: Vec<std::result::Result<Vec<u32>, Bad>> =
         super::records::par_map(&texts, threads, |d| {
-            d.as_ref()
-                .map(|t| spec.encoder.encode(t))
-                .map_err(Clone::clone)
+            let t = d.as_ref().map_err(Clone::clone)?;
+            spec.encoder.encode(t).map_err(|e| {
+                // (Line 0: the records carry no line once read.)
+                let n = t.chars().count();
+                (
+                    0,
+                    format!("a document of {n} characters could not be tokenized: {e}"),
+                )
+            })
         });
     let mut good = Vec::with_capacity(docs.len());
     for d in docs {

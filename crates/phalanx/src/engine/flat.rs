@@ -61,6 +61,29 @@ impl Storage {
             _ => Storage::Heap(vec![0.0; n]),
         }
     }
+
+    /// [`Storage::anon_zeros`], with an error instead of an abort where
+    /// neither a mapping nor the heap can hold `n` values.
+    fn try_anon_zeros(n: usize) -> std::result::Result<Storage, String> {
+        let bytes = n
+            .checked_mul(4)
+            .ok_or_else(|| format!("{n} values do not fit in this machine's address space"))?;
+        if n == 0 {
+            return Ok(Storage::Heap(Vec::new()));
+        }
+        if let Ok(m) = memmap2::MmapMut::map_anon(bytes) {
+            return Ok(Storage::Anon(m));
+        }
+        let mut v: Vec<f32> = Vec::new();
+        v.try_reserve_exact(n).map_err(|e| {
+            format!(
+                "cannot reserve {:.1} GiB for {n} values: {e}",
+                bytes as f64 / (1u64 << 30) as f64
+            )
+        })?;
+        v.resize(n, 0.0);
+        Ok(Storage::Heap(v))
+    }
     fn as_slice(&self) -> &[f32] {
         match self {
             Storage::Heap(v) => v,
@@ -128,8 +151,27 @@ impl FlatBuffer {
     /// A zeroed buffer for all of `layout`'s parameters.
     pub fn zeros(layout: &Layout, ledger: &Ledger, kind: Mem) -> Self {
         let n = layout.num_params();
+        Self::with_storage(layout, ledger, kind, Storage::anon_zeros(n))
+    }
+
+    /// [`FlatBuffer::zeros`], or an error naming the size where the
+    /// machine cannot hold it (a model configured far too large), instead
+    /// of the allocator's abort.
+    pub fn try_zeros(
+        layout: &Layout,
+        ledger: &Ledger,
+        kind: Mem,
+    ) -> std::result::Result<Self, String> {
+        let n = layout.num_params();
+        let data = Storage::try_anon_zeros(n)
+            .map_err(|e| format!("the model's {kind:?} ({n} parameters): {e}"))?;
+        Ok(Self::with_storage(layout, ledger, kind, data))
+    }
+
+    fn with_storage(layout: &Layout, ledger: &Ledger, kind: Mem, data: Storage) -> Self {
+        let n = layout.num_params();
         Self {
-            data: UnsafeCell::new(Storage::anon_zeros(n)),
+            data: UnsafeCell::new(data),
             len: n,
             pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),

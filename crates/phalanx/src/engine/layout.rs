@@ -32,6 +32,11 @@ use candle_nn::Init;
 
 use crate::placement::{Placement, Rule};
 
+/// The most parameters a model may hold: 2^40 (about 10^12, 4 TiB in
+/// f32), as a checkpoint may record; beyond it sizes are a mistake, and
+/// their products could wrap.
+pub const MAX_PARAMS: usize = 1 << 40;
+
 /// A parameter as a block asks for it (name, shape, initialisation hint,
 /// tensor-parallel placement).
 #[derive(Debug, Clone)]
@@ -175,7 +180,17 @@ impl Layout {
                     tied.push(k);
                     continue;
                 }
-                let numel = d.shape.iter().product();
+                let numel = d
+                    .shape
+                    .iter()
+                    .try_fold(1usize, |a, &b| a.checked_mul(b))
+                    .filter(|&n| n <= MAX_PARAMS)
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg(format!(
+                            "parameter `{}` of shape {:?} holds more than {MAX_PARAMS} values",
+                            d.name, d.shape
+                        ))
+                    })?;
                 by_name.insert(d.name.clone(), params.len());
                 params.push(ParamInfo {
                     name: d.name,
@@ -187,6 +202,9 @@ impl Layout {
                     placement: d.placement,
                 });
                 offset += numel;
+                if offset > MAX_PARAMS {
+                    bail!("the model holds more than {MAX_PARAMS} parameters (2^40)");
+                }
             }
             tied.sort_unstable();
             blocks.push(BlockLayout {

@@ -87,11 +87,14 @@ impl Engine {
         let ledger = Ledger::new();
         let mut stack = Stack::new(blocks, device, cfg.activations, &ledger)?;
         stack.set_compute_dtype(cfg.compute_dtype);
-        let mut params = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Params);
+        // Fallible, so a model configured beyond this machine is an error.
+        let mut params = FlatBuffer::try_zeros(stack.layout(), &ledger, Mem::Params)
+            .map_err(candle_core::Error::Msg)?;
         if !cfg.defer_init {
             stack.init_params(params.as_mut_slice(), cfg.seed);
         }
-        let grads = FlatBuffer::zeros(stack.layout(), &ledger, Mem::Grads);
+        let grads = FlatBuffer::try_zeros(stack.layout(), &ledger, Mem::Grads)
+            .map_err(candle_core::Error::Msg)?;
         Ok(Self {
             stack,
             params,

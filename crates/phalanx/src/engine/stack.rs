@@ -190,7 +190,31 @@ impl Stack {
         ledger: &Ledger,
     ) -> Result<Self> {
         let mut requests = Vec::with_capacity(blocks.len());
+        let memory = machine_memory();
         for (b, block) in blocks.iter().enumerate() {
+            // Its shapes first (nothing allocated): a block bigger than the
+            // machine is an error here, not the allocator's abort below.
+            let decls = super::backend::declarations(block.as_ref())
+                .map_err(|e| e.context(format!("building block {b}")))?;
+            let numel = decls.iter().try_fold(0usize, |n, d| {
+                let k = d.shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x))?;
+                n.checked_add(k)
+            });
+            let bytes = numel.and_then(|n| n.checked_mul(4));
+            if let (Some(mem), b_bytes) = (memory, bytes) {
+                if b_bytes.is_none_or(|x| x as u64 > mem) {
+                    candle_core::bail!(
+                        "block {b} declares {} parameters ({}), more than this machine's {:.1} GiB \
+                         of memory and swap can hold: check the model's size settings",
+                        numel.map_or("over 2^64".to_string(), |n| n.to_string()),
+                        b_bytes.map_or("beyond any machine".to_string(), |x| format!(
+                            "{:.1} GiB as f32",
+                            x as f64 / (1u64 << 30) as f64
+                        )),
+                        mem as f64 / (1u64 << 30) as f64
+                    );
+                }
+            }
             let rec = Recorder::new();
             let vb = VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, device.clone());
             block
@@ -628,4 +652,20 @@ impl Stack {
         self.accumulate_vars(None, &served, Some(&grads), work, &mut flat)?;
         Ok((loss, flat.as_slice().to_vec()))
     }
+}
+
+/// This machine's memory and swap in bytes (Linux `/proc/meminfo`), if
+/// known.
+fn machine_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |key: &str| -> Option<u64> {
+        let line = info.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some((kib("MemTotal:")? + kib("SwapTotal:").unwrap_or(0)) * 1024)
 }

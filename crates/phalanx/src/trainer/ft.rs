@@ -25,7 +25,6 @@ use crate::error::{Error, Result};
 use crate::strategy::state::StateRange;
 use phalanx_comm::ft::{Manager, ManagerOpts, Quorum};
 use std::ops::Range;
-use std::time::Duration;
 
 /// A group's fault-tolerance state.
 pub(crate) struct Ft {
@@ -75,8 +74,8 @@ impl Ft {
             }
         };
         let opts = ManagerOpts {
-            quorum_timeout: Duration::from_secs_f64(f.quorum_timeout),
-            heartbeat_timeout: Duration::from_secs_f64(f.heartbeat_timeout),
+            quorum_timeout: phalanx_comm::config::wait_secs(f.quorum_timeout),
+            heartbeat_timeout: phalanx_comm::config::wait_secs(f.heartbeat_timeout),
             ..ManagerOpts::default()
         };
         let mgr = Manager::connect_group(
