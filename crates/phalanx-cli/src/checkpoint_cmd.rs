@@ -264,7 +264,8 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
             "state": cover.iter().map(|(k, _)| k).collect::<Vec<_>>(),
             "files": files,
             "bytes": total_bytes,
-            "complete": incomplete.is_empty() && has_params,
+            // Coverage is computed only when the files' sizes agree.
+            "complete": sizes_ok && incomplete.is_empty() && has_params,
             "verified": verified,
             "ok": ok,
             "problems": problems,

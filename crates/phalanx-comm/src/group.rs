@@ -516,14 +516,16 @@ impl ProcessGroup {
     }
 
     /// Tell the peers this rank has failed, with `reason`, where that
-    /// leaves this process running and the group has not failed already:
-    /// [`ProcessGroup::abort`] on the native and NCCL backends (peers fail
-    /// at once with `rank N (host) aborted: reason`); nothing under MPI,
-    /// whose abort would end the job before the caller sees its error (the
+    /// leaves this process running: [`ProcessGroup::abort`] on the native
+    /// and NCCL backends (peers fail at once with `rank N (host) aborted:
+    /// reason`), even where this rank has recorded a failure already (an
+    /// NCCL timeout, a torn socket: its peers have not heard of it; an
+    /// abort again only closes what is left); nothing under MPI, whose
+    /// abort would end the job before the caller sees its error (the
     /// rank's exit with that error ends an mpirun job).
     pub fn fail_peers(&self, reason: &str) {
         let b = &self.inner.backend;
-        if b.failure().is_none() && !b.abort_ends_job() {
+        if !b.abort_ends_job() {
             b.abort(reason);
         }
     }

@@ -74,15 +74,19 @@ impl Storage {
         if let Ok(m) = memmap2::MmapMut::map_anon(bytes) {
             return Ok(Storage::Anon(m));
         }
-        let mut v: Vec<f32> = Vec::new();
-        v.try_reserve_exact(n).map_err(|e| {
-            format!(
-                "cannot reserve {:.1} GiB for {n} values: {e}",
-                bytes as f64 / (1u64 << 30) as f64
-            )
-        })?;
-        v.resize(n, 0.0);
-        Ok(Storage::Heap(v))
+        // Zeroed by the allocator (lazily, as `vec![0.0; n]` is), but an
+        // error where it has no room rather than an abort.
+        let gib = bytes as f64 / (1u64 << 30) as f64;
+        let layout = std::alloc::Layout::array::<f32>(n)
+            .map_err(|e| format!("cannot lay out {gib:.1} GiB for {n} values: {e}"))?;
+        // SAFETY: a non-zero size (n > 0).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+        if ptr.is_null() {
+            return Err(format!("cannot allocate {gib:.1} GiB for {n} values"));
+        }
+        // SAFETY: allocated above by the global allocator with the layout
+        // of `n` f32s, all zero (a valid f32), owned by the Vec from here.
+        Ok(Storage::Heap(unsafe { Vec::from_raw_parts(ptr, n, n) }))
     }
     fn as_slice(&self) -> &[f32] {
         match self {

@@ -11,8 +11,7 @@ impl Trainer {
     /// Train for `train.steps` steps, logging on global rank 0.
     ///
     /// An error aborts the job's process group with it
-    /// (`ProcessGroup::fail_peers`: unless the group failed already, which
-    /// its peers know, and not under MPI): the other ranks, whatever
+    /// (`ProcessGroup::fail_peers`; not under MPI): the other ranks, whatever
     /// collective they wait in, fail at once with `rank N (host) aborted:
     /// <this error>` rather than with a bare "shut down" or, on NCCL, a
     /// timeout.
