@@ -47,6 +47,9 @@
 #   5. resume: 4 steps saved on the device, resumed on the CPU to step 8,
 #      and the reverse, each against 8 uninterrupted CPU steps (in the
 #      rehearsal, the device's side takes the generic path);
+#   5b. a rank whose step fails (PHALANX_FAULT=error-at-step:1:3) makes its
+#      peer fail at once naming its error, on the device and, with 2+ GPUs,
+#      over NCCL (the NCCL waits ask the native mesh);
 #   6. GPT-2 124M in bf16 on one GPU: tokens/s and MFU against the GPU's
 #      dense bf16 peak (PEAK_TFLOPS, default 989: H100/H200 SXM), and again
 #      with the optimizer offloaded to the host;
@@ -364,6 +367,22 @@ resume() { # resume FROM HOST_KERNELS TO HOST_KERNELS
 dev_hk=${PHALANX_HOST_KERNELS:-1} # the device's runs: 0 in the rehearsal
 step "resume: saved on $DEVICE, resumed on cpu" 180 resume "$DEVICE" "$dev_hk" cpu 1
 step "resume: saved on cpu, resumed on $DEVICE" 180 resume cpu 1 "$DEVICE" "$dev_hk"
+
+# A rank whose step fails tells its peer why: rank 1 errs at step 3 (a test
+# hook), and rank 0, waiting for it in the step's collective (over NCCL:
+# inside an NCCL wait, which asks the native mesh), fails at once naming
+# rank 1's error, long before PHALANX_TIMEOUT (600 s here).
+fail_fast() { # fail_fast NAME
+    local out="$LOG_DIR/$1.out"
+    PHALANX_FAULT=error-at-step:1:3 PHALANX_TIMEOUT=600 train "$1" 2 "$DEVICE" "$dev_hk" "${gpt[@]}" \
+        train.micro_batch_size=4 >/dev/null && { echo "the run did not fail"; return 1; }
+    grep -E "^\[rank 0\].*rank 1 \(.*\) aborted: injected error at step 3 on rank 1" "$out" ||
+        { echo "rank 0 did not name rank 1's error:"; tail -20 "$out"; return 1; }
+}
+step "a rank's error reaches its peer at once (2 ranks on $DEVICE)" 90 fail_fast fail-fast
+if [ "$gpus" -ge 2 ]; then
+    PHALANX_BACKEND=nccl step "a rank's error reaches its peer at once over NCCL" 90 fail_fast fail-fast-nccl
+fi
 
 if [ "$DEVICE" = cuda ]; then
     mfu() { # mfu NAME SET...: GPT-2 124M in bf16 on one GPU, its tokens/s and MFU
