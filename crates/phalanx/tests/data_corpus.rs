@@ -499,7 +499,8 @@ fn a_document_the_tokenizer_refuses_is_a_bad_record() {
     cfg.encoder = std::sync::Arc::new(Picky);
     let e = batch_err(&cfg);
     assert!(
-        e.contains("p.jsonl") && e.contains("could not be tokenized: no id for the word"),
+        e.contains("p.jsonl")
+            && e.contains("record 41 (9 characters) could not be tokenized: no id for the word"),
         "{e}"
     );
     cfg.on_bad_record = OnBadRecord::Skip;

@@ -387,15 +387,19 @@ fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) ->
         )
     };
     // Encode on `threads` threads, in order.
+    let at: Vec<usize> = (0..texts.len()).collect();
     let docs: Vec<std::result::Result<Vec<u32>, Bad>> =
-        super::records::par_map(&texts, threads, |d| {
-            let t = d.as_ref().map_err(Clone::clone)?;
+        super::records::par_map(&at, threads, |&i| {
+            let t = texts[i].as_ref().map_err(Clone::clone)?;
             spec.encoder.encode(t).map_err(|e| {
-                // (Line 0: the records carry no line once read.)
+                // (Line 0: the message says which record.)
                 let n = t.chars().count();
                 (
                     0,
-                    format!("a document of {n} characters could not be tokenized: {e}"),
+                    format!(
+                        "record {} ({n} characters) could not be tokenized: {e}",
+                        i + 1
+                    ),
                 )
             })
         });
