@@ -159,21 +159,27 @@ pub fn save(
             safetensors::serialize(items.iter().copied(), Some(meta)).map_err(|e| msg(p, e))?;
         phalanx::fsutil::write_atomic(p, &bytes).map_err(|e| msg(p, e))
     };
-    if !single_file {
-        // A directory saved to before keeps no other layout: a stale index
-        // would win over a new model.safetensors when loading.
-        remove_previous(&dir)?;
-    }
-    let mut written = Vec::new();
-    if shards.len() == 1 {
-        let p = if single_file {
-            path.to_path_buf()
-        } else {
-            dir.join(SINGLE)
-        };
-        write(&p, &shards[0])?;
-        written.push(p);
+    // What a save to this directory left before: removed once the new
+    // files are in place (a directory keeps one layout: a stale index
+    // would win over a new model.safetensors when loading). Never first:
+    // a kill or a full disk midway must leave a loadable model.
+    let before = if single_file {
+        Vec::new()
     } else {
+        previous(&dir)?
+    };
+    let mut written = Vec::new();
+    let wrote = (|| -> Result<()> {
+        if shards.len() == 1 {
+            let p = if single_file {
+                path.to_path_buf()
+            } else {
+                dir.join(SINGLE)
+            };
+            write(&p, &shards[0])?;
+            written.push(p);
+            return Ok(());
+        }
         let n = shards.len();
         let mut map = BTreeMap::new();
         let mut total = 0;
@@ -187,11 +193,27 @@ pub fn save(
             write(&p, shard)?;
             written.push(p);
         }
+        // The index last: until it is replaced, the old one names the old
+        // model.
         let index = json!({ "metadata": { "total_size": total }, "weight_map": map });
         let p = dir.join(INDEX);
         phalanx::fsutil::write_atomic(&p, serde_json::to_string_pretty(&index).unwrap().as_bytes())
             .map_err(|e| msg(&p, e))?;
         written.push(p);
+        Ok(())
+    })();
+    if let Err(e) = wrote {
+        // No orphans: what this save added goes, what was there stays.
+        for p in written.iter().filter(|p| !before.contains(p)) {
+            let _ = std::fs::remove_file(p);
+        }
+        return Err(e);
+    }
+    for p in before.iter().filter(|p| !written.contains(p)) {
+        match std::fs::remove_file(p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(msg(p, e)),
+            _ => {}
+        }
     }
     let p = dir.join("config.json");
     let text = serde_json::to_string_pretty(config_json).unwrap();
@@ -200,18 +222,16 @@ pub fn save(
     Ok(written)
 }
 
-/// Remove a checkpoint saved in `dir` before: `model.safetensors`, or the
-/// index and the shards it names (nothing else in the directory).
-fn remove_previous(dir: &Path) -> Result<()> {
-    let rm = |p: &Path| match std::fs::remove_file(p) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(msg(p, e)),
-        _ => Ok(()),
-    };
+/// The files of a model saved in `dir` before: `model.safetensors`, and
+/// the index with the shards it names (nothing else in the directory).
+fn previous(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
     if dir.join(INDEX).is_file() {
-        for f in resolve(&dir.join(INDEX))?.0 {
-            rm(&f)?;
-        }
-        rm(&dir.join(INDEX))?;
+        out.extend(resolve(&dir.join(INDEX))?.0);
+        out.push(dir.join(INDEX));
     }
-    rm(&dir.join(SINGLE))
+    if dir.join(SINGLE).is_file() {
+        out.push(dir.join(SINGLE));
+    }
+    Ok(out)
 }

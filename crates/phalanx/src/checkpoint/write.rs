@@ -250,7 +250,18 @@ pub fn save(
         rank_state: Vec::new(),
     });
     let mine = serde_json::to_vec(&manifest).expect("manifest serialises");
-    let all = all_gather_bytes(pg, &mine)?;
+    let all = match all_gather_bytes(pg, &mine) {
+        Ok(all) => all,
+        Err(e) => {
+            // A peer is gone: rank 0 removes what every rank wrote (a
+            // whole checkpoint's size) rather than leave it to a later
+            // run's prune.
+            if pg.rank() == 0 {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            return Err(e);
+        }
+    };
     let mut status = [0i64];
     let mut outcome: Result<PathBuf> = Err(Error::Check("checkpoint not written".into()));
     if pg.rank() == 0 {
@@ -344,15 +355,26 @@ fn commit(
             dst.display()
         )));
     }
-    if dst.exists() {
-        // A checkpoint of the same step from an earlier run: replaced.
-        let old = root.join(format!(".old-{name}"));
+    // A checkpoint of the same step from an earlier run is moved aside,
+    // and deleted only once the new one is in place: a kill or a failed
+    // rename in between leaves the old one (put back, or as `.old-*`,
+    // which a later run's prune removes), never neither.
+    let old = root.join(format!(".old-{name}"));
+    let replaced = dst.exists();
+    if replaced {
         let _ = std::fs::remove_dir_all(&old);
         std::fs::rename(&dst, &old).map_err(|e| io("cannot move aside", &dst, e))?;
+    }
+    if let Err(e) = std::fs::rename(tmp, &dst) {
+        if replaced {
+            let _ = std::fs::rename(&old, &dst);
+        }
+        return Err(io("cannot rename into", &dst, e));
+    }
+    sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
+    if replaced {
         let _ = std::fs::remove_dir_all(&old);
     }
-    std::fs::rename(tmp, &dst).map_err(|e| io("cannot rename into", &dst, e))?;
-    sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
     super::rotate::write_latest(root, name)
         .map_err(|e| io("cannot update", &root.join("latest"), e))?;
     sync_dir(root).map_err(|e| io("cannot sync", root, e))?;

@@ -20,6 +20,20 @@
 //! opt.step(&mut p, &g, 1e-2, 1.0);
 //! assert!(p.iter().all(|&x| x < 1.0));
 //! assert!(ledger.peak(Mem::OptState) <= 2 * 128 * 4); // one chunk of m and v
+//! // A second optimizer of the same tag (a pipeline stage's second range)
+//! // has files of its own; both are unlinked once open, so nothing is
+//! // left in the directory on any exit.
+//! let mut two = DiskAdamW::new(AdamWConfig::default(), &layout, 0..1000, &ledger, &dir, "r0", 128).unwrap();
+//! let mut q = vec![1.0f32; 1000];
+//! two.step(&mut q, &vec![-3.0f32; 1000], 1e-2, 1.0);
+//! opt.step(&mut p, &g, 1e-2, 1.0);
+//! // Two steps on its own moments, as in memory.
+//! let mut mem = phalanx::optim::AdamW::new(AdamWConfig::default(), &layout, 0..1000, &ledger);
+//! let mut r = vec![1.0f32; 1000];
+//! mem.step(&mut r, &g, 1e-2, 1.0);
+//! mem.step(&mut r, &g, 1e-2, 1.0);
+//! assert_eq!(p, r);
+//! assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
 //! ```
 
 use super::{AdamW, AdamWConfig, Optimizer};
@@ -28,7 +42,7 @@ use crate::ledger::Ledger;
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub struct DiskAdamW {
     cfg: AdamWConfig,
@@ -37,14 +51,14 @@ pub struct DiskAdamW {
     ledger: Ledger,
     m: File,
     v: File,
-    paths: [PathBuf; 2],
     chunk: usize,
     t: u64,
 }
 
 impl DiskAdamW {
-    /// State for `range` in `dir/{tag}.adam_m.bin` and `.adam_v.bin`,
-    /// streamed `chunk` elements at a time.
+    /// State for `range` in two files of `dir` (`{tag}.adam_m.*.bin` and
+    /// `.adam_v.*`, unlinked once open), streamed `chunk` elements at a
+    /// time.
     pub fn new(
         cfg: AdamWConfig,
         layout: &Layout,
@@ -56,19 +70,27 @@ impl DiskAdamW {
     ) -> std::io::Result<DiskAdamW> {
         std::fs::create_dir_all(dir)?;
         let bytes = range.len() as u64 * 4;
-        let open = |name: &str| -> std::io::Result<(File, PathBuf)> {
-            let p = dir.join(format!("{tag}.{name}.bin"));
+        // A file of its own each (another optimizer of this rank, say a
+        // pipeline stage's second range, or another job sharing the
+        // directory, never opens it), unlinked as soon as it is open: the
+        // handle is the only reference, so no exit path leaves it behind.
+        let open = |name: &str| -> std::io::Result<File> {
+            let p = dir.join(format!(
+                "{tag}.{name}.{}-{}.bin",
+                std::process::id(),
+                crate::strategy::zero::offload::random_hex()
+            ));
             let f = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .open(&p)?;
+            std::fs::remove_file(&p)?;
             f.set_len(bytes)?; // sparse zeros: the initial moments
-            Ok((f, p))
+            Ok(f)
         };
-        let (m, pm) = open("adam_m")?;
-        let (v, pv) = open("adam_v")?;
+        let m = open("adam_m")?;
+        let v = open("adam_v")?;
         Ok(DiskAdamW {
             cfg,
             layout: layout.clone(),
@@ -76,7 +98,6 @@ impl DiskAdamW {
             ledger: ledger.clone(),
             m,
             v,
-            paths: [pm, pv],
             chunk: chunk.max(1),
             t: 0,
         })
@@ -179,14 +200,6 @@ impl Optimizer for DiskAdamW {
 
     fn set_step_count(&mut self, t: u64) {
         self.t = t;
-    }
-}
-
-impl Drop for DiskAdamW {
-    fn drop(&mut self) {
-        for p in &self.paths {
-            let _ = std::fs::remove_file(p);
-        }
     }
 }
 

@@ -286,11 +286,8 @@ fn keep_steps_before(p: &std::path::Path, at: usize) -> std::io::Result<()> {
     if kept == text {
         return Ok(());
     }
-    let mut name = p.file_name().unwrap_or_default().to_os_string();
-    name.push(".tmp");
-    let tmp = p.with_file_name(name);
-    std::fs::write(&tmp, kept)?;
-    std::fs::rename(&tmp, p)
+    // Whole or not at all, with no temporary left on an error.
+    crate::fsutil::write_atomic(p, kept.as_bytes())
 }
 
 /// A self-contained SVG line chart of training (and validation) loss.

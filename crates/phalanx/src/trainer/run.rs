@@ -212,19 +212,16 @@ impl Trainer {
             if let Some(path) = &opts.trace {
                 // Cosmetic too: a warning, never the run's end. (Collective:
                 // every rank takes part whatever happens on rank 0.)
-                if let Err(e) = p.write_trace(path) {
-                    if lead {
-                        eprintln!(
-                            "warning: the trace was not written to {}: {e}",
-                            path.display()
-                        );
-                    }
-                }
-                if lead && opts.progress {
-                    println!(
+                match p.write_trace(path) {
+                    Err(e) if lead => eprintln!(
+                        "warning: the trace was not written to {}: {e}",
+                        path.display()
+                    ),
+                    Ok(()) if lead && opts.progress => println!(
                         "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
                         path.display()
-                    );
+                    ),
+                    _ => {}
                 }
             }
         } else if let (Some(path), true) = (&opts.trace, lead) {

@@ -119,7 +119,7 @@ pub struct OnDisk {
 
 /// 32 hex digits from the OS's random source (or, failing that, std's
 /// randomly keyed hasher).
-fn random_hex() -> String {
+pub(crate) fn random_hex() -> String {
     use std::io::Read;
     let mut b = [0u8; 16];
     let ok = File::open("/dev/urandom")
