@@ -220,3 +220,27 @@ impl AsRef<std::ffi::OsStr> for ScratchDir {
         self.0.as_os_str()
     }
 }
+
+/// 32 hex digits from the OS's random source (or, failing that, std's
+/// randomly keyed hasher).
+pub(crate) fn random_hex() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok();
+    if !ok {
+        use std::hash::{BuildHasher, Hasher};
+        for (i, c) in b.chunks_mut(8).enumerate() {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_usize(i);
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            c.copy_from_slice(&h.finish().to_le_bytes());
+        }
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

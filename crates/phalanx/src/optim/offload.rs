@@ -78,7 +78,7 @@ impl DiskAdamW {
             let p = dir.join(format!(
                 "{tag}.{name}.{}-{}.bin",
                 std::process::id(),
-                crate::strategy::zero::offload::random_hex()
+                crate::fsutil::random_hex()
             ));
             let f = std::fs::OpenOptions::new()
                 .read(true)
