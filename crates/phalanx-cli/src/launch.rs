@@ -26,6 +26,9 @@ const STOP_GRACE: Duration = Duration::from_secs(120);
 const TAIL: usize = 20;
 /// How long workers get between SIGTERM and SIGKILL.
 const GRACE: Duration = Duration::from_secs(3);
+/// How long a worker sent SIGKILL is waited for before the launcher goes
+/// on without it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
 
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
 
@@ -43,9 +46,11 @@ struct Worker {
 /// Whether this process was started as a rank of a job (by `phalanx run`,
 /// torchrun, mpirun or srun).
 pub fn in_job() -> bool {
-    ["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
+    // A launcher's whole scheme (a rank and a world size), as
+    // `DistEnv::from_env` reads it: a lone `SLURM_PROCID` (an sbatch or
+    // salloc shell) is no job of ranks. Malformed values count as a job, so
+    // that the rank's start names them.
+    phalanx_comm::JobSizes::from_env().map_or(true, |j| j.in_job())
 }
 
 /// Under `mpirun` or `srun` (which set no thread counts), give each local
@@ -192,7 +197,9 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         match outcome {
             Outcome::Success => return Ok(0),
             Outcome::Signalled(sig) => return Ok(128 + sig),
-            Outcome::Interrupted(_) => unreachable!("a static job is never interrupted"),
+            // Only an elastic agent asks its workers to stop (see
+            // `run_group`); a static job's exit 75 is a failure.
+            Outcome::Interrupted(why) => return Err(format!("the workers stopped: {why}")),
             Outcome::Failed(_, why) if attempt < opts.max_restarts => {
                 attempt += 1;
                 eprintln!(
@@ -357,7 +364,13 @@ pub(crate) fn run_group(
         }
 
         let (running, mut failures) = poll(&mut workers)?;
-        if !failures.is_empty() && failures.iter().all(|(_, (c, _))| *c == STOPPED_EXIT) {
+        // Exit 75 is a stop at a step boundary only where an elastic agent
+        // (this one or, through the group, another) may have asked for it;
+        // in a static job it is a rank's failure like any other code.
+        if env.elastic
+            && !failures.is_empty()
+            && failures.iter().all(|(_, (c, _))| *c == STOPPED_EXIT)
+        {
             // Asked to stop (by this agent or, through the group, another's).
             finish_stop(&mut workers)?;
             return Ok(Outcome::Interrupted(
@@ -480,7 +493,8 @@ fn blame(workers: &mut [Worker], rank: usize, code: i32, how: &str) -> Summary {
 /// Give workers asked to stop `STOP_GRACE` to get there, then end them.
 fn finish_stop(workers: &mut [Worker]) -> Result<(), String> {
     let deadline = Instant::now() + STOP_GRACE;
-    while poll(workers)?.0 > 0 && Instant::now() < deadline {
+    // A signal to the launcher ends the wait: stop them now.
+    while poll(workers)?.0 > 0 && Instant::now() < deadline && signalled() == 0 {
         std::thread::sleep(Duration::from_millis(20));
     }
     stop_all(workers);
@@ -527,7 +541,23 @@ fn stop_all(workers: &mut [Worker]) {
                 Ok(Some(_)) | Err(_) => break,
                 Ok(None) if Instant::now() >= deadline => {
                     let _ = w.child.kill();
-                    let _ = w.child.wait();
+                    // A process in uninterruptible sleep (a dead NFS
+                    // mount, a driver call) outlives SIGKILL until the
+                    // call returns: wait for it a while, then go on
+                    // without it (init reaps it once the launcher exits).
+                    let until = Instant::now() + KILL_WAIT;
+                    while matches!(w.child.try_wait(), Ok(None)) {
+                        if Instant::now() >= until {
+                            eprintln!(
+                                "phalanx run: rank {} (pid {}) did not exit {:?} after SIGKILL                                  (uninterruptible sleep?); going on without it",
+                                w.rank,
+                                w.child.id(),
+                                KILL_WAIT
+                            );
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                     break;
                 }
                 Ok(None) => std::thread::sleep(Duration::from_millis(10)),

@@ -113,7 +113,7 @@ enum Cmd {
         comm: bool,
     },
     /// Inspect and verify distributed checkpoints, convert them to and
-    /// from Hugging Face GPT-2 files.
+    /// from Hugging Face weights (GPT-2, Llama, Qwen2).
     Checkpoint {
         #[command(subcommand)]
         what: checkpoint_cmd::CheckpointCmd,
@@ -161,7 +161,11 @@ fn main() {
     // Before any thread starts: glibc keeps freed blocks for the next step.
     phalanx::engine::heap::retain_unless_refused();
     let cli = Cli::parse();
-    launch::share_cores_under_external_launcher();
+    // Not for `run`, a launcher started once per node by srun or mpirun:
+    // it divides the node's cores among its own workers.
+    if !matches!(cli.cmd, Cmd::Run { .. }) {
+        launch::share_cores_under_external_launcher();
+    }
     let code = match cli.cmd {
         Cmd::Run { launch, cmd } => launch::run(&launch, &cmd),
         Cmd::Train { opts, launch } => train::main(&opts, &launch),

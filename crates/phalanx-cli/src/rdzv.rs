@@ -180,6 +180,7 @@ impl Rdzv<'_> {
         let mut waiting_in = None;
         let mut last_beat = Instant::now();
         loop {
+            left_on_signal()?;
             if last_beat.elapsed() > self.conf.heartbeat / 5 {
                 self.beat()?;
                 last_beat = Instant::now();
@@ -246,6 +247,7 @@ impl Rdzv<'_> {
 
     fn wait_key(&self, k: &str, start: Instant) -> Result<String, String> {
         loop {
+            left_on_signal()?;
             if let Some(v) = self.get(k)? {
                 return Ok(v);
             }
@@ -267,6 +269,7 @@ impl Rdzv<'_> {
         let mut min_since: Option<Instant> = None;
         let mut last_beat = Instant::now();
         loop {
+            left_on_signal()?;
             if let Some(v) = self.get(&self.rkey(r, "closed"))? {
                 return v
                     .parse()
@@ -299,6 +302,16 @@ impl Rdzv<'_> {
     }
 }
 
+/// The error a rendezvous wait returns when the agent was signalled.
+const LEFT_ON_SIGNAL: &str = "signalled";
+
+fn left_on_signal() -> Result<(), String> {
+    if crate::launch::signalled() != 0 {
+        return Err(LEFT_ON_SIGNAL.into());
+    }
+    Ok(())
+}
+
 impl Rdzv<'_> {
     /// On the serving agent, after its workers succeeded: wait until every
     /// node of the round is done or silent, so that none loses the store
@@ -306,7 +319,7 @@ impl Rdzv<'_> {
     fn wait_done(&self, round: &Round) {
         let mut watch = Watch::new(self, round);
         let deadline = Instant::now() + self.conf.join_timeout;
-        while Instant::now() < deadline {
+        while Instant::now() < deadline && crate::launch::signalled() == 0 {
             let done = (0..round.nodes).all(|j| {
                 j == round.node
                     || self
@@ -491,7 +504,19 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     let threads = threads_per_worker(nproc);
     let mut ended: Option<Instant> = None;
     loop {
-        let round = rd.join()?;
+        let round = match rd.join() {
+            Ok(r) => r,
+            // Ctrl-C, or the scheduler's SIGTERM, while waiting for nodes:
+            // leave now (the others see this node's heartbeat stop).
+            Err(e) if e == LEFT_ON_SIGNAL => {
+                let sig = crate::launch::signalled();
+                eprintln!(
+                    "phalanx run: received signal {sig} while waiting in the rendezvous; leaving"
+                );
+                return Ok(128 + sig);
+            }
+            Err(e) => return Err(e),
+        };
         let world = round.nodes * nproc;
         println!(
             "phalanx run: round {} formed with {} node(s){}: this is node {} (ranks {}..{} of {world})",
@@ -554,7 +579,10 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                 let mut elsewhere = None;
                 if code == 1 {
                     let until = Instant::now() + rd.conf.heartbeat + Duration::from_secs(1);
-                    while Instant::now() < until && elsewhere.is_none() {
+                    while Instant::now() < until
+                        && elsewhere.is_none()
+                        && crate::launch::signalled() == 0
+                    {
                         elsewhere = watch.poll();
                         std::thread::sleep(Duration::from_millis(20));
                     }

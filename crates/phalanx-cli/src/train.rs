@@ -96,16 +96,25 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
         // The batch numbers a DeepSpeed-style config leaves to derive are
         // derived for this dp size (each rank derives them again when it
-        // builds its config inside the job).
+        // builds its config inside the job). The world is every node's
+        // ranks; an elastic range (--nnodes MIN:MAX) has no one size, and
+        // each round's ranks check their own.
+        let world = match launch.nnodes_range() {
+            Ok((lo, hi)) if lo == hi => n.checked_mul(lo),
+            _ => None,
+        };
         let mut resolved = cfg.clone();
-        if let Err(e) = cfg.dp_for_world(n).and_then(|dp| {
-            resolved.resolve_batch(dp)?;
-            phalanx::data::micro_batch_size(
-                resolved.global_batch(dp),
-                dp,
-                resolved.train.grad_accum_steps,
-            )
-            .map_err(|e| phalanx::config::ConfigError(e.to_string()))
+        if let Err(e) = world.map_or(Ok(()), |world| {
+            cfg.dp_for_world(world).and_then(|dp| {
+                resolved.resolve_batch(dp)?;
+                phalanx::data::micro_batch_size(
+                    resolved.global_batch(dp),
+                    dp,
+                    resolved.train.grad_accum_steps,
+                )
+                .map(|_| ())
+                .map_err(|e| phalanx::config::ConfigError(e.to_string()))
+            })
         }) {
             crate::elastic::fail("phalanx train", e);
             return 2;
@@ -294,6 +303,16 @@ fn as_rank(
     elastic: bool,
 ) -> phalanx::Result<Option<usize>> {
     let lead = pg.rank() == 0;
+    if lead {
+        // Under torchrun, mpirun or srun no launcher of ours checked the
+        // outputs before the ranks started: rank 0 does, before anything
+        // is read or written (its error reaches the others through
+        // `fail_peers`). Under `phalanx train`'s own launch this repeats
+        // the launcher's check, which costs a few `stat`s.
+        check_outputs(cfg, opts)
+            .and_then(|()| check_init_from(cfg, opts))
+            .map_err(phalanx::Error::Check)?;
+    }
     let elastic_cfg = elastic_batch(cfg, pg, opts)?;
     let cfg = elastic_cfg.as_ref().unwrap_or(cfg);
     let family = family::of(cfg)?;

@@ -119,3 +119,38 @@ fn srun_takes_the_store_address_from_the_node_list_and_the_job_id() {
         "{r}"
     );
 }
+
+/// Under mpirun and srun (no `WORLD_SIZE`), the batch number a config
+/// leaves to derive from `train.global_batch_size` is derived for the
+/// job's world, as under torchrun: 16 = micro 4 x dp x accum.
+#[test]
+fn mpirun_and_srun_jobs_derive_the_batch_for_their_world() {
+    for (env, accum) in [
+        (
+            vec![kv("OMPI_COMM_WORLD_RANK", 0), kv("OMPI_COMM_WORLD_SIZE", 2)],
+            2,
+        ),
+        (vec![kv("SLURM_PROCID", 0), kv("SLURM_NTASKS", 4)], 1),
+        (vec![kv("RANK", 0), kv("WORLD_SIZE", 4)], 1),
+    ] {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo()).args([
+            "train",
+            "--print-config",
+            "--set",
+            "train.global_batch_size=16",
+            "--set",
+            "train.micro_batch_size=4",
+        ]);
+        for v in LAUNCHER_VARS {
+            c.env_remove(v);
+        }
+        c.envs(env.clone());
+        let r = run_until(c, DEADLINE);
+        assert_eq!(r.code, 0, "{env:?}: {r}");
+        assert!(
+            r.out.contains(&format!("grad_accum_steps = {accum}\n")),
+            "{env:?}: {r}"
+        );
+    }
+}

@@ -333,3 +333,30 @@ fn losing_the_node_that_serves_the_store_fails_the_others_fast() {
     assert!(out.contains("single point of failure"), "{out}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// SIGTERM (the scheduler's stop, or Ctrl-C's SIGINT) while an agent waits
+/// for nodes ends it at once, not at the end of `--rdzv-timeout` (900 s).
+#[test]
+fn a_signal_while_waiting_for_nodes_ends_the_agent_at_once() {
+    let d = fresh_dir("phalanx-elastic", "signal-waiting");
+    let args = job(&d, "2:3", 4, free_port(), &[]);
+    let mut a = Node::start(&d, "a", &args, &[]);
+    a.wait_for("elastic job");
+    // The handlers are installed right after that line.
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    let st = Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let code = a.wait();
+    let out = a.output();
+    assert_eq!(code, 128 + 15, "{out}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert!(
+        out.contains("received signal 15 while waiting in the rendezvous"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -72,6 +72,26 @@ fn failed_worker_stops_the_others_and_is_named() {
     }
 }
 
+/// Exit 75 (EX_TEMPFAIL) is a stop an elastic agent asks for; in a static
+/// job it is a rank's failure, named with its code, and the others are
+/// stopped at once rather than after the graceful stop's two minutes.
+#[test]
+fn exit_75_in_a_static_job_is_a_failure_named_with_its_rank() {
+    let t0 = Instant::now();
+    let (code, _, err) = phalanx(&[
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 1 ]; then exit 75; fi; sleep 60",
+    ]);
+    assert_eq!(code, 75, "{err}");
+    assert!(err.contains("rank 1 failed (exit code 75)"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+}
+
 #[test]
 fn restarts_the_group_after_a_failure() {
     // Fails on the first run (PHALANX_RUN_ID=0), succeeds on the restart.

@@ -75,9 +75,23 @@ fn num(name: &str) -> Result<Option<usize>> {
     }
 }
 
-impl DistEnv {
-    /// Read the launcher's variables; a process started by hand is rank 0 of 1.
-    pub fn from_env() -> Result<DistEnv> {
+/// Where this process sits in its job, from whichever launcher's variables
+/// are set (torchrun's, then mpirun's, then srun's); a process started by
+/// hand is rank 0 of 1. The config layer reads the sizes from here (a
+/// derived batch, HYBRID_SHARD's node group) without the rest of
+/// [`DistEnv`] (addresses, the secret).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobSizes {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    /// Which launcher's variables were found ("single" for none).
+    pub source: &'static str,
+}
+
+impl JobSizes {
+    pub fn from_env() -> Result<JobSizes> {
         let schemes: [(&str, [&str; 4]); 3] = [
             (
                 "torchrun",
@@ -125,6 +139,31 @@ impl DistEnv {
                 "{source}: rank {rank} is out of range for world size {world_size}"
             ));
         }
+        Ok(JobSizes {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            source,
+        })
+    }
+
+    /// True when a launcher's variables were found.
+    pub fn in_job(&self) -> bool {
+        self.source != "single"
+    }
+}
+
+impl DistEnv {
+    /// Read the launcher's variables; a process started by hand is rank 0 of 1.
+    pub fn from_env() -> Result<DistEnv> {
+        let JobSizes {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            source,
+        } = JobSizes::from_env()?;
         // Under srun, without MASTER_ADDR / MASTER_PORT: the job's first
         // node, and a port from the job id (so that two jobs sharing a node
         // do not meet), as PyTorch Lightning picks them.

@@ -55,6 +55,6 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use group::ProcessGroup;
 pub use half::{bf16, f16};
-pub use init::{init_process_group, BackendKind, DistEnv};
+pub use init::{init_process_group, BackendKind, DistEnv, JobSizes};
 pub use transport::Link;
 pub use work::{blocked_seconds, Work};

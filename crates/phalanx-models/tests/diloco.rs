@@ -506,3 +506,50 @@ fn the_config_refuses_what_diloco_does_not_compose_with() {
         (0.7, 0.9, true, 1, 1)
     );
 }
+
+/// Validation and the final model are the global model (the anchor), the
+/// same on every rank, also when the run ends between outer steps: 6 steps
+/// with H = 4 leave each group 2 inner steps of its own.
+#[test]
+fn validation_and_the_final_model_are_the_anchor() {
+    use phalanx::data::{DataLoader, LoaderConfig, TokenData};
+    let c = cfg(2, 6, &sets(&["diloco.inner_steps=4"]));
+    let lc = LoaderConfig {
+        seq_len: c.seq_len().unwrap(),
+        val_fraction: 0.2,
+        shuffle: true,
+        seed: 7,
+        vocab_size: Some(256),
+    };
+    let loader =
+        std::sync::Arc::new(DataLoader::new(TokenData::from_tokens(corpus()), lc).unwrap());
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let mut t = train::trainer(&c, pg, loader.clone(), &GptRun::default()).unwrap();
+        for k in 0..6 {
+            t.step(k).unwrap();
+        }
+        let local = t.engine().params_flat().to_vec();
+        let global = t.full_params().unwrap();
+        let val = t.evaluate().unwrap().expect("a validation split");
+        // Training goes on from the group's own parameters.
+        assert_eq!(t.engine().params_flat(), &local[..]);
+        // The anchor in the engine: the same loss, to the bit.
+        t.materialize_params().unwrap();
+        assert_eq!(t.engine().params_flat(), &global[..]);
+        let at_anchor = t.evaluate().unwrap().unwrap();
+        (local, global, val, at_anchor)
+    });
+    let (l0, g0, v0, a0) = &out[0];
+    let (l1, g1, _, _) = &out[1];
+    assert_ne!(
+        l0, l1,
+        "the groups drifted apart after their last outer step"
+    );
+    assert_eq!(g0, g1, "every rank exports the same model");
+    assert_ne!(l0, g0);
+    assert_eq!(
+        v0.to_bits(),
+        a0.to_bits(),
+        "validation measured the anchor: {v0} vs {a0}"
+    );
+}

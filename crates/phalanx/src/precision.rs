@@ -109,6 +109,38 @@ impl LossScaler {
         }
     }
 
+    /// This run's scaler (`self`, from the config) resuming `saved`, a
+    /// checkpoint's: a dynamic scale keeps its value and its history (the
+    /// scale, the steps seen, the last overflow, the overflows left before
+    /// the next halving), while what the config says (dynamic or static,
+    /// the window, the hysteresis, the floor, and `train.on_nonfinite`'s
+    /// skip or stop) is this run's. The result, and whether the checkpoint
+    /// said otherwise (for a note).
+    pub fn resumed(&self, saved: &LossScaler) -> (LossScaler, bool) {
+        let kept = match (&self.dynamic, &saved.dynamic) {
+            (Some(c), Some(s)) => LossScaler {
+                scale: saved.scale.max(c.min_scale),
+                dynamic: Some(DynamicState {
+                    cur_hysteresis: s.cur_hysteresis.min(c.hysteresis),
+                    iter: s.iter,
+                    last_overflow: s.last_overflow,
+                    ..*c
+                }),
+                skips: self.skips,
+            },
+            _ => *self,
+        };
+        let differs = self.skips != saved.skips
+            || match (&self.dynamic, &saved.dynamic) {
+                (Some(c), Some(s)) => {
+                    (c.window, c.hysteresis, c.min_scale) != (s.window, s.hysteresis, s.min_scale)
+                }
+                (None, None) => self.scale != saved.scale,
+                _ => true,
+            };
+        (kept, differs)
+    }
+
     /// Check a scaler read from a checkpoint: a finite positive scale, and
     /// counters that `update` can step without dividing by zero or
     /// overflowing. The error names the field (`scale`, `dynamic.window`…).
@@ -176,6 +208,36 @@ impl LossScaler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resume_keeps_the_scale_and_takes_the_settings_of_this_run() {
+        let c = |window| ScalerConfig {
+            initial_scale_power: 10,
+            window,
+            hysteresis: 2,
+            min_scale: 1.0,
+        };
+        let mut saved = LossScaler::dynamic(c(1000));
+        saved.update(true);
+        saved.update(true); // 512, hysteresis spent
+        let (s, differs) = LossScaler::dynamic(c(1000)).resumed(&saved);
+        assert_eq!(
+            (s, differs),
+            (saved, false),
+            "same settings: the saved state whole"
+        );
+        let (mut s, differs) = LossScaler::dynamic(c(2)).resumed(&saved);
+        assert!(differs);
+        assert_eq!(s.scale(), 512.0, "the scale carries over");
+        s.update(false);
+        s.update(false);
+        assert_eq!(s.scale(), 1024.0, "the new window (2) applies");
+        // fp32 stopped on a NaN, resumed with train.on_nonfinite = skip.
+        let (s, differs) = LossScaler::fixed(1.0).resumed(&LossScaler::none());
+        assert!(differs && s.skips_on_overflow());
+        let (s, _) = LossScaler::none().resumed(&LossScaler::fixed(1.0));
+        assert!(!s.skips_on_overflow());
+    }
 
     #[test]
     fn hysteresis_delays_the_halving() {

@@ -783,3 +783,49 @@ fn stage3_max_reuse_distance_is_taken_not_ignored() {
     .unwrap_err();
     assert!(e.contains("stage3_max_reuse_distance"), "{e}");
 }
+
+/// A derived accumulation meets the same checks as a given one: top-k
+/// under ZeRO-2 with accum 4 derived from the global batch is refused when
+/// the batch is resolved, as `train.grad_accum_steps=4` is when built.
+#[test]
+fn a_derived_accumulation_is_validated_like_a_given_one() {
+    let mut c = TrainConfig::build(
+        None,
+        &set(&[
+            "zero_optimization.stage=2",
+            "parallel.comm_hook=\"topk\"",
+            "train.global_batch_size=32",
+            "train.micro_batch_size=4",
+        ]),
+    )
+    .unwrap();
+    let e = c.resolve_batch(2).unwrap_err().to_string();
+    assert!(e.contains("train.grad_accum_steps = 4"), "{e}");
+}
+
+/// Values that pass as f64 but break the f32 optimizer or the scaler's
+/// checkpoint, and counts that size an allocation, are refused naming the key.
+#[test]
+fn values_the_run_could_not_use_are_refused_naming_the_key() {
+    for (s, key) in [
+        ("optim.betas=[0.9, 0.99999999]", "optim.betas[1]"),
+        ("optim.eps=1e-50", "optim.eps"),
+        ("fp16.loss_scale=inf", "fp16.loss_scale"),
+        ("fp16.min_loss_scale=1e300", "fp16.min_loss_scale"),
+        (
+            "fp16.loss_scale_window=2000000000000",
+            "fp16.loss_scale_window",
+        ),
+        ("data.prefetch=1000000000000", "data.prefetch"),
+        ("data.loader_threads=1000000", "data.loader_threads"),
+        (
+            "parallel.pp_schedule=\"interleaved:1000000000000\"",
+            "parallel.pp x the interleaved",
+        ),
+    ] {
+        let e = TrainConfig::build(None, &set(&[s]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{s}: {e}");
+    }
+}

@@ -508,6 +508,10 @@ fn a_document_the_tokenizer_refuses_is_a_bad_record() {
     for k in 0..10 {
         l.micro_batch(k, 0, 1, 0, 4, 1).unwrap();
     }
-    assert_eq!(l.stats().unwrap().skipped, 1);
+    // Once per pass over the file: the reader works ahead of the batches
+    // asked for (up to data.prefetch passes of this one-file corpus), so
+    // later passes may be counted too.
+    let skipped = l.stats().unwrap().skipped;
+    assert!((1..=4).contains(&skipped), "{skipped}");
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -13,8 +13,10 @@
 //! Which one is derived is decided when the config is built, from the keys
 //! the file and the overrides set (a private flag, not serialised). The
 //! derivation is applied by [`TrainConfig::resolve_batch`]; `build` applies
-//! it itself when it runs inside a job (`WORLD_SIZE` set), so that the
-//! trainer sees resolved numbers.
+//! it itself when it runs inside a job (torchrun's, mpirun's or srun's
+//! variables set), and the trainer applies it for its mesh's dp size
+//! otherwise (library use), so that training always runs the resolved
+//! numbers. Validation runs again after each change.
 //!
 //! ```
 //! use phalanx::config::TrainConfig;
@@ -107,6 +109,12 @@ impl TrainConfig {
         }
     }
 
+    /// True while a batch number is still to be derived (see
+    /// [`resolve_batch`](TrainConfig::resolve_batch)).
+    pub fn batch_to_derive(&self) -> bool {
+        self.derive != Derive::Nothing
+    }
+
     /// Set the derived batch number for `dp` ranks (see [`batch_for_dp`]).
     ///
     /// [`batch_for_dp`]: TrainConfig::batch_for_dp
@@ -115,7 +123,9 @@ impl TrainConfig {
         self.train.micro_batch_size = m;
         self.train.grad_accum_steps = a;
         self.derive = Derive::Nothing;
-        Ok(())
+        // Checks that read the accumulation (compression under ZeRO-2/3)
+        // see the derived number too.
+        self.validate()
     }
 
     /// Keep `global` samples per step on `dp` data-parallel ranks (an
@@ -167,6 +177,7 @@ impl TrainConfig {
             self.train.global_batch_size = global;
         }
         self.derive = Derive::Nothing;
+        self.validate()?;
         Ok(Some(format!(
             "keeping the global batch of {global} on dp {dp}: micro-batch {m2} x grad_accum {a2} \
              (the config gives {m} x {a} x dp {dp} = {})",
@@ -174,16 +185,15 @@ impl TrainConfig {
         )))
     }
 
-    /// Inside a job (`WORLD_SIZE` set), resolve the batch for its dp size.
+    /// Inside a job (torchrun's, mpirun's or srun's variables set), resolve
+    /// the batch for its dp size.
     pub(crate) fn resolve_batch_from_env(&mut self) -> Result<()> {
         if self.derive == Derive::Nothing {
             return Ok(());
         }
-        if let Some(world) = std::env::var("WORLD_SIZE")
-            .ok()
-            .and_then(|w| w.parse::<usize>().ok())
-        {
-            let dp = self.dp_for_world(world)?;
+        let job = phalanx_comm::JobSizes::from_env().map_err(|e| ConfigError(e.to_string()))?;
+        if job.in_job() {
+            let dp = self.dp_for_world(job.world_size)?;
             self.resolve_batch(dp)?;
         }
         Ok(())

@@ -115,7 +115,8 @@ pub struct ZeroOptimization {
     /// Gradient bucket size in elements, as DeepSpeed counts it (bytes =
     /// elements x 4); 0 uses `parallel.bucket_mb`.
     pub reduce_bucket_size: f64,
-    /// ZeRO-3 prefetch size in elements; 0 uses `parallel.forward_prefetch`.
+    /// ZeRO-3 prefetch size in elements, as whole blocks of the largest
+    /// block's size (at least one); 0 uses `parallel.forward_prefetch`.
     pub stage3_prefetch_bucket_size: f64,
     /// ZeRO-3: a block whose parameters will be used again (in the
     /// backward) within this many parameters gathered keeps them instead

@@ -201,15 +201,25 @@ impl Fp16Section {
         if self.loss_scale_window < 1 {
             return Err("fp16.loss_scale_window must be at least 1".into());
         }
-        if self.min_loss_scale.is_nan() || self.min_loss_scale <= 0.0 {
+        // The same bounds a checkpoint's loss scaler is held to (a run
+        // must be able to resume what it saves); a scale is an f32 factor.
+        const MAX_COUNT: usize = 1 << 40;
+        if self.hysteresis > MAX_COUNT || self.loss_scale_window > MAX_COUNT {
             return Err(format!(
-                "fp16.min_loss_scale must be positive, not {}",
+                "fp16.hysteresis ({}) and fp16.loss_scale_window ({}) must be at most 2^40",
+                self.hysteresis, self.loss_scale_window
+            ));
+        }
+        let max = f32::MAX as f64;
+        if !(self.min_loss_scale > 0.0 && self.min_loss_scale <= max) {
+            return Err(format!(
+                "fp16.min_loss_scale must be a positive f32 number, not {}",
                 self.min_loss_scale
             ));
         }
-        if self.loss_scale.is_nan() || self.loss_scale < 0.0 {
+        if !(self.loss_scale >= 0.0 && self.loss_scale <= max) {
             return Err(format!(
-                "fp16.loss_scale must be 0 (dynamic) or positive, not {}",
+                "fp16.loss_scale must be 0 (dynamic) or a positive f32 number, not {}",
                 self.loss_scale
             ));
         }

@@ -345,10 +345,13 @@ impl TrainConfig {
         }
         let group = if hybrid {
             match self.parallel.hybrid_shard_size {
-                0 => std::env::var("LOCAL_WORLD_SIZE")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(1),
+                // The ranks of a node, from whichever launcher started
+                // this one (torchrun, mpirun, srun).
+                0 => {
+                    phalanx_comm::JobSizes::from_env()
+                        .map_err(|e| ConfigError(e.to_string()))?
+                        .local_world_size
+                }
                 g => g,
             }
         } else {
@@ -416,12 +419,31 @@ impl TrainConfig {
                 )));
             }
         }
+        // The optimizers compute in f32: a beta that rounds to 1 there
+        // (0.99999999) divides by a zero bias correction, an eps that
+        // rounds to 0 (1e-50) divides 0 by 0, and every parameter is NaN
+        // after the first step.
         for (i, b) in o.betas.iter().enumerate() {
             if !(b.is_finite() && (0.0..1.0).contains(b)) {
                 return Err(ConfigError(format!(
                     "optim.betas[{i}] must be in [0, 1), not {b}"
                 )));
             }
+            if *b as f32 >= 1.0 {
+                return Err(ConfigError(format!(
+                    "optim.betas[{i}] = {b} is 1 in f32, the precision the optimizer computes in:                      use at most 0.9999999"
+                )));
+            }
+        }
+        if o.eps as f32 <= 0.0 || o.lr as f32 <= 0.0 {
+            let (k, v) = if o.eps as f32 <= 0.0 {
+                ("optim.eps", o.eps)
+            } else {
+                ("optim.lr", o.lr)
+            };
+            return Err(ConfigError(format!(
+                "{k} = {v} is 0 in f32, the precision the optimizer computes in: use at least 1e-38"
+            )));
         }
         let decays_to_min = matches!(
             o.schedule,
@@ -460,12 +482,38 @@ impl TrainConfig {
             ("checkpoint.interval", self.checkpoint.interval),
             ("checkpoint.keep", self.checkpoint.keep),
             ("diloco.inner_steps", self.diloco.inner_steps),
+            ("fault_tolerance.replicas", self.fault_tolerance.replicas),
         ];
         for (k, v) in counts {
             if v > MAX {
                 return Err(ConfigError(format!(
                     "{k} = {v} is larger than any run needs (at most 2^40)"
                 )));
+            }
+        }
+        // Counts that size allocations or threads up front: the bound is
+        // what a machine could hold, so that a typo is an error naming the
+        // key, not an allocation failure or a failed thread spawn.
+        let v = match p.pp_schedule.kind(p.pp_virtual_stages) {
+            super::ScheduleKind::Interleaved { v } => v,
+            _ => 1,
+        };
+        let chunks = p.pp.saturating_mul(v);
+        let sized = [
+            ("data.prefetch", self.data.prefetch, 1 << 16),
+            ("data.loader_threads", self.data.loader_threads, 1 << 12),
+            ("parallel.pp_virtual_stages", p.pp_virtual_stages, 1 << 14),
+            (
+                "parallel.pp x the interleaved schedule's chunks per rank",
+                chunks,
+                1 << 14,
+            ),
+            ("parallel.forward_prefetch", p.forward_prefetch, 1 << 20),
+            ("parallel.backward_prefetch", p.backward_prefetch, 1 << 20),
+        ];
+        for (k, v, max) in sized {
+            if v > max {
+                return Err(ConfigError(format!("{k} = {v} is more than {max}")));
             }
         }
         // Samples per rank per step: the factor of the global batch the

@@ -235,6 +235,8 @@ pub struct Diloco {
     restored_left: usize,
     /// The outer step is the caller's ([`Diloco::set_external_outer`]).
     external: bool,
+    /// This group's own parameters while validation runs on the anchor.
+    eval_aside: Option<Vec<f32>>,
     _anchor_charge: Charge,
 }
 
@@ -297,6 +299,7 @@ impl Diloco {
             restored: None,
             restored_left: 0,
             external: false,
+            eval_aside: None,
             _anchor_charge: engine.ledger().charge(Mem::OptState, n * 4),
         })
     }
@@ -506,9 +509,33 @@ impl Strategy for Diloco {
         Ok(engine.eval_loss(x, y)?)
     }
 
-    /// This group's parameters.
-    fn full_params(&self, engine: &Engine) -> Result<Vec<f32>> {
-        Ok(engine.params_flat().to_vec())
+    /// Validation measures the global model (the anchor), as the DiLoCo
+    /// papers report it, not the mean of the groups' drifted copies: the
+    /// group's own parameters are put aside until [`after_eval`].
+    ///
+    /// [`after_eval`]: Strategy::after_eval
+    fn prepare_eval(&mut self, engine: &mut Engine) -> Result<()> {
+        let local = engine.params_flat().to_vec();
+        engine.params_flat_mut().copy_from_slice(&self.anchor);
+        self.eval_aside = Some(local);
+        Ok(())
+    }
+
+    fn after_eval(&mut self, engine: &mut Engine) -> Result<()> {
+        if let Some(local) = self.eval_aside.take() {
+            engine.params_flat_mut().copy_from_slice(&local);
+        }
+        Ok(())
+    }
+
+    /// The global model: the anchor, the parameters every group agreed on
+    /// at its last outer step (per fragment under Streaming DiLoCo). The
+    /// same on every rank; the inner steps since the last outer step (a
+    /// run of `train.steps` not a multiple of `diloco.inner_steps`, a
+    /// fragment's all-reduce still in flight) are the groups' own and are
+    /// not in it.
+    fn full_params(&self, _engine: &Engine) -> Result<Vec<f32>> {
+        Ok(self.anchor.clone())
     }
 
     fn optimizers(&self) -> Vec<&(dyn Optimizer + Send)> {

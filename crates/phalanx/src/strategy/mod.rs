@@ -101,6 +101,13 @@ pub trait Strategy: Send {
         Ok(())
     }
 
+    /// Undo what [`prepare_eval`](Strategy::prepare_eval) changed that
+    /// training must not see (DiLoCo evaluates the global model, then puts
+    /// each group's own parameters back).
+    fn after_eval(&mut self, _engine: &mut Engine) -> Result<()> {
+        Ok(())
+    }
+
     /// The whole model's flat parameters on every rank. Collective.
     fn full_params(&self, engine: &Engine) -> Result<Vec<f32>>;
 
@@ -214,6 +221,25 @@ pub fn dp_mean(dp: &ProcessGroup, loss: f64) -> Result<f32> {
 /// `offload_param.device = "cpu"` behaves as `none`: on CPU training the
 /// ZeRO-3 parameter shard already lives in host memory, so there is nothing
 /// to move. Rank 0 says so, once per process.
+/// ZeRO-3's blocks gathered ahead in the forward: DeepSpeed's
+/// `stage3_prefetch_bucket_size` (elements) as whole blocks of the largest
+/// block's size (at least one), else `parallel.forward_prefetch`.
+fn prefetch_blocks(cfg: &TrainConfig, engine: &Engine) -> usize {
+    let elements = cfg.zero_optimization.stage3_prefetch_bucket_size;
+    if elements <= 0.0 {
+        return cfg.parallel.forward_prefetch;
+    }
+    let largest = engine
+        .layout()
+        .blocks()
+        .iter()
+        .map(|b| b.range.len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    ((elements / largest as f64) as usize).clamp(1, engine.layout().num_blocks().max(1))
+}
+
 fn note_cpu_param_offload(mesh: &DeviceMesh) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     if mesh.world().rank() == 0 {
@@ -289,7 +315,7 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
         let zcfg = ZeroConfig {
             stage: sharding.stage,
             bucket_bytes,
-            forward_prefetch: cfg.parallel.forward_prefetch,
+            forward_prefetch: prefetch_blocks(cfg, engine),
             backward_prefetch: cfg.parallel.backward_prefetch,
             shard_group_size: sharding.hybrid_group,
             param_offload: cfg.param_offload_dir(),

@@ -143,7 +143,15 @@ impl Trainer {
         self.strat.load_state(&mut self.engine, &mut fill, step)?;
         self.load_hook_state(&reader)?;
         if reader.meta.precision == self.cfg.precision().to_string() {
-            self.scaler = reader.meta.loss_scaler;
+            // The scale's history is the checkpoint's; its settings
+            // (fp16.*, train.on_nonfinite) are this run's config.
+            let (scaler, differs) = self.scaler.resumed(&reader.meta.loss_scaler);
+            if differs && self.mesh.world().rank() == 0 {
+                println!(
+                    "note: the loss scaling settings differ from the checkpoint's (fp16.*,                      train.on_nonfinite): this run's config applies from here on"
+                );
+            }
+            self.scaler = scaler;
         }
         self.start_step = reader.meta.step;
         // The data continues at the checkpoint's sample position, whatever

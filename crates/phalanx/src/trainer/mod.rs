@@ -163,6 +163,18 @@ impl Trainer {
                 pg.size()
             )));
         }
+        // A batch number left to derive from train.global_batch_size (a
+        // config built outside a job: library use) is derived for this
+        // mesh's dp here, so training runs what the identity says.
+        let resolved;
+        let cfg = if cfg.batch_to_derive() {
+            let mut c = cfg.clone();
+            c.resolve_batch(dp)?;
+            resolved = c;
+            &resolved
+        } else {
+            cfg
+        };
         let global_batch = cfg.global_batch(dp);
         let micro = micro_batch_size(global_batch, dp, cfg.train.grad_accum_steps)?;
         if let Some(t) = cfg.seq_len().filter(|&t| t != loader.seq_len()) {
@@ -568,6 +580,7 @@ impl Trainer {
             acc[1] += 1.0;
         }
         pg.all_reduce(&mut acc, phalanx_comm::ReduceOp::Sum)?;
+        self.strat.after_eval(&mut self.engine)?;
         Ok(Some((acc[0] / acc[1]) as f32))
     }
 }

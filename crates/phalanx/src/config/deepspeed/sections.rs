@@ -91,7 +91,15 @@ impl Tx<'_> {
                     }
                 })
             }
-            "overlap_comm" => tx.boolean(p, v, "zero_optimization.overlap_comm"),
+            "overlap_comm" => {
+                if v.as_bool() == Some(false) {
+                    tx.warn(
+                        p,
+                        "Phalanx always overlaps the gradient reduction with the backward",
+                    );
+                }
+                tx.boolean(p, v, "zero_optimization.overlap_comm")
+            }
             "contiguous_gradients" => tx.boolean(p, v, "zero_optimization.contiguous_gradients"),
             "reduce_bucket_size" if is_auto(v) => {
                 tx.auto(p, Via::Bucket);
