@@ -239,6 +239,55 @@ fn resume_mid_shard_is_exact_on_other_world_sizes_and_batches() {
         e.contains("data.sources[0].weight: checkpoint 2.0, this run 3.0"),
         "{e}"
     );
+    // A shard regenerated from other text keeps its name and size: the
+    // content digest tells it apart.
+    let shard = dir.join("bin/train_000001.bin");
+    let toks: Vec<u32> = (0..450).map(|i| (i * 11 + 3) % 256).collect();
+    write_llmc(&shard, &toks);
+    let e = open(&cfg)
+        .resume_at(25, consumed, Some(&state))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.content: checkpoint"), "{e}");
+    // A checkpoint of an earlier version, without the digest, still resumes.
+    let mut old = state.clone();
+    old.fingerprint.as_object_mut().unwrap().remove("content");
+    open(&cfg).resume_at(25, consumed, Some(&old)).unwrap();
+    // A shard more: the lengths and the first difference, not both lists
+    // (the checkpoint without the digest, which would differ first).
+    write_llmc(&dir.join("bin/train_000003.bin"), &toks);
+    let e = open(&cfg)
+        .resume_at(25, consumed, Some(&old))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("data.sources[0].files: checkpoint 3 entries, this run 4; the first difference is at [3]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Validation data is held out: a validation file the training patterns
+/// also match (`data_*.bin` matches `data_val_*.bin`) is refused, and so
+/// is an empty one (it would turn validation off without a word).
+#[test]
+fn validation_files_must_be_held_out_and_not_empty() {
+    let dir = temp_dir("val-held-out");
+    let toks: Vec<u32> = (0..400).map(|i| (i * 7) % 256).collect();
+    write_llmc(&dir.join("data_train_000000.bin"), &toks);
+    write_llmc(&dir.join("data_val_000000.bin"), &toks);
+    let mut cfg = CorpusConfig::new(&[&format!("{}/data_*.bin", dir.display())], 8);
+    cfg.val_paths = vec![dir.join("data_val_000000.bin").display().to_string()];
+    let e = Corpus::open(&cfg).err().unwrap().to_string();
+    assert!(
+        e.contains("data_val_000000.bin is also training data (data.path)"),
+        "{e}"
+    );
+    cfg.sources[0].paths = vec![dir.join("data_train_000000.bin").display().to_string()];
+    Corpus::open(&cfg).unwrap();
+    write_llmc(&dir.join("data_val_000000.bin"), &[]);
+    let e = Corpus::open(&cfg).err().unwrap().to_string();
+    assert!(e.contains("holds no tokens"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

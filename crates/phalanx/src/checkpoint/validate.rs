@@ -86,7 +86,15 @@ pub(super) fn check(m: &Metadata) -> Result<(), String> {
             if let Some(c) = c {
                 count(&format!("data.cursors[{i}].epoch"), c.epoch)?;
                 count(&format!("data.cursors[{i}].slot"), c.slot)?;
-                count(&format!("data.cursors[{i}].offset"), c.offset)?;
+                // A token offset, not a count of samples: a long run
+                // streams past 2^40 tokens of one source. The resume checks
+                // it against the checkpoint's position (samples x seq_len).
+                if c.offset > 1 << 62 {
+                    return Err(format!(
+                        "metadata.json: data.cursors[{i}].offset is {}, beyond any run (at most 2^62)",
+                        c.offset
+                    ));
+                }
             }
         }
     }

@@ -147,6 +147,11 @@ fn file_print(f: &std::path::Path) -> serde_json::Value {
     json!([name, std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)])
 }
 
+/// A file's path with links and `..` resolved (as given when that fails).
+fn canonical(f: &std::path::Path) -> std::path::PathBuf {
+    std::fs::canonicalize(f).unwrap_or_else(|_| f.to_path_buf())
+}
+
 impl Corpus {
     pub fn open(cfg: &CorpusConfig) -> Result<Corpus> {
         if cfg.sources.is_empty() {
@@ -159,8 +164,16 @@ impl Corpus {
         let stats = Arc::new(TextStats::default());
         let mut sources = Vec::new();
         let mut prints = Vec::new();
+        // Every training file, to keep the validation files apart from
+        // them, and for the content digest.
+        let mut trained = std::collections::HashMap::new();
+        let mut all_files = Vec::new();
         for (i, spec) in cfg.sources.iter().enumerate() {
             let files = expand_all(&spec.paths, &spec.key)?;
+            for f in &files {
+                trained.insert(canonical(f), spec.key.clone());
+            }
+            all_files.extend(files.iter().cloned());
             let mut kinds = Vec::new();
             for f in &files {
                 kinds.push(kind_of(f, &spec.key)?);
@@ -239,12 +252,27 @@ impl Corpus {
             }
         } else {
             for f in expand_all(&cfg.val_paths, "data.val_path")? {
+                if let Some(key) = trained.get(&canonical(&f)) {
+                    // A validation loss measured on training data looks
+                    // better than it is (a `data_*.bin` glob also matches
+                    // `phalanx tokenize`'s `data_val_*.bin`).
+                    return Err(DataError::Config(format!(
+                        "data.val_path: {} is also training data ({key}); validation must be                          held out: narrow {key}'s pattern",
+                        f.display()
+                    )));
+                }
                 val_print.push(file_print(&f));
                 let d = if kind_of(&f, "data.val_path")? == Kind::Bin {
                     TokenData::open(&f, Tokenizer::Byte)?
                 } else {
                     TokenData::from_tokens(val_text(&f, cfg)?)
                 };
+                if d.is_empty() {
+                    return Err(DataError::Format {
+                        path: f.clone(),
+                        msg: "the validation file holds no tokens (data.val_path)".into(),
+                    });
+                }
                 let n = d.len();
                 val.push((Arc::new(d), 0, n));
             }
@@ -274,6 +302,9 @@ impl Corpus {
             "on_bad_record": format!("{:?}", cfg.on_bad_record).to_lowercase(),
             "sources": prints,
             "val_path": val_print,
+            // Regenerated data keeps its names and sizes (see `digest`).
+            "content": super::digest::of_files(&all_files)
+                .map_err(|e| DataError::Config(format!("reading the training data: {e}")))?,
         });
         Ok(Corpus {
             sources,

@@ -24,6 +24,7 @@
 //! ```
 
 pub mod corpus;
+pub mod digest;
 pub mod error;
 pub mod loader;
 pub mod mix;

@@ -44,6 +44,8 @@ impl DataLoader {
                 "file": self.train.data.path().and_then(|p| p.file_name()).map(|n| n.to_string_lossy().into_owned()),
                 "train_tokens": self.train.len,
                 "val_tokens": self.val.len,
+                // Another file of the same name and length (see `digest`).
+                "content": self.train.data.path().and_then(|p| super::digest::of_files(&[p.to_path_buf()]).ok()),
             }),
         }
     }
@@ -76,7 +78,13 @@ impl DataLoader {
     /// this loader's is refused, naming the key and both values.
     pub fn resume_at(&self, step: u64, consumed: u64, state: Option<&DataState>) -> Result<()> {
         if let Some(st) = state {
-            if let Some(d) = first_difference("data", &st.fingerprint, &self.fingerprint()) {
+            let mut now = self.fingerprint();
+            if let (Some(saved), Some(n)) = (st.fingerprint.as_object(), now.as_object_mut()) {
+                // What a checkpoint of an earlier version did not record
+                // (the content digest) cannot be compared.
+                n.retain(|k, _| saved.contains_key(k));
+            }
+            if let Some(d) = first_difference("data", &st.fingerprint, &now) {
                 return Err(DataError::Config(format!(
                     "the checkpoint was trained on other data, which would silently change the \
                      samples of the resumed run: {d}; resume with the checkpoint's data config \
@@ -152,6 +160,21 @@ fn first_difference(
             .zip(b)
             .enumerate()
             .find_map(|(i, (x, y))| first_difference(&format!("{key}[{i}]"), x, y)),
+        // Lists of other lengths (a file added or removed): their lengths
+        // and the first entry that differs, not both lists whole (10,000
+        // shards would print megabytes).
+        (Value::Array(a), Value::Array(b)) => {
+            let i = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+            let at = |v: &Vec<Value>| v.get(i).map_or("nothing".into(), |x| x.to_string());
+            Some(format!(
+                "{key}: checkpoint {} entries, this run {}; the first difference is at [{i}]: \
+                 checkpoint {}, this run {}",
+                a.len(),
+                b.len(),
+                at(a),
+                at(b)
+            ))
+        }
         (a, b) if a == b => None,
         (a, b) => Some(format!("{key}: checkpoint {a}, this run {b}")),
     }

@@ -276,7 +276,15 @@ impl Trainer {
             loss_scaler: self.scaler,
             global_batch: self.global_batch,
             samples_consumed: self.loader.position(steps_done as u64, self.data_batch()),
-            data: Some(self.loader.state_at(steps_done as u64, self.data_batch())?),
+            // Only rank 0's is written. Working it out means reading the
+            // text stream up to the step's position, which ranks that read
+            // no data (a pipeline's middle stages) would do from scratch
+            // while the others wait in the save.
+            data: if m.world().rank() == 0 {
+                Some(self.loader.state_at(steps_done as u64, self.data_batch())?)
+            } else {
+                None
+            },
             config: self.cfg.to_toml(),
         };
         let root = PathBuf::from(&self.cfg.checkpoint.dir);
