@@ -94,6 +94,10 @@ pub(crate) fn num_cpus_online() -> usize {
     }
 }
 
+/// Set for the workers of `relaunch_self`: their launcher checked the
+/// command's outputs before starting them (see `train`).
+pub const OUTPUTS_CHECKED: &str = "PHALANX_OUTPUTS_CHECKED";
+
 /// Run this very command again as `nproc` local ranks of a job (commands
 /// such as `phalanx train` launch themselves when started by hand).
 pub fn relaunch_self(launch: &LaunchOpts, nproc: usize) -> i32 {
@@ -107,6 +111,8 @@ pub fn relaunch_self(launch: &LaunchOpts, nproc: usize) -> i32 {
         nproc_per_node: Some(nproc),
         ..launch.clone()
     };
+    // The workers inherit it: this process checked the outputs already.
+    std::env::set_var(OUTPUTS_CHECKED, "1");
     run(&lo, &cmd)
 }
 
@@ -140,6 +146,24 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         ));
     }
     let multi = nnodes > 1;
+    // torchrun's static rendezvous takes --rdzv-endpoint, where given, as
+    // node 0's address and port.
+    let (master_host, master_port) = match &opts.rdzv_endpoint {
+        Some(ep) => {
+            let (h, p) = ep
+                .rsplit_once(':')
+                .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+                .ok_or_else(|| format!("--rdzv-endpoint {ep}: expected HOST:PORT"))?;
+            (h, Some(p))
+        }
+        None => (opts.master_addr.clone(), opts.master_port),
+    };
+    if multi && phalanx_comm::init::is_loopback(&master_host) {
+        eprintln!(
+            "phalanx run: note: node 0's address {master_host} is a loopback address: only nodes \
+             on this host can reach it (give --master-addr or --rdzv-endpoint naming node 0's host)"
+        );
+    }
     let secret = match std::env::var("PHALANX_SECRET") {
         Ok(s) if !s.is_empty() => {
             phalanx_comm::wire::from_hex(&s).ok_or("PHALANX_SECRET must be hex")?;
@@ -155,7 +179,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         _ => phalanx_comm::wire::new_secret_hex(),
     };
     // Node 0 hosts the store: on loopback unless the job spans hosts.
-    let mut port = opts.master_port.unwrap_or(if multi { 29500 } else { 0 });
+    let mut port = master_port.unwrap_or(if multi { 29500 } else { 0 });
     let _server = if opts.node_rank == 0 {
         let bind = if multi {
             format!("0.0.0.0:{port}")
@@ -170,7 +194,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         None
     };
     let master_addr = if multi {
-        opts.master_addr.clone()
+        master_host
     } else {
         "127.0.0.1".to_string()
     };
@@ -549,7 +573,8 @@ fn stop_all(workers: &mut [Worker]) {
                     while matches!(w.child.try_wait(), Ok(None)) {
                         if Instant::now() >= until {
                             eprintln!(
-                                "phalanx run: rank {} (pid {}) did not exit {:?} after SIGKILL                                  (uninterruptible sleep?); going on without it",
+                                "phalanx run: rank {} (pid {}) did not exit {:?} after SIGKILL \
+                 (uninterruptible sleep?); going on without it",
                                 w.rank,
                                 w.child.id(),
                                 KILL_WAIT

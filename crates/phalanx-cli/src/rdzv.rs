@@ -590,6 +590,15 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                         return Err(f);
                     }
                 }
+                // Signalled while its workers were failing: this node
+                // leaves (as on a signal mid-round), and the failure is not
+                // booked against the others' --max-restarts.
+                let sig = crate::launch::signalled();
+                if sig != 0 && elsewhere.is_none() {
+                    let why = format!("node {} ({}) left (signal {sig})", round.node, rd.me);
+                    let _ = rd.end_round(round.r, &why, round.nodes - 1);
+                    return Ok(128 + sig);
+                }
                 match elsewhere {
                     Some(cause) => {
                         println!("phalanx run: round {} ended: {cause}; re-forming", round.r)

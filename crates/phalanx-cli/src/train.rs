@@ -303,12 +303,11 @@ fn as_rank(
     elastic: bool,
 ) -> phalanx::Result<Option<usize>> {
     let lead = pg.rank() == 0;
-    if lead {
-        // Under torchrun, mpirun or srun no launcher of ours checked the
-        // outputs before the ranks started: rank 0 does, before anything
-        // is read or written (its error reaches the others through
-        // `fail_peers`). Under `phalanx train`'s own launch this repeats
-        // the launcher's check, which costs a few `stat`s.
+    if lead && std::env::var_os(crate::launch::OUTPUTS_CHECKED).is_none() {
+        // Under torchrun, mpirun, srun or `phalanx run -- phalanx train`
+        // no launcher of ours checked the outputs before the ranks
+        // started: rank 0 does, before anything is read or written (its
+        // error reaches the others through `fail_peers`).
         check_outputs(cfg, opts)
             .and_then(|()| check_init_from(cfg, opts))
             .map_err(phalanx::Error::Check)?;

@@ -85,6 +85,16 @@ pub struct Config {
     /// error when a process group is initialised with this configuration.
     #[doc(hidden)]
     pub net_emulate_error: Option<String>,
+    /// The address this rank listens on and gives its peers
+    /// (`PHALANX_SOCKET_ADDR`, as Gloo's and NCCL's `*_SOCKET_IFNAME` pick
+    /// an interface); `None`: the address this rank reaches the store from
+    /// (see `transport::mesh`).
+    pub advertise: Option<std::net::IpAddr>,
+    /// The job has ranks on other hosts (set by `init` from the launcher's
+    /// sizes): a loopback address is then no address to give peers.
+    pub spans_hosts: bool,
+    #[doc(hidden)]
+    pub advertise_error: Option<String>,
 }
 
 impl Default for Config {
@@ -102,6 +112,9 @@ impl Default for Config {
             shm_all_reduce: true,
             net_emulate: None,
             net_emulate_error: None,
+            advertise: None,
+            spans_hosts: false,
+            advertise_error: None,
         }
     }
 }
@@ -195,6 +208,18 @@ impl Config {
         if let Some(b) = env_f64("PHALANX_CHUNK_BYTES") {
             c.chunk_bytes = (b as usize).max(64);
         }
+        if let Ok(v) = std::env::var("PHALANX_SOCKET_ADDR") {
+            match v.trim().parse::<std::net::IpAddr>() {
+                Ok(ip) => c.advertise = Some(ip),
+                Err(_) if v.trim().is_empty() => {}
+                Err(_) => {
+                    c.advertise_error = Some(format!(
+                        "PHALANX_SOCKET_ADDR={v:?} is not an IP address (this host's address \
+                         on the network its peers reach it by)"
+                    ))
+                }
+            }
+        }
         if let Ok(v) = std::env::var("PHALANX_NET_EMULATE") {
             match NetEmulate::parse(&v) {
                 Ok(n) => c.net_emulate = n,
@@ -207,7 +232,11 @@ impl Config {
     /// The configuration error, if any, that must stop process-group init
     /// (today: an unparsable `PHALANX_NET_EMULATE`).
     pub fn validate(&self) -> crate::error::Result<()> {
-        match &self.net_emulate_error {
+        match self
+            .net_emulate_error
+            .as_ref()
+            .or(self.advertise_error.as_ref())
+        {
             Some(e) => Err(crate::error::CommError::Invalid(e.clone())),
             None => Ok(()),
         }

@@ -88,6 +88,9 @@ pub struct JobSizes {
     pub local_world_size: usize,
     /// Which launcher's variables were found ("single" for none).
     pub source: &'static str,
+    /// Whether the launcher said how many ranks share this node (else
+    /// `local_world_size` is the world: Kubeflow's PyTorchJob sets none).
+    pub local_known: bool,
 }
 
 impl JobSizes {
@@ -112,7 +115,9 @@ impl JobSizes {
                     "SLURM_PROCID",
                     "SLURM_NTASKS",
                     "SLURM_LOCALID",
-                    "SLURM_NTASKS_PER_NODE",
+                    // The step's layout first (srun always sets it), then
+                    // the job's request.
+                    "SLURM_STEP_TASKS_PER_NODE|SLURM_NTASKS_PER_NODE",
                 ],
             ),
         ];
@@ -120,20 +125,20 @@ impl JobSizes {
         for (name, keys) in schemes {
             if let (Some(r), Some(w)) = (num(keys[0])?, num(keys[1])?) {
                 let lr = num(keys[2])?.unwrap_or(r);
-                // SLURM_NTASKS_PER_NODE may read "4(x2)": take the leading number.
-                let lw = var(keys[3])
-                    .and_then(|v| {
-                        v.split(|c: char| !c.is_ascii_digit())
-                            .next()
-                            .and_then(|s| s.parse().ok())
-                    })
-                    .unwrap_or(w);
+                // Slurm's per-node counts may read "4(x2)" or "4,2": take
+                // the leading number.
+                let lw: Option<usize> = keys[3].split('|').find_map(var).and_then(|v| {
+                    v.split(|c: char| !c.is_ascii_digit())
+                        .next()
+                        .and_then(|s| s.parse().ok())
+                });
                 found = Some((name, r, w, lr, lw));
                 break;
             }
         }
-        let (source, rank, world_size, local_rank, local_world_size) =
-            found.unwrap_or(("single", 0, 1, 0, 1));
+        let (source, rank, world_size, local_rank, local) =
+            found.unwrap_or(("single", 0, 1, 0, Some(1)));
+        let local_world_size = local.unwrap_or(world_size);
         if world_size == 0 || rank >= world_size {
             return Err(invalid!(
                 "{source}: rank {rank} is out of range for world size {world_size}"
@@ -145,6 +150,7 @@ impl JobSizes {
             local_rank,
             local_world_size,
             source,
+            local_known: local.is_some(),
         })
     }
 
@@ -163,6 +169,7 @@ impl DistEnv {
             local_rank,
             local_world_size,
             source,
+            ..
         } = JobSizes::from_env()?;
         // Under srun, without MASTER_ADDR / MASTER_PORT: the job's first
         // node, and a port from the job id (so that two jobs sharing a node
@@ -385,8 +392,9 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
 
 /// [`init_with`] on the native transports or NCCL (which also connects
 /// the native mesh, for point-to-point messages).
-fn init_kind(env: &DistEnv, cfg: Config, kind: BackendKind) -> Result<ProcessGroup> {
+fn init_kind(env: &DistEnv, mut cfg: Config, kind: BackendKind) -> Result<ProcessGroup> {
     cfg.validate()?;
+    cfg.spans_hosts |= env.local_world_size < env.world_size;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let deadline = std::time::Instant::now() + cfg.timeout;
     // A single-host job without PHALANX_SECRET: rank 0 makes the secret,

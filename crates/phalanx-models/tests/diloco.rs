@@ -553,3 +553,37 @@ fn validation_and_the_final_model_are_the_anchor() {
         "validation measured the anchor: {v0} vs {a0}"
     );
 }
+
+/// Streaming DiLoCo's last fragment syncs at the last step and its outer
+/// step would land τ steps later, past the run: the run's end applies it,
+/// so the final model holds it and every group agrees on that fragment.
+#[test]
+fn the_runs_end_applies_the_outer_steps_still_in_flight() {
+    const H: usize = 8;
+    let c = cfg(
+        2,
+        2 * H,
+        &sets(&["diloco.inner_steps=8", "diloco.fragments=2"]),
+    );
+    let loader = loader(c.seq_len().unwrap());
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let (_, t) = train::train(&c, pg, loader.clone(), &GptRun::default()).unwrap();
+        (t.engine().params_flat().to_vec(), t.full_params().unwrap())
+    });
+    let frags = phalanx::strategy::diloco::fragments(out[0].0.len(), 2);
+    let last = frags[1].clone();
+    assert_eq!(
+        out[0].0[last.clone()],
+        out[1].0[last.clone()],
+        "the groups agree on it"
+    );
+    for (local, global) in &out {
+        assert_eq!(
+            local[last.clone()],
+            global[last.clone()],
+            "the anchor took the step"
+        );
+    }
+    // Fragment 0 trained on after its sync (at 3H/2): each group's own.
+    assert_ne!(out[0].0[frags[0].clone()], out[1].0[frags[0].clone()]);
+}

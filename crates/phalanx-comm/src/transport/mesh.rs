@@ -68,10 +68,7 @@ pub fn connect_mesh(
     }
     let deadline = Instant::now() + timeout;
 
-    let ip = match store.local_ip()? {
-        ip if ip.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        ip => ip,
-    };
+    let ip = listen_ip(store.local_ip()?, cfg).map_err(|e| publish(store, prefix, e))?;
     let listener = TcpListener::bind((ip, 0))?;
     let me = listener.local_addr()?.to_string();
     // Same-host peers: a Unix listener, unless TCP is forced or there is no
@@ -500,4 +497,108 @@ fn accept_higher(
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     result
+}
+
+/// The address this rank listens on and publishes: `PHALANX_SOCKET_ADDR`
+/// where given; else the address it reaches the store from, unless that is
+/// loopback in a job with ranks on other hosts. That happens when node 0's
+/// host name resolves to 127.0.1.1 there (Debian's and Ubuntu's
+/// `/etc/hosts`): peers on other hosts could not dial it, so the first
+/// address of an interface that is up and not loopback is taken instead
+/// (loopback still on a host without one).
+fn listen_ip(store_side: IpAddr, cfg: &Config) -> Result<IpAddr> {
+    if let Some(ip) = cfg.advertise {
+        return Ok(ip);
+    }
+    if !store_side.is_loopback() {
+        return Ok(store_side);
+    }
+    if !cfg.spans_hosts {
+        return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+    // No other interface: no other host can reach this one anyway (a job
+    // of "nodes" on one host, as tests run them), so loopback it is.
+    Ok(interface_ip().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)))
+}
+
+/// The first IPv4 (else IPv6) address of an interface that is up and not
+/// loopback.
+pub fn interface_ip() -> Option<IpAddr> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return None;
+    }
+    let mut found: Option<IpAddr> = None;
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+        let lo = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+        if !up || lo || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_addr points at a sockaddr whose family says its type.
+        let ip = unsafe {
+            match (*ifa.ifa_addr).sa_family as i32 {
+                libc::AF_INET => {
+                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    IpAddr::V4(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)))
+                }
+                libc::AF_INET6 => {
+                    let a = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    IpAddr::V6(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr))
+                }
+                _ => continue,
+            }
+        };
+        // Link-local IPv6 needs a scope id to be dialled: skip it.
+        if let IpAddr::V6(v6) = ip {
+            if (v6.segments()[0] & 0xffc0) == 0xfe80 {
+                continue;
+            }
+        }
+        if ip.is_loopback() {
+            continue;
+        }
+        match (found, ip) {
+            (None, _) | (Some(IpAddr::V6(_)), IpAddr::V4(_)) => found = Some(ip),
+            _ => {}
+        }
+    }
+    // SAFETY: freeing the list getifaddrs allocated.
+    unsafe { libc::freeifaddrs(head) };
+    found
+}
+
+#[cfg(test)]
+mod listen_tests {
+    use super::*;
+
+    #[test]
+    fn the_listen_address_follows_the_override_the_store_and_the_job() {
+        let cfg = |advertise, spans_hosts| Config {
+            advertise,
+            spans_hosts,
+            ..Config::default()
+        };
+        let lo = IpAddr::V4(Ipv4Addr::new(127, 0, 1, 1));
+        let net = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7));
+        assert_eq!(listen_ip(net, &cfg(None, true)).unwrap(), net);
+        assert_eq!(
+            listen_ip(lo, &cfg(None, false)).unwrap(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+        assert_eq!(listen_ip(lo, &cfg(Some(net), true)).unwrap(), net);
+        // Spanning hosts from a loopback store link: an interface's
+        // address (loopback only on a host without one).
+        let ip = listen_ip(lo, &cfg(None, true)).unwrap();
+        assert_eq!(ip.is_loopback(), interface_ip().is_none(), "{ip}");
+        if let Some(i) = interface_ip() {
+            // One this host can listen on.
+            std::net::TcpListener::bind((i, 0)).unwrap();
+        }
+    }
 }

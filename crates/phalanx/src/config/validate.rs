@@ -346,11 +346,16 @@ impl TrainConfig {
         let group = if hybrid {
             match self.parallel.hybrid_shard_size {
                 // The ranks of a node, from whichever launcher started
-                // this one (torchrun, mpirun, srun).
+                // this one (torchrun, mpirun, srun); 1 where it did not
+                // say (one rank per pod).
                 0 => {
-                    phalanx_comm::JobSizes::from_env()
-                        .map_err(|e| ConfigError(e.to_string()))?
-                        .local_world_size
+                    let j = phalanx_comm::JobSizes::from_env()
+                        .map_err(|e| ConfigError(e.to_string()))?;
+                    if j.local_known {
+                        j.local_world_size
+                    } else {
+                        1
+                    }
                 }
                 g => g,
             }
@@ -431,7 +436,8 @@ impl TrainConfig {
             }
             if *b as f32 >= 1.0 {
                 return Err(ConfigError(format!(
-                    "optim.betas[{i}] = {b} is 1 in f32, the precision the optimizer computes in:                      use at most 0.9999999"
+                    "optim.betas[{i}] = {b} is 1 in f32, the precision the optimizer computes in: \
+                 use at most 0.9999999"
                 )));
             }
         }

@@ -257,7 +257,8 @@ impl Corpus {
                     // better than it is (a `data_*.bin` glob also matches
                     // `phalanx tokenize`'s `data_val_*.bin`).
                     return Err(DataError::Config(format!(
-                        "data.val_path: {} is also training data ({key}); validation must be                          held out: narrow {key}'s pattern",
+                        "data.val_path: {} is also training data ({key}); validation must be \
+                 held out: narrow {key}'s pattern",
                         f.display()
                     )));
                 }

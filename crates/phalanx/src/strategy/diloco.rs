@@ -515,15 +515,40 @@ impl Strategy for Diloco {
     ///
     /// [`after_eval`]: Strategy::after_eval
     fn prepare_eval(&mut self, engine: &mut Engine) -> Result<()> {
-        let local = engine.params_flat().to_vec();
-        engine.params_flat_mut().copy_from_slice(&self.anchor);
-        self.eval_aside = Some(local);
+        // Set aside once: a second call before `after_eval` must not take
+        // the anchor for the group's parameters.
+        if self.eval_aside.is_none() {
+            let local = engine.params_flat().to_vec();
+            engine.params_flat_mut().copy_from_slice(&self.anchor);
+            self.eval_aside = Some(local);
+        }
         Ok(())
     }
 
     fn after_eval(&mut self, engine: &mut Engine) -> Result<()> {
         if let Some(local) = self.eval_aside.take() {
             engine.params_flat_mut().copy_from_slice(&local);
+        }
+        Ok(())
+    }
+
+    /// Streaming DiLoCo's all-reduces still in flight at the end (due τ
+    /// steps after their sync, past the last step) are applied now: every
+    /// group started them, and the final model holds their outer steps.
+    fn finish_run(&mut self, engine: &mut Engine, done: usize) -> Result<()> {
+        let tau = self.cfg.delay;
+        while let Some(mut x) = self.in_flight.get_mut().pop_front() {
+            let f = x.fragment;
+            // Its sync: the latest of the last τ steps that synced it.
+            let synced = (done.saturating_sub(tau) + 1..=done)
+                .rev()
+                .find(|&s| self.sched.sync_index(f, s).is_some());
+            let Some(s) = synced else {
+                continue;
+            };
+            let k = self.sched.sync_index(f, s).expect("synced");
+            let avg = x.settle()?.to_vec();
+            self.apply(engine, f, k, &avg);
         }
         Ok(())
     }

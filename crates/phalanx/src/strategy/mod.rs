@@ -108,6 +108,13 @@ pub trait Strategy: Send {
         Ok(())
     }
 
+    /// After the last of `done` steps (the run's end, not a stop to resume
+    /// later): finish what is still in flight that the final model should
+    /// hold (Streaming DiLoCo's last outer steps). Collective.
+    fn finish_run(&mut self, _engine: &mut Engine, _done: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// The whole model's flat parameters on every rank. Collective.
     fn full_params(&self, engine: &Engine) -> Result<Vec<f32>>;
 
@@ -218,9 +225,6 @@ pub fn dp_mean(dp: &ProcessGroup, loss: f64) -> Result<f32> {
     Ok(l[0] as f32)
 }
 
-/// `offload_param.device = "cpu"` behaves as `none`: on CPU training the
-/// ZeRO-3 parameter shard already lives in host memory, so there is nothing
-/// to move. Rank 0 says so, once per process.
 /// ZeRO-3's blocks gathered ahead in the forward: DeepSpeed's
 /// `stage3_prefetch_bucket_size` (elements) as whole blocks of the largest
 /// block's size (at least one), else `parallel.forward_prefetch`.
@@ -240,6 +244,9 @@ fn prefetch_blocks(cfg: &TrainConfig, engine: &Engine) -> usize {
     ((elements / largest as f64) as usize).clamp(1, engine.layout().num_blocks().max(1))
 }
 
+/// `offload_param.device = "cpu"` behaves as `none`: on CPU training the
+/// ZeRO-3 parameter shard already lives in host memory, so there is nothing
+/// to move. Rank 0 says so, once per process.
 fn note_cpu_param_offload(mesh: &DeviceMesh) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     if mesh.world().rank() == 0 {

@@ -148,7 +148,8 @@ impl Trainer {
             let (scaler, differs) = self.scaler.resumed(&reader.meta.loss_scaler);
             if differs && self.mesh.world().rank() == 0 {
                 println!(
-                    "note: the loss scaling settings differ from the checkpoint's (fp16.*,                      train.on_nonfinite): this run's config applies from here on"
+                    "note: the loss scaling settings differ from the checkpoint's (fp16.*, \
+                 train.on_nonfinite): this run's config applies from here on"
                 );
             }
             self.scaler = scaler;

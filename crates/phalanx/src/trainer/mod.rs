@@ -562,6 +562,15 @@ impl Trainer {
         // Pipeline stages update only their own blocks: bring the rest up to
         // date, then every rank can run the whole model.
         self.strat.prepare_eval(&mut self.engine)?;
+        let loss = self.eval_batches(n, bs);
+        // Whatever the batches gave: training must not go on from what
+        // evaluation put in place (DiLoCo's anchor).
+        self.strat.after_eval(&mut self.engine)?;
+        Ok(Some(loss?))
+    }
+
+    /// The mean loss of the first `n` validation batches of `bs` samples.
+    fn eval_batches(&mut self, n: usize, bs: usize) -> Result<f32> {
         let pg = &self.pg;
         let mut acc = [0.0f64, 0.0];
         // ZeRO-3 gathers collectively: every rank runs every batch there.
@@ -580,8 +589,7 @@ impl Trainer {
             acc[1] += 1.0;
         }
         pg.all_reduce(&mut acc, phalanx_comm::ReduceOp::Sum)?;
-        self.strat.after_eval(&mut self.engine)?;
-        Ok(Some((acc[0] / acc[1]) as f32))
+        Ok((acc[0] / acc[1]) as f32)
     }
 }
 

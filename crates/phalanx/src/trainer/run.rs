@@ -67,6 +67,14 @@ impl Trainer {
                 },
             );
         }
+        let h = self.cfg.diloco.inner_steps;
+        if lead && opts.progress && self.cfg.diloco.on() && h > 0 && !steps.is_multiple_of(h) {
+            println!(
+                "note: train.steps = {steps} is not a multiple of diloco.inner_steps = {h}: the \
+                 last {} inner steps of each group are not in the final model (the anchor)",
+                steps % h
+            );
+        }
         let mut report = Report::default();
         let every = self.cfg.checkpoint.interval;
         let mut tok_s = Vec::new();
@@ -195,6 +203,10 @@ impl Trainer {
             if lead && opts.progress {
                 println!("checkpoint {} written", d.display());
             }
+        }
+        if report.stopped_at.is_none() {
+            // After the last checkpoint, which resumes exactly without it.
+            self.strat.finish_run(&mut self.engine, steps)?;
         }
         // After two warm-up steps; a shorter run averages what it has.
         let timed = if tok_s.len() > 2 {
