@@ -829,3 +829,59 @@ fn values_the_run_could_not_use_are_refused_naming_the_key() {
         assert!(e.contains(key), "{s}: {e}");
     }
 }
+
+/// Settings accepted but doing nothing beside the others get a note (rank 0
+/// prints them); ZeRO++'s int8 gradients and a reduce dtype both choosing
+/// the wire format is an error.
+#[test]
+fn settings_without_effect_get_a_note() {
+    let notes = |s: &[&str]| {
+        TrainConfig::build(None, &set(s))
+            .unwrap()
+            .notes()
+            .join("\n")
+    };
+    assert_eq!(notes(&[]), "", "the defaults need no note");
+    for (s, want) in [
+        (
+            &["train.steps=10", "optim.warmup_steps=20"][..],
+            "never reaches optim.lr",
+        ),
+        (
+            &["optim.warmup_steps=100", "optim.decay_steps=50"],
+            "no decay phase",
+        ),
+        (
+            &["parallel.sequence_parallel=true"],
+            "no effect with parallel.tp = 1",
+        ),
+        (
+            &[
+                "zero_optimization.stage=3",
+                "train.activation_checkpointing=2",
+            ],
+            "every block is recomputed",
+        ),
+        (
+            &[
+                "zero_optimization.stage=1",
+                "parallel.check_params_every=10",
+            ],
+            "no effect under ZeRO stage 1",
+        ),
+    ] {
+        let n = notes(s);
+        assert!(n.contains(want), "{s:?}: {n:?}");
+    }
+    let e = TrainConfig::build(
+        None,
+        &set(&[
+            "zero_optimization.stage=3",
+            "zero_optimization.zero_quantized_gradients=true",
+            "train.reduce_dtype=\"bf16\"",
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("zero_quantized_gradients"), "{e}");
+}

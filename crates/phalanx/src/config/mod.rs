@@ -659,10 +659,14 @@ impl TrainConfig {
         overrides: &[String],
     ) -> Result<TrainConfig> {
         let (cfg, warnings) = Self::build_with_warnings_for(schema, file, overrides)?;
-        // Inside a job every rank builds the config: rank 0 speaks for all.
-        if std::env::var("RANK").map_or(true, |r| r == "0") {
+        // Inside a job every rank builds the config: rank 0 speaks for all
+        // (torchrun's, mpirun's or srun's rank).
+        if phalanx_comm::JobSizes::from_env().map_or(true, |j| j.rank == 0) {
             for w in &warnings {
                 eprintln!("warning: {w}");
+            }
+            for n in cfg.notes() {
+                eprintln!("note: {n}");
             }
         }
         Ok(cfg)

@@ -42,6 +42,15 @@ impl TrainConfig {
                 p.comm_hook, self.train.reduce_dtype
             ));
         }
+        if self.zero_optimization.zero_quantized_gradients
+            && self.train.reduce_dtype != Precision::Fp32
+        {
+            return bad(format!(
+                "zero_optimization.zero_quantized_gradients (int8 gradients) and train.reduce_dtype = {} \
+                 both choose how gradients travel; set one",
+                self.train.reduce_dtype
+            ));
+        }
         self.check_compression()?;
         self.check_diloco()?;
         if self.monitor.straggler_steps == 0 {
@@ -91,7 +100,7 @@ impl TrainConfig {
         if self.parallel.tp == 0 {
             return bad("parallel.tp must be at least 1".into());
         }
-        if self.parallel.sequence_parallel && self.sharding()?.stage >= 2 {
+        if self.parallel.sequence_parallel && self.parallel.tp > 1 && self.sharding()?.stage >= 2 {
             return bad(
                 "sequence parallel composes with DDP and ZeRO-1 in this build (zero stage <= 1)"
                     .into(),
@@ -470,6 +479,54 @@ impl TrainConfig {
     /// Counts from the user are bounded, so that the products the trainer
     /// forms (global batch = micro x dp x accum, samples x sequence length,
     /// steps x batch) cannot wrap: every refusal names the key.
+    /// Settings accepted but doing nothing, or less than they say, beside
+    /// the others (notes rank 0 prints when the config is built).
+    pub fn notes(&self) -> Vec<String> {
+        let (t, o, p) = (&self.train, &self.optim, &self.parallel);
+        let stage = self.sharding().map_or(0, |s| s.stage);
+        let mut n = Vec::new();
+        if o.warmup_steps > 0 && o.warmup_steps >= t.steps {
+            n.push(format!(
+                "optim.warmup_steps = {} is not below train.steps = {}: the learning rate never \
+                 reaches optim.lr",
+                o.warmup_steps, t.steps
+            ));
+        }
+        let decays = matches!(
+            o.schedule,
+            super::LrScheduleKind::Cosine | super::LrScheduleKind::WarmupLinear
+        );
+        if decays && o.decay_steps != 0 && o.decay_steps <= o.warmup_steps {
+            n.push(format!(
+                "optim.decay_steps = {} ends within the warm-up's {} steps: there is no decay \
+                 phase (the rate goes from optim.lr to optim.min_lr at once)",
+                o.decay_steps, o.warmup_steps
+            ));
+        }
+        if p.sequence_parallel && p.tp == 1 {
+            n.push("parallel.sequence_parallel has no effect with parallel.tp = 1".into());
+        }
+        if stage == 3 && matches!(self.recompute(), super::Recompute::Every(_)) {
+            n.push(format!(
+                "train.activation_checkpointing = {}: ZeRO-3 frees each block's parameters after \
+                 its forward, so every block is recomputed in the backward (or served its \
+                 parameters again, where it has a direct backward)",
+                self.recompute()
+            ));
+        }
+        if p.check_params_every > 0
+            && !self.diloco.on()
+            && !self.fault_tolerance.enabled()
+            && (stage >= 1 || p.pp > 1)
+        {
+            n.push(format!(
+                "parallel.check_params_every compares DDP's (and DiLoCo's) replicas; it has no \
+                 effect under ZeRO stage {stage} or pipeline parallelism"
+            ));
+        }
+        n
+    }
+
     fn check_counts(&self) -> Result<()> {
         const MAX: usize = 1 << 40;
         let (t, o, p) = (&self.train, &self.optim, &self.parallel);
