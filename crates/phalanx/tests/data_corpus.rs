@@ -288,6 +288,23 @@ fn validation_files_must_be_held_out_and_not_empty() {
     write_llmc(&dir.join("data_val_000000.bin"), &[]);
     let e = Corpus::open(&cfg).err().unwrap().to_string();
     assert!(e.contains("holds no tokens"), "{e}");
+    // A validation text file is read with the first text source's field,
+    // not the token source's default.
+    let rec = |n: usize| {
+        format!(
+            "{{\"content\": \"{}\"}}\n",
+            "words and more words ".repeat(n)
+        )
+    };
+    std::fs::write(dir.join("train.jsonl"), rec(30).repeat(20)).unwrap();
+    std::fs::write(dir.join("val.jsonl"), rec(30).repeat(4)).unwrap();
+    let mut text = cfg.sources[0].clone();
+    text.paths = vec![dir.join("train.jsonl").display().to_string()];
+    text.field = "content".into();
+    text.key = "data.sources[1]".into();
+    cfg.sources.push(text);
+    cfg.val_paths = vec![dir.join("val.jsonl").display().to_string()];
+    Corpus::open(&cfg).unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }
 

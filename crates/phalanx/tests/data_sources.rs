@@ -93,6 +93,27 @@ fn nanogpt_raw_uint16_file() {
     let mut part = Vec::new();
     d.copy_range(10, 13, &mut part);
     assert_eq!(part, tokens[10..13]);
+    // The vocabulary check names the file.
+    let e = DataLoader::new(
+        d,
+        phalanx::data::LoaderConfig {
+            seq_len: 4,
+            val_fraction: 0.0,
+            vocab_size: Some(256),
+            ..Default::default()
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("val.BIN") && e.contains("vocab_size 256"), "{e}");
+    // Beside a Megatron-LM index it is refused, not read as uint16.
+    std::fs::write(dir.join("val.idx"), b"MMIDIDX").unwrap();
+    let e = TokenData::open(&path, Tokenizer::Byte)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Megatron-LM"), "{e}");
+    std::fs::remove_file(dir.join("val.idx")).unwrap();
     // An odd number of bytes cannot be uint16 tokens.
     std::fs::write(&path, &bytes[..5]).unwrap();
     let e = TokenData::open(&path, Tokenizer::Byte).unwrap_err();

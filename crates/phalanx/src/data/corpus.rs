@@ -168,6 +168,8 @@ impl Corpus {
         // them, and for the content digest.
         let mut trained = std::collections::HashMap::new();
         let mut all_files = Vec::new();
+        // Validation text files are read with the first text source's field.
+        let mut text_field: Option<(String, String)> = None;
         for (i, spec) in cfg.sources.iter().enumerate() {
             let files = expand_all(&spec.paths, &spec.key)?;
             for f in &files {
@@ -222,6 +224,7 @@ impl Corpus {
                 } else {
                     format!("{}.field", spec.key)
                 };
+                text_field.get_or_insert_with(|| (spec.field.clone(), field_key.clone()));
                 Source::Text(TextSource::new(
                     TextSpec {
                         files,
@@ -266,7 +269,10 @@ impl Corpus {
                 let d = if kind_of(&f, "data.val_path")? == Kind::Bin {
                     TokenData::open(&f, Tokenizer::Byte)?
                 } else {
-                    TokenData::from_tokens(val_text(&f, cfg)?)
+                    let (field, key) = text_field.clone().unwrap_or_else(|| {
+                        (cfg.sources[0].field.clone(), "data.field".to_string())
+                    });
+                    TokenData::from_tokens(val_text(&f, cfg, (&field, &key))?)
                 };
                 if d.is_empty() {
                     return Err(DataError::Format {
@@ -421,12 +427,18 @@ impl Corpus {
 }
 
 /// A validation text file, tokenized whole (validation sets are small).
-fn val_text(f: &std::path::Path, cfg: &CorpusConfig) -> Result<Vec<u32>> {
+/// A validation text file's tokens, its records read with `field` (the
+/// first text source's, named by `field_key` in errors).
+fn val_text(
+    f: &std::path::Path,
+    cfg: &CorpusConfig,
+    (field, field_key): (&str, &str),
+) -> Result<Vec<u32>> {
     let src = TextSource::new(
         TextSpec {
             files: vec![f.to_path_buf()],
-            field: cfg.sources[0].field.clone(),
-            field_key: "data.field".into(),
+            field: field.to_string(),
+            field_key: field_key.to_string(),
             on_bad: cfg.on_bad_record,
             encoder: cfg.encoder.clone(),
             shuffle: false,

@@ -206,10 +206,19 @@ impl TokenData {
             buf.clear();
             self.copy_range(start, (start + BLOCK).min(self.len), &mut buf);
             if let Some(k) = buf.iter().position(|&t| t as usize >= vocab_size) {
-                return Err(DataError::Vocab {
+                let e = DataError::Vocab {
                     token: buf[k],
                     position: start + k,
                     vocab_size,
+                };
+                // Name the file where there is one (a training file and a
+                // validation file are both checked).
+                return Err(match &self.path {
+                    Some(p) => DataError::Format {
+                        path: p.clone(),
+                        msg: e.to_string(),
+                    },
+                    None => e,
                 });
             }
         }
@@ -312,6 +321,19 @@ fn detect_bin(path: &Path, bytes: &[u8]) -> Result<(Format, usize, usize, usize)
         LLMC_MAGIC_GPT2 => (Format::LlmcU16, 1, 2),
         LLMC_MAGIC_LLAMA3 => (Format::LlmcU32, 7, 4),
         _ => {
+            // Megatron-LM's indexed datasets are `name.bin` + `name.idx`,
+            // with int32 tokens for large vocabularies: read as uint16 they
+            // would be garbage that still passes the vocabulary check.
+            if path.with_extension("idx").is_file() {
+                return Err(format_err(
+                    path,
+                    format!(
+                        "no llm.c header, and {} lies beside it: a Megatron-LM indexed dataset, \
+                         which Phalanx does not read; tokenize the text with `phalanx tokenize`",
+                        path.with_extension("idx").display()
+                    ),
+                ));
+            }
             if !bytes.len().is_multiple_of(2) {
                 return Err(format_err(
                     path,
