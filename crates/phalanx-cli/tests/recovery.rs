@@ -416,6 +416,19 @@ fn nothing_to_do_and_all_broken_checkpoints_are_refused_not_rotated() {
         "{r}"
     );
     assert!(!r.out.contains("NaN") && !r.out.contains("done:"), "{r}");
+    // A resume that runs longer (saving nothing): the schedule spans
+    // train.steps, so it changes shape, and the run says so.
+    let mut longer = base.to_vec();
+    let s = settings(&d, 3, 0);
+    longer.extend(strs(&s));
+    longer.extend(["--resume", "auto"]);
+    let r = train(&longer, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.out.contains("train.steps = 2, this one 3")
+            && r.out.contains("set optim.decay_steps = 2"),
+        "{r}"
+    );
 
     // Break every checkpoint (repairably: a truncated rank file).
     let steps = ["step-00000001", "step-00000002"];

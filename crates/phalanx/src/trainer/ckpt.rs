@@ -149,7 +149,7 @@ impl Trainer {
             if differs && self.mesh.world().rank() == 0 {
                 println!(
                     "note: the loss scaling settings differ from the checkpoint's (fp16.*, \
-                 train.on_nonfinite): this run's config applies from here on"
+                     train.on_nonfinite): this run's config applies from here on"
                 );
             }
             self.scaler = scaler;
@@ -164,6 +164,31 @@ impl Trainer {
                 reader.meta.data.as_ref(),
             )
             .map_err(|e| Error::Check(format!("--resume {}: {e}", dir.display())))?;
+        if self.mesh.world().rank() == 0 {
+            // The schedule's length is train.steps unless optim.decay_steps
+            // fixes it: a resume that changes train.steps reshapes the rate
+            // from here on (a cosine at its floor starts decaying again).
+            let saved = reader.meta.config.parse::<toml::Table>().ok();
+            let get = |t: &toml::Table, s: &str, k: &str| {
+                t.get(s).and_then(|v| v.get(k)).and_then(|v| v.as_integer())
+            };
+            if let Some(t) = saved {
+                let (steps, decay) = (get(&t, "train", "steps"), get(&t, "optim", "decay_steps"));
+                let now = self.cfg.train.steps as i64;
+                if decay == Some(0)
+                    && self.cfg.optim.decay_steps == 0
+                    && steps.is_some_and(|s| s != now)
+                {
+                    println!(
+                        "note: the checkpoint's run had train.steps = {}, this one {now}: the \
+                         learning-rate schedule, which spans train.steps, changes shape from here \
+                         on; set optim.decay_steps = {} to keep the checkpoint's",
+                        steps.unwrap_or_default(),
+                        steps.unwrap_or_default()
+                    );
+                }
+            }
+        }
         if self.mesh.world().rank() == 0 && reader.meta.global_batch != self.global_batch {
             println!(
                 "note: {} was trained with a global batch of {}, this run uses {}: the data \
