@@ -24,6 +24,19 @@ use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// The number of elements of a tensor of `shape`, or `None` when the
+/// product overflows (shapes read from a file or a config may claim any
+/// size; every caller bounds the result its own way).
+///
+/// ```
+/// assert_eq!(phalanx::ledger::checked_numel(&[3, 4]), Some(12));
+/// assert_eq!(phalanx::ledger::checked_numel(&[]), Some(1));
+/// assert_eq!(phalanx::ledger::checked_numel(&[1 << 40, 1 << 40]), None);
+/// ```
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
 /// What a charged allocation holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mem {

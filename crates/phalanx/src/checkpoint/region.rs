@@ -60,7 +60,7 @@ impl Region {
                 .zip(&self.offsets)
                 .zip(&self.sizes)
                 .all(|((&n, &o), &s)| o.checked_add(s).is_some_and(|e| e <= n));
-        let box_len = self.sizes.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let box_len = crate::ledger::checked_numel(&self.sizes);
         if !in_tensor
             || self.flat.start > self.flat.end
             || box_len.is_none_or(|b| self.flat.end > b)

@@ -54,9 +54,7 @@ fn count(field: &str, v: u64) -> Result<(), String> {
 /// The number of elements of `shape`, or an error naming `field` when the
 /// product overflows or passes [`MAX_COUNT`].
 pub(super) fn elements(field: &str, shape: &[usize]) -> Result<usize, String> {
-    shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
+    crate::ledger::checked_numel(shape)
         .filter(|&n| n as u64 <= MAX_COUNT)
         .ok_or_else(|| {
             format!("metadata.json: {field} {shape:?} has more elements than any tensor (2^40)")

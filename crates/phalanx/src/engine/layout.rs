@@ -180,10 +180,7 @@ impl Layout {
                     tied.push(k);
                     continue;
                 }
-                let numel = d
-                    .shape
-                    .iter()
-                    .try_fold(1usize, |a, &b| a.checked_mul(b))
+                let numel = crate::ledger::checked_numel(&d.shape)
                     .filter(|&n| n <= MAX_PARAMS)
                     .ok_or_else(|| {
                         candle_core::Error::Msg(format!(

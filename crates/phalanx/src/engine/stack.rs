@@ -67,7 +67,7 @@ use std::ops::Range;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::backend::{ParamSource, Recorder, Served, Server};
+use super::backend::{ParamSource, Served, Server};
 use super::block::{Block, BlockModule, Ctx};
 use super::flat::{FlatBuffer, GradSink};
 use super::init;
@@ -182,7 +182,8 @@ fn tensor_bytes(t: &Tensor) -> usize {
 }
 
 impl Stack {
-    /// Build each block once with a recording backend to learn its parameters.
+    /// Build each block once with a recording backend (shapes only) to
+    /// learn its parameters.
     pub fn new(
         blocks: Vec<Box<dyn Block>>,
         device: &Device,
@@ -197,8 +198,7 @@ impl Stack {
             let decls = super::backend::declarations(block.as_ref())
                 .map_err(|e| e.context(format!("building block {b}")))?;
             let numel = decls.iter().try_fold(0usize, |n, d| {
-                let k = d.shape.iter().try_fold(1usize, |a, &x| a.checked_mul(x))?;
-                n.checked_add(k)
+                n.checked_add(crate::ledger::checked_numel(&d.shape)?)
             });
             let bytes = numel.and_then(|n| n.checked_mul(4));
             if let (Some(mem), b_bytes) = (memory, bytes) {
@@ -215,12 +215,9 @@ impl Stack {
                     );
                 }
             }
-            let rec = Recorder::new();
-            let vb = VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, device.clone());
-            block
-                .build(vb)
-                .map_err(|e| e.context(format!("building block {b}")))?;
-            requests.push(rec.take());
+            // The shapes are the layout's requests: the block is built once,
+            // with nothing of its parameters' size allocated.
+            requests.push(decls);
         }
         Ok(Self {
             layout: Layout::new(requests)?,
