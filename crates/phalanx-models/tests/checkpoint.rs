@@ -166,3 +166,36 @@ fn any_layout_loads_into_any_other() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A checkpoint.dir that is not shared across nodes leaves a rank's file
+/// where rank 0 does not see it: the save fails on every rank, naming that
+/// rank and the setting (on rank 0; the others point to it), instead of "succeeding" with a checkpoint nobody
+/// can load (and rotating the good ones away).
+#[test]
+fn a_rank_file_rank_0_cannot_see_fails_the_save() {
+    let d = tmp("unshared");
+    let cfg = layout_cfg(&d, 2, &[]);
+    let loader = loader(cfg.seq_len().unwrap());
+    let errs = phalanx_comm::threads::run(2, move |pg| {
+        phalanx::fault::inject_unshared_checkpoint(1);
+        let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        t.step(0).unwrap();
+        let e = t.save_checkpoint(1).unwrap_err().to_string();
+        phalanx::fault::clear();
+        e
+    });
+    assert!(
+        errs[0].contains("rank 1 wrote rank-00001.safetensors")
+            && errs[0].contains("every node shares"),
+        "{}",
+        errs[0]
+    );
+    assert!(errs[1].contains("rank 0 has the reason"), "{}", errs[1]);
+    // Nothing left behind: no checkpoint, no temporary directory.
+    let left: Vec<_> = std::fs::read_dir(&*d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -106,6 +106,7 @@ struct Armed {
     overflow: Option<(usize, usize)>,
     delay: Option<(usize, Duration)>,
     error: Option<(usize, usize)>,
+    unshared: Option<usize>,
 }
 
 thread_local! {
@@ -137,6 +138,18 @@ pub fn inject_error(step: usize, rank: usize) {
 /// as the monitor can tell: a straggler; this thread only).
 pub fn inject_delay(rank: usize, delay: Duration) {
     arm(|a| a.delay = Some((rank, delay)));
+}
+
+/// Rank `rank`'s checkpoint files land where rank 0 does not see them (a
+/// checkpoint.dir that nodes do not share): its file is removed once
+/// written (this thread only).
+pub fn inject_unshared_checkpoint(rank: usize) {
+    arm(|a| a.unshared = Some(rank));
+}
+
+/// Whether rank `rank`'s checkpoint file is to vanish from rank 0's view.
+pub fn unshared_checkpoint(rank: usize) -> bool {
+    ARMED.with(|a| a.get().unshared == Some(rank))
 }
 
 /// Disarm everything `inject_*` armed on this thread.

@@ -249,6 +249,9 @@ pub fn save(
         optimizer: None,
         rank_state: Vec::new(),
     });
+    if let (true, Some(f)) = (crate::fault::unshared_checkpoint(pg.rank()), &manifest.file) {
+        let _ = std::fs::remove_file(tmp.join(&f.name));
+    }
     let mine = serde_json::to_vec(&manifest).expect("manifest serialises");
     let all = match all_gather_bytes(pg, &mine) {
         Ok(all) => all,
@@ -318,6 +321,29 @@ fn commit(
         }
         if m.optimizer.is_some() {
             optimizer = m.optimizer;
+        }
+    }
+    // Every rank's file must be here, with the size its rank wrote: a
+    // checkpoint.dir that is not shared across nodes leaves the other
+    // nodes' files on their own disks, and every save would "succeed"
+    // while none could be loaded (and rotation would delete the good ones).
+    for (r, f) in files.iter().enumerate() {
+        let p = tmp.join(&f.name);
+        match std::fs::metadata(&p) {
+            Ok(m) if m.len() == f.bytes => {}
+            found => {
+                return Err(Error::Io(format!(
+                    "checkpoint: rank {r} wrote {} ({} bytes), but rank 0 finds {}: is \
+                     checkpoint.dir ({}) on a file system every node shares?",
+                    f.name,
+                    f.bytes,
+                    match found {
+                        Ok(m) => format!("{} bytes there", m.len()),
+                        Err(e) => format!("no such file in {} ({e})", tmp.display()),
+                    },
+                    root.display()
+                )));
+            }
         }
     }
     let meta = Metadata {
