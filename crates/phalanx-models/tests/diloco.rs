@@ -385,6 +385,26 @@ fn resume_is_bitwise_under_diloco() {
         11,
     );
     assert!(kinds(&ck).iter().any(|x| x == "outer_pending"));
+    // Under another schedule that average would land on another fragment.
+    let other = cfg(
+        2,
+        11,
+        &sets(&[
+            "diloco.inner_steps=4",
+            "diloco.fragments=4",
+            "diloco.quantize=true",
+        ]),
+    );
+    let l = loader(other.seq_len().unwrap());
+    let errs = phalanx_comm::threads::run(2, move |pg| {
+        let mut t = train::trainer(&other, pg, l.clone(), &GptRun::default()).unwrap();
+        t.load_checkpoint(&ck).unwrap_err().to_string()
+    });
+    assert!(
+        errs[0].contains("diloco.fragments = 2 in the checkpoint, 4 here"),
+        "{}",
+        errs[0]
+    );
     // LocalSGD with plain SGD inside: no momentum anywhere.
     let mut e = plain_sgd();
     e.extend(sets(&[

@@ -137,6 +137,42 @@ impl Trainer {
             }
             _ => 0,
         };
+        // Streaming DiLoCo's schedule decides which fragment an averaged
+        // pseudo-gradient still in flight belongs to: under another
+        // schedule it would land on another fragment, silently.
+        if let Ok(t) = reader.meta.config.parse::<toml::Table>() {
+            let d = &self.cfg.diloco;
+            let int = |k: &str| {
+                t.get("diloco")
+                    .and_then(|v| v.get(k))
+                    .and_then(|v| v.as_integer())
+            };
+            let now = [
+                ("inner_steps", d.inner_steps),
+                ("fragments", d.fragments),
+                ("overlap_steps", d.overlap_steps),
+            ];
+            // Only a DiLoCo checkpoint holds outer steps in flight (a DDP
+            // one starts every group from its model).
+            let saved_on = int("inner_steps").is_some_and(|h| h > 0)
+                || t.get("diloco")
+                    .and_then(|v| v.get("enabled"))
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false);
+            let streaming = d.fragments > 1 || int("fragments").is_some_and(|f| f > 1);
+            if d.on() && saved_on && streaming {
+                for (k, v) in now {
+                    if let Some(saved) = int(k).filter(|&s| s != v as i64) {
+                        return Err(Error::Check(format!(
+                            "--resume {}: Streaming DiLoCo's schedule differs: diloco.{k} = {saved} \
+                             in the checkpoint, {v} here; its outer steps in flight belong to the \
+                             checkpoint's fragments: resume with its diloco settings",
+                            dir.display()
+                        )));
+                    }
+                }
+            }
+        }
         let mut fill = |range: std::ops::Range<usize>, kind: &str| {
             reader.fill(&layout, &*placement, range, kind)
         };
