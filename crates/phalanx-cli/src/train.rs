@@ -241,7 +241,8 @@ fn elastic_batch(
         };
         let reader = phalanx::checkpoint::Reader::open(&root)
             .ok()
-            .or_else(|| phalanx::checkpoint::find_latest(&root).map(|(_, r)| r));
+            // The metadata is all it reads: the resume verifies the files.
+            .or_else(|| phalanx::checkpoint::find_latest_unverified(&root).map(|(_, r)| r));
         if let Some(r) = reader {
             global[0] = r.meta.global_batch as i64;
         }

@@ -249,10 +249,12 @@ fn killed_async_save_is_recovered_by_a_restart() {
     assert_eq!(latest(&d), "step-00000008");
 }
 
-/// `--resume auto` skips a latest checkpoint with a truncated file, with a
-/// warning naming the file, and continues from the one before.
+/// `--resume auto` skips a latest checkpoint with a corrupted file (the
+/// same size: its checksum, checked by rank 1, the rank whose share of the
+/// files it is), with a warning naming the file, and continues from the one
+/// before.
 #[test]
-fn truncated_checkpoint_falls_back_to_the_previous_one() {
+fn corrupted_checkpoint_falls_back_to_the_previous_one() {
     let d = tmpdir("truncated");
     let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
     let s = settings(&d, 4, 2);
@@ -261,13 +263,10 @@ fn truncated_checkpoint_falls_back_to_the_previous_one() {
     assert_eq!(r.code, 0, "{r}");
     assert_eq!(latest(&d), "step-00000004");
     let f = d.join("ckpt/step-00000004/rank-00001.safetensors");
-    let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&f)
-        .unwrap()
-        .set_len(len / 2)
-        .unwrap();
+    let mut bytes = std::fs::read(&f).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&f, bytes).unwrap();
 
     let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
     let s = settings(&d, 6, 2);
@@ -277,8 +276,9 @@ fn truncated_checkpoint_falls_back_to_the_previous_one() {
     assert_eq!(r.code, 0, "{r}");
     assert!(
         r.err.contains("warning: skipping checkpoint")
-            && r.err.contains("step-00000004/rank-00001.safetensors")
-            && r.err.contains("truncated"),
+            && r.err.contains("(rank 1)")
+            && r.err
+                .contains("step-00000004/rank-00001.safetensors is corrupt"),
         "{r}"
     );
     assert!(r.out.contains("step-00000002 (step 2, saved by"), "{r}");

@@ -32,7 +32,7 @@ pub mod rotate;
 pub mod validate;
 pub mod write;
 
-pub use read::{find, find_latest, find_latest_or_refuse, Reader};
+pub use read::{find, find_latest, find_latest_or_refuse, find_latest_unverified, list, Reader};
 pub use write::Header;
 pub use write::{AsyncWriter, Snapshot};
 

@@ -65,6 +65,21 @@ pub fn find(path: &Path) -> Result<PathBuf> {
     })
 }
 
+/// The checkpoints under `root`, newest first (`latest` first when it
+/// names one of them), complete ones only (`step-*` with a metadata file).
+pub fn list(root: &Path) -> Vec<PathBuf> {
+    candidates(root)
+}
+
+/// The newest checkpoint under `root` whose metadata opens and whose files
+/// have the sizes it records, without reading the files (what a caller
+/// needs when it only reads the metadata, or verifies the files itself).
+pub fn find_latest_unverified(root: &Path) -> Option<(PathBuf, Reader)> {
+    candidates(root)
+        .into_iter()
+        .find_map(|c| Reader::open(&c).ok().map(|r| (c, r)))
+}
+
 /// The newest checkpoint under `root` that opens and verifies; a broken
 /// newer one is skipped with a warning naming what is wrong. `None` when
 /// there is none (a fresh start).

@@ -84,37 +84,100 @@ impl Trainer {
     /// one was loaded; `fresh_note`: say so on rank 0 when there is none.
     fn resume_auto(&mut self, fresh_note: bool) -> Result<bool> {
         let root = PathBuf::from(&self.cfg.checkpoint.dir);
-        let world = self.mesh.world();
-        // Rank 0 verifies and picks; the others follow.
-        let mut pick = [-1i64];
-        let mut refused = None;
-        if world.rank() == 0 {
-            match checkpoint::find_latest_or_refuse(&root) {
-                Ok(Some((_, r))) => pick[0] = r.meta.step as i64,
-                Ok(None) => {}
-                Err(e) => (pick[0], refused) = (-2, Some(e)),
+        let world = self.mesh.world().clone();
+        let (rank, size) = (world.rank(), world.size());
+        // Rank 0 proposes the newest checkpoint whose metadata opens and
+        // whose files have their recorded sizes; every rank then checks the
+        // checksums of its share of the files (file i on rank i mod world),
+        // so that hashing a large checkpoint is spread over the ranks
+        // rather than done by rank 0 while the others wait out their
+        // collective deadline. A checkpoint any rank finds broken is
+        // skipped (that rank says why) for the next one.
+        let cands = if rank == 0 {
+            checkpoint::list(&root)
+        } else {
+            Vec::new()
+        };
+        let mut next = 0usize;
+        let mut failed: Vec<String> = Vec::new();
+        loop {
+            let mut pick = [-1i64];
+            if rank == 0 {
+                while let Some(c) = cands.get(next) {
+                    next += 1;
+                    match checkpoint::Reader::open(c) {
+                        Ok(r) => {
+                            pick[0] = r.meta.step as i64;
+                            break;
+                        }
+                        Err(e) => {
+                            eprintln!(
+                                "warning: skipping checkpoint {}: {e}; trying an earlier one",
+                                c.display()
+                            );
+                            failed.push(format!("{}: {e}", c.display()));
+                        }
+                    }
+                }
             }
-        }
-        world.broadcast(&mut pick, 0)?;
-        if pick[0] == -2 {
-            return Err(refused.unwrap_or_else(|| {
-                Error::Check(format!(
-                    "no checkpoint under {} verifies (rank 0 lists them)",
-                    root.display()
-                ))
-            }));
-        }
-        if pick[0] < 0 {
-            if fresh_note && world.rank() == 0 {
-                println!(
-                    "--resume auto: no checkpoint under {}; starting fresh",
-                    root.display()
+            world.broadcast(&mut pick, 0)?;
+            if pick[0] < 0 {
+                break;
+            }
+            let dir = root.join(checkpoint::step_dir_name(pick[0] as usize));
+            let mine = checkpoint::Reader::open(&dir).and_then(|r| {
+                (rank..r.meta.files.len())
+                    .step_by(size)
+                    .try_for_each(|i| r.verify(i))
+            });
+            if let Err(e) = &mine {
+                eprintln!(
+                    "warning: skipping checkpoint {} (rank {rank}): {e}; trying an earlier one",
+                    dir.display()
                 );
             }
-            return Ok(false);
+            let mut bad = [mine.is_err() as i64];
+            world.all_reduce(&mut bad, phalanx_comm::ReduceOp::Max)?;
+            if bad[0] == 0 {
+                self.load_checkpoint(&dir)?;
+                return Ok(true);
+            }
+            if rank == 0 {
+                failed.push(match mine {
+                    Err(e) => format!("{}: {e}", dir.display()),
+                    Ok(()) => format!(
+                        "{}: a file failed verification (another rank says which)",
+                        dir.display()
+                    ),
+                });
+            }
         }
-        self.load_checkpoint(&root.join(checkpoint::step_dir_name(pick[0] as usize)))?;
-        Ok(true)
+        // Nothing verified: with checkpoints there, refuse rather than
+        // start fresh over them (the run's rotation would delete them).
+        let mut refused = [(rank == 0 && !failed.is_empty()) as i64];
+        world.broadcast(&mut refused, 0)?;
+        if refused[0] == 1 {
+            return Err(Error::Check(if rank == 0 {
+                format!(
+                    "every checkpoint under {} fails verification, so this run will not start fresh over \
+                     them (repair or move them, or choose another checkpoint.dir):\n  {}",
+                    root.display(),
+                    failed.join("\n  ")
+                )
+            } else {
+                format!(
+                    "no checkpoint under {} verifies (rank 0 lists them)",
+                    root.display()
+                )
+            }));
+        }
+        if fresh_note && rank == 0 {
+            println!(
+                "--resume auto: no checkpoint under {}; starting fresh",
+                root.display()
+            );
+        }
+        Ok(false)
     }
 
     /// Load a checkpoint saved in any layout into this one: parameters and
