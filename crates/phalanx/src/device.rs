@@ -98,7 +98,47 @@ mod cuda {
         let d = Device::new_cuda(ordinal).map_err(|e| {
             format!("train.device = \"cuda\": opening CUDA device {ordinal} of {count}: {e}")
         })?;
+        keep_pool_memory(&d);
         open.insert(ordinal, d.clone());
         Ok(d)
+    }
+
+    /// cudarc allocates from the device's default memory pool
+    /// (`cuMemAllocAsync`), whose release threshold is 0: every
+    /// synchronisation (a loss read back, a write-back) would hand the
+    /// freed memory to the OS, and the next step map it again. Keep it, as
+    /// PyTorch's `cudaMallocAsync` backend does. A failure only costs that
+    /// speed: it is reported, not fatal.
+    fn keep_pool_memory(d: &Device) {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let Ok(cuda) = d.as_cuda_device() else {
+            return;
+        };
+        let ctx = cuda.cuda_stream().context().clone();
+        let r = ctx
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))
+            .and_then(|()| {
+                let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+                let mut keep: u64 = u64::MAX;
+                // SAFETY: the context is bound on this thread; `pool` is
+                // written by the driver, `keep` outlives the call.
+                unsafe {
+                    sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                        .result()
+                        .and_then(|()| {
+                            sys::cuMemPoolSetAttribute(
+                                pool,
+                                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                &mut keep as *mut u64 as *mut std::ffi::c_void,
+                            )
+                            .result()
+                        })
+                        .map_err(|e| format!("{e:?}"))
+                }
+            });
+        if let Err(e) = r {
+            eprintln!("note: the CUDA memory pool keeps releasing freed memory ({e}): steps may be slower");
+        }
     }
 }

@@ -660,10 +660,12 @@ impl Backend for Nccl {
         self.native.shutdown();
     }
 
-    /// `ncclCommAbort`, and the mesh's abort (peers fail with `reason`).
+    /// The mesh's abort first (peers fail with `reason`), then
+    /// `ncclCommAbort`: a peer waiting in NCCL then hears the reason before
+    /// it can see NCCL's own transport error.
     fn abort(&self, reason: &str) {
-        self.comm.abort(reason);
         self.native.abort(reason);
+        self.comm.abort(reason);
     }
 
     fn crash_for_test(&self) {
