@@ -199,3 +199,40 @@ fn a_rank_file_rank_0_cannot_see_fails_the_save() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// A checkpoint of ours whose metadata no longer reads (a resume skips it)
+/// does not block the save of its step: it is kept aside as
+/// `.broken-step-N-*` and replaced. A directory that is not ours is still
+/// refused.
+#[test]
+fn a_damaged_checkpoint_of_the_same_step_is_kept_aside_and_replaced() {
+    let d = tmp("damaged");
+    let cfg = layout_cfg(&d, 2, &[]);
+    drive(2, cfg.clone(), 0..1, None, true);
+    let step = d.join("step-00000001");
+    std::fs::write(step.join("metadata.json"), b"{ not json").unwrap();
+    drive(2, cfg.clone(), 0..1, None, true);
+    assert!(phalanx::checkpoint::Reader::open(&step).is_ok());
+    let aside: Vec<String> = std::fs::read_dir(&*d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".broken-step-00000001-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    // Not ours: a file of someone else's in it.
+    std::fs::write(step.join("notes.txt"), b"mine").unwrap();
+    std::fs::write(step.join("metadata.json"), b"{ not json").unwrap();
+    let loader = loader(cfg.seq_len().unwrap());
+    let errs = phalanx_comm::threads::run(2, move |pg| {
+        let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        t.step(0).unwrap();
+        t.save_checkpoint(1).unwrap_err().to_string()
+    });
+    assert!(
+        errs[0].contains("is not a checkpoint Phalanx wrote"),
+        "{}",
+        errs[0]
+    );
+    assert!(step.join("notes.txt").is_file());
+}

@@ -376,10 +376,22 @@ fn commit(
     crate::fault::in_save(header.step);
     let dst = root.join(name);
     if dst.exists() && super::rotate::phalanx_checkpoint(&dst).is_none() {
-        return Err(Error::Check(format!(
-            "checkpoint: {} exists and is not a checkpoint Phalanx wrote: not replacing it",
-            dst.display()
-        )));
+        // One of ours whose metadata no longer reads (a resume skipped it
+        // for that): keep it, aside, rather than fail this save and every
+        // retry of it. Anything else is not ours to move.
+        if !looks_like_ours(&dst) {
+            return Err(Error::Check(format!(
+                "checkpoint: {} exists and is not a checkpoint Phalanx wrote: not replacing it",
+                dst.display()
+            )));
+        }
+        let aside = root.join(format!(".broken-{name}-{}", crate::fsutil::random_hex()));
+        std::fs::rename(&dst, &aside).map_err(|e| io("cannot move aside", &dst, e))?;
+        eprintln!(
+            "warning: checkpoint {} did not verify; kept as {} and replaced by this save",
+            dst.display(),
+            aside.display()
+        );
     }
     // A checkpoint of the same step from an earlier run is moved aside,
     // and deleted only once the new one is in place: a kill or a failed
@@ -464,4 +476,26 @@ impl Drop for AsyncWriter {
         // caller's to collect with `wait`).
         let _ = self.wait();
     }
+}
+
+/// A directory holding only what a save writes (`metadata.json`,
+/// `rank-NNNNN.safetensors`) and nothing else: a checkpoint of ours, even
+/// when its metadata is damaged.
+fn looks_like_ours(dir: &Path) -> bool {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let mut any = false;
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        let ours = n == "metadata.json"
+            || n.strip_prefix("rank-")
+                .and_then(|r| r.strip_suffix(".safetensors"))
+                .is_some_and(|r| r.len() >= 5 && r.bytes().all(|b| b.is_ascii_digit()));
+        if !ours || !e.file_type().is_ok_and(|t| t.is_file()) {
+            return false;
+        }
+        any = true;
+    }
+    any
 }
