@@ -341,6 +341,9 @@ fn as_rank(
             loader.train_tokens(),
             loader.val_tokens()
         );
+        for n in loader.notes() {
+            println!("note: {n}");
+        }
         // What a Trainer-style DeepSpeed config's "auto" values became, once
         // per run (rank 0, where the batch numbers are resolved for dp).
         if let Some(s) = cfg.deepspeed_auto_summary(cfg.dp_for_world(pg.size())?) {

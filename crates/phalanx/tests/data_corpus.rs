@@ -581,3 +581,27 @@ fn a_document_the_tokenizer_refuses_is_a_bad_record() {
     assert!((1..=4).contains(&skipped), "{skipped}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Token files shorter than one sample, and shard tails, are never trained
+/// on (samples do not cross shards): the run is told how much, above 1%.
+#[test]
+fn tokens_no_sample_reaches_are_noted() {
+    let dir = temp_dir("unused");
+    let toks = |n: u32| (0..n).map(|i| i % 256).collect::<Vec<u32>>();
+    write_llmc(&dir.join("a.bin"), &toks(100)); // 12 samples of 8: 97 used
+    write_llmc(&dir.join("b.bin"), &toks(5)); // shorter than 9
+    let mut cfg = CorpusConfig::new(&[&format!("{}/*.bin", dir.display())], 8);
+    cfg.val_fraction = 0.0;
+    let notes = Corpus::open(&cfg).unwrap().notes();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].contains("8 of its 105 training tokens")
+            && notes[0].contains("1 shard(s) are shorter"),
+        "{notes:?}"
+    );
+    // A file whose samples use all but 1% of it: nothing to say.
+    std::fs::remove_file(dir.join("b.bin")).unwrap();
+    write_llmc(&dir.join("a.bin"), &toks(801));
+    assert!(Corpus::open(&cfg).unwrap().notes().is_empty());
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -104,7 +104,12 @@ fn async_state(api: &NcclApi, comm: Handle) -> c_int {
     let mut rc: c_int = 0;
     // SAFETY: a communicator NCCL handed out, not yet destroyed; an
     // out-parameter.
-    unsafe { (api.ncclCommGetAsyncError)(comm.ptr(), &mut rc) };
+    let call = unsafe { (api.ncclCommGetAsyncError)(comm.ptr(), &mut rc) };
+    // The query itself failing (an invalid communicator) is the state: a
+    // 0 left in `rc` would read as "done".
+    if call != 0 {
+        return call;
+    }
     rc
 }
 

@@ -153,6 +153,18 @@ fn canonical(f: &std::path::Path) -> std::path::PathBuf {
 }
 
 impl Corpus {
+    /// What the run should know about the data before it trains (tokens
+    /// token sources leave out).
+    pub fn notes(&self) -> Vec<String> {
+        self.sources
+            .iter()
+            .filter_map(|s| match s {
+                Source::Bin(b) => b.unused_note(),
+                Source::Text(_) => None,
+            })
+            .collect()
+    }
+
     pub fn open(cfg: &CorpusConfig) -> Result<Corpus> {
         if cfg.sources.is_empty() {
             return Err(DataError::Config("no data sources".into()));

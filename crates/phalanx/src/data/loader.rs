@@ -271,6 +271,11 @@ impl DataLoader {
         self.seq_len
     }
 
+    /// Notes about the data for the run's log (see [`Corpus::notes`]).
+    pub fn notes(&self) -> Vec<String> {
+        self.corpus.as_ref().map_or_else(Vec::new, |c| c.notes())
+    }
+
     /// Training tokens (of a corpus: its token files'; text is streamed
     /// and not counted in advance).
     pub fn train_tokens(&self) -> usize {
@@ -406,6 +411,25 @@ impl DataLoader {
     /// Number of full validation batches of `batch_size` samples.
     pub fn val_batch_count(&self, batch_size: usize) -> usize {
         (self.val_samples() / batch_size.max(1) as u64) as usize
+    }
+
+    /// Which `n` of the validation split's batches of `batch_size` an
+    /// evaluation of `n` batches reads: spread evenly over the split (of a
+    /// corpus of many sources and shards, the first `n` would all come from
+    /// one shard of the first source); all of them when there are no more.
+    ///
+    /// ```
+    /// # use phalanx::data::{DataLoader, LoaderConfig, TokenData};
+    /// let cfg = LoaderConfig { seq_len: 4, val_fraction: 0.5, ..Default::default() };
+    /// let l = DataLoader::new(TokenData::from_tokens((0..202).map(|i| i % 256).collect()), cfg).unwrap();
+    /// assert_eq!(l.val_batch_count(2), 12);
+    /// assert_eq!(l.val_spread(4, 2), vec![0, 3, 6, 9]);
+    /// assert_eq!(l.val_spread(20, 2), (0..12).collect::<Vec<_>>());
+    /// ```
+    pub fn val_spread(&self, n: usize, batch_size: usize) -> Vec<usize> {
+        let count = self.val_batch_count(batch_size);
+        let n = n.min(count);
+        (0..n).map(|i| i * count / n).collect()
     }
 
     /// Validation batch `index`: samples `index*B .. index*B + B` of the

@@ -35,6 +35,8 @@ pub struct BinSource {
     epoch: Mutex<Option<EpochIndex>>,
     /// Within-shard permutations in use, newest last: ((epoch, shard), perm).
     perms: Mutex<Vec<PermEntry>>,
+    /// How the config names it (for notes).
+    name: String,
 }
 
 impl BinSource {
@@ -72,6 +74,37 @@ impl BinSource {
             seed,
             epoch: Mutex::new(None),
             perms: Mutex::new(Vec::new()),
+            name: name.to_string(),
+        })
+    }
+
+    /// A note when more than 1% of the training tokens are never trained
+    /// on: samples do not cross shards, so each shard's tail after its last
+    /// whole sample, and every shard shorter than seq_len + 1 tokens, is
+    /// left out (every epoch). Many small token files lose most of it.
+    pub fn unused_note(&self) -> Option<String> {
+        let t = self.seq_len as u64;
+        let (mut unused, mut total) = (0u64, 0u64);
+        for (&len, &n) in self.train_len.iter().zip(&self.samples) {
+            let len = len as u64;
+            total += len;
+            unused += if n == 0 { len } else { len - (n * t + 1) };
+        }
+        let short = self.samples.iter().filter(|&&n| n == 0).count();
+        (total > 0 && unused * 100 > total).then(|| {
+            format!(
+                "{}: {unused} of its {total} training tokens ({:.1}%) are never trained on: samples \
+                 do not cross shards, so each shard's tail after its last whole sample of \
+                 seq_len + 1 = {} tokens is left out{}",
+                self.name,
+                unused as f64 * 100.0 / total as f64,
+                t + 1,
+                if short > 0 {
+                    format!(", and {short} shard(s) are shorter than that")
+                } else {
+                    String::new()
+                }
+            )
         })
     }
 

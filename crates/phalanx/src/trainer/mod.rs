@@ -569,8 +569,12 @@ impl Trainer {
         Ok(Some(loss?))
     }
 
-    /// The mean loss of the first `n` validation batches of `bs` samples.
+    /// The mean loss of `n` validation batches of `bs` samples, spread
+    /// evenly over the validation split (of a corpus of many sources and
+    /// shards, the first `n` would all come from one shard of the first).
     fn eval_batches(&mut self, n: usize, bs: usize) -> Result<f32> {
+        let which = self.loader.val_spread(n, bs);
+        let n = which.len();
         let pg = &self.pg;
         let mut acc = [0.0f64, 0.0];
         // ZeRO-3 gathers collectively: every rank runs every batch there.
@@ -583,7 +587,7 @@ impl Trainer {
         for i in (first..n).step_by(stride) {
             let (x, y) = self
                 .loader
-                .val_batch(i, bs)?
+                .val_batch(which[i], bs)?
                 .to_tensors(self.engine.device())?;
             acc[0] += self.strat.eval_loss(&self.engine, &x, &y)? as f64;
             acc[1] += 1.0;
