@@ -17,7 +17,8 @@
 //!
 //! Recovery: a worker group restarted by `phalanx run --max-restarts`
 //! (`PHALANX_RESTART_COUNT` or `TORCHELASTIC_RESTART_COUNT` > 0) resumes
-//! from [`find_latest`], which skips broken checkpoints with a warning.
+//! from the newest checkpoint that verifies ([`list`], checked by every
+//! rank for its share of the files), skipping broken ones with a warning.
 //!
 //! ```no_run
 //! # fn demo(trainer: &mut phalanx::trainer::Trainer) -> phalanx::Result<()> {
@@ -32,7 +33,7 @@ pub mod rotate;
 pub mod validate;
 pub mod write;
 
-pub use read::{find, find_latest, find_latest_or_refuse, find_latest_unverified, list, Reader};
+pub use read::{find, find_latest_unverified, list, Reader};
 pub use write::Header;
 pub use write::{AsyncWriter, Snapshot};
 

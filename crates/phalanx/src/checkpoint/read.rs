@@ -80,52 +80,6 @@ pub fn find_latest_unverified(root: &Path) -> Option<(PathBuf, Reader)> {
         .find_map(|c| Reader::open(&c).ok().map(|r| (c, r)))
 }
 
-/// The newest checkpoint under `root` that opens and verifies; a broken
-/// newer one is skipped with a warning naming what is wrong. `None` when
-/// there is none (a fresh start).
-pub fn find_latest(root: &Path) -> Option<(PathBuf, Reader)> {
-    for c in candidates(root) {
-        match Reader::open(&c).and_then(|r| r.verify_all().map(|_| r)) {
-            Ok(r) => return Some((c, r)),
-            Err(e) => eprintln!(
-                "warning: skipping checkpoint {}: {e}; trying an earlier one",
-                c.display()
-            ),
-        }
-    }
-    None
-}
-
-/// The newest checkpoint under `root` that opens and verifies, or `None`
-/// when `root` holds no checkpoint at all (a fresh start). When it holds
-/// some but none verifies, an error lists each one and what is wrong: a
-/// run must not start fresh over them (its rotation would then delete
-/// checkpoints that may only need a file restored).
-pub fn find_latest_or_refuse(root: &Path) -> Result<Option<(PathBuf, Reader)>> {
-    let mut failed = Vec::new();
-    for c in candidates(root) {
-        match Reader::open(&c).and_then(|r| r.verify_all().map(|_| r)) {
-            Ok(r) => return Ok(Some((c, r))),
-            Err(e) => {
-                eprintln!(
-                    "warning: skipping checkpoint {}: {e}; trying an earlier one",
-                    c.display()
-                );
-                failed.push(format!("{}: {e}", c.display()));
-            }
-        }
-    }
-    if failed.is_empty() {
-        return Ok(None);
-    }
-    Err(Error::Check(format!(
-        "every checkpoint under {} fails verification, so this run will not start fresh over \
-         them (repair or move them, or choose another checkpoint.dir):\n  {}",
-        root.display(),
-        failed.join("\n  ")
-    )))
-}
-
 /// A verified rank file: its bytes and each key's byte range (1-D f32
 /// tensors only: nothing else is a checkpoint piece).
 struct MappedFile {
