@@ -200,16 +200,21 @@ impl Trainer {
             }
             _ => 0,
         };
+        // The checkpoint's config, read once for the checks below.
+        let saved = reader.meta.config.parse::<toml::Table>().ok();
+        let saved_int = |s: &str, k: &str| {
+            saved
+                .as_ref()
+                .and_then(|t| t.get(s))
+                .and_then(|v| v.get(k))
+                .and_then(|v| v.as_integer())
+        };
         // Streaming DiLoCo's schedule decides which fragment an averaged
         // pseudo-gradient still in flight belongs to: under another
         // schedule it would land on another fragment, silently.
-        if let Ok(t) = reader.meta.config.parse::<toml::Table>() {
+        if let Some(t) = &saved {
             let d = &self.cfg.diloco;
-            let int = |k: &str| {
-                t.get("diloco")
-                    .and_then(|v| v.get(k))
-                    .and_then(|v| v.as_integer())
-            };
+            let int = |k: &str| saved_int("diloco", k);
             let now = [
                 ("inner_steps", d.inner_steps),
                 ("fragments", d.fragments),
@@ -267,25 +272,17 @@ impl Trainer {
             // The schedule's length is train.steps unless optim.decay_steps
             // fixes it: a resume that changes train.steps reshapes the rate
             // from here on (a cosine at its floor starts decaying again).
-            let saved = reader.meta.config.parse::<toml::Table>().ok();
-            let get = |t: &toml::Table, s: &str, k: &str| {
-                t.get(s).and_then(|v| v.get(k)).and_then(|v| v.as_integer())
-            };
-            if let Some(t) = saved {
-                let (steps, decay) = (get(&t, "train", "steps"), get(&t, "optim", "decay_steps"));
-                let now = self.cfg.train.steps as i64;
-                if decay == Some(0)
-                    && self.cfg.optim.decay_steps == 0
-                    && steps.is_some_and(|s| s != now)
-                {
-                    println!(
-                        "note: the checkpoint's run had train.steps = {}, this one {now}: the \
-                         learning-rate schedule, which spans train.steps, changes shape from here \
-                         on; set optim.decay_steps = {} to keep the checkpoint's",
-                        steps.unwrap_or_default(),
-                        steps.unwrap_or_default()
-                    );
-                }
+            let now = self.cfg.train.steps as i64;
+            if let (Some(steps), Some(0), 0) = (
+                saved_int("train", "steps").filter(|&s| s != now),
+                saved_int("optim", "decay_steps"),
+                self.cfg.optim.decay_steps,
+            ) {
+                println!(
+                    "note: the checkpoint's run had train.steps = {steps}, this one {now}: the \
+                     learning-rate schedule, which spans train.steps, changes shape from here \
+                     on; set optim.decay_steps = {steps} to keep the checkpoint's"
+                );
             }
         }
         if self.mesh.world().rank() == 0 && reader.meta.global_batch != self.global_batch {
