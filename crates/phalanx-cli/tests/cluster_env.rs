@@ -87,6 +87,7 @@ fn srun_variables_start_a_two_rank_job_without_master_addr() {
             kv("SLURM_LOCALID", r),
             kv("SLURM_NTASKS_PER_NODE", "2"),
             kv("SLURM_JOB_ID", job),
+            kv("SLURM_STEP_ID", 0),
             kv("SLURM_JOB_NODELIST", "localhost"),
         ]
     });
@@ -110,7 +111,10 @@ fn srun_takes_the_store_address_from_the_node_list_and_the_job_id() {
         kv("SLURM_LOCALID", 0),
         kv("SLURM_NTASKS_PER_NODE", "1(x2)"),
         kv("SLURM_JOB_ID", 987_654),
-        kv("SLURM_JOB_NODELIST", "gpu[017-018]"),
+        kv("SLURM_STEP_ID", 1),
+        // The step's nodes, not the allocation's, hold its task 0.
+        kv("SLURM_STEP_NODELIST", "gpu[017-018]"),
+        kv("SLURM_JOB_NODELIST", "gpu[001-018]"),
     ]);
     let r = run_until(c, DEADLINE);
     assert_eq!(r.code, 1, "{r}");
@@ -130,7 +134,25 @@ fn mpirun_and_srun_jobs_derive_the_batch_for_their_world() {
             vec![kv("OMPI_COMM_WORLD_RANK", 0), kv("OMPI_COMM_WORLD_SIZE", 2)],
             2,
         ),
-        (vec![kv("SLURM_PROCID", 0), kv("SLURM_NTASKS", 4)], 1),
+        (
+            vec![
+                kv("SLURM_PROCID", 0),
+                kv("SLURM_NTASKS", 4),
+                kv("SLURM_STEP_ID", 0),
+            ],
+            1,
+        ),
+        // A step of 4 tasks in an allocation of 8: the step's count is
+        // the world (8 would not divide 16 into micro-batches of 4).
+        (
+            vec![
+                kv("SLURM_PROCID", 0),
+                kv("SLURM_NTASKS", 8),
+                kv("SLURM_STEP_NUM_TASKS", 4),
+                kv("SLURM_STEP_ID", 3),
+            ],
+            1,
+        ),
         (vec![kv("RANK", 0), kv("WORLD_SIZE", 4)], 1),
     ] {
         let mut c = Command::new(BIN);
@@ -153,4 +175,49 @@ fn mpirun_and_srun_jobs_derive_the_batch_for_their_world() {
             "{env:?}: {r}"
         );
     }
+}
+
+/// An sbatch script's own shell has `SLURM_PROCID=0` and the allocation's
+/// `SLURM_NTASKS` but no step id: `phalanx train` there is a single process
+/// that launches its own local ranks, as without any Slurm variable (not
+/// rank 0 of 8 waiting for seven ranks that never come).
+#[test]
+fn an_sbatch_shell_is_no_srun_step() {
+    let print = |env: Vec<(String, String)>| {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo()).args([
+            "train",
+            "--print-config",
+            "--set",
+            "train.global_batch_size=64",
+            "--set",
+            "train.micro_batch_size=4",
+        ]);
+        for v in LAUNCHER_VARS {
+            c.env_remove(v);
+        }
+        c.envs(env);
+        let r = run_until(c, DEADLINE);
+        assert_eq!(r.code, 0, "{r}");
+        r.out
+    };
+    let alone = print(vec![]);
+    let shell = print(vec![
+        kv("SLURM_PROCID", 0),
+        kv("SLURM_NTASKS", 8),
+        kv("SLURM_LOCALID", 0),
+        kv("SLURM_NTASKS_PER_NODE", 8),
+        kv("SLURM_JOB_ID", 4242),
+    ]);
+    assert_eq!(shell, alone);
+    let step = print(vec![
+        kv("SLURM_PROCID", 0),
+        kv("SLURM_NTASKS", 8),
+        kv("SLURM_LOCALID", 0),
+        kv("SLURM_NTASKS_PER_NODE", 8),
+        kv("SLURM_JOB_ID", 4242),
+        kv("SLURM_STEP_ID", 0),
+    ]);
+    // 64 = micro 4 x 8 ranks x accum 2.
+    assert!(step.contains("grad_accum_steps = 2\n"), "{step}");
 }

@@ -281,6 +281,7 @@ fn slurm_variables_start_a_job_too() {
             ("SLURM_PROCID".into(), r.to_string()),
             ("SLURM_NTASKS".into(), "2".into()),
             ("SLURM_LOCALID".into(), r.to_string()),
+            ("SLURM_STEP_ID".into(), "0".into()),
         ]
     });
     for (r, out) in outs.into_iter().enumerate() {

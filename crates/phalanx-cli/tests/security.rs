@@ -74,6 +74,7 @@ fn jobs_that_may_span_hosts_need_a_strong_secret() {
                 ("SLURM_PROCID", "0"),
                 ("SLURM_NTASKS", "4"),
                 ("SLURM_NTASKS_PER_NODE", "2(x2)"),
+                ("SLURM_STEP_ID", "0"),
             ],
             &["export PHALANX_SECRET", "srun"],
         ),

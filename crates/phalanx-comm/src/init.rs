@@ -5,11 +5,14 @@
 //! |---|---|---|---|---|
 //! | `phalanx run` / torchrun | `RANK` | `WORLD_SIZE` | `LOCAL_RANK` | `LOCAL_WORLD_SIZE` |
 //! | Open MPI `mpirun` | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK` | `OMPI_COMM_WORLD_LOCAL_SIZE` |
-//! | Slurm `srun` | `SLURM_PROCID` | `SLURM_NTASKS` | `SLURM_LOCALID` | `SLURM_NTASKS_PER_NODE` |
+//! | Slurm `srun` | `SLURM_PROCID` | `SLURM_STEP_NUM_TASKS` (else `SLURM_NTASKS`) | `SLURM_LOCALID` | `SLURM_STEP_TASKS_PER_NODE` (else `SLURM_NTASKS_PER_NODE`) |
 //!
+//! Slurm's variables count only with a step id (`SLURM_STEP_ID`): an sbatch
+//! script's own shell has `SLURM_PROCID=0` and the allocation's
+//! `SLURM_NTASKS`, but it is one process, not rank 0 of a job.
 //! The store lives at `MASTER_ADDR:MASTER_PORT` (defaults 127.0.0.1:29500;
-//! under `srun`, the first node of `SLURM_JOB_NODELIST` and
-//! 15000 + `SLURM_JOB_ID` % 10000).
+//! under `srun`, the first node of `SLURM_STEP_NODELIST` (else
+//! `SLURM_JOB_NODELIST`) and 15000 + `SLURM_JOB_ID` % 10000).
 //! `phalanx run` hosts it and sets `PHALANX_STORE_HOSTED=1`; torchrun's agent
 //! hosts a PyTorch TCPStore there and sets `TORCHELASTIC_USE_AGENT_STORE=True`
 //! (the ranks then speak torch's protocol to it, keys under
@@ -95,10 +98,13 @@ pub struct JobSizes {
 
 impl JobSizes {
     pub fn from_env() -> Result<JobSizes> {
-        let schemes: [(&str, [&str; 4]); 3] = [
+        // (launcher, [rank, world, local rank, local world], a variable
+        // only that launcher's ranks have). "A|B": A where set, else B.
+        let schemes: [(&str, [&str; 4], Option<&str>); 3] = [
             (
                 "torchrun",
                 ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+                None,
             ),
             (
                 "mpirun",
@@ -108,23 +114,40 @@ impl JobSizes {
                     "OMPI_COMM_WORLD_LOCAL_RANK",
                     "OMPI_COMM_WORLD_LOCAL_SIZE",
                 ],
+                None,
             ),
             (
                 "srun",
                 [
                     "SLURM_PROCID",
-                    "SLURM_NTASKS",
+                    // The step's sizes first (srun always sets them; a step
+                    // may hold fewer tasks than the allocation), then the
+                    // job's request.
+                    "SLURM_STEP_NUM_TASKS|SLURM_NTASKS",
                     "SLURM_LOCALID",
-                    // The step's layout first (srun always sets it), then
-                    // the job's request.
                     "SLURM_STEP_TASKS_PER_NODE|SLURM_NTASKS_PER_NODE",
                 ],
+                // An sbatch script's shell has SLURM_PROCID=0 and the
+                // allocation's SLURM_NTASKS too, but it is one process, not
+                // rank 0 of a step: only srun's tasks have a step id.
+                Some("SLURM_STEP_ID|SLURM_STEPID"),
             ),
         ];
+        let first = |keys: &str| -> Result<Option<usize>> {
+            for k in keys.split('|') {
+                if let Some(v) = num(k)? {
+                    return Ok(Some(v));
+                }
+            }
+            Ok(None)
+        };
         let mut found = None;
-        for (name, keys) in schemes {
-            if let (Some(r), Some(w)) = (num(keys[0])?, num(keys[1])?) {
-                let lr = num(keys[2])?.unwrap_or(r);
+        for (name, keys, needs) in schemes {
+            if needs.is_some_and(|n| !n.split('|').any(|k| var(k).is_some())) {
+                continue;
+            }
+            if let (Some(r), Some(w)) = (first(keys[0])?, first(keys[1])?) {
+                let lr = first(keys[2])?.unwrap_or(r);
                 // Slurm's per-node counts may read "4(x2)" or "4,2": take
                 // the leading number.
                 let lw: Option<usize> = keys[3].split('|').find_map(var).and_then(|v| {
@@ -178,7 +201,12 @@ impl DistEnv {
         let master_addr = var("MASTER_ADDR")
             .or_else(|| {
                 slurm
-                    .then(|| var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST")))
+                    .then(|| {
+                        // The step's nodes: its task 0 runs on the first.
+                        var("SLURM_STEP_NODELIST")
+                            .or_else(|| var("SLURM_JOB_NODELIST"))
+                            .or_else(|| var("SLURM_NODELIST"))
+                    })
                     .flatten()
                     .and_then(|l| first_host(&l))
             })
