@@ -55,7 +55,10 @@ pub fn main(o: &GenerateOpts) -> i32 {
 /// The `data.tokenizer` an HF model's `config.json` implies, as a --set
 /// override (none without one; a config.json that does not parse is an
 /// error naming it, never silently ignored): the one Phalanx recorded when
-/// saving, else the family's default for a downloaded checkpoint.
+/// saving, else the family's default for a downloaded checkpoint, else the
+/// `tokenizer.json` beside the weights (a downloaded Llama's or Qwen2's:
+/// `checkpoint from-hf` records it, so the imported checkpoint generates
+/// and exports with it, not with the byte tokenizer).
 pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
     let Some(cj) = family::hf_config_path(path) else {
         return Ok(vec![]);
@@ -68,18 +71,28 @@ pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<Stri
     let fallback = family::for_hf_config(&v)
         .ok()
         .and_then(|f| f.hf_default_tokenizer(&v));
-    Ok(match recorded.map(str::to_string).or(fallback) {
+    let beside = dir
+        .join("tokenizer.json")
+        .is_file()
+        .then(|| "tokenizer.json".to_string());
+    Ok(match recorded.map(str::to_string).or(fallback).or(beside) {
         Some(t) => vec![tokenizer_set(&dir, &t)],
         None => vec![],
     })
 }
 
 /// `data.tokenizer` as a saved model's config.json records it: a
-/// `tokenizer.json` path stands for the copy saved beside the weights.
+/// `tokenizer.json` path stands for the copy saved beside the weights
+/// (absolute: a checkpoint imported from the directory records it, and is
+/// used from other working directories).
 fn tokenizer_set(dir: &std::path::Path, t: &str) -> String {
     let beside = dir.join("tokenizer.json");
     let t = if t.to_ascii_lowercase().ends_with(".json") && beside.is_file() {
-        beside.display().to_string()
+        beside
+            .canonicalize()
+            .unwrap_or(beside)
+            .display()
+            .to_string()
     } else {
         t.to_string()
     };
@@ -130,9 +143,15 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     // what the whole text gained over what is already shown.
     let mut shown = codec.decode(&ids).unwrap_or_default();
     let mut last = 0;
+    // A model's vocabulary may be padded past the tokenizer's (GPT-2's
+    // 50304 for 50257 tokens, a byte tokenizer on a larger model): an id
+    // the tokenizer cannot decode would end the text there, so only the
+    // tokenizer's ids are sampled.
+    let known = codec.vocab_size().min(vocab);
     for _ in 0..o.tokens {
         let logits = decoder.next_logits(&ids, last)?;
-        last = sample(&logits, o.temperature, o.top_k, &mut rng);
+        let n = known.min(logits.len());
+        last = sample(&logits[..n], o.temperature, o.top_k, &mut rng);
         ids.push(last);
         if let Some(s) = codec.decode(&ids) {
             // (A decoder that rewrites earlier text shows from where the
@@ -200,6 +219,14 @@ impl Codec {
                 .map_err(|e| phalanx::Error::Check(format!("tokenizer.json: {e}")))?
                 .get_ids()
                 .to_vec()),
+        }
+    }
+
+    /// Ids it can decode.
+    fn vocab_size(&self) -> usize {
+        match self {
+            Codec::Data(t) => t.vocab_size(),
+            Codec::Hf(t) => hf_tokenizer::vocab_size(t),
         }
     }
 

@@ -54,6 +54,20 @@ pub fn check_dir(
     flag: &str,
     force: bool,
 ) -> Result<(), String> {
+    // The tokenizer is copied beside the weights last: a source that is
+    // not there would fail the write after the weights (checked first,
+    // even with --force).
+    if let Some(src) = tokenizer {
+        let src = phalanx_models::hf_tokenizer::json_path(src);
+        if !src.is_file() {
+            return Err(format!(
+                "data.tokenizer {}: no such tokenizer.json, and it is saved beside the weights \
+                 (a relative path is read from the current directory: run from where training \
+                 ran)",
+                src.display()
+            ));
+        }
+    }
     if force {
         return Ok(());
     }

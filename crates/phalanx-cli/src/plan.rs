@@ -96,10 +96,26 @@ fn run(o: &PlanOpts) -> Result<(), String> {
         None => machine_ram()? / o.nproc as u64,
     };
     if let Some(p) = &o.params {
+        // The calculator has no model shapes and no layouts to write.
+        for (flag, given) in [
+            ("--write-config", o.write_config.is_some()),
+            ("--config-layout", o.config_layout),
+        ] {
+            if given {
+                return Err(format!(
+                    "{flag} needs a model (--config / --set), not --params: the calculator \
+                     counts model states only"
+                ));
+            }
+        }
         let n = plan::parse_count(p)?;
         return calculator(n, o, device_memory);
     }
     let cfg = o.cfg.build().map_err(|e| e.to_string())?;
+    // The output is checked before the probes and the search.
+    if let Some(path) = &o.write_config {
+        crate::outputs::check_plan_output(&cfg, &o.cfg, path)?;
+    }
     let m = phalanx_models::family::plan_shape(&cfg).map_err(|e| e.to_string())?;
     let title = phalanx_models::family::of(&cfg)
         .map_err(|e| e.to_string())?

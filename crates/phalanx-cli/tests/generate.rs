@@ -179,6 +179,46 @@ fn data_tokenizer_names_a_tokenizer_json() {
     // From the checkpoint, whose config names the tokenizer.json.
     let g = greedy(&ck, "in the beginning", 3);
     assert!(g.contains("god created the"), "{g}");
+    // A downloaded model's directory (its config.json records no
+    // tokenizer, one sits beside the weights) imported with from-hf: the
+    // checkpoint keeps that tokenizer, not the byte one.
+    let hf = d.join("downloaded");
+    std::fs::create_dir_all(&hf).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(model.join(f), hf.join(f)).unwrap();
+    }
+    let mut cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    cj.as_object_mut().unwrap().remove("phalanx_tokenizer");
+    std::fs::write(hf.join("config.json"), cj.to_string()).unwrap();
+    let imported = d.join("imported");
+    let (code, out, err) = phalanx(&[
+        "checkpoint",
+        "from-hf",
+        hf.to_str().unwrap(),
+        imported.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let g = greedy(&imported, "in the beginning", 3);
+    assert!(g.contains("god created the"), "{g}");
+    // Converting a checkpoint whose tokenizer.json has gone is refused
+    // before any weight is written (it is copied beside them last).
+    let moved = d.join("tok").join("moved.json");
+    std::fs::rename(&tj, &moved).unwrap();
+    let conv = d.join("conv");
+    let (code, out, err) = phalanx(&[
+        "checkpoint",
+        "convert",
+        ck.to_str().unwrap(),
+        conv.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("no such tokenizer.json"), "{err}");
+    assert!(
+        !conv.join("model.safetensors").exists() && !conv.join("config.json").exists(),
+        "nothing written"
+    );
+    std::fs::rename(&moved, &tj).unwrap();
 
     // A model vocabulary smaller than the tokenizer's is named.
     let a = sets("model.vocab_size=4");
@@ -213,4 +253,54 @@ fn data_tokenizer_names_a_tokenizer_json() {
         "{err}"
     );
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A model whose vocabulary is larger than its tokenizer's (the byte
+/// tokenizer's 256 ids on a model of 512) samples only ids the tokenizer
+/// can decode: an id it cannot would end the printed text there.
+#[test]
+fn ids_past_the_tokenizers_vocabulary_are_never_sampled() {
+    let d = fresh_dir("phalanx-generate", "padded-vocab");
+    let model = d.join("model");
+    let (code, out, err) = phalanx(&[
+        "train",
+        "--nproc-per-node",
+        "1",
+        "--set",
+        "model.vocab_size=512",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "log.plot=\"\"",
+        "--set",
+        "log.report=\"\"",
+        "--save-final",
+        model.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    // One step from random weights: ids above 255 hold half the
+    // probability, so before the fix the text ended within a few tokens.
+    let (code, out, err) = phalanx(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "The ",
+        "--tokens",
+        "64",
+        "--temperature",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let text = out.trim_end_matches('\n');
+    let gained = text.chars().count() - "The ".len();
+    assert!(
+        gained >= 16,
+        "64 byte tokens printed {gained} characters: {out:?}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
 }

@@ -159,6 +159,18 @@ fn the_calculator_prints_every_stage_and_refuses_bad_counts() {
     let (code, _, err) = phalanx(&["plan", "--params", "7Q", "--nproc", "8"]);
     assert_ne!(code, 0);
     assert!(err.contains("7Q"), "{err}");
+    // Flags the calculator cannot honour are refused, not ignored.
+    let out_file = std::env::temp_dir().join(format!("phalanx-plan-{}.toml", std::process::id()));
+    let (code, _, err) = phalanx(&[
+        "plan",
+        "--params",
+        "7B",
+        "--write-config",
+        out_file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--write-config needs a model"), "{err}");
+    assert!(!out_file.exists());
 }
 
 /// Predicted peak per rank vs the largest peak RSS of a 2-step, 2-rank run

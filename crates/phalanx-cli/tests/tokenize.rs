@@ -587,6 +587,12 @@ fn the_single_file_form_writes_one_bin() {
         r.code == 1 && r.err.contains("refusing to overwrite an input"),
         "{r}"
     );
+    // So is an output that is the tokenizer.json.
+    let r = tokenize("--tokenizer BIN --force TXT BIN", paths);
+    assert!(
+        r.code == 1 && r.err.contains("refusing to overwrite an input"),
+        "{r}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 

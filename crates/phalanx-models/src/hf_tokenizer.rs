@@ -34,12 +34,19 @@ pub fn open(path: &Path) -> Result<Tokenizer> {
             p.display()
         )));
     }
-    Tokenizer::from_file(&p).map_err(|e| {
+    let mut tok = Tokenizer::from_file(&p).map_err(|e| {
         Error::Check(format!(
             "{}: not a Hugging Face tokenizer.json ({e})",
             p.display()
         ))
-    })
+    })?;
+    // A file saved with truncation or padding on (a fine-tuning set-up)
+    // would apply them inside every encode: a corpus chunk cut to
+    // `max_length` or filled with pad ids. Corpora and prompts are whole.
+    tok.with_padding(None);
+    tok.with_truncation(None)
+        .map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;
+    Ok(tok)
 }
 
 /// Ids the tokenizer can produce: its vocabulary with the added tokens.
@@ -94,7 +101,7 @@ impl HfEncoder {
     /// An error where the tokenizer has no end-of-text token and cannot
     /// encode a newline either: documents would run together unseparated.
     pub fn new(tok: Tokenizer, name: &str) -> std::result::Result<HfEncoder, String> {
-        let eot = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"]
+        let eot = EOS_TOKENS
             .iter()
             .find_map(|t| tok.token_to_id(t))
             .map(|id| vec![id]);
@@ -153,6 +160,38 @@ pub fn open_for_model(path: &Path, model_vocab: usize) -> Result<Tokenizer> {
     Ok(tok)
 }
 
+/// The end-of-text tokens a tokenizer.json may hold, most specific first.
+const EOS_TOKENS: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+/// Its beginning-of-text tokens (GPT-2 and Qwen2 use the end-of-text one).
+const BOS_TOKENS: [&str; 4] = ["<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>"];
+
+/// `bos_token_id` and `eos_token_id` of a model trained with `spec`, for
+/// its exported `config.json` (transformers' `generate` stops at the eos;
+/// without the keys Llama's config class assumes 1 and 2, ids of ordinary
+/// tokens in other vocabularies): GPT-2's BPE has `<|endoftext|>`, the
+/// byte tokenizer none (null), a `tokenizer.json` what it holds.
+pub fn special_ids(spec: &TokenizerSpec) -> Result<(Option<u32>, Option<u32>)> {
+    Ok(match (spec.builtin(), spec.json_path()) {
+        (Some(t), _) => (t.eot_token(), t.eot_token()),
+        (None, Some(p)) => {
+            let tok = open(p)?;
+            let find = |names: &[&str]| names.iter().find_map(|t| tok.token_to_id(t));
+            (find(&BOS_TOKENS), find(&EOS_TOKENS))
+        }
+        (None, None) => (None, None),
+    })
+}
+
+/// Put [`special_ids`] into an exported `config.json` object.
+pub fn set_special_ids(config: &mut serde_json::Value, spec: &TokenizerSpec) -> Result<()> {
+    let (bos, eos) = special_ids(spec)?;
+    if let Some(o) = config.as_object_mut() {
+        o.insert("bos_token_id".into(), bos.into());
+        o.insert("eos_token_id".into(), eos.into());
+    }
+    Ok(())
+}
+
 /// With `data.tokenizer` naming a `tokenizer.json`, copy it into `dir`
 /// (as `save_pretrained` saves a tokenizer with its model), so `phalanx
 /// generate` and transformers find it beside the weights.
@@ -195,6 +234,56 @@ mod tests {
         assert_eq!(enc.encode("in the beginning").unwrap(), [1, 2, 3]);
         let e = enc.encode("in the end").unwrap_err();
         assert!(e.contains("words.json"), "{e}");
+    }
+
+    #[test]
+    fn truncation_and_padding_in_the_file_are_turned_off() {
+        let json = WORDS
+            .replace(
+                r#""truncation": null"#,
+                r#""truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}"#,
+            )
+            .replace(
+                r#""padding": null"#,
+                r#""padding": {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 4, "pad_type_id": 0, "pad_token": "</s>"}"#,
+            );
+        let dir = std::env::temp_dir().join(format!("phalanx-tok-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("tokenizer.json");
+        std::fs::write(&p, json).unwrap();
+        // As the file says: cut to 2, padded to 8.
+        let raw = tokenizers::Tokenizer::from_file(&p).unwrap();
+        assert_eq!(
+            raw.encode("in the beginning", false).unwrap().get_ids(),
+            [1, 2, 4, 4, 4, 4, 4, 4]
+        );
+        let tok = super::open(&p).unwrap();
+        let ids = super::encode_corpus(&tok, "in the beginning in the", &p).unwrap();
+        assert_eq!(ids, [1, 2, 3, 1, 2]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn exported_configs_get_the_tokenizers_special_ids() {
+        use phalanx::config::TokenizerSpec;
+        use phalanx::data::Tokenizer;
+        let ids = |spec: &TokenizerSpec| super::special_ids(spec).unwrap();
+        assert_eq!(
+            ids(&TokenizerSpec::Builtin(Tokenizer::Gpt2)),
+            (Some(50256), Some(50256))
+        );
+        assert_eq!(ids(&TokenizerSpec::Builtin(Tokenizer::Byte)), (None, None));
+        let dir = std::env::temp_dir().join(format!("phalanx-tok-special-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("tokenizer.json");
+        std::fs::write(&p, WORDS).unwrap();
+        let spec = TokenizerSpec::HfJson(p.display().to_string());
+        assert_eq!(ids(&spec), (None, Some(4)));
+        let mut v = serde_json::json!({"model_type": "llama"});
+        super::set_special_ids(&mut v, &spec).unwrap();
+        assert_eq!(v["eos_token_id"], 4);
+        assert!(v["bos_token_id"].is_null());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

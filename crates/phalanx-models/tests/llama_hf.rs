@@ -164,6 +164,31 @@ fn sharded_layout_round_trips() {
     assert!(!tmp.join(hf::INDEX).exists() && !files[0].exists());
     let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
     assert!(!tmp.join(hf::SINGLE).exists() && tmp.join(hf::INDEX).is_file());
+    // A file path into the directory replaces the sharded layout too.
+    hf::save(&t, &cfg, "byte", &tmp.join(hf::SINGLE), 20_000).unwrap();
+    assert!(!tmp.join(hf::INDEX).exists() && !files[0].exists());
+    assert!(tmp.join(hf::SINGLE).is_file());
+    // A save that fails midway over shards of the same names leaves no
+    // index naming old and new shards together: the last shard cannot be
+    // replaced (a directory stands in its place).
+    let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
+    let last = files
+        .iter()
+        .filter(|p| p.to_string_lossy().ends_with(".safetensors"))
+        .last()
+        .unwrap()
+        .clone();
+    std::fs::remove_file(&last).unwrap();
+    std::fs::create_dir(&last).unwrap();
+    assert!(hf::save(&t, &cfg, "byte", &tmp, 20_000).is_err());
+    assert!(!tmp.join(hf::INDEX).exists());
+    let mut e4 = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();
+    assert!(
+        hf::load(&mut e4, &cfg, &tmp).is_err(),
+        "no mixed model loads"
+    );
+    std::fs::remove_dir(&last).unwrap();
+    let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
     // A missing shard is named.
     std::fs::remove_file(&files[1]).unwrap();
     let mut e3 = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();

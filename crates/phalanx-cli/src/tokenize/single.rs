@@ -13,10 +13,18 @@ pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> 
     if output.exists() && !o.force {
         return Err(format!("{} exists (--force replaces it)", output.display()));
     }
-    crate::outputs::Io::new()
-        .input("input", input)
-        .output("OUTPUT", output)
-        .check()?;
+    let mut io = crate::outputs::Io::new();
+    io.input("input", input).output("OUTPUT", output);
+    // The tokenizer.json is an input too (`--tokenizer tok.json text
+    // tok.json --force` would replace it).
+    let tok = o
+        .tokenizer
+        .as_deref()
+        .map(phalanx_models::hf_tokenizer::json_path);
+    if let Some(t) = &tok {
+        io.input("--tokenizer", t);
+    }
+    io.check()?;
     let enc = Encoder::open(o.tokenizer.as_deref(), o.encoding.as_deref())?;
     phalanx::fsutil::regular_file("input", input)?;
     let text = std::fs::read_to_string(input)

@@ -163,11 +163,29 @@ pub fn save(
     // files are in place (a directory keeps one layout: a stale index
     // would win over a new model.safetensors when loading). Never first:
     // a kill or a full disk midway must leave a loadable model.
-    let before = if single_file {
-        Vec::new()
+    // A single file named into a directory goes the same way (its index
+    // would otherwise still win in the directory); an index there that
+    // does not parse is left as it is.
+    let mut before = if single_file {
+        previous(&dir).unwrap_or_default()
     } else {
         previous(&dir)?
     };
+    // Shards are named by their count (`model-00001-of-00002`): where this
+    // save replaces a shard the old index names, that index goes first, so
+    // that a failure midway leaves no index naming old and new shards
+    // together (a model that loads, and is neither).
+    let index = dir.join(INDEX);
+    if shards.len() > 1 && before.contains(&index) {
+        let n = shards.len();
+        let collides = (1..=n)
+            .map(|k| dir.join(format!("model-{k:05}-of-{n:05}.safetensors")))
+            .any(|p| before.contains(&p));
+        if collides {
+            std::fs::remove_file(&index).map_err(|e| msg(&index, e))?;
+            before.retain(|p| p != &index);
+        }
+    }
     let mut written = Vec::new();
     let wrote = (|| -> Result<()> {
         if shards.len() == 1 {

@@ -144,6 +144,23 @@ impl ModelFamily for Gpt2Family {
                 )));
             }
         }
+        // Attention variants transformers' GPT2 supports (Stanford CRFM's
+        // checkpoints scale by the layer index): other logits, so refused
+        // where they differ from GPT-2's own values. (`reorder_and_upcast_
+        // attn` only computes the scores in f32, as the f32 path does.)
+        for (key, gpt2) in [
+            ("scale_attn_weights", true),
+            ("scale_attn_by_inverse_layer_idx", false),
+            ("add_cross_attention", false),
+        ] {
+            if let Some(b) = v.get(key).and_then(|x| x.as_bool()) {
+                if b != gpt2 {
+                    return Err(Error::Check(format!(
+                        "{key} = {b} is not built for GPT-2 (only GPT-2's {gpt2})"
+                    )));
+                }
+            }
+        }
         Ok(out)
     }
 
@@ -174,7 +191,7 @@ impl ModelFamily for Gpt2Family {
             .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         phalanx::fsutil::write_atomic(path, &bytes)?;
         let m = model_config(cfg)?;
-        let hf_cfg = json!({
+        let mut hf_cfg = json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
             "n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd,
@@ -182,9 +199,9 @@ impl ModelFamily for Gpt2Family {
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "initializer_range": 0.02, "tie_word_embeddings": true,
-            "bos_token_id": 50256, "eos_token_id": 50256,
             "phalanx_tokenizer": cfg.data.tokenizer.to_string(),
         });
+        crate::hf_tokenizer::set_special_ids(&mut hf_cfg, &cfg.data.tokenizer)?;
         phalanx::fsutil::write_atomic(
             &dir.join("config.json"),
             serde_json::to_string_pretty(&hf_cfg).unwrap().as_bytes(),
@@ -210,5 +227,32 @@ impl ModelFamily for Gpt2Family {
 
     fn plan_shape(&self, cfg: &TrainConfig, seq_len: usize) -> Result<ModelShape> {
         Ok(model_config(cfg)?.plan_shape(seq_len)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Gpt2Family;
+    use crate::family::ModelFamily;
+    use serde_json::json;
+
+    #[test]
+    fn attention_variants_not_built_are_refused_not_ignored() {
+        let base = json!({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8});
+        assert!(Gpt2Family.hf_keys(&base).is_ok());
+        let mut same = base.clone();
+        same["scale_attn_weights"] = json!(true);
+        same["reorder_and_upcast_attn"] = json!(true);
+        assert!(Gpt2Family.hf_keys(&same).is_ok());
+        for (k, v) in [
+            ("scale_attn_by_inverse_layer_idx", true),
+            ("scale_attn_weights", false),
+            ("add_cross_attention", true),
+        ] {
+            let mut c = base.clone();
+            c[k] = json!(v);
+            let e = Gpt2Family.hf_keys(&c).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains("not built"), "{e}");
+        }
     }
 }

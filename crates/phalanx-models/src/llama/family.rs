@@ -207,9 +207,10 @@ impl ModelFamily for OnLlama {
         cfg: &TrainConfig,
         path: &Path,
     ) -> Result<PathBuf> {
-        let json = self
+        let mut json = self
             .0
             .config_json(&self.model(cfg)?, &cfg.data.tokenizer.to_string());
+        crate::hf_tokenizer::set_special_ids(&mut json, &cfg.data.tokenizer)?;
         save_with(tensors, &json, path)
     }
 

@@ -99,10 +99,10 @@ pub fn load_engine_with(
     };
     // Safety: the files are only read, and not expected to change meanwhile.
     let st = unsafe { MmapedSafetensors::multi(&files) }?;
-    let shapes: HashMap<String, Vec<usize>> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.shape().to_vec()))
+    let tensors = st.tensors();
+    let shapes: HashMap<String, Vec<usize>> = tensors
+        .iter()
+        .map(|(n, v)| (n.clone(), v.shape().to_vec()))
         .collect();
     let mut want = super::hf::names(cfg);
     for (name, dims) in &shapes {
@@ -110,6 +110,22 @@ pub fn load_engine_with(
             let full = full_shape(name);
             if dims != &full {
                 bail!("tensor `{name}`: expected shape {full:?}, found {dims:?}")
+            }
+            // As the 1-rank load: integers would convert silently.
+            let dtype = tensors
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.dtype());
+            if let Some(d) = dtype.filter(|d| {
+                !matches!(
+                    d,
+                    safetensors::Dtype::F32
+                        | safetensors::Dtype::F16
+                        | safetensors::Dtype::BF16
+                        | safetensors::Dtype::F64
+                )
+            }) {
+                bail!("tensor `{name}` is {d:?}; parameters must be floats")
             }
         } else {
             // What a 1-rank load allows besides the parameters.
