@@ -17,7 +17,17 @@
 //!   `ft/status` says why and the groups wait);
 //! - republishes the same live set as a new epoch when a member reported
 //!   its collective failed (`ft/suspect/{e}`) and no one was found dead
-//!   within `heartbeat_timeout`, so the groups rebuild their links.
+//!   within `heartbeat_timeout`, so the groups rebuild their links;
+//! - drops a member that others report absent from a quorum
+//!   (`ft/absent/{e}/{reporter}` = `id@inc,...`: it heartbeats, but never
+//!   came to connect) in two epochs running: a hung group would otherwise
+//!   have the others reconnect to it forever;
+//! - skips a join slot counted but still unwritten after
+//!   `heartbeat_timeout` (its group died between the two writes), so that
+//!   it does not block every later join.
+//!
+//! Its heartbeat timeout is published (`ft/heartbeat_timeout_ms`): groups
+//! beat five times within the shorter of theirs and this one.
 
 use super::{key, parse_members};
 use crate::error::Result;
@@ -68,6 +78,10 @@ impl Lighthouse {
         let server = StoreServer::bind(bind, secret.clone())?;
         let addr = server.addr().to_string();
         let store = StoreClient::connect(&addr, &secret, Duration::from_secs(10))?;
+        store.set(
+            &key("heartbeat_timeout_ms"),
+            opts.heartbeat_timeout.as_millis().to_string().as_bytes(),
+        )?;
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -113,6 +127,10 @@ struct Quorums {
     change_since: Option<Instant>,
     /// When the current epoch's suspect report was first seen.
     suspect_since: Option<Instant>,
+    /// When the next join slot was first found counted but unwritten.
+    slot_since: Option<Instant>,
+    /// Members reported absent (`id@inc`), with the last epoch they were.
+    absent: BTreeMap<String, u64>,
     status: String,
 }
 
@@ -126,6 +144,8 @@ impl Quorums {
             members: Vec::new(),
             change_since: None,
             suspect_since: None,
+            slot_since: None,
+            absent: BTreeMap::new(),
             status: String::new(),
         }
     }
@@ -136,8 +156,20 @@ impl Quorums {
         while self.joins_seen < joins {
             let j = self.joins_seen;
             let Some(id) = store.try_get(&key(&format!("join/{j}")))? else {
-                break; // counted, not yet written: next tick
+                // Counted, not yet written: next tick, unless it stays so.
+                let since = *self.slot_since.get_or_insert(now);
+                if now - since > self.opts.heartbeat_timeout {
+                    eprintln!(
+                        "phalanx lighthouse: join {j} was counted but never written (its group \
+                         stopped while joining); skipped"
+                    );
+                    self.joins_seen += 1;
+                    self.slot_since = None;
+                    continue;
+                }
+                break;
             };
+            self.slot_since = None;
             let id = String::from_utf8_lossy(&id).into_owned();
             let beats = store.add(&key(&format!("hb/{id}")), 0)?;
             self.candidates.insert(
@@ -163,15 +195,18 @@ impl Quorums {
         for id in dead {
             self.candidates.remove(&id);
         }
+        let suspect = self.epoch > 0
+            && store
+                .try_get(&key(&format!("suspect/{}", self.epoch)))?
+                .is_some();
+        if suspect {
+            self.drop_absent(store)?;
+        }
         let live: Vec<(String, u64)> = self
             .candidates
             .iter()
             .map(|(id, c)| (id.clone(), c.inc))
             .collect();
-        let suspect = self.epoch > 0
-            && store
-                .try_get(&key(&format!("suspect/{}", self.epoch)))?
-                .is_some();
         if live == self.members {
             self.change_since = None;
             // Everyone alive, yet a member's collective failed: rebuild.
@@ -212,6 +247,33 @@ impl Quorums {
             }
         }
         self.publish(store, live)
+    }
+
+    /// Drop the members reported absent in this epoch and the one before.
+    fn drop_absent(&mut self, store: &StoreClient) -> Result<()> {
+        let e = self.epoch;
+        let mut reported = Vec::new();
+        for (reporter, _) in &self.members {
+            if let Some(v) = store.try_get(&key(&format!("absent/{e}/{reporter}")))? {
+                reported.extend(parse_members(&String::from_utf8_lossy(&v)));
+            }
+        }
+        for (id, inc) in reported {
+            let name = format!("{id}@{inc}");
+            match self.absent.insert(name.clone(), e) {
+                Some(p) if p + 1 == e => {
+                    if self.candidates.get(&id).is_some_and(|c| c.inc == inc) {
+                        eprintln!(
+                            "phalanx lighthouse: dropping replica group {name}: absent from the \
+                             quorums of epochs {p} and {e} while it heartbeats (hung?)"
+                        );
+                        self.candidates.remove(&id);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     fn publish(&mut self, store: &StoreClient, live: Vec<(String, u64)>) -> Result<()> {

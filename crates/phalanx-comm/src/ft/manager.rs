@@ -134,11 +134,15 @@ impl Manager {
         let mut inc = [0i64];
         if lead {
             let hb = StoreClient::connect(addr, secret, opts.quorum_timeout)?;
-            let (s2, hb_key, every) = (
-                stop.clone(),
-                key(&format!("hb/{id}")),
-                opts.heartbeat_timeout / 5,
-            );
+            // The lighthouse judges silence by its own timeout: beat 5
+            // times within the shorter of the two, or a lighthouse started
+            // with a shorter one drops every group as soon as it joins.
+            let theirs = store
+                .try_get(&key("heartbeat_timeout_ms"))?
+                .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok())
+                .map(Duration::from_millis);
+            let within = theirs.map_or(opts.heartbeat_timeout, |t| t.min(opts.heartbeat_timeout));
+            let (s2, hb_key, every) = (stop.clone(), key(&format!("hb/{id}")), within / 5);
             hb.add(&hb_key, 1)?;
             beat = Some(
                 std::thread::Builder::new()
@@ -277,6 +281,7 @@ impl Manager {
                 {
                     return Ok(Some(e));
                 }
+                self.check_not_replaced(e, &members)?;
             }
             if Instant::now() >= deadline {
                 return Err(CommError::Timeout(format!(
@@ -288,6 +293,73 @@ impl Manager {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// An epoch without this incarnation fails at once where waiting
+    /// could not help: another incarnation holds this replica id (a second
+    /// group started with the same id, or this one's restart), or this
+    /// incarnation was a member and has been dropped (its heartbeats
+    /// stopped, or the others found it absent from a quorum; it must
+    /// restart to rejoin and heal).
+    fn check_not_replaced(&self, e: u64, members: &[(String, u64)]) -> Result<()> {
+        if let Some((_, inc)) = members
+            .iter()
+            .find(|(id, inc)| *id == self.id && *inc > self.inc)
+        {
+            return Err(CommError::Invalid(format!(
+                "replica group {}: the replica id joined again as incarnation {inc} (this one is \
+                 {}): two groups started with the same fault_tolerance.replica_id?",
+                self.id, self.inc
+            )));
+        }
+        if self.formed > 0 {
+            return Err(CommError::Io(format!(
+                "replica group {}: dropped from the quorum (epoch {e}: {}): the lighthouse saw its \
+                 heartbeats stop, or the other groups found it absent from a quorum; restart it to \
+                 rejoin and heal from them",
+                self.id,
+                self.status()
+            )));
+        }
+        Ok(())
+    }
+
+    /// After a failed connection to epoch `e`'s members (the group's first
+    /// rank): tell the lighthouse which members never published an address
+    /// on any of the group's layers. Such a member heartbeats (else the
+    /// lighthouse would have dropped it) but does not come to the quorum (a
+    /// hung step, a stuck write); the lighthouse drops it when it is found
+    /// absent twice running, instead of the others reconnecting to it
+    /// forever.
+    fn report_absent(&self, e: u64, me: Option<usize>, members: &[(String, u64)]) {
+        let layers = self.local.as_ref().map_or(1, |l| l.size());
+        let absent: Vec<String> = members
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| Some(*j) != me)
+            .filter(|(j, _)| {
+                (0..layers).any(|r| {
+                    matches!(
+                        self.store.try_get(&key(&format!("pg/{e}/{r}/addr/{j}"))),
+                        Ok(None)
+                    )
+                })
+            })
+            .map(|(_, (id, inc))| format!("{id}@{inc}"))
+            .collect();
+        if absent.is_empty() {
+            return;
+        }
+        eprintln!(
+            "replica group {}: epoch {e}: {} never came to the quorum (alive by their heartbeats); \
+             reported to the lighthouse",
+            self.id,
+            absent.join(", ")
+        );
+        let _ = self.store.set(
+            &key(&format!("absent/{e}/{}", self.id)),
+            absent.join(",").as_bytes(),
+        );
     }
 
     fn members(&self, e: u64) -> Result<Vec<(String, u64)>> {
@@ -374,12 +446,28 @@ impl Manager {
                 .iter()
                 .position(|(id, inc)| *id == self.id && *inc == self.inc);
             let ok = match rank {
-                Some(r) => self.connect_epoch(e, r, members.len()).is_ok(),
+                Some(r) => match self.connect_epoch(e, r, members.len()) {
+                    Ok(()) => true,
+                    // Two groups of different layouts (or configs) would
+                    // fail the same way with every epoch.
+                    Err(err @ CommError::Invalid(_)) => return Err(err),
+                    Err(err) => {
+                        eprintln!(
+                            "replica group {}: connecting to epoch {e}'s members failed: {err}",
+                            self.id
+                        );
+                        false
+                    }
+                },
                 None => false,
             };
             if !self.local_all(ok)? {
                 // A member gone before the group formed: the lighthouse
-                // drops it; wait for the next epoch.
+                // drops it (a dead one by its heartbeats, an absent one by
+                // the members' reports); wait for the next epoch.
+                if self.lead() {
+                    self.report_absent(e, rank, &members);
+                }
                 self.suspect();
                 continue;
             }
@@ -486,6 +574,12 @@ impl Manager {
         let ok = match f(pg) {
             Ok(()) => true,
             Err(e @ CommError::Invalid(_)) => return Err(e),
+            // Members that call with different sizes (another model, another
+            // layout) would fail so with every quorum: fatal, unlike a member
+            // lost. ("never called" is a timeout under PHALANX_DEBUG=detail.)
+            Err(e @ CommError::Desync(_)) if !e.to_string().contains("never called") => {
+                return Err(e)
+            }
             Err(e) => {
                 eprintln!(
                     "replica group {}: the step's reduction failed ({e}); retrying with the next quorum",

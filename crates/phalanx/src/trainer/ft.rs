@@ -76,6 +76,15 @@ impl Ft {
         let opts = ManagerOpts {
             quorum_timeout: phalanx_comm::config::wait_secs(f.quorum_timeout),
             heartbeat_timeout: phalanx_comm::config::wait_secs(f.heartbeat_timeout),
+            // The links across groups take the job's PHALANX_* settings
+            // (transport, PHALANX_SOCKET_ADDR, detail checks, emulation);
+            // groups are on other hosts, so a loopback address (a group on
+            // the lighthouse's host whose name resolves to 127.0.1.1) is
+            // no address to give them.
+            comm: phalanx_comm::Config {
+                spans_hosts: true,
+                ..phalanx_comm::Config::from_env()
+            },
             ..ManagerOpts::default()
         };
         let mgr = Manager::connect_group(

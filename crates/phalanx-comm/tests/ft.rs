@@ -1,0 +1,150 @@
+//! The lighthouse and its replica groups (`phalanx_comm::ft`), groups as
+//! threads of one process: a group that heartbeats but never comes to a
+//! quorum (hung) is dropped and told so, instead of the others
+//! reconnecting to it forever; two groups with one replica id are named; a
+//! lighthouse with a shorter heartbeat timeout than its groups' keeps them;
+//! a join slot its group never wrote does not block later joins.
+
+use phalanx_comm::ft::{Lighthouse, LighthouseOpts, Manager, ManagerOpts};
+use phalanx_comm::store::StoreClient;
+use std::sync::mpsc;
+use std::time::Duration;
+
+const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+fn lighthouse(heartbeat: f64) -> Lighthouse {
+    Lighthouse::start(
+        "127.0.0.1:0",
+        SECRET.to_vec(),
+        LighthouseOpts {
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(200),
+            heartbeat_timeout: Duration::from_secs_f64(heartbeat),
+        },
+    )
+    .unwrap()
+}
+
+fn opts(heartbeat: f64) -> ManagerOpts {
+    ManagerOpts {
+        quorum_timeout: Duration::from_secs(30),
+        heartbeat_timeout: Duration::from_secs_f64(heartbeat),
+        sync_timeout: Some(Duration::from_secs(1)),
+        ..ManagerOpts::default()
+    }
+}
+
+/// Wait for a quorum of `n` groups.
+fn quorum_of(m: &mut Manager, n: usize) {
+    loop {
+        let q = m.quorum(0).unwrap();
+        if q.size == n {
+            return;
+        }
+        m.wait_change().unwrap();
+    }
+}
+
+#[test]
+fn a_hung_group_is_dropped_and_told_so() {
+    let lh = lighthouse(1.0);
+    let addr = lh.addr().to_string();
+    let (wake_tx, wake_rx) = mpsc::channel::<()>();
+    let hung = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut m = Manager::connect(&addr, SECRET, "c", opts(1.0)).unwrap();
+            quorum_of(&mut m, 3);
+            let mut g = vec![1.0f32];
+            assert!(m.all_reduce(&mut g).unwrap());
+            // Hung: the heartbeats go on, the group never comes back to
+            // a quorum until woken.
+            wake_rx.recv().unwrap();
+            m.quorum(1).unwrap_err().to_string()
+        })
+    };
+    let healthy: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|id| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut m = Manager::connect(&addr, SECRET, id, opts(1.0)).unwrap();
+                quorum_of(&mut m, 3);
+                let mut g = vec![1.0f32];
+                assert!(m.all_reduce(&mut g).unwrap());
+                // Step 1 without c: retried with each new quorum until c
+                // is dropped and the two of them commit it.
+                let mut tries = 0;
+                loop {
+                    tries += 1;
+                    assert!(tries < 20, "{id}: step 1 never committed");
+                    let q = m.quorum(1).unwrap();
+                    let mut g = vec![if id == "a" { 1.0f32 } else { 3.0 }];
+                    if m.all_reduce(&mut g).unwrap() {
+                        return (q.size, g[0]);
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in healthy {
+        assert_eq!(h.join().unwrap(), (2, 2.0));
+    }
+    wake_tx.send(()).unwrap();
+    let err = hung.join().unwrap();
+    assert!(
+        err.contains("replica group c: dropped from the quorum"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_second_group_with_the_same_replica_id_is_named() {
+    let lh = lighthouse(5.0);
+    let addr = lh.addr().to_string();
+    let mut first = Manager::connect(&addr, SECRET, "a", opts(5.0)).unwrap();
+    quorum_of(&mut first, 1);
+    let mut second = Manager::connect(&addr, SECRET, "a", opts(5.0)).unwrap();
+    quorum_of(&mut second, 1);
+    let err = first.quorum(1).unwrap_err().to_string();
+    assert!(
+        err.contains("joined again as incarnation 1") && err.contains("replica_id"),
+        "{err}"
+    );
+}
+
+#[test]
+fn groups_beat_within_the_lighthouses_shorter_timeout() {
+    // Groups set for 10 s would beat every 2 s; the lighthouse drops a
+    // group silent for 1 s.
+    let lh = lighthouse(1.0);
+    let addr = lh.addr().to_string();
+    let t: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|id| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut m = Manager::connect(&addr, SECRET, id, opts(10.0)).unwrap();
+                quorum_of(&mut m, 2);
+                std::thread::sleep(Duration::from_millis(2500));
+                let q = m.quorum(1).unwrap();
+                (q.size, q.changed)
+            })
+        })
+        .collect();
+    for h in t {
+        assert_eq!(h.join().unwrap(), (2, false));
+    }
+}
+
+#[test]
+fn a_join_its_group_never_wrote_does_not_block_later_joins() {
+    let lh = lighthouse(0.5);
+    let addr = lh.addr().to_string();
+    // A joiner that stopped between counting its join and writing it.
+    let raw = StoreClient::connect(&addr, SECRET, Duration::from_secs(10)).unwrap();
+    raw.add("ft/joins", 1).unwrap();
+    let mut m = Manager::connect(&addr, SECRET, "a", opts(0.5)).unwrap();
+    let q = m.quorum(0).unwrap();
+    assert_eq!((q.size, q.members), (1, vec!["a".to_string()]));
+}
