@@ -59,6 +59,27 @@ struct Inner {
     _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
+/// The sum of per-rank `counts`, or `None` where it does not fit in a
+/// `usize`: a plain sum would wrap in release builds (`[usize::MAX, 2]`
+/// "sums" to 1), pass the size checks and then slice out of bounds.
+pub(crate) fn total_of(counts: &[usize]) -> Option<usize> {
+    counts.iter().try_fold(0usize, |a, &c| a.checked_add(c))
+}
+
+fn describe_total(total: Option<usize>) -> String {
+    total.map_or_else(|| "more than usize::MAX".into(), |t| t.to_string())
+}
+
+impl Inner {
+    /// Take the group's turn to run an operation. The lock guards no data,
+    /// only the order of operations, so one that panicked (and poisoned
+    /// it) leaves nothing inconsistent behind: later calls go on rather
+    /// than every one panicking in turn.
+    fn lock_exec(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.exec.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 fn digest(xs: &[usize]) -> u64 {
     // FNV-1a: a stable hash, the same in every process.
     xs.iter().fold(0xcbf29ce484222325u64, |h, &x| {
@@ -219,7 +240,7 @@ impl ProcessGroup {
         if let Some(e) = inner.backend.failure() {
             return Err(e);
         }
-        let _g = inner.exec.lock().unwrap();
+        let _g = inner.lock_exec();
         let seq = inner.seq.fetch_add(1, Ordering::SeqCst);
         let c = self.call(sig.op, seq);
         if inner.cfg.detail && c.n() > 1 {
@@ -256,12 +277,13 @@ impl ProcessGroup {
     /// buffer (one count per rank) and this rank's count its `part`.
     fn check_counts(&self, op: &str, counts: &[usize], full: usize, part: usize) -> Result<()> {
         let (n, r) = (self.size(), self.rank());
-        let total: usize = counts.iter().sum();
-        if counts.len() != n || total != full || counts[r] != part {
+        let total = total_of(counts);
+        if counts.len() != n || total != Some(full) || counts[r] != part {
             return Err(invalid!(
-                "{op}: {} counts summing to {total} for a full buffer of {full} and this rank's part of {part} \
+                "{op}: {} counts summing to {} for a full buffer of {full} and this rank's part of {part} \
                  (group size {n}, rank {r})",
-                counts.len()
+                counts.len(),
+                describe_total(total)
             ));
         }
         Ok(())
@@ -440,19 +462,20 @@ impl ProcessGroup {
     ) -> Result<()> {
         let n = self.size();
         let me = self.rank();
+        let (sent, received) = (total_of(send), total_of(recv));
         if send.len() != n
             || recv.len() != n
-            || send.iter().sum::<usize>() != input.len()
-            || recv.iter().sum::<usize>() != output.len()
+            || sent != Some(input.len())
+            || received != Some(output.len())
             || send[me] != recv[me]
         {
             return Err(invalid!(
                 "all_to_all_v: {} send and {} receive counts for {n} ranks, summing to {} and {} \
-                 for buffers of {} and {} (and this rank's own count must match)",
+                 for buffers of {} and {} (and this rank's own count must match; rank {me})",
                 send.len(),
                 recv.len(),
-                send.iter().sum::<usize>(),
-                recv.iter().sum::<usize>(),
+                describe_total(sent),
+                describe_total(received),
                 input.len(),
                 output.len()
             ));
@@ -544,5 +567,27 @@ impl ProcessGroup {
     /// same members.
     pub fn same_group(&self, other: &ProcessGroup) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panic inside one operation (here the backend call itself) poisons
+    /// the group's turn lock; the next operation must still run.
+    #[test]
+    fn a_panic_inside_a_collective_leaves_the_group_usable() {
+        let out = crate::threads::run(1, |pg| {
+            let sig = pg.sig::<f32>("all_reduce", 1);
+            let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = pg.collective(sig, |_, _| -> Result<()> { panic!("in the backend") });
+            }));
+            assert!(hit.is_err(), "the panic was not raised");
+            assert!(pg.inner.exec.is_poisoned());
+            let mut x = [2.0f32];
+            pg.all_reduce(&mut x, ReduceOp::Sum).map(|_| x[0])
+        });
+        assert_eq!(out[0], Ok(2.0));
     }
 }

@@ -177,3 +177,122 @@ fn host_backends_refuse_device_memory_naming_themselves() {
         assert_eq!(x, [2.0; 2]);
     }
 }
+
+/// Every path an all-reduce can be forced onto (recursive doubling, the
+/// ring, the in-place shared-memory one), with 2 and 3 ranks.
+fn forced_paths() -> Vec<(&'static str, Config)> {
+    let base = Config {
+        transport: TransportPref::Uds,
+        ..Config::default()
+    };
+    vec![
+        (
+            "rd",
+            Config {
+                algo: Algo::RecursiveDoubling,
+                ..base.clone()
+            },
+        ),
+        (
+            "ring",
+            Config {
+                algo: Algo::Ring,
+                ..base.clone()
+            },
+        ),
+        (
+            "shm in place",
+            Config {
+                transport: TransportPref::Shm,
+                ..base
+            },
+        ),
+    ]
+}
+
+/// `op` over `vals[rank]` (one element per rank, as f64 bits), in `T`,
+/// on every forced path: each rank's result bits.
+fn bits_after<T: phalanx_comm::Element>(
+    world: usize,
+    cfg: Config,
+    op: ReduceOp,
+    vals: fn(usize) -> T,
+    bits: fn(T) -> u64,
+) -> Vec<u64> {
+    threads::run_with(world, cfg, threads::DEADLINE, move |pg| {
+        // A few copies so the ring has a block per rank.
+        let mut x = vec![vals(pg.rank()); 8];
+        pg.all_reduce(&mut x, op)?;
+        let b: Vec<u64> = x.iter().map(|v| bits(*v)).collect();
+        assert!(b.iter().all(|v| *v == b[0]), "elements differ: {b:x?}");
+        Ok(b[0])
+    })
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect()
+}
+
+#[test]
+fn max_and_min_with_nan_or_signed_zero_agree_bitwise_on_every_path() {
+    use phalanx_comm::{bf16, f16};
+    for world in [2usize, 3] {
+        for (path, cfg) in forced_paths() {
+            for op in [ReduceOp::Max, ReduceOp::Min] {
+                let ctx = format!("{path}, world {world}, {op:?}");
+                // NaN on rank 0, 1.0 elsewhere: NaN on every rank.
+                let f = bits_after(
+                    world,
+                    cfg.clone(),
+                    op,
+                    |r| if r == 0 { f32::NAN } else { 1.0 },
+                    |v| v.to_bits() as u64,
+                );
+                assert!(f.iter().all(|b| *b == f[0]), "f32 {ctx}: {f:x?}");
+                assert!(f32::from_bits(f[0] as u32).is_nan(), "f32 {ctx}: {f:x?}");
+                let d = bits_after(
+                    world,
+                    cfg.clone(),
+                    op,
+                    |r| if r == 0 { f64::NAN } else { 1.0 },
+                    f64::to_bits,
+                );
+                assert!(d.iter().all(|b| *b == d[0]), "f64 {ctx}: {d:x?}");
+                assert!(f64::from_bits(d[0]).is_nan(), "f64 {ctx}: {d:x?}");
+                let h = bits_after(
+                    world,
+                    cfg.clone(),
+                    op,
+                    |r| if r == 0 { f16::NAN } else { f16::ONE },
+                    |v| v.to_bits() as u64,
+                );
+                assert!(h.iter().all(|b| *b == h[0]), "f16 {ctx}: {h:x?}");
+                assert!(f16::from_bits(h[0] as u16).is_nan(), "f16 {ctx}: {h:x?}");
+                let b = bits_after(
+                    world,
+                    cfg.clone(),
+                    op,
+                    |r| if r == 0 { bf16::NAN } else { bf16::ONE },
+                    |v| v.to_bits() as u64,
+                );
+                assert!(b.iter().all(|x| *x == b[0]), "bf16 {ctx}: {b:x?}");
+                assert!(bf16::from_bits(b[0] as u16).is_nan(), "bf16 {ctx}: {b:x?}");
+                // -0 on rank 0, +0 elsewhere: max +0 and min -0 everywhere.
+                let z = bits_after(
+                    world,
+                    cfg.clone(),
+                    op,
+                    |r| if r == 0 { -0.0f32 } else { 0.0 },
+                    |v| v.to_bits() as u64,
+                );
+                let want = match op {
+                    ReduceOp::Max => 0.0f32,
+                    _ => -0.0,
+                };
+                assert!(
+                    z.iter().all(|b| *b == want.to_bits() as u64),
+                    "signed zero {ctx}: {z:x?}"
+                );
+            }
+        }
+    }
+}

@@ -262,3 +262,96 @@ fn a_rank_that_only_accepts_hears_of_a_set_up_error_at_once() {
         assert!(e.to_string().contains("disagree on the world size"), "{e}");
     }
 }
+
+/// Counts whose sum wraps around (`usize::MAX + 2 == 1`) must not pass the
+/// size check and then slice out of bounds: each uneven collective, sync
+/// and async, gives an Invalid error on the rank that passed them, and the
+/// group goes on working afterwards (no panic left a lock poisoned).
+#[test]
+fn counts_that_wrap_are_invalid_and_the_group_goes_on() {
+    let out = threads::run_with(2, cfg(30.0), Duration::from_secs(60), |pg| {
+        let mut errs = Vec::new();
+        if pg.rank() == 1 {
+            let wrap = [usize::MAX, 2];
+            // Rank 1's part (2) is right and the counts "sum" to the
+            // one-element output.
+            let mut one = [0.0f32; 1];
+            errs.push(pg.all_gather_v(&[1.0f32; 2], &wrap, &mut one));
+            errs.push(pg.reduce_scatter_v(&[1.0f32; 1], &wrap, &mut [0.0; 2], ReduceOp::Sum));
+            errs.push(pg.all_to_all_v(&[1.0f32; 1], &wrap, &mut one, &[usize::MAX, 2]));
+            errs.push(
+                pg.all_gather_async(vec![1.0f32; 2], wrap.to_vec())
+                    .wait()
+                    .map(|_| ()),
+            );
+            errs.push(
+                pg.all_to_all_v_async(vec![1.0f32; 1], wrap.to_vec(), wrap.to_vec())
+                    .wait()
+                    .map(|_| ()),
+            );
+        }
+        let errs: Vec<CommError> = errs.into_iter().map(|r| r.unwrap_err()).collect();
+        // Both ranks: the next collectives still run.
+        let mut x = [pg.rank() as i32 + 1; 3];
+        pg.all_reduce(&mut x, ReduceOp::Sum)?;
+        let mut g = [0i64; 4];
+        pg.all_gather_v(&[pg.rank() as i64; 2], &[2, 2], &mut g)?;
+        Ok((errs, x, g))
+    });
+    for (r, o) in out.into_iter().enumerate() {
+        let (errs, x, g) = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(x, [3; 3], "rank {r}");
+        assert_eq!(g, [0, 0, 1, 1], "rank {r}");
+        for e in errs {
+            assert!(matches!(e, CommError::Invalid(_)), "rank {r}: {e}");
+        }
+    }
+}
+
+/// Under PHALANX_DEBUG=detail a rank that never calls is found in the
+/// signature phase (named as never having called, not as a plain
+/// timeout). That must tear the transport down as a timeout does: the
+/// collectives queued behind fail at once as aborted instead of each
+/// waiting out a deadline of its own and reporting the same thing.
+#[test]
+fn a_rank_that_never_calls_under_detail_fails_what_is_queued_at_once() {
+    let c = Config {
+        detail: true,
+        shm_all_reduce: false,
+        ..cfg(0.5)
+    };
+    // Rank 1 stays alive (its heartbeats go on) without calling, until
+    // rank 0 has its errors.
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let done_tx = std::sync::Mutex::new(done_tx);
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let out = threads::run_with(2, c, Duration::from_secs(60), move |pg| {
+        pg.barrier()?;
+        if pg.rank() == 1 {
+            let _ = done_rx
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30));
+            return Ok(Vec::new());
+        }
+        let works: Vec<_> = (0..4)
+            .map(|_| pg.all_reduce_async(vec![1.0f32; 64], ReduceOp::Sum))
+            .collect();
+        let errs: Vec<CommError> = works.into_iter().map(|w| w.wait().unwrap_err()).collect();
+        let _ = done_tx.lock().unwrap().send(());
+        Ok(errs)
+    });
+    let errs = out.into_iter().next().unwrap().unwrap();
+    let first = errs[0].to_string();
+    assert!(matches!(errs[0], CommError::Desync(_)), "{first}");
+    assert!(
+        first.contains("rank 1 never called collective #1"),
+        "{first}"
+    );
+    for e in &errs[1..] {
+        // Refused by the torn-down transport, naming the first failure,
+        // not a signature phase of its own.
+        assert!(matches!(e, CommError::Aborted(_)), "{e}");
+        assert!(e.to_string().contains("never called collective #1"), "{e}");
+    }
+}

@@ -222,3 +222,51 @@ fn a_flood_of_strangers_on_the_store_does_not_delay_the_ranks() {
     assert!(took < Duration::from_secs(20), "formed after {took:?}");
     drop(flood);
 }
+
+/// More idle connections on a rank's listener than it handshakes at once
+/// (64), all there before the real rank dials: the acceptor sheds the
+/// oldest pending ones for newcomers (it used to refuse the newest, the
+/// real rank among them, which then failed at once), and a rank whose
+/// handshake is cut short dials again. The group forms.
+#[test]
+fn a_rank_gets_in_past_seventy_idle_connections_on_its_peers_listener() {
+    for transport in [TransportPref::Tcp, TransportPref::Auto] {
+        let secret = phalanx_comm::wire::random_bytes(32);
+        let server = StoreServer::bind("127.0.0.1:0", secret.clone()).unwrap();
+        let addr = server.addr().to_string();
+        let cfg = Config {
+            timeout: Duration::from_secs(60),
+            transport,
+            ..Config::default()
+        };
+        let spawn_rank = |rank: usize| {
+            let (addr, secret, cfg) = (addr.clone(), secret.clone(), cfg.clone());
+            std::thread::spawn(move || {
+                let store = StoreClient::connect(&addr, &secret, Duration::from_secs(5))?;
+                let pg = from_store(&store, "p", rank, 2, &secret, cfg, None)?;
+                pg.barrier()?;
+                Ok::<_, CommError>(())
+            })
+        };
+        let r0 = spawn_rank(0);
+        let watch = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+        watch.wait(&["p/addr/0"], Duration::from_secs(10)).unwrap();
+        let host = String::from_utf8(watch.get("p/addr/0").unwrap()).unwrap();
+        let idle: Vec<TcpStream> = (0..70)
+            .map(|_| TcpStream::connect(&host).unwrap())
+            .collect();
+        #[cfg(target_os = "linux")]
+        let _unix = unix_stranger(&watch, "p/local/0");
+        // Let rank 0 take them all into their handshakes first (the order
+        // that used to shut rank 1 out; any order must work).
+        std::thread::sleep(Duration::from_millis(300));
+        let r1 = spawn_rank(1);
+        r1.join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{transport:?}: rank 1: {e}"));
+        r0.join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{transport:?}: rank 0: {e}"));
+        drop(idle);
+    }
+}

@@ -10,7 +10,8 @@
 //!
 //! Every algorithm gives all ranks bitwise identical results: each reduced
 //! element is computed once and copied (ring), or by every rank in the same
-//! order up to operand swap, which IEEE addition and max/min do not notice (rd).
+//! order up to operand swap, which IEEE addition does not notice and max/min
+//! are written not to (NaN and ±0 included, see `crate::dtype`) (rd).
 
 pub mod rd;
 pub mod ring;

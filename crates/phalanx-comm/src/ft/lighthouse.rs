@@ -260,17 +260,16 @@ impl Quorums {
         }
         for (id, inc) in reported {
             let name = format!("{id}@{inc}");
-            match self.absent.insert(name.clone(), e) {
-                Some(p) if p + 1 == e => {
-                    if self.candidates.get(&id).is_some_and(|c| c.inc == inc) {
-                        eprintln!(
-                            "phalanx lighthouse: dropping replica group {name}: absent from the \
-                             quorums of epochs {p} and {e} while it heartbeats (hung?)"
-                        );
-                        self.candidates.remove(&id);
-                    }
+            let before = self.absent.insert(name.clone(), e);
+            let current = self.candidates.get(&id).is_some_and(|c| c.inc == inc);
+            if let (Some(p), true) = (before, current) {
+                if p + 1 == e {
+                    eprintln!(
+                        "phalanx lighthouse: dropping replica group {name}: absent from the \
+                         quorums of epochs {p} and {e} while it heartbeats (hung?)"
+                    );
+                    self.candidates.remove(&id);
                 }
-                _ => {}
             }
         }
         Ok(())

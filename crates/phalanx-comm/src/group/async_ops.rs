@@ -31,7 +31,8 @@ impl ProcessGroup {
     pub fn all_gather_async<T: Element>(&self, input: Vec<T>, counts: Vec<usize>) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); counts.iter().sum()];
+            // Counts that overflow are refused by the check, on no buffer.
+            let mut out = vec![T::zeroed(); super::total_of(&counts).unwrap_or(0)];
             g.all_gather_now(&input, &counts, &mut out).map(|_| out)
         })
     }
@@ -78,7 +79,7 @@ impl ProcessGroup {
     ) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let n = counts.iter().sum();
+            let n = super::total_of(&counts).unwrap_or(0);
             if out.len() != n {
                 out.resize(n, T::zeroed());
             }
@@ -97,7 +98,7 @@ impl ProcessGroup {
     ) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); recv.iter().sum()];
+            let mut out = vec![T::zeroed(); super::total_of(&recv).unwrap_or(0)];
             let n = g.size();
             g.all_to_all_v_now(&input, &send, &mut out, &recv, n)
                 .map(|_| out)

@@ -258,12 +258,12 @@ impl ProcessGroup {
         buf: &crate::backend::DeviceBuf,
         counts: &[usize],
     ) -> Result<()> {
-        let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        let total = super::total_of(counts);
         if counts.len() != self.size() || total != Some(buf.count) {
             return Err(invalid!(
                 "{what}: {} counts summing to {} for a buffer of {} elements (group size {})",
                 counts.len(),
-                total.map_or("more than usize".to_string(), |t| t.to_string()),
+                super::describe_total(total),
                 buf.count,
                 self.size()
             ));

@@ -39,7 +39,7 @@ impl ProcessGroup {
     /// differ.
     pub(super) fn check_signatures(&self, c: &Call, sig: &Signature) -> Result<()> {
         let mine = sig.encode();
-        let all = self.inner.backend.exchange_signatures(c, &mine)?;
+        let all = self.down_on_missing_rank(self.inner.backend.exchange_signatures(c, &mine))?;
         if all.iter().all(|s| *s == mine) {
             return Ok(());
         }
@@ -56,6 +56,21 @@ impl ProcessGroup {
             })
             .collect();
         Err(CommError::Desync(lines.join("; ")))
+    }
+}
+
+impl ProcessGroup {
+    /// `r`, once the transport is torn down if the signature exchange ran
+    /// past its deadline: a rank that never called (the native backend
+    /// names it, as a `Desync`) leaves the ranks as far apart as any
+    /// timeout does, so, as in `down_on_timeout`, the peers are told and
+    /// what is queued behind fails at once instead of each call waiting
+    /// out a deadline of its own.
+    fn down_on_missing_rank<R>(&self, r: Result<R>) -> Result<R> {
+        if let Err(e @ (CommError::Timeout(_) | CommError::Desync(_))) = &r {
+            self.fail_peers(&e.to_string());
+        }
+        r
     }
 }
 

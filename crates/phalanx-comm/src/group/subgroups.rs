@@ -60,7 +60,7 @@ impl ProcessGroup {
         gid: u64,
     ) -> Result<Option<ProcessGroup>> {
         self.inner.queue.drain();
-        let _g = self.inner.exec.lock().unwrap();
+        let _g = self.inner.lock_exec();
         let seq = self.inner.seq.fetch_add(1, Ordering::SeqCst);
         let c = self.call("new_group", seq);
         let sub = self.inner.backend.child(&c, color, key, ranks.len())?;

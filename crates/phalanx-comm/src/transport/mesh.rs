@@ -134,40 +134,25 @@ pub fn connect_mesh(
             })
         })?;
         let host = String::from_utf8_lossy(&store.try_get(&key)?.unwrap_or_default()).to_string();
-        let mut s = None;
+        // Rank j's Unix socket, where it shares this host.
+        let mut unix = None;
         if let Some(id) = &local_id {
             let theirs = store.try_get(&format!("{prefix}/local/{j}"))?;
             let theirs = String::from_utf8_lossy(theirs.as_deref().unwrap_or_default());
             if let Some((their_id, name)) = theirs.split_once('\n') {
                 if their_id == id {
-                    match local::dial(name) {
-                        Ok(u) => s = Some(Stream::Unix(u)),
-                        Err(e) => eprintln!(
-                            "[phalanx] rank {rank}: Unix socket to rank {j} ({host}) failed ({e}); using TCP"
-                        ),
-                    }
+                    unix = Some(name.to_string());
                 }
             }
         }
-        let mut s = match s {
-            Some(s) => s,
-            None => Stream::Tcp(dial(&host, deadline).map_err(|e| CommError::PeerDead {
-                rank: j,
-                host: host.clone(),
-                reason: format!("cannot connect: {e}"),
-            })?),
+        let lower = Lower {
+            rank,
+            world,
+            j,
+            host: &host,
+            unix: unix.as_deref(),
         };
-        wire::handshake_until(&mut s, secret, false, deadline).map_err(|e| {
-            CommError::PeerDead {
-                rank: j,
-                host: host.clone(),
-                reason: format!("handshake failed: {e}"),
-            }
-        })?;
-        let mut hello = [0u8; 16];
-        hello[..8].copy_from_slice(&(rank as u64).to_le_bytes());
-        hello[8..].copy_from_slice(&(world as u64).to_le_bytes());
-        s.write_all(&hello)?;
+        let s = lower.join(secret, deadline)?;
         peers[j] = Some((s, host));
     }
     // Wait for the higher ranks, giving up at once if one of them failed
@@ -305,6 +290,71 @@ fn wait_key(
     }
 }
 
+/// A lower rank this rank dials during set-up.
+struct Lower<'a> {
+    rank: usize,
+    world: usize,
+    j: usize,
+    /// Rank j's TCP listening address.
+    host: &'a str,
+    /// Rank j's Unix socket name, where it shares this host.
+    unix: Option<&'a str>,
+}
+
+impl Lower<'_> {
+    /// Connect, handshake and say who we are. A connection cut short
+    /// (rank j sheds its oldest pending handshakes when strangers flood
+    /// its listener) is dialled again until `deadline`; a wrong secret is
+    /// final.
+    fn join(&self, secret: &[u8], deadline: Instant) -> Result<Stream> {
+        loop {
+            match self.try_join(secret, deadline) {
+                Ok(s) => return Ok(s),
+                Err(e @ CommError::PeerDead { .. }) => return Err(e),
+                Err(e) if matches!(e, CommError::Auth(_)) || Instant::now() >= deadline => {
+                    return Err(self.dead(format!("handshake failed: {e}")))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    /// One attempt of [`Lower::join`]: `PeerDead` when rank j cannot be
+    /// reached at all, another error when the handshake or hello failed.
+    fn try_join(&self, secret: &[u8], deadline: Instant) -> Result<Stream> {
+        let (rank, j, host) = (self.rank, self.j, self.host);
+        let unix = self.unix.and_then(|name| match local::dial(name) {
+            Ok(u) => Some(Stream::Unix(u)),
+            Err(e) => {
+                eprintln!(
+                    "[phalanx] rank {rank}: Unix socket to rank {j} ({host}) failed ({e}); using TCP"
+                );
+                None
+            }
+        });
+        let mut s = match unix {
+            Some(s) => s,
+            None => Stream::Tcp(
+                dial(host, deadline).map_err(|e| self.dead(format!("cannot connect: {e}")))?,
+            ),
+        };
+        wire::handshake_until(&mut s, secret, false, deadline)?;
+        let mut hello = [0u8; 16];
+        hello[..8].copy_from_slice(&(rank as u64).to_le_bytes());
+        hello[8..].copy_from_slice(&(self.world as u64).to_le_bytes());
+        s.write_all(&hello)?;
+        Ok(s)
+    }
+
+    fn dead(&self, reason: String) -> CommError {
+        CommError::PeerDead {
+            rank: self.j,
+            host: self.host.to_string(),
+            reason,
+        }
+    }
+}
+
 fn dial(host: &str, deadline: Instant) -> std::io::Result<TcpStream> {
     let addr: std::net::SocketAddr = host.parse().map_err(|_| {
         std::io::Error::new(
@@ -372,8 +422,8 @@ fn admit(mut s: Stream, addr: String, secret: &[u8], until: Instant) -> Admitted
 /// Accept the higher ranks. Every connection is handshaken on its own
 /// thread with its own deadline, so strangers (port scanners, idle or slow
 /// clients, wrong secrets) neither delay the real ranks nor get counted as
-/// them; at most `MAX_PENDING` are in flight, and those still pending when
-/// set-up ends are shut down.
+/// them; at most `MAX_PENDING` are in flight (a newcomer sheds the
+/// oldest), and those still pending when set-up ends are shut down.
 fn accept_higher(
     listener: TcpListener,
     unix: Option<UnixListener>,
@@ -395,7 +445,8 @@ fn accept_higher(
     let secret: Arc<[u8]> = secret.into();
     let (tx, rx) = std::sync::mpsc::channel::<(u64, Admitted)>();
     // Connections in their handshake, to shut down if set-up ends first.
-    let mut pending: std::collections::HashMap<u64, Stream> = Default::default();
+    // Oldest first (ids grow), so that the oldest can be shed.
+    let mut pending: std::collections::BTreeMap<u64, Stream> = Default::default();
     let mut next_id = 0u64;
     let result = (|| {
         let mut got: Vec<(usize, Stream, String)> = Vec::new();
@@ -420,10 +471,16 @@ fn accept_higher(
                     Err(e) => return Err(e.into()),
                 };
                 if pending.len() >= MAX_PENDING {
+                    // Shed the oldest, as the store does: a flood of idle
+                    // strangers then cannot hold every slot while a real
+                    // rank, arriving after them, is refused (and one cut
+                    // short dials again, see `Lower::join`).
+                    if let Some((_, old)) = pending.pop_first() {
+                        let _ = old.shutdown(std::net::Shutdown::Both);
+                    }
                     log.log(format_args!(
-                        "refused a connection from {addr}: {MAX_PENDING} handshakes already pending"
+                        "{MAX_PENDING} handshakes pending: shed the oldest for a connection from {addr}"
                     ));
-                    continue;
                 }
                 let id = next_id;
                 next_id += 1;

@@ -62,7 +62,8 @@
 //!   make a rank abort or stop the job with an ABORT / GOODBYE frame that
 //!   names any reason, swap or replay messages between channels, or
 //!   announce a frame of up to `MAX_DATA_FRAME` (1 GiB) that the receiver
-//!   allocates;
+//!   allocates, or send a message of many frames that it joins (growing
+//!   as the bytes arrive);
 //! - drop or delay traffic, which shows as a dead peer after the heartbeat
 //!   timeout (that much no authentication could prevent).
 //!
@@ -108,8 +109,31 @@ pub(crate) const K_HEARTBEAT: u8 = 2;
 pub(crate) const K_ABORT: u8 = 3;
 pub(crate) const K_GOODBYE: u8 = 4;
 pub(crate) const HEADER: usize = 32;
-/// The largest single data frame; algorithms chunk far below this.
+/// The largest single data frame; a longer message travels as several
+/// (see `Transport::send`).
 pub const MAX_DATA_FRAME: usize = 1 << 30;
+/// Header byte 1 of a data frame: more frames of the same message follow.
+pub(crate) const F_MORE: u8 = 1;
+
+/// The data frame limit in force: [`MAX_DATA_FRAME`] unless a test
+/// lowered it ([`set_frame_limit_for_test`]).
+static FRAME_LIMIT: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(MAX_DATA_FRAME);
+
+/// The largest data frame this process sends, and accepts from a peer.
+pub(crate) fn frame_limit() -> usize {
+    FRAME_LIMIT.load(Ordering::Relaxed)
+}
+
+/// Lower the data frame limit of this whole process (clamped to 1 byte ..
+/// [`MAX_DATA_FRAME`]), so that a test can send messages of many frames
+/// with small buffers. Every rank of a job must use the same limit: set it
+/// before any transport starts (a test binary of ranks-as-threads whose
+/// tests all set the same value).
+#[doc(hidden)]
+pub fn set_frame_limit_for_test(bytes: usize) {
+    FRAME_LIMIT.store(bytes.clamp(1, MAX_DATA_FRAME), Ordering::Relaxed);
+}
 
 /// A received message. The buffer is 8-byte aligned so that it can be viewed
 /// as any element type without copying.

@@ -28,6 +28,9 @@ pub(crate) fn reader_loop<S: Read>(
     hb: Duration,
     role: Role,
 ) {
+    // The message whose frames are arriving (key, data, bytes so far),
+    // while its frames say more follow (see `Transport::send`).
+    let mut partial: Option<Partial> = None;
     let err = loop {
         let mut h = [0u8; HEADER];
         if let Err(e) = s.read_exact(&mut h) {
@@ -37,11 +40,33 @@ pub(crate) fn reader_loop<S: Read>(
         let chan = u64::from_le_bytes(h[8..16].try_into().unwrap());
         let seq = u64::from_le_bytes(h[16..24].try_into().unwrap());
         let len = u64::from_le_bytes(h[24..32].try_into().unwrap()) as usize;
-        if len > MAX_DATA_FRAME {
-            break format!("sent a frame of {len} bytes (limit {MAX_DATA_FRAME})");
+        if len > MAX_DATA_FRAME || (kind == K_DATA && len > frame_limit()) {
+            break format!("sent a frame of {len} bytes (limit {})", frame_limit());
         }
         let Some(tr) = t.upgrade() else { return };
         match kind {
+            K_DATA if h[1] & F_MORE != 0 || partial.is_some() => {
+                let key = (peer, chan, seq);
+                let p = partial.get_or_insert_with(|| Partial {
+                    key,
+                    words: Vec::new(),
+                    len: 0,
+                });
+                if let Err(e) = p.read_frame(&mut s, key, len, hb) {
+                    break e;
+                }
+                if h[1] & F_MORE == 0 {
+                    let Partial { words, len, .. } = partial.take().unwrap();
+                    tr.inbox
+                        .lock()
+                        .unwrap()
+                        .queues
+                        .entry(key)
+                        .or_default()
+                        .push_back(Msg { words, len });
+                    tr.arrived.notify_all();
+                }
+            }
             K_DATA => {
                 let key = (peer, chan, seq);
                 let mut ib = tr.inbox.lock().unwrap();
@@ -134,6 +159,40 @@ pub(crate) fn reader_loop<S: Read>(
             host,
             reason: err,
         });
+    }
+}
+
+/// A message of several frames, joined as its frames arrive (never
+/// placed in a posted region: those take single frames only). Memory
+/// grows with the bytes that really came, not with a length announced.
+struct Partial {
+    key: Key,
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Partial {
+    /// Append the next frame (`len` bytes for `key`) from `s`; `Err` with
+    /// what ends the connection.
+    fn read_frame<S: Read>(
+        &mut self,
+        s: &mut S,
+        key: Key,
+        len: usize,
+        hb: Duration,
+    ) -> std::result::Result<(), String> {
+        if key != self.key {
+            return Err(format!(
+                "sent a frame for channel {} #{} in the middle of a message for channel {} #{}",
+                key.1, key.2, self.key.1, self.key.2
+            ));
+        }
+        let end = self.len + len;
+        self.words.resize(end.div_ceil(8), 0);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words);
+        read_fully(s, &mut bytes[self.len..end]).map_err(|e| describe_read_error(e, hb))?;
+        self.len = end;
+        Ok(())
     }
 }
 

@@ -65,8 +65,14 @@ impl Transport {
             })
     }
 
-    /// Send one data frame to `to`. Blocks while the socket is full, but
+    /// Send one message to `to`. Blocks while the socket is full, but
     /// checks for failure every second and gives up at `deadline`.
+    ///
+    /// A message longer than the frame limit goes as several frames, all
+    /// but the last marked `F_MORE`, written under one hold of the link so
+    /// that no other frame comes between them; the peer's reader joins
+    /// them into one message. So any length works on every path, and the
+    /// receiver sees what it would see for a single frame.
     pub fn send(
         &self,
         to: usize,
@@ -78,15 +84,19 @@ impl Transport {
         if let Some(e) = self.failure() {
             return Err(e);
         }
-        if data.len() > MAX_DATA_FRAME {
-            return Err(CommError::Invalid(format!(
-                "message of {} bytes exceeds the frame limit of {MAX_DATA_FRAME}",
-                data.len()
-            )));
-        }
         let p = self.peer(to)?;
         self.sent.fetch_add(data.len() as u64, Ordering::Relaxed);
-        let h = header(K_DATA, chan, seq, data.len());
+        let limit = frame_limit();
+        // At least one frame: an empty message is an empty frame.
+        let frames = data.len().div_ceil(limit).max(1);
+        let piece = |i: usize| -> ([u8; HEADER], &[u8]) {
+            let part = &data[(i * limit).min(data.len())..((i + 1) * limit).min(data.len())];
+            let mut h = header(K_DATA, chan, seq, part.len());
+            if i + 1 < frames {
+                h[1] = F_MORE;
+            }
+            (h, part)
+        };
         let handed = self.netem.map(|_| Instant::now());
         if let Some(ring) = &p.shm {
             let mut tx = ring.lock().unwrap();
@@ -104,23 +114,19 @@ impl Transport {
                 ))),
                 None => Ok(()),
             };
-            return tx.write_all(&[&h, data], &mut check);
+            for i in 0..frames {
+                let (h, part) = piece(i);
+                tx.write_all(&[&h, part], &mut check)?;
+            }
+            return Ok(());
         }
         let mut w = p.writer.lock().unwrap();
-        // Bytes of this frame written, if it fails part-way.
+        // Bytes of this message written, if it fails part-way.
         let mut wrote = 0;
-        let res = if let (Some(ne), Some(t0)) = (self.netem, handed) {
-            self.send_emulated(&mut w, p, ne, t0, &h, data, deadline, &mut wrote)
-        } else if data.len() <= 64 << 10 {
-            // One write for small messages: one packet, lower latency.
-            let mut buf = Vec::with_capacity(HEADER + data.len());
-            buf.extend_from_slice(&h);
-            buf.extend_from_slice(data);
-            self.write_all(&mut w, &buf, deadline, &mut wrote)
-        } else {
-            self.write_all(&mut w, &h, deadline, &mut wrote)
-                .and_then(|_| self.write_all(&mut w, data, deadline, &mut wrote))
-        };
+        let res = (0..frames).try_for_each(|i| {
+            let (h, part) = piece(i);
+            self.write_frame(&mut w, p, handed, &h, part, deadline, &mut wrote)
+        });
         if let (Err(e), true) = (&res, wrote > 0) {
             self.tear(to, p, e);
         }
@@ -138,6 +144,34 @@ impl Transport {
                 },
             },
         })
+    }
+
+    /// Write one data frame (header `h`, payload `data`) on `w`: paced
+    /// over an emulated link (handed to `send` at `handed`), else in one
+    /// write when small.
+    #[allow(clippy::too_many_arguments)]
+    fn write_frame(
+        &self,
+        w: &mut Stream,
+        p: &Peer,
+        handed: Option<Instant>,
+        h: &[u8],
+        data: &[u8],
+        deadline: Instant,
+        wrote: &mut usize,
+    ) -> Result<()> {
+        if let (Some(ne), Some(t0)) = (self.netem, handed) {
+            self.send_emulated(w, p, ne, t0, h, data, deadline, wrote)
+        } else if data.len() <= 64 << 10 {
+            // One write for small messages: one packet, lower latency.
+            let mut buf = Vec::with_capacity(HEADER + data.len());
+            buf.extend_from_slice(h);
+            buf.extend_from_slice(data);
+            self.write_all(w, &buf, deadline, wrote)
+        } else {
+            self.write_all(w, h, deadline, wrote)
+                .and_then(|_| self.write_all(w, data, deadline, wrote))
+        }
     }
 
     /// `send` over an emulated link (see the module docs): wait until

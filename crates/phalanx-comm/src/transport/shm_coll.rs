@@ -177,12 +177,28 @@ pub(crate) fn all_reduce<T: Element>(
     deadline: Instant,
     what: &dyn Fn() -> String,
 ) -> Result<()> {
+    let failing = FailOnUnwind(t);
     let res = run(t, w, buf, op, deadline, what);
+    std::mem::forget(failing);
     if let Err(e) = &res {
         // Barrier counts no longer agree: nothing more can run.
         t.fail(e.clone());
     }
     res
+}
+
+/// Fails the transport if dropped, that is when a panic unwinds through
+/// an all-reduce part-way: as for an error, this rank's barrier count no
+/// longer agrees with its peers'.
+struct FailOnUnwind<'a>(&'a Transport);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.0.fail(CommError::Aborted(format!(
+            "rank {}: an in-place shared-memory all-reduce panicked part-way",
+            self.0.rank
+        )));
+    }
 }
 
 fn run<T: Element>(
@@ -196,7 +212,13 @@ fn run<T: Element>(
     let (n, me) = (w.slots.len(), t.rank);
     let esz = std::mem::size_of::<T>();
     let per = HALF / esz;
-    let mut st = w.state.lock().unwrap();
+    // Poisoned: a panic left this rank's barrier count part-way through a
+    // call (and the transport failed, see `FailOnUnwind`).
+    let mut st = w.state.lock().map_err(|_| {
+        CommError::Aborted(format!(
+            "rank {me}: an earlier in-place shared-memory all-reduce panicked part-way"
+        ))
+    })?;
     let sig = [
         buf.len() as u64,
         (T::DTYPE.code() as u64) << 8 | op.code() as u64,
