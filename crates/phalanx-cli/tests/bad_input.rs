@@ -306,12 +306,13 @@ fn a_failing_rank_writes_torchruns_error_file() {
         (
             &[],
             &[
-                ("RANK", "0"),
-                ("WORLD_SIZE", "1"),
-                ("LOCAL_RANK", "0"),
-                ("LOCAL_WORLD_SIZE", "1"),
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "2"),
                 ("MASTER_ADDR", "127.0.0.1"),
                 ("MASTER_PORT", &port),
+                ("PHALANX_SECRET", "00112233445566778899aabbccddeeff"),
                 ("PHALANX_TIMEOUT", "2"),
             ],
             1,

@@ -17,7 +17,8 @@
 //! hosts a PyTorch TCPStore there and sets `TORCHELASTIC_USE_AGENT_STORE=True`
 //! (the ranks then speak torch's protocol to it, keys under
 //! `phalanx/{TORCHELASTIC_RUN_ID}/attempt_{TORCHELASTIC_RESTART_COUNT}`);
-//! otherwise rank 0 hosts it. The job secret comes from `PHALANX_SECRET`: hex, at least 16
+//! otherwise rank 0 hosts it (a process alone, world size 1, serves its
+//! own on a free loopback port instead of meeting anyone). The job secret comes from `PHALANX_SECRET`: hex, at least 16
 //! bytes. A job that may span hosts (fewer local ranks than ranks, or a
 //! `MASTER_ADDR` that is not loopback) refuses to start without it; a
 //! single-host job without it binds loopback only, and rank 0 makes a
@@ -423,7 +424,7 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
 fn init_kind(env: &DistEnv, mut cfg: Config, kind: BackendKind) -> Result<ProcessGroup> {
     cfg.validate()?;
     cfg.spans_hosts |= env.local_world_size < env.world_size;
-    let addr = format!("{}:{}", env.master_addr, env.master_port);
+    let mut addr = format!("{}:{}", env.master_addr, env.master_port);
     let deadline = std::time::Instant::now() + cfg.timeout;
     // A single-host job without PHALANX_SECRET: rank 0 makes the secret,
     // the others read it (see `secret_file`); alone, nobody needs one.
@@ -446,6 +447,14 @@ fn init_kind(env: &DistEnv, mut cfg: Config, kind: BackendKind) -> Result<Proces
             format!("0.0.0.0:{}", env.master_port)
         };
         keep.push(Box::new(StoreServer::bind(&bind, secret.clone())?));
+    } else if !env.agent_store && !env.store_hosted && env.world_size == 1 {
+        // Alone (a process started by hand, `mpirun -np 1` on the native
+        // backend): a store of its own on a free loopback port, rather
+        // than waiting PHALANX_TIMEOUT for one at MASTER_ADDR:MASTER_PORT
+        // that nobody serves.
+        let server = StoreServer::bind("127.0.0.1:0", secret.clone())?;
+        addr = server.addr().to_string();
+        keep.push(Box::new(server));
     }
     let left = || deadline.saturating_duration_since(std::time::Instant::now());
     let store = loop {
@@ -554,6 +563,39 @@ pub fn from_store(
 #[cfg(test)]
 mod tests {
     use super::first_host;
+
+    /// A process alone needs no store at MASTER_ADDR:MASTER_PORT: nobody
+    /// serves one there (here: a port with nothing behind it).
+    #[test]
+    fn a_world_of_one_starts_without_a_store_to_meet_at() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let env = super::DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            secret: Vec::new(),
+            secret_file: None,
+            store_hosted: false,
+            agent_store: false,
+            source: "single",
+            run_id: "0".into(),
+        };
+        let cfg = crate::Config {
+            timeout: std::time::Duration::from_secs(2),
+            ..crate::Config::default()
+        };
+        let pg = super::init_with(&env, cfg).unwrap();
+        let mut x = [3.0f32];
+        pg.all_reduce(&mut x, crate::ReduceOp::Sum).unwrap();
+        assert_eq!((pg.size(), x[0]), (1, 3.0));
+    }
 
     #[test]
     fn first_host_of_slurm_node_lists() {
