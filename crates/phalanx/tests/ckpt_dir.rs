@@ -95,6 +95,23 @@ fn rotation_deletes_only_checkpoints_phalanx_wrote() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A run writing into a directory that holds another run's later steps
+/// (or resumed from an earlier step of its own) rotates its own saves: the
+/// higher steps stay, and never cost it the checkpoints it is writing.
+#[test]
+fn rotation_keeps_the_run_being_written_over_higher_steps() {
+    let root = fresh("rotate-higher");
+    for s in [500, 600, 50, 100, 200] {
+        dir_with(&root, &step_dir_name(s), Some(&metadata(s)));
+    }
+    rotate::prune(&root, &step_dir_name(200), 2);
+    for s in [500, 600, 100, 200] {
+        assert!(root.join(step_dir_name(s)).exists(), "step {s} deleted");
+    }
+    assert!(!root.join(step_dir_name(50)).exists(), "step 50 kept");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 #[test]
 fn names_rotation_recognises() {
     let cases: &[(&str, Option<usize>)] = &[

@@ -47,7 +47,11 @@ pub fn phalanx_checkpoint(dir: &Path) -> Option<usize> {
 
 /// Remove all but the newest `keep` (at least 1) checkpoints under `root`
 /// that Phalanx wrote (never `current`), and, while this process holds the
-/// directory's lock, leftovers of interrupted saves.
+/// directory's lock, leftovers of interrupted saves. Only checkpoints of
+/// steps up to `current`'s count: higher ones belong to another run in the
+/// same directory (or to this run's future, when it was resumed from an
+/// earlier step), and deleting this run's saves in their favour would lose
+/// the run being written (its `latest` is `current`).
 pub fn prune(root: &Path, current: &str, keep: usize) {
     let Ok(rd) = std::fs::read_dir(root) else {
         return;
@@ -64,6 +68,13 @@ pub fn prune(root: &Path, current: &str, keep: usize) {
     }
     // By step, not by name: names past 8 digits sort wrong as text.
     steps.sort();
+    if let Some(cur) = steps
+        .iter()
+        .find(|(_, p)| p.file_name().is_some_and(|n| n == current))
+        .map(|(s, _)| *s)
+    {
+        steps.retain(|(s, _)| *s <= cur);
+    }
     let keep = keep.max(1);
     if steps.len() > keep {
         for (_, p) in &steps[..steps.len() - keep] {
