@@ -869,6 +869,8 @@ fn settings_without_effect_get_a_note() {
             ],
             "no effect under ZeRO stage 1",
         ),
+        (&["train.reduce_dtype=\"fp16\""], "reduced in fp16"),
+        (&["parallel.comm_hook=\"fp16\""], "without a loss scale"),
     ] {
         let n = notes(s);
         assert!(n.contains(want), "{s:?}: {n:?}");

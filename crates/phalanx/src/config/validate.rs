@@ -524,6 +524,24 @@ impl TrainConfig {
                  effect under ZeRO stage {stage} or pipeline parallelism"
             ));
         }
+        // fp16 on the wire without fp16's loss scale: gradients below fp16's
+        // smallest subnormal (6e-8) arrive as zeros, and bf16 would keep
+        // fp32's range at the same size.
+        let fp16_wire = t.reduce_dtype == super::Precision::Fp16
+            || p.comm_hook == super::CommHookKind::Fp16;
+        if fp16_wire && self.precision() != super::Precision::Fp16 {
+            n.push(format!(
+                "gradients are reduced in fp16 ({}) without a loss scale ({} training): values \
+                 below 6e-8 arrive as zeros and above 65504 as infinities; bf16 keeps fp32's \
+                 range",
+                if t.reduce_dtype == super::Precision::Fp16 {
+                    "train.reduce_dtype"
+                } else {
+                    "parallel.comm_hook"
+                },
+                self.precision()
+            ));
+        }
         n
     }
 
