@@ -225,6 +225,18 @@ fn time(dev: &Device, n: usize, steps: usize) -> Result<(), String> {
     ]])
     .map_err(|e| e.to_string())?;
     let n = l.num_params();
+    // Parameters, gradients, two moments and a copy for each way: refused
+    // with the numbers rather than aborted by a failed allocation.
+    const BUFFERS: usize = 6;
+    let need = n.saturating_mul(4 * BUFFERS);
+    if let Some(avail) = crate::bench_collectives::available_memory().filter(|&a| need > a) {
+        return Err(format!(
+            "--params {n}: about {:.1} GiB ({BUFFERS} f32 buffers of that size), but {:.1} GiB \
+             of memory is available",
+            need as f64 / (1u64 << 30) as f64,
+            avail as f64 / (1u64 << 30) as f64
+        ));
+    }
     let cfg = AdamWConfig::default();
     let (mut p, g) = (values(n, 3, 1.0), values(n, 4, 0.1));
     println!(

@@ -215,6 +215,10 @@ fn the_optimizer_bench_checks_the_device_against_the_host() {
     let (code, _, err) = bench_optimizer(&["--params", "lots"]);
     assert_eq!(code, 1);
     assert!(err.contains("--params") && err.contains("lots"), "{err}");
+    // More than the machine holds: refused with the numbers, no abort.
+    let (code, _, err) = bench_optimizer(&["--params", "1T", "--steps", "1"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("of memory is available"), "{err}");
     let (code, _, err) = bench_optimizer(&["--device", "tpu"]);
     assert_eq!(code, 1);
     assert!(err.contains("--device") && err.contains("tpu"), "{err}");
