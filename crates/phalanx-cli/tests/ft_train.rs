@@ -349,3 +349,31 @@ fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step()
     assert!(wa == wb, "the healed group's final weights differ");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A replica group of several ranks whose quorum timeout is not below the
+/// collective timeout is refused before it waits: its other ranks would
+/// time out in their broadcast while its first rank still waits for the
+/// quorum, hiding the lighthouse's status.
+#[test]
+fn a_quorum_timeout_past_the_collective_timeout_is_refused() {
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .args(["train", "--nproc-per-node", "2"])
+        .args(sets(&strs(&[
+            "train.steps=1",
+            // Nothing listens there: the refusal comes first.
+            "fault_tolerance.lighthouse=\"127.0.0.1:9\"",
+            "fault_tolerance.quorum_timeout=30",
+        ])))
+        .env("PHALANX_SECRET", "00112233445566778899aabbccddeeff")
+        .env("PHALANX_TIMEOUT", "20");
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    let r = run_until(c, std::time::Duration::from_secs(120));
+    assert_ne!(r.code, 0, "{r}");
+    assert!(
+        r.err.contains("fault_tolerance.quorum_timeout = 30 s is not below the collective timeout"),
+        "{r}"
+    );
+}

@@ -73,6 +73,22 @@ impl Ft {
                 ))
             }
         };
+        // While a group's first rank waits for a quorum (up to
+        // quorum_timeout), its other ranks wait in a broadcast bounded by
+        // the job's collective timeout: one shorter would end the group
+        // with a broadcast timeout instead of the lighthouse's status.
+        let comm_timeout = phalanx_comm::Config::from_env().timeout;
+        if world.size() > 1
+            && phalanx_comm::config::wait_secs(f.quorum_timeout) >= comm_timeout
+        {
+            return Err(Error::Check(format!(
+                "fault_tolerance.quorum_timeout = {} s is not below the collective timeout \
+                 ({} s, PHALANX_TIMEOUT), which bounds the wait of a replica group's other ranks \
+                 while its first rank waits for the quorum: lower it or raise PHALANX_TIMEOUT",
+                f.quorum_timeout,
+                comm_timeout.as_secs_f64()
+            )));
+        }
         let opts = ManagerOpts {
             quorum_timeout: phalanx_comm::config::wait_secs(f.quorum_timeout),
             heartbeat_timeout: phalanx_comm::config::wait_secs(f.heartbeat_timeout),
