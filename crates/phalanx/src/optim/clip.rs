@@ -27,7 +27,17 @@ pub fn sum_squares(g: &[f32]) -> f64 {
 #[inline(always)]
 fn sum_squares_kernel(g: &[f32]) -> f64 {
     g.chunks(1024)
-        .map(|c| crate::ops::cpu::dot_lanes(c, c) as f64)
+        .map(|c| {
+            let s = crate::ops::cpu::dot_lanes(c, c);
+            if s.is_finite() {
+                s as f64
+            } else {
+                // Squares past f32's range (values above ~1.8e19, or a
+                // block whose squares sum past 3.4e38) are finite in f64:
+                // only a non-finite gradient may read as one.
+                c.iter().map(|&x| x as f64 * x as f64).sum()
+            }
+        })
         .sum()
 }
 
@@ -55,6 +65,14 @@ pub fn clip_grad_norm(g: &mut [f32], max_norm: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn squares_past_f32s_range_are_finite_and_non_finite_values_stay_so() {
+        assert_eq!(sum_squares(&[2e19]), 2e19f32 as f64 * 2e19f32 as f64);
+        assert!(sum_squares(&vec![1e19f32; 4096]).is_finite());
+        assert_eq!(sum_squares(&[1.0, f32::INFINITY]), f64::INFINITY);
+        assert!(sum_squares(&[1.0, f32::NAN]).is_nan());
+    }
 
     #[test]
     fn sum_squares_matches_f64_on_odd_lengths() {
