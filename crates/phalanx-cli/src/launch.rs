@@ -182,7 +182,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     let mut port = master_port.unwrap_or(if multi { 29500 } else { 0 });
     let _server = if opts.node_rank == 0 {
         let bind = if multi {
-            format!("0.0.0.0:{port}")
+            phalanx_comm::init::any_interface(&master_host, port)
         } else {
             format!("127.0.0.1:{port}")
         };

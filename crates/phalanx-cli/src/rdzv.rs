@@ -452,10 +452,9 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         }
     };
     let key = phalanx_comm::wire::from_hex(&secret).unwrap();
-    let endpoint = opts
-        .rdzv_endpoint
-        .clone()
-        .unwrap_or_else(|| format!("{}:{}", opts.master_addr, opts.master_port.unwrap_or(29400)));
+    let endpoint = opts.rdzv_endpoint.clone().unwrap_or_else(|| {
+        phalanx_comm::init::host_port(&opts.master_addr, opts.master_port.unwrap_or(29400))
+    });
     let (host, port) = endpoint
         .rsplit_once(':')
         .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
@@ -466,7 +465,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         let bind = if phalanx_comm::init::is_loopback(&host) {
             endpoint.clone()
         } else {
-            format!("0.0.0.0:{port}")
+            phalanx_comm::init::any_interface(&host, port)
         };
         match StoreServer::bind(&bind, key.clone()) {
             Ok(s) => Some(s),

@@ -312,6 +312,52 @@ pub fn first_host(list: &str) -> Option<String> {
 
 /// Whether `addr` (a host name or IP address, as in MASTER_ADDR) names this
 /// host's loopback interface.
+/// `host:port` as a socket address string: a bare IPv6 literal
+/// (`MASTER_ADDR=fd00::1`) gets its brackets.
+///
+/// ```
+/// use phalanx_comm::init::host_port;
+/// assert_eq!(host_port("fd00::1", 29500), "[fd00::1]:29500");
+/// assert_eq!(host_port("[fd00::1]", 29500), "[fd00::1]:29500");
+/// assert_eq!(host_port("node7", 29500), "node7:29500");
+/// ```
+pub fn host_port(host: &str, port: u16) -> String {
+    let h = host.trim();
+    if h.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{h}]:{port}")
+    } else {
+        format!("{h}:{port}")
+    }
+}
+
+/// The address that serves `port` on every interface of the family
+/// `host` is reached by: `[::]` for an IPv6 host (a literal, or a name
+/// with IPv6 addresses only), else `0.0.0.0` (an IPv4 wildcard takes no
+/// IPv6 connection, and `[::]` takes IPv4 ones only where the system
+/// allows dual-stack sockets).
+///
+/// ```
+/// use phalanx_comm::init::any_interface;
+/// assert_eq!(any_interface("[fd00::1]", 29500), "[::]:29500");
+/// assert_eq!(any_interface("10.0.0.1", 29500), "0.0.0.0:29500");
+/// ```
+pub fn any_interface(host: &str, port: u16) -> String {
+    use std::net::ToSocketAddrs;
+    let h = host.trim().trim_start_matches('[').trim_end_matches(']');
+    let v6 = match h.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_ipv6(),
+        Err(_) => (h, port).to_socket_addrs().is_ok_and(|a| {
+            let a: Vec<_> = a.collect();
+            !a.is_empty() && a.iter().all(|x| x.is_ipv6())
+        }),
+    };
+    if v6 {
+        format!("[::]:{port}")
+    } else {
+        format!("0.0.0.0:{port}")
+    }
+}
+
 pub fn is_loopback(addr: &str) -> bool {
     let a = addr.trim().trim_start_matches('[').trim_end_matches(']');
     a.eq_ignore_ascii_case("localhost")
@@ -424,7 +470,7 @@ pub fn init_with(env: &DistEnv, cfg: Config) -> Result<ProcessGroup> {
 fn init_kind(env: &DistEnv, mut cfg: Config, kind: BackendKind) -> Result<ProcessGroup> {
     cfg.validate()?;
     cfg.spans_hosts |= env.local_world_size < env.world_size;
-    let mut addr = format!("{}:{}", env.master_addr, env.master_port);
+    let mut addr = host_port(&env.master_addr, env.master_port);
     let deadline = std::time::Instant::now() + cfg.timeout;
     // A single-host job without PHALANX_SECRET: rank 0 makes the secret,
     // the others read it (see `secret_file`); alone, nobody needs one.
@@ -444,7 +490,7 @@ fn init_kind(env: &DistEnv, mut cfg: Config, kind: BackendKind) -> Result<Proces
         let bind = if is_loopback(&env.master_addr) {
             addr.clone()
         } else {
-            format!("0.0.0.0:{}", env.master_port)
+            any_interface(&env.master_addr, env.master_port)
         };
         keep.push(Box::new(StoreServer::bind(&bind, secret.clone())?));
     } else if !env.agent_store && !env.store_hosted && env.world_size == 1 {
