@@ -3,7 +3,8 @@
 //! quorum (hung) is dropped and told so, instead of the others
 //! reconnecting to it forever; two groups with one replica id are named; a
 //! lighthouse with a shorter heartbeat timeout than its groups' keeps them;
-//! a join slot its group never wrote does not block later joins.
+//! a join slot its group never wrote does not block later joins; a group
+//! whose first heal failed still takes the healer's state next time.
 
 use phalanx_comm::ft::{Lighthouse, LighthouseOpts, Manager, ManagerOpts};
 use phalanx_comm::store::StoreClient;
@@ -147,4 +148,53 @@ fn a_join_its_group_never_wrote_does_not_block_later_joins() {
     let mut m = Manager::connect(&addr, SECRET, "a", opts(0.5)).unwrap();
     let q = m.quorum(0).unwrap();
     assert_eq!((q.size, q.members), (1, vec!["a".to_string()]));
+}
+
+#[test]
+fn a_group_whose_first_heal_failed_is_still_first() {
+    let lh = lighthouse(0.5);
+    let addr = lh.addr().to_string();
+    let (gone_tx, gone_rx) = mpsc::channel::<()>();
+    let a = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut m = Manager::connect(&addr, SECRET, "a", opts(0.5)).unwrap();
+            quorum_of(&mut m, 2);
+            // Lost before the heal.
+            m.abort("test: lost before the heal");
+            drop(m);
+            gone_tx.send(()).unwrap();
+        })
+    };
+    let mut b = Manager::connect(&addr, SECRET, "b", opts(0.5)).unwrap();
+    quorum_of(&mut b, 2);
+    gone_rx.recv().unwrap();
+    a.join().unwrap();
+    let mut state = vec![1.0f32; 4];
+    assert!(!b.heal(&mut state).unwrap(), "a member was lost");
+    // The next quorum (without a): b never completed a heal.
+    let q = loop {
+        let q = b.quorum(0).unwrap();
+        if q.size == 1 {
+            break q;
+        }
+        b.wait_change().unwrap();
+    };
+    assert!(q.first, "{q:?}");
+    // Once a heal completed, the next change is not first.
+    b.mark_healed();
+    let mut c = Manager::connect(&addr, SECRET, "c", opts(0.5)).unwrap();
+    let t = std::thread::spawn(move || {
+        quorum_of(&mut c, 2);
+        c
+    });
+    let q = loop {
+        let q = b.quorum(0).unwrap();
+        if q.size == 2 {
+            break q;
+        }
+        b.wait_change().unwrap();
+    };
+    assert!(q.changed && !q.first, "{q:?}");
+    drop(t.join().unwrap());
 }

@@ -68,7 +68,8 @@ pub struct Quorum {
     pub healer: usize,
     /// Whether this group is behind `max_step` (it rejoined).
     pub behind: bool,
-    /// Whether this is this incarnation's first quorum: it takes the
+    /// Whether this incarnation has not yet completed a heal (its first
+    /// quorum, or the ones after a heal that failed): it takes the
     /// healer's state even when not behind, so that all groups start from
     /// the same parameters.
     pub first: bool,
@@ -95,6 +96,9 @@ pub struct Manager {
     poll: Option<StoreClient>,
     /// Quorums this incarnation has formed.
     formed: u64,
+    /// Whether this incarnation has taken part in a heal that completed
+    /// ([`Manager::mark_healed`]): until then its quorums are `first`.
+    healed: bool,
 }
 
 /// What the group's first rank decided, as its other ranks receive it.
@@ -178,6 +182,7 @@ impl Manager {
             check: None,
             poll: None,
             formed: 0,
+            healed: false,
         })
     }
 
@@ -502,7 +507,7 @@ impl Manager {
                 max_step: s[0] as u64,
                 healer: s[1] as usize,
                 behind: s[2] == 1,
-                first: self.formed == 0,
+                first: !self.healed,
             };
             self.formed += 1;
             self.quorum = Some(q.clone());
@@ -635,6 +640,14 @@ impl Manager {
         let mut all = vec![0i64; n];
         let ok = self.on_group(|pg| pg.all_gather(&[digest], &mut all))?;
         Ok(ok.then_some(all))
+    }
+
+    /// The caller's heal after a quorum completed: later quorums are no
+    /// longer this incarnation's `first` (a heal that failed, a member
+    /// lost during it, leaves the next quorum `first` still, so the group
+    /// still takes the healer's state).
+    pub fn mark_healed(&mut self) {
+        self.healed = true;
     }
 
     /// Receive the healer's copy of `buf` (every member takes part; the

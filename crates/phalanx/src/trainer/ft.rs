@@ -78,9 +78,7 @@ impl Ft {
         // the job's collective timeout: one shorter would end the group
         // with a broadcast timeout instead of the lighthouse's status.
         let comm_timeout = phalanx_comm::Config::from_env().timeout;
-        if world.size() > 1
-            && phalanx_comm::config::wait_secs(f.quorum_timeout) >= comm_timeout
-        {
+        if world.size() > 1 && phalanx_comm::config::wait_secs(f.quorum_timeout) >= comm_timeout {
             return Err(Error::Check(format!(
                 "fault_tolerance.quorum_timeout = {} s is not below the collective timeout \
                  ({} s, PHALANX_TIMEOUT), which bounds the wait of a replica group's other ranks \
@@ -334,6 +332,7 @@ impl Trainer {
         if !ft.mgr.heal(&mut head).map_err(comm)? || !ft.mgr.heal(&mut body).map_err(comm)? {
             return Ok(None);
         }
+        ft.mgr.mark_healed();
         if !(q.behind || q.first) || q.rank == q.healer {
             return Ok(Some(k)); // ours is the state everyone took
         }
