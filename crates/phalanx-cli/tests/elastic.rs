@@ -360,3 +360,56 @@ fn a_signal_while_waiting_for_nodes_ends_the_agent_at_once() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A checkpoint holding each rank's comm-hook state (top-k residuals of 2
+/// ranks), resumed by an elastic round of another size: the hook starts
+/// fresh with a note (else every round would meet the refusal and the job
+/// could never go on); outside an elastic job the refusal stands.
+#[test]
+fn an_elastic_round_of_another_size_starts_the_hook_state_fresh() {
+    let d = fresh_dir("phalanx-elastic", "hook");
+    let hook = [
+        "--set",
+        "parallel.comm_hook=\"topk\"",
+        "--set",
+        "parallel.topk_ratio=0.1",
+        "--set",
+        "checkpoint.interval=2",
+    ];
+    let run = |nproc: &str, steps: usize, resume: bool, elastic: bool| {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo())
+            .arg("train")
+            .args(train_args(&d.join(format!("log-{nproc}.jsonl")), steps))
+            .args(hook)
+            .args(["--nproc-per-node", nproc])
+            .args([
+                "--set",
+                &format!(
+                    "checkpoint.dir=\"{}\"",
+                    d.join(format!("ck-{nproc}")).display()
+                ),
+            ])
+            .env_remove("RANK");
+        if resume {
+            c.args(["--resume"]).arg(d.join("ck-2"));
+        }
+        if elastic {
+            c.env("PHALANX_ELASTIC", "1");
+        }
+        run_until(c, DEADLINE)
+    };
+    let r = run("2", 2, false, false);
+    assert_eq!(r.code, 0, "{r}");
+    let r = run("1", 4, true, false);
+    assert_ne!(r.code, 0, "{r}");
+    assert!(r.err.contains("cannot be split or merged"), "{r}");
+    let r = run("1", 4, true, true);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.out
+            .contains("this elastic round has 1 (dp 1, pp 1, tp 1): the hook starts fresh"),
+        "{r}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -312,8 +312,10 @@ impl Trainer {
     /// PowerSGD's Q, DGC's velocity, the counters the warm-ups read), saved
     /// by the same rank. It belongs to each rank's buckets, so it is loaded
     /// only into the layout that saved it: another layout with the same
-    /// hook is refused (its error says how to go on), and a run with
-    /// another hook starts its own fresh.
+    /// hook is refused (its error says how to go on), except in an elastic
+    /// job (`PHALANX_ELASTIC=1`, or a restarted worker group), where it
+    /// starts fresh with a note; a run with another hook starts its own
+    /// fresh.
     fn load_hook_state(&mut self, reader: &Reader) -> Result<()> {
         if reader.meta.rank_state.is_empty() {
             return Ok(());
@@ -342,6 +344,32 @@ impl Trainer {
         );
         let l = &reader.meta.layout;
         let there = (l.world, l.dp, l.pp, l.tp, l.zero_stage);
+        // An elastic job re-formed with other members (or a restarted
+        // worker group, whose world can only have changed so) would meet
+        // the refusal below at every round: there the hook starts fresh,
+        // as PyTorch's hooks do after a restart.
+        let elastic =
+            std::env::var("PHALANX_ELASTIC").as_deref() == Ok("1") || restart_count() > 0;
+        if here != there && elastic {
+            if lead {
+                println!(
+                    "note: {} holds each rank's parallel.comm_hook = {mine} state for {} ranks \
+                     (dp {}, pp {}, tp {}); this elastic round has {} (dp {}, pp {}, tp {}): the \
+                     hook starts fresh (error-feedback residuals and warm-up counters reset), the \
+                     model and optimizer carry over",
+                    reader.dir().display(),
+                    there.0,
+                    there.1,
+                    there.2,
+                    there.3,
+                    here.0,
+                    here.1,
+                    here.2,
+                    here.3
+                );
+            }
+            return Ok(());
+        }
         if here != there {
             return Err(Error::Check(format!(
                 "{} holds each rank's parallel.comm_hook = {mine} state (error-feedback residuals, \
