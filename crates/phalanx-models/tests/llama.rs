@@ -260,6 +260,26 @@ fn kv_cache_matches_full_recompute() {
     assert!(g.is_empty());
 }
 
+/// A prompt fed in pieces (as generation feeds a long one) gives the
+/// logits of feeding it whole.
+#[test]
+fn a_prompt_fed_in_pieces_matches_the_full_forward() {
+    use phalanx_models::common::generate::Decoder;
+    use phalanx_models::llama::generate::CachedDecoder;
+    let cfg = small();
+    let e = engine(&cfg, Activations::KeepGraph);
+    let (x, _) = tokens(1, cfg.block_size, cfg.vocab_size, 5);
+    let ids: Vec<u32> = x.flatten_all().unwrap().to_vec1().unwrap();
+    let full = e.forward(&x).unwrap().squeeze(0).unwrap(); // (T, V)
+    let want: Vec<f32> = full.get(ids.len() - 1).unwrap().to_vec1().unwrap();
+    for chunk in [1, 3, ids.len()] {
+        let mut d = CachedDecoder::new(&e, &cfg).unwrap().prefill_chunk(chunk);
+        let got = d.next_logits(&ids, 0).unwrap();
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-5, "pieces of {chunk}: logits differ by {err}");
+    }
+}
+
 /// Values and gradients (of x and w) of a fused op and its composed reference.
 fn fused_vs_composed(
     shape: &[usize],
