@@ -270,6 +270,7 @@ impl ProcessGroup {
             reduce: None,
             root: None,
             layout: 0,
+            pairs: None,
         }
     }
 
@@ -482,7 +483,18 @@ impl ProcessGroup {
         }
         // Ranks of a v-collective send different amounts: its signature
         // (`sig_count`) is the group size, and each receive checks its size.
-        self.collective(self.sig::<T>("all_to_all", sig_count), |b, c| {
+        // Under detail it also carries both count vectors, so that every
+        // rank checks that what each rank sends each other rank is what
+        // that one expects (`check_signatures`).
+        let pairs = self.inner.cfg.detail.then(|| {
+            let words = |c: &[usize]| c.iter().map(|&x| x as u64).collect();
+            (words(send), words(recv))
+        });
+        let sig = Signature {
+            pairs,
+            ..self.sig::<T>("all_to_all", sig_count)
+        };
+        self.collective(sig, |b, c| {
             b.all_to_all_v(c, Bytes::of(input), send, BytesMut::of(output), recv)
         })
     }

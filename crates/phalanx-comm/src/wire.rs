@@ -3,8 +3,14 @@
 //! Both the rendezvous store and the rank-to-rank transport start every
 //! connection with a mutual HMAC-SHA256 challenge-response over the job
 //! secret: each side sends a random nonce and must answer the other's with
-//! `HMAC(secret, nonce || role)`. The secret itself never crosses the wire,
-//! and a replayed answer is useless because nonces are fresh.
+//! `HMAC(secret, nonce || role || context)`. The secret itself never crosses
+//! the wire, and a replayed answer is useless because nonces are fresh. The
+//! context is empty for the store; between ranks it names the group and
+//! both ranks, so that an answer is good for one link only.
+//!
+//! What ranks publish in a store that others may write (their addresses,
+//! under torchrun's unauthenticated agent store) is signed with the secret
+//! too: see [`sign_record`].
 
 use crate::error::{CommError, Result};
 use hmac::{Hmac, Mac};
@@ -45,11 +51,61 @@ pub fn from_hex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-fn mac(secret: &[u8], nonce: &[u8], role: &[u8]) -> HmacSha256 {
+fn mac(secret: &[u8], nonce: &[u8], role: &[u8], context: &[u8]) -> HmacSha256 {
     let mut m = HmacSha256::new_from_slice(secret).expect("HMAC accepts any key length");
     m.update(nonce);
     m.update(role);
+    m.update(context);
     m
+}
+
+/// Bytes of a signed record's tag: a newline, then the MAC in hex.
+const RECORD_TAG: usize = 1 + 2 * 32;
+
+fn record_mac(secret: &[u8], prefix: &str, kind: &str, rank: usize, value: &[u8]) -> HmacSha256 {
+    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC accepts any key length");
+    m.update(b"phalanx store record v1\0");
+    for field in [prefix.as_bytes(), kind.as_bytes(), value] {
+        m.update(&(field.len() as u64).to_le_bytes());
+        m.update(field);
+    }
+    m.update(&(rank as u64).to_le_bytes());
+    m
+}
+
+/// A record for a store that others may write (torchrun's agent store has
+/// no authentication): `value`, a newline and `HMAC(secret, prefix, kind,
+/// rank, value)` in hex. The MAC binds the value to the group (`prefix`),
+/// the kind of record and the rank that published it, so a record can be
+/// neither forged nor moved to another rank's or group's key.
+pub fn sign_record(secret: &[u8], prefix: &str, kind: &str, rank: usize, value: &[u8]) -> Vec<u8> {
+    let tag = record_mac(secret, prefix, kind, rank, value)
+        .finalize()
+        .into_bytes();
+    let mut out = Vec::with_capacity(value.len() + RECORD_TAG);
+    out.extend_from_slice(value);
+    out.push(b'\n');
+    out.extend_from_slice(to_hex(&tag).as_bytes());
+    out
+}
+
+/// The value of a record made by [`sign_record`] with the same secret,
+/// prefix, kind and rank; `None` if it is anything else (forged, moved from
+/// another key, signed with another secret, unsigned, cut short).
+pub fn open_record<'a>(
+    secret: &[u8],
+    prefix: &str,
+    kind: &str,
+    rank: usize,
+    record: &'a [u8],
+) -> Option<&'a [u8]> {
+    let at = record.len().checked_sub(RECORD_TAG)?;
+    let (value, tag) = record.split_at(at);
+    let tag = from_hex(std::str::from_utf8(tag.strip_prefix(b"\n")?).ok()?)?;
+    record_mac(secret, prefix, kind, rank, value)
+        .verify_slice(&tag)
+        .ok()?;
+    Some(value)
 }
 
 /// A byte stream whose read timeout can be read and set: what the handshake
@@ -99,6 +155,22 @@ pub fn handshake_until<S: Read + Write + ReadTimeout>(
     server: bool,
     deadline: Instant,
 ) -> Result<()> {
+    handshake_bound(s, secret, server, deadline, &[])
+}
+
+/// [`handshake_until`] with `context` mixed into both answers: the two
+/// sides succeed only if they agree on it. The rank-to-rank transport
+/// passes the group and both ranks (dialer and acceptor), so an answer
+/// given on one link is no good on any other: a relay that passes one
+/// rank's dial on to a different rank fails the handshake. An empty
+/// context is the plain handshake.
+pub fn handshake_bound<S: Read + Write + ReadTimeout>(
+    s: &mut S,
+    secret: &[u8],
+    server: bool,
+    deadline: Instant,
+    context: &[u8],
+) -> Result<()> {
     let old = s.read_timeout()?;
     let (my_role, peer_role): (&[u8], &[u8]) = if server {
         (b"server", b"client")
@@ -125,11 +197,13 @@ pub fn handshake_until<S: Read + Write + ReadTimeout>(
     }
     let peer_nonce = &hello[8..];
     // Answer the peer's challenge, then check its answer to ours.
-    let answer = mac(secret, peer_nonce, my_role).finalize().into_bytes();
+    let answer = mac(secret, peer_nonce, my_role, context)
+        .finalize()
+        .into_bytes();
     s.write_all(&answer)?;
     let mut theirs = [0u8; 32];
     read_exact_until(s, &mut theirs, deadline, "handshake answer")?;
-    mac(secret, &my_nonce, peer_role)
+    mac(secret, &my_nonce, peer_role, context)
         .verify_slice(&theirs)
         .map_err(|_| CommError::Auth("peer does not hold the job secret".into()))?;
     s.set_read_timeout(old)?;

@@ -355,3 +355,84 @@ fn a_rank_that_never_calls_under_detail_fails_what_is_queued_at_once() {
         assert!(e.to_string().contains("never called collective #1"), "{e}");
     }
 }
+
+/// The counts of one all-to-all-v where rank 0 sends 5 elements to rank 1,
+/// which expects none from it (everything else agrees).
+fn mismatched_all_to_all(pg: &phalanx_comm::ProcessGroup) -> phalanx_comm::Result<()> {
+    let (send, recv) = if pg.rank() == 0 {
+        ([1, 5], [1, 2])
+    } else {
+        ([2, 1], [0, 1])
+    };
+    let input = vec![pg.rank() as f32; send.iter().sum()];
+    let mut out = vec![0f32; recv.iter().sum()];
+    pg.all_to_all_v(&input, &send, &mut out, &recv)
+}
+
+/// Without detail, the rank that expected nothing from rank 0 but was sent
+/// 5 elements says so (the data used to be dropped in silence, the frame
+/// left in its inbox for good); the group goes on working.
+#[test]
+fn all_to_all_v_counts_that_disagree_are_an_error_without_detail() {
+    let out = threads::run_with(2, cfg(10.0), Duration::from_secs(60), |pg| {
+        let r = mismatched_all_to_all(&pg);
+        let mut x = [1.0f32; 4];
+        pg.all_reduce(&mut x, ReduceOp::Sum)?;
+        Ok((r, x[0]))
+    });
+    let o: Vec<_> = out.into_iter().map(|o| o.unwrap()).collect();
+    assert!(o[0].0.is_ok(), "{:?}", o[0].0);
+    let e = o[1].0.as_ref().unwrap_err();
+    assert!(matches!(e, CommError::Desync(_)), "{e}");
+    assert!(
+        e.to_string().contains("rank 0 sent 20 bytes where 0"),
+        "{e}"
+    );
+    assert!(o.iter().all(|x| x.1 == 2.0));
+}
+
+/// Under detail, every rank fails before any data moves, naming the pair
+/// and both counts.
+#[test]
+fn all_to_all_v_counts_that_disagree_are_a_desync_under_detail() {
+    let c = Config {
+        detail: true,
+        ..cfg(10.0)
+    };
+    let out = threads::run_with(2, c, Duration::from_secs(60), |pg| {
+        Ok(mismatched_all_to_all(&pg).unwrap_err())
+    });
+    for o in out {
+        let e = o.unwrap();
+        let m = e.to_string();
+        assert!(matches!(e, CommError::Desync(_)), "{m}");
+        assert!(
+            m.contains("rank 0 sends 5 elements to rank 1, which expects 0 from it"),
+            "{m}"
+        );
+    }
+}
+
+/// Under detail, ranks that ask `new_group` for different members fail on
+/// every rank, naming each rank's call, instead of forming groups that
+/// disagree on who is in them.
+#[test]
+fn new_group_with_different_members_is_a_desync_under_detail() {
+    let c = Config {
+        detail: true,
+        ..cfg(10.0)
+    };
+    let out = threads::run_with(3, c, Duration::from_secs(60), |pg| {
+        let ranks: &[usize] = if pg.rank() == 1 { &[1, 2] } else { &[0, 1] };
+        Ok(pg.new_group(ranks).map(|g| g.is_some()))
+    });
+    for o in out {
+        let e = o.unwrap().unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, CommError::Desync(_)), "{m}");
+        assert!(
+            m.contains("rank 1 called new_group(i64, count=2, digest="),
+            "{m}"
+        );
+    }
+}

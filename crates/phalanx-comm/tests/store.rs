@@ -115,3 +115,59 @@ fn transport_refuses_wrong_secret() {
         .unwrap();
     assert!(err.to_string().contains("authentication"), "{err}");
 }
+
+/// A connection the server serves does not outlive the server: once it is
+/// dropped, an idle authenticated client (one that sends nothing more, as
+/// one whose host vanished) is closed. Its thread used to wait for a
+/// frame that never came, forever.
+#[test]
+fn idle_connections_end_with_the_server() {
+    let (s, addr, secret) = server();
+    let mut raw = TcpStream::connect(&addr).unwrap();
+    phalanx_comm::wire::handshake(&mut raw, &secret, false, Duration::from_secs(5)).unwrap();
+    // One request served, so the connection is past its handshake.
+    phalanx_comm::wire::write_frame(&mut raw, &[7]).unwrap();
+    let reply = phalanx_comm::wire::read_frame(&mut raw, 1 << 10).unwrap();
+    assert_eq!(reply[0], 0, "num_keys: {reply:?}");
+    drop(s);
+    // 60 s: a hang guard; the connection closes as soon as its thread sees
+    // the server stop.
+    raw.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut b = [0u8; 1];
+    let r = raw.read(&mut b);
+    assert!(
+        matches!(r, Ok(0)),
+        "the server's thread kept the connection open after the server was dropped: {r:?}"
+    );
+}
+
+/// A store that stops reading (its host gone, its buffers full) fails a
+/// client's request at the client's timeout instead of blocking it forever
+/// in a write.
+#[test]
+fn a_store_that_stops_reading_fails_the_write_in_time() {
+    let secret = phalanx_comm::wire::random_bytes(32);
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let s2 = secret.clone();
+    // Answers the handshake, then never reads.
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        phalanx_comm::wire::handshake(&mut s, &s2, true, Duration::from_secs(10)).unwrap();
+        s
+    });
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(2)).unwrap();
+    let _held = fake.join().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // More than any socket buffers hold.
+        let _ = tx.send(c.set("big", &vec![0u8; 64 << 20]));
+    });
+    // 60 s: a hang guard, not the property.
+    let r = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a write to a store that stopped reading never returned");
+    let e = r.unwrap_err();
+    assert!(matches!(e, CommError::Io(_)), "{e}");
+    assert!(e.to_string().contains(&addr), "{e}");
+}

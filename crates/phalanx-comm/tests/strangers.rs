@@ -38,11 +38,18 @@ fn strangers(addr: &str) -> Vec<TcpStream> {
     v
 }
 
+/// What rank `rank` published under `p/{kind}/{rank}`, its signature
+/// checked and cut off (see `wire::sign_record`).
+fn published(store: &StoreClient, secret: &[u8], kind: &str, rank: usize) -> Option<String> {
+    let v = store.try_get(&format!("p/{kind}/{rank}")).unwrap()?;
+    let v = phalanx_comm::wire::open_record(secret, "p", kind, rank, &v).expect("a signed record");
+    Some(String::from_utf8(v.to_vec()).unwrap())
+}
+
 #[cfg(target_os = "linux")]
-fn unix_stranger(store: &StoreClient, key: &str) -> Option<std::os::unix::net::UnixStream> {
+fn unix_stranger(store: &StoreClient, secret: &[u8]) -> Option<std::os::unix::net::UnixStream> {
     use std::os::linux::net::SocketAddrExt;
-    let v = store.try_get(key).unwrap()?;
-    let v = String::from_utf8(v).unwrap();
+    let v = published(store, secret, "local", 0)?;
     let name = v.split_once('\n')?.1.to_string();
     let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
     Some(std::os::unix::net::UnixStream::connect_addr(&a).unwrap())
@@ -78,13 +85,13 @@ fn idle_strangers_neither_delay_nor_mislabel_set_up() {
         // rank 1 exists, so they are first in its accept queue.
         let watch = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
         watch.wait(&["p/addr/0"], Duration::from_secs(10)).unwrap();
-        let host = String::from_utf8(watch.get("p/addr/0").unwrap()).unwrap();
+        let host = published(&watch, &secret, "addr", 0).unwrap();
         let tcp = strangers(&host);
         // One more silent one, which holds the job secret: it starts its
         // handshake only after set-up is over.
         let mut late = TcpStream::connect(&host).unwrap();
         #[cfg(target_os = "linux")]
-        let _unix = unix_stranger(&watch, "p/local/0");
+        let _unix = unix_stranger(&watch, &secret);
         std::thread::sleep(Duration::from_millis(200));
         let r1 = spawn_rank(1);
         r1.join()
@@ -132,7 +139,7 @@ fn a_missing_rank_is_named_within_the_deadline_despite_strangers() {
     });
     let watch = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
     watch.wait(&["p/addr/0"], Duration::from_secs(10)).unwrap();
-    let host = String::from_utf8(watch.get("p/addr/0").unwrap()).unwrap();
+    let host = published(&watch, &secret, "addr", 0).unwrap();
     let _tcp = strangers(&host);
     // 60 s: a hang guard, not the property (the error says it).
     let err = rx
@@ -251,12 +258,12 @@ fn a_rank_gets_in_past_seventy_idle_connections_on_its_peers_listener() {
         let r0 = spawn_rank(0);
         let watch = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
         watch.wait(&["p/addr/0"], Duration::from_secs(10)).unwrap();
-        let host = String::from_utf8(watch.get("p/addr/0").unwrap()).unwrap();
+        let host = published(&watch, &secret, "addr", 0).unwrap();
         let idle: Vec<TcpStream> = (0..70)
             .map(|_| TcpStream::connect(&host).unwrap())
             .collect();
         #[cfg(target_os = "linux")]
-        let _unix = unix_stranger(&watch, "p/local/0");
+        let _unix = unix_stranger(&watch, &secret);
         // Let rank 0 take them all into their handshakes first (the order
         // that used to shut rank 1 out; any order must work).
         std::thread::sleep(Duration::from_millis(300));

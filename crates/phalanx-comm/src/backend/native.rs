@@ -198,19 +198,28 @@ impl Collectives for Native {
         };
         let (so, ro) = (offsets(send), offsets(recv));
         output[ro[me]..ro[me] + recv[me]].copy_from_slice(&input[so[me]..so[me] + send[me]]);
+        // One message to and from every peer, empty where the count is 0:
+        // a header's worth of bytes buys a size check on every pair, so
+        // counts that disagree are an error on the receiver (`recv_into`)
+        // instead of data dropped in silence, with the unwanted frame left
+        // in the inbox for good, or a wait for data that never comes.
         for s in 1..n {
             let to = (me + s) % n;
-            if send[to] > 0 {
-                cx.send(to, &input[so[to]..so[to] + send[to]])?;
-            }
+            cx.send(to, &input[so[to]..so[to] + send[to]])?;
         }
+        // Take every peer's message even after a mismatch, so that none is
+        // left behind; report the first mismatch.
+        let mut mismatch = None;
         for s in 1..n {
             let from = (me + n - s) % n;
-            if recv[from] > 0 {
-                cx.recv_into(from, &mut output[ro[from]..ro[from] + recv[from]])?;
+            match cx.recv_into(from, &mut output[ro[from]..ro[from] + recv[from]]) {
+                Err(e @ CommError::Desync(_)) => {
+                    mismatch.get_or_insert(e);
+                }
+                r => r?,
             }
         }
-        Ok(())
+        mismatch.map_or(Ok(()), Err)
     }
 }
 

@@ -288,5 +288,6 @@ fn device_sig(
         reduce,
         root: None,
         layout,
+        pairs: None,
     }
 }

@@ -18,7 +18,14 @@ pub(super) struct Signature {
     pub root: Option<u64>,
     /// A digest of per-rank counts for the uneven variants.
     pub layout: u64,
+    /// All-to-all-v: this rank's send and receive counts, one per rank.
+    /// They differ between ranks by design; what must agree is what rank i
+    /// sends rank j and what rank j expects from rank i.
+    pub pairs: Option<(Vec<u64>, Vec<u64>)>,
 }
+
+/// Bytes of the part of an encoded signature every rank must share.
+const FIXED: usize = 16 + 2 + 3 * 8;
 
 impl Signature {
     fn encode(&self) -> Vec<u8> {
@@ -29,8 +36,50 @@ impl Signature {
         v.extend_from_slice(&self.count.to_le_bytes());
         v.extend_from_slice(&self.root.unwrap_or(u64::MAX).to_le_bytes());
         v.extend_from_slice(&self.layout.to_le_bytes());
+        debug_assert_eq!(v.len(), FIXED);
+        if let Some((send, recv)) = &self.pairs {
+            for x in send.iter().chain(recv) {
+                v.extend_from_slice(&x.to_le_bytes());
+            }
+        }
         v
     }
+}
+
+/// The send and receive counts (n each) after the fixed part, if there.
+fn decode_pairs(b: &[u8], n: usize) -> Option<(Vec<u64>, Vec<u64>)> {
+    let rest = b.get(FIXED..)?;
+    if rest.len() != 16 * n {
+        return None;
+    }
+    let words: Vec<u64> = rest
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+        .collect();
+    let (send, recv) = words.split_at(n);
+    Some((send.to_vec(), recv.to_vec()))
+}
+
+/// Where rank i's count for rank j (send) and rank j's for rank i
+/// (receive) differ, in words; `None` where a signature has no counts.
+fn pair_mismatches(c: &Call, all: &[Vec<u8>]) -> Option<Vec<String>> {
+    let n = c.n();
+    let pairs = all
+        .iter()
+        .map(|s| decode_pairs(s, n))
+        .collect::<Option<Vec<_>>>()?;
+    let mut out = Vec::new();
+    for (i, (send, _)) in pairs.iter().enumerate() {
+        for (j, (_, recv)) in pairs.iter().enumerate() {
+            if send[j] != recv[i] {
+                out.push(format!(
+                    "rank {} sends {} elements to rank {}, which expects {} from it",
+                    c.members[i], send[j], c.members[j], recv[i]
+                ));
+            }
+        }
+    }
+    Some(out)
 }
 
 impl ProcessGroup {
@@ -42,6 +91,27 @@ impl ProcessGroup {
         let all = self.down_on_missing_rank(self.inner.backend.exchange_signatures(c, &mine))?;
         if all.iter().all(|s| *s == mine) {
             return Ok(());
+        }
+        let fixed = |s: &[u8]| s.get(..FIXED).map(<[u8]>::to_vec);
+        if sig.pairs.is_some() && all.iter().all(|s| fixed(s) == fixed(&mine)) {
+            if let Some(bad) = pair_mismatches(c, &all) {
+                if bad.is_empty() {
+                    return Ok(());
+                }
+                const SHOWN: usize = 8;
+                let more = bad.len().saturating_sub(SHOWN);
+                return Err(CommError::Desync(format!(
+                    "{} #{}: the ranks' send and receive counts disagree: {}{}",
+                    decode_sig(&mine),
+                    c.seq,
+                    bad[..bad.len().min(SHOWN)].join("; "),
+                    if more > 0 {
+                        format!("; and {more} more pairs")
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
         }
         let lines: Vec<String> = all
             .iter()
@@ -125,6 +195,11 @@ pub(crate) fn decode_sig(b: &[u8]) -> String {
     }
     if root != u64::MAX {
         s += &format!(", root={root}");
+    }
+    // The digest of per-rank counts, or of a new group's members.
+    let layout = u64::from_le_bytes(b[34..42].try_into().unwrap());
+    if layout != 0 {
+        s += &format!(", digest={layout:016x}");
     }
     s + ")"
 }

@@ -5,6 +5,7 @@
 use super::*;
 use crate::error::{CommError, Result};
 use crate::wire::{self, Reader, Writer};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -45,7 +46,7 @@ impl StoreClient {
         let deadline = Instant::now() + timeout;
         let mut last_err;
         loop {
-            match try_connect(addr, secret) {
+            match try_connect(addr, secret, write_timeout(timeout)) {
                 Ok(s) => {
                     return Ok(StoreClient {
                         conn: Mutex::new(s),
@@ -104,8 +105,19 @@ impl StoreClient {
     fn request(&self, req: Writer, wait: Duration) -> Result<Vec<u8>> {
         let mut s = self.conn.lock().unwrap();
         s.set_read_timeout(Some(wait.saturating_add(Duration::from_secs(10))))?;
-        wire::write_frame(&mut *s, &req.buf)
-            .map_err(|e| CommError::Io(format!("rendezvous store at {}: {e}", self.addr)))?;
+        let len = u32::try_from(req.buf.len())
+            .map_err(|_| CommError::Protocol("store request too large".into()))?;
+        s.write_all(&[&len.to_le_bytes()[..], &req.buf].concat())
+            .map_err(|e| {
+                let why = match e.kind() {
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                        "it took none of a request for {:?}: is it still running? ({e})",
+                        write_timeout(self.timeout)
+                    ),
+                    _ => e.to_string(),
+                };
+                CommError::Io(format!("rendezvous store at {}: {why}", self.addr))
+            })?;
         wire::read_frame(&mut *s, MAX_FRAME)
             .map_err(|e| CommError::Io(format!("rendezvous store at {}: {e}", self.addr)))
     }
@@ -243,9 +255,16 @@ impl StoreClient {
     }
 }
 
+/// How long one write to the store may block: the client's timeout, within
+/// 1 to 30 s (a request is at most a few MiB; a store that takes none of
+/// it for that long is not reading).
+fn write_timeout(timeout: Duration) -> Duration {
+    timeout.clamp(Duration::from_secs(1), Duration::from_secs(30))
+}
+
 /// One connection attempt: Phalanx's handshake with `secret`, or torch's
 /// validate-and-ping without one.
-fn try_connect(addr: &str, secret: Option<&[u8]>) -> Result<TcpStream> {
+fn try_connect(addr: &str, secret: Option<&[u8]>, write_timeout: Duration) -> Result<TcpStream> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| CommError::Io(format!("cannot resolve {addr}: {e}")))?
@@ -255,6 +274,9 @@ fn try_connect(addr: &str, secret: Option<&[u8]>) -> Result<TcpStream> {
         match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
             Ok(mut s) => {
                 s.set_nodelay(true)?;
+                // A store that stops reading (its host gone, its buffers
+                // full) fails a request instead of blocking it for good.
+                s.set_write_timeout(Some(write_timeout))?;
                 match secret {
                     Some(k) => wire::handshake(&mut s, k, false, Duration::from_secs(10))?,
                     None => torch::hello(&mut s, Duration::from_secs(10))?,

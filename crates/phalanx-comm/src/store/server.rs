@@ -258,20 +258,90 @@ fn serve(mut s: TcpStream, sh: &Shared, slot: Option<PendingSlot<'_>>) -> Result
         }
         drop(slot); // removes nothing more
     }
-    s.set_read_timeout(None)?;
     // A client that stops reading its replies must not hold a thread.
-    s.set_write_timeout(Some(Duration::from_secs(30)))?;
+    s.set_write_timeout(Some(FRAME_TIMEOUT))?;
+    // Nor one whose host vanished: ranks stay connected, idle, for the
+    // whole job, so idleness alone cannot end a connection, but the
+    // kernel's keepalive probes find a peer that is gone.
+    keepalive(&s);
     loop {
-        let frame = match wire::read_frame(&mut s, MAX_FRAME) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(CommError::Protocol(e.to_string())),
-        };
+        // Between frames, wake every `STOP_POLL` to see whether the server
+        // was dropped; a frame once begun must arrive within FRAME_TIMEOUT.
+        s.set_read_timeout(Some(STOP_POLL))?;
+        match s.peek(&mut [0u8; 1]) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if is_timeout(&e) => {
+                if sh.stop.load(Ordering::SeqCst) {
+                    return Ok(());
+                }
+                continue;
+            }
+            Err(e) => return Err(CommError::Io(e.to_string())),
+        }
         if sh.stop.load(Ordering::SeqCst) {
             return Ok(());
         }
+        let frame = read_frame_until(&mut s, Instant::now() + FRAME_TIMEOUT)?;
         let reply = handle(&frame, sh)?;
         wire::write_frame(&mut s, &reply)?;
+    }
+}
+
+/// How often an idle connection's thread looks at the stop flag.
+const STOP_POLL: Duration = Duration::from_millis(200);
+/// The most a request, once begun, or a reply may take on the wire.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// One request frame, whole by `deadline`, refusing one over `MAX_FRAME`
+/// before allocating.
+fn read_frame_until(s: &mut TcpStream, deadline: Instant) -> Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    wire::read_exact_until(s, &mut len, deadline, "store request")?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(CommError::Protocol(format!(
+            "frame of {len} bytes exceeds the limit of {MAX_FRAME}"
+        )));
+    }
+    let mut buf = vec![0u8; len];
+    wire::read_exact_until(s, &mut buf, deadline, "store request")?;
+    Ok(buf)
+}
+
+/// TCP keepalive on `s`: probes after 30 s of silence, every 10 s, and the
+/// connection fails (its blocked read returns an error) after 3 unanswered,
+/// so a client whose host vanished frees its thread within about a minute.
+/// Best effort: a socket that refuses is served without it.
+fn keepalive(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let set = |level: libc::c_int, name: libc::c_int, v: libc::c_int| {
+        // SAFETY: `fd` is an open socket for the duration of the call and
+        // the option value is a c_int of the size given.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    #[cfg(target_os = "linux")]
+    {
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30);
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
     }
 }
 

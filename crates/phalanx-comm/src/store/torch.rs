@@ -75,7 +75,13 @@ impl Req {
 }
 
 fn io(e: std::io::Error) -> CommError {
-    CommError::Io(format!("torch TCPStore: {e}"))
+    match e.kind() {
+        // The client's read or write timeout (see `StoreClient`).
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Io(format!(
+            "torch TCPStore: no progress within the timeout, is the store still running? ({e})"
+        )),
+        _ => CommError::Io(format!("torch TCPStore: {e}")),
+    }
 }
 
 fn send(s: &mut TcpStream, r: Req) -> Result<()> {

@@ -24,11 +24,15 @@ const SOCKET_BUFFER: usize = 4 << 20;
 /// Unless `PHALANX_TRANSPORT=tcp`, it also listens on a Unix socket with a
 /// random abstract name and publishes "host identity\nname" under
 /// `{prefix}/local/{rank}` (before the address, so a reader of the address
-/// sees both). Rank i dials every lower rank, over the Unix socket when both
-/// share a host identity (falling back to TCP if that fails), over TCP
-/// otherwise, and accepts every higher one on either listener; both sides run
-/// the secret handshake, then the dialer says who it is. Ranks that disagree
-/// on the world size, or two processes that claim one rank, are errors.
+/// sees both). Both records are signed with the job secret
+/// (`wire::sign_record`) and a peer uses only records that verify (see
+/// `read_signed`): the store may be one anyone can write. Rank i dials every
+/// lower rank, over the Unix socket when both share a host identity (falling
+/// back to TCP if that fails), over TCP otherwise, and accepts every higher
+/// one on either listener; the dialer says who it is, then both sides run
+/// the secret handshake bound to the group and both ranks. Ranks that
+/// disagree on the world size, or two processes that claim one rank, are
+/// errors.
 ///
 /// Over every Unix socket the two ranks then offer each other a
 /// shared-memory ring for their data (`super::shm_link`), unless
@@ -90,9 +94,10 @@ pub fn connect_mesh(
         if let Some(id) = id {
             match local::listen(rank) {
                 Ok((l, name)) => {
+                    let value = format!("{id}\n{name}");
                     store.set(
                         &format!("{prefix}/local/{rank}"),
-                        format!("{id}\n{name}").as_bytes(),
+                        &wire::sign_record(secret, prefix, "local", rank, value.as_bytes()),
                     )?;
                     local_id = Some(id);
                     unix_listener = Some(l);
@@ -103,19 +108,26 @@ pub fn connect_mesh(
             }
         }
     }
-    store.set(&format!("{prefix}/addr/{rank}"), me.as_bytes())?;
+    store.set(
+        &format!("{prefix}/addr/{rank}"),
+        &wire::sign_record(secret, prefix, "addr", rank, me.as_bytes()),
+    )?;
 
     // Accept higher ranks on a thread while we dial the lower ones.
     let secret_acc = secret.to_vec();
     let stop = Arc::new(AtomicBool::new(false));
     let _stop_acceptor = StopOnDrop(stop.clone());
     let stop_acc = stop.clone();
+    let me_acc = Arc::new(Me {
+        prefix: prefix.to_string(),
+        rank,
+        world,
+    });
     let acceptor = std::thread::spawn(move || {
         accept_higher(
             listener,
             unix_listener,
-            rank,
-            world,
+            me_acc,
             &secret_acc,
             deadline,
             &stop_acc,
@@ -133,11 +145,15 @@ pub fn connect_mesh(
                 ))
             })
         })?;
-        let host = String::from_utf8_lossy(&store.try_get(&key)?.unwrap_or_default()).to_string();
+        let signed = |kind| read_signed(store, prefix, kind, rank, j, secret, deadline);
+        let host = signed("addr")
+            .map_err(|e| publish(store, prefix, e))?
+            .map(|v| String::from_utf8_lossy(&v).to_string())
+            .unwrap_or_default();
         // Rank j's Unix socket, where it shares this host.
         let mut unix = None;
         if let Some(id) = &local_id {
-            let theirs = store.try_get(&format!("{prefix}/local/{j}"))?;
+            let theirs = signed("local").map_err(|e| publish(store, prefix, e))?;
             let theirs = String::from_utf8_lossy(theirs.as_deref().unwrap_or_default());
             if let Some((their_id, name)) = theirs.split_once('\n') {
                 if their_id == id {
@@ -146,6 +162,7 @@ pub fn connect_mesh(
             }
         }
         let lower = Lower {
+            prefix,
             rank,
             world,
             j,
@@ -174,12 +191,17 @@ pub fn connect_mesh(
     let accepted = acceptor
         .join()
         .map_err(|_| CommError::Io("acceptor thread panicked".into()))??;
-    for (j, s, _from) in accepted {
-        // Name the peer by its listening address, as every other rank does.
+    for (j, s, from) in accepted {
+        // Name the peer by its listening address, as every other rank does
+        // (by where it came from, should its record not verify).
         let host = store
             .try_get(&format!("{prefix}/addr/{j}"))?
-            .unwrap_or_default();
-        peers[j] = Some((s, String::from_utf8_lossy(&host).to_string()));
+            .and_then(|v| {
+                wire::open_record(secret, prefix, "addr", j, &v)
+                    .map(|v| String::from_utf8_lossy(v).to_string())
+            })
+            .unwrap_or(from);
+        peers[j] = Some((s, host));
     }
 
     let offers = super::shm_link::exchange(&peers, rank, cfg, deadline)
@@ -290,8 +312,87 @@ fn wait_key(
     }
 }
 
+/// Rank j's record `kind` (`addr` or `local`) under `prefix`, checked
+/// against the job secret (see `wire::sign_record`); `None` if there is
+/// none. Under torchrun's agent store anyone who reaches the store can
+/// rewrite it, and dialling a rewritten address would let a relay there
+/// pass the handshake through to the real rank and sit in the middle.
+///
+/// A record that does not verify is read again until `deadline`, then is
+/// an `Auth` error naming the rank: rank j writes its records once, before
+/// anyone reads them, but a stranger may have written the key first (or a
+/// job with another secret left it), and rank j's own write then replaces
+/// it. Failing at once would gain nothing against someone who can write
+/// the store (they can stop the job in many ways); never dialling what did
+/// not verify is what matters.
+fn read_signed(
+    store: &StoreClient,
+    prefix: &str,
+    kind: &str,
+    rank: usize,
+    j: usize,
+    secret: &[u8],
+    deadline: Instant,
+) -> Result<Option<Vec<u8>>> {
+    let key = format!("{prefix}/{kind}/{j}");
+    let mut warned = false;
+    loop {
+        let Some(v) = store.try_get(&key)? else {
+            return Ok(None);
+        };
+        if let Some(value) = wire::open_record(secret, prefix, kind, j, &v) {
+            return Ok(Some(value.to_vec()));
+        }
+        let what = match kind {
+            "addr" => "address",
+            _ => "Unix socket name",
+        };
+        if Instant::now() >= deadline {
+            return Err(CommError::Auth(format!(
+                "rank {rank}: the {what} published for rank {j} ({key}) does not carry the job                  secret's signature, so it was not dialled: the store may have been tampered                  with (anyone who can reach an unauthenticated store such as torchrun's can                  rewrite it), or rank {j} runs with another PHALANX_SECRET"
+            )));
+        }
+        if let Ok(Some(e)) = store.try_get(&format!("{prefix}/error")) {
+            return Err(CommError::Invalid(format!(
+                "another rank failed to start: {}",
+                String::from_utf8_lossy(&e)
+            )));
+        }
+        if !warned {
+            warned = true;
+            eprintln!(
+                "[phalanx] rank {rank}: the {what} published for rank {j} ({key}) does not carry                  the job secret's signature; not dialling it, waiting for a signed one"
+            );
+        }
+        std::thread::sleep(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(50)),
+        );
+    }
+}
+
+/// The context both ends of the link from `dialer` to `acceptor` mix into
+/// the handshake (`wire::handshake_bound`): the group and both ranks.
+fn link_context(prefix: &str, dialer: usize, acceptor: usize) -> Vec<u8> {
+    let mut c = b"phalanx mesh link\0".to_vec();
+    c.extend_from_slice(&(prefix.len() as u64).to_le_bytes());
+    c.extend_from_slice(prefix.as_bytes());
+    c.extend_from_slice(&(dialer as u64).to_le_bytes());
+    c.extend_from_slice(&(acceptor as u64).to_le_bytes());
+    c
+}
+
+/// This rank, as its acceptor knows it.
+struct Me {
+    prefix: String,
+    rank: usize,
+    world: usize,
+}
+
 /// A lower rank this rank dials during set-up.
 struct Lower<'a> {
+    prefix: &'a str,
     rank: usize,
     world: usize,
     j: usize,
@@ -338,11 +439,14 @@ impl Lower<'_> {
                 dial(host, deadline).map_err(|e| self.dead(format!("cannot connect: {e}")))?,
             ),
         };
-        wire::handshake_until(&mut s, secret, false, deadline)?;
+        // Who we are first, so that rank j can bind the handshake to both
+        // of us; a false claim fails it.
         let mut hello = [0u8; 16];
         hello[..8].copy_from_slice(&(rank as u64).to_le_bytes());
         hello[8..].copy_from_slice(&(self.world as u64).to_le_bytes());
         s.write_all(&hello)?;
+        let context = link_context(self.prefix, rank, j);
+        wire::handshake_bound(&mut s, secret, false, deadline, &context)?;
         Ok(s)
     }
 
@@ -401,16 +505,29 @@ enum Admitted {
     },
 }
 
-/// Handshake and hello on one accepted connection, within `until`.
-fn admit(mut s: Stream, addr: String, secret: &[u8], until: Instant) -> Admitted {
+/// Hello and handshake on one accepted connection, within `until`. The
+/// hello (the dialer's rank and world size) comes first and is bound into
+/// the handshake (`link_context`), so a connection admitted as rank j was
+/// dialled by rank j, to this rank, in this group.
+fn admit(mut s: Stream, addr: String, me: &Me, secret: &[u8], until: Instant) -> Admitted {
     let res = (|| -> Result<(usize, usize)> {
         s.set_nonblocking(false)?;
         s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        wire::handshake_until(&mut s, secret, true, until)?;
         let mut hello = [0u8; 16];
         wire::read_exact_until(&mut s, &mut hello, until, "hello")?;
-        let j = u64::from_le_bytes(hello[..8].try_into().unwrap()) as usize;
-        let world = u64::from_le_bytes(hello[8..].try_into().unwrap()) as usize;
+        let j = u64::from_le_bytes(hello[..8].try_into().unwrap());
+        let world = u64::from_le_bytes(hello[8..].try_into().unwrap());
+        // Not a rank this one accepts (a world size that differs is
+        // reported once the handshake shows it comes from a rank).
+        if world == me.world as u64 && (j <= me.rank as u64 || j >= world) {
+            return Err(CommError::Protocol(format!(
+                "hello from rank {j}, which does not dial rank {} of {}",
+                me.rank, me.world
+            )));
+        }
+        let (j, world) = (j as usize, world as usize);
+        let context = link_context(&me.prefix, j, me.rank);
+        wire::handshake_bound(&mut s, secret, true, until, &context)?;
         Ok((j, world))
     })();
     match res {
@@ -427,12 +544,12 @@ fn admit(mut s: Stream, addr: String, secret: &[u8], until: Instant) -> Admitted
 fn accept_higher(
     listener: TcpListener,
     unix: Option<UnixListener>,
-    rank: usize,
-    world: usize,
+    me: Arc<Me>,
     secret: &[u8],
     deadline: Instant,
     stop: &AtomicBool,
 ) -> Result<Vec<(usize, Stream, String)>> {
+    let (rank, world) = (me.rank, me.world);
     listener.set_nonblocking(true)?;
     if let Some(u) = &unix {
         u.set_nonblocking(true)?;
@@ -488,11 +605,11 @@ fn accept_higher(
                     pending.insert(id, c);
                 }
                 let until = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
-                let (tx, secret) = (tx.clone(), secret.clone());
+                let (tx, secret, me) = (tx.clone(), secret.clone(), me.clone());
                 let spawned = std::thread::Builder::new()
                     .name("phalanx-handshake".into())
                     .spawn(move || {
-                        let _ = tx.send((id, admit(s, addr, &secret, until)));
+                        let _ = tx.send((id, admit(s, addr, &me, &secret, until)));
                     });
                 if let Err(e) = spawned {
                     pending.remove(&id);

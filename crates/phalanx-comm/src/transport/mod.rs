@@ -46,10 +46,20 @@
 //!
 //! Every connection, rank to rank and rank to store, starts with the mutual
 //! HMAC-SHA256 challenge-response of `crate::wire::handshake` over the job
-//! secret. Without the secret nobody can open a connection that is accepted,
-//! join as a rank, read or write the store, or learn the secret by watching
-//! handshakes. Strangers that connect anyway are handshaken concurrently,
-//! each within a deadline, and never counted as ranks.
+//! secret; between ranks it also covers the group and both ranks
+//! (`wire::handshake_bound`), so an answer is good for one link only.
+//! Without the secret nobody can open a connection that is accepted,
+//! join as a rank, read or write Phalanx's store, or learn the secret by
+//! watching handshakes. Strangers that connect anyway are handshaken
+//! concurrently, each within a deadline, and never counted as ranks.
+//!
+//! torchrun's agent store is a PyTorch TCPStore, with no authentication:
+//! anyone who reaches it can rewrite what ranks publish there. So the
+//! addresses and Unix socket names ranks publish are signed with the secret
+//! (`wire::sign_record`, bound to the group, the kind and the rank), and a
+//! rank dials only those that verify (`mesh::connect_mesh`); a rewritten one
+//! is an error naming the rank, never a connection through a relay that
+//! would sit between two ranks. Rewriting that store can still stop the job.
 //!
 //! After the handshake, frames carry **no integrity check and no
 //! encryption**. Someone who can read and rewrite the traffic between two
@@ -67,8 +77,8 @@
 //! - drop or delay traffic, which shows as a dead peer after the heartbeat
 //!   timeout (that much no authentication could prevent).
 //!
-//! They cannot join the job, read or write the rendezvous store, or obtain
-//! the secret. Between ranks on one host, Unix sockets (abstract names,
+//! They cannot join the job, read or write Phalanx's rendezvous store, or
+//! obtain the secret. Between ranks on one host, Unix sockets (abstract names,
 //! reachable only from the same network namespace) and loopback TCP have no
 //! path to sit on: only root on that host, which can read the processes'
 //! memory anyway, could interfere.
