@@ -373,7 +373,8 @@ fn a_quorum_timeout_past_the_collective_timeout_is_refused() {
     let r = run_until(c, std::time::Duration::from_secs(120));
     assert_ne!(r.code, 0, "{r}");
     assert!(
-        r.err.contains("fault_tolerance.quorum_timeout = 30 s is not below the collective timeout"),
+        r.err
+            .contains("fault_tolerance.quorum_timeout = 30 s is not below the collective timeout"),
         "{r}"
     );
 }

@@ -509,3 +509,24 @@ fn deep_gradient_compression_gets_top_k_closer_to_uncompressed() {
         "DGC should train where plain top-k stalls: {dgc} vs {old}"
     );
 }
+
+#[test]
+fn top_k_with_adamw_on_one_data_parallel_rank_is_plain_adamw() {
+    // One rank reduces nothing, so the hook never runs and carries no
+    // momentum: AdamW must not freeze its variance after the warm-up and
+    // take the raw gradient for the hook's momentum (updates ~10x smaller).
+    let w = 2;
+    let (none, _) = train_run(1, 2 * w + 1, &["optim.name=adamw"]);
+    let warm = format!("parallel.topk_warmup_steps={w}");
+    let (topk, _) = train_run(
+        1,
+        2 * w + 1,
+        &["optim.name=adamw", "parallel.comm_hook=topk", &warm],
+    );
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&topk[0].0), bits(&none[0].0), "losses");
+    assert!(
+        bits(&topk[0].1) == bits(&none[0].1),
+        "top-k on one rank moved the parameters differently from plain AdamW"
+    );
+}

@@ -174,8 +174,7 @@ fn sharded_layout_round_trips() {
     let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
     let last = files
         .iter()
-        .filter(|p| p.to_string_lossy().ends_with(".safetensors"))
-        .last()
+        .rfind(|p| p.to_string_lossy().ends_with(".safetensors"))
         .unwrap()
         .clone();
     std::fs::remove_file(&last).unwrap();

@@ -14,6 +14,13 @@
 //! tolerated: the step is still skipped); the hysteresis count is restored
 //! when the scale is raised.
 //!
+//! A scale that has fallen to `min_loss_scale` cannot be lowered further:
+//! if the gradients still overflow there, every step would be skipped and
+//! training would silently stop moving. After [`FLOOR_OVERFLOWS`]
+//! overflowing steps in a row at the minimum scale,
+//! [`LossScaler::check_floor`] is an error (DeepSpeed raises at its first
+//! overflow there once the hysteresis is spent, `raise_error_at_min_scale`).
+//!
 //! bf16 and fp32 have fp32's exponent range and need no scaling: their
 //! scaler is [`LossScaler::none`], a constant 1 that never skips a step
 //! (a non-finite gradient there is an error, not an overflow).
@@ -28,6 +35,15 @@
 //! s.update(false);              // two clean steps: double
 //! assert_eq!(s.scale(), 16.0);
 //! ```
+
+/// Overflowing steps in a row at `fp16.min_loss_scale` after which
+/// [`LossScaler::check_floor`] fails. Not 1 (DeepSpeed's): one bad batch at
+/// a small scale costs a skipped step, not the run; not many either: at the
+/// minimum, lowering the scale is no longer there to help, so three steps in
+/// a row that overflow even at the smallest scale allowed, with no clean
+/// step between, mean the gradients themselves are inf or NaN (diverged
+/// training, a bad input) and every later step would be skipped too.
+pub const FLOOR_OVERFLOWS: usize = 3;
 
 /// The dynamic scaler's settings (DeepSpeed's `fp16` section).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,6 +88,10 @@ struct DynamicState {
     /// Steps seen, and the step of the last overflow (DeepSpeed's counters).
     iter: u64,
     last_overflow: i64,
+    /// Overflowing steps in a row taken at `min_scale` (0 after a clean
+    /// step). Checkpoints written before it existed read 0.
+    #[serde(default)]
+    floor_overflows: usize,
 }
 
 impl LossScaler {
@@ -104,6 +124,7 @@ impl LossScaler {
                 cur_hysteresis: c.hysteresis.max(1),
                 iter: 0,
                 last_overflow: -1,
+                floor_overflows: 0,
             }),
             skips: true,
         }
@@ -124,6 +145,7 @@ impl LossScaler {
                     cur_hysteresis: s.cur_hysteresis.min(c.hysteresis),
                     iter: s.iter,
                     last_overflow: s.last_overflow,
+                    floor_overflows: s.floor_overflows,
                     ..*c
                 }),
                 skips: self.skips,
@@ -190,6 +212,11 @@ impl LossScaler {
         let Some(d) = &mut self.dynamic else {
             return;
         };
+        if overflow && *scale <= d.min_scale {
+            d.floor_overflows += 1;
+        } else if !overflow {
+            d.floor_overflows = 0;
+        }
         if overflow {
             if d.hysteresis == 1 || d.cur_hysteresis == 1 {
                 *scale = (*scale / 2.0).max(d.min_scale);
@@ -202,6 +229,29 @@ impl LossScaler {
             *scale *= 2.0;
         }
         d.iter += 1;
+    }
+
+    /// After [`LossScaler::update`]: an error once [`FLOOR_OVERFLOWS`]
+    /// steps in a row have overflowed at the minimum scale
+    /// (`fp16.min_loss_scale`), where lowering the scale no longer helps
+    /// and every step would be skipped, silently, from then on. Static
+    /// scales and bf16 / fp32 never fail here.
+    /// (A message, not [`crate::error::Error`]: this module sits below
+    /// the error layer; the strategies wrap it.)
+    pub fn check_floor(&self) -> Result<(), String> {
+        match &self.dynamic {
+            Some(d) if d.floor_overflows >= FLOOR_OVERFLOWS => Err(format!(
+                "fp16: the gradients keep overflowing at the minimum loss scale {} \
+                     (fp16.min_loss_scale): {} steps in a row were skipped at it, and the scale \
+                     cannot go lower, so every later step would be skipped too. The gradients are \
+                     inf or NaN whatever the scale (diverged training: lower optim.lr or enable \
+                     optim.grad_clip; or a bad batch), or the floor is too high: lower \
+                     fp16.min_loss_scale (and fp16.initial_scale_power, the scale it starts at), \
+                     or train in bf16",
+                d.min_scale, d.floor_overflows
+            )),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -273,6 +323,71 @@ mod tests {
         assert_eq!(s.scale(), 1.0);
         s.update(false); // iter 4: 3 since overflow -> double
         assert_eq!(s.scale(), 2.0);
+    }
+
+    #[test]
+    fn overflows_that_go_on_at_the_minimum_scale_are_an_error() {
+        let c = ScalerConfig {
+            initial_scale_power: 2,
+            window: 1000,
+            hysteresis: 2,
+            min_scale: 1.0,
+        };
+        let mut s = LossScaler::dynamic(c);
+        // 4 -> (hysteresis) 4 -> 2 -> 1: none of these ran at the floor.
+        for _ in 0..3 {
+            s.update(true);
+            assert!(s.check_floor().is_ok());
+        }
+        assert_eq!(s.scale(), 1.0);
+        // Overflows at the floor, broken by a clean step: tolerated.
+        for _ in 0..FLOOR_OVERFLOWS - 1 {
+            s.update(true);
+        }
+        s.update(false);
+        assert!(
+            s.check_floor().is_ok(),
+            "a clean step starts the count over"
+        );
+        for k in 1..=FLOOR_OVERFLOWS {
+            s.update(true);
+            assert_eq!(s.scale(), 1.0);
+            assert_eq!(
+                s.check_floor().is_err(),
+                k == FLOOR_OVERFLOWS,
+                "overflow {k} at the floor"
+            );
+        }
+        let e = s.check_floor().unwrap_err().to_string();
+        for key in [
+            "fp16.min_loss_scale",
+            "fp16.initial_scale_power",
+            "overflowing",
+        ] {
+            assert!(e.contains(key), "{e}");
+        }
+        // It stays an error while the overflows go on (the run stops at
+        // the first), and a clean step clears it.
+        s.update(true);
+        assert!(s.check_floor().is_err());
+        s.update(false);
+        assert!(s.check_floor().is_ok());
+        // What a resume carries on counting.
+        let mut s2 = LossScaler::dynamic(c);
+        for _ in 0..3 + FLOOR_OVERFLOWS - 1 {
+            s2.update(true);
+        }
+        let (mut r, _) = LossScaler::dynamic(c).resumed(&s2);
+        assert!(r.check_floor().is_ok());
+        r.update(true);
+        assert!(r.check_floor().is_err(), "the count carries over a resume");
+        // A static scale and no scaling never fail here.
+        let (mut f, mut n) = (LossScaler::fixed(1.0), LossScaler::none());
+        for _ in 0..10 {
+            f.update(true);
+            n.update(true);
+        }
+        assert!(f.check_floor().is_ok() && n.check_floor().is_ok());
     }
 
     #[test]

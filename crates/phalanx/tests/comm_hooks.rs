@@ -293,3 +293,197 @@ fn top_k_for_adam_warms_up_dense_then_carries_the_momentum() {
         }
     }
 }
+
+/// The int8 hook's reduction of a bucket that holds a NaN on rank 0 (the
+/// rest finite), then the step's finiteness verdict under `scaler`: the
+/// reduced gradients are not finite on either rank, so fp16 skips the step
+/// and fp32 (`train.on_nonfinite = "stop"`) fails it.
+fn int8_with_a_nan(
+    coll: Collective,
+    scaler: phalanx::precision::LossScaler,
+) -> Vec<(bool, phalanx::Result<bool>)> {
+    phalanx_comm::threads::run(2, move |pg| {
+        let mut g: Vec<f32> = (0..300).map(|i| (i as f32 * 0.37).sin()).collect();
+        if pg.rank() == 0 {
+            g[1] = f32::NAN;
+        }
+        let mut hook = Int8::new(true);
+        let bucket = GradBucket {
+            id: 0,
+            params: Vec::new(),
+        };
+        let got = hook.reduce(&bucket, g, &coll, &pg).wait().unwrap();
+        let finite = got.iter().all(|x| x.is_finite());
+        let ss = phalanx::optim::clip::sum_squares(&got);
+        let mut scaler = scaler;
+        let verdict = phalanx::optim::step::agree_and_clip(&pg, ss, &mut scaler, 0.0, 5)
+            .map(|(out, _)| out.skipped);
+        (finite, verdict)
+    })
+}
+
+#[test]
+fn int8_carries_a_nan_to_the_non_finite_check() {
+    use phalanx::precision::{LossScaler, ScalerConfig};
+    let colls = [
+        Collective::AllReduce,
+        // ZeRO++ qgZ: rank 0 holds the NaN in rank 0's piece.
+        Collective::ReduceScatter {
+            counts: vec![150, 150],
+        },
+    ];
+    for coll in colls {
+        let fp16 = LossScaler::dynamic(ScalerConfig::default());
+        for (r, (finite, verdict)) in int8_with_a_nan(coll.clone(), fp16).into_iter().enumerate() {
+            assert!(
+                !finite || matches!(coll, Collective::ReduceScatter { .. }) && r == 1,
+                "{coll:?}: rank {r}'s reduced gradients hide the NaN"
+            );
+            assert!(verdict.unwrap(), "{coll:?}: fp16 skips the step (rank {r})");
+        }
+        for (r, (_, verdict)) in int8_with_a_nan(coll.clone(), LossScaler::none())
+            .into_iter()
+            .enumerate()
+        {
+            let e = verdict.expect_err("fp32 stops on the NaN").to_string();
+            assert!(e.contains("inf or NaN"), "{coll:?} rank {r}: {e}");
+        }
+    }
+}
+
+#[test]
+fn int8_without_error_feedback_drops_a_checkpoint_s_residuals() {
+    let out = phalanx_comm::threads::run(2, |pg| {
+        let bucket = bucket();
+        // A run with error feedback leaves residuals...
+        let mut with = Int8::new(true);
+        with.reduce(&bucket, grad_at(pg.rank(), 0), &Collective::AllReduce, &pg)
+            .wait()
+            .unwrap();
+        let state = with.state();
+        assert!(
+            state.iter().any(|(_, v)| v.iter().any(|&x| x != 0.0)),
+            "the saved residuals are not all zero"
+        );
+        // ... resumed with parallel.error_feedback = false: zero gradients
+        // reduce to zeros, every step.
+        let mut without = Int8::new(false);
+        without.load_state(&state).unwrap();
+        let n = grad_at(0, 0).len();
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.push(
+                without
+                    .reduce(&bucket, vec![0.0; n], &Collective::AllReduce, &pg)
+                    .wait()
+                    .unwrap(),
+            );
+        }
+        (got, without.state())
+    });
+    for (r, (got, state)) in out.into_iter().enumerate() {
+        for (k, g) in got.iter().enumerate() {
+            assert!(
+                g.iter().all(|&x| x == 0.0),
+                "rank {r}, reduction {k}: {g:?}"
+            );
+        }
+        assert!(state.is_empty(), "rank {r} keeps no residual: {state:?}");
+    }
+}
+
+/// Every value of a hook's state, by name.
+type HookState = Vec<(String, Vec<f32>)>;
+
+/// Reductions of steps `steps` through a [`Reducer`] holding the hook
+/// `make` builds; at `bad` rank 1's gradient holds an inf and the step is
+/// skipped ([`Reducer::settle`] told so). Each rank's results of the
+/// applied steps and its hook state at the end.
+fn with_a_skipped_step(
+    make: MakeHook,
+    steps: Vec<usize>,
+    bad: Option<usize>,
+) -> Vec<(Vec<Vec<f32>>, HookState)> {
+    use phalanx::strategy::reduce::Reducer;
+    phalanx_comm::threads::run(2, move |pg| {
+        let mut red = Reducer::new(pg.clone(), make());
+        red.describe(vec![bucket()]);
+        let mut out = Vec::new();
+        for &t in &steps {
+            let mut g = grad_at(pg.rank(), t);
+            let skip = Some(t) == bad;
+            if skip && pg.rank() == 1 {
+                g[5] = f32::INFINITY;
+            }
+            red.launch(3, g, &Collective::AllReduce);
+            let (_, got) = red.wait_all().unwrap().remove(0);
+            red.settle(!skip).unwrap();
+            if !skip {
+                out.push(got);
+            }
+        }
+        (out, red.hook_state())
+    })
+}
+
+#[test]
+fn a_skipped_step_leaves_the_hook_state_as_it_was() {
+    let hooks: [(&str, MakeHook); 5] = [
+        ("int8", || Box::new(Int8::new(true))),
+        ("top-k", || Box::new(TopK::new(0.05, true))),
+        ("top-k with DGC", || Box::new(TopK::dgc(0.05, true, 4, 0.9))),
+        ("top-k for Adam", || {
+            Box::new(TopK::adam(0.05, true, 2, 0.9))
+        }),
+        ("PowerSGD", || Box::new(PowerSgd::new(2, 1, true))),
+    ];
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (name, make) in hooks {
+        let hit = with_a_skipped_step(make, (0..8).collect(), Some(3));
+        let reference = with_a_skipped_step(make, (0..8).filter(|&t| t != 3).collect(), None);
+        for (r, ((out, state), (ref_out, ref_state))) in hit.iter().zip(&reference).enumerate() {
+            assert_eq!(out.len(), 7);
+            for (k, (a, b)) in out.iter().zip(ref_out).enumerate() {
+                assert!(
+                    a.iter().all(|x| x.is_finite()),
+                    "{name}: rank {r}'s reduction {k} after the skipped step is not finite"
+                );
+                assert_eq!(bits(a), bits(b), "{name}: rank {r}, reduction {k}");
+            }
+            assert_eq!(state.len(), ref_state.len(), "{name}: rank {r}'s state");
+            for ((n, v), (rn, rv)) in state.iter().zip(ref_state) {
+                assert_eq!(n, rn);
+                assert!(v.iter().all(|x| x.is_finite()), "{name}: {n} is not finite");
+                assert_eq!(bits(v), bits(rv), "{name}: rank {r}'s {n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn powersgd_starts_q_over_after_an_inf() {
+    let out = phalanx_comm::threads::run(2, |pg| {
+        let mut h = PowerSgd::new(2, 0, true);
+        let mut g = grad_at(pg.rank(), 0);
+        if pg.rank() == 1 {
+            g[5] = f32::INFINITY;
+        }
+        let got = h
+            .reduce(&bucket(), g, &Collective::AllReduce, &pg)
+            .wait()
+            .unwrap();
+        let qs: HookState = h
+            .state()
+            .into_iter()
+            .filter(|(n, _)| n.contains("/q"))
+            .collect();
+        (got.iter().any(|x| !x.is_finite()), qs)
+    });
+    for (r, (non_finite, qs)) in out.into_iter().enumerate() {
+        assert!(non_finite, "rank {r}: the inf reaches the reduced gradient");
+        assert!(!qs.is_empty());
+        for (n, q) in qs {
+            assert!(q.iter().all(|x| x.is_finite()), "rank {r}: {n} = {q:?}");
+        }
+    }
+}

@@ -747,6 +747,14 @@ impl TrainConfig {
             .then_some(p.topk_warmup_steps.max(1) as u64)
     }
 
+    /// [`TrainConfig::topk_freeze_after`] on a data-parallel group of `dp`
+    /// ranks: with one rank nothing is reduced, so the hook never runs
+    /// (the gradient is its own average) and carries no momentum, and a
+    /// frozen variance would take the raw gradient for it: no freeze.
+    pub fn topk_freeze_after_on(&self, dp: usize) -> Option<u64> {
+        self.topk_freeze_after().filter(|_| dp > 1)
+    }
+
     /// What the model's schema said of its section.
     pub fn model_facts(&self) -> ModelFacts {
         self.model_facts

@@ -527,8 +527,8 @@ impl TrainConfig {
         // fp16 on the wire without fp16's loss scale: gradients below fp16's
         // smallest subnormal (6e-8) arrive as zeros, and bf16 would keep
         // fp32's range at the same size.
-        let fp16_wire = t.reduce_dtype == super::Precision::Fp16
-            || p.comm_hook == super::CommHookKind::Fp16;
+        let fp16_wire =
+            t.reduce_dtype == super::Precision::Fp16 || p.comm_hook == super::CommHookKind::Fp16;
         if fp16_wire && self.precision() != super::Precision::Fp16 {
             n.push(format!(
                 "gradients are reduced in fp16 ({}) without a loss scale ({} training): values \

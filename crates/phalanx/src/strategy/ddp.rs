@@ -224,6 +224,72 @@ impl Ddp {
         }
         Ok(out)
     }
+
+    /// The step on the reduced gradients (see `Strategy::finish_step`).
+    fn finish_reduced(
+        &mut self,
+        engine: &mut Engine,
+        scaler: &mut LossScaler,
+        lr: f32,
+        max_norm: f32,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        // Every dp replica holds the same reduced gradients: each counts
+        // 1/dp of them; tp shards add up, tp-replicated ranges count once.
+        let w = 1.0 / self.pg.size() as f64;
+        let tp = self.mesh.tp_size;
+        let n = engine.num_params();
+        // Gradients that stayed on the device, averaged over dp there
+        // (bucket by bucket during the last backward; with one rank there
+        // is nothing to average), else the reduced ones in the flat buffer.
+        let on_device = if std::mem::take(&mut self.held_all) {
+            Some(match self.reduced.take() {
+                Some(g) => g,
+                None => take_reduced_grads(engine, &self.pg, "DDP")?,
+            })
+        } else {
+            None
+        };
+        let ss = match &on_device {
+            Some(g) => weighted_sum_squares_on(g, 0, w, &self.tp_replicated, tp)?,
+            None => weighted_sum_squares(engine.grads_flat(), 0, w, &self.tp_replicated, tp),
+        };
+        // With the optimizer on the device and the parameters' copies
+        // there current, it steps on those (no upload), and they stay the
+        // copies for the next forward (`engine::resident`).
+        let kept = match self.opt.as_device() {
+            Some(_) => engine.device_params(0..n)?,
+            None => None,
+        };
+        let (grads_dev, params_dev) = match (on_device, kept) {
+            (Some(g), Some(p)) => (g, p),
+            (Some(_), None) => {
+                // Kept gradients come with kept parameters (the same
+                // forward built them): this is a bug, not an input.
+                return Err(Error::Check(
+                    "DDP: the gradients stayed on the device but the parameters' copies did not"
+                        .into(),
+                ));
+            }
+            (None, kept) => {
+                let out = self.finish_on_host(engine, kept, ss, scaler, lr, max_norm, step)?;
+                self.maybe_check(engine, step + 1)?;
+                return Ok(out);
+            }
+        };
+        // Everything on the device: the step too, and the host's copy of
+        // the parameters waits there until something on the host reads it
+        // (a checkpoint, `check_every`, the end of training).
+        let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
+        if let Some(factor) = factor {
+            if let Some(opt) = self.opt.as_device() {
+                opt.step_on(None, &params_dev, Grads::Device(&grads_dev), lr, factor)?;
+            }
+        }
+        engine.defer_params(&params_dev)?;
+        self.maybe_check(engine, step + 1)?;
+        Ok(out)
+    }
 }
 
 /// Whether DDP's and ZeRO-1/2's gradients may stay on the device through
@@ -367,60 +433,13 @@ impl Strategy for Ddp {
         max_norm: f32,
         step: usize,
     ) -> Result<StepOutcome> {
-        // Every dp replica holds the same reduced gradients: each counts
-        // 1/dp of them; tp shards add up, tp-replicated ranges count once.
-        let w = 1.0 / self.pg.size() as f64;
-        let tp = self.mesh.tp_size;
-        let n = engine.num_params();
-        // Gradients that stayed on the device, averaged over dp there
-        // (bucket by bucket during the last backward; with one rank there
-        // is nothing to average), else the reduced ones in the flat buffer.
-        let on_device = if std::mem::take(&mut self.held_all) {
-            Some(match self.reduced.take() {
-                Some(g) => g,
-                None => take_reduced_grads(engine, &self.pg, "DDP")?,
-            })
-        } else {
-            None
-        };
-        let ss = match &on_device {
-            Some(g) => weighted_sum_squares_on(g, 0, w, &self.tp_replicated, tp)?,
-            None => weighted_sum_squares(engine.grads_flat(), 0, w, &self.tp_replicated, tp),
-        };
-        // With the optimizer on the device and the parameters' copies
-        // there current, it steps on those (no upload), and they stay the
-        // copies for the next forward (`engine::resident`).
-        let kept = match self.opt.as_device() {
-            Some(_) => engine.device_params(0..n)?,
-            None => None,
-        };
-        let (grads_dev, params_dev) = match (on_device, kept) {
-            (Some(g), Some(p)) => (g, p),
-            (Some(_), None) => {
-                // Kept gradients come with kept parameters (the same
-                // forward built them): this is a bug, not an input.
-                return Err(Error::Check(
-                    "DDP: the gradients stayed on the device but the parameters' copies did not"
-                        .into(),
-                ));
-            }
-            (None, kept) => {
-                let out = self.finish_on_host(engine, kept, ss, scaler, lr, max_norm, step)?;
-                self.maybe_check(engine, step + 1)?;
-                return Ok(out);
-            }
-        };
-        // Everything on the device: the step too, and the host's copy of
-        // the parameters waits there until something on the host reads it
-        // (a checkpoint, `check_every`, the end of training).
-        let (out, factor) = agree_and_clip(self.mesh.world(), ss, scaler, max_norm, step)?;
-        if let Some(factor) = factor {
-            if let Some(opt) = self.opt.as_device() {
-                opt.step_on(None, &params_dev, Grads::Device(&grads_dev), lr, factor)?;
-            }
-        }
-        engine.defer_params(&params_dev)?;
-        self.maybe_check(engine, step + 1)?;
+        let out = self.finish_reduced(engine, scaler, lr, max_norm, step);
+        // A skipped step leaves the hook's state as it was (`Reducer::settle`).
+        self.reducer.settle(matches!(&out, Ok(o) if !o.skipped))?;
+        let out = out?;
+        // A dynamic fp16 scale stuck at its minimum while the gradients
+        // keep overflowing is an error, not a run that silently stops.
+        scaler.check_floor().map_err(crate::error::Error::Check)?;
         Ok(out)
     }
 

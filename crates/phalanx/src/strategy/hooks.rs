@@ -84,6 +84,9 @@ impl Residuals {
     /// `g` plus the bucket's residual. A residual of another length can
     /// only come from a checkpoint saved with other buckets: an error.
     fn add_to(&mut self, bucket: usize, g: &mut [f32]) -> Result<()> {
+        if !self.on {
+            return Ok(());
+        }
         if let Some(r) = self.by_bucket.get(&bucket) {
             if r.len() != g.len() {
                 return Err(Error::Check(format!(
@@ -119,8 +122,13 @@ impl Residuals {
         self.by_bucket.clear();
         for (name, v) in state {
             match bucket_entry(name) {
+                // Without error feedback (parallel.error_feedback = false)
+                // a checkpoint's residuals are dropped: nothing would ever
+                // clear them, and they would be added to every step.
                 Some((id, "residual")) => {
-                    self.by_bucket.insert(id, v.clone());
+                    if self.on {
+                        self.by_bucket.insert(id, v.clone());
+                    }
                 }
                 _ => return Err(state_error(hook, name)),
             }
@@ -171,17 +179,30 @@ pub(crate) fn quantise(g: &[f32]) -> (Vec<i32>, Vec<f32>, Vec<f32>) {
     let mut scales = Vec::with_capacity(g.len().div_ceil(INT8_BLOCK));
     let mut decoded = vec![0f32; g.len()];
     for (b, block) in g.chunks(INT8_BLOCK).enumerate() {
-        let m = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        // The largest magnitude, NaN if the block holds one (`f32::max`
+        // would pass over a NaN, which int8 would then send as 0).
+        let m = block.iter().fold(0f32, |m, x| {
+            if m.is_nan() || x.is_nan() {
+                f32::NAN
+            } else {
+                m.max(x.abs())
+            }
+        });
         let s = if m > 0.0 && m.is_finite() {
             m / 127.0
         } else {
             1.0
         };
-        scales.push(if m.is_finite() { s } else { f32::NAN });
+        // A block holding inf or NaN gets a NaN scale: it decodes to NaN
+        // on every rank, so the reduced gradient is non-finite and the
+        // step's non-finite check sees it (fp16 skips the step,
+        // train.on_nonfinite = "stop" names it).
+        let scale = if m.is_finite() { s } else { f32::NAN };
+        scales.push(scale);
         for (i, x) in block.iter().enumerate() {
             let v = (x / s).round().clamp(-127.0, 127.0) as i8;
             q[b * INT8_BLOCK + i] = v;
-            decoded[b * INT8_BLOCK + i] = v as f32 * s;
+            decoded[b * INT8_BLOCK + i] = v as f32 * scale;
         }
     }
     let packed = q
@@ -287,5 +308,43 @@ impl CommHook for Int8 {
 
     fn load_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
         self.res.load_state("int8", state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(g: &[f32]) -> Vec<f32> {
+        let (q, s, decoded) = quantise(g);
+        let mut sum = vec![0f32; g.len()];
+        add_dequantised(&mut sum, &q, &s);
+        assert_eq!(
+            sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            decoded.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "what the receivers add is what the sender decoded"
+        );
+        sum
+    }
+
+    #[test]
+    fn a_block_holding_nan_or_inf_decodes_to_nan() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let d = decode(&[1.0, bad, 2.0]);
+            assert!(
+                d.iter().all(|x| x.is_nan()),
+                "[1, {bad}, 2] decodes to {d:?}"
+            );
+        }
+        // Only the block that holds it: the next block of 256 is exact.
+        let mut g = vec![0.5f32; INT8_BLOCK + 3];
+        g[7] = f32::NAN;
+        g[INT8_BLOCK..].copy_from_slice(&[0.0, -127.0, 0.0]);
+        let d = decode(&g);
+        assert!(d[..INT8_BLOCK].iter().all(|x| x.is_nan()));
+        assert_eq!(d[INT8_BLOCK..], [0.0, -127.0, 0.0]);
+        // Finite blocks as before: max |x| / 127 per block, zeros as zeros.
+        assert_eq!(decode(&[127.0, -63.0, 0.0]), vec![127.0, -63.0, 0.0]);
+        assert_eq!(decode(&[0.0; 5]), vec![0.0; 5]);
     }
 }

@@ -359,7 +359,7 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
                 dtype: crate::config::Precision::Bf16,
             })
         }),
-        CommHookKind::Topk => match cfg.topk_freeze_after() {
+        CommHookKind::Topk => match cfg.topk_freeze_after_on(mesh.dp().size()) {
             Some(after) => {
                 let beta1 = cfg.optim.betas[0] as f32;
                 s.set_comm_hook(&|| Box::new(hooks::TopK::adam(ratio, ef, after as usize, beta1)))

@@ -248,7 +248,7 @@ impl CommHook for PowerSgd {
         drop(s);
         let w = pg.all_reduce_async(msg, ReduceOp::Avg);
         let (coll, pg) = (coll.clone(), pg.clone());
-        let ef = self.error_feedback;
+        let (ef, id) = (self.error_feedback, bucket.id);
         Pending::new(move || -> Result<Vec<f32>> {
             let msg = w.wait()?;
             let mut out = vec![0f32; len];
@@ -281,7 +281,15 @@ impl CommHook for PowerSgd {
                         dst[a * x.m + b] = (0..x.r).map(|j| p[a * x.r + j] * q[b * x.r + j]).sum();
                     }
                 }
-                s.qs[k] = q.to_vec();
+                // The warm start for the next step: a Q holding inf or NaN
+                // (from a gradient that overflowed: 1/inf = 0 in the
+                // orthonormalisation, then inf x 0) would make every later
+                // P NaN; such a step is skipped, and Q starts over.
+                s.qs[k] = if q.iter().all(|v| v.is_finite()) {
+                    q.to_vec()
+                } else {
+                    initial_q(id, k, x.m, x.r)
+                };
             }
             if ef {
                 // What this rank's gradient had that the average did not

@@ -344,6 +344,9 @@ pub struct Reducer {
     described: std::collections::HashMap<usize, GradBucket>,
     /// Buffers for the hook ([`CommHook::reduce_pooled`]), when set.
     pool: Option<Pool>,
+    /// The hook's state as it was before this step's first reduction
+    /// ([`Reducer::settle`] restores it when the step is skipped).
+    before: Option<Vec<(String, Vec<f32>)>>,
 }
 
 impl Reducer {
@@ -354,6 +357,7 @@ impl Reducer {
             inflight: Vec::new(),
             described: Default::default(),
             pool: None,
+            before: None,
         }
     }
 
@@ -372,6 +376,7 @@ impl Reducer {
     /// Replace the communication hook (`register_comm_hook`).
     pub fn set_hook(&mut self, hook: Box<dyn CommHook>) {
         self.hook = hook;
+        self.before = None;
     }
 
     /// The hook is the plain f32 average ([`CommHook::is_plain_average`]).
@@ -386,7 +391,24 @@ impl Reducer {
 
     /// Restore the hook's state ([`CommHook::load_state`]).
     pub fn load_hook_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        self.before = None;
         self.hook.load_state(state)
+    }
+
+    /// End the step whose gradients this reducer's hook reduced: `applied`
+    /// says whether the optimizer stepped on them. A step skipped (an fp16
+    /// overflow, `train.on_nonfinite = "skip"`) or failed leaves the hook's
+    /// state (error-feedback residuals, velocities, PowerSGD's Q, the
+    /// reduction counts) as it was before the step, so that one bad step
+    /// does not carry its inf or NaN into every later one and the run goes
+    /// on as if the step had never been taken. Every strategy that reduces
+    /// through a hook calls this once per step, after the finiteness
+    /// verdict.
+    pub fn settle(&mut self, applied: bool) -> Result<()> {
+        match self.before.take() {
+            Some(before) if !applied => self.hook.load_state(&before),
+            _ => Ok(()),
+        }
     }
 
     pub fn group(&self) -> &ProcessGroup {
@@ -400,6 +422,11 @@ impl Reducer {
             // reduce-scatter piece is all of it).
             Pending::ready(grads)
         } else {
+            if self.before.is_none() {
+                // The first reduction of the step: what to go back to if
+                // the step is skipped (see `settle`).
+                self.before = Some(self.hook.state());
+            }
             let fallback;
             let bucket = match self.described.get(&id) {
                 Some(b) => b,

@@ -348,8 +348,7 @@ impl Trainer {
         // worker group, whose world can only have changed so) would meet
         // the refusal below at every round: there the hook starts fresh,
         // as PyTorch's hooks do after a restart.
-        let elastic =
-            std::env::var("PHALANX_ELASTIC").as_deref() == Ok("1") || restart_count() > 0;
+        let elastic = std::env::var("PHALANX_ELASTIC").as_deref() == Ok("1") || restart_count() > 0;
         if here != there && elastic {
             if lead {
                 println!(

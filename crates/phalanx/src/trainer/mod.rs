@@ -206,7 +206,7 @@ impl Trainer {
                 crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
                     .map_err(|e| Error::Io(format!("optimizer offload: {e}")))?
             };
-            if let Some(after) = cfg.topk_freeze_after() {
+            if let Some(after) = cfg.topk_freeze_after_on(mesh.dp().size()) {
                 o.freeze_variance_after(after)
                     .map_err(|m| Error::Check(format!("parallel.topk_freeze_variance: {m}")))?;
             }
@@ -238,6 +238,9 @@ impl Trainer {
             } else if lead {
                 eprintln!("note: activation_checkpointing.partition_activations splits checkpoints over tensor-parallel ranks; with parallel.tp = 1 it has no effect");
             }
+        }
+        if lead && cfg.topk_freeze_after().is_some() && mesh.dp().size() == 1 {
+            eprintln!("note: parallel.comm_hook = \"topk\": the data-parallel group has one rank, so no gradient is reduced or compressed; AdamW runs as without the hook (parallel.topk_freeze_variance has no effect)");
         }
         if ac.cpu_checkpointing && lead {
             eprintln!("note: activation_checkpointing.cpu_checkpointing: on CPU training the checkpoints are already in host memory; nothing changes");

@@ -282,6 +282,12 @@ impl Pipeline {
         self.reducer.load_hook_state(state)
     }
 
+    /// End the step for the dp hook: `applied` says whether the optimizer
+    /// stepped ([`crate::strategy::reduce::Reducer::settle`]).
+    pub fn settle_hook(&mut self, applied: bool) -> Result<()> {
+        self.reducer.settle(applied)
+    }
+
     pub fn timeline(&self) -> &Timeline {
         &self.timeline
     }
