@@ -310,8 +310,6 @@ pub fn first_host(list: &str) -> Option<String> {
     }
 }
 
-/// Whether `addr` (a host name or IP address, as in MASTER_ADDR) names this
-/// host's loopback interface.
 /// `host:port` as a socket address string: a bare IPv6 literal
 /// (`MASTER_ADDR=fd00::1`) gets its brackets.
 ///
@@ -358,6 +356,8 @@ pub fn any_interface(host: &str, port: u16) -> String {
     }
 }
 
+/// Whether `addr` (a host name or IP address, as in MASTER_ADDR) names this
+/// host's loopback interface.
 pub fn is_loopback(addr: &str) -> bool {
     let a = addr.trim().trim_start_matches('[').trim_end_matches(']');
     a.eq_ignore_ascii_case("localhost")

@@ -148,6 +148,25 @@ fn a_join_its_group_never_wrote_does_not_block_later_joins() {
     let mut m = Manager::connect(&addr, SECRET, "a", opts(0.5)).unwrap();
     let q = m.quorum(0).unwrap();
     assert_eq!((q.size, q.members), (1, vec!["a".to_string()]));
+    // The skipped slot written late (and heartbeating): that group joins
+    // after all, as incarnation 0.
+    raw.set("ft/join/0", b"z").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        raw.add("ft/hb/z", 1).unwrap();
+        let e = raw.try_get("ft/epoch").unwrap().unwrap_or_default();
+        let e = String::from_utf8_lossy(&e).into_owned();
+        let members = raw
+            .try_get(&format!("ft/members/{e}"))
+            .unwrap()
+            .unwrap_or_default();
+        if String::from_utf8_lossy(&members).contains("z@0") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "z never joined");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(m);
 }
 
 #[test]

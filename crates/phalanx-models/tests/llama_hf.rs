@@ -164,7 +164,12 @@ fn sharded_layout_round_trips() {
     assert!(!tmp.join(hf::INDEX).exists() && !files[0].exists());
     let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
     assert!(!tmp.join(hf::SINGLE).exists() && tmp.join(hf::INDEX).is_file());
-    // A file path into the directory replaces the sharded layout too.
+    // A file of another name beside them is no replacement: the sharded
+    // model stays.
+    hf::save(&t, &cfg, "byte", &tmp.join("other.safetensors"), 20_000).unwrap();
+    assert!(tmp.join(hf::INDEX).is_file() && files.iter().all(|f| f.exists()));
+    std::fs::remove_file(tmp.join("other.safetensors")).unwrap();
+    // The directory's model.safetensors replaces the sharded layout.
     hf::save(&t, &cfg, "byte", &tmp.join(hf::SINGLE), 20_000).unwrap();
     assert!(!tmp.join(hf::INDEX).exists() && !files[0].exists());
     assert!(tmp.join(hf::SINGLE).is_file());

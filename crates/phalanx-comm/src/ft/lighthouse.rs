@@ -129,6 +129,9 @@ struct Quorums {
     suspect_since: Option<Instant>,
     /// When the next join slot was first found counted but unwritten.
     slot_since: Option<Instant>,
+    /// Slots skipped so: read again every tick, in case the write was
+    /// only late.
+    skipped: std::collections::BTreeSet<u64>,
     /// Members reported absent (`id@inc`), with the last epoch they were.
     absent: BTreeMap<String, u64>,
     status: String,
@@ -145,6 +148,7 @@ impl Quorums {
             change_since: None,
             suspect_since: None,
             slot_since: None,
+            skipped: Default::default(),
             absent: BTreeMap::new(),
             status: String::new(),
         }
@@ -160,9 +164,10 @@ impl Quorums {
                 let since = *self.slot_since.get_or_insert(now);
                 if now - since > self.opts.heartbeat_timeout {
                     eprintln!(
-                        "phalanx lighthouse: join {j} was counted but never written (its group \
-                         stopped while joining); skipped"
+                        "phalanx lighthouse: join {j} was counted but not written within the \
+                         heartbeat timeout (its group stopped while joining?); skipped"
                     );
+                    self.skipped.insert(j);
                     self.joins_seen += 1;
                     self.slot_since = None;
                     continue;
@@ -171,16 +176,19 @@ impl Quorums {
             };
             self.slot_since = None;
             let id = String::from_utf8_lossy(&id).into_owned();
-            let beats = store.add(&key(&format!("hb/{id}")), 0)?;
-            self.candidates.insert(
-                id,
-                Candidate {
-                    inc: j,
-                    beats,
-                    moved: now,
-                },
-            );
+            self.admit(store, id, j, now)?;
             self.joins_seen += 1;
+        }
+        // A skipped slot written late: its group joins after all (unless
+        // its id joined again since, as a later incarnation).
+        for j in self.skipped.clone() {
+            if let Some(id) = store.try_get(&key(&format!("join/{j}")))? {
+                self.skipped.remove(&j);
+                let id = String::from_utf8_lossy(&id).into_owned();
+                if self.candidates.get(&id).is_none_or(|c| c.inc < j) {
+                    self.admit(store, id, j, now)?;
+                }
+            }
         }
         let mut dead = Vec::new();
         for (id, c) in self.candidates.iter_mut() {
@@ -247,6 +255,20 @@ impl Quorums {
             }
         }
         self.publish(store, live)
+    }
+
+    /// Take join `j` of replica `id` as a candidate (its incarnation `j`).
+    fn admit(&mut self, store: &StoreClient, id: String, j: u64, now: Instant) -> Result<()> {
+        let beats = store.add(&key(&format!("hb/{id}")), 0)?;
+        self.candidates.insert(
+            id,
+            Candidate {
+                inc: j,
+                beats,
+                moved: now,
+            },
+        );
+        Ok(())
     }
 
     /// Drop the members reported absent in this epoch and the one before.

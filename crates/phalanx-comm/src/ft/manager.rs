@@ -454,8 +454,14 @@ impl Manager {
                 Some(r) => match self.connect_epoch(e, r, members.len()) {
                     Ok(()) => true,
                     // Two groups of different layouts (or configs) would
-                    // fail the same way with every epoch.
-                    Err(err @ CommError::Invalid(_)) => return Err(err),
+                    // fail the same way with every epoch. (A peer's failure
+                    // it published while connecting, a member lost in the
+                    // set-up, is retried with the next epoch.)
+                    Err(err @ CommError::Invalid(_))
+                        if !err.to_string().contains("another rank failed to start") =>
+                    {
+                        return Err(err)
+                    }
                     Err(err) => {
                         eprintln!(
                             "replica group {}: connecting to epoch {e}'s members failed: {err}",

@@ -565,6 +565,8 @@ fn accept_higher(
     // Oldest first (ids grow), so that the oldest can be shed.
     let mut pending: std::collections::BTreeMap<u64, Stream> = Default::default();
     let mut next_id = 0u64;
+    // Handshakes finished while the listeners were drained, to collect.
+    let mut ready: std::collections::VecDeque<(u64, Admitted)> = Default::default();
     let result = (|| {
         let mut got: Vec<(usize, Stream, String)> = Vec::new();
         let expected = world - rank - 1;
@@ -587,6 +589,15 @@ fn accept_higher(
                     Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => continue,
                     Err(e) => return Err(e.into()),
                 };
+                if pending.len() >= MAX_PENDING {
+                    // Finished handshakes first: a real rank whose
+                    // handshake is done (its dialer has returned) must not
+                    // be the oldest one shed.
+                    while let Ok((id, a)) = rx.try_recv() {
+                        pending.remove(&id);
+                        ready.push_back((id, a));
+                    }
+                }
                 if pending.len() >= MAX_PENDING {
                     // Shed the oldest, as the store does: a flood of idle
                     // strangers then cannot hold every slot while a real
@@ -618,7 +629,14 @@ fn accept_higher(
             }
             // Collect finished handshakes, waiting a little for one.
             let mut wait = Duration::from_millis(5);
-            while let Ok((id, a)) = rx.recv_timeout(wait) {
+            loop {
+                let (id, a) = match ready.pop_front() {
+                    Some(x) => x,
+                    None => match rx.recv_timeout(wait) {
+                        Ok(x) => x,
+                        Err(_) => break,
+                    },
+                };
                 wait = Duration::ZERO;
                 pending.remove(&id);
                 match a {

@@ -163,13 +163,16 @@ pub fn save(
     // files are in place (a directory keeps one layout: a stale index
     // would win over a new model.safetensors when loading). Never first:
     // a kill or a full disk midway must leave a loadable model.
-    // A single file named into a directory goes the same way (its index
-    // would otherwise still win in the directory); an index there that
-    // does not parse is left as it is.
-    let mut before = if single_file {
+    // A single file written as the directory's `model.safetensors` goes
+    // the same way (its index would otherwise still win in the directory;
+    // an index there that does not parse is left as it is). A file of
+    // another name is not the directory's model: what is there stays.
+    let mut before = if !single_file {
+        previous(&dir)?
+    } else if path.file_name().is_some_and(|n| n == SINGLE) {
         previous(&dir).unwrap_or_default()
     } else {
-        previous(&dir)?
+        Vec::new()
     };
     // Shards are named by their count (`model-00001-of-00002`): where this
     // save replaces a shard the old index names, that index goes first, so

@@ -478,6 +478,10 @@ impl Strategy for Ddp {
         self.reducer.set_hook(make());
     }
 
+    fn set_hook_rollback(&mut self, on: bool) {
+        self.reducer.set_rollback(on);
+    }
+
     fn keep_grads_on_device(&mut self, allowed: bool) {
         self.device_grads = allowed;
     }

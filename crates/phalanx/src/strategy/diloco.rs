@@ -643,6 +643,10 @@ impl Strategy for Diloco {
         self.inner.set_comm_hook(make);
     }
 
+    fn set_hook_rollback(&mut self, on: bool) {
+        self.inner.set_hook_rollback(on);
+    }
+
     fn diloco_mut(&mut self) -> Option<&mut Diloco> {
         Some(self)
     }

@@ -151,6 +151,13 @@ pub trait Strategy: Send {
     /// Replace the gradient communication hook (`register_comm_hook`).
     fn set_comm_hook(&mut self, make: &dyn Fn() -> Box<dyn CommHook>);
 
+    /// Whether a step may be skipped after its gradients were reduced
+    /// (fp16's overflow, `train.on_nonfinite = "skip"`): only then does the
+    /// reducer keep the hook's state from before each step to restore
+    /// ([`reduce::Reducer::set_rollback`]). A strategy without a reducer
+    /// ignores it.
+    fn set_hook_rollback(&mut self, _on: bool) {}
+
     /// This rank's communication-hook state ([`CommHook::state`]: residuals,
     /// warm starts, counters), which checkpoints save per rank.
     fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
@@ -372,5 +379,9 @@ pub fn build(cfg: &TrainConfig, engine: &mut Engine, args: BuildArgs) -> Result<
             s.set_comm_hook(&|| Box::new(powersgd::PowerSgd::new(rank, start, ef)))
         }
     }
+    s.set_hook_rollback(
+        cfg.precision() == crate::config::Precision::Fp16
+            || cfg.train.on_nonfinite == crate::config::OnNonfinite::Skip,
+    );
     Ok(s)
 }

@@ -347,6 +347,8 @@ pub struct Reducer {
     /// The hook's state as it was before this step's first reduction
     /// ([`Reducer::settle`] restores it when the step is skipped).
     before: Option<Vec<(String, Vec<f32>)>>,
+    /// Whether to keep `before` at all ([`Reducer::set_rollback`]).
+    rollback: bool,
 }
 
 impl Reducer {
@@ -358,6 +360,7 @@ impl Reducer {
             described: Default::default(),
             pool: None,
             before: None,
+            rollback: true,
         }
     }
 
@@ -371,6 +374,17 @@ impl Reducer {
     /// Tell hooks which parameters each bucket holds (from [`describe`]).
     pub fn describe(&mut self, buckets: Vec<GradBucket>) {
         self.described = buckets.into_iter().map(|b| (b.id, b)).collect();
+    }
+
+    /// Whether a step may still be skipped after its reduction (fp16's
+    /// overflow, `train.on_nonfinite = "skip"`): only then is the hook's
+    /// state copied before each step for [`Reducer::settle`] (a copy as
+    /// large as the gradients for the error-feedback hooks). On by default.
+    pub fn set_rollback(&mut self, on: bool) {
+        self.rollback = on;
+        if !on {
+            self.before = None;
+        }
     }
 
     /// Replace the communication hook (`register_comm_hook`).
@@ -422,7 +436,7 @@ impl Reducer {
             // reduce-scatter piece is all of it).
             Pending::ready(grads)
         } else {
-            if self.before.is_none() {
+            if self.rollback && self.before.is_none() {
                 // The first reduction of the step: what to go back to if
                 // the step is skipped (see `settle`).
                 self.before = Some(self.hook.state());

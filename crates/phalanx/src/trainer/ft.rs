@@ -77,7 +77,7 @@ impl Ft {
         // quorum_timeout), its other ranks wait in a broadcast bounded by
         // the job's collective timeout: one shorter would end the group
         // with a broadcast timeout instead of the lighthouse's status.
-        let comm_timeout = phalanx_comm::Config::from_env().timeout;
+        let comm_timeout = world.config().timeout;
         if world.size() > 1 && phalanx_comm::config::wait_secs(f.quorum_timeout) >= comm_timeout {
             return Err(Error::Check(format!(
                 "fault_tolerance.quorum_timeout = {} s is not below the collective timeout \

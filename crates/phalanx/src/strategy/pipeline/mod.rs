@@ -272,6 +272,11 @@ impl Pipeline {
         self.reducer.set_hook(hook);
     }
 
+    /// See [`crate::strategy::reduce::Reducer::set_rollback`].
+    pub fn set_hook_rollback(&mut self, on: bool) {
+        self.reducer.set_rollback(on);
+    }
+
     /// The data-parallel hook's state ([`CommHook::state`]).
     pub fn hook_state(&self) -> Vec<(String, Vec<f32>)> {
         self.reducer.hook_state()

@@ -313,6 +313,10 @@ impl Strategy for PipeStrategy {
         self.pipe.set_comm_hook(make());
     }
 
+    fn set_hook_rollback(&mut self, on: bool) {
+        self.pipe.set_hook_rollback(on);
+    }
+
     fn keep_grads_on_device(&mut self, allowed: bool) {
         self.device_grads = allowed;
     }
