@@ -136,6 +136,10 @@ pub fn agree_and_clip(
             )));
         }
         scaler.update(true);
+        // A dynamic fp16 scale stuck at its minimum while the gradients
+        // keep overflowing is an error, not a run that silently stops
+        // (every rank has the same verdict and scaler: all end here).
+        scaler.check_floor().map_err(Error::Check)?;
         let out = StepOutcome {
             grad_norm: f32::INFINITY,
             skipped: true,

@@ -425,6 +425,16 @@ impl Reducer {
         }
     }
 
+    /// [`Reducer::settle`] after a step whose outcome is `out` (applied
+    /// when it is `Ok` and not skipped), then `out` as it was.
+    pub fn settled(
+        &mut self,
+        out: Result<crate::optim::step::StepOutcome>,
+    ) -> Result<crate::optim::step::StepOutcome> {
+        self.settle(matches!(&out, Ok(o) if !o.skipped))?;
+        out
+    }
+
     pub fn group(&self) -> &ProcessGroup {
         &self.pg
     }

@@ -287,10 +287,13 @@ impl Pipeline {
         self.reducer.load_hook_state(state)
     }
 
-    /// End the step for the dp hook: `applied` says whether the optimizer
-    /// stepped ([`crate::strategy::reduce::Reducer::settle`]).
-    pub fn settle_hook(&mut self, applied: bool) -> Result<()> {
-        self.reducer.settle(applied)
+    /// End the step for the dp hook after a step whose outcome is `out`
+    /// ([`crate::strategy::reduce::Reducer::settled`]).
+    pub fn settle_hook(
+        &mut self,
+        out: Result<crate::optim::step::StepOutcome>,
+    ) -> Result<crate::optim::step::StepOutcome> {
+        self.reducer.settled(out)
     }
 
     pub fn timeline(&self) -> &Timeline {
