@@ -179,10 +179,7 @@ pub fn connect_mesh(
         match store.wait(&[&err_key], Duration::from_millis(20)) {
             Ok(()) => {
                 let e = store.try_get(&err_key)?.unwrap_or_default();
-                return Err(CommError::Invalid(format!(
-                    "another rank failed to start: {}",
-                    String::from_utf8_lossy(&e)
-                )));
+                return Err(peer_failed(&e));
             }
             Err(CommError::Timeout(_)) => {}
             Err(e) => return Err(e),
@@ -284,6 +281,15 @@ fn publish(store: &StoreClient, prefix: &str, e: CommError) -> CommError {
     e
 }
 
+/// The error another rank published under `{prefix}/error` (`publish`),
+/// as this rank reports it.
+fn peer_failed(published: &[u8]) -> CommError {
+    CommError::Invalid(format!(
+        "another rank failed to start: {}",
+        String::from_utf8_lossy(published)
+    ))
+}
+
 /// Wait for `key`, giving up early if another rank published an error.
 /// `Err(None)` means the deadline passed.
 fn wait_key(
@@ -295,10 +301,7 @@ fn wait_key(
     let err_key = format!("{prefix}/error");
     loop {
         if let Ok(Some(e)) = store.try_get(&err_key) {
-            return Err(Some(CommError::Invalid(format!(
-                "another rank failed to start: {}",
-                String::from_utf8_lossy(&e)
-            ))));
+            return Err(Some(peer_failed(&e)));
         }
         let slice = deadline
             .saturating_duration_since(Instant::now())
@@ -349,19 +352,20 @@ fn read_signed(
         };
         if Instant::now() >= deadline {
             return Err(CommError::Auth(format!(
-                "rank {rank}: the {what} published for rank {j} ({key}) does not carry the job                  secret's signature, so it was not dialled: the store may have been tampered                  with (anyone who can reach an unauthenticated store such as torchrun's can                  rewrite it), or rank {j} runs with another PHALANX_SECRET"
+                "rank {rank}: the {what} published for rank {j} ({key}) does not carry the job \
+                 secret's signature, so it was not dialled: the store may have been tampered \
+                 with (anyone who can reach an unauthenticated store such as torchrun's can \
+                 rewrite it), or rank {j} runs with another PHALANX_SECRET"
             )));
         }
         if let Ok(Some(e)) = store.try_get(&format!("{prefix}/error")) {
-            return Err(CommError::Invalid(format!(
-                "another rank failed to start: {}",
-                String::from_utf8_lossy(&e)
-            )));
+            return Err(peer_failed(&e));
         }
         if !warned {
             warned = true;
             eprintln!(
-                "[phalanx] rank {rank}: the {what} published for rank {j} ({key}) does not carry                  the job secret's signature; not dialling it, waiting for a signed one"
+                "[phalanx] rank {rank}: the {what} published for rank {j} ({key}) does not carry \
+                 the job secret's signature; not dialling it, waiting for a signed one"
             );
         }
         std::thread::sleep(
