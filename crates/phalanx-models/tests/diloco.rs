@@ -607,3 +607,30 @@ fn the_runs_end_applies_the_outer_steps_still_in_flight() {
     // Fragment 0 trained on after its sync (at 3H/2): each group's own.
     assert_ne!(out[0].0[frags[0].clone()], out[1].0[frags[0].clone()]);
 }
+
+#[test]
+fn a_non_finite_mean_pseudo_gradient_stops_every_group_before_the_anchor() {
+    // Group 1's parameters turn NaN after step 0 (its inner step at step 1
+    // is skipped: train.on_nonfinite = "skip"); the outer step after step
+    // 1 would average the NaN into every group's anchor. Both groups stop
+    // there instead, naming the outer step.
+    let e = sets(&["diloco.inner_steps=2", "train.on_nonfinite=\"skip\""]);
+    let cfg = cfg(2, 4, &e);
+    let loader = loader(cfg.seq_len().unwrap());
+    let out = phalanx_comm::threads::run(2, move |pg| {
+        let rank = pg.rank();
+        let mut t = train::trainer(&cfg, pg, loader.clone(), &GptRun::default()).unwrap();
+        t.step(0).unwrap();
+        if rank == 1 {
+            t.engine_mut().params_flat_mut()[0] = f32::NAN;
+        }
+        t.step(1).map(|_| ()).map_err(|e| e.to_string())
+    });
+    for (r, o) in out.iter().enumerate() {
+        let m = o.as_ref().expect_err("the outer step should be refused");
+        assert!(
+            m.contains("outer step 0 of fragment 0") && m.contains("not finite"),
+            "rank {r}: {m}"
+        );
+    }
+}

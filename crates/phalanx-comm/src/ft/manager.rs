@@ -456,12 +456,8 @@ impl Manager {
                     // Two groups of different layouts (or configs) would
                     // fail the same way with every epoch. (A peer's failure
                     // it published while connecting, a member lost in the
-                    // set-up, is retried with the next epoch.)
-                    Err(err @ CommError::Invalid(_))
-                        if !err.to_string().contains("another rank failed to start") =>
-                    {
-                        return Err(err)
-                    }
+                    // set-up, is `Aborted` and retried with the next epoch.)
+                    Err(err @ CommError::Invalid(_)) => return Err(err),
                     Err(err) => {
                         eprintln!(
                             "replica group {}: connecting to epoch {e}'s members failed: {err}",

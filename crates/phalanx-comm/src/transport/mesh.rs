@@ -282,9 +282,11 @@ fn publish(store: &StoreClient, prefix: &str, e: CommError) -> CommError {
 }
 
 /// The error another rank published under `{prefix}/error` (`publish`),
-/// as this rank reports it.
+/// as this rank reports it: `Aborted`, since the set-up was given up
+/// elsewhere (this rank's own arguments may be fine; the ft manager
+/// retries it, and ends on an `Invalid` of its own).
 fn peer_failed(published: &[u8]) -> CommError {
-    CommError::Invalid(format!(
+    CommError::Aborted(format!(
         "another rank failed to start: {}",
         String::from_utf8_lossy(published)
     ))

@@ -89,6 +89,15 @@ fn is_ignored_buffer(name: &str) -> bool {
 
 type Shapes = HashMap<String, (Vec<usize>, safetensors::Dtype)>;
 
+/// Parameters load from floats only: integers would convert silently.
+pub(super) fn check_float(name: &str, dtype: safetensors::Dtype) -> Result<()> {
+    use safetensors::Dtype;
+    if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64) {
+        bail!("tensor `{name}` is {dtype:?}; parameters must be floats")
+    }
+    Ok(())
+}
+
 /// Check names, shapes and dtypes, then copy in what the engine holds.
 fn import(
     engine: &mut Engine,
@@ -96,7 +105,6 @@ fn import(
     mut shapes: Shapes,
     read: &dyn Fn(&str) -> Result<Tensor>,
 ) -> Result<()> {
-    use safetensors::Dtype;
     for (name, shape, needed) in &crate::common::hf::params_held(engine) {
         let Some((dims, dtype)) = shapes.remove(name) else {
             let why = if name == "lm_head.weight" {
@@ -109,9 +117,7 @@ fn import(
         if &dims != shape {
             bail!("tensor `{name}`: expected shape {shape:?}, found {dims:?}")
         }
-        if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F64) {
-            bail!("tensor `{name}` is {dtype:?}; parameters must be floats")
-        }
+        check_float(name, dtype)?;
         if !needed {
             continue;
         }

@@ -99,34 +99,20 @@ pub fn load_engine_with(
     };
     // Safety: the files are only read, and not expected to change meanwhile.
     let st = unsafe { MmapedSafetensors::multi(&files) }?;
-    let tensors = st.tensors();
-    let shapes: HashMap<String, Vec<usize>> = tensors
+    let shapes: HashMap<String, (Vec<usize>, safetensors::Dtype)> = st
+        .tensors()
         .iter()
-        .map(|(n, v)| (n.clone(), v.shape().to_vec()))
+        .map(|(n, v)| (n.clone(), (v.shape().to_vec(), v.dtype())))
         .collect();
     let mut want = super::hf::names(cfg);
-    for (name, dims) in &shapes {
+    for (name, (dims, dtype)) in &shapes {
         if want.remove(name) {
             let full = full_shape(name);
             if dims != &full {
                 bail!("tensor `{name}`: expected shape {full:?}, found {dims:?}")
             }
-            // As the 1-rank load: integers would convert silently.
-            let dtype = tensors
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, v)| v.dtype());
-            if let Some(d) = dtype.filter(|d| {
-                !matches!(
-                    d,
-                    safetensors::Dtype::F32
-                        | safetensors::Dtype::F16
-                        | safetensors::Dtype::BF16
-                        | safetensors::Dtype::F64
-                )
-            }) {
-                bail!("tensor `{name}` is {d:?}; parameters must be floats")
-            }
+            // As the 1-rank load.
+            super::hf::check_float(name, *dtype)?;
         } else {
             // What a 1-rank load allows besides the parameters.
             let tied_head = cfg.tie_word_embeddings && name == "lm_head.weight";

@@ -359,20 +359,31 @@ impl Diloco {
                 self.cfg.inner_steps
             ))
         })?;
-        self.apply(engine, 0, k, avg);
-        Ok(())
+        self.apply(engine, 0, k, avg)
     }
 
     /// Outer step `index` of fragment `f` with the groups' mean
     /// pseudo-gradient `avg`: the anchor moves, and this group's
     /// parameters of the fragment become it.
-    fn apply(&mut self, engine: &mut Engine, f: usize, index: usize, avg: &[f32]) {
+    /// A non-finite mean (a group whose parameters overflowed, an int8
+    /// block holding NaN) is refused before it reaches the anchor: every
+    /// group holds the same mean, so every group stops here together.
+    fn apply(&mut self, engine: &mut Engine, f: usize, index: usize, avg: &[f32]) -> Result<()> {
+        if let Some(i) = avg.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Check(format!(
+                "DiLoCo: outer step {index} of fragment {f}: the groups' mean pseudo-gradient is not \
+                 finite ({} at element {i}); a group's parameters overflowed or turned NaN (lower \
+                 optim.lr or diloco.outer_lr, or resume from an earlier checkpoint)",
+                avg[i]
+            )));
+        }
         let r = self.frags[f].clone();
         let opt = &mut self.outer_opts[f];
         // The step count says whether this is the first step (momentum = Δ).
         opt.set_step_count(index as u64);
         opt.step(&mut self.anchor[r.clone()], avg, self.cfg.outer_lr, 1.0);
         engine.params_flat_mut()[r.clone()].copy_from_slice(&self.anchor[r]);
+        Ok(())
     }
 
     /// The mean pseudo-gradient of fragment `f` due now: the next one in
@@ -400,7 +411,7 @@ impl Diloco {
             for f in self.sched.syncing(done - tau) {
                 let avg = self.take_due(f, done)?;
                 let k = self.sched.sync_index(f, done - tau).expect("syncing");
-                self.apply(engine, f, k, &avg);
+                self.apply(engine, f, k, &avg)?;
             }
         }
         if self.restored.is_some() {
@@ -421,7 +432,7 @@ impl Diloco {
             if tau == 0 {
                 let avg = avg.wait()?;
                 let k = self.sched.sync_index(f, done).expect("syncing");
-                self.apply(engine, f, k, &avg);
+                self.apply(engine, f, k, &avg)?;
             } else {
                 self.in_flight.get_mut().push_back(InFlight {
                     fragment: f,
@@ -548,7 +559,7 @@ impl Strategy for Diloco {
             };
             let k = self.sched.sync_index(f, s).expect("synced");
             let avg = x.settle()?.to_vec();
-            self.apply(engine, f, k, &avg);
+            self.apply(engine, f, k, &avg)?;
         }
         Ok(())
     }
