@@ -259,6 +259,14 @@ fn combinations_that_are_not_built_are_refused_naming_both_keys() {
         ],
         &["parallel.topk_momentum", "train.grad_accum_steps"],
     );
+    refused(
+        &[
+            "parallel.comm_hook=powersgd",
+            "zero_optimization.stage=3",
+            "train.grad_accum_steps=4",
+        ],
+        &["parallel.comm_hook = powersgd", "train.grad_accum_steps"],
+    );
     // Top-k for AdamW (the frozen variance): its hook carries the
     // momentum, needs a warm-up to measure the variance, and updates once
     // per reduction.

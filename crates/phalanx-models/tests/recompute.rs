@@ -82,6 +82,16 @@ fn partitioned_checkpoints_reproduce_the_run_and_hold_less() {
         b < a,
         "activation peak: whole inputs {a} B, partitioned {b} B"
     );
+    // Under sequence parallelism each rank's input is its own part of the
+    // sequence: nothing to split, and the run is still the 1-rank run.
+    // (T = 16: sequence parallelism splits T over tp.)
+    let base16 = run(1, config(1, 1, &shape(&["model.block_size=16"]))).remove(0);
+    let sp = tp2(&[
+        "model.block_size=16",
+        "parallel.sequence_parallel=true",
+        "activation_checkpointing.partition_activations=true",
+    ]);
+    assert_named_match("tp 2, sequence parallel, partitioned", &sp, &base16, 1e-5);
 }
 
 #[test]

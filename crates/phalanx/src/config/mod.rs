@@ -310,7 +310,8 @@ pub struct ParallelConfig {
     /// ZeRO-3 / FSDP: blocks gathered ahead in forward and in backward.
     pub forward_prefetch: usize,
     pub backward_prefetch: usize,
-    /// HYBRID_SHARD group size (0: the ranks of one node, LOCAL_WORLD_SIZE).
+    /// HYBRID_SHARD group size in dp ranks (0: those of one node,
+    /// LOCAL_WORLD_SIZE / tp).
     pub hybrid_shard_size: usize,
     /// Megatron sequence parallelism (with tp > 1).
     pub sequence_parallel: bool,

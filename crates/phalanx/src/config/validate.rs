@@ -135,6 +135,17 @@ impl TrainConfig {
                 p.pp
             ));
         }
+        if p.comm_hook == H::Powersgd && stage >= 2 && self.train.grad_accum_steps > 1 {
+            // ZeRO-2/3 reduce every micro-step: PowerSGD's warm start, its
+            // residual and its count would advance once per micro-step (A
+            // power iterations a step, compression from start_iter / A).
+            return bad(format!(
+                "parallel.comm_hook = powersgd counts one power iteration per reduction, which ZeRO \
+                 stage {stage} runs every micro-step (train.grad_accum_steps = {}); use stage 1, \
+                 train.grad_accum_steps = 1, or the int8 or fp16 hook",
+                self.train.grad_accum_steps
+            ));
+        }
         self.check_dgc(stage)?;
         let zpp = z.zero_quantized_weights
             || z.zero_quantized_gradients
@@ -354,17 +365,10 @@ impl TrainConfig {
         }
         let group = if hybrid {
             match self.parallel.hybrid_shard_size {
-                // The ranks of a node, from whichever launcher started
-                // this one (torchrun, mpirun, srun); 1 where it did not
-                // say (one rank per pod).
                 0 => {
                     let j = phalanx_comm::JobSizes::from_env()
                         .map_err(|e| ConfigError(e.to_string()))?;
-                    if j.local_known {
-                        j.local_world_size
-                    } else {
-                        1
-                    }
+                    node_shard_group(&j, self.parallel.tp, self.parallel.pp)
                 }
                 g => g,
             }
@@ -610,5 +614,49 @@ impl TrainConfig {
             )));
         }
         Ok(())
+    }
+}
+
+/// HYBRID_SHARD's default group: the data-parallel ranks of a node, from
+/// whichever launcher started this one (torchrun, mpirun, srun): the
+/// node's ranks over tp (tp is innermost on the mesh, pp outermost), at
+/// most dp (a node that holds several pipeline stages); 1 where the
+/// launcher did not say (one rank per pod).
+pub(crate) fn node_shard_group(j: &phalanx_comm::JobSizes, tp: usize, pp: usize) -> usize {
+    let tp = tp.max(1);
+    let dp = (j.world_size / (tp * pp.max(1))).max(1);
+    if j.local_known {
+        (j.local_world_size / tp).clamp(1, dp)
+    } else {
+        1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::node_shard_group;
+
+    #[test]
+    fn the_default_hybrid_group_is_the_data_parallel_ranks_of_a_node() {
+        let job = |world, local, local_known| phalanx_comm::JobSizes {
+            rank: 0,
+            world_size: world,
+            local_rank: 0,
+            local_world_size: local,
+            source: "torchrun",
+            local_known,
+        };
+        // Two nodes of 8 at tp 2: dp 8, four dp ranks on a node.
+        assert_eq!(node_shard_group(&job(16, 8, true), 2, 1), 4);
+        // One node of 8 at tp 2: dp 4, all on the node.
+        assert_eq!(node_shard_group(&job(8, 8, true), 2, 1), 4);
+        // tp 1: the node's ranks.
+        assert_eq!(node_shard_group(&job(16, 8, true), 1, 1), 8);
+        // A node of 8 holding two stages of pp 2 at dp 4: at most dp.
+        assert_eq!(node_shard_group(&job(8, 8, true), 1, 2), 4);
+        // tp across nodes: 1.
+        assert_eq!(node_shard_group(&job(16, 4, true), 8, 1), 1);
+        // The launcher did not say (one rank per pod).
+        assert_eq!(node_shard_group(&job(16, 16, false), 1, 1), 1);
     }
 }

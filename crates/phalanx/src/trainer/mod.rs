@@ -231,7 +231,15 @@ impl Trainer {
         let ac = &cfg.activation_checkpointing;
         let lead = mesh.world().rank() == 0;
         if ac.partition_activations {
-            if mesh.tp_size > 1 {
+            if mesh.tp_size > 1 && cfg.parallel.sequence_parallel {
+                // Each tp rank's block input is its own part of the
+                // sequence, (B, T/tp, C), not a copy to split: the
+                // checkpoint is already 1/tp, and gathering slices of
+                // different ranks' inputs would recompute from garbage.
+                if lead {
+                    eprintln!("note: activation_checkpointing.partition_activations: with parallel.sequence_parallel each tensor-parallel rank already keeps only its part of the sequence; nothing more to split");
+                }
+            } else if mesh.tp_size > 1 {
                 engine
                     .stack_mut()
                     .set_partition_group(Some(mesh.tp().clone()));
