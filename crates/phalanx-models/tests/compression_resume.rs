@@ -229,3 +229,40 @@ fn hook_state_is_refused_on_another_layout_and_dropped_for_another_hook() {
     assert!(none[0].losses.iter().all(|l| l.is_finite()));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn hook_state_is_refused_under_another_pipeline_schedule() {
+    // The same ranks and axes, but interleaved:2 gives each stage other
+    // layers (0, 1, 4, 5 instead of 0-3) in a buffer of the same length:
+    // the residuals would land on other parameters.
+    let dir = tmp("schedule");
+    let run = |schedule: &str| {
+        [
+            "parallel.comm_hook=topk",
+            "parallel.topk_ratio=0.1",
+            "parallel.pp=2",
+            "model.n_layer=8",
+            schedule,
+        ]
+        .map(String::from)
+    };
+    let (a, b) = (
+        run("parallel.pp_schedule=1f1b"),
+        run("parallel.pp_schedule=interleaved:2"),
+    );
+    let (a, b) = (
+        a.each_ref().map(|s| s.as_str()),
+        b.each_ref().map(|s| s.as_str()),
+    );
+    ok(drive(4, cfg(2, &dir, &a), 0..K, None, true));
+    let ck = dir.join(format!("step-{K:08}"));
+    let err = drive(4, cfg(2, &dir, &b), K..N, Some(ck), false)
+        .remove(0)
+        .err()
+        .expect("another schedule with the same hook is refused")
+        .to_string();
+    for want in ["cannot be split or merged", "1f1b", "interleaved"] {
+        assert!(err.contains(want), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -237,3 +237,50 @@ fn metadata_claiming_more_rows_than_its_files_hold_is_refused_at_once() {
     assert!(!d.exists());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A save killed between moving a same-step checkpoint aside and renaming
+/// its replacement in leaves the old one as `.old-step-N` only: it is put
+/// back under the lock (by a resume, or the next save's rotation), where
+/// it used to be deleted as a leftover. An `.old-*` beside its step (the
+/// save finished) is still removed.
+#[test]
+fn a_checkpoint_moved_aside_and_never_replaced_is_put_back() {
+    let root = fresh("old-aside");
+    let old = |s: usize| format!(".old-{}", step_dir_name(s));
+    dir_with(&root, &old(200), Some(&metadata(200)));
+    dir_with(&root, &step_dir_name(100), Some(&metadata(100)));
+    dir_with(&root, &old(100), Some(&metadata(100)));
+    // Not locked: another run's save may be between its renames.
+    assert!(rotate::recover_replaced(&root).is_empty());
+    rotate::prune(&root, &step_dir_name(100), 5);
+    assert!(root.join(old(200)).exists());
+    lock::lock(&root, "checkpoint.dir").unwrap();
+    assert_eq!(rotate::recover_replaced(&root), vec![step_dir_name(200)]);
+    assert!(rotate::phalanx_checkpoint(&root.join(step_dir_name(200))) == Some(200));
+    // Killed again the same way: the next save's rotation puts it back.
+    std::fs::rename(root.join(step_dir_name(200)), root.join(old(200))).unwrap();
+    rotate::prune(&root, &step_dir_name(100), 5);
+    assert!(root.join(step_dir_name(200)).exists(), "step 200 lost");
+    assert!(!root.join(old(200)).exists());
+    assert!(!root.join(old(100)).exists(), "a finished save's .old kept");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A rank file that is a FIFO (an archive can carry one) is refused when
+/// the checkpoint opens: reading it would block `inspect` and a resume.
+#[test]
+fn a_rank_file_that_is_not_a_regular_file_is_refused() {
+    let root = fresh("fifo");
+    let d = root.join(step_dir_name(5));
+    dir_with(&root, &step_dir_name(5), Some(&metadata(5)));
+    let fifo = d.join("rank-00000.safetensors");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid C string; mkfifo only creates the node.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let e = phalanx::checkpoint::Reader::open(&d)
+        .err()
+        .expect("a FIFO rank file opened")
+        .to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -238,18 +238,25 @@ impl Metadata {
     pub fn verify_files(&self, dir: &std::path::Path) -> Result<(), String> {
         for (i, f) in self.files.iter().enumerate() {
             let p = dir.join(&f.name);
-            let len = std::fs::metadata(&p)
-                .map_err(|e| {
-                    if e.kind() == std::io::ErrorKind::NotFound {
-                        format!(
-                            "checkpoint file {} is missing (metadata.json files[{i}].name lists it)",
-                            p.display()
-                        )
-                    } else {
-                        format!("checkpoint file {}: {e}", p.display())
-                    }
-                })?
-                .len();
+            let md = std::fs::metadata(&p).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    format!(
+                        "checkpoint file {} is missing (metadata.json files[{i}].name lists it)",
+                        p.display()
+                    )
+                } else {
+                    format!("checkpoint file {}: {e}", p.display())
+                }
+            })?;
+            // A FIFO or device (an archive can carry one) would block or
+            // never end when read.
+            if !md.is_file() {
+                return Err(format!(
+                    "checkpoint file {} is not a regular file (metadata.json files[{i}].name)",
+                    p.display()
+                ));
+            }
+            let len = md.len();
             if len != f.bytes {
                 return Err(format!(
                     "checkpoint file {} is {len} bytes, metadata.json files[{i}].bytes says {} \

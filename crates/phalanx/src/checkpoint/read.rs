@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::ops::Range;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -142,8 +143,19 @@ impl Reader {
         }
         let info = &self.meta.files[i];
         let p = self.dir.join(&info.name);
-        let f =
-            std::fs::File::open(&p).map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;
+        // Non-blocking: a FIFO put in the file's place since it was
+        // verified must not block the open; it is refused just below.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&p)
+            .map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;
+        if !f.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(Error::Check(format!(
+                "checkpoint file {} is not a regular file",
+                p.display()
+            )));
+        }
         // Safety: checkpoint files are written once and never modified.
         let m = unsafe { memmap2::Mmap::map(&f) }
             .map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;

@@ -53,6 +53,8 @@ pub fn phalanx_checkpoint(dir: &Path) -> Option<usize> {
 /// earlier step), and deleting this run's saves in their favour would lose
 /// the run being written (its `latest` is `current`).
 pub fn prune(root: &Path, current: &str, keep: usize) {
+    // An `.old-step-N` without its `step-N` is the only copy: back first.
+    recover_replaced(root);
     let Ok(rd) = std::fs::read_dir(root) else {
         return;
     };
@@ -83,6 +85,31 @@ pub fn prune(root: &Path, current: &str, keep: usize) {
             }
         }
     }
+}
+
+/// Put back the checkpoints a save moved aside to replace and never
+/// replaced (`.old-step-N` without `step-N`: the process was killed
+/// between the save's two renames), while this process holds `root`'s
+/// lock; before a resume lists what there is. Returns their names.
+pub fn recover_replaced(root: &Path) -> Vec<String> {
+    let mut back = Vec::new();
+    if !super::lock::held(root) {
+        return back;
+    }
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return back;
+    };
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if let Some(name) = n.strip_prefix(".old-") {
+            let dst = root.join(name);
+            if name.starts_with("step-") && !dst.exists() && std::fs::rename(e.path(), &dst).is_ok()
+            {
+                back.push(name.to_string());
+            }
+        }
+    }
+    back
 }
 
 /// Point `root/latest` at checkpoint `name`, whole or not at all: through

@@ -396,7 +396,8 @@ fn commit(
     // A checkpoint of the same step from an earlier run is moved aside,
     // and deleted only once the new one is in place: a kill or a failed
     // rename in between leaves the old one (put back, or as `.old-*`,
-    // which a later run's prune removes), never neither.
+    // which the next resume or save puts back: `rotate::recover_replaced`),
+    // never neither.
     let old = root.join(format!(".old-{name}"));
     let replaced = dst.exists();
     if replaced {
@@ -409,13 +410,34 @@ fn commit(
         }
         return Err(io("cannot rename into", &dst, e));
     }
-    sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
+    // The checkpoint is complete and in place from here: what fails now
+    // (a full disk for `latest`) is a warning, not a failed save that
+    // would end the run with its newest checkpoint written.
+    let warn = |what: &str, p: &Path, e: std::io::Error| {
+        eprintln!(
+            "warning: checkpoint {} is saved, but {what} {}: {e}",
+            dst.display(),
+            p.display()
+        )
+    };
+    if let Err(e) = sync_dir(root) {
+        warn("cannot sync", root, e);
+    }
     if replaced {
         let _ = std::fs::remove_dir_all(&old);
     }
-    super::rotate::write_latest(root, name)
-        .map_err(|e| io("cannot update", &root.join("latest"), e))?;
-    sync_dir(root).map_err(|e| io("cannot sync", root, e))?;
+    match super::rotate::write_latest(root, name) {
+        Ok(()) => {
+            if let Err(e) = sync_dir(root) {
+                warn("cannot sync", root, e);
+            }
+        }
+        Err(e) => warn(
+            "`latest` still names the previous one (--resume auto takes it first): cannot update",
+            &root.join("latest"),
+            e,
+        ),
+    }
     super::rotate::prune(root, name, keep);
     Ok(dst)
 }

@@ -69,13 +69,57 @@ impl Trainer {
             None => Ok(false),
             Some(Resume::Auto) => self.resume_auto(true),
             Some(Resume::Path(p)) => {
-                let dir = checkpoint::find(p).map_err(|e| match e {
-                    Error::Check(m) => Error::Check(format!("--resume {m}")),
-                    e => e,
-                })?;
+                let dir = self.resolve_resume(p)?;
                 self.load_checkpoint(&dir)?;
                 Ok(true)
             }
+        }
+    }
+
+    /// The checkpoint `--resume PATH` names: PATH itself, or the newest
+    /// under it. Rank 0 decides and every rank takes its choice (each
+    /// reading `latest` and the listing itself could pick different steps
+    /// while another job writes there, or through a network file system's
+    /// cache). Collective.
+    fn resolve_resume(&self, p: &Path) -> Result<PathBuf> {
+        let world = self.mesh.world();
+        let flag = |e: Error| match e {
+            Error::Check(m) => Error::Check(format!("--resume {m}")),
+            e => e,
+        };
+        // -2: rank 0 failed; -1: PATH itself; else the step under PATH.
+        let mut pick = [-2i64];
+        let mine = if world.rank() == 0 {
+            let found = checkpoint::find(p).and_then(|d| {
+                if d == p {
+                    return Ok(-1);
+                }
+                let step = Reader::open(&d)?.meta.step;
+                if d != p.join(checkpoint::step_dir_name(step)) {
+                    return Err(Error::Check(format!(
+                        "{}: holds step {step}, but is not named {}",
+                        d.display(),
+                        checkpoint::step_dir_name(step)
+                    )));
+                }
+                Ok(step as i64)
+            });
+            if let Ok(v) = &found {
+                pick[0] = *v;
+            }
+            Some(found)
+        } else {
+            None
+        };
+        world.broadcast(&mut pick, 0)?;
+        match (pick[0], mine) {
+            (_, Some(Err(e))) => Err(flag(e)),
+            (-2, _) => Err(Error::Check(format!(
+                "--resume {}: rank 0 found no checkpoint there (it says why)",
+                p.display()
+            ))),
+            (-1, _) => Ok(p.to_path_buf()),
+            (step, _) => Ok(p.join(checkpoint::step_dir_name(step as usize))),
         }
     }
 
@@ -94,6 +138,12 @@ impl Trainer {
         // collective deadline. A checkpoint any rank finds broken is
         // skipped (that rank says why) for the next one.
         let cands = if rank == 0 {
+            for name in checkpoint::rotate::recover_replaced(&root) {
+                eprintln!(
+                    "note: {name} under {} was moved aside by a save that never finished replacing it; put back",
+                    root.display()
+                );
+            }
             checkpoint::list(&root)
         } else {
             Vec::new()
@@ -344,12 +394,17 @@ impl Trainer {
         );
         let l = &reader.meta.layout;
         let there = (l.world, l.dp, l.pp, l.tp, l.zero_stage);
+        // The strategy too: a pipeline schedule of other chunks (1f1b to
+        // interleaved:2) gives a rank other layers in a buffer of the same
+        // length, where residuals would land on the wrong parameters.
+        let (name, saved_name) = (self.strat.name(), l.strategy.clone());
+        let same = here == there && name == saved_name;
         // An elastic job re-formed with other members (or a restarted
         // worker group, whose world can only have changed so) would meet
         // the refusal below at every round: there the hook starts fresh,
         // as PyTorch's hooks do after a restart.
         let elastic = std::env::var("PHALANX_ELASTIC").as_deref() == Ok("1") || restart_count() > 0;
-        if here != there && elastic {
+        if !same && elastic {
             if lead {
                 println!(
                     "note: {} holds each rank's parallel.comm_hook = {mine} state for {} ranks \
@@ -369,11 +424,12 @@ impl Trainer {
             }
             return Ok(());
         }
-        if here != there {
+        if !same {
             return Err(Error::Check(format!(
                 "{} holds each rank's parallel.comm_hook = {mine} state (error-feedback residuals, \
-                 warm starts, step counts), saved by {} ranks (dp {}, pp {}, tp {}, ZeRO stage {}); \
-                 this run is {} ranks (dp {}, pp {}, tp {}, ZeRO stage {}). That state belongs to \
+                 warm starts, step counts), saved by {} ranks (dp {}, pp {}, tp {}, ZeRO stage {}, \
+                 {saved_name}); this run is {} ranks (dp {}, pp {}, tp {}, ZeRO stage {}, {name}). \
+                 That state belongs to \
                  each rank's gradient buckets and cannot be split or merged: resume on the saved \
                  layout for an exact continuation, or once with another parallel.comm_hook \
                  (e.g. none) to carry the model and optimizer over without it",
