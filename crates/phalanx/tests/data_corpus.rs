@@ -605,3 +605,71 @@ fn tokens_no_sample_reaches_are_noted() {
     assert!(Corpus::open(&cfg).unwrap().notes().is_empty());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A shard too short to hold out a validation sample (`phalanx tokenize`'s
+/// last, partial one) keeps no validation tail and trains on all its
+/// tokens, with a note; it used to stop the run. Only when no shard at all
+/// gives validation data is that an error.
+#[test]
+fn a_short_shard_trains_and_the_long_ones_validate() {
+    let dir = temp_dir("short-shard");
+    let toks = |n: u32| (0..n).map(|i| (i * 7) % 256).collect::<Vec<u32>>();
+    write_llmc(&dir.join("data_000000.bin"), &toks(2000)); // tail: 40 tokens
+    write_llmc(&dir.join("data_000001.bin"), &toks(100)); // tail: 2 < 9 tokens
+    let mut cfg = CorpusConfig::new(&[&format!("{}/data_*.bin", dir.display())], 8);
+    cfg.val_fraction = 0.02;
+    cfg.vocab_size = Some(256);
+    let l = open(&cfg);
+    assert_eq!((l.train_tokens(), l.val_tokens()), (1960 + 100, 40));
+    // (1959 / 8) + (99 / 8) training samples, 39 / 8 validation ones.
+    assert_eq!(l.train_samples(), 244 + 12);
+    assert_eq!(l.val_samples(), 4);
+    for step in 0..10 {
+        l.micro_batch(step, 0, 1, 0, 8, 1).unwrap();
+    }
+    assert_eq!(l.val_batch(1, 2).unwrap().inputs.len(), 16);
+    let notes = l.notes();
+    assert!(
+        notes.len() == 1 && notes[0].contains("1 shard(s) are too short to hold out a validation"),
+        "{notes:?}"
+    );
+    // No shard long enough: validation was asked for, none can be given.
+    cfg.sources[0].paths = vec![dir.join("data_000001.bin").display().to_string()];
+    let e = err_of(&cfg);
+    assert!(
+        e.contains("no token shard is long enough") && e.contains("data.val_fraction"),
+        "{e}"
+    );
+    cfg.val_fraction = 0.0;
+    assert_eq!(open(&cfg).train_tokens(), 100);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// One file named several ways (a directory and a glob of it, `..`, a
+/// link) is one shard, read once per epoch, not once per spelling.
+#[test]
+fn a_file_named_two_ways_is_read_once() {
+    let dir = temp_dir("two-ways");
+    let toks: Vec<u32> = (0..400).map(|i| (i * 7) % 256).collect();
+    write_llmc(&dir.join("x.bin"), &toks);
+    let once = open(&CorpusConfig::new(
+        &[dir.join("x.bin").to_str().unwrap()],
+        8,
+    ));
+    let n = once.train_samples();
+    assert_eq!(n, 399 / 8);
+    std::os::unix::fs::symlink(dir.join("x.bin"), dir.join("link.bin")).unwrap();
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    let d = dir.display();
+    let ways = [
+        format!("{d}"),
+        format!("{d}/*.bin"),
+        format!("{d}/sub/../x.bin"),
+        format!("{d}/link.bin"),
+    ];
+    let ways: Vec<&str> = ways.iter().map(|s| s.as_str()).collect();
+    let l = open(&CorpusConfig::new(&ways, 8));
+    assert_eq!(l.train_samples(), n);
+    assert_eq!(l.train_tokens(), 400);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -255,3 +255,96 @@ fn a_truncated_mapped_file_is_named_not_a_sigbus() {
     );
     let _ = std::fs::remove_file(&p);
 }
+
+/// A file that starts with an llm.c magic but is shorter than the llm.c
+/// header is a cut llm.c file, refused naming it; it used to be read as
+/// raw nanoGPT tokens (the header as data).
+#[test]
+fn a_truncated_llmc_file_is_not_read_as_raw_tokens() {
+    let dir = temp_dir("llmc-short");
+    for (magic, version) in [(LLMC_MAGIC_GPT2, 1), (LLMC_MAGIC_LLAMA3, 7)] {
+        let path = dir.join(format!("cut_{magic}.bin"));
+        write_llmc(&path, magic, version, 3, &[1, 2, 3], 2);
+        let mut bytes = std::fs::read(&path).unwrap();
+        for keep in [1022, 500, 12, 4] {
+            bytes.truncate(keep);
+            std::fs::write(&path, &bytes).unwrap();
+            let m = TokenData::open(&path, Tokenizer::Byte)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                m.contains(path.to_str().unwrap())
+                    && m.contains(&format!("llm.c magic {magic}"))
+                    && m.contains(&format!("has {keep} bytes"))
+                    && m.contains("truncated"),
+                "{m}"
+            );
+        }
+    }
+    // A short nanoGPT file without the magic still reads.
+    let path = dir.join("raw.bin");
+    std::fs::write(&path, [7u8, 0, 8, 0]).unwrap();
+    assert_eq!(
+        tokens_of(&TokenData::open(&path, Tokenizer::Byte).unwrap()),
+        vec![7, 8]
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A mapped token file holds no descriptor, so whether it changed is
+/// checked by its path: replaced by another file (a rename over it) or
+/// written in place (same size, new modification time) is an error naming
+/// the file, as truncation is.
+#[test]
+fn a_mapped_file_replaced_or_written_is_named() {
+    let dir = temp_dir("changed");
+    let p = dir.join("t.bin");
+    let tokens: Vec<u8> = (0..4_000u16)
+        .flat_map(|t| (t % 200).to_le_bytes())
+        .collect();
+    std::fs::write(&p, &tokens).unwrap();
+    let lc = LoaderConfig {
+        seq_len: 16,
+        val_fraction: 0.0,
+        shuffle: false,
+        seed: 0,
+        vocab_size: Some(256),
+    };
+    let batch_err = |l: &DataLoader| match l.micro_batch(3, 0, 1, 0, 4, 1) {
+        Ok(_) => panic!("a changed file must be an error"),
+        Err(e) => e.to_string(),
+    };
+    // Replaced: a new file renamed over it.
+    let l = DataLoader::open(&p, Tokenizer::Byte, lc.clone()).unwrap();
+    l.micro_batch(0, 0, 1, 0, 4, 1).unwrap();
+    let tmp = dir.join("t.bin.new");
+    std::fs::write(&tmp, &tokens).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    let e = batch_err(&l);
+    assert!(
+        e.contains(p.to_str().unwrap()) && e.contains("replaced"),
+        "{e}"
+    );
+    // Written in place: same size, another modification time (set, so the
+    // test does not depend on the clock's resolution).
+    let l = DataLoader::open(&p, Tokenizer::Byte, lc.clone()).unwrap();
+    l.micro_batch(0, 0, 1, 0, 4, 1).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(86_400))
+        .unwrap();
+    drop(f);
+    let e = batch_err(&l);
+    assert!(
+        e.contains(p.to_str().unwrap()) && e.contains("modified"),
+        "{e}"
+    );
+    // Removed.
+    let l = DataLoader::open(&p, Tokenizer::Byte, lc).unwrap();
+    std::fs::remove_file(&p).unwrap();
+    let e = batch_err(&l);
+    assert!(
+        e.contains(p.to_str().unwrap()) && e.contains("no longer"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

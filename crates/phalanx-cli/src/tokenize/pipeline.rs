@@ -233,6 +233,8 @@ struct Chunks {
 impl Chunks {
     fn open(path: &Path, byte: u64, line: u64) -> Result<Chunks, String> {
         let named = |e: std::io::Error| format!("{}: {e}", path.display());
+        // A FIFO put in place of an input since it was listed would hang.
+        phalanx::fsutil::regular_file("input", path)?;
         let mut f = std::fs::File::open(path).map_err(named)?;
         f.seek(std::io::SeekFrom::Start(byte)).map_err(named)?;
         Ok(Chunks {

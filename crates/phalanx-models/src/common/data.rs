@@ -58,6 +58,8 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
             let text = if cfg.data.path == DEFAULT_CORPUS_PATH && !path.exists() {
                 String::from_utf8_lossy(BUILTIN_CORPUS).into_owned()
             } else {
+                // A FIFO would hang the read, /dev/zero fill the memory.
+                phalanx::fsutil::regular_file("data.path", path).map_err(Error::Check)?;
                 std::fs::read_to_string(path).map_err(|e| {
                     Error::Check(format!(
                         "data.path {}: {e} (a text file to encode with data.tokenizer {j})",

@@ -131,10 +131,12 @@ fn expand_all(paths: &[String], key: &str) -> Result<Vec<PathBuf>> {
     for p in paths {
         files.extend(paths::expand(p, key)?);
     }
-    // Several patterns may name one file: once is enough (sorted order
-    // within each pattern, patterns in the order given).
+    // Several patterns may name one file, spelled alike or not (`shards/`
+    // and `/abs/shards/*.bin`, `./x.bin` and `x.bin`, a link): once is
+    // enough, as first named (sorted order within each pattern, patterns
+    // in the order given).
     let mut seen = std::collections::HashSet::new();
-    files.retain(|f| seen.insert(f.clone()));
+    files.retain(|f| seen.insert(canonical(f)));
     Ok(files)
 }
 
@@ -297,14 +299,29 @@ impl Corpus {
             }
         }
         let t = cfg.seq_len;
+        // (Shard tails too short for a sample are trained on instead: see
+        // `BinSource::new`.)
         if let Some((d, _, n)) = val.iter().find(|(_, _, n)| *n > 0 && *n < t + 1) {
-            // A part too short for one sample is almost surely a mistake.
+            // A validation file too short for one sample is almost surely
+            // a mistake.
             return Err(DataError::TooSmall(format!(
-                "the validation part of {} has {n} tokens, fewer than seq_len + 1 = {}; \
-                 raise data.val_fraction, give data.val_path, or set it to 0",
+                "the validation file {} has {n} tokens, fewer than seq_len + 1 = {} \
+                 (data.val_path)",
                 d.path()
                     .map_or("a text file".into(), |p| p.display().to_string()),
                 t + 1
+            )));
+        }
+        let has_bin = sources.iter().any(|s| matches!(s, Source::Bin(_)));
+        if cfg.val_paths.is_empty() && cfg.val_fraction > 0.0 && has_bin && val.is_empty() {
+            // Validation asked for and none at all: say so rather than
+            // train without it.
+            return Err(DataError::TooSmall(format!(
+                "no token shard is long enough to hold out a validation tail of \
+                 seq_len + 1 = {} tokens at data.val_fraction = {}; raise data.val_fraction, \
+                 give data.val_path, or set data.val_fraction = 0",
+                t + 1,
+                cfg.val_fraction
             )));
         }
         let mut val_prefix = vec![0u64];

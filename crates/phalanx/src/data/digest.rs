@@ -41,6 +41,8 @@ pub fn of_files(files: &[PathBuf]) -> std::io::Result<String> {
 }
 
 fn sample(f: &Path, h: &mut Sha256) -> std::io::Result<()> {
+    // Never a FIFO (the open would wait for a writer) or a device.
+    crate::fsutil::regular_file("data file", f).map_err(std::io::Error::other)?;
     let mut file = std::fs::File::open(f)?;
     let len = file.metadata()?.len();
     h.update(len.to_le_bytes());

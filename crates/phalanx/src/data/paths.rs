@@ -3,7 +3,11 @@
 //! (`*` and `?` within a path component, `[abc]` / `[a-z]` classes, `**`
 //! for any number of directories). The result is sorted by path, so the
 //! shard list (and with it the sample order) does not depend on the order
-//! the file system lists entries in.
+//! the file system lists entries in. Only regular files are taken (after
+//! symbolic links): a FIFO or socket in a data directory is skipped, since
+//! opening a FIFO waits for a writer and a device never ends. A name that
+//! is not UTF-8 is matched with its bad bytes read as U+FFFD (`*` and `?`
+//! match them) and kept as it is on disk.
 //!
 //! ```
 //! use phalanx::data::paths::glob_match;
@@ -100,8 +104,17 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
-fn name_of(p: &Path) -> &str {
-    p.file_name().and_then(|n| n.to_str()).unwrap_or("")
+/// A path's last component for matching (see the module docs on names
+/// that are not UTF-8).
+fn name_of(p: &Path) -> std::borrow::Cow<'_, str> {
+    p.file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default()
+}
+
+fn hidden(p: &Path) -> bool {
+    p.file_name()
+        .is_some_and(|n| n.as_encoded_bytes().starts_with(b"."))
 }
 
 fn join(dir: &Path, name: &str) -> PathBuf {
@@ -112,9 +125,26 @@ fn join(dir: &Path, name: &str) -> PathBuf {
     }
 }
 
+/// Entry `e` of `dir` (from [`entries`]), relative paths kept without
+/// "./". Built from the entry itself, never from its name as matched: a
+/// name that is not UTF-8 rebuilt from that would be another path (an
+/// empty name made `dir/` again, and `**` recursed on it until the stack
+/// overflowed).
+fn child(dir: &Path, e: &Path) -> PathBuf {
+    match e.file_name() {
+        Some(n) if dir == Path::new(".") => PathBuf::from(n),
+        _ => e.to_path_buf(),
+    }
+}
+
+/// Whether `p` is a regular file, following symbolic links.
+fn is_regular(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file())
+}
+
 fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
     let Some((first, rest)) = comps.split_first() else {
-        if dir.is_file() {
+        if is_regular(dir) {
             out.push(dir.to_path_buf());
         }
         return;
@@ -123,8 +153,8 @@ fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
         // Zero directories, then one more level and `**` again.
         walk_glob(dir, rest, out);
         for e in entries(dir) {
-            if e.is_dir() && !name_of(&e).starts_with('.') {
-                walk_glob(&join(dir, name_of(&e)), comps, out);
+            if e.is_dir() && !hidden(&e) {
+                walk_glob(&child(dir, &e), comps, out);
             }
         }
         return;
@@ -134,30 +164,40 @@ fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
         return;
     }
     for e in entries(dir) {
-        let name = name_of(&e);
         // As in shells, a wildcard does not match a leading dot.
-        if name.starts_with('.') && !first.starts_with('.') {
+        if hidden(&e) && !first.starts_with('.') {
             continue;
         }
-        if glob_match(first, name) {
-            walk_glob(&join(dir, name), rest, out);
+        if glob_match(first, &name_of(&e)) {
+            walk_glob(&child(dir, &e), rest, out);
         }
     }
 }
 
+/// A directory's regular files, recursively (hidden ones skipped; see the
+/// module docs for what else is).
 fn walk_dir(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     for e in std::fs::read_dir(dir)? {
         let p = e?.path();
-        if name_of(&p).starts_with('.') {
+        if hidden(&p) {
             continue;
         }
         if p.is_dir() {
             walk_dir(&p, out)?;
-        } else {
+        } else if is_regular(&p) {
             out.push(p);
         }
     }
     Ok(())
+}
+
+/// An error naming `path` unless it is a regular file (after symbolic
+/// links), checked before a data file is opened: the file may have been
+/// replaced since the paths were expanded, or come from elsewhere.
+pub fn check_regular(path: &Path) -> Result<()> {
+    crate::fsutil::regular_file("data file", path)
+        .map(|_| ())
+        .map_err(DataError::Config)
 }
 
 /// Whether `name` (one path component) matches `pat` (`*`, `?`, `[...]`).

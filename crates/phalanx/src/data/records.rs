@@ -52,6 +52,7 @@ pub fn documents(path: &Path, field: &str, field_key: &str, threads: usize) -> R
     if is_parquet(path) {
         return parquet_documents(path, field, field_key);
     }
+    super::paths::check_regular(path)?;
     let bytes = std::fs::read(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -166,6 +167,7 @@ fn open_parquet(
 ) -> Result<(ParquetReader, parquet::schema::types::TypePtr)> {
     use parquet::basic::Type as Physical;
     use parquet::file::reader::FileReader;
+    super::paths::check_regular(path)?;
     let f = std::fs::File::open(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,

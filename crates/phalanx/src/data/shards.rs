@@ -3,7 +3,9 @@
 //!
 //! Each shard keeps the tail `val_fraction` of its tokens for validation
 //! (as a single file does) and cuts the rest into samples of `T + 1` tokens
-//! at stride `T`; samples never cross shards. Epoch `e = k / n` (n: the
+//! at stride `T`; samples never cross shards. A shard whose tail would be
+//! shorter than one sample (`T + 1` tokens) keeps none: all its tokens
+//! train (a note counts such shards). Epoch `e = k / n` (n: the
 //! source's training samples) visits the shards in the order
 //! `perm(shards, seed_s, e)`, and each shard's samples in the order
 //! `perm(n_i, seed_s ^ mix(i), e)` (with `data.shuffle`; listed order
@@ -37,6 +39,8 @@ pub struct BinSource {
     perms: Mutex<Vec<PermEntry>>,
     /// How the config names it (for notes).
     name: String,
+    /// Shards too short to hold out a validation sample (see the module docs).
+    val_short: usize,
 }
 
 impl BinSource {
@@ -51,8 +55,18 @@ impl BinSource {
     ) -> Result<BinSource> {
         let mut train_len = Vec::new();
         let mut samples = Vec::new();
+        let mut val_short = 0;
         for s in &shards {
-            let t = s.len() - val_tokens(s.len(), val_fraction);
+            let mut v = val_tokens(s.len(), val_fraction);
+            if v > 0 && v < seq_len + 1 {
+                // Too short to validate on; an error here would stop any
+                // corpus with a short shard (`phalanx tokenize` writes its
+                // last one partial). Training keeps it: still disjoint
+                // from validation, and a function of the config alone.
+                v = 0;
+                val_short += 1;
+            }
+            let t = s.len() - v;
             train_len.push(t);
             samples.push((t.saturating_sub(1) / seq_len) as u64);
         }
@@ -75,13 +89,15 @@ impl BinSource {
             epoch: Mutex::new(None),
             perms: Mutex::new(Vec::new()),
             name: name.to_string(),
+            val_short,
         })
     }
 
     /// A note when more than 1% of the training tokens are never trained
     /// on: samples do not cross shards, so each shard's tail after its last
     /// whole sample, and every shard shorter than seq_len + 1 tokens, is
-    /// left out (every epoch). Many small token files lose most of it.
+    /// left out (every epoch). Many small token files lose most of it. It
+    /// also counts the shards that hold out no validation tail (too short).
     pub fn unused_note(&self) -> Option<String> {
         let t = self.seq_len as u64;
         let (mut unused, mut total) = (0u64, 0u64);
@@ -91,12 +107,12 @@ impl BinSource {
             unused += if n == 0 { len } else { len - (n * t + 1) };
         }
         let short = self.samples.iter().filter(|&&n| n == 0).count();
-        (total > 0 && unused * 100 > total).then(|| {
-            format!(
-                "{}: {unused} of its {total} training tokens ({:.1}%) are never trained on: samples \
+        let mut parts = Vec::new();
+        if total > 0 && unused * 100 > total {
+            parts.push(format!(
+                "{unused} of its {total} training tokens ({:.1}%) are never trained on: samples \
                  do not cross shards, so each shard's tail after its last whole sample of \
                  seq_len + 1 = {} tokens is left out{}",
-                self.name,
                 unused as f64 * 100.0 / total as f64,
                 t + 1,
                 if short > 0 {
@@ -104,8 +120,18 @@ impl BinSource {
                 } else {
                     String::new()
                 }
-            )
-        })
+            ));
+        }
+        if self.val_short > 0 {
+            parts.push(format!(
+                "{} shard(s) are too short to hold out a validation tail (data.val_fraction) \
+                 of seq_len + 1 = {} tokens: they hold out none, and all their tokens are \
+                 training tokens",
+                self.val_short,
+                t + 1
+            ));
+        }
+        (!parts.is_empty()).then(|| format!("{}: {}", self.name, parts.join("; ")))
     }
 
     /// Training samples in one epoch.

@@ -11,7 +11,10 @@
 //!   tokenized in memory.
 //!
 //! Binary files are memory-mapped and read in place, so a large file costs no
-//! memory beyond the pages that batches touch.
+//! memory beyond the pages that batches touch. The file is closed once
+//! mapped (a corpus of thousands of shards would otherwise hold a
+//! descriptor each and meet the open-files limit); whether it changed is
+//! then checked by its path (see [`TokenData::check_unchanged`]).
 //!
 //! ```
 //! use phalanx::data::{TokenData, Tokenizer};
@@ -58,11 +61,32 @@ enum Storage {
         map: Mmap,
         offset: usize,
         width: usize,
-        /// The mapped file and its size when opened: a file truncated under
-        /// the map would kill the process with SIGBUS on the next read.
-        file: std::fs::File,
-        bytes: u64,
+        /// The file as mapped: a file truncated under the map would kill
+        /// the process with SIGBUS on the next read.
+        opened: Stamp,
     },
+}
+
+/// What identifies a file's content without holding it open: device,
+/// inode, size and modification time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    bytes: u64,
+    mtime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Stamp {
+        use std::os::unix::fs::MetadataExt;
+        Stamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            bytes: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        }
+    }
 }
 
 /// A stream of tokens, owned or memory-mapped.
@@ -135,20 +159,37 @@ impl TokenData {
         self.path.as_deref()
     }
 
-    /// An error naming the file if a memory-mapped file shrank since it
-    /// was opened (reading it would end the process with SIGBUS).
+    /// An error naming the file if a memory-mapped file changed since it
+    /// was opened: truncated (reading it would end the process with
+    /// SIGBUS), written, replaced or removed. The map holds no descriptor,
+    /// so the file is looked up by its path: another file there now means
+    /// the mapped one can no longer be checked, and the data is no longer
+    /// what a resume would read.
     pub fn check_unchanged(&self) -> Result<()> {
-        if let Storage::Mapped { file, bytes, .. } = &self.storage {
-            let path = self.path.as_deref().unwrap_or(Path::new("?"));
-            let now = file.metadata().map_err(io_err(path))?.len();
-            if now < *bytes {
+        let Storage::Mapped { opened, .. } = &self.storage else {
+            return Ok(());
+        };
+        let path = self.path.as_deref().unwrap_or(Path::new("?"));
+        let now = match std::fs::metadata(path) {
+            Ok(m) => Stamp::of(&m),
+            Err(e) => {
                 return Err(format_err(
                     path,
-                    format!("the file was truncated during training ({bytes} bytes when opened, {now} now); token files must not change while they are read"),
-                ));
+                    format!("the file can no longer be read during training ({e}); {UNCHANGED}"),
+                ))
             }
-        }
-        Ok(())
+        };
+        let (was, is) = (opened.bytes, now.bytes);
+        let what = if (now.dev, now.ino) != (opened.dev, opened.ino) {
+            "the file was replaced during training (another file is at its path now)".to_string()
+        } else if is < was {
+            format!("the file was truncated during training ({was} bytes when opened, {is} now)")
+        } else if now != *opened {
+            format!("the file was modified during training ({was} bytes when opened, {is} now)")
+        } else {
+            return Ok(());
+        };
+        Err(format_err(path, format!("{what}; {UNCHANGED}")))
     }
 
     /// Token `i`. Panics if `i >= len()`, like slice indexing.
@@ -241,6 +282,9 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     }
 }
 
+/// What a changed token file's error ends with.
+const UNCHANGED: &str = "token files must not change while they are read";
+
 fn format_err(path: &Path, msg: String) -> DataError {
     DataError::Format {
         path: path.to_path_buf(),
@@ -281,7 +325,8 @@ impl TokenData {
 
 fn open_bin(path: &Path) -> Result<TokenData> {
     let file = std::fs::File::open(path).map_err(io_err(path))?;
-    let size = file.metadata().map_err(io_err(path))?.len() as usize;
+    let meta = file.metadata().map_err(io_err(path))?;
+    let size = meta.len() as usize;
     if size == 0 {
         // Mapping an empty file fails on some systems; it simply has no tokens.
         return Ok(TokenData {
@@ -294,14 +339,16 @@ fn open_bin(path: &Path) -> Result<TokenData> {
     // SAFETY: the map is read-only; as with any mmap, the file must not be
     // truncated while training runs (token files are written once, then read).
     let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
+    // The map keeps the pages; the descriptor is not needed (see the
+    // module docs).
+    drop(file);
     let (format, offset, width, len) = detect_bin(path, &map)?;
     Ok(TokenData {
         storage: Storage::Mapped {
             map,
             offset,
             width,
-            file,
-            bytes: size as u64,
+            opened: Stamp::of(&meta),
         },
         len,
         format,
@@ -312,11 +359,19 @@ fn open_bin(path: &Path) -> Result<TokenData> {
 /// Returns (format, byte offset of the first token, token width, token count).
 fn detect_bin(path: &Path, bytes: &[u8]) -> Result<(Format, usize, usize, usize)> {
     let word = |i: usize| u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
-    let magic = if bytes.len() >= LLMC_HEADER_BYTES {
-        word(0)
-    } else {
-        0
-    };
+    let magic = if bytes.len() >= 4 { word(0) } else { 0 };
+    if matches!(magic, LLMC_MAGIC_GPT2 | LLMC_MAGIC_LLAMA3) && bytes.len() < LLMC_HEADER_BYTES {
+        // A cut llm.c file, not raw tokens (its magic would be read as
+        // two tokens beyond GPT-2's vocabulary, then the header as data).
+        return Err(format_err(
+            path,
+            format!(
+                "starts with llm.c magic {magic} but has {} bytes, fewer than the \
+                 {LLMC_HEADER_BYTES}-byte llm.c header: the file is truncated",
+                bytes.len()
+            ),
+        ));
+    }
     let (format, version, width) = match magic {
         LLMC_MAGIC_GPT2 => (Format::LlmcU16, 1, 2),
         LLMC_MAGIC_LLAMA3 => (Format::LlmcU32, 7, 4),

@@ -373,6 +373,7 @@ fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) ->
         stats.bytes.fetch_add(n, Relaxed);
         super::records::documents(path, &spec.field, &spec.field_key, threads)?
     } else {
+        super::paths::check_regular(path)?;
         let bytes = std::fs::read(path).map_err(|source| DataError::Io {
             path: path.clone(),
             source,
@@ -442,6 +443,7 @@ fn check_first_record(path: &Path, spec: &TextSpec) -> Result<()> {
         path: path.to_path_buf(),
         source,
     };
+    super::paths::check_regular(path)?;
     let f = std::fs::File::open(path).map_err(io)?;
     if f.metadata().map_err(io)?.len() == 0 {
         return Err(DataError::Format {

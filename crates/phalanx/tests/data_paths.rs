@@ -1,0 +1,144 @@
+//! What `data.path` patterns expand to (`phalanx::data::paths`) on odd file
+//! systems: names that are not UTF-8, and entries that are not regular
+//! files (FIFOs, sockets, devices), which are skipped or refused, never
+//! opened.
+
+use phalanx::data::paths::expand;
+use phalanx::data::{Corpus, CorpusConfig, TokenData, Tokenizer};
+use phalanx::fsutil::ScratchDir;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// nanoGPT shard `path` of `n` tokens.
+fn write_tokens(path: &Path, n: u16) {
+    let bytes: Vec<u8> = (0..n).flat_map(|t| (t % 200).to_le_bytes()).collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: mkfifo(3) on a fresh path of the test's own directory.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+fn sorted(mut v: Vec<PathBuf>) -> Vec<PathBuf> {
+    v.sort();
+    v
+}
+
+/// A directory whose name is not UTF-8 under `**` made the walk recurse on
+/// the same directory until the stack overflowed; with one `*` the empty
+/// name it was matched as gave the parent directory itself.
+#[test]
+fn names_that_are_not_utf8_are_matched_not_a_crash() {
+    let d = ScratchDir::new("phalanx-paths", "not-utf8");
+    let bad = d.join(OsStr::from_bytes(b"\xff"));
+    std::fs::create_dir_all(bad.join("deep")).unwrap();
+    let files = [
+        bad.join("x.bin"),
+        bad.join("deep").join("y.bin"),
+        d.join(OsStr::from_bytes(b"a\xff.bin")),
+        d.join("z.bin"),
+    ];
+    for f in &files {
+        write_tokens(f, 100);
+    }
+    // Hidden, also when the rest of its name is not UTF-8.
+    write_tokens(&d.join(OsStr::from_bytes(b".\xffhidden.bin")), 100);
+    let all = sorted(files.to_vec());
+    let glob = format!("{}/**/*.bin", d.display());
+    assert_eq!(expand(&glob, "data.path").unwrap(), all);
+    // A directory walk finds the same files.
+    assert_eq!(expand(d.to_str().unwrap(), "data.path").unwrap(), all);
+    // One `*` matches the directory's name, not the empty string.
+    let one = format!("{}/*/x.bin", d.display());
+    assert_eq!(expand(&one, "data.path").unwrap(), vec![bad.join("x.bin")]);
+    let top = format!("{}/*.bin", d.display());
+    assert_eq!(
+        expand(&top, "data.path").unwrap(),
+        sorted(vec![
+            d.join(OsStr::from_bytes(b"a\xff.bin")),
+            d.join("z.bin")
+        ])
+    );
+    // And the corpus reads them.
+    let c = Corpus::open(&CorpusConfig::new(&[&glob], 8)).unwrap();
+    assert_eq!(c.train_samples(), Some(4 * 12));
+}
+
+/// A FIFO or a socket among token shards is not a shard: skipped by a
+/// directory walk and a glob (it used to be taken, then refused).
+#[test]
+fn fifos_and_sockets_among_token_shards_are_skipped() {
+    let d = ScratchDir::new("phalanx-paths", "bin-fifo");
+    write_tokens(&d.join("a.bin"), 100);
+    mkfifo(&d.join("fifo.bin"));
+    let _sock = std::os::unix::net::UnixListener::bind(d.join("sock.bin")).unwrap();
+    let want = vec![d.join("a.bin")];
+    assert_eq!(expand(d.to_str().unwrap(), "data.path").unwrap(), want);
+    let glob = format!("{}/*.bin", d.display());
+    assert_eq!(expand(&glob, "data.path").unwrap(), want);
+    let c = Corpus::open(&CorpusConfig::new(&[d.to_str().unwrap()], 8)).unwrap();
+    assert_eq!(c.train_samples(), Some(12));
+}
+
+/// The same among text files, which are opened (to check their first
+/// record) before training: a FIFO there hung the run at its start.
+#[test]
+fn fifos_and_sockets_among_text_files_are_skipped_never_opened() {
+    let d = ScratchDir::new("phalanx-paths", "text-fifo");
+    std::fs::write(d.join("a.txt"), "some text to train on. ".repeat(20)).unwrap();
+    mkfifo(&d.join("fifo.txt"));
+    let _sock = std::os::unix::net::UnixListener::bind(d.join("sock.txt")).unwrap();
+    assert_eq!(
+        expand(d.to_str().unwrap(), "data.path").unwrap(),
+        vec![d.join("a.txt")]
+    );
+    let l = phalanx::data::DataLoader::from_corpus(
+        Corpus::open(&CorpusConfig::new(&[d.to_str().unwrap()], 8)).unwrap(),
+    );
+    l.micro_batch(0, 0, 1, 0, 4, 1).unwrap();
+}
+
+/// Named directly, a FIFO or a device is refused naming it, before any
+/// open: by the path expansion, and by every reader of a data file.
+#[test]
+fn a_data_file_that_is_not_regular_is_refused_before_it_is_opened() {
+    let d = ScratchDir::new("phalanx-paths", "direct");
+    let fifo = d.join("fifo.txt");
+    mkfifo(&fifo);
+    let dev = Path::new("/dev/zero");
+    for p in [fifo.as_path(), dev] {
+        let name = p.to_str().unwrap();
+        let e = expand(name, "data.path").unwrap_err().to_string();
+        assert!(e.contains("not a regular file") && e.contains(name), "{e}");
+        let e = TokenData::open(p, Tokenizer::Byte).unwrap_err().to_string();
+        assert!(e.contains("not a regular file") && e.contains(name), "{e}");
+        let e = phalanx::data::records::documents(p, "text", "data.field", 1)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("not a regular file") && e.contains(name), "{e}");
+        let e = phalanx::data::digest::of_files(&[p.to_path_buf()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a regular file") && e.contains(name), "{e}");
+        let spec = phalanx::data::text::TextSpec {
+            files: vec![p.to_path_buf()],
+            field: "text".into(),
+            field_key: "data.field".into(),
+            on_bad: phalanx::data::OnBadRecord::Error,
+            encoder: std::sync::Arc::new(Tokenizer::Byte),
+            shuffle: false,
+            seed: 0,
+            threads: 1,
+            prefetch: 1,
+        };
+        let e = phalanx::data::text::TextSource::new(spec, 8, Default::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("not a regular file") && e.contains(name), "{e}");
+    }
+}
