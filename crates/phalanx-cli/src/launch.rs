@@ -9,7 +9,7 @@
 use phalanx_comm::store::StoreServer;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ pub use crate::launch_opts::LaunchOpts;
 /// elastic agent asked it to (SIGUSR1; EX_TEMPFAIL).
 pub const STOPPED_EXIT: i32 = 75;
 /// How long an elastic group gets to reach a step boundary and stop.
-const STOP_GRACE: Duration = Duration::from_secs(120);
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(120);
 
 /// Lines of stderr kept per rank for the failure report.
 const TAIL: usize = 20;
@@ -39,6 +39,9 @@ extern "C" fn on_signal(sig: libc::c_int) {
 struct Worker {
     rank: usize,
     child: Child,
+    /// Its exit status once reaped: from then on its pid (and process
+    /// group id) may name another process, and it is never signalled.
+    exited: Option<ExitStatus>,
     tail: Arc<Mutex<VecDeque<String>>>,
     pumps: Vec<std::thread::JoinHandle<()>>,
 }
@@ -165,10 +168,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         );
     }
     let secret = match std::env::var("PHALANX_SECRET") {
-        Ok(s) if !s.is_empty() => {
-            phalanx_comm::wire::from_hex(&s).ok_or("PHALANX_SECRET must be hex")?;
-            s
-        }
+        Ok(s) if !s.is_empty() => job_secret(&s)?,
         _ if multi => {
             return Err(
                 "multi-node jobs need the same PHALANX_SECRET (hex) exported on every node, \
@@ -180,6 +180,11 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     };
     // Node 0 hosts the store: on loopback unless the job spans hosts.
     let mut port = master_port.unwrap_or(if multi { 29500 } else { 0 });
+    let what = match &opts.rdzv_endpoint {
+        Some(ep) => format!("--rdzv-endpoint {ep}"),
+        None => format!("--master-port {port}"),
+    };
+    check_port(&what, port, multi)?;
     let _server = if opts.node_rank == 0 {
         let bind = if multi {
             phalanx_comm::init::any_interface(&master_host, port)
@@ -201,6 +206,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
 
     catch_signals();
     let threads = threads_per_worker(nproc);
+    let job_id = agreed_job_id(opts, !multi);
 
     let mut attempt = 0;
     loop {
@@ -216,6 +222,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             run_id: attempt.to_string(),
             restart: attempt,
             elastic: false,
+            job_id: job_id.clone(),
         };
         let outcome = run_group(&env, cmd, &mut || None)?;
         match outcome {
@@ -235,6 +242,27 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             Outcome::Failed(code, _) => return Ok(if code == 0 { 1 } else { code }),
         }
     }
+}
+
+/// `PHALANX_SECRET` read as the workers read it (`wire::parse_secret`:
+/// hex, at least 16 bytes, surrounding whitespace ignored), as the hex the
+/// workers are given.
+pub(crate) fn job_secret(s: &str) -> Result<String, String> {
+    phalanx_comm::wire::parse_secret(s).map(|b| phalanx_comm::wire::to_hex(&b))
+}
+
+/// Refuse store port 0 (`what` names the flag and its value) where other
+/// nodes must find the store: 0 means "any free port" to the node that
+/// binds it, and the others would wait for a store at port 0. A single-node
+/// job's store is bound first and its real port passed on.
+pub(crate) fn check_port(what: &str, port: u16, other_nodes: bool) -> Result<(), String> {
+    if port == 0 && other_nodes {
+        return Err(format!(
+            "{what}: port 0 (any free port) cannot be told to the other nodes, which must all \
+             reach the store at one known port; give a port number"
+        ));
+    }
+    Ok(())
 }
 
 /// The signal that asked this process to stop (0: none yet).
@@ -276,6 +304,26 @@ pub(crate) struct JobEnv<'a> {
     pub restart: usize,
     /// An elastic job: the workers keep a resumed checkpoint's global batch.
     pub elastic: bool,
+    /// `PHALANX_JOB_ID` for the workers (see [`agreed_job_id`]).
+    pub job_id: Option<String>,
+}
+
+/// The id every attempt of this job, on every node, gives its workers as
+/// `PHALANX_JOB_ID` (a checkpoint records it; a restart resumes only its
+/// own job's): `--rdzv-id` where given (every node passes the same), else
+/// for a job of one node a random one made once, for all its attempts.
+/// None for several nodes without `--rdzv-id`: their launchers could not
+/// agree on one (the workers then take any checkpoint, as before). A
+/// `PHALANX_JOB_ID` in the launcher's environment is passed on instead.
+pub(crate) fn agreed_job_id(opts: &LaunchOpts, one_node: bool) -> Option<String> {
+    if std::env::var_os("PHALANX_JOB_ID").is_some() {
+        return None;
+    }
+    match opts.rdzv_id.trim() {
+        "" | "none" if one_node => Some(phalanx_comm::wire::new_secret_hex()[..16].to_string()),
+        "" | "none" => None,
+        id => Some(id.to_string()),
+    }
 }
 
 pub(crate) enum Outcome {
@@ -350,6 +398,9 @@ pub(crate) fn run_group(
                 c.env(var, env.threads.to_string());
             }
         }
+        if let Some(id) = &env.job_id {
+            c.env("PHALANX_JOB_ID", id);
+        }
         if env.elastic {
             c.env("PHALANX_ELASTIC", "1");
         }
@@ -374,6 +425,7 @@ pub(crate) fn run_group(
         workers.push(Worker {
             rank,
             child,
+            exited: None,
             tail,
             pumps,
         });
@@ -396,7 +448,7 @@ pub(crate) fn run_group(
             && failures.iter().all(|(_, (c, _))| *c == STOPPED_EXIT)
         {
             // Asked to stop (by this agent or, through the group, another's).
-            finish_stop(&mut workers)?;
+            finish_stop(&mut workers, watch)?;
             return Ok(Outcome::Interrupted(
                 "the workers stopped at a step boundary".into(),
             ));
@@ -406,15 +458,15 @@ pub(crate) fn run_group(
         // the root cause is named.
         let grace = Instant::now() + Duration::from_millis(300);
         while !failures.is_empty()
-            && failures.iter().all(|(_, (code, _))| *code == 1)
+            && failures
+                .iter()
+                .all(|(_, (code, _))| *code == 1 || (env.elastic && *code == STOPPED_EXIT))
             && Instant::now() < grace
         {
             std::thread::sleep(Duration::from_millis(10));
             failures = poll(&mut workers)?.1;
         }
-        // The root cause is one killed by a signal or exiting with its own
-        // code, before one that exited 1.
-        failures.sort_by_key(|(rank, (code, _))| (*code == 1, *rank));
+        root_cause_first(&mut failures, env.elastic);
         let failed = failures.into_iter().next();
         if let Some((rank, (code, how))) = failed {
             let summary = blame(&mut workers, rank, code, &how);
@@ -455,11 +507,11 @@ pub(crate) fn run_group(
             if graceful {
                 // Stop at the next step boundary, all ranks together (with
                 // a checkpoint of it), rather than mid-step or mid-save.
-                for w in &workers {
-                    // SAFETY: signalling our own child.
-                    unsafe { libc::kill(w.child.id() as i32, libc::SIGUSR1) };
+                for pid in unreaped(&workers) {
+                    // SAFETY: signalling our own child, not yet reaped.
+                    unsafe { libc::kill(pid, libc::SIGUSR1) };
                 }
-                finish_stop(&mut workers)?;
+                finish_stop(&mut workers, watch)?;
             } else {
                 stop_all(&mut workers);
             }
@@ -499,7 +551,7 @@ fn blame(workers: &mut [Worker], rank: usize, code: i32, how: &str) -> Summary {
     };
     let state = match workers.iter_mut().find(|w| w.rank == root) {
         None => "on another node".to_string(),
-        Some(w) => match w.child.try_wait() {
+        Some(w) => match reap(w) {
             Ok(Some(st)) => describe(st).1,
             _ => crate::root_cause::state(w.child.id())
                 .unwrap_or("still running")
@@ -515,10 +567,17 @@ fn blame(workers: &mut [Worker], rank: usize, code: i32, how: &str) -> Summary {
 }
 
 /// Give workers asked to stop `STOP_GRACE` to get there, then end them.
-fn finish_stop(workers: &mut [Worker]) -> Result<(), String> {
+/// `watch` goes on being called meanwhile (its answer no longer matters):
+/// an elastic agent keeps its heartbeat, so that nobody takes a node still
+/// saving its checkpoint for lost.
+fn finish_stop(
+    workers: &mut [Worker],
+    watch: &mut dyn FnMut() -> Option<Stop>,
+) -> Result<(), String> {
     let deadline = Instant::now() + STOP_GRACE;
     // A signal to the launcher ends the wait: stop them now.
     while poll(workers)?.0 > 0 && Instant::now() < deadline && signalled() == 0 {
+        let _ = watch();
         std::thread::sleep(Duration::from_millis(20));
     }
     stop_all(workers);
@@ -527,11 +586,61 @@ fn finish_stop(workers: &mut [Worker]) -> Result<(), String> {
 
 /// (workers still running, failed workers with their status).
 type Failures = Vec<(usize, (i32, String))>;
+
+/// Order failures root cause first: one killed by a signal or exiting with
+/// its own code, then one that exited 1 (usually over a peer's failure),
+/// by rank. In an elastic job a rank that stopped as asked (exit 75) is
+/// last: it did not fail, whoever else did.
+fn root_cause_first(failures: &mut Failures, elastic: bool) {
+    failures.sort_by_key(|(rank, (code, _))| (elastic && *code == STOPPED_EXIT, *code == 1, *rank));
+}
+
+/// Reap `w` if it exited. What it left in its process group is SIGKILLed
+/// first, while its zombie still holds the pid (so that the group id names
+/// no other process); once reaped it is never signalled again.
+fn reap(w: &mut Worker) -> std::io::Result<Option<ExitStatus>> {
+    if let Some(st) = w.exited {
+        return Ok(Some(st));
+    }
+    let pid = w.child.id() as i32;
+    // SAFETY: an all-zero siginfo_t is valid; waitid only writes to it.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting on our own child; WNOWAIT leaves it unreaped.
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: waitid filled in si_pid (0: the child has not exited).
+    if unsafe { info.si_pid() } == 0 {
+        return Ok(None);
+    }
+    // SAFETY: the group our unreaped child leads.
+    unsafe { libc::kill(-pid, libc::SIGKILL) };
+    w.exited = w.child.try_wait()?;
+    Ok(w.exited)
+}
+
+/// The pids of the workers not yet reaped (which therefore still name them).
+fn unreaped(workers: &[Worker]) -> Vec<i32> {
+    workers
+        .iter()
+        .filter(|w| w.exited.is_none())
+        .map(|w| w.child.id() as i32)
+        .collect()
+}
+
 fn poll(workers: &mut [Worker]) -> Result<(usize, Failures), String> {
     let mut running = 0;
     let mut failures = Vec::new();
     for w in workers.iter_mut() {
-        match w.child.try_wait() {
+        match reap(w) {
             Ok(None) => running += 1,
             Ok(Some(st)) if st.success() => {}
             Ok(Some(st)) => failures.push((w.rank, describe(st))),
@@ -541,7 +650,7 @@ fn poll(workers: &mut [Worker]) -> Result<(usize, Failures), String> {
     Ok((running, failures))
 }
 
-fn describe(st: std::process::ExitStatus) -> (i32, String) {
+fn describe(st: ExitStatus) -> (i32, String) {
     use std::os::unix::process::ExitStatusExt;
     match (st.code(), st.signal()) {
         (Some(c), _) => (c, format!("exit code {c}")),
@@ -552,25 +661,26 @@ fn describe(st: std::process::ExitStatus) -> (i32, String) {
 
 /// SIGTERM everyone still running, SIGKILL after the grace period, reap.
 fn stop_all(workers: &mut [Worker]) {
-    for w in workers.iter() {
-        // SAFETY: signalling the process group our child leads.
+    for pid in unreaped(workers) {
+        // SAFETY: signalling the process group our (unreaped) child leads.
         unsafe {
-            libc::kill(-(w.child.id() as i32), libc::SIGTERM);
+            libc::kill(-pid, libc::SIGTERM);
         }
     }
     let deadline = Instant::now() + GRACE;
     for w in workers.iter_mut() {
         loop {
-            match w.child.try_wait() {
+            match reap(w) {
                 Ok(Some(_)) | Err(_) => break,
                 Ok(None) if Instant::now() >= deadline => {
+                    // (std's kill never signals a reaped child.)
                     let _ = w.child.kill();
                     // A process in uninterruptible sleep (a dead NFS
                     // mount, a driver call) outlives SIGKILL until the
                     // call returns: wait for it a while, then go on
                     // without it (init reaps it once the launcher exits).
                     let until = Instant::now() + KILL_WAIT;
-                    while matches!(w.child.try_wait(), Ok(None)) {
+                    while matches!(reap(w), Ok(None)) {
                         if Instant::now() >= until {
                             eprintln!(
                                 "phalanx run: rank {} (pid {}) did not exit {:?} after SIGKILL \
@@ -592,14 +702,15 @@ fn stop_all(workers: &mut [Worker]) {
     end_leftovers(workers);
 }
 
-/// After the workers exited: SIGKILL what is left in their process groups,
-/// and let the output pumps finish, but at most briefly: a process that
-/// escaped the group may hold the pipe open for as long as it likes.
+/// After the workers exited: SIGKILL what is left in their process groups
+/// (`reap` did for those reaped), and let the output pumps finish, but at
+/// most briefly: a process that escaped the group may hold the pipe open
+/// for as long as it likes.
 fn end_leftovers(workers: &mut [Worker]) {
-    for w in workers.iter() {
-        // SAFETY: signalling the process group our (exited) child led.
+    for pid in unreaped(workers) {
+        // SAFETY: signalling the process group our (unreaped) child leads.
         unsafe {
-            libc::kill(-(w.child.id() as i32), libc::SIGKILL);
+            libc::kill(-pid, libc::SIGKILL);
         }
     }
     let deadline = Instant::now() + Duration::from_millis(500);
@@ -648,4 +759,139 @@ fn pump(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(list: &[(usize, i32)]) -> Failures {
+        list.iter()
+            .map(|&(r, c)| (r, (c, format!("exit code {c}"))))
+            .collect()
+    }
+
+    #[test]
+    fn a_rank_that_stopped_as_asked_is_never_the_root_cause_of_an_elastic_failure() {
+        let mut f = failed(&[(0, STOPPED_EXIT), (1, 1), (2, STOPPED_EXIT)]);
+        root_cause_first(&mut f, true);
+        assert_eq!(f[0].0, 1, "{f:?}");
+        // A code of its own still comes before exit 1, and a signal too.
+        let mut f = failed(&[(0, STOPPED_EXIT), (1, 1), (3, 137)]);
+        root_cause_first(&mut f, true);
+        assert_eq!((f[0].0, f[1].0, f[2].0), (3, 1, 0), "{f:?}");
+        // In a static job exit 75 is a failure like any other code.
+        let mut f = failed(&[(1, 1), (2, STOPPED_EXIT)]);
+        root_cause_first(&mut f, false);
+        assert_eq!(f[0].0, 2, "{f:?}");
+    }
+
+    #[test]
+    fn the_launcher_reads_the_secret_as_the_workers_do() {
+        let e = job_secret("00ff").unwrap_err();
+        assert!(e.contains("PHALANX_SECRET is too short"), "{e}");
+        assert!(job_secret("zz").unwrap_err().contains("not hex"));
+        let hex = "00112233445566778899AABBCCDDEEFF";
+        // A trailing newline (`$(cat secret)` keeps none, a file read may)
+        // is accepted, and the workers get the hex without it.
+        assert_eq!(
+            job_secret(&format!("{hex}\n")).unwrap(),
+            hex.to_ascii_lowercase()
+        );
+    }
+
+    #[test]
+    fn port_0_is_refused_where_other_nodes_must_find_the_store() {
+        let e = check_port("--master-port 0", 0, true).unwrap_err();
+        assert!(e.starts_with("--master-port 0: port 0"), "{e}");
+        let e = check_port("--rdzv-endpoint node0:0", 0, true).unwrap_err();
+        assert!(e.starts_with("--rdzv-endpoint node0:0"), "{e}");
+        // One node binds its store first and passes the real port on.
+        check_port("--master-port 0", 0, false).unwrap();
+        check_port("--master-port 29500", 29500, true).unwrap();
+    }
+
+    /// While workers finish a graceful stop, the agent's watch (its
+    /// heartbeat) goes on.
+    #[test]
+    fn the_watch_goes_on_while_workers_finish_their_stop() {
+        let mut c = Command::new("sh");
+        c.args(["-c", "sleep 0.3; exit 75"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        phalanx_comm::child::die_with_launcher(&mut c);
+        let child = c.spawn().unwrap();
+        let mut workers = vec![Worker {
+            rank: 0,
+            child,
+            exited: None,
+            tail: Arc::new(Mutex::new(VecDeque::new())),
+            pumps: Vec::new(),
+        }];
+        let mut calls = 0;
+        finish_stop(&mut workers, &mut || {
+            calls += 1;
+            None
+        })
+        .unwrap();
+        assert!(workers[0].exited.is_some());
+        assert!(calls > 0);
+    }
+
+    /// Whether `pid` is a live (not zombie) `sleep`.
+    fn sleeping(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            let after = s.rsplit_once(") ").map_or("", |(_, a)| a);
+            s.contains("(sleep)") && !after.starts_with('Z')
+        })
+    }
+
+    /// A worker reaped by `poll` is marked so (and never signalled again:
+    /// its pid may be another process's by then); what it left in its
+    /// process group is ended as it is reaped, not when the whole group is.
+    #[test]
+    fn a_reaped_worker_is_marked_and_its_leftovers_ended_at_once() {
+        let mut c = Command::new("sh");
+        c.args(["-c", "sleep 30 & echo $!; exit 3"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        phalanx_comm::child::die_with_launcher(&mut c);
+        let mut child = c.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let grandchild: i32 = line.trim().parse().unwrap();
+        let mut workers = vec![Worker {
+            rank: 0,
+            child,
+            exited: None,
+            tail: Arc::new(Mutex::new(VecDeque::new())),
+            pumps: Vec::new(),
+        }];
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let failures = loop {
+            let (running, failures) = poll(&mut workers).unwrap();
+            if running == 0 {
+                break failures;
+            }
+            assert!(Instant::now() < deadline, "the worker never exited");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(failures[0].1 .0, 3);
+        assert!(workers[0].exited.is_some());
+        assert!(unreaped(&workers).is_empty());
+        while sleeping(grandchild) {
+            assert!(
+                Instant::now() < deadline,
+                "the worker's leftover (pid {grandchild}) still runs"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Polled again: the status kept, nothing waited on or signalled.
+        assert_eq!(poll(&mut workers).unwrap().1[0].1 .0, 3);
+        stop_all(&mut workers);
+    }
 }

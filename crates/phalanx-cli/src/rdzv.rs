@@ -5,8 +5,10 @@
 //! the store (the first to bind it; the others connect). The job runs in
 //! rounds: agents join round r, which closes when MAX nodes joined, when as
 //! many joined as the previous round expects, or `last_call_timeout` after
-//! MIN joined; below MIN for `join_timeout` the rendezvous fails, saying
-//! so. Node i of n runs ranks i*nproc.. of n*nproc, with
+//! MIN joined (while fewer than the previous round expects have joined,
+//! the stop grace of 120 s longer: its nodes may still be saving); below
+//! MIN for `join_timeout` the rendezvous fails, saying so. Node i of n runs
+//! ranks i*nproc.. of n*nproc, with
 //! `PHALANX_RESTART_COUNT` = r, so from round 1 on `phalanx train` resumes
 //! from the latest checkpoint (resharded to the new world size, keeping its
 //! global batch: `PHALANX_ELASTIC=1`).
@@ -14,7 +16,8 @@
 //! A round ends, and every agent stops its workers and joins the next, when:
 //! - a node is lost: its heartbeat (a counter each agent bumps) stands still
 //!   for `heartbeat_timeout` (a killed agent's workers die with it);
-//! - a node waits to join and the round has fewer than MAX nodes;
+//! - a node waits to join, the round has fewer than MAX nodes and none of
+//!   them is done;
 //! - a worker fails: that counts against `--max-restarts` (the others do
 //!   not); past it, every agent exits with the failure.
 //!
@@ -284,7 +287,15 @@ impl Rdzv<'_> {
             if joined >= self.min {
                 let since = *min_since.get_or_insert_with(Instant::now);
                 let all_back = expect.is_some_and(|e| joined >= e);
-                if all_back || since.elapsed() >= self.conf.last_call {
+                // Nodes the last round expects back may still be finishing
+                // their step and saving (up to STOP_GRACE): closing without
+                // them would have the others resume an older checkpoint,
+                // alone, and later overwrite the newer one.
+                let last_call = match expect {
+                    Some(_) if !all_back => crate::launch::STOP_GRACE + self.conf.last_call,
+                    _ => self.conf.last_call,
+                };
+                if all_back || since.elapsed() >= last_call {
                     let n = joined.min(self.max).to_string();
                     self.cas(&self.rkey(r, "closed"), "", &n)?;
                     continue;
@@ -312,26 +323,57 @@ fn left_on_signal() -> Result<(), String> {
     Ok(())
 }
 
+/// Per node: the last heartbeat count seen and when it changed.
+type Seen = HashMap<usize, (i64, Instant)>;
+
 impl Rdzv<'_> {
-    /// On the serving agent, after its workers succeeded: wait until every
-    /// node of the round is done or silent, so that none loses the store
-    /// while it finishes.
+    /// On the serving agent, after its workers succeeded: keep serving
+    /// until every other node of the round is done or silent (or the
+    /// rendezvous timeout passed), so that none loses the store while it
+    /// finishes. It only reads: whatever else it sees (a node waiting to
+    /// join, a round ended elsewhere) is for the nodes still running.
     fn wait_done(&self, round: &Round) {
-        let mut watch = Watch::new(self, round);
         let deadline = Instant::now() + self.conf.join_timeout;
+        let mut seen = Seen::new();
+        let mut last_beat = Instant::now();
         while Instant::now() < deadline && crate::launch::signalled() == 0 {
-            let done = (0..round.nodes).all(|j| {
-                j == round.node
-                    || self
-                        .get(&self.rkey(round.r, &format!("done/{j}")))
-                        .map_or(true, |v| v.is_some())
-            });
-            // A lost node (or a round ended elsewhere) has nothing left to finish.
-            if done || watch.poll().is_some() {
-                return;
+            // Still beating: the others do not take this node for lost.
+            if last_beat.elapsed() > self.conf.heartbeat / 5 {
+                if self.beat().is_err() {
+                    return;
+                }
+                last_beat = Instant::now();
+            }
+            match self.unfinished(round, &mut seen) {
+                Ok(nodes) if nodes.iter().any(|&(_, silent)| !silent) => {}
+                _ => return,
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The nodes of `round` other than this one that are not done, each
+    /// with whether it is silent (its heartbeat stood still for the
+    /// heartbeat timeout; `seen` keeps count). Posts nothing.
+    fn unfinished(&self, round: &Round, seen: &mut Seen) -> Result<Vec<(usize, bool)>, String> {
+        let mut out = Vec::new();
+        for (j, who) in round.who.iter().enumerate() {
+            if j == round.node
+                || self
+                    .get(&self.rkey(round.r, &format!("done/{j}")))?
+                    .is_some()
+            {
+                continue;
+            }
+            let beats = self.count(&self.key(&format!("hb/{who}")), 0)?;
+            let now = Instant::now();
+            let e = seen.entry(j).or_insert((beats, now));
+            if e.0 != beats {
+                *e = (beats, now);
+            }
+            out.push((j, now - e.1 > self.conf.heartbeat));
+        }
+        Ok(out)
     }
 }
 
@@ -342,7 +384,11 @@ struct Watch<'a, 'b> {
     last_poll: Instant,
     last_beat: Instant,
     /// Per peer: the last heartbeat count seen and when it changed.
-    seen: HashMap<usize, (i64, Instant)>,
+    seen: Seen,
+    /// Whether a node waiting to join ends the round (only while this
+    /// node's workers run: not while it waits for an outside cause of
+    /// their failure, which would then pass for one).
+    admit: bool,
     /// Why the store could not be reached (the job cannot go on).
     fatal: Option<String>,
 }
@@ -354,7 +400,8 @@ impl<'a, 'b> Watch<'a, 'b> {
             round,
             last_poll: Instant::now(),
             last_beat: Instant::now(),
-            seen: HashMap::new(),
+            seen: Seen::new(),
+            admit: true,
             fatal: None,
         }
     }
@@ -395,28 +442,23 @@ impl<'a, 'b> Watch<'a, 'b> {
         if let Some(why) = rd.get(&rd.rkey(r, "next"))? {
             return Ok(Some(why));
         }
-        let waiting = rd.count(&rd.rkey(r, "waiting"), 0)? as usize;
-        if waiting > 0 && round.nodes < rd.max {
-            let expect = (round.nodes + waiting).min(rd.max);
-            let why = format!("{waiting} node(s) asked to join: {ADMITTING}");
-            return rd.end_round(r, &why, expect).map(Some);
+        let unfinished = rd.unfinished(round, &mut self.seen)?;
+        // A node that is done means the job is ending: nobody is admitted.
+        let none_done = unfinished.len() + 1 == round.nodes;
+        if self.admit && none_done && round.nodes < rd.max {
+            let waiting = rd.count(&rd.rkey(r, "waiting"), 0)? as usize;
+            if waiting > 0 {
+                let expect = (round.nodes + waiting).min(rd.max);
+                let why = format!("{waiting} node(s) asked to join: {ADMITTING}");
+                return rd.end_round(r, &why, expect).map(Some);
+            }
         }
-        for (j, who) in round.who.iter().enumerate() {
-            if j == round.node || rd.get(&rd.rkey(r, &format!("done/{j}")))?.is_some() {
-                continue;
-            }
-            let beats = rd.count(&rd.key(&format!("hb/{who}")), 0)?;
-            let now = Instant::now();
-            let e = self.seen.entry(j).or_insert((beats, now));
-            if e.0 != beats {
-                *e = (beats, now);
-            } else if now - e.1 > rd.conf.heartbeat {
-                let why = format!(
-                    "node {j} ({who}) lost: no heartbeat for {:?}",
-                    rd.conf.heartbeat
-                );
-                return rd.end_round(r, &why, round.nodes - 1).map(Some);
-            }
+        if let Some(&(j, _)) = unfinished.iter().find(|&&(_, silent)| silent) {
+            let why = format!(
+                "node {j} ({}) lost: no heartbeat for {:?}",
+                round.who[j], rd.conf.heartbeat
+            );
+            return rd.end_round(r, &why, round.nodes - 1).map(Some);
         }
         Ok(None)
     }
@@ -428,7 +470,14 @@ fn is_this_host(host: &str) -> bool {
         return true;
     }
     let me = phalanx::monitor::hostname();
-    host.eq_ignore_ascii_case(&me) || std::net::UdpSocket::bind((host, 0)).is_ok()
+    host.eq_ignore_ascii_case(&me) || binds_here(host)
+}
+
+/// Whether an address of `host` can be bound here; an IPv6 literal comes
+/// in brackets from HOST:PORT (`[fd00::1]`), which the resolver refuses.
+fn binds_here(host: &str) -> bool {
+    let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
+    std::net::UdpSocket::bind((bare, 0)).is_ok()
 }
 
 /// `phalanx run --nnodes MIN:MAX`: the elastic agent of this node.
@@ -438,10 +487,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     crate::local_ranks::check(nproc)?;
     let conf = Conf::from_opts(opts)?;
     let secret = match std::env::var("PHALANX_SECRET") {
-        Ok(s) if !s.is_empty() => {
-            phalanx_comm::wire::from_hex(&s).ok_or("PHALANX_SECRET must be hex")?;
-            s
-        }
+        Ok(s) if !s.is_empty() => crate::launch::job_secret(&s)?,
         _ => {
             return Err(
                 "an elastic job (--nnodes MIN:MAX or --rdzv-backend c10d) needs the same \
@@ -455,10 +501,18 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     let endpoint = opts.rdzv_endpoint.clone().unwrap_or_else(|| {
         phalanx_comm::init::host_port(&opts.master_addr, opts.master_port.unwrap_or(29400))
     });
-    let (host, port) = endpoint
+    let (host, mut port) = endpoint
         .rsplit_once(':')
         .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
         .ok_or_else(|| format!("--rdzv-endpoint {endpoint}: expected HOST:PORT"))?;
+    // Port 0 (torchrun --standalone's localhost:0): only a job of one node
+    // on loopback, whose agent binds a free port and passes it on.
+    let what = match &opts.rdzv_endpoint {
+        Some(ep) => format!("--rdzv-endpoint {ep}"),
+        None => format!("--master-port {port}"),
+    };
+    let alone = max == 1 && phalanx_comm::init::is_loopback(&host);
+    crate::launch::check_port(&what, port, !alone)?;
     // The first agent on the endpoint's host serves the store, as torchrun's
     // c10d backend does; the others connect to it.
     let _server = if is_this_host(&host) {
@@ -474,6 +528,13 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         }
     } else {
         None
+    };
+    let endpoint = match &_server {
+        Some(s) if port == 0 => {
+            port = s.addr().port();
+            phalanx_comm::init::host_port(&host, port)
+        }
+        _ => endpoint,
     };
     let serving = if _server.is_some() {
         " (serving it)"
@@ -541,6 +602,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             run_id: format!("{}/r{}", rd.id, round.r),
             restart: round.r as usize,
             elastic: true,
+            job_id: crate::launch::agreed_job_id(opts, false),
         };
         let mut watch = Watch::new(&rd, &round);
         let outcome = run_group(&env, cmd, &mut || watch.stop())?;
@@ -577,6 +639,10 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                 // another node's.
                 let mut elsewhere = None;
                 if code == 1 {
+                    // Only watch: a join request seen now would end the
+                    // round as an admission, and this failure pass for
+                    // one caused elsewhere (never counted).
+                    watch.admit = false;
                     let until = Instant::now() + rd.conf.heartbeat + Duration::from_secs(1);
                     while Instant::now() < until
                         && elsewhere.is_none()
@@ -627,5 +693,161 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             }
         }
         ended = Some(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    const KEY: [u8; 32] = [7; 32];
+
+    /// An agent's rendezvous over a store of its own on loopback.
+    fn with_rdzv(max: usize, conf: Conf, f: impl FnOnce(&Rdzv, &str)) {
+        let server = StoreServer::bind("127.0.0.1:0", KEY.to_vec()).unwrap();
+        let addr = server.addr().to_string();
+        let store = StoreClient::connect(&addr, &KEY, Duration::from_secs(10)).unwrap();
+        let rd = Rdzv {
+            store: &store,
+            id: "t".into(),
+            endpoint: addr.clone(),
+            min: 1,
+            max,
+            nproc: 1,
+            me: "me:1".into(),
+            conf,
+            max_restarts: 0,
+        };
+        f(&rd, &addr);
+    }
+
+    fn conf(heartbeat: Duration, last_call: Duration) -> Conf {
+        Conf {
+            join_timeout: Duration::from_secs(30),
+            last_call,
+            heartbeat,
+        }
+    }
+
+    /// Round 0 of two nodes (of at most 3), as node 0 sees it.
+    fn round() -> Round {
+        Round {
+            r: 0,
+            node: 0,
+            nodes: 2,
+            who: vec!["me:1".into(), "peer:2".into()],
+        }
+    }
+
+    #[test]
+    fn an_ipv6_endpoint_host_in_brackets_is_bound_here() {
+        // Only where this host has IPv6 loopback at all.
+        if std::net::UdpSocket::bind("[::1]:0").is_err() {
+            return;
+        }
+        assert!(binds_here("[::1]"));
+        assert!(binds_here("::1"));
+        assert!(binds_here("127.0.0.1"));
+    }
+
+    /// While it waits for an outside cause of its workers' failure, an
+    /// agent only watches: a node waiting to join does not end the round
+    /// (as an admission, which would pass the failure off as caused
+    /// elsewhere); while its workers run, it does.
+    #[test]
+    fn only_a_running_round_admits_a_waiting_node() {
+        let c = conf(Duration::from_secs(15), Duration::from_secs(5));
+        with_rdzv(3, c, |rd, _| {
+            let round = round();
+            rd.count(&rd.rkey(0, "waiting"), 1).unwrap();
+            let mut watch = Watch::new(rd, &round);
+            watch.admit = false;
+            assert_eq!(watch.check().unwrap(), None);
+            assert_eq!(rd.get(&rd.rkey(0, "next")).unwrap(), None);
+            watch.admit = true;
+            let why = watch.check().unwrap().unwrap();
+            assert!(why.ends_with(ADMITTING), "{why}");
+            assert_eq!(rd.get(&rd.rkey(0, "next")).unwrap(), Some(why));
+            assert_eq!(rd.get(&rd.rkey(1, "expect")).unwrap().as_deref(), Some("3"));
+        });
+    }
+
+    /// Once a node of the round is done the job is ending: nobody is
+    /// admitted (the others would stop their workers for nothing).
+    #[test]
+    fn a_round_with_a_node_done_admits_nobody() {
+        let c = conf(Duration::from_secs(15), Duration::from_secs(5));
+        with_rdzv(3, c, |rd, _| {
+            let round = round();
+            rd.count(&rd.rkey(0, "waiting"), 1).unwrap();
+            rd.store.set(&rd.rkey(0, "done/1"), b"1").unwrap();
+            let mut watch = Watch::new(rd, &round);
+            assert_eq!(watch.check().unwrap(), None);
+            assert_eq!(rd.get(&rd.rkey(0, "next")).unwrap(), None);
+        });
+    }
+
+    /// The serving agent, done first, keeps serving while another node is
+    /// still finishing (beating), whoever waits to join, and posts nothing.
+    #[test]
+    fn the_serving_agent_serves_until_every_node_is_done() {
+        let c = conf(Duration::from_secs(5), Duration::from_secs(5));
+        with_rdzv(3, c, |rd, addr| {
+            let round = round();
+            rd.count(&rd.rkey(0, "waiting"), 1).unwrap();
+            let finished = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    // The other node: beats a while, then is done.
+                    let peer = StoreClient::connect(addr, &KEY, Duration::from_secs(10)).unwrap();
+                    for _ in 0..20 {
+                        peer.add("rdzv/t/hb/peer:2", 1).unwrap();
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    finished.store(true, Ordering::SeqCst);
+                    peer.set("rdzv/t/r0/done/1", b"1").unwrap();
+                });
+                rd.wait_done(&round);
+                assert!(
+                    finished.load(Ordering::SeqCst),
+                    "stopped serving before the other node was done"
+                );
+            });
+            assert_eq!(rd.get(&rd.rkey(0, "next")).unwrap(), None);
+        });
+    }
+
+    /// ... or until its heartbeat stops.
+    #[test]
+    fn the_serving_agent_stops_waiting_for_a_silent_node() {
+        let c = conf(Duration::from_millis(200), Duration::from_secs(5));
+        with_rdzv(3, c, |rd, _| {
+            rd.wait_done(&round());
+            assert_eq!(rd.get(&rd.rkey(0, "next")).unwrap(), None);
+        });
+    }
+
+    /// A round after an admission waits for the nodes it expects back
+    /// (finishing their step and saving) past `last_call_timeout`, rather
+    /// than forming without them.
+    #[test]
+    fn a_round_waits_past_last_call_for_the_nodes_it_expects() {
+        let c = conf(Duration::from_secs(15), Duration::from_millis(100));
+        with_rdzv(3, c, |rd, addr| {
+            rd.store.set(&rd.rkey(1, "expect"), b"3").unwrap();
+            rd.count(&rd.rkey(1, "joined"), 1).unwrap();
+            let n = std::thread::scope(|s| {
+                s.spawn(|| {
+                    // The two old nodes, back from their stop well after
+                    // last call.
+                    std::thread::sleep(Duration::from_millis(500));
+                    let other = StoreClient::connect(addr, &KEY, Duration::from_secs(10)).unwrap();
+                    other.add("rdzv/t/r1/joined", 2).unwrap();
+                });
+                rd.wait_closed(1, 0, Instant::now()).unwrap()
+            });
+            assert_eq!(n, 3);
+        });
     }
 }

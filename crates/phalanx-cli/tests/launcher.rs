@@ -527,3 +527,126 @@ fn the_summary_names_the_stopped_rank_not_its_messenger() {
     assert!(!err.contains("phalanx run: rank 0 failed"), "{err}");
     assert_eq!(st.code(), Some(1), "{err}");
 }
+
+/// `phalanx run` with these variables set (and no other secret).
+fn phalanx_with(args: &[&str], vars: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .env_remove("RANK")
+        .env_remove("PHALANX_SECRET")
+        .env_remove("RAYON_NUM_THREADS")
+        .env_remove("OMP_NUM_THREADS")
+        .envs(vars.iter().copied());
+    let out = c.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+const SECRET: &str = "00112233445566778899aabbccddeeff";
+
+/// The launcher reads `PHALANX_SECRET` as its workers do: a short one is
+/// refused before any worker starts (not by every worker, restart after
+/// restart), and one with a trailing newline is accepted and passed on
+/// without it.
+#[test]
+fn the_launcher_takes_the_secret_its_workers_take() {
+    let (code, out, err) = phalanx_with(
+        &[
+            "run",
+            "--max-restarts",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            "echo started",
+        ],
+        &[("PHALANX_SECRET", "00ff")],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("PHALANX_SECRET is too short"), "{err}");
+    assert!(!out.contains("started"), "{out}");
+    let upper = format!("{}\n", SECRET.to_ascii_uppercase());
+    let (code, out, err) = phalanx_with(
+        &["run", "--", "sh", "-c", "echo \"secret=$PHALANX_SECRET.\""],
+        &[("PHALANX_SECRET", &upper)],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("secret={SECRET}.")), "{out}");
+}
+
+/// Port 0 where other nodes must find the store is refused up front;
+/// alone on loopback (torchrun --standalone's `localhost:0`) a free port
+/// is bound and given to the workers.
+#[test]
+fn port_0_is_refused_unless_one_node_serves_itself() {
+    let s = [("PHALANX_SECRET", SECRET)];
+    for args in [
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "192.0.2.7",
+            "--master-port",
+            "0",
+        ][..],
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+        ][..],
+        &[
+            "--nnodes",
+            "1:2",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            "--rdzv-id",
+            "p0",
+            // Bounds the wait where port 0 were taken.
+            "--rdzv-timeout",
+            "20",
+        ][..],
+    ] {
+        let mut a = vec!["run"];
+        a.extend_from_slice(args);
+        a.extend_from_slice(&["--", "true"]);
+        let (code, _, err) = phalanx_with(&a, &s);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains(":0: port 0") || err.contains("--master-port 0: port 0"),
+            "{args:?}: {err}"
+        );
+    }
+    let (code, out, err) = phalanx_with(
+        &[
+            "run",
+            "--nnodes",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            "--rdzv-id",
+            "standalone",
+            "--",
+            "sh",
+            "-c",
+            "echo port=$MASTER_PORT",
+        ],
+        &s,
+    );
+    assert_eq!(code, 0, "{err}");
+    let port: u16 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 0] port="))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in: {out}"));
+    assert_ne!(port, 0, "{out}");
+}

@@ -68,16 +68,9 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-fn num(name: &str) -> Result<Option<usize>> {
-    match var(name) {
-        None => Ok(None),
-        Some(v) => {
-            v.trim().parse::<usize>().map(Some).map_err(|_| {
-                invalid!("environment variable {name}={v} is not a non-negative integer")
-            })
-        }
-    }
-}
+/// The most ranks a job may have, as `phalanx run --nnodes` is capped: a
+/// larger world size is a mistake, and rank 0 sizes its tables by it.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
 
 /// Where this process sits in its job, from whichever launcher's variables
 /// are set (torchrun's, then mpirun's, then srun's); a process started by
@@ -99,6 +92,12 @@ pub struct JobSizes {
 
 impl JobSizes {
     pub fn from_env() -> Result<JobSizes> {
+        JobSizes::from_vars(var)
+    }
+
+    /// As [`JobSizes::from_env`], with the variables read through `get`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<JobSizes> {
+        let get = |name: &str| get(name).filter(|v| !v.is_empty());
         // (launcher, [rank, world, local rank, local world], a variable
         // only that launcher's ranks have). "A|B": A where set, else B.
         let schemes: [(&str, [&str; 4], Option<&str>); 3] = [
@@ -134,44 +133,88 @@ impl JobSizes {
                 Some("SLURM_STEP_ID|SLURM_STEPID"),
             ),
         ];
-        let first = |keys: &str| -> Result<Option<usize>> {
+        // The first of "A|B" that is set: its name and value.
+        let first = |keys: &'static str| -> Result<Option<(&'static str, usize)>> {
             for k in keys.split('|') {
-                if let Some(v) = num(k)? {
-                    return Ok(Some(v));
+                if let Some(v) = get(k) {
+                    let n = v.trim().parse::<usize>().map_err(|_| {
+                        invalid!("environment variable {k}={v} is not a non-negative integer")
+                    })?;
+                    return Ok(Some((k, n)));
                 }
             }
             Ok(None)
         };
         let mut found = None;
         for (name, keys, needs) in schemes {
-            if needs.is_some_and(|n| !n.split('|').any(|k| var(k).is_some())) {
+            if needs.is_some_and(|n| !n.split('|').any(|k| get(k).is_some())) {
                 continue;
             }
-            if let (Some(r), Some(w)) = (first(keys[0])?, first(keys[1])?) {
-                let lr = first(keys[2])?.unwrap_or(r);
-                // Slurm's per-node counts may read "4(x2)" or "4,2": take
-                // the leading number.
-                let lw: Option<usize> = keys[3].split('|').find_map(var).and_then(|v| {
-                    v.split(|c: char| !c.is_ascii_digit())
-                        .next()
-                        .and_then(|s| s.parse().ok())
-                });
+            if let (Some((_, r)), Some(w)) = (first(keys[0])?, first(keys[1])?) {
+                let lr = first(keys[2])?;
+                let lw = if name == "srun" {
+                    // Slurm's per-node counts may read "4(x2)" or "4,2":
+                    // take the leading number (the first node's; others
+                    // may have fewer), and only that loosely.
+                    keys[3]
+                        .split('|')
+                        .find_map(|k| Some((k, get(k)?)))
+                        .and_then(|(k, v)| {
+                            let n = v.split(|c: char| !c.is_ascii_digit()).next()?;
+                            Some((k, n.parse::<usize>().ok().filter(|n| *n >= 1)?.min(w.1)))
+                        })
+                } else {
+                    first(keys[3])?
+                };
                 found = Some((name, r, w, lr, lw));
                 break;
             }
         }
-        let (source, rank, world_size, local_rank, local) =
-            found.unwrap_or(("single", 0, 1, 0, Some(1)));
-        let local_world_size = local.unwrap_or(world_size);
+        let Some((source, rank, (world_var, world_size), local_rank, local)) = found else {
+            return Ok(JobSizes {
+                rank: 0,
+                world_size: 1,
+                local_rank: 0,
+                local_world_size: 1,
+                source: "single",
+                local_known: true,
+            });
+        };
         if world_size == 0 || rank >= world_size {
             return Err(invalid!(
                 "{source}: rank {rank} is out of range for world size {world_size}"
             ));
         }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(invalid!(
+                "{source}: {world_var}={world_size} is too large: a job has at most \
+                 {MAX_WORLD_SIZE} ranks"
+            ));
+        }
+        if let Some((k, lw)) = local {
+            if lw == 0 || lw > world_size {
+                return Err(invalid!(
+                    "{source}: {k}={lw} is out of range: ranks on this node must be at least 1 \
+                     and at most {world_var}={world_size}"
+                ));
+            }
+        }
+        let local_world_size = local.map_or(world_size, |(_, n)| n);
+        // Under srun the node's count is the first node's (see above): a
+        // node with more tasks has local ids beyond it.
+        if let (Some((k, lr)), false) = (local_rank, source == "srun") {
+            if lr >= local_world_size {
+                let bound = local.map_or(world_var, |(k, _)| k);
+                return Err(invalid!(
+                    "{source}: {k}={lr} is out of range: it must be below \
+                     {bound}={local_world_size}"
+                ));
+            }
+        }
         Ok(JobSizes {
             rank,
             world_size,
-            local_rank,
+            local_rank: local_rank.map_or(rank, |(_, n)| n),
             local_world_size,
             source,
             local_known: local.is_some(),
@@ -187,6 +230,12 @@ impl JobSizes {
 impl DistEnv {
     /// Read the launcher's variables; a process started by hand is rank 0 of 1.
     pub fn from_env() -> Result<DistEnv> {
+        DistEnv::from_vars(var)
+    }
+
+    /// As [`DistEnv::from_env`], with the variables read through `get`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<DistEnv> {
+        let var = |name: &str| get(name).filter(|v| !v.is_empty());
         let JobSizes {
             rank,
             world_size,
@@ -194,7 +243,7 @@ impl DistEnv {
             local_world_size,
             source,
             ..
-        } = JobSizes::from_env()?;
+        } = JobSizes::from_vars(var)?;
         // Under srun, without MASTER_ADDR / MASTER_PORT: the job's first
         // node, and a port from the job id (so that two jobs sharing a node
         // do not meet), as PyTorch Lightning picks them.
@@ -225,6 +274,15 @@ impl DistEnv {
         // torch compares with str(True); accept any case.
         let agent_store = source == "torchrun"
             && var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+        // Port 0 means "any free port" to whoever binds it, but the ranks
+        // that connect would wait for a store at port 0 until they time
+        // out. Only a process alone (serving its own store) ignores it.
+        if master_port == 0 && (world_size > 1 || agent_store || store_hosted) {
+            return Err(invalid!(
+                "MASTER_PORT=0: the {world_size} rank(s) of this {source} job must all reach \
+                 the store at one known port; set MASTER_PORT to a port number (e.g. 29500)"
+            ));
+        }
         let may_span_hosts = local_world_size < world_size || !is_loopback(&master_addr);
         let mut secret_file = None;
         let secret = match var("PHALANX_SECRET") {
@@ -641,6 +699,152 @@ mod tests {
         let mut x = [3.0f32];
         pg.all_reduce(&mut x, crate::ReduceOp::Sum).unwrap();
         assert_eq!((pg.size(), x[0]), (1, 3.0));
+    }
+
+    /// `JobSizes::from_vars` over these variables (the rest unset).
+    fn sizes(vars: &[(&str, &str)]) -> crate::Result<super::JobSizes> {
+        super::JobSizes::from_vars(|k| {
+            vars.iter()
+                .find(|(name, _)| *name == k)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    fn err(vars: &[(&str, &str)]) -> String {
+        match sizes(vars) {
+            Ok(s) => panic!("{vars:?} accepted: {s:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// A launcher's per-node counts are read strictly (only Slurm's
+    /// "4(x2)" loosely): a malformed or impossible one is refused, naming
+    /// the variable, instead of being taken as unset or as given.
+    #[test]
+    fn local_sizes_out_of_range_are_refused_naming_the_variable() {
+        let torch = |lws: &'static str| {
+            [
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_WORLD_SIZE", lws),
+            ]
+        };
+        for bad in ["abc", "-1"] {
+            let e = err(&torch(bad));
+            assert!(e.contains(&format!("LOCAL_WORLD_SIZE={bad}")), "{e}");
+        }
+        for bad in ["0", "3"] {
+            let e = err(&torch(bad));
+            assert!(
+                e.contains(&format!("LOCAL_WORLD_SIZE={bad} is out of range")),
+                "{e}"
+            );
+            assert!(e.contains("WORLD_SIZE=2"), "{e}");
+        }
+        let ok = sizes(&torch("2")).unwrap();
+        assert_eq!((ok.local_world_size, ok.local_known), (2, true));
+        let e = err(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+        ]);
+        assert!(
+            e.contains("LOCAL_RANK=2 is out of range") && e.contains("LOCAL_WORLD_SIZE=2"),
+            "{e}"
+        );
+        // Without a local world size, the local rank is bounded by the world.
+        let e = err(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "5")]);
+        assert!(
+            e.contains("LOCAL_RANK=5") && e.contains("WORLD_SIZE=2"),
+            "{e}"
+        );
+        let e = err(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "0"),
+        ]);
+        assert!(e.contains("OMPI_COMM_WORLD_LOCAL_SIZE=0"), "{e}");
+        // Slurm's counts, loosely: the leading number; none, unknown.
+        let slurm = |per_node: &'static str| {
+            sizes(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_NTASKS_PER_NODE", per_node),
+                ("SLURM_STEP_ID", "0"),
+            ])
+            .unwrap()
+        };
+        assert_eq!(slurm("4(x2)").local_world_size, 4);
+        assert_eq!(slurm("4,2").local_world_size, 4);
+        let unknown = slurm("(x2)");
+        assert_eq!((unknown.local_world_size, unknown.local_known), (8, false));
+    }
+
+    /// A world size beyond any job (a typo) is refused before rank 0 sizes
+    /// its tables by it.
+    #[test]
+    fn a_world_size_beyond_the_cap_is_refused() {
+        let e = err(&[("RANK", "0"), ("WORLD_SIZE", "1099511627776")]);
+        assert!(e.contains("WORLD_SIZE=1099511627776 is too large"), "{e}");
+        assert!(e.contains(&super::MAX_WORLD_SIZE.to_string()), "{e}");
+        let e = err(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2000000"),
+            ("SLURM_STEP_ID", "0"),
+        ]);
+        assert!(e.contains("SLURM_NTASKS=2000000"), "{e}");
+        let cap = super::MAX_WORLD_SIZE.to_string();
+        let ok = sizes(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", &cap),
+            ("LOCAL_WORLD_SIZE", "8"),
+        ])
+        .unwrap();
+        assert_eq!(ok.world_size, super::MAX_WORLD_SIZE);
+    }
+
+    /// MASTER_PORT=0 would have the ranks that connect wait for a store at
+    /// port 0: refused, except for a process alone (its own store).
+    #[test]
+    fn master_port_zero_is_refused_for_a_job_of_several_ranks() {
+        let env = |vars: &[(&str, &str)]| {
+            super::DistEnv::from_vars(|k| {
+                vars.iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        let secret = ("PHALANX_SECRET", "00112233445566778899aabbccddeeff");
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_PORT", "0"),
+            secret,
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_PORT=0"), "{e}");
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_PORT", "0"),
+            ("PHALANX_STORE_HOSTED", "1"),
+            secret,
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_PORT=0"), "{e}");
+        let alone = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "0")]).unwrap();
+        assert_eq!(alone.master_port, 0);
+        let two = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_PORT", "29511"),
+            secret,
+        ])
+        .unwrap();
+        assert_eq!((two.master_port, two.world_size), (29511, 2));
     }
 
     #[test]
