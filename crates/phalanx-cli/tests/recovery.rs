@@ -489,3 +489,55 @@ fn a_ranks_error_is_named_with_its_reason() {
         }
     }
 }
+
+/// A restarted group resumes only its own job's checkpoints: an earlier
+/// job's step 4 in the same `checkpoint.dir` is not where this job got
+/// to (it crashed before its first save), so the restart starts as its
+/// first attempt did, from step 0. The ids: each run's own
+/// `PHALANX_JOB_ID`, or (None) the ones the launcher makes for a job of one
+/// node.
+fn restart_skips_another_jobs_checkpoint(name: &str, ids: Option<(&str, &str)>) {
+    let d = tmpdir(name);
+    let base = ["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    fn env(id: Option<&str>) -> Vec<(&str, &str)> {
+        id.map(|v| vec![("PHALANX_JOB_ID", v)]).unwrap_or_default()
+    }
+    let s = settings(&d, 4, 2);
+    let first = train_env(
+        &[&base[..], &strs(&s)].concat(),
+        None,
+        &env(ids.map(|i| i.0)),
+    );
+    assert_eq!(first.code, 0, "{first}");
+    assert_eq!(latest(&d), "step-00000004");
+    let s = settings(&d, 6, 100);
+    let args = [&base[..], &["--max-restarts", "1"], &strs(&s)].concat();
+    let r = train_env(&args, Some("exit-at-step:1:1"), &env(ids.map(|i| i.1)));
+    assert_eq!(r.code, 0, "{r}");
+    let note = match ids {
+        Some(_) => "was saved by phalanx:first, not this job (phalanx:second)",
+        None => ", not this job (phalanx:",
+    };
+    assert!(r.out.contains(note), "{r}");
+    assert!(r.out.contains("no checkpoint of this job under"), "{r}");
+    assert_eq!(latest(&d), "step-00000006");
+    let meta = std::fs::read_to_string(d.join("ckpt/step-00000006/metadata.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    let job = v["job"].as_str().unwrap_or_default().to_string();
+    match ids {
+        Some(_) => assert_eq!(job, "phalanx:second"),
+        None => assert!(job.starts_with("phalanx:") && job.len() > 10, "{job}"),
+    }
+    // From step 0: the first job's model was not taken over.
+    assert!(!r.out.contains("step-00000004 (step 4, saved by"), "{r}");
+}
+
+#[test]
+fn a_restart_does_not_resume_another_jobs_checkpoint() {
+    restart_skips_another_jobs_checkpoint("other-job", Some(("first", "second")));
+}
+
+#[test]
+fn a_restart_does_not_resume_another_jobs_checkpoint_by_the_launchers_ids() {
+    restart_skips_another_jobs_checkpoint("other-job-ids", None);
+}

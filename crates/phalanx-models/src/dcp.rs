@@ -133,6 +133,7 @@ pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
         samples_consumed: 0,
         data: None,
         config: cfg.to_toml(),
+        job: None,
     };
     let root = root.to_path_buf();
     // `save` is collective: run it over a group of one.

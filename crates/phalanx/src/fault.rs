@@ -53,6 +53,24 @@ pub fn restart_count() -> usize {
         .unwrap_or(0)
 }
 
+/// The launcher's id of this job, the same in every attempt and on every
+/// node, where one is known: `PHALANX_JOB_ID` (`phalanx run` sets it for
+/// a single-node job, or from `--rdzv-id`), torchrun's
+/// `TORCHELASTIC_RUN_ID` (its `--rdzv-id`; a random one under
+/// `--standalone`; "none" when not given), or Slurm's `SLURM_JOB_ID`.
+pub fn job_id() -> Option<String> {
+    let get = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty() && v != "none")
+    };
+    get("PHALANX_JOB_ID")
+        .map(|v| format!("phalanx:{v}"))
+        .or_else(|| get("TORCHELASTIC_RUN_ID").map(|v| format!("torchrun:{v}")))
+        .or_else(|| get("SLURM_JOB_ID").map(|v| format!("slurm:{v}")))
+}
+
 /// Whether `PHALANX_FAULT` holds `spec` (the whole item, e.g.
 /// `exit-in-save:4`) and this is the first attempt.
 fn armed(spec: &str) -> bool {

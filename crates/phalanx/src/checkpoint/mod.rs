@@ -197,6 +197,10 @@ pub struct Metadata {
     /// Every rank's own state (absent in checkpoints without any).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rank_state: Vec<RankEntry>,
+    /// The launcher's id of the job that saved it ([`crate::fault::job_id`]),
+    /// where one was known: a restarted attempt resumes only its own job's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
 }
 
 impl Metadata {

@@ -221,6 +221,8 @@ pub struct Header {
     /// The data fingerprint and stream positions (see `crate::data::DataState`).
     pub data: Option<crate::data::DataState>,
     pub config: String,
+    /// The saving job's id ([`crate::fault::job_id`]), where known.
+    pub job: Option<String>,
 }
 
 /// Write a checkpoint of `snap` under `root` (collective over `pg`, every
@@ -362,6 +364,7 @@ fn commit(
         files,
         entries,
         rank_state,
+        job: header.job.clone(),
     };
     let io = |what: &str, p: &Path, e: std::io::Error| {
         Error::Io(format!("checkpoint: {what} {}: {e}", p.display()))

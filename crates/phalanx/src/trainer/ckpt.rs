@@ -59,15 +59,26 @@ impl Trainer {
             }
         }
         if restart > 0 && on {
+            // Where the launcher names the job, only its own checkpoints
+            // (an earlier experiment's in the same directory would
+            // otherwise be taken for where this one got to); if it saved
+            // none yet, the attempt starts as the first one did.
+            let job = crate::fault::job_id();
             let explicit = matches!(resume, Some(Resume::Path(_)));
-            let loaded = self.resume_auto(!explicit)?;
-            if loaded || !explicit {
+            let loaded = self.resume_auto(!explicit && job.is_none(), job.as_deref())?;
+            if loaded || (!explicit && job.is_none()) {
                 return Ok(loaded);
+            }
+            if lead && job.is_some() {
+                println!(
+                    "restart {restart}: no checkpoint of this job under {} yet; starting as the first attempt did",
+                    self.cfg.checkpoint.dir
+                );
             }
         }
         match resume {
             None => Ok(false),
-            Some(Resume::Auto) => self.resume_auto(true),
+            Some(Resume::Auto) => self.resume_auto(true, None),
             Some(Resume::Path(p)) => {
                 let dir = self.resolve_resume(p)?;
                 self.load_checkpoint(&dir)?;
@@ -124,9 +135,10 @@ impl Trainer {
     }
 
     /// `--resume auto`: load the latest checkpoint under `checkpoint.dir`
-    /// that verifies (rank 0 picks, every rank loads it). Returns whether
-    /// one was loaded; `fresh_note`: say so on rank 0 when there is none.
-    fn resume_auto(&mut self, fresh_note: bool) -> Result<bool> {
+    /// that verifies (rank 0 picks, every rank loads it), of job `job` only
+    /// when given. Returns whether one was loaded; `fresh_note`: say so on
+    /// rank 0 when there is none.
+    fn resume_auto(&mut self, fresh_note: bool, job: Option<&str>) -> Result<bool> {
         let root = PathBuf::from(&self.cfg.checkpoint.dir);
         let world = self.mesh.world().clone();
         let (rank, size) = (world.rank(), world.size());
@@ -156,6 +168,14 @@ impl Trainer {
                 while let Some(c) = cands.get(next) {
                     next += 1;
                     match checkpoint::Reader::open(c) {
+                        Ok(r) if job.is_some() && r.meta.job.as_deref() != job => {
+                            println!(
+                                "note: {} was saved by {}, not this job ({}): not resuming from it",
+                                c.display(),
+                                r.meta.job.as_deref().unwrap_or("a job of unknown id"),
+                                job.unwrap_or_default()
+                            );
+                        }
                         Ok(r) => {
                             pick[0] = r.meta.step as i64;
                             break;
@@ -491,6 +511,7 @@ impl Trainer {
                 None
             },
             config: self.cfg.to_toml(),
+            job: crate::fault::job_id(),
         };
         let root = PathBuf::from(&self.cfg.checkpoint.dir);
         let keep = self.cfg.checkpoint.keep;
