@@ -100,6 +100,21 @@ fn check(name: &str, mut stack: Stack) {
             // same values as the path without them.
             assert_eq!(taken, 0, "{what}: fp16 weights took slots");
             assert_eq!(a, b, "{what}: differs from returned gradients");
+            // Each layer weight's gradient is in fp16 (one contribution
+            // each, from zero: exactly representable).
+            for p in stack.layout().params() {
+                if p.block == 0 || p.block + 1 == stack.num_blocks() {
+                    continue; // embeddings and head (a tied table sums two)
+                }
+                let off = a[p.range()]
+                    .iter()
+                    .find(|v| half::f16::from_f32(**v).to_f32() != **v);
+                assert!(
+                    off.is_none(),
+                    "{what}: {} holds {off:?}, not an fp16 value",
+                    p.name
+                );
+            }
             continue;
         }
         // Every layer's weights went through slots: 2 layers' worth at least.

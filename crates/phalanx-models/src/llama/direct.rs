@@ -495,14 +495,15 @@ impl DeferredGrad for LayerGrads {
             }
         }
         vals.extend(self.norms.iter().map(|(_, g)| g.clone()));
+        // Each gradient in its weight's dtype (the contract): an fp16
+        // weight's gradient past 65504 becomes the inf the loss scaler
+        // skips on, as on the composed path.
         self.order()
             .into_iter()
             .zip(vals)
             .map(|(i, v)| {
-                Ok((
-                    self.p[i].clone(),
-                    Tensor::from_vec(v, self.p[i].shape(), dev)?,
-                ))
+                let p = &self.p[i];
+                Ok((p.clone(), tensor_in(v, p.dtype(), p.shape(), dev)?))
             })
             .collect()
     }

@@ -27,12 +27,10 @@
 //! assert!((y[0][0] - 3. / r).abs() < 1e-6 && (y[0][1] - 8. / r).abs() < 1e-6);
 //! ```
 
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use phalanx::ops::cpu::{
-    cpu_f32, dot_lanes, is_float, par_rows, storage_in, tensor_in, with_f32_any,
+    cpu_f32, dot_lanes, is_float, par_rows, storage_in, tensor_in, with_f32_any, RowSums,
 };
 use phalanx::ops::tape;
 use phalanx::simd_dispatch;
@@ -130,17 +128,20 @@ fn rms_grads(x_t: &Tensor, w_t: &Tensor, grad: &Tensor, eps: f32) -> Result<(Vec
         with_f32_any(w_t, |w| {
             with_f32_any(grad, |dy| {
                 let mut dx = vec![0f32; x.len()];
-                let acc = Mutex::new(vec![0f32; c]);
+                // Chunk sums added in row order: the same bits every run.
+                let sums = RowSums::new();
                 par_rows(&mut dx, c, |rows, dx| {
+                    let start = rows.start;
                     let mut dw = vec![0f32; c];
                     for (r, dx) in rows.zip(dx.chunks_exact_mut(c)) {
                         let (x, dy) = (&x[r * c..(r + 1) * c], &dy[r * c..(r + 1) * c]);
                         simd_dispatch!(rms_row_bwd(x, w, dy, dx, &mut dw, eps));
                     }
-                    let mut acc = acc.lock().unwrap();
-                    acc.iter_mut().zip(&dw).for_each(|(a, d)| *a += d);
+                    sums.push(start, dw);
                 });
-                (dx, acc.into_inner().unwrap())
+                let mut dw = vec![0f32; c];
+                sums.add_into(&mut [&mut dw]);
+                (dx, dw)
             })
         })
     })??

@@ -589,6 +589,47 @@ pub fn par_rows<T: Send>(
     });
 }
 
+/// Per-chunk partial sums of a [`par_rows`] pass (a norm's gain and bias
+/// gradients), added in row order at the end: float addition is not
+/// associative, and adding them as threads finish would make the sum, and
+/// the training run, depend on timing. (The chunks are fixed for a given
+/// row count and thread count.)
+pub struct RowSums(std::sync::Mutex<Vec<(usize, Vec<f32>)>>);
+
+impl Default for RowSums {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RowSums {
+    pub fn new() -> RowSums {
+        RowSums(std::sync::Mutex::new(Vec::new()))
+    }
+
+    /// The sums of the chunk whose rows start at `start`: the vectors of
+    /// [`RowSums::add_into`]'s `outs`, one after the other.
+    pub fn push(&self, start: usize, sums: Vec<f32>) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((start, sums));
+    }
+
+    /// Add every chunk's sums into `outs`, in row order.
+    pub fn add_into(self, outs: &mut [&mut [f32]]) {
+        let mut parts = self.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        parts.sort_by_key(|p| p.0);
+        for (_, v) in &parts {
+            let mut at = 0;
+            for o in outs.iter_mut() {
+                add_assign(o, &v[at..at + o.len()]);
+                at += o.len();
+            }
+        }
+    }
+}
+
 /// Run `f(range, out_chunk)` over an elementwise output in parallel chunks.
 pub fn par_elems(out: &mut [f32], f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) {
     const CHUNK: usize = 1 << 12;
@@ -673,4 +714,30 @@ macro_rules! simd_dispatch {
             $body
         }
     }};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowSums;
+
+    #[test]
+    fn row_sums_add_in_row_order_whatever_order_the_chunks_came() {
+        // Values whose sum depends on the order of addition in f32.
+        let chunk = |s: usize| vec![[1e8f32, 1.0, -1e8, 3.0][s % 4], 0.5 * s as f32];
+        let sum = |order: &[usize]| {
+            let sums = RowSums::new();
+            for &s in order {
+                sums.push(s, chunk(s));
+            }
+            let (mut a, mut b) = (vec![0f32; 1], vec![0f32; 1]);
+            sums.add_into(&mut [&mut a, &mut b]);
+            (a[0].to_bits(), b[0].to_bits())
+        };
+        let want = sum(&[0, 1, 2, 3]);
+        assert_eq!(sum(&[3, 1, 0, 2]), want);
+        assert_eq!(sum(&[2, 3, 1, 0]), want);
+        // The order matters in f32 (else the test shows nothing).
+        let direct = [1e8f32, 3.0, -1e8, 1.0].iter().fold(0f32, |a, v| a + v);
+        assert_ne!(direct.to_bits(), want.0);
+    }
 }

@@ -24,14 +24,11 @@
 //! assert!((y[0][0] + 1.2247).abs() < 1e-3 && y[0][1].abs() < 1e-6);
 //! ```
 
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::cpu::{
-    add_assign, cpu_f32, dot_lanes, is_float, par_rows, storage_in, sum_lanes, tensor_in,
-    with_f32_any,
+    cpu_f32, dot_lanes, is_float, par_rows, storage_in, sum_lanes, tensor_in, with_f32_any, RowSums,
 };
 use super::tape;
 use crate::simd_dispatch;
@@ -200,19 +197,21 @@ pub fn layer_norm_backward_into(
     if dw.len() != c || db.len() != c {
         bail!("layer_norm backward: dw {} db {} c {c}", dw.len(), db.len())
     }
-    // Each row chunk sums its dw/db locally, then adds them under the lock.
-    let acc = Mutex::new((dw, db));
+    // Each row chunk sums its dw/db locally; the chunks' sums are added in
+    // row order (not as threads finish: the same bits every run).
+    let sums = RowSums::new();
     par_rows(dx, c, |rows, dx| {
-        let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
+        let start = rows.start;
+        let mut dwb = vec![0f32; 2 * c];
+        let (dw, db) = dwb.split_at_mut(c);
         for (r, dx) in rows.zip(dx.chunks_exact_mut(c)) {
             let x = &x[r * c..(r + 1) * c];
             let dy = &dy[r * c..(r + 1) * c];
-            simd_dispatch!(row_bwd(x, w, dy, dx, &mut dw, &mut db, eps));
+            simd_dispatch!(row_bwd(x, w, dy, dx, dw, db, eps));
         }
-        let mut acc = acc.lock().unwrap();
-        add_assign(acc.0, &dw);
-        add_assign(acc.1, &db);
+        sums.push(start, dwb);
     });
+    sums.add_into(&mut [dw, db]);
     Ok(())
 }
 
