@@ -222,6 +222,10 @@ fn config_section_arch_and_presets() {
             "model.n_head (4) must be a multiple of model.n_kv_head (3)",
         ),
         (
+            vec!["model.arch=llama", "model.rope_factor=32"],
+            "set model.rope_scaling = \"llama3\" to use them",
+        ),
+        (
             vec!["model.arch=llama", "model.n_embd=100", "model.n_head=20"],
             "must be even",
         ),

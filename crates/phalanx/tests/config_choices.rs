@@ -222,3 +222,28 @@ fn the_device_is_a_setting_and_one_this_build_lacks_is_refused_up_front() {
         "{e}"
     );
 }
+
+/// A batch number left to derive from `train.global_batch_size` is not
+/// printed (at its default it would read back as given, and the identity
+/// check would fail on the job's world); read back, it is derived again.
+#[test]
+fn a_printed_config_leaves_out_the_batch_number_still_to_derive() {
+    for (given, derived) in [
+        ("train.micro_batch_size=4", "grad_accum_steps"),
+        ("train.grad_accum_steps=2", "micro_batch_size"),
+    ] {
+        let c = build(&["train.global_batch_size=32", given]).unwrap();
+        let t = c.to_toml();
+        assert!(
+            !t.lines().any(|l| l.starts_with(&format!("{derived} ="))),
+            "{derived} printed:\n{t}"
+        );
+        let mut back = round_trip(&c);
+        back.resolve_batch(2).unwrap();
+        assert_eq!(back.global_batch(2), 32, "{given}");
+        let mut c = c;
+        c.resolve_batch(2).unwrap();
+        assert_eq!(back.train.micro_batch_size, c.train.micro_batch_size);
+        assert_eq!(back.train.grad_accum_steps, c.train.grad_accum_steps);
+    }
+}

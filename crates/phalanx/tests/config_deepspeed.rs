@@ -597,6 +597,51 @@ fn deepspeed_checkpointing_section_turns_recompute_on() {
     );
     let c = TrainConfig::build(Some(&p), &set(&["train.activation_checkpointing=none"])).unwrap();
     assert_eq!(c.recompute(), Recompute::None);
+    // A flag the file set and `--set` turned off again turns nothing on.
+    let p = tmp(
+        "ckpt4.json",
+        r#"{"activation_checkpointing": {"partition_activations": true}}"#,
+    );
+    let c = TrainConfig::build(
+        Some(&p),
+        &set(&["activation_checkpointing.partition_activations=false"]),
+    )
+    .unwrap();
+    assert_eq!(c.recompute(), Recompute::None);
+    // The flags alone in TOML or --set: a note that they do nothing.
+    let c = TrainConfig::build(
+        None,
+        &set(&["activation_checkpointing.partition_activations=true"]),
+    )
+    .unwrap();
+    assert!(
+        c.notes().iter().any(|n| n.contains("no effect")),
+        "{:?}",
+        c.notes()
+    );
+}
+
+#[test]
+fn settings_that_would_do_nothing_or_fail_later_are_refused() {
+    let e = |sets: &[&str]| {
+        TrainConfig::build(None, &set(sets))
+            .unwrap_err()
+            .to_string()
+    };
+    let m = e(&[
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved",
+        "parallel.pp_virtual_stages=1",
+    ]);
+    assert!(m.contains("parallel.pp_virtual_stages = 1"), "{m}");
+    let m = e(&[
+        "train.device=cuda",
+        "activation_checkpointing.cpu_checkpointing=true",
+    ]);
+    assert!(
+        m.contains("activation_checkpointing.cpu_checkpointing") || m.contains("cuda"),
+        "{m}"
+    );
 }
 
 #[test]

@@ -152,6 +152,9 @@ impl ModelFamily for Gpt2Family {
             ("scale_attn_weights", true),
             ("scale_attn_by_inverse_layer_idx", false),
             ("add_cross_attention", false),
+            // GPT-2's head is its token table; an untied lm_head.weight
+            // would be dropped for wte's values.
+            ("tie_word_embeddings", true),
         ] {
             if let Some(b) = v.get(key).and_then(|x| x.as_bool()) {
                 if b != gpt2 {
@@ -248,6 +251,7 @@ mod tests {
             ("scale_attn_by_inverse_layer_idx", true),
             ("scale_attn_weights", false),
             ("add_cross_attention", true),
+            ("tie_word_embeddings", false),
         ] {
             let mut c = base.clone();
             c[k] = json!(v);

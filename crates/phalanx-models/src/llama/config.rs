@@ -470,6 +470,20 @@ impl LlamaSection {
                 s.rope_scaling
             )));
         }
+        let given = (
+            s.rope_factor,
+            s.rope_low_freq_factor,
+            s.rope_high_freq_factor,
+            s.rope_original_max_position,
+        );
+        if s.rope_scaling == "none" && given != LLAMA3_DEFAULTS {
+            // They would be ignored: the scaling they shape is off.
+            return Err(ConfigError(format!(
+                "model.rope_factor / rope_low_freq_factor / rope_high_freq_factor / \
+                 rope_original_max_position = {given:?} are Llama 3's scaling's parameters, and \
+                 model.rope_scaling = \"none\": set model.rope_scaling = \"llama3\" to use them"
+            )));
+        }
         s.model().check()?;
         Ok(ModelFacts {
             seq_len: Some(s.block_size),

@@ -881,6 +881,21 @@ impl TrainConfig {
     }
 
     pub fn to_toml(&self) -> String {
-        toml::to_string(self).unwrap_or_default()
+        // A batch number still to be derived from train.global_batch_size
+        // (outside a job, before the world is known) is left out: printed
+        // at its default it would read back as given, and the identity
+        // check would then fail on the job's world.
+        let derived = match self.derive {
+            batch::Derive::Nothing => return toml::to_string(self).unwrap_or_default(),
+            batch::Derive::Micro => "micro_batch_size",
+            batch::Derive::Accum => "grad_accum_steps",
+        };
+        let Ok(mut t) = toml::Table::try_from(self) else {
+            return String::new();
+        };
+        if let Some(train) = t.get_mut("train").and_then(|v| v.as_table_mut()) {
+            train.remove(derived);
+        }
+        toml::to_string(&t).unwrap_or_default()
     }
 }

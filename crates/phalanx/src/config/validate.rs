@@ -9,6 +9,27 @@ impl TrainConfig {
         // A device this build cannot run on is refused before anything starts
         // (the device itself is opened by each rank).
         self.train.device.check_built()?;
+        if self.activation_checkpointing.cpu_checkpointing
+            && self.train.device != super::DeviceKind::Cpu
+        {
+            return bad(format!(
+                "activation_checkpointing.cpu_checkpointing (checkpoints kept in host memory) is not \
+                 built for train.device = {:?}; set it to false",
+                self.train.device
+            ));
+        }
+        if let super::ScheduleKind::Interleaved { v } = self
+            .parallel
+            .pp_schedule
+            .kind(self.parallel.pp_virtual_stages)
+        {
+            if v < 2 && self.parallel.pp > 1 {
+                return bad(format!(
+                    "parallel.pp_schedule = interleaved needs at least 2 chunks per rank \
+                     (parallel.pp_virtual_stages = {v}); use 1f1b for one",
+                ));
+            }
+        }
         if self.train.micro_batch_size == 0 || self.train.grad_accum_steps == 0 {
             return bad(
                 "train.micro_batch_size and train.grad_accum_steps must be at least 1".into(),
@@ -506,6 +527,17 @@ impl TrainConfig {
                  phase (the rate goes from optim.lr to optim.min_lr at once)",
                 o.decay_steps, o.warmup_steps
             ));
+        }
+        let ac = &self.activation_checkpointing;
+        if (ac.partition_activations || ac.cpu_checkpointing)
+            && self.recompute() == super::Recompute::None
+        {
+            n.push(
+                "activation_checkpointing.partition_activations / cpu_checkpointing shape the \
+                 checkpoints of recomputed blocks, and train.activation_checkpointing = \"none\" \
+                 recomputes none: no effect (set train.activation_checkpointing = \"full\")"
+                    .into(),
+            );
         }
         if p.sequence_parallel && p.tp == 1 {
             n.push("parallel.sequence_parallel has no effect with parallel.tp = 1".into());

@@ -69,8 +69,12 @@ impl Extra {
     }
 
     pub(crate) fn apply_recompute(&self, cfg: &mut TrainConfig, warnings: &mut Vec<String>) {
+        let ac = &cfg.activation_checkpointing;
         cfg.train.activation_checkpointing = match self.recompute {
             None => return,
+            // Turned on by a flag the file set: decided on the merged
+            // section, where `--set` may have turned the flag off again.
+            Some(None) if !(ac.partition_activations || ac.cpu_checkpointing) => return,
             Some(None) => Recompute::Full,
             Some(Some(n)) => match cfg.model_facts.n_layer {
                 Some(layers) => match layers.div_ceil(n.max(1)) {
