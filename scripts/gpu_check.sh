@@ -64,6 +64,13 @@
 # elsewhere. On a machine without Rust, build here (`eval "$(scripts/cuda_toolchain.sh)"`,
 # then `cargo build --release -p phalanx-cli --features cuda,nccl`; 70 MB
 # stripped, 19 MB gzipped), copy the binary there and give it as PHALANX_BIN.
+#
+# A first run on a machine lent for one command of at most 10 minutes (the
+# binary gzipped to pass a 64 MiB copy limit): steps 1-3 and the optimizer
+# check, about 5 minutes, then the rest in parts:
+#   gunzip -c phalanx.gz >/tmp/phalanx && chmod +x /tmp/phalanx &&
+#     PHALANX_BIN=/tmp/phalanx CHECKS=0 PERF=0 scripts/gpu_check.sh
+#   PHALANX_BIN=/tmp/phalanx FAMILIES=gpt PERF=0 scripts/gpu_check.sh
 
 set -u
 cd "$(dirname "$0")/.."
@@ -122,6 +129,7 @@ finish() {
 }
 
 gpus=0
+drv=""
 if [ "$DEVICE" = cuda ]; then
     # The CUDA libraries of PyPI's wheels (PyTorch brings them), after
     # whatever the library path already has.
@@ -176,11 +184,27 @@ if [ "$DEVICE" = cuda ]; then
     # Every library the binary needs, found before anything runs: those it
     # links (ldd) and those it opens on its first CUDA call (a toolchain
     # build's lazy loader names them in the binary; scripts/cuda_lazy.py).
+    # The libraries a toolchain build opens on first use, as the lazy
+    # loader names them in the binary (grep when binutils' strings is not
+    # there: minimal CUDA images lack it).
+    lazy_libs() {
+        if command -v strings >/dev/null; then
+            strings -a "$bin"
+        else
+            grep -aoE 'phalanx-cuda-lazy: [[:graph:]]+' "$bin"
+        fi | sed -n 's/^phalanx-cuda-lazy: //p' | sort -u
+    }
+    # A CUDA 13 build (cuBLAS 13 among what it opens) on a driver older
+    # than 580 loads no kernel: every check would fail for that one reason.
+    if [ "${drv%%.*}" -lt 580 ] 2>/dev/null && lazy_libs | grep -q '\.so\.13$'; then
+        echo "driver $drv is older than 580, and this binary is a CUDA 13 build (it opens $(lazy_libs | grep '\.so\.13$' | head -1)): its kernels cannot load here; build it with this machine's CUDA 12 nvcc (PHALANX_BIN)"
+        failed=$((failed + 1))
+        finish
+    fi
     libs_found() {
         local missing=0 so
-        command -v strings >/dev/null || { echo "strings (binutils) is needed to list the libraries opened on first use"; return 1; }
         ldd "$bin" | grep 'not found' && missing=1
-        for so in $(strings -a "$bin" | sed -n 's/^phalanx-cuda-lazy: //p' | sort -u); do
+        for so in $(lazy_libs); do
             if python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$so" 2>/dev/null ||
                 ldconfig -p | grep -q "^[[:space:]]*$so "; then
                 echo "opened on first use: $so (found)"

@@ -251,7 +251,7 @@ impl Comm {
     /// `ncclCommSplit` of this communicator (collective over it): `None`
     /// for a rank without a color.
     pub fn split(&self, c: &Call, color: c_int, key: c_int) -> Result<Option<Comm>> {
-        let mut inner = self.inner.lock().unwrap();
+        let mut inner = self.lock_inner()?;
         let parent = self.live(&inner, c)?;
         let api = self.api;
         let what = format!(
@@ -328,7 +328,18 @@ impl Comm {
         Ok(inner.comm)
     }
 
-    fn fail(&self, e: CommError) -> CommError {
+    /// The communicator's state, or (a call panicked holding it, and its
+    /// state is unknown) the communicator's failure: every later call
+    /// returns it, and `destroy` aborts rather than waits.
+    fn lock_inner(&self) -> Result<std::sync::MutexGuard<'_, Inner>> {
+        self.inner.lock().map_err(|_| {
+            self.fail(CommError::Aborted(
+                "an earlier call panicked inside this NCCL communicator".into(),
+            ))
+        })
+    }
+
+        fn fail(&self, e: CommError) -> CommError {
         let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         f.get_or_insert(e).clone()
     }
@@ -350,7 +361,7 @@ impl Comm {
     /// for it until the call's deadline, and copy the received bytes back
     /// (see [`Io`]).
     pub fn run(&self, c: &Call, io: Io, launch: &mut Launch) -> Result<()> {
-        let mut inner = self.inner.lock().unwrap();
+        let mut inner = self.lock_inner()?;
         let recv = self.launch_locked(&mut inner, c, &io, launch)?;
         self.wait_locked(&mut inner, c, None)?;
         // The stream is idle: every operation started before is complete.
@@ -372,7 +383,7 @@ impl Comm {
     pub fn start(&self, c: &Call, io: Io, launch: &mut Launch) -> Result<()> {
         // A staged one would return with the staging buffer in use.
         debug_assert!(matches!(io, Io::Device { .. }), "only device memory starts");
-        let mut inner = self.inner.lock().unwrap();
+        let mut inner = self.lock_inner()?;
         self.launch_locked(&mut inner, c, &io, launch)?;
         // Launched: without its event nothing could wait for it alone, so
         // a failure here fails the communicator (what waits aborts it).
