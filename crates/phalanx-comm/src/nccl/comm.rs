@@ -339,7 +339,7 @@ impl Comm {
         })
     }
 
-        fn fail(&self, e: CommError) -> CommError {
+    fn fail(&self, e: CommError) -> CommError {
         let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         f.get_or_insert(e).clone()
     }
