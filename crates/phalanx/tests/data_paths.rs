@@ -142,3 +142,19 @@ fn a_data_file_that_is_not_regular_is_refused_before_it_is_opened() {
         assert!(e.contains("not a regular file") && e.contains(name), "{e}");
     }
 }
+
+/// A symbolic link back to a directory being walked (`a/up -> ..`) is not
+/// followed again: the walk ended only when paths grew too long, listing
+/// the same files under ever longer names.
+#[test]
+fn a_link_to_an_enclosing_directory_is_walked_once() {
+    let d = ScratchDir::new("phalanx-paths", "link-loop");
+    std::fs::create_dir_all(d.join("a")).unwrap();
+    write_tokens(&d.join("a").join("x.bin"), 100);
+    write_tokens(&d.join("y.bin"), 100);
+    std::os::unix::fs::symlink("..", d.join("a").join("up")).unwrap();
+    let want = sorted(vec![d.join("a").join("x.bin"), d.join("y.bin")]);
+    let glob = format!("{}/**/*.bin", d.display());
+    assert_eq!(expand(&glob, "data.path").unwrap(), want);
+    assert_eq!(expand(d.to_str().unwrap(), "data.path").unwrap(), want);
+}

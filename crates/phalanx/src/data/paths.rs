@@ -32,11 +32,11 @@ pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
     if is_glob(pattern) {
         let (root, rest) = split_root(pattern);
         let comps: Vec<&str> = rest.split('/').filter(|c| !c.is_empty()).collect();
-        walk_glob(&root, &comps, &mut out);
+        walk_glob(&root, &comps, &mut Vec::new(), &mut out);
     } else {
         let p = Path::new(pattern);
         if p.is_dir() {
-            walk_dir(p, &mut out).map_err(|source| DataError::Io {
+            walk_dir(p, &mut Vec::new(), &mut out).map_err(|source| DataError::Io {
                 path: p.to_path_buf(),
                 source,
             })?;
@@ -142,7 +142,27 @@ fn is_regular(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.is_file())
 }
 
-fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
+/// A directory's identity (device, inode), following links.
+fn dir_id(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// `dir` entered on the way down unless it is one of the directories
+/// being walked already (`above`): a symbolic link to an ancestor would
+/// otherwise be walked until paths grow too long.
+fn enter(dir: &Path, above: &mut Vec<(u64, u64)>) -> bool {
+    match dir_id(dir) {
+        Some(id) if above.contains(&id) => false,
+        Some(id) => {
+            above.push(id);
+            true
+        }
+        None => false,
+    }
+}
+
+fn walk_glob(dir: &Path, comps: &[&str], above: &mut Vec<(u64, u64)>, out: &mut Vec<PathBuf>) {
     let Some((first, rest)) = comps.split_first() else {
         if is_regular(dir) {
             out.push(dir.to_path_buf());
@@ -150,17 +170,21 @@ fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
         return;
     };
     if *first == "**" {
+        if !enter(dir, above) {
+            return;
+        }
         // Zero directories, then one more level and `**` again.
-        walk_glob(dir, rest, out);
+        walk_glob(dir, rest, above, out);
         for e in entries(dir) {
             if e.is_dir() && !hidden(&e) {
-                walk_glob(&child(dir, &e), comps, out);
+                walk_glob(&child(dir, &e), comps, above, out);
             }
         }
+        above.pop();
         return;
     }
     if !is_glob(first) {
-        walk_glob(&join(dir, first), rest, out);
+        walk_glob(&join(dir, first), rest, above, out);
         return;
     }
     for e in entries(dir) {
@@ -169,25 +193,33 @@ fn walk_glob(dir: &Path, comps: &[&str], out: &mut Vec<PathBuf>) {
             continue;
         }
         if glob_match(first, &name_of(&e)) {
-            walk_glob(&child(dir, &e), rest, out);
+            walk_glob(&child(dir, &e), rest, above, out);
         }
     }
 }
 
 /// A directory's regular files, recursively (hidden ones skipped; see the
 /// module docs for what else is).
-fn walk_dir(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+fn walk_dir(
+    dir: &Path,
+    above: &mut Vec<(u64, u64)>,
+    out: &mut Vec<PathBuf>,
+) -> std::io::Result<()> {
+    if !enter(dir, above) {
+        return Ok(()); // a link back to a directory being walked
+    }
     for e in std::fs::read_dir(dir)? {
         let p = e?.path();
         if hidden(&p) {
             continue;
         }
         if p.is_dir() {
-            walk_dir(&p, out)?;
+            walk_dir(&p, above, out)?;
         } else if is_regular(&p) {
             out.push(p);
         }
     }
+    above.pop();
     Ok(())
 }
 
