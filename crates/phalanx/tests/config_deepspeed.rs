@@ -622,6 +622,12 @@ fn deepspeed_checkpointing_section_turns_recompute_on() {
 }
 
 #[test]
+fn a_deepspeed_file_without_the_json_extension_is_read_as_json() {
+    let (c, _) = json("ds_config", r#"{"train_micro_batch_size_per_gpu": 3}"#).unwrap();
+    assert_eq!(c.train.micro_batch_size, 3);
+}
+
+#[test]
 fn settings_that_would_do_nothing_or_fail_later_are_refused() {
     let e = |sets: &[&str]| {
         TrainConfig::build(None, &set(sets))

@@ -686,8 +686,12 @@ impl TrainConfig {
         if let Some(p) = file {
             let text = crate::fsutil::read_text_capped("config file", p, crate::fsutil::CONFIG_CAP)
                 .map_err(|e| ConfigError(format!("cannot read it: {e}")))?;
+            // A DeepSpeed file by its name, or by its content where the
+            // name says nothing (`ds_config` with no extension): no TOML
+            // document starts with `{`.
             if p.extension()
                 .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+                || text.trim_start().starts_with('{')
             {
                 (table, ds, autos) =
                     deepspeed::translate(&text, &p.display().to_string(), &mut warnings)?;
