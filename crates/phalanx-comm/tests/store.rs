@@ -171,3 +171,79 @@ fn a_store_that_stops_reading_fails_the_write_in_time() {
     assert!(matches!(e, CommError::Io(_)), "{e}");
     assert!(e.to_string().contains(&addr), "{e}");
 }
+
+/// `compare_set` on a missing key with a non-empty `expected` answers
+/// `expected` and leaves the key missing, as PyTorch's TCPStore does (it
+/// used to answer an empty value).
+#[test]
+fn compare_set_on_a_missing_key_answers_expected_like_torch() {
+    let (_s, addr, secret) = server();
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+    assert_eq!(c.compare_set("gone", b"old", b"new").unwrap(), b"old");
+    assert_eq!(c.try_get("gone").unwrap(), None);
+    // An empty `expected` still creates it.
+    assert_eq!(c.compare_set("gone", b"", b"new").unwrap(), b"new");
+    assert_eq!(c.try_get("gone").unwrap(), Some(b"new".to_vec()));
+}
+
+/// After a request times out, the client does not read its late reply as
+/// the answer to the next request: the connection is dropped and the next
+/// call reconnects (authenticating again). It used to keep the connection
+/// and read, from then on, the answer to the request before.
+#[test]
+fn a_timed_out_request_does_not_shift_later_replies() {
+    use phalanx_comm::wire;
+    let secret = wire::random_bytes(32);
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let s2 = secret.clone();
+    // A store holding one counter. On the first connection it holds back
+    // its reply to the first request until the client either closes the
+    // connection or sends another request (and then sends the late reply
+    // first, as a slow store would).
+    let fake = std::thread::spawn(move || {
+        let mut counter = 0i64;
+        let mut add = |frame: &[u8]| {
+            assert_eq!(frame[0], 4, "expected an add: {frame:?}");
+            counter += i64::from_le_bytes(frame[frame.len() - 8..].try_into().unwrap());
+            let mut reply = vec![0u8];
+            reply.extend_from_slice(&counter.to_le_bytes());
+            reply
+        };
+        let mut first = true;
+        for _ in 0..2 {
+            let (mut s, _) = l.accept().unwrap();
+            wire::handshake(&mut s, &s2, true, Duration::from_secs(10)).unwrap();
+            // Hang guards: no read here waits more than 30 s.
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let mut held = None;
+            while let Ok(frame) = wire::read_frame(&mut s, 1 << 10) {
+                let reply = add(&frame);
+                if first {
+                    first = false;
+                    held = Some(reply);
+                    continue;
+                }
+                if let Some(late) = held.take() {
+                    let _ = wire::write_frame(&mut s, &late);
+                }
+                let _ = wire::write_frame(&mut s, &reply);
+            }
+        }
+    });
+    // A 1 s timeout: the client waits that long for a reply.
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(1)).unwrap();
+    let e = c.add("n", 1).unwrap_err();
+    assert!(matches!(e, CommError::Io(_)), "{e}");
+    assert!(e.to_string().contains(&addr), "{e}");
+    // The first add was applied (the store got it); the second must read
+    // its own answer, not the first's late 1.
+    assert_eq!(
+        c.add("n", 10).unwrap(),
+        11,
+        "the client read the reply to the timed-out request"
+    );
+    assert_eq!(c.add("n", 100).unwrap(), 111);
+    drop(c);
+    fake.join().unwrap();
+}

@@ -251,3 +251,45 @@ fn asynchronous_mode_trains() {
         assert!(last < first, "{l:?}");
     }
 }
+
+/// A push of a step the trainer pushed already (a retry after the push
+/// failed on another shard, which leaves the trainer's step where it was)
+/// is taken once: in every mode the gradient is applied once and the
+/// server counts one push. It used to be applied twice (asynchronous,
+/// bounded staleness) or left in a step that never fills (synchronous).
+#[test]
+fn a_repeated_push_of_a_step_is_applied_once() {
+    use phalanx_rpc::ps::server::{PullReq, PushReq};
+    use phalanx_rpc::rpc::Blob;
+    for staleness in [None, Some(2), Some(0)] {
+        let cfg = PsConfig::new(2, Optim::Sgd { lr: 1.0 }, staleness)
+            .table("emb", 1, 0.0)
+            .dense("w", vec![0.0]);
+        let s = Server::new(cfg, 0, 1);
+        let push = |trainer: u32, step: u64| PushReq {
+            trainer,
+            step,
+            ids: vec![Blob::from(vec![5u64])],
+            grads: vec![Blob::from(vec![2.0f32])],
+            dense: vec![Blob::from(vec![4.0f32])],
+        };
+        s.push(push(0, 0)).unwrap();
+        s.push(push(0, 0)).unwrap(); // before the step is complete
+        s.push(push(1, 0)).unwrap();
+        s.push(push(0, 0)).unwrap(); // after
+        s.push(push(0, 1)).unwrap();
+        s.push(push(1, 1)).unwrap();
+        let p = s
+            .pull(PullReq {
+                trainer: 0,
+                step: 2,
+                ids: vec![Blob::from(vec![5u64])],
+                wait_all: true,
+            })
+            .unwrap();
+        // Four pushes of (2, 4), each scaled by 1/2, at a learning rate of 1.
+        assert_eq!(p.rows[0].to_vec(), vec![-4.0], "staleness {staleness:?}");
+        assert_eq!(p.dense[0].to_vec(), vec![-8.0], "staleness {staleness:?}");
+        assert_eq!(s.stats().pushes, 4, "staleness {staleness:?}");
+    }
+}

@@ -437,3 +437,86 @@ fn workers_that_die_are_named_in_the_calls_pending_on_them() {
         "{seen}"
     );
 }
+
+/// References in a message its receiver throws away undecoded (an unknown
+/// function, a type mismatch, a reply to a future dropped unwaited) give
+/// back the counts taken for it: the owner frees the value once its
+/// holders drop theirs. They used to stay counted for good (the typo
+/// below left w1 holding the counter after `r` was dropped).
+#[test]
+fn references_in_messages_thrown_away_are_given_back() {
+    threads::run_with(3, Config::from_env(), threads::DEADLINE, |pg| {
+        let rpc = start(&pg, short());
+        if pg.rank() == 0 {
+            let r: RRef<Mutex<i64>> = rpc.remote("w1", "counter", &1i64).unwrap();
+            let e = rpc.rpc_sync::<_, ()>("w2", "typo", &r).unwrap_err();
+            assert!(matches!(e, RpcError::UnknownFunction { .. }), "{e}");
+            let e = rpc.rpc_sync::<_, i64>("w2", "add", &r).unwrap_err();
+            assert!(matches!(e, RpcError::TypeMismatch { .. }), "{e}");
+            drop(r);
+            drop(rpc.rpc_async::<_, RRef<Mutex<i64>>>("w2", "make_ref", &5i64));
+        }
+        pg.barrier()?;
+        // The decrements are asynchronous: wait for them (30 s is a hang
+        // guard).
+        let until = Instant::now() + Duration::from_secs(30);
+        while rpc.owned_values() > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(rpc.owned_values(), 0, "on {}", rpc.name());
+        rpc.shutdown().unwrap();
+        Ok(())
+    })
+    .into_iter()
+    .for_each(|r| r.unwrap());
+}
+
+/// Calls pending when their agent goes (its last `Rpc` dropped, no
+/// shutdown) fail at once, through `wait_any` and `.await` alike. Nothing
+/// else ends them (the agent's readers and timer go with it): they used
+/// to wait forever.
+#[test]
+fn calls_pending_when_the_agent_goes_fail_at_once() {
+    use std::sync::{Arc, Condvar};
+    let release = Arc::new((Mutex::new(false), Condvar::new()));
+    let out = threads::run(2, move |pg| {
+        let mut reg = Registry::new();
+        let rel = release.clone();
+        // Holds its caller until the test is done (30 s: a hang guard).
+        reg.register("hold", move |_c, (): ()| {
+            let (m, cv) = &*rel;
+            let until = Instant::now() + Duration::from_secs(30);
+            let mut done = m.lock().unwrap();
+            while !*done && Instant::now() < until {
+                done = cv.wait_timeout(done, Duration::from_millis(100)).unwrap().0;
+            }
+        });
+        let rpc = Rpc::start(&pg, &format!("w{}", pg.rank()), reg, short()).unwrap();
+        let mut res = None;
+        if pg.rank() == 0 {
+            let mut futs = vec![Some(rpc.rpc_async::<_, ()>("w1", "hold", &()))];
+            let awaited = rpc.rpc_async::<_, ()>("w1", "hold", &());
+            drop(rpc);
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let any = phalanx_rpc::rpc::wait_any(&mut futs).map(|(_, r)| r);
+                let _ = tx.send((any, block_on(awaited)));
+            });
+            // 30 s: a hang guard (the calls' own timeout is 20 s).
+            res = Some(rx.recv_timeout(Duration::from_secs(30)));
+            let (m, cv) = &*release;
+            *m.lock().unwrap() = true;
+            cv.notify_all();
+        }
+        pg.barrier().unwrap();
+        res
+    });
+    let (any, awaited) = out[0]
+        .as_ref()
+        .unwrap()
+        .as_ref()
+        .expect("wait_any or .await never returned after the agent went");
+    for r in [any.as_ref().expect("a future was left"), awaited] {
+        assert!(matches!(r, Err(RpcError::Shutdown(_))), "{r:?}");
+    }
+}

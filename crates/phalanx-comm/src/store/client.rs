@@ -1,6 +1,12 @@
 //! The store's client: one connection, blocking requests. It speaks either
 //! Phalanx's own authenticated protocol or, under torchrun, PyTorch's
 //! TCPStore protocol to the agent's store (see [`super::torch`]).
+//!
+//! A request that fails part-way (a read or write timeout, a reset) leaves
+//! the connection in an unknown state: the late reply, or the rest of a
+//! half-sent request, may still be on it, and the next request would read
+//! the answer to this one. So such a connection is dropped, and the next
+//! call connects afresh (with the same handshake as at connect) instead.
 
 use super::*;
 use crate::error::{CommError, Result};
@@ -11,9 +17,13 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 pub struct StoreClient {
-    conn: Mutex<TcpStream>,
+    /// None after a request failed part-way: the next call reconnects.
+    conn: Mutex<Option<TcpStream>>,
     addr: String,
     timeout: Duration,
+    /// The job secret for Phalanx's store (kept to reconnect); None for a
+    /// torch TCPStore.
+    secret: Option<Vec<u8>>,
     /// Which server is at the other end.
     torch: bool,
 }
@@ -49,9 +59,10 @@ impl StoreClient {
             match try_connect(addr, secret, write_timeout(timeout)) {
                 Ok(s) => {
                     return Ok(StoreClient {
-                        conn: Mutex::new(s),
+                        conn: Mutex::new(Some(s)),
                         addr: addr.to_string(),
                         timeout,
+                        secret: secret.map(<[u8]>::to_vec),
                         torch: secret.is_none(),
                     })
                 }
@@ -78,15 +89,59 @@ impl StoreClient {
         self.torch
     }
 
+    /// Run `f` on the connection, first reconnecting if an earlier request
+    /// failed part-way. If `f` fails, the connection may hold a late reply
+    /// or part of a request, so it is dropped: the next call reconnects
+    /// rather than read this request's answer as its own.
+    fn with_conn<T>(&self, f: impl FnOnce(&mut TcpStream) -> Result<T>) -> Result<T> {
+        let mut conn = self.conn.lock().unwrap();
+        if conn.is_none() {
+            let what = if self.torch {
+                "torchrun's store"
+            } else {
+                "the rendezvous store"
+            };
+            let s = try_connect(
+                &self.addr,
+                self.secret.as_deref(),
+                write_timeout(self.timeout),
+            )
+            .map_err(|e| {
+                CommError::Io(format!(
+                    "cannot reconnect to {what} at {} (its connection was dropped after a failed request): {e}",
+                    self.addr
+                ))
+            })?;
+            *conn = Some(s);
+        }
+        let r = f(conn.as_mut().expect("connected above"));
+        // A `Timeout` is a whole answer (torch's polled wait: keys not set
+        // in time); anything else may have stopped mid-exchange.
+        if matches!(r, Err(ref e) if !matches!(e, CommError::Timeout(_))) {
+            *conn = None;
+        }
+        r
+    }
+
+    /// How long a reply may take beyond the time the server may wait: the
+    /// client's timeout, within 1 to 10 s.
+    fn reply_slack(&self) -> Duration {
+        self.timeout
+            .clamp(Duration::from_secs(1), Duration::from_secs(10))
+    }
+
     /// Run one torch-protocol exchange with a read deadline.
     fn torch_op<T>(
         &self,
         wait: Duration,
         f: impl FnOnce(&mut TcpStream) -> Result<T>,
     ) -> Result<T> {
-        let mut s = self.conn.lock().unwrap();
-        s.set_read_timeout(Some(wait.saturating_add(Duration::from_secs(10))))?;
-        f(&mut s).map_err(|e| match e {
+        let slack = self.reply_slack();
+        self.with_conn(|s| {
+            s.set_read_timeout(Some(wait.saturating_add(slack)))?;
+            f(s)
+        })
+        .map_err(|e| match e {
             CommError::Io(m) => CommError::Io(format!("{m} (store at {})", self.addr)),
             e => e,
         })
@@ -95,7 +150,7 @@ impl StoreClient {
     /// The local address this client uses to reach the store: the address
     /// peers on other hosts can reach us at.
     pub fn local_ip(&self) -> Result<std::net::IpAddr> {
-        Ok(self.conn.lock().unwrap().local_addr()?.ip())
+        self.with_conn(|s| Ok(s.local_addr()?.ip()))
     }
 
     pub fn addr(&self) -> &str {
@@ -103,23 +158,32 @@ impl StoreClient {
     }
 
     fn request(&self, req: Writer, wait: Duration) -> Result<Vec<u8>> {
-        let mut s = self.conn.lock().unwrap();
-        s.set_read_timeout(Some(wait.saturating_add(Duration::from_secs(10))))?;
         let len = u32::try_from(req.buf.len())
             .map_err(|_| CommError::Protocol("store request too large".into()))?;
-        s.write_all(&[&len.to_le_bytes()[..], &req.buf].concat())
-            .map_err(|e| {
+        let slack = self.reply_slack();
+        self.with_conn(|s| {
+            s.set_read_timeout(Some(wait.saturating_add(slack)))?;
+            s.write_all(&[&len.to_le_bytes()[..], &req.buf].concat())
+                .map_err(|e| {
+                    let why = match e.kind() {
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                            "it took none of a request for {:?}: is it still running? ({e})",
+                            write_timeout(self.timeout)
+                        ),
+                        _ => e.to_string(),
+                    };
+                    CommError::Io(format!("rendezvous store at {}: {why}", self.addr))
+                })?;
+            wire::read_frame(s, MAX_FRAME).map_err(|e| {
                 let why = match e.kind() {
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
-                        "it took none of a request for {:?}: is it still running? ({e})",
-                        write_timeout(self.timeout)
-                    ),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                        format!("no reply within {:?} ({e})", wait.saturating_add(slack))
+                    }
                     _ => e.to_string(),
                 };
                 CommError::Io(format!("rendezvous store at {}: {why}", self.addr))
-            })?;
-        wire::read_frame(&mut *s, MAX_FRAME)
-            .map_err(|e| CommError::Io(format!("rendezvous store at {}: {e}", self.addr)))
+            })
+        })
     }
 
     fn ok<'a>(&self, reply: &'a [u8]) -> Result<Reader<'a>> {
@@ -216,7 +280,9 @@ impl StoreClient {
     }
 
     /// Set `key` to `desired` if it currently equals `expected` (missing key
-    /// matches empty `expected`); returns the value after the call.
+    /// matches empty `expected`); returns the value after the call, except
+    /// that a missing key with a non-empty `expected` returns `expected`
+    /// and stays missing, as PyTorch's TCPStore does.
     pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
         if self.torch {
             return self.torch_op(Duration::ZERO, |s| {

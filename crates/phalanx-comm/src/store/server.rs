@@ -283,7 +283,7 @@ fn serve(mut s: TcpStream, sh: &Shared, slot: Option<PendingSlot<'_>>) -> Result
             return Ok(());
         }
         let frame = read_frame_until(&mut s, Instant::now() + FRAME_TIMEOUT)?;
-        let reply = handle(&frame, sh)?;
+        let reply = handle(&frame, sh, &s)?;
         wire::write_frame(&mut s, &reply)?;
     }
 }
@@ -298,6 +298,21 @@ fn is_timeout(e: &std::io::Error) -> bool {
         e.kind(),
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
     )
+}
+
+/// Whether the client at the other end of `s` has closed its connection
+/// (or it failed). Does not block; bytes waiting to be read (a client that
+/// sent its next request early) count as the client still being there.
+fn client_gone(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let gone = match s.peek(&mut [0u8; 1]) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !is_timeout(&e) && e.kind() != std::io::ErrorKind::Interrupted,
+    };
+    s.set_nonblocking(false).is_err() || gone
 }
 
 /// One request frame, whole by `deadline`, refusing one over `MAX_FRAME`
@@ -388,7 +403,9 @@ fn insert(st: &mut State, key: String, value: Vec<u8>) {
     st.bytes += add;
 }
 
-fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
+/// Serve one request from the client at the other end of `conn` (which a
+/// long `wait` watches, to end when its client goes).
+fn handle(frame: &[u8], sh: &Shared, conn: &TcpStream) -> Result<Vec<u8>> {
     let mut r = Reader::new(frame);
     let op = r.u8()?;
     let w = Writer::default();
@@ -430,6 +447,7 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
                 return Ok(w.u8(R_ERROR).bytes(e.as_bytes()).buf);
             }
             let deadline = Instant::now() + timeout;
+            let mut checked = Instant::now();
             let mut st = sh.state.lock().unwrap();
             loop {
                 let missing: Vec<&String> =
@@ -442,7 +460,25 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
                     let names: Vec<&str> = missing.iter().map(|s| s.as_str()).collect();
                     break w.u8(R_TIMEOUT).bytes(names.join(", ").as_bytes());
                 }
-                st = sh.changed.wait_timeout(st, deadline - now).unwrap().0;
+                // Every `STOP_POLL`, see whether the client is still there:
+                // one that crashed while it waited must not hold this
+                // thread until its keys appear or its timeout (which may be
+                // days) passes.
+                if now.duration_since(checked) >= STOP_POLL {
+                    if client_gone(conn) {
+                        return Err(CommError::Io(format!(
+                            "the client went away while waiting for store keys {}",
+                            missing
+                                .iter()
+                                .map(|s| s.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
+                    }
+                    checked = now;
+                }
+                let nap = (deadline - now).min(STOP_POLL);
+                st = sh.changed.wait_timeout(st, nap).unwrap().0;
             }
         }
         OP_ADD => {
@@ -477,7 +513,10 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
         }
         OP_CAS => {
             // Set to `desired` if the current value equals `expected` (a
-            // missing key matches an empty `expected`); reply the value after.
+            // missing key matches an empty `expected`); reply the value
+            // after. A missing key with a non-empty `expected` stays
+            // missing and the reply is `expected`, as PyTorch's TCPStore
+            // answers, so code written against either store reads the same.
             let k = r.string()?;
             let expected = r.bytes()?;
             let desired = r.bytes()?;
@@ -485,7 +524,8 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
             let mut st = sh.state.lock().unwrap();
             let matches = match st.map.get(&k) {
                 Some(cur) => cur.as_slice() == expected,
-                None => expected.is_empty(),
+                None if expected.is_empty() => true,
+                None => return Ok(w.u8(R_OK).bytes(expected).buf),
             };
             if matches {
                 if let Some(e) = refuse_store(sh, &st, &k, desired.len()) {
@@ -495,7 +535,9 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
             }
             let now = st.map.get(&k).cloned().unwrap_or_default();
             drop(st);
-            sh.changed.notify_all();
+            if matches {
+                sh.changed.notify_all();
+            }
             w.u8(R_OK).bytes(&now)
         }
         OP_DELETE => {
@@ -517,4 +559,73 @@ fn handle(frame: &[u8], sh: &Shared) -> Result<Vec<u8>> {
         other => return Err(CommError::Protocol(format!("unknown store opcode {other}"))),
     };
     Ok(reply.buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+
+    fn shared() -> Arc<Shared> {
+        Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            secret: Vec::new(),
+            stop: AtomicBool::new(false),
+            limits: StoreLimits::default(),
+            pending: Mutex::new(Pending::default()),
+            log: RateLimitedLog::new("[phalanx store test]", 5, Duration::from_secs(10)),
+        })
+    }
+
+    /// A connected pair: (the client's end, the server's end).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        (c, s)
+    }
+
+    fn wait_frame(key: &str, timeout: Duration) -> Vec<u8> {
+        Writer::default()
+            .u8(OP_WAIT)
+            .u64(1)
+            .bytes(key.as_bytes())
+            .u64(timeout.as_millis() as u64)
+            .buf
+    }
+
+    /// A wait whose client disconnects ends soon after, not when its keys
+    /// appear or its (here one hour) timeout passes.
+    #[test]
+    fn a_wait_ends_when_its_client_goes() {
+        let sh = shared();
+        let (client, server_end) = pair();
+        let (tx, rx) = mpsc::channel();
+        let sh2 = sh.clone();
+        std::thread::spawn(move || {
+            let frame = wait_frame("never", Duration::from_secs(3600));
+            let _ = tx.send(handle(&frame, &sh2, &server_end));
+        });
+        drop(client);
+        // 30 s: a hang guard; it ends within a `STOP_POLL` or two.
+        let r = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a store wait kept its thread after its client went away");
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("never"), "{e}");
+    }
+
+    /// A client still connected is not taken for gone: its wait runs to
+    /// its own timeout and answers it.
+    #[test]
+    fn a_wait_with_its_client_runs_to_its_timeout() {
+        let sh = shared();
+        let (_client, server_end) = pair();
+        let frame = wait_frame("absent", 3 * STOP_POLL);
+        let reply = handle(&frame, &sh, &server_end).unwrap();
+        assert_eq!(reply[0], R_TIMEOUT, "{reply:?}");
+        assert!(!client_gone(&server_end));
+    }
 }

@@ -130,7 +130,9 @@ impl PsClient {
 
     /// Push this step's gradients: per table, distinct ids and their
     /// gradients (`dim` each, concatenated); per dense vector, its whole
-    /// gradient (empty: none). Then the next step begins.
+    /// gradient (empty: none). Then the next step begins. If it fails, the
+    /// step does not advance and the same push may be made again: a server
+    /// that took it already ignores it the second time.
     pub fn push(&mut self, rows: &[(&[u64], &[f32])], dense: &[Vec<f32>]) -> RpcResult<()> {
         let k = self.servers.len();
         let nt = self.cfg.tables.len();

@@ -206,6 +206,14 @@ impl Server {
             }
         }
         let (trainer, step) = (r.trainer as usize, r.step);
+        // A step this trainer pushed already (its clock is past it): a
+        // retry after the push failed on another shard, which left the
+        // trainer at this step. It was applied here (or, synchronous, is
+        // waiting in its slot): taking it again would apply the gradient
+        // twice, or leave a step that never fills.
+        if step < st.clocks[trainer] {
+            return Ok(());
+        }
         st.stats.pushes += 1;
         st.clocks[trainer] = st.clocks[trainer].max(step + 1);
         if self.cfg.staleness == Some(0) {

@@ -14,6 +14,7 @@ use super::error::{RpcError, RpcResult};
 use super::future::{Reply, Slot};
 use super::loops;
 use super::registry::{Ctx, Kind, Payload, Registry};
+use super::rref::Held;
 use phalanx_comm::{CommError, ProcessGroup};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -159,9 +160,10 @@ impl Agent {
     /// Send one message: its first frame, then its blobs, under the peer's
     /// send lock so that concurrent messages do not interleave.
     pub fn send(&self, to: usize, mut enc: Encoded<'_>, head: &Head) -> RpcResult<()> {
+        let lock = self.send_locks.get(to).ok_or_else(|| self.no_rank(to))?;
         enc.seal(head)?;
         let t = self.opts.timeout;
-        let _g = self.send_locks[to].lock().unwrap();
+        let _g = lock.lock().unwrap();
         let res = self.pg.send_bytes(to, TAG, &enc.bytes, t).and_then(|_| {
             enc.blobs()
                 .try_for_each(|b| self.pg.send_bytes(to, TAG, b, t))
@@ -193,7 +195,8 @@ impl Agent {
                 return slot;
             }
         };
-        if let Err(e) = self.fork_rrefs(std::mem::take(&mut enc.rrefs)) {
+        let rrefs = std::mem::take(&mut enc.rrefs);
+        if let Err(e) = self.fork_rrefs(&rrefs) {
             slot.fill(Err(e));
             return slot;
         }
@@ -208,6 +211,14 @@ impl Agent {
                 timeout,
             },
         );
+        // A `stop` that failed the pending calls just before this one was
+        // among them: nothing would complete it (the readers and the timer
+        // end with the agent), so it fails here.
+        if self.stopping.load(Ordering::SeqCst) {
+            self.release(&rrefs);
+            self.complete(id, Err(self.shutdown_error()));
+            return slot;
+        }
         let head = Head::Call {
             id,
             func: func.to_string(),
@@ -215,12 +226,14 @@ impl Agent {
             ret_ty: ret_ty.to_string(),
             target,
             blobs: enc.blob_count(),
+            rrefs: wire_rrefs(&rrefs),
         };
         if to == self.rank {
             let blobs = enc.blob_copies();
             let frame = match enc.seal(&head) {
                 Ok(()) => words_of(&enc.bytes),
                 Err(e) => {
+                    self.release(&rrefs);
                     self.complete(id, Err(e));
                     return slot;
                 }
@@ -233,20 +246,23 @@ impl Agent {
                     frame,
                     body_len,
                     blobs,
+                    held: Vec::new(),
                 },
             );
         } else if let Err(e) = self.send(to, enc, &head) {
+            // Not delivered: the counts taken for its receiver go back.
+            self.release(&rrefs);
             self.complete(id, Err(e));
         }
         slot
     }
 
     fn check_call(&self, to: usize) -> RpcResult<()> {
+        if to >= self.names.len() {
+            return Err(self.no_rank(to));
+        }
         if self.stopping.load(Ordering::SeqCst) {
-            return Err(RpcError::Shutdown(format!(
-                "the agent of {} was shut down",
-                self.name_of(self.rank)
-            )));
+            return Err(self.shutdown_error());
         }
         if let Some(e) = self.gone.lock().unwrap().get(&to) {
             return Err(e.clone());
@@ -254,24 +270,71 @@ impl Agent {
         Ok(())
     }
 
+    fn no_rank(&self, to: usize) -> RpcError {
+        RpcError::UnknownWorker(format!(
+            "rank {to} (the world has {} workers)",
+            self.names.len()
+        ))
+    }
+
+    fn shutdown_error(&self) -> RpcError {
+        RpcError::Shutdown(format!(
+            "the agent of {} was shut down",
+            self.name_of(self.rank)
+        ))
+    }
+
     /// Tell the owners of the references a message carries that one more
     /// worker will hold them, and wait until they know: otherwise this
     /// worker could drop its own reference, and the owner free the value,
-    /// before the receiver's reference is counted.
-    fn fork_rrefs(&self, rrefs: Vec<(usize, RRefId)>) -> RpcResult<()> {
-        for (owner, id) in rrefs {
-            if owner == self.rank {
+    /// before the receiver's reference is counted. If one fails, those
+    /// counted already are given back.
+    fn fork_rrefs(&self, rrefs: &[(usize, RRefId)]) -> RpcResult<()> {
+        for (i, &(owner, id)) in rrefs.iter().enumerate() {
+            let counted = if owner == self.rank {
                 self.owned
                     .incref(id)
-                    .map_err(|m| RpcError::Codec(format!("cannot send the reference: {m}")))?;
-                continue;
+                    .map_err(|m| RpcError::Codec(format!("cannot send the reference: {m}")))
+            } else {
+                let t = self.opts.timeout;
+                let slot = self.start_call(owner, "", "", "", Target::Incref(id), encode(&()), t);
+                super::future::RpcFuture::<()>::new(slot, self.me.clone(), owner, "", t).wait()
+            };
+            if let Err(e) = counted {
+                self.release(&rrefs[..i]);
+                return Err(e);
             }
-            let t = self.opts.timeout;
-            let slot = self.start_call(owner, "", "", "", Target::Incref(id), encode(&()), t);
-            let fut = super::future::RpcFuture::<()>::new(slot, self.me.clone(), owner, "", t);
-            fut.wait()?;
         }
         Ok(())
+    }
+
+    /// Give back one count of each reference (counted for a message that
+    /// did not leave).
+    fn release(&self, rrefs: &[(usize, RRefId)]) {
+        for &(owner, id) in rrefs {
+            self.decref_at(owner, id);
+        }
+    }
+
+    /// Drop one count of the value `id` owned by `owner`.
+    pub(crate) fn decref_at(&self, owner: usize, id: RRefId) {
+        if owner == self.rank {
+            self.owned.decref(id);
+        } else if let Ok(enc) = encode(&()) {
+            // Fire and forget: a dead owner has nothing left to free.
+            let _ = self.send(owner, enc, &Head::Decref(id));
+        }
+    }
+
+    /// Hold the counts of the references a received message lists, until
+    /// its body is decoded or dropped. An owner outside the world is
+    /// skipped: there is no count there to give back.
+    fn hold(&self, rrefs: &[(u32, RRefId)]) -> Vec<Held> {
+        rrefs
+            .iter()
+            .filter(|(owner, _)| (*owner as usize) < self.names.len())
+            .map(|&(owner, id)| Held::new(owner as usize, id, self.me.clone()))
+            .collect()
     }
 
     /// Fill a pending call's slot (once; late replies are dropped).
@@ -282,9 +345,13 @@ impl Agent {
     }
 
     /// A message from `from` (or from this worker, for calls to itself).
-    pub fn dispatch(&self, from: usize, head: Head, p: Payload) {
+    pub fn dispatch(&self, from: usize, head: Head, mut p: Payload) {
         match head {
-            Head::Reply { id, err, .. } => self.complete(id, Ok(Reply { err, payload: p })),
+            Head::Reply { id, err, rrefs, .. } => {
+                // A late reply is dropped by `complete`: with it, its counts.
+                p.held = self.hold(&rrefs);
+                self.complete(id, Ok(Reply { err, payload: p }))
+            }
             Head::Decref(id) => self.owned.decref(id),
             Head::Call {
                 id,
@@ -300,8 +367,12 @@ impl Agent {
                 args_ty,
                 ret_ty,
                 target,
+                rrefs,
                 ..
             } => {
+                // Counts held from here: a call refused before its
+                // arguments are decoded gives them back.
+                p.held = self.hold(&rrefs);
                 // Registered here, before any later message from this peer
                 // (a Decref) is looked at: the order of the peer's frames.
                 if let Target::Remote(r) = target {
@@ -420,10 +491,14 @@ impl Agent {
     fn reply(&self, to: usize, id: u64, res: Result<Encoded<'static>, (ErrKind, String)>) {
         // References in a result are counted for the caller before it can
         // see them, as for arguments.
+        let mut rrefs = Vec::new();
         let res = res.and_then(|mut e| {
-            let rrefs = std::mem::take(&mut e.rrefs);
-            match self.fork_rrefs(rrefs) {
-                Ok(()) => Ok(e),
+            let r = std::mem::take(&mut e.rrefs);
+            match self.fork_rrefs(&r) {
+                Ok(()) => {
+                    rrefs = r;
+                    Ok(e)
+                }
                 Err(err) => Err((ErrKind::Remote, format!("cannot return a reference: {err}"))),
             }
         });
@@ -438,11 +513,13 @@ impl Agent {
             id,
             err,
             blobs: enc.blob_count(),
+            rrefs: wire_rrefs(&rrefs),
         };
         if to == self.rank {
             let blobs = enc.blob_copies();
             let mut enc = enc;
             if enc.seal(&head).is_err() {
+                self.release(&rrefs);
                 return;
             }
             let body_len = enc.bytes.len() - head_len(&enc.bytes);
@@ -450,11 +527,13 @@ impl Agent {
                 frame: words_of(&enc.bytes),
                 body_len,
                 blobs,
+                held: self.hold(&wire_rrefs(&rrefs)),
             };
             self.complete(id, Ok(Reply { err, payload: p }));
-        } else {
-            // A caller that died cannot be answered; nothing to do.
-            let _ = self.send(to, enc, &head);
+        } else if self.send(to, enc, &head).is_err() {
+            // A caller that died cannot be answered; the counts taken for
+            // it go back.
+            self.release(&rrefs);
         }
     }
 
@@ -480,10 +559,32 @@ impl Agent {
         }
     }
 
-    /// Stop serving: no new calls, readers and pool wind down.
+    /// Stop serving: no new calls, readers and pool wind down. Calls still
+    /// pending fail now: with the readers gone no reply can reach them,
+    /// and the timer ends with the agent (`start_call` fails those that
+    /// slip in after this).
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
         self.jobs.lock().unwrap().take();
+        let pend: Vec<Pending> = self
+            .pending
+            .lock()
+            .unwrap()
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in pend {
+            p.slot.fill(Err(RpcError::Shutdown(format!(
+                "the agent of {} stopped while {} on {} was pending",
+                self.name_of(self.rank),
+                if p.func.is_empty() {
+                    "a call"
+                } else {
+                    p.func.as_str()
+                },
+                self.name_of(p.to)
+            ))));
+        }
     }
 
     pub fn join_pool(&self) {
@@ -498,6 +599,11 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// References as a message's head lists them.
+fn wire_rrefs(rrefs: &[(usize, RRefId)]) -> Vec<(u32, RRefId)> {
+    rrefs.iter().map(|&(o, id)| (o as u32, id)).collect()
 }
 
 fn mismatch(m: String) -> (ErrKind, String) {

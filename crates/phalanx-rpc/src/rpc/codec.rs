@@ -49,6 +49,10 @@ pub(crate) enum Head {
         ret_ty: String,
         target: Target,
         blobs: u32,
+        /// The references the body carries (owner, id), each counted at
+        /// its owner for the receiver: one that never decodes the body (an
+        /// unknown function, a late reply) still gives the counts back.
+        rrefs: Vec<(u32, RRefId)>,
     },
     Reply {
         id: u64,
@@ -56,6 +60,8 @@ pub(crate) enum Head {
         /// error message of that kind.
         err: Option<ErrKind>,
         blobs: u32,
+        /// As for `Call`.
+        rrefs: Vec<(u32, RRefId)>,
     },
     /// A holder of the value dropped its reference.
     Decref(RRefId),
@@ -142,6 +148,9 @@ struct EncodeCtx {
 pub(crate) struct DecodeCtx {
     pub blobs: Vec<Option<Words>>,
     pub agent: std::sync::Weak<super::agent::Agent>,
+    /// The counted references of the message (see `Head::Call::rrefs`),
+    /// taken by the `RRef`s decoded; the rest are given back when dropped.
+    pub held: Vec<super::rref::Held>,
 }
 
 thread_local! {
@@ -179,16 +188,19 @@ pub(crate) fn encode_owned<T: Serialize + Send + 'static>(v: T) -> RpcResult<Enc
     Ok(e)
 }
 
-/// Deserialise `body` with its blobs; `agent` builds received `RRef`s.
+/// Deserialise `body` with its blobs; `agent` builds received `RRef`s,
+/// which take their counts from `held` (those left are given back).
 pub(crate) fn decode<T: DeserializeOwned>(
     body: &[u8],
     blobs: Vec<Words>,
+    held: Vec<super::rref::Held>,
     agent: std::sync::Weak<super::agent::Agent>,
 ) -> Result<T, String> {
     use bincode::Options;
     let ctx = DecodeCtx {
         blobs: blobs.into_iter().map(Some).collect(),
         agent,
+        held,
     };
     let prev = DEC.with(|c| c.replace(Some(ctx)));
     let res = opts().with_limit(body.len() as u64 + 64).deserialize(body);

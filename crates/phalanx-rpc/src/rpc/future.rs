@@ -81,15 +81,19 @@ impl<R: DeserializeOwned> RpcFuture<R> {
                 drop(s);
                 return self.finish(r);
             }
-            // The agent's timer fails late calls; this deadline is a
-            // backstop should the agent be gone.
-            let left =
-                (self.deadline + Duration::from_secs(1)).saturating_duration_since(Instant::now());
+            let left = self.backstop().saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(self.timeout_error());
             }
             s = self.slot.cv.wait_timeout(s, left).unwrap().0;
         }
+    }
+
+    /// The agent's timer fails late calls (and a stopping agent the calls
+    /// still pending); this deadline, a little later, is a backstop should
+    /// neither come.
+    fn backstop(&self) -> Instant {
+        self.deadline + Duration::from_secs(1)
     }
 
     /// Whether the reply (or an error) is here, so that `wait` will not block.
@@ -117,7 +121,7 @@ impl<R: DeserializeOwned> RpcFuture<R> {
         let p = reply.payload;
         let body = &bytemuck::cast_slice::<u64, u8>(&p.frame)[..p.body_len];
         let Some(kind) = reply.err else {
-            return codec::decode::<R>(body, p.blobs, self.agent.clone()).map_err(|e| {
+            return codec::decode::<R>(body, p.blobs, p.held, self.agent.clone()).map_err(|e| {
                 RpcError::Codec(format!(
                     "the reply of {} from {} is not a {}: {e}",
                     self.func,
@@ -126,7 +130,7 @@ impl<R: DeserializeOwned> RpcFuture<R> {
                 ))
             });
         };
-        let msg: String = codec::decode(body, Vec::new(), Weak::new())
+        let msg: String = codec::decode(body, Vec::new(), Vec::new(), Weak::new())
             .unwrap_or_else(|e| format!("<undecodable error: {e}>"));
         let (worker, func) = (self.worker(), self.func.clone());
         Err(match kind {
@@ -156,6 +160,9 @@ impl<R: DeserializeOwned> Future for RpcFuture<R> {
                 drop(s);
                 Poll::Ready(this.finish(r))
             }
+            // Past the backstop (see `wait`): a poller that looks again
+            // (`wait_any` does, often) is not left waiting for good.
+            None if Instant::now() >= this.backstop() => Poll::Ready(Err(this.timeout_error())),
             None => {
                 s.1 = Some(cx.waker().clone());
                 Poll::Pending
@@ -189,7 +196,37 @@ pub fn wait_any<R: DeserializeOwned>(
                 return Some((i, r));
             }
         }
-        // Woken by a reply or by the agent's timer; the timeout is a backstop.
+        // Woken by a reply, the agent's timer or its stop; looking again
+        // every 100 ms also ends each future at its own backstop deadline.
         let _ = rx.recv_timeout(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `wait_any` ends a future nobody completes (its agent gone, so no
+    /// timer) at the future's own deadline; it used to wait forever.
+    #[test]
+    fn wait_any_ends_a_future_at_its_own_deadline() {
+        let slot = Arc::new(Slot::default());
+        let f = RpcFuture::<u8>::new(slot, Weak::new(), 3, "never", Duration::from_millis(10));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut futs = vec![Some(f)];
+            let _ = tx.send(wait_any(&mut futs));
+        });
+        // 30 s: a hang guard; it ends about a second after the deadline.
+        let got = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("wait_any never ended a future past its deadline");
+        match got {
+            Some((0, Err(RpcError::Timeout { func, .. }))) => assert_eq!(func, "never"),
+            other => panic!(
+                "{:?}",
+                other.map(|(i, r)| (i, r.map_err(|e| e.to_string())))
+            ),
+        }
     }
 }

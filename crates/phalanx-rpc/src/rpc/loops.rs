@@ -81,6 +81,7 @@ pub(crate) fn read_loop(w: Weak<Agent>, pg: ProcessGroup, peer: usize) {
                 frame,
                 body_len,
                 blobs,
+                held: Vec::new(),
             },
         );
     }

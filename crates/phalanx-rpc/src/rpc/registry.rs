@@ -33,17 +33,19 @@ impl Ctx {
 }
 
 /// Arguments as received: the first frame (its body is the first
-/// `body_len` bytes) and the blobs.
+/// `body_len` bytes), the blobs, and the counts of the references the body
+/// carries (given back if the body is dropped undecoded).
 pub(crate) struct Payload {
     pub frame: Vec<u64>,
     pub body_len: usize,
     pub blobs: Vec<Words>,
+    pub held: Vec<super::rref::Held>,
 }
 
 impl Payload {
     pub fn decode<T: DeserializeOwned>(self, ctx: &Ctx) -> Result<T, Fail> {
         let body = &bytemuck::cast_slice::<u64, u8>(&self.frame)[..self.body_len];
-        super::codec::decode(body, self.blobs, ctx.rpc.weak()).map_err(|e| {
+        super::codec::decode(body, self.blobs, self.held, ctx.rpc.weak()).map_err(|e| {
             (
                 ErrKind::Codec,
                 format!("cannot decode the arguments as {}: {e}", type_name::<T>()),

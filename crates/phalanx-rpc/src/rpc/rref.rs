@@ -9,9 +9,16 @@
 //! decrements and creations are applied by the owner's reader threads in
 //! the order each peer sent them, never on the pool. When the count
 //! reaches zero the owner drops the value.
+//!
+//! A message lists the references it carries in its head, and its
+//! receiver holds their counts (`Held`) from the moment it has the whole
+//! message: decoding hands each to the `RRef` it builds, and whatever is
+//! not decoded (an unknown function, a type mismatch, a late reply, a
+//! future dropped unwaited) gives its counts back when dropped. A sender
+//! whose message does not leave gives back what it counted.
 
 use super::agent::Agent;
-use super::codec::{self, encode, ErrKind, Head, RRefId, Target};
+use super::codec::{self, encode, ErrKind, RRefId, Target};
 use super::error::{RpcError, RpcResult};
 use super::future::RpcFuture;
 use super::registry::{FetchFn, Made, Value};
@@ -141,15 +148,24 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let Some(a) = self.agent.upgrade() else {
-            return;
-        };
-        if self.owner == a.rank {
-            a.owned.decref(self.id);
-        } else if let Ok(enc) = encode(&()) {
-            // Fire and forget: a dead owner has nothing left to free.
-            let _ = a.send(self.owner, enc, &Head::Decref(self.id));
+        if let Some(a) = self.agent.upgrade() {
+            a.decref_at(self.owner, self.id);
         }
+    }
+}
+
+/// One count of a reference that a received message carries, held for
+/// the receiver until an `RRef` decoded from the message takes it; given
+/// back to the owner when dropped untaken.
+pub(crate) struct Held(Arc<Inner>);
+
+impl Held {
+    pub(crate) fn new(owner: usize, id: RRefId, agent: Weak<Agent>) -> Held {
+        Held(Arc::new(Inner { owner, id, agent }))
+    }
+
+    fn is(&self, owner: usize, id: RRefId) -> bool {
+        self.0.owner == owner && self.0.id == id
     }
 }
 
@@ -304,14 +320,37 @@ impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         use serde::de::Error;
         let w = Wire::deserialize(d)?;
-        let agent = codec::DEC
-            .with(|c| c.borrow().as_ref().map(|c| c.agent.clone()))
+        let owner = w.owner as usize;
+        // The message's count for this reference, if it listed it (it
+        // does, unless it is from an older sender).
+        let (agent, held) = codec::DEC
+            .with(|c| {
+                c.borrow_mut().as_mut().map(|c| {
+                    let i = c.held.iter().position(|h| h.is(owner, w.id));
+                    (c.agent.clone(), i.map(|i| c.held.swap_remove(i)))
+                })
+            })
             .ok_or_else(|| {
                 D::Error::custom("an RRef can only be received through phalanx_rpc::rpc")
             })?;
+        // An owner outside the world has no count to give back, and no
+        // connection to give it back on.
+        if let Some(world) = agent.upgrade().map(|a| a.names.len()) {
+            if owner >= world {
+                return Err(D::Error::custom(format!(
+                    "received an RRef owned by rank {owner}, but the world has {world} workers"
+                )));
+            }
+        }
         // Built first, so that a mismatch below still gives back the count
         // the sender took for this reference.
-        let r = RRef::new(w.owner as usize, w.id, agent);
+        let r = match held {
+            Some(Held(inner)) => RRef {
+                inner,
+                _t: PhantomData,
+            },
+            None => RRef::new(owner, w.id, agent),
+        };
         if w.ty != type_name::<T>() {
             return Err(D::Error::custom(format!(
                 "received an RRef<{}> where an RRef<{}> was expected",
@@ -320,5 +359,45 @@ impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
             )));
         }
         Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rpc::{Options, Registry, Rpc};
+
+    /// A reference naming an owner outside the world is refused where it
+    /// is received, and one that exists anyway fails its calls: it used to
+    /// index the agent's per-peer send locks out of bounds (a panic; on a
+    /// reader thread, a peer silently no longer read).
+    #[test]
+    fn a_reference_owned_outside_the_world_is_refused() {
+        phalanx_comm::threads::run(1, |pg| {
+            let rpc = Rpc::start(&pg, "w0", Registry::new(), Options::default()).unwrap();
+            let id = RRefId {
+                creator: 0,
+                seq: u64::MAX,
+            };
+            let wire = Wire {
+                owner: 7,
+                id,
+                ty: type_name::<i64>().to_string(),
+            };
+            let body = encode(&wire).unwrap().bytes;
+            let got = codec::decode::<RRef<i64>>(&body, Vec::new(), Vec::new(), rpc.weak());
+            let e = got.expect_err("an RRef owned by rank 7 of 1 was accepted");
+            assert!(e.contains("rank 7"), "{e}");
+            // Built some other way: its calls fail, and so does nothing
+            // else when it is dropped.
+            let r = RRef::<i64>::new(7, id, rpc.weak());
+            let e = r.to_here().unwrap_err();
+            assert!(
+                matches!(e, RpcError::UnknownWorker(ref m) if m.contains('7')),
+                "{e}"
+            );
+            drop(r);
+            rpc.shutdown().unwrap();
+        });
     }
 }
