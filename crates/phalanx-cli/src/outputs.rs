@@ -5,8 +5,11 @@
 //! inside an input directory (a checkpoint, a data directory, an HF model
 //! directory) is refused too. Each output must also be writable (its
 //! directory exists or can be made and takes a file) and not a directory,
-//! and no two outputs may be the same file. Errors name both paths and the
-//! flags or keys that gave them. See `docs/security.md`.
+//! and no two outputs may be the same file, nor one be (or lie above) the
+//! directory another output, or a checkpoint directory, is written in
+//! (it would be a directory by then). Nothing is created before all of
+//! that passes. Errors name both paths and the flags or keys that gave
+//! them. See `docs/security.md`.
 
 use phalanx::config::TrainConfig;
 use std::os::unix::fs::MetadataExt;
@@ -166,8 +169,38 @@ impl Io {
                     p.display()
                 ));
             }
-            writable(what, p)?;
+            if p.is_dir() {
+                return Err(format!("{what} {} is a directory, not a file", p.display()));
+            }
             seen.push((what, r, id));
+        }
+        // An output that another output's directory, or a checkpoint
+        // directory, is or lies in would be a directory by the time it is
+        // written (those are created as the run starts): refused now, not
+        // when the run ends.
+        for (i, (what, r, _)) in seen.iter().enumerate() {
+            let p = self.outs[i].1.display();
+            let inside = |q: &PathBuf| q != r && q.starts_with(r);
+            if let Some(j) = seen.iter().position(|(_, q, _)| inside(q)) {
+                return Err(format!(
+                    "{what} {p}: {} {} is written inside it, so it becomes a directory before \
+                     {what} is written: give them paths apart",
+                    seen[j].0,
+                    self.outs[j].1.display()
+                ));
+            }
+            if let Some(j) = ckpt.iter().position(|(_, d)| d.starts_with(r)) {
+                return Err(format!(
+                    "{what} {p}: {} {} is or lies inside it, where checkpoints are written, so \
+                     it becomes a directory before {what} is written: give them paths apart",
+                    ckpt[j].0,
+                    self.ckpt_dirs[j].1.display()
+                ));
+            }
+        }
+        // Only then is anything made (an output's own directory, a probe).
+        for (what, p) in &self.outs {
+            writable(what, p)?;
         }
         Ok(())
     }

@@ -108,7 +108,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
                 ));
             }
         }
-        let n = plan::parse_count(p)?;
+        let n = plan::parse_count(p).map_err(|e| format!("--params: {e}"))?;
         return calculator(n, o, device_memory);
     }
     let cfg = o.cfg.build().map_err(|e| e.to_string())?;
@@ -161,7 +161,7 @@ fn run(o: &PlanOpts) -> Result<(), String> {
             println!("{}", json(c));
         }
     } else {
-        print_table(title, &m, &hw, &base, &ranked, o.top);
+        print_table(title, &m, &hw, &base, &ranked, o.top, data_tokens);
     }
     if let Some(path) = &o.write_config {
         let best = ranked.first().ok_or("no layout to write")?;
@@ -236,6 +236,7 @@ fn print_table(
     base: &Layout,
     ranked: &[Candidate],
     top: usize,
+    data_tokens: u64,
 ) {
     // The family's name, and the planner's shape (GPT-2's layer, or a
     // Llama-style one with its kv heads and MLP).
@@ -311,7 +312,11 @@ fn print_table(
     if n < ranked.len() {
         println!("  ... {} more (--top 0 shows all)", ranked.len() - n);
     }
-    println!("\n{}", select::explain(m, ranked, hw));
+    // Plain DDP is judged with the data too, as the rows were.
+    println!(
+        "\n{}",
+        select::explain_with_data(m, ranked, hw, data_tokens)
+    );
 }
 
 /// The config with the recommended layout's keys set.
@@ -382,7 +387,10 @@ fn calculator(n: u64, o: &PlanOpts, device_memory: u64) -> Result<(), String> {
                 }
                 let s = memory::model_states(n, world, stage, p, g, k);
                 let (dev, host) = if offload {
-                    (s.params + s.grads, s.optimizer * o.nproc as u64)
+                    (
+                        s.params.saturating_add(s.grads),
+                        s.optimizer.saturating_mul(o.nproc as u64),
+                    )
                 } else {
                     (s.total(), 0)
                 };

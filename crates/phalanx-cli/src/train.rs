@@ -195,7 +195,15 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         }
     }
     if cfg.checkpoint.interval > 0 {
-        io.checkpoint_output("checkpoint.dir", ckdir);
+        // Under fault tolerance each replica group writes its own
+        // `replica-N` directory in it (see `phalanx::trainer`).
+        let ft = &cfg.fault_tolerance;
+        let dir = if ft.enabled() {
+            ckdir.join(format!("replica-{}", ft.replica_id))
+        } else {
+            ckdir.to_path_buf()
+        };
+        io.checkpoint_output("checkpoint.dir", &dir);
     }
     io.check()?;
     // Inputs first: a link to an input is named as such, not as a foreign file.
@@ -398,12 +406,20 @@ fn as_rank(
         }
         println!();
     }
-    if let (true, Some(p)) = (lead, &opts.save_final) {
-        println!(
+    match (lead, &opts.save_final, report.stopped_at) {
+        (true, Some(p), None) => println!(
             "saved {} (Hugging Face {} layout)",
             p.display(),
             family.title()
-        );
+        ),
+        // The model is partly trained: the round that finishes saves it.
+        (true, Some(p), Some(at)) => println!(
+            "--save-final {} not saved: stopped after step {at} of train.steps = {}; the run \
+             that resumes and finishes saves it",
+            p.display(),
+            cfg.train.steps
+        ),
+        _ => {}
     }
     pg.shutdown();
     Ok(report.stopped_at)

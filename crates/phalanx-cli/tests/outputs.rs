@@ -305,3 +305,132 @@ fn an_output_gets_its_own_directory_and_no_more() {
     assert!(one.is_file());
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// An output whose path another output's directory, or a checkpoint
+/// directory, lies in (or is) would be a directory by the time it is
+/// written: refused before any rank starts, naming both, and nothing is
+/// created.
+#[test]
+fn an_output_that_another_outputs_directory_would_take_is_refused() {
+    let d = fresh_dir("phalanx-outputs", "taken");
+    let out = d.join("out");
+    let ck = d.join("ck");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    // (flags, the other flag or key the error must name)
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        // GPT-2 weights to the file `out`, the log into directory `out/`.
+        (
+            vec![
+                "--save-final".into(),
+                s(&out),
+                "--log-json".into(),
+                s(&out.join("log.jsonl")),
+            ],
+            "--log-json",
+        ),
+        // The final model at the checkpoint directory itself.
+        (
+            vec![
+                "--save-final".into(),
+                s(&ck),
+                "--set".into(),
+                format!("checkpoint.dir={:?}", s(&ck)),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+            ],
+            "checkpoint.dir",
+        ),
+        // ... or above it.
+        (
+            vec![
+                "--trace".into(),
+                s(&out),
+                "--set".into(),
+                format!("checkpoint.dir={:?}", s(&out.join("runs/ck"))),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+            ],
+            "checkpoint.dir",
+        ),
+    ];
+    for (flags, other) in cases {
+        let mut args: Vec<String> = vec!["train".into(), "--nproc-per-node".into(), "1".into()];
+        args.extend(SMALL.iter().map(|s| s.to_string()));
+        args.extend(["--set".into(), "train.steps=2".into()]);
+        args.extend(flags.clone());
+        let argv: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (code, stdout, err) = phalanx(&argv);
+        assert_eq!(code, 2, "{flags:?}: {stdout}{err}");
+        assert!(!stdout.contains("done:"), "{flags:?}: trained: {stdout}");
+        assert!(
+            err.contains(&flags[0]) && err.contains(other) && err.contains("directory"),
+            "{flags:?}: {err}"
+        );
+        assert!(!out.exists() && !ck.exists(), "{flags:?}: created");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A graceful stop (SIGUSR1 under an elastic agent) ends the round at a
+/// step boundary with the model partly trained: `--save-final` is not
+/// written then (the round that finishes writes it), and the run says so.
+#[test]
+fn a_graceful_stop_writes_no_final_model() {
+    use std::time::{Duration, Instant};
+    let d = fresh_dir("phalanx-outputs", "stop");
+    let log = d.join("log.jsonl");
+    let model = d.join("m.safetensors");
+    let mut c = std::process::Command::new(BIN);
+    c.current_dir(repo())
+        .arg("train")
+        .args(train_args(&log, 100_000))
+        .args(["--save-final", model.to_str().unwrap()]);
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    // One rank of a job of one, as an elastic agent starts it.
+    c.envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("PHALANX_ELASTIC", "1")]);
+    use std::os::unix::process::CommandExt;
+    c.process_group(0)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = c.spawn().unwrap();
+    let pid = child.id() as i32;
+    let kill = || {
+        // SAFETY: kill(2) on the group this child leads.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    };
+    // The handler is installed before the first step is logged.
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&log).map_or(0, |t| t.lines().count()) < 1 {
+        if t0.elapsed() > Duration::from_secs(180) {
+            kill();
+            panic!("no step logged: {:?}", child.wait_with_output());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on the child.
+    unsafe { libc::kill(pid, libc::SIGUSR1) };
+    let waiter = std::thread::spawn(move || child.wait_with_output().unwrap());
+    while !waiter.is_finished() {
+        if t0.elapsed() > Duration::from_secs(300) {
+            kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = waiter.join().unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert_eq!(o.status.code(), Some(75), "{out}\n{err}");
+    assert!(out.contains("stopping after step"), "{out}");
+    assert!(!model.exists(), "a partial model was saved: {out}");
+    assert!(
+        !out.lines().any(|l| l.starts_with("saved ")) && out.contains("not saved"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

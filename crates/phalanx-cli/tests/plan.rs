@@ -237,3 +237,84 @@ fn predicted_peak_memory_is_within_20_percent_of_peak_rss() {
         assert!(err.abs() < 0.20, "{sets:?}: predicted {p} vs measured {m}");
     }
 }
+
+/// The explanation counts the token data every rank holds, as the table
+/// does: with memory that plain DDP fits only without the data, the table
+/// says NO for it and the explanation does not say "Plain DDP fits".
+#[test]
+fn the_explanation_counts_the_data_as_the_table_does() {
+    let d = fresh_dir("phalanx-plan", "data");
+    let corpus = d.join("corpus.txt");
+    // 16 MiB of text, the byte tokenizer: 64 MiB of tokens per rank.
+    let data = 16usize << 20;
+    std::fs::write(&corpus, "a corpus ".repeat(data / 9 + 1)).unwrap();
+    let set = format!("data.path={:?}", corpus.to_str().unwrap());
+    let plan = |mem: &str, json: bool| {
+        let mut a = vec![
+            "plan",
+            "--set",
+            "model.preset=gpt-tiny",
+            "--set",
+            &set,
+            "--nproc",
+            "2",
+            "--flops",
+            "1e11",
+            "--bandwidth",
+            "1e9",
+            "--device-memory",
+            mem,
+            "--top",
+            "0",
+        ];
+        if json {
+            a.push("--json");
+        }
+        let (code, out, err) = phalanx(&a);
+        assert_eq!(code, 0, "{out}\n{err}");
+        out
+    };
+    let rows = json_lines(&plan("1TB", true));
+    let peak = |r: &serde_json::Value| r["peak_bytes_per_rank"].as_u64().unwrap();
+    let ddp: Vec<u64> = rows
+        .iter()
+        .filter(|r| {
+            r["tp"] == 1
+                && r["pp"] == 1
+                && r["zero_stage"] == 0
+                && r["activation_checkpointing"] == false
+                && r["offload_optimizer"] == false
+        })
+        .map(peak)
+        .collect();
+    let mem = ddp.iter().min().unwrap() - 1;
+    let tokens = 4 * std::fs::metadata(&corpus).unwrap().len();
+    assert!(ddp.iter().max().unwrap() - tokens <= mem, "{ddp:?}");
+    assert!(rows.iter().any(|r| peak(r) <= mem), "nothing fits in {mem}");
+    let out = plan(&mem.to_string(), false);
+    assert!(out.contains("Recommended"), "{out}");
+    assert!(!out.contains("Plain DDP fits"), "{out}");
+    assert!(out.contains("Plain DDP over 2 ranks would need"), "{out}");
+}
+
+/// `--params` counts past the calculator's cap (which overflowed the
+/// bytes and could print "fits yes"), or that round to 0, are refused
+/// naming the flag and the value.
+#[test]
+fn the_calculator_refuses_counts_out_of_range() {
+    for bad in ["2e18", "1e30", "20000T", "0.4", "0.0001K"] {
+        let (code, out, err) = phalanx(&["plan", "--params", bad, "--device-memory", "80GB"]);
+        assert_eq!(code, 2, "{bad}: {out}{err}");
+        assert!(
+            err.contains("--params") && err.contains(bad),
+            "{bad}: {err}"
+        );
+        assert!(!out.contains("yes"), "{bad}: {out}");
+    }
+    let (code, out, err) = phalanx(&["plan", "--params", "1e15", "--device-memory", "80GB"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        !out.contains(" yes"),
+        "a petaparameter model fits nowhere: {out}"
+    );
+}

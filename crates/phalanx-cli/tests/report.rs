@@ -168,3 +168,97 @@ fn hostile_strings_in_a_log_are_escaped_everywhere() {
         }
     }
 }
+
+/// `phalanx train` flags of the small model for `steps` steps, its loss
+/// curve and report under `d`, checkpoints every 2 steps in `d/ck`.
+fn resumable(d: &std::path::Path, steps: usize) -> Vec<String> {
+    let mut a: Vec<String> = ["train", "--nproc-per-node", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(train_args(&d.join("log.jsonl"), steps));
+    for set in [
+        format!("log.plot={:?}", d.join("loss.svg").to_str().unwrap()),
+        format!("log.report={:?}", d.join("report.html").to_str().unwrap()),
+        format!("checkpoint.dir={:?}", d.join("ck").to_str().unwrap()),
+        "checkpoint.interval=2".into(),
+    ] {
+        a.extend(["--set".into(), set]);
+    }
+    a
+}
+
+/// After a resume the loss curve is drawn at the steps the losses belong
+/// to (the whole run's, from the kept JSON log), not at 0..n; a resume with
+/// nothing left to do leaves the curve and the report as they were.
+#[test]
+fn a_resumed_run_plots_its_steps_and_one_with_nothing_to_do_keeps_the_plot() {
+    let d = fresh_dir("phalanx-report", "resume-plot");
+    let run = |steps: usize, resume: bool| {
+        let mut a = resumable(&d, steps);
+        if resume {
+            a.extend(["--resume".into(), d.join("ck").to_str().unwrap().into()]);
+        }
+        let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        let (code, out, err) = phalanx(&a);
+        assert_eq!(code, 0, "{out}\n{err}");
+        out
+    };
+    run(4, false);
+    run(6, true);
+    let svg = std::fs::read_to_string(d.join("loss.svg")).unwrap();
+    // The x axis ends at step 5 (steps 4 and 5 ran in the resumed run):
+    // drawn at their index it ended at 1.
+    assert!(svg.contains("text-anchor=\"end\">5</text>"), "{svg}");
+    let html = std::fs::read_to_string(d.join("report.html")).unwrap();
+    assert!(html.contains("<p>6 steps;"), "{html}");
+    let out = run(6, true);
+    assert!(out.contains("nothing to do"), "{out}");
+    assert!(out.contains("left as they were"), "{out}");
+    assert_eq!(std::fs::read_to_string(d.join("loss.svg")).unwrap(), svg);
+    assert_eq!(
+        std::fs::read_to_string(d.join("report.html")).unwrap(),
+        html
+    );
+}
+
+/// The report shows a trace only when this run wrote it: a run without a
+/// pipeline never shows (nor reads) what an earlier run left at `--trace`,
+/// and a FIFO there cannot stall rank 0.
+#[test]
+fn the_report_shows_only_a_trace_this_run_wrote() {
+    let d = fresh_dir("phalanx-report", "old-trace");
+    let html = d.join("report.html");
+    let old = d.join("trace.json");
+    let event = serde_json::json!({
+        "ph": "X", "name": "F0", "pid": 0, "tid": 0, "ts": 1.0, "dur": 2.0,
+        "args": {"step": 3},
+    });
+    std::fs::write(
+        &old,
+        serde_json::json!({"traceEvents": [event]}).to_string(),
+    )
+    .unwrap();
+    let fifo = d.join("trace.fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for trace in [&old, &fifo] {
+        let _ = std::fs::remove_file(&html);
+        let mut c = std::process::Command::new(BIN);
+        c.current_dir(repo())
+            .env_remove("RANK")
+            .arg("train")
+            .args(["--nproc-per-node", "1"])
+            .args(train_args(&d.join("log.jsonl"), 2))
+            .args(["--trace", trace.to_str().unwrap()])
+            .args(["--set", &format!("log.report={:?}", html.to_str().unwrap())]);
+        let r = run_until(c, std::time::Duration::from_secs(120));
+        assert_eq!(r.code, 0, "{r}");
+        let page = std::fs::read_to_string(&html).unwrap();
+        assert!(
+            !page.contains("Pipeline timeline"),
+            "{trace:?}: an old trace shown"
+        );
+    }
+}

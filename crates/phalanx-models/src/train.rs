@@ -137,7 +137,9 @@ pub fn trainer(
     Ok(trainer)
 }
 
-/// Build, optionally load, train on `pg`, optionally save (rank 0 writes).
+/// Build, optionally load, train on `pg`, optionally save (rank 0 writes):
+/// not after a graceful stop ([`Report::stopped_at`]), whose model is
+/// partly trained (the run that resumes and finishes saves it).
 pub fn train(
     cfg: &TrainConfig,
     pg: ProcessGroup,
@@ -146,7 +148,7 @@ pub fn train(
 ) -> Result<(Report, Trainer)> {
     let mut trainer = self::trainer(cfg, pg, loader, run)?;
     let report = trainer.run(&run.run)?;
-    if let Some(p) = &run.save_final {
+    if let (Some(p), None) = (&run.save_final, report.stopped_at) {
         let named = full_named_params(&mut trainer, cfg)?;
         if trainer.group().global_rank() == 0 {
             save(&named, cfg, p)?;

@@ -58,13 +58,16 @@ pub struct ModelStates {
 
 impl ModelStates {
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer
+        self.params
+            .saturating_add(self.grads)
+            .saturating_add(self.optimizer)
     }
 }
 
 /// Model states per rank of `params` parameters sharded over `n` ranks at
 /// ZeRO `stage`, with `p`, `g`, `k` bytes per parameter of parameters,
 /// gradients and optimizer state. Shards are ⌈Ψ/N⌉ (the largest rank's).
+/// Byte counts past `u64::MAX` saturate (they fit nowhere).
 pub fn model_states(params: u64, n: usize, stage: u8, p: u64, g: u64, k: u64) -> ModelStates {
     let n = n.max(1) as u64;
     let shard = params.div_ceil(n);
@@ -75,9 +78,9 @@ pub fn model_states(params: u64, n: usize, stage: u8, p: u64, g: u64, k: u64) ->
         _ => (shard, shard, shard),
     };
     ModelStates {
-        params: pp * p,
-        grads: gg * g,
-        optimizer: kk * k,
+        params: pp.saturating_mul(p),
+        grads: gg.saturating_mul(g),
+        optimizer: kk.saturating_mul(k),
     }
 }
 

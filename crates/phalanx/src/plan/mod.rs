@@ -250,7 +250,13 @@ pub struct Estimate {
 /// Predict one layout on `hw`; `l.tp` is a size the model's blocks were
 /// declared for ([`ModelShape::tp_ok`]; others panic).
 pub fn estimate(m: &ModelShape, l: &Layout, hw: &Hardware) -> Estimate {
-    let memory = memory::per_rank(m, l);
+    estimate_with_data(m, l, hw, 0)
+}
+
+/// [`estimate`] with `data_tokens` tokens of training data held by every
+/// rank ([`memory::per_rank_with_data`]).
+pub fn estimate_with_data(m: &ModelShape, l: &Layout, hw: &Hardware, data_tokens: u64) -> Estimate {
+    let memory = memory::per_rank_with_data(m, l, data_tokens);
     let comm_bytes = comm::bytes_per_step(m, l);
     let (compute_seconds, comm_seconds, step_seconds) = step_time(m, l, hw, comm_bytes);
     Estimate {
@@ -308,7 +314,12 @@ fn step_time(m: &ModelShape, l: &Layout, hw: &Hardware, comm_bytes: u64) -> (f64
     (compute, comm, compute + exposed)
 }
 
-/// Parse a parameter count: `7B`, `1.3b`, `350M`, `125m`, `20k`, `1e9`, `7000000`.
+/// The most parameters [`parse_count`] takes: far beyond any model, and
+/// small enough that every byte count of it fits in a `u64`.
+pub const MAX_PARAMS: u64 = 1_000_000_000_000_000;
+
+/// Parse a parameter count: `7B`, `1.3b`, `350M`, `125m`, `20k`, `1e9`,
+/// `7000000`; at least 1 (after rounding) and at most [`MAX_PARAMS`].
 pub fn parse_count(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let bad = || {
@@ -328,7 +339,16 @@ pub fn parse_count(s: &str) -> Result<u64, String> {
     if !v.is_finite() || v <= 0.0 {
         return Err(format!("the parameter count {s:?} must be positive"));
     }
-    Ok((v * mult).round() as u64)
+    let n = (v * mult).round();
+    if n > MAX_PARAMS as f64 {
+        return Err(format!(
+            "the parameter count {s:?} is more than the planner counts (at most 1e15, 1000T)"
+        ));
+    }
+    if n < 1.0 {
+        return Err(format!("the parameter count {s:?} rounds to 0 parameters"));
+    }
+    Ok(n as u64)
 }
 
 /// Bytes written for people: `1.50 GiB`.
@@ -390,6 +410,18 @@ mod tests {
         assert_eq!(parse_count("12345").unwrap(), 12345);
         assert!(parse_count("7Q").unwrap_err().contains("7Q"));
         assert!(parse_count("-3B").is_err());
+        assert_eq!(parse_count("1e15").unwrap(), MAX_PARAMS);
+        assert_eq!(parse_count("1000T").unwrap(), MAX_PARAMS);
+        for big in ["1.1e15", "2e18", "1e30", "20000T"] {
+            assert!(parse_count(big).unwrap_err().contains(big), "{big}");
+        }
+        for zero in ["0.4", "0.0001K"] {
+            assert!(
+                parse_count(zero).unwrap_err().contains("rounds to 0"),
+                "{zero}"
+            );
+        }
+        assert_eq!(parse_count("0.5").unwrap(), 1);
         assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
         assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
         assert!(parse_bytes("lots").is_err());

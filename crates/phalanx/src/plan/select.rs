@@ -32,7 +32,7 @@
 //! assert_eq!((best.dp, best.tp, best.pp, best.zero_stage), (2, 1, 1, 0)); // it fits: DDP
 //! ```
 
-use super::{estimate, Estimate, Hardware, Layout, ModelShape, Precision};
+use super::{estimate, estimate_with_data, Estimate, Hardware, Layout, ModelShape, Precision};
 
 /// What decides the recommended layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +180,18 @@ pub fn plain_ddp(best: &Layout, hw: &Hardware) -> Layout {
 /// Why DDP alone does not do, as the largest memory term of the plain
 /// layout, or, when it fits, what bounds its step time.
 pub fn bottleneck(m: &ModelShape, best: &Candidate, hw: &Hardware) -> Bottleneck {
-    let ddp = estimate(m, &plain_ddp(&best.layout, hw), hw);
+    bottleneck_with_data(m, best, hw, 0)
+}
+
+/// [`bottleneck`] with `data_tokens` tokens of training data held by every
+/// rank, as the candidates counted them ([`estimate_with_data`]).
+pub fn bottleneck_with_data(
+    m: &ModelShape,
+    best: &Candidate,
+    hw: &Hardware,
+    data_tokens: u64,
+) -> Bottleneck {
+    let ddp = estimate_with_data(m, &plain_ddp(&best.layout, hw), hw, data_tokens);
     if !ddp.fits {
         let e = &ddp.memory;
         let terms = [
@@ -199,6 +210,18 @@ pub fn bottleneck(m: &ModelShape, best: &Candidate, hw: &Hardware) -> Bottleneck
 
 /// A paragraph on the recommended layout (the first of `ranked`).
 pub fn explain(m: &ModelShape, ranked: &[Candidate], hw: &Hardware) -> String {
+    explain_with_data(m, ranked, hw, 0)
+}
+
+/// [`explain`] for candidates that count `data_tokens` tokens of training
+/// data held by every rank: plain DDP is judged with them too, so the
+/// paragraph agrees with the table.
+pub fn explain_with_data(
+    m: &ModelShape,
+    ranked: &[Candidate],
+    hw: &Hardware,
+    data_tokens: u64,
+) -> String {
     use super::human_bytes as h;
     let Some(best) = ranked.first() else {
         return "no layout of this job exists (check --nproc / --nnodes against the model's heads and layers)".into();
@@ -212,9 +235,9 @@ pub fn explain(m: &ModelShape, ranked: &[Candidate], hw: &Hardware) -> String {
         );
     }
     let l = &best.layout;
-    let ddp = estimate(m, &plain_ddp(l, hw), hw);
+    let ddp = estimate_with_data(m, &plain_ddp(l, hw), hw, data_tokens);
     let e = &ddp.memory;
-    let why = bottleneck(m, best, hw);
+    let why = bottleneck_with_data(m, best, hw, data_tokens);
     let mut s = String::new();
     if ddp.fits {
         s += &format!(

@@ -1,10 +1,10 @@
 //! What a run shows: a progress line on rank 0, a JSON log (one object per
 //! step), and a loss-curve image (SVG) at the end.
 
-use super::{Report, StepStats};
+use super::StepStats;
 use crate::error::Result;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -25,8 +25,8 @@ pub struct RunOptions {
     /// A graceful stop (set, e.g., from a signal handler, on any rank):
     /// after the step during which it is seen on any rank, every rank
     /// stops, with a checkpoint of that step when checkpoints are on
-    /// ([`Report::stopped_at`]). Checked with one tiny all-reduce per step,
-    /// only when given.
+    /// ([`Report::stopped_at`](super::Report::stopped_at)). Checked with
+    /// one tiny all-reduce per step, only when given.
     pub stop: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
@@ -63,6 +63,13 @@ pub struct StepLog {
     json: Option<(std::fs::File, PathBuf)>,
     /// Every step's JSON object, for the report (rank 0, when one is asked for).
     records: Vec<serde_json::Value>,
+    /// (step, loss) and (step, validation loss) for the loss curve (rank
+    /// 0, when one is asked for): at the steps they belong to, also after
+    /// a resume.
+    losses: Vec<(usize, f32)>,
+    val_losses: Vec<(usize, f32)>,
+    /// Steps this run logged (0: resumed at or past `train.steps`).
+    ran: usize,
 }
 
 impl StepLog {
@@ -70,13 +77,15 @@ impl StepLog {
     /// the run it continues: the lines of steps before it are kept, later
     /// ones (written after the checkpoint by a run that then died) and a
     /// torn last line are dropped, so every step appears once. Otherwise
-    /// the log starts empty.
+    /// the log starts empty. The kept lines also start the loss curve and
+    /// the report, which then show the whole run.
     pub fn new(
         opts: &RunOptions,
         lead: bool,
         steps: usize,
         resumed_at: Option<usize>,
     ) -> Result<StepLog> {
+        let mut kept = String::new();
         let json = match (&opts.log_json, lead) {
             (Some(p), true) => {
                 if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -86,7 +95,7 @@ impl StepLog {
                     crate::error::Error::Io(format!("cannot create {}: {e}", p.display()))
                 };
                 if let Some(at) = resumed_at {
-                    keep_steps_before(p, at).map_err(err)?;
+                    kept = keep_steps_before(p, at).map_err(err)?;
                 }
                 let f = std::fs::OpenOptions::new()
                     .create(true)
@@ -99,13 +108,39 @@ impl StepLog {
             }
             _ => None,
         };
-        Ok(StepLog {
+        let mut log = StepLog {
             lead,
             opts: opts.clone(),
             steps,
             json,
             records: Vec::new(),
-        })
+            losses: Vec::new(),
+            val_losses: Vec::new(),
+            ran: 0,
+        };
+        for v in kept.lines().filter_map(|l| serde_json::from_str(l).ok()) {
+            log.record(v);
+        }
+        Ok(log)
+    }
+
+    /// Keep a step's JSON object for the loss curve and the report (those
+    /// asked for).
+    fn record(&mut self, v: serde_json::Value) {
+        let Some(step) = v["step"].as_u64().map(|s| s as usize) else {
+            return;
+        };
+        if self.opts.plot.is_some() {
+            if let Some(l) = v["loss"].as_f64() {
+                self.losses.push((step, l as f32));
+            }
+            if let Some(l) = v["val_loss"].as_f64() {
+                self.val_losses.push((step, l as f32));
+            }
+        }
+        if self.opts.report.is_some() {
+            self.records.push(v);
+        }
     }
 
     pub fn step(
@@ -117,6 +152,13 @@ impl StepLog {
     ) -> Result<()> {
         if !self.lead {
             return Ok(());
+        }
+        self.ran += 1;
+        if self.opts.plot.is_some() {
+            self.losses.push((s.step, s.loss));
+            if let Some(v) = val {
+                self.val_losses.push((s.step, v));
+            }
         }
         if self.json.is_some() || self.opts.report.is_some() {
             let mut v = serde_json::json!({
@@ -229,14 +271,32 @@ impl StepLog {
         Ok(())
     }
 
-    pub fn finish(&mut self, r: &Report) -> Result<()> {
+    /// Write the loss curve and the report (rank 0). `trace`: the trace
+    /// this run wrote, if it did (only that one is shown in the report).
+    /// A run in which no step ran (resumed at or past `train.steps`)
+    /// leaves the curve and the report of the run that got there.
+    pub fn finish(&mut self, trace: Option<&Path>) -> Result<()> {
         if !self.lead {
+            return Ok(());
+        }
+        if self.ran == 0 {
+            let left: Vec<String> = [&self.opts.plot, &self.opts.report]
+                .into_iter()
+                .flatten()
+                .map(|p| p.display().to_string())
+                .collect();
+            if self.opts.progress && !left.is_empty() {
+                println!(
+                    "no step ran in this run: {} left as they were",
+                    left.join(" and ")
+                );
+            }
             return Ok(());
         }
         // The loss curve is cosmetic: failing to write it is a warning,
         // never what costs the run its model.
         if let Some(p) = &self.opts.plot {
-            match write_loss_svg(p, &r.losses, &r.val_losses) {
+            match write_loss_svg(p, &self.losses, &self.val_losses) {
                 Ok(()) if self.opts.progress => println!("loss curve written to {}", p.display()),
                 Ok(()) => {}
                 Err(e) => eprintln!(
@@ -246,12 +306,18 @@ impl StepLog {
             }
         }
         if let Some(p) = &self.opts.report {
-            // Cosmetic as well: a warning if it cannot be written.
-            let trace = self
-                .opts
-                .trace
-                .as_ref()
-                .and_then(|t| serde_json::from_str(&std::fs::read_to_string(t).ok()?).ok());
+            // Cosmetic as well: a warning if it cannot be written. The
+            // trace is read within bounds (a regular file, capped).
+            let trace = trace.and_then(|t| {
+                let text = crate::fsutil::read_text_capped("--trace", t, crate::fsutil::LOG_CAP);
+                match text.and_then(|x| serde_json::from_str(&x).map_err(|e| e.to_string())) {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        eprintln!("warning: the report has no pipeline timeline: {e}");
+                        None
+                    }
+                }
+            });
             let title = format!("Phalanx run: {} steps", self.records.len());
             let html = crate::report::html(&title, &self.records, trace.as_ref());
             match crate::report::write(p, &html) {
@@ -266,11 +332,11 @@ impl StepLog {
 
 /// Keep the lines of JSON log `p` whose step is below `at` (rewritten
 /// through a temporary file and a rename, so a crash leaves the old log or
-/// the new one).
-fn keep_steps_before(p: &std::path::Path, at: usize) -> std::io::Result<()> {
+/// the new one); returns them.
+fn keep_steps_before(p: &Path, at: usize) -> std::io::Result<String> {
     let text = match std::fs::read_to_string(p) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(String::new()),
         Err(e) => return Err(e),
     };
     let step = |l: &str| {
@@ -284,14 +350,16 @@ fn keep_steps_before(p: &std::path::Path, at: usize) -> std::io::Result<()> {
         .flat_map(|l| [l, "\n"])
         .collect();
     if kept == text {
-        return Ok(());
+        return Ok(kept);
     }
     // Whole or not at all, with no temporary left on an error.
-    crate::fsutil::write_atomic(p, kept.as_bytes())
+    crate::fsutil::write_atomic(p, kept.as_bytes())?;
+    Ok(kept)
 }
 
-/// A self-contained SVG line chart of training (and validation) loss.
-pub fn write_loss_svg(path: &std::path::Path, losses: &[f32], val: &[(usize, f32)]) -> Result<()> {
+/// A self-contained SVG line chart of training (and validation) loss, as
+/// (step, loss) points.
+pub fn write_loss_svg(path: &Path, losses: &[(usize, f32)], val: &[(usize, f32)]) -> Result<()> {
     let svg = crate::report::line_chart(
         "Loss",
         "step",
@@ -299,11 +367,7 @@ pub fn write_loss_svg(path: &std::path::Path, losses: &[f32], val: &[(usize, f32
             (
                 "train",
                 "#1f77b4",
-                losses
-                    .iter()
-                    .enumerate()
-                    .map(|(i, v)| (i as f64, *v as f64))
-                    .collect(),
+                losses.iter().map(|(i, v)| (*i as f64, *v as f64)).collect(),
             ),
             (
                 "validation",

@@ -219,6 +219,8 @@ impl Trainer {
         } else {
             timed.iter().sum::<f64>() / timed.len() as f64
         };
+        // The trace this run wrote, if it did: the only one the report shows.
+        let mut trace = None;
         if let Some(p) = self.strat.pipeline() {
             self.report_pipeline(p, &mut report, lead && opts.progress)?;
             if let Some(path) = &opts.trace {
@@ -229,17 +231,22 @@ impl Trainer {
                         "warning: the trace was not written to {}: {e}",
                         path.display()
                     ),
-                    Ok(()) if lead && opts.progress => println!(
-                        "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
-                        path.display()
-                    ),
+                    Ok(()) => {
+                        trace = Some(path.as_path());
+                        if lead && opts.progress {
+                            println!(
+                                "pipeline trace written to {} (open in Perfetto or chrome://tracing)",
+                                path.display()
+                            );
+                        }
+                    }
                     _ => {}
                 }
             }
         } else if let (Some(path), true) = (&opts.trace, lead) {
             println!("no trace written to {}: timelines are recorded for pipeline runs (parallel.pp > 1)", path.display());
         }
-        log.finish(&report)?;
+        log.finish(trace)?;
         Ok(report)
     }
 
