@@ -168,9 +168,22 @@ impl Rdzv<'_> {
 
     /// End round r for `why` (the first reason wins) and open the next one,
     /// expecting `expect` nodes; returns the reason that won.
-    fn end_round(&self, r: u64, why: &str, expect: usize) -> Result<String, String> {
+    /// End round `r` for `why` (the first to end it wins), the next one
+    /// expecting `expect` nodes; `stopping`: its nodes are healthy and
+    /// finishing their step and checkpoint (an admission), so the next
+    /// round waits for them past last call.
+    fn end_round(
+        &self,
+        r: u64,
+        why: &str,
+        expect: usize,
+        stopping: bool,
+    ) -> Result<String, String> {
         let won = self.cas(&self.rkey(r, "next"), "", why)?;
         if won == why {
+            if stopping {
+                self.cas(&self.rkey(r + 1, "stopping"), "", "1")?;
+            }
             self.cas(&self.rkey(r + 1, "expect"), "", &expect.to_string())?;
         }
         self.cas(&self.key("round"), &r.to_string(), &(r + 1).to_string())?;
@@ -269,6 +282,9 @@ impl Rdzv<'_> {
         let expect: Option<usize> = self
             .get(&self.rkey(r, "expect"))?
             .and_then(|v| v.parse().ok());
+        // Only after an admission are the nodes expected back healthy and
+        // still saving; after a loss or a failure one may never return.
+        let stopping = self.get(&self.rkey(r, "stopping"))?.is_some();
         let mut min_since: Option<Instant> = None;
         let mut last_beat = Instant::now();
         loop {
@@ -292,7 +308,9 @@ impl Rdzv<'_> {
                 // them would have the others resume an older checkpoint,
                 // alone, and later overwrite the newer one.
                 let last_call = match expect {
-                    Some(_) if !all_back => crate::launch::STOP_GRACE + self.conf.last_call,
+                    Some(_) if stopping && !all_back => {
+                        crate::launch::STOP_GRACE + self.conf.last_call
+                    }
                     _ => self.conf.last_call,
                 };
                 if all_back || since.elapsed() >= last_call {
@@ -332,11 +350,17 @@ impl Rdzv<'_> {
     /// rendezvous timeout passed), so that none loses the store while it
     /// finishes. It only reads: whatever else it sees (a node waiting to
     /// join, a round ended elsewhere) is for the nodes still running.
+    ///
+    /// A round the others ended meanwhile (a failure there) goes on
+    /// without this node, in rounds it does not see: then it serves until
+    /// every other node's heartbeat stopped (their agents exited), with no
+    /// deadline of its own, as a live job needs its store.
     fn wait_done(&self, round: &Round) {
         let deadline = Instant::now() + self.conf.join_timeout;
         let mut seen = Seen::new();
         let mut last_beat = Instant::now();
-        while Instant::now() < deadline && crate::launch::signalled() == 0 {
+        let mut moved_on = false;
+        while (moved_on || Instant::now() < deadline) && crate::launch::signalled() == 0 {
             // Still beating: the others do not take this node for lost.
             if last_beat.elapsed() > self.conf.heartbeat / 5 {
                 if self.beat().is_err() {
@@ -344,7 +368,8 @@ impl Rdzv<'_> {
                 }
                 last_beat = Instant::now();
             }
-            match self.unfinished(round, &mut seen) {
+            moved_on = moved_on || self.round().is_ok_and(|r| r > round.r);
+            match self.unfinished(round, !moved_on, &mut seen) {
                 Ok(nodes) if nodes.iter().any(|&(_, silent)| !silent) => {}
                 _ => return,
             }
@@ -352,16 +377,22 @@ impl Rdzv<'_> {
         }
     }
 
-    /// The nodes of `round` other than this one that are not done, each
-    /// with whether it is silent (its heartbeat stood still for the
-    /// heartbeat timeout; `seen` keeps count). Posts nothing.
-    fn unfinished(&self, round: &Round, seen: &mut Seen) -> Result<Vec<(usize, bool)>, String> {
+    /// The nodes of `round` other than this one that are not done (when
+    /// `done_counts`), each with whether it is silent (its heartbeat stood
+    /// still for the heartbeat timeout; `seen` keeps count). Posts nothing.
+    fn unfinished(
+        &self,
+        round: &Round,
+        done_counts: bool,
+        seen: &mut Seen,
+    ) -> Result<Vec<(usize, bool)>, String> {
         let mut out = Vec::new();
         for (j, who) in round.who.iter().enumerate() {
             if j == round.node
-                || self
-                    .get(&self.rkey(round.r, &format!("done/{j}")))?
-                    .is_some()
+                || (done_counts
+                    && self
+                        .get(&self.rkey(round.r, &format!("done/{j}")))?
+                        .is_some())
             {
                 continue;
             }
@@ -442,7 +473,7 @@ impl<'a, 'b> Watch<'a, 'b> {
         if let Some(why) = rd.get(&rd.rkey(r, "next"))? {
             return Ok(Some(why));
         }
-        let unfinished = rd.unfinished(round, &mut self.seen)?;
+        let unfinished = rd.unfinished(round, true, &mut self.seen)?;
         // A node that is done means the job is ending: nobody is admitted.
         let none_done = unfinished.len() + 1 == round.nodes;
         if self.admit && none_done && round.nodes < rd.max {
@@ -450,7 +481,7 @@ impl<'a, 'b> Watch<'a, 'b> {
             if waiting > 0 {
                 let expect = (round.nodes + waiting).min(rd.max);
                 let why = format!("{waiting} node(s) asked to join: {ADMITTING}");
-                return rd.end_round(r, &why, expect).map(Some);
+                return rd.end_round(r, &why, expect, true).map(Some);
             }
         }
         if let Some(&(j, _)) = unfinished.iter().find(|&&(_, silent)| silent) {
@@ -458,7 +489,7 @@ impl<'a, 'b> Watch<'a, 'b> {
                 "node {j} ({}) lost: no heartbeat for {:?}",
                 round.who[j], rd.conf.heartbeat
             );
-            return rd.end_round(r, &why, round.nodes - 1).map(Some);
+            return rd.end_round(r, &why, round.nodes - 1, false).map(Some);
         }
         Ok(None)
     }
@@ -511,6 +542,8 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         Some(ep) => format!("--rdzv-endpoint {ep}"),
         None => format!("--master-port {port}"),
     };
+    // One id for every round (a job of one node makes its own).
+    let job_id = crate::launch::agreed_job_id(opts, max == 1);
     let alone = max == 1 && phalanx_comm::init::is_loopback(&host);
     crate::launch::check_port(&what, port, !alone)?;
     // The first agent on the endpoint's host serves the store, as torchrun's
@@ -602,7 +635,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             run_id: format!("{}/r{}", rd.id, round.r),
             restart: round.r as usize,
             elastic: true,
-            job_id: crate::launch::agreed_job_id(opts, false),
+            job_id: job_id.clone(),
         };
         let mut watch = Watch::new(&rd, &round);
         let outcome = run_group(&env, cmd, &mut || watch.stop())?;
@@ -621,7 +654,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             }
             Outcome::Signalled(sig) => {
                 let why = format!("node {} ({}) left (signal {sig})", round.node, rd.me);
-                let _ = rd.end_round(round.r, &why, round.nodes - 1);
+                let _ = rd.end_round(round.r, &why, round.nodes - 1, false);
                 return Ok(128 + sig);
             }
             Outcome::Interrupted(why) => {
@@ -661,7 +694,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                 let sig = crate::launch::signalled();
                 if sig != 0 && elsewhere.is_none() {
                     let why = format!("node {} ({}) left (signal {sig})", round.node, rd.me);
-                    let _ = rd.end_round(round.r, &why, round.nodes - 1);
+                    let _ = rd.end_round(round.r, &why, round.nodes - 1, false);
                     return Ok(128 + sig);
                 }
                 match elsewhere {
@@ -672,7 +705,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                         // The first reason posted wins: only that node's
                         // failure is counted.
                         let why = format!("node {} ({}): {why}", round.node, rd.me);
-                        if rd.end_round(round.r, &why, round.nodes)? != why {
+                        if rd.end_round(round.r, &why, round.nodes, false)? != why {
                             continue;
                         }
                         let n = rd.count(&rd.key("failures"), 1)? as usize;
@@ -818,6 +851,37 @@ mod tests {
         });
     }
 
+    /// A round the others ended (a failure there) goes on without the
+    /// serving agent: it serves, past its rendezvous timeout, while their
+    /// heartbeats go on.
+    #[test]
+    fn the_serving_agent_serves_a_round_it_is_not_in_while_it_runs() {
+        let mut c = conf(Duration::from_millis(300), Duration::from_secs(5));
+        c.join_timeout = Duration::from_millis(200);
+        with_rdzv(3, c, |rd, addr| {
+            let round = round();
+            rd.store.set(&rd.key("round"), b"1").unwrap();
+            let finished = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    // The other node, in round 1: beats well past the
+                    // serving agent's timeout, never done in round 0.
+                    let peer = StoreClient::connect(addr, &KEY, Duration::from_secs(10)).unwrap();
+                    for _ in 0..40 {
+                        peer.add("rdzv/t/hb/peer:2", 1).unwrap();
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    finished.store(true, Ordering::SeqCst);
+                });
+                rd.wait_done(&round);
+                assert!(
+                    finished.load(Ordering::SeqCst),
+                    "stopped serving while the other node's round ran"
+                );
+            });
+        });
+    }
+
     /// ... or until its heartbeat stops.
     #[test]
     fn the_serving_agent_stops_waiting_for_a_silent_node() {
@@ -836,6 +900,7 @@ mod tests {
         let c = conf(Duration::from_secs(15), Duration::from_millis(100));
         with_rdzv(3, c, |rd, addr| {
             rd.store.set(&rd.rkey(1, "expect"), b"3").unwrap();
+            rd.store.set(&rd.rkey(1, "stopping"), b"1").unwrap();
             rd.count(&rd.rkey(1, "joined"), 1).unwrap();
             let n = std::thread::scope(|s| {
                 s.spawn(|| {
@@ -848,6 +913,20 @@ mod tests {
                 rd.wait_closed(1, 0, Instant::now()).unwrap()
             });
             assert_eq!(n, 3);
+        });
+    }
+
+    /// After a loss or a failure (no admission), a node expected back
+    /// may never return: the round closes at last call.
+    #[test]
+    fn a_round_after_a_loss_closes_at_last_call() {
+        let c = conf(Duration::from_secs(15), Duration::from_millis(100));
+        with_rdzv(3, c, |rd, _| {
+            rd.store.set(&rd.rkey(1, "expect"), b"3").unwrap();
+            rd.count(&rd.rkey(1, "joined"), 2).unwrap();
+            let t = Instant::now();
+            assert_eq!(rd.wait_closed(1, 0, Instant::now()).unwrap(), 2);
+            assert!(t.elapsed() < crate::launch::STOP_GRACE, "{:?}", t.elapsed());
         });
     }
 }

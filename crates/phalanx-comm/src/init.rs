@@ -214,7 +214,10 @@ impl JobSizes {
         Ok(JobSizes {
             rank,
             world_size,
-            local_rank: local_rank.map_or(rank, |(_, n)| n),
+            // Not given: the rank's place on its node where the node's size
+            // is known (ranks fill nodes in order, as every launcher
+            // places them), else the rank (one node).
+            local_rank: local_rank.map_or(rank % local_world_size.max(1), |(_, n)| n),
             local_world_size,
             source,
             local_known: local.is_some(),
@@ -743,6 +746,15 @@ mod tests {
         }
         let ok = sizes(&torch("2")).unwrap();
         assert_eq!((ok.local_world_size, ok.local_known), (2, true));
+        // No LOCAL_RANK: the rank's place on its node (one process per
+        // pod: 0, not the global rank, which would pick a GPU it lacks).
+        let pod = sizes(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "1"),
+        ])
+        .unwrap();
+        assert_eq!(pod.local_rank, 0);
         let e = err(&[
             ("RANK", "1"),
             ("WORLD_SIZE", "4"),

@@ -35,16 +35,37 @@ pub const IMPORTED: &str = "imported from Hugging Face";
 /// The model part of the run config a checkpoint records (its `model`
 /// section and `data.tokenizer`), as `section.key=value` overrides.
 pub fn model_overrides(meta: &Metadata) -> Result<Vec<String>> {
-    let table: toml::Table = meta
-        .config
+    overrides_of(&meta.config)
+}
+
+/// [`model_overrides`] of a saved config's TOML.
+fn overrides_of(config: &str) -> Result<Vec<String>> {
+    let table: toml::Table = config
         .parse()
         .map_err(|e| Error::Check(format!("the checkpoint's config does not parse: {e}")))?;
     let model = table
         .get("model")
         .and_then(|m| m.as_table())
         .ok_or_else(|| Error::Check("the checkpoint's config has no [model] section".into()))?;
+    // Llama 3's scaling parameters a run without that scaling carried
+    // (ignored by it, refused now): its model is the one without them.
+    let unscaled = model
+        .get("rope_scaling")
+        .and_then(|v| v.as_str())
+        .is_none_or(|s| s == "none");
+    let ignored = |k: &str| {
+        unscaled
+            && matches!(
+                k,
+                "rope_factor"
+                    | "rope_low_freq_factor"
+                    | "rope_high_freq_factor"
+                    | "rope_original_max_position"
+            )
+    };
     let mut out: Vec<String> = model
         .iter()
+        .filter(|(k, _)| !ignored(k))
         .map(|(k, v)| format!("model.{k}={v}"))
         .collect();
     if let Some(t) = table
@@ -144,4 +165,27 @@ pub fn import(cfg: &TrainConfig, input: &Path, root: &Path) -> Result<PathBuf> {
         move |pg| Ok(write::save(&pg, &root, &snap, &header, usize::MAX)),
     );
     results.pop().expect("one rank")?
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn scaling_keys_a_run_without_scaling_ignored_are_left_out() {
+        let saved = "[model]\narch = \"llama\"\nrope_scaling = \"none\"\nrope_factor = 32.0\nrope_theta = 10000.0\n";
+        let sets = super::overrides_of(saved).unwrap();
+        assert!(
+            sets.iter().all(|s| !s.starts_with("model.rope_factor")),
+            "{sets:?}"
+        );
+        assert!(
+            sets.iter().any(|s| s.starts_with("model.rope_theta")),
+            "{sets:?}"
+        );
+        let scaled = saved.replace("\"none\"", "\"llama3\"");
+        let sets = super::overrides_of(&scaled).unwrap();
+        assert!(
+            sets.iter().any(|s| s.starts_with("model.rope_factor")),
+            "{sets:?}"
+        );
+    }
 }

@@ -284,3 +284,25 @@ fn a_rank_file_that_is_not_a_regular_file_is_refused() {
     assert!(e.contains("not a regular file"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `--resume DIR` and `--resume auto` choose among the run's own names,
+/// newest step by number: a user's copy `step-00001000-best/` (which sorts
+/// first as text) is not one, nor is text order right past 8 digits.
+#[test]
+fn a_directory_resumes_its_newest_step_by_its_own_names() {
+    let root = fresh("find");
+    dir_with(&root, &step_dir_name(1000), Some(&metadata(1000)));
+    dir_with(&root, "step-00001000-best", Some(&metadata(1000)));
+    dir_with(&root, &step_dir_name(999), Some(&metadata(999)));
+    let found = phalanx::checkpoint::find(&root).unwrap();
+    assert_eq!(found, root.join(step_dir_name(1000)));
+    dir_with(
+        &root,
+        &step_dir_name(123_456_789),
+        Some(&metadata(123_456_789)),
+    );
+    dir_with(&root, "step-99999999", Some(&metadata(99_999_999)));
+    let found = phalanx::checkpoint::find(&root).unwrap();
+    assert_eq!(found, root.join(step_dir_name(123_456_789)));
+    let _ = std::fs::remove_dir_all(&root);
+}

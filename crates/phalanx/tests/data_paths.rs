@@ -157,4 +157,6 @@ fn a_link_to_an_enclosing_directory_is_walked_once() {
     let glob = format!("{}/**/*.bin", d.display());
     assert_eq!(expand(&glob, "data.path").unwrap(), want);
     assert_eq!(expand(d.to_str().unwrap(), "data.path").unwrap(), want);
+    let glob = format!("{}/**/**/*.bin", d.display());
+    assert_eq!(expand(&glob, "data.path").unwrap(), want);
 }

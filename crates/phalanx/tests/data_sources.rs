@@ -325,19 +325,27 @@ fn a_mapped_file_replaced_or_written_is_named() {
         e.contains(p.to_str().unwrap()) && e.contains("replaced"),
         "{e}"
     );
-    // Written in place: same size, another modification time (set, so the
-    // test does not depend on the clock's resolution).
+    // Touched only (a scratch purge policy's `touch`): not an error.
     let l = DataLoader::open(&p, Tokenizer::Byte, lc.clone()).unwrap();
     l.micro_batch(0, 0, 1, 0, 4, 1).unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(86_400))
         .unwrap();
     drop(f);
+    l.micro_batch(3, 0, 1, 0, 4, 1).unwrap();
+    // Truncated in place: an error before a read past its end (SIGBUS).
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(1000)
+        .unwrap();
     let e = batch_err(&l);
     assert!(
-        e.contains(p.to_str().unwrap()) && e.contains("modified"),
+        e.contains(p.to_str().unwrap()) && e.contains("truncated"),
         "{e}"
     );
+    std::fs::write(&p, &tokens).unwrap();
     // Removed.
     let l = DataLoader::open(&p, Tokenizer::Byte, lc).unwrap();
     std::fs::remove_file(&p).unwrap();

@@ -339,6 +339,18 @@ impl Comm {
         })
     }
 
+    /// For the paths that must go on (settle, done, destroy): the state
+    /// even after a panic, the panic recorded first as the communicator's
+    /// failure, so that `destroy` aborts rather than waits on it.
+    fn lock_even_poisoned(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| {
+            self.fail(CommError::Aborted(
+                "an earlier call panicked inside this NCCL communicator".into(),
+            ));
+            p.into_inner()
+        })
+    }
+
     fn fail(&self, e: CommError) -> CommError {
         let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         f.get_or_insert(e).clone()
@@ -393,7 +405,7 @@ impl Comm {
     /// How many operations were started ([`Comm::start`]): the last one's
     /// mark.
     pub fn started(&self) -> u64 {
-        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let inner = self.lock_even_poisoned();
         inner.lane.marks.started()
     }
 
@@ -405,7 +417,7 @@ impl Comm {
     pub fn settle(&self, c: &Call, mark: Option<u64>) -> Result<()> {
         // A lock poisoned by a panic elsewhere still settles (this may run
         // while unwinding: `collective::Started`'s drop).
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock_even_poisoned();
         self.dev.bind()?;
         let event = match mark {
             None => None,
@@ -424,7 +436,7 @@ impl Comm {
     /// Whether the operation started with `mark` is complete, without
     /// waiting (NCCL's asynchronous error, or an abort, is an error).
     pub fn done(&self, c: &Call, mark: u64) -> Result<bool> {
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock_even_poisoned();
         if let Some(e) = self.failure() {
             self.abort_locked(&mut inner);
             return Err(e);
@@ -571,7 +583,7 @@ impl Comm {
     /// forever for a peer that is gone).
     pub fn destroy(&self) {
         // May run while unwinding (`Drop`): a poisoned lock still destroys.
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock_even_poisoned();
         if inner.comm.0.is_null() {
             return;
         }

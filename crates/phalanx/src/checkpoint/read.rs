@@ -21,20 +21,23 @@ fn is_checkpoint(dir: &Path) -> bool {
 
 /// The complete checkpoints under `root`, newest first.
 fn candidates(root: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
+    // Names as Phalanx writes them only (`step-NNNNNNNN`; a user's copy
+    // `step-00001000-best/` is not one of the run's), newest step first
+    // by number (past 8 digits, text order is wrong).
+    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(root)
         .map(|rd| {
             rd.flatten()
                 .map(|e| e.path())
-                .filter(|p| {
-                    p.file_name()
-                        .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
-                        && is_checkpoint(p)
+                .filter_map(|p| {
+                    let step = super::rotate::step_of_name(p.file_name()?.to_str()?)?;
+                    is_checkpoint(&p).then_some((step, p))
                 })
                 .collect()
         })
         .unwrap_or_default();
     v.sort();
     v.reverse();
+    let mut v: Vec<PathBuf> = v.into_iter().map(|(_, p)| p).collect();
     // `latest` first, when it names one of them.
     if let Ok(l) = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096) {
         let l = root.join(l.trim());

@@ -423,11 +423,14 @@ fn commit(
             p.display()
         )
     };
-    if let Err(e) = sync_dir(root) {
-        warn("cannot sync", root, e);
-    }
-    if replaced {
-        let _ = std::fs::remove_dir_all(&old);
+    match sync_dir(root) {
+        // The rename is durable: the replaced copy can go.
+        Ok(()) if replaced => {
+            let _ = std::fs::remove_dir_all(&old);
+        }
+        Ok(()) => {}
+        // Kept (`.old-step-N`) until a sync makes the new one durable.
+        Err(e) => warn("cannot sync", root, e),
     }
     match super::rotate::write_latest(root, name) {
         Ok(()) => {
@@ -435,11 +438,20 @@ fn commit(
                 warn("cannot sync", root, e);
             }
         }
-        Err(e) => warn(
-            "`latest` still names the previous one (--resume auto takes it first): cannot update",
-            &root.join("latest"),
-            e,
-        ),
+        Err(e) => {
+            // A `latest` naming an older step would be taken first by the
+            // next resume: without it, the newest step is.
+            let gone = std::fs::remove_file(root.join("latest")).is_ok();
+            warn(
+                if gone {
+                    "`latest` was removed (a resume takes the newest step) because it cannot update"
+                } else {
+                    "`latest` still names the previous one (--resume auto takes it first): cannot update"
+                },
+                &root.join("latest"),
+                e,
+            )
+        }
     }
     super::rotate::prune(root, name, keep);
     Ok(dst)

@@ -8,7 +8,6 @@ impl TrainConfig {
         let bad = |s: String| Err(ConfigError(s));
         // A device this build cannot run on is refused before anything starts
         // (the device itself is opened by each rank).
-        self.train.device.check_built()?;
         if self.activation_checkpointing.cpu_checkpointing
             && self.train.device != super::DeviceKind::Cpu
         {
@@ -18,6 +17,7 @@ impl TrainConfig {
                 self.train.device
             ));
         }
+        self.train.device.check_built()?;
         if let super::ScheduleKind::Interleaved { v } = self
             .parallel
             .pp_schedule

@@ -31,7 +31,9 @@ pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     if is_glob(pattern) {
         let (root, rest) = split_root(pattern);
-        let comps: Vec<&str> = rest.split('/').filter(|c| !c.is_empty()).collect();
+        let mut comps: Vec<&str> = rest.split('/').filter(|c| !c.is_empty()).collect();
+        // `**/**` is `**` (the walk enters each directory once).
+        comps.dedup_by(|a, b| *a == "**" && *b == "**");
         walk_glob(&root, &comps, &mut Vec::new(), &mut out);
     } else {
         let p = Path::new(pattern);

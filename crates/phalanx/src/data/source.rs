@@ -67,14 +67,13 @@ enum Storage {
     },
 }
 
-/// What identifies a file's content without holding it open: device,
-/// inode, size and modification time.
+/// What identifies a mapped file without holding it open: device, inode
+/// and size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Stamp {
     dev: u64,
     ino: u64,
     bytes: u64,
-    mtime: (i64, i64),
 }
 
 impl Stamp {
@@ -84,7 +83,6 @@ impl Stamp {
             dev: m.dev(),
             ino: m.ino(),
             bytes: m.len(),
-            mtime: (m.mtime(), m.mtime_nsec()),
         }
     }
 }
@@ -161,10 +159,11 @@ impl TokenData {
 
     /// An error naming the file if a memory-mapped file changed since it
     /// was opened: truncated (reading it would end the process with
-    /// SIGBUS), written, replaced or removed. The map holds no descriptor,
-    /// so the file is looked up by its path: another file there now means
-    /// the mapped one can no longer be checked, and the data is no longer
-    /// what a resume would read.
+    /// SIGBUS), replaced or removed. The map holds no descriptor, so the
+    /// file is looked up by its path: another file there now means the
+    /// mapped one can no longer be checked, and the data is no longer what
+    /// a resume would read. (A changed modification time alone is not an
+    /// error: scratch file systems' purge policies `touch` files.)
     pub fn check_unchanged(&self) -> Result<()> {
         let Storage::Mapped { opened, .. } = &self.storage else {
             return Ok(());
@@ -184,8 +183,6 @@ impl TokenData {
             "the file was replaced during training (another file is at its path now)".to_string()
         } else if is < was {
             format!("the file was truncated during training ({was} bytes when opened, {is} now)")
-        } else if now != *opened {
-            format!("the file was modified during training ({was} bytes when opened, {is} now)")
         } else {
             return Ok(());
         };

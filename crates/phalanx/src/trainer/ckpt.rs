@@ -63,13 +63,18 @@ impl Trainer {
             // (an earlier experiment's in the same directory would
             // otherwise be taken for where this one got to); if it saved
             // none yet, the attempt starts as the first one did.
+            // Rank 0's id decides (it picks the checkpoint): a rank whose
+            // environment said otherwise must still take the same path.
             let job = crate::fault::job_id();
+            let mut has = [job.is_some() as i64];
+            self.mesh.world().broadcast(&mut has, 0)?;
+            let filtered = has[0] == 1;
             let explicit = matches!(resume, Some(Resume::Path(_)));
-            let loaded = self.resume_auto(!explicit && job.is_none(), job.as_deref())?;
-            if loaded || (!explicit && job.is_none()) {
+            let loaded = self.resume_auto(!explicit && !filtered, job.as_deref())?;
+            if loaded || (!explicit && !filtered) {
                 return Ok(loaded);
             }
-            if lead && job.is_some() {
+            if lead && filtered {
                 println!(
                     "restart {restart}: no checkpoint of this job under {} yet; starting as the first attempt did",
                     self.cfg.checkpoint.dir
@@ -418,7 +423,7 @@ impl Trainer {
         // interleaved:2) gives a rank other layers in a buffer of the same
         // length, where residuals would land on the wrong parameters.
         let (name, saved_name) = (self.strat.name(), l.strategy.clone());
-        let same = here == there && name == saved_name;
+        let same = here == there && buckets_of(&name) == buckets_of(&saved_name);
         // An elastic job re-formed with other members (or a restarted
         // worker group, whose world can only have changed so) would meet
         // the refusal below at every round: there the hook starts fresh,
@@ -541,6 +546,22 @@ impl Trainer {
     }
 }
 
+/// What of a strategy's name decides its ranks' gradient buckets: the
+/// name, except that a pipeline's schedule counts only by its chunks per
+/// rank (gpipe, 1f1b and zb-h1 give a rank the same layers; interleaved:V
+/// gives it V chunks).
+fn buckets_of(strategy: &str) -> String {
+    let Some(rest) = strategy.strip_prefix("pipeline ") else {
+        return strategy.to_string();
+    };
+    let (schedule, dp) = rest.split_once(' ').unwrap_or((rest, ""));
+    let chunks = schedule.parse::<crate::config::ScheduleKind>().map_or_else(
+        |_| schedule.to_string(),
+        |k| k.chunks_per_rank().to_string(),
+    );
+    format!("pipeline of {chunks} chunk(s) per rank {dp}")
+}
+
 /// The communication hook the run that saved `config` (its TOML) used,
 /// if the text says.
 fn saved_hook(config: &str) -> Option<crate::config::CommHookKind> {
@@ -559,4 +580,24 @@ fn saved_hook(config: &str) -> Option<crate::config::CommHookKind> {
         crate::config::CommHookKind::None if qgz => crate::config::CommHookKind::Int8,
         k => k,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::buckets_of;
+
+    #[test]
+    fn hook_state_follows_a_pipelines_chunks_not_its_schedules_name() {
+        let same = |a: &str, b: &str| buckets_of(a) == buckets_of(b);
+        assert!(same("pipeline gpipe + DDP", "pipeline 1f1b + DDP"));
+        assert!(same("pipeline zb-h1 + ZeRO-1", "pipeline 1f1b + ZeRO-1"));
+        assert!(!same("pipeline 1f1b + DDP", "pipeline interleaved:2 + DDP"));
+        assert!(!same(
+            "pipeline interleaved:2 + DDP",
+            "pipeline interleaved:3 + DDP"
+        ));
+        assert!(!same("pipeline 1f1b + DDP", "pipeline 1f1b + ZeRO-1"));
+        assert!(same("DDP", "DDP"));
+        assert!(!same("DDP", "ZeRO-1"));
+    }
 }
