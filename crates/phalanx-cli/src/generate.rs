@@ -3,10 +3,12 @@
 //! `model_type` / `architectures`, or `--set model.arch=...`), or from a
 //! distributed checkpoint of any layout (tensor parallel, pipeline, ZeRO-3:
 //! its pieces are gathered into one model on this process). The family
-//! gives the decoder (Llama and Qwen2 keep a KV cache); Llama and Qwen2
-//! read an HF `tokenizer.json` beside the weights when there is one;
-//! otherwise `data.tokenizer` (a built-in one, or a `tokenizer.json` it
-//! names).
+//! gives the decoder (Llama and Qwen2 keep a KV cache). The tokenizer is
+//! `data.tokenizer` (a built-in one, or a `tokenizer.json` it names), by
+//! default the one the model's `config.json` records, its family's, or
+//! (Llama and Qwen2) the `tokenizer.json` beside the weights; `--set
+//! data.tokenizer=...` overrides it. Generation stops at the end-of-text
+//! token unless `--ignore-eos`.
 
 use clap::Args;
 use phalanx::checkpoint;
@@ -40,6 +42,10 @@ pub struct GenerateOpts {
     pub top_k: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Go on past the end-of-text token (by default generation stops
+    /// there, as transformers' `generate` does).
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
 }
 
 pub fn main(o: &GenerateOpts) -> i32 {
@@ -54,11 +60,12 @@ pub fn main(o: &GenerateOpts) -> i32 {
 
 /// The `data.tokenizer` an HF model's `config.json` implies, as a --set
 /// override (none without one; a config.json that does not parse is an
-/// error naming it, never silently ignored): the one Phalanx recorded when
-/// saving, else the family's default for a downloaded checkpoint, else the
-/// `tokenizer.json` beside the weights (a downloaded Llama's or Qwen2's:
+/// error naming it, never silently ignored): for Llama and Qwen2 the
+/// `tokenizer.json` beside the weights first (a downloaded model's:
 /// `checkpoint from-hf` records it, so the imported checkpoint generates
-/// and exports with it, not with the byte tokenizer).
+/// and exports with it, not with the byte tokenizer); then the one Phalanx
+/// recorded when saving, else the family's default for a downloaded
+/// checkpoint, else a `tokenizer.json` beside the weights.
 pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
     let Some(cj) = family::hf_config_path(path) else {
         return Ok(vec![]);
@@ -68,17 +75,28 @@ pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<Stri
     let v = serde_json::from_str::<serde_json::Value>(&text).map_err(|e| bad(e.to_string()))?;
     let dir = model_dir(path);
     let recorded = v.get("phalanx_tokenizer").and_then(|t| t.as_str());
-    let fallback = family::for_hf_config(&v)
-        .ok()
-        .and_then(|f| f.hf_default_tokenizer(&v));
+    let fam = family::for_hf_config(&v).ok();
+    let fallback = fam.as_ref().and_then(|f| f.hf_default_tokenizer(&v));
     let beside = dir
         .join("tokenizer.json")
         .is_file()
         .then(|| "tokenizer.json".to_string());
-    Ok(match recorded.map(str::to_string).or(fallback).or(beside) {
-        Some(t) => vec![tokenizer_set(&dir, &t)],
-        None => vec![],
-    })
+    // Llama and Qwen2 take the tokenizer.json beside their weights first
+    // (a downloaded model's, or one put there for a model trained on
+    // pre-tokenized ids); the user's --set, after these, wins over all.
+    let first = beside
+        .clone()
+        .filter(|_| fam.as_ref().is_some_and(|f| f.tokenizer_beside()));
+    Ok(
+        match first
+            .or(recorded.map(str::to_string))
+            .or(fallback)
+            .or(beside)
+        {
+            Some(t) => vec![tokenizer_set(&dir, &t)],
+            None => vec![],
+        },
+    )
 }
 
 /// `data.tokenizer` as a saved model's config.json records it: a
@@ -106,16 +124,21 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             o.temperature
         )));
     }
-    let (cfg, engine, beside) = load(o)?;
+    let (cfg, engine, named) = load(o)?;
     let family = family::of(&cfg)?;
-    // A tokenizer.json beside the weights (a downloaded model's) where the
-    // family reads it, else the one data.tokenizer names, else the
-    // built-in one.
-    let tj = beside
-        .filter(|_| family.tokenizer_beside())
-        .map(|d| d.join("tokenizer.json"))
-        .filter(|p| p.is_file())
-        .or_else(|| cfg.data.tokenizer.json_path().map(hf_tokenizer::json_path));
+    if !named && family.tokenizer_beside() {
+        // The byte tokenizer (data.tokenizer's default) on a downloaded
+        // model of 32000+ ids would sample ids 0-255 and print bytes.
+        return Err(phalanx::Error::Check(format!(
+            "{}: no tokenizer: no tokenizer.json beside the weights and none recorded in its \
+             config.json; give --set data.tokenizer=PATH/tokenizer.json (or =byte for a model \
+             trained on bytes)",
+            o.model.display()
+        )));
+    }
+    // What data.tokenizer names (the file beside the weights arrives as
+    // a --set before the user's own), else the built-in one.
+    let tj = cfg.data.tokenizer.json_path().map(hf_tokenizer::json_path);
     let codec = match tj {
         Some(p) => Codec::Hf(Box::new(hf_tokenizer::open(&p)?)),
         None => Codec::Data(cfg.data.tokenizer.builtin().unwrap_or(Tokenizer::Byte)),
@@ -137,7 +160,12 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
     // The logits of the next token, given all ids so far and the last one.
     let mut decoder = family.decoder(&engine, &cfg)?;
-    print!("{}", o.prompt);
+    let eos = (!o.ignore_eos).then(|| codec.eos()).flatten();
+    // Output to a pipe closed early (`| head`) ends generation quietly.
+    let mut out = Out(std::io::stdout().lock());
+    if !out.show(&o.prompt)? {
+        return Ok(());
+    }
     // Decoding is not per token (word-level and SentencePiece decoders put
     // the spaces between tokens; a byte may end inside a character): print
     // what the whole text gained over what is already shown.
@@ -151,7 +179,19 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     for _ in 0..o.tokens {
         let logits = decoder.next_logits(&ids, last)?;
         let n = known.min(logits.len());
+        if let Some(i) = logits[..n].iter().position(|v| !v.is_finite()) {
+            // (NaN or inf would pick an arbitrary token, silently.)
+            return Err(phalanx::Error::Check(format!(
+                "the model's logits are not finite ({} for token {i} after {} tokens): the \
+                 weights hold NaN or inf, or overflow",
+                logits[i],
+                ids.len()
+            )));
+        }
         last = sample(&logits[..n], o.temperature, o.top_k, &mut rng);
+        if Some(last) == eos {
+            break;
+        }
         ids.push(last);
         if let Some(s) = codec.decode(&ids) {
             // (A decoder that rewrites earlier text shows from where the
@@ -161,14 +201,28 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
                 .zip(shown.chars())
                 .find(|((_, a), b)| a != b)
                 .map_or(shown.len().min(s.len()), |((i, _), _)| i);
-            print!("{}", &s[common..]);
+            if !out.show(&s[common..])? {
+                return Ok(());
+            }
             shown = s;
-            use std::io::Write;
-            let _ = std::io::stdout().flush();
         }
     }
-    println!();
+    out.show("\n")?;
     Ok(())
+}
+
+/// Standard output, shown as it comes.
+struct Out<W: std::io::Write>(W);
+
+impl<W: std::io::Write> Out<W> {
+    /// Write and flush `s`: false once the reader has gone (a closed pipe).
+    fn show(&mut self, s: &str) -> phalanx::Result<bool> {
+        match self.0.write_all(s.as_bytes()).and_then(|_| self.0.flush()) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+            Err(e) => Err(phalanx::Error::Io(format!("writing the output: {e}"))),
+        }
+    }
 }
 
 /// The config, the whole model on this one process, and the directory of
@@ -178,9 +232,9 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
 /// directory: its latest), whose pieces are gathered into one model: a run
 /// trained with tensor or pipeline parallelism or ZeRO-3 generates from its
 /// checkpoint directly.
-fn load(
-    o: &GenerateOpts,
-) -> phalanx::Result<(phalanx::config::TrainConfig, Engine, Option<PathBuf>)> {
+/// The third: whether a tokenizer was named (by the user, the config, the
+/// checkpoint or the model's directory), not data.tokenizer's default.
+fn load(o: &GenerateOpts) -> phalanx::Result<(phalanx::config::TrainConfig, Engine, bool)> {
     let named = |e: phalanx::Error| phalanx::Error::Check(format!("{}: {e}", o.model.display()));
     if o.model.is_dir() {
         if let Ok(dir) = checkpoint::find(&o.model) {
@@ -190,18 +244,22 @@ fn load(
             sets.extend(o.set.iter().cloned());
             let cfg = family::build(o.config.as_deref(), &sets)?;
             let engine = dcp::gather(&reader, &cfg).map_err(named)?;
-            return Ok((cfg, engine, None));
+            return Ok((cfg, engine, true));
         }
     }
     let mut sets = tokenizer_sets(&o.model)?;
     sets.extend(o.set.iter().cloned());
+    let tokenizer_named = o.config.is_some()
+        || sets
+            .iter()
+            .any(|s| s.trim_start().starts_with("data.tokenizer"));
     let (cfg, _) = family::build_for_hf(o.config.as_deref(), &sets, &o.model)?;
     phalanx_models::common::backed::check_hf(&cfg, &o.model)?;
     let mut engine = train::build_engine(&cfg)?;
     family::of(&cfg)?
         .load_hf(&mut engine, &cfg, &o.model)
         .map_err(named)?;
-    Ok((cfg, engine, Some(model_dir(&o.model))))
+    Ok((cfg, engine, tokenizer_named))
 }
 
 /// Text <-> ids: the built-in tokenizer, or an HF `tokenizer.json`.
@@ -219,6 +277,14 @@ impl Codec {
                 .map_err(|e| phalanx::Error::Check(format!("tokenizer.json: {e}")))?
                 .get_ids()
                 .to_vec()),
+        }
+    }
+
+    /// The end-of-text token, where the tokenizer has one.
+    fn eos(&self) -> Option<u32> {
+        match self {
+            Codec::Data(t) => t.eot_token(),
+            Codec::Hf(t) => hf_tokenizer::eos_id(t),
         }
     }
 

@@ -304,3 +304,71 @@ fn ids_past_the_tokenizers_vocabulary_are_never_sampled() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Weights holding NaN give NaN logits: an error, not an arbitrary token
+/// (a NaN sorted first made every weight NaN, and the last candidate won).
+#[test]
+fn logits_that_are_not_finite_are_an_error() {
+    let d = fresh_dir("phalanx-generate", "nan-logits");
+    let model = d.join("model.safetensors");
+    let (code, out, err) = phalanx(&[
+        "train",
+        "--nproc-per-node",
+        "1",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.eval_interval=0",
+        "--set",
+        "log.plot=\"\"",
+        "--set",
+        "log.report=\"\"",
+        "--save-final",
+        model.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    // Output into a pipe its reader closed (`| head -c 1`): the end, not a
+    // panic (exit 101).
+    let mut child = std::process::Command::new(common::BIN)
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            "400",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let dev = candle_core::Device::Cpu;
+    let mut t = candle_core::safetensors::load(&model, &dev).unwrap();
+    let ln = t.get("transformer.ln_f.weight").unwrap();
+    let nan = candle_core::Tensor::full(f32::NAN, ln.shape(), &dev).unwrap();
+    t.insert("transformer.ln_f.weight".into(), nan);
+    candle_core::safetensors::save(&t, &model).unwrap();
+    for temperature in ["0", "0.8"] {
+        let (code, out, err) = phalanx(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            "4",
+            "--temperature",
+            temperature,
+        ]);
+        assert_eq!(code, 1, "{out}\n{err}");
+        assert!(err.contains("logits are not finite"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

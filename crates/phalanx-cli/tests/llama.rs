@@ -251,6 +251,40 @@ fn tokenize_train_and_generate_with_a_tokenizer_json() {
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("god created the"), "{out}");
+    // Generation stops at the end-of-text token ("created" renamed "</s>",
+    // id 5, in the tokenizer beside the model), unless --ignore-eos.
+    std::fs::write(
+        model.join("tokenizer.json"),
+        TOKENIZER.replace("\"created\"", "\"</s>\""),
+    )
+    .unwrap();
+    let gen3 = |extra: &[&str]| {
+        let m = model.to_str().unwrap();
+        let mut args = vec!["generate", "--model", m, "--prompt", "in the beginning"];
+        args.extend(["--tokens", "3", "--temperature", "0"]);
+        args.extend(extra);
+        phalanx(&args)
+    };
+    let (code, out, err) = gen3(&[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out.trim_end(), "in the beginning god", "{out}");
+    let (code, out, err) = gen3(&["--ignore-eos"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("god </s> the"), "{out}");
+    // A downloaded model (no tokenizer recorded) without a tokenizer.json
+    // beside it: an error naming the setting, not bytes from a 6-word model.
+    std::fs::remove_file(model.join("tokenizer.json")).unwrap();
+    let cj = model.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cj).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("phalanx_tokenizer");
+    std::fs::write(&cj, v.to_string()).unwrap();
+    let (code, out, err) = gen3(&[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        err.contains("no tokenizer") && err.contains("--set data.tokenizer"),
+        "{err}"
+    );
     // A --bos the tokenizer does not have is named.
     let (code, _, err) = phalanx(&[
         "tokenize",

@@ -49,9 +49,20 @@ pub fn open(path: &Path) -> Result<Tokenizer> {
     Ok(tok)
 }
 
-/// Ids the tokenizer can produce: its vocabulary with the added tokens.
+/// Ids the tokenizer can produce: its vocabulary with the added tokens,
+/// as the highest id + 1 (a vocabulary may skip ids: its count would leave
+/// the highest out).
 pub fn vocab_size(tok: &Tokenizer) -> usize {
-    tok.get_vocab_size(true)
+    tok.get_vocab(true)
+        .values()
+        .max()
+        .map_or(0, |&m| m as usize + 1)
+}
+
+/// The end-of-text token a tokenizer.json holds, if any (most specific
+/// first: see [`special_ids`]).
+pub fn eos_id(tok: &Tokenizer) -> Option<u32> {
+    EOS_TOKENS.iter().find_map(|t| tok.token_to_id(t))
 }
 
 /// `text` encoded without special tokens, in chunks of whole lines of
@@ -175,8 +186,8 @@ pub fn special_ids(spec: &TokenizerSpec) -> Result<(Option<u32>, Option<u32>)> {
         (Some(t), _) => (t.eot_token(), t.eot_token()),
         (None, Some(p)) => {
             let tok = open(p)?;
-            let find = |names: &[&str]| names.iter().find_map(|t| tok.token_to_id(t));
-            (find(&BOS_TOKENS), find(&EOS_TOKENS))
+            let bos = BOS_TOKENS.iter().find_map(|t| tok.token_to_id(t));
+            (bos, eos_id(&tok))
         }
         (None, None) => (None, None),
     })
@@ -232,6 +243,10 @@ mod tests {
         let enc = HfEncoder::new(tok, "words.json").unwrap();
         assert_eq!(enc.separator(), [4]);
         assert_eq!(enc.encode("in the beginning").unwrap(), [1, 2, 3]);
+        // Ids 1-4 (none is 0): the highest id + 1, not the count of 4.
+        let tok: tokenizers::Tokenizer = WORDS.parse().unwrap();
+        assert_eq!(super::vocab_size(&tok), 5);
+        assert_eq!(super::eos_id(&tok), Some(4));
         let e = enc.encode("in the end").unwrap_err();
         assert!(e.contains("words.json"), "{e}");
     }

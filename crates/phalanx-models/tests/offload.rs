@@ -106,9 +106,32 @@ fn an_unwritable_nvme_path_is_an_error_naming_it() {
             Err(e) => e.to_string(),
         }
     });
-    std::fs::remove_file(&file).unwrap();
     for msg in errs {
         assert!(msg.contains(&bad.display().to_string()), "{msg:?}");
+    }
+    // The optimizer's state offloaded to NVMe: the same (its errors named
+    // no path).
+    let mut e = zero3(1);
+    e.extend([
+        "zero_optimization.offload_optimizer.device=nvme".to_string(),
+        format!(
+            "zero_optimization.offload_optimizer.nvme_path=\"{}\"",
+            bad.display()
+        ),
+    ]);
+    let cfg = config(2, 1, &e);
+    let errs = phalanx_comm::threads::run(2, move |pg| {
+        match train::train(&cfg, pg, loader(cfg.seq_len().unwrap()), &GptRun::default()) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    });
+    std::fs::remove_file(&file).unwrap();
+    for msg in errs {
+        assert!(
+            msg.contains(&bad.display().to_string()) && msg.contains("offload_optimizer"),
+            "{msg:?}"
+        );
     }
 }
 

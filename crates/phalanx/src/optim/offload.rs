@@ -68,7 +68,11 @@ impl DiskAdamW {
         tag: &str,
         chunk: usize,
     ) -> std::io::Result<DiskAdamW> {
-        std::fs::create_dir_all(dir)?;
+        // Errors name the path (`nvme_path` may be a file, unwritable, full).
+        let at = |p: &Path, e: std::io::Error| {
+            std::io::Error::new(e.kind(), format!("{}: {e}", p.display()))
+        };
+        std::fs::create_dir_all(dir).map_err(|e| at(dir, e))?;
         let bytes = range.len() as u64 * 4;
         // A file of its own each (another optimizer of this rank, say a
         // pipeline stage's second range, or another job sharing the
@@ -84,9 +88,11 @@ impl DiskAdamW {
                 .read(true)
                 .write(true)
                 .create_new(true)
-                .open(&p)?;
-            std::fs::remove_file(&p)?;
-            f.set_len(bytes)?; // sparse zeros: the initial moments
+                .open(&p)
+                .map_err(|e| at(&p, e))?;
+            std::fs::remove_file(&p).map_err(|e| at(&p, e))?;
+            f.set_len(bytes).map_err(|e| at(&p, e))?; // zeros: the initial moments
+            reserve(&f, bytes).map_err(|e| at(&p, e))?;
             Ok(f)
         };
         let m = open("adam_m")?;
@@ -105,6 +111,30 @@ impl DiskAdamW {
 
     pub fn step_count(&self) -> u64 {
         self.t
+    }
+}
+
+/// The file's blocks, taken now: a sparse file would meet a full disk at
+/// the first step's write, in the middle of a step (a panic there). A
+/// file system without `fallocate` keeps the file sparse.
+fn reserve(f: &File, bytes: u64) -> std::io::Result<()> {
+    use std::os::unix::io::AsRawFd;
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: a plain system call on a descriptor we own.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Ok(()),
+        Some(libc::ENOSPC) => Err(std::io::Error::new(
+            e.kind(),
+            format!("no space for {bytes} bytes of offloaded optimizer state ({e})"),
+        )),
+        _ => Err(e),
     }
 }
 

@@ -203,8 +203,13 @@ impl Trainer {
                 crate::optim::from_config_on(&cfg.optim, e.layout(), range, e.ledger(), e.device())
                     .map_err(|e| Error::Io(e.to_string()))?
             } else {
-                crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off)
-                    .map_err(|e| Error::Io(format!("optimizer offload: {e}")))?
+                crate::optim::from_config(&cfg.optim, e.layout(), range, e.ledger(), off).map_err(
+                    |e| {
+                        Error::Io(format!(
+                            "optimizer offload (zero_optimization.offload_optimizer.nvme_path): {e}"
+                        ))
+                    },
+                )?
             };
             if let Some(after) = cfg.topk_freeze_after_on(mesh.dp().size()) {
                 o.freeze_variance_after(after)
