@@ -16,10 +16,16 @@ const VERDICTS: [&str; 3] = [") failed: ", ") aborted: ", ") stopped after an er
 /// is blamed on that word.
 const MESSENGER: &str = ") aborted: timeout: ";
 
+/// What a replica group's fault-tolerance manager says (`replica group
+/// 0: the step's reduction failed (rank 2 (host) failed: ...)`) names the
+/// ranks of the quorum across groups, which are other jobs, not this one's
+/// ranks.
+const ACROSS_GROUPS: &str = "replica group ";
+
 /// Ranks other than `own` that `lines` name as failed, first named first.
 pub fn named(lines: &[String], own: usize) -> Vec<usize> {
     let mut out = Vec::new();
-    for line in lines {
+    for line in lines.iter().filter(|l| !l.contains(ACROSS_GROUPS)) {
         let mut rest = line.as_str();
         while let Some(i) = rest.find("rank ") {
             rest = &rest[i + 5..];
@@ -98,6 +104,10 @@ mod tests {
         let late = "rank 2 (h:2) aborted: timeout: all_reduce (collective #7) waited for rank 3 \
                     (h:1) past the deadline (PHALANX_TIMEOUT)";
         assert!(named(&l(&[late]), 0).is_empty());
+        // The quorum's ranks across replica groups are other jobs.
+        let ft = "replica group 0: the step's reduction failed (rank 2 (192.0.2.2:1) failed: \
+                  shut down before reaching all_reduce); retrying with the next quorum";
+        assert!(named(&l(&[ft]), 0).is_empty());
     }
 
     #[test]

@@ -5,8 +5,9 @@
 //! ZeRO-2) does not stop the other, which never restarts and logs every
 //! step once, and heals from it when started again, ending with
 //! byte-identical weights; DiLoCo over a quorum equals DiLoCo in a plain
-//! job bit for bit, and a group lost during its inner steps drops out of
-//! that outer step and heals at the next one.
+//! job bit for bit, a group lost during its inner steps drops out of
+//! that outer step and heals at the next one, and an outer average that
+//! failed on one group only heals it from the other.
 
 mod common;
 use common::ft::*;
@@ -347,6 +348,60 @@ fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step()
     let wa = std::fs::read(d.join("a.safetensors")).unwrap();
     let wb = std::fs::read(d.join("b.safetensors")).unwrap();
     assert!(wa == wb, "the healed group's final weights differ");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// DiLoCo groups 0 and 1 (group 2 lost in its inner steps, so the outer
+/// step after step 8 is over a changed quorum): the outer average completes
+/// everywhere but fails on group 0 afterwards (a member lost at its very
+/// end). Group 1 has applied the outer step, and its heal from group 0
+/// fails; both retry at the same step. Group 1 is ahead and group 0 heals
+/// from it, rather than both applying group 0's pseudo-gradient again (group
+/// 1 twice) and going on apart, which the digest check after each outer
+/// step would stop.
+#[test]
+fn an_outer_average_that_failed_on_one_group_only_heals_it_from_the_others() {
+    let d = fresh_dir("phalanx-ft-train", "diloco-partial");
+    let (_lh, addr) = lighthouse(&d, "2");
+    let steps = 16;
+    let mut cfg = strs(DILOCO);
+    cfg.push("parallel.check_params_every=1".into());
+    // Slow steps, so that group 2 joins before the first outer step
+    // whenever it starts; it dies before step 5, after that outer step.
+    let faults = [
+        "lose-outer-average:8,slow:0:150",
+        "slow:0:150",
+        "exit-at-step:0:5,slow:0:150",
+    ];
+    let mut g: Vec<Proc> = faults
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let grp = Group {
+                nproc: 1,
+                addr: &addr,
+                replicas: 3,
+                fault: Some(f),
+                threads: None,
+                env: &[],
+            };
+            let name = format!("g{i}");
+            grp.start(&d, &name, i, &group_args(&d, &name, steps, &cfg))
+        })
+        .collect();
+    assert_eq!(g[2].wait(), 137, "{}", g[2].output());
+    for p in g.iter_mut().take(2) {
+        assert_eq!(p.wait(), 0, "{}", p.output());
+    }
+    let o0 = g[0].stdout();
+    assert!(
+        o0.contains("healed from group 1 at step 8 (was at step 8)"),
+        "{}",
+        g[0].output()
+    );
+    let w0 = std::fs::read(d.join("g0.safetensors")).unwrap();
+    let w1 = std::fs::read(d.join("g1.safetensors")).unwrap();
+    assert!(w0 == w1, "the groups' final weights differ");
     let _ = std::fs::remove_dir_all(&d);
 }
 

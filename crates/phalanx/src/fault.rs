@@ -35,6 +35,12 @@
 //! - `slow:RANK:MS`: global rank RANK sleeps MS milliseconds in every
 //!   step (a straggler for `phalanx::monitor` to find; every attempt).
 //!
+//! - `lose-outer-average:STEP`: under DiLoCo with fault tolerance, this
+//!   replica group's outer average after step STEP fails once after it
+//!   has completed everywhere (as when a member is lost at its very end:
+//!   the others have the mean, this group does not); the group drops the
+//!   quorum's links and retries, as it would then.
+//!
 //! The exits fire only in the first attempt of a job (restart count 0), so
 //! a group restarted by `phalanx run --max-restarts` completes; `slow:`
 //! applies in every attempt.
@@ -105,6 +111,20 @@ pub fn in_save(step: usize) {
     if armed(&format!("exit-in-save:{step}")) {
         die(&format!("in the save of step {step}, before the rename"));
     }
+}
+
+/// `lose-outer-average:STEP`: whether this group's outer average after
+/// step `step` is to fail (once per process). It fails half a second
+/// after completing, so the other members have read its last bytes.
+pub fn outer_average_lost(step: usize) -> bool {
+    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let fire = armed(&format!("lose-outer-average:{step}"))
+        && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst);
+    if fire {
+        eprintln!("PHALANX_FAULT: the outer average after step {step} fails here (test hook)");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    fire
 }
 
 /// `slow:RANK:MS`: the rank to slow down and by how much per step.

@@ -669,6 +669,13 @@ impl Manager {
             pg.abort(&format!("replica group {} stopped: {reason}", self.id));
         }
     }
+
+    /// Take the quorum's last collective as failed on this rank (its
+    /// result unusable): drop the links and report the epoch, as a failed
+    /// collective does; the caller retries with the next quorum.
+    pub fn fail_epoch(&mut self) {
+        self.suspect();
+    }
 }
 
 impl Drop for Manager {

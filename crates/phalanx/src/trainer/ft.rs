@@ -434,10 +434,18 @@ impl Trainer {
     /// commits. Returns the step to go on from.
     pub(super) fn ft_outer(&mut self, done: usize, contribute: bool, lead: bool) -> Result<usize> {
         let mut contribute = contribute;
+        // Whether this group has applied the outer step after `done`. A
+        // group whose average succeeded while another's failed (a member
+        // lost at its very end) is ahead of it at the same step: it
+        // reports 2 * done + 1, so that the retry heals the others from
+        // it rather than apply their pseudo-gradients again over its
+        // applied step (or leave the groups apart, no one behind).
+        let mut applied = false;
         loop {
             let ft = self.ft.as_mut().expect("fault tolerance on");
             let h = ft.diloco.expect("DiLoCo");
-            let q = ft.mgr.quorum(done as u64).map_err(comm)?;
+            let at = 2 * done as u64 + u64::from(applied);
+            let q = ft.mgr.quorum(at).map_err(comm)?;
             ft.quorum = Some(q.clone());
             let take_part = contribute && !q.behind;
             let d = self.strat.diloco_mut().expect("the DiLoCo strategy");
@@ -454,10 +462,15 @@ impl Trainer {
             else {
                 continue; // a member lost: the next quorum, without it
             };
+            if crate::fault::outer_average_lost(done) {
+                ft.mgr.fail_epoch();
+                continue;
+            }
             ft.samples_committed += (n * h * self.global_batch) as u64;
             if take_part && n > 0 {
                 let d = self.strat.diloco_mut().expect("the DiLoCo strategy");
                 d.apply_outer(&mut self.engine, done, &delta)?;
+                applied = true;
                 if lead && (q.changed || n != q.size) {
                     println!(
                         "fault tolerance: outer step after step {done} over {n} of {} group(s) [{}]",
