@@ -485,6 +485,14 @@ impl Comm {
     ) -> Result<cu::CUdeviceptr> {
         let comm = self.live(inner, c)?;
         self.dev.bind()?;
+        if !matches!(io, Io::Device { .. }) && inner.lane.marks.pending() {
+            // A copy from pageable memory first waits, inside the driver
+            // and with no deadline, for the stream's earlier work: a
+            // started collective whose peer died would hold it there
+            // forever. Wait for that work here, under the call's deadline.
+            self.wait_locked(inner, c, None)?;
+            inner.lane.retire(None);
+        }
         let (base, recv) = match io {
             Io::Device { ptr, after } => {
                 if let Some(s) = after {

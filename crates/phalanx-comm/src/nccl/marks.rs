@@ -47,6 +47,11 @@ impl<E: Copy> Marks<E> {
         self.started
     }
 
+    /// Whether any started operation is not yet known to be complete.
+    pub fn pending(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     /// The event after operation `mark`; `None` when it is already known to
     /// be complete (retired), and for mark 0 (a start that launched
     /// nothing before any other: an empty buffer). A mark never given is
@@ -86,8 +91,10 @@ mod tests {
     fn marks_count_from_one_and_retire_in_order() {
         let mut m: Marks<u32> = Marks::default();
         assert!(m.event_of(1).is_err(), "nothing started yet");
+        assert!(!m.pending());
         let marks: Vec<u64> = (10..15).map(|e| m.push(e)).collect();
         assert_eq!(marks, vec![1, 2, 3, 4, 5]);
+        assert!(m.pending());
         assert_eq!(m.started(), 5);
         assert_eq!(m.event_of(3).unwrap(), Some(12));
         // Waiting for 3 completes 1 and 2 with it (one stream, in order).
@@ -105,6 +112,7 @@ mod tests {
         m.retire(None, |e| gone.push(e));
         assert_eq!(gone, vec![10, 11, 12, 13, 14]);
         assert_eq!((m.started(), m.event_of(5).unwrap()), (5, None));
+        assert!(!m.pending(), "a staged call need not wait");
         assert_eq!(m.push(20), 6);
         let e = m.event_of(7).unwrap_err().to_string();
         assert!(e.contains("mark 7, but 6 operations"), "{e}");
