@@ -51,6 +51,8 @@ pub struct DiskAdamW {
     ledger: Ledger,
     m: File,
     v: File,
+    /// Where the (unlinked) files were made, for errors.
+    dir: std::path::PathBuf,
     chunk: usize,
     t: u64,
 }
@@ -104,6 +106,7 @@ impl DiskAdamW {
             ledger: ledger.clone(),
             m,
             v,
+            dir: dir.to_path_buf(),
             chunk: chunk.max(1),
             t: 0,
         })
@@ -138,14 +141,27 @@ fn reserve(f: &File, bytes: u64) -> std::io::Result<()> {
     }
 }
 
-fn read(f: &File, at: usize, out: &mut [f32]) {
-    f.read_exact_at(bytemuck::cast_slice_mut(out), at as u64 * 4)
-        .expect("reading offloaded optimizer state");
+// The step has no error path (`Optimizer::step_range`): a failed read or
+// write ends the rank, naming the directory (a copy-on-write or
+// compressing file system can still run out of space after `reserve`).
+fn read(f: &File, dir: &Path, at: usize, out: &mut [f32]) {
+    if let Err(e) = f.read_exact_at(bytemuck::cast_slice_mut(out), at as u64 * 4) {
+        panic!("{}", io_failed(dir, "reading", e));
+    }
 }
 
-fn write(f: &File, at: usize, data: &[f32]) {
-    f.write_all_at(bytemuck::cast_slice(data), at as u64 * 4)
-        .expect("writing offloaded optimizer state");
+fn write(f: &File, dir: &Path, at: usize, data: &[f32]) {
+    if let Err(e) = f.write_all_at(bytemuck::cast_slice(data), at as u64 * 4) {
+        panic!("{}", io_failed(dir, "writing", e));
+    }
+}
+
+fn io_failed(dir: &Path, what: &str, e: std::io::Error) -> String {
+    format!(
+        "{what} offloaded optimizer state in {} (zero_optimization.offload_optimizer.nvme_path) \
+         failed: {e}",
+        dir.display()
+    )
 }
 
 impl Optimizer for DiskAdamW {
@@ -174,8 +190,8 @@ impl Optimizer for DiskAdamW {
             let hi = (lo + self.chunk).min(sub.end);
             m.resize(hi - lo, 0.0);
             v.resize(hi - lo, 0.0);
-            read(&self.m, lo, &mut m);
-            read(&self.v, lo, &mut v);
+            read(&self.m, &self.dir, lo, &mut m);
+            read(&self.v, &self.dir, lo, &mut v);
             // The in-memory AdamW on this chunk (its state charged while it
             // lives), at the step count `begin_step` set.
             let mut a = AdamW::new(self.cfg, &self.layout, start + lo..start + hi, &self.ledger);
@@ -186,8 +202,8 @@ impl Optimizer for DiskAdamW {
             );
             a.step(&mut params[p], &grads[g], lr, grad_scale);
             let (m2, v2) = a.state();
-            write(&self.m, lo, m2);
-            write(&self.v, lo, v2);
+            write(&self.m, &self.dir, lo, m2);
+            write(&self.v, &self.dir, lo, v2);
         }
     }
 
