@@ -210,6 +210,8 @@ fn test_worker(die_rank: Option<usize>, die_after_ms: u64, iters: usize) -> i32 
         eprintln!("rank {r}: barrier failed: {e}");
         return 1;
     }
+    // (Tests wait for this line to act on a rank past its set-up.)
+    eprintln!("rank {r}: set up");
     let t0 = std::time::Instant::now();
     let mut x = vec![1.0f32; 1 << 20];
     for i in 0..iters {

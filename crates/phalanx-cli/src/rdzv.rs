@@ -856,7 +856,9 @@ mod tests {
     /// heartbeats go on.
     #[test]
     fn the_serving_agent_serves_a_round_it_is_not_in_while_it_runs() {
-        let mut c = conf(Duration::from_millis(300), Duration::from_secs(5));
+        // (A heartbeat timeout well above the peer's 20 ms beats, so a
+        // stalled thread on a loaded machine does not end the wait.)
+        let mut c = conf(Duration::from_secs(1), Duration::from_secs(5));
         c.join_timeout = Duration::from_millis(200);
         with_rdzv(3, c, |rd, addr| {
             let round = round();

@@ -182,7 +182,11 @@ fn a_silent_node_is_lost_after_the_heartbeat_timeout() {
 fn lost_node(name: &str, lose: impl Fn(&mut Node)) {
     let d = fresh_dir("phalanx-elastic", name);
     let port = free_port();
-    let args = job(&d, "1:2", 24, port, &[]);
+    let mut args = job(&d, "1:2", 24, port, &[]);
+    // Round 0 must hold both nodes however late b starts (it closes as
+    // soon as the second joins; the round after the loss expects one).
+    let n = args.len();
+    args[n - 1] = "heartbeat_timeout=2,last_call_timeout=30".into();
     // Slow steps (every attempt), so that the kill lands mid-run.
     let slow = [("PHALANX_FAULT", "slow:0:150")];
     let mut a = Node::start(&d, "a", &args, &slow);

@@ -198,9 +198,12 @@ fn kill_and_restart(
     let mut b = grp.start(d, "b", 1, &group_args(d, "b", steps, extra));
     b.wait_for(" of 2 group(s) [0, 1]");
     a.wait_for(at);
+    // `alone` may have been said already (a trained alone before b's
+    // first quorum): wait for it to be said after the kill.
+    let seen = a.stdout().matches(alone).count();
     b.signal_group(libc::SIGKILL);
     let _ = b.wait();
-    a.wait_for(alone);
+    a.wait_for_more(alone, seen);
     let mut b2 = grp.start(d, "b2", 1, &group_args(d, "b", steps, extra));
     assert_eq!(a.wait(), 0, "{}", a.output());
     assert_eq!(b2.wait(), 0, "{}", b2.output());
@@ -227,12 +230,13 @@ fn killed_group_heals(name: &str, nproc: usize, layout: &[&str]) {
         "checkpoint.interval=20".to_string(),
         format!("checkpoint.dir=\"{}\"", d.join("ckpt").display()),
     ]);
-    // Slow enough that the kill lands mid-run.
+    // Slow enough that the kill lands mid-run and that the group started
+    // again (a few seconds on a loaded machine) joins before the end.
     let grp = Group {
         nproc,
         addr: &addr,
         replicas: 2,
-        fault: Some("slow:0:60"),
+        fault: Some("slow:0:100"),
         threads: None,
         env: &[],
     };
@@ -326,7 +330,7 @@ fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step()
         nproc: 1,
         addr: &addr,
         replicas: 2,
-        fault: Some("slow:0:60"),
+        fault: Some("slow:0:100"),
         threads: None,
         env: &[],
     };
@@ -362,7 +366,9 @@ fn a_diloco_group_lost_in_its_inner_steps_drops_out_and_heals_at_an_outer_step()
 #[test]
 fn an_outer_average_that_failed_on_one_group_only_heals_it_from_the_others() {
     let d = fresh_dir("phalanx-ft-train", "diloco-partial");
-    let (_lh, addr) = lighthouse(&d, "2");
+    // All three in the first quorum however far apart they start (a
+    // loss is published at once; only additions wait).
+    let (_lh, addr) = lighthouse_with(&d, "2", "5");
     let steps = 16;
     let mut cfg = strs(DILOCO);
     cfg.push("parallel.check_params_every=1".into());

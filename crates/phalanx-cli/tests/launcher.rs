@@ -141,15 +141,14 @@ fn sigterm_is_forwarded_and_workers_stop() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(with_mark("61.37") >= 2, "workers started");
+    // The launcher and its two workers.
+    wait_until("workers started", || with_mark("61.37") >= 3);
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
     let st = wait_or_kill(&mut child, "SIGTERM");
     assert_eq!(st.code(), Some(128 + libc::SIGTERM));
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(with_mark("61.37"), 0, "no worker left");
+    wait_until("no worker left", || with_mark("61.37") == 0);
 }
 
 /// The launcher's exit after `signal`, or a failure (not a hang) if it has
@@ -296,6 +295,15 @@ fn slurm_variables_start_a_job_too() {
 }
 
 /// Processes whose command line holds `mark`.
+/// Wait (up to 30 s) until `ok()`, else fail saying `what`.
+fn wait_until(what: &str, ok: impl Fn() -> bool) {
+    let end = Instant::now() + Duration::from_secs(30);
+    while !ok() {
+        assert!(Instant::now() < end, "not within 30 s: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn with_mark(mark: &str) -> usize {
     std::fs::read_dir("/proc")
         .unwrap()
@@ -334,8 +342,7 @@ fn leftovers_of_finished_workers_neither_hold_nor_outlive_the_job() {
         let _ = Command::new("pkill").args(["-f", "sleep 23.17"]).status();
         assert_eq!(c, code, "{err}");
         assert!(escaped >= 1, "the launcher waited for an escaped process");
-        std::thread::sleep(Duration::from_millis(200));
-        assert_eq!(with_mark("31.71"), 0, "the worker's group was ended");
+        wait_until("the worker's group was ended", || with_mark("31.71") == 0);
     }
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -349,15 +356,13 @@ fn sighup_stops_the_workers() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(with_mark("47.31") >= 2, "workers started");
+    wait_until("workers started", || with_mark("47.31") >= 3);
     unsafe {
         libc::kill(child.id() as i32, libc::SIGHUP);
     }
     let st = wait_or_kill(&mut child, "SIGHUP");
     assert_eq!(st.code(), Some(128 + libc::SIGHUP));
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(with_mark("47.31"), 0, "no worker left");
+    wait_until("no worker left", || with_mark("47.31") == 0);
 }
 
 /// `--nproc-per-node` beyond what the host can hold is refused before any
@@ -367,8 +372,8 @@ fn sighup_stops_the_workers() {
 fn too_many_local_ranks_are_refused_up_front() {
     let huge = u64::MAX.to_string();
     let cases: [&[&str]; 4] = [
-        &["run", "--nproc-per-node", "100000", "--", "sleep", "61.37"],
-        &["run", "--nproc-per-node", &huge, "--", "sleep", "61.37"],
+        &["run", "--nproc-per-node", "100000", "--", "sleep", "61.73"],
+        &["run", "--nproc-per-node", &huge, "--", "sleep", "61.73"],
         &[
             "run",
             "--nnodes",
@@ -377,7 +382,7 @@ fn too_many_local_ranks_are_refused_up_front() {
             "100000",
             "--",
             "sleep",
-            "61.37",
+            "61.73",
         ],
         &["train", "--nproc-per-node", "1000"],
     ];
@@ -393,7 +398,7 @@ fn too_many_local_ranks_are_refused_up_front() {
         // A liveness bound only: nothing was started, nothing waited for.
         assert!(t0.elapsed() < Duration::from_secs(20), "{args:?}");
     }
-    assert_eq!(with_mark("61.37"), 0, "a worker was started");
+    assert_eq!(with_mark("61.73"), 0, "a worker was started");
 }
 
 /// SIGTERM while the launcher is still starting workers stops it there:
@@ -454,8 +459,9 @@ fn sigterm_while_starting_workers_stops_and_reaps_them() {
         .count();
     assert!(ran < N, "all {N} workers were started after the SIGTERM");
     // And those that did are gone (they ended with the launcher's reaping).
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(with_mark("59.83"), 0, "a worker outlived the launcher");
+    wait_until("no worker outlives the launcher", || {
+        with_mark("59.83") == 0
+    });
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -464,6 +470,8 @@ fn sigterm_while_starting_workers_stops_and_reaps_them() {
 /// exited first with "exit code 1".
 #[test]
 fn the_summary_names_the_stopped_rank_not_its_messenger() {
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "stopped");
+    let err_path = d.join("stderr");
     let mut child = Command::new(BIN)
         .args([
             "run",
@@ -479,7 +487,7 @@ fn the_summary_names_the_stopped_rank_not_its_messenger() {
         .env_remove("PHALANX_SECRET")
         .env("PHALANX_HEARTBEAT_TIMEOUT", "1.5")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(std::fs::File::create(&err_path).unwrap())
         .spawn()
         .unwrap();
     let pid = child.id();
@@ -501,19 +509,15 @@ fn the_summary_names_the_stopped_rank_not_its_messenger() {
     };
     // Past the set-up, into the all-reduce loop (a stop during set-up is
     // named as well, but as a timeout).
-    std::thread::sleep(Duration::from_secs(2));
+    let said = || std::fs::read_to_string(&err_path).unwrap_or_default();
+    wait_until("rank 1 past its set-up", || {
+        said().contains("rank 1: set up")
+    });
     unsafe {
         libc::kill(rank1, libc::SIGSTOP);
     }
     let st = wait_or_kill(&mut child, "SIGSTOP of rank 1");
-    let mut err = String::new();
-    use std::io::Read;
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = said();
     // Rank 0 named rank 1 ...
     assert!(
         err.contains("[rank 0]") && err.contains("rank 1 (127.0.0.1:"),

@@ -31,6 +31,14 @@ fn torchrun() -> Command {
     c
 }
 
+/// Held by each run on torchrun's default static rendezvous, whose agent
+/// listens on port 29500: two at once would meet EADDRINUSE.
+static DEFAULT_PORT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn default_port() -> std::sync::MutexGuard<'static, ()> {
+    DEFAULT_PORT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn free_port() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port().to_string()
@@ -107,7 +115,9 @@ fn two_ranks_under_torchrun_train_with_phalanx_runs_losses() {
         c.args(&flags)
             .args(["--nproc-per-node", "2", "--no-python", BIN, "train"])
             .args(train_args(&log, 6));
+        let held = flags.is_empty().then(default_port);
         let r = run_until(c, DEADLINE);
+        drop(held);
         assert_eq!(r.code, 0, "torchrun {name}: {r}");
         assert!(r.out.contains("on 2 rank(s) (dp 2"), "torchrun {name}: {r}");
         assert_eq!(losses(&log), want, "torchrun {name}: {r}");
@@ -185,7 +195,9 @@ fn a_killed_worker_is_restarted_by_torchrun_and_ends_bitwise_equal() {
     .args(train_args(&log, 8))
     .args(ckpt("ckpt"))
     .env("PHALANX_FAULT", "exit-at-step:1:5");
+    let held = default_port();
     let r = run_until(c, DEADLINE);
+    drop(held);
     assert_eq!(r.code, 0, "{r}");
     assert!(r.err.contains("PHALANX_FAULT: rank 1 at step 5"), "{r}");
     assert!(
@@ -209,7 +221,9 @@ fn a_config_error_is_the_root_cause_in_torchruns_summary() {
     let mut c = torchrun();
     c.args(["--nproc-per-node", "2", "--no-python", BIN, "train"])
         .args(["--set", "optim.lr=nan"]);
+    let held = default_port();
     let r = run_until(c, DEADLINE);
+    drop(held);
     assert_ne!(r.code, 0, "{r}");
     assert!(r.err.contains("Root Cause"), "{r}");
     let summary = &r.err[r.err.find("Root Cause").unwrap()..];

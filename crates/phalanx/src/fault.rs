@@ -114,15 +114,15 @@ pub fn in_save(step: usize) {
 }
 
 /// `lose-outer-average:STEP`: whether this group's outer average after
-/// step `step` is to fail (once per process). It fails half a second
-/// after completing, so the other members have read its last bytes.
+/// step `step` is to fail (once per process). It fails two seconds after
+/// completing, so the other members have read its last bytes.
 pub fn outer_average_lost(step: usize) -> bool {
     static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let fire = armed(&format!("lose-outer-average:{step}"))
         && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst);
     if fire {
         eprintln!("PHALANX_FAULT: the outer average after step {step} fails here (test hook)");
-        std::thread::sleep(Duration::from_millis(500));
+        std::thread::sleep(Duration::from_secs(2));
     }
     fire
 }

@@ -53,8 +53,14 @@ impl Proc {
 
     /// Wait until stdout holds `what`.
     pub fn wait_for(&mut self, what: &str) {
+        self.wait_for_more(what, 0);
+    }
+
+    /// Wait until stdout holds `what` more than `seen` times (an event
+    /// after a point where it had been said `seen` times already).
+    pub fn wait_for_more(&mut self, what: &str, seen: usize) {
         let t0 = Instant::now();
-        while !self.stdout().contains(what) {
+        while self.stdout().matches(what).count() <= seen {
             assert!(
                 self.child.try_wait().unwrap().is_none(),
                 "exited before {what:?}:\n{}",
@@ -102,8 +108,15 @@ pub fn free_port() -> String {
     l.local_addr().unwrap().port().to_string()
 }
 
-/// A lighthouse on a free port (1 s heartbeat timeout); its address.
+/// A lighthouse on a free port (1 s heartbeat timeout, 0.3 s join
+/// timeout); its address.
 pub fn lighthouse(d: &Path, min: &str) -> (Proc, String) {
+    lighthouse_with(d, min, "0.3")
+}
+
+/// As [`lighthouse`], waiting `join` seconds for more groups to arrive
+/// together before a change that adds groups.
+pub fn lighthouse_with(d: &Path, min: &str, join: &str) -> (Proc, String) {
     let addr = format!("127.0.0.1:{}", free_port());
     let mut lh = Proc::start(
         d,
@@ -117,7 +130,7 @@ pub fn lighthouse(d: &Path, min: &str) -> (Proc, String) {
             "--heartbeat-timeout",
             "1",
             "--join-timeout",
-            "0.3",
+            join,
         ],
     );
     lh.wait_for("phalanx lighthouse at");
