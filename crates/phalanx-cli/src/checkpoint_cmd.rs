@@ -428,7 +428,7 @@ fn from_hf(
     }
     // No run may be writing OUT_DIR meanwhile (see checkpoint::lock).
     checkpoint::lock::lock(out_dir, "OUT_DIR")?;
-    let mut sets = crate::generate::tokenizer_sets(input)?;
+    let mut sets = crate::generate::default_tokenizer_sets(input, config, set)?;
     sets.extend(set.iter().cloned());
     let (cfg, _) = family::build_for_hf(config, &sets, input)?;
     let dir = dcp::import(&cfg, input, out_dir)?;

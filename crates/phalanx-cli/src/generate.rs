@@ -66,6 +66,36 @@ pub fn main(o: &GenerateOpts) -> i32 {
 /// and exports with it, not with the byte tokenizer); then the one Phalanx
 /// recorded when saving, else the family's default for a downloaded
 /// checkpoint, else a `tokenizer.json` beside the weights.
+/// The model directory's tokenizer (as [`tokenizer_sets`]), unless the
+/// config file or `--set` names `data.tokenizer` itself: an explicit one
+/// wins.
+pub(crate) fn default_tokenizer_sets(
+    path: &std::path::Path,
+    file: Option<&std::path::Path>,
+    set: &[String],
+) -> phalanx::Result<Vec<String>> {
+    let in_set = set.iter().any(|s| {
+        s.split_once('=')
+            .is_some_and(|(k, _)| k.trim() == "data.tokenizer")
+    });
+    let in_file = file
+        .filter(|p| {
+            !p.extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+        })
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| t.parse::<toml::Table>().ok())
+        .is_some_and(|t| {
+            t.get("data")
+                .and_then(|d| d.as_table())
+                .is_some_and(|d| d.contains_key("tokenizer"))
+        });
+    if in_set || in_file {
+        return Ok(vec![]);
+    }
+    tokenizer_sets(path)
+}
+
 pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
     let Some(cj) = family::hf_config_path(path) else {
         return Ok(vec![]);
@@ -83,15 +113,17 @@ pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<Stri
         .then(|| "tokenizer.json".to_string());
     // Llama and Qwen2 take the tokenizer.json beside their weights first
     // (a downloaded model's, or one put there for a model trained on
-    // pre-tokenized ids); the user's --set, after these, wins over all.
+    // pre-tokenized ids); GPT-2 after the one Phalanx recorded, and before
+    // its family's default BPE (a GPT-2 of another language has its own
+    // vocabulary). The user's --set, after these, wins over all.
     let first = beside
         .clone()
         .filter(|_| fam.as_ref().is_some_and(|f| f.tokenizer_beside()));
     Ok(
         match first
             .or(recorded.map(str::to_string))
-            .or(fallback)
             .or(beside)
+            .or(fallback)
         {
             Some(t) => vec![tokenizer_set(&dir, &t)],
             None => vec![],
@@ -247,7 +279,7 @@ fn load(o: &GenerateOpts) -> phalanx::Result<(phalanx::config::TrainConfig, Engi
             return Ok((cfg, engine, true));
         }
     }
-    let mut sets = tokenizer_sets(&o.model)?;
+    let mut sets = default_tokenizer_sets(&o.model, o.config.as_deref(), &o.set)?;
     sets.extend(o.set.iter().cloned());
     let tokenizer_named = o.config.is_some()
         || sets
@@ -348,4 +380,52 @@ fn sample(
         u -= wk;
     }
     idx[idx.len() - 1] as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A downloaded model directory: `config.json` of `model_type`, and a
+    /// `tokenizer.json` beside it when `beside`.
+    fn model_dir(name: &str, model_type: &str, vocab: usize, beside: bool) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("phalanx-gen-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let cj = serde_json::json!({"model_type": model_type, "vocab_size": vocab});
+        std::fs::write(d.join("config.json"), cj.to_string()).unwrap();
+        if beside {
+            std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn a_models_own_tokenizer_json_comes_before_its_familys_default() {
+        // GPT-2 of another vocabulary: the file beside it, not GPT-2's BPE.
+        let d = model_dir("gpt2", "gpt2", 6, true);
+        let beside = d.join("tokenizer.json").canonicalize().unwrap();
+        let want = format!(
+            "data.tokenizer={}",
+            serde_json::Value::from(beside.display().to_string())
+        );
+        assert_eq!(tokenizer_sets(&d).unwrap(), vec![want.clone()]);
+        // Without one, the family's default.
+        std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+        assert_eq!(
+            tokenizer_sets(&d).unwrap(),
+            vec!["data.tokenizer=\"gpt2\"".to_string()]
+        );
+        // Named with --set or in a config file, nothing is put before it.
+        std::fs::write(d.join("tokenizer.json"), "{}").unwrap();
+        let set = ["data.tokenizer=\"byte\"".to_string()];
+        assert!(default_tokenizer_sets(&d, None, &set).unwrap().is_empty());
+        let file = d.join("run.toml");
+        std::fs::write(&file, "[data]\ntokenizer = \"byte\"\n").unwrap();
+        assert!(default_tokenizer_sets(&d, Some(&file), &[])
+            .unwrap()
+            .is_empty());
+        assert_eq!(default_tokenizer_sets(&d, None, &[]).unwrap(), vec![want]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }

@@ -62,11 +62,19 @@ pub struct TrainOpts {
 /// when there is one (and where the `config.json` read is).
 fn build(opts: &TrainOpts) -> phalanx::Result<(TrainConfig, Option<PathBuf>)> {
     match &opts.init_from {
-        Some(p) => family::build_for_hf(opts.cfg.file(), &opts.cfg.set, p).map_err(|e| match e {
-            // Messages about the model directory name --init-from.
-            phalanx::Error::Check(m) => phalanx::Error::Check(format!("--init-from: {m}")),
-            e => e,
-        }),
+        Some(p) => {
+            // The model's own tokenizer (beside its weights, recorded in
+            // its config.json, or its family's), unless one is named: a
+            // downloaded model's ids are its tokenizer's, not bytes.
+            let mut sets =
+                crate::generate::default_tokenizer_sets(p, opts.cfg.file(), &opts.cfg.set)?;
+            sets.extend(opts.cfg.set.iter().cloned());
+            family::build_for_hf(opts.cfg.file(), &sets, p).map_err(|e| match e {
+                // Messages about the model directory name --init-from.
+                phalanx::Error::Check(m) => phalanx::Error::Check(format!("--init-from: {m}")),
+                e => e,
+            })
+        }
         None => Ok((opts.cfg.build()?, None)),
     }
 }

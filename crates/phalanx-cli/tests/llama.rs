@@ -285,6 +285,37 @@ fn tokenize_train_and_generate_with_a_tokenizer_json() {
         err.contains("no tokenizer") && err.contains("--set data.tokenizer"),
         "{err}"
     );
+    // Fine-tuning that downloaded model with its tokenizer.json beside it
+    // reads the text through that tokenizer (it trained on bytes, ids the
+    // model does not know as words), unless --set names another.
+    std::fs::write(model.join("tokenizer.json"), TOKENIZER).unwrap();
+    let tune = |extra: &[&str]| {
+        let mut a = vec!["--init-from", model.to_str().unwrap()];
+        a.extend(["--set", "train.steps=1", "--nproc-per-node", "1"]);
+        let data = format!("data.path=\"{}\"", d.join("text.txt").display());
+        let mut a: Vec<String> = a.iter().map(|s| s.to_string()).collect();
+        a.extend(["--set".to_string(), data]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let mut full = vec!["train".to_string()];
+        full.extend(a);
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        phalanx(&refs)
+    };
+    let (code, out, err) = tune(&[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let beside = model.join("tokenizer.json").display().to_string();
+    assert!(
+        out.contains(&format!("({beside} tokenizer): 1764 train / 36 val tokens")),
+        "{out}"
+    );
+    // Named, the byte tokenizer is taken (and its ids refused by the
+    // 6-word model).
+    let (code, out, err) = tune(&["--set", "data.tokenizer=\"byte\""]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(
+        err.contains("out of range for the model's vocab_size 6"),
+        "{err}"
+    );
     // A --bos the tokenizer does not have is named.
     let (code, _, err) = phalanx(&[
         "tokenize",

@@ -248,6 +248,24 @@ fn mismatches_are_errors_naming_the_key() {
     let mut v = hf_config("llama_gqa");
     v.as_object_mut().unwrap().remove("rms_norm_eps");
     assert_eq!(hf::config_from_json(&v).unwrap().rms_norm_eps, 1e-6);
+    // An omitted rope_theta (Llama 2's files) is its default, 10000, and a
+    // model config asking for another is refused, not loaded silently;
+    // a null one does not hide transformers 5's rope_parameters.
+    let mut v = hf_config("llama_gqa");
+    for k in ["rope_theta", "rope_parameters"] {
+        v.as_object_mut().unwrap().remove(k);
+    }
+    assert_eq!(hf::config_from_json(&v).unwrap().rope_theta, 10000.0);
+    let mut other = hf::config_from_json(&v).unwrap();
+    other.rope_theta = 500000.0;
+    let err = hf::check_config(&v, &other).unwrap_err().to_string();
+    assert!(
+        err.contains("rope_theta = 10000 but model.rope_theta = 500000"),
+        "{err}"
+    );
+    v["rope_theta"] = serde_json::Value::Null;
+    v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+    assert_eq!(hf::config_from_json(&v).unwrap().rope_theta, 500000.0);
     let mut v = hf_config("llama_gqa");
     v["attention_bias"] = serde_json::json!(true);
     let err = hf::config_from_json(&v).unwrap_err().to_string();

@@ -87,7 +87,7 @@ pub fn check_shape(v: &Value, cfg: &LlamaConfig, presets: &[&str]) -> Result<()>
     let float = |k: &str| v.get(k).and_then(|x| x.as_f64());
     let theta = rope_theta(v)?;
     for (theirs, got, ours, key) in [
-        ("rope_theta", theta, cfg.rope_theta, "rope_theta"),
+        ("rope_theta", Some(theta), cfg.rope_theta, "rope_theta"),
         (
             "rms_norm_eps",
             Some(float("rms_norm_eps").unwrap_or(HF_RMS_NORM_EPS)),
@@ -142,15 +142,26 @@ fn check_features(v: &Value) -> Result<()> {
     Ok(())
 }
 
+/// HF's `rope_theta` when a `config.json` leaves it out (LlamaConfig's and
+/// Qwen2Config's default; Llama 2's files have none).
+const HF_ROPE_THETA: f64 = 10000.0;
+
 /// rope_theta from a `config.json`: top-level (transformers 4) or in
-/// `rope_parameters` (transformers 5); refuses a scaling not built (see
-/// [`rope_scaling`]).
-pub fn rope_theta(v: &Value) -> Result<Option<f64>> {
+/// `rope_parameters` (transformers 5), else HF's default; refuses a
+/// scaling not built (see [`rope_scaling`]).
+pub fn rope_theta(v: &Value) -> Result<f64> {
     rope_scaling(v)?;
-    let rp = v.get("rope_parameters").filter(|x| !x.is_null());
-    Ok(v.get("rope_theta")
-        .or_else(|| rp.and_then(|r| r.get("rope_theta")))
-        .and_then(|x| x.as_f64()))
+    fn some(x: Option<&Value>) -> Option<&Value> {
+        x.filter(|x| !x.is_null())
+    }
+    let rp = some(v.get("rope_parameters"));
+    match some(v.get("rope_theta")).or_else(|| some(rp.and_then(|r| r.get("rope_theta")))) {
+        None => Ok(HF_ROPE_THETA),
+        Some(x) => match x.as_f64() {
+            Some(t) => Ok(t),
+            None => bail!("config.json: rope_theta {x} is not a number"),
+        },
+    }
 }
 
 /// The rotary scaling of a `config.json`: transformers 4's `rope_scaling`
@@ -232,9 +243,7 @@ pub fn shape_keys(v: &Value) -> Result<Vec<HfKey>> {
     if let Some(n) = int("max_position_embeddings") {
         out.push(HfKey::soft("block_size", "max_position_embeddings", n));
     }
-    if let Some(x) = rope_theta(v)? {
-        out.push(HfKey::strict("rope_theta", "rope_theta", x));
-    }
+    out.push(HfKey::strict("rope_theta", "rope_theta", rope_theta(v)?));
     let eps = v.get("rms_norm_eps").and_then(|x| x.as_f64());
     out.push(HfKey::strict(
         "rms_norm_eps",
@@ -358,9 +367,7 @@ pub fn shape_from_json(v: &Value) -> Result<LlamaConfig> {
         int("max_position_embeddings")?,
     );
     cfg.head_size = explicit_head_dim(v).unwrap_or(0);
-    if let Some(t) = rope_theta(v)? {
-        cfg.rope_theta = t;
-    }
+    cfg.rope_theta = rope_theta(v)?;
     cfg.rope_scaling = rope_scaling(v)?;
     cfg.rms_norm_eps = v
         .get("rms_norm_eps")

@@ -23,9 +23,8 @@ fn with_defaults(v: &Value) -> Result<Value> {
     if let Some(o) = v.as_object_mut() {
         o.entry("rms_norm_eps").or_insert(json!(1e-6));
     }
-    if hf_config::rope_theta(&v)?.is_none() {
-        v["rope_theta"] = json!(10000.0);
-    }
+    // (rope_theta's default, 10000, is Llama's too: `hf_config::rope_theta`.)
+    hf_config::rope_theta(&v)?;
     Ok(v)
 }
 
