@@ -131,6 +131,28 @@ pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<Stri
     )
 }
 
+/// The `eos_token_id`s (a number or a list) of the `config.json` and
+/// `generation_config.json` beside a model's weights; none for a
+/// checkpoint or files that do not say.
+fn config_eos_ids(path: &std::path::Path) -> Vec<u32> {
+    let dir = model_dir(path);
+    let mut out = Vec::new();
+    for name in ["config.json", "generation_config.json"] {
+        let v = std::fs::read_to_string(dir.join(name))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        let ids = match v.as_ref().and_then(|v| v.get("eos_token_id")) {
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
+            Some(x) => x.as_u64().into_iter().collect(),
+            None => Vec::new(),
+        };
+        out.extend(ids.into_iter().filter_map(|i| u32::try_from(i).ok()));
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// `data.tokenizer` as a saved model's config.json records it: a
 /// `tokenizer.json` path stands for the copy saved beside the weights
 /// (absolute: a checkpoint imported from the directory records it, and is
@@ -192,7 +214,20 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     let mut rng = phalanx::data::shuffle::SplitMix64::new(o.seed);
     // The logits of the next token, given all ids so far and the last one.
     let mut decoder = family.decoder(&engine, &cfg)?;
-    let eos = (!o.ignore_eos).then(|| codec.eos()).flatten();
+    // The tokenizer's end-of-text token, and those the model's own
+    // config.json and generation_config.json name (an instruct model's
+    // end of turn: Llama 3's <|eot_id|>, Qwen2's <|im_end|>).
+    let eos: Vec<u32> = if o.ignore_eos {
+        Vec::new()
+    } else {
+        let mut e: Vec<u32> = codec.eos().into_iter().collect();
+        e.extend(
+            config_eos_ids(&o.model)
+                .into_iter()
+                .filter(|&i| (i as usize) < vocab),
+        );
+        e
+    };
     // Output to a pipe closed early (`| head`) ends generation quietly.
     let mut out = Out(std::io::stdout().lock());
     if !out.show(&o.prompt)? {
@@ -221,7 +256,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             )));
         }
         last = sample(&logits[..n], o.temperature, o.top_k, &mut rng);
-        if Some(last) == eos {
+        if eos.contains(&last) {
             break;
         }
         ids.push(last);
@@ -426,6 +461,20 @@ mod tests {
             .unwrap()
             .is_empty());
         assert_eq!(default_tokenizer_sets(&d, None, &[]).unwrap(), vec![want]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn end_of_text_ids_come_from_both_configs_beside_the_weights() {
+        let d = model_dir("eos", "llama", 10, false);
+        assert!(config_eos_ids(&d).is_empty());
+        let cj = serde_json::json!({"model_type": "llama", "eos_token_id": [7, 9]});
+        std::fs::write(d.join("config.json"), cj.to_string()).unwrap();
+        let gen = serde_json::json!({"eos_token_id": 8, "bos_token_id": 1});
+        std::fs::write(d.join("generation_config.json"), gen.to_string()).unwrap();
+        assert_eq!(config_eos_ids(&d), vec![7, 8, 9]);
+        // A weights file names its directory's.
+        assert_eq!(config_eos_ids(&d.join("model.safetensors")), vec![7, 8, 9]);
         let _ = std::fs::remove_dir_all(&d);
     }
 }

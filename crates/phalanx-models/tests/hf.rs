@@ -40,6 +40,14 @@ fn round_trip_through_a_file() {
     let path = tmp("roundtrip");
     hf::save_safetensors(&a, &path).unwrap();
     hf::load_safetensors(&mut b, &path).unwrap();
+    // transformers' header metadata (older versions fail without it).
+    let bytes = std::fs::read(&path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let format = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("format").cloned());
+    assert_eq!(format.as_deref(), Some("pt"));
     std::fs::remove_file(&path).unwrap();
     assert_eq!(a.params_flat(), b.params_flat());
     // Same weights, same function.

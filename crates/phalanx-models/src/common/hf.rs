@@ -62,6 +62,11 @@ pub fn resolve(path: &Path) -> Result<(Vec<PathBuf>, PathBuf)> {
         return Ok((vec![path.to_path_buf()], model_dir(path)));
     };
     let dir = index.parent().unwrap_or(Path::new(".")).to_path_buf();
+    // A directory holding both is read as transformers reads it:
+    // `model.safetensors` first.
+    if path.is_dir() && single.is_file() {
+        return Ok((vec![single], dir));
+    }
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| msg(&index, e))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| msg(&index, e))?;
@@ -91,6 +96,12 @@ pub fn resolve(path: &Path) -> Result<(Vec<PathBuf>, PathBuf)> {
         return Ok((vec![single], dir));
     }
     bail!("{}: neither {INDEX} nor {SINGLE} found", path.display())
+}
+
+/// The header metadata transformers writes and reads (`{"format": "pt"}`;
+/// its versions before 4.48.2 fail on a file without metadata).
+pub fn pt_metadata() -> Option<HashMap<String, String>> {
+    Some(HashMap::from([("format".to_string(), "pt".to_string())]))
 }
 
 /// The directory a model path's `config.json` (and `tokenizer.json`) sit
@@ -153,10 +164,8 @@ pub fn save(
         shards.last_mut().expect("one shard").push((n, t));
     }
     let write = |p: &Path, items: &[(&String, &Tensor)]| -> Result<()> {
-        let meta: HashMap<String, String> =
-            HashMap::from([("format".to_string(), "pt".to_string())]);
         let bytes =
-            safetensors::serialize(items.iter().copied(), Some(meta)).map_err(|e| msg(p, e))?;
+            safetensors::serialize(items.iter().copied(), pt_metadata()).map_err(|e| msg(p, e))?;
         phalanx::fsutil::write_atomic(p, &bytes).map_err(|e| msg(p, e))
     };
     // What a save to this directory left before: removed once the new
@@ -255,4 +264,25 @@ fn previous(dir: &Path) -> Result<Vec<PathBuf>> {
         out.push(dir.join(SINGLE));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_with_both_layouts_reads_the_single_file_as_transformers_does() {
+        let d = std::env::temp_dir().join(format!("phalanx-hf-both-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let index = json!({"weight_map": {"w": "model-00001-of-00001.safetensors"}});
+        std::fs::write(d.join(INDEX), index.to_string()).unwrap();
+        let shard = d.join("model-00001-of-00001.safetensors");
+        assert_eq!(resolve(&d).unwrap().0, vec![shard.clone()]);
+        std::fs::write(d.join(SINGLE), b"").unwrap();
+        assert_eq!(resolve(&d).unwrap().0, vec![d.join(SINGLE)]);
+        // The index named itself is still the index.
+        assert_eq!(resolve(&d.join(INDEX)).unwrap().0, vec![shard]);
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }

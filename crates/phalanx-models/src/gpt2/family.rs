@@ -109,17 +109,19 @@ impl ModelFamily for Gpt2Family {
     fn hf_keys(&self, v: &Value) -> Result<Vec<HfKey>> {
         let mut out = vec![HfKey::strict("arch", "model_type", self.name())];
         let int = |k: &str| v.get(k).and_then(|x| x.as_u64());
-        for (ours, theirs) in [
-            ("n_layer", "n_layer"),
-            ("n_head", "n_head"),
-            ("n_embd", "n_embd"),
-            ("vocab_size", "vocab_size"),
+        // What a config.json leaves out is transformers' GPT2Config
+        // default (the weights' shapes check all but n_head, which a
+        // preset's default would change silently).
+        for (ours, theirs, hf_default) in [
+            ("n_layer", "n_layer", 12),
+            ("n_head", "n_head", 12),
+            ("n_embd", "n_embd", 768),
+            ("vocab_size", "vocab_size", 50257),
             // The position table's rows: the weights fix the context.
-            ("block_size", "n_positions"),
+            ("block_size", "n_positions", 1024),
         ] {
-            if let Some(n) = int(theirs) {
-                out.push(HfKey::strict(ours, theirs, n as i64));
-            }
+            let n = int(theirs).unwrap_or(hf_default);
+            out.push(HfKey::strict(ours, theirs, n as i64));
         }
         // What is not built is refused, not ignored.
         if let Some(a) = v.get("activation_function").and_then(|x| x.as_str()) {
@@ -190,7 +192,7 @@ impl ModelFamily for Gpt2Family {
         // on an error.
         let mut sorted: Vec<(&String, &Tensor)> = tensors.iter().collect();
         sorted.sort_by_key(|(n, _)| *n);
-        let bytes = safetensors::serialize(sorted, None)
+        let bytes = safetensors::serialize(sorted, crate::common::hf::pt_metadata())
             .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         phalanx::fsutil::write_atomic(path, &bytes)?;
         let m = model_config(cfg)?;
@@ -258,5 +260,20 @@ mod tests {
             let e = Gpt2Family.hf_keys(&c).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains("not built"), "{e}");
         }
+    }
+
+    #[test]
+    fn sizes_a_config_json_leaves_out_are_transformers_defaults() {
+        let keys = Gpt2Family
+            .hf_keys(&json!({"model_type": "gpt2", "n_layer": 2, "n_embd": 8}))
+            .unwrap();
+        let get = |k: &str| {
+            let h = keys.iter().find(|h| h.key == k).unwrap();
+            h.value.as_integer().unwrap()
+        };
+        // n_head is not fixed by any weight's shape: 12, as GPT2Config's.
+        assert_eq!(get("n_head"), 12);
+        assert_eq!((get("n_layer"), get("n_embd")), (2, 8));
+        assert_eq!((get("vocab_size"), get("block_size")), (50257, 1024));
     }
 }

@@ -121,7 +121,7 @@ pub fn save_safetensors(engine: &Engine, path: impl AsRef<Path>) -> Result<()> {
     let t = export_tensors(engine)?;
     let mut sorted: Vec<(&String, &Tensor)> = t.iter().collect();
     sorted.sort_by_key(|(n, _)| *n);
-    let bytes = safetensors::serialize(sorted, None)
+    let bytes = safetensors::serialize(sorted, crate::common::hf::pt_metadata())
         .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.as_ref().display())))?;
     phalanx::fsutil::write_atomic(path.as_ref(), &bytes).map_err(candle_core::Error::wrap)
 }
