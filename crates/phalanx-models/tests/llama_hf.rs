@@ -201,6 +201,43 @@ fn sharded_layout_round_trips() {
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
+/// A tensor in two shards is refused by the one-rank and the
+/// tensor-parallel load alike (either copy could be taken).
+#[test]
+fn a_tensor_in_two_shards_is_refused_under_tp_too() {
+    let (cfg, e, _) = load("llama_gqa");
+    let tmp = std::env::temp_dir().join(format!("phalanx-llama-dup-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let t = hf::export_tensors(&e).unwrap();
+    let files = hf::save(&t, &cfg, "byte", &tmp, 20_000).unwrap();
+    let shard = files
+        .iter()
+        .find(|f| f.to_string_lossy().ends_with(".safetensors"))
+        .unwrap();
+    let mut first = candle_core::safetensors::load(shard, &Device::Cpu).unwrap();
+    let other = t.keys().find(|k| !first.contains_key(*k)).unwrap().clone();
+    first.insert(other.clone(), t[&other].clone());
+    candle_core::safetensors::save(&first, shard).unwrap();
+    let mut e1 = llama::engine(&cfg, &Device::Cpu, EngineConfig::default()).unwrap();
+    let err = hf::load(&mut e1, &cfg, &tmp).unwrap_err().to_string();
+    assert!(err.contains("more than one"), "tp 1: {err}");
+    let dir = tmp.clone();
+    let errs = phalanx_comm::threads::run(2, move |pg| {
+        let tp = phalanx::tp::Tp::new(pg, false);
+        llama::tp::load_engine(&cfg, &tp, EngineConfig::default(), &Device::Cpu, &dir)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    });
+    for e in errs {
+        assert!(
+            e.contains("more than one") && e.contains(&other),
+            "tp 2: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
 #[test]
 fn mismatches_are_errors_naming_the_key() {
     let good = hf::config_from_json(&hf_config("llama_gqa")).unwrap();

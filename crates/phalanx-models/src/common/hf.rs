@@ -95,6 +95,17 @@ pub fn resolve(path: &Path) -> Result<(Vec<PathBuf>, PathBuf)> {
     if single.is_file() {
         return Ok((vec![single], dir));
     }
+    if ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+        .iter()
+        .any(|b| dir.join(b).is_file())
+    {
+        bail!(
+            "{}: neither {INDEX} nor {SINGLE} found, only PyTorch pickles (pytorch_model.bin), \
+             which Phalanx does not read; convert them with transformers \
+             (`from_pretrained(...).save_pretrained(DIR, safe_serialization=True)`)",
+            path.display()
+        )
+    }
     bail!("{}: neither {INDEX} nor {SINGLE} found", path.display())
 }
 
@@ -283,6 +294,16 @@ mod tests {
         assert_eq!(resolve(&d).unwrap().0, vec![d.join(SINGLE)]);
         // The index named itself is still the index.
         assert_eq!(resolve(&d.join(INDEX)).unwrap().0, vec![shard]);
+        // Only PyTorch's pickles: named, with the way to convert them.
+        for f in [INDEX, SINGLE] {
+            std::fs::remove_file(d.join(f)).unwrap();
+        }
+        std::fs::write(d.join("pytorch_model.bin"), b"").unwrap();
+        let e = resolve(&d).unwrap_err().to_string();
+        assert!(
+            e.contains("pytorch_model.bin") && e.contains("save_pretrained"),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 }

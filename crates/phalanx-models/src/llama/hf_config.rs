@@ -136,7 +136,7 @@ fn check_features(v: &Value) -> Result<()> {
     }
     for k in ["attention_bias", "mlp_bias"] {
         if v.get(k).and_then(|x| x.as_bool()) == Some(true) {
-            bail!("config.json: {k} = true is not built for model.arch = llama yet")
+            bail!("config.json: {k} = true is not built for Llama-family models yet")
         }
     }
     Ok(())
@@ -198,7 +198,7 @@ pub fn rope_scaling(v: &Value) -> Result<RopeScaling> {
             })
         }
         t => bail!(
-            "config.json: rope_scaling of rope_type {t:?} is not built for model.arch = llama yet \
+            "config.json: rope_scaling of rope_type {t:?} is not built for Llama-family models yet \
              (\"default\" and \"llama3\" are)"
         ),
     }

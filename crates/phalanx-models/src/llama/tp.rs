@@ -99,11 +99,16 @@ pub fn load_engine_with(
     };
     // Safety: the files are only read, and not expected to change meanwhile.
     let st = unsafe { MmapedSafetensors::multi(&files) }?;
-    let shapes: HashMap<String, (Vec<usize>, safetensors::Dtype)> = st
-        .tensors()
-        .iter()
-        .map(|(n, v)| (n.clone(), (v.shape().to_vec(), v.dtype())))
-        .collect();
+    let mut shapes: HashMap<String, (Vec<usize>, safetensors::Dtype)> = HashMap::new();
+    for (n, v) in st.tensors() {
+        // (As the one-rank load: one of two copies would be taken silently.)
+        if shapes
+            .insert(n.clone(), (v.shape().to_vec(), v.dtype()))
+            .is_some()
+        {
+            candle_core::bail!("tensor `{n}` is in more than one of the model's files")
+        }
+    }
     let mut want = super::hf::names(cfg);
     for (name, (dims, dtype)) in &shapes {
         if want.remove(name) {
