@@ -220,17 +220,6 @@ pub fn save_beside(spec: &TokenizerSpec, dir: &Path) -> Result<()> {
     let bytes = std::fs::read(&src)
         .map_err(|e| Error::Io(format!("data.tokenizer {}: {e}", src.display())))?;
     phalanx::fsutil::write_atomic(&dst, &bytes)?;
-    // A downloaded model's generation_config.json beside its tokenizer
-    // (its end-of-turn ids, which transformers' generate stops at) goes
-    // along, as save_pretrained keeps a model's generation config.
-    if let Some(from) = src.parent() {
-        let g = from.join("generation_config.json");
-        if g.is_file() {
-            let bytes =
-                std::fs::read(&g).map_err(|e| Error::Io(format!("{}: {e}", g.display())))?;
-            phalanx::fsutil::write_atomic(&dir.join("generation_config.json"), &bytes)?;
-        }
-    }
     Ok(())
 }
 
@@ -260,31 +249,6 @@ mod tests {
         assert_eq!(super::eos_id(&tok), Some(4));
         let e = enc.encode("in the end").unwrap_err();
         assert!(e.contains("words.json"), "{e}");
-    }
-
-    #[test]
-    fn a_saved_model_takes_the_tokenizer_and_its_generation_config_along() {
-        let base = std::env::temp_dir().join(format!("phalanx-tok-beside-{}", std::process::id()));
-        let (from, to) = (base.join("from"), base.join("to"));
-        let _ = std::fs::remove_dir_all(&base);
-        std::fs::create_dir_all(&from).unwrap();
-        std::fs::create_dir_all(&to).unwrap();
-        std::fs::write(from.join("tokenizer.json"), WORDS).unwrap();
-        let spec = phalanx::config::TokenizerSpec::HfJson(
-            from.join("tokenizer.json").display().to_string(),
-        );
-        super::save_beside(&spec, &to).unwrap();
-        assert!(to.join("tokenizer.json").is_file());
-        assert!(!to.join("generation_config.json").exists());
-        std::fs::write(
-            from.join("generation_config.json"),
-            r#"{"eos_token_id": [4]}"#,
-        )
-        .unwrap();
-        super::save_beside(&spec, &to).unwrap();
-        let g = std::fs::read_to_string(to.join("generation_config.json")).unwrap();
-        assert_eq!(g, r#"{"eos_token_id": [4]}"#);
-        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]
