@@ -58,14 +58,6 @@ pub fn main(o: &GenerateOpts) -> i32 {
     }
 }
 
-/// The `data.tokenizer` an HF model's `config.json` implies, as a --set
-/// override (none without one; a config.json that does not parse is an
-/// error naming it, never silently ignored): for Llama and Qwen2 the
-/// `tokenizer.json` beside the weights first (a downloaded model's:
-/// `checkpoint from-hf` records it, so the imported checkpoint generates
-/// and exports with it, not with the byte tokenizer); then the one Phalanx
-/// recorded when saving, else the family's default for a downloaded
-/// checkpoint, else a `tokenizer.json` beside the weights.
 /// The model directory's tokenizer (as [`tokenizer_sets`]), unless the
 /// config file or `--set` names `data.tokenizer` itself: an explicit one
 /// wins.
@@ -96,6 +88,14 @@ pub(crate) fn default_tokenizer_sets(
     tokenizer_sets(path)
 }
 
+/// The `data.tokenizer` an HF model's `config.json` implies, as a --set
+/// override (none without one; a config.json that does not parse is an
+/// error naming it, never silently ignored): for Llama and Qwen2 the
+/// `tokenizer.json` beside the weights first (a downloaded model's:
+/// `checkpoint from-hf` records it, so the imported checkpoint generates
+/// and exports with it, not with the byte tokenizer); then the one Phalanx
+/// recorded when saving; then (GPT-2) a `tokenizer.json` beside the
+/// weights; else the family's default for a downloaded checkpoint.
 pub(crate) fn tokenizer_sets(path: &std::path::Path) -> phalanx::Result<Vec<String>> {
     let Some(cj) = family::hf_config_path(path) else {
         return Ok(vec![]);

@@ -25,8 +25,9 @@ const ACROSS_GROUPS: &str = "replica group ";
 /// Ranks other than `own` that `lines` name as failed, first named first.
 pub fn named(lines: &[String], own: usize) -> Vec<usize> {
     let mut out = Vec::new();
-    for line in lines.iter().filter(|l| !l.contains(ACROSS_GROUPS)) {
-        let mut rest = line.as_str();
+    for line in lines {
+        // What follows a replica group's words names other groups' ranks.
+        let mut rest = line.split(ACROSS_GROUPS).next().unwrap_or("");
         while let Some(i) = rest.find("rank ") {
             rest = &rest[i + 5..];
             let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
@@ -108,6 +109,9 @@ mod tests {
         let ft = "replica group 0: the step's reduction failed (rank 2 (192.0.2.2:1) failed: \
                   shut down before reaching all_reduce); retrying with the next quorum";
         assert!(named(&l(&[ft]), 0).is_empty());
+        // A peer of this job passing such an error on is still named.
+        let passed = "rank 0 (h:1) aborted: I/O error: replica group 1: dropped from the quorum";
+        assert_eq!(named(&l(&[passed]), 1), vec![0]);
     }
 
     #[test]

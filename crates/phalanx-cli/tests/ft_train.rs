@@ -411,6 +411,58 @@ fn an_outer_average_that_failed_on_one_group_only_heals_it_from_the_others() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// DiLoCo groups 0 and 1 (at least 2 for a quorum): the outer average after
+/// step 8 completes on both but fails on group 1 afterwards, while group 0,
+/// its quorum unchanged, applies it, checkpoints step 8 and dies. Started
+/// again from that checkpoint, group 0 has applied the outer step: group 1,
+/// retrying the same step, heals from it rather than applying its own
+/// pseudo-gradient alone beside it (the digest check would stop that).
+#[test]
+fn a_group_resumed_after_an_outer_step_heals_the_group_still_retrying_it() {
+    let d = fresh_dir("phalanx-ft-train", "diloco-resumed");
+    let (_lh, addr) = lighthouse_with(&d, "2", "5");
+    let steps = 16;
+    let mut cfg = strs(DILOCO);
+    cfg.push("parallel.check_params_every=1".into());
+    cfg.push("checkpoint.interval=4".into());
+    let start = |name: &str, g: usize, fault: &str, extra: &[String]| {
+        let grp = Group {
+            nproc: 1,
+            addr: &addr,
+            replicas: 2,
+            fault: Some(fault),
+            threads: None,
+            env: &[],
+        };
+        let mut c = cfg.clone();
+        c.push(format!("checkpoint.dir=\"{}\"", d.join("ckpt").display()));
+        let mut args = group_args(&d, &format!("g{g}"), steps, &c);
+        args.extend(extra.iter().cloned());
+        grp.start(&d, name, g, &args)
+    };
+    let mut g0 = start("g0", 0, "exit-at-step:0:8,slow:0:150", &[]);
+    let mut g1 = start("g1", 1, "lose-outer-average:8,slow:0:150", &[]);
+    assert_eq!(g0.wait(), 137, "{}", g0.output());
+    let mut g0b = start("g0b", 0, "slow:0:150", &["--resume".into(), "auto".into()]);
+    assert_eq!(g0b.wait(), 0, "{}", g0b.output());
+    assert_eq!(g1.wait(), 0, "{}", g1.output());
+    assert!(
+        g0b.stdout().contains("step 8, saved by"),
+        "resumed elsewhere:\n{}",
+        g0b.output()
+    );
+    assert!(
+        g1.stdout()
+            .contains("healed from group 0 at step 8 (was at step 8)"),
+        "{}",
+        g1.output()
+    );
+    let w0 = std::fs::read(d.join("g0.safetensors")).unwrap();
+    let w1 = std::fs::read(d.join("g1.safetensors")).unwrap();
+    assert!(w0 == w1, "the groups' final weights differ");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A replica group of several ranks whose quorum timeout is not below the
 /// collective timeout is refused before it waits: its other ranks would
 /// time out in their broadcast while its first rank still waits for the

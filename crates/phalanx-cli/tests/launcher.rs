@@ -294,7 +294,6 @@ fn slurm_variables_start_a_job_too() {
     }
 }
 
-/// Processes whose command line holds `mark`.
 /// Wait (up to 30 s) until `ok()`, else fail saying `what`.
 fn wait_until(what: &str, ok: impl Fn() -> bool) {
     let end = Instant::now() + Duration::from_secs(30);
@@ -304,6 +303,7 @@ fn wait_until(what: &str, ok: impl Fn() -> bool) {
     }
 }
 
+/// Processes whose command line holds `mark`.
 fn with_mark(mark: &str) -> usize {
     std::fs::read_dir("/proc")
         .unwrap()

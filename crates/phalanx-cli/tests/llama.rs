@@ -303,7 +303,12 @@ fn tokenize_train_and_generate_with_a_tokenizer_json() {
     };
     let (code, out, err) = tune(&[]);
     assert_eq!(code, 0, "{out}\n{err}");
-    let beside = model.join("tokenizer.json").display().to_string();
+    let beside = model
+        .join("tokenizer.json")
+        .canonicalize()
+        .unwrap()
+        .display()
+        .to_string();
     assert!(
         out.contains(&format!("({beside} tokenizer): 1764 train / 36 val tokens")),
         "{out}"

@@ -673,3 +673,41 @@ fn a_file_named_two_ways_is_read_once() {
     assert_eq!(l.train_tokens(), 400);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Token files are read as ids whatever `data.tokenizer` is: a resume that
+/// names another tokenizer (`--init-from` a model with its own) over token
+/// shards is the same data, while over text it is refused.
+#[test]
+fn the_tokenizer_decides_text_only() {
+    let dir = temp_dir("tok-fp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let toks: Vec<u32> = (0..400).map(|i| (i * 7) % 256).collect();
+    write_llmc(&dir.join("train_000000.bin"), &toks);
+    let mut cfg = CorpusConfig::new(&[dir.join("train_*.bin").to_str().unwrap()], 8);
+    cfg.val_fraction = 0.1;
+    let l = open(&cfg);
+    let state = l.state_at(3, 4).unwrap();
+    let consumed = l.position(3, 4);
+    let mut other = cfg.clone();
+    other.encoder = std::sync::Arc::new(Picky);
+    open(&other).resume_at(3, consumed, Some(&state)).unwrap();
+    // Text: the tokenizer makes the samples.
+    let p = dir.join("t.jsonl");
+    std::fs::write(
+        &p,
+        "{\"text\": \"some words to read as bytes\"}\n".repeat(40),
+    )
+    .unwrap();
+    let mut cfg = CorpusConfig::new(&[p.to_str().unwrap()], 8);
+    cfg.val_fraction = 0.1;
+    let l = open(&cfg);
+    let state = l.state_at(3, 4).unwrap();
+    let mut other = cfg.clone();
+    other.encoder = std::sync::Arc::new(Picky);
+    let e = open(&other)
+        .resume_at(3, l.position(3, 4), Some(&state))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.tokenizer"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -732,6 +732,7 @@ impl TrainConfig {
         if !recompute_given {
             ds.apply_recompute(&mut cfg, &mut warnings);
         }
+        ds.check_length(&cfg, &mut warnings);
         ds.apply_lr_ratios(&mut cfg, |k| optim_given.iter().any(|g| g == k));
         cfg.validate()?;
         cfg.resolve_batch_from_env()?;

@@ -261,6 +261,7 @@ impl Corpus {
         let mixer = Mixer::new(&weights, cfg.seed)?;
         let mut val = Vec::new();
         let mut val_print = Vec::new();
+        let mut text_val = Vec::new();
         if cfg.val_paths.is_empty() {
             for s in &sources {
                 if let Source::Bin(b) = s {
@@ -283,6 +284,7 @@ impl Corpus {
                 let d = if kind_of(&f, "data.val_path")? == Kind::Bin {
                     TokenData::open(&f, Tokenizer::Byte)?
                 } else {
+                    text_val.push(f.clone());
                     let (field, key) = text_field.clone().unwrap_or_else(|| {
                         (cfg.sources[0].field.clone(), "data.field".to_string())
                     });
@@ -329,7 +331,7 @@ impl Corpus {
             let last = *val_prefix.last().expect("non-empty");
             val_prefix.push(last + (n.saturating_sub(1) / t) as u64);
         }
-        let fingerprint = json!({
+        let mut fingerprint = json!({
             "seq_len": cfg.seq_len,
             "seed": cfg.seed,
             "shuffle": cfg.shuffle,
@@ -342,6 +344,15 @@ impl Corpus {
             "content": super::digest::of_files(&all_files)
                 .map_err(|e| DataError::Config(format!("reading the training data: {e}")))?,
         });
+        // Token files are read as ids whatever data.tokenizer says: it
+        // decides no sample then (a resume naming the model's tokenizer
+        // over a run that left the default is the same data).
+        let text = sources.iter().any(|s| matches!(s, Source::Text(_))) || !text_val.is_empty();
+        if !text {
+            if let Some(o) = fingerprint.as_object_mut() {
+                o.remove("tokenizer");
+            }
+        }
         Ok(Corpus {
             sources,
             mixer,

@@ -79,12 +79,18 @@ impl DataLoader {
     pub fn resume_at(&self, step: u64, consumed: u64, state: Option<&DataState>) -> Result<()> {
         if let Some(st) = state {
             let mut now = self.fingerprint();
-            if let (Some(saved), Some(n)) = (st.fingerprint.as_object(), now.as_object_mut()) {
+            let mut saved = st.fingerprint.clone();
+            if let (Some(saved), Some(n)) = (saved.as_object_mut(), now.as_object_mut()) {
                 // What a checkpoint of an earlier version did not record
-                // (the content digest) cannot be compared.
+                // (the content digest) cannot be compared; nor the
+                // tokenizer it recorded for token files, which are read
+                // as ids whatever it is.
                 n.retain(|k, _| saved.contains_key(k));
+                if !n.contains_key("tokenizer") {
+                    saved.remove("tokenizer");
+                }
             }
-            if let Some(d) = first_difference("data", &st.fingerprint, &now) {
+            if let Some(d) = first_difference("data", &saved, &now) {
                 return Err(DataError::Config(format!(
                     "the checkpoint was trained on other data, which would silently change the \
                      samples of the resumed run: {d}; resume with the checkpoint's data config \

@@ -17,8 +17,10 @@
 //! assert_eq!(s.lr(500), 0.1);
 //! ```
 //!
-//! DeepSpeed's schedules, with Phalanx's step `s` (0-based) as DeepSpeed's
-//! `last_batch_iteration`: `lr = warmup_min_lr + (max_lr - warmup_min_lr) *
+//! DeepSpeed's schedules, as functions of `s`, Phalanx's step (0-based; the
+//! engine of DeepSpeed sets step `k`'s lr from `last_batch_iteration = k -
+//! 1`, one step behind, and holds it on a skipped fp16 step: see
+//! docs/training.md): `lr = warmup_min_lr + (max_lr - warmup_min_lr) *
 //! gamma(s)`, where during warmup `gamma = s / warmup` ("linear") or
 //! `ln(s + 1) / ln(warmup)` ("log", DeepSpeed's default; warmup counted as at
 //! least 2), and after it `gamma = 1` (WarmupLR) or, for WarmupDecayLR,

@@ -429,18 +429,27 @@ impl Trainer {
     }
 
     /// DiLoCo over a quorum, after `done` steps: the outer step if one is
-    /// due and this group trained through its H steps (`contribute`), then
+    /// due and this group trained through its H steps (`contribute`; not
+    /// if it has `applied` it already), then
     /// healing after a change. Retried with the next quorum until it
     /// commits. Returns the step to go on from.
-    pub(super) fn ft_outer(&mut self, done: usize, contribute: bool, lead: bool) -> Result<usize> {
+    pub(super) fn ft_outer(
+        &mut self,
+        done: usize,
+        contribute: bool,
+        applied: bool,
+        lead: bool,
+    ) -> Result<usize> {
         let mut contribute = contribute;
         // Whether this group has applied the outer step after `done`. A
         // group whose average succeeded while another's failed (a member
         // lost at its very end) is ahead of it at the same step: it
         // reports 2 * done + 1, so that the retry heals the others from
         // it rather than apply their pseudo-gradients again over its
-        // applied step (or leave the groups apart, no one behind).
-        let mut applied = false;
+        // applied step (or leave the groups apart, no one behind). A group
+        // resumed from a checkpoint of step `done` (saved after its outer
+        // step) has applied it (`applied` given).
+        let mut applied = applied;
         loop {
             let ft = self.ft.as_mut().expect("fault tolerance on");
             let h = ft.diloco.expect("DiLoCo");

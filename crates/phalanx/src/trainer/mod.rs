@@ -454,7 +454,7 @@ impl Trainer {
             match f.diloco {
                 Some(h) if (step + 1).is_multiple_of(h) => {
                     // DiLoCo's outer step over this sync's quorum.
-                    let next = self.ft_outer(step + 1, true, lead)?;
+                    let next = self.ft_outer(step + 1, true, false, lead)?;
                     if next != step + 1 {
                         self.ft.as_mut().expect("on").resume_at = Some(next);
                     }

@@ -92,8 +92,11 @@ impl Trainer {
             self.ft = Some(super::ft::Ft::connect(&self.cfg, &self.mesh)?);
             if self.strat.diloco_mut().is_some() {
                 // Join the groups at their next outer step (or all start
-                // together): take the quorum's state.
-                k = self.ft_outer(k, false, lead)?;
+                // together): take the quorum's state. A checkpoint of an
+                // outer step's step was saved after that outer step.
+                let h = self.cfg.diloco.inner_steps.max(1);
+                let applied = k > 0 && k.is_multiple_of(h);
+                k = self.ft_outer(k, false, applied, lead)?;
             }
         }
         while k < steps {

@@ -50,6 +50,8 @@ pub(crate) struct Extra {
     /// WarmupCosineLR's ratios: `optim.KEY = optim.lr x ratio`, with the
     /// final `optim.lr` (the file's, or `--set`'s, or Phalanx's).
     lr_ratios: Vec<(&'static str, f64)>,
+    /// `scheduler.params.total_num_steps`, when given.
+    total_num_steps: Option<usize>,
 }
 
 impl Extra {
@@ -65,6 +67,19 @@ impl Extra {
                 "min_lr" => cfg.optim.min_lr = v,
                 _ => cfg.optim.warmup_min_lr = v,
             }
+        }
+    }
+
+    /// A note where the schedule's length (`total_num_steps`) is not the
+    /// run's (`train.steps`): DeepSpeed's runs end where the script says.
+    pub(crate) fn check_length(&self, cfg: &TrainConfig, warnings: &mut Vec<String>) {
+        match self.total_num_steps {
+            Some(n) if n != cfg.train.steps => warnings.push(format!(
+                "DeepSpeed key \"scheduler.params.total_num_steps\" = {n} is the schedule's \
+                 length; the run's is train.steps = {} (set it too for a run of {n} steps)",
+                cfg.train.steps
+            )),
+            _ => {}
         }
     }
 
@@ -99,6 +114,12 @@ pub(crate) fn translate(
     label: &str,
     warnings: &mut Vec<String>,
 ) -> Result<(toml::Table, Extra, Autos)> {
+    if let Some(key) = duplicate_key(text) {
+        // (serde_json keeps the last silently; DeepSpeed refuses the file.)
+        return Err(ConfigError(format!(
+            "{label}: DeepSpeed key \"{key}\" is given twice (DeepSpeed refuses duplicate keys)"
+        )));
+    }
     let json: J = serde_json::from_str(text).map_err(|e| ConfigError(format!("{label}: {e}")))?;
     let J::Object(top) = &json else {
         return Err(ConfigError(format!(
@@ -121,8 +142,30 @@ pub(crate) fn translate(
     tx.set("optim.schedule", T::String("constant".into()));
     tx.set("optim.warmup_steps", T::Integer(0));
     // The optimizer first: the scheduler reads (and may replace) its lr.
-    if let Some(o) = top.get("optimizer") {
-        tx.optimizer(o)?;
+    match top.get("optimizer").filter(|o| !o.is_null()) {
+        Some(o) => tx.optimizer(o)?,
+        None => {
+            // DeepSpeed then takes the script's optimizer; here it is
+            // Phalanx's optim section, which the user should know.
+            let o = super::OptimConfig::default();
+            tx.warnings.push(format!(
+                "{label}: no DeepSpeed \"optimizer\" section (DeepSpeed would take the script's \
+                 optimizer): training with Phalanx's optim section, by default {} lr {} betas \
+                 {:?} eps {:e} weight_decay {} (set optim.* to change it)",
+                o.name, o.lr, o.betas, o.eps, o.weight_decay
+            ));
+        }
+    }
+    let batch_keys = ["train_batch_size", "train_micro_batch_size_per_gpu"];
+    if !batch_keys
+        .iter()
+        .any(|k| top.get(*k).is_some_and(|v| !v.is_null()))
+    {
+        tx.warnings.push(format!(
+            "{label}: neither train_batch_size nor train_micro_batch_size_per_gpu (DeepSpeed \
+             refuses such a file): the batch is Phalanx's train section's (set \
+             train.micro_batch_size or train.global_batch_size)"
+        ));
     }
     for (k, v) in top {
         if v.is_null() {
@@ -201,6 +244,90 @@ pub(crate) fn translate(
         tx.autos
     };
     Ok((tx.out, tx.extra, autos))
+}
+
+/// The first key given twice in one JSON object of `text` (its path, as
+/// `zero_optimization.stage`), or `None` (also for text that is not JSON:
+/// the parse proper reports that).
+fn duplicate_key(text: &str) -> Option<String> {
+    use serde::de::{DeserializeSeed, Error as _, MapAccess, SeqAccess, Visitor};
+    use std::cell::RefCell;
+    struct Seed<'r> {
+        path: String,
+        found: &'r RefCell<Option<String>>,
+    }
+    impl<'de> DeserializeSeed<'de> for Seed<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(
+            self,
+            d: D,
+        ) -> std::result::Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Seed<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_bool<E>(self, _: bool) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> std::result::Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> std::result::Result<(), A::Error> {
+            let mut i = 0;
+            while s
+                .next_element_seed(Seed {
+                    path: format!("{}[{i}]", self.path),
+                    found: self.found,
+                })?
+                .is_some()
+            {
+                i += 1;
+            }
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> std::result::Result<(), A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(k) = m.next_key::<String>()? {
+                let path = match self.path.as_str() {
+                    "" => k.clone(),
+                    p => format!("{p}.{k}"),
+                };
+                if !seen.insert(k) {
+                    *self.found.borrow_mut() = Some(path);
+                    return Err(A::Error::custom("a duplicate key"));
+                }
+                m.next_value_seed(Seed {
+                    path,
+                    found: self.found,
+                })?;
+            }
+            Ok(())
+        }
+    }
+    let found = RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_str(text);
+    let _ = Seed {
+        path: String::new(),
+        found: &found,
+    }
+    .deserialize(&mut de);
+    found.into_inner()
 }
 
 struct Tx<'a> {

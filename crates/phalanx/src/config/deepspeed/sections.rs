@@ -150,6 +150,7 @@ impl Tx<'_> {
             Some(t) => Some(self.string("optimizer.type", t)?),
             None => return Err(self.err("optimizer", "needs a \"type\"")),
         };
+        let sgd = ty.as_deref().is_some_and(|t| t.eq_ignore_ascii_case("sgd"));
         match ty {
             // Phalanx's optimizer, with its own values for the params omitted.
             None => self.auto("optimizer.type", Via::Key("optim.name".into())),
@@ -185,39 +186,65 @@ impl Tx<'_> {
         for (k, v) in m {
             match k.as_str() {
                 "type" => {}
-                "params" => self.section("optimizer.params", v, |tx, key, p, v| match key {
-                    "lr" => {
-                        if !is_auto(v) {
-                            tx.explicit_lr = Some(tx.float(p, v)?);
-                        }
-                        tx.num(p, v, "optim.lr")
-                    }
-                    "eps" => tx.num(p, v, "optim.eps"),
-                    "weight_decay" => tx.num(p, v, "optim.weight_decay"),
-                    "momentum" => tx.num(p, v, "optim.momentum"),
-                    "betas" if is_auto(v) => {
-                        tx.auto(p, Via::Key("optim.betas".into()));
-                        Ok(())
-                    }
-                    "betas" => {
-                        let b = v.as_array().filter(|a| a.len() == 2).ok_or_else(|| {
-                            tx.err(p, &format!("must be two numbers [beta1, beta2], not {v}"))
-                        })?;
-                        let b = [tx.float(p, &b[0])?, tx.float(p, &b[1])?];
-                        tx.set(
-                            "optim.betas",
-                            T::Array(vec![T::Float(b[0]), T::Float(b[1])]),
+                "params" => {
+                    let J::Object(pm) = v else {
+                        return Err(
+                            self.err("optimizer.params", &format!("must be an object, not {v}"))
                         );
-                        Ok(())
+                    };
+                    let (mut wd_given, mut torch_adam) = (false, false);
+                    for (key, v) in pm.iter().filter(|(_, v)| !v.is_null()) {
+                        let p = &format!("optimizer.params.{key}");
+                        let tx = &mut *self;
+                        match key.as_str() {
+                            "lr" => {
+                                if !is_auto(v) {
+                                    tx.explicit_lr = Some(tx.float(p, v)?);
+                                }
+                                tx.num(p, v, "optim.lr")?
+                            }
+                            // (Keys the chosen optimizer does not take:
+                            // DeepSpeed's constructor call fails on them.)
+                            "eps" | "betas" if sgd => {
+                                return Err(tx.err(p, "is not a parameter of SGD"))
+                            }
+                            "momentum" if !sgd => {
+                                return Err(tx.err(p, "is not a parameter of Adam / AdamW"))
+                            }
+                            "eps" => tx.num(p, v, "optim.eps")?,
+                            "weight_decay" => {
+                                wd_given = true;
+                                tx.num(p, v, "optim.weight_decay")?
+                            }
+                            "momentum" => tx.num(p, v, "optim.momentum")?,
+                            "betas" if is_auto(v) => tx.auto(p, Via::Key("optim.betas".into())),
+                            "betas" => {
+                                let b = v.as_array().filter(|a| a.len() == 2).ok_or_else(|| {
+                                    tx.err(
+                                        p,
+                                        &format!("must be two numbers [beta1, beta2], not {v}"),
+                                    )
+                                })?;
+                                let b = [tx.float(p, &b[0])?, tx.float(p, &b[1])?];
+                                tx.set(
+                                    "optim.betas",
+                                    T::Array(vec![T::Float(b[0]), T::Float(b[1])]),
+                                );
+                            }
+                            "adam_w_mode" | "bias_correction" => tx.only(p, v, true)?,
+                            "amsgrad" | "nesterov" => tx.only(p, v, false)?,
+                            "torch_adam" | "fused" => {
+                                torch_adam |= key == "torch_adam" && v.as_bool() == Some(true);
+                                tx.no_effect(p, v, "Phalanx has one fused AdamW loop");
+                            }
+                            _ => return Err(tx.unknown(p)),
+                        }
                     }
-                    "adam_w_mode" | "bias_correction" => tx.only(p, v, true),
-                    "amsgrad" | "nesterov" => tx.only(p, v, false),
-                    "torch_adam" | "fused" => {
-                        tx.no_effect(p, v, "Phalanx has one fused AdamW loop");
-                        Ok(())
+                    if torch_adam && !wd_given && !sgd {
+                        // torch.optim.AdamW's default, not FusedAdam's 0.
+                        self.set("optim.weight_decay", T::Float(0.01));
                     }
-                    _ => Err(tx.unknown(p)),
-                })?,
+                }
                 _ => return Err(self.unknown(&format!("optimizer.{k}"))),
             }
         }
@@ -326,7 +353,8 @@ impl Tx<'_> {
                 Via::Key("optim.warmup_steps".into()),
             ),
             Some(Some(v)) => {
-                let n = self.uint(&path("warmup_num_steps"), v)?;
+                // DeepSpeed's schedulers warm up over at least 2 steps.
+                let n = self.uint(&path("warmup_num_steps"), v)?.max(2);
                 self.set("optim.warmup_steps", T::Integer(n));
             }
             None if defaults => self.set("optim.warmup_steps", T::Integer(1000)),
@@ -352,6 +380,7 @@ impl Tx<'_> {
             Some(Some(v)) => {
                 let n = self.uint(&path("total_num_steps"), v)?;
                 self.set("optim.decay_steps", T::Integer(n));
+                self.extra.total_num_steps = Some(n as usize);
             }
             None => {
                 if let Some(t @ ("WarmupDecayLR" | "WarmupCosineLR")) = ty.as_deref() {
