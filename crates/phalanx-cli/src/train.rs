@@ -360,6 +360,13 @@ fn as_rank(
         for n in loader.notes() {
             println!("note: {n}");
         }
+        if cfg.train.eval_interval > 0 && loader.val_tokens() == 0 {
+            println!(
+                "note: no validation data, so no validation loss: text sources hold none out \
+                 (data.val_fraction takes the tail of token files); give data.val_path, or set \
+                 train.eval_interval = 0"
+            );
+        }
         // What a Trainer-style DeepSpeed config's "auto" values became, once
         // per run (rank 0, where the batch numbers are resolved for dp).
         if let Some(s) = cfg.deepspeed_auto_summary(cfg.dp_for_world(pg.size())?) {

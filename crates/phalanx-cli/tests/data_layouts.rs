@@ -166,3 +166,38 @@ fn a_mixed_corpus_gives_the_same_losses_on_every_layout() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Text sources hold no validation tail: a run asking for validation over
+/// them is told it gets none (it used to log no validation loss, silently).
+#[test]
+fn validation_over_text_sources_only_is_said_to_be_missing() {
+    let dir = fresh_dir("phalanx-data-layouts", "noval");
+    corpus(&dir);
+    let data = format!("data.path=\"{}\"", dir.join("docs.jsonl").display());
+    let (code, out, err) = phalanx(&[
+        "train",
+        "--nproc-per-node",
+        "1",
+        "--set",
+        &data,
+        "--set",
+        "data.field=\"content\"",
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "model.n_embd=32",
+        "--set",
+        "model.block_size=32",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.eval_interval=1",
+        "--set",
+        "log.plot=\"\"",
+        "--set",
+        "log.report=\"\"",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("note: no validation data"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -922,10 +922,69 @@ fn settings_without_effect_get_a_note() {
         ),
         (&["train.reduce_dtype=\"fp16\""], "reduced in fp16"),
         (&["parallel.comm_hook=\"fp16\""], "without a loss scale"),
+        (
+            &[
+                "optim.schedule=\"constant\"",
+                "optim.warmup_steps=100",
+                "train.steps=10",
+            ],
+            "has no warm-up: optim.warmup_steps = 100 is not used",
+        ),
+        (
+            &["optim.schedule=\"warmup_constant\"", "optim.decay_steps=50"],
+            "optim.decay_steps = 50 has no effect",
+        ),
+        (
+            &["fp16.enabled=true"],
+            "fp16.enabled = true: training in fp16",
+        ),
+        (
+            &["parallel.hybrid_shard_size=2"],
+            "without parallel.sharding_strategy",
+        ),
+        (
+            &[
+                "zero_optimization.stage=3",
+                "zero_optimization.reduce_bucket_size=5e8",
+            ],
+            "no effect under ZeRO-3",
+        ),
+        (
+            &["zero_optimization.stage=2", "parallel.forward_prefetch=4"],
+            "no effect under ZeRO stage 2",
+        ),
+        (&["parallel.backward_prefetch=2"], "no effect under DDP"),
+        (
+            &["optim.name=\"sgd\"", "optim.betas=[0.9, 0.99]"],
+            "with optim.name = \"sgd\"",
+        ),
+        (&["optim.momentum=0.5"], "optim.momentum has no effect"),
+        (&["checkpoint.async=true"], "checkpoint.interval = 0"),
+        (&["parallel.pp=4"], "the bubble"),
+        (&["parallel.pp_schedule=\"gpipe\""], "with parallel.pp = 1"),
     ] {
         let n = notes(s);
         assert!(n.contains(want), "{s:?}: {n:?}");
     }
+    // The warm-up note of a warming schedule is not the constant one's.
+    let n = notes(&["optim.warmup_steps=100", "train.steps=10"]);
+    assert!(
+        n.contains("never reaches optim.lr") && !n.contains("no warm-up"),
+        "{n}"
+    );
+    // Validation asked for over no batches is refused.
+    let e = TrainConfig::build(None, &set(&["train.eval_batches=0"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("train.eval_batches = 0 evaluates nothing"),
+        "{e}"
+    );
+    TrainConfig::build(
+        None,
+        &set(&["train.eval_batches=0", "train.eval_interval=0"]),
+    )
+    .unwrap();
     let e = TrainConfig::build(
         None,
         &set(&[

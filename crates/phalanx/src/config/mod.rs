@@ -22,6 +22,7 @@ mod deepspeed;
 mod fault_tolerance;
 mod merge;
 mod model;
+mod notes;
 mod precision;
 mod validate;
 

@@ -498,89 +498,19 @@ impl TrainConfig {
         if self.train.steps == 0 {
             return Err(ConfigError("train.steps must be at least 1".into()));
         }
+        if self.train.eval_interval > 0 && self.train.eval_batches == 0 {
+            return Err(ConfigError(format!(
+                "train.eval_batches = 0 evaluates nothing, while train.eval_interval = {} asks \
+                 for validation every {} steps; set train.eval_interval = 0 to turn it off",
+                self.train.eval_interval, self.train.eval_interval
+            )));
+        }
         self.check_counts()
     }
 
     /// Counts from the user are bounded, so that the products the trainer
     /// forms (global batch = micro x dp x accum, samples x sequence length,
     /// steps x batch) cannot wrap: every refusal names the key.
-    /// Settings accepted but doing nothing, or less than they say, beside
-    /// the others (notes rank 0 prints when the config is built).
-    pub fn notes(&self) -> Vec<String> {
-        let (t, o, p) = (&self.train, &self.optim, &self.parallel);
-        let stage = self.sharding().map_or(0, |s| s.stage);
-        let mut n = Vec::new();
-        if o.warmup_steps > 0 && o.warmup_steps >= t.steps {
-            n.push(format!(
-                "optim.warmup_steps = {} is not below train.steps = {}: the learning rate never \
-                 reaches optim.lr",
-                o.warmup_steps, t.steps
-            ));
-        }
-        let decays = matches!(
-            o.schedule,
-            super::LrScheduleKind::Cosine | super::LrScheduleKind::WarmupLinear
-        );
-        if decays && o.decay_steps != 0 && o.decay_steps <= o.warmup_steps {
-            n.push(format!(
-                "optim.decay_steps = {} ends within the warm-up's {} steps: there is no decay \
-                 phase (the rate goes from optim.lr to optim.min_lr at once)",
-                o.decay_steps, o.warmup_steps
-            ));
-        }
-        let ac = &self.activation_checkpointing;
-        if (ac.partition_activations || ac.cpu_checkpointing)
-            && self.recompute() == super::Recompute::None
-        {
-            n.push(
-                "activation_checkpointing.partition_activations / cpu_checkpointing shape the \
-                 checkpoints of recomputed blocks, and train.activation_checkpointing = \"none\" \
-                 recomputes none: no effect (set train.activation_checkpointing = \"full\")"
-                    .into(),
-            );
-        }
-        if p.sequence_parallel && p.tp == 1 {
-            n.push("parallel.sequence_parallel has no effect with parallel.tp = 1".into());
-        }
-        if stage == 3 && matches!(self.recompute(), super::Recompute::Every(_)) {
-            n.push(format!(
-                "train.activation_checkpointing = {}: ZeRO-3 frees each block's parameters after \
-                 its forward, so every block is recomputed in the backward (or served its \
-                 parameters again, where it has a direct backward)",
-                self.recompute()
-            ));
-        }
-        if p.check_params_every > 0
-            && !self.diloco.on()
-            && !self.fault_tolerance.enabled()
-            && (stage >= 1 || p.pp > 1)
-        {
-            n.push(format!(
-                "parallel.check_params_every compares DDP's (and DiLoCo's) replicas; it has no \
-                 effect under ZeRO stage {stage} or pipeline parallelism"
-            ));
-        }
-        // fp16 on the wire without fp16's loss scale: gradients below fp16's
-        // smallest subnormal (6e-8) arrive as zeros, and bf16 would keep
-        // fp32's range at the same size.
-        let fp16_wire =
-            t.reduce_dtype == super::Precision::Fp16 || p.comm_hook == super::CommHookKind::Fp16;
-        if fp16_wire && self.precision() != super::Precision::Fp16 {
-            n.push(format!(
-                "gradients are reduced in fp16 ({}) without a loss scale ({} training): values \
-                 below 6e-8 arrive as zeros and above 65504 as infinities; bf16 keeps fp32's \
-                 range",
-                if t.reduce_dtype == super::Precision::Fp16 {
-                    "train.reduce_dtype"
-                } else {
-                    "parallel.comm_hook"
-                },
-                self.precision()
-            ));
-        }
-        n
-    }
-
     fn check_counts(&self) -> Result<()> {
         const MAX: usize = 1 << 40;
         let (t, o, p) = (&self.train, &self.optim, &self.parallel);
