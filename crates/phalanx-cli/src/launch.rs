@@ -24,8 +24,13 @@ pub(crate) const STOP_GRACE: Duration = Duration::from_secs(120);
 
 /// Lines of stderr kept per rank for the failure report.
 const TAIL: usize = 20;
-/// How long workers get between SIGTERM and SIGKILL.
-const GRACE: Duration = Duration::from_secs(3);
+/// How long workers get between SIGTERM and SIGKILL (`--shutdown-timeout`,
+/// torchrun's 30 s by default), set once by [`run`].
+static GRACE: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+fn grace() -> Duration {
+    *GRACE.get().unwrap_or(&Duration::from_secs(30))
+}
 /// How long a worker sent SIGKILL is waited for before the launcher goes
 /// on without it.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -136,10 +141,51 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             "no command given; usage: phalanx run --nproc-per-node N -- PROGRAM [ARGS...]".into(),
         );
     }
+    if cmd[0].starts_with('-') && cmd[0] != "--" {
+        // (Everything from the first word it does not know is the program.)
+        return Err(format!(
+            "unknown flag {}: phalanx run takes the torchrun flags its --help lists; the \
+             program and its arguments come after them",
+            cmd[0]
+        ));
+    }
+    let runnable = |p: &str| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if cmd[0].ends_with(".py") && !runnable(&cmd[0]) {
+        return Err(format!(
+            "{}: phalanx run executes PROGRAM itself (as torchrun --no-python does); give \
+             `-- python -u {}` (note: a torch.distributed program needs torchrun's store, \
+             see docs/launching.md)",
+            cmd[0], cmd[0]
+        ));
+    }
+    let t = opts.shutdown_timeout;
+    if !(t.is_finite() && (0.0..=86400.0).contains(&t)) {
+        return Err(format!(
+            "--shutdown-timeout {t}: expected seconds between 0 and 86400"
+        ));
+    }
+    let _ = GRACE.set(Duration::from_secs_f64(t));
     let nproc = opts.nproc_per_node.unwrap_or(1);
     crate::local_ranks::check(nproc)?;
     if opts.elastic()? {
+        if opts.node_rank != 0 {
+            // (torchrun warns the same way.)
+            eprintln!(
+                "phalanx run: note: --node-rank {} has no effect in an elastic job: each \
+                 round numbers its nodes",
+                opts.node_rank
+            );
+        }
         return crate::rdzv::run_elastic(opts, cmd);
+    }
+    if opts.rdzv_conf.is_some() {
+        eprintln!(
+            "phalanx run: note: --rdzv-conf has no effect with a static rendezvous (it sets \
+             an elastic job's timeouts: --nnodes MIN:MAX or --rdzv-backend c10d)"
+        );
     }
     let nnodes = opts.nnodes_range()?.0;
     if opts.node_rank >= nnodes {
@@ -390,6 +436,10 @@ pub(crate) fn run_group(
             .env("PHALANX_RESTART_COUNT", env.restart.to_string())
             .env("TORCHELASTIC_RESTART_COUNT", env.restart.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", o.max_restarts.to_string())
+            // torchrun's role names (one role, "default").
+            .env("ROLE_NAME", "default")
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", world.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -397,6 +447,11 @@ pub(crate) fn run_group(
             if std::env::var_os(var).is_none() {
                 c.env(var, env.threads.to_string());
             }
+        }
+        // Output goes through a pipe: Python would buffer it, and lose it
+        // when the worker is killed (torchrun runs `python -u`).
+        if std::env::var_os("PYTHONUNBUFFERED").is_none() {
+            c.env("PYTHONUNBUFFERED", "1");
         }
         if let Some(id) = &env.job_id {
             c.env("PHALANX_JOB_ID", id);
@@ -667,7 +722,7 @@ fn stop_all(workers: &mut [Worker]) {
             libc::kill(-pid, libc::SIGTERM);
         }
     }
-    let deadline = Instant::now() + GRACE;
+    let deadline = Instant::now() + grace();
     for w in workers.iter_mut() {
         loop {
             match reap(w) {

@@ -6,43 +6,73 @@ use clap::Args;
 #[derive(Args, Debug, Clone)]
 pub struct LaunchOpts {
     /// Worker processes on this node (default 1; `phalanx train` defaults to 2).
-    #[arg(long = "nproc-per-node", alias = "nproc_per_node")]
+    /// torchrun's `auto` and `cpu` are this host's cores.
+    #[arg(
+        long = "nproc-per-node",
+        alias = "nproc_per_node",
+        env = "PET_NPROC_PER_NODE",
+        value_parser = parse_nproc
+    )]
     pub nproc_per_node: Option<usize>,
     /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job
     /// (nodes may leave and join; see `--rdzv-endpoint`).
-    #[arg(long, default_value = "1")]
+    #[arg(long, env = "PET_NNODES", default_value = "1")]
     pub nnodes: String,
     /// This node's index, 0..nnodes.
-    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
+    #[arg(
+        long = "node-rank",
+        alias = "node_rank",
+        env = "PET_NODE_RANK",
+        default_value_t = 0
+    )]
     pub node_rank: usize,
     /// Address of node 0 (hosts the rendezvous store).
     #[arg(
         long = "master-addr",
         alias = "master_addr",
+        env = "PET_MASTER_ADDR",
         default_value = "127.0.0.1"
     )]
     pub master_addr: String,
     /// Store port on node 0. Default: 29500 for multi-node jobs, a free port
     /// for single-node jobs.
-    #[arg(long = "master-port", alias = "master_port")]
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT")]
     pub master_port: Option<u16>,
     /// Restart the whole group up to K times after a failure; workers of a
     /// restarted group get PHALANX_RESTART_COUNT (and torchrun's
     /// TORCHELASTIC_RESTART_COUNT) = the attempt number, and `phalanx train`
     /// resumes from its latest checkpoint.
-    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
+    #[arg(
+        long = "max-restarts",
+        alias = "max_restarts",
+        env = "PET_MAX_RESTARTS",
+        default_value_t = 0
+    )]
     pub max_restarts: usize,
     /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)
     /// or `c10d` (elastic rounds through the store at `--rdzv-endpoint`);
     /// `--nnodes MIN:MAX` implies `c10d`.
-    #[arg(long = "rdzv-backend", alias = "rdzv_backend")]
+    #[arg(
+        long = "rdzv-backend",
+        alias = "rdzv_backend",
+        env = "PET_RDZV_BACKEND"
+    )]
     pub rdzv_backend: Option<String>,
     /// HOST:PORT of the elastic rendezvous store: the agent on that host
     /// serves it, the others connect (default: --master-addr:--master-port).
-    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint")]
+    #[arg(
+        long = "rdzv-endpoint",
+        alias = "rdzv_endpoint",
+        env = "PET_RDZV_ENDPOINT"
+    )]
     pub rdzv_endpoint: Option<String>,
     /// The job's id: agents with the same id and endpoint form one job.
-    #[arg(long = "rdzv-id", alias = "rdzv_id", default_value = "none")]
+    #[arg(
+        long = "rdzv-id",
+        alias = "rdzv_id",
+        env = "PET_RDZV_ID",
+        default_value = "none"
+    )]
     pub rdzv_id: String,
     /// Seconds a rendezvous waits for `MIN` nodes before it fails.
     #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", default_value_t = 900)]
@@ -51,8 +81,41 @@ pub struct LaunchOpts {
     /// --rdzv-timeout), `last_call_timeout` (seconds to wait for more nodes
     /// once MIN have joined, default 5), `heartbeat_timeout` (seconds of
     /// silence after which a node is lost, default 15).
-    #[arg(long = "rdzv-conf", alias = "rdzv_conf")]
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF")]
     pub rdzv_conf: Option<String>,
+    /// Seconds workers get between SIGTERM and SIGKILL when the job stops
+    /// (torchrun's, default 30; TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
+    #[arg(
+        long = "shutdown-timeout",
+        alias = "shutdown_timeout",
+        env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+        default_value_t = 30.0
+    )]
+    pub shutdown_timeout: f64,
+    /// torchrun's single-node shorthand: accepted, and what a one-node job
+    /// does anyway (a free loopback port, a job secret of its own).
+    #[arg(long)]
+    pub standalone: bool,
+    /// torchrun's: accepted, and what `phalanx run` always does (PROGRAM is
+    /// run as given, no Python interpreter is put before it).
+    #[arg(long = "no-python", alias = "no_python")]
+    pub no_python: bool,
+}
+
+/// `--nproc-per-node`: a count, or torchrun's `auto` / `cpu` (this host's
+/// cores); `gpu` is refused (one process per GPU: give the count).
+fn parse_nproc(v: &str) -> Result<usize, String> {
+    match v.trim() {
+        "auto" | "cpu" => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "gpu" => Err(
+            "torchrun's \"gpu\" (one process per GPU) is not read here: give the \
+                      number of processes"
+                .into(),
+        ),
+        n => n
+            .parse()
+            .map_err(|_| format!("{n:?} is not a number of processes (nor auto or cpu)")),
+    }
 }
 
 /// The most nodes a job may have: far beyond any cluster, and small enough

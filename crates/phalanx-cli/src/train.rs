@@ -129,6 +129,24 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         }
         return crate::launch::relaunch_self(launch, n);
     }
+    // Started by another launcher (torchrun, mpirun, srun): the job's
+    // layout is that launcher's, and these flags say nothing to it.
+    let own = std::env::var_os(crate::launch::OUTPUTS_CHECKED).is_some();
+    // (On the command line: a PET_* variable is torchrun's own, inherited.)
+    let given = std::env::args().any(|a| {
+        let flag = a.split('=').next().unwrap_or("").replace('_', "-");
+        matches!(
+            flag.as_str(),
+            "--nproc-per-node" | "--nnodes" | "--max-restarts"
+        )
+    });
+    if !own && given && std::env::var("RANK").is_ok_and(|r| r.trim() == "0") {
+        eprintln!(
+            "note: phalanx train runs inside a job its launcher started (RANK is set): \
+             --nproc-per-node, --nnodes and --max-restarts are that launcher's to give, and \
+             have no effect here"
+        );
+    }
     match run(&cfg, hf_config.as_deref(), opts) {
         Ok(None) => 0,
         // Stopped at a step boundary at the elastic agent's request.

@@ -221,3 +221,32 @@ fn an_sbatch_shell_is_no_srun_step() {
     // 64 = micro 4 x 8 ranks x accum 2.
     assert!(step.contains("grad_accum_steps = 2\n"), "{step}");
 }
+
+/// `phalanx train` started by another launcher (RANK set) with launch
+/// flags on its command line says they are that launcher's; a `PET_*`
+/// variable the pod inherits is no such flag.
+#[test]
+fn launch_flags_inside_another_launchers_job_get_a_note() {
+    let d = fresh_dir("phalanx-cluster-env", "flags-in-job");
+    let log = d.join("log.jsonl");
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo())
+            .arg("train")
+            .args(train_args(&log, 1))
+            .args(extra);
+        for v in LAUNCHER_VARS {
+            c.env_remove(v);
+        }
+        c.envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")])
+            .envs(env.iter().copied());
+        run_until(c, DEADLINE)
+    };
+    let r = run(&["--nproc-per-node", "4"], &[]);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.err.contains("are that launcher's to give"), "{r}");
+    let r = run(&[], &[("PET_NPROC_PER_NODE", "4")]);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(!r.err.contains("launcher's to give"), "{r}");
+    let _ = std::fs::remove_dir_all(&d);
+}

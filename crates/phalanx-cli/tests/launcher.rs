@@ -477,6 +477,10 @@ fn the_summary_names_the_stopped_rank_not_its_messenger() {
             "run",
             "--nproc-per-node",
             "2",
+            // (A stopped rank takes SIGTERM only once continued: it is
+            // killed when the shutdown timeout ends.)
+            "--shutdown-timeout",
+            "3",
             "--",
             BIN,
             "_test-worker",
@@ -653,4 +657,95 @@ fn port_0_is_refused_unless_one_node_serves_itself() {
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no port in: {out}"));
     assert_ne!(port, 0, "{out}");
+}
+
+/// What a PyTorch user brings: torchrun's --standalone and --no-python are
+/// taken (what a one-node `phalanx run` does anyway), another torchrun flag
+/// is named rather than run as the program, a `.py` file is told to go
+/// through its interpreter, the `PET_*` variables Kubeflow sets are read as
+/// the flags, `--nproc-per-node cpu` is the host's cores, and workers get
+/// torchrun's role variables and unbuffered Python output.
+#[test]
+fn torchrun_flags_and_variables_a_pytorch_user_brings() {
+    let (code, _, err) = phalanx_with(
+        &[
+            "run",
+            "--standalone",
+            "--no-python",
+            "--nproc-per-node",
+            "1",
+            "--",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = phalanx_with(&["run", "--tee", "3", "--", "true"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("unknown flag --tee"), "{err}");
+    let (code, _, err) = phalanx_with(&["run", "--", "no_such_train.py"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("`-- python -u no_such_train.py`"), "{err}");
+    let (code, _, err) = phalanx_with(&["run", "--nproc-per-node", "gpu", "--", "true"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("give the number of processes"), "{err}");
+    let show = "echo \"$RANK $WORLD_SIZE $ROLE_NAME $ROLE_RANK $PYTHONUNBUFFERED\"";
+    let (code, out, err) = phalanx_with(
+        &["run", "--", "sh", "-c", show],
+        &[("PET_NPROC_PER_NODE", "2")],
+    );
+    assert_eq!(code, 0, "{err}");
+    for r in 0..2 {
+        assert!(
+            out.contains(&format!("[rank {r}] {r} 2 default {r} 1")),
+            "{out}"
+        );
+    }
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let (code, out, err) = phalanx_with(
+        &[
+            "run",
+            "--nproc-per-node",
+            "cpu",
+            "--",
+            "sh",
+            "-c",
+            "echo $WORLD_SIZE",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("[rank 0] {cores}")), "{out}");
+}
+
+/// A worker stopped because another failed gets torchrun's 30 s between
+/// SIGTERM and SIGKILL (a save-on-preemption handler finishes; it used to
+/// be killed after 3 s), or `--shutdown-timeout`'s.
+#[test]
+fn stopped_workers_get_the_shutdown_timeout_to_finish() {
+    let script = "if [ $RANK = 1 ]; then sleep 1; exit 3; fi; \
+                  trap 'sleep 4; echo \"rank 0 saved\" >&2; exit 0' TERM; \
+                  sleep 60 & wait";
+    let (code, _, err) = phalanx_with(
+        &["run", "--nproc-per-node", "2", "--", "sh", "-c", script],
+        &[],
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("rank 0 saved"), "{err}");
+    let (code, _, err) = phalanx_with(
+        &[
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--shutdown-timeout",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        &[],
+    );
+    assert_eq!(code, 3, "{err}");
+    assert!(!err.contains("rank 0 saved"), "{err}");
 }
