@@ -157,10 +157,67 @@ enum BenchCmd {
     },
 }
 
+/// torchtitan's spelling of an override, `--train.steps=100` or
+/// `--train.steps 100`, as `--set train.steps=100` (for the commands that
+/// take `--set`; up to a `--`). The section must be one of the config's.
+fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let takes_set = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .is_some_and(|c| matches!(c, "train" | "plan" | "generate"));
+    if !takes_set {
+        return args;
+    }
+    let sections: Vec<String> = toml::Value::try_from(phalanx::config::TrainConfig::default())
+        .ok()
+        .and_then(|v| v.as_table().map(|t| t.keys().cloned().collect()))
+        .unwrap_or_default();
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter();
+    out.extend(it.by_ref().take(2));
+    while let Some(a) = it.next() {
+        let Some(flag) = a.to_str().and_then(|s| s.strip_prefix("--")) else {
+            out.push(a);
+            continue;
+        };
+        if flag.is_empty() {
+            // `--`: what follows is not ours.
+            out.push(a);
+            out.extend(it.by_ref());
+            break;
+        }
+        let (key, value) = match flag.split_once('=') {
+            Some((k, v)) => (k.to_string(), Some(v.to_string())),
+            None => (flag.to_string(), None),
+        };
+        let ours = key
+            .split_once('.')
+            .is_some_and(|(sec, k)| !k.is_empty() && sections.iter().any(|s| s == sec));
+        if !ours {
+            out.push(a);
+            continue;
+        }
+        let value = match value {
+            Some(v) => v,
+            None => match it.next() {
+                Some(v) => v.to_string_lossy().into_owned(),
+                // (clap then says the flag is unknown.)
+                None => {
+                    out.push(a);
+                    continue;
+                }
+            },
+        };
+        out.push("--set".into());
+        out.push(format!("{key}={value}").into());
+    }
+    out
+}
+
 fn main() {
     // Before any thread starts: glibc keeps freed blocks for the next step.
     phalanx::engine::heap::retain_unless_refused();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(section_flags(std::env::args_os().collect()));
     // Not for `run`, a launcher started once per node by srun or mpirun:
     // it divides the node's cores among its own workers.
     if !matches!(cli.cmd, Cmd::Run { .. }) {

@@ -159,3 +159,30 @@ fn train_3_steps(ds_config: &str, extra: &[&str]) -> (i32, String, String) {
     args.extend_from_slice(extra);
     phalanx(&args)
 }
+
+/// torchtitan's spelling of an override, `--section.key=value` or
+/// `--section.key value`, is `--set section.key=value`, in order with the
+/// `--set`s; a flag of no config section stays an unknown flag.
+#[test]
+fn section_key_flags_are_overrides() {
+    let (code, out, err) = phalanx(&[
+        "train",
+        "--train.steps=3",
+        "--optim.lr",
+        "0.01",
+        "--set",
+        "log.interval=2",
+        "--log.interval=4",
+        "--print-config",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for want in ["steps = 3", "lr = 0.01", "interval = 4"] {
+        assert!(out.lines().any(|l| l == want), "{want}: {out}");
+    }
+    let (code, _, err) = phalanx(&["train", "--nosuch.key=1", "--print-config"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--nosuch.key"), "{err}");
+    let (code, _, err) = phalanx(&["train", "--train.nosuch=1", "--print-config"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("train.nosuch"), "{err}");
+}
