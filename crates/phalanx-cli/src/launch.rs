@@ -151,7 +151,15 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     }
     let runnable = |p: &str| {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        let exe = |p: &std::path::Path| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        };
+        // A name without a slash is looked up on PATH, as it will be run.
+        match p.contains('/') {
+            true => exe(p.as_ref()),
+            false => std::env::var_os("PATH")
+                .is_some_and(|path| std::env::split_paths(&path).any(|d| exe(&d.join(p)))),
+        }
     };
     if cmd[0].ends_with(".py") && !runnable(&cmd[0]) {
         return Err(format!(
@@ -414,7 +422,9 @@ pub(crate) fn run_group(
                  started); stopping them",
                 workers.len()
             );
-            stop_all(&mut workers);
+            stop_all_ticking(&mut workers, &mut || {
+                let _ = watch();
+            });
             return Ok(Outcome::Signalled(sig));
         }
         let rank = env.node_rank * nproc + local;
@@ -466,7 +476,9 @@ pub(crate) fn run_group(
         let mut child = match c.spawn() {
             Ok(ch) => ch,
             Err(e) => {
-                stop_all(&mut workers);
+                stop_all_ticking(&mut workers, &mut || {
+                    let _ = watch();
+                });
                 return Err(format!("cannot start {:?}: {e}", cmd[0]));
             }
         };
@@ -490,7 +502,9 @@ pub(crate) fn run_group(
         let sig = SIGNALLED.load(Ordering::SeqCst);
         if sig != 0 {
             eprintln!("phalanx run: received signal {sig}; stopping the workers");
-            stop_all(&mut workers);
+            stop_all_ticking(&mut workers, &mut || {
+                let _ = watch();
+            });
             return Ok(Outcome::Signalled(sig));
         }
 
@@ -525,7 +539,9 @@ pub(crate) fn run_group(
         let failed = failures.into_iter().next();
         if let Some((rank, (code, how))) = failed {
             let summary = blame(&mut workers, rank, code, &how);
-            stop_all(&mut workers);
+            stop_all_ticking(&mut workers, &mut || {
+                let _ = watch();
+            });
             let mut e = std::io::stderr().lock();
             let _ = writeln!(
                 e,
@@ -568,7 +584,9 @@ pub(crate) fn run_group(
                 }
                 finish_stop(&mut workers, watch)?;
             } else {
-                stop_all(&mut workers);
+                stop_all_ticking(&mut workers, &mut || {
+                    let _ = watch();
+                });
             }
             return Ok(Outcome::Interrupted(why));
         }
@@ -635,7 +653,9 @@ fn finish_stop(
         let _ = watch();
         std::thread::sleep(Duration::from_millis(20));
     }
-    stop_all(workers);
+    stop_all_ticking(workers, &mut || {
+        let _ = watch();
+    });
     Ok(())
 }
 
@@ -715,7 +735,10 @@ fn describe(st: ExitStatus) -> (i32, String) {
 }
 
 /// SIGTERM everyone still running, SIGKILL after the grace period, reap.
-fn stop_all(workers: &mut [Worker]) {
+/// `tick` is called while it waits (an elastic agent's heartbeat: the grace
+/// may outlast the heartbeat timeout, and a node stopping its workers is
+/// not lost).
+fn stop_all_ticking(workers: &mut [Worker], tick: &mut dyn FnMut()) {
     for pid in unreaped(workers) {
         // SAFETY: signalling the process group our (unreaped) child leads.
         unsafe {
@@ -750,7 +773,10 @@ fn stop_all(workers: &mut [Worker]) {
                     }
                     break;
                 }
-                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Ok(None) => {
+                    tick();
+                    std::thread::sleep(Duration::from_millis(10));
+                }
             }
         }
     }
@@ -947,6 +973,6 @@ mod tests {
         }
         // Polled again: the status kept, nothing waited on or signalled.
         assert_eq!(poll(&mut workers).unwrap().1[0].1 .0, 3);
-        stop_all(&mut workers);
+        stop_all_ticking(&mut workers, &mut || {});
     }
 }

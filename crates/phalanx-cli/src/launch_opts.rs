@@ -10,69 +10,44 @@ pub struct LaunchOpts {
     #[arg(
         long = "nproc-per-node",
         alias = "nproc_per_node",
-        env = "PET_NPROC_PER_NODE",
         value_parser = parse_nproc
     )]
     pub nproc_per_node: Option<usize>,
     /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job
     /// (nodes may leave and join; see `--rdzv-endpoint`).
-    #[arg(long, env = "PET_NNODES", default_value = "1")]
+    #[arg(long, default_value = "1")]
     pub nnodes: String,
     /// This node's index, 0..nnodes.
-    #[arg(
-        long = "node-rank",
-        alias = "node_rank",
-        env = "PET_NODE_RANK",
-        default_value_t = 0
-    )]
+    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
     pub node_rank: usize,
     /// Address of node 0 (hosts the rendezvous store).
     #[arg(
         long = "master-addr",
         alias = "master_addr",
-        env = "PET_MASTER_ADDR",
         default_value = "127.0.0.1"
     )]
     pub master_addr: String,
     /// Store port on node 0. Default: 29500 for multi-node jobs, a free port
     /// for single-node jobs.
-    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT")]
+    #[arg(long = "master-port", alias = "master_port")]
     pub master_port: Option<u16>,
     /// Restart the whole group up to K times after a failure; workers of a
     /// restarted group get PHALANX_RESTART_COUNT (and torchrun's
     /// TORCHELASTIC_RESTART_COUNT) = the attempt number, and `phalanx train`
     /// resumes from its latest checkpoint.
-    #[arg(
-        long = "max-restarts",
-        alias = "max_restarts",
-        env = "PET_MAX_RESTARTS",
-        default_value_t = 0
-    )]
+    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: usize,
     /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)
     /// or `c10d` (elastic rounds through the store at `--rdzv-endpoint`);
     /// `--nnodes MIN:MAX` implies `c10d`.
-    #[arg(
-        long = "rdzv-backend",
-        alias = "rdzv_backend",
-        env = "PET_RDZV_BACKEND"
-    )]
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend")]
     pub rdzv_backend: Option<String>,
     /// HOST:PORT of the elastic rendezvous store: the agent on that host
     /// serves it, the others connect (default: --master-addr:--master-port).
-    #[arg(
-        long = "rdzv-endpoint",
-        alias = "rdzv_endpoint",
-        env = "PET_RDZV_ENDPOINT"
-    )]
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint")]
     pub rdzv_endpoint: Option<String>,
     /// The job's id: agents with the same id and endpoint form one job.
-    #[arg(
-        long = "rdzv-id",
-        alias = "rdzv_id",
-        env = "PET_RDZV_ID",
-        default_value = "none"
-    )]
+    #[arg(long = "rdzv-id", alias = "rdzv_id", default_value = "none")]
     pub rdzv_id: String,
     /// Seconds a rendezvous waits for `MIN` nodes before it fails.
     #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", default_value_t = 900)]
@@ -81,14 +56,13 @@ pub struct LaunchOpts {
     /// --rdzv-timeout), `last_call_timeout` (seconds to wait for more nodes
     /// once MIN have joined, default 5), `heartbeat_timeout` (seconds of
     /// silence after which a node is lost, default 15).
-    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF")]
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf")]
     pub rdzv_conf: Option<String>,
     /// Seconds workers get between SIGTERM and SIGKILL when the job stops
     /// (torchrun's, default 30; TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
     #[arg(
         long = "shutdown-timeout",
         alias = "shutdown_timeout",
-        env = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
         default_value_t = 30.0
     )]
     pub shutdown_timeout: f64,

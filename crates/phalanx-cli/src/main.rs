@@ -157,6 +157,55 @@ enum BenchCmd {
     },
 }
 
+/// torchrun's `PET_*` variables (as Kubeflow's PyTorchJob sets them) and
+/// `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, as the flags they stand for, for a
+/// `phalanx run` or `phalanx train` that launches (not for a worker inside
+/// a job, which inherits them and takes no launch flag); a flag given on
+/// the command line wins.
+fn pet_flags(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    const VARS: [(&str, &str); 11] = [
+        ("PET_NPROC_PER_NODE", "--nproc-per-node"),
+        ("PET_NNODES", "--nnodes"),
+        ("PET_NODE_RANK", "--node-rank"),
+        ("PET_MASTER_ADDR", "--master-addr"),
+        ("PET_MASTER_PORT", "--master-port"),
+        ("PET_MAX_RESTARTS", "--max-restarts"),
+        ("PET_RDZV_BACKEND", "--rdzv-backend"),
+        ("PET_RDZV_ENDPOINT", "--rdzv-endpoint"),
+        ("PET_RDZV_ID", "--rdzv-id"),
+        ("PET_RDZV_CONF", "--rdzv-conf"),
+        ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "--shutdown-timeout"),
+    ];
+    let launches = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .is_some_and(|c| matches!(c, "run" | "train"));
+    if !launches || launch::in_job() {
+        return args;
+    }
+    // The flags given, up to a `--` (what follows is the program's).
+    let given: Vec<String> = args[2..]
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .take_while(|a| a != "--")
+        .filter_map(|a| {
+            let f = a.strip_prefix("--")?.split('=').next()?.replace('_', "-");
+            Some(format!("--{f}"))
+        })
+        .collect();
+    let mut extra = Vec::new();
+    for (var, flag) in VARS {
+        if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+            if !given.iter().any(|g| g == flag) {
+                extra.push(flag.into());
+                extra.push(v);
+            }
+        }
+    }
+    args.splice(2..2, extra);
+    args
+}
+
 /// torchtitan's spelling of an override, `--train.steps=100` or
 /// `--train.steps 100`, as `--set train.steps=100` (for the commands that
 /// take `--set`; up to a `--`). The section must be one of the config's.
@@ -173,7 +222,7 @@ fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
         .and_then(|v| v.as_table().map(|t| t.keys().cloned().collect()))
         .unwrap_or_default();
     let mut out = Vec::with_capacity(args.len());
-    let mut it = args.into_iter();
+    let mut it = args.into_iter().peekable();
     out.extend(it.by_ref().take(2));
     while let Some(a) = it.next() {
         let Some(flag) = a.to_str().and_then(|s| s.strip_prefix("--")) else {
@@ -199,14 +248,23 @@ fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
         }
         let value = match value {
             Some(v) => v,
-            None => match it.next() {
-                Some(v) => v.to_string_lossy().into_owned(),
-                // (clap then says the flag is unknown.)
-                None => {
-                    out.push(a);
-                    continue;
+            // A flag alone (or before another flag) is a boolean set true,
+            // as torchtitan's `--checkpoint.enable_checkpoint`.
+            None => {
+                let next = it.peek().map(|v| v.to_str().map(str::to_string));
+                match next {
+                    Some(Some(v)) if !v.starts_with("--") => {
+                        it.next();
+                        v
+                    }
+                    // (Not UTF-8: clap names it.)
+                    Some(None) => {
+                        out.push(a);
+                        continue;
+                    }
+                    _ => "true".to_string(),
                 }
-            },
+            }
         };
         out.push("--set".into());
         out.push(format!("{key}={value}").into());
@@ -217,7 +275,7 @@ fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
 fn main() {
     // Before any thread starts: glibc keeps freed blocks for the next step.
     phalanx::engine::heap::retain_unless_refused();
-    let cli = Cli::parse_from(section_flags(std::env::args_os().collect()));
+    let cli = Cli::parse_from(pet_flags(section_flags(std::env::args_os().collect())));
     // Not for `run`, a launcher started once per node by srun or mpirun:
     // it divides the node's cores among its own workers.
     if !matches!(cli.cmd, Cmd::Run { .. }) {

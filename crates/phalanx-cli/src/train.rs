@@ -133,7 +133,8 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     // layout is that launcher's, and these flags say nothing to it.
     let own = std::env::var_os(crate::launch::OUTPUTS_CHECKED).is_some();
     // (On the command line: a PET_* variable is torchrun's own, inherited.)
-    let given = std::env::args().any(|a| {
+    let given = std::env::args_os().any(|a| {
+        let a = a.to_string_lossy();
         let flag = a.split('=').next().unwrap_or("").replace('_', "-");
         matches!(
             flag.as_str(),

@@ -686,6 +686,20 @@ fn torchrun_flags_and_variables_a_pytorch_user_brings() {
     let (code, _, err) = phalanx_with(&["run", "--", "no_such_train.py"], &[]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("`-- python -u no_such_train.py`"), "{err}");
+    // An executable script on PATH is run as it is.
+    let bin = phalanx::fsutil::ScratchDir::new("phalanx", "pybin");
+    let script = bin.join("hello_phalanx.py");
+    std::fs::write(&script, "#!/bin/sh\necho hello from the script\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let (code, out, err) = phalanx_with(&["run", "--", "hello_phalanx.py"], &[("PATH", &path)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("hello from the script"), "{out}");
     let (code, _, err) = phalanx_with(&["run", "--nproc-per-node", "gpu", "--", "true"], &[]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("give the number of processes"), "{err}");

@@ -179,6 +179,10 @@ fn section_key_flags_are_overrides() {
     for want in ["steps = 3", "lr = 0.01", "interval = 4"] {
         assert!(out.lines().any(|l| l == want), "{want}: {out}");
     }
+    // A flag alone, or before another flag, is a boolean set true.
+    let (code, out, err) = phalanx(&["train", "--checkpoint.async", "--print-config"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.lines().any(|l| l == "async = true"), "{out}");
     let (code, _, err) = phalanx(&["train", "--nosuch.key=1", "--print-config"]);
     assert_ne!(code, 0);
     assert!(err.contains("--nosuch.key"), "{err}");

@@ -93,14 +93,6 @@ impl TrainConfig {
                 o.schedule.to_string()
             ));
         }
-        for (on, key) in [(self.fp16.enabled, "fp16"), (self.bf16.enabled, "bf16")] {
-            if on && t.precision == super::Precision::Fp32 {
-                n.push(format!(
-                    "{key}.enabled = true: training in {key} (train.precision = \"fp32\" is its \
-                     default, not a choice; set {key}.enabled = false for fp32)"
-                ));
-            }
-        }
         let hybrid = p.sharding_strategy == super::ShardingStrategy::HybridShard;
         if p.hybrid_shard_size != 0 && !hybrid {
             n.push(format!(
@@ -152,7 +144,8 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if p.pp > 1 && t.grad_accum_steps < p.pp {
+        // (A batch still to derive for the world size has no final count.)
+        if p.pp > 1 && t.grad_accum_steps < p.pp && !self.batch_to_derive() {
             n.push(format!(
                 "parallel.pp = {} runs train.grad_accum_steps = {} micro-batch(es) per step: each \
                  stage idles most of the step (the bubble); a few times pp micro-batches keep \

@@ -150,6 +150,8 @@ impl Tx<'_> {
             Some(t) => Some(self.string("optimizer.type", t)?),
             None => return Err(self.err("optimizer", "needs a \"type\"")),
         };
+        // ("auto": Phalanx's optim.name, known only once merged.)
+        let typed = ty.is_some();
         let sgd = ty.as_deref().is_some_and(|t| t.eq_ignore_ascii_case("sgd"));
         match ty {
             // Phalanx's optimizer, with its own values for the params omitted.
@@ -205,10 +207,10 @@ impl Tx<'_> {
                             }
                             // (Keys the chosen optimizer does not take:
                             // DeepSpeed's constructor call fails on them.)
-                            "eps" | "betas" if sgd => {
+                            "eps" | "betas" if typed && sgd => {
                                 return Err(tx.err(p, "is not a parameter of SGD"))
                             }
-                            "momentum" if !sgd => {
+                            "momentum" if typed && !sgd => {
                                 return Err(tx.err(p, "is not a parameter of Adam / AdamW"))
                             }
                             "eps" => tx.num(p, v, "optim.eps")?,
@@ -235,7 +237,12 @@ impl Tx<'_> {
                             "amsgrad" | "nesterov" => tx.only(p, v, false)?,
                             "torch_adam" | "fused" => {
                                 torch_adam |= key == "torch_adam" && v.as_bool() == Some(true);
-                                tx.no_effect(p, v, "Phalanx has one fused AdamW loop");
+                                tx.no_effect(
+                                    p,
+                                    v,
+                                    "Phalanx has one fused AdamW loop; torch_adam's default \
+                                     weight_decay, torch's 0.01, is taken where none is given",
+                                );
                             }
                             _ => return Err(tx.unknown(p)),
                         }
