@@ -278,7 +278,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             elastic: false,
             job_id: job_id.clone(),
         };
-        let outcome = run_group(&env, cmd, &mut || None)?;
+        let outcome = run_group(&env, cmd, &mut |_| None)?;
         match outcome {
             Outcome::Success => return Ok(0),
             Outcome::Signalled(sig) => return Ok(128 + sig),
@@ -401,7 +401,7 @@ pub(crate) struct Stop {
 pub(crate) fn run_group(
     env: &JobEnv,
     cmd: &[String],
-    watch: &mut dyn FnMut() -> Option<Stop>,
+    watch: &mut dyn FnMut(bool) -> Option<Stop>,
 ) -> Result<Outcome, String> {
     let o = env.opts;
     let nproc = env.nproc;
@@ -423,7 +423,7 @@ pub(crate) fn run_group(
                 workers.len()
             );
             stop_all_ticking(&mut workers, &mut || {
-                let _ = watch();
+                let _ = watch(true);
             });
             return Ok(Outcome::Signalled(sig));
         }
@@ -477,7 +477,7 @@ pub(crate) fn run_group(
             Ok(ch) => ch,
             Err(e) => {
                 stop_all_ticking(&mut workers, &mut || {
-                    let _ = watch();
+                    let _ = watch(true);
                 });
                 return Err(format!("cannot start {:?}: {e}", cmd[0]));
             }
@@ -503,7 +503,7 @@ pub(crate) fn run_group(
         if sig != 0 {
             eprintln!("phalanx run: received signal {sig}; stopping the workers");
             stop_all_ticking(&mut workers, &mut || {
-                let _ = watch();
+                let _ = watch(true);
             });
             return Ok(Outcome::Signalled(sig));
         }
@@ -540,7 +540,7 @@ pub(crate) fn run_group(
         if let Some((rank, (code, how))) = failed {
             let summary = blame(&mut workers, rank, code, &how);
             stop_all_ticking(&mut workers, &mut || {
-                let _ = watch();
+                let _ = watch(true);
             });
             let mut e = std::io::stderr().lock();
             let _ = writeln!(
@@ -574,7 +574,7 @@ pub(crate) fn run_group(
             end_leftovers(&mut workers);
             return Ok(Outcome::Success);
         }
-        if let Some(Stop { why, graceful }) = watch() {
+        if let Some(Stop { why, graceful }) = watch(false) {
             if graceful {
                 // Stop at the next step boundary, all ranks together (with
                 // a checkpoint of it), rather than mid-step or mid-save.
@@ -585,7 +585,7 @@ pub(crate) fn run_group(
                 finish_stop(&mut workers, watch)?;
             } else {
                 stop_all_ticking(&mut workers, &mut || {
-                    let _ = watch();
+                    let _ = watch(true);
                 });
             }
             return Ok(Outcome::Interrupted(why));
@@ -640,21 +640,22 @@ fn blame(workers: &mut [Worker], rank: usize, code: i32, how: &str) -> Summary {
 }
 
 /// Give workers asked to stop `STOP_GRACE` to get there, then end them.
-/// `watch` goes on being called meanwhile (its answer no longer matters):
-/// an elastic agent keeps its heartbeat, so that nobody takes a node still
-/// saving its checkpoint for lost.
+/// `watch(true)` goes on being called meanwhile: an elastic agent keeps
+/// its heartbeat (and does nothing else: no admission or loss is posted
+/// while it stops), so that nobody takes a node still saving its
+/// checkpoint for lost.
 fn finish_stop(
     workers: &mut [Worker],
-    watch: &mut dyn FnMut() -> Option<Stop>,
+    watch: &mut dyn FnMut(bool) -> Option<Stop>,
 ) -> Result<(), String> {
     let deadline = Instant::now() + STOP_GRACE;
     // A signal to the launcher ends the wait: stop them now.
     while poll(workers)?.0 > 0 && Instant::now() < deadline && signalled() == 0 {
-        let _ = watch();
+        let _ = watch(true);
         std::thread::sleep(Duration::from_millis(20));
     }
     stop_all_ticking(workers, &mut || {
-        let _ = watch();
+        let _ = watch(true);
     });
     Ok(())
 }
@@ -911,7 +912,8 @@ mod tests {
             pumps: Vec::new(),
         }];
         let mut calls = 0;
-        finish_stop(&mut workers, &mut || {
+        finish_stop(&mut workers, &mut |stopping| {
+            assert!(stopping, "a stopping group only keeps its heartbeat");
             calls += 1;
             None
         })

@@ -180,7 +180,9 @@ fn pet_flags(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
         .get(1)
         .and_then(|a| a.to_str())
         .is_some_and(|c| matches!(c, "run" | "train"));
-    if !launches || launch::in_job() {
+    // (`run` always launches; `train` inside a job is a worker.)
+    let worker = args[1].to_str() == Some("train") && launch::in_job();
+    if !launches || worker {
         return args;
     }
     // The flags given, up to a `--` (what follows is the program's).

@@ -463,6 +463,16 @@ impl<'a, 'b> Watch<'a, 'b> {
         Some(Stop { why, graceful })
     }
 
+    /// Only the heartbeat (while this node stops its workers).
+    fn beat_only(&mut self) {
+        if self.fatal.is_none() && self.last_beat.elapsed() > self.rd.conf.heartbeat / 5 {
+            match self.rd.beat() {
+                Ok(()) => self.last_beat = Instant::now(),
+                Err(e) => self.fatal = Some(e),
+            }
+        }
+    }
+
     fn check(&mut self) -> Result<Option<String>, String> {
         let (rd, round) = (self.rd, self.round);
         let r = round.r;
@@ -638,7 +648,16 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             job_id: job_id.clone(),
         };
         let mut watch = Watch::new(&rd, &round);
-        let outcome = run_group(&env, cmd, &mut || watch.stop())?;
+        // (Stopping its workers, the agent only keeps its heartbeat: an
+        // admission or a loss posted then would pass for the reason.)
+        let outcome = run_group(&env, cmd, &mut |stopping| {
+            if stopping {
+                watch.beat_only();
+                None
+            } else {
+                watch.stop()
+            }
+        })?;
         if let Some(f) = watch.fatal.take() {
             return Err(f);
         }

@@ -969,6 +969,13 @@ fn settings_without_effect_get_a_note() {
         "train.micro_batch_size=1",
     ]);
     assert!(!n.contains("the bubble"), "{n}");
+    // The micro-batch derived instead, the accumulation is final.
+    let n = notes(&[
+        "parallel.pp=4",
+        "train.global_batch_size=16",
+        "train.grad_accum_steps=1",
+    ]);
+    assert!(n.contains("the bubble"), "{n}");
     // The warm-up note of a warming schedule is not the constant one's.
     let n = notes(&["optim.warmup_steps=100", "train.steps=10"]);
     assert!(

@@ -144,8 +144,10 @@ impl TrainConfig {
                     .into(),
             );
         }
-        // (A batch still to derive for the world size has no final count.)
-        if p.pp > 1 && t.grad_accum_steps < p.pp && !self.batch_to_derive() {
+        // (An accumulation still to derive for the world size has no
+        // final count.)
+        let accum_final = self.derive != super::batch::Derive::Accum;
+        if p.pp > 1 && t.grad_accum_steps < p.pp && accum_final {
             n.push(format!(
                 "parallel.pp = {} runs train.grad_accum_steps = {} micro-batch(es) per step: each \
                  stage idles most of the step (the bubble); a few times pp micro-batches keep \
