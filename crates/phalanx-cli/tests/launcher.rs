@@ -727,18 +727,6 @@ fn torchrun_flags_and_variables_a_pytorch_user_brings() {
     );
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("[rank 1] 1 2 default 1 1"), "{out}");
-    // In a Kubeflow pod that also has RANK and WORLD_SIZE (the operator
-    // sets both), `phalanx run` still launches with the PET_* flags.
-    let (code, out, err) = phalanx_with(
-        &["run", "--", "sh", "-c", show],
-        &[
-            ("PET_NPROC_PER_NODE", "2"),
-            ("RANK", "0"),
-            ("WORLD_SIZE", "2"),
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("[rank 1] 1 2 default 1 1"), "{out}");
     let cores = std::thread::available_parallelism().unwrap().get();
     let (code, out, err) = phalanx_with(
         &[
