@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use crate::launch_opts::LaunchOpts;
+pub use crate::launch_opts::{flag_name, LaunchOpts};
 
 /// The exit code of a worker that stopped at a step boundary because its
 /// elastic agent asked it to (SIGUSR1; EX_TEMPFAIL).

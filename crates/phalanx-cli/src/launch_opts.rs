@@ -76,6 +76,13 @@ pub struct LaunchOpts {
     pub no_python: bool,
 }
 
+/// The long flag a command-line word gives, spelled with hyphens
+/// (`--nproc_per_node=4` is `--nproc-per-node`); `None` for other words.
+pub fn flag_name(word: &str) -> Option<String> {
+    let f = word.strip_prefix("--")?.split('=').next()?;
+    Some(format!("--{}", f.replace('_', "-")))
+}
+
 /// `--nproc-per-node`: a count, or torchrun's `auto` / `cpu` (this host's
 /// cores); `gpu` is refused (one process per GPU: give the count).
 fn parse_nproc(v: &str) -> Result<usize, String> {

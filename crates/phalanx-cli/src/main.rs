@@ -190,10 +190,7 @@ fn pet_flags(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .take_while(|a| a != "--")
-        .filter_map(|a| {
-            let f = a.strip_prefix("--")?.split('=').next()?.replace('_', "-");
-            Some(format!("--{f}"))
-        })
+        .filter_map(|a| launch::flag_name(&a))
         .collect();
     let mut extra = Vec::new();
     for (var, flag) in VARS {

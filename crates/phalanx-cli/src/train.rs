@@ -134,12 +134,12 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     let own = std::env::var_os(crate::launch::OUTPUTS_CHECKED).is_some();
     // (On the command line: a PET_* variable is torchrun's own, inherited.)
     let given = std::env::args_os().any(|a| {
-        let a = a.to_string_lossy();
-        let flag = a.split('=').next().unwrap_or("").replace('_', "-");
-        matches!(
-            flag.as_str(),
-            "--nproc-per-node" | "--nnodes" | "--max-restarts"
-        )
+        crate::launch::flag_name(&a.to_string_lossy()).is_some_and(|f| {
+            matches!(
+                f.as_str(),
+                "--nproc-per-node" | "--nnodes" | "--max-restarts"
+            )
+        })
     });
     if !own && given && std::env::var("RANK").is_ok_and(|r| r.trim() == "0") {
         eprintln!(
