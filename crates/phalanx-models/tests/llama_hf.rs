@@ -328,3 +328,29 @@ fn mismatches_are_errors_naming_the_key() {
     );
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+/// A model imported with a longer context than it trains at exports its
+/// own context (`max_position_embeddings`), not the training block size.
+#[test]
+fn a_shorter_training_context_exports_the_imported_one() {
+    use phalanx_models::family;
+    let case = "llama_gqa";
+    let (_, e, _) = load(case);
+    let t = hf::export_tensors(&e).unwrap();
+    let imported = hf_config(case)["max_position_embeddings"].as_u64().unwrap();
+    let tmp = std::env::temp_dir().join(format!("phalanx-ctx-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    // Shorter: the imported context; longer: the one trained at.
+    for (block, want) in [(imported / 2, imported), (imported * 2, imported * 2)] {
+        let sets = [format!("model.block_size={block}")];
+        let (cfg, _) = family::build_for_hf(None, &sets, &dir(case)).unwrap();
+        let f = family::of(&cfg).unwrap();
+        assert_eq!(f.summary(&cfg).unwrap().block_size as u64, block);
+        f.save_hf(&t, &cfg, &tmp).unwrap();
+        let saved: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(tmp.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(saved["max_position_embeddings"], want, "block_size {block}");
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

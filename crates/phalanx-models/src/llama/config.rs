@@ -344,6 +344,13 @@ pub struct LlamaSection {
     pub rope_original_max_position: usize,
     pub rms_norm_eps: f64,
     pub tie_word_embeddings: bool,
+    /// The context an exported `config.json` records when it exceeds
+    /// `block_size` (0: `block_size`): a model imported with a longer
+    /// context than it trains at (`--init-from` sets it from the
+    /// `config.json`) keeps its own in `--save-final` and `checkpoint
+    /// convert`. Rotary positions fix no context in the weights.
+    #[serde(default)]
+    pub max_position_embeddings: usize,
 }
 
 /// Llama 3's scaling parameters, the section's defaults when none is set.
@@ -399,7 +406,14 @@ impl LlamaSection {
             rope_original_max_position: old,
             rms_norm_eps: c.rms_norm_eps,
             tie_word_embeddings: c.tie_word_embeddings,
+            max_position_embeddings: 0,
         }
+    }
+
+    /// The context an exported `config.json` records (see
+    /// [`LlamaSection::max_position_embeddings`]).
+    pub fn exported_context(&self) -> usize {
+        self.block_size.max(self.max_position_embeddings)
     }
 
     /// The section of a config built with [`crate::arch::build`].

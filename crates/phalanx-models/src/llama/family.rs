@@ -210,6 +210,8 @@ impl ModelFamily for OnLlama {
         let mut json = self
             .0
             .config_json(&self.model(cfg)?, &cfg.data.tokenizer.to_string());
+        let s = LlamaSection::from_table_as(&cfg.model, self.name())?;
+        json["max_position_embeddings"] = s.exported_context().into();
         crate::hf_tokenizer::set_special_ids(&mut json, &cfg.data.tokenizer)?;
         save_with(tensors, &json, path)
     }

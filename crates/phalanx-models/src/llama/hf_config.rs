@@ -242,6 +242,12 @@ pub fn shape_keys(v: &Value) -> Result<Vec<HfKey>> {
     }
     if let Some(n) = int("max_position_embeddings") {
         out.push(HfKey::soft("block_size", "max_position_embeddings", n));
+        // Kept for the export when training at a shorter block_size.
+        out.push(HfKey::soft(
+            "max_position_embeddings",
+            "max_position_embeddings",
+            n,
+        ));
     }
     out.push(HfKey::strict("rope_theta", "rope_theta", rope_theta(v)?));
     let eps = v.get("rms_norm_eps").and_then(|x| x.as_f64());
