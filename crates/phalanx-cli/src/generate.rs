@@ -66,23 +66,7 @@ pub(crate) fn default_tokenizer_sets(
     file: Option<&std::path::Path>,
     set: &[String],
 ) -> phalanx::Result<Vec<String>> {
-    let in_set = set.iter().any(|s| {
-        s.split_once('=')
-            .is_some_and(|(k, _)| k.trim() == "data.tokenizer")
-    });
-    let in_file = file
-        .filter(|p| {
-            !p.extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("json"))
-        })
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .and_then(|t| t.parse::<toml::Table>().ok())
-        .is_some_and(|t| {
-            t.get("data")
-                .and_then(|d| d.as_table())
-                .is_some_and(|d| d.contains_key("tokenizer"))
-        });
-    if in_set || in_file {
+    if family::explicit_keys(file, set, "data")?.contains_key("tokenizer") {
         return Ok(vec![]);
     }
     tokenizer_sets(path)

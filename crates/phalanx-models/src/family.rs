@@ -463,7 +463,7 @@ pub fn build_for_hf(
     let json: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
     let family = for_hf_config(&json).map_err(|e| bad(e.0))?;
     let keys = family.hf_keys(&json).map_err(|e| bad(e.to_string()))?;
-    let explicit = explicit_model_keys(file, overrides)?;
+    let explicit = explicit_keys(file, overrides, "model")?;
     let mut sets = Vec::new();
     for k in &keys {
         match explicit.get(k.key) {
@@ -482,11 +482,13 @@ pub fn build_for_hf(
     Ok((build(file, &sets)?, Some(cj)))
 }
 
-/// The `model.*` keys given explicitly: in the file's `[model]` table (a
-/// TOML file) and by `--set model.KEY=VALUE` (later ones win), with where.
-fn explicit_model_keys(
+/// The keys of `section` given explicitly: in the file's `[section]`
+/// table (a TOML file) and by `--set section.KEY=VALUE` (later ones win),
+/// with where.
+pub fn explicit_keys(
     file: Option<&Path>,
     overrides: &[String],
+    section: &str,
 ) -> Result<HashMap<String, (toml::Value, &'static str)>> {
     let mut out = HashMap::new();
     if let Some(p) = file.filter(|p| {
@@ -498,7 +500,7 @@ fn explicit_model_keys(
         let t: toml::Table = text
             .parse()
             .map_err(|e| ConfigError(format!("{}: {e}", p.display())))?;
-        if let Some(m) = t.get("model").and_then(|m| m.as_table()) {
+        if let Some(m) = t.get(section).and_then(|m| m.as_table()) {
             for (k, v) in m {
                 out.insert(k.clone(), (v.clone(), "in the config file"));
             }
@@ -508,7 +510,11 @@ fn explicit_model_keys(
         let Some((key, value)) = o.split_once('=') else {
             continue;
         };
-        let Some(k) = key.trim().strip_prefix("model.") else {
+        let Some(k) = key
+            .trim()
+            .strip_prefix(section)
+            .and_then(|k| k.strip_prefix('.'))
+        else {
             continue;
         };
         // Read as `TrainConfig::build` reads an override: a TOML value, else a string.
