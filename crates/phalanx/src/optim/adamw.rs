@@ -248,6 +248,10 @@ impl Optimizer for AdamW {
         ))
     }
 
+    fn state_names(&self) -> Vec<&'static str> {
+        vec!["exp_avg", "exp_avg_sq"]
+    }
+
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
         match name {
             "exp_avg" => super::load_into("adamw", name, &mut self.m, values),

@@ -542,6 +542,10 @@ impl Optimizer for DeviceOptimizer {
         Ok((bufs, self.t))
     }
 
+    fn state_names(&self) -> Vec<&'static str> {
+        self.bufs.iter().map(|(name, _)| *name).collect()
+    }
+
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
         let kind = self.kind();
         let n = self.range.len();

@@ -65,6 +65,11 @@ pub trait Optimizer {
     /// each, and the number of steps taken.
     fn state(&self) -> std::io::Result<OptimState>;
 
+    /// The names of [`Optimizer::state`]'s buffers, without copying them
+    /// (a resume asks for each by name: an offloaded or device state is
+    /// not read whole for that).
+    fn state_names(&self) -> Vec<&'static str>;
+
     /// Restore a buffer [`Optimizer::state`] named (`values` is
     /// `range().len()` long), and the step count.
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()>;
@@ -167,4 +172,47 @@ fn load_into(kind: &str, name: &str, dst: &mut [f32], values: &[f32]) -> std::io
     }
     dst.copy_from_slice(values);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Layout, ParamDecl};
+    use crate::ledger::Ledger;
+
+    /// `state_names` names what `state` holds, for every optimizer.
+    #[test]
+    fn state_names_are_the_state_buffers() {
+        let layout = Layout::new(vec![vec![ParamDecl::new("w", &[8, 4])]]).unwrap();
+        let ledger = Ledger::new();
+        let dir = std::env::temp_dir().join(format!("phalanx-names-{}", std::process::id()));
+        let sgd = |momentum| SgdConfig {
+            momentum,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
+        let opts: Vec<Box<dyn Optimizer>> = vec![
+            Box::new(AdamW::new(AdamWConfig::default(), &layout, 0..32, &ledger)),
+            Box::new(Sgd::new(sgd(0.9), &layout, 0..32, &ledger)),
+            Box::new(Sgd::new(sgd(0.0), &layout, 0..32, &ledger)),
+            Box::new(
+                DiskAdamW::new(
+                    AdamWConfig::default(),
+                    &layout,
+                    0..32,
+                    &ledger,
+                    &dir,
+                    "r0",
+                    8,
+                )
+                .unwrap(),
+            ),
+        ];
+        for o in &opts {
+            let (bufs, _) = o.state().unwrap();
+            let names: Vec<_> = bufs.iter().map(|(n, _)| *n).collect();
+            assert_eq!(o.state_names(), names, "{}", o.kind());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

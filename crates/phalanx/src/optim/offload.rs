@@ -228,6 +228,10 @@ impl Optimizer for DiskAdamW {
         Ok((vec![("exp_avg", m), ("exp_avg_sq", v)], self.t))
     }
 
+    fn state_names(&self) -> Vec<&'static str> {
+        vec!["exp_avg", "exp_avg_sq"]
+    }
+
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
         let f = match name {
             "exp_avg" => &self.m,

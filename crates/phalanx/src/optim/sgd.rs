@@ -126,6 +126,14 @@ impl Optimizer for Sgd {
         Ok((bufs, self.t))
     }
 
+    fn state_names(&self) -> Vec<&'static str> {
+        if self.cfg.momentum != 0.0 {
+            vec!["momentum_buffer"]
+        } else {
+            Vec::new()
+        }
+    }
+
     fn load_state(&mut self, name: &str, values: &[f32]) -> std::io::Result<()> {
         match name {
             "momentum_buffer" => super::load_into("sgd", name, &mut self.buf, values),

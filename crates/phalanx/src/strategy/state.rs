@@ -125,11 +125,8 @@ pub fn restore_optimizer(
     fill: &mut StateFill,
     step: u64,
 ) -> Result<()> {
-    let (names, _) = opt
-        .state()
-        .map_err(|e| Error::Io(format!("optimizer state: {e}")))?;
     let mut any = false;
-    for (name, _) in names {
+    for name in opt.state_names() {
         if let Some(v) = fill(opt.range(), name)? {
             opt.load_state(name, &v)
                 .map_err(|e| Error::Io(format!("optimizer state: {e}")))?;
