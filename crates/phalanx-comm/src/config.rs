@@ -176,7 +176,11 @@ impl Config {
         c.algo = match std::env::var("PHALANX_ALGO").as_deref() {
             Ok("ring") => Algo::Ring,
             Ok("rd") => Algo::RecursiveDoubling,
-            _ => Algo::Auto,
+            Err(_) | Ok("auto") => Algo::Auto,
+            Ok(v) => {
+                eprintln!("[phalanx] ignoring PHALANX_ALGO={v}: expected auto, ring or rd");
+                Algo::Auto
+            }
         };
         c.transport = match std::env::var("PHALANX_TRANSPORT") {
             Err(_) => TransportPref::Auto,

@@ -438,3 +438,122 @@ fn new_group_with_different_members_is_a_desync_under_detail() {
         );
     }
 }
+
+/// The asynchronous variants check the counts before they allocate the
+/// output: a count no input holds is an invalid argument, not an abort of
+/// the process for lack of memory.
+#[test]
+fn async_counts_are_checked_before_the_output_is_allocated() {
+    let out = threads::run_with(1, cfg(10.0), Duration::from_secs(60), |pg| {
+        let huge = vec![1usize << 45];
+        let errs = vec![
+            pg.all_gather_async(vec![1.0f32; 4], huge.clone())
+                .wait()
+                .map(|_| ()),
+            pg.all_gather_into_async(vec![1.0f32; 4], huge.clone(), Vec::new(), drop)
+                .wait()
+                .map(|_| ()),
+            pg.reduce_scatter_async(vec![1.0f32; 4], huge.clone(), ReduceOp::Sum)
+                .wait()
+                .map(|_| ()),
+            pg.reduce_scatter_into_async(vec![1.0f32; 4], huge, ReduceOp::Sum, Vec::new(), drop)
+                .wait()
+                .map(|_| ()),
+            pg.all_to_all_v_async(vec![1.0f32; 1], vec![1], vec![usize::MAX / 2])
+                .wait()
+                .map(|_| ()),
+        ];
+        Ok(errs)
+    });
+    for e in out.into_iter().next().unwrap().unwrap() {
+        let e = e.unwrap_err();
+        assert!(matches!(e, CommError::Invalid(_)), "{e}");
+    }
+}
+
+/// After `shutdown`, a call on this rank fails at once saying so: a send
+/// is not written into a ring nobody reads, and a wait does not run out
+/// its deadline blaming a healthy peer.
+#[test]
+fn calls_after_shutdown_fail_at_once_saying_so() {
+    for transport in [
+        phalanx_comm::TransportPref::Shm,
+        phalanx_comm::TransportPref::Tcp,
+    ] {
+        let c = Config {
+            transport,
+            ..cfg(20.0)
+        };
+        let out = threads::run_with(2, c, Duration::from_secs(60), |pg| {
+            pg.barrier()?;
+            if pg.rank() == 1 {
+                // Rank 1 stays alive until rank 0 is done.
+                std::thread::sleep(Duration::from_secs(2));
+                return Ok(vec![]);
+            }
+            pg.shutdown();
+            let t0 = std::time::Instant::now();
+            let mut x = [1.0f32; 4];
+            let errs = vec![
+                pg.send(&x, 1, 5),
+                pg.recv(&mut x, 1, 5),
+                pg.all_reduce(&mut x, ReduceOp::Sum),
+            ];
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+            Ok(errs)
+        });
+        let errs = out.into_iter().next().unwrap().unwrap();
+        assert_eq!(errs.len(), 3);
+        for e in errs {
+            let m = e.unwrap_err().to_string();
+            assert!(m.contains("shut down on this rank"), "{transport:?}: {m}");
+        }
+    }
+}
+
+/// Under detail, a barrier on one rank and a one-word all-reduce on the
+/// other are told apart.
+#[test]
+fn a_barrier_against_an_all_reduce_is_a_desync_under_detail() {
+    let c = Config {
+        detail: true,
+        timeout: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let out = threads::run_with(2, c, Duration::from_secs(30), |pg| {
+        Ok(if pg.rank() == 0 {
+            pg.barrier()
+        } else {
+            pg.all_reduce(&mut [1i32], ReduceOp::Sum)
+        })
+    });
+    for o in out {
+        let e = o.unwrap().unwrap_err();
+        assert!(matches!(e, CommError::Desync(_)), "{e}");
+        assert!(e.to_string().contains("rank 0 called barrier"), "{e}");
+    }
+}
+
+/// A blocking `recv` takes its message after the `recv_async`s of the same
+/// source and tag posted before it: messages are taken in issue order.
+#[test]
+fn a_recv_after_a_recv_async_of_the_same_tag_gets_the_later_message() {
+    let out = threads::run_with(2, cfg(20.0), Duration::from_secs(120), |pg| {
+        let mut got = Vec::new();
+        for round in 0..30u64 {
+            if pg.rank() == 1 {
+                pg.send(&[1i32], 0, round)?;
+                pg.send(&[2i32], 0, round)?;
+            } else {
+                let w = pg.recv_async(vec![0i32; 1], 1, round);
+                let mut b = [0i32];
+                pg.recv(&mut b, 1, round)?;
+                got.push((w.wait()?[0], b[0]));
+            }
+        }
+        Ok(got)
+    });
+    for (a, b) in out.into_iter().next().unwrap().unwrap() {
+        assert_eq!((a, b), (1, 2));
+    }
+}

@@ -4,7 +4,36 @@
 
 use super::ProcessGroup;
 use crate::dtype::{Element, ReduceOp};
+use crate::error::{invalid, Result};
 use crate::work::Work;
+
+/// The length of an all-gather's output, the counts checked first (this
+/// rank's part is `part`): a count that no input holds, or counts that
+/// overflow, are refused before anything is allocated.
+fn gathered(g: &ProcessGroup, counts: &[usize], part: usize) -> Result<usize> {
+    let total = super::total_of(counts)
+        .ok_or_else(|| invalid!("all_gather: counts {counts:?} sum to more than usize::MAX"))?;
+    g.check_counts("all_gather", counts, total, part)?;
+    Ok(total)
+}
+
+/// `n` zeroed elements, or an error where that much memory cannot be had
+/// (counts given for peers that no peer would send), not an abort.
+fn zeroed<T: Element>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    resize(&mut v, n)?;
+    Ok(v)
+}
+
+/// `out` resized to `n` elements (kept as it is at that length already).
+fn resize<T: Element>(out: &mut Vec<T>, n: usize) -> Result<()> {
+    if out.len() != n {
+        out.try_reserve_exact(n.saturating_sub(out.len()))
+            .map_err(|e| invalid!("cannot allocate an output of {n} elements: {e}"))?;
+        out.resize(n, T::zeroed());
+    }
+    Ok(())
+}
 
 impl ProcessGroup {
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
@@ -22,7 +51,11 @@ impl ProcessGroup {
     ) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); counts.get(g.rank()).copied().unwrap_or(0)];
+            let n = counts.get(g.rank()).copied().unwrap_or(0);
+            // Checked before the output is made: a count no input holds
+            // would allocate first.
+            g.check_counts("reduce_scatter", &counts, input.len(), n)?;
+            let mut out = zeroed(n)?;
             g.reduce_scatter_now(&input, &counts, &mut out, op)
                 .map(|_| out)
         })
@@ -31,8 +64,7 @@ impl ProcessGroup {
     pub fn all_gather_async<T: Element>(&self, input: Vec<T>, counts: Vec<usize>) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            // Counts that overflow are refused by the check, on no buffer.
-            let mut out = vec![T::zeroed(); super::total_of(&counts).unwrap_or(0)];
+            let mut out = zeroed(gathered(&g, &counts, input.len())?)?;
             g.all_gather_now(&input, &counts, &mut out).map(|_| out)
         })
     }
@@ -57,8 +89,12 @@ impl ProcessGroup {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
             let n = counts.get(g.rank()).copied().unwrap_or(0);
-            if out.len() != n {
-                out.resize(n, T::zeroed());
+            if let Err(e) = g
+                .check_counts("reduce_scatter", &counts, input.len(), n)
+                .and_then(|_| resize(&mut out, n))
+            {
+                release(input);
+                return Err(e);
             }
             let r = g.reduce_scatter_now(&input, &counts, &mut out, op);
             release(input);
@@ -79,9 +115,9 @@ impl ProcessGroup {
     ) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let n = super::total_of(&counts).unwrap_or(0);
-            if out.len() != n {
-                out.resize(n, T::zeroed());
+            if let Err(e) = gathered(&g, &counts, input.len()).and_then(|n| resize(&mut out, n)) {
+                release(input);
+                return Err(e);
             }
             let r = g.all_gather_now(&input, &counts, &mut out);
             release(input);
@@ -98,7 +134,10 @@ impl ProcessGroup {
     ) -> Work<Vec<T>> {
         let g = self.clone();
         self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = vec![T::zeroed(); super::total_of(&recv).unwrap_or(0)];
+            let total = super::total_of(&recv).ok_or_else(|| {
+                invalid!("all_to_all: receive counts {recv:?} sum to more than usize::MAX")
+            })?;
+            let mut out = zeroed(total)?;
             let n = g.size();
             g.all_to_all_v_now(&input, &send, &mut out, &recv, n)
                 .map(|_| out)
@@ -113,13 +152,27 @@ impl ProcessGroup {
     }
 
     /// Receive on the group's point-to-point thread; sends never wait behind
-    /// it, so a pipeline can post receives early without deadlocking.
+    /// it, so a pipeline can post receives early without deadlocking. The
+    /// receives posted this way run one after the other in issue order (as
+    /// on an NCCL stream, unlike gloo's `irecv`s, which complete
+    /// independently): a later one completes only after every earlier one,
+    /// so post them in the order their messages are needed. A synchronous
+    /// [`ProcessGroup::recv`] of the same source and tag waits for them.
     pub fn recv_async<T: Element>(&self, mut buf: Vec<T>, src: usize, tag: u64) -> Work<Vec<T>> {
         let g = self.clone();
+        if let Err(e) = self.check_peer(src) {
+            return self
+                .inner
+                .p2p_queue
+                .submit(self.inner.cfg.timeout, move || Err(e));
+        }
+        self.inner.posted.add(src, tag);
         self.inner
             .p2p_queue
             .submit(self.inner.cfg.timeout, move || {
-                g.recv(&mut buf, src, tag).map(|_| buf)
+                // Done also if the receive panics.
+                let _done = g.inner.posted.finish_on_drop(src, tag);
+                g.recv_now(&mut buf, src, tag).map(|_| buf)
             })
     }
 

@@ -117,6 +117,9 @@ pub(crate) fn reader_loop<S: Read>(
                 drop(ib);
                 tr.arrived.notify_all();
             }
+            // A heartbeat carries nothing: a length would leave its bytes to
+            // be read as the next frame's header.
+            K_HEARTBEAT if len != 0 => break format!("sent a heartbeat frame of {len} bytes"),
             K_HEARTBEAT => {}
             K_ABORT => {
                 let mut reason = vec![0u8; len.min(1 << 16)];
@@ -242,5 +245,44 @@ pub(crate) fn heartbeat_loop(t: Weak<Transport>, every: Duration) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a reader makes of `bytes` from peer 1: the failure recorded.
+    fn read(bytes: Vec<u8>) -> Option<CommError> {
+        let t = Arc::new(Transport::new(0, 2, vec![None, None]));
+        let s = std::io::Cursor::new(bytes);
+        reader_loop(
+            Arc::downgrade(&t),
+            s,
+            1,
+            "h".into(),
+            Duration::from_secs(1),
+            Role::All,
+        );
+        t.failure()
+    }
+
+    /// A heartbeat that announces a length would leave its bytes to be
+    /// taken for the next header: the connection ends, saying so.
+    #[test]
+    fn a_heartbeat_with_a_length_ends_the_connection() {
+        let mut bytes = header(K_HEARTBEAT, 0, 0, 32).to_vec();
+        // A data frame's header hidden in the heartbeat's "payload".
+        bytes.extend_from_slice(&header(K_DATA, 7, 0, 0));
+        let e = read(bytes)
+            .expect("the reader failed the transport")
+            .to_string();
+        assert!(e.contains("heartbeat frame of 32 bytes"), "{e}");
+        // A plain heartbeat, then the end of the stream: no such complaint.
+        let e = read(header(K_HEARTBEAT, 0, 0, 0).to_vec()).map(|e| e.to_string());
+        assert!(
+            e.as_ref().is_none_or(|e| !e.contains("heartbeat frame")),
+            "{e:?}"
+        );
     }
 }

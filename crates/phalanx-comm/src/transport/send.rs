@@ -402,6 +402,13 @@ impl Transport {
                 let _ = w.shutdown(std::net::Shutdown::Both);
             }
         }
+        // Later calls on this rank fail at once, saying why (instead of a
+        // send into a ring nobody reads, or a wait that blames a peer).
+        self.fail(CommError::Aborted(format!(
+            "it was shut down on this rank ({}) (ProcessGroup::shutdown, as \
+             destroy_process_group): communicating again needs a new one",
+            self.rank
+        )));
     }
 }
 
