@@ -7,7 +7,8 @@
 //! directory exists or can be made and takes a file) and not a directory,
 //! and no two outputs may be the same file, nor one be (or lie above) the
 //! directory another output, or a checkpoint directory, is written in
-//! (it would be a directory by then). Nothing is created before all of
+//! (it would be a directory by then); a checkpoint directory must not be,
+//! or lie in, an input. Nothing is created before all of
 //! that passes. Errors name both paths and the flags or keys that gave
 //! them. See `docs/security.md`.
 
@@ -134,6 +135,24 @@ impl Io {
             .iter()
             .map(|(w, d)| (w.as_str(), resolve(d)))
             .collect();
+        // A checkpoint directory inside an input directory (a data
+        // directory, the checkpoint resumed) would be read as that input by
+        // the next run, and rotation there could delete what is not ours.
+        for (key, dir) in &ckpt {
+            for i in inputs
+                .iter()
+                .filter(|i| *dir == i.canon || (i.is_dir && dir.starts_with(&i.canon)))
+            {
+                let how = if *dir == i.canon { "is" } else { "is inside" };
+                return Err(format!(
+                    "{key} {} {how} {} {}: checkpoints written there would be read as that \
+                     input: write them elsewhere",
+                    dir.display(),
+                    i.what,
+                    i.shown.display()
+                ));
+            }
+        }
         // Outputs checked so far: (flag, resolved path, inode).
         type Seen<'a> = (&'a str, PathBuf, Option<(u64, u64)>);
         let mut seen: Vec<Seen> = Vec::new();

@@ -186,7 +186,37 @@ fn outputs_inside_checkpoint_entries_and_input_directories_are_refused() {
             ],
             "where checkpoints are written",
         ),
+        // Checkpoints in a data directory would be read as data by the
+        // next run (and its data fingerprint would refuse the resume).
+        (
+            vec![
+                "--set".into(),
+                format!("data.path={:?}", d.join("corpus").to_str().unwrap()),
+                "--set".into(),
+                format!("checkpoint.dir={:?}", d.join("corpus/ck").to_str().unwrap()),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+            ],
+            "is inside data file (data.path)",
+        ),
+        // Checkpoints written into the checkpoint resumed.
+        (
+            vec![
+                "--resume".into(),
+                ck.join("step-00000002").to_str().unwrap().into(),
+                "--set".into(),
+                format!(
+                    "checkpoint.dir={:?}",
+                    ck.join("step-00000002").to_str().unwrap()
+                ),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+            ],
+            "is --resume checkpoint",
+        ),
     ];
+    std::fs::create_dir_all(ck.join("step-00000002")).unwrap();
+    std::fs::write(ck.join("step-00000002/metadata.json"), b"{}").unwrap();
     for (flags, want) in cases {
         let mut args: Vec<String> = vec!["train".into(), "--nproc-per-node".into(), "1".into()];
         args.extend(SMALL.iter().map(|s| s.to_string()));
