@@ -315,6 +315,7 @@ fn resumes_on_a_different_number_of_ranks() {
         "{r}"
     );
     assert!(r.out.contains("done: 4 steps"), "{r}");
+    assert!(!r.err.contains("starts fresh"), "{r}");
     let three = log_lines(&log);
     assert_eq!(
         three.iter().map(|l| l.0).collect::<Vec<_>>(),
@@ -540,4 +541,31 @@ fn a_restart_does_not_resume_another_jobs_checkpoint() {
 #[test]
 fn a_restart_does_not_resume_another_jobs_checkpoint_by_the_launchers_ids() {
     restart_skips_another_jobs_checkpoint("other-job-ids", None);
+}
+
+/// A DiLoCo checkpoint resumed without DiLoCo: the run starts from the
+/// last outer step's model and a fresh optimizer (the groups keep theirs
+/// under their own names), and says both instead of nothing.
+#[test]
+fn a_diloco_checkpoint_resumed_without_diloco_says_what_it_drops() {
+    let d = tmpdir("diloco-to-ddp");
+    let s = settings(&d, 4, 4);
+    let mut args = vec!["--nproc-per-node", "2"];
+    args.extend(strs(&s));
+    let mut first = args.clone();
+    first.extend([
+        "--set",
+        "diloco.enabled=true",
+        "--set",
+        "diloco.inner_steps=2",
+    ]);
+    let r = train(&first, None);
+    assert_eq!(r.code, 0, "{r}");
+    let s = settings(&d, 6, 4);
+    let mut second = vec!["--nproc-per-node", "2", "--resume", "auto"];
+    second.extend(strs(&s));
+    let r = train(&second, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.err.contains("was saved by DiLoCo"), "{r}");
+    assert!(r.err.contains("optimizer starts fresh"), "{r}");
 }

@@ -119,7 +119,10 @@ pub fn snapshot(opt: &(dyn Optimizer + Send), params: &[f32]) -> Result<StateRan
 }
 
 /// Fill an optimizer's state from a checkpoint: every buffer it has (left
-/// as it is when the checkpoint holds none) and its step count.
+/// as it is when the checkpoint holds none, said in a warning: a DiLoCo
+/// checkpoint keeps its groups' state under their own names, which a run
+/// without DiLoCo, or a group it did not have, does not find) and its step
+/// count.
 pub fn restore_optimizer(
     opt: &mut (dyn Optimizer + Send),
     fill: &mut StateFill,
@@ -135,6 +138,14 @@ pub fn restore_optimizer(
     }
     if any {
         opt.set_step_count(step);
+    } else if step > 0 && !opt.state_names().is_empty() {
+        eprintln!(
+            "warning: the checkpoint holds no {} state for flat range {:?} (saved by another \
+             layout of optimizer state, e.g. DiLoCo's per-group state): this rank's optimizer \
+             starts fresh",
+            opt.kind(),
+            opt.range()
+        );
     }
     Ok(())
 }

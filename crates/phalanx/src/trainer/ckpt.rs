@@ -302,6 +302,13 @@ impl Trainer {
                     .and_then(|v| v.get("enabled"))
                     .and_then(|v| v.as_bool())
                     .unwrap_or(false);
+            if saved_on && !d.on() && self.mesh.world().rank() == 0 {
+                eprintln!(
+                    "note: {} was saved by DiLoCo; this run, without it, starts from its last \
+                     outer step's model (each group's inner steps since are not in it)",
+                    dir.display()
+                );
+            }
             let streaming = d.fragments > 1 || int("fragments").is_some_and(|f| f > 1);
             if d.on() && saved_on && streaming {
                 for (k, v) in now {
