@@ -361,19 +361,27 @@ fn convert(path: &Path, out: &Path, force: bool) -> Result<i32> {
             return Ok(2);
         }
     }
-    if out.exists() && !force {
-        eprintln!(
-            "phalanx checkpoint convert: {} exists (--force replaces it)",
-            out.display()
-        );
-        return Ok(2);
-    }
     let reader = Reader::open(&dir)?;
     // What will be written (the weights, config.json beside them) against
     // the checkpoint read (a link into it included), and another model's
     // config.json in the way.
     let model = dcp::config_of(&reader.meta)?;
     let weights = family::of(&model)?.hf_weights_file(out);
+    if weights.is_dir() {
+        eprintln!(
+            "phalanx checkpoint convert: {} is a directory; this model is written as one file \
+             (name a .safetensors file in it)",
+            out.display()
+        );
+        return Ok(2);
+    }
+    if weights.exists() && !force {
+        eprintln!(
+            "phalanx checkpoint convert: {} exists (--force replaces it)",
+            weights.display()
+        );
+        return Ok(2);
+    }
     let hdir = phalanx_models::common::hf::model_dir(&weights);
     let mut io = crate::outputs::Io::new();
     io.output("OUT", &weights)
@@ -426,12 +434,31 @@ fn from_hf(
         );
         return Ok(2);
     }
-    // No run may be writing OUT_DIR meanwhile (see checkpoint::lock).
-    checkpoint::lock::lock(out_dir, "OUT_DIR")?;
+    // The config first: a mistake there leaves nothing behind.
     let mut sets = crate::generate::default_tokenizer_sets(input, config, set)?;
     sets.extend(set.iter().cloned());
     let (cfg, _) = family::build_for_hf(config, &sets, input)?;
-    let dir = dcp::import(&cfg, input, out_dir)?;
+    // No run may be writing OUT_DIR meanwhile (see checkpoint::lock).
+    let made = !out_dir.exists();
+    checkpoint::lock::lock(out_dir, "OUT_DIR")?;
+    let dir = match dcp::import(&cfg, input, out_dir) {
+        Ok(d) => d,
+        Err(e) => {
+            // A directory made here for nothing goes again (the lock file
+            // is all it holds: the import writes whole or not at all).
+            let only_lock = |d: &Path| {
+                std::fs::read_dir(d).is_ok_and(|rd| {
+                    rd.flatten()
+                        .all(|e| e.file_name() == checkpoint::lock::LOCK_FILE)
+                })
+            };
+            if made && only_lock(out_dir) {
+                let _ = std::fs::remove_file(out_dir.join(checkpoint::lock::LOCK_FILE));
+                let _ = std::fs::remove_dir(out_dir);
+            }
+            return Err(e);
+        }
+    };
     println!(
         "wrote {} (step 0, {}, no optimizer state: a run resuming from it starts its optimizer fresh); \
          continue with `phalanx train --resume {}`",

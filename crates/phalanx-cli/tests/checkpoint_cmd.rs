@@ -171,6 +171,20 @@ fn round_trip(what: &str, extra: &[&str], zero_stage: u64) -> (ScratchDir, PathB
         o.all()
     );
 
+    // GPT-2 is written as one file: an existing directory as OUT is named
+    // as such at once (not "exists (--force replaces it)", then refused
+    // with --force).
+    std::fs::create_dir_all(d.join("a-dir")).unwrap();
+    for force in [false, true] {
+        let (src, out) = (s(&ck), s(&d.join("a-dir")));
+        let mut args = vec!["checkpoint", "convert", &src, &out];
+        if force {
+            args.push("--force");
+        }
+        let o = phalanx(&args);
+        assert!(o.code == 2 && o.stderr.contains("is a directory"), "{}", o.all());
+    }
+
     // from-hf and back: bitwise again.
     let imp = d.join("imported");
     let o = phalanx(&["checkpoint", "from-hf", &s(&fin), &s(&imp)]);
@@ -196,6 +210,22 @@ fn round_trip(what: &str, extra: &[&str], zero_stage: u64) -> (ScratchDir, PathB
         "{}",
         o.all()
     );
+    // A failed import leaves no directory behind: a config the weights
+    // refuse, and weights that do not read.
+    let none = d.join("not-made");
+    let o = phalanx(&[
+        "checkpoint",
+        "from-hf",
+        &s(&fin),
+        &s(&none),
+        "--set",
+        "model.n_layer=7",
+    ]);
+    assert!(o.code != 0 && !none.exists(), "{}", o.all());
+    std::fs::create_dir_all(d.join("bad")).unwrap();
+    std::fs::write(d.join("bad/model.safetensors"), b"not safetensors").unwrap();
+    let o = phalanx(&["checkpoint", "from-hf", &s(&d.join("bad")), &s(&none)]);
+    assert!(o.code != 0 && !none.exists(), "{}", o.all());
     (d, imp)
 }
 
