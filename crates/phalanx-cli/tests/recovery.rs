@@ -284,6 +284,20 @@ fn corrupted_checkpoint_falls_back_to_the_previous_one() {
     assert!(r.out.contains("step-00000002 (step 2, saved by"), "{r}");
     assert!(r.out.contains("done: 4 steps"), "{r}");
     assert_eq!(latest(&d), "step-00000006");
+
+    // A newest step directory without its metadata.json is skipped with a
+    // warning, not in silence.
+    std::fs::remove_file(d.join("ckpt/step-00000006/metadata.json")).unwrap();
+    let mut args = vec!["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    let s = settings(&d, 6, 2);
+    args.extend(strs(&s));
+    args.extend(["--resume", "auto"]);
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(
+        r.err.contains("step-00000006: it has no metadata.json"),
+        "{r}"
+    );
 }
 
 /// A job saved on 2 ranks continues on 3 (dp 3, the same global batch of

@@ -33,7 +33,7 @@ pub mod rotate;
 pub mod validate;
 pub mod write;
 
-pub use read::{find, find_latest_unverified, list, Reader};
+pub use read::{find, find_latest_unverified, incomplete, list, Reader};
 pub use write::Header;
 pub use write::{AsyncWriter, Snapshot};
 

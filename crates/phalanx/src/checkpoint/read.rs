@@ -75,6 +75,26 @@ pub fn list(root: &Path) -> Vec<PathBuf> {
     candidates(root)
 }
 
+/// The `step-N` directories under `root` without a `metadata.json`, as
+/// (step, path), newest first: never a save of Phalanx's (it renames a
+/// checkpoint into place whole), so a damaged one, skipped by [`list`].
+pub fn incomplete(root: &Path) -> Vec<(usize, PathBuf)> {
+    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(root)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.path())
+                .filter_map(|p| {
+                    let step = super::rotate::step_of_name(p.file_name()?.to_str()?)?;
+                    (p.is_dir() && !is_checkpoint(&p)).then_some((step, p))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v.reverse();
+    v
+}
+
 /// The newest checkpoint under `root` whose metadata opens and whose files
 /// have the sizes it records, without reading the files (what a caller
 /// needs when it only reads the metadata, or verifies the files itself).

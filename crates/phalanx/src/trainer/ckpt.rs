@@ -161,7 +161,21 @@ impl Trainer {
                     root.display()
                 );
             }
-            checkpoint::list(&root)
+            let cands = checkpoint::list(&root);
+            let newest = cands
+                .iter()
+                .filter_map(|c| checkpoint::rotate::step_of_name(c.file_name()?.to_str()?))
+                .max();
+            for (step, p) in checkpoint::incomplete(&root) {
+                if newest.is_none_or(|n| step > n) {
+                    eprintln!(
+                        "warning: skipping {}: it has no metadata.json (a save never leaves one \
+                         out: damaged?); trying an earlier checkpoint",
+                        p.display()
+                    );
+                }
+            }
+            cands
         } else {
             Vec::new()
         };
