@@ -281,6 +281,30 @@ fn messages_name_the_file_and_explain_blocks() {
     let (code, _, err) = phalanx(&repo(), &args);
     assert_ne!(code, 0);
     assert!(err.contains("n_layer + 2 blocks"), "{err}");
+    // A compressed file as the one data.path is refused, not trained on as
+    // bytes (as it is among many files), with a tokenizer.json too.
+    let gz = d.join("small.txt.gz");
+    std::fs::write(&gz, b"\x1f\x8b\x08\x00 compressed bytes".repeat(400)).unwrap();
+    let data = format!("data.path=\"{}\"", gz.display());
+    std::fs::write(
+        d.join("tokenizer.json"),
+        r#"{"version": "1.0", "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "unk_token": "u", "vocab": {"u": 0, "a": 1}}}"#,
+    )
+    .unwrap();
+    let tok = format!(
+        "data.tokenizer=\"{}\"",
+        d.join("tokenizer.json").display()
+    );
+    for extra in [vec![], vec!["--set", tok.as_str()]] {
+        let mut args = vec!["train", "--nproc-per-node", "1", "--set", &data];
+        args.extend_from_slice(SMALL);
+        args.extend(extra.iter().copied());
+        let (code, _, err) = phalanx(&repo(), &args);
+        assert_ne!(code, 0, "{extra:?}");
+        assert!(err.contains("small.txt.gz") && err.contains("decompress it first"), "{extra:?}: {err}");
+    }
     let _ = std::fs::remove_dir_all(&d);
 }
 

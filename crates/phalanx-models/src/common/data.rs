@@ -60,6 +60,7 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
             } else {
                 // A FIFO would hang the read, /dev/zero fill the memory.
                 phalanx::fsutil::regular_file("data.path", path).map_err(Error::Check)?;
+                phalanx::data::paths::refuse_compressed(path, "data.path")?;
                 std::fs::read_to_string(path).map_err(|e| {
                     Error::Check(format!(
                         "data.path {}: {e} (a text file to encode with data.tokenizer {j})",

@@ -108,19 +108,9 @@ enum Kind {
 }
 
 fn kind_of(p: &std::path::Path, key: &str) -> Result<Kind> {
-    let ext = p
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(|e| e.to_ascii_lowercase())
-        .unwrap_or_default();
-    match ext.as_str() {
-        "bin" => Ok(Kind::Bin),
-        "gz" | "zst" | "xz" | "bz2" | "zip" => Err(DataError::Format {
-            path: p.to_path_buf(),
-            msg: format!("compressed files are not read ({key}); decompress it first"),
-        }),
-        _ => Ok(Kind::Text),
-    }
+    paths::refuse_compressed(p, key)?;
+    let bin = p.extension().is_some_and(|e| e.eq_ignore_ascii_case("bin"));
+    Ok(if bin { Kind::Bin } else { Kind::Text })
 }
 
 fn expand_all(paths: &[String], key: &str) -> Result<Vec<PathBuf>> {

@@ -295,3 +295,21 @@ fn match_one(p: &[char], c: char) -> Option<(bool, usize)> {
         x => Some((x == c, 1)),
     }
 }
+
+/// A compressed file (`.gz`, `.zst`, `.xz`, `.bz2`, `.zip`) is refused,
+/// naming it and `key`: read as text it would train on the compressed
+/// bytes.
+pub fn refuse_compressed(p: &Path, key: &str) -> std::result::Result<(), DataError> {
+    let ext = p
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "gz" | "zst" | "xz" | "bz2" | "zip" => Err(DataError::Format {
+            path: p.to_path_buf(),
+            msg: format!("compressed files are not read ({key}); decompress it first"),
+        }),
+        _ => Ok(()),
+    }
+}

@@ -136,6 +136,7 @@ impl TokenData {
         if is_bin {
             open_bin(path)
         } else {
+            super::paths::refuse_compressed(path, "data.path")?;
             open_text(path, tokenizer)
         }
     }
