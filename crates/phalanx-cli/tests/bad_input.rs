@@ -293,17 +293,17 @@ fn messages_name_the_file_and_explain_blocks() {
             "model": {"type": "WordLevel", "unk_token": "u", "vocab": {"u": 0, "a": 1}}}"#,
     )
     .unwrap();
-    let tok = format!(
-        "data.tokenizer=\"{}\"",
-        d.join("tokenizer.json").display()
-    );
+    let tok = format!("data.tokenizer=\"{}\"", d.join("tokenizer.json").display());
     for extra in [vec![], vec!["--set", tok.as_str()]] {
         let mut args = vec!["train", "--nproc-per-node", "1", "--set", &data];
         args.extend_from_slice(SMALL);
         args.extend(extra.iter().copied());
         let (code, _, err) = phalanx(&repo(), &args);
         assert_ne!(code, 0, "{extra:?}");
-        assert!(err.contains("small.txt.gz") && err.contains("decompress it first"), "{extra:?}: {err}");
+        assert!(
+            err.contains("small.txt.gz") && err.contains("decompress it first"),
+            "{extra:?}: {err}"
+        );
     }
     let _ = std::fs::remove_dir_all(&d);
 }

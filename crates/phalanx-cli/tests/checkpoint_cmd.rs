@@ -182,7 +182,11 @@ fn round_trip(what: &str, extra: &[&str], zero_stage: u64) -> (ScratchDir, PathB
             args.push("--force");
         }
         let o = phalanx(&args);
-        assert!(o.code == 2 && o.stderr.contains("is a directory"), "{}", o.all());
+        assert!(
+            o.code == 2 && o.stderr.contains("is a directory"),
+            "{}",
+            o.all()
+        );
     }
 
     // from-hf and back: bitwise again.

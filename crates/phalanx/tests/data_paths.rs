@@ -160,3 +160,63 @@ fn a_link_to_an_enclosing_directory_is_walked_once() {
     let glob = format!("{}/**/**/*.bin", d.display());
     assert_eq!(expand(&glob, "data.path").unwrap(), want);
 }
+
+/// A directory of token shards gives those only (not `phalanx tokenize`'s
+/// state file beside them); another leaves out the documentation beside its
+/// data (a downloaded dataset's README), and a note names what it left.
+/// A directory of Markdown only gives it all.
+#[test]
+fn a_data_directory_leaves_out_what_is_not_data_and_says_so() {
+    use phalanx::data::paths::expand_noting;
+    let d = ScratchDir::new("phalanx-paths", "not-data");
+    let shards = d.join("shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    write_tokens(&shards.join("train_000.bin"), 100);
+    std::fs::write(shards.join("tokenize.json"), "{\"state\": 1}").unwrap();
+    std::fs::write(shards.join("README.md"), "# shards").unwrap();
+    let (files, left) = expand_noting(shards.to_str().unwrap(), "data.path").unwrap();
+    assert_eq!(files, vec![shards.join("train_000.bin")]);
+    assert_eq!(sorted(left), vec![shards.join("README.md"), shards.join("tokenize.json")]);
+    let c = Corpus::open(&CorpusConfig::new(&[shards.to_str().unwrap()], 8)).unwrap();
+    assert_eq!(c.train_samples(), Some(12));
+    let notes = c.notes().join("\n");
+    assert!(notes.contains("2 file(s) beside its data files") && notes.contains("README.md"), "{notes}");
+
+    let hf = d.join("hf");
+    std::fs::create_dir_all(hf.join("data")).unwrap();
+    std::fs::write(hf.join("README.md"), "---\nlicense: mit\n---\n").unwrap();
+    std::fs::write(hf.join("data/train.json"), "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let (files, left) = expand_noting(hf.to_str().unwrap(), "data.path").unwrap();
+    assert_eq!((files, left), (vec![hf.join("data/train.json")], vec![hf.join("README.md")]));
+
+    let text = d.join("text");
+    std::fs::create_dir_all(&text).unwrap();
+    std::fs::write(text.join("a.txt"), "a").unwrap();
+    std::fs::write(text.join("b.jsonl"), "{\"text\": \"b\"}").unwrap();
+    std::fs::write(text.join("LICENSE"), "c").unwrap();
+    let (files, left) = expand_noting(text.to_str().unwrap(), "data.path").unwrap();
+    assert_eq!((files.len(), left), (2, vec![text.join("LICENSE")]));
+    let md = d.join("md");
+    std::fs::create_dir_all(&md).unwrap();
+    std::fs::write(md.join("a.md"), "a").unwrap();
+    std::fs::write(md.join("README.md"), "b").unwrap();
+    let (files, left) = expand_noting(md.to_str().unwrap(), "data.path").unwrap();
+    assert_eq!((files.len(), left.len()), (2, 0));
+}
+
+/// A `.json` file is JSON Lines, as Hugging Face's `json` loader reads it;
+/// one holding a JSON array is refused saying so.
+#[test]
+fn a_json_file_is_json_lines_and_an_array_is_named() {
+    use phalanx::data::records::documents;
+    let d = ScratchDir::new("phalanx-paths", "json");
+    let p = d.join("train.json");
+    std::fs::write(&p, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let docs = documents(&p, "text", "data.field", 1).unwrap();
+    assert_eq!(docs, vec![Ok("one".to_string()), Ok("two".to_string())]);
+    std::fs::write(&p, "[{\"text\": \"one\"}, {\"text\": \"two\"}]\n").unwrap();
+    let docs = documents(&p, "text", "data.field", 1).unwrap();
+    let (line, why) = docs[0].clone().unwrap_err();
+    assert_eq!(line, 1);
+    assert!(why.contains("a JSON array"), "{why}");
+}

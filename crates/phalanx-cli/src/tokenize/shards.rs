@@ -143,11 +143,18 @@ fn check_prefix(p: &str) -> Result<(), String> {
 fn expand_inputs(patterns: &[String]) -> Result<Vec<PathBuf>, String> {
     let mut files = Vec::new();
     for p in patterns {
-        let found = phalanx::data::paths::expand(p, "input").map_err(|e| match e {
-            phalanx::data::DataError::Config(m) => m,
-            other => other.to_string(),
-        })?;
+        let (found, left) =
+            phalanx::data::paths::expand_noting(p, "input").map_err(|e| match e {
+                phalanx::data::DataError::Config(m) => m,
+                other => other.to_string(),
+            })?;
         files.extend(found);
+        if !left.is_empty() {
+            eprintln!(
+                "note: {}",
+                phalanx::data::paths::skipped_note("input", p, &left)
+            );
+        }
     }
     let mut seen = std::collections::HashSet::new();
     files.retain(|f| seen.insert(crate::outputs::resolve(f)));

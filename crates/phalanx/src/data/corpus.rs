@@ -99,6 +99,8 @@ pub struct Corpus {
     pub(crate) vocab: Option<usize>,
     pub(crate) fingerprint: serde_json::Value,
     pub(crate) stats: Arc<TextStats>,
+    /// Notes on the files of data directories left out as not data.
+    skipped: Vec<String>,
 }
 
 #[derive(PartialEq, Clone, Copy)]
@@ -113,13 +115,19 @@ fn kind_of(p: &std::path::Path, key: &str) -> Result<Kind> {
     Ok(if bin { Kind::Bin } else { Kind::Text })
 }
 
-fn expand_all(paths: &[String], key: &str) -> Result<Vec<PathBuf>> {
+/// Every file `paths` name; a directory's files that are not data beside
+/// its data files (see [`paths::expand_noting`]) go to `skipped` as a note.
+fn expand_all(paths: &[String], key: &str, skipped: &mut Vec<String>) -> Result<Vec<PathBuf>> {
     if paths.is_empty() {
         return Err(DataError::Config(format!("{key}: no path given")));
     }
     let mut files = Vec::new();
     for p in paths {
-        files.extend(paths::expand(p, key)?);
+        let (found, left) = paths::expand_noting(p, key)?;
+        files.extend(found);
+        if !left.is_empty() {
+            skipped.push(paths::skipped_note(key, p, &left));
+        }
     }
     // Several patterns may name one file, spelled alike or not (`shards/`
     // and `/abs/shards/*.bin`, `./x.bin` and `x.bin`, a link): once is
@@ -145,16 +153,14 @@ fn canonical(f: &std::path::Path) -> std::path::PathBuf {
 }
 
 impl Corpus {
-    /// What the run should know about the data before it trains (tokens
-    /// token sources leave out).
+    /// What the run should know about the data before it trains (files of
+    /// a data directory that are not data, tokens token sources leave out).
     pub fn notes(&self) -> Vec<String> {
-        self.sources
-            .iter()
-            .filter_map(|s| match s {
-                Source::Bin(b) => b.unused_note(),
-                Source::Text(_) => None,
-            })
-            .collect()
+        let unused = self.sources.iter().filter_map(|s| match s {
+            Source::Bin(b) => b.unused_note(),
+            Source::Text(_) => None,
+        });
+        self.skipped.iter().cloned().chain(unused).collect()
     }
 
     pub fn open(cfg: &CorpusConfig) -> Result<Corpus> {
@@ -168,6 +174,7 @@ impl Corpus {
         let stats = Arc::new(TextStats::default());
         let mut sources = Vec::new();
         let mut prints = Vec::new();
+        let mut skipped = Vec::new();
         // Every training file, to keep the validation files apart from
         // them, and for the content digest.
         let mut trained = std::collections::HashMap::new();
@@ -175,7 +182,7 @@ impl Corpus {
         // Validation text files are read with the first text source's field.
         let mut text_field: Option<(String, String)> = None;
         for (i, spec) in cfg.sources.iter().enumerate() {
-            let files = expand_all(&spec.paths, &spec.key)?;
+            let files = expand_all(&spec.paths, &spec.key, &mut skipped)?;
             for f in &files {
                 trained.insert(canonical(f), spec.key.clone());
             }
@@ -259,7 +266,7 @@ impl Corpus {
                 }
             }
         } else {
-            for f in expand_all(&cfg.val_paths, "data.val_path")? {
+            for f in expand_all(&cfg.val_paths, "data.val_path", &mut skipped)? {
                 if let Some(key) = trained.get(&canonical(&f)) {
                     // A validation loss measured on training data looks
                     // better than it is (a `data_*.bin` glob also matches
@@ -352,6 +359,7 @@ impl Corpus {
             vocab: cfg.vocab_size,
             fingerprint,
             stats,
+            skipped,
         })
     }
 

@@ -28,6 +28,68 @@ pub fn is_glob(p: &str) -> bool {
 /// config key in errors. Matching nothing is an error: an empty source
 /// would otherwise train on the other sources without a word.
 pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
+    Ok(expand_noting(pattern, key)?.0)
+}
+
+/// [`expand`], and the files of a directory left out as not data: a
+/// directory holding token shards (`.bin`) gives those only (not the
+/// state file `phalanx tokenize` writes beside its shards); in another,
+/// documentation (`README*`, `LICENSE*`, `*.md`) beside other files is
+/// left out (a downloaded dataset's card). A directory of documentation
+/// only gives it all (a corpus of Markdown).
+pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let mut files = expand_all_kinds(pattern, key)?;
+    let mut skipped = Vec::new();
+    if !is_glob(pattern) && Path::new(pattern).is_dir() {
+        let ext = |p: &Path, xs: &[&str]| {
+            p.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| xs.iter().any(|x| e.eq_ignore_ascii_case(x)))
+        };
+        let token = |p: &Path| ext(p, &["bin"]);
+        let doc = |p: &Path| {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().to_ascii_uppercase())
+                .unwrap_or_default();
+            ext(p, &["md"])
+                || ["README", "LICENSE", "LICENCE"]
+                    .iter()
+                    .any(|x| name.starts_with(x))
+        };
+        let not_doc = |p: &Path| !doc(p);
+        let keep: Option<&dyn Fn(&Path) -> bool> = if files.iter().any(|f| token(f)) {
+            Some(&token)
+        } else if files.iter().any(|f| doc(f)) && !files.iter().all(|f| doc(f)) {
+            Some(&not_doc)
+        } else {
+            None
+        };
+        if let Some(keep) = keep {
+            (files, skipped) = files.into_iter().partition(|f| keep(f));
+        }
+    }
+    Ok((files, skipped))
+}
+
+/// The note for the files [`expand_noting`] left out of `pattern` (given
+/// as `key`).
+pub fn skipped_note(key: &str, pattern: &str, left: &[PathBuf]) -> String {
+    let names: Vec<String> = left
+        .iter()
+        .take(5)
+        .map(|f| f.display().to_string())
+        .collect();
+    format!(
+        "{key} {pattern:?}: {} file(s) beside its data files are not data and are not read \
+         ({}{})",
+        left.len(),
+        names.join(", "),
+        if left.len() > 5 { ", …" } else { "" }
+    )
+}
+
+fn expand_all_kinds(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     if is_glob(pattern) {
         let (root, rest) = split_root(pattern);

@@ -38,11 +38,15 @@ pub fn is_parquet(p: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
 }
 
-/// Whether a file is read as JSONL (by its extension).
+/// Whether a file is read as JSONL (by its extension): `.jsonl`,
+/// `.ndjson`, and `.json`, which Hugging Face's `json` loader reads as JSON
+/// Lines too (a `.json` holding one JSON array is refused, saying so).
 pub fn is_jsonl(p: &Path) -> bool {
-    p.extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("ndjson"))
+    p.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+        ["jsonl", "ndjson", "json"]
+            .iter()
+            .any(|x| e.eq_ignore_ascii_case(x))
+    })
 }
 
 /// Every document of `path` in file order (blank JSONL lines are not
@@ -126,8 +130,23 @@ pub fn record_text(
 ) -> std::result::Result<String, String> {
     let s = std::str::from_utf8(line)
         .map_err(|e| format!("not valid UTF-8 at byte {} of the line", e.valid_up_to()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(s).map_err(|e| format!("not a JSON record ({e})"))?;
+    // A whole JSON array (on one line or spread over many) is a file of
+    // another shape, not a bad record: say which.
+    let array = || {
+        "a JSON array, not a record: JSON Lines hold one JSON object per line (write the \
+         array's objects one per line)"
+            .to_string()
+    };
+    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| {
+        if s.trim_start().starts_with('[') {
+            array()
+        } else {
+            format!("not a JSON record ({e})")
+        }
+    })?;
+    if v.is_array() {
+        return Err(array());
+    }
     match v.get(field) {
         Some(serde_json::Value::String(t)) => Ok(t.clone()),
         Some(other) => Err(format!(
