@@ -69,11 +69,19 @@ pub fn eos_id(tok: &Tokenizer) -> Option<u32> {
 /// about 1 MB (only chunk starts can tokenize differently from one long
 /// encode); `name` goes into errors.
 pub fn encode_corpus(tok: &Tokenizer, text: &str, name: &Path) -> Result<Vec<u32>> {
+    encode_text(tok, text).map_err(|e| Error::Check(format!("{}: {e}", name.display())))
+}
+
+/// What every path encodes a document with (the trainer's text sources,
+/// its single text file, `phalanx tokenize`), so that they give the same
+/// ids: without special tokens, a document over 1 MB in pieces cut after a
+/// newline (one long encode holds ~100 bytes per token). A piece's start
+/// can tokenize differently from one long encode: a Metaspace tokenizer
+/// (Llama 2's) puts its `▁` there.
+fn encode_text(tok: &Tokenizer, text: &str) -> std::result::Result<Vec<u32>, String> {
     let mut ids = Vec::new();
     for chunk in chunks(text, 1 << 20) {
-        let enc = tok
-            .encode(chunk, false)
-            .map_err(|e| Error::Check(format!("{}: {e}", name.display())))?;
+        let enc = tok.encode(chunk, false).map_err(|e| e.to_string())?;
         ids.extend_from_slice(enc.get_ids());
     }
     Ok(ids)
@@ -143,10 +151,7 @@ impl phalanx::data::TextEncoder for HfEncoder {
     fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
         // A text this tokenizer fails on (a word-level vocabulary without
         // an unknown token, say) is a bad record, not an empty document.
-        self.tok
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| format!("tokenizer {}: {e}", self.name))
+        encode_text(&self.tok, text).map_err(|e| format!("tokenizer {}: {e}", self.name))
     }
     fn separator(&self) -> Vec<u32> {
         self.sep.clone()
@@ -249,6 +254,19 @@ mod tests {
         assert_eq!(super::eos_id(&tok), Some(4));
         let e = enc.encode("in the end").unwrap_err();
         assert!(e.contains("words.json"), "{e}");
+    }
+
+    /// The trainer's text sources and `phalanx tokenize` (and the single
+    /// text file) encode a document alike, past the 1 MB pieces too.
+    #[test]
+    fn every_path_encodes_a_long_document_alike() {
+        let tok: tokenizers::Tokenizer = WORDS.parse().unwrap();
+        let enc = HfEncoder::new(tok, "words.json").unwrap();
+        let doc = "in the beginning\n".repeat(200_000); // 3.4 MB
+        let tok: tokenizers::Tokenizer = WORDS.parse().unwrap();
+        let ids = super::encode_corpus(&tok, &doc, std::path::Path::new("w")).unwrap();
+        assert_eq!(ids.len(), 600_000);
+        assert_eq!(enc.encode(&doc).unwrap(), ids);
     }
 
     #[test]

@@ -25,6 +25,16 @@ pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> 
         io.input("--tokenizer", t);
     }
     io.check()?;
+    let records = phalanx::data::records::is_jsonl(input) || phalanx::data::records::is_parquet(input);
+    if records {
+        return Err(format!(
+            "{} holds records (one document each), and this form encodes one text file whole: \
+             use `phalanx tokenize --output-dir DIR {}` for its documents",
+            input.display(),
+            input.display()
+        ));
+    }
+    phalanx::data::paths::refuse_compressed(input, "input").map_err(|e| e.to_string())?;
     let enc = Encoder::open(o.tokenizer.as_deref(), o.encoding.as_deref())?;
     phalanx::fsutil::regular_file("input", input)?;
     let text = std::fs::read_to_string(input)
