@@ -201,3 +201,86 @@ fn validation_over_text_sources_only_is_said_to_be_missing() {
     assert!(out.contains("note: no validation data"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A run stopped by a bad record resumes with `data.on_bad_record =
+/// "skip"` (what a run under `error` trained on is the same under `skip`),
+/// and after the bad line is removed with `data.on_resume_mismatch =
+/// "warn"` (the content changed: refused without it, naming the key).
+#[test]
+fn a_run_stopped_by_a_bad_record_resumes_skipping_it_or_after_the_fix() {
+    let dir = fresh_dir("phalanx-data-layouts", "bad-record");
+    let text = std::fs::read_to_string(repo().join("data/corpus.txt")).unwrap();
+    let lines: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(600)
+        .map(|l| serde_json::json!({ "text": l }).to_string())
+        .collect();
+    std::fs::create_dir_all(dir.join("sb")).unwrap();
+    for (j, part) in lines.chunks(60).enumerate() {
+        let mut body = part.join("\n") + "\n";
+        if j == 7 {
+            body = body.replacen('\n', "\n{\"text\": broken\n", 3);
+        }
+        std::fs::write(dir.join(format!("sb/s{j}.jsonl")), body).unwrap();
+    }
+    let data = format!("data.path=[\"{}\"]", dir.join("sb").display());
+    let ck = format!("checkpoint.dir=\"{}\"", dir.join("ck").display());
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--nproc-per-node",
+            "1",
+            "--set",
+            &data,
+            "--set",
+            &ck,
+            "--set",
+            "checkpoint.interval=50",
+            "--set",
+            "train.steps=2000",
+        ];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(extra);
+        phalanx(&args)
+    };
+    let (code, out, err) = run(&[]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(
+        err.contains("s7.jsonl") && err.contains("not a JSON record"),
+        "{err}"
+    );
+    assert!(
+        dir.join("ck/latest").is_file(),
+        "no checkpoint before the bad record: {out}"
+    );
+    let (code, out, err) = run(&["--set", "data.on_bad_record=\"skip\"", "--resume", "auto"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("resumed from"), "{out}");
+    // The line fixed instead: the data changed, refused without the key.
+    std::fs::remove_dir_all(dir.join("ck")).unwrap();
+    let (code, ..) = run(&[]);
+    assert_ne!(code, 0);
+    let fixed = std::fs::read_to_string(dir.join("sb/s7.jsonl"))
+        .unwrap()
+        .replace("{\"text\": broken\n", "");
+    std::fs::write(dir.join("sb/s7.jsonl"), fixed).unwrap();
+    let (code, _, err) = run(&["--resume", "auto"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("data.content") && err.contains("data.on_resume_mismatch"),
+        "{err}"
+    );
+    let (code, out, err) = run(&[
+        "--set",
+        "data.on_resume_mismatch=\"warn\"",
+        "--resume",
+        "auto",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        err.contains("warning: resuming from") && err.contains("data.content"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -264,6 +264,27 @@ fn resume_mid_shard_is_exact_on_other_world_sizes_and_batches() {
         e.contains("data.sources[0].files: checkpoint 3 entries, this run 4; the first difference is at [3]"),
         "{e}"
     );
+    assert!(e.contains("data.on_resume_mismatch"), "{e}");
+    // Asked to, the resume goes on at the checkpoint's sample position in
+    // the data as it is now, saying what differs; its samples are those of
+    // a fresh loader over this data at that position.
+    let l = open(&cfg);
+    let w = l.resume_at_or_warn(25, consumed, Some(&old), true).unwrap();
+    assert!(w.is_some_and(|w| w.contains("data.sources[0].files")));
+    let fresh = open(&cfg);
+    for k in 25..30 {
+        assert_eq!(
+            step_inputs(&l, k, g, 1, 1),
+            step_inputs(&fresh, k, g, 1, 1),
+            "step {k}"
+        );
+    }
+    // What is done with a bad record changes no sample before the position
+    // (a run under `error` stops at the first): not compared.
+    let mut skip = cfg.clone();
+    skip.on_bad_record = phalanx::data::OnBadRecord::Skip;
+    let now = open(&cfg).state_at(25, g).unwrap();
+    open(&skip).resume_at(25, consumed, Some(&now)).unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }
 

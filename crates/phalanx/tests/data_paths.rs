@@ -176,18 +176,31 @@ fn a_data_directory_leaves_out_what_is_not_data_and_says_so() {
     std::fs::write(shards.join("README.md"), "# shards").unwrap();
     let (files, left) = expand_noting(shards.to_str().unwrap(), "data.path").unwrap();
     assert_eq!(files, vec![shards.join("train_000.bin")]);
-    assert_eq!(sorted(left), vec![shards.join("README.md"), shards.join("tokenize.json")]);
+    assert_eq!(
+        sorted(left),
+        vec![shards.join("README.md"), shards.join("tokenize.json")]
+    );
     let c = Corpus::open(&CorpusConfig::new(&[shards.to_str().unwrap()], 8)).unwrap();
     assert_eq!(c.train_samples(), Some(12));
     let notes = c.notes().join("\n");
-    assert!(notes.contains("2 file(s) beside its data files") && notes.contains("README.md"), "{notes}");
+    assert!(
+        notes.contains("2 file(s) beside its data files") && notes.contains("README.md"),
+        "{notes}"
+    );
 
     let hf = d.join("hf");
     std::fs::create_dir_all(hf.join("data")).unwrap();
     std::fs::write(hf.join("README.md"), "---\nlicense: mit\n---\n").unwrap();
-    std::fs::write(hf.join("data/train.json"), "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    std::fs::write(
+        hf.join("data/train.json"),
+        "{\"text\": \"one\"}\n{\"text\": \"two\"}\n",
+    )
+    .unwrap();
     let (files, left) = expand_noting(hf.to_str().unwrap(), "data.path").unwrap();
-    assert_eq!((files, left), (vec![hf.join("data/train.json")], vec![hf.join("README.md")]));
+    assert_eq!(
+        (files, left),
+        (vec![hf.join("data/train.json")], vec![hf.join("README.md")])
+    );
 
     let text = d.join("text");
     std::fs::create_dir_all(&text).unwrap();

@@ -25,7 +25,8 @@ pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> 
         io.input("--tokenizer", t);
     }
     io.check()?;
-    let records = phalanx::data::records::is_jsonl(input) || phalanx::data::records::is_parquet(input);
+    let records =
+        phalanx::data::records::is_jsonl(input) || phalanx::data::records::is_parquet(input);
     if records {
         return Err(format!(
             "{} holds records (one document each), and this form encodes one text file whole: \

@@ -222,6 +222,9 @@ pub struct DataConfig {
     pub val_path: DataPath,
     /// A record that cannot be read: `error` (naming file and line) or `skip`.
     pub on_bad_record: crate::data::OnBadRecord,
+    /// A resume over data that differs from the checkpoint's: `error`
+    /// (naming the difference) or `warn` and continue at its position.
+    pub on_resume_mismatch: crate::data::OnMismatch,
     /// Tokenizer threads per text source (0: up to 4); the order does not depend on it.
     pub loader_threads: usize,
     /// Tokenized text shards queued ahead per source.
@@ -517,6 +520,7 @@ impl Default for DataConfig {
             field: "text".into(),
             val_path: DataPath::Many(Vec::new()),
             on_bad_record: crate::data::OnBadRecord::Error,
+            on_resume_mismatch: crate::data::OnMismatch::Error,
             loader_threads: 0,
             prefetch: 2,
             tokenizer: TokenizerSpec::Builtin(Tokenizer::Byte),

@@ -51,6 +51,18 @@ pub enum OnBadRecord {
     Skip,
 }
 
+/// What a resume does when the data differs from the checkpoint's (files,
+/// content, order settings): stop naming the difference, or `warn` and go
+/// on at the checkpoint's sample position in the data as it is now (after
+/// a bad record was fixed, a file renamed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnMismatch {
+    #[default]
+    Error,
+    Warn,
+}
+
 pub use error::DataError;
 pub use loader::{micro_batch_size, Batch, DataLoader, LoaderConfig};
 pub use resume::{DataState, LoaderStats};

@@ -77,6 +77,23 @@ impl DataLoader {
     /// repeats nor skips a sample. A `state` whose fingerprint differs from
     /// this loader's is refused, naming the key and both values.
     pub fn resume_at(&self, step: u64, consumed: u64, state: Option<&DataState>) -> Result<()> {
+        self.resume_at_or_warn(step, consumed, state, false)
+            .map(|_| ())
+    }
+
+    /// [`DataLoader::resume_at`]; with `warn`, data that differs from the
+    /// checkpoint's is not an error: the difference comes back as a
+    /// warning, and the run continues at the checkpoint's sample position
+    /// in the data as it is now (the checkpoint's text cursors, which
+    /// describe the old data, are not used).
+    pub fn resume_at_or_warn(
+        &self,
+        step: u64,
+        consumed: u64,
+        state: Option<&DataState>,
+        warn: bool,
+    ) -> Result<Option<String>> {
+        let mut warning = None;
         if let Some(st) = state {
             let mut now = self.fingerprint();
             let mut saved = st.fingerprint.clone();
@@ -84,19 +101,33 @@ impl DataLoader {
                 // What a checkpoint of an earlier version did not record
                 // (the content digest) cannot be compared; nor the
                 // tokenizer it recorded for token files, which are read
-                // as ids whatever it is.
+                // as ids whatever it is; nor what is done with a bad
+                // record, which changes no sample before the position (a
+                // run under `error` stops at the first, before any sample
+                // needs it).
                 n.retain(|k, _| saved.contains_key(k));
                 if !n.contains_key("tokenizer") {
                     saved.remove("tokenizer");
                 }
+                saved.remove("on_bad_record");
+                n.remove("on_bad_record");
             }
             if let Some(d) = first_difference("data", &saved, &now) {
-                return Err(DataError::Config(format!(
-                    "the checkpoint was trained on other data, which would silently change the \
-                     samples of the resumed run: {d}; resume with the checkpoint's data config \
-                     or start a new run"
-                )));
+                if !warn {
+                    return Err(DataError::Config(format!(
+                        "the checkpoint was trained on other data, which would silently change \
+                         the samples of the resumed run: {d}; resume with the checkpoint's data \
+                         config, start a new run, or set data.on_resume_mismatch = \"warn\" to \
+                         continue at its position in this data"
+                    )));
+                }
+                warning = Some(format!(
+                    "the checkpoint was trained on other data ({d}); data.on_resume_mismatch = \
+                     \"warn\": continuing at its sample position {consumed} in this data"
+                ));
             }
+        }
+        if let (Some(st), None) = (state, &warning) {
             // A cursor lies at or before the position it resumes (the
             // start of the shard holding the next sample).
             let at = consumed.checked_mul(self.seq_len as u64);
@@ -117,7 +148,7 @@ impl DataLoader {
             }
         }
         *self.base.lock().unwrap_or_else(|e| e.into_inner()) = (step, consumed);
-        Ok(())
+        Ok(warning)
     }
 
     /// The text loader's figures, when a text source is read.

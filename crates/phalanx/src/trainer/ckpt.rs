@@ -356,14 +356,21 @@ impl Trainer {
         }
         self.start_step = reader.meta.step;
         // The data continues at the checkpoint's sample position, whatever
-        // this run's global batch (a changed data config is refused).
-        self.loader
-            .resume_at(
+        // this run's global batch (a changed data config is refused, unless
+        // data.on_resume_mismatch says to go on).
+        let warn = self.cfg.data.on_resume_mismatch == crate::data::OnMismatch::Warn;
+        let warning = self
+            .loader
+            .resume_at_or_warn(
                 reader.meta.step as u64,
                 reader.meta.samples_consumed,
                 reader.meta.data.as_ref(),
+                warn,
             )
-            .map_err(|e| Error::Check(format!("--resume {}: {e}", dir.display())))?;
+            .map_err(|e| Error::Check(format!("resuming from {}: {e}", dir.display())))?;
+        if let (Some(w), 0) = (warning, self.mesh.world().rank()) {
+            eprintln!("warning: resuming from {}: {w}", dir.display());
+        }
         if self.mesh.world().rank() == 0 {
             // The schedule's length is train.steps unless optim.decay_steps
             // fixes it: a resume that changes train.steps reshapes the rate
