@@ -65,8 +65,11 @@ pub struct TextStats {
     pub busy_ns: AtomicU64,
     /// Shards tokenized and waiting in the queues.
     pub queued: AtomicI64,
-    /// Records skipped under `data.on_bad_record = "skip"`.
+    /// Records skipped under `data.on_bad_record = "skip"`, each once (a
+    /// shard is tokenized again every epoch, ahead, and after a restart).
     pub skipped: AtomicU64,
+    /// The files whose skipped records are counted.
+    counted: Mutex<std::collections::HashSet<PathBuf>>,
 }
 
 /// What a text source reads (see the module docs).
@@ -405,17 +408,21 @@ fn shard_tokens(spec: &TextSpec, stats: &TextStats, shard: usize, epoch: u64) ->
             })
         });
     let mut good = Vec::with_capacity(docs.len());
+    let mut skipped = 0;
     for d in docs {
         match d {
             Ok(t) => good.push(t),
             Err(bad) => match spec.on_bad {
                 OnBadRecord::Error => return Err(bad_err(path, bad)),
-                OnBadRecord::Skip => {
-                    stats.skipped.fetch_add(1, Relaxed);
-                }
+                OnBadRecord::Skip => skipped += 1,
             },
         }
     }
+    let mut counted = stats.counted.lock().unwrap_or_else(|e| e.into_inner());
+    if skipped > 0 && counted.insert(path.clone()) {
+        stats.skipped.fetch_add(skipped, Relaxed);
+    }
+    drop(counted);
     let order: Vec<u64> = if spec.shuffle {
         permutation(
             good.len() as u64,
