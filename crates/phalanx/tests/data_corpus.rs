@@ -733,3 +733,26 @@ fn the_tokenizer_decides_text_only() {
     assert!(e.contains("data.tokenizer"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A tokenizer whose ids a model cannot hold is refused before training
+/// (gpt2's 50257 into a byte-sized model), naming both and the fix; the
+/// byte tokenizer is left to the text (ASCII fits 128 ids).
+#[test]
+fn a_tokenizer_too_big_for_the_model_is_refused_before_training() {
+    let dir = temp_dir("vocab");
+    let p = dir.join("a.txt");
+    std::fs::write(&p, "plain ascii text for a small model. ".repeat(50)).unwrap();
+    let mut cfg = CorpusConfig::new(&[p.to_str().unwrap()], 8);
+    cfg.vocab_size = Some(256);
+    cfg.encoder = std::sync::Arc::new(phalanx::data::Tokenizer::Gpt2);
+    let e = err_of(&cfg);
+    assert!(
+        e.contains("data.tokenizer gpt2 has a vocabulary of 50257 tokens")
+            && e.contains("at least 50257"),
+        "{e}"
+    );
+    cfg.encoder = std::sync::Arc::new(phalanx::data::Tokenizer::Byte);
+    cfg.vocab_size = Some(128);
+    open(&cfg).micro_batch(0, 0, 1, 0, 2, 1).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}

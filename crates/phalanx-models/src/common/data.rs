@@ -78,5 +78,8 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
         let data = TokenData::from_text(BUILTIN_CORPUS.to_vec(), tok, path)?;
         return Ok(DataLoader::new(data, lc)?);
     }
+    if !is_bin {
+        phalanx::data::text::check_fits(&tok, vocab_size)?;
+    }
     Ok(DataLoader::open(path, tok, lc)?)
 }

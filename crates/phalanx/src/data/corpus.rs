@@ -345,6 +345,11 @@ impl Corpus {
         // decides no sample then (a resume naming the model's tokenizer
         // over a run that left the default is the same data).
         let text = sources.iter().any(|s| matches!(s, Source::Text(_))) || !text_val.is_empty();
+        // A tokenizer whose ids the model cannot hold fails here, not at
+        // the first batch that meets a high id.
+        if let (true, Some(v)) = (text, cfg.vocab_size) {
+            super::text::check_fits(&*cfg.encoder, v)?;
+        }
         if !text {
             if let Some(o) = fingerprint.as_object_mut() {
                 o.remove("tokenizer");
@@ -413,10 +418,15 @@ impl Corpus {
                         .chain(targets.last())
                         .find(|&&x| x as usize >= v)
                     {
+                        let files = t.files();
+                        let more = match files.len() {
+                            1 => String::new(),
+                            n => format!(" (one of {n} files)"),
+                        };
                         return Err(DataError::Tokenizer(format!(
-                            "token id {bad} from the text of {:?} is out of range for the model's \
-                             vocab_size {v}",
-                            t.files()
+                            "token id {bad} from the text of {}{more} is out of range for the \
+                             model's vocab_size {v}",
+                            files[0].display()
                         )));
                     }
                 }

@@ -39,6 +39,12 @@ pub trait TextEncoder: Send + Sync {
     fn separator(&self) -> Vec<u32>;
     /// Its name, part of the data fingerprint a resume checks.
     fn name(&self) -> String;
+    /// The ids it gives are below this, where every model must hold them
+    /// all (checked before training); `None`: the text decides (bytes:
+    /// ASCII text fits a vocabulary of 128).
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl TextEncoder for Tokenizer {
@@ -53,6 +59,26 @@ impl TextEncoder for Tokenizer {
     }
     fn name(&self) -> String {
         Tokenizer::name(self).to_string()
+    }
+    fn vocab_size(&self) -> Option<usize> {
+        match self {
+            Tokenizer::Byte => None,
+            Tokenizer::Gpt2 => Some(Tokenizer::vocab_size(self)),
+        }
+    }
+}
+
+/// An error where `encoder` gives ids a model of `vocab` cannot hold (see
+/// [`TextEncoder::vocab_size`]): before training, not at the first batch
+/// that meets a high id.
+pub fn check_fits(encoder: &dyn TextEncoder, vocab: usize) -> Result<()> {
+    match encoder.vocab_size() {
+        Some(n) if n > vocab => Err(DataError::Config(format!(
+            "data.tokenizer {} has a vocabulary of {n} tokens, more than model.vocab_size = \
+             {vocab}; set model.vocab_size to at least {n}",
+            encoder.name()
+        ))),
+        _ => Ok(()),
     }
 }
 
