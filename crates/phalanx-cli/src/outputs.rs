@@ -139,10 +139,8 @@ impl Io {
         // directory, the checkpoint resumed) would be read as that input by
         // the next run, and rotation there could delete what is not ours.
         for (key, dir) in &ckpt {
-            for i in inputs
-                .iter()
-                .filter(|i| *dir == i.canon || (i.is_dir && dir.starts_with(&i.canon)))
-            {
+            let holds = |i: &&Input| *dir == i.canon || (i.is_dir && dir.starts_with(&i.canon));
+            if let Some(i) = inputs.iter().find(holds) {
                 let how = if *dir == i.canon { "is" } else { "is inside" };
                 return Err(format!(
                     "{key} {} {how} {} {}: checkpoints written there would be read as that \
