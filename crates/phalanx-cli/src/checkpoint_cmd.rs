@@ -375,10 +375,12 @@ fn convert(path: &Path, out: &Path, force: bool) -> Result<i32> {
         );
         return Ok(2);
     }
-    if weights.exists() && !force {
+    // An existing OUT (a file, or a directory holding a model: one file,
+    // or an index and its shards) is replaced only with --force.
+    if out.exists() && !force {
         eprintln!(
             "phalanx checkpoint convert: {} exists (--force replaces it)",
-            weights.display()
+            out.display()
         );
         return Ok(2);
     }

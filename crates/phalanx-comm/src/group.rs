@@ -242,7 +242,7 @@ impl ProcessGroup {
     ) -> Result<R> {
         let _blocked = crate::work::BlockedTimer::start();
         let inner = &*self.inner;
-        if let Some(e) = inner.backend.failure() {
+        if let Some(e) = self.broken() {
             return Err(e);
         }
         let _g = inner.lock_exec();
@@ -525,6 +525,9 @@ impl ProcessGroup {
     /// handed to the transport (the receiver buffers it).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
         self.check_peer(dst)?;
+        if let Some(e) = self.inner.backend.closed() {
+            return Err(e);
+        }
         let c = self.call("send", 0);
         self.inner
             .backend
@@ -543,6 +546,9 @@ impl ProcessGroup {
     }
 
     fn recv_now<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
+        if let Some(e) = self.inner.backend.closed() {
+            return Err(e);
+        }
         let c = self.call("recv", 0);
         self.inner
             .backend
@@ -596,6 +602,13 @@ impl ProcessGroup {
     /// The failure that broke this group, if any.
     pub fn failure(&self) -> Option<CommError> {
         self.inner.backend.failure()
+    }
+
+    /// Why a call cannot run: the group's failure, or its clean shutdown on
+    /// this rank.
+    fn broken(&self) -> Option<CommError> {
+        let b = &self.inner.backend;
+        b.failure().or_else(|| b.closed())
     }
 
     /// Whether `other` is this group (a clone of it), not another with the

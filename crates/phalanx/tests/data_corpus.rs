@@ -756,3 +756,37 @@ fn a_tokenizer_too_big_for_the_model_is_refused_before_training() {
     open(&cfg).micro_batch(0, 0, 1, 0, 2, 1).unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A checkpoint from before `.json` files were JSON Lines (its fingerprint
+/// without `json_lines`) read them as plain text: another token stream
+/// with the same files, refused by name.
+#[test]
+fn a_checkpoint_that_read_json_as_plain_text_is_not_resumed_silently() {
+    let dir = temp_dir("json-lines");
+    let p = dir.join("train.json");
+    let body: String = (0..200)
+        .map(|i| format!("{{\"text\": \"document number {i} of the corpus\"}}\n"))
+        .collect();
+    std::fs::write(&p, body).unwrap();
+    let cfg = CorpusConfig::new(&[p.to_str().unwrap()], 8);
+    let l = open(&cfg);
+    let mut state = l.state_at(3, 4).unwrap();
+    assert_eq!(state.fingerprint["json_lines"], true);
+    open(&cfg)
+        .resume_at(3, l.position(3, 4), Some(&state))
+        .unwrap();
+    state
+        .fingerprint
+        .as_object_mut()
+        .unwrap()
+        .remove("json_lines");
+    let e = open(&cfg)
+        .resume_at(3, l.position(3, 4), Some(&state))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("data.json_lines: checkpoint false, this run true"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

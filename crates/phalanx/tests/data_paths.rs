@@ -162,9 +162,9 @@ fn a_link_to_an_enclosing_directory_is_walked_once() {
 }
 
 /// A directory of token shards gives those only (not `phalanx tokenize`'s
-/// state file beside them); another leaves out the documentation beside its
-/// data (a downloaded dataset's README), and a note names what it left.
-/// A directory of Markdown only gives it all.
+/// state file beside them); another leaves out a dataset's card and
+/// metadata beside its data (README, LICENSE, dataset_info.json), and a
+/// note names what it left. Markdown and files merely named alike stay.
 #[test]
 fn a_data_directory_leaves_out_what_is_not_data_and_says_so() {
     use phalanx::data::paths::expand_noting;
@@ -207,14 +207,15 @@ fn a_data_directory_leaves_out_what_is_not_data_and_says_so() {
     std::fs::write(text.join("a.txt"), "a").unwrap();
     std::fs::write(text.join("b.jsonl"), "{\"text\": \"b\"}").unwrap();
     std::fs::write(text.join("LICENSE"), "c").unwrap();
+    std::fs::write(text.join("dataset_info.json"), "{\n  \"x\": 1\n}\n").unwrap();
+    std::fs::write(text.join("chapter.md"), "d").unwrap();
+    std::fs::write(text.join("licensed_texts.jsonl"), "{\"text\": \"e\"}").unwrap();
     let (files, left) = expand_noting(text.to_str().unwrap(), "data.path").unwrap();
-    assert_eq!((files.len(), left), (2, vec![text.join("LICENSE")]));
-    let md = d.join("md");
-    std::fs::create_dir_all(&md).unwrap();
-    std::fs::write(md.join("a.md"), "a").unwrap();
-    std::fs::write(md.join("README.md"), "b").unwrap();
-    let (files, left) = expand_noting(md.to_str().unwrap(), "data.path").unwrap();
-    assert_eq!((files.len(), left.len()), (2, 0));
+    assert_eq!(files.len(), 4, "{files:?}");
+    assert_eq!(
+        sorted(left),
+        vec![text.join("LICENSE"), text.join("dataset_info.json")]
+    );
 }
 
 /// A `.json` file is JSON Lines, as Hugging Face's `json` loader reads it;

@@ -509,6 +509,11 @@ pub trait Backend: Send + Sync {
     fn failure(&self) -> Option<CommError>;
     /// Leave cleanly: peers see a goodbye, not a crash.
     fn shutdown(&self);
+    /// The error for a call after this rank's clean [`Backend::shutdown`]
+    /// (not a failure: nothing is aborted for it); `None` before.
+    fn closed(&self) -> Option<CommError> {
+        None
+    }
     /// Tear down: pending and later calls here and on peers fail with `reason`.
     fn abort(&self, reason: &str);
     /// Whether `abort` ends the whole job on the spot instead of returning

@@ -323,6 +323,10 @@ impl Backend for Native {
         self.t.close();
     }
 
+    fn closed(&self) -> Option<CommError> {
+        self.t.closed_here()
+    }
+
     fn abort(&self, reason: &str) {
         self.t.abort(reason);
     }

@@ -162,7 +162,7 @@ impl ProcessGroup {
             ));
         }
         let inner = &*self.inner;
-        if let Some(e) = inner.backend.failure() {
+        if let Some(e) = self.broken() {
             return Err(e);
         }
         let _g = inner.exec.lock().unwrap();

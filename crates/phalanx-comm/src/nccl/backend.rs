@@ -655,6 +655,10 @@ impl Backend for Nccl {
     }
 
     /// `ncclCommDestroy`, then a goodbye on the mesh.
+    fn closed(&self) -> Option<CommError> {
+        self.native.closed()
+    }
+
     fn shutdown(&self) {
         self.comm.destroy();
         self.native.shutdown();

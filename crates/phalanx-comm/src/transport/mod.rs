@@ -236,6 +236,8 @@ pub struct Transport {
     pub(crate) arrived: Condvar,
     pub(crate) failed_flag: AtomicBool,
     pub(crate) closing: AtomicBool,
+    /// Closed cleanly here (`close`): later calls fail, saying so.
+    pub(crate) shut_here: AtomicBool,
     pool: Mutex<Vec<Vec<u64>>>,
     /// Payload bytes handed to peers so far (every group on this transport).
     sent: std::sync::atomic::AtomicU64,
@@ -427,6 +429,7 @@ impl Transport {
             arrived: Condvar::new(),
             failed_flag: AtomicBool::new(false),
             closing: AtomicBool::new(false),
+            shut_here: AtomicBool::new(false),
             pool: Mutex::new(Vec::new()),
             sent: std::sync::atomic::AtomicU64::new(0),
             netem: None,

@@ -402,13 +402,24 @@ impl Transport {
                 let _ = w.shutdown(std::net::Shutdown::Both);
             }
         }
-        // Later calls on this rank fail at once, saying why (instead of a
-        // send into a ring nobody reads, or a wait that blames a peer).
-        self.fail(CommError::Aborted(format!(
-            "it was shut down on this rank ({}) (ProcessGroup::shutdown, as \
-             destroy_process_group): communicating again needs a new one",
-            self.rank
-        )));
+        // Later calls on this rank fail at once, saying why (see
+        // `closed_here`), without recording a failure: a clean close is
+        // not one (NCCL's communicators are then destroyed, not aborted).
+        self.shut_here.store(true, Ordering::SeqCst);
+    }
+
+    /// The error for a call on this rank after its clean shutdown (instead
+    /// of a send into a ring nobody reads, or a wait that blames a peer).
+    pub fn closed_here(&self) -> Option<CommError> {
+        (self.shut_here.load(Ordering::SeqCst) && !self.failed_flag.load(Ordering::Acquire)).then(
+            || {
+                CommError::Aborted(format!(
+                    "it was shut down on this rank ({}) (ProcessGroup::shutdown, as \
+                     destroy_process_group): communicating again needs a new one",
+                    self.rank
+                ))
+            },
+        )
     }
 }
 

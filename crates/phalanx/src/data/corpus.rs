@@ -345,6 +345,16 @@ impl Corpus {
         // decides no sample then (a resume naming the model's tokenizer
         // over a run that left the default is the same data).
         let text = sources.iter().any(|s| matches!(s, Source::Text(_))) || !text_val.is_empty();
+        // `.json` files were read as plain text before they were JSON
+        // Lines: recorded, so that such a checkpoint is not resumed over a
+        // stream of other tokens with the same files (see `resume`).
+        let json = |f: &PathBuf| {
+            f.extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("json"))
+        };
+        if text && all_files.iter().any(json) {
+            fingerprint["json_lines"] = json!(true);
+        }
         // A tokenizer whose ids the model cannot hold fails here, not at
         // the first batch that meets a high id.
         if let (true, Some(v)) = (text, cfg.vocab_size) {

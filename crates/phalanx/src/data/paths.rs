@@ -33,10 +33,10 @@ pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
 
 /// [`expand`], and the files of a directory left out as not data: a
 /// directory holding token shards (`.bin`) gives those only (not the
-/// state file `phalanx tokenize` writes beside its shards); in another,
-/// documentation (`README*`, `LICENSE*`, `*.md`) beside other files is
-/// left out (a downloaded dataset's card). A directory of documentation
-/// only gives it all (a corpus of Markdown).
+/// state file `phalanx tokenize` writes beside its shards); in another, a
+/// downloaded dataset's card and metadata (`README`, `LICENSE`, `COPYING`
+/// of any extension, `dataset_info.json`, `dataset_infos.json`,
+/// `dataset_dict.json`) are left out beside other files. Nothing else is.
 pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
     let mut files = expand_all_kinds(pattern, key)?;
     let mut skipped = Vec::new();
@@ -50,12 +50,16 @@ pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<Path
         let doc = |p: &Path| {
             let name = p
                 .file_name()
-                .map(|n| n.to_string_lossy().to_ascii_uppercase())
+                .map(|n| n.to_string_lossy().to_ascii_lowercase())
                 .unwrap_or_default();
-            ext(p, &["md"])
-                || ["README", "LICENSE", "LICENCE"]
-                    .iter()
-                    .any(|x| name.starts_with(x))
+            let stem = name.split('.').next().unwrap_or_default();
+            ["readme", "license", "licence", "copying"].contains(&stem)
+                || [
+                    "dataset_info.json",
+                    "dataset_infos.json",
+                    "dataset_dict.json",
+                ]
+                .contains(&name.as_str())
         };
         let not_doc = |p: &Path| !doc(p);
         let keep: Option<&dyn Fn(&Path) -> bool> = if files.iter().any(|f| token(f)) {

@@ -140,6 +140,10 @@ pub fn record_text(
     let v: serde_json::Value = serde_json::from_str(s).map_err(|e| {
         if s.trim_start().starts_with('[') {
             array()
+        } else if s.trim() == "{" {
+            "the start of one JSON document spread over many lines, not a record: JSON Lines \
+             hold one whole JSON object per line"
+                .to_string()
         } else {
             format!("not a JSON record ({e})")
         }

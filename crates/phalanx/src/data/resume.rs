@@ -105,6 +105,11 @@ impl DataLoader {
                 // record, which changes no sample before the position (a
                 // run under `error` stops at the first, before any sample
                 // needs it).
+                // Except that a checkpoint from before `.json` files were
+                // JSON Lines read them as plain text: another stream.
+                if n.contains_key("json_lines") && !saved.contains_key("json_lines") {
+                    saved.insert("json_lines".into(), serde_json::json!(false));
+                }
                 n.retain(|k, _| saved.contains_key(k));
                 if !n.contains_key("tokenizer") {
                     saved.remove("tokenizer");

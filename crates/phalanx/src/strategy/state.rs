@@ -139,13 +139,18 @@ pub fn restore_optimizer(
     if any {
         opt.set_step_count(step);
     } else if step > 0 && !opt.state_names().is_empty() {
-        eprintln!(
-            "warning: the checkpoint holds no {} state for flat range {:?} (saved by another \
-             layout of optimizer state, e.g. DiLoCo's per-group state): this rank's optimizer \
-             starts fresh",
-            opt.kind(),
-            opt.range()
-        );
+        // Once per process: every rank (and pipeline chunk) is in the same
+        // case.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            eprintln!(
+                "warning: the checkpoint holds no {} {} for this run's optimizer (saved without \
+                 it, e.g. by SGD without momentum, or under other names, e.g. DiLoCo's \
+                 per-group state): the optimizer starts fresh",
+                opt.kind(),
+                opt.state_names().join(" / ")
+            );
+        });
     }
     Ok(())
 }

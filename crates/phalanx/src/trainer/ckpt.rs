@@ -154,7 +154,7 @@ impl Trainer {
         // rather than done by rank 0 while the others wait out their
         // collective deadline. A checkpoint any rank finds broken is
         // skipped (that rank says why) for the next one.
-        let cands = if rank == 0 {
+        let (cands, damaged) = if rank == 0 {
             for name in checkpoint::rotate::recover_replaced(&root) {
                 eprintln!(
                     "note: {name} under {} was moved aside by a save that never finished replacing it; put back",
@@ -166,21 +166,27 @@ impl Trainer {
                 .iter()
                 .filter_map(|c| checkpoint::rotate::step_of_name(c.file_name()?.to_str()?))
                 .max();
-            for (step, p) in checkpoint::incomplete(&root) {
-                if newest.is_none_or(|n| step > n) {
+            // Newer step directories without their metadata (a save renames
+            // a checkpoint into place whole): damaged, said, and counted as
+            // failed (a run does not start fresh over them).
+            let damaged: Vec<String> = checkpoint::incomplete(&root)
+                .into_iter()
+                .filter(|(step, _)| newest.is_none_or(|n| *step > n))
+                .map(|(_, p)| {
                     eprintln!(
                         "warning: skipping {}: it has no metadata.json (a save never leaves one \
-                         out: damaged?); trying an earlier checkpoint",
+                         out: damaged?)",
                         p.display()
                     );
-                }
-            }
-            cands
+                    format!("{}: no metadata.json", p.display())
+                })
+                .collect();
+            (cands, damaged)
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let mut next = 0usize;
-        let mut failed: Vec<String> = Vec::new();
+        let mut failed: Vec<String> = damaged;
         loop {
             let mut pick = [-1i64];
             if rank == 0 {
