@@ -18,11 +18,20 @@ fn gathered(g: &ProcessGroup, counts: &[usize], part: usize) -> Result<usize> {
 }
 
 /// `n` zeroed elements, or an error where that much memory cannot be had
-/// (counts given for peers that no peer would send), not an abort.
+/// (counts given for peers that no peer would send), not an abort. Past
+/// 1 GiB the allocation is tried first; the buffer itself comes zeroed from
+/// the allocator (`vec!`: no pass writing zeros over it).
 fn zeroed<T: Element>(n: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    resize(&mut v, n)?;
-    Ok(v)
+    let bytes = n
+        .checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| invalid!("an output of {n} elements does not fit in memory"))?;
+    if bytes > 1 << 30 {
+        let mut probe: Vec<u8> = Vec::new();
+        probe
+            .try_reserve_exact(bytes)
+            .map_err(|e| invalid!("cannot allocate an output of {n} elements: {e}"))?;
+    }
+    Ok(vec![T::zeroed(); n])
 }
 
 /// `out` resized to `n` elements (kept as it is at that length already).
