@@ -396,7 +396,7 @@ pub struct MonitorConfig {
     /// The address it binds: loopback unless told otherwise.
     pub prometheus_host: String,
     /// A rank whose compute time per step exceeds this many times the
-    /// median rank's ...
+    /// median of its peers (above 1) ...
     pub straggler_factor: f64,
     /// ... for this many steps in a row is reported as a straggler.
     pub straggler_steps: usize,

@@ -435,7 +435,6 @@ impl TrainConfig {
             ("optim.lr", o.lr),
             ("optim.eps", o.eps),
             ("parallel.bucket_mb", self.parallel.bucket_mb),
-            ("monitor.straggler_factor", self.monitor.straggler_factor),
         ];
         for (k, v) in positive {
             if !(v.is_finite() && v > 0.0) {
@@ -443,6 +442,15 @@ impl TrainConfig {
                     "{k} must be a positive number, not {v}"
                 )));
             }
+        }
+        // At or below 1 every rank slower than its peers' median (half of
+        // them) would be a straggler.
+        let f = self.monitor.straggler_factor;
+        if !(f.is_finite() && f > 1.0) {
+            return Err(ConfigError(format!(
+                "monitor.straggler_factor must be a number above 1 (how many times its peers' \
+                 median a rank's compute time must be), not {f}"
+            )));
         }
         let non_negative = [
             ("optim.min_lr", o.min_lr),

@@ -134,7 +134,7 @@ pub fn median(xs: &[f64]) -> f64 {
 pub struct Straggler {
     pub rank: usize,
     pub host: String,
-    /// Its compute time in the last step, and the median rank's.
+    /// Its compute time in the last step, and its peers' median.
     pub compute_s: f64,
     pub median_s: f64,
     /// Steps in a row it has been slow.
@@ -145,7 +145,7 @@ impl std::fmt::Display for Straggler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "straggler: rank {} on {} computed {:.3} s per step against the median rank's {:.3} s ({:.2}x) for {} steps in a row",
+            "straggler: rank {} on {} computed {:.3} s per step against its peers' median {:.3} s ({:.2}x) for {} steps in a row",
             self.rank,
             self.host,
             self.compute_s,
@@ -189,14 +189,15 @@ impl Detector {
         }
     }
 
-    /// The median compute time of rank `r`'s peers (itself included), or
-    /// `None` when it has none.
+    /// The median compute time of rank `r`'s peers (itself left out: with
+    /// one peer, a rank of two counted in its own median would need to be
+    /// 1.86x slower to pass 1.3x), or `None` when it has none.
     pub fn peer_median(&self, compute: &[f64], r: usize) -> Option<f64> {
-        let mine: Vec<f64> = (0..compute.len())
-            .filter(|&q| self.peers[q] == self.peers[r])
+        let others: Vec<f64> = (0..compute.len())
+            .filter(|&q| q != r && self.peers[q] == self.peers[r])
             .map(|q| compute[q])
             .collect();
-        (mine.len() > 1).then(|| median(&mine))
+        (!others.is_empty()).then(|| median(&others))
     }
 
     /// Feed one step's compute times (by rank); returns (stragglers now,
@@ -369,5 +370,10 @@ mod tests {
         // Alone in its group, a rank is never judged.
         let mut d = Detector::new(vec![0, 1], 1.3, 1);
         assert_eq!(d.feed(&[1.0, 9.0]), (vec![], vec![]));
+        // With one peer, 1.5x its peer is past 1.3x (a median counting the
+        // rank itself, 1.25, would not have judged it).
+        let mut d = Detector::new(vec![0, 0], 1.3, 1);
+        assert_eq!(d.feed(&[1.0, 1.5]), (vec![1], vec![1]));
+        assert_eq!(d.peer_median(&[1.0, 1.5], 1), Some(1.0));
     }
 }
