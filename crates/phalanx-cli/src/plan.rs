@@ -165,6 +165,14 @@ fn run(o: &PlanOpts) -> Result<(), String> {
     }
     if let Some(path) = &o.write_config {
         let best = ranked.first().ok_or("no layout to write")?;
+        if !best.fits {
+            return Err(format!(
+                "--write-config {}: not written, no layout fits the device memory ({} per rank \
+                 needed at best): a config that runs out of memory is not one to start from",
+                path.display(),
+                h(best.memory.total())
+            ));
+        }
         let text = recommended_config(&cfg, &best.layout);
         crate::outputs::check_plan_output(&cfg, &o.cfg, path)?;
         phalanx::fsutil::write_atomic(path, text.as_bytes())

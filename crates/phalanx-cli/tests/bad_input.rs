@@ -38,7 +38,10 @@ fn bad_training_numbers_name_the_key() {
         ("train.steps=0", "train.steps"),
         ("train.micro_batch_size=-5", "train.micro_batch_size"),
         ("model.n_layer=-2", "model.n_layer"),
-        ("monitor.straggler_factor=0.9", "monitor.straggler_factor must be a number above 1"),
+        (
+            "monitor.straggler_factor=0.9",
+            "monitor.straggler_factor must be a number above 1",
+        ),
         // A device this build has no backend for, before any rank starts.
         ("train.device=\"cuda\"", "no CUDA backend"),
         ("train.device=\"tpu\"", "train.device"),

@@ -72,6 +72,24 @@ fn json_has_the_fields_and_the_recommendation_trains() {
         "log.report=\"\"",
     ]);
     assert_eq!(code, 0, "the written config trains: {out}\n{err}");
+    // No layout fits: nothing is written, and the exit code says so.
+    let none = d.join("none.toml");
+    let (code, out, err) = phalanx(&[
+        "plan",
+        "--set",
+        "model.preset=gpt-tiny",
+        "--nproc",
+        "2",
+        "--device-memory",
+        "20MiB",
+        "--write-config",
+        none.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert!(
+        err.contains("not written, no layout fits") && !none.exists(),
+        "{err}"
+    );
 }
 
 #[test]
