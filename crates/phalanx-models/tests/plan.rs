@@ -173,3 +173,27 @@ fn selection_follows_the_seed_table() {
         select::Bottleneck::Activations
     );
 }
+
+/// On several nodes the tensor-parallel traffic, on the innermost axis,
+/// stays inside a node: only the rest is timed at the slow links between
+/// nodes.
+#[test]
+fn tensor_parallel_bytes_are_timed_inside_a_node() {
+    let m = gpt2(4, 8, 512, 1024, 256);
+    let mut hw = Hardware::new(2, 2, 24 * GIB, 100e12, 1e10);
+    hw.inter_bw = 1e8;
+    let l = Layout {
+        tp: 2,
+        ..Layout::ddp(2, 4, 1)
+    };
+    let (tp, rest) = plan::comm::bytes_per_step_parts(&m, &l);
+    assert!(tp > 0 && rest > 0);
+    let e = plan::estimate(&m, &l, &hw);
+    let want = tp as f64 / 1e10 + rest as f64 / 1e8;
+    assert!(
+        (e.comm_seconds - want).abs() < 1e-9 * want,
+        "{} vs {want}",
+        e.comm_seconds
+    );
+    assert_eq!(e.comm_bytes_per_step, tp + rest);
+}

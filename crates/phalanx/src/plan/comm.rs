@@ -95,6 +95,13 @@ fn local_params(m: &ModelShape, l: &Layout) -> (u64, u64) {
 
 /// Bytes rank 0 sends per optimizer step.
 pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
+    let (tp, rest) = bytes_per_step_parts(m, l);
+    tp + rest
+}
+
+/// [`bytes_per_step`] as (tensor-parallel bytes, the rest): the tp axis is
+/// the innermost, inside a node, where the rest may cross nodes.
+pub fn bytes_per_step_parts(m: &ModelShape, l: &Layout) -> (u64, u64) {
     let (psi, emb) = local_params(m, l);
     let n = l.dp.max(1);
     let accum = l.grad_accum.max(1) as f64;
@@ -102,6 +109,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
     let c = l.compute_bytes() as f64;
     let psi_f = psi as f64;
     let mut bytes = 0.0;
+    let mut tp_bytes = 0.0;
     if n > 1 {
         bytes += match l.zero_stage {
             0 => all_reduce_factor(n) * psi_f * g,
@@ -154,7 +162,7 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
             } else {
                 0.0
             };
-        bytes += accum * per_micro;
+        tp_bytes = accum * per_micro;
     }
     if l.pp > 1 {
         // A tied table's gradient (this rank's rows) is summed between the
@@ -162,5 +170,5 @@ pub fn bytes_per_step(m: &ModelShape, l: &Layout) -> u64 {
         let tied = m.declared(l.tp).tied_per_rank() as f64 * 4.0;
         bytes += accum * btc * c + tied;
     }
-    bytes.round() as u64
+    (tp_bytes.round() as u64, bytes.round() as u64)
 }

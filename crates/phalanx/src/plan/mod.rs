@@ -257,8 +257,9 @@ pub fn estimate(m: &ModelShape, l: &Layout, hw: &Hardware) -> Estimate {
 /// rank ([`memory::per_rank_with_data`]).
 pub fn estimate_with_data(m: &ModelShape, l: &Layout, hw: &Hardware, data_tokens: u64) -> Estimate {
     let memory = memory::per_rank_with_data(m, l, data_tokens);
-    let comm_bytes = comm::bytes_per_step(m, l);
-    let (compute_seconds, comm_seconds, step_seconds) = step_time(m, l, hw, comm_bytes);
+    let (tp_bytes, rest) = comm::bytes_per_step_parts(m, l);
+    let comm_bytes = tp_bytes + rest;
+    let (compute_seconds, comm_seconds, step_seconds) = step_time(m, l, hw, tp_bytes, rest);
     Estimate {
         layout: *l,
         memory,
@@ -271,7 +272,13 @@ pub fn estimate_with_data(m: &ModelShape, l: &Layout, hw: &Hardware, data_tokens
 }
 
 /// (compute, communication, step) seconds.
-fn step_time(m: &ModelShape, l: &Layout, hw: &Hardware, comm_bytes: u64) -> (f64, f64, f64) {
+fn step_time(
+    m: &ModelShape,
+    l: &Layout,
+    hw: &Hardware,
+    tp_bytes: u64,
+    rest: u64,
+) -> (f64, f64, f64) {
     let tokens = (l.global_batch() * m.seq_len) as f64;
     // Forward is a third of the 6N: recomputation adds one more forward.
     let recompute = if l.recomputes(m) { 4.0 / 3.0 } else { 1.0 };
@@ -299,13 +306,15 @@ fn step_time(m: &ModelShape, l: &Layout, hw: &Hardware, comm_bytes: u64) -> (f64
         0.0
     };
     let compute = work / hw.flops.max(1.0) * bubble + offload;
-    // Data-parallel traffic crosses nodes when the job does.
+    // Data-parallel and pipeline traffic crosses nodes when the job does;
+    // the tp axis, innermost, stays inside a node when it fits in one.
     let bw = if hw.nnodes > 1 {
         hw.inter_bw
     } else {
         hw.intra_bw
     };
-    let comm = comm_bytes as f64 / bw.max(1.0);
+    let tp_bw = if l.tp <= hw.nproc { hw.intra_bw } else { bw };
+    let comm = rest as f64 / bw.max(1.0) + tp_bytes as f64 / tp_bw.max(1.0);
     // Gradient reduction overlaps backward (two thirds of compute); tensor
     // parallel collectives and ZeRO-3 gathers sit on the critical path in
     // part: count what exceeds the overlappable window.
