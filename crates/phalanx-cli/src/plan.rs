@@ -1,8 +1,9 @@
 //! `phalanx plan`: predict memory, communication and step time of every
 //! layout of a training job, rank them and explain the recommended one
 //! (see `phalanx::plan`); or, with `--params N` and no model shapes, the
-//! model-states calculator per ZeRO stage and precision (DeepSpeed's
-//! `estimate_zero3_model_states_mem_needs_all_live`).
+//! model-states calculator per ZeRO stage and precision (the ZeRO paper's
+//! terms; DeepSpeed's `estimate_zero*_model_states_mem_needs` add its own
+//! working buffers, see docs/planning.md).
 //!
 //! ```text
 //! phalanx plan --set model.preset=gpt-50m --nproc 2
