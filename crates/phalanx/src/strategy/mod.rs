@@ -64,6 +64,12 @@ pub trait Strategy: Send {
     /// What the progress line calls it (e.g. "DDP", "ZeRO-3", "pipeline 1f1b + DDP").
     fn name(&self) -> String;
 
+    /// The parameters this rank computes with (its tensor-parallel slice
+    /// of the model; a pipeline stage's blocks), for the progress line.
+    fn local_params(&self, engine: &Engine) -> usize {
+        engine.num_params()
+    }
+
     /// Zero the gradients, then forward and backward over `accum`
     /// micro-batches `batch(0..accum)`, each micro-batch's loss multiplied
     /// by `loss_scale / accum`; gradients reduced over the data axis.

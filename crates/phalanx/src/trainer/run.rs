@@ -45,7 +45,7 @@ impl Trainer {
             println!(
                 "training {} parameters per rank on {} rank(s) (dp {} x pp {} x tp {}): global batch {} x {} tokens \
                  (micro-batch {} x grad_accum {}), {} steps; {}, {} compute{}{}",
-                self.engine.num_params(),
+                self.strat.local_params(&self.engine),
                 m.world().size(),
                 m.dp_size,
                 m.pp_size,

@@ -204,6 +204,11 @@ impl PipeStrategy {
 }
 
 impl Strategy for PipeStrategy {
+    /// The stage's blocks (tied parameters included), not the whole model.
+    fn local_params(&self, _engine: &Engine) -> usize {
+        self.pipe.owned_ranges().iter().map(|r| r.len()).sum()
+    }
+
     fn name(&self) -> String {
         let dp = if self.zero1.is_some() {
             "ZeRO-1"
