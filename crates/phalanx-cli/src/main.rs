@@ -271,9 +271,30 @@ fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
     out
 }
 
+/// A report piped into a reader that stops early (`phalanx plan | head`)
+/// ends the command quietly, as Unix tools do, not with a panic: Rust's
+/// `println!` panics on a closed stdout (SIGPIPE stays ignored, since the
+/// transports write to sockets whose peer may be gone).
+fn quiet_on_closed_stdout() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info);
+    }));
+}
+
 fn main() {
     // Before any thread starts: glibc keeps freed blocks for the next step.
     phalanx::engine::heap::retain_unless_refused();
+    quiet_on_closed_stdout();
     let cli = Cli::parse_from(pet_flags(section_flags(std::env::args_os().collect())));
     // Not for `run`, a launcher started once per node by srun or mpirun:
     // it divides the node's cores among its own workers.

@@ -336,3 +336,35 @@ fn the_calculator_refuses_counts_out_of_range() {
         "a petaparameter model fits nowhere: {out}"
     );
 }
+
+/// `phalanx plan | head -1`: a reader that stops early ends the command
+/// quietly (exit 0), not with a panic about a broken pipe.
+#[test]
+fn a_closed_stdout_ends_the_report_quietly() {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(BIN)
+        // About 77 KB of JSON: more than a pipe holds.
+        .args([
+            "plan",
+            "--set",
+            "model.preset=gpt-tiny",
+            "--nproc",
+            "64",
+            "--top",
+            "0",
+        ])
+        .args(["--json", "--flops", "1e11", "--bandwidth", "1e10"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with('{'), "{first}");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+}
