@@ -376,14 +376,16 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
-/// Parse a memory size: `16GiB`, `16G`, `512MB`, `1e9`, `80GB`.
+/// Parse a memory size: `16GiB`, `16G`, `512MB`, `1e9`, `80GB` (`K`, `M`,
+/// `G`, `T` alone are binary, as `free -h` and Slurm's `--mem` read them;
+/// a bare number is bytes); at least 1 MiB, at most 1 EiB.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let lower = t.to_ascii_lowercase();
     let bad = || {
         format!("cannot read the memory size {s:?}: write e.g. 16GiB, 512MiB, 80GB or a number of bytes")
     };
-    let units: [(&str, f64); 10] = [
+    let units: [(&str, f64); 13] = [
         ("kib", 1024.0),
         ("mib", 1048576.0),
         ("gib", 1073741824.0),
@@ -392,8 +394,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         ("mb", 1e6),
         ("gb", 1e9),
         ("tb", 1e12),
-        ("g", 1073741824.0),
+        ("k", 1024.0),
         ("m", 1048576.0),
+        ("g", 1073741824.0),
+        ("t", 1099511627776.0),
+        ("b", 1.0),
     ];
     let (num, mult) = units
         .iter()
@@ -404,7 +409,14 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     if !v.is_finite() || v <= 0.0 {
         return Err(bad());
     }
-    Ok((v * mult) as u64)
+    let bytes = v * mult;
+    if !(1048576.0..=1152921504606846976.0).contains(&bytes) {
+        return Err(format!(
+            "the memory size {s:?} is {bytes:.0} bytes: give between 1MiB and 1EiB (a bare \
+             number is bytes)"
+        ));
+    }
+    Ok(bytes as u64)
 }
 
 #[cfg(test)]
@@ -434,5 +446,12 @@ mod tests {
         assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
         assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
         assert!(parse_bytes("lots").is_err());
+        assert_eq!(parse_bytes("16K").unwrap_err().contains("1MiB"), true);
+        assert_eq!(parse_bytes("1T").unwrap(), 1 << 40);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("2048B").unwrap_err().contains("1MiB"), true);
+        for bad in ["0.5", "1e30", "-1G"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
     }
 }
