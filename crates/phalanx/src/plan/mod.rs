@@ -446,10 +446,10 @@ mod tests {
         assert_eq!(parse_bytes("16GiB").unwrap(), 16 << 30);
         assert_eq!(parse_bytes("80GB").unwrap(), 80_000_000_000);
         assert!(parse_bytes("lots").is_err());
-        assert_eq!(parse_bytes("16K").unwrap_err().contains("1MiB"), true);
+        assert!(parse_bytes("16K").unwrap_err().contains("1MiB"));
         assert_eq!(parse_bytes("1T").unwrap(), 1 << 40);
         assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_bytes("2048B").unwrap_err().contains("1MiB"), true);
+        assert!(parse_bytes("2048B").unwrap_err().contains("1MiB"));
         for bad in ["0.5", "1e30", "-1G"] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
