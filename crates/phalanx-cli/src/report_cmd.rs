@@ -66,7 +66,7 @@ fn run(o: &ReportOpts) -> Result<PathBuf, String> {
         let t = o.run.join("trace.json");
         (o.run.is_dir() && t.exists()).then_some(t)
     });
-    let trace = match &trace_path {
+    let mut trace = match &trace_path {
         Some(t) => {
             let text = phalanx::fsutil::read_text_capped("the trace", t, phalanx::fsutil::LOG_CAP)
                 .map_err(|e| format!("cannot read it: {e}"))?;
@@ -77,6 +77,27 @@ fn run(o: &ReportOpts) -> Result<PathBuf, String> {
         }
         None => None,
     };
+    // A trace.json found beside the log (not named with --trace) may be an
+    // earlier run's (this one wrote none): one holding steps the log does
+    // not is not drawn.
+    if let (None, Some(t), Some(path)) = (&o.trace, &trace, &trace_path) {
+        let logged: std::collections::HashSet<u64> =
+            steps.iter().filter_map(|s| s["step"].as_u64()).collect();
+        let foreign = t["traceEvents"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e["args"]["step"].as_u64())
+            .any(|s| !logged.contains(&s));
+        if foreign {
+            eprintln!(
+                "note: {} holds steps the log does not (another run's trace?): not drawn; name \
+                 it with --trace to draw it",
+                path.display()
+            );
+            trace = None;
+        }
+    }
     let out = o
         .output
         .clone()

@@ -54,6 +54,21 @@ fn train_writes_the_report_and_report_rebuilds_it() {
     assert_eq!(code, 0, "{out}\n{err}");
     let again = std::fs::read_to_string(&html).unwrap();
     assert!(again.contains("Pipeline timeline"));
+
+    // A shorter run's log beside that trace (which it did not write): the
+    // trace holds steps the log does not, and is not drawn.
+    let lines: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .take(2)
+        .map(String::from)
+        .collect();
+    std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+    let (code, out, err) = phalanx(&["report", d.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("holds steps the log does not"), "{err}");
+    let again = std::fs::read_to_string(&html).unwrap();
+    assert!(!again.contains("Pipeline timeline"));
 }
 
 #[test]
