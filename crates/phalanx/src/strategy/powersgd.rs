@@ -60,7 +60,8 @@ impl BucketState {
         let bad = |what: String| {
             Err(Error::Check(format!(
                 "PowerSGD: the {what} restored for bucket {id} does not fit it (the checkpoint was \
-                 saved with other buckets or another parallel.powersgd_rank?)"
+                 saved with other buckets, another parallel.bucket_mb or model, or another \
+                 parallel.powersgd_rank?); resume once with parallel.comm_hook = \"none\" to carry the model and optimizer over, the hook starting fresh"
             )))
         };
         if !self.residual.is_empty() && self.residual.len() != len {

@@ -163,7 +163,8 @@ fn fit(v: &mut Vec<f32>, n: usize, what: &str, id: usize) -> Result<()> {
     if v.len() != n {
         return Err(Error::Check(format!(
             "top-k: the {what} restored for bucket {id} holds {} values, the bucket has {n} \
-             (the checkpoint was saved with other buckets: parallel.bucket_mb or the model changed?)",
+             (the checkpoint was saved with other buckets: parallel.bucket_mb or the model \
+             changed?); resume once with parallel.comm_hook = \"none\" to carry the model and optimizer over, the hook starting fresh",
             v.len()
         )));
     }
