@@ -272,7 +272,9 @@ fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
 }
 
 /// A report piped into a reader that stops early (`phalanx plan | head`)
-/// ends the command quietly, as Unix tools do, not with a panic: Rust's
+/// ends the command quietly with exit 0, as Unix tools do (for the report
+/// commands only: a training rank whose launcher is gone must not pass for
+/// a success), not with a panic: Rust's
 /// `println!` panics on a closed stdout (SIGPIPE stays ignored, since the
 /// transports write to sockets whose peer may be gone).
 fn quiet_on_closed_stdout() {
@@ -294,8 +296,15 @@ fn quiet_on_closed_stdout() {
 fn main() {
     // Before any thread starts: glibc keeps freed blocks for the next step.
     phalanx::engine::heap::retain_unless_refused();
-    quiet_on_closed_stdout();
     let cli = Cli::parse_from(pet_flags(section_flags(std::env::args_os().collect())));
+    // The commands that print a report on this process's own stdout (not a
+    // training rank, whose output goes to its launcher, nor a launcher).
+    if matches!(
+        cli.cmd,
+        Cmd::Plan { .. } | Cmd::Schedule { .. } | Cmd::Checkpoint { .. } | Cmd::Report { .. }
+    ) {
+        quiet_on_closed_stdout();
+    }
     // Not for `run`, a launcher started once per node by srun or mpirun:
     // it divides the node's cores among its own workers.
     if !matches!(cli.cmd, Cmd::Run { .. }) {
