@@ -19,25 +19,33 @@ fn is_checkpoint(dir: &Path) -> bool {
     dir.join("metadata.json").is_file()
 }
 
-/// The complete checkpoints under `root`, newest first.
-fn candidates(root: &Path) -> Vec<PathBuf> {
-    // Names as Phalanx writes them only (`step-NNNNNNNN`; a user's copy
-    // `step-00001000-best/` is not one of the run's), newest step first
-    // by number (past 8 digits, text order is wrong).
+/// The `step-N` directories under `root` (names as Phalanx writes them
+/// only: `step-NNNNNNNN`; a user's copy `step-00001000-best/` is not one
+/// of the run's) that pass `keep`, as (step, path), newest step first by
+/// number (past 8 digits, text order is wrong).
+fn step_dirs(root: &Path, keep: impl Fn(&Path) -> bool) -> Vec<(usize, PathBuf)> {
     let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(root)
         .map(|rd| {
             rd.flatten()
                 .map(|e| e.path())
                 .filter_map(|p| {
                     let step = super::rotate::step_of_name(p.file_name()?.to_str()?)?;
-                    is_checkpoint(&p).then_some((step, p))
+                    keep(&p).then_some((step, p))
                 })
                 .collect()
         })
         .unwrap_or_default();
     v.sort();
     v.reverse();
-    let mut v: Vec<PathBuf> = v.into_iter().map(|(_, p)| p).collect();
+    v
+}
+
+/// The complete checkpoints under `root`, newest first.
+fn candidates(root: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = step_dirs(root, is_checkpoint)
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect();
     // `latest` first, when it names one of them.
     if let Ok(l) = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096) {
         let l = root.join(l.trim());
@@ -79,20 +87,7 @@ pub fn list(root: &Path) -> Vec<PathBuf> {
 /// (step, path), newest first: never a save of Phalanx's (it renames a
 /// checkpoint into place whole), so a damaged one, skipped by [`list`].
 pub fn incomplete(root: &Path) -> Vec<(usize, PathBuf)> {
-    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(root)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.path())
-                .filter_map(|p| {
-                    let step = super::rotate::step_of_name(p.file_name()?.to_str()?)?;
-                    (p.is_dir() && !is_checkpoint(&p)).then_some((step, p))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v.reverse();
-    v
+    step_dirs(root, |p| p.is_dir() && !is_checkpoint(p))
 }
 
 /// The newest checkpoint under `root` whose metadata opens and whose files
