@@ -200,8 +200,20 @@ fn check_outputs(dir: &Path, patterns: &[String], files: &[PathBuf]) -> Result<(
 
 /// A position in words: the file and line the next shard starts at.
 fn where_(files: &[PathBuf], p: &Position) -> String {
-    match files.get(p.file) {
-        None => "the end of the inputs".into(),
-        Some(f) => format!("{} line {}", f.display(), p.line),
+    let Some(f) = files.get(p.file) else {
+        return "the end of the inputs".into();
+    };
+    // A chunk (JSONL) or a whole file (text, Parquet) starts at `line`;
+    // the documents and tokens of it already written are passed over.
+    let mut at = match phalanx::data::records::is_jsonl(f) {
+        true => format!("{} line {}", f.display(), p.line),
+        false => f.display().to_string(),
+    };
+    if p.skip_docs > 0 || p.skip_tokens > 0 {
+        at += &format!(
+            " ({} document(s) and {} token(s) from there already written)",
+            p.skip_docs, p.skip_tokens
+        );
     }
+    at
 }
