@@ -19,6 +19,8 @@ impl fmt::Display for Error {
         match self {
             Error::Tensor(e) => write!(f, "{e}"),
             Error::Comm(e) => write!(f, "{e}"),
+            // "data config: …" says it already.
+            Error::Data(e @ crate::data::DataError::Config(_)) => write!(f, "{e}"),
             Error::Data(e) => write!(f, "data: {e}"),
             Error::Config(e) => write!(f, "{e}"),
             Error::Io(e) => write!(f, "{e}"),
