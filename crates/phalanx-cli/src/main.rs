@@ -272,9 +272,10 @@ fn section_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
 }
 
 /// A report piped into a reader that stops early (`phalanx plan | head`)
-/// ends the command quietly with exit 0, as Unix tools do (for the report
-/// commands only: a training rank whose launcher is gone must not pass for
-/// a success), not with a panic: Rust's
+/// ends the command quietly with status 141, as a Unix tool killed by
+/// SIGPIPE does (a failure under `set -o pipefail`: an `inspect` of a
+/// corrupt checkpoint, or a `--write-config` not written yet, must not pass
+/// for a success), for the report commands only, not with a panic: Rust's
 /// `println!` panics on a closed stdout (SIGPIPE stays ignored, since the
 /// transports write to sockets whose peer may be gone).
 fn quiet_on_closed_stdout() {
@@ -287,7 +288,7 @@ fn quiet_on_closed_stdout() {
             .or_else(|| info.payload().downcast_ref::<&str>().copied())
             .unwrap_or_default();
         if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
-            std::process::exit(0);
+            std::process::exit(128 + libc::SIGPIPE);
         }
         default(info);
     }));

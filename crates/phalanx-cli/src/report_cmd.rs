@@ -78,20 +78,20 @@ fn run(o: &ReportOpts) -> Result<PathBuf, String> {
         None => None,
     };
     // A trace.json found beside the log (not named with --trace) may be an
-    // earlier run's (this one wrote none): one holding steps the log does
-    // not is not drawn.
+    // earlier run's (this one wrote none): one holding more steps than the
+    // log is not drawn. (A trace counts the steps of its own process from
+    // 0, also after a resume; the log counts the run's.)
     if let (None, Some(t), Some(path)) = (&o.trace, &trace, &trace_path) {
-        let logged: std::collections::HashSet<u64> =
-            steps.iter().filter_map(|s| s["step"].as_u64()).collect();
+        let logged = steps.iter().filter(|s| s["step"].is_u64()).count() as u64;
         let foreign = t["traceEvents"]
             .as_array()
             .into_iter()
             .flatten()
             .filter_map(|e| e["args"]["step"].as_u64())
-            .any(|s| !logged.contains(&s));
+            .any(|s| s >= logged);
         if foreign {
             eprintln!(
-                "note: {} holds steps the log does not (another run's trace?): not drawn; name \
+                "note: {} holds more steps than the log (another run's trace?): not drawn; name \
                  it with --trace to draw it",
                 path.display()
             );

@@ -66,7 +66,7 @@ fn train_writes_the_report_and_report_rebuilds_it() {
     std::fs::write(&log, lines.join("\n") + "\n").unwrap();
     let (code, out, err) = phalanx(&["report", d.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(err.contains("holds steps the log does not"), "{err}");
+    assert!(err.contains("holds more steps than the log"), "{err}");
     let again = std::fs::read_to_string(&html).unwrap();
     assert!(!again.contains("Pipeline timeline"));
 }

@@ -491,19 +491,32 @@ fn calls_after_shutdown_fail_at_once_saying_so() {
                 std::thread::sleep(Duration::from_secs(2));
                 return Ok(vec![]);
             }
+            // A receive waiting on another thread when the group shuts
+            // down ends then too (not at its deadline, blaming rank 1).
+            let other = pg.clone();
+            let waiting = std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                let r = other.recv(&mut [0.0f32; 4], 1, 77);
+                (r, t0.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(300));
             pg.shutdown();
             let t0 = std::time::Instant::now();
             let mut x = [1.0f32; 4];
-            let errs = vec![
+            let mut errs = vec![
                 pg.send(&x, 1, 5),
                 pg.recv(&mut x, 1, 5),
                 pg.all_reduce(&mut x, ReduceOp::Sum),
+                pg.new_group(&[0, 1]).map(|_| ()),
             ];
             assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+            let (r, waited) = waiting.join().unwrap();
+            assert!(waited < Duration::from_secs(5), "{waited:?}");
+            errs.push(r);
             Ok(errs)
         });
         let errs = out.into_iter().next().unwrap().unwrap();
-        assert_eq!(errs.len(), 3);
+        assert_eq!(errs.len(), 5);
         for e in errs {
             let m = e.unwrap_err().to_string();
             assert!(m.contains("shut down on this rank"), "{transport:?}: {m}");

@@ -66,6 +66,9 @@ impl ProcessGroup {
         members: Option<u64>,
     ) -> Result<Option<ProcessGroup>> {
         self.inner.queue.drain();
+        if let Some(e) = self.broken() {
+            return Err(e);
+        }
         #[cfg(test)]
         tests::pause_point();
         let _g = self.inner.lock_exec();

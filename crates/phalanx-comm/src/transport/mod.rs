@@ -316,6 +316,9 @@ impl Transport {
         if let Some(e) = &ib.failed {
             return Some(e.clone());
         }
+        if let Some(e) = self.closed_here() {
+            return Some(e);
+        }
         ib.closed.contains_key(&from).then(|| CommError::PeerDead {
             rank: from,
             host: self.host_of(from),

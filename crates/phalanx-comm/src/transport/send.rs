@@ -81,7 +81,7 @@ impl Transport {
         data: &[u8],
         deadline: Instant,
     ) -> Result<()> {
-        if let Some(e) = self.failure() {
+        if let Some(e) = self.failure().or_else(|| self.closed_here()) {
             return Err(e);
         }
         let p = self.peer(to)?;
@@ -406,6 +406,10 @@ impl Transport {
         // `closed_here`), without recording a failure: a clean close is
         // not one (NCCL's communicators are then destroyed, not aborted).
         self.shut_here.store(true, Ordering::SeqCst);
+        // Waits in progress (another thread, a group sharing this
+        // transport) end now, saying why (see `gone`).
+        let _ib = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        self.arrived.notify_all();
     }
 
     /// The error for a call on this rank after its clean shutdown (instead

@@ -224,7 +224,9 @@ impl<'a> Started<'a> {
                     return Err(Error::Comm(e));
                 }
                 return Err(Error::Check(
-                    "a started collective was dropped unrun by an earlier failure".into(),
+                    "a started collective was dropped unrun by an earlier failure or shutdown of \
+                     its group"
+                        .into(),
                 ));
             }
         }

@@ -352,8 +352,8 @@ impl Corpus {
             f.extension()
                 .is_some_and(|e| e.eq_ignore_ascii_case("json"))
         };
-        if text && all_files.iter().any(json) {
-            fingerprint["json_lines"] = json!(true);
+        if text {
+            fingerprint["json_lines"] = json!(all_files.iter().any(json));
         }
         // A tokenizer whose ids the model cannot hold fails here, not at
         // the first batch that meets a high id.

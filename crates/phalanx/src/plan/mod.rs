@@ -411,9 +411,13 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     }
     let bytes = v * mult;
     if !(1048576.0..=1152921504606846976.0).contains(&bytes) {
+        let side = if bytes < 1048576.0 {
+            "below 1MiB"
+        } else {
+            "above 1EiB"
+        };
         return Err(format!(
-            "the memory size {s:?} is {bytes:.0} bytes: give between 1MiB and 1EiB (a bare \
-             number is bytes)"
+            "the memory size {s:?} is {side}: give between 1MiB and 1EiB (a bare number is bytes)"
         ));
     }
     Ok(bytes as u64)
