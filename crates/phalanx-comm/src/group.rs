@@ -35,6 +35,7 @@ pub struct ProcessGroup {
 mod async_ops;
 mod device;
 mod msg;
+mod p2p;
 mod signature;
 mod subgroups;
 
@@ -57,7 +58,7 @@ struct Inner {
     /// Receives posted with `recv_async` and not yet done, per (source,
     /// tag): a synchronous `recv` of the same source and tag waits for
     /// them, so that messages are taken in issue order.
-    posted: Posted,
+    posted: p2p::Posted,
     cfg: Config,
     /// Keeps a store server alive for as long as the group (rank 0 under mpirun).
     _keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
@@ -168,7 +169,7 @@ impl ProcessGroup {
                 exec: Mutex::new(()),
                 queue: Queue::new(name.clone()),
                 p2p_queue: Queue::new(name + "-p2p"),
-                posted: Posted::default(),
+                posted: p2p::Posted::default(),
                 cfg,
                 _keep: keep,
             }),
@@ -519,52 +520,6 @@ impl ProcessGroup {
         })
     }
 
-    // ---- point to point ------------------------------------------------
-
-    /// Send `buf` to group rank `dst` under `tag`; returns once the data is
-    /// handed to the transport (the receiver buffers it).
-    pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
-        self.check_peer(dst)?;
-        if let Some(e) = self.inner.backend.closed() {
-            return Err(e);
-        }
-        let c = self.call("send", 0);
-        self.inner
-            .backend
-            .send(&c, dst, tag, bytemuck::cast_slice(buf))
-    }
-
-    /// Receive exactly `buf.len()` elements from group rank `src` under
-    /// `tag`, after every receive of the same source and tag posted before
-    /// with [`ProcessGroup::recv_async`] (messages are taken in issue order,
-    /// as MPI's do not overtake each other).
-    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
-        self.check_peer(src)?;
-        let deadline = Instant::now() + self.inner.cfg.timeout;
-        self.inner.posted.wait_for(src, tag, deadline)?;
-        self.recv_now(buf, src, tag)
-    }
-
-    fn recv_now<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
-        if let Some(e) = self.inner.backend.closed() {
-            return Err(e);
-        }
-        let c = self.call("recv", 0);
-        self.inner
-            .backend
-            .recv_into(&c, src, tag, bytemuck::cast_slice_mut(buf))
-    }
-
-    fn check_peer(&self, p: usize) -> Result<()> {
-        if p >= self.size() || p == self.rank() {
-            return Err(invalid!(
-                "peer {p} is not another rank of this group (size {})",
-                self.size()
-            ));
-        }
-        Ok(())
-    }
-
     /// Leave the job cleanly (`destroy_process_group`): peers see a goodbye,
     /// not a crash. Every group sharing the transport stops working.
     pub fn shutdown(&self) {
@@ -615,57 +570,6 @@ impl ProcessGroup {
     /// same members.
     pub fn same_group(&self, other: &ProcessGroup) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
-    }
-}
-
-/// Counts of receives posted and not yet done, per (source, tag).
-#[derive(Default)]
-struct Posted {
-    open: Mutex<std::collections::HashMap<(usize, u64), usize>>,
-    done: std::sync::Condvar,
-}
-
-impl Posted {
-    fn add(&self, src: usize, tag: u64) {
-        *self.open.lock().unwrap().entry((src, tag)).or_default() += 1;
-    }
-
-    fn finish_on_drop(&self, src: usize, tag: u64) -> impl Drop + '_ {
-        struct Finish<'a>(&'a Posted, usize, u64);
-        impl Drop for Finish<'_> {
-            fn drop(&mut self) {
-                self.0.finish(self.1, self.2);
-            }
-        }
-        Finish(self, src, tag)
-    }
-
-    fn finish(&self, src: usize, tag: u64) {
-        let mut open = self.open.lock().unwrap();
-        if let Some(n) = open.get_mut(&(src, tag)) {
-            *n -= 1;
-            if *n == 0 {
-                open.remove(&(src, tag));
-            }
-        }
-        drop(open);
-        self.done.notify_all();
-    }
-
-    /// Wait until no receive of (src, tag) is posted, until `deadline`.
-    fn wait_for(&self, src: usize, tag: u64, deadline: Instant) -> Result<()> {
-        let mut open = self.open.lock().unwrap();
-        while open.contains_key(&(src, tag)) {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CommError::Timeout(format!(
-                    "recv(tag={tag}) from rank {src} waited past the deadline (PHALANX_TIMEOUT) for \
-                     a receive of the same source and tag posted before it with recv_async"
-                )));
-            }
-            open = self.done.wait_timeout(open, deadline - now).unwrap().0;
-        }
-        Ok(())
     }
 }
 
