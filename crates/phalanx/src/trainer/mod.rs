@@ -19,6 +19,7 @@ mod ckpt;
 mod ft;
 mod log;
 mod memory;
+mod resume;
 mod run;
 
 pub use log::{write_loss_svg, Resume, RunOptions, StepLog};
