@@ -159,17 +159,7 @@ fn expand_inputs(patterns: &[String]) -> Result<Vec<PathBuf>, String> {
     let mut seen = std::collections::HashSet::new();
     files.retain(|f| seen.insert(crate::outputs::resolve(f)));
     for f in &files {
-        let ext = f
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(|e| e.to_ascii_lowercase())
-            .unwrap_or_default();
-        if ["gz", "zst", "xz", "bz2", "zip"].contains(&ext.as_str()) {
-            return Err(format!(
-                "{}: compressed files are not read; decompress it first",
-                f.display()
-            ));
-        }
+        phalanx::data::paths::refuse_compressed(f, "input").map_err(|e| e.to_string())?;
     }
     Ok(files)
 }

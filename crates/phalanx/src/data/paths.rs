@@ -41,12 +41,7 @@ pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<Path
     let mut files = expand_all_kinds(pattern, key)?;
     let mut skipped = Vec::new();
     if !is_glob(pattern) && Path::new(pattern).is_dir() {
-        let ext = |p: &Path, xs: &[&str]| {
-            p.extension()
-                .and_then(|e| e.to_str())
-                .is_some_and(|e| xs.iter().any(|x| e.eq_ignore_ascii_case(x)))
-        };
-        let token = |p: &Path| ext(p, &["bin"]);
+        let token = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("bin"));
         let doc = |p: &Path| {
             let name = p
                 .file_name()
