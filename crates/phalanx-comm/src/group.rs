@@ -559,6 +559,15 @@ impl ProcessGroup {
         self.inner.backend.failure()
     }
 
+    /// An error once this rank shut the group down cleanly (messages: a
+    /// failure of the group is theirs to report, after what arrived).
+    fn check_open(&self) -> Result<()> {
+        match self.inner.backend.closed() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Why a call cannot run: the group's failure, or its clean shutdown on
     /// this rank.
     fn broken(&self) -> Option<CommError> {

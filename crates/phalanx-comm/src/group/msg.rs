@@ -32,9 +32,7 @@ impl ProcessGroup {
     /// Messages from one sender under one tag arrive in the order sent.
     pub fn send_bytes(&self, dst: usize, tag: u64, data: &[u8], timeout: Duration) -> Result<()> {
         self.check_peer(dst)?;
-        if let Some(e) = self.inner.backend.closed() {
-            return Err(e);
-        }
+        self.check_open()?;
         let c = Call {
             deadline: Instant::now() + timeout,
             ..self.call("send_bytes", 0)
@@ -47,9 +45,7 @@ impl ProcessGroup {
     /// naming the peer, when the peer died or shut down.
     pub fn recv_bytes(&self, src: usize, tag: u64, deadline: Instant) -> Result<Msg> {
         self.check_peer(src)?;
-        if let Some(e) = self.inner.backend.closed() {
-            return Err(e);
-        }
+        self.check_open()?;
         let c = Call {
             deadline,
             ..self.call("recv_bytes", 0)

@@ -13,9 +13,7 @@ impl ProcessGroup {
     /// handed to the transport (the receiver buffers it).
     pub fn send<T: Element>(&self, buf: &[T], dst: usize, tag: u64) -> Result<()> {
         self.check_peer(dst)?;
-        if let Some(e) = self.inner.backend.closed() {
-            return Err(e);
-        }
+        self.check_open()?;
         let c = self.call("send", 0);
         self.inner
             .backend
@@ -34,9 +32,7 @@ impl ProcessGroup {
     }
 
     pub(super) fn recv_now<T: Element>(&self, buf: &mut [T], src: usize, tag: u64) -> Result<()> {
-        if let Some(e) = self.inner.backend.closed() {
-            return Err(e);
-        }
+        self.check_open()?;
         let c = self.call("recv", 0);
         self.inner
             .backend
