@@ -165,14 +165,8 @@ impl phalanx::data::TextEncoder for HfEncoder {
 /// `vocab_size` ids (an error names the file, its vocabulary and the key).
 pub fn open_for_model(path: &Path, model_vocab: usize) -> Result<Tokenizer> {
     let tok = open(path)?;
-    let n = vocab_size(&tok);
-    if n > model_vocab {
-        return Err(Error::Check(format!(
-            "data.tokenizer {} has a vocabulary of {n} tokens, more than model.vocab_size = \
-             {model_vocab}; set model.vocab_size to at least {n}",
-            json_path(path).display()
-        )));
-    }
+    let name = json_path(path).display().to_string();
+    phalanx::data::text::vocab_fits(&name, vocab_size(&tok), model_vocab).map_err(Error::Check)?;
     Ok(tok)
 }
 

@@ -73,13 +73,21 @@ impl TextEncoder for Tokenizer {
 /// that meets a high id.
 pub fn check_fits(encoder: &dyn TextEncoder, vocab: usize) -> Result<()> {
     match encoder.vocab_size() {
-        Some(n) if n > vocab => Err(DataError::Config(format!(
-            "data.tokenizer {} has a vocabulary of {n} tokens, more than model.vocab_size = \
-             {vocab}; set model.vocab_size to at least {n}",
-            encoder.name()
-        ))),
-        _ => Ok(()),
+        Some(n) => vocab_fits(&encoder.name(), n, vocab).map_err(DataError::Config),
+        None => Ok(()),
     }
+}
+
+/// The refusal of tokenizer `name`, of `n` ids, for a model of `vocab`
+/// (also for a `tokenizer.json`, read in `phalanx-models`).
+pub fn vocab_fits(name: &str, n: usize, vocab: usize) -> std::result::Result<(), String> {
+    if n > vocab {
+        return Err(format!(
+            "data.tokenizer {name} has a vocabulary of {n} tokens, more than model.vocab_size = \
+             {vocab}; set model.vocab_size to at least {n}"
+        ));
+    }
+    Ok(())
 }
 
 /// Counters the JSON log reports (shared by every text source of a loader).
