@@ -127,7 +127,8 @@ impl ProcessGroup {
     /// the rank stands ([`Self::rank`], [`Self::size`]) and every operation
     /// fails, naming it. For code that only lays things out for a rank (a
     /// tensor-parallel block declaring its parameters) without starting the
-    /// other ranks.
+    /// other ranks. Panics when `rank` is not below `size` (a caller's bug,
+    /// as an index out of range).
     ///
     /// ```
     /// use phalanx_comm::{ProcessGroup, ReduceOp};

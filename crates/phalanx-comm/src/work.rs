@@ -97,6 +97,8 @@ struct Slot<T> {
 pub struct Work<T> {
     slot: Arc<Slot<T>>,
     limit: Duration,
+    /// The operation, named in a timeout ("all_reduce_async").
+    op: &'static str,
 }
 
 impl<T> Work<T> {
@@ -112,9 +114,10 @@ impl<T> Work<T> {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout(
-                    "asynchronous operation did not complete".into(),
-                ));
+                return Err(CommError::Timeout(format!(
+                    "{} did not complete within {:.0?} of this wait",
+                    self.op, self.limit
+                )));
             }
             v = self.slot.done.wait_timeout(v, deadline - now).unwrap().0;
         }
@@ -148,6 +151,7 @@ impl Queue {
     /// Queue `f`; its result goes to the returned `Work`.
     pub fn submit<T: Send + 'static>(
         &self,
+        op: &'static str,
         limit: Duration,
         f: impl FnOnce() -> Result<T> + Send + 'static,
     ) -> Work<T> {
@@ -188,6 +192,7 @@ impl Queue {
         Work {
             slot,
             limit: limit * 2 + Duration::from_secs(5),
+            op,
         }
     }
 
@@ -199,5 +204,25 @@ impl Queue {
         while *n > 0 {
             n = cv.wait(n).unwrap();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_that_runs_out_names_the_operation() {
+        // A slot nothing fills: the wait ends at its limit, saying what.
+        let work: Work<()> = Work {
+            slot: Arc::new(Slot {
+                value: Mutex::new(None),
+                done: Condvar::new(),
+            }),
+            limit: Duration::from_millis(20),
+            op: "all_gather_async",
+        };
+        let e = work.wait().unwrap_err().to_string();
+        assert!(e.contains("all_gather_async did not complete"), "{e}");
     }
 }

@@ -47,9 +47,11 @@ fn resize<T: Element>(out: &mut Vec<T>, n: usize) -> Result<()> {
 impl ProcessGroup {
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            g.all_reduce_now(&mut buf, op).map(|_| buf)
-        })
+        self.inner
+            .queue
+            .submit("all_reduce_async", self.inner.cfg.timeout, move || {
+                g.all_reduce_now(&mut buf, op).map(|_| buf)
+            })
     }
 
     pub fn reduce_scatter_async<T: Element>(
@@ -59,23 +61,27 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let n = counts.get(g.rank()).copied().unwrap_or(0);
-            // Checked before the output is made: a count no input holds
-            // would allocate first.
-            g.check_counts("reduce_scatter", &counts, input.len(), n)?;
-            let mut out = zeroed(n)?;
-            g.reduce_scatter_now(&input, &counts, &mut out, op)
-                .map(|_| out)
-        })
+        self.inner
+            .queue
+            .submit("reduce_scatter_async", self.inner.cfg.timeout, move || {
+                let n = counts.get(g.rank()).copied().unwrap_or(0);
+                // Checked before the output is made: a count no input holds
+                // would allocate first.
+                g.check_counts("reduce_scatter", &counts, input.len(), n)?;
+                let mut out = zeroed(n)?;
+                g.reduce_scatter_now(&input, &counts, &mut out, op)
+                    .map(|_| out)
+            })
     }
 
     pub fn all_gather_async<T: Element>(&self, input: Vec<T>, counts: Vec<usize>) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let mut out = zeroed(gathered(&g, &counts, input.len())?)?;
-            g.all_gather_now(&input, &counts, &mut out).map(|_| out)
-        })
+        self.inner
+            .queue
+            .submit("all_gather_async", self.inner.cfg.timeout, move || {
+                let mut out = zeroed(gathered(&g, &counts, input.len())?)?;
+                g.all_gather_now(&input, &counts, &mut out).map(|_| out)
+            })
     }
 
     /// [`ProcessGroup::reduce_scatter_async`] into `out`, a buffer the
@@ -96,19 +102,23 @@ impl ProcessGroup {
         release: impl FnOnce(Vec<T>) + Send + 'static,
     ) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let n = counts.get(g.rank()).copied().unwrap_or(0);
-            if let Err(e) = g
-                .check_counts("reduce_scatter", &counts, input.len(), n)
-                .and_then(|_| resize(&mut out, n))
-            {
+        self.inner.queue.submit(
+            "reduce_scatter_into_async",
+            self.inner.cfg.timeout,
+            move || {
+                let n = counts.get(g.rank()).copied().unwrap_or(0);
+                if let Err(e) = g
+                    .check_counts("reduce_scatter", &counts, input.len(), n)
+                    .and_then(|_| resize(&mut out, n))
+                {
+                    release(input);
+                    return Err(e);
+                }
+                let r = g.reduce_scatter_now(&input, &counts, &mut out, op);
                 release(input);
-                return Err(e);
-            }
-            let r = g.reduce_scatter_now(&input, &counts, &mut out, op);
-            release(input);
-            r.map(|_| out)
-        })
+                r.map(|_| out)
+            },
+        )
     }
 
     /// [`ProcessGroup::all_gather_async`] into `out`, a buffer the caller
@@ -123,15 +133,18 @@ impl ProcessGroup {
         release: impl FnOnce(Vec<T>) + Send + 'static,
     ) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            if let Err(e) = gathered(&g, &counts, input.len()).and_then(|n| resize(&mut out, n)) {
+        self.inner
+            .queue
+            .submit("all_gather_into_async", self.inner.cfg.timeout, move || {
+                if let Err(e) = gathered(&g, &counts, input.len()).and_then(|n| resize(&mut out, n))
+                {
+                    release(input);
+                    return Err(e);
+                }
+                let r = g.all_gather_now(&input, &counts, &mut out);
                 release(input);
-                return Err(e);
-            }
-            let r = g.all_gather_now(&input, &counts, &mut out);
-            release(input);
-            r.map(|_| out)
-        })
+                r.map(|_| out)
+            })
     }
 
     /// [`ProcessGroup::all_to_all_v`] on the communication thread.
@@ -142,22 +155,26 @@ impl ProcessGroup {
         recv: Vec<usize>,
     ) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            let total = super::total_of(&recv).ok_or_else(|| {
-                invalid!("all_to_all: receive counts {recv:?} sum to more than usize::MAX")
-            })?;
-            let mut out = zeroed(total)?;
-            let n = g.size();
-            g.all_to_all_v_now(&input, &send, &mut out, &recv, n)
-                .map(|_| out)
-        })
+        self.inner
+            .queue
+            .submit("all_to_all_v_async", self.inner.cfg.timeout, move || {
+                let total = super::total_of(&recv).ok_or_else(|| {
+                    invalid!("all_to_all: receive counts {recv:?} sum to more than usize::MAX")
+                })?;
+                let mut out = zeroed(total)?;
+                let n = g.size();
+                g.all_to_all_v_now(&input, &send, &mut out, &recv, n)
+                    .map(|_| out)
+            })
     }
 
     pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         let g = self.clone();
-        self.inner.queue.submit(self.inner.cfg.timeout, move || {
-            g.broadcast_now(&mut buf, root).map(|_| buf)
-        })
+        self.inner
+            .queue
+            .submit("broadcast_async", self.inner.cfg.timeout, move || {
+                g.broadcast_now(&mut buf, root).map(|_| buf)
+            })
     }
 
     /// Receive on the group's point-to-point thread; sends never wait behind
@@ -173,12 +190,12 @@ impl ProcessGroup {
             return self
                 .inner
                 .p2p_queue
-                .submit(self.inner.cfg.timeout, move || Err(e));
+                .submit("recv_async", self.inner.cfg.timeout, move || Err(e));
         }
         self.inner.posted.add(src, tag);
         self.inner
             .p2p_queue
-            .submit(self.inner.cfg.timeout, move || {
+            .submit("recv_async", self.inner.cfg.timeout, move || {
                 // Done also if the receive panics.
                 let _done = g.inner.posted.finish_on_drop(src, tag);
                 g.recv_now(&mut buf, src, tag).map(|_| buf)

@@ -30,6 +30,16 @@ pub struct LoaderStats {
     pub queued: i64,
 }
 
+/// Fingerprint keys recorded since some version, each with the value (as
+/// JSON) that a checkpoint of an earlier version had in effect: an old
+/// checkpoint is compared as holding it. Any other key an old checkpoint
+/// lacks cannot be compared, and is not.
+const LATER_KEYS: &[(&str, &str)] = &[
+    // Before `.json` files were JSON Lines they were read as plain text:
+    // another token stream.
+    ("json_lines", "false"),
+];
+
 impl DataLoader {
     /// Everything that decides the samples, as checked on resume.
     pub fn fingerprint(&self) -> serde_json::Value {
@@ -105,10 +115,12 @@ impl DataLoader {
                 // record, which changes no sample before the position (a
                 // run under `error` stops at the first, before any sample
                 // needs it).
-                // Except that a checkpoint from before `.json` files were
-                // JSON Lines read them as plain text: another stream.
-                if n.contains_key("json_lines") && !saved.contains_key("json_lines") {
-                    saved.insert("json_lines".into(), serde_json::json!(false));
+                // Except the keys in `LATER_KEYS`, whose old value is known.
+                for (key, old) in LATER_KEYS {
+                    if n.contains_key(*key) && !saved.contains_key(*key) {
+                        let old = serde_json::from_str(old).expect("LATER_KEYS holds JSON");
+                        saved.insert(key.to_string(), old);
+                    }
                 }
                 n.retain(|k, _| saved.contains_key(k));
                 if !n.contains_key("tokenizer") {

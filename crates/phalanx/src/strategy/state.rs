@@ -128,8 +128,9 @@ pub fn restore_optimizer(
     fill: &mut StateFill,
     step: u64,
 ) -> Result<()> {
+    let names = opt.state_names();
     let mut any = false;
-    for name in opt.state_names() {
+    for &name in &names {
         if let Some(v) = fill(opt.range(), name)? {
             opt.load_state(name, &v)
                 .map_err(|e| Error::Io(format!("optimizer state: {e}")))?;
@@ -138,7 +139,7 @@ pub fn restore_optimizer(
     }
     if any {
         opt.set_step_count(step);
-    } else if step > 0 && !opt.state_names().is_empty() {
+    } else if step > 0 && !names.is_empty() {
         // Once per process: every rank (and pipeline chunk) is in the same
         // case.
         static SAID: std::sync::Once = std::sync::Once::new();
@@ -148,7 +149,7 @@ pub fn restore_optimizer(
                  it, e.g. by SGD without momentum, or under other names, e.g. DiLoCo's \
                  per-group state): the optimizer starts fresh",
                 opt.kind(),
-                opt.state_names().join(" / ")
+                names.join(" / ")
             );
         });
     }
