@@ -593,6 +593,16 @@ fn the_single_file_form_writes_one_bin() {
         r.code == 1 && r.err.contains("refusing to overwrite an input"),
         "{r}"
     );
+    // An empty input gives no file the trainer could read: refused, and
+    // the earlier output is left as it was.
+    std::fs::write(d.join("t.txt"), "").unwrap();
+    let before = std::fs::read(d.join("t.bin")).unwrap();
+    let r = tokenize("--encoding byte --force TXT BIN", paths);
+    assert!(
+        r.code == 1 && r.err.contains("holds no text to encode"),
+        "{r}"
+    );
+    assert_eq!(std::fs::read(d.join("t.bin")).unwrap(), before);
     let _ = std::fs::remove_dir_all(&d);
 }
 

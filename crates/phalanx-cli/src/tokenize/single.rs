@@ -47,7 +47,16 @@ pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> 
                 .ok_or_else(|| format!("--bos {b:?} is not a token of {}", enc.name()))?,
         );
     }
-    ids.extend(enc.encode(&text)?);
+    let encoded = enc.encode(&text)?;
+    if encoded.is_empty() {
+        // The trainer refuses a file of no tokens: say so here.
+        return Err(format!(
+            "{} holds no text to encode ({} bytes): nothing written",
+            input.display(),
+            text.len()
+        ));
+    }
+    ids.extend(encoded);
     if ids.len() as u64 > MAX_SHARD_TOKENS {
         return Err(format!(
             "{} tokens do not fit an llm.c header: use --output-dir for shards",
