@@ -42,17 +42,6 @@ fn main() {
     let most = launch::max_local_ranks();
     let trainers: usize = launch::arg_checked("--trainers", 2, launch::within(1, most - 1));
     let servers: usize = launch::arg_checked("--servers", 1, launch::within(1, most - trainers));
-    let Some((rank, world)) = launch::rank_of_job() else {
-        let code = launch::spawn_ranks(servers + trainers, Duration::from_secs(10));
-        std::process::exit(code.unwrap_or_else(|e| {
-            eprintln!("parameter_server: {e}");
-            2
-        }));
-    };
-    if world != servers + trainers {
-        eprintln!("parameter_server: {world} ranks for {servers} servers + {trainers} trainers");
-        std::process::exit(2);
-    }
     let st: String = launch::arg("--staleness", "0".to_string());
     let staleness = if st == "async" {
         None
@@ -91,6 +80,18 @@ fn main() {
         dim: 8,
         seed: launch::arg("--seed", 1),
     };
+    // Every flag is checked above, before any rank starts.
+    let Some((rank, world)) = launch::rank_of_job() else {
+        let code = launch::spawn_ranks(servers + trainers, Duration::from_secs(10));
+        std::process::exit(code.unwrap_or_else(|e| {
+            eprintln!("parameter_server: {e}");
+            2
+        }));
+    };
+    if world != servers + trainers {
+        eprintln!("parameter_server: {world} ranks for {servers} servers + {trainers} trainers");
+        std::process::exit(2);
+    }
     let cfg = spec.ps_config(trainers, optim, staleness);
     let names: Vec<String> = (0..servers).map(|j| format!("ps{j}")).collect();
     let mut reg = Registry::new();

@@ -269,6 +269,7 @@ fn a_repeated_push_of_a_step_is_applied_once() {
         let push = |trainer: u32, step: u64| PushReq {
             trainer,
             step,
+            shard: [0, 1],
             ids: vec![Blob::from(vec![5u64])],
             grads: vec![Blob::from(vec![2.0f32])],
             dense: vec![Blob::from(vec![4.0f32])],
@@ -283,6 +284,7 @@ fn a_repeated_push_of_a_step_is_applied_once() {
             .pull(PullReq {
                 trainer: 0,
                 step: 2,
+                shard: [0, 1],
                 ids: vec![Blob::from(vec![5u64])],
                 wait_all: true,
             })
@@ -292,4 +294,52 @@ fn a_repeated_push_of_a_step_is_applied_once() {
         assert_eq!(p.dense[0].to_vec(), vec![-8.0], "staleness {staleness:?}");
         assert_eq!(s.stats().pushes, 4, "staleness {staleness:?}");
     }
+}
+
+/// A staleness bound of `u64::MAX` (any lead) lets every pull through; the
+/// bound plus the slowest trainer's step used to wrap, and the pull waited
+/// for a trainer it need not wait for.
+#[test]
+fn an_unbounded_staleness_does_not_wrap() {
+    use phalanx_rpc::ps::server::PullReq;
+    use phalanx_rpc::rpc::Blob;
+    let cfg = PsConfig::new(2, Optim::Sgd { lr: 1.0 }, Some(u64::MAX))
+        .table("emb", 1, 0.0)
+        .dense("w", vec![0.0]);
+    let mut s = Server::new(cfg, 0, 1);
+    s.wait_limit = Duration::from_millis(100);
+    let p = s.pull(PullReq {
+        trainer: 0,
+        step: 5,
+        shard: [0, 1],
+        ids: vec![Blob::from(vec![1u64])],
+        wait_all: false,
+    });
+    assert!(p.is_ok(), "{:?}", p.err());
+}
+
+/// A request meant for another shard (a server list out of shard order, or
+/// of another count) is refused by name: its dense block would be another.
+#[test]
+fn a_request_for_another_shard_is_refused() {
+    use phalanx_rpc::ps::server::PullReq;
+    use phalanx_rpc::rpc::Blob;
+    let cfg = PsConfig::new(1, Optim::Sgd { lr: 1.0 }, None)
+        .table("emb", 1, 0.0)
+        .dense("w", vec![0.0; 4]);
+    let s = Server::new(cfg, 1, 2);
+    let pull = |shard| {
+        s.pull(PullReq {
+            trainer: 0,
+            step: 0,
+            shard,
+            ids: vec![Blob::from(vec![1u64])],
+            wait_all: false,
+        })
+    };
+    for wrong in [[0, 2], [1, 3]] {
+        let e = pull(wrong).err().expect("refused");
+        assert!(e.contains("in shard order"), "{e}");
+    }
+    assert_eq!(pull([1, 2]).unwrap().dense[0].len(), 2);
 }

@@ -93,3 +93,19 @@ fn the_asynchronous_learner_improves_too() {
     let (first, last) = (mean(&r[..40]), mean(&r[160..]));
     assert!(last > first + 20.0, "first 40: {first}, last 40: {last}");
 }
+
+#[test]
+fn a_learner_without_observers_is_refused() {
+    phalanx_comm::threads::run(1, |pg| {
+        let rpc = Rpc::start(&pg, "learner", Registry::new(), Options::default()).unwrap();
+        for asynchronous in [false, true] {
+            let cfg = LearnerConfig {
+                asynchronous,
+                ..LearnerConfig::default()
+            };
+            let e = rl::learn(&rpc, &[], &cfg).unwrap_err();
+            assert!(e.to_string().contains("at least one observer"), "{e}");
+        }
+        rpc.shutdown().unwrap();
+    });
+}

@@ -252,6 +252,24 @@ fn remote_references_live_until_the_last_holder_drops() {
             let e = bad.to_here().unwrap_err();
             assert!(e.to_string().contains("boom"), "{e}");
             drop(bad);
+            // A function that is not there, or of other types: said at
+            // once (by `remote`, or by the reference's first use), not
+            // after the timeout.
+            for (func, what) in [("typo", "no function `typo`"), ("add", "type mismatch")] {
+                let e = match rpc.remote::<_, i64>("w2", func, &1i64) {
+                    Err(e) => e,
+                    Ok(r) => r.to_here().unwrap_err(),
+                };
+                assert!(!matches!(e, RpcError::Timeout { .. }), "{e}");
+                let said = e.to_string();
+                let named = said.contains(what)
+                    || matches!(
+                        (&e, func),
+                        (RpcError::UnknownFunction { .. }, "typo")
+                            | (RpcError::TypeMismatch { .. }, "add")
+                    );
+                assert!(named, "{func}: {said}");
+            }
             // to_here of a plain value.
             let v: RRef<i64> = rpc.remote("w2", "add", &(2i64, 3i64)).unwrap();
             assert_eq!(v.to_here().unwrap(), 5);

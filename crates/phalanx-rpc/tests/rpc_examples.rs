@@ -189,6 +189,8 @@ fn the_examples_refuse_bad_flags_naming_them() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {err}");
         assert!(err.contains(want), "{name} {args:?}: {err}");
+        // Said once: by the launching process, before any rank started.
+        assert_eq!(err.matches(want).count(), 1, "{name} {args:?}: {err}");
     }
     for name in ["parameter_server", "rl_cartpole", "rpc_bench"] {
         let out = Command::new(example(name)).arg("--help").output().unwrap();

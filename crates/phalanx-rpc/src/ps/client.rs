@@ -93,6 +93,7 @@ impl PsClient {
                 let req = PullReq {
                     trainer: self.trainer,
                     step: self.step,
+                    shard: [s as u32, k as u32],
                     ids: lists.into_iter().map(Blob::from).collect(),
                     wait_all,
                 };
@@ -174,6 +175,7 @@ impl PsClient {
                 let req = PushReq {
                     trainer: self.trainer,
                     step: self.step,
+                    shard: [s as u32, k as u32],
                     ids: std::mem::take(&mut ids[s])
                         .into_iter()
                         .map(Blob::from)

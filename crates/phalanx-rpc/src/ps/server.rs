@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 pub struct PullReq {
     pub trainer: u32,
     pub step: u64,
+    /// The shard the trainer addresses, of how many (`[j, k]`): a server
+    /// list out of shard order is refused, not served another block.
+    pub shard: [u32; 2],
     pub ids: Vec<Blob<u64>>,
     /// Wait until every trainer has pushed `step` steps (a final read).
     pub wait_all: bool,
@@ -34,6 +37,8 @@ pub struct PullResp {
 pub struct PushReq {
     pub trainer: u32,
     pub step: u64,
+    /// As in [`PullReq`].
+    pub shard: [u32; 2],
     pub ids: Vec<Blob<u64>>,
     pub grads: Vec<Blob<f32>>,
     pub dense: Vec<Blob<f32>>,
@@ -72,9 +77,14 @@ struct State {
 pub struct Server {
     cfg: PsConfig,
     shard: usize,
+    /// Shards in all.
+    shards: usize,
     st: Mutex<State>,
     cv: Condvar,
-    /// How long a pull may wait for slower trainers.
+    /// How long a pull may wait for slower trainers. A pull served over RPC
+    /// also waits at most nine tenths of the server's RPC timeout, so that
+    /// its reason (which trainer it waited for) reaches a caller of the same
+    /// timeout instead of the caller's bare timeout.
     pub wait_limit: Duration,
 }
 
@@ -99,6 +109,7 @@ impl Server {
         Server {
             cfg,
             shard,
+            shards: k,
             st: Mutex::new(st),
             cv: Condvar::new(),
             wait_limit: Duration::from_secs(120),
@@ -120,7 +131,10 @@ impl Server {
         );
         let s = Arc::new(self);
         let (a, b, c) = (s.clone(), s.clone(), s.clone());
-        reg.register_fallible("ps.pull", move |_c, r: PullReq| a.pull(r));
+        reg.register_fallible("ps.pull", move |c, r: PullReq| {
+            let limit = a.wait_limit.min(c.rpc().timeout().mul_f64(0.9));
+            a.pull_within(r, limit)
+        });
         reg.register_fallible("ps.push", move |_c, r: PushReq| b.push(r));
         reg.register("ps.stats", move |_c, (): ()| c.stats());
         s
@@ -138,8 +152,13 @@ impl Server {
     }
 
     pub fn pull(&self, r: PullReq) -> Result<PullResp, String> {
-        self.check(r.trainer, &r.ids)?;
-        let deadline = Instant::now() + self.wait_limit;
+        self.pull_within(r, self.wait_limit)
+    }
+
+    /// [`Server::pull`], waiting at most `limit` for slower trainers.
+    fn pull_within(&self, r: PullReq, limit: Duration) -> Result<PullResp, String> {
+        self.check(r.trainer, r.shard, &r.ids)?;
+        let deadline = Instant::now().checked_add(limit);
         let mut st = self.st.lock().unwrap();
         // The step every trainer has completed, as far as reads go.
         let done = |st: &State| match self.cfg.staleness {
@@ -152,20 +171,23 @@ impl Server {
                 slowest >= r.step
             } else {
                 match self.cfg.staleness {
-                    Some(s) => slowest + s >= r.step,
+                    // Saturating: `u64::MAX` as "any lead" must not wrap.
+                    Some(s) => slowest.saturating_add(s) >= r.step,
                     None => true,
                 }
             };
             if ready {
                 break;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
                 return Err(format!(
-                    "pull of step {} by trainer {} waited {:?} for the slowest trainer (at step {slowest})",
-                    r.step, r.trainer, self.wait_limit
+                    "pull of step {} by trainer {} waited {limit:?} for the slowest trainer (at \
+                     step {slowest})",
+                    r.step, r.trainer
                 ));
             }
+            let left = left.unwrap_or(Duration::from_secs(3600));
             st = self.cv.wait_timeout(st, left).unwrap().0;
         }
         let lead = r.step.saturating_sub(done(&st));
@@ -188,7 +210,7 @@ impl Server {
     }
 
     pub fn push(&self, r: PushReq) -> Result<(), String> {
-        self.check(r.trainer, &r.ids)?;
+        self.check(r.trainer, r.shard, &r.ids)?;
         for (t, ids) in r.ids.iter().enumerate() {
             let want = ids.len() * self.cfg.tables[t].dim;
             if r.grads.get(t).map(|g| g.len()) != Some(want) {
@@ -249,9 +271,17 @@ impl Server {
         Ok(())
     }
 
-    fn check(&self, trainer: u32, ids: &[Blob<u64>]) -> Result<(), String> {
+    fn check(&self, trainer: u32, shard: [u32; 2], ids: &[Blob<u64>]) -> Result<(), String> {
         if trainer as usize >= self.cfg.trainers {
             return Err(format!("trainer {trainer} of {}", self.cfg.trainers));
+        }
+        let [j, k] = shard.map(|x| x as usize);
+        if (j, k) != (self.shard, self.shards) {
+            return Err(format!(
+                "trainer {trainer} addressed shard {j} of {k} at shard {} of {}: the servers \
+                 given to PsClient must be every shard, in shard order",
+                self.shard, self.shards
+            ));
         }
         if ids.len() != self.cfg.tables.len() {
             return Err(format!(

@@ -202,6 +202,12 @@ impl Report {
 
 /// Train a cart-pole policy with these observers (see the module docs).
 pub fn learn(rpc: &Rpc, observers: &[String], cfg: &LearnerConfig) -> RpcResult<Report> {
+    if observers.is_empty() {
+        // No episode would ever come back to end the loop.
+        return Err(crate::rpc::RpcError::Invalid(
+            "rl::learn needs at least one observer".into(),
+        ));
+    }
     let mut rng = Rng::new(cfg.seed);
     let mut policy = Mlp::new(4, cfg.hidden, 2, &mut rng);
     let mut value = Mlp::new(4, cfg.hidden, 1, &mut rng);

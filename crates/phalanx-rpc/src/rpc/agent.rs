@@ -474,7 +474,7 @@ impl Agent {
             }
         };
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
-        res.unwrap_or_else(|p| {
+        let res = res.unwrap_or_else(|p| {
             let msg = p
                 .downcast_ref::<String>()
                 .cloned()
@@ -485,7 +485,23 @@ impl Agent {
                     .set(r, Err((ErrKind::Remote, format!("panicked: {msg}"))));
             }
             Err((ErrKind::Remote, format!("panicked: {msg}")))
-        })
+        });
+        // A `remote` refused before its function ran leaves no value: the
+        // RRef's users learn why at once, not at their timeout.
+        if let (Target::Remote(r), Err((kind, msg))) = (target, &res) {
+            let why = match kind {
+                ErrKind::UnknownFunction => {
+                    format!(
+                        "no function `{func}` is registered on {}",
+                        self.name_of(self.rank)
+                    )
+                }
+                ErrKind::TypeMismatch => format!("`{func}`: type mismatch: {msg}"),
+                _ => msg.clone(),
+            };
+            self.owned.fail_if_pending(r, why);
+        }
+        res
     }
 
     fn reply(&self, to: usize, id: u64, res: Result<Encoded<'static>, (ErrKind, String)>) {

@@ -91,16 +91,25 @@ pub(crate) struct Encoded<'a> {
     /// needs an increment at its owner before the message leaves.
     pub rrefs: Vec<(usize, RRefId)>,
     _keep: Option<Box<dyn std::any::Any + Send>>,
+    /// The buffers of the blobs, shared with the `Blob`s serialised: a blob
+    /// read through a lock (a `Mutex<Blob>` serialises under its guard and
+    /// unlocks on return) and replaced meanwhile stays alive here until
+    /// the message is sent.
+    _blobs: Vec<BlobKeep>,
     _borrow: PhantomData<&'a ()>,
 }
 
-// SAFETY: the raw slices point into a value that is either borrowed for
-// 'a (immutably, so shared across threads like &[u8]) or owned by `_keep`.
+/// A blob's buffer, kept alive for as long as a message points into it.
+type BlobKeep = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
+// SAFETY: the raw slices point into buffers held by `_blobs` (immutable:
+// a `Blob` has no mutable access to its elements), so shared across
+// threads like &[u8].
 unsafe impl Send for Encoded<'_> {}
 
 impl<'a> Encoded<'a> {
-    pub fn blobs(&self) -> impl Iterator<Item = &'a [u8]> + '_ {
-        // SAFETY: see the type; the regions live as long as 'a or `_keep`.
+    pub fn blobs(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        // SAFETY: see the type; the regions live as long as `_blobs`.
         self.slices
             .iter()
             .map(|&(p, n)| unsafe { std::slice::from_raw_parts(p, n) })
@@ -142,6 +151,7 @@ pub(crate) type Words = (Vec<u64>, usize);
 #[derive(Default)]
 struct EncodeCtx {
     slices: Vec<(*const u8, usize)>,
+    keep: Vec<BlobKeep>,
     rrefs: Vec<(usize, RRefId)>,
 }
 
@@ -173,6 +183,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(v: &T) -> RpcResult<Encoded<'_>> {
         slices: ctx.slices,
         rrefs: ctx.rrefs,
         _keep: None,
+        _blobs: ctx.keep,
         _borrow: PhantomData,
     })
 }
@@ -242,14 +253,19 @@ pub(crate) fn record_rref(owner: usize, id: RRefId) {
 /// assert_eq!(&b[..], &[1.0, 2.0, 3.0]);
 /// assert_eq!(b.into_vec(), vec![1.0, 2.0, 3.0]);
 /// ```
+///
+/// A `Blob` is immutable and its buffer shared (`Clone` copies nothing): a
+/// message in flight keeps the buffer it points into alive, even when the
+/// `Blob` itself is replaced meanwhile (under a `Mutex` in an `RRef`'s
+/// value, say).
 pub struct Blob<T: bytemuck::Pod> {
     store: Store<T>,
 }
 
 enum Store<T> {
-    Vec(Vec<T>),
+    Vec(std::sync::Arc<Vec<T>>),
     /// A received buffer and the number of elements in it.
-    Words(Vec<u64>, usize),
+    Words(std::sync::Arc<Vec<u64>>, usize),
 }
 
 impl<T: bytemuck::Pod> Blob<T> {
@@ -262,9 +278,11 @@ impl<T: bytemuck::Pod> Blob<T> {
             }
         }
     }
+    /// The elements, without a copy when this `Blob` holds the only
+    /// reference to a buffer it was made from.
     pub fn into_vec(self) -> Vec<T> {
         match self.store {
-            Store::Vec(v) => v,
+            Store::Vec(v) => std::sync::Arc::try_unwrap(v).unwrap_or_else(|v| v.to_vec()),
             Store::Words(..) => self.as_slice().to_vec(),
         }
     }
@@ -273,7 +291,7 @@ impl<T: bytemuck::Pod> Blob<T> {
 impl<T: bytemuck::Pod> From<Vec<T>> for Blob<T> {
     fn from(v: Vec<T>) -> Self {
         Blob {
-            store: Store::Vec(v),
+            store: Store::Vec(std::sync::Arc::new(v)),
         }
     }
 }
@@ -293,7 +311,12 @@ impl<T: bytemuck::Pod + std::fmt::Debug> std::fmt::Debug for Blob<T> {
 
 impl<T: bytemuck::Pod> Clone for Blob<T> {
     fn clone(&self) -> Self {
-        Blob::from(self.as_slice().to_vec())
+        Blob {
+            store: match &self.store {
+                Store::Vec(v) => Store::Vec(v.clone()),
+                Store::Words(w, n) => Store::Words(w.clone(), *n),
+            },
+        }
     }
 }
 
@@ -303,12 +326,17 @@ impl<T: bytemuck::Pod + PartialEq> PartialEq for Blob<T> {
     }
 }
 
-impl<T: bytemuck::Pod> Serialize for Blob<T> {
+impl<T: bytemuck::Pod + Send + Sync> Serialize for Blob<T> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let bytes: &[u8] = bytemuck::cast_slice(self.as_slice());
+        let keep: BlobKeep = match &self.store {
+            Store::Vec(v) => v.clone(),
+            Store::Words(w, _) => w.clone(),
+        };
         let idx = ENC.with(|c| {
             c.borrow_mut().as_mut().map(|c| {
                 c.slices.push((bytes.as_ptr(), bytes.len()));
+                c.keep.push(keep);
                 c.slices.len() - 1
             })
         });
@@ -344,7 +372,45 @@ impl<'de, T: bytemuck::Pod> Deserialize<'de> for Blob<T> {
             )));
         }
         Ok(Blob {
-            store: Store::Words(w, len / size),
+            store: Store::Words(std::sync::Arc::new(w), len / size),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    #[test]
+    fn a_blob_replaced_after_serialising_stays_in_the_message() {
+        // A value behind a lock serialises under the guard, which is
+        // released on return: the message must not point into a buffer
+        // that the next writer frees.
+        let m = Mutex::new(Blob::from(vec![1.5f32; 4096]));
+        let enc = encode(&m).unwrap();
+        *m.lock().unwrap() = Blob::from(vec![-7.0f32; 4096]);
+        // Reuse the freed memory, were it freed.
+        let junk: Vec<Vec<f32>> = (0..16).map(|_| vec![9.0f32; 4096]).collect();
+        let sent: Vec<&[u8]> = enc.blobs().collect();
+        assert_eq!(sent.len(), 1);
+        assert!(
+            bytemuck::cast_slice::<u8, f32>(sent[0])
+                .iter()
+                .all(|&v| v == 1.5),
+            "the message holds the values it was made from"
+        );
+        drop(junk);
+    }
+
+    #[test]
+    fn a_blob_clone_shares_and_into_vec_copies_only_when_shared() {
+        let b = Blob::from(vec![1u8, 2, 3]);
+        let p = b.as_ptr();
+        let c = b.clone();
+        assert_eq!(c.as_ptr(), p, "a clone shares the buffer");
+        assert_eq!(c.into_vec(), vec![1, 2, 3]);
+        let v = b.into_vec();
+        assert_eq!(v.as_ptr(), p, "the last holder gets the buffer back");
     }
 }

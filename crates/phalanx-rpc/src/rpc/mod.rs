@@ -187,6 +187,11 @@ impl Rpc {
             .position(|n| n == name)
             .ok_or_else(|| RpcError::UnknownWorker(name.to_string()))
     }
+    /// The default timeout of this worker's calls (`Options::timeout`; as
+    /// `torch.distributed.rpc.get_rpc_timeout`).
+    pub fn timeout(&self) -> Duration {
+        self.a.opts.timeout
+    }
     /// The process group under the agent (its own sub-group).
     pub fn group(&self) -> &ProcessGroup {
         &self.a.pg
@@ -266,6 +271,8 @@ impl Rpc {
         if fut.is_ready() {
             if let Err(
                 e @ (RpcError::WorkerDead { .. }
+                | RpcError::UnknownFunction { .. }
+                | RpcError::TypeMismatch { .. }
                 | RpcError::Shutdown(_)
                 | RpcError::Comm(_)
                 | RpcError::Codec(_)),

@@ -73,6 +73,19 @@ impl OwnedTable {
         self.cv.notify_all();
     }
 
+    /// A `remote` call refused before its function ran (no such function,
+    /// other types): the value fails with `msg`, unless it was set.
+    pub fn fail_if_pending(&self, id: RRefId, msg: String) {
+        let mut m = self.map.lock().unwrap();
+        if let Some(o) = m.get_mut(&id) {
+            if matches!(o.state, State::Pending) {
+                o.state = State::Failed(msg);
+            }
+        }
+        drop(m);
+        self.cv.notify_all();
+    }
+
     pub fn incref(&self, id: RRefId) -> Result<(), String> {
         match self.map.lock().unwrap().get_mut(&id) {
             Some(o) => {
