@@ -35,7 +35,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Threads that run incoming calls.
     pub threads: usize,
-    /// Calls that may wait for a thread before readers stop reading.
+    /// Calls that may wait for a thread in the pool's queue; past that, a
+    /// peer's further calls wait in order in its reader, which still takes
+    /// the peer's replies (a callback to its caller is not held up).
     pub queue: usize,
 }
 
@@ -77,13 +79,34 @@ pub(crate) struct Agent {
     pub me: Weak<Agent>,
 }
 
+/// The longest timeout: a longer one (`Duration::MAX` meant as "none") is
+/// read as this, so that every deadline is a time that exists.
+pub(crate) const LONGEST_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A call's timeout as used: at most [`LONGEST_TIMEOUT`]; zero refused (in
+/// `torch.distributed.rpc` it means none; here every call has a deadline).
+pub(crate) fn checked_timeout(t: Duration) -> RpcResult<Duration> {
+    if t.is_zero() {
+        return Err(RpcError::Invalid(
+            "a timeout of 0: every call here has a deadline (torch.distributed.rpc reads 0 as \
+             none); give a long one instead"
+                .into(),
+        ));
+    }
+    Ok(t.min(LONGEST_TIMEOUT))
+}
+
 impl Agent {
     pub fn start(
         pg: &ProcessGroup,
         name: &str,
         reg: Registry,
-        opts: Options,
+        mut opts: Options,
     ) -> RpcResult<Arc<Agent>> {
+        opts.timeout = checked_timeout(opts.timeout).inspect_err(|e| {
+            // Its peers are about to wait for it in the set-up.
+            pg.fail_peers(&format!("Options::timeout: {e}"));
+        })?;
         if let Some((n, why)) = reg.min_threads().filter(|(n, _)| opts.threads < *n) {
             let e = format!(
                 "Options::threads = {} is too few for the functions this worker serves: {why} \
@@ -239,7 +262,8 @@ impl Agent {
                 }
             };
             let body_len = enc.bytes.len() - head_len(&enc.bytes);
-            self.dispatch(
+            // A call to itself: never handed back.
+            let _ = self.dispatch(
                 to,
                 head,
                 Payload {
@@ -345,14 +369,21 @@ impl Agent {
     }
 
     /// A message from `from` (or from this worker, for calls to itself).
-    pub fn dispatch(&self, from: usize, head: Head, mut p: Payload) {
+    /// A call from a peer comes back as the job to queue, which its reader
+    /// queues (see `loops::read_loop`); everything else is done here.
+    #[must_use]
+    pub fn dispatch(&self, from: usize, head: Head, mut p: Payload) -> Option<Job> {
         match head {
             Head::Reply { id, err, rrefs, .. } => {
                 // A late reply is dropped by `complete`: with it, its counts.
                 p.held = self.hold(&rrefs);
-                self.complete(id, Ok(Reply { err, payload: p }))
+                self.complete(id, Ok(Reply { err, payload: p }));
+                None
             }
-            Head::Decref(id) => self.owned.decref(id),
+            Head::Decref(id) => {
+                self.owned.decref(id);
+                None
+            }
             Head::Call {
                 id,
                 target: Target::Incref(r),
@@ -360,6 +391,7 @@ impl Agent {
             } => {
                 let res = self.owned.incref(r).map_err(|m| (ErrKind::Remote, m));
                 self.reply(from, id, res.and_then(|_| ok_unit()));
+                None
             }
             Head::Call {
                 id,
@@ -378,18 +410,15 @@ impl Agent {
                 if let Target::Remote(r) = target {
                     self.owned.create(r);
                 }
-                let Some(me) = self.me.upgrade() else { return };
+                let me = self.me.upgrade()?;
                 let job = move || {
                     let res = me.serve(from, &func, &args_ty, &ret_ty, target, p);
                     me.reply(from, id, res);
                 };
-                let tx = self.jobs.lock().unwrap().clone();
-                let Some(tx) = tx else { return };
                 if from != self.rank {
-                    // Back-pressure: a full queue holds this peer's reader.
-                    let _ = tx.send(Box::new(job));
-                    return;
+                    return Some(Box::new(job));
                 }
+                let tx = self.jobs.lock().unwrap().clone()?;
                 // A call to this worker itself. Made from a pool thread, it
                 // runs here: queued, it would wait for a pool thread while
                 // holding one (calls nested as deep as the pool is wide
@@ -401,7 +430,28 @@ impl Agent {
                 } else if let Err(TrySendError::Full(job)) = tx.try_send(Box::new(job)) {
                     job();
                 }
+                None
             }
+        }
+    }
+
+    /// Queue a peer's call for the pool, waiting for room (a reader that
+    /// ends hands its waiting calls over so: they were received, and run).
+    pub fn queue_job_waiting(&self, job: Job) {
+        if let Some(tx) = self.jobs.lock().unwrap().clone() {
+            let _ = tx.send(job);
+        }
+    }
+
+    /// Queue a peer's call for the pool: `Err` gives it back when the
+    /// queue is full (and drops it once the agent stops).
+    pub fn queue_job(&self, job: Job) -> Result<(), Job> {
+        let Some(tx) = self.jobs.lock().unwrap().clone() else {
+            return Ok(());
+        };
+        match tx.try_send(job) {
+            Err(TrySendError::Full(job)) => Err(job),
+            _ => Ok(()),
         }
     }
 

@@ -6,6 +6,7 @@ use super::codec::{self, Head, Words};
 use super::error::RpcError;
 use super::registry::Payload;
 use phalanx_comm::{CommError, ProcessGroup};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, Weak};
@@ -30,18 +31,38 @@ pub(crate) fn run_jobs(rx: Arc<Mutex<Receiver<Job>>>) {
 
 /// One peer's reader: frames in, work out. Holds the agent only while
 /// handling a message, so that dropping the last `Rpc` ends it.
+///
+/// A call goes to the pool's queue; when that is full it waits, in order,
+/// in `backlog`, and the reader goes on reading: a reply from this peer
+/// (to a call a pool thread made to it, maybe from inside one of its
+/// calls) must not wait behind calls that wait for that very thread.
 pub(crate) fn read_loop(w: Weak<Agent>, pg: ProcessGroup, peer: usize) {
+    let mut backlog: VecDeque<Job> = VecDeque::new();
     loop {
         match w.upgrade() {
-            Some(a) if !a.stopping.load(Ordering::SeqCst) => {}
+            Some(a) if !a.stopping.load(Ordering::SeqCst) => {
+                while let Some(job) = backlog.pop_front() {
+                    if let Err(job) = a.queue_job(job) {
+                        backlog.push_front(job);
+                        break;
+                    }
+                }
+            }
             _ => return,
         }
-        let m = match pg.recv_bytes(peer, TAG, Instant::now() + POLL) {
+        // With calls waiting, look again soon for room in the queue.
+        let wait = if backlog.is_empty() {
+            POLL
+        } else {
+            Duration::from_millis(1)
+        };
+        let m = match pg.recv_bytes(peer, TAG, Instant::now() + wait) {
             Ok(m) => m,
             Err(CommError::Timeout(_)) => continue,
             Err(e) => {
                 if let Some(a) = w.upgrade() {
                     a.peer_gone(peer, e);
+                    backlog.drain(..).for_each(|job| a.queue_job_waiting(job));
                 }
                 return;
             }
@@ -74,16 +95,19 @@ pub(crate) fn read_loop(w: Weak<Agent>, pg: ProcessGroup, peer: usize) {
                 }
             }
         }
-        a.dispatch(
-            peer,
-            head,
-            Payload {
-                frame,
-                body_len,
-                blobs,
-                held: Vec::new(),
-            },
-        );
+        let p = Payload {
+            frame,
+            body_len,
+            blobs,
+            held: Vec::new(),
+        };
+        if let Some(job) = a.dispatch(peer, head, p) {
+            if !backlog.is_empty() {
+                backlog.push_back(job);
+            } else if let Err(job) = a.queue_job(job) {
+                backlog.push_back(job);
+            }
+        }
     }
 }
 

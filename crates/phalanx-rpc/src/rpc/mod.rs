@@ -135,12 +135,17 @@ pub fn init_rpc_with(
             env.source, env.rank, env.world_size
         )));
     }
-    if env.world_size != world {
-        env.local_rank = rank;
-        env.local_world_size = world;
+    if env.source == "single" && (rank, world) != (0, 1) {
+        // Read again as the rank it is, so that what depends on the job's
+        // size is decided for this one (a job that may span hosts needs
+        // PHALANX_SECRET, said here, not after the store's wait).
+        let n = |v: usize| Some(v.to_string());
+        env = phalanx_comm::DistEnv::from_vars(|k| match k {
+            "RANK" | "LOCAL_RANK" => n(rank),
+            "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => n(world),
+            _ => std::env::var(k).ok(),
+        })?;
     }
-    env.rank = rank;
-    env.world_size = world;
     let pg = phalanx_comm::init::init_with(&env, phalanx_comm::Config::from_env())?;
     Rpc::start(&pg, name, reg, opts)
 }
@@ -238,6 +243,10 @@ impl Rpc {
         let (to, enc) = match to.rank_in(self) {
             Ok(r) => (r, encode(args)),
             Err(e) => (self.a.rank, Err(e)),
+        };
+        let (timeout, enc) = match agent::checked_timeout(timeout) {
+            Ok(t) => (t, enc),
+            Err(e) => (Duration::from_secs(1), Err(e)),
         };
         let slot = self
             .a
