@@ -343,3 +343,57 @@ fn a_request_for_another_shard_is_refused() {
     }
     assert_eq!(pull([1, 2]).unwrap().dense[0].len(), 2);
 }
+
+/// After a push that failed on one server (and was taken by the other),
+/// only the same push may follow: another would be applied on one shard
+/// and dropped as a repeat on the other.
+#[test]
+fn after_a_failed_push_only_the_same_push_is_taken() {
+    use phalanx_rpc::ps::server::{PullReq, PushReq};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let cfg = PsConfig::new(1, Optim::Sgd { lr: 1.0 }, None)
+        .table("emb", 1, 0.0)
+        .dense("w", vec![0.0; 2]);
+    phalanx_comm::threads::run(3, move |pg| {
+        let mut reg = Registry::new();
+        let names = ["ps0".to_string(), "ps1".to_string()];
+        let name = match pg.rank() {
+            0 => {
+                Server::new(cfg.clone(), 0, 2).serve(&mut reg);
+                "ps0"
+            }
+            1 => {
+                // Shard 1 fails its first push.
+                let s = Arc::new(Server::new(cfg.clone(), 1, 2));
+                let (a, b) = (s.clone(), s);
+                let first = AtomicBool::new(true);
+                reg.register_fallible("ps.pull", move |_c, r: PullReq| a.pull(r));
+                reg.register_fallible("ps.push", move |_c, r: PushReq| {
+                    if first.swap(false, Ordering::SeqCst) {
+                        return Err("lost".to_string());
+                    }
+                    b.push(r)
+                });
+                "ps1"
+            }
+            _ => "t0",
+        };
+        let rpc = Rpc::start(&pg, name, reg, Options::default()).unwrap();
+        if pg.rank() == 2 {
+            let mut c = PsClient::new(rpc.clone(), &names, cfg.clone(), 0).unwrap();
+            let (a, b) = (vec![1.0f32, 1.0], vec![5.0f32, 5.0]);
+            assert!(c.push(&[(&[], &[])], &[a.clone()]).is_err());
+            let e = c.push(&[(&[], &[])], &[b]).unwrap_err();
+            assert!(e.to_string().contains("push the same gradients"), "{e}");
+            assert_eq!(c.step(), 0);
+            c.push(&[(&[], &[])], &[a]).unwrap();
+            assert_eq!(c.step(), 1);
+            // Applied once on each shard.
+            let p = c.pull_final(&[&[]]).unwrap();
+            assert_eq!(p.dense[0], vec![-1.0, -1.0]);
+        }
+        pg.barrier().unwrap();
+        rpc.shutdown().unwrap();
+    });
+}

@@ -22,6 +22,10 @@ pub struct PsClient {
     cfg: PsConfig,
     trainer: u32,
     step: u64,
+    /// A digest of the push that failed at this step: only the same push
+    /// may follow (servers that took it ignore it; another one would be
+    /// applied on some shards and dropped on the others).
+    failed: Option<u64>,
     /// RPCs made so far (pulls and pushes, one per server each).
     pub calls: u64,
 }
@@ -47,6 +51,7 @@ impl PsClient {
             cfg,
             trainer: trainer as u32,
             step: 0,
+            failed: None,
             calls: 0,
         })
     }
@@ -133,8 +138,17 @@ impl PsClient {
     /// gradients (`dim` each, concatenated); per dense vector, its whole
     /// gradient (empty: none). Then the next step begins. If it fails, the
     /// step does not advance and the same push may be made again: a server
-    /// that took it already ignores it the second time.
+    /// that took it already ignores it the second time. Another push is
+    /// refused until then (it would be taken by some shards only).
     pub fn push(&mut self, rows: &[(&[u64], &[f32])], dense: &[Vec<f32>]) -> RpcResult<()> {
+        let digest = digest(rows, dense);
+        if self.failed.is_some_and(|d| d != digest) {
+            return Err(RpcError::Invalid(format!(
+                "the push of step {} failed on some server, which others may have taken: push \
+                 the same gradients again before any other",
+                self.step
+            )));
+        }
         let k = self.servers.len();
         let nt = self.cfg.tables.len();
         if rows.len() != nt {
@@ -190,9 +204,13 @@ impl PsClient {
             })
             .collect();
         self.calls += k as u64;
-        for f in futs {
-            f.wait()?;
+        // Every future is waited for: the first error is the push's.
+        let errs: Vec<RpcError> = futs.into_iter().filter_map(|f| f.wait().err()).collect();
+        if let Some(e) = errs.into_iter().next() {
+            self.failed = Some(digest);
+            return Err(e);
         }
+        self.failed = None;
         self.step += 1;
         Ok(())
     }
@@ -204,4 +222,19 @@ impl PsClient {
             .map(|&s| self.rpc.rpc_sync(s, "ps.stats", &()))
             .collect()
     }
+}
+
+/// A digest of a push's content (ids, gradient bits).
+fn digest(rows: &[(&[u64], &[f32])], dense: &[Vec<f32>]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (ids, g) in rows {
+        ids.hash(&mut h);
+        g.iter().for_each(|x| x.to_bits().hash(&mut h));
+    }
+    for g in dense {
+        g.len().hash(&mut h);
+        g.iter().for_each(|x| x.to_bits().hash(&mut h));
+    }
+    h.finish()
 }
