@@ -30,12 +30,14 @@ pub struct GenerateOpts {
     pub config: Option<PathBuf>,
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub set: Vec<String>,
-    #[arg(long, default_value = "\n")]
+    /// The text to continue; one that encodes to no tokens (\"\") starts
+    /// from the tokenizer's end-of-text token, as a document does.
+    #[arg(long, default_value = "\n", allow_hyphen_values = true)]
     pub prompt: String,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f64,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long = "top-k", default_value_t = 40)]
@@ -162,7 +164,7 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
             o.temperature
         )));
     }
-    let (cfg, engine, named) = load(o)?;
+    let (cfg, engine, named, trained_with) = load(o)?;
     let family = family::of(&cfg)?;
     if !named && family.tokenizer_beside() {
         // The byte tokenizer (data.tokenizer's default) on a downloaded
@@ -177,15 +179,49 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
     // What data.tokenizer names (the file beside the weights arrives as
     // a --set before the user's own), else the built-in one.
     let tj = cfg.data.tokenizer.json_path().map(hf_tokenizer::json_path);
+    if let Some(p) = tj.as_deref().filter(|p| p.is_relative() && !p.is_file()) {
+        return Err(phalanx::Error::Check(format!(
+            "data.tokenizer {}: no such tokenizer.json (a relative path is read from the \
+             current directory: run from where training ran, or give --set \
+             data.tokenizer=PATH)",
+            p.display()
+        )));
+    }
+    if let (Some(p), Some(want)) = (&tj, &trained_with) {
+        if hf_tokenizer::content_of(p).as_ref() != Some(want) {
+            let e = format!(
+                "{} is not the tokenizer.json {} was trained with (its content changed since): \
+                 the ids would be read as other words",
+                p.display(),
+                o.model.display()
+            );
+            if family::explicit_keys(o.config.as_deref(), &o.set, "data")?.contains_key("tokenizer")
+            {
+                eprintln!("warning: {e}; used as data.tokenizer names it");
+            } else {
+                return Err(phalanx::Error::Check(format!(
+                    "{e}; restore it, or name a tokenizer with --set data.tokenizer=PATH"
+                )));
+            }
+        }
+    }
     let codec = match tj {
         Some(p) => Codec::Hf(Box::new(hf_tokenizer::open(&p)?)),
         None => Codec::Data(cfg.data.tokenizer.builtin().unwrap_or(Tokenizer::Byte)),
     };
     let mut ids = codec.encode(&o.prompt)?;
     if ids.is_empty() {
-        return Err(phalanx::Error::Check(
-            "the prompt encodes to no tokens".into(),
-        ));
+        // Documents are trained after an end-of-text token: start there,
+        // as GPT-2's unconditional samples do.
+        ids.extend(codec.eos());
+    }
+    if ids.is_empty() {
+        return Err(phalanx::Error::Check(format!(
+            "--prompt {:?} encodes to no tokens with {}, which has no end-of-text token to \
+             start from instead: give a --prompt it encodes",
+            o.prompt,
+            codec.name(&cfg)
+        )));
     }
     let vocab = family.summary(&cfg)?.vocab_size;
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
@@ -285,7 +321,12 @@ impl<W: std::io::Write> Out<W> {
 /// checkpoint directly.
 /// The third: whether a tokenizer was named (by the user, the config, the
 /// checkpoint or the model's directory), not data.tokenizer's default.
-fn load(o: &GenerateOpts) -> phalanx::Result<(phalanx::config::TrainConfig, Engine, bool)> {
+/// The model's config and weights, whether a tokenizer was named, and the
+/// digest of the `tokenizer.json` a checkpoint was trained with (its data
+/// fingerprint's `tokenizer_content`), where it recorded one.
+type Loaded = (phalanx::config::TrainConfig, Engine, bool, Option<String>);
+
+fn load(o: &GenerateOpts) -> phalanx::Result<Loaded> {
     let named = |e: phalanx::Error| phalanx::Error::Check(format!("{}: {e}", o.model.display()));
     if o.model.is_dir() {
         if let Ok(dir) = checkpoint::find(&o.model) {
@@ -295,7 +336,14 @@ fn load(o: &GenerateOpts) -> phalanx::Result<(phalanx::config::TrainConfig, Engi
             sets.extend(o.set.iter().cloned());
             let cfg = family::build(o.config.as_deref(), &sets)?;
             let engine = dcp::gather(&reader, &cfg).map_err(named)?;
-            return Ok((cfg, engine, true));
+            let trained_with = reader
+                .meta
+                .data
+                .as_ref()
+                .and_then(|d| d.fingerprint.get("tokenizer_content"))
+                .and_then(|c| c.as_str())
+                .map(str::to_string);
+            return Ok((cfg, engine, true, trained_with));
         }
     }
     let mut sets = default_tokenizer_sets(&o.model, o.config.as_deref(), &o.set)?;
@@ -310,7 +358,7 @@ fn load(o: &GenerateOpts) -> phalanx::Result<(phalanx::config::TrainConfig, Engi
     family::of(&cfg)?
         .load_hf(&mut engine, &cfg, &o.model)
         .map_err(named)?;
-    Ok((cfg, engine, tokenizer_named))
+    Ok((cfg, engine, tokenizer_named, None))
 }
 
 /// Text <-> ids: the built-in tokenizer, or an HF `tokenizer.json`.

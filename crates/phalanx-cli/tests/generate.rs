@@ -220,6 +220,79 @@ fn data_tokenizer_names_a_tokenizer_json() {
     );
     std::fs::rename(&moved, &tj).unwrap();
 
+    // A resume over the same paths with another tokenizer.json (two ids
+    // swapped), or with the text changed, is refused by name: it would
+    // train on other tokens.
+    let resume = |extra: &str| {
+        let mut a = sets("model.vocab_size=6");
+        a.extend(["--resume".into(), ck.to_str().unwrap().into()]);
+        a.extend(["--set".into(), "train.steps=41".into()]);
+        a.extend(["--set".into(), extra.into()]);
+        let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        phalanx(&a)
+    };
+    let ck_out = format!("checkpoint.dir=\"{}\"", d.join("ck2").display());
+    std::fs::write(
+        &tj,
+        TOKENIZER.replace("\"god\": 4, \"created\": 5", "\"god\": 5, \"created\": 4"),
+    )
+    .unwrap();
+    let (code, out, err) = resume(&ck_out);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("data.tokenizer_content"), "{err}");
+    std::fs::write(&tj, TOKENIZER).unwrap();
+    std::fs::write(&text, "in the beginning created god the\n".repeat(300)).unwrap();
+    let (code, out, err) = resume(&ck_out);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("data.content"), "{err}");
+    std::fs::write(&text, "in the beginning god created the\n".repeat(300)).unwrap();
+    let (code, out, err) = resume(&ck_out);
+    assert_eq!(code, 0, "the same data resumes: {out}\n{err}");
+
+    // Generation from the checkpoint with that tokenizer.json changed is
+    // refused (it printed other words, silently); named explicitly, it is
+    // used, with a warning.
+    let swapped = TOKENIZER.replace("\"god\": 4, \"created\": 5", "\"god\": 5, \"created\": 4");
+    std::fs::write(&tj, &swapped).unwrap();
+    let gen_with = |prompt: &str, temperature: &str, extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            ck.to_str().unwrap(),
+            "--prompt",
+            prompt,
+        ];
+        a.extend_from_slice(&["--tokens", "2", "--temperature", temperature]);
+        a.extend_from_slice(extra);
+        phalanx(&a)
+    };
+    let gen = |extra: &[&str]| gen_with("in the", "0", extra);
+    let (code, out, err) = gen(&[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(err.contains("is not the tokenizer.json"), "{err}");
+    let (code, out, err) = gen(&["--set", &tok_set]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        err.contains("warning:") && err.contains("is not the tokenizer.json"),
+        "{err}"
+    );
+    std::fs::write(&tj, TOKENIZER).unwrap();
+    // A relative tokenizer path that is not there says how it is read.
+    let (code, _, err) = gen(&["--set", "data.tokenizer=\"nope/tokenizer.json\""]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("a relative path is read from the current directory"),
+        "{err}"
+    );
+    // A prompt that encodes to nothing, with no end-of-text token to start
+    // from, names --prompt; a negative temperature reaches its check.
+    let (code, _, err) = gen_with("", "0", &[]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--prompt \"\" encodes to no tokens"), "{err}");
+    let (code, _, err) = gen_with("in the", "-1", &[]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--temperature must be a number >= 0"), "{err}");
+
     // A model vocabulary smaller than the tokenizer's is named.
     let a = sets("model.vocab_size=4");
     let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();

@@ -106,6 +106,13 @@ fn chunks(text: &str, size: usize) -> Vec<&str> {
     out
 }
 
+/// The digest of the `tokenizer.json` that `path` names (a file, or a
+/// directory holding one), for the data fingerprint; `None` where there is
+/// none to read.
+pub fn content_of(path: &Path) -> Option<String> {
+    phalanx::data::digest::of_whole_file(&json_path(path)).ok()
+}
+
 /// A `tokenizer.json` as the loader's text encoder (JSONL and text
 /// sources): documents without special tokens, each followed by the
 /// tokenizer's end-of-text token (the first of `<|endoftext|>`,
@@ -114,6 +121,8 @@ pub struct HfEncoder {
     tok: Tokenizer,
     sep: Vec<u32>,
     name: String,
+    /// The digest of the tokenizer.json at `name` (where it is a file).
+    content: Option<String>,
 }
 
 impl HfEncoder {
@@ -143,6 +152,7 @@ impl HfEncoder {
             tok,
             sep,
             name: name.to_string(),
+            content: content_of(Path::new(name)),
         })
     }
 }
@@ -155,6 +165,9 @@ impl phalanx::data::TextEncoder for HfEncoder {
     }
     fn separator(&self) -> Vec<u32> {
         self.sep.clone()
+    }
+    fn content(&self) -> Option<String> {
+        self.content.clone()
     }
     fn name(&self) -> String {
         self.name.clone()

@@ -69,7 +69,15 @@ pub fn open_data_for(cfg: &TrainConfig, seq_len: usize, vocab_size: usize) -> Re
                 })?
             };
             let ids = hf_tokenizer::encode_corpus(&hf, &text, Path::new(j))?;
-            return Ok(DataLoader::new(TokenData::from_tokens(ids), lc)?);
+            // The file, its content and the tokenizer's go into the resume
+            // fingerprint, as for a file the loader encodes itself.
+            let content = hf_tokenizer::content_of(Path::new(j));
+            let data = if path.exists() {
+                TokenData::encoded_from(ids, path, content)
+            } else {
+                TokenData::from_tokens(ids)
+            };
+            return Ok(DataLoader::new(data, lc)?);
         }
     };
     // The default corpus is built in, so `phalanx train` works from any

@@ -354,6 +354,11 @@ impl Corpus {
         };
         if text {
             fingerprint["json_lines"] = json!(all_files.iter().any(json));
+            // The same tokenizer.json path with other contents encodes
+            // other tokens.
+            if let Some(c) = cfg.encoder.content() {
+                fingerprint["tokenizer_content"] = json!(c);
+            }
         }
         // A tokenizer whose ids the model cannot hold fails here, not at
         // the first batch that meets a high id.

@@ -27,6 +27,17 @@ use std::path::{Path, PathBuf};
 
 const WINDOW: u64 = 4096;
 
+/// The digest of a small file read whole (a `tokenizer.json`, where one
+/// changed id anywhere is another tokenizer), as 32 hex digits.
+pub fn of_whole_file(f: &Path) -> std::io::Result<String> {
+    let bytes = std::fs::read(f)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", f.display())))?;
+    Ok(Sha256::digest(&bytes)[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
 /// The digest of `files` in order, as 32 hex digits.
 pub fn of_files(files: &[PathBuf]) -> std::io::Result<String> {
     let mut h = Sha256::new();

@@ -45,7 +45,8 @@ impl DataLoader {
     pub fn fingerprint(&self) -> serde_json::Value {
         match &self.corpus {
             Some(c) => c.fingerprint.clone(),
-            None => serde_json::json!({
+            None => {
+                let mut f = serde_json::json!({
                 "seq_len": self.seq_len,
                 "seed": self.seed,
                 "shuffle": self.shuffle,
@@ -56,7 +57,12 @@ impl DataLoader {
                 "val_tokens": self.val.len,
                 // Another file of the same name and length (see `digest`).
                 "content": self.train.data.path().and_then(|p| super::digest::of_files(&[p.to_path_buf()]).ok()),
-            }),
+                });
+                if let Some(t) = self.train.data.tokenizer_content() {
+                    f["tokenizer_content"] = serde_json::json!(t);
+                }
+                f
+            }
         }
     }
 

@@ -93,6 +93,9 @@ pub struct TokenData {
     len: usize,
     format: Format,
     path: Option<PathBuf>,
+    /// The digest of the tokenizer that encoded a text file held in
+    /// memory (see [`TokenData::encoded_from`]).
+    tokenizer: Option<String>,
 }
 
 impl std::fmt::Debug for TokenData {
@@ -113,7 +116,26 @@ impl TokenData {
             storage: Storage::Owned(tokens),
             format: Format::Memory,
             path: None,
+            tokenizer: None,
         }
+    }
+
+    /// Tokens encoded from the text file `path` by a tokenizer whose
+    /// digest is `tokenizer` (see `TextEncoder::content`): the resume
+    /// fingerprint then names the file, its content and the tokenizer, as
+    /// for a file this crate opens itself.
+    pub fn encoded_from(tokens: Vec<u32>, path: &Path, tokenizer: Option<String>) -> Self {
+        TokenData {
+            path: Some(path.to_path_buf()),
+            format: Format::Text,
+            tokenizer,
+            ..TokenData::from_tokens(tokens)
+        }
+    }
+
+    /// The digest of the tokenizer that encoded these tokens, where given.
+    pub fn tokenizer_content(&self) -> Option<&str> {
+        self.tokenizer.as_deref()
     }
 
     /// Opens a file, detecting its format (see the module docs). The
@@ -317,6 +339,7 @@ impl TokenData {
             storage: Storage::Owned(tokens),
             format: Format::Text,
             path: None,
+            tokenizer: None,
         })
     }
 }
@@ -332,6 +355,7 @@ fn open_bin(path: &Path) -> Result<TokenData> {
             len: 0,
             format: Format::NanoGpt,
             path: Some(path.to_path_buf()),
+            tokenizer: None,
         });
     }
     // SAFETY: the map is read-only; as with any mmap, the file must not be
@@ -351,6 +375,7 @@ fn open_bin(path: &Path) -> Result<TokenData> {
         len,
         format,
         path: Some(path.to_path_buf()),
+        tokenizer: None,
     })
 }
 

@@ -39,6 +39,12 @@ pub trait TextEncoder: Send + Sync {
     fn separator(&self) -> Vec<u32>;
     /// Its name, part of the data fingerprint a resume checks.
     fn name(&self) -> String;
+    /// A digest of what defines it where that can change under the same
+    /// name (a `tokenizer.json`'s bytes), part of the fingerprint too
+    /// (`tokenizer_content`); `None` for the built-in tokenizers.
+    fn content(&self) -> Option<String> {
+        None
+    }
     /// The ids it gives are below this, where every model must hold them
     /// all (checked before training); `None`: the text decides (bytes:
     /// ASCII text fits a vocabulary of 128).
