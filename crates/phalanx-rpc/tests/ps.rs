@@ -383,7 +383,7 @@ fn after_a_failed_push_only_the_same_push_is_taken() {
         if pg.rank() == 2 {
             let mut c = PsClient::new(rpc.clone(), &names, cfg.clone(), 0).unwrap();
             let (a, b) = (vec![1.0f32, 1.0], vec![5.0f32, 5.0]);
-            assert!(c.push(&[(&[], &[])], &[a.clone()]).is_err());
+            assert!(c.push(&[(&[], &[])], std::slice::from_ref(&a)).is_err());
             let e = c.push(&[(&[], &[])], &[b]).unwrap_err();
             assert!(e.to_string().contains("push the same gradients"), "{e}");
             assert_eq!(c.step(), 0);
