@@ -166,3 +166,24 @@ fn the_lighthouse_needs_the_secret() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("PHALANX_SECRET"), "{err}");
 }
+
+/// A lighthouse stopped and continued (Ctrl-Z and `fg`, a debugger) keeps
+/// its connections: its idle reads end in EINTR then, which used to drop
+/// every connection, and with it every replica group.
+#[test]
+fn a_lighthouse_stopped_and_continued_keeps_its_connections() {
+    use phalanx_comm::store::StoreClient;
+    use std::time::Duration;
+    let d = fresh_dir("phalanx-ft", "sigstop");
+    let (lh, addr) = lighthouse(&d, "1");
+    let secret = phalanx_comm::wire::from_hex(SECRET).unwrap();
+    let c = StoreClient::connect(&addr, &secret, Duration::from_secs(10)).unwrap();
+    c.set("k", b"v").unwrap();
+    lh.signal(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(600));
+    lh.signal(libc::SIGCONT);
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(c.get("k").unwrap(), b"v");
+    let said = lh.output();
+    assert!(!said.contains("dropped connection"), "{said}");
+}

@@ -271,7 +271,9 @@ fn serve(mut s: TcpStream, sh: &Shared, slot: Option<PendingSlot<'_>>) -> Result
         match s.peek(&mut [0u8; 1]) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
-            Err(e) if is_timeout(&e) => {
+            // EINTR: the server was stopped and continued (Ctrl-Z, a
+            // debugger, SIGSTOP); the connection is fine.
+            Err(e) if is_timeout(&e) || e.kind() == std::io::ErrorKind::Interrupted => {
                 if sh.stop.load(Ordering::SeqCst) {
                     return Ok(());
                 }
