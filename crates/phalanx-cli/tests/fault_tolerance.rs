@@ -187,3 +187,38 @@ fn a_lighthouse_stopped_and_continued_keeps_its_connections() {
     let said = lh.output();
     assert!(!said.contains("dropped connection"), "{said}");
 }
+
+/// A lighthouse killed and restarted at its address: the groups go on
+/// training meanwhile, join the new one, and end with the same parameters;
+/// every step is committed once, in order (a restart used to end every
+/// group).
+#[test]
+fn a_restarted_lighthouse_is_joined_again() {
+    let d = fresh_dir("phalanx-ft", "lh-restart");
+    let (mut lh, addr) = lighthouse(&d, "1");
+    let steps = ["--steps", "160"];
+    let mut a = group(&d, "a", &addr, &steps);
+    let mut b = group(&d, "b", &addr, &steps);
+    b.wait_for("committed by 2 group(s)");
+    a.wait_for("step 30 committed");
+    lh.signal(libc::SIGKILL);
+    let _ = lh.wait();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let _lh2 = lighthouse_at(&d, "lighthouse2", &addr, "1", "0.3");
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(b.wait(), 0, "{}", b.output());
+    let (oa, ob) = (a.stdout(), b.stdout());
+    for o in [&oa, &ob] {
+        let steps: Vec<u64> = committed(o).iter().map(|c| c.0).collect();
+        assert_eq!(steps, (1..=160).collect::<Vec<_>>(), "{o}");
+        assert_eq!(committed(o).last().unwrap().1, 2, "together again: {o}");
+    }
+    assert!(
+        std::fs::read_to_string(&a.err)
+            .unwrap()
+            .contains("restarted (it knows no groups): joined it again"),
+        "{}",
+        a.output()
+    );
+    assert_eq!(final_digest(&oa), final_digest(&ob));
+}

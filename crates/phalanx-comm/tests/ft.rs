@@ -217,3 +217,31 @@ fn a_group_whose_first_heal_failed_is_still_first() {
     assert!(q.changed && !q.first, "{q:?}");
     drop(t.join().unwrap());
 }
+
+/// A quorum timeout no longer than the lighthouse's heartbeat timeout
+/// plus its join timeout is refused at connect, naming both: after a
+/// group's loss the survivors would give up before the next quorum.
+#[test]
+fn a_quorum_timeout_within_the_lighthouses_timeouts_is_refused() {
+    let lh = lighthouse(2.0);
+    let addr = lh.addr().to_string();
+    let o = ManagerOpts {
+        quorum_timeout: Duration::from_secs(2),
+        ..opts(2.0)
+    };
+    let e = Manager::connect(&addr, SECRET, "a", o)
+        .err()
+        .expect("refused");
+    let e = e.to_string();
+    assert!(
+        e.contains("quorum_timeout = 2s is not above the lighthouse's heartbeat timeout (2s)")
+            && e.contains("join timeout (200ms)"),
+        "{e}"
+    );
+    // Above both: accepted.
+    let o = ManagerOpts {
+        quorum_timeout: Duration::from_secs(3),
+        ..opts(2.0)
+    };
+    assert!(Manager::connect(&addr, SECRET, "a", o).is_ok());
+}

@@ -118,13 +118,18 @@ pub fn lighthouse(d: &Path, min: &str) -> (Proc, String) {
 /// together before a change that adds groups.
 pub fn lighthouse_with(d: &Path, min: &str, join: &str) -> (Proc, String) {
     let addr = format!("127.0.0.1:{}", free_port());
+    (lighthouse_at(d, "lighthouse", &addr, min, join), addr)
+}
+
+/// A lighthouse at `addr` (its output in `d/name.*`).
+pub fn lighthouse_at(d: &Path, name: &str, addr: &str, min: &str, join: &str) -> Proc {
     let mut lh = Proc::start(
         d,
-        "lighthouse",
+        name,
         &[
             "lighthouse",
             "--bind",
-            &addr,
+            addr,
             "--min-replicas",
             min,
             "--heartbeat-timeout",
@@ -134,7 +139,7 @@ pub fn lighthouse_with(d: &Path, min: &str, join: &str) -> (Proc, String) {
         ],
     );
     lh.wait_for("phalanx lighthouse at");
-    (lh, addr)
+    lh
 }
 
 /// `phalanx train` as replica group `g` of `replicas`, with `nproc` local

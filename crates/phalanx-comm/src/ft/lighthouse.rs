@@ -27,7 +27,10 @@
 //!   it does not block every later join.
 //!
 //! Its heartbeat timeout is published (`ft/heartbeat_timeout_ms`): groups
-//! beat five times within the shorter of theirs and this one.
+//! beat five times within the shorter of theirs and this one; so is its
+//! join timeout (`ft/join_timeout_ms`), and an id of this start
+//! (`ft/lighthouse`): a lighthouse restarted at the same address holds no
+//! joins, and the groups, seeing another id, join it again.
 
 use super::{key, parse_members};
 use crate::error::Result;
@@ -81,6 +84,15 @@ impl Lighthouse {
         store.set(
             &key("heartbeat_timeout_ms"),
             opts.heartbeat_timeout.as_millis().to_string().as_bytes(),
+        )?;
+        store.set(
+            &key("join_timeout_ms"),
+            opts.join_timeout.as_millis().to_string().as_bytes(),
+        )?;
+        // Last: a group that reads this id reads the timeouts too.
+        store.set(
+            &key("lighthouse"),
+            &crate::wire::new_secret_hex().as_bytes()[..16],
         )?;
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();

@@ -12,7 +12,9 @@
 //! groups ends with a vote inside the group, so a group commits a step only
 //! when all its ranks' reductions succeeded.
 
-use super::{key, parse_members};
+use super::key;
+
+mod lookup;
 use crate::config::Config;
 use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
@@ -21,7 +23,7 @@ use crate::store::StoreClient;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A group's fault-tolerance settings.
 #[derive(Debug, Clone)]
@@ -75,12 +77,19 @@ pub struct Quorum {
     pub first: bool,
 }
 
+/// What the overlapped quorum check found: its connection, the latest
+/// epoch, the lighthouse's id.
+type Checked = (StoreClient, u64, Vec<u8>);
+
 pub struct Manager {
     store: StoreClient,
     secret: Vec<u8>,
     addr: String,
     id: String,
     inc: u64,
+    /// The id of the lighthouse's start this group joined (`ft/lighthouse`):
+    /// another one is a restarted lighthouse, which knows no groups.
+    generation: Vec<u8>,
     opts: ManagerOpts,
     stop: Arc<AtomicBool>,
     beat: Option<JoinHandle<()>>,
@@ -90,8 +99,9 @@ pub struct Manager {
     quorum: Option<Quorum>,
     /// The group's own ranks; `None` for a group of one rank.
     local: Option<ProcessGroup>,
-    /// The overlapped quorum check in flight (the group's first rank).
-    check: Option<JoinHandle<Result<(StoreClient, u64)>>>,
+    /// The overlapped quorum check in flight (the group's first rank): the
+    /// latest epoch and the lighthouse's id.
+    check: Option<JoinHandle<Result<Checked>>>,
     /// The store connection the overlapped check uses.
     poll: Option<StoreClient>,
     /// Quorums this incarnation has formed.
@@ -136,7 +146,34 @@ impl Manager {
         let stop = Arc::new(AtomicBool::new(false));
         let mut beat = None;
         let mut inc = [0i64];
+        let mut generation = Vec::new();
         if lead {
+            let ms = |k: &str| -> Result<Option<Duration>> {
+                Ok(store
+                    .try_get(&key(k))?
+                    .and_then(|v| String::from_utf8_lossy(&v).parse::<u64>().ok())
+                    .map(Duration::from_millis))
+            };
+            // A group lost is dropped only after the lighthouse's heartbeat
+            // timeout, and the next quorum published after its join
+            // timeout: a survivor waiting less gives up first.
+            if let Some(hb) = ms("heartbeat_timeout_ms")? {
+                let join = ms("join_timeout_ms")?.unwrap_or_default();
+                if opts.quorum_timeout <= hb + join {
+                    let e = format!(
+                        "fault_tolerance.quorum_timeout = {:?} is not above the lighthouse's \
+                         heartbeat timeout ({hb:?}) plus its join timeout ({join:?}): a group lost \
+                         is dropped only after those, so the others would give up first; raise \
+                         it (or start the lighthouse with a shorter --heartbeat-timeout)",
+                        opts.quorum_timeout
+                    );
+                    if let Some(l) = &local {
+                        l.fail_peers(&e);
+                    }
+                    return Err(CommError::Invalid(e));
+                }
+            }
+            generation = store.try_get(&key("lighthouse"))?.unwrap_or_default();
             let hb = StoreClient::connect(addr, secret, opts.quorum_timeout)?;
             // The lighthouse judges silence by its own timeout: beat 5
             // times within the shorter of the two, or a lighthouse started
@@ -153,9 +190,9 @@ impl Manager {
                     .name("phalanx-ft-heartbeat".into())
                     .spawn(move || {
                         while !s2.load(Ordering::SeqCst) {
-                            if hb.add(&hb_key, 1).is_err() {
-                                return;
-                            }
+                            // A failed beat (the lighthouse restarting) is
+                            // tried again: the client reconnects.
+                            let _ = hb.add(&hb_key, 1);
                             std::thread::sleep(every);
                         }
                     })?,
@@ -172,6 +209,7 @@ impl Manager {
             addr: addr.to_string(),
             id: id.to_string(),
             inc: inc[0] as u64,
+            generation,
             opts,
             stop,
             beat,
@@ -200,24 +238,8 @@ impl Manager {
         self.local.as_ref().is_none_or(|l| l.rank() == 0)
     }
 
-    fn latest_epoch(store: &StoreClient) -> Result<u64> {
-        Ok(store
-            .try_get(&key("epoch"))?
-            .and_then(|v| String::from_utf8_lossy(&v).parse().ok())
-            .unwrap_or(0))
-    }
-
     fn me(&self) -> String {
         format!("{}@{}", self.id, self.inc)
-    }
-
-    fn status(&self) -> String {
-        self.store
-            .try_get(&key("status"))
-            .ok()
-            .flatten()
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
-            .unwrap_or_else(|| "no quorum published yet".into())
     }
 
     /// Start the check that the next [`Manager::quorum`] needs, in the
@@ -239,141 +261,11 @@ impl Manager {
                 .spawn(move || {
                     client.set(&step_key, step.to_string().as_bytes())?;
                     let e = Manager::latest_epoch(&client)?;
-                    Ok((client, e))
+                    let gen = client.try_get(&key("lighthouse"))?.unwrap_or_default();
+                    Ok((client, e, gen))
                 })?,
         );
         Ok(())
-    }
-
-    /// The group's first rank: `None` if the quorum is unchanged, else the
-    /// epoch to connect (waiting up to the quorum timeout for one that
-    /// holds this incarnation).
-    fn decide(&mut self, step: u64) -> Result<Option<u64>> {
-        let checked = match self.check.take() {
-            Some(h) => {
-                let (client, e) = h
-                    .join()
-                    .map_err(|_| CommError::Io("the quorum check panicked".into()))??;
-                self.poll = Some(client);
-                Some(e)
-            }
-            None => {
-                self.store.set(
-                    &key(&format!("step/{}", self.me())),
-                    step.to_string().as_bytes(),
-                )?;
-                None
-            }
-        };
-        if let (Some(q), true) = (&self.quorum, self.pg.is_some()) {
-            let e = match checked {
-                Some(e) => e,
-                None => Manager::latest_epoch(&self.store)?,
-            };
-            if e == q.epoch {
-                return Ok(None);
-            }
-        }
-        let deadline = Instant::now() + self.opts.quorum_timeout;
-        loop {
-            let e = Manager::latest_epoch(&self.store)?;
-            if e > self.epoch {
-                let members = self.members(e)?;
-                self.epoch = e;
-                if members
-                    .iter()
-                    .any(|(id, inc)| *id == self.id && *inc == self.inc)
-                {
-                    return Ok(Some(e));
-                }
-                self.check_not_replaced(e, &members)?;
-            }
-            if Instant::now() >= deadline {
-                return Err(CommError::Timeout(format!(
-                    "replica group {}: no quorum within {:?}: {}",
-                    self.id,
-                    self.opts.quorum_timeout,
-                    self.status()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// An epoch without this incarnation fails at once where waiting
-    /// could not help: another incarnation holds this replica id (a second
-    /// group started with the same id, or this one's restart), or this
-    /// incarnation was a member and has been dropped (its heartbeats
-    /// stopped, or the others found it absent from a quorum; it must
-    /// restart to rejoin and heal).
-    fn check_not_replaced(&self, e: u64, members: &[(String, u64)]) -> Result<()> {
-        if let Some((_, inc)) = members
-            .iter()
-            .find(|(id, inc)| *id == self.id && *inc > self.inc)
-        {
-            return Err(CommError::Invalid(format!(
-                "replica group {}: the replica id joined again as incarnation {inc} (this one is \
-                 {}): two groups started with the same fault_tolerance.replica_id?",
-                self.id, self.inc
-            )));
-        }
-        if self.formed > 0 {
-            return Err(CommError::Io(format!(
-                "replica group {}: dropped from the quorum (epoch {e}: {}): the lighthouse saw its \
-                 heartbeats stop, or the other groups found it absent from a quorum; restart it to \
-                 rejoin and heal from them",
-                self.id,
-                self.status()
-            )));
-        }
-        Ok(())
-    }
-
-    /// After a failed connection to epoch `e`'s members (the group's first
-    /// rank): tell the lighthouse which members never published an address
-    /// on any of the group's layers. Such a member heartbeats (else the
-    /// lighthouse would have dropped it) but does not come to the quorum (a
-    /// hung step, a stuck write); the lighthouse drops it when it is found
-    /// absent twice running, instead of the others reconnecting to it
-    /// forever.
-    fn report_absent(&self, e: u64, me: Option<usize>, members: &[(String, u64)]) {
-        let layers = self.local.as_ref().map_or(1, |l| l.size());
-        let absent: Vec<String> = members
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| Some(*j) != me)
-            .filter(|(j, _)| {
-                (0..layers).any(|r| {
-                    matches!(
-                        self.store.try_get(&key(&format!("pg/{e}/{r}/addr/{j}"))),
-                        Ok(None)
-                    )
-                })
-            })
-            .map(|(_, (id, inc))| format!("{id}@{inc}"))
-            .collect();
-        if absent.is_empty() {
-            return;
-        }
-        eprintln!(
-            "replica group {}: epoch {e}: {} never came to the quorum (alive by their heartbeats); \
-             reported to the lighthouse",
-            self.id,
-            absent.join(", ")
-        );
-        let _ = self.store.set(
-            &key(&format!("absent/{e}/{}", self.id)),
-            absent.join(",").as_bytes(),
-        );
-    }
-
-    fn members(&self, e: u64) -> Result<Vec<(String, u64)>> {
-        let list = self
-            .store
-            .try_get(&key(&format!("members/{e}")))?
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
-            .unwrap_or_default();
-        Ok(parse_members(&list))
     }
 
     /// `v` from the group's first rank to its other ranks.
@@ -403,14 +295,16 @@ impl Manager {
     /// [`start_quorum`]: Manager::start_quorum
     pub fn quorum(&mut self, step: u64) -> Result<Quorum> {
         loop {
-            let mut d = [UNCHANGED, 0];
+            // The decision, the epoch, and this group's incarnation (new
+            // after joining a restarted lighthouse).
+            let mut d = [UNCHANGED, 0, 0];
             let mut failed = None;
             if self.lead() {
                 match self.decide(step) {
                     Ok(None) => {}
-                    Ok(Some(e)) => d = [CONNECT, e as i64],
+                    Ok(Some(e)) => d = [CONNECT, e as i64, self.inc as i64],
                     Err(e) => {
-                        d = [FAILED, 0];
+                        d = [FAILED, 0, 0];
                         failed = Some(e);
                     }
                 }
@@ -442,6 +336,7 @@ impl Manager {
             }
             let e = d[1] as u64;
             self.epoch = e;
+            self.inc = d[2] as u64;
             self.quorum = None;
             if let Some(pg) = self.pg.take() {
                 pg.shutdown();
@@ -553,24 +448,6 @@ impl Manager {
         }
     }
 
-    /// Wait until the lighthouse publishes a new epoch (a group joined or
-    /// was lost); the next `quorum` connects to it. One rank's call.
-    pub fn wait_change(&mut self) -> Result<()> {
-        let deadline = Instant::now() + self.opts.quorum_timeout;
-        while Manager::latest_epoch(&self.store)? <= self.epoch {
-            if Instant::now() >= deadline {
-                return Err(CommError::Timeout(format!(
-                    "replica group {}: no new quorum within {:?}: {}",
-                    self.id,
-                    self.opts.quorum_timeout,
-                    self.status()
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(())
-    }
-
     /// Run `f` on the quorum's group, then vote inside the group: `Ok(true)`
     /// when every rank's `f` succeeded; otherwise the epoch is suspect, the
     /// links are dropped and the caller retries after the next `quorum`.
@@ -588,9 +465,23 @@ impl Manager {
                 return Err(e)
             }
             Err(e) => {
+                // Ranks there are the members' places in the quorum, and
+                // its deadline is the fault-tolerance one.
+                let who = self.quorum.as_ref().map_or(String::new(), |q| {
+                    let m: Vec<String> = q
+                        .members
+                        .iter()
+                        .enumerate()
+                        .map(|(r, id)| format!("rank {r} = group {id}"))
+                        .collect();
+                    format!(" [{}]", m.join(", "))
+                });
                 eprintln!(
-                    "replica group {}: the step's reduction failed ({e}); retrying with the next quorum",
-                    self.id
+                    "replica group {}: the step's reduction failed ({e}){who} (the wait across \
+                     groups is fault_tolerance.sync_timeout, else quorum_timeout: {:?}); \
+                     retrying with the next quorum",
+                    self.id,
+                    self.opts.sync_timeout.unwrap_or(self.opts.quorum_timeout)
                 );
                 false
             }
