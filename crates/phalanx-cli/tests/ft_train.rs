@@ -256,6 +256,13 @@ fn killed_group_heals(name: &str, nproc: usize, layout: &[&str]) {
     runs.dedup();
     assert!(runs.ends_with(&[2, 1, 2]), "{runs:?}");
     assert!(ob.contains("healed from group 0 at step "), "{ob}");
+    // The bytes sent to the other group count: a step committed by two
+    // one-rank groups sent its gradients across (they counted nothing).
+    if nproc == 1 {
+        let last = la.last().unwrap();
+        assert_eq!(last["groups_committed"], 2, "{last}");
+        assert!(last["comm_bytes"].as_u64().unwrap() > 0, "{last}");
+    }
     let wa = std::fs::read(d.join("a.safetensors")).unwrap();
     let wb = std::fs::read(d.join("b.safetensors")).unwrap();
     assert!(wa == wb, "{name}: the healed group's final weights differ");

@@ -106,6 +106,8 @@ pub struct Manager {
     poll: Option<StoreClient>,
     /// Quorums this incarnation has formed.
     formed: u64,
+    /// Bytes sent by the process groups of earlier epochs.
+    sent_before: u64,
     /// Whether this incarnation has taken part in a heal that completed
     /// ([`Manager::mark_healed`]): until then its quorums are `first`.
     healed: bool,
@@ -220,8 +222,29 @@ impl Manager {
             check: None,
             poll: None,
             formed: 0,
+            sent_before: 0,
             healed: false,
         })
+    }
+
+    /// Bytes this rank has sent to the other groups (every epoch's links).
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent_before + self.pg.as_ref().map_or(0, |pg| pg.bytes_sent())
+    }
+
+    /// This epoch's links, taken out (their bytes counted).
+    fn take_pg(&mut self) -> Option<ProcessGroup> {
+        let pg = self.pg.take()?;
+        self.sent_before += pg.bytes_sent();
+        Some(pg)
+    }
+
+    /// Whether `flag` holds on any member (every rank of every group
+    /// calls it). `Ok(None)`: a member was lost.
+    pub fn any(&mut self, flag: bool) -> Result<Option<bool>> {
+        let mut v = [i32::from(flag)];
+        let ok = self.on_group(|pg| pg.all_reduce(&mut v, ReduceOp::Max))?;
+        Ok(ok.then_some(v[0] == 1))
     }
 
     pub fn replica_id(&self) -> &str {
@@ -338,7 +361,7 @@ impl Manager {
             self.epoch = e;
             self.inc = d[2] as u64;
             self.quorum = None;
-            if let Some(pg) = self.pg.take() {
+            if let Some(pg) = self.take_pg() {
                 pg.shutdown();
             }
             let members = self.members(e)?;
@@ -443,7 +466,7 @@ impl Manager {
                 .store
                 .set(&key(&format!("suspect/{}", self.epoch)), self.id.as_bytes());
         }
-        if let Some(pg) = self.pg.take() {
+        if let Some(pg) = self.take_pg() {
             pg.abort("a member of the quorum was lost");
         }
     }
@@ -556,7 +579,7 @@ impl Manager {
     /// with this group fail at once (naming `reason`), instead of waiting
     /// for a goodbye after a step that will not come.
     pub fn abort(&mut self, reason: &str) {
-        if let Some(pg) = self.pg.take() {
+        if let Some(pg) = self.take_pg() {
             pg.abort(&format!("replica group {} stopped: {reason}", self.id));
         }
     }
@@ -575,7 +598,7 @@ impl Drop for Manager {
         if let Some(h) = self.check.take() {
             let _ = h.join();
         }
-        if let Some(pg) = self.pg.take() {
+        if let Some(pg) = self.take_pg() {
             pg.shutdown();
         }
         if let Some(t) = self.beat.take() {

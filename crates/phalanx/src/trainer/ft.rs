@@ -306,6 +306,19 @@ impl Trainer {
     /// rank r of the healer); a group behind, or on its first quorum, loads
     /// it. `None` if a member was lost.
     fn ft_heal(&mut self, q: &Quorum, k: usize) -> Result<Option<usize>> {
+        // Only where some member needs it (behind, or not yet healed): a
+        // plain loss leaves the others' state as it is, and the whole state
+        // (parameters and every optimizer buffer) is not sent across the
+        // groups' links for nothing.
+        let ft = self.ft.as_mut().expect("fault tolerance on");
+        match ft.mgr.any(q.behind || q.first).map_err(comm)? {
+            None => return Ok(None),
+            Some(false) => {
+                ft.mgr.mark_healed();
+                return Ok(Some(k));
+            }
+            Some(true) => {}
+        }
         let ranges = self.strat.save_state(&self.engine)?;
         // One flat message: the step, the optimizer step, the scaler (as
         // JSON bytes, one per value), then each range's parameters and
@@ -376,10 +389,21 @@ impl Trainer {
     /// the quorum holds bitwise the same state (rank r of each group the
     /// same shard), or the run stops naming the groups that differ.
     pub(super) fn ft_check_identical(&mut self, done: usize) -> Result<()> {
+        // Parameters, every optimizer buffer and the optimizer's step
+        // (under DiLoCo the parameters only: each group's inner optimizer
+        // is its own).
+        let inner_own = self.ft.as_ref().is_some_and(|f| f.diloco.is_some());
         let mut h = 0xcbf29ce484222325u64;
+        let mut mix = |v: u64| h = (h ^ v).wrapping_mul(0x100000001b3);
         for r in self.strat.save_state(&self.engine)? {
-            h ^= crate::strategy::ddp::digest(&r.params) as u64;
-            h = h.wrapping_mul(0x100000001b3);
+            mix(crate::strategy::ddp::digest(&r.params) as u64);
+            if inner_own {
+                continue;
+            }
+            for (_, v) in &r.optim {
+                mix(crate::strategy::ddp::digest(v) as u64);
+            }
+            mix(r.optim_step);
         }
         let ft = self.ft.as_mut().expect("fault tolerance on");
         let Some(all) = ft.mgr.all_digests(h as i64).map_err(comm)? else {

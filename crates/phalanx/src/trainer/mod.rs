@@ -382,7 +382,7 @@ impl Trainer {
         let t0 = Instant::now();
         let blocked0 = phalanx_comm::blocked_seconds();
         let reads0 = crate::engine::resident::downloads();
-        let sent0 = self.pg.bytes_sent();
+        let sent0 = self.bytes_sent();
         if let Some(d) = crate::fault::step_delay(self.mesh.world().rank()) {
             std::thread::sleep(d);
         }
@@ -468,7 +468,7 @@ impl Trainer {
         }
         let secs = t0.elapsed().as_secs_f64();
         let blocked = phalanx_comm::blocked_seconds() - blocked0;
-        let comm_bytes = self.pg.bytes_sent() - sent0;
+        let comm_bytes = self.bytes_sent() - sent0;
         if self.memory.is_none() {
             self.memory = Some(self.gather_memory()?);
         }
@@ -547,6 +547,12 @@ impl Trainer {
         Ok(Some(p[0]))
     }
 
+    /// Bytes this rank has sent: in its job, and under fault tolerance to
+    /// the other replica groups too.
+    pub(super) fn bytes_sent(&self) -> u64 {
+        self.pg.bytes_sent() + self.ft.as_ref().map_or(0, |f| f.mgr.bytes_sent())
+    }
+
     /// This rank's figures for the monitor after step `s`.
     fn figures(&self, s: &StepStats, sent_at_start: u64) -> crate::monitor::Figures {
         let memory = self.memory_now();
@@ -557,7 +563,7 @@ impl Trainer {
             step_s: s.step_ms / 1e3,
             compute_s: s.compute_ms / 1e3,
             grad_norm: s.grad_norm as f64,
-            comm_bytes_total: self.mesh.world().bytes_sent() - sent_at_start,
+            comm_bytes_total: self.bytes_sent() - sent_at_start,
             loss_scale: (self.cfg.precision() == crate::config::Precision::Fp16)
                 .then_some(s.loss_scale),
             mfu: s.mfu,

@@ -85,7 +85,7 @@ impl Trainer {
         if let (Some(url), true) = (monitor.metrics_url(), opts.progress) {
             println!("Prometheus metrics at {url}");
         }
-        let sent_at_start = self.mesh.world().bytes_sent();
+        let sent_at_start = self.bytes_sent();
         let peak = self.matmul_peak()?;
         let mut k = first;
         if self.cfg.fault_tolerance.enabled() {
@@ -129,7 +129,7 @@ impl Trainer {
                 .flops_per_token
                 .zip(peak)
                 .map(|(f, p)| f * s.tokens_per_s / p);
-            s.comm_bytes_total = Some(self.mesh.world().bytes_sent() - sent_at_start);
+            s.comm_bytes_total = Some(self.bytes_sent() - sent_at_start);
             let health = monitor.after_step(&self.figures(&s, sent_at_start))?;
             for st in &health.new {
                 if lead && opts.progress {
