@@ -245,3 +245,42 @@ fn a_quorum_timeout_within_the_lighthouses_timeouts_is_refused() {
     };
     assert!(Manager::connect(&addr, SECRET, "a", o).is_ok());
 }
+
+/// A group busy for long between quorums (DiLoCo's inner steps) whose
+/// steps go on is not dropped when a newcomer finds it absent: the
+/// newcomer waits, and the two meet at the busy group's next quorum. (It
+/// used to be dropped as hung after two absent epochs, and the group
+/// holding the trained state was stopped.)
+#[test]
+fn a_busy_group_whose_steps_go_on_is_not_dropped_as_hung() {
+    let lh = lighthouse(0.5);
+    let addr = lh.addr().to_string();
+    let fast = |hb: f64| ManagerOpts {
+        sync_timeout: Some(Duration::from_millis(300)),
+        ..opts(hb)
+    };
+    let mut a = Manager::connect(&addr, SECRET, "a", fast(0.5)).unwrap();
+    quorum_of(&mut a, 1);
+    let b = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut m = Manager::connect(&addr, SECRET, "b", fast(0.5)).unwrap();
+            let q = m.quorum(0).unwrap();
+            let mut g = vec![3.0f32];
+            assert!(m.all_reduce(&mut g).unwrap());
+            (q.size, g[0])
+        })
+    };
+    // Inner steps, well past two absent epochs (each 0.3 s of waiting plus
+    // the 0.5 s heartbeat timeout before the next).
+    for step in 0..80u64 {
+        a.note_progress(step);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let q = a.quorum(80).expect("not dropped");
+    assert_eq!(q.size, 2);
+    let mut g = vec![1.0f32];
+    assert!(a.all_reduce(&mut g).unwrap());
+    assert_eq!(g[0], 2.0);
+    assert_eq!(b.join().unwrap(), (2, 2.0));
+}

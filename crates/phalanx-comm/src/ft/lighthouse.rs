@@ -20,8 +20,10 @@
 //!   within `heartbeat_timeout`, so the groups rebuild their links;
 //! - drops a member that others report absent from a quorum
 //!   (`ft/absent/{e}/{reporter}` = `id@inc,...`: it heartbeats, but never
-//!   came to connect) in two epochs running: a hung group would otherwise
-//!   have the others reconnect to it forever;
+//!   came to connect) in two epochs running, its progress
+//!   (`ft/progress/{id}`, which its heartbeat publishes) not moving
+//!   between them: a hung group would otherwise have the others reconnect
+//!   to it forever, and a busy one (DiLoCo's inner steps) comes later;
 //! - skips a join slot counted but still unwritten after
 //!   `heartbeat_timeout` (its group died between the two writes), so that
 //!   it does not block every later join.
@@ -144,8 +146,9 @@ struct Quorums {
     /// Slots skipped so: read again every tick, in case the write was
     /// only late.
     skipped: std::collections::BTreeSet<u64>,
-    /// Members reported absent (`id@inc`), with the last epoch they were.
-    absent: BTreeMap<String, u64>,
+    /// Members reported absent (`id@inc`), with the last epoch they were
+    /// and their progress then (`ft/progress/{id}`).
+    absent: BTreeMap<String, (u64, Option<Vec<u8>>)>,
     status: String,
 }
 
@@ -294,16 +297,29 @@ impl Quorums {
         }
         for (id, inc) in reported {
             let name = format!("{id}@{inc}");
-            let before = self.absent.insert(name.clone(), e);
+            let progress = store.try_get(&key(&format!("progress/{id}")))?;
+            let before = self.absent.insert(name.clone(), (e, progress.clone()));
             let current = self.candidates.get(&id).is_some_and(|c| c.inc == inc);
-            if let (Some(p), true) = (before, current) {
-                if p + 1 == e {
-                    eprintln!(
-                        "phalanx lighthouse: dropping replica group {name}: absent from the \
-                         quorums of epochs {p} and {e} while it heartbeats (hung?)"
-                    );
-                    self.candidates.remove(&id);
+            if let (Some((p, was)), true) = (before, current) {
+                if p + 1 != e {
+                    continue;
                 }
+                if progress.is_some() && progress != was {
+                    // Busy, not hung: its steps go on (DiLoCo's inner
+                    // steps, a long step); it comes at its next quorum.
+                    eprintln!(
+                        "phalanx lighthouse: replica group {name} was absent from the quorums of \
+                         epochs {p} and {e} but its steps go on (at {}): kept",
+                        String::from_utf8_lossy(progress.as_deref().unwrap_or_default())
+                    );
+                    continue;
+                }
+                eprintln!(
+                    "phalanx lighthouse: dropping replica group {name}: absent from the \
+                     quorums of epochs {p} and {e} while it heartbeats, its steps not moving \
+                     (hung?)"
+                );
+                self.candidates.remove(&id);
             }
         }
         Ok(())

@@ -20,7 +20,7 @@ use crate::dtype::{Element, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::group::ProcessGroup;
 use crate::store::StoreClient;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -93,6 +93,9 @@ pub struct Manager {
     opts: ManagerOpts,
     stop: Arc<AtomicBool>,
     beat: Option<JoinHandle<()>>,
+    /// The group's progress ([`Manager::note_progress`]), which the
+    /// heartbeat publishes.
+    progress: Arc<AtomicU64>,
     epoch: u64,
     /// Among rank `local rank` of each member group.
     pg: Option<ProcessGroup>,
@@ -146,6 +149,7 @@ impl Manager {
         let store = StoreClient::connect(addr, secret, opts.quorum_timeout)
             .map_err(|e| CommError::Io(format!("the lighthouse at {addr}: {e}")))?;
         let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(AtomicU64::new(0));
         let mut beat = None;
         let mut inc = [0i64];
         let mut generation = Vec::new();
@@ -186,15 +190,25 @@ impl Manager {
                 .map(Duration::from_millis);
             let within = theirs.map_or(opts.heartbeat_timeout, |t| t.min(opts.heartbeat_timeout));
             let (s2, hb_key, every) = (stop.clone(), key(&format!("hb/{id}")), within / 5);
+            let (p2, progress_key) = (progress.clone(), key(&format!("progress/{id}")));
             hb.add(&hb_key, 1)?;
             beat = Some(
                 std::thread::Builder::new()
                     .name("phalanx-ft-heartbeat".into())
                     .spawn(move || {
+                        let mut said = 0;
                         while !s2.load(Ordering::SeqCst) {
                             // A failed beat (the lighthouse restarting) is
                             // tried again: the client reconnects.
                             let _ = hb.add(&hb_key, 1);
+                            // Progress, when it moved: the lighthouse keeps
+                            // a member that others find absent from a
+                            // quorum while it works (DiLoCo's inner steps).
+                            let p = p2.load(Ordering::Relaxed);
+                            if p != said && hb.set(&progress_key, p.to_string().as_bytes()).is_ok()
+                            {
+                                said = p;
+                            }
                             std::thread::sleep(every);
                         }
                     })?,
@@ -215,6 +229,7 @@ impl Manager {
             opts,
             stop,
             beat,
+            progress,
             epoch: 0,
             pg: None,
             quorum: None,
@@ -245,6 +260,15 @@ impl Manager {
         let mut v = [i32::from(flag)];
         let ok = self.on_group(|pg| pg.all_reduce(&mut v, ReduceOp::Max))?;
         Ok(ok.then_some(v[0] == 1))
+    }
+
+    /// Say that the group made progress (a step done, inner steps too):
+    /// the heartbeat publishes it, and the lighthouse does not drop a member
+    /// the others find absent from a quorum while its progress moves (a
+    /// DiLoCo group in its inner steps meets the others only at its next
+    /// outer step). Cheap: an atomic store.
+    pub fn note_progress(&self, step: u64) {
+        self.progress.store(step + 1, Ordering::Relaxed);
     }
 
     pub fn replica_id(&self) -> &str {

@@ -383,6 +383,11 @@ impl Trainer {
         let blocked0 = phalanx_comm::blocked_seconds();
         let reads0 = crate::engine::resident::downloads();
         let sent0 = self.bytes_sent();
+        if let Some(f) = &self.ft {
+            // The lighthouse keeps a group whose steps go on (see
+            // `Manager::note_progress`).
+            f.mgr.note_progress(step as u64);
+        }
         if let Some(d) = crate::fault::step_delay(self.mesh.world().rank()) {
             std::thread::sleep(d);
         }
