@@ -498,3 +498,38 @@ fn a_quorum_timeout_past_the_collective_timeout_is_refused() {
         "{r}"
     );
 }
+
+/// Groups that train with other settings (another learning rate, another
+/// number of groups sharing the data) are refused at their first quorum,
+/// naming the key: they used to train on, silently diverging.
+#[test]
+fn groups_with_other_settings_are_refused_naming_the_key() {
+    let d = fresh_dir("phalanx-ft-train", "settings");
+    let (_lh, addr) = lighthouse(&d, "2");
+    let grp = Group {
+        nproc: 1,
+        addr: &addr,
+        replicas: 2,
+        fault: None,
+        threads: None,
+        env: &[],
+    };
+    let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", 5, &[]));
+    let mut b = grp.start(
+        &d,
+        "b",
+        1,
+        &group_args(&d, "b", 5, &["optim.lr=0.01".to_string()]),
+    );
+    assert_ne!(a.wait(), 0, "{}", a.output());
+    assert_ne!(b.wait(), 0, "{}", b.output());
+    for (p, theirs) in [(&a, "group 1"), (&b, "group 0")] {
+        let err = std::fs::read_to_string(&p.err).unwrap();
+        assert!(
+            err.contains("does not train with the settings of the quorum's other groups")
+                && err.contains("optim.lr: this group"),
+            "{err}"
+        );
+        assert!(err.contains(theirs), "{err}");
+    }
+}

@@ -582,6 +582,39 @@ impl Manager {
         Ok(ok.then_some(all))
     }
 
+    /// Every member's `text` (its settings, say), by member rank: each rank
+    /// of the group with the same rank of the others. `Ok(None)`: a member
+    /// was lost.
+    pub fn all_texts(&mut self, text: &str) -> Result<Option<Vec<String>>> {
+        const MOST: i64 = 16 << 20;
+        let n = self.quorum.as_ref().map_or(1, |q| q.size);
+        let mine: Vec<i32> = text.bytes().map(i32::from).collect();
+        let mut lens = vec![0i64; n];
+        let mut all: Vec<i32> = Vec::new();
+        let ok = self.on_group(|pg| {
+            pg.all_gather(&[mine.len() as i64], &mut lens)?;
+            if let Some(l) = lens.iter().find(|&&l| !(0..=MOST).contains(&l)) {
+                return Err(CommError::Invalid(format!(
+                    "a member's text of {l} bytes (at most {MOST})"
+                )));
+            }
+            let counts: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+            all = vec![0; counts.iter().sum()];
+            pg.all_gather_v(&mine, &counts, &mut all)
+        })?;
+        if !ok {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut at = 0;
+        for l in lens {
+            let bytes: Vec<u8> = all[at..at + l as usize].iter().map(|&b| b as u8).collect();
+            out.push(String::from_utf8_lossy(&bytes).into_owned());
+            at += l as usize;
+        }
+        Ok(Some(out))
+    }
+
     /// The caller's heal after a quorum completed: later quorums are no
     /// longer this incarnation's `first` (a heal that failed, a member
     /// lost during it, leaves the next quorum `first` still, so the group

@@ -200,42 +200,55 @@ fn first_difference(
     saved: &serde_json::Value,
     now: &serde_json::Value,
 ) -> Option<String> {
+    first_difference_as(key, saved, now, ("checkpoint", "this run"))
+}
+
+/// The first place two JSON values differ, as `key: A' A, B' B` with the
+/// names `(A', B')` of what holds each.
+pub(crate) fn first_difference_as(
+    key: &str,
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    names: (&str, &str),
+) -> Option<String> {
     use serde_json::Value;
-    match (saved, now) {
-        (Value::Object(a), Value::Object(b)) => {
-            let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    let (na, nb) = names;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
             keys.sort();
             keys.dedup();
             keys.into_iter().find_map(|k| {
                 let null = Value::Null;
-                first_difference(
+                first_difference_as(
                     &format!("{key}.{k}"),
-                    a.get(k).unwrap_or(&null),
-                    b.get(k).unwrap_or(&null),
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    names,
                 )
             })
         }
-        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => a
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
             .iter()
-            .zip(b)
+            .zip(y)
             .enumerate()
-            .find_map(|(i, (x, y))| first_difference(&format!("{key}[{i}]"), x, y)),
+            .find_map(|(i, (p, q))| first_difference_as(&format!("{key}[{i}]"), p, q, names)),
         // Lists of other lengths (a file added or removed): their lengths
         // and the first entry that differs, not both lists whole (10,000
         // shards would print megabytes).
-        (Value::Array(a), Value::Array(b)) => {
-            let i = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-            let at = |v: &Vec<Value>| v.get(i).map_or("nothing".into(), |x| x.to_string());
+        (Value::Array(x), Value::Array(y)) => {
+            let i = x.iter().zip(y).take_while(|(p, q)| p == q).count();
+            let at = |v: &Vec<Value>| v.get(i).map_or("nothing".into(), |e| e.to_string());
             Some(format!(
-                "{key}: checkpoint {} entries, this run {}; the first difference is at [{i}]: \
-                 checkpoint {}, this run {}",
-                a.len(),
-                b.len(),
-                at(a),
-                at(b)
+                "{key}: {na} {} entries, {nb} {}; the first difference is at [{i}]: {na} {}, \
+                 {nb} {}",
+                x.len(),
+                y.len(),
+                at(x),
+                at(y)
             ))
         }
-        (a, b) if a == b => None,
-        (a, b) => Some(format!("{key}: checkpoint {a}, this run {b}")),
+        (x, y) if x == y => None,
+        (x, y) => Some(format!("{key}: {na} {x}, {nb} {y}")),
     }
 }

@@ -306,6 +306,9 @@ impl Trainer {
     /// rank r of the healer); a group behind, or on its first quorum, loads
     /// it. `None` if a member was lost.
     fn ft_heal(&mut self, q: &Quorum, k: usize) -> Result<Option<usize>> {
+        if self.ft_check_settings(q)?.is_none() {
+            return Ok(None);
+        }
         // Only where some member needs it (behind, or not yet healed): a
         // plain loss leaves the others' state as it is, and the whole state
         // (parameters and every optimizer buffer) is not sent across the
@@ -383,6 +386,54 @@ impl Trainer {
         let bytes: Vec<u8> = head[3..3 + len].iter().map(|&v| v as u8).collect();
         self.scaler = serde_json::from_slice(&bytes).map_err(|e| Error::Check(e.to_string()))?;
         Ok(Some(head[0] as usize))
+    }
+
+    /// After a membership change: every member trains with the same
+    /// settings (see [`shared_settings`]), or the groups new to the quorum
+    /// stop, naming the first key that differs; the others go on without
+    /// them (at the start every group is new: all stop). `None`: a member
+    /// was lost.
+    fn ft_check_settings(&mut self, q: &Quorum) -> Result<Option<()>> {
+        let mine = shared_settings(&self.cfg);
+        let text = mine.to_string();
+        let h = text.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
+        });
+        let ft = self.ft.as_mut().expect("fault tolerance on");
+        let Some(all) = ft.mgr.all_digests(h as i64).map_err(comm)? else {
+            return Ok(None);
+        };
+        if all.iter().all(|&d| d == h as i64) {
+            return Ok(Some(()));
+        }
+        let Some(texts) = ft.mgr.all_texts(&text).map_err(comm)? else {
+            return Ok(None);
+        };
+        let me = ft.mgr.replica_id().to_string();
+        let differ: Vec<String> = texts
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| all[i] != h as i64)
+            .filter_map(|(i, t)| {
+                let theirs: serde_json::Value = serde_json::from_str(t).ok()?;
+                let them = format!("group {}", q.members[i]);
+                // Keys come as `.optim.lr`: without the leading dot.
+                crate::data::resume::first_difference_as("", &mine, &theirs, ("this group", &them))
+                    .map(|d| d.trim_start_matches('.').to_string())
+            })
+            .collect();
+        let said = format!(
+            "replica group {me} does not train with the settings of the quorum's other groups \
+             ({}); every group must train the same model the same way",
+            differ.join("; ")
+        );
+        if q.first {
+            return Err(Error::Check(said));
+        }
+        if self.mesh.world().rank() == 0 {
+            eprintln!("warning: {said}: the groups new to the quorum stop, this one goes on");
+        }
+        Ok(Some(()))
     }
 
     /// `parallel.check_params_every`: after step `done`, every group of
@@ -530,4 +581,41 @@ impl Trainer {
             return Ok(at);
         }
     }
+}
+
+/// The settings every replica group must share: what decides the training
+/// math (the model, the optimizer, batch and steps, precision, the layout
+/// and ZeRO, DiLoCo, the data's seed and order) and how many groups share
+/// the data. Not paths (a group's host may keep the data elsewhere), logs,
+/// checkpoints or evaluation.
+fn shared_settings(cfg: &crate::config::TrainConfig) -> serde_json::Value {
+    let v = serde_json::to_value(cfg).unwrap_or_default();
+    let mut out = serde_json::Map::new();
+    for k in [
+        "model",
+        "train",
+        "optim",
+        "parallel",
+        "zero_optimization",
+        "diloco",
+        "fp16",
+        "bf16",
+    ] {
+        if let Some(x) = v.get(k) {
+            out.insert(k.to_string(), x.clone());
+        }
+    }
+    if let Some(t) = out.get_mut("train").and_then(|t| t.as_object_mut()) {
+        t.remove("eval_interval");
+        t.remove("eval_batches");
+    }
+    out.insert(
+        "data".into(),
+        serde_json::json!({"seed": v["data"]["seed"], "shuffle": v["data"]["shuffle"]}),
+    );
+    out.insert(
+        "fault_tolerance".into(),
+        serde_json::json!({"replicas": v["fault_tolerance"]["replicas"]}),
+    );
+    serde_json::Value::Object(out)
 }
