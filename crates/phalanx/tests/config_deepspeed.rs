@@ -958,10 +958,47 @@ fn settings_without_effect_get_a_note() {
         (&["checkpoint.async=true"], "checkpoint.interval = 0"),
         (&["parallel.pp=4"], "the bubble"),
         (&["parallel.pp_schedule=\"gpipe\""], "with parallel.pp = 1"),
+        (
+            &["parallel.pp=2", "parallel.check_params_every=1"],
+            "no effect under pipeline parallelism",
+        ),
+        (
+            &["parallel.pp=2", "parallel.pp_virtual_stages=4"],
+            "pp_virtual_stages = 4 has no effect with parallel.pp_schedule = 1f1b",
+        ),
+        (
+            &[
+                "parallel.pp=2",
+                "parallel.pp_virtual_stages=4",
+                "parallel.pp_schedule=\"interleaved:3\"",
+            ],
+            "interleaved:3 gives its own chunk count",
+        ),
+        (
+            &[
+                "parallel.pp=4",
+                "parallel.pp_schedule=\"interleaved\"",
+                "train.grad_accum_steps=5",
+            ],
+            "not a multiple of parallel.pp = 4",
+        ),
     ] {
         let n = notes(s);
         assert!(n.contains(want), "{s:?}: {n:?}");
     }
+    // The notes of a pipeline layout name only what applies.
+    let n = notes(&["parallel.pp=2", "parallel.check_params_every=1"]);
+    assert!(!n.contains("ZeRO stage 0"), "{n}");
+    let n = notes(&[
+        "parallel.pp=4",
+        "parallel.pp_schedule=\"interleaved\"",
+        "train.grad_accum_steps=8",
+        "parallel.pp_virtual_stages=3",
+    ]);
+    assert!(
+        !n.contains("not a multiple") && !n.contains("pp_virtual_stages"),
+        "{n}"
+    );
     // Fewer micro-batches than stages, but the count is still to derive.
     let n = notes(&[
         "parallel.pp=2",

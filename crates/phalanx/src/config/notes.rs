@@ -63,9 +63,14 @@ impl TrainConfig {
             && !self.fault_tolerance.enabled()
             && (stage >= 1 || p.pp > 1)
         {
+            let under = if p.pp > 1 {
+                "pipeline parallelism".to_string()
+            } else {
+                format!("ZeRO stage {stage}")
+            };
             n.push(format!(
                 "parallel.check_params_every compares DDP's (and DiLoCo's) replicas; it has no \
-                 effect under ZeRO stage {stage} or pipeline parallelism"
+                 effect under {under}"
             ));
         }
         // fp16 on the wire without fp16's loss scale: gradients below fp16's
@@ -158,6 +163,42 @@ impl TrainConfig {
         let pipeline_keys = p.pp_schedule != defaults.pp_schedule
             || p.pp_virtual_stages != defaults.pp_virtual_stages
             || p.pp_partition != defaults.pp_partition;
+        if p.pp > 1 && p.pp_virtual_stages != defaults.pp_virtual_stages {
+            match p.pp_schedule {
+                super::PpSchedule::Interleaved => {}
+                super::PpSchedule::Kind(super::ScheduleKind::Interleaved { v })
+                    if v != p.pp_virtual_stages =>
+                {
+                    n.push(format!(
+                        "parallel.pp_virtual_stages = {} has no effect: parallel.pp_schedule = \
+                     interleaved:{v} gives its own chunk count",
+                        p.pp_virtual_stages
+                    ))
+                }
+                s => n.push(format!(
+                    "parallel.pp_virtual_stages = {} has no effect with parallel.pp_schedule = \
+                     {s} (it is the chunk count of `interleaved`)",
+                    p.pp_virtual_stages
+                )),
+            }
+        }
+        let v = match p.pp_schedule.kind(p.pp_virtual_stages) {
+            super::ScheduleKind::Interleaved { v } => Some(v),
+            _ => None,
+        };
+        if let (true, Some(v), true) = (p.pp > 1, v, accum_final) {
+            let m = t.grad_accum_steps;
+            if m % p.pp != 0 {
+                n.push(format!(
+                    "parallel.pp_schedule = interleaved:{v} with train.grad_accum_steps = {m} \
+                     micro-batches, not a multiple of parallel.pp = {}: its warm-up grows, so its \
+                     bubble can be no smaller than 1F1B's and it holds more activations \
+                     (Megatron-LM requires a multiple); `phalanx schedule --schedule \
+                     interleaved:{v} --pp {} --micro-batches {m}` shows it",
+                    p.pp, p.pp
+                ));
+            }
+        }
         if p.pp == 1 && pipeline_keys {
             n.push(
                 "parallel.pp_schedule / pp_virtual_stages / pp_partition have no effect with \
