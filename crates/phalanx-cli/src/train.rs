@@ -127,6 +127,10 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             crate::elastic::fail("phalanx train", e);
             return 2;
         }
+        if let Err(e) = check_layout(&cfg) {
+            crate::elastic::fail("phalanx train", e);
+            return 2;
+        }
         return crate::launch::relaunch_self(launch, n);
     }
     // Started by another launcher (torchrun, mpirun, srun): the job's
@@ -157,6 +161,30 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             1
         }
     }
+}
+
+/// The model's shape against the layout, before any rank starts (once, not
+/// from every rank): heads, kv heads and widths by `parallel.tp` (rank 0's
+/// blocks built detached, as the planner does), and the blocks into
+/// `parallel.pp` stages (times the chunks per rank of `interleaved`) as
+/// `parallel.pp_partition` says. Each rank checks again when it builds its
+/// blocks (under another launcher only they do).
+fn check_layout(cfg: &TrainConfig) -> Result<(), String> {
+    let f = family::of(cfg).map_err(|e| e.to_string())?;
+    let tp = cfg.parallel.tp;
+    let blocks = if tp > 1 {
+        f.tp_blocks(cfg, &phalanx::tp::Tp::detached(0, tp))
+    } else {
+        f.blocks(cfg)
+    }
+    .map_err(|e| e.to_string())?;
+    if cfg.parallel.pp > 1 {
+        use phalanx::strategy::pipeline::{partition, strategy::pipeline_config};
+        let pc = pipeline_config(cfg).map_err(|e| e.to_string())?;
+        let chunks = cfg.parallel.pp * pc.schedule.chunks_per_rank();
+        partition::check_split(blocks.len(), chunks, &pc.partition).map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// Every output path (sidecars included), checked before any rank starts

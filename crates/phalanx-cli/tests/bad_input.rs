@@ -283,8 +283,32 @@ fn messages_name_the_file_and_explain_blocks() {
     ];
     args.extend_from_slice(SMALL);
     let (code, _, err) = phalanx(&repo(), &args);
-    assert_ne!(code, 0);
+    // Said once, by the launcher, before any rank starts (each rank used to
+    // say it, exiting 1).
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("n_layer + 2 blocks"), "{err}");
+    assert_eq!(err.matches("n_layer + 2 blocks").count(), 1, "{err}");
+    for (nproc, layout, want) in [
+        (
+            "3",
+            "parallel.tp=3",
+            "is not divisible by the tensor-parallel size 3",
+        ),
+        (
+            "2",
+            "parallel.pp_partition=\"2,3\"",
+            "need 2 non-zero sizes",
+        ),
+    ] {
+        let mut args = vec!["train", "--nproc-per-node", nproc, "--set", layout];
+        if layout.contains("partition") {
+            args.extend_from_slice(&["--set", "parallel.pp=2"]);
+        }
+        args.extend_from_slice(SMALL);
+        let (code, _, err) = phalanx(&repo(), &args);
+        assert_eq!(code, 2, "{layout}: {err}");
+        assert_eq!(err.matches(want).count(), 1, "{layout}: {err}");
+    }
     // A compressed file as the one data.path is refused, not trained on as
     // bytes (as it is among many files), with a tokenizer.json too.
     let gz = d.join("small.txt.gz");

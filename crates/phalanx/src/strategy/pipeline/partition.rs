@@ -49,13 +49,7 @@ impl Partition {
             ))),
             Partition::Costs(c) => balanced(c, chunks),
             Partition::Sizes(s) => {
-                if s.len() != chunks || s.contains(&0) || s.iter().sum::<usize>() != n {
-                    return Err(Error::Check(format!(
-                        "pipeline partition {s:?}: need {chunks} non-zero sizes summing to the \
-                         model's {n} blocks (a block is a pipeline unit: for GPT-2 the embedding, \
-                         each of the n_layer transformer layers, and the head)"
-                    )));
-                }
+                check_sizes(s, chunks, n)?;
                 let mut lo = 0;
                 Ok(s.iter()
                     .map(|k| {
@@ -66,6 +60,37 @@ impl Partition {
             }
         }
     }
+}
+
+/// Whether `n` blocks can be split into `chunks` chunks as `p` says, before
+/// any layout exists (the launcher checks it before starting a rank).
+pub fn check_split(n: usize, chunks: usize, p: &Partition) -> Result<()> {
+    match p {
+        Partition::Sizes(s) => check_sizes(s, chunks, n),
+        _ => check_count(n, chunks),
+    }
+}
+
+fn check_sizes(s: &[usize], chunks: usize, n: usize) -> Result<()> {
+    if s.len() != chunks || s.contains(&0) || s.iter().sum::<usize>() != n {
+        return Err(Error::Check(format!(
+            "pipeline partition {s:?}: need {chunks} non-zero sizes summing to the model's {n} \
+             blocks (a block is a pipeline unit: for GPT-2 the embedding, each of the n_layer \
+             transformer layers, and the head)"
+        )));
+    }
+    Ok(())
+}
+
+fn check_count(n: usize, k: usize) -> Result<()> {
+    if k == 0 || k > n {
+        return Err(Error::Check(format!(
+            "cannot split {n} blocks into {k} pipeline chunks (each needs at least one block; \
+             a block is a pipeline unit: for GPT-2 the embedding, each of the n_layer layers, \
+             and the head, so n_layer + 2 blocks)"
+        )));
+    }
+    Ok(())
 }
 
 /// Per block: the number of parameters it reads (owned + tied).
@@ -84,13 +109,7 @@ pub fn param_costs(layout: &Layout) -> Vec<f64> {
 /// largest chunk sum (the first optimal split found, deterministic).
 pub fn balanced(costs: &[f64], k: usize) -> Result<Vec<Range<usize>>> {
     let n = costs.len();
-    if k == 0 || k > n {
-        return Err(Error::Check(format!(
-            "cannot split {n} blocks into {k} pipeline chunks (each needs at least one block; \
-             a block is a pipeline unit: for GPT-2 the embedding, each of the n_layer layers, \
-             and the head, so n_layer + 2 blocks)"
-        )));
-    }
+    check_count(n, k)?;
     let mut prefix = vec![0.0; n + 1];
     for (i, c) in costs.iter().enumerate() {
         prefix[i + 1] = prefix[i] + c.max(0.0);
