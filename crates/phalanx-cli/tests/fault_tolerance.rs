@@ -220,5 +220,44 @@ fn a_restarted_lighthouse_is_joined_again() {
         "{}",
         a.output()
     );
+    // Meanwhile it went on with the quorum it had.
+    assert!(
+        std::fs::read_to_string(&a.err)
+            .unwrap()
+            .contains("does not answer"),
+        "{}",
+        a.output()
+    );
     assert_eq!(final_digest(&oa), final_digest(&ob));
+}
+
+/// A lighthouse stopped for longer than its heartbeat timeout and then
+/// continued judges the groups' silence from when it runs again: none is
+/// dropped (its clock used to count its own pause against them), and both
+/// groups commit every step once, together at the end.
+#[test]
+fn a_lighthouse_paused_past_its_heartbeat_timeout_drops_no_group() {
+    let d = fresh_dir("phalanx-ft", "lh-pause");
+    let (lh, addr) = lighthouse(&d, "1");
+    let steps = ["--steps", "160"];
+    let mut a = group(&d, "a", &addr, &steps);
+    let mut b = group(&d, "b", &addr, &steps);
+    b.wait_for("committed by 2 group(s)");
+    a.wait_for("step 30 committed");
+    lh.signal(libc::SIGSTOP);
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    lh.signal(libc::SIGCONT);
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(b.wait(), 0, "{}", b.output());
+    for p in [&a, &b] {
+        let o = p.stdout();
+        let steps: Vec<u64> = committed(&o).iter().map(|c| c.0).collect();
+        assert_eq!(steps, (1..=160).collect::<Vec<_>>(), "{o}");
+        assert!(
+            !p.output().contains("dropped from the quorum"),
+            "{}",
+            p.output()
+        );
+    }
+    assert!(lh.output().contains("was it stopped?"), "{}", lh.output());
 }

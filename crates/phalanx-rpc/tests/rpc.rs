@@ -307,8 +307,15 @@ fn remote_references_live_until_the_last_holder_drops() {
             // A function that is not there, or of other types: said at
             // once (by `remote`, or by the reference's first use), not
             // after the timeout.
-            for (func, what) in [("typo", "no function `typo`"), ("add", "type mismatch")] {
-                let e = match rpc.remote::<_, i64>("w2", func, &1i64) {
+            // (Also to itself; the values' entries are freed either way,
+            // checked at the end.)
+            let cases = [
+                ("w2", "typo", "no function `typo`"),
+                ("w2", "add", "type mismatch"),
+                ("w0", "typo", "no function `typo`"),
+            ];
+            for (to, func, what) in cases {
+                let e = match rpc.remote::<_, i64>(to, func, &1i64) {
                     Err(e) => e,
                     Ok(r) => r.to_here().unwrap_err(),
                 };
@@ -438,6 +445,11 @@ fn rank_init_rpc_across_hosts_without_a_secret() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("PHALANX_SECRET is not set"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("init_rpc(rank 1, world 2) without a launcher"),
+        "{e}"
+    );
 }
 
 #[test]

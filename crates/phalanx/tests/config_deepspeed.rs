@@ -999,6 +999,15 @@ fn settings_without_effect_get_a_note() {
         !n.contains("not a multiple") && !n.contains("pp_virtual_stages"),
         "{n}"
     );
+    let n = notes(&[
+        "parallel.pp=2",
+        "parallel.pp_schedule=\"interleaved:4\"",
+        "parallel.pp_virtual_stages=4",
+    ]);
+    assert!(
+        !n.contains("pp_virtual_stages"),
+        "a consistent setting: {n}"
+    );
     // Fewer micro-batches than stages, but the count is still to derive.
     let n = notes(&[
         "parallel.pp=2",

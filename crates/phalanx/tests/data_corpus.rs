@@ -790,3 +790,45 @@ fn a_checkpoint_that_read_json_as_plain_text_is_not_resumed_silently() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// One text file encoded with a `tokenizer.json` (held in memory) records
+/// the file, its content and the tokenizer's digest; a checkpoint from
+/// before (null for the file and content, no tokenizer digest) still
+/// resumes, and another tokenizer is refused by name.
+#[test]
+fn an_encoded_text_file_is_fingerprinted_and_old_checkpoints_resume() {
+    use phalanx::data::{LoaderConfig, TokenData};
+    let dir = temp_dir("encoded");
+    let p = dir.join("text.txt");
+    std::fs::write(&p, "some text ".repeat(100)).unwrap();
+    let load = |tok: &str| {
+        let data = TokenData::encoded_from((0..200).collect(), &p, Some(tok.to_string()));
+        let cfg = LoaderConfig {
+            seq_len: 4,
+            ..Default::default()
+        };
+        DataLoader::new(data, cfg).unwrap()
+    };
+    let l = load("aaaa");
+    let state = l.state_at(3, 4).unwrap();
+    let f = &state.fingerprint;
+    assert_eq!(f["file"], "text.txt");
+    assert!(
+        f["content"].is_string() && f["tokenizer_content"] == "aaaa",
+        "{f}"
+    );
+    load("aaaa").resume_at(3, 12, Some(&state)).unwrap();
+    let e = load("bbbb")
+        .resume_at(3, 12, Some(&state))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.tokenizer_content"), "{e}");
+    // As a checkpoint of an earlier version wrote it.
+    let mut old = state.clone();
+    let o = old.fingerprint.as_object_mut().unwrap();
+    o.remove("tokenizer_content");
+    o.insert("file".into(), serde_json::Value::Null);
+    o.insert("content".into(), serde_json::Value::Null);
+    load("aaaa").resume_at(3, 12, Some(&old)).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -146,6 +146,8 @@ struct Quorums {
     /// Slots skipped so: read again every tick, in case the write was
     /// only late.
     skipped: std::collections::BTreeSet<u64>,
+    /// When the last tick ran.
+    last_tick: Option<Instant>,
     /// Members reported absent (`id@inc`), with the last epoch they were
     /// and their progress then (`ft/progress/{id}`).
     absent: BTreeMap<String, (u64, Option<Vec<u8>>)>,
@@ -165,12 +167,26 @@ impl Quorums {
             slot_since: None,
             skipped: Default::default(),
             absent: BTreeMap::new(),
+            last_tick: None,
             status: String::new(),
         }
     }
 
     fn tick(&mut self, store: &StoreClient) -> Result<()> {
         let now = Instant::now();
+        // Ticks come every 20 ms: a gap of half the heartbeat timeout means
+        // the lighthouse itself was stopped (SIGSTOP, a debugger, a host
+        // that froze), not the groups; their silence is counted from now.
+        if let Some(last) = self.last_tick.replace(now) {
+            if now - last > self.opts.heartbeat_timeout / 2 {
+                eprintln!(
+                    "phalanx lighthouse: {:.1?} since the last look (was it stopped?): the \
+                     groups' heartbeats are judged from now",
+                    now - last
+                );
+                self.candidates.values_mut().for_each(|c| c.moved = now);
+            }
+        }
         let joins = store.add(&key("joins"), 0)? as u64;
         while self.joins_seen < joins {
             let j = self.joins_seen;
@@ -297,6 +313,12 @@ impl Quorums {
         }
         for (id, inc) in reported {
             let name = format!("{id}@{inc}");
+            // Reported again within this epoch (every tick while it is
+            // suspect): the progress stays the one first seen in it, so
+            // that a step as long as the epochs between is kept.
+            if self.absent.get(&name).is_some_and(|(at, _)| *at == e) {
+                continue;
+            }
             let progress = store.try_get(&key(&format!("progress/{id}")))?;
             let before = self.absent.insert(name.clone(), (e, progress.clone()));
             let current = self.candidates.get(&id).is_some_and(|c| c.inc == inc);

@@ -23,7 +23,7 @@ use crate::store::StoreClient;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A group's fault-tolerance settings.
 #[derive(Debug, Clone)]
@@ -111,6 +111,9 @@ pub struct Manager {
     formed: u64,
     /// Bytes sent by the process groups of earlier epochs.
     sent_before: u64,
+    /// Since when the lighthouse has not answered (the first rank, going
+    /// on with its quorum meanwhile).
+    lost_since: Option<Instant>,
     /// Whether this incarnation has taken part in a heal that completed
     /// ([`Manager::mark_healed`]): until then its quorums are `first`.
     healed: bool,
@@ -205,6 +208,9 @@ impl Manager {
                             // a member that others find absent from a
                             // quorum while it works (DiLoCo's inner steps).
                             let p = p2.load(Ordering::Relaxed);
+                            if s2.load(Ordering::SeqCst) {
+                                break;
+                            }
                             if p != said && hb.set(&progress_key, p.to_string().as_bytes()).is_ok()
                             {
                                 said = p;
@@ -238,6 +244,7 @@ impl Manager {
             poll: None,
             formed: 0,
             sent_before: 0,
+            lost_since: None,
             healed: false,
         })
     }
@@ -658,8 +665,9 @@ impl Drop for Manager {
         if let Some(pg) = self.take_pg() {
             pg.shutdown();
         }
-        if let Some(t) = self.beat.take() {
-            let _ = t.join();
-        }
+        // The heartbeat thread sees the stop flag after its current beat;
+        // not waited for: a beat to a lighthouse that does not answer may
+        // take seconds, and holds nothing of this group's.
+        drop(self.beat.take());
     }
 }

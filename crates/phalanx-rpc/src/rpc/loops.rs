@@ -91,6 +91,8 @@ pub(crate) fn read_loop(w: Weak<Agent>, pg: ProcessGroup, peer: usize) {
                 Ok(b) => blobs.push(b.into_words()),
                 Err(e) => {
                     a.peer_gone(peer, e);
+                    // The calls received before still run.
+                    backlog.drain(..).for_each(|job| a.queue_job_waiting(job));
                     return;
                 }
             }

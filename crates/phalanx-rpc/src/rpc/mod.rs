@@ -140,11 +140,20 @@ pub fn init_rpc_with(
         // size is decided for this one (a job that may span hosts needs
         // PHALANX_SECRET, said here, not after the store's wait).
         let n = |v: usize| Some(v.to_string());
+        // (Read as torchrun's variables: the messages name init_rpc.)
+        let me = format!("init_rpc(rank {rank}, world {world}) without a launcher");
         env = phalanx_comm::DistEnv::from_vars(|k| match k {
             "RANK" | "LOCAL_RANK" => n(rank),
             "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => n(world),
             _ => std::env::var(k).ok(),
+        })
+        .map_err(|e| match e {
+            phalanx_comm::CommError::Invalid(m) => {
+                phalanx_comm::CommError::Invalid(m.replacen("torchrun", &me, 1))
+            }
+            e => e,
         })?;
+        env.source = "init_rpc";
     }
     let pg = phalanx_comm::init::init_with(&env, phalanx_comm::Config::from_env())?;
     Rpc::start(&pg, name, reg, opts)
@@ -277,6 +286,10 @@ impl Rpc {
         // A call that could not even be sent is reported now (the value
         // will never exist); the function's own outcome comes with the value.
         let fut = RpcFuture::<()>::new(slot, self.weak(), to, func, t);
+        // Made first: the owner counted this reference when the call
+        // arrived, and a reference dropped on an error below gives the
+        // count back (the owner frees its entry).
+        let r = RRef::new(to, id, self.weak());
         if fut.is_ready() {
             if let Err(
                 e @ (RpcError::WorkerDead { .. }
@@ -287,10 +300,11 @@ impl Rpc {
                 | RpcError::Codec(_)),
             ) = fut.wait()
             {
+                drop(r);
                 return Err(e);
             }
         }
-        Ok(RRef::new(to, id, self.weak()))
+        Ok(r)
     }
 
     /// Values this worker owns for `RRef`s (for tests and monitoring).

@@ -166,15 +166,14 @@ impl TrainConfig {
         if p.pp > 1 && p.pp_virtual_stages != defaults.pp_virtual_stages {
             match p.pp_schedule {
                 super::PpSchedule::Interleaved => {}
+                // interleaved:V with V = pp_virtual_stages: consistent.
                 super::PpSchedule::Kind(super::ScheduleKind::Interleaved { v })
-                    if v != p.pp_virtual_stages =>
-                {
-                    n.push(format!(
-                        "parallel.pp_virtual_stages = {} has no effect: parallel.pp_schedule = \
+                    if v == p.pp_virtual_stages => {}
+                super::PpSchedule::Kind(super::ScheduleKind::Interleaved { v }) => n.push(format!(
+                    "parallel.pp_virtual_stages = {} has no effect: parallel.pp_schedule = \
                      interleaved:{v} gives its own chunk count",
-                        p.pp_virtual_stages
-                    ))
-                }
+                    p.pp_virtual_stages
+                )),
                 s => n.push(format!(
                     "parallel.pp_virtual_stages = {} has no effect with parallel.pp_schedule = \
                      {s} (it is the chunk count of `interleaved`)",

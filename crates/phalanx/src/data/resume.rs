@@ -121,6 +121,19 @@ impl DataLoader {
                 // record, which changes no sample before the position (a
                 // run under `error` stops at the first, before any sample
                 // needs it).
+                // A text file encoded with a tokenizer.json was held in
+                // memory without its path before its tokenizer's digest was
+                // recorded: such a checkpoint has null for the file and its
+                // content, which are not known, not another file.
+                if n.contains_key("tokenizer_content")
+                    && !saved.contains_key("tokenizer_content")
+                    && saved.get("file").is_some_and(|f| f.is_null())
+                {
+                    for k in ["file", "content"] {
+                        saved.remove(k);
+                        n.remove(k);
+                    }
+                }
                 // Except the keys in `LATER_KEYS`, whose old value is known.
                 for (key, old) in LATER_KEYS {
                     if n.contains_key(*key) && !saved.contains_key(*key) {

@@ -389,49 +389,62 @@ impl Trainer {
     }
 
     /// After a membership change: every member trains with the same
-    /// settings (see [`shared_settings`]), or the groups new to the quorum
-    /// stop, naming the first key that differs; the others go on without
-    /// them (at the start every group is new: all stop). `None`: a member
-    /// was lost.
+    /// settings (see [`shared_settings`]). The reference is the members
+    /// that were in the quorum before (their settings passed then), or,
+    /// when every member is new (the start), the healer. A new group that
+    /// differs from it stops, naming the first key that differs; the others
+    /// go on without it. `None`: a member was lost.
     fn ft_check_settings(&mut self, q: &Quorum) -> Result<Option<()>> {
         let mine = shared_settings(&self.cfg);
         let text = mine.to_string();
         let h = text.bytes().fold(0xcbf29ce484222325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
-        });
+        }) as i64;
         let ft = self.ft.as_mut().expect("fault tolerance on");
-        let Some(all) = ft.mgr.all_digests(h as i64).map_err(comm)? else {
+        let Some(all) = ft.mgr.all_digests(h).map_err(comm)? else {
             return Ok(None);
         };
-        if all.iter().all(|&d| d == h as i64) {
+        if all.iter().all(|&d| d == h) {
             return Ok(Some(()));
         }
+        // Every rank of every group takes this path (the digests are the
+        // same everywhere), so the collectives below match.
+        let Some(firsts) = ft.mgr.all_digests(i64::from(q.first)).map_err(comm)? else {
+            return Ok(None);
+        };
         let Some(texts) = ft.mgr.all_texts(&text).map_err(comm)? else {
             return Ok(None);
         };
+        let r = (0..all.len()).find(|&i| firsts[i] == 0).unwrap_or(q.healer);
+        let differ = |i: usize| -> String {
+            let theirs: serde_json::Value = serde_json::from_str(&texts[i]).unwrap_or_default();
+            let reference: serde_json::Value = serde_json::from_str(&texts[r]).unwrap_or_default();
+            let names = (
+                format!("group {}", q.members[i]),
+                format!("group {}", q.members[r]),
+            );
+            // Keys come as `.optim.lr`: without the leading dot.
+            crate::data::resume::first_difference_as("", &theirs, &reference, (&names.0, &names.1))
+                .map(|d| d.trim_start_matches('.').to_string())
+                .unwrap_or_default()
+        };
         let me = ft.mgr.replica_id().to_string();
-        let differ: Vec<String> = texts
-            .iter()
-            .enumerate()
-            .filter(|&(i, _)| all[i] != h as i64)
-            .filter_map(|(i, t)| {
-                let theirs: serde_json::Value = serde_json::from_str(t).ok()?;
-                let them = format!("group {}", q.members[i]);
-                // Keys come as `.optim.lr`: without the leading dot.
-                crate::data::resume::first_difference_as("", &mine, &theirs, ("this group", &them))
-                    .map(|d| d.trim_start_matches('.').to_string())
-            })
-            .collect();
-        let said = format!(
-            "replica group {me} does not train with the settings of the quorum's other groups \
-             ({}); every group must train the same model the same way",
-            differ.join("; ")
-        );
-        if q.first {
-            return Err(Error::Check(said));
+        if q.first && h != all[r] {
+            return Err(Error::Check(format!(
+                "replica group {me} does not train with the settings of the quorum ({}); every \
+                 group must train the same model the same way",
+                differ(q.rank)
+            )));
         }
         if self.mesh.world().rank() == 0 {
-            eprintln!("warning: {said}: the groups new to the quorum stop, this one goes on");
+            for i in (0..all.len()).filter(|&i| all[i] != all[r]) {
+                eprintln!(
+                    "warning: replica group {} (new to the quorum) trains with other settings \
+                     ({}): it stops, and replica group {me} goes on without it",
+                    q.members[i],
+                    differ(i)
+                );
+            }
         }
         Ok(Some(()))
     }
@@ -617,5 +630,14 @@ fn shared_settings(cfg: &crate::config::TrainConfig) -> serde_json::Value {
         "fault_tolerance".into(),
         serde_json::json!({"replicas": v["fault_tolerance"]["replicas"]}),
     );
-    serde_json::Value::Object(out)
+    // Where a group keeps its files (an NVMe offload directory) is its own.
+    fn no_paths(v: &mut serde_json::Value) {
+        if let Some(o) = v.as_object_mut() {
+            o.retain(|k, _| !(k.contains("path") || k.ends_with("dir")));
+            o.values_mut().for_each(no_paths);
+        }
+    }
+    let mut out = serde_json::Value::Object(out);
+    no_paths(&mut out);
+    out
 }

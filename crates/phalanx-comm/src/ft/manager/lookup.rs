@@ -40,21 +40,27 @@ impl Manager {
     /// epoch to connect (waiting up to the quorum timeout for one that
     /// holds this incarnation). Requests to the lighthouse that fail are
     /// tried again until then (the client reconnects): a lighthouse
-    /// restarted meanwhile is joined again.
+    /// restarted meanwhile is joined again. A group connected to a quorum
+    /// goes on with it while the lighthouse does not answer, for up to the
+    /// quorum timeout from the first failed request.
     pub(super) fn decide(&mut self, step: u64) -> Result<Option<u64>> {
         let mut step_set = false;
         if let Some(h) = self.check.take() {
             let checked = h
                 .join()
                 .map_err(|_| CommError::Io("the quorum check panicked".into()))?;
-            // A check that failed (the lighthouse unreachable) is looked
-            // at again below.
-            if let Ok((client, e, gen)) = checked {
-                self.poll = Some(client);
-                step_set = true;
-                if self.unchanged(e, &gen) {
-                    return Ok(None);
+            match checked {
+                Ok((client, e, gen)) => {
+                    self.poll = Some(client);
+                    self.lost_since = None;
+                    step_set = true;
+                    if self.unchanged(e, &gen) {
+                        return Ok(None);
+                    }
                 }
+                Err(e) if self.connected() => return self.carry_on(e),
+                // Looked at again below.
+                Err(_) => {}
             }
         }
         let deadline = Instant::now() + self.opts.quorum_timeout;
@@ -64,8 +70,12 @@ impl Manager {
                 Ok(Look::Unchanged) => return Ok(None),
                 Ok(Look::Epoch(e)) => return Ok(Some(e)),
                 Ok(Look::Wait) => None,
+                Err(e) if first && self.connected() => return self.carry_on(e),
                 Err(e) => Some(e),
             };
+            if lost.is_none() {
+                self.lost_since = None;
+            }
             first = false;
             if Instant::now() >= deadline {
                 return Err(match lost {
@@ -81,6 +91,33 @@ impl Manager {
             let pause = if lost.is_some() { 100 } else { 10 };
             std::thread::sleep(Duration::from_millis(pause));
         }
+    }
+
+    /// Whether this group holds a quorum and its links.
+    fn connected(&self) -> bool {
+        self.pg.is_some() && self.quorum.is_some()
+    }
+
+    /// The lighthouse did not answer (`e`) while this group holds a quorum:
+    /// go on with it (the quorum unchanged) for up to the quorum timeout
+    /// from the first such failure, saying so once; then fail.
+    fn carry_on(&mut self, e: CommError) -> Result<Option<u64>> {
+        let now = Instant::now();
+        let since = match self.lost_since {
+            Some(t) => t,
+            None => {
+                eprintln!(
+                    "replica group {}: the lighthouse at {} does not answer ({e}); going on with \
+                     the current quorum for up to {:?} (fault_tolerance.quorum_timeout)",
+                    self.id, self.addr, self.opts.quorum_timeout
+                );
+                *self.lost_since.insert(now)
+            }
+        };
+        if now - since < self.opts.quorum_timeout {
+            return Ok(None);
+        }
+        Err(self.lighthouse_lost(e))
     }
 
     /// Whether epoch `e` of the lighthouse `gen` is the quorum this group
@@ -152,6 +189,9 @@ impl Manager {
         self.inc = inc as u64;
         self.generation = gen;
         self.epoch = 0;
+        // The quorum of the old lighthouse is no quorum of this one (whose
+        // epochs count from 0 again: its epoch 1 is another).
+        self.quorum = None;
         // Epochs of the new lighthouse without this group are no drop.
         self.formed = 0;
         Ok(())
