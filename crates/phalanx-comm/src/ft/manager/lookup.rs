@@ -78,15 +78,7 @@ impl Manager {
             }
             first = false;
             if Instant::now() >= deadline {
-                return Err(match lost {
-                    Some(e) => self.lighthouse_lost(e),
-                    None => CommError::Timeout(format!(
-                        "replica group {}: no quorum within {:?}: {}",
-                        self.id,
-                        self.opts.quorum_timeout,
-                        self.status()
-                    )),
-                });
+                return Err(self.gave_up("no quorum", lost));
             }
             let pause = if lost.is_some() { 100 } else { 10 };
             std::thread::sleep(Duration::from_millis(pause));
@@ -197,6 +189,20 @@ impl Manager {
         Ok(())
     }
 
+    /// The error of a wait for `what` that ran out its quorum timeout: the
+    /// lighthouse unreachable (`lost`, its last failure), or no quorum.
+    fn gave_up(&self, what: &str, lost: Option<CommError>) -> CommError {
+        match lost {
+            Some(e) => self.lighthouse_lost(e),
+            None => CommError::Timeout(format!(
+                "replica group {}: {what} within {:?}: {}",
+                self.id,
+                self.opts.quorum_timeout,
+                self.status()
+            )),
+        }
+    }
+
     /// The error of a lighthouse unreachable for the whole quorum timeout.
     fn lighthouse_lost(&self, e: CommError) -> CommError {
         CommError::Io(format!(
@@ -300,15 +306,7 @@ impl Manager {
                 Err(e) => Some(e),
             };
             if Instant::now() >= deadline {
-                return Err(match lost {
-                    Some(e) => self.lighthouse_lost(e),
-                    None => CommError::Timeout(format!(
-                        "replica group {}: no new quorum within {:?}: {}",
-                        self.id,
-                        self.opts.quorum_timeout,
-                        self.status()
-                    )),
-                });
+                return Err(self.gave_up("no new quorum", lost));
             }
             std::thread::sleep(Duration::from_millis(10));
         }
