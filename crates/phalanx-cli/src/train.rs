@@ -466,6 +466,13 @@ fn as_rank(
         if let Some((_, v)) = report.val_losses.last() {
             print!(", val loss {v:.4}");
         }
+        if report.skipped > 0 {
+            print!(
+                "; {} of {} steps skipped (inf/NaN gradients)",
+                report.skipped,
+                report.losses.len()
+            );
+        }
         println!();
     }
     match (lead, &opts.save_final, report.stopped_at) {

@@ -41,7 +41,14 @@ fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("skipped: inf/NaN gradients"), "{stdout}");
+    assert!(
+        stdout.contains("skipped: inf/NaN gradients, scale lowered to 8388608"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("steps skipped (inf/NaN gradients)"),
+        "{stdout}"
+    );
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()
@@ -73,4 +80,86 @@ fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {
     );
     assert!(l1.is_finite() && l1 < l0, "loss {l0} -> {l1}");
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Hysteresis keeps the scale at the first overflow (and the progress line
+/// says so, not "lowered"); a scale stuck at fp16.min_loss_scale ends the
+/// run after 3 overflows there, and the JSON log holds the third (it used
+/// to end before that step was logged).
+#[test]
+fn hysteresis_keeps_the_scale_and_the_step_at_the_floor_is_logged() {
+    let d = phalanx::fsutil::ScratchDir::new("phalanx", "test-fp16-floor");
+    let log = d.join("log.jsonl");
+    let mut cmd = Command::new(BIN);
+    cmd.args(["train", "--nproc-per-node", "1", "--log-json"])
+        .arg(&log)
+        .current_dir(repo())
+        .env_remove("RANK");
+    for s in [
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "train.micro_batch_size=4",
+        "train.steps=12",
+        "train.eval_interval=0",
+        "log.plot=\"\"",
+        "log.interval=1",
+        "train.precision=fp16",
+        "fp16.initial_scale_power=30",
+        "fp16.hysteresis=2",
+        "fp16.min_loss_scale=268435456",
+    ] {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("3 steps in a row were skipped at it"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("scale kept (fp16.hysteresis)"), "{stdout}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The first overflow keeps 2^30 (hysteresis 2), then halving reaches
+    // the floor 2^28; every step overflows.
+    assert_eq!(lines[0]["loss_scale"], 1073741824.0);
+    assert_eq!(lines[1]["loss_scale"], 1073741824.0);
+    let at_floor = lines
+        .iter()
+        .filter(|v| v["skipped"] == true && v["loss_scale"] == 268435456.0)
+        .count();
+    assert_eq!(at_floor, 3, "the step that ended the run is logged");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A compression hook with one data-parallel rank reduces nothing: said.
+#[test]
+fn a_hook_with_one_data_parallel_rank_is_noted() {
+    let out = Command::new(BIN)
+        .args(["train", "--nproc-per-node", "1"])
+        .args([
+            "--set",
+            "parallel.comm_hook=\"int8\"",
+            "--set",
+            "train.steps=1",
+        ])
+        .args(["--set", "model.n_layer=1", "--set", "log.plot=\"\""])
+        .current_dir(repo())
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("parallel.comm_hook = \"int8\": the data-parallel group has one rank"),
+        "{err}"
+    );
 }

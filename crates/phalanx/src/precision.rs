@@ -237,7 +237,8 @@ impl LossScaler {
     /// and every step would be skipped, silently, from then on. Static
     /// scales and bf16 / fp32 never fail here.
     /// (A message, not [`crate::error::Error`]: this module sits below
-    /// the error layer; `optim::step::agree_and_clip` wraps it.)
+    /// the error layer. The trainer calls it after each step is logged, so
+    /// the log holds the step that ended the run.)
     pub fn check_floor(&self) -> Result<(), String> {
         match &self.dynamic {
             Some(d) if d.floor_overflows >= FLOOR_OVERFLOWS => Err(format!(

@@ -959,6 +959,10 @@ fn settings_without_effect_get_a_note() {
         (&["parallel.pp=4"], "the bubble"),
         (&["parallel.pp_schedule=\"gpipe\""], "with parallel.pp = 1"),
         (
+            &["train.precision=\"bf16\"", "fp16.loss_scale=128"],
+            "fp16.* (loss scaling) has no effect in bf16 training",
+        ),
+        (
             &["parallel.pp=2", "parallel.check_params_every=1"],
             "no effect under pipeline parallelism",
         ),

@@ -76,6 +76,17 @@ impl TrainConfig {
         // fp16 on the wire without fp16's loss scale: gradients below fp16's
         // smallest subnormal (6e-8) arrive as zeros, and bf16 would keep
         // fp32's range at the same size.
+        // Loss scaling is fp16's: its keys set for bf16 or fp32 compute.
+        let fp16_default = super::Fp16Section {
+            enabled: self.fp16.enabled,
+            ..Default::default()
+        };
+        if self.precision() != super::Precision::Fp16 && self.fp16 != fp16_default {
+            n.push(format!(
+                "fp16.* (loss scaling) has no effect in {} training: it scales fp16's gradients",
+                self.precision()
+            ));
+        }
         let fp16_wire =
             t.reduce_dtype == super::Precision::Fp16 || p.comm_hook == super::CommHookKind::Fp16;
         if fp16_wire && self.precision() != super::Precision::Fp16 {

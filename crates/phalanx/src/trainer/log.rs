@@ -262,8 +262,10 @@ impl StepLog {
             }
             if s.skipped {
                 line += " | skipped: inf/NaN gradients";
-                if s.loss_scale != 1.0 {
-                    line += ", scale lowered";
+                if s.scale_after < s.loss_scale {
+                    line += &format!(", scale lowered to {}", s.scale_after);
+                } else if s.loss_scale != 1.0 {
+                    line += ", scale kept (fp16.hysteresis)";
                 }
             }
             println!("{line}");

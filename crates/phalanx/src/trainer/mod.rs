@@ -55,6 +55,9 @@ pub struct StepStats {
     pub comm_bytes_total: Option<u64>,
     /// The loss scale the step ran with (1 unless fp16).
     pub loss_scale: f64,
+    /// The loss scale after the step's update: after an overflow, halved,
+    /// or kept while fp16.hysteresis holds it.
+    pub scale_after: f64,
     /// A non-finite gradient on some rank skipped the update (fp16, or
     /// `train.on_nonfinite = skip`).
     pub skipped: bool,
@@ -100,6 +103,9 @@ pub struct Report {
     /// The step count at which a graceful stop ([`RunOptions::stop`]) ended
     /// the run early.
     pub stopped_at: Option<usize>,
+    /// Steps whose update was skipped (inf/NaN gradients: fp16 overflows,
+    /// or `train.on_nonfinite = "skip"`).
+    pub skipped: usize,
 }
 
 pub struct Trainer {
@@ -252,6 +258,13 @@ impl Trainer {
             } else if lead {
                 eprintln!("note: activation_checkpointing.partition_activations splits checkpoints over tensor-parallel ranks; with parallel.tp = 1 it has no effect");
             }
+        }
+        let hook = cfg.parallel.comm_hook;
+        let topk = hook == crate::config::CommHookKind::Topk;
+        let topk_noted = topk && cfg.topk_freeze_after().is_some();
+        if lead && hook != crate::config::CommHookKind::None && !topk_noted && mesh.dp().size() == 1
+        {
+            eprintln!("note: parallel.comm_hook = \"{hook}\": the data-parallel group has one rank, so no gradient is reduced or compressed; the hook has no effect");
         }
         if lead && cfg.topk_freeze_after().is_some() && mesh.dp().size() == 1 {
             eprintln!("note: parallel.comm_hook = \"topk\": the data-parallel group has one rank, so no gradient is reduced or compressed; AdamW runs as without the hook (parallel.topk_freeze_variance has no effect)");
@@ -488,6 +501,7 @@ impl Trainer {
             comm_bytes,
             comm_bytes_total: None,
             loss_scale: out.loss_scale,
+            scale_after: self.scaler.scale(),
             skipped: out.skipped,
             compute_ms: (secs - blocked).max(0.0) * 1e3,
             mfu: None,

@@ -159,6 +159,13 @@ impl Trainer {
                 print_memory(m);
             }
             log.step(&s, val, mem, &health)?;
+            report.skipped += usize::from(s.skipped);
+            // A dynamic fp16 scale stuck at its minimum while the gradients
+            // keep overflowing is an error, not a run that silently skips
+            // every step; said after the step is logged, so the log holds
+            // the step that ended it (every rank has the same verdict and
+            // scaler: all end here).
+            self.scaler.check_floor().map_err(crate::Error::Check)?;
             if every > 0 && ((k + 1).is_multiple_of(every) || k + 1 == steps) {
                 let t0 = Instant::now();
                 let done = self.save_checkpoint(k + 1)?;
