@@ -54,6 +54,15 @@ struct Worker {
 /// Whether this process was started as a rank of a job (by `phalanx run`,
 /// torchrun, mpirun or srun).
 pub fn in_job() -> bool {
+    // Kubeflow's PyTorchJob with nprocPerNode gives each pod RANK (its
+    // index) and WORLD_SIZE (every process of the job) beside torchrun's
+    // PET_* flags: the pod's command is the per-node launcher, as torchrun
+    // would be there, not a rank (its workers, ours or torchrun's, have
+    // LOCAL_RANK).
+    let set = |k: &str| std::env::var_os(k).is_some_and(|v| !v.is_empty());
+    if set("PET_NPROC_PER_NODE") && !set("LOCAL_RANK") {
+        return false;
+    }
     // A launcher's whole scheme (a rank and a world size), as
     // `DistEnv::from_env` reads it: a lone `SLURM_PROCID` (an sbatch or
     // salloc shell) is no job of ranks. Malformed values count as a job, so
@@ -275,6 +284,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             nnodes,
             run_id: attempt.to_string(),
             restart: attempt,
+            failure_restarts: attempt,
             elastic: false,
             job_id: job_id.clone(),
         };
@@ -354,8 +364,13 @@ pub(crate) struct JobEnv<'a> {
     pub nnodes: usize,
     /// Namespace of the workers' store keys (`PHALANX_RUN_ID`).
     pub run_id: String,
-    /// Which attempt of the job this is (0 first): > 0 resumes.
+    /// Which attempt of the job this is (0 first): > 0 resumes. An elastic
+    /// job's round (membership changes count).
     pub restart: usize,
+    /// Restarts after failures so far, torchrun's
+    /// `TORCHELASTIC_RESTART_COUNT` (max_restarts − remaining_restarts):
+    /// never above `--max-restarts`.
+    pub failure_restarts: usize,
     /// An elastic job: the workers keep a resumed checkpoint's global batch.
     pub elastic: bool,
     /// `PHALANX_JOB_ID` for the workers (see [`agreed_job_id`]).
@@ -444,7 +459,10 @@ pub(crate) fn run_group(
             // Which attempt this is (0 first): a restarted trainer resumes
             // from its latest checkpoint. torchrun's names too.
             .env("PHALANX_RESTART_COUNT", env.restart.to_string())
-            .env("TORCHELASTIC_RESTART_COUNT", env.restart.to_string())
+            .env(
+                "TORCHELASTIC_RESTART_COUNT",
+                env.failure_restarts.to_string(),
+            )
             .env("TORCHELASTIC_MAX_RESTARTS", o.max_restarts.to_string())
             // torchrun's role names (one role, "default").
             .env("ROLE_NAME", "default")

@@ -32,9 +32,10 @@ pub struct LaunchOpts {
     #[arg(long = "master-port", alias = "master_port")]
     pub master_port: Option<u16>,
     /// Restart the whole group up to K times after a failure; workers of a
-    /// restarted group get PHALANX_RESTART_COUNT (and torchrun's
-    /// TORCHELASTIC_RESTART_COUNT) = the attempt number, and `phalanx train`
-    /// resumes from its latest checkpoint.
+    /// restarted group get PHALANX_RESTART_COUNT = the attempt number (an
+    /// elastic job's round) and torchrun's TORCHELASTIC_RESTART_COUNT = the
+    /// failure restarts so far, and `phalanx train` resumes from its latest
+    /// checkpoint.
     #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: usize,
     /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)

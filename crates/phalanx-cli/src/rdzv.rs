@@ -644,6 +644,9 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             nnodes: round.nodes,
             run_id: format!("{}/r{}", rd.id, round.r),
             restart: round.r as usize,
+            // Rounds also change for membership; torchrun's count is of
+            // failures only.
+            failure_restarts: rd.count(&rd.key("failures"), 0)? as usize,
             elastic: true,
             job_id: job_id.clone(),
         };

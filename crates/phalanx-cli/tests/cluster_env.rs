@@ -73,6 +73,48 @@ fn a_pytorchjobs_variables_start_a_two_rank_job() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A PyTorchJob with `nprocPerNode: 2` over 2 pods: the operator gives
+/// each pod RANK = its index and WORLD_SIZE = 4 beside torchrun's PET_*
+/// flags, and the pod's command launches its 2 ranks as torchrun would
+/// (it took itself for one rank of 4 and waited for ranks that never came).
+#[test]
+fn a_pytorchjob_with_nproc_per_node_launches_each_pods_ranks() {
+    let d = fresh_dir("phalanx-cluster-env", "k8s-nproc");
+    let log = d.join("log.jsonl");
+    let port = free_port_from(31500);
+    let pods: Vec<_> = (0..2)
+        .map(|pod| {
+            let mut c = Command::new(BIN);
+            c.current_dir(repo()).arg("train").args(train_args(&log, 2));
+            for v in LAUNCHER_VARS {
+                c.env_remove(v);
+            }
+            c.envs([
+                kv("MASTER_ADDR", "127.0.0.1"),
+                kv("MASTER_PORT", port),
+                kv("WORLD_SIZE", 4),
+                kv("RANK", pod),
+                kv("PET_NPROC_PER_NODE", 2),
+                kv("PET_NNODES", 2),
+                kv("PET_NODE_RANK", pod),
+                kv("PET_MASTER_ADDR", "127.0.0.1"),
+                kv("PET_MASTER_PORT", port),
+                kv("PHALANX_SECRET", SECRET),
+            ])
+            .env("PHALANX_TIMEOUT", "60");
+            std::thread::spawn(move || run_until(c, DEADLINE))
+        })
+        .collect();
+    for (pod, h) in pods.into_iter().enumerate() {
+        let run = h.join().unwrap();
+        assert_eq!(run.code, 0, "pod {pod}: {run}");
+        if pod == 0 {
+            assert!(run.out.contains("on 4 rank(s) (dp 4"), "{run}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn srun_variables_start_a_two_rank_job_without_master_addr() {
     let d = fresh_dir("phalanx-cluster-env", "ref-slurm");

@@ -417,3 +417,47 @@ fn an_elastic_round_of_another_size_starts_the_hook_state_fresh() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A membership round is an attempt (`PHALANX_RESTART_COUNT` = the round,
+/// from which `phalanx train` resumes) but no failure restart: torchrun's
+/// `TORCHELASTIC_RESTART_COUNT` stays at the failure restarts used (0 here,
+/// with `--max-restarts 0`; it was the round, above the maximum).
+#[test]
+fn a_membership_round_is_no_failure_restart() {
+    let d = fresh_dir("phalanx-elastic", "restart-count");
+    let port = free_port().to_string();
+    let cmd = "echo \"R$PHALANX_RESTART_COUNT T$TORCHELASTIC_RESTART_COUNT \
+               M$TORCHELASTIC_MAX_RESTARTS\"; trap 'exit 75' USR1; sleep 3 & wait";
+    let node = |name: &str| {
+        let (out, err) = (d.join(format!("{name}.out")), d.join(format!("{name}.err")));
+        let mut c = Command::new(BIN);
+        c.current_dir(&*d)
+            .args(["run", "--nproc-per-node", "1", "--nnodes", "1:2"])
+            .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
+            .args(["--rdzv-id", "count-test"])
+            .args(["--rdzv-conf", "heartbeat_timeout=2,last_call_timeout=1"])
+            .args(["--", "sh", "-c", cmd])
+            .env_remove("RANK")
+            .env_remove("PHALANX_RESTART_COUNT")
+            .env_remove("TORCHELASTIC_RESTART_COUNT")
+            .env("PHALANX_SECRET", SECRET)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap());
+        Node {
+            child: c.spawn().unwrap(),
+            out,
+            err,
+        }
+    };
+    let mut a = node("a");
+    a.wait_for("[rank 0] R0 T0 M0");
+    let mut c = node("c");
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    assert_eq!(c.wait(), 0, "{}", c.output());
+    let both = format!("{}{}", a.output(), c.output());
+    assert!(both.contains("round 1 formed with 2 node(s)"), "{both}");
+    assert!(both.contains("R1 T0 M0"), "{both}");
+    assert!(!both.contains("T1"), "{both}");
+    let _ = std::fs::remove_dir_all(&d);
+}

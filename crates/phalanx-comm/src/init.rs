@@ -145,12 +145,35 @@ impl JobSizes {
             }
             Ok(None)
         };
+        // Half of torchrun's pair (a manifest that forgot one): every
+        // process would train alone; torch's env:// refuses it too.
+        match (get("RANK"), get("WORLD_SIZE")) {
+            (Some(_), None) => {
+                return Err(invalid!(
+                    "RANK is set but WORLD_SIZE is not: a torchrun-style environment needs both \
+                     (unset RANK to run a job of its own)"
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid!(
+                    "WORLD_SIZE is set but RANK is not: a torchrun-style environment needs both \
+                     (unset WORLD_SIZE to run a job of its own)"
+                ))
+            }
+            _ => {}
+        }
+        // Every scheme whose ranks this process has: (name, rank, size).
+        let mut all = Vec::new();
         let mut found = None;
         for (name, keys, needs) in schemes {
             if needs.is_some_and(|n| !n.split('|').any(|k| get(k).is_some())) {
                 continue;
             }
             if let (Some((_, r)), Some(w)) = (first(keys[0])?, first(keys[1])?) {
+                all.push((name, w));
+                if found.is_some() {
+                    continue;
+                }
                 let lr = first(keys[2])?;
                 let lw = if name == "srun" {
                     // Slurm's per-node counts may read "4(x2)" or "4,2":
@@ -167,7 +190,19 @@ impl JobSizes {
                     first(keys[3])?
                 };
                 found = Some((name, r, w, lr, lw));
-                break;
+            }
+        }
+        // A launcher started by another (torchrun under srun or mpirun, one
+        // per node) has at least as many ranks as the outer one has tasks;
+        // fewer is a stale pair left in the environment (each task would
+        // train alone).
+        if let (Some((src, _, (wv, w), _, _)), true) = (&found, all.len() > 1) {
+            if let Some((other, (ov, ow))) = all.iter().skip(1).find(|(_, (_, n))| *n > *w) {
+                return Err(invalid!(
+                    "{src}'s {wv}={w} but {other}'s {ov}={ow}: fewer ranks than the launcher \
+                     around it started (a stale {wv} in the environment?); unset {src}'s \
+                     variables or make them agree"
+                ));
             }
         }
         let Some((source, rank, (world_var, world_size), local_rank, local)) = found else {
@@ -718,6 +753,51 @@ mod tests {
             Ok(s) => panic!("{vars:?} accepted: {s:?}"),
             Err(e) => e.to_string(),
         }
+    }
+
+    /// Half of torchrun's pair, or a torchrun pair with fewer ranks than
+    /// the launcher around it started (a stale pair: each task would train
+    /// alone, exit 0), is refused naming the variables; torchrun nested
+    /// under mpirun or srun (more ranks than outer tasks) is read as
+    /// torchrun's.
+    #[test]
+    fn half_or_stale_launcher_variables_are_refused() {
+        assert!(err(&[("WORLD_SIZE", "4")]).contains("WORLD_SIZE is set but RANK is not"));
+        assert!(err(&[("RANK", "0")]).contains("RANK is set but WORLD_SIZE is not"));
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+        ]);
+        assert!(
+            e.contains("torchrun's WORLD_SIZE=1 but mpirun's OMPI_COMM_WORLD_SIZE=2"),
+            "{e}"
+        );
+        let e = err(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_ID", "0"),
+        ]);
+        assert!(e.contains("srun's SLURM_NTASKS=2"), "{e}");
+        // torchrun under srun, 4 workers on each of 2 nodes.
+        let nested = sizes(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_STEP_ID", "0"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (nested.rank, nested.world_size, nested.source),
+            (5, 8, "torchrun")
+        );
+        // An sbatch shell's allocation (no step) is no launcher.
+        let shell = sizes(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("SLURM_NTASKS", "8")]).unwrap();
+        assert_eq!(shell.world_size, 1);
     }
 
     /// A launcher's per-node counts are read strictly (only Slurm's
