@@ -27,12 +27,16 @@ struct Node {
 
 impl Node {
     fn start(d: &Path, name: &str, args: &[String], env: &[(&str, &str)]) -> Node {
-        let (out, err) = (d.join(format!("{name}.out")), d.join(format!("{name}.err")));
         let mut c = Command::new(BIN);
-        c.current_dir(repo())
-            .arg("train")
-            .args(args)
-            .env_remove("RANK")
+        c.current_dir(repo()).arg("train").args(args);
+        Node::spawn(d, name, c, env)
+    }
+
+    /// `c` as a node: the job secret, no inherited launcher state, its
+    /// output to `d/name.{out,err}`.
+    fn spawn(d: &Path, name: &str, mut c: Command, env: &[(&str, &str)]) -> Node {
+        let (out, err) = (d.join(format!("{name}.out")), d.join(format!("{name}.err")));
+        c.env_remove("RANK")
             .env_remove("PHALANX_FAULT")
             .env_remove("PHALANX_RESTART_COUNT")
             .env_remove("TORCHELASTIC_RESTART_COUNT")
@@ -429,26 +433,14 @@ fn a_membership_round_is_no_failure_restart() {
     let cmd = "echo \"R$PHALANX_RESTART_COUNT T$TORCHELASTIC_RESTART_COUNT \
                M$TORCHELASTIC_MAX_RESTARTS\"; trap 'exit 75' USR1; sleep 3 & wait";
     let node = |name: &str| {
-        let (out, err) = (d.join(format!("{name}.out")), d.join(format!("{name}.err")));
         let mut c = Command::new(BIN);
         c.current_dir(&*d)
             .args(["run", "--nproc-per-node", "1", "--nnodes", "1:2"])
             .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
             .args(["--rdzv-id", "count-test"])
             .args(["--rdzv-conf", "heartbeat_timeout=2,last_call_timeout=1"])
-            .args(["--", "sh", "-c", cmd])
-            .env_remove("RANK")
-            .env_remove("PHALANX_RESTART_COUNT")
-            .env_remove("TORCHELASTIC_RESTART_COUNT")
-            .env("PHALANX_SECRET", SECRET)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&out).unwrap())
-            .stderr(std::fs::File::create(&err).unwrap());
-        Node {
-            child: c.spawn().unwrap(),
-            out,
-            err,
-        }
+            .args(["--", "sh", "-c", cmd]);
+        Node::spawn(&d, name, c, &[])
     };
     let mut a = node("a");
     a.wait_for("[rank 0] R0 T0 M0");
