@@ -397,9 +397,7 @@ impl Trainer {
     fn ft_check_settings(&mut self, q: &Quorum) -> Result<Option<()>> {
         let mine = shared_settings(&self.cfg);
         let text = mine.to_string();
-        let h = text.bytes().fold(0xcbf29ce484222325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
-        }) as i64;
+        let h = fnv(text.bytes().map(u64::from)) as i64;
         let ft = self.ft.as_mut().expect("fault tolerance on");
         let Some(all) = ft.mgr.all_digests(h).map_err(comm)? else {
             return Ok(None);
@@ -457,18 +455,20 @@ impl Trainer {
         // (under DiLoCo the parameters only: each group's inner optimizer
         // is its own).
         let inner_own = self.ft.as_ref().is_some_and(|f| f.diloco.is_some());
-        let mut h = 0xcbf29ce484222325u64;
-        let mut mix = |v: u64| h = (h ^ v).wrapping_mul(0x100000001b3);
+        let mut words = Vec::new();
         for r in self.strat.save_state(&self.engine)? {
-            mix(crate::strategy::ddp::digest(&r.params) as u64);
+            words.push(crate::strategy::ddp::digest(&r.params) as u64);
             if inner_own {
                 continue;
             }
-            for (_, v) in &r.optim {
-                mix(crate::strategy::ddp::digest(v) as u64);
-            }
-            mix(r.optim_step);
+            words.extend(
+                r.optim
+                    .iter()
+                    .map(|(_, v)| crate::strategy::ddp::digest(v) as u64),
+            );
+            words.push(r.optim_step);
         }
+        let h = fnv(words);
         let ft = self.ft.as_mut().expect("fault tolerance on");
         let Some(all) = ft.mgr.all_digests(h as i64).map_err(comm)? else {
             ft.sync = true;
@@ -594,6 +594,14 @@ impl Trainer {
             return Ok(at);
         }
     }
+}
+
+/// FNV-1a over 64-bit words: a digest that is the same in every process
+/// (std's hasher is not promised to be).
+fn fnv(words: impl IntoIterator<Item = u64>) -> u64 {
+    words.into_iter().fold(0xcbf29ce484222325, |h, w| {
+        (h ^ w).wrapping_mul(0x100000001b3)
+    })
 }
 
 /// The settings every replica group must share: what decides the training

@@ -134,13 +134,12 @@ impl Manager {
             };
         }
         let gen = req!(self.store.try_get(&key("lighthouse"))).unwrap_or_default();
-        if !gen.is_empty() && gen != self.generation {
-            if self.generation.is_empty() {
-                self.generation = gen;
-            } else {
-                req!(self.rejoin(gen));
-                *step_set = false;
-            }
+        if self.restarted(&gen) {
+            req!(self.rejoin(gen));
+            *step_set = false;
+        } else if self.generation.is_empty() {
+            // Joined before the lighthouse published its id.
+            self.generation = gen;
         }
         if !*step_set {
             req!(self.store.set(
@@ -165,6 +164,13 @@ impl Manager {
             self.check_not_replaced(e, &members)?;
         }
         Ok(Ok(Look::Wait))
+    }
+
+    /// Whether the lighthouse's id `gen` (as read now) is another start's
+    /// than the one this group joined (neither unknown: a lighthouse
+    /// publishes its id just after it starts serving).
+    fn restarted(&self, gen: &[u8]) -> bool {
+        !gen.is_empty() && !self.generation.is_empty() && gen != self.generation
     }
 
     /// Join a restarted lighthouse (id `gen`), which knows no groups, as a
@@ -296,9 +302,7 @@ impl Manager {
             let looked = Manager::latest_epoch(&self.store).and_then(|e| {
                 let gen = self.store.try_get(&key("lighthouse"))?.unwrap_or_default();
                 // A restarted lighthouse: the next quorum joins it.
-                let restarted =
-                    !gen.is_empty() && !self.generation.is_empty() && gen != self.generation;
-                Ok(e > self.epoch || restarted)
+                Ok(e > self.epoch || self.restarted(&gen))
             });
             let lost = match looked {
                 Ok(true) => return Ok(()),
