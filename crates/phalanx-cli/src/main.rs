@@ -192,17 +192,44 @@ fn pet_flags(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
         .take_while(|a| a != "--")
         .filter_map(|a| launch::flag_name(&a))
         .collect();
+    // `--help` shows the flags, whatever the variables hold.
+    let help = args[2..]
+        .iter()
+        .take_while(|a| *a != "--")
+        .any(|a| a == "--help" || a == "-h");
+    if help {
+        return args;
+    }
     let mut extra = Vec::new();
+    let mut from_env = Vec::new();
     for (var, flag) in VARS {
         if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
             if !given.iter().any(|g| g == flag) {
+                from_env.push((flag, var, v.to_string_lossy().into_owned()));
                 extra.push(flag.into());
                 extra.push(v);
             }
         }
     }
+    launch::flags_from_env(from_env);
     args.splice(2..2, extra);
     args
+}
+
+/// Parse the command line; an error about a flag that a `PET_*` variable
+/// gave (see `pet_flags`) also names the variable, which the user set (or
+/// Kubeflow did), not the flag.
+fn parse_cli(args: Vec<std::ffi::OsString>) -> Cli {
+    Cli::try_parse_from(args).unwrap_or_else(|e| {
+        if !e.use_stderr() {
+            e.exit() // --help, --version
+        }
+        let _ = e.print();
+        if let Some(note) = launch::env_flag_note(&e.to_string()) {
+            eprintln!("{note}");
+        }
+        std::process::exit(e.exit_code())
+    })
 }
 
 /// torchtitan's spelling of an override, `--train.steps=100` or
@@ -297,7 +324,7 @@ fn quiet_on_closed_stdout() {
 fn main() {
     // Before any thread starts: glibc keeps freed blocks for the next step.
     phalanx::engine::heap::retain_unless_refused();
-    let cli = Cli::parse_from(pet_flags(section_flags(std::env::args_os().collect())));
+    let cli = parse_cli(pet_flags(section_flags(std::env::args_os().collect())));
     // The commands that print a report on this process's own stdout (not a
     // training rank, whose output goes to its launcher, nor a launcher).
     if matches!(

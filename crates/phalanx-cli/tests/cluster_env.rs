@@ -294,3 +294,48 @@ fn launch_flags_inside_another_launchers_job_get_a_note() {
     assert!(!r.err.contains("launcher's to give"), "{r}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A bad `PET_*` value in a launching pod is reported as the flag it stands
+/// for and named as the variable (the pod's command line has no such flag);
+/// `--help` still helps.
+#[test]
+fn a_bad_pet_variable_is_named() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo()).args(args);
+        for v in LAUNCHER_VARS {
+            c.env_remove(v);
+        }
+        c.envs(env.iter().copied());
+        run_until(c, DEADLINE)
+    };
+    // Refused by the flag's parser ...
+    let r = run(&["train"], &[("PET_NPROC_PER_NODE", "abc")]);
+    assert_eq!(r.code, 2, "{r}");
+    assert!(
+        r.err.contains("it came from PET_NPROC_PER_NODE=\"abc\""),
+        "{r}"
+    );
+    // ... and by the launcher's check.
+    let r = run(
+        &["run", "--", "true"],
+        &[("PET_NNODES", "x"), ("PET_NPROC_PER_NODE", "1")],
+    );
+    assert_eq!(r.code, 2, "{r}");
+    assert!(r.err.contains("--nnodes x: expected"), "{r}");
+    assert!(r.err.contains("it came from PET_NNODES=\"x\""), "{r}");
+    assert!(!r.err.contains("PET_NPROC_PER_NODE"), "{r}");
+    // A flag given on the command line wins, and is no variable's.
+    let r = run(
+        &["run", "--nnodes", "y", "--", "true"],
+        &[("PET_NNODES", "x")],
+    );
+    assert_eq!(r.code, 2, "{r}");
+    assert!(
+        r.err.contains("--nnodes y") && !r.err.contains("PET_NNODES"),
+        "{r}"
+    );
+    let r = run(&["train", "--help"], &[("PET_NPROC_PER_NODE", "abc")]);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.out.contains("Usage"), "{r}");
+}

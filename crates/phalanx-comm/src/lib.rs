@@ -41,6 +41,7 @@ pub mod init;
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod patience;
 mod ratelog;
 pub mod secret_file;
 pub mod store;

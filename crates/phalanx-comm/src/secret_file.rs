@@ -170,6 +170,7 @@ pub fn read(path: &Path) -> Result<Option<Vec<u8>>> {
 
 /// Wait until `path` exists (rank 0 writes it at its start), then read it.
 pub fn wait_read(path: &Path, rank: usize, deadline: Instant) -> Result<Vec<u8>> {
+    let mut waiting = crate::patience::Waiting::until(deadline);
     loop {
         if let Some(s) = read(path)? {
             return Ok(s);
@@ -181,6 +182,13 @@ pub fn wait_read(path: &Path, rank: usize, deadline: Instant) -> Result<Vec<u8>>
                 path.display()
             )));
         }
+        waiting.tick(|| {
+            format!(
+                "rank {rank}: still waiting for the job secret {}, which rank 0 writes when \
+                 it starts on this host",
+                path.display()
+            )
+        });
         std::thread::sleep(Duration::from_millis(50));
     }
 }

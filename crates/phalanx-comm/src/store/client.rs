@@ -54,6 +54,7 @@ impl StoreClient {
             "torchrun's store"
         };
         let deadline = Instant::now() + timeout;
+        let mut waiting = crate::patience::Waiting::until(deadline);
         let mut last_err;
         loop {
             match try_connect(addr, secret, write_timeout(timeout)) {
@@ -80,6 +81,7 @@ impl StoreClient {
                     "could not reach {what} at {addr} within {timeout:?}: {last_err}"
                 )));
             }
+            waiting.tick(|| format!("still trying to reach {what} at {addr}: {last_err}"));
             std::thread::sleep(Duration::from_millis(50));
         }
     }

@@ -135,10 +135,14 @@ pub fn connect_mesh(
     });
 
     let mut peers: Vec<Option<(Stream, String)>> = (0..world).map(|_| None).collect();
+    let mut waiting = crate::patience::Waiting::until(deadline);
     #[allow(clippy::needless_range_loop)] // j is a rank, not just an index
     for j in 0..rank {
         let key = format!("{prefix}/addr/{j}");
-        wait_key(store, prefix, &key, deadline).map_err(|e| {
+        let mut waited = || {
+            waiting.tick(|| format!("rank {rank}: still waiting for rank {j} of {world} to start"))
+        };
+        wait_key(store, prefix, &key, deadline, &mut waited).map_err(|e| {
             e.unwrap_or_else(|| {
                 CommError::Timeout(format!(
                     "rank {j} never published its address (world size {world})"
@@ -299,9 +303,11 @@ fn wait_key(
     prefix: &str,
     key: &str,
     deadline: Instant,
+    mut waited: impl FnMut(),
 ) -> std::result::Result<(), Option<CommError>> {
     let err_key = format!("{prefix}/error");
     loop {
+        waited();
         if let Ok(Some(e)) = store.try_get(&err_key) {
             return Err(Some(peer_failed(&e)));
         }
@@ -573,6 +579,7 @@ fn accept_higher(
     let mut next_id = 0u64;
     // Handshakes finished while the listeners were drained, to collect.
     let mut ready: std::collections::VecDeque<(u64, Admitted)> = Default::default();
+    let mut waiting = crate::patience::Waiting::until(deadline);
     let result = (|| {
         let mut got: Vec<(usize, Stream, String)> = Vec::new();
         let expected = world - rank - 1;
@@ -679,14 +686,23 @@ fn accept_higher(
             if stop.load(Ordering::SeqCst) {
                 return Err(CommError::Aborted("set-up abandoned".into()));
             }
-            if Instant::now() >= deadline {
-                let missing: Vec<usize> = (rank + 1..world)
+            let missing = || -> Vec<usize> {
+                (rank + 1..world)
                     .filter(|j| !got.iter().any(|g| g.0 == *j))
-                    .collect();
+                    .collect()
+            };
+            if Instant::now() >= deadline {
                 return Err(CommError::Timeout(format!(
-                    "rank {rank}: ranks {missing:?} never connected (world size {world})"
+                    "rank {rank}: ranks {:?} never connected (world size {world})",
+                    missing()
                 )));
             }
+            waiting.tick(|| {
+                format!(
+                    "rank {rank}: still waiting for ranks {:?} of {world} to connect",
+                    missing()
+                )
+            });
         }
         Ok(got)
     })();
