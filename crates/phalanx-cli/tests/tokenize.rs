@@ -297,6 +297,21 @@ fn a_stopped_run_resumes_to_the_same_bytes() {
     let st: serde_json::Value = serde_json::from_str(&st).unwrap();
     assert_eq!(st["shards"].as_array().unwrap().len(), 2);
     assert_eq!(st["complete"], false);
+    // The trainer does not take a part of the data for the whole.
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .env_remove("RANK")
+        .args(["train", "--nproc-per-node", "1"])
+        .args(train_args(&d.join("log.jsonl"), 1))
+        .args(["--set", &format!("data.path=\"{}\"", out.display())]);
+    let t = run_until(c, Duration::from_secs(120));
+    assert_ne!(t.code, 0, "{t}");
+    assert!(
+        t.err
+            .contains("tokenize.json says the `phalanx tokenize` run")
+            && t.err.contains("has not finished (2 shard(s) so far)"),
+        "{t}"
+    );
     // What a kill leaves at worst: a temporary, and a shard renamed into
     // place before the state recorded it (here with wrong contents).
     std::fs::write(out.join(".data_train_000002.bin.tmp-4242"), b"half").unwrap();
@@ -623,8 +638,10 @@ fn the_shards_train() {
         .env_remove("RANK")
         .args(["train", "--nproc-per-node", "1"])
         .args(train_args(&log, 2))
-        .args(set("data.path", &out.join("data_train_*.bin")))
-        .args(set("data.val_path", &out.join("data_val_000000.bin")))
+        // The output directory: its training shards, and its validation
+        // shard for validation.
+        .args(set("data.path", &out))
+        .args(set("data.val_path", &out))
         .args([
             "--set",
             "train.eval_interval=2",
@@ -637,6 +654,16 @@ fn the_shards_train() {
     assert!(
         r.out.contains("val "),
         "evaluated on the validation shard: {r}"
+    );
+    // Its corpus line counts the training shards' tokens only.
+    let train_tokens: u64 = shards(&out)
+        .iter()
+        .filter(|s| s.contains("_train_"))
+        .map(|s| read_bin(&out.join(s)).2.len() as u64)
+        .sum();
+    assert!(
+        r.out.contains(&format!("{train_tokens} train")),
+        "{train_tokens} training tokens: {r}"
     );
     let _ = std::fs::remove_dir_all(&d);
 }

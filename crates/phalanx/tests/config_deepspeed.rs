@@ -182,6 +182,30 @@ fn no_effect_keys_warn_once_with_their_name() {
             "{key}: {w:?}"
         );
     }
+    // Hugging Face's ZeRO-3 NVMe template: "aio" tunes DeepSpeed's async
+    // I/O; the whole optimizer offloaded (ratio 1) is what Phalanx does.
+    let (_, w) = json(
+        "nvme.json",
+        r#"{"aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+            "single_submit": false, "overlap_events": true},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+            "nvme_path": "/local_nvme", "ratio": 1.0}}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        w.iter().filter(|w| w.contains("\"aio\"")).count(),
+        1,
+        "{w:?}"
+    );
+    assert!(!w.iter().any(|w| w.contains("ratio")), "{w:?}");
+    let e = err(
+        "ratio.json",
+        r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#,
+    );
+    assert!(
+        e.contains("zero_optimization.offload_optimizer.ratio") && e.contains("partial offload"),
+        "{e}"
+    );
 }
 
 /// The shipped Hugging Face Trainer-style config: ZeRO-2 with optimizer

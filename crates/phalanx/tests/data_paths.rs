@@ -218,6 +218,94 @@ fn a_data_directory_leaves_out_what_is_not_data_and_says_so() {
     );
 }
 
+/// Text to tokenize: a directory's token shards and tokenize's state file
+/// are not text (they are left out with a note, instead of the text);
+/// one of token shards only is named as such.
+#[test]
+fn text_to_tokenize_leaves_out_token_shards() {
+    use phalanx::data::paths::expand_text_noting;
+    let d = ScratchDir::new("phalanx-paths", "text-inputs");
+    let dir = d.join("mixed");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("a.txt"), "a").unwrap();
+    std::fs::write(dir.join("README.md"), "# about").unwrap();
+    std::fs::write(dir.join("b.jsonl"), "{\"text\": \"b\"}").unwrap();
+    write_tokens(&dir.join("old.bin"), 10);
+    std::fs::write(dir.join("tokenize.json"), "{}").unwrap();
+    let (files, left) = expand_text_noting(dir.to_str().unwrap(), "input").unwrap();
+    assert_eq!(files, vec![dir.join("a.txt"), dir.join("b.jsonl")]);
+    assert_eq!(
+        sorted(left),
+        vec![
+            dir.join("README.md"),
+            dir.join("old.bin"),
+            dir.join("tokenize.json")
+        ]
+    );
+    let shards = d.join("shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    write_tokens(&shards.join("x.bin"), 10);
+    let e = expand_text_noting(shards.to_str().unwrap(), "input").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("directory of token shards, not text"),
+        "{e}"
+    );
+}
+
+/// A `phalanx tokenize` output directory: refused while its state says the
+/// run has not finished; once finished, training takes its training
+/// shards and `data.val_path` (the same directory) its validation shard.
+#[test]
+fn a_tokenize_output_directory_splits_training_and_validation() {
+    use phalanx::data::paths::{expand_noting, TokenizeRun};
+    let d = ScratchDir::new("phalanx-paths", "tokenize-out");
+    let out = d.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    write_tokens(&out.join("fw_val_000000.bin"), 64);
+    write_tokens(&out.join("fw_train_000001.bin"), 200);
+    let state = |complete: bool| {
+        format!(
+            "{{\"format\": \"x\", \"settings\": {{\"prefix\": \"fw\"}}, \"shards\": [{{}}, {{}}], \
+             \"complete\": {complete}}}"
+        )
+    };
+    std::fs::write(out.join("tokenize.json"), state(false)).unwrap();
+    let e = expand_noting(out.to_str().unwrap(), "data.path").unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("has not finished (2 shard(s) so far)"),
+        "{e}"
+    );
+    let e = Corpus::open(&CorpusConfig::new(&[out.to_str().unwrap()], 8))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("has not finished"), "{e}");
+    // (A glob names the shards to read, finished or not.)
+    let glob = out.join("fw_train_*.bin");
+    assert!(expand_noting(glob.to_str().unwrap(), "data.path").is_ok());
+
+    std::fs::write(out.join("tokenize.json"), state(true)).unwrap();
+    let run = TokenizeRun::of(&out).unwrap();
+    assert!(run.is_val_shard(&out.join("fw_val_000000.bin")));
+    assert!(!run.is_val_shard(&out.join("fw_train_000001.bin")));
+    assert!(!run.is_val_shard(&out.join("data_val_000000.bin")));
+    let c = Corpus::open(&CorpusConfig::new(&[out.to_str().unwrap()], 8)).unwrap();
+    // The training shard's 200 tokens (less a held-out tail where
+    // data.val_fraction asks for one), none of the validation shard's 64.
+    assert!(c.train_tokens() <= 200, "{}", c.train_tokens());
+    let notes = c.notes().join("\n");
+    assert!(
+        notes.contains("fw_val_000000.bin (phalanx tokenize's held-out split) is not trained on"),
+        "{notes}"
+    );
+    let mut cfg = CorpusConfig::new(&[out.to_str().unwrap()], 8);
+    cfg.val_paths = vec![out.to_str().unwrap().to_string()];
+    let c = Corpus::open(&cfg).unwrap();
+    assert_eq!(c.train_tokens(), 200);
+    assert!(!c.notes().join("\n").contains("not trained on"));
+}
+
 /// A `.json` file is JSON Lines, as Hugging Face's `json` loader reads it;
 /// one holding a JSON array is refused saying so.
 #[test]

@@ -144,7 +144,7 @@ fn expand_inputs(patterns: &[String]) -> Result<Vec<PathBuf>, String> {
     let mut files = Vec::new();
     for p in patterns {
         let (found, left) =
-            phalanx::data::paths::expand_noting(p, "input").map_err(|e| match e {
+            phalanx::data::paths::expand_text_noting(p, "input").map_err(|e| match e {
                 phalanx::data::DataError::Config(m) => m,
                 other => other.to_string(),
             })?;

@@ -10,9 +10,6 @@ use super::TokenizeOpts;
 use std::path::Path;
 
 pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> {
-    if output.exists() && !o.force {
-        return Err(format!("{} exists (--force replaces it)", output.display()));
-    }
     let mut io = crate::outputs::Io::new();
     io.input("input", input).output("OUTPUT", output);
     // The tokenizer.json is an input too (`--tokenizer tok.json text
@@ -24,7 +21,12 @@ pub fn run(o: &TokenizeOpts, input: &Path, output: &Path) -> Result<(), String> 
     if let Some(t) = &tok {
         io.input("--tokenizer", t);
     }
+    // (After the checks that `--force` does not lift: an output that is
+    // an input, or a directory.)
     io.check()?;
+    if output.exists() && !o.force {
+        return Err(format!("{} exists (--force replaces it)", output.display()));
+    }
     let records =
         phalanx::data::records::is_jsonl(input) || phalanx::data::records::is_parquet(input);
     if records {

@@ -117,17 +117,56 @@ fn kind_of(p: &std::path::Path, key: &str) -> Result<Kind> {
 
 /// Every file `paths` name; a directory's files that are not data beside
 /// its data files (see [`paths::expand_noting`]) go to `skipped` as a note.
-fn expand_all(paths: &[String], key: &str, skipped: &mut Vec<String>) -> Result<Vec<PathBuf>> {
+/// `val_given`: whether `data.val_path` is set (a tokenize output's
+/// validation shard left out of training is then no news).
+fn expand_all(
+    paths: &[String],
+    key: &str,
+    val_given: bool,
+    skipped: &mut Vec<String>,
+) -> Result<Vec<PathBuf>> {
     if paths.is_empty() {
         return Err(DataError::Config(format!("{key}: no path given")));
     }
     let mut files = Vec::new();
     for p in paths {
-        let (found, left) = paths::expand_noting(p, key)?;
-        files.extend(found);
+        let (mut found, left) = paths::expand_noting(p, key)?;
         if !left.is_empty() {
             skipped.push(paths::skipped_note(key, p, &left));
         }
+        // A directory `phalanx tokenize` wrote holds its held-out split
+        // beside the training shards: validation takes that one only, and
+        // training the others (else the validation loss would be measured
+        // on data trained on).
+        let dir = std::path::Path::new(p);
+        if let Some(run) = (!paths::is_glob(p) && dir.is_dir())
+            .then(|| paths::TokenizeRun::of(dir))
+            .flatten()
+        {
+            let validation = key == "data.val_path";
+            let (val, train): (Vec<PathBuf>, Vec<PathBuf>) =
+                found.into_iter().partition(|f| run.is_val_shard(f));
+            if validation {
+                if val.is_empty() {
+                    return Err(DataError::Config(format!(
+                        "{key} = {p:?}: the `phalanx tokenize` output there has no validation \
+                         shard ({}_val_000000.bin; was it run with --val-tokens 0?)",
+                        run.prefix
+                    )));
+                }
+                found = val;
+            } else {
+                if !val.is_empty() && !train.is_empty() && !val_given {
+                    skipped.push(format!(
+                        "{key} {p:?}: its validation shard {} (phalanx tokenize's held-out \
+                         split) is not trained on; evaluate on it with data.val_path = {p:?}",
+                        val[0].display()
+                    ));
+                }
+                found = if train.is_empty() { val } else { train };
+            }
+        }
+        files.extend(found);
     }
     // Several patterns may name one file, spelled alike or not (`shards/`
     // and `/abs/shards/*.bin`, `./x.bin` and `x.bin`, a link): once is
@@ -182,7 +221,12 @@ impl Corpus {
         // Validation text files are read with the first text source's field.
         let mut text_field: Option<(String, String)> = None;
         for (i, spec) in cfg.sources.iter().enumerate() {
-            let files = expand_all(&spec.paths, &spec.key, &mut skipped)?;
+            let files = expand_all(
+                &spec.paths,
+                &spec.key,
+                !cfg.val_paths.is_empty(),
+                &mut skipped,
+            )?;
             for f in &files {
                 trained.insert(canonical(f), spec.key.clone());
             }
@@ -266,7 +310,7 @@ impl Corpus {
                 }
             }
         } else {
-            for f in expand_all(&cfg.val_paths, "data.val_path", &mut skipped)? {
+            for f in expand_all(&cfg.val_paths, "data.val_path", true, &mut skipped)? {
                 if let Some(key) = trained.get(&canonical(&f)) {
                     // A validation loss measured on training data looks
                     // better than it is (a `data_*.bin` glob also matches

@@ -37,10 +37,35 @@ pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
 /// downloaded dataset's card and metadata (`README`, `LICENSE`, `COPYING`
 /// of any extension, `dataset_info.json`, `dataset_infos.json`,
 /// `dataset_dict.json`) are left out beside other files. Nothing else is.
+/// A directory that `phalanx tokenize` wrote and did not finish (its
+/// `tokenize.json` says so) is refused: its shards are a part of the data.
 pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    expand_kind(pattern, key, true)
+}
+
+/// [`expand_noting`] for text to tokenize: a directory's token shards
+/// (`.bin`) and `phalanx tokenize`'s state file are left out instead of
+/// everything else (a `.bin` is never text).
+pub fn expand_text_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    expand_kind(pattern, key, false)
+}
+
+fn expand_kind(pattern: &str, key: &str, tokens: bool) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
     let mut files = expand_all_kinds(pattern, key)?;
     let mut skipped = Vec::new();
-    if !is_glob(pattern) && Path::new(pattern).is_dir() {
+    let dir = Path::new(pattern);
+    if !is_glob(pattern) && dir.is_dir() {
+        if let Some(run) = TokenizeRun::of(dir) {
+            if !run.complete {
+                return Err(DataError::Config(format!(
+                    "{key} = {pattern:?}: its {TOKENIZE_STATE} says the `phalanx tokenize` run \
+                     that writes it has not finished ({} shard(s) so far): run the same command \
+                     again to finish it (it goes on where it stopped), or name the shards to \
+                     read with a glob",
+                    run.shards
+                )));
+            }
+        }
         let token = |p: &Path| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("bin"));
         let doc = |p: &Path| {
             let name = p
@@ -57,7 +82,16 @@ pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<Path
                 .contains(&name.as_str())
         };
         let not_doc = |p: &Path| !doc(p);
-        let keep: Option<&dyn Fn(&Path) -> bool> = if files.iter().any(|f| token(f)) {
+        let state = |p: &Path| p.file_name().is_some_and(|n| n == TOKENIZE_STATE);
+        let text = |p: &Path| !token(p) && !state(p);
+        let text_not_doc = |p: &Path| text(p) && !doc(p);
+        let keep: Option<&dyn Fn(&Path) -> bool> = if !tokens && files.iter().any(|f| !text(f)) {
+            if files.iter().any(|f| text(f) && doc(f)) && files.iter().any(|f| text_not_doc(f)) {
+                Some(&text_not_doc)
+            } else {
+                Some(&text)
+            }
+        } else if tokens && files.iter().any(|f| token(f)) {
             Some(&token)
         } else if files.iter().any(|f| doc(f)) && !files.iter().all(|f| doc(f)) {
             Some(&not_doc)
@@ -67,8 +101,53 @@ pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<Path
         if let Some(keep) = keep {
             (files, skipped) = files.into_iter().partition(|f| keep(f));
         }
+        if !tokens && files.is_empty() {
+            return Err(DataError::Config(format!(
+                "{key} = {pattern:?} is a directory of token shards, not text: train on them \
+                 (data.path), no need to tokenize them"
+            )));
+        }
     }
     Ok((files, skipped))
+}
+
+/// The state file `phalanx tokenize` keeps beside its shards.
+pub const TOKENIZE_STATE: &str = "tokenize.json";
+
+/// What `phalanx tokenize` recorded in a directory of its shards
+/// ([`TOKENIZE_STATE`]); `None` where there is no such record (a file of
+/// that name that is not one is left alone).
+pub struct TokenizeRun {
+    /// Whether the run finished (a killed one is resumed by running it again).
+    pub complete: bool,
+    /// Its shard names' prefix: `{prefix}_val_000000.bin`, `{prefix}_train_…`.
+    pub prefix: String,
+    /// Shards written so far.
+    pub shards: usize,
+}
+
+impl TokenizeRun {
+    pub fn of(dir: &Path) -> Option<TokenizeRun> {
+        let text = std::fs::read_to_string(dir.join(TOKENIZE_STATE)).ok()?;
+        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+        Some(TokenizeRun {
+            complete: v.get("complete")?.as_bool()?,
+            prefix: v.get("settings")?.get("prefix")?.as_str()?.to_string(),
+            shards: v.get("shards")?.as_array()?.len(),
+        })
+    }
+
+    /// Whether `f` is this run's validation shard (held out of training).
+    pub fn is_val_shard(&self, f: &Path) -> bool {
+        let name = f
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default();
+        name.strip_prefix(&self.prefix)
+            .and_then(|r| r.strip_prefix("_val_"))
+            .and_then(|r| r.strip_suffix(".bin"))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    }
 }
 
 /// The note for the files [`expand_noting`] left out of `pattern` (given

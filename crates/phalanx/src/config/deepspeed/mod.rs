@@ -232,6 +232,12 @@ pub(crate) fn translate(
             "zero_allow_untested_optimizer" | "zero_force_ds_cpu_optimizer" => {
                 tx.no_effect(k, v, "Phalanx's ZeRO runs with every optimizer it has")
             }
+            // Async I/O tuning of NVMe offload (libaio).
+            "aio" => tx.no_effect(
+                k,
+                v,
+                "Phalanx reads and writes offloaded state with plain file I/O in fixed-size chunks",
+            ),
             "tensorboard" | "wandb" | "csv_monitor" | "comms_logger" | "flops_profiler"
             | "dump_state" => tx.no_effect(k, v, "Phalanx writes metrics to log.json instead"),
             _ => return Err(tx.unknown(k)),

@@ -83,6 +83,17 @@ impl Tx<'_> {
                             tx.no_effect(p, v, "pinned host memory matters for GPU copies; on CPU the state is already in host memory");
                             Ok(())
                         }
+                        // ZeRO-Offload++'s partial offload of the optimizer.
+                        "ratio" if p.contains("offload_optimizer") => {
+                            if tx.float(p, v)? != 1.0 {
+                                return Err(tx.err(
+                                    p,
+                                    "a partial offload is not built: Phalanx offloads all \
+                                     of the optimizer state or none (give 1, or leave it out)",
+                                ));
+                            }
+                            Ok(())
+                        }
                         "buffer_count" | "buffer_size" | "max_in_cpu" | "fast_init" => {
                             tx.no_effect(p, v, "Phalanx streams offloaded state in fixed-size chunks");
                             Ok(())
