@@ -306,3 +306,50 @@ fn a_directory_resumes_its_newest_step_by_its_own_names() {
     assert_eq!(found, root.join(step_dir_name(123_456_789)));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `latest` names the checkpoint to resume, unless a newer step was saved
+/// after it was written (a save killed between its rename and `latest`):
+/// that one comes first. A newer step written before `latest` (an older
+/// run's, or `latest` set back by hand) stays behind it.
+#[test]
+fn a_step_saved_after_latest_was_written_comes_first() {
+    let root = fresh("latest-stale");
+    let at = |name: &str, secs: u64| {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(root.join(name))
+            .unwrap();
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000 + secs);
+        f.set_modified(t).unwrap();
+    };
+    for step in [8, 12, 14] {
+        dir_with(&root, &step_dir_name(step), Some(&metadata(step)));
+    }
+    rotate::write_latest(&root, &step_dir_name(8)).unwrap();
+    // Step 12 was saved before `latest` named step 8 (set back), step 14
+    // after it (its save was killed before it wrote `latest`).
+    at(&format!("{}/metadata.json", step_dir_name(12)), 10);
+    at("latest", 20);
+    at(&format!("{}/metadata.json", step_dir_name(8)), 5);
+    at(&format!("{}/metadata.json", step_dir_name(14)), 30);
+    let list = phalanx::checkpoint::list(&root);
+    let names: Vec<String> = list
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [step_dir_name(14), step_dir_name(8), step_dir_name(12)]
+    );
+    assert_eq!(
+        phalanx::checkpoint::find(&root).unwrap(),
+        root.join(step_dir_name(14))
+    );
+    // Without it, `latest` wins over the newer step 12.
+    std::fs::remove_dir_all(root.join(step_dir_name(14))).unwrap();
+    assert_eq!(
+        phalanx::checkpoint::find(&root).unwrap(),
+        root.join(step_dir_name(8))
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

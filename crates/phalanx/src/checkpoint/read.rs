@@ -46,12 +46,30 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
         .into_iter()
         .map(|(_, p)| p)
         .collect();
-    // `latest` first, when it names one of them.
-    if let Ok(l) = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096) {
+    // `latest` first, when it names one of them: after the newer ones
+    // saved since it was written. A save renames its checkpoint into place
+    // and then writes `latest`, so a process killed between the two leaves
+    // a complete checkpoint that `latest` does not name yet; a newer step
+    // written before `latest` was (a run resumed from an older step and
+    // saved since, or `latest` set by hand to roll back) stays behind it.
+    let latest = root.join("latest");
+    if let Ok(l) = crate::fsutil::read_text_capped("latest", &latest, 4096) {
         let l = root.join(l.trim());
         if let Some(i) = v.iter().position(|p| *p == l) {
-            let p = v.remove(i);
-            v.insert(0, p);
+            let written = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+            let since = written(&latest);
+            let newer: Vec<PathBuf> = v.drain(..i).collect();
+            let (saved_since, before): (Vec<PathBuf>, Vec<PathBuf>) =
+                newer.into_iter().partition(|p| {
+                    since.is_some_and(|t| written(&p.join("metadata.json")).is_some_and(|m| m > t))
+                });
+            let l = v.remove(0);
+            v = saved_since
+                .into_iter()
+                .chain([l])
+                .chain(before)
+                .chain(v)
+                .collect();
         }
     }
     v
