@@ -81,6 +81,8 @@ pub struct Io {
     ins: Vec<(String, PathBuf)>,
     /// Directories where checkpoints are written and rotated: (key, dir).
     ckpt_dirs: Vec<(String, PathBuf)>,
+    /// Directories the command makes files of its own in: (key, dir).
+    scratch: Vec<(String, PathBuf)>,
 }
 
 impl Io {
@@ -127,8 +129,35 @@ impl Io {
         self
     }
 
+    /// A directory the command makes (if missing) and writes files of its
+    /// own in, such as ZeRO's NVMe offload: not a file, and not an entry
+    /// of a checkpoint directory (rotation would delete it).
+    pub fn scratch_dir(&mut self, what: &str, dir: &Path) -> &mut Io {
+        self.scratch.push((what.into(), dir.to_path_buf()));
+        self
+    }
+
     /// Every check (see the module docs); the first failure, in words.
     pub fn check(&self) -> Result<(), String> {
+        for (what, d) in &self.scratch {
+            if d.exists() && !d.is_dir() {
+                return Err(format!(
+                    "{what} {} is a file, not a directory (files are written in it)",
+                    d.display()
+                ));
+            }
+            let r = resolve(d);
+            for (key, dir) in &self.ckpt_dirs {
+                if let Some(name) = reserved_in(&resolve(dir), &r) {
+                    return Err(format!(
+                        "{what} {} is {name} in {key} {}, where checkpoints are written and \
+                         rotated: give a directory elsewhere",
+                        d.display(),
+                        dir.display()
+                    ));
+                }
+            }
+        }
         let inputs: Vec<Input> = self.ins.iter().map(Input::new).collect();
         let ckpt: Vec<(&str, PathBuf)> = self
             .ckpt_dirs

@@ -260,6 +260,15 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         };
         io.checkpoint_output("checkpoint.dir", &dir);
     }
+    let z = "zero_optimization";
+    for (key, dir) in [
+        ("offload_optimizer", cfg.offload_dir()),
+        ("offload_param", cfg.param_offload_dir()),
+    ] {
+        if let Some(d) = dir {
+            io.scratch_dir(&format!("{z}.{key}.nvme_path"), &d);
+        }
+    }
     io.check()?;
     // Inputs first: a link to an input is named as such, not as a foreign file.
     match foreign {

@@ -214,6 +214,38 @@ fn outputs_inside_checkpoint_entries_and_input_directories_are_refused() {
             ],
             "is --resume checkpoint",
         ),
+        // ZeRO's NVMe offload writes files in a directory: not a file, not
+        // a checkpoint entry.
+        (
+            vec![
+                "--set".into(),
+                "zero_optimization.offload_optimizer.device=\"nvme\"".into(),
+                "--set".into(),
+                format!(
+                    "zero_optimization.offload_optimizer.nvme_path={:?}",
+                    d.join("corpus/a.txt").to_str().unwrap()
+                ),
+            ],
+            "nvme_path",
+        ),
+        (
+            vec![
+                "--set".into(),
+                format!("checkpoint.dir={:?}", ck.to_str().unwrap()),
+                "--set".into(),
+                "checkpoint.interval=1".into(),
+                "--set".into(),
+                "zero_optimization.stage=3".into(),
+                "--set".into(),
+                "zero_optimization.offload_param.device=\"nvme\"".into(),
+                "--set".into(),
+                format!(
+                    "zero_optimization.offload_param.nvme_path={:?}",
+                    ck.join("step-00000004").to_str().unwrap()
+                ),
+            ],
+            "offload_param.nvme_path",
+        ),
     ];
     std::fs::create_dir_all(ck.join("step-00000002")).unwrap();
     std::fs::write(ck.join("step-00000002/metadata.json"), b"{}").unwrap();
@@ -225,6 +257,12 @@ fn outputs_inside_checkpoint_entries_and_input_directories_are_refused() {
         let (code, out, err) = phalanx(&argv);
         assert_eq!(code, 2, "{flags:?}: {out}{err}");
         assert!(err.contains(want), "{flags:?}: {err}");
+        if want.contains("nvme_path") {
+            assert!(
+                err.contains("is a file, not a directory") || err.contains("in checkpoint.dir"),
+                "{err}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&d);
 }
