@@ -61,7 +61,10 @@ fn find_log(run: &Path) -> Result<PathBuf, String> {
 
 fn run(o: &ReportOpts) -> Result<PathBuf, String> {
     let log = find_log(&o.run)?;
-    let steps = phalanx::report::read_log(&log).map_err(|e| e.to_string())?;
+    let (steps, cut) = phalanx::report::read_log(&log).map_err(|e| e.to_string())?;
+    if let Some(note) = cut {
+        eprintln!("note: {note}");
+    }
     let trace_path = o.trace.clone().or_else(|| {
         let t = o.run.join("trace.json");
         (o.run.is_dir() && t.exists()).then_some(t)

@@ -80,6 +80,21 @@ fn a_bad_log_is_a_clear_error() {
     assert_eq!(code, 1);
     assert!(err.contains("line 2"), "{err}");
     assert!(!d.join("report.html").exists());
+    // A last line cut short (a run still writing it) is left out, said so;
+    // the same line ended by a newline is an error.
+    std::fs::write(
+        &log,
+        "{\"step\": 0, \"loss\": 1.0}\n{\"step\": 1, \"loss\": 0.9}\n{\"step\": 2, \"lo",
+    )
+    .unwrap();
+    let (code, _, err) = phalanx(&["report", log.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("its last line (3) is cut short"), "{err}");
+    assert!(d.join("report.html").exists());
+    std::fs::write(&log, "{\"step\": 0, \"loss\": 1.0}\n{\"step\": 2, \"lo\n").unwrap();
+    let (code, _, err) = phalanx(&["report", log.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("line 2 is not a step"), "{err}");
     let empty = fresh_dir("phalanx-report", "empty");
     let (code, _, err) = phalanx(&["report", empty.to_str().unwrap()]);
     assert_eq!(code, 1);

@@ -134,18 +134,29 @@ fn text(v: &Value) -> String {
 }
 
 /// A JSON log: one object per line (as `--log-json` writes). A line that
-/// is not a JSON object is an error naming it.
-pub fn read_log(path: &Path) -> Result<Vec<Value>> {
+/// is not a JSON object is an error naming it, except a last line cut
+/// short (no newline after it: a run still writing, or one killed
+/// mid-line), which is left out with a note (the second value).
+pub fn read_log(path: &Path) -> Result<(Vec<Value>, Option<String>)> {
     let text = crate::fsutil::read_text_capped("the JSON log", path, crate::fsutil::LOG_CAP)
         .map_err(|e| Error::Io(format!("cannot read it: {e}")))?;
     let mut out = Vec::new();
-    for (i, line) in text
-        .lines()
+    let mut note = None;
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines
+        .iter()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
     {
         match serde_json::from_str::<Value>(line) {
             Ok(v) if v.is_object() && v["step"].is_u64() => out.push(v),
+            _ if i + 1 == lines.len() && !text.ends_with('\n') => {
+                note = Some(format!(
+                    "{}: its last line ({}) is cut short (a run still writing it?): left out",
+                    path.display(),
+                    i + 1
+                ));
+            }
             _ => {
                 return Err(Error::Check(format!(
                     "{}: line {} is not a step of a Phalanx JSON log",
@@ -161,7 +172,7 @@ pub fn read_log(path: &Path) -> Result<Vec<Value>> {
             path.display()
         )));
     }
-    Ok(out)
+    Ok((out, note))
 }
 
 fn series(steps: &[Value], key: &str) -> Vec<(f64, f64)> {

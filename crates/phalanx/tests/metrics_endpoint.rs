@@ -121,6 +121,16 @@ fn a_header_just_over_the_limit_gets_431() {
     let reply = String::from_utf8_lossy(&reply);
     assert!(reply.starts_with("HTTP/1.1 431"), "{reply}");
     assert!(scrape(addr).starts_with("HTTP/1.1 200"));
+    // A whole head a little over the limit, ended: 431 too (one read past
+    // the limit used to find its end and take it).
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut req = b"GET /metrics HTTP/1.1\r\nX-Big: ".to_vec();
+    req.resize(MAX_HEADER + 300, b'b');
+    req.extend_from_slice(b"\r\n\r\n");
+    s.write_all(&req).unwrap();
+    let reply = read_until_closed(&mut s, Duration::from_secs(30));
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 431"), "{reply}");
 }
 
 #[test]
@@ -178,4 +188,24 @@ fn idle_connections_are_shed_and_scrapes_go_on() {
         let got = read_until_closed(s, Duration::from_secs(30));
         assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
     }
+}
+
+/// A bind that fails names the key at fault: the port when it is taken,
+/// the host when it is no address of this machine.
+#[test]
+fn a_failed_bind_names_the_key_at_fault() {
+    let (_e, addr) = exporter();
+    let taken = Exporter::start("127.0.0.1", addr.port())
+        .err()
+        .expect("in use");
+    assert!(
+        taken.to_string().contains("monitor.prometheus_port"),
+        "{taken}"
+    );
+    // (192.0.2.0/24 is documentation's own range: on no machine.)
+    let elsewhere = Exporter::start("192.0.2.1", 0).err().expect("not ours");
+    assert!(
+        elsewhere.to_string().contains("monitor.prometheus_host"),
+        "{elsewhere}"
+    );
 }

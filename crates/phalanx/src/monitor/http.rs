@@ -147,15 +147,18 @@ fn read_head(s: &mut TcpStream, deadline: Instant) -> Result<Vec<u8>, Option<Rep
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     loop {
-        if let Some(end) = head_end(&buf) {
-            buf.truncate(end);
-            return Ok(buf);
-        }
-        if buf.len() > MAX_HEADER {
+        let end = head_end(&buf);
+        // (A whole head read in one go is measured too, not only one that
+        // is still coming.)
+        if end.unwrap_or(buf.len()) > MAX_HEADER {
             return Err(Some(Reply::text(
                 431,
                 &format!("request header over {MAX_HEADER} bytes\n"),
             )));
+        }
+        if let Some(end) = end {
+            buf.truncate(end);
+            return Ok(buf);
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {

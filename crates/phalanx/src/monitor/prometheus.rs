@@ -114,9 +114,15 @@ impl Exporter {
     /// Bind `host:port` and serve in a thread.
     pub fn start(host: &str, port: u16) -> Result<Exporter> {
         let listener = std::net::TcpListener::bind((host, port)).map_err(|e| {
-            Error::Io(format!(
-                "monitor.prometheus_port: cannot serve metrics on {host}:{port}: {e}"
-            ))
+            // A port in use or reserved is the port's fault; a name that
+            // does not resolve, or an address of another machine, the host's.
+            let key = match e.kind() {
+                std::io::ErrorKind::AddrInUse | std::io::ErrorKind::PermissionDenied => {
+                    "monitor.prometheus_port"
+                }
+                _ => "monitor.prometheus_host",
+            };
+            Error::Io(format!("{key}: cannot serve metrics on {host}:{port}: {e}"))
         })?;
         let addr = listener
             .local_addr()
