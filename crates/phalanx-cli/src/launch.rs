@@ -113,7 +113,7 @@ pub(crate) fn num_cpus_online() -> usize {
 
 /// Set for the workers of `relaunch_self`: their launcher checked the
 /// command's outputs before starting them (see `train`).
-pub const OUTPUTS_CHECKED: &str = "PHALANX_OUTPUTS_CHECKED";
+pub const OUTPUTS_CHECKED: &str = phalanx::config::LAUNCHER_CHECKED;
 
 /// Run this very command again as `nproc` local ranks of a job (commands
 /// such as `phalanx train` launch themselves when started by hand).

@@ -639,6 +639,10 @@ impl std::error::Error for ConfigError {}
 
 type Result<T> = std::result::Result<T, ConfigError>;
 
+/// Set by `phalanx train` for the ranks it starts: it checked the outputs
+/// and printed the config's warnings and notes before they started.
+pub const LAUNCHER_CHECKED: &str = "PHALANX_OUTPUTS_CHECKED";
+
 impl TrainConfig {
     /// [`TrainConfig::build_for`] without a model section ([`NoModel`]).
     pub fn build(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig> {
@@ -666,8 +670,10 @@ impl TrainConfig {
     ) -> Result<TrainConfig> {
         let (cfg, warnings) = Self::build_with_warnings_for(schema, file, overrides)?;
         // Inside a job every rank builds the config: rank 0 speaks for all
-        // (torchrun's, mpirun's or srun's rank).
-        if phalanx_comm::JobSizes::from_env().map_or(true, |j| j.rank == 0) {
+        // (torchrun's, mpirun's or srun's rank), unless the launcher of
+        // `phalanx train` did already.
+        let said = std::env::var_os(LAUNCHER_CHECKED).is_some();
+        if !said && phalanx_comm::JobSizes::from_env().map_or(true, |j| j.rank == 0) {
             for w in &warnings {
                 eprintln!("warning: {w}");
             }
