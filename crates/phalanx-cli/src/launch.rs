@@ -113,7 +113,7 @@ pub(crate) fn num_cpus_online() -> usize {
 
 /// Set for the workers of `relaunch_self`: their launcher checked the
 /// command's outputs before starting them (see `train`).
-pub const OUTPUTS_CHECKED: &str = phalanx::config::LAUNCHER_CHECKED;
+pub const OUTPUTS_CHECKED: &str = "PHALANX_OUTPUTS_CHECKED";
 
 /// Run this very command again as `nproc` local ranks of a job (commands
 /// such as `phalanx train` launch themselves when started by hand).
@@ -128,8 +128,13 @@ pub fn relaunch_self(launch: &LaunchOpts, nproc: usize) -> i32 {
         nproc_per_node: Some(nproc),
         ..launch.clone()
     };
-    // The workers inherit it: this process checked the outputs already.
+    // The workers inherit it: this process checked the outputs already,
+    // and said what the config gave it to say.
     std::env::set_var(OUTPUTS_CHECKED, "1");
+    std::env::set_var(
+        phalanx::config::CONFIG_SAID,
+        phalanx::config::TrainConfig::said().join("\n"),
+    );
     run(&lo, &cmd)
 }
 

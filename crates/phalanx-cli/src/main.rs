@@ -181,7 +181,7 @@ fn pet_flags(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
         .and_then(|a| a.to_str())
         .is_some_and(|c| matches!(c, "run" | "train"));
     // (`run` always launches; `train` inside a job is a worker.)
-    let worker = args[1].to_str() == Some("train") && launch::in_job();
+    let worker = args.get(1).and_then(|a| a.to_str()) == Some("train") && launch::in_job();
     if !launches || worker {
         return args;
     }

@@ -100,6 +100,9 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
         // Check what can be checked before starting any process.
         if let Err(e) = crate::local_ranks::check(n) {
             eprintln!("phalanx train: {e}");
+            if let Some(note) = crate::launch::env_flag_note(&e) {
+                eprintln!("{note}");
+            }
             return 2;
         }
         // The batch numbers a DeepSpeed-style config leaves to derive are

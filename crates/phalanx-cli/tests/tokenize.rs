@@ -482,6 +482,11 @@ fn bad_inputs_are_named() {
     );
     let r = tokenize("--encoding byte GOOD BLANK OUT", paths);
     assert!(r.code == 1 && r.err.contains("--output-dir"), "{r}");
+    // A run stopped by a bad record before its first shard leaves its
+    // state; other options then start over without --force.
+    let r = tokenize("--encoding byte --output-dir OUT GOOD BROKEN", paths);
+    assert_eq!(r.code, 1, "{r}");
+    assert!(d.join("out/tokenize.json").exists(), "{r}");
     // Skipped instead, and counted.
     let t = "--encoding byte --output-dir OUT --on-bad-record skip GOOD BROKEN NOFIELD LATIN1";
     let r = tokenize(t, paths);

@@ -4,8 +4,8 @@
 //! `MASTER_ADDR`, rank 0 on another host without `PHALANX_SECRET`) would
 //! otherwise print nothing until `PHALANX_TIMEOUT` (300 s by default) ends
 //! the wait. A [`Waiting`] says what it waits for after 10 s, 30 s and 60 s,
-//! then every minute, with the time left; the final timeout error is
-//! unchanged.
+//! then every minute, with the time left (of `PHALANX_TIMEOUT`, or of the
+//! timeout the caller was given); the final timeout error is unchanged.
 
 use std::time::{Duration, Instant};
 
@@ -57,7 +57,7 @@ impl Waiting {
         }
         let left = self.deadline.saturating_duration_since(now);
         Some(format!(
-            "[phalanx] {} ({:.0} s so far; giving up in {:.0} s, see PHALANX_TIMEOUT)",
+            "[phalanx] {} ({:.0} s so far; giving up in {:.0} s)",
             what(),
             waited.as_secs_f64(),
             left.as_secs_f64()
@@ -81,8 +81,7 @@ mod tests {
                 if s == 10 {
                     assert_eq!(
                         line,
-                        "[phalanx] still waiting for rank 1 (10 s so far; giving up in 290 s, \
-                         see PHALANX_TIMEOUT)"
+                        "[phalanx] still waiting for rank 1 (10 s so far; giving up in 290 s)"
                     );
                 }
             }

@@ -307,46 +307,76 @@ fn a_directory_resumes_its_newest_step_by_its_own_names() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// `latest` names the checkpoint to resume, unless a newer step was saved
-/// after it was written (a save killed between its rename and `latest`):
-/// that one comes first. A newer step written before `latest` (an older
-/// run's, or `latest` set back by hand) stays behind it.
+/// `latest` names the checkpoint to resume, unless a newer step was
+/// committed after what it names (a save killed between its rename and
+/// `latest`; its metadata says `after`): that one comes first, with any
+/// committed after it in turn. A newer step of another line (an older
+/// run's, or one `latest` was set back past by hand) stays behind it.
 #[test]
-fn a_step_saved_after_latest_was_written_comes_first() {
+fn a_step_committed_after_latest_comes_first() {
     let root = fresh("latest-stale");
-    let at = |name: &str, secs: u64| {
-        let f = std::fs::File::options()
-            .write(true)
-            .open(root.join(name))
-            .unwrap();
-        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000 + secs);
-        f.set_modified(t).unwrap();
+    let after = |step: usize, prev: &str| {
+        let mut m: serde_json::Value = serde_json::from_str(&metadata(step)).unwrap();
+        m["after"] = prev.into();
+        m.to_string()
     };
-    for step in [8, 12, 14] {
-        dir_with(&root, &step_dir_name(step), Some(&metadata(step)));
-    }
+    dir_with(&root, &step_dir_name(8), Some(&metadata(8)));
+    // An abandoned line: 12 came after 10, which is gone.
+    dir_with(
+        &root,
+        &step_dir_name(12),
+        Some(&after(12, &step_dir_name(10))),
+    );
+    // This line: 9 after 8 (`latest` not updated), then 14 after 9.
+    dir_with(&root, &step_dir_name(9), Some(&after(9, &step_dir_name(8))));
+    dir_with(
+        &root,
+        &step_dir_name(14),
+        Some(&after(14, &step_dir_name(8))),
+    );
     rotate::write_latest(&root, &step_dir_name(8)).unwrap();
-    // Step 12 was saved before `latest` named step 8 (set back), step 14
-    // after it (its save was killed before it wrote `latest`).
-    at(&format!("{}/metadata.json", step_dir_name(12)), 10);
-    at("latest", 20);
-    at(&format!("{}/metadata.json", step_dir_name(8)), 5);
-    at(&format!("{}/metadata.json", step_dir_name(14)), 30);
-    let list = phalanx::checkpoint::list(&root);
-    let names: Vec<String> = list
-        .iter()
-        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-        .collect();
+    let names = || -> Vec<String> {
+        phalanx::checkpoint::list(&root)
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    };
+    // 9 and 14 both came after 8; the chain takes the lower one first, and
+    // 14 (after 8, not after 9) is not part of it.
     assert_eq!(
-        names,
-        [step_dir_name(14), step_dir_name(8), step_dir_name(12)]
+        names(),
+        [
+            step_dir_name(9),
+            step_dir_name(8),
+            step_dir_name(14),
+            step_dir_name(12)
+        ]
+    );
+    std::fs::remove_dir_all(root.join(step_dir_name(9))).unwrap();
+    dir_with(&root, &step_dir_name(9), Some(&after(9, &step_dir_name(8))));
+    std::fs::remove_dir_all(root.join(step_dir_name(14))).unwrap();
+    dir_with(
+        &root,
+        &step_dir_name(14),
+        Some(&after(14, &step_dir_name(9))),
     );
     assert_eq!(
         phalanx::checkpoint::find(&root).unwrap(),
         root.join(step_dir_name(14))
     );
-    // Without it, `latest` wins over the newer step 12.
-    std::fs::remove_dir_all(root.join(step_dir_name(14))).unwrap();
+    assert_eq!(
+        names(),
+        [
+            step_dir_name(14),
+            step_dir_name(9),
+            step_dir_name(8),
+            step_dir_name(12)
+        ]
+    );
+    // Without the chain, `latest` wins over the newer step 12.
+    for s in [9, 14] {
+        std::fs::remove_dir_all(root.join(step_dir_name(s))).unwrap();
+    }
     assert_eq!(
         phalanx::checkpoint::find(&root).unwrap(),
         root.join(step_dir_name(8))

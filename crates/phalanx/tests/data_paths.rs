@@ -316,6 +316,11 @@ fn a_json_file_is_json_lines_and_an_array_is_named() {
     std::fs::write(&p, "{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
     let docs = documents(&p, "text", "data.field", 1).unwrap();
     assert_eq!(docs, vec![Ok("one".to_string()), Ok("two".to_string())]);
+    // A byte-order mark before the first record is read past.
+    let bom = d.join("bom.jsonl");
+    std::fs::write(&bom, "\u{feff}{\"text\": \"one\"}\n{\"text\": \"two\"}\n").unwrap();
+    let docs = documents(&bom, "text", "data.field", 1).unwrap();
+    assert_eq!(docs, vec![Ok("one".to_string()), Ok("two".to_string())]);
     std::fs::write(&p, "[{\"text\": \"one\"}, {\"text\": \"two\"}]\n").unwrap();
     let docs = documents(&p, "text", "data.field", 1).unwrap();
     let (line, why) = docs[0].clone().unwrap_err();

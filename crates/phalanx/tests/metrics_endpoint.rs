@@ -202,10 +202,12 @@ fn a_failed_bind_names_the_key_at_fault() {
         taken.to_string().contains("monitor.prometheus_port"),
         "{taken}"
     );
-    // (192.0.2.0/24 is documentation's own range: on no machine.)
-    let elsewhere = Exporter::start("192.0.2.1", 0).err().expect("not ours");
-    assert!(
-        elsewhere.to_string().contains("monitor.prometheus_host"),
-        "{elsewhere}"
-    );
+    // (192.0.2.0/24 is documentation's own range: on no machine. A host
+    // that allows binding any address, ip_nonlocal_bind, says nothing.)
+    if let Err(elsewhere) = Exporter::start("192.0.2.1", 0) {
+        assert!(
+            elsewhere.to_string().contains("monitor.prometheus_host"),
+            "{elsewhere}"
+        );
+    }
 }

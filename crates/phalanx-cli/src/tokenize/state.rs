@@ -162,7 +162,9 @@ pub fn open_dir(dir: &Path, new: &Settings, force: bool) -> Result<Start, String
         remove(dir, names.iter().filter(|n| is_temp(n, None)))?;
         return Ok(Start::Fresh);
     };
-    if force {
+    // A run that wrote no shard (stopped by bad input, say) has nothing
+    // to keep: other options start over without `--force`.
+    if force || (old.shards.is_empty() && !old.complete) {
         remove(dir, names.iter())?;
         return Ok(Start::Fresh);
     }

@@ -698,9 +698,16 @@ fn accept_higher(
                 )));
             }
             waiting.tick(|| {
+                // (The first few: a large job's list would fill the line.)
+                let m = missing();
+                let shown: Vec<String> = m.iter().take(8).map(|j| j.to_string()).collect();
+                let more = match m.len().saturating_sub(8) {
+                    0 => String::new(),
+                    n => format!(" and {n} more"),
+                };
                 format!(
-                    "rank {rank}: still waiting for ranks {:?} of {world} to connect",
-                    missing()
+                    "rank {rank}: still waiting for ranks [{}]{more} of {world} to connect",
+                    shown.join(", ")
                 )
             });
         }

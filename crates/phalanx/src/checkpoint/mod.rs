@@ -201,6 +201,12 @@ pub struct Metadata {
     /// where one was known: a restarted attempt resumes only its own job's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
+    /// What `latest` named when this checkpoint was committed, before it
+    /// was pointed here: a save killed between its rename and `latest`
+    /// leaves a checkpoint `after` what `latest` still names, which a
+    /// resume takes first (see `read::list`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
 }
 
 impl Metadata {

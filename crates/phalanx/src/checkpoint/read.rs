@@ -46,30 +46,41 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
         .into_iter()
         .map(|(_, p)| p)
         .collect();
-    // `latest` first, when it names one of them: after the newer ones
-    // saved since it was written. A save renames its checkpoint into place
-    // and then writes `latest`, so a process killed between the two leaves
-    // a complete checkpoint that `latest` does not name yet; a newer step
-    // written before `latest` was (a run resumed from an older step and
-    // saved since, or `latest` set by hand to roll back) stays behind it.
-    let latest = root.join("latest");
-    if let Ok(l) = crate::fsutil::read_text_capped("latest", &latest, 4096) {
-        let l = root.join(l.trim());
-        if let Some(i) = v.iter().position(|p| *p == l) {
-            let written = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-            let since = written(&latest);
-            let newer: Vec<PathBuf> = v.drain(..i).collect();
-            let (saved_since, before): (Vec<PathBuf>, Vec<PathBuf>) =
-                newer.into_iter().partition(|p| {
-                    since.is_some_and(|t| written(&p.join("metadata.json")).is_some_and(|m| m > t))
-                });
-            let l = v.remove(0);
-            v = saved_since
-                .into_iter()
-                .chain([l])
-                .chain(before)
-                .chain(v)
-                .collect();
+    // `latest` first, when it names one of them, after the newer ones
+    // committed since it was written: a save renames its checkpoint into
+    // place and then points `latest` at it, so a process killed between
+    // the two (or a `latest` that could not be written) leaves a complete
+    // checkpoint whose metadata says it came `after` what `latest` still
+    // names. A newer step from before (a run resumed from an older step,
+    // or `latest` set back by hand to roll back) stays behind it.
+    if let Ok(l) = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096) {
+        let l = l.trim().to_string();
+        if let Some(i) = v
+            .iter()
+            .position(|p| p.file_name().is_some_and(|n| *n == *l))
+        {
+            let after = |p: &Path| -> Option<String> {
+                let text = crate::fsutil::read_text_capped(
+                    "checkpoint metadata",
+                    &p.join("metadata.json"),
+                    crate::fsutil::METADATA_CAP,
+                )
+                .ok()?;
+                let m: serde_json::Value = serde_json::from_str(&text).ok()?;
+                m.get("after")?.as_str().map(str::to_string)
+            };
+            // The chain from `latest` upwards (v is newest first).
+            let mut chain = vec![i];
+            for k in (0..i).rev() {
+                let tip = v[*chain.last().expect("non-empty")].file_name();
+                let tip = tip.map(|n| n.to_string_lossy().into_owned());
+                if tip.is_some() && after(&v[k]) == tip {
+                    chain.push(k);
+                }
+            }
+            let first: Vec<PathBuf> = chain.iter().rev().map(|&k| v[k].clone()).collect();
+            v.retain(|p| !first.contains(p));
+            v = first.into_iter().chain(v).collect();
         }
     }
     v

@@ -365,6 +365,10 @@ fn commit(
         entries,
         rank_state,
         job: header.job.clone(),
+        after: crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096)
+            .ok()
+            .map(|l| l.trim().to_string())
+            .filter(|l| !l.is_empty()),
     };
     let io = |what: &str, p: &Path, e: std::io::Error| {
         Error::Io(format!("checkpoint: {what} {}: {e}", p.display()))

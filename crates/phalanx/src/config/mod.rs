@@ -639,9 +639,12 @@ impl std::error::Error for ConfigError {}
 
 type Result<T> = std::result::Result<T, ConfigError>;
 
-/// Set by `phalanx train` for the ranks it starts: it checked the outputs
-/// and printed the config's warnings and notes before they started.
-pub const LAUNCHER_CHECKED: &str = "PHALANX_OUTPUTS_CHECKED";
+/// Set by a launcher for the ranks it starts: the config's warnings and
+/// notes it printed already, one per line (rank 0 prints the others).
+pub const CONFIG_SAID: &str = "PHALANX_CONFIG_SAID";
+
+/// What [`TrainConfig::build_for`] printed in this process.
+static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 impl TrainConfig {
     /// [`TrainConfig::build_for`] without a model section ([`NoModel`]).
@@ -670,18 +673,30 @@ impl TrainConfig {
     ) -> Result<TrainConfig> {
         let (cfg, warnings) = Self::build_with_warnings_for(schema, file, overrides)?;
         // Inside a job every rank builds the config: rank 0 speaks for all
-        // (torchrun's, mpirun's or srun's rank), unless the launcher of
-        // `phalanx train` did already.
-        let said = std::env::var_os(LAUNCHER_CHECKED).is_some();
-        if !said && phalanx_comm::JobSizes::from_env().map_or(true, |j| j.rank == 0) {
-            for w in &warnings {
-                eprintln!("warning: {w}");
-            }
-            for n in cfg.notes() {
-                eprintln!("note: {n}");
+        // (torchrun's, mpirun's or srun's rank), but not again what the
+        // launcher of `phalanx train` said before it started the ranks
+        // (`CONFIG_SAID`; the ranks, inside the job, may have more to say).
+        if phalanx_comm::JobSizes::from_env().map_or(true, |j| j.rank == 0) {
+            let before = std::env::var(CONFIG_SAID).unwrap_or_default();
+            let lines = warnings
+                .iter()
+                .map(|w| format!("warning: {w}"))
+                .chain(cfg.notes().into_iter().map(|n| format!("note: {n}")));
+            let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+            for l in lines {
+                if !before.lines().any(|b| b == l) {
+                    eprintln!("{l}");
+                }
+                said.push(l);
             }
         }
         Ok(cfg)
+    }
+
+    /// The warnings and notes [`TrainConfig::build_for`] printed in this
+    /// process (a launcher passes them to its ranks as `CONFIG_SAID`).
+    pub fn said() -> Vec<String> {
+        SAID.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// [`TrainConfig::build_for`], returning the warnings instead of printing them.

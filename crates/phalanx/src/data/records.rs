@@ -130,6 +130,9 @@ pub fn record_text(
 ) -> std::result::Result<String, String> {
     let s = std::str::from_utf8(line)
         .map_err(|e| format!("not valid UTF-8 at byte {} of the line", e.valid_up_to()))?;
+    // A byte-order mark (Windows tools write one at the start of a file)
+    // is never JSON: read past it, as Python's `utf-8-sig` does.
+    let s = s.strip_prefix('\u{feff}').unwrap_or(s);
     // A whole JSON array (on one line or spread over many) is a file of
     // another shape, not a bad record: say which.
     let array = || {

@@ -154,7 +154,8 @@ impl DataLoader {
                         "the checkpoint was trained on other data, which would silently change \
                          the samples of the resumed run: {d}; resume with the checkpoint's data \
                          config, start a new run, or set data.on_resume_mismatch = \"warn\" to \
-                         continue at its position in this data"
+                         continue at its position in this data{}",
+                        val_shards_left_out(&saved, &now)
                     )));
                 }
                 warning = Some(format!(
@@ -263,5 +264,50 @@ pub(crate) fn first_difference_as(
         }
         (x, y) if x == y => None,
         (x, y) => Some(format!("{key}: {na} {x}, {nb} {y}")),
+    }
+}
+
+/// A hint where the saved files hold a `phalanx tokenize` validation shard
+/// (`*_val_NNNNNN.bin`) that the data now leaves out: a tokenize output
+/// directory trained on its validation shard before it was left out.
+fn val_shards_left_out(saved: &serde_json::Value, now: &serde_json::Value) -> String {
+    let names = |v: &serde_json::Value| -> Vec<String> {
+        v.to_string()
+            .split('"')
+            .filter(|s| {
+                s.ends_with(".bin")
+                    && s.rsplit_once("_val_").is_some_and(|(_, n)| {
+                        let n = &n[..n.len() - 4];
+                        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
+                    })
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    let now = names(now);
+    match names(saved).into_iter().find(|n| !now.contains(n)) {
+        Some(n) => format!(
+            " (the checkpoint trained on {n}, a phalanx tokenize validation shard that a \
+             tokenize output directory as data.path now leaves out: give data.path = \
+             \"DIR/*.bin\" to read it as the checkpoint did)"
+        ),
+        None => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::val_shards_left_out;
+    use serde_json::json;
+
+    #[test]
+    fn a_validation_shard_left_out_is_named() {
+        let saved = json!({"sources": [{"files": [["data_val_000000.bin", 10], ["data_train_000001.bin", 20]]}]});
+        let now = json!({"sources": [{"files": [["data_train_000001.bin", 20]]}]});
+        let hint = val_shards_left_out(&saved, &now);
+        assert!(hint.contains("trained on data_val_000000.bin"), "{hint}");
+        assert_eq!(val_shards_left_out(&saved, &saved), "");
+        let other = json!({"sources": [{"files": [["my_val_set.bin", 10]]}]});
+        assert_eq!(val_shards_left_out(&other, &now), "");
     }
 }
