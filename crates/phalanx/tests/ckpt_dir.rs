@@ -309,9 +309,10 @@ fn a_directory_resumes_its_newest_step_by_its_own_names() {
 
 /// `latest` names the checkpoint to resume, unless a newer step was
 /// committed after what it names (a save killed between its rename and
-/// `latest`; its metadata says `after`): that one comes first, with any
-/// committed after it in turn. A newer step of another line (an older
-/// run's, or one `latest` was set back past by hand) stays behind it.
+/// `latest`; its metadata says `after`, and is newer than `latest`): that
+/// one comes first, with any committed after it in turn. A newer step of
+/// another line (an older run's), or one `latest` was set back past by
+/// hand (`latest` is newer), stays behind it.
 #[test]
 fn a_step_committed_after_latest_comes_first() {
     let root = fresh("latest-stale");
@@ -335,6 +336,16 @@ fn a_step_committed_after_latest_comes_first() {
         Some(&after(14, &step_dir_name(8))),
     );
     rotate::write_latest(&root, &step_dir_name(8)).unwrap();
+    // `latest` was written before the steps after it (file times).
+    let at = |name: &str, secs: u64| {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(root.join(name))
+            .unwrap();
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000 + secs);
+        f.set_modified(t).unwrap();
+    };
+    at("latest", 0);
     let names = || -> Vec<String> {
         phalanx::checkpoint::list(&root)
             .iter()
@@ -373,6 +384,14 @@ fn a_step_committed_after_latest_comes_first() {
             step_dir_name(12)
         ]
     );
+    // `latest` set back by hand to step 8 after 9 and 14 were written: a
+    // rollback, which the chain does not undo.
+    at("latest", 4_000_000_000);
+    assert_eq!(
+        phalanx::checkpoint::find(&root).unwrap(),
+        root.join(step_dir_name(8))
+    );
+    at("latest", 0);
     // Without the chain, `latest` wins over the newer step 12.
     for s in [9, 14] {
         std::fs::remove_dir_all(root.join(step_dir_name(s))).unwrap();

@@ -51,9 +51,15 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
     // place and then points `latest` at it, so a process killed between
     // the two (or a `latest` that could not be written) leaves a complete
     // checkpoint whose metadata says it came `after` what `latest` still
-    // names. A newer step from before (a run resumed from an older step,
-    // or `latest` set back by hand to roll back) stays behind it.
-    if let Ok(l) = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096) {
+    // names, and was written after `latest` was. A newer step of another
+    // line (a run resumed from an older step) is not after it, and one
+    // `latest` was set back past by hand was written before it: both stay
+    // behind it. (Both tests: a copy that does not keep file times
+    // scrambles them, and the `after` chain alone cannot tell a hand edit.)
+    let latest = root.join("latest");
+    if let Ok(l) = crate::fsutil::read_text_capped("latest", &latest, 4096) {
+        let written = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        let since = written(&latest);
         let l = l.trim().to_string();
         if let Some(i) = v
             .iter()
@@ -74,7 +80,11 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
             for k in (0..i).rev() {
                 let tip = v[*chain.last().expect("non-empty")].file_name();
                 let tip = tip.map(|n| n.to_string_lossy().into_owned());
-                if tip.is_some() && after(&v[k]) == tip {
+                let later = match (since, written(&v[k].join("metadata.json"))) {
+                    (Some(l), Some(m)) => m >= l,
+                    _ => true,
+                };
+                if tip.is_some() && after(&v[k]) == tip && later {
                     chain.push(k);
                 }
             }
