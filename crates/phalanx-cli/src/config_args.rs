@@ -7,8 +7,9 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct ConfigArgs {
-    /// A TOML file with sections model, data, train, optim, parallel, log,
-    /// or a DeepSpeed config (a `.json` file).
+    /// A TOML file of the config's sections (model, data, train, optim,
+    /// parallel, log, ...; `--print-config` shows them all), or a
+    /// DeepSpeed config (a `.json` file).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// A DeepSpeed config (ds_config.json); the same as `--config FILE.json`.

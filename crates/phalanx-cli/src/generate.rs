@@ -170,10 +170,18 @@ fn run(o: &GenerateOpts) -> phalanx::Result<()> {
         // The byte tokenizer (data.tokenizer's default) on a downloaded
         // model of 32000+ ids would sample ids 0-255 and print bytes.
         return Err(phalanx::Error::Check(format!(
-            "{}: no tokenizer: no tokenizer.json beside the weights and none recorded in its \
-             config.json; give --set data.tokenizer=PATH/tokenizer.json (or =byte for a model \
-             trained on bytes)",
-            o.model.display()
+            "{}: no tokenizer: no tokenizer.json beside the weights and none recorded in {}; \
+             give --set data.tokenizer=PATH/tokenizer.json (or =byte for a model trained on \
+             bytes)",
+            o.model.display(),
+            if phalanx_models::common::hf::model_dir(&o.model)
+                .join("config.json")
+                .is_file()
+            {
+                "its config.json"
+            } else {
+                "a config.json (there is none beside it)"
+            }
         )));
     }
     // What data.tokenizer names (the file beside the weights arrives as

@@ -53,7 +53,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<String>,
     },
-    /// Train a GPT-2 (default: gpt-tiny on data/corpus.txt, 2 local ranks).
+    /// Train a model: GPT-2, Llama or Qwen2 (default: gpt-tiny on data/corpus.txt, 2 local
+    /// ranks).
     Train {
         #[command(flatten)]
         opts: train::TrainOpts,
@@ -67,7 +68,7 @@ enum Cmd {
         #[command(flatten)]
         opts: plan::PlanOpts,
     },
-    /// Sample text from a trained (or Hugging Face) GPT-2.
+    /// Sample text from a trained (or Hugging Face) model: a checkpoint or weights.
     Generate {
         #[command(flatten)]
         opts: generate::GenerateOpts,

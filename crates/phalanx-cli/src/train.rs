@@ -409,11 +409,15 @@ fn as_rank(
             m.shape(),
             m.num_params
         );
+        let tokens = match (loader.streams_text(), loader.train_tokens()) {
+            (true, 0) => "train text tokenized as it streams".to_string(),
+            (true, n) => format!("{n} train tokens + text tokenized as it streams"),
+            (false, n) => format!("{n} train"),
+        };
         println!(
-            "{model}, data {} ({} tokenizer): {} train / {} val tokens",
+            "{model}, data {} ({} tokenizer): {tokens} / {} val tokens",
             cfg.data.describe(),
             cfg.data.tokenizer,
-            loader.train_tokens(),
             loader.val_tokens()
         );
         for n in loader.notes() {

@@ -509,6 +509,15 @@ fn the_config_refuses_what_diloco_does_not_compose_with() {
         let e = build(&s).expect_err(&format!("{s:?} should be refused"));
         assert!(e.to_string().contains(key), "{s:?}: {e}");
     }
+    // The hook alone is named alone (not a reduce_dtype left at its default).
+    let e = build(&["diloco.inner_steps=4", "parallel.comm_hook=int8"]).expect_err("hook");
+    assert!(!e.to_string().contains("reduce_dtype"), "{e}");
+    let e = build(&["diloco.inner_steps=4", "train.reduce_dtype=\"bf16\""]).expect_err("dtype");
+    assert!(
+        e.to_string().contains("train.reduce_dtype = bf16 chooses")
+            && !e.to_string().contains("comm_hook"),
+        "{e}"
+    );
     let on = build(&["diloco.enabled=true", "diloco.inner_steps=4"]).unwrap();
     assert!(on.diloco.on());
     assert!(build(&["diloco.inner_steps=4"]).unwrap().diloco.on());

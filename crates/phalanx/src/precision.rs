@@ -231,6 +231,17 @@ impl LossScaler {
         d.iter += 1;
     }
 
+    /// After an overflow that did not lower the scale, what kept it: a
+    /// static scale, the minimum, or the hysteresis (as the config names
+    /// them).
+    pub fn kept_by(&self) -> &'static str {
+        match &self.dynamic {
+            None => "a static fp16.loss_scale",
+            Some(d) if self.scale <= d.min_scale => "at fp16.min_loss_scale",
+            Some(_) => "fp16.hysteresis",
+        }
+    }
+
     /// After [`LossScaler::update`]: an error once [`FLOOR_OVERFLOWS`]
     /// steps in a row have overflowed at the minimum scale
     /// (`fp16.min_loss_scale`), where lowering the scale no longer helps
@@ -389,6 +400,25 @@ mod tests {
             n.update(true);
         }
         assert!(f.check_floor().is_ok() && n.check_floor().is_ok());
+    }
+
+    #[test]
+    fn what_keeps_the_scale_is_named() {
+        assert_eq!(
+            LossScaler::fixed(1024.0).kept_by(),
+            "a static fp16.loss_scale"
+        );
+        let mut s = LossScaler::dynamic(ScalerConfig {
+            initial_scale_power: 2,
+            hysteresis: 2,
+            min_scale: 2.0,
+            ..ScalerConfig::default()
+        });
+        s.update(true); // held by the hysteresis
+        assert_eq!((s.scale(), s.kept_by()), (4.0, "fp16.hysteresis"));
+        s.update(true); // lowered to the minimum
+        s.update(true);
+        assert_eq!((s.scale(), s.kept_by()), (2.0, "at fp16.min_loss_scale"));
     }
 
     #[test]

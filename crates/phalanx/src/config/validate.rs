@@ -344,11 +344,23 @@ impl TrainConfig {
             ));
         }
         if p.comm_hook != super::CommHookKind::None || self.train.reduce_dtype != Precision::Fp32 {
+            // Name the key that was set (or both).
+            let set = match (
+                p.comm_hook != super::CommHookKind::None,
+                self.train.reduce_dtype != Precision::Fp32,
+            ) {
+                (true, false) => format!("parallel.comm_hook = {} chooses", p.comm_hook),
+                (false, true) => {
+                    format!("train.reduce_dtype = {} chooses", self.train.reduce_dtype)
+                }
+                _ => format!(
+                    "parallel.comm_hook = {} and train.reduce_dtype = {} choose",
+                    p.comm_hook, self.train.reduce_dtype
+                ),
+            };
             return bad(format!(
-                "parallel.comm_hook = {} / train.reduce_dtype = {} choose how gradients travel, but \
-                 DiLoCo's inner steps (diloco.inner_steps = {h}) send none; diloco.quantize = true sends \
-                 the pseudo-gradients in int8",
-                p.comm_hook, self.train.reduce_dtype
+                "{set} how gradients travel, but DiLoCo's inner steps (diloco.inner_steps = {h}) \
+                 send none; diloco.quantize = true sends the pseudo-gradients in int8"
             ));
         }
         if p.check_params_every > 0 && d.fragments > 1 {

@@ -445,6 +445,12 @@ impl Corpus {
         Some(n)
     }
 
+    /// Whether a source is text, tokenized as it streams (its tokens are
+    /// not counted ahead).
+    pub fn has_text(&self) -> bool {
+        self.sources.iter().any(|s| matches!(s, Source::Text(_)))
+    }
+
     pub fn train_tokens(&self) -> usize {
         self.sources
             .iter()

@@ -276,6 +276,12 @@ impl DataLoader {
         self.corpus.as_ref().map_or_else(Vec::new, |c| c.notes())
     }
 
+    /// Whether text is streamed and tokenized while training (a corpus's
+    /// text sources): `train_tokens` does not count it.
+    pub fn streams_text(&self) -> bool {
+        self.corpus.as_ref().is_some_and(|c| c.has_text())
+    }
+
     /// Training tokens (of a corpus: its token files'; text is streamed
     /// and not counted in advance).
     pub fn train_tokens(&self) -> usize {

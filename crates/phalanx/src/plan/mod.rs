@@ -385,19 +385,25 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let bad = || {
         format!("cannot read the memory size {s:?}: write e.g. 16GiB, 512MiB, 80GB or a number of bytes")
     };
-    let units: [(&str, f64); 13] = [
+    let units: [(&str, f64); 19] = [
         ("kib", 1024.0),
         ("mib", 1048576.0),
         ("gib", 1073741824.0),
         ("tib", 1099511627776.0),
+        ("pib", 1125899906842624.0),
+        ("eib", 1152921504606846976.0),
         ("kb", 1e3),
         ("mb", 1e6),
         ("gb", 1e9),
         ("tb", 1e12),
+        ("pb", 1e15),
+        ("eb", 1e18),
         ("k", 1024.0),
         ("m", 1048576.0),
         ("g", 1073741824.0),
         ("t", 1099511627776.0),
+        ("p", 1125899906842624.0),
+        ("e", 1152921504606846976.0),
         ("b", 1.0),
     ];
     let (num, mult) = units
@@ -406,7 +412,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .map(|(u, m)| (&t[..t.len() - u.len()], *m))
         .unwrap_or((t, 1.0));
     let v: f64 = num.trim().parse().map_err(|_| bad())?;
-    if !v.is_finite() || v <= 0.0 {
+    if !v.is_finite() || v < 0.0 {
         return Err(bad());
     }
     let bytes = v * mult;
@@ -457,5 +463,10 @@ mod tests {
         for bad in ["0.5", "1e30", "-1G"] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
+        // The bounds the message gives are sizes it reads.
+        assert!(parse_bytes("0").unwrap_err().contains("below 1MiB"));
+        assert_eq!(parse_bytes("1EiB").unwrap(), 1 << 60);
+        assert_eq!(parse_bytes("2PiB").unwrap(), 2 << 50);
+        assert!(parse_bytes("2EiB").unwrap_err().contains("above 1EiB"));
     }
 }

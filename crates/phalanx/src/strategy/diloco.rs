@@ -133,6 +133,21 @@ impl Schedule {
         (f + 1) * self.inner_steps / self.fragments
     }
 
+    /// Per fragment, the inner steps of a run of `steps` after its last
+    /// sync: the groups' own, not in the final model (the anchor).
+    pub fn left_out(&self, steps: usize) -> Vec<usize> {
+        (0..self.fragments)
+            .map(|f| {
+                let first = self.offset(f);
+                if steps < first {
+                    steps
+                } else {
+                    (steps - first) % self.inner_steps
+                }
+            })
+            .collect()
+    }
+
     /// Which sync of fragment `f` happens after `done` steps (0 for the
     /// first), if one does.
     pub fn sync_index(&self, f: usize, done: usize) -> Option<usize> {
@@ -689,6 +704,19 @@ mod tests {
         let at: Vec<usize> = (1..=9).filter(|&d| !one.syncing(d).is_empty()).collect();
         assert_eq!(at, vec![3, 6, 9]);
         assert_eq!(one.sync_index(0, 9), Some(2));
+        // What each fragment's last sync leaves out: one fragment, none at
+        // a multiple of H; staggered fragments, all but one some.
+        assert_eq!(one.left_out(9), [0]);
+        assert_eq!(one.left_out(10), [1]);
+        assert_eq!(one.left_out(2), [2]);
+        assert_eq!(s.left_out(25), [0, 15, 10, 5]);
+        assert_eq!(s.left_out(20), [15, 10, 5, 0]);
+        for (steps, lost) in [(25, s.left_out(25)), (47, s.left_out(47))] {
+            for (f, n) in lost.iter().enumerate() {
+                let last = (1..=steps).rev().find(|&d| s.syncing(d).contains(&f));
+                assert_eq!(*n, steps - last.unwrap_or(0), "fragment {f} of {steps}");
+            }
+        }
     }
 
     #[test]

@@ -265,7 +265,7 @@ impl StepLog {
                 if s.scale_after < s.loss_scale {
                     line += &format!(", scale lowered to {}", s.scale_after);
                 } else if s.loss_scale != 1.0 {
-                    line += ", scale kept (fp16.hysteresis)";
+                    line += &format!(", scale kept ({})", s.scale_kept_by);
                 }
             }
             println!("{line}");

@@ -58,6 +58,9 @@ pub struct StepStats {
     /// The loss scale after the step's update: after an overflow, halved,
     /// or kept while fp16.hysteresis holds it.
     pub scale_after: f64,
+    /// What keeps the scale after an overflow where it is not lowered
+    /// ([`crate::precision::LossScaler::kept_by`]).
+    pub scale_kept_by: &'static str,
     /// A non-finite gradient on some rank skipped the update (fp16, or
     /// `train.on_nonfinite = skip`).
     pub skipped: bool,
@@ -502,6 +505,7 @@ impl Trainer {
             comm_bytes_total: None,
             loss_scale: out.loss_scale,
             scale_after: self.scaler.scale(),
+            scale_kept_by: self.scaler.kept_by(),
             skipped: out.skipped,
             compute_ms: (secs - blocked).max(0.0) * 1e3,
             mfu: None,

@@ -355,7 +355,10 @@ impl Trainer {
         if let (Some(w), 0) = (warning, self.mesh.world().rank()) {
             eprintln!("warning: resuming from {}: {w}", dir.display());
         }
-        if self.mesh.world().rank() == 0 {
+        // A checkpoint of step 0 (weights imported by `phalanx checkpoint
+        // from-hf`) has no schedule or data position to continue.
+        let trained = reader.meta.step > 0;
+        if self.mesh.world().rank() == 0 && trained {
             // The schedule's length is train.steps unless optim.decay_steps
             // fixes it: a resume that changes train.steps reshapes the rate
             // from here on (a cosine at its floor starts decaying again).
@@ -372,7 +375,8 @@ impl Trainer {
                 );
             }
         }
-        if self.mesh.world().rank() == 0 && reader.meta.global_batch != self.global_batch {
+        if self.mesh.world().rank() == 0 && trained && reader.meta.global_batch != self.global_batch
+        {
             println!(
                 "note: {} was trained with a global batch of {}, this run uses {}: the data \
                  continues at sample {} (no sample repeated or skipped)",

@@ -67,13 +67,33 @@ impl Trainer {
                 },
             );
         }
-        let h = self.cfg.diloco.inner_steps;
-        if lead && opts.progress && self.cfg.diloco.on() && h > 0 && !steps.is_multiple_of(h) {
-            println!(
-                "note: train.steps = {steps} is not a multiple of diloco.inner_steps = {h}: the \
-                 last {} inner steps of each group are not in the final model (the anchor)",
-                steps % h
-            );
+        let (h, frags) = (
+            self.cfg.diloco.inner_steps,
+            self.cfg.diloco.fragments.max(1),
+        );
+        if lead && opts.progress && self.cfg.diloco.on() && h > 0 {
+            let lost = crate::strategy::diloco::Schedule {
+                inner_steps: h,
+                fragments: frags,
+            }
+            .left_out(steps);
+            if frags == 1 && lost[0] > 0 {
+                println!(
+                    "note: train.steps = {steps} is not a multiple of diloco.inner_steps = {h}: \
+                     the last {} inner steps of each group are not in the final model (the \
+                     anchor)",
+                    lost[0]
+                );
+            } else if lost.iter().any(|&n| n > 0) {
+                let each: Vec<String> = lost.iter().map(|n| n.to_string()).collect();
+                println!(
+                    "note: the {frags} fragments sync at staggered steps, so the final model \
+                     (the anchor) leaves out the last {} inner steps of fragments 0..{} \
+                     (train.steps = {steps}, diloco.inner_steps = {h})",
+                    each.join("/"),
+                    frags - 1
+                );
+            }
         }
         let mut report = Report::default();
         let every = self.cfg.checkpoint.interval;

@@ -284,11 +284,17 @@ impl Zero {
         let mut secondary = None;
         if hpz > 1 {
             let n = shard_pg.size();
-            if cfg.stage != 3 || !n.is_multiple_of(hpz) {
+            if cfg.stage != 3 {
                 return Err(Error::Check(format!(
-                    "zero_hpz_partition_size = {hpz} needs ZeRO stage 3 over a multiple of {hpz} ranks \
-                     (stage {}, {n} ranks)",
+                    "zero_hpz_partition_size = {hpz} needs ZeRO stage 3 (zero_optimization.stage \
+                     = {})",
                     cfg.stage
+                )));
+            }
+            if !n.is_multiple_of(hpz) {
+                return Err(Error::Check(format!(
+                    "zero_hpz_partition_size = {hpz} must divide the ranks that shard the \
+                     parameters ({n} here): give a divisor of {n}"
                 )));
             }
             // hpz divides g: blocks of hpz consecutive dp ranks lie inside
