@@ -221,7 +221,24 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
                 }
             }
         }
-        Err(e) => problems.push(e.to_string()),
+        Err(e) => {
+            problems.push(e.to_string());
+            // The files of the right size are checked all the same: one
+            // of them corrupt too must not look sound beside the one named.
+            for (i, good) in sha_ok.iter_mut().enumerate() {
+                let f = &meta.files[i];
+                if on_disk[i] == Some(f.bytes) {
+                    let same = phalanx::checkpoint::read::sha_matches(&dir, f).unwrap_or(false);
+                    *good = Some(same);
+                    if !same {
+                        problems.push(format!(
+                            "checkpoint file {} is corrupt: its sha256 differs from the metadata's",
+                            dir.join(&f.name).display()
+                        ));
+                    }
+                }
+            }
+        }
     }
     let verified = problems.is_empty();
     let has_params = cover.iter().any(|(k, _)| k == "param");

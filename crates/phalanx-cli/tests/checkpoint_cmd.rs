@@ -370,6 +370,28 @@ fn broken_checkpoints_are_refused_naming_the_file() {
             o.all()
         );
     }
+    // One file truncated and the other bit-flipped: inspect names both
+    // (the checkpoint does not open, and the other file is hashed anyway).
+    let bad = d.join("both");
+    copy_dir(&ck, &bad);
+    let f0 = bad.join(step).join("rank-00000.safetensors");
+    let f1 = bad.join(step).join("rank-00001.safetensors");
+    flip_bit(&f0);
+    let n = std::fs::metadata(&f1).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f1)
+        .unwrap()
+        .set_len(n / 2)
+        .unwrap();
+    let (code, v) = inspect_json(&bad);
+    assert!(code != 0, "{v}");
+    let problems = v["problems"].to_string();
+    assert!(
+        problems.contains("rank-00000.safetensors is corrupt")
+            && problems.contains("rank-00001.safetensors"),
+        "{v}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 

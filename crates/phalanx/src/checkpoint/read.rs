@@ -138,6 +138,16 @@ pub fn find_latest_unverified(root: &Path) -> Option<(PathBuf, Reader)> {
         .find_map(|c| Reader::open(&c).ok().map(|r| (c, r)))
 }
 
+/// Whether the file `info` names under `dir` has the sha256 it records
+/// (read through, not mapped: what `inspect` checks of the files whose
+/// size is right when another's is not and the checkpoint does not open).
+pub fn sha_matches(dir: &Path, info: &super::FileInfo) -> std::io::Result<bool> {
+    let mut f = std::fs::File::open(dir.join(&info.name))?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(super::write::hex(&h.finalize()) == info.sha256)
+}
+
 /// A verified rank file: its bytes and each key's byte range (1-D f32
 /// tensors only: nothing else is a checkpoint piece).
 struct MappedFile {
