@@ -478,6 +478,41 @@ fn nothing_to_do_and_all_broken_checkpoints_are_refused_not_rotated() {
     );
 }
 
+/// Every checkpoint broken in a file another rank verifies: rank 0's
+/// refusal, which the launcher shows, still names that file.
+#[test]
+fn all_broken_checkpoints_name_another_ranks_file() {
+    let d = tmpdir("allbroken2");
+    let base = ["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    let mut args = base.to_vec();
+    let s = settings(&d, 1, 1);
+    args.extend(strs(&s));
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    let f = d.join("ckpt/step-00000001/rank-00001.safetensors");
+    let mut b = std::fs::read(&f).unwrap();
+    let i = b.len() / 2;
+    b[i] ^= 0x10;
+    std::fs::write(&f, b).unwrap();
+    let mut args = base.to_vec();
+    let s = settings(&d, 2, 1);
+    args.extend(strs(&s));
+    args.extend(["--resume", "auto"]);
+    let r = train(&args, None);
+    assert_ne!(r.code, 0, "{r}");
+    let refusal = r
+        .err
+        .lines()
+        // The launcher's summary of rank 0's error (not rank 1's warnings).
+        .skip_while(|l| !l.contains("of rank 0's stderr"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        refusal.contains("rank-00001.safetensors is corrupt"),
+        "{refusal}\n{r}"
+    );
+}
+
 /// A rank whose step returns an error (not a crash) tells its peers why:
 /// the launcher names it, with its error, as the rank that failed; a peer
 /// that reports before it is stopped gives the same reason.

@@ -216,7 +216,15 @@ impl Trainer {
                 return Ok(true);
             }
             if rank == 0 {
-                failed.push(match mine {
+                // Another rank's file failed: rank 0 checks them all to
+                // name it here, where the launcher's summary shows it (on
+                // a file system it cannot read them from, the rank's own
+                // warning names it).
+                let all = || {
+                    checkpoint::Reader::open(&dir)
+                        .and_then(|r| (0..r.meta.files.len()).try_for_each(|i| r.verify(i)))
+                };
+                failed.push(match mine.and_then(|()| all()) {
                     Err(e) => format!("{}: {e}", dir.display()),
                     Ok(()) => format!(
                         "{}: a file failed verification (another rank says which)",
