@@ -228,13 +228,19 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
             for (i, good) in sha_ok.iter_mut().enumerate() {
                 let f = &meta.files[i];
                 if on_disk[i] == Some(f.bytes) {
-                    let same = phalanx::checkpoint::read::sha_matches(&dir, f).unwrap_or(false);
-                    *good = Some(same);
-                    if !same {
-                        problems.push(format!(
-                            "checkpoint file {} is corrupt: its sha256 differs from the metadata's",
-                            dir.join(&f.name).display()
-                        ));
+                    let p = dir.join(&f.name);
+                    match phalanx::checkpoint::read::sha_matches(&dir, f) {
+                        Ok(same) => {
+                            *good = Some(same);
+                            if !same {
+                                problems.push(format!(
+                                    "checkpoint file {} is corrupt: its sha256 differs from the \
+                                     metadata's",
+                                    p.display()
+                                ));
+                            }
+                        }
+                        Err(e) => problems.push(format!("cannot read {}: {e}", p.display())),
                     }
                 }
             }

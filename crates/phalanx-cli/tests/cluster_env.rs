@@ -295,6 +295,27 @@ fn launch_flags_inside_another_launchers_job_get_a_note() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// The config's notes are said once: by `phalanx train`'s launcher, not
+/// again by rank 0 of the ranks it starts (a DeepSpeed file's warnings
+/// likewise).
+#[test]
+fn config_notes_are_said_once() {
+    let d = fresh_dir("phalanx-cluster-env", "said-once");
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .args(["train", "--nproc-per-node", "2"])
+        .args(train_args(&d.join("log.jsonl"), 2))
+        .args(["--set", "optim.warmup_steps=5"]);
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    let r = run_until(c, DEADLINE);
+    assert_eq!(r.code, 0, "{r}");
+    let all = format!("{}{}", r.out, r.err);
+    assert_eq!(all.matches("is not below train.steps").count(), 1, "{all}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A bad `PET_*` value in a launching pod is reported as the flag it stands
 /// for and named as the variable (the pod's command line has no such flag);
 /// `--help` still helps.

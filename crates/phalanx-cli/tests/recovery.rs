@@ -478,6 +478,61 @@ fn nothing_to_do_and_all_broken_checkpoints_are_refused_not_rotated() {
     );
 }
 
+/// Saves killed after their rename but before `latest` (twice in a row):
+/// each resume takes the checkpoint the killed save left, and the run
+/// ends where an uninterrupted one does.
+#[test]
+fn saves_killed_before_latest_are_resumed() {
+    let d = tmpdir("before-latest");
+    let base = ["--nproc-per-node", "2", "--set", "train.micro_batch_size=4"];
+    let run = |steps: usize, resume: bool, fault: Option<&str>| {
+        let mut args = base.to_vec();
+        let s = settings(&d, steps, 2);
+        args.extend(strs(&s));
+        if resume {
+            args.extend(["--resume", "auto"]);
+        }
+        train(&args, fault)
+    };
+    let r = run(8, false, Some("exit-after-rename:4"));
+    assert_eq!(r.code, 137, "{r}");
+    assert_eq!(latest(&d), "step-00000002", "{r}");
+    let r = run(8, true, Some("exit-after-rename:6"));
+    assert_eq!(r.code, 137, "{r}");
+    assert!(
+        r.out.contains("resumed from") && r.out.contains("step-00000004"),
+        "{r}"
+    );
+    assert_eq!(
+        latest(&d),
+        "step-00000004",
+        "the resume points latest at it: {r}"
+    );
+    let r = run(8, true, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.out.contains("step-00000006 (step 6"), "{r}");
+    assert_eq!(latest(&d), "step-00000008");
+    let done = |out: &str| {
+        out.lines()
+            .find(|l| l.contains("done:"))
+            .map(str::to_string)
+    };
+    let end = done(&r.out).expect("a final line");
+    // The same run uninterrupted, in a directory of its own.
+    let d2 = tmpdir("before-latest-ref");
+    let mut args = base.to_vec();
+    let s = settings(&d2, 8, 2);
+    args.extend(strs(&s));
+    let r2 = train(&args, None);
+    assert_eq!(r2.code, 0, "{r2}");
+    let last = |s: &str| {
+        s.split("-> ")
+            .nth(1)
+            .map(|x| x.split(',').next().unwrap_or("").to_string())
+    };
+    assert_eq!(last(&end), last(&done(&r2.out).unwrap()), "{end}");
+}
+
 /// Every checkpoint broken in a file another rank verifies: rank 0's
 /// refusal, which the launcher shows, still names that file.
 #[test]
@@ -508,7 +563,7 @@ fn all_broken_checkpoints_name_another_ranks_file() {
         .collect::<Vec<_>>()
         .join("\n");
     assert!(
-        refusal.contains("rank-00001.safetensors is corrupt"),
+        refusal.contains("rank-00001.safetensors failed verification on rank 1"),
         "{refusal}\n{r}"
     );
 }

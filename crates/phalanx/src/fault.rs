@@ -28,6 +28,8 @@
 //!   step STEP: every rank file and the metadata are written in the
 //!   `.tmp-*` directory, nothing is renamed yet (see
 //!   [`crate::checkpoint::write`]).
+//! - `exit-after-rename:STEP`: rank 0 exits once the checkpoint of step
+//!   STEP is in place, before `latest` names it.
 //!
 //! - `error-at-step:RANK:STEP`: global rank RANK's step STEP returns an
 //!   error (the process stays up: what its peers are told is the test);
@@ -110,6 +112,16 @@ pub fn error_at(rank: usize, step: usize) -> Option<String> {
 pub fn in_save(step: usize) {
     if armed(&format!("exit-in-save:{step}")) {
         die(&format!("in the save of step {step}, before the rename"));
+    }
+}
+
+/// `exit-after-rename:STEP`: called by rank 0 between renaming the
+/// checkpoint of step STEP into place and pointing `latest` at it.
+pub fn after_rename(step: usize) {
+    if armed(&format!("exit-after-rename:{step}")) {
+        die(&format!(
+            "in the save of step {step}, after the rename, before `latest`"
+        ));
     }
 }
 

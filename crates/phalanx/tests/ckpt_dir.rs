@@ -307,14 +307,14 @@ fn a_directory_resumes_its_newest_step_by_its_own_names() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// `latest` names the checkpoint to resume, unless a newer step was
-/// committed after what it names (a save killed between its rename and
-/// `latest`; its metadata says `after`, and is newer than `latest`): that
-/// one comes first, with any committed after it in turn. A newer step of
-/// another line (an older run's), or one `latest` was set back past by
-/// hand (`latest` is newer), stays behind it.
+/// `latest` names the checkpoint to resume, unless steps were committed
+/// after what it names (saves killed between their rename and `latest`,
+/// or a `latest` that could not be written; their metadata says `after`,
+/// and is newer than `latest`): those come first, highest first. A newer
+/// step of another line (an older run's) stays behind `latest`, as do
+/// steps `latest` was set back past by hand (`latest` is newer).
 #[test]
-fn a_step_committed_after_latest_comes_first() {
+fn steps_committed_after_latest_come_first() {
     let root = fresh("latest-stale");
     let after = |step: usize, prev: &str| {
         let mut m: serde_json::Value = serde_json::from_str(&metadata(step)).unwrap();
@@ -328,15 +328,15 @@ fn a_step_committed_after_latest_comes_first() {
         &step_dir_name(12),
         Some(&after(12, &step_dir_name(10))),
     );
-    // This line: 9 after 8 (`latest` not updated), then 14 after 9.
+    // This line: 9 and 14 after 8 (`latest` never updated past it).
     dir_with(&root, &step_dir_name(9), Some(&after(9, &step_dir_name(8))));
     dir_with(
         &root,
         &step_dir_name(14),
         Some(&after(14, &step_dir_name(8))),
     );
-    rotate::write_latest(&root, &step_dir_name(8)).unwrap();
-    // `latest` was written before the steps after it (file times).
+    // `latest` as written by hand (a trailing slash) names step 8 too.
+    std::fs::write(root.join("latest"), format!("{}/\n", step_dir_name(8))).unwrap();
     let at = |name: &str, secs: u64| {
         let f = std::fs::File::options()
             .write(true)
@@ -345,6 +345,7 @@ fn a_step_committed_after_latest_comes_first() {
         let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000 + secs);
         f.set_modified(t).unwrap();
     };
+    // `latest` was written before the steps after it.
     at("latest", 0);
     let names = || -> Vec<String> {
         phalanx::checkpoint::list(&root)
@@ -352,47 +353,33 @@ fn a_step_committed_after_latest_comes_first() {
             .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
             .collect()
     };
-    // 9 and 14 both came after 8; the chain takes the lower one first, and
-    // 14 (after 8, not after 9) is not part of it.
     assert_eq!(
         names(),
         [
+            step_dir_name(14),
             step_dir_name(9),
             step_dir_name(8),
-            step_dir_name(14),
             step_dir_name(12)
         ]
-    );
-    std::fs::remove_dir_all(root.join(step_dir_name(9))).unwrap();
-    dir_with(&root, &step_dir_name(9), Some(&after(9, &step_dir_name(8))));
-    std::fs::remove_dir_all(root.join(step_dir_name(14))).unwrap();
-    dir_with(
-        &root,
-        &step_dir_name(14),
-        Some(&after(14, &step_dir_name(9))),
     );
     assert_eq!(
         phalanx::checkpoint::find(&root).unwrap(),
         root.join(step_dir_name(14))
     );
+    // `latest` set back by hand to step 8 after 9 and 14 were written: a
+    // rollback, which they do not undo.
+    at("latest", 4_000_000_000);
     assert_eq!(
         names(),
         [
-            step_dir_name(14),
-            step_dir_name(9),
             step_dir_name(8),
-            step_dir_name(12)
+            step_dir_name(14),
+            step_dir_name(12),
+            step_dir_name(9)
         ]
     );
-    // `latest` set back by hand to step 8 after 9 and 14 were written: a
-    // rollback, which the chain does not undo.
-    at("latest", 4_000_000_000);
-    assert_eq!(
-        phalanx::checkpoint::find(&root).unwrap(),
-        root.join(step_dir_name(8))
-    );
     at("latest", 0);
-    // Without the chain, `latest` wins over the newer step 12.
+    // Without them, `latest` wins over the newer step 12.
     for s in [9, 14] {
         std::fs::remove_dir_all(root.join(step_dir_name(s))).unwrap();
     }

@@ -46,25 +46,27 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
         .into_iter()
         .map(|(_, p)| p)
         .collect();
-    // `latest` first, when it names one of them, after the newer ones
-    // committed since it was written: a save renames its checkpoint into
-    // place and then points `latest` at it, so a process killed between
-    // the two (or a `latest` that could not be written) leaves a complete
-    // checkpoint whose metadata says it came `after` what `latest` still
-    // names, and was written after `latest` was. A newer step of another
-    // line (a run resumed from an older step) is not after it, and one
+    // `latest` first, when it names one of them, after those committed
+    // since it was written: a save renames its checkpoint into place and
+    // then points `latest` at it, so a process killed between the two (or
+    // a `latest` that could not be written, which is kept as it was)
+    // leaves complete checkpoints whose metadata says they came `after`
+    // what `latest` still names, written after `latest` was; the highest
+    // of them is the newest. A step of another line (an older run's, past
+    // the step this one resumed from) is not after it, and one that
     // `latest` was set back past by hand was written before it: both stay
     // behind it. (Both tests: a copy that does not keep file times
-    // scrambles them, and the `after` chain alone cannot tell a hand edit.)
+    // scrambles them, and `after` alone cannot tell a hand edit.) A resume
+    // points `latest` at what it resumed (`mark_resumed`), so the saves
+    // after it are `after` it.
     let latest = root.join("latest");
-    if let Ok(l) = crate::fsutil::read_text_capped("latest", &latest, 4096) {
-        let written = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-        let since = written(&latest);
-        let l = l.trim().to_string();
+    if let Some(l) = latest_name(root) {
         if let Some(i) = v
             .iter()
             .position(|p| p.file_name().is_some_and(|n| *n == *l))
         {
+            let written = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+            let since = written(&latest);
             let after = |p: &Path| -> Option<String> {
                 let text = crate::fsutil::read_text_capped(
                     "checkpoint metadata",
@@ -75,25 +77,38 @@ fn candidates(root: &Path) -> Vec<PathBuf> {
                 let m: serde_json::Value = serde_json::from_str(&text).ok()?;
                 m.get("after")?.as_str().map(str::to_string)
             };
-            // The chain from `latest` upwards (v is newest first).
-            let mut chain = vec![i];
-            for k in (0..i).rev() {
-                let tip = v[*chain.last().expect("non-empty")].file_name();
-                let tip = tip.map(|n| n.to_string_lossy().into_owned());
-                let later = match (since, written(&v[k].join("metadata.json"))) {
-                    (Some(l), Some(m)) => m >= l,
-                    _ => true,
-                };
-                if tip.is_some() && after(&v[k]) == tip && later {
-                    chain.push(k);
+            let since_latest = |p: &Path| {
+                after(p).as_deref() == Some(l.as_str())
+                    && match (since, written(&p.join("metadata.json"))) {
+                        (Some(l), Some(m)) => m >= l,
+                        _ => true,
+                    }
+            };
+            // Newest first (v is), `latest` next.
+            let (mut first, mut rest) = (Vec::new(), Vec::new());
+            for (k, p) in v.iter().enumerate() {
+                if k != i {
+                    if since_latest(p) {
+                        first.push(p.clone());
+                    } else {
+                        rest.push(p.clone());
+                    }
                 }
             }
-            let first: Vec<PathBuf> = chain.iter().rev().map(|&k| v[k].clone()).collect();
-            v.retain(|p| !first.contains(p));
-            v = first.into_iter().chain(v).collect();
+            first.push(v[i].clone());
+            v = first.into_iter().chain(rest).collect();
         }
     }
     v
+}
+
+/// The checkpoint name `latest` under `root` holds (the last component of
+/// what it says: `step-00000300/` or a path written by hand name it too).
+pub fn latest_name(root: &Path) -> Option<String> {
+    let l = crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096).ok()?;
+    Path::new(l.trim())
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
 }
 
 /// The checkpoint `path` names: itself if it is one, else the latest
@@ -142,7 +157,15 @@ pub fn find_latest_unverified(root: &Path) -> Option<(PathBuf, Reader)> {
 /// (read through, not mapped: what `inspect` checks of the files whose
 /// size is right when another's is not and the checkpoint does not open).
 pub fn sha_matches(dir: &Path, info: &super::FileInfo) -> std::io::Result<bool> {
-    let mut f = std::fs::File::open(dir.join(&info.name))?;
+    // Non-blocking, and regular files only: a FIFO in a file's place must
+    // not hang the check.
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(dir.join(&info.name))?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
     let mut h = Sha256::new();
     std::io::copy(&mut f, &mut h)?;
     Ok(super::write::hex(&h.finalize()) == info.sha256)

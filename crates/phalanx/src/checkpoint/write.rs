@@ -365,10 +365,7 @@ fn commit(
         entries,
         rank_state,
         job: header.job.clone(),
-        after: crate::fsutil::read_text_capped("latest", &root.join("latest"), 4096)
-            .ok()
-            .map(|l| l.trim().to_string())
-            .filter(|l| !l.is_empty()),
+        after: super::read::latest_name(root),
     };
     let io = |what: &str, p: &Path, e: std::io::Error| {
         Error::Io(format!("checkpoint: {what} {}: {e}", p.display()))
@@ -436,26 +433,22 @@ fn commit(
         // Kept (`.old-step-N`) until a sync makes the new one durable.
         Err(e) => warn("cannot sync", root, e),
     }
+    crate::fault::after_rename(header.step);
     match super::rotate::write_latest(root, name) {
         Ok(()) => {
             if let Err(e) = sync_dir(root) {
                 warn("cannot sync", root, e);
             }
         }
-        Err(e) => {
-            // A `latest` naming an older step would be taken first by the
-            // next resume: without it, the newest step is.
-            let gone = std::fs::remove_file(root.join("latest")).is_ok();
-            warn(
-                if gone {
-                    "`latest` was removed (a resume takes the newest step) because it cannot update"
-                } else {
-                    "`latest` still names the previous one (--resume auto takes it first): cannot update"
-                },
-                &root.join("latest"),
-                e,
-            )
-        }
+        // The old `latest` stays (written whole or not at all): this
+        // checkpoint's metadata says it came after what `latest` names, so
+        // a resume takes it first all the same (see `read::list`).
+        Err(e) => warn(
+            "`latest` still names the previous one (a resume takes this one, saved after it): \
+             cannot update",
+            &root.join("latest"),
+            e,
+        ),
     }
     super::rotate::prune(root, name, keep);
     Ok(dst)

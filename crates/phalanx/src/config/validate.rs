@@ -344,19 +344,11 @@ impl TrainConfig {
             ));
         }
         if p.comm_hook != super::CommHookKind::None || self.train.reduce_dtype != Precision::Fp32 {
-            // Name the key that was set (or both).
-            let set = match (
-                p.comm_hook != super::CommHookKind::None,
-                self.train.reduce_dtype != Precision::Fp32,
-            ) {
-                (true, false) => format!("parallel.comm_hook = {} chooses", p.comm_hook),
-                (false, true) => {
-                    format!("train.reduce_dtype = {} chooses", self.train.reduce_dtype)
-                }
-                _ => format!(
-                    "parallel.comm_hook = {} and train.reduce_dtype = {} choose",
-                    p.comm_hook, self.train.reduce_dtype
-                ),
+            // Name the key that was set (both together are refused above).
+            let set = if p.comm_hook != super::CommHookKind::None {
+                format!("parallel.comm_hook = {} chooses", p.comm_hook)
+            } else {
+                format!("train.reduce_dtype = {} chooses", self.train.reduce_dtype)
             };
             return bad(format!(
                 "{set} how gradients travel, but DiLoCo's inner steps (diloco.inner_steps = {h}) \

@@ -198,39 +198,46 @@ impl Trainer {
                 break;
             }
             let dir = root.join(checkpoint::step_dir_name(pick[0] as usize));
-            let mine = checkpoint::Reader::open(&dir).and_then(|r| {
-                (rank..r.meta.files.len())
+            // Each rank verifies its share of the files; every rank learns
+            // the index of a file that failed (-1: none), so rank 0's
+            // refusal, which the launcher shows, names it without hashing
+            // the other ranks' files itself.
+            let reader = checkpoint::Reader::open(&dir);
+            let (mine, failed_file) = match &reader {
+                Err(e) => (Some(e.to_string()), -1),
+                Ok(r) => (rank..r.meta.files.len())
                     .step_by(size)
-                    .try_for_each(|i| r.verify(i))
-            });
-            if let Err(e) = &mine {
+                    .find_map(|i| r.verify(i).err().map(|e| (Some(e.to_string()), i as i64)))
+                    .unwrap_or((None, -1)),
+            };
+            if let Some(e) = &mine {
                 eprintln!(
                     "warning: skipping checkpoint {} (rank {rank}): {e}; trying an earlier one",
                     dir.display()
                 );
             }
-            let mut bad = [mine.is_err() as i64];
+            let mut bad = [mine.is_some() as i64, failed_file];
             world.all_reduce(&mut bad, phalanx_comm::ReduceOp::Max)?;
             if bad[0] == 0 {
                 self.load_checkpoint(&dir)?;
                 return Ok(true);
             }
             if rank == 0 {
-                // Another rank's file failed: rank 0 checks them all to
-                // name it here, where the launcher's summary shows it (on
-                // a file system it cannot read them from, the rank's own
-                // warning names it).
-                let all = || {
-                    checkpoint::Reader::open(&dir)
-                        .and_then(|r| (0..r.meta.files.len()).try_for_each(|i| r.verify(i)))
-                };
-                failed.push(match mine.and_then(|()| all()) {
-                    Err(e) => format!("{}: {e}", dir.display()),
-                    Ok(()) => format!(
-                        "{}: a file failed verification (another rank says which)",
-                        dir.display()
-                    ),
+                let named = reader.as_ref().ok().and_then(|r| {
+                    let f = r.meta.files.get(usize::try_from(bad[1]).ok()?)?;
+                    Some(format!(
+                        "checkpoint file {} failed verification on rank {}",
+                        dir.join(&f.name).display(),
+                        bad[1] as usize % size
+                    ))
                 });
+                failed.push(format!(
+                    "{}: {}",
+                    dir.display(),
+                    mine.or(named).unwrap_or_else(|| {
+                        "a file failed verification (another rank says which)".into()
+                    })
+                ));
             }
         }
         // Nothing verified: with checkpoints there, refuse rather than
@@ -403,8 +410,38 @@ impl Trainer {
                 reader.meta.layout.world,
                 t0.elapsed().as_secs_f64() * 1e3
             );
+            self.mark_resumed(dir);
         }
         Ok(())
+    }
+
+    /// Point `latest` at the checkpoint this run resumed, when it is one of
+    /// the directory this run saves to: the saves that follow are then
+    /// `after` it, so a resume after one of them was killed before its
+    /// `latest` takes that one (see `checkpoint::list`), and a newer step
+    /// of the line abandoned by resuming an older one is not taken over it.
+    fn mark_resumed(&self, dir: &Path) {
+        if self.cfg.checkpoint.interval == 0 {
+            return;
+        }
+        let root = Path::new(&self.cfg.checkpoint.dir);
+        let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+            return;
+        };
+        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        let name = name.to_string_lossy();
+        if same(parent, root) && checkpoint::read::latest_name(root).as_deref() != Some(&*name) {
+            if let Err(e) = checkpoint::rotate::write_latest(root, &name) {
+                eprintln!(
+                    "warning: resumed from {}, but cannot point {} at it: {e}",
+                    dir.display(),
+                    root.join("latest").display()
+                );
+            }
+        }
     }
 
     /// This rank's communication-hook state (error-feedback residuals,

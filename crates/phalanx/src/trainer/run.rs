@@ -88,7 +88,7 @@ impl Trainer {
                 let each: Vec<String> = lost.iter().map(|n| n.to_string()).collect();
                 println!(
                     "note: the {frags} fragments sync at staggered steps, so the final model \
-                     (the anchor) leaves out the last {} inner steps of fragments 0..{} \
+                     (the anchor) leaves out the last {} inner steps of fragments 0 to {} \
                      (train.steps = {steps}, diloco.inner_steps = {h})",
                     each.join("/"),
                     frags - 1
