@@ -44,7 +44,8 @@ pub struct BenchOpts {
     /// Verify every iteration's result.
     #[arg(long)]
     pub check: bool,
-    /// Print a JSON array instead of the table.
+    /// Print a JSON array instead of the table (one line, after the
+    /// launcher's `[rank 0] ` prefix: strip it before parsing).
     #[arg(long)]
     pub json: bool,
 }

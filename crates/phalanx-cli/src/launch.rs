@@ -270,7 +270,12 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                     .into(),
             )
         }
-        _ => phalanx_comm::wire::new_secret_hex(),
+        _ => {
+            // The workers inherit this: a secret of the job's own, which a
+            // service outside it (a fault-tolerance lighthouse) cannot hold.
+            std::env::set_var(phalanx_comm::wire::SECRET_MADE, "1");
+            phalanx_comm::wire::new_secret_hex()
+        }
     };
     // Node 0 hosts the store: on loopback unless the job spans hosts.
     let mut port = master_port.unwrap_or(if multi { 29500 } else { 0 });

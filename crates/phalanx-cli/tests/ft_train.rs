@@ -499,6 +499,30 @@ fn a_quorum_timeout_past_the_collective_timeout_is_refused() {
     );
 }
 
+/// A group started without the lighthouse's `PHALANX_SECRET` is told to
+/// export it (its launcher's own secret, made for its ranks, used to fail
+/// the lighthouse's handshake as "peer does not hold the job secret").
+#[test]
+fn a_group_without_the_lighthouses_secret_is_told_to_export_it() {
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .args(["train", "--nproc-per-node", "1"])
+        .args(sets(&strs(&[
+            "train.steps=1",
+            "fault_tolerance.lighthouse=\"127.0.0.1:9\"",
+        ])))
+        .env_remove("PHALANX_SECRET");
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    let r = run_until(c, std::time::Duration::from_secs(120));
+    assert_ne!(r.code, 0, "{r}");
+    assert!(
+        r.err.contains("export the lighthouse's to every group"),
+        "{r}"
+    );
+}
+
 /// A group that trains with other settings (another learning rate) is
 /// refused at its first quorum, naming the key, and the other goes on: at
 /// the start every group is new, and the healer's (the first group's)

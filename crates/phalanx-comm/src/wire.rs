@@ -32,6 +32,11 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     v
 }
 
+/// Set (to 1) by a launcher that made its job's `PHALANX_SECRET` itself
+/// (none was exported): its ranks hold a secret no service outside the
+/// job (a fault-tolerance lighthouse) can hold.
+pub const SECRET_MADE: &str = "PHALANX_SECRET_MADE";
+
 /// A new job secret as hex, for launchers.
 pub fn new_secret_hex() -> String {
     to_hex(&random_bytes(32))

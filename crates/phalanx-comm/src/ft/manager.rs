@@ -304,15 +304,24 @@ impl Manager {
         if !self.lead() || self.check.is_some() || self.pg.is_none() || self.quorum.is_none() {
             return Ok(());
         }
-        let client = match self.poll.take() {
-            Some(c) => c,
-            None => StoreClient::connect(&self.addr, &self.secret, self.opts.quorum_timeout)?,
-        };
+        // A new connection (the last check failed) is made in the check
+        // too: a lighthouse that does not answer is then a failed check,
+        // which `decide` carries on from, not an error of this step.
+        let poll = self.poll.take();
+        let (addr, secret, timeout) = (
+            self.addr.clone(),
+            self.secret.clone(),
+            self.opts.quorum_timeout,
+        );
         let step_key = key(&format!("step/{}", self.me()));
         self.check = Some(
             std::thread::Builder::new()
                 .name("phalanx-ft-quorum".into())
                 .spawn(move || {
+                    let client = match poll {
+                        Some(c) => c,
+                        None => StoreClient::connect(&addr, &secret, timeout)?,
+                    };
                     client.set(&step_key, step.to_string().as_bytes())?;
                     let e = Manager::latest_epoch(&client)?;
                     let gen = client.try_get(&key("lighthouse"))?.unwrap_or_default();
@@ -530,12 +539,18 @@ impl Manager {
                         .collect();
                     format!(" [{}]", m.join(", "))
                 });
+                // (`sync_timeout` is the API's; `phalanx train` sets none.)
+                let wait = match self.opts.sync_timeout {
+                    Some(t) => format!("ManagerOpts::sync_timeout: {t:?}"),
+                    None => format!(
+                        "fault_tolerance.quorum_timeout: {:?}",
+                        self.opts.quorum_timeout
+                    ),
+                };
                 eprintln!(
                     "replica group {}: the step's reduction failed ({e}){who} (the wait across \
-                     groups is fault_tolerance.sync_timeout, else quorum_timeout: {:?}); \
-                     retrying with the next quorum",
-                    self.id,
-                    self.opts.sync_timeout.unwrap_or(self.opts.quorum_timeout)
+                     groups is {wait}); retrying with the next quorum",
+                    self.id
                 );
                 false
             }

@@ -64,15 +64,19 @@ impl Ft {
                 world.size()
             )));
         }
-        let secret = match std::env::var("PHALANX_SECRET") {
-            Ok(s) if !s.is_empty() => phalanx_comm::wire::parse_secret(&s).map_err(Error::Check)?,
-            _ => {
-                return Err(Error::Check(
-                    "fault_tolerance: the lighthouse and its groups need the same PHALANX_SECRET"
+        let made = std::env::var_os(phalanx_comm::wire::SECRET_MADE).is_some();
+        let secret =
+            match std::env::var("PHALANX_SECRET") {
+                Ok(s) if !s.is_empty() && !made => {
+                    phalanx_comm::wire::parse_secret(&s).map_err(Error::Check)?
+                }
+                _ => return Err(Error::Check(
+                    "fault_tolerance: the lighthouse and its groups need the same PHALANX_SECRET: \
+                     export the lighthouse's to every group (none is set here; the launcher's \
+                     own, made for its ranks, is no secret the lighthouse holds)"
                         .into(),
-                ))
-            }
-        };
+                )),
+            };
         // While a group's first rank waits for a quorum (up to
         // quorum_timeout), its other ranks wait in a broadcast bounded by
         // the job's collective timeout: one shorter would end the group
