@@ -273,8 +273,12 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         _ => {
             // The workers inherit this: a secret of the job's own, which a
             // service outside it (a fault-tolerance lighthouse) cannot hold.
-            std::env::set_var(phalanx_comm::wire::SECRET_MADE, "1");
-            phalanx_comm::wire::new_secret_hex()
+            let made = phalanx_comm::wire::new_secret_hex();
+            std::env::set_var(
+                phalanx_comm::wire::SECRET_MADE,
+                phalanx_comm::secret_file::made_mark(&made),
+            );
+            made
         }
     };
     // Node 0 hosts the store: on loopback unless the job spans hosts.

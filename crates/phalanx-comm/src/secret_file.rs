@@ -193,6 +193,13 @@ pub fn wait_read(path: &Path, rank: usize, deadline: Instant) -> Result<Vec<u8>>
     }
 }
 
+/// The mark a launcher leaves of a secret it made (`wire::SECRET_MADE`),
+/// revealing nothing of it: whether the `PHALANX_SECRET` of a process is
+/// that one.
+pub fn made_mark(secret_hex: &str) -> String {
+    fingerprint(secret_hex.trim().as_bytes())
+}
+
 /// What rank 0 publishes in an unauthenticated store so the others know
 /// they read its secret and not a stale one; reveals nothing of it.
 pub fn fingerprint(secret: &[u8]) -> String {

@@ -32,9 +32,11 @@ pub fn random_bytes(n: usize) -> Vec<u8> {
     v
 }
 
-/// Set (to 1) by a launcher that made its job's `PHALANX_SECRET` itself
-/// (none was exported): its ranks hold a secret no service outside the
-/// job (a fault-tolerance lighthouse) can hold.
+/// Set by a launcher that made its job's `PHALANX_SECRET` itself (none
+/// was exported), to a mark of that secret (`secret_file::made_mark`):
+/// ranks holding it hold a secret no service outside the job (a
+/// fault-tolerance lighthouse) can hold; a secret exported since is the
+/// user's.
 pub const SECRET_MADE: &str = "PHALANX_SECRET_MADE";
 
 /// A new job secret as hex, for launchers.

@@ -674,9 +674,10 @@ impl Manager {
 impl Drop for Manager {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(h) = self.check.take() {
-            let _ = h.join();
-        }
+        // A quorum check in flight is not waited for either: it may be
+        // connecting to a lighthouse that does not answer (up to the
+        // quorum timeout), and holds only its own connection.
+        drop(self.check.take());
         if let Some(pg) = self.take_pg() {
             pg.shutdown();
         }

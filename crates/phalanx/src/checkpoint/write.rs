@@ -444,8 +444,8 @@ fn commit(
         // checkpoint's metadata says it came after what `latest` names, so
         // a resume takes it first all the same (see `read::list`).
         Err(e) => warn(
-            "`latest` still names the previous one (a resume takes this one, saved after it): \
-             cannot update",
+            "`latest` was left as it was (a resume takes the newest checkpoint saved after what \
+             it names): cannot update",
             &root.join("latest"),
             e,
         ),

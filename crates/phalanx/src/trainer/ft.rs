@@ -64,16 +64,20 @@ impl Ft {
                 world.size()
             )));
         }
-        let made = std::env::var_os(phalanx_comm::wire::SECRET_MADE).is_some();
+        let made = |s: &str| {
+            std::env::var(phalanx_comm::wire::SECRET_MADE)
+                .is_ok_and(|m| m == phalanx_comm::secret_file::made_mark(s))
+        };
         let secret =
             match std::env::var("PHALANX_SECRET") {
-                Ok(s) if !s.is_empty() && !made => {
+                Ok(s) if !s.is_empty() && !made(&s) => {
                     phalanx_comm::wire::parse_secret(&s).map_err(Error::Check)?
                 }
                 _ => return Err(Error::Check(
                     "fault_tolerance: the lighthouse and its groups need the same PHALANX_SECRET: \
-                     export the lighthouse's to every group (none is set here; the launcher's \
-                     own, made for its ranks, is no secret the lighthouse holds)"
+                     export the lighthouse's to every group (none was exported here: the one \
+                     this job's launcher made for its own ranks is no secret the lighthouse \
+                     holds)"
                         .into(),
                 )),
             };

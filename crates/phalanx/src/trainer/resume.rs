@@ -203,8 +203,9 @@ impl Trainer {
             // refusal, which the launcher shows, names it without hashing
             // the other ranks' files itself.
             let reader = checkpoint::Reader::open(&dir);
+            // (-2: the metadata did not open on this rank.)
             let (mine, failed_file) = match &reader {
-                Err(e) => (Some(e.to_string()), -1),
+                Err(e) => (Some(e.to_string()), -2),
                 Ok(r) => (rank..r.meta.files.len())
                     .step_by(size)
                     .find_map(|i| r.verify(i).err().map(|e| (Some(e.to_string()), i as i64)))
@@ -231,12 +232,15 @@ impl Trainer {
                         bad[1] as usize % size
                     ))
                 });
+                let other = if bad[1] == -2 {
+                    "another rank could not open it (its warning says why)"
+                } else {
+                    "a file failed verification (another rank says which)"
+                };
                 failed.push(format!(
                     "{}: {}",
                     dir.display(),
-                    mine.or(named).unwrap_or_else(|| {
-                        "a file failed verification (another rank says which)".into()
-                    })
+                    mine.or(named).unwrap_or_else(|| other.into())
                 ));
             }
         }
@@ -420,20 +424,24 @@ impl Trainer {
     /// `after` it, so a resume after one of them was killed before its
     /// `latest` takes that one (see `checkpoint::list`), and a newer step
     /// of the line abandoned by resuming an older one is not taken over it.
+    /// (Always rewritten, even where it names that one already: its time
+    /// then says the checkpoints after it were left behind. Only by the
+    /// run that holds the directory's lock, which saves there.)
     fn mark_resumed(&self, dir: &Path) {
-        if self.cfg.checkpoint.interval == 0 {
+        let root = Path::new(&self.cfg.checkpoint.dir);
+        if self.cfg.checkpoint.interval == 0 || !checkpoint::lock::held(root) {
             return;
         }
-        let root = Path::new(&self.cfg.checkpoint.dir);
+        let Ok(dir) = dir.canonicalize() else {
+            return;
+        };
         let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
             return;
         };
-        let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-            (Ok(a), Ok(b)) => a == b,
-            _ => false,
-        };
         let name = name.to_string_lossy();
-        if same(parent, root) && checkpoint::read::latest_name(root).as_deref() != Some(&*name) {
+        let ours = root.canonicalize().is_ok_and(|r| r == parent);
+        // (A copy such as `best/` is no name `latest` is read by.)
+        if ours && checkpoint::rotate::step_of_name(&name).is_some() {
             if let Err(e) = checkpoint::rotate::write_latest(root, &name) {
                 eprintln!(
                     "warning: resumed from {}, but cannot point {} at it: {e}",
