@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use crate::launch_opts::{flag_name, LaunchOpts};
+pub use crate::launch_opts::{env_flag_note, flag_name, flags_from_env, LaunchOpts};
 
 /// The exit code of a worker that stopped at a step boundary because its
 /// elastic agent asked it to (SIGUSR1; EX_TEMPFAIL).
@@ -150,29 +150,6 @@ pub fn run(opts: &LaunchOpts, cmd: &[String]) -> i32 {
             2
         }
     }
-}
-
-/// The launch flags this process took from torchrun's `PET_*` variables:
-/// (flag, variable, value).
-static FROM_ENV: std::sync::OnceLock<Vec<(&str, &str, String)>> = std::sync::OnceLock::new();
-
-/// Record the flags taken from the environment (once, at start-up).
-pub fn flags_from_env(flags: Vec<(&'static str, &'static str, String)>) {
-    let _ = FROM_ENV.set(flags);
-}
-
-/// A note for an error `message` that names a flag taken from a variable:
-/// the user looks for the flag on a command line that does not have it.
-pub fn env_flag_note(message: &str) -> Option<String> {
-    let (flag, var, value) = FROM_ENV.get()?.iter().find(|(flag, ..)| {
-        message.match_indices(flag).any(|(i, _)| {
-            !message[i + flag.len()..].starts_with(|c: char| c == '-' || c.is_alphanumeric())
-        })
-    })?;
-    Some(format!(
-        "note: {flag} was not on the command line: it came from {var}={value:?} in the \
-         environment (torchrun's variable for it, as Kubeflow's PyTorchJob sets them)"
-    ))
 }
 
 fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {

@@ -150,3 +150,26 @@ impl LaunchOpts {
         }
     }
 }
+
+/// The launch flags this process took from torchrun's `PET_*` variables:
+/// (flag, variable, value).
+static FROM_ENV: std::sync::OnceLock<Vec<(&str, &str, String)>> = std::sync::OnceLock::new();
+
+/// Record the flags taken from the environment (once, at start-up).
+pub fn flags_from_env(flags: Vec<(&'static str, &'static str, String)>) {
+    let _ = FROM_ENV.set(flags);
+}
+
+/// A note for an error `message` that names a flag taken from a variable:
+/// the user looks for the flag on a command line that does not have it.
+pub fn env_flag_note(message: &str) -> Option<String> {
+    let (flag, var, value) = FROM_ENV.get()?.iter().find(|(flag, ..)| {
+        message.match_indices(flag).any(|(i, _)| {
+            !message[i + flag.len()..].starts_with(|c: char| c == '-' || c.is_alphanumeric())
+        })
+    })?;
+    Some(format!(
+        "note: {flag} was not on the command line: it came from {var}={value:?} in the \
+         environment (torchrun's variable for it, as Kubeflow's PyTorchJob sets them)"
+    ))
+}
