@@ -255,6 +255,10 @@ pub fn plan(
 
 pub fn main(opts: &BenchOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     let in_job = crate::launch::in_job();
+    if !in_job && launch.nproc_per_node.is_none() && opts.nproc == 0 {
+        eprintln!("phalanx bench: --nproc must be at least 1");
+        return 2;
+    }
     // Ranks that share this host's memory.
     let local_ranks = if in_job {
         std::env::var("LOCAL_WORLD_SIZE")

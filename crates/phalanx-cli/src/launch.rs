@@ -153,6 +153,9 @@ pub fn run(opts: &LaunchOpts, cmd: &[String]) -> i32 {
 }
 
 fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
+    for bad in phalanx::fault::unknown_specs() {
+        eprintln!("phalanx run: warning: PHALANX_FAULT item {bad} is no fault spec: ignored");
+    }
     if cmd.is_empty() {
         return Err(
             "no command given; usage: phalanx run --nproc-per-node N -- PROGRAM [ARGS...]".into(),

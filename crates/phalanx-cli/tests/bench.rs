@@ -112,6 +112,20 @@ fn bad_sizes_and_iterations_are_refused_naming_them() {
     }
 }
 
+/// `--nproc 0` is refused naming `--nproc` (the launcher's own check
+/// named `--nproc-per-node`, which was not given).
+#[test]
+fn no_ranks_is_refused_naming_nproc() {
+    let o = Command::new(BIN)
+        .args(["bench", "collectives", "--nproc", "0"])
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--nproc must be at least 1"), "{err}");
+}
+
 #[test]
 fn a_small_sweep_still_runs() {
     let mark = format!("bench-ok-{}", std::process::id());

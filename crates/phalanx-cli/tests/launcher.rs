@@ -21,6 +21,30 @@ fn phalanx(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// A `PHALANX_FAULT` item that is no fault spec (a typo in a test) is
+/// warned of, naming the shape its name takes; good ones are not.
+#[test]
+fn a_fault_spec_that_is_none_is_warned_of() {
+    let out = Command::new(BIN)
+        .args(["run", "--nproc-per-node", "1", "--", "true"])
+        .env_remove("RANK")
+        .env(
+            "PHALANX_FAULT",
+            "exit-at-step:1:5, exit-in-save:x,bogus:1,slow:0",
+        )
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("item exit-in-save:x (exit-in-save:STEP) is no fault spec"),
+        "{err}"
+    );
+    assert!(err.contains("item bogus:1 (known: exit-at-step,"), "{err}");
+    assert!(err.contains("item slow:0 (slow:RANK:MS)"), "{err}");
+    assert!(!err.contains("exit-at-step:1:5"), "{err}");
+}
+
 #[test]
 fn workers_get_torchrun_environment_and_prefixed_output() {
     let (code, out, _) = phalanx(&[

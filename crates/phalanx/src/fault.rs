@@ -43,6 +43,9 @@
 //!   the others have the mean, this group does not); the group drops the
 //!   quorum's links and retries, as it would then.
 //!
+//! An item that is none of these (a typo) is ignored, and the launcher
+//! warns of it ([`unknown_specs`]).
+//!
 //! The exits fire only in the first attempt of a job (restart count 0), so
 //! a group restarted by `phalanx run --max-restarts` completes; `slow:`
 //! applies in every attempt.
@@ -77,6 +80,50 @@ pub fn job_id() -> Option<String> {
         .map(|v| format!("phalanx:{v}"))
         .or_else(|| get("TORCHELASTIC_RUN_ID").map(|v| format!("torchrun:{v}")))
         .or_else(|| get("SLURM_JOB_ID").map(|v| format!("slurm:{v}")))
+}
+
+/// The items of `PHALANX_FAULT` that are no fault spec (a name this
+/// module does not know, or numbers missing or not numbers), each with the
+/// shape its name takes: a typo in a test would otherwise disable its
+/// fault silently. The launcher warns of them.
+pub fn unknown_specs() -> Vec<String> {
+    const SHAPES: [(&str, usize); 6] = [
+        ("exit-at-step", 2),
+        ("error-at-step", 2),
+        ("slow", 2),
+        ("exit-in-save", 1),
+        ("exit-after-rename", 1),
+        ("lose-outer-average", 1),
+    ];
+    let v = std::env::var("PHALANX_FAULT").unwrap_or_default();
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .filter(|s| {
+            let mut it = s.split(':');
+            let name = it.next().unwrap_or_default();
+            let nums: Vec<&str> = it.collect();
+            !SHAPES.iter().any(|(n, k)| {
+                *n == name && nums.len() == *k && nums.iter().all(|x| x.parse::<u64>().is_ok())
+            })
+        })
+        .map(|s| {
+            let name = s.split(':').next().unwrap_or_default();
+            match SHAPES.iter().find(|(n, _)| *n == name) {
+                Some((n, 2)) if *n == "slow" => format!("{s} (slow:RANK:MS)"),
+                Some((n, 2)) => format!("{s} ({n}:RANK:STEP)"),
+                Some((n, _)) => format!("{s} ({n}:STEP)"),
+                None => format!(
+                    "{s} (known: {})",
+                    SHAPES
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
+        })
+        .collect()
 }
 
 /// Whether `PHALANX_FAULT` holds `spec` (the whole item, e.g.
