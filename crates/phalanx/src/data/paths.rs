@@ -111,6 +111,13 @@ fn expand_kind(pattern: &str, key: &str, tokens: bool) -> Result<(Vec<PathBuf>, 
     Ok((files, skipped))
 }
 
+/// The prefix of a `phalanx tokenize` validation shard's file name
+/// (`{prefix}_val_NNNNNN.bin`), if `name` is one.
+pub fn val_shard_prefix(name: &str) -> Option<&str> {
+    let (prefix, n) = name.strip_suffix(".bin")?.rsplit_once("_val_")?;
+    (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some(prefix)
+}
+
 /// The state file `phalanx tokenize` keeps beside its shards.
 pub const TOKENIZE_STATE: &str = "tokenize.json";
 
@@ -143,10 +150,7 @@ impl TokenizeRun {
             .file_name()
             .map(|n| n.to_string_lossy())
             .unwrap_or_default();
-        name.strip_prefix(&self.prefix)
-            .and_then(|r| r.strip_prefix("_val_"))
-            .and_then(|r| r.strip_suffix(".bin"))
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        val_shard_prefix(&name) == Some(self.prefix.as_str())
     }
 }
 

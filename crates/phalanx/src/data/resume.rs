@@ -274,13 +274,7 @@ fn val_shards_left_out(saved: &serde_json::Value, now: &serde_json::Value) -> St
     let names = |v: &serde_json::Value| -> Vec<String> {
         v.to_string()
             .split('"')
-            .filter(|s| {
-                s.ends_with(".bin")
-                    && s.rsplit_once("_val_").is_some_and(|(_, n)| {
-                        let n = &n[..n.len() - 4];
-                        !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
-                    })
-            })
+            .filter(|s| super::paths::val_shard_prefix(s).is_some())
             .map(str::to_string)
             .collect()
     };
