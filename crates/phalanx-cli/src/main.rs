@@ -29,6 +29,7 @@ mod report_cmd;
 mod root_cause;
 mod tokenize;
 mod train;
+mod workers;
 
 use clap::{Parser, Subcommand};
 
