@@ -157,18 +157,27 @@ pub fn find_latest_unverified(root: &Path) -> Option<(PathBuf, Reader)> {
 /// (read through, not mapped: what `inspect` checks of the files whose
 /// size is right when another's is not and the checkpoint does not open).
 pub fn sha_matches(dir: &Path, info: &super::FileInfo) -> std::io::Result<bool> {
-    // Non-blocking, and regular files only: a FIFO in a file's place must
-    // not hang the check.
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(dir.join(&info.name))?;
-    if !f.metadata()?.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
-    }
+    let mut f = open_regular(&dir.join(&info.name))?;
     let mut h = Sha256::new();
     std::io::copy(&mut f, &mut h)?;
     Ok(super::write::hex(&h.finalize()) == info.sha256)
+}
+
+/// Open a checkpoint file for reading, non-blocking and regular files
+/// only: a FIFO put in a file's place (since it was verified) must not
+/// block the open or the read. Anything else is `InvalidInput`.
+fn open_regular(p: &Path) -> std::io::Result<std::fs::File> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(p)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
 }
 
 /// A verified rank file: its bytes and each key's byte range (1-D f32
@@ -233,19 +242,13 @@ impl Reader {
         }
         let info = &self.meta.files[i];
         let p = self.dir.join(&info.name);
-        // Non-blocking: a FIFO put in the file's place since it was
-        // verified must not block the open; it is refused just below.
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(&p)
-            .map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;
-        if !f.metadata().is_ok_and(|m| m.is_file()) {
-            return Err(Error::Check(format!(
+        let f = open_regular(&p).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => Error::Check(format!(
                 "checkpoint file {} is not a regular file",
                 p.display()
-            )));
-        }
+            )),
+            _ => Error::Check(format!("{}: {e}", p.display())),
+        })?;
         // Safety: checkpoint files are written once and never modified.
         let m = unsafe { memmap2::Mmap::map(&f) }
             .map_err(|e| Error::Check(format!("{}: {e}", p.display())))?;

@@ -130,7 +130,7 @@ fn expand_all(
     }
     let mut files = Vec::new();
     for p in paths {
-        let (mut found, left) = paths::expand_noting(p, key)?;
+        let (mut found, left, tokenized) = paths::expand_noting_run(p, key)?;
         if !left.is_empty() {
             skipped.push(paths::skipped_note(key, p, &left));
         }
@@ -138,11 +138,7 @@ fn expand_all(
         // beside the training shards: validation takes that one only, and
         // training the others (else the validation loss would be measured
         // on data trained on).
-        let dir = std::path::Path::new(p);
-        if let Some(run) = (!paths::is_glob(p) && dir.is_dir())
-            .then(|| paths::TokenizeRun::of(dir))
-            .flatten()
-        {
+        if let Some(run) = tokenized {
             let validation = key == "data.val_path";
             let (val, train): (Vec<PathBuf>, Vec<PathBuf>) =
                 found.into_iter().partition(|f| run.is_val_shard(f));

@@ -40,6 +40,16 @@ pub fn expand(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
 /// A directory that `phalanx tokenize` wrote and did not finish (its
 /// `tokenize.json` says so) is refused: its shards are a part of the data.
 pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let (files, skipped, _) = expand_kind(pattern, key, true)?;
+    Ok((files, skipped))
+}
+
+/// [`expand_noting`], and what `phalanx tokenize` recorded where `pattern`
+/// is a directory it wrote (read once, for the refusal and the split).
+pub fn expand_noting_run(
+    pattern: &str,
+    key: &str,
+) -> Result<(Vec<PathBuf>, Vec<PathBuf>, Option<TokenizeRun>)> {
     expand_kind(pattern, key, true)
 }
 
@@ -47,15 +57,20 @@ pub fn expand_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<Path
 /// (`.bin`) and `phalanx tokenize`'s state file are left out instead of
 /// everything else (a `.bin` is never text).
 pub fn expand_text_noting(pattern: &str, key: &str) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
-    expand_kind(pattern, key, false)
+    let (files, skipped, _) = expand_kind(pattern, key, false)?;
+    Ok((files, skipped))
 }
 
-fn expand_kind(pattern: &str, key: &str, tokens: bool) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
+type Expanded = (Vec<PathBuf>, Vec<PathBuf>, Option<TokenizeRun>);
+
+fn expand_kind(pattern: &str, key: &str, tokens: bool) -> Result<Expanded> {
     let mut files = expand_all_kinds(pattern, key)?;
     let mut skipped = Vec::new();
+    let mut tokenized = None;
     let dir = Path::new(pattern);
     if !is_glob(pattern) && dir.is_dir() {
-        if let Some(run) = TokenizeRun::of(dir) {
+        tokenized = TokenizeRun::of(dir);
+        if let Some(run) = &tokenized {
             if !run.complete {
                 return Err(DataError::Config(format!(
                     "{key} = {pattern:?}: its {TOKENIZE_STATE} says the `phalanx tokenize` run \
@@ -108,7 +123,7 @@ fn expand_kind(pattern: &str, key: &str, tokens: bool) -> Result<(Vec<PathBuf>, 
             )));
         }
     }
-    Ok((files, skipped))
+    Ok((files, skipped, tokenized))
 }
 
 /// The prefix of a `phalanx tokenize` validation shard's file name
