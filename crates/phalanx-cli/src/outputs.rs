@@ -139,6 +139,12 @@ impl Io {
 
     /// Every check (see the module docs); the first failure, in words.
     pub fn check(&self) -> Result<(), String> {
+        // The checkpoint directories, resolved once: (key, resolved).
+        let ckpt: Vec<(&str, PathBuf)> = self
+            .ckpt_dirs
+            .iter()
+            .map(|(w, d)| (w.as_str(), resolve(d)))
+            .collect();
         for (what, d) in &self.scratch {
             if d.exists() && !d.is_dir() {
                 return Err(format!(
@@ -147,8 +153,8 @@ impl Io {
                 ));
             }
             let r = resolve(d);
-            for (key, dir) in &self.ckpt_dirs {
-                if let Some(name) = reserved_in(&resolve(dir), &r) {
+            for (key, dir) in &ckpt {
+                if let Some(name) = reserved_in(dir, &r) {
                     return Err(format!(
                         "{what} {} is {name} in {key} {}, where checkpoints are written and \
                          rotated: give a directory elsewhere",
@@ -159,11 +165,6 @@ impl Io {
             }
         }
         let inputs: Vec<Input> = self.ins.iter().map(Input::new).collect();
-        let ckpt: Vec<(&str, PathBuf)> = self
-            .ckpt_dirs
-            .iter()
-            .map(|(w, d)| (w.as_str(), resolve(d)))
-            .collect();
         // A checkpoint directory inside an input directory (a data
         // directory, the checkpoint resumed) would be read as that input by
         // the next run, and rotation there could delete what is not ours.
