@@ -407,10 +407,25 @@ fn test_worker(die_rank: Option<usize>, die_after_ms: u64, iters: usize) -> i32 
     0
 }
 
+/// The most actions `phalanx schedule` prints (2 per micro-batch and chunk).
+const SCHEDULE_MAX_ACTIONS: usize = 1 << 18;
+
 fn print_schedule(kind: &str, pp: usize, m: usize, comm: bool) -> i32 {
     use phalanx::strategy::pipeline::{Costs, Schedule, ScheduleKind};
     let run = || -> phalanx::Result<()> {
         let kind: ScheduleKind = kind.parse()?;
+        // The table holds every rank's actions: p x v chunks, each with m
+        // forwards and m backwards. Beyond a million nothing reads it.
+        let actions = [pp, kind.chunks_per_rank(), m, 2]
+            .iter()
+            .try_fold(1usize, |a, &k| a.checked_mul(k));
+        if actions.is_none_or(|a| a > SCHEDULE_MAX_ACTIONS) {
+            return Err(phalanx::Error::Check(format!(
+                "--pp {pp} x the schedule's chunks per rank ({}) x --micro-batches {m} is \
+                 more than a printed table holds (at most {SCHEDULE_MAX_ACTIONS} actions)",
+                kind.chunks_per_rank()
+            )));
+        }
         let s = Schedule::new(kind, pp, m)?;
         s.validate()?;
         if comm {

@@ -299,6 +299,12 @@ fn messages_name_the_file_and_explain_blocks() {
             "parallel.pp_partition=\"2,3\"",
             "need 2 non-zero sizes",
         ),
+        // Sizes whose sum wraps round to the model's 3 blocks.
+        (
+            "2",
+            "parallel.pp_partition=\"18446744073709551615,4\"",
+            "need 2 non-zero sizes",
+        ),
     ] {
         let mut args = vec!["train", "--nproc-per-node", nproc, "--set", layout];
         if layout.contains("partition") {

@@ -317,4 +317,23 @@ fn schedule_command_prints_a_valid_table() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
+    // Sizes whose table would not fit (or whose product overflows) are
+    // refused naming the arguments, not a panic or an allocation failure.
+    for (schedule, pp, m) in [
+        ("1f1b", "18446744073709551615", "1"),
+        ("interleaved:18446744073709551615", "2", "2"),
+        ("1f1b", "2000", "2000"),
+    ] {
+        let out = Command::new(BIN)
+            .args(["schedule", "--schedule", schedule])
+            .args(["--pp", pp, "--micro-batches", m])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{schedule} {pp} {m}: {err}");
+        assert!(
+            err.contains(&format!("--pp {pp} x")) && err.contains("more than a printed table"),
+            "{err}"
+        );
+    }
 }

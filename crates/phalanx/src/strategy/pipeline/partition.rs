@@ -72,7 +72,10 @@ pub fn check_split(n: usize, chunks: usize, p: &Partition) -> Result<()> {
 }
 
 fn check_sizes(s: &[usize], chunks: usize, n: usize) -> Result<()> {
-    if s.len() != chunks || s.contains(&0) || s.iter().sum::<usize>() != n {
+    // (Summed without wrapping: a size near usize::MAX must not add up
+    // to `n` and pass.)
+    let sum = s.iter().try_fold(0usize, |a, &k| a.checked_add(k));
+    if s.len() != chunks || s.contains(&0) || sum != Some(n) {
         return Err(Error::Check(format!(
             "pipeline partition {s:?}: need {chunks} non-zero sizes summing to the model's {n} \
              blocks (a block is a pipeline unit: for GPT-2 the embedding, each of the n_layer \
