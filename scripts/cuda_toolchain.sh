@@ -55,8 +55,11 @@ if [ ! -x "$home/cu13/bin/nvcc" ]; then
     mv "$tmp/nvidia/cu13" "$home/cu13"
 fi
 
-# The link stubs, from the cudarc sources cargo fetched.
-reg=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* 2>/dev/null | tail -1)
+# The link stubs, from the cudarc sources cargo fetched: the version
+# Cargo.lock holds (else the newest fetched, in version order).
+cudarc=$(awk '/^name = "cudarc"$/ { getline; sub(/^version = /, ""); gsub(/"/, ""); print; exit }' \
+    "$(dirname "$0")/../Cargo.lock" 2>/dev/null)
+reg=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"${cudarc:-0.19.*}" 2>/dev/null | sort -V | tail -1)
 if [ -z "$reg" ]; then
     echo "cuda_toolchain: cudarc is not in cargo's registry; run \`cargo fetch\` first" >&2
     exit 1

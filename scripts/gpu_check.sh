@@ -54,9 +54,11 @@
 #      dense bf16 peak (PEAK_TFLOPS, default 989: H100/H200 SXM), and again
 #      with the optimizer offloaded to the host;
 #   7. NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB (host-staged:
-#      the backend takes host buffers).
-# The last line reads `N passed, M failed`; the exit status is 0 when none
-# failed. LOG_DIR (default a temporary directory) keeps every run's output.
+#      the backend takes host buffers), with 2+ GPUs.
+# The last line reads `N passed, M failed` (and `, K skipped` where steps
+# were skipped: each skip says why, as `--- SKIP`); the exit status is 0
+# when none failed. LOG_DIR (default a temporary directory) keeps every
+# run's output.
 #
 # Environment: the `lib` folders of python3's `nvidia` wheels (cuBLAS,
 # cuRAND, NVRTC, the CUDA runtime, NCCL) are added to LD_LIBRARY_PATH;
@@ -65,12 +67,19 @@
 # then `cargo build --release -p phalanx-cli --features cuda,nccl`; 70 MB
 # stripped, 19 MB gzipped), copy the binary there and give it as PHALANX_BIN.
 #
-# A first run on a machine lent for one command of at most 10 minutes (the
-# binary gzipped to pass a 64 MiB copy limit): steps 1-3 and the optimizer
-# check, about 5 minutes, then the rest in parts:
-#   gunzip -c phalanx.gz >/tmp/phalanx && chmod +x /tmp/phalanx &&
-#     PHALANX_BIN=/tmp/phalanx CHECKS=0 PERF=0 scripts/gpu_check.sh
-#   PHALANX_BIN=/tmp/phalanx FAMILIES=gpt PERF=0 scripts/gpu_check.sh
+# A machine lent for one command of at most 10 minutes, with no Rust and
+# no network: build here with scripts/gpu_prepare.sh (it writes
+# target/gpu/phalanx.gz, under a 64 MiB copy limit), carry that file, and
+# give it as PHALANX_BIN (a `.gz` is unpacked here). DEADLINE (seconds)
+# caps every step's timeout at what is left of it, skips the steps that
+# find too little left, and keeps time for the summary. Each part starts
+# afresh (a bare machine), so:
+#   PHALANX_BIN=target/gpu/phalanx.gz FAMILIES=gpt DEADLINE=540 scripts/gpu_check.sh
+#   PHALANX_BIN=target/gpu/phalanx.gz BASICS=0 FAMILIES=llama EXTRA=0 PERF=0 \
+#     DEADLINE=540 scripts/gpu_check.sh
+# Under a runner that keeps only $OUT: this script's output goes to
+# $OUT/gpu_check.log, and every run's log (checkpoints left out) to
+# $OUT/logs.tgz.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -79,31 +88,56 @@ DEVICE=${DEVICE:-cuda}
 LOSS_TOL=${LOSS_TOL:-1e-3}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 # Parts, for a machine lent for one command of a few minutes at a time:
-# FAMILIES (the models of step 4), CHECKS=0 (skip steps 4-5b), PERF=0
-# (skip steps 6-7); `CHECKS=0 scripts/gpu_check.sh` then `PERF=0 ...` split
-# the run in two.
+# BASICS=0 (skip step 3), FAMILIES (the models of step 4), CHECKS=0 (skip
+# steps 4-5b), EXTRA=0 (skip steps 5-5b only), PERF=0 (skip steps 6-7).
 FAMILIES=${FAMILIES:-gpt llama}
+BASICS=${BASICS:-1}
 CHECKS=${CHECKS:-1}
+EXTRA=${EXTRA:-1}
 PERF=${PERF:-1}
-# Under a runner that returns only $OUT, the logs go there, and so does
-# this script's own output (a runner may keep only its tail).
-if [ -n "${OUT:-}" ]; then
-    LOG_DIR=${LOG_DIR:-$OUT/logs}
-fi
+# DEADLINE: seconds from the start that the whole script must end within
+# (empty: none). RESERVE of them are kept for the summary and the logs.
+DEADLINE=${DEADLINE:-}
+RESERVE=${RESERVE:-20}
 LOG_DIR=${LOG_DIR:-$(mktemp -d /tmp/phalanx-gpu-check.XXXXXX)}
 mkdir -p "$LOG_DIR"
+# Under a runner that returns only $OUT (a few files, the output's tail):
+# this script's output in one file there, the logs packed in another at
+# the end (finish), checkpoints left out.
+tee_pid=""
 if [ -n "${OUT:-}" ]; then
-    exec > >(tee -a "$LOG_DIR/gpu_check.log") 2>&1
+    exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+    tee_pid=$!
 fi
 # CUDA's JIT cache (candle's kernels are PTX): kept across the runs' processes.
 export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-${TMPDIR:-/tmp}/phalanx-nvcache}
-echo "device: $DEVICE; logs: $LOG_DIR; families: $FAMILIES; checks: $CHECKS; perf: $PERF"
+echo "device: $DEVICE; logs: $LOG_DIR; families: $FAMILIES; basics: $BASICS; checks: $CHECKS; extra: $EXTRA; perf: $PERF; deadline: ${DEADLINE:-none}"
 
 passed=0
 failed=0
+skipped=0
+# cap SECONDS: SECONDS, or less where the deadline leaves less (0: none left).
+cap() {
+    if [ -z "$DEADLINE" ]; then
+        echo "$1"
+        return
+    fi
+    local left=$((DEADLINE - RESERVE - SECONDS))
+    [ $left -lt 0 ] && left=0
+    echo $(($1 < left ? $1 : left))
+}
+skip() { # skip NAME WHY: a step not run, said and counted
+    skipped=$((skipped + 1))
+    echo "--- SKIP $1 ($2)"
+}
 step() { # step NAME SECONDS CMD...: run CMD under a timeout and count it
-    local name=$1 secs=$2
+    local name=$1 secs
+    secs=$(cap "$2")
     shift 2
+    if [ "$secs" -lt 10 ]; then
+        skip "$name" "DEADLINE: ${secs}s left"
+        return 1
+    fi
     echo "=== $name (timeout ${secs}s)"
     local t0=$SECONDS rc
     if declare -F "$1" >/dev/null; then
@@ -123,7 +157,16 @@ step() { # step NAME SECONDS CMD...: run CMD under a timeout and count it
     return $rc
 }
 finish() {
-    echo "$passed passed, $failed failed"
+    local line="$passed passed, $failed failed"
+    [ "$skipped" -gt 0 ] && line="$line, $skipped skipped"
+    echo "$line"
+    if [ -n "${OUT:-}" ]; then
+        tar czf "$OUT/logs.tgz" -C "$LOG_DIR" --exclude='ck-*' . 2>/dev/null &&
+            echo "logs: \$OUT/logs.tgz"
+        # Let tee copy the last lines before the runner ends.
+        exec >&- 2>&-
+        [ -n "$tee_pid" ] && wait "$tee_pid" 2>/dev/null
+    fi
     [ "$failed" -eq 0 ]
     exit $?
 }
@@ -166,9 +209,21 @@ fi
 
 if [ -n "${PHALANX_BIN:-}" ]; then
     bin=$PHALANX_BIN
+    if [ "${bin%.gz}" != "$bin" ]; then # carried gzipped: unpacked here
+        unpacked="${TMPDIR:-/tmp}/phalanx-gpu-check-bin"
+        gunzip -c "$bin" >"$unpacked.tmp" && chmod +x "$unpacked.tmp" && mv "$unpacked.tmp" "$unpacked" ||
+            { echo "PHALANX_BIN $bin: cannot unpack it"; failed=$((failed + 1)); finish; }
+        echo "PHALANX_BIN $bin unpacked to $unpacked"
+        bin=$unpacked
+    fi
 else
     features=cuda,nccl
     [ "$DEVICE" = cuda ] || features=nccl
+    if ! command -v cargo >/dev/null; then
+        echo "no cargo here to build with: build elsewhere (scripts/gpu_prepare.sh) and give PHALANX_BIN"
+        failed=$((failed + 1))
+        finish
+    fi
     if [ "$DEVICE" = cuda ] && ! command -v nvcc >/dev/null; then
         # The toolchain's link stubs come from cudarc's sources: fetch first.
         cargo fetch --quiet || { echo "cargo fetch failed (no registry?): give PHALANX_BIN"; failed=$((failed + 1)); finish; }
@@ -178,6 +233,11 @@ else
     step "build (cargo build --release -p phalanx-cli --features $features)" 1200 \
         cargo build --release -p phalanx-cli --features "$features" || finish
     bin="${CARGO_TARGET_DIR:-target}/release/phalanx"
+fi
+if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then
+    echo "the binary $bin is missing or not executable"
+    failed=$((failed + 1))
+    finish
 fi
 
 if [ "$DEVICE" = cuda ]; then
@@ -202,8 +262,9 @@ if [ "$DEVICE" = cuda ]; then
         finish
     fi
     libs_found() {
-        local missing=0 so
-        ldd "$bin" | grep 'not found' && missing=1
+        local missing=0 so deps
+        deps=$(ldd "$bin") || { echo "ldd $bin failed"; return 1; }
+        grep 'not found' <<<"$deps" && missing=1
         for so in $(lazy_libs); do
             if python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$so" 2>/dev/null ||
                 ldconfig -p | grep -q "^[[:space:]]*$so "; then
@@ -219,6 +280,7 @@ if [ "$DEVICE" = cuda ]; then
     step "the binary's libraries (ldd, and those it opens on first use)" 30 libs_found || finish
     worlds="1"
     [ "$gpus" -ge 2 ] && worlds="1 2"
+    [ "$BASICS" = 1 ] || worlds=""
     for n in $worlds; do
         step "NCCL collectives --check, world $n" 120 \
             "$bin" bench collectives --backend nccl --nproc "$n" --op all \
@@ -226,17 +288,22 @@ if [ "$DEVICE" = cuda ]; then
     done
     # Non-blocking communicators: creation, splits and launches answer
     # ncclInProgress and are polled under the deadline (nccl::progress).
-    n=${worlds##* }
-    step "NCCL collectives --check, world $n, non-blocking (NCCL_COMM_BLOCKING=0)" 120 \
-        env NCCL_COMM_BLOCKING=0 "$bin" bench collectives --backend nccl --nproc "$n" \
-        --op all --sizes 8:1M --factor 8 --iters 2 --warmup 1 --check
+    if [ "$BASICS" = 1 ]; then
+        [ "$gpus" -ge 2 ] || skip "NCCL collectives --check, world 2" "needs 2 GPUs, this machine has $gpus"
+        n=${worlds##* }
+        step "NCCL collectives --check, world $n, non-blocking (NCCL_COMM_BLOCKING=0)" 120 \
+            env NCCL_COMM_BLOCKING=0 "$bin" bench collectives --backend nccl --nproc "$n" \
+            --op all --sizes 8:1M --factor 8 --iters 2 --warmup 1 --check
+    fi
 fi
 
 # The optimizer's state and step on the device against the host's loop:
 # chunks, pieces, frozen variance, parameters already there; then timed.
 if [ "$DEVICE" = cuda ]; then opt_params=124M; else opt_params=4M; fi
-step "optimizer on $DEVICE: --check against the host, timed over $opt_params elements" 180 \
-    "$bin" bench optimizer --device "$DEVICE" --check --params "$opt_params" --steps 3
+if [ "$BASICS" = 1 ]; then
+    step "optimizer on $DEVICE: --check against the host, timed over $opt_params elements" 180 \
+        "$bin" bench optimizer --device "$DEVICE" --check --params "$opt_params" --steps 3
+fi
 
 # train NAME NPROC DEVICE HOST_KERNELS SET...: one `phalanx train` (from the
 # checkpoint $RESUME when set), its per-step log in $LOG_DIR/NAME.jsonl, its
@@ -244,17 +311,34 @@ step "optimizer on $DEVICE: --check against the host, timed over $opt_params ele
 train() {
     local name=$1 n=$2 dev=$3 host=$4
     shift 4
-    local sets=()
+    local sets=() secs rc
     for s in "$@"; do sets+=(--set "$s"); done
-    PHALANX_HOST_KERNELS=$host timeout "${STEP_TIMEOUT:-300}" "$bin" train ${RESUME:+--resume "$RESUME"} \
+    secs=$(cap "${STEP_TIMEOUT:-300}")
+    [ "$secs" -ge 5 ] || { echo "$name: no time left before DEADLINE"; return 124; }
+    rm -f "$LOG_DIR/$name.ok"
+    PHALANX_HOST_KERNELS=$host timeout "$secs" "$bin" train ${RESUME:+--resume "$RESUME"} \
         --nproc-per-node "$n" \
         --set train.device="\"$dev\"" --set train.eval_interval=0 \
         --set log.plot= --set log.report= "${sets[@]}" \
-        --log-json "$LOG_DIR/$name.jsonl" >"$LOG_DIR/$name.out" 2>&1 ||
-        { tail -20 "$LOG_DIR/$name.out"; return 1; }
+        --log-json "$LOG_DIR/$name.jsonl" >"$LOG_DIR/$name.out" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        [ $rc -eq 124 ] && echo "$name: timed out after ${secs}s"
+        tail -20 "$LOG_DIR/$name.out"
+        return $rc
+    fi
+    touch "$LOG_DIR/$name.ok" # finished: its log is whole
+}
+# finished NAME...: each run finished (a partial log proves nothing).
+finished() {
+    local r
+    for r in "$@"; do
+        [ -f "$LOG_DIR/$r.ok" ] || { echo "run $r did not finish"; return 1; }
+    done
 }
 # same A B TOL: every step's loss of run A within TOL relative of run B's.
 same() {
+    finished "$1" "$2" || return 1
     python3 - "$LOG_DIR/$1.jsonl" "$LOG_DIR/$2.jsonl" "$3" <<'EOF'
 import json, sys
 def losses(p):
@@ -271,6 +355,7 @@ EOF
 # no_reads NAME: no step of run NAME read a gradient back from the device
 # (the step log's `grad_reads`, rank 0's process).
 no_reads() {
+    finished "$1" || return 1
     python3 - "$LOG_DIR/$1.jsonl" <<'EOF'
 import json, sys
 reads = [r.get("grad_reads") for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
@@ -391,6 +476,12 @@ for fam in $FAMILIES; do
         PHALANX_BACKEND=nccl step "$fam: tp 2 with sequence parallelism over NCCL" 120 check \
             "$fam-sp-nccl" 2 $b "$LOSS_TOL" "${m[@]}" train.micro_batch_size=8 parallel.tp=2 \
             parallel.sequence_parallel=true
+    elif [ "$DEVICE" = cuda ]; then
+        skip "$fam: DDP, ZeRO-1/2/3, pp 2 (also interleaved), tp 2 (also sequence parallel) over NCCL" \
+            "one GPU per rank: needs 2 GPUs, this machine has $gpus"
+    fi
+    if [ "$DEVICE" = cuda ] && [ "$gpus" -lt 4 ]; then
+        skip "$fam: dp 2 x pp 2, ZeRO-1 over NCCL" "needs 4 GPUs, this machine has $gpus"
     fi
     unset -n m
 done
@@ -401,13 +492,16 @@ resume() { # resume FROM HOST_KERNELS TO HOST_KERNELS
     local ck="$LOG_DIR/ck-$name"
     # decay_steps fixes the schedule, which train.steps would otherwise set.
     local c=(checkpoint.dir=\""$ck"\" checkpoint.interval=4 train.micro_batch_size=8 optim.decay_steps=8)
+    # The reference, where step 4 did not run it (FAMILIES without gpt).
+    [ -f "$LOG_DIR/gpt-base.ok" ] || train gpt-base 1 cpu 1 "${gpt[@]}" train.micro_batch_size=8 || return 1
     train "$name-a" 1 "$from" "$hk_from" "${gpt[@]}" "${c[@]}" train.steps=4 &&
         RESUME=$ck train "$name-b" 1 "$to" "$hk_to" "${gpt[@]}" "${c[@]}" &&
         cat "$LOG_DIR/$name-a.jsonl" "$LOG_DIR/$name-b.jsonl" >"$LOG_DIR/$name.jsonl" &&
+        touch "$LOG_DIR/$name.ok" &&
         same "$name" gpt-base "$LOSS_TOL"
 }
 dev_hk=${PHALANX_HOST_KERNELS:-1} # the device's runs: 0 in the rehearsal
-if [ "$CHECKS" = 1 ]; then
+if [ "$CHECKS" = 1 ] && [ "$EXTRA" = 1 ]; then
 step "resume: saved on $DEVICE, resumed on cpu" 180 resume "$DEVICE" "$dev_hk" cpu 1
 step "resume: saved on cpu, resumed on $DEVICE" 180 resume cpu 1 "$DEVICE" "$dev_hk"
 fi
@@ -423,10 +517,12 @@ fail_fast() { # fail_fast NAME
     grep -E "^\[rank 0\].*rank 1 \(.*\) aborted: injected error at step 3 on rank 1" "$out" ||
         { echo "rank 0 did not name rank 1's error:"; tail -20 "$out"; return 1; }
 }
-if [ "$CHECKS" = 1 ]; then
+if [ "$CHECKS" = 1 ] && [ "$EXTRA" = 1 ]; then
 step "a rank's error reaches its peer at once (2 ranks on $DEVICE)" 90 fail_fast fail-fast
 if [ "$gpus" -ge 2 ]; then
     PHALANX_BACKEND=nccl step "a rank's error reaches its peer at once over NCCL" 90 fail_fast fail-fast-nccl
+elif [ "$DEVICE" = cuda ]; then
+    skip "a rank's error reaches its peer at once over NCCL" "needs 2 GPUs, this machine has $gpus"
 fi
 fi
 
@@ -455,10 +551,15 @@ EOF
     # parameters sent up every step): what keeping it on the device gains.
     step "GPT-2 124M tokens/s, optimizer offloaded to the host" 300 mfu gpt2-124m-offload \
         zero_optimization.offload_optimizer.device=\"cpu\"
-    n=${worlds##* }
-    step "NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB, world $n" 120 \
-        "$bin" bench collectives --backend nccl --nproc "$n" --op all_reduce \
-        --sizes 1M,64M,1G --iters 10 --warmup 3
+    # One rank moves nothing over a bus (its bus bandwidth is 0 by
+    # definition): the figure needs 2 GPUs.
+    if [ "$gpus" -ge 2 ]; then
+        step "NCCL all-reduce bus bandwidth at 1 MB / 64 MB / 1 GB, world 2" 120 \
+            "$bin" bench collectives --backend nccl --nproc 2 --op all_reduce \
+            --sizes 1M,64M,1G --iters 10 --warmup 3
+    else
+        skip "NCCL all-reduce bus bandwidth" "needs 2 GPUs, this machine has $gpus"
+    fi
 fi
 
 finish

@@ -92,7 +92,8 @@ impl Residuals {
                 return Err(Error::Check(format!(
                     "the error-feedback residual restored for bucket {bucket} holds {} values, \
                      the bucket has {} (the checkpoint was saved with other buckets: \
-                     parallel.bucket_mb or the model changed?); resume once with parallel.comm_hook = \"none\" to carry the model and optimizer over, the hook starting fresh",
+                     parallel.bucket_mb, the model, or the layout that splits it, \
+                     parallel.tp, pp or pp_partition, changed?); resume once with parallel.comm_hook = \"none\" to carry the model and optimizer over, the hook starting fresh",
                     r.len(),
                     g.len()
                 )));
