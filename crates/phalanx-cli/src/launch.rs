@@ -68,7 +68,9 @@ pub fn share_cores_under_external_launcher() {
     if !in_job() || std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return;
     }
-    let Ok(env) = phalanx_comm::DistEnv::from_env() else {
+    // (The sizes only: what the store needs, an address or a secret, is
+    // not this function's to refuse, and an MPI job needs neither.)
+    let Ok(env) = phalanx_comm::JobSizes::from_env() else {
         return;
     };
     if env.source == "torchrun" {

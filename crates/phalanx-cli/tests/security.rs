@@ -269,8 +269,9 @@ fn a_flood_of_bad_clients_costs_a_few_log_lines() {
             "--master-port",
             &port.to_string(),
             "--",
+            // Long enough for 60 clients on a loaded machine.
             "sleep",
-            "2",
+            "5",
         ])
         .env_remove("PHALANX_SECRET")
         .env_remove("RANK")

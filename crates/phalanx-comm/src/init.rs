@@ -286,19 +286,19 @@ impl DistEnv {
         // node, and a port from the job id (so that two jobs sharing a node
         // do not meet), as PyTorch Lightning picks them.
         let slurm = source == "srun";
-        let master_addr = var("MASTER_ADDR")
-            .or_else(|| {
-                slurm
-                    .then(|| {
-                        // The step's nodes: its task 0 runs on the first.
-                        var("SLURM_STEP_NODELIST")
-                            .or_else(|| var("SLURM_JOB_NODELIST"))
-                            .or_else(|| var("SLURM_NODELIST"))
-                    })
-                    .flatten()
-                    .and_then(|l| first_host(&l))
-            })
-            .unwrap_or_else(|| "127.0.0.1".into());
+        let named_addr = var("MASTER_ADDR").or_else(|| {
+            slurm
+                .then(|| {
+                    // The step's nodes: its task 0 runs on the first.
+                    var("SLURM_STEP_NODELIST")
+                        .or_else(|| var("SLURM_JOB_NODELIST"))
+                        .or_else(|| var("SLURM_NODELIST"))
+                })
+                .flatten()
+                .and_then(|l| first_host(&l))
+        });
+        let addr_named = named_addr.is_some();
+        let master_addr = named_addr.unwrap_or_else(|| "127.0.0.1".into());
         let master_port = match var("MASTER_PORT") {
             None => match var("SLURM_JOB_ID").and_then(|j| j.trim().parse::<u64>().ok()) {
                 Some(job) if slurm => 15000 + (job % 10000) as u16,
@@ -364,6 +364,18 @@ impl DistEnv {
                 Vec::new()
             }
         };
+        // Loopback by default, as torchrun's single-node jobs have it; a
+        // job whose ranks are not all here must say where rank 0 is, or
+        // each host's ranks would wait for a store on their own loopback
+        // until they time out. (An explicit loopback address is taken as
+        // meant: several "nodes" on one host.)
+        if !addr_named && local_world_size < world_size {
+            return Err(invalid!(
+                "MASTER_ADDR is not set, but only {local_world_size} of this {source} job's \
+                 {world_size} ranks run on this host: set MASTER_ADDR (and MASTER_PORT) to \
+                 rank 0's host, where the job's store is"
+            ));
+        }
         // Keys of one attempt never meet those of another: torchrun keeps
         // its store across restarts of the workers.
         let run_id = match var("PHALANX_RUN_ID") {
@@ -737,6 +749,41 @@ mod tests {
         let mut x = [3.0f32];
         pg.all_reduce(&mut x, crate::ReduceOp::Sum).unwrap();
         assert_eq!((pg.size(), x[0]), (1, 3.0));
+    }
+
+    /// A job whose ranks are not all on this host must name rank 0's host:
+    /// the loopback default would leave every other host's ranks waiting
+    /// for a store on their own loopback.
+    #[test]
+    fn a_job_across_hosts_without_master_addr_is_refused() {
+        let env = |vars: &[(&str, &str)]| {
+            super::DistEnv::from_vars(|k| {
+                vars.iter()
+                    .chain(&[("PHALANX_SECRET", "00112233445566778899aabbccddeeff")])
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        let across = [
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+        ];
+        let e = env(&across).unwrap_err().to_string();
+        assert!(
+            e.contains("MASTER_ADDR is not set, but only 2 of this torchrun job's 4 ranks"),
+            "{e}"
+        );
+        let named = env(&[across.as_slice(), &[("MASTER_ADDR", "node0")]].concat()).unwrap();
+        assert_eq!(named.master_addr, "node0");
+        // All ranks here: loopback, as torchrun's single-node jobs have it.
+        let here = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+        ])
+        .unwrap();
+        assert_eq!(here.master_addr, "127.0.0.1");
     }
 
     /// `JobSizes::from_vars` over these variables (the rest unset).

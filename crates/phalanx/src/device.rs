@@ -31,7 +31,8 @@ use candle_core::Device;
 /// `OMPI_COMM_WORLD_LOCAL_RANK` under mpirun, `SLURM_LOCALID` under srun;
 /// 0 for a single process).
 pub fn local_rank() -> Result<usize, String> {
-    phalanx_comm::DistEnv::from_env()
+    // The sizes only: an MPI job has no store address or secret to check.
+    phalanx_comm::JobSizes::from_env()
         .map(|e| e.local_rank)
         .map_err(|e| e.to_string())
 }
