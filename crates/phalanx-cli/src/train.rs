@@ -226,8 +226,8 @@ fn check_outputs(cfg: &TrainConfig, opts: &TrainOpts) -> Result<(), String> {
         io.output("--trace", p);
     }
     for (key, v) in [("log.plot", &cfg.log.plot), ("log.report", &cfg.log.report)] {
-        if !v.is_empty() {
-            io.output(key, std::path::Path::new(v));
+        if let Some(p) = cfg.log_output(v) {
+            io.output(key, &p);
         }
     }
     let flag = if opts.cfg.config.is_some() {
@@ -440,14 +440,14 @@ fn as_rank(
         .log_json
         .clone()
         .or_else(|| (!cfg.log.json.is_empty()).then(|| cfg.log.json.clone().into()));
-    let plot = (!cfg.log.plot.is_empty()).then(|| PathBuf::from(&cfg.log.plot));
+    let plot = cfg.log_output(&cfg.log.plot);
     let run_opts = RunOptions {
         progress: true,
         log_interval: cfg.log.interval,
         log_json,
         plot,
         trace: opts.trace.clone(),
-        report: (!cfg.log.report.is_empty()).then(|| PathBuf::from(&cfg.log.report)),
+        report: cfg.log_output(&cfg.log.report),
         resume: opts.resume.as_deref().map(|r| match r {
             "auto" => Resume::Auto,
             p => Resume::Path(p.into()),

@@ -146,6 +146,42 @@ impl TrainConfig {
         Some(s)
     }
 
+    /// Where `log.plot` or `log.report` (`value`, its setting) is written,
+    /// or `None` when it is off (empty). Under fault tolerance the default
+    /// path goes in a `replica-{replica_id}` directory beside it
+    /// (`runs/replica-1/loss.svg`), as the groups' checkpoints do: groups
+    /// started with one config would otherwise write over each other's.
+    /// A path set in the config is taken as given.
+    ///
+    /// ```
+    /// use phalanx::config::TrainConfig;
+    /// use std::path::PathBuf;
+    /// let ft = ["fault_tolerance.lighthouse=\"h:29510\"".into(),
+    ///     "fault_tolerance.replicas=2".into(), "fault_tolerance.replica_id=1".into()];
+    /// let c = TrainConfig::build(None, &ft).unwrap();
+    /// assert_eq!(c.log_output(&c.log.plot), Some(PathBuf::from("runs/replica-1/loss.svg")));
+    /// assert_eq!(c.log_output("mine.svg"), Some(PathBuf::from("mine.svg")));
+    /// assert_eq!(c.log_output(""), None);
+    /// let plain = TrainConfig::build(None, &[]).unwrap();
+    /// assert_eq!(plain.log_output(&plain.log.report), Some(PathBuf::from("runs/report.html")));
+    /// ```
+    pub fn log_output(&self, value: &str) -> Option<PathBuf> {
+        if value.is_empty() {
+            return None;
+        }
+        let d = super::LogConfig::default();
+        let p = PathBuf::from(value);
+        if !self.fault_tolerance.enabled() || (value != d.plot && value != d.report) {
+            return Some(p);
+        }
+        let name = p.file_name()?.to_owned();
+        let dir = p.parent().unwrap_or(std::path::Path::new(""));
+        Some(
+            dir.join(format!("replica-{}", self.fault_tolerance.replica_id))
+                .join(name),
+        )
+    }
+
     /// Global batch in samples: micro_batch x dp x grad_accum.
     pub fn global_batch(&self, dp: usize) -> usize {
         // (Saturating: the factors are bounded by `validate`, dp by the world.)
