@@ -610,17 +610,28 @@ impl Manager {
     pub fn all_texts(&mut self, text: &str) -> Result<Option<Vec<String>>> {
         const MOST: i64 = 16 << 20;
         let n = self.quorum.as_ref().map_or(1, |q| q.size);
-        let mine: Vec<i32> = text.bytes().map(i32::from).collect();
+        // Four bytes to an element (the last one padded with zeros); the
+        // lengths go in bytes.
+        let words = |bytes: usize| bytes.div_ceil(4);
+        let mine: Vec<i32> = text
+            .as_bytes()
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                i32::from_le_bytes(w)
+            })
+            .collect();
         let mut lens = vec![0i64; n];
         let mut all: Vec<i32> = Vec::new();
         let ok = self.on_group(|pg| {
-            pg.all_gather(&[mine.len() as i64], &mut lens)?;
+            pg.all_gather(&[text.len() as i64], &mut lens)?;
             if let Some(l) = lens.iter().find(|&&l| !(0..=MOST).contains(&l)) {
                 return Err(CommError::Invalid(format!(
                     "a member's text of {l} bytes (at most {MOST})"
                 )));
             }
-            let counts: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+            let counts: Vec<usize> = lens.iter().map(|&l| words(l as usize)).collect();
             all = vec![0; counts.iter().sum()];
             pg.all_gather_v(&mine, &counts, &mut all)
         })?;
@@ -630,9 +641,14 @@ impl Manager {
         let mut out = Vec::with_capacity(n);
         let mut at = 0;
         for l in lens {
-            let bytes: Vec<u8> = all[at..at + l as usize].iter().map(|&b| b as u8).collect();
+            let n = words(l as usize);
+            let bytes: Vec<u8> = all[at..at + n]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .take(l as usize)
+                .collect();
             out.push(String::from_utf8_lossy(&bytes).into_owned());
-            at += l as usize;
+            at += n;
         }
         Ok(Some(out))
     }
