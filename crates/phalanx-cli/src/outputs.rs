@@ -109,6 +109,12 @@ impl Io {
     /// checkpoints read to resume: the checkpoint, or each `step-*` in the
     /// directory and its `latest`.
     pub fn checkpoint_input(&mut self, what: &str, p: &Path) -> &mut Io {
+        if !p.exists() {
+            // Nothing there to protect: `--resume auto` before the first
+            // checkpoint (checkpoint.dir is made when one is written), or
+            // a path its reader refuses.
+            return self;
+        }
         if p.join("metadata.json").is_file() || !p.is_dir() {
             return self.input(what, p);
         }

@@ -407,6 +407,24 @@ fn restarted_workers_get_the_restart_count() {
     );
 }
 
+/// The first start of a job that always passes `--resume auto` (the Slurm
+/// and Kubernetes examples): no checkpoint.dir yet, so it starts fresh
+/// and makes it (it used to be refused as an input the checkpoints would
+/// be written into).
+#[test]
+fn resume_auto_without_a_checkpoint_dir_starts_fresh() {
+    let d = tmpdir("firststart");
+    let mut args = vec!["--nproc-per-node", "1", "--set", "train.micro_batch_size=4"];
+    let s = settings(&d, 2, 1);
+    args.extend(strs(&s));
+    args.extend(["--resume", "auto"]);
+    assert!(!d.join("ckpt").exists());
+    let r = train(&args, None);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.out.contains("starting fresh"), "{r}");
+    assert!(d.join("ckpt/step-00000002/metadata.json").is_file(), "{r}");
+}
+
 /// Resuming at or past `train.steps` says there is nothing to do (no NaN
 /// losses, exit 0); `--resume auto` over checkpoints that all fail
 /// verification refuses, listing each, and deletes none of them (it used

@@ -173,6 +173,30 @@ fn expand_all(
     Ok(files)
 }
 
+/// Text files from this size on are said at the start: each is one shard,
+/// tokenized whole in memory.
+const BIG_TEXT: u64 = 1 << 30;
+
+/// The note for a text source whose largest file is [`BIG_TEXT`] or more:
+/// its bytes, documents and tokens are held at once on every rank (a few
+/// times its size, `data.prefetch` shards ahead), where `phalanx tokenize`
+/// would stream it once into mapped shards.
+fn big_text_note(key: &str, files: &[PathBuf]) -> Option<String> {
+    let (size, f) = files
+        .iter()
+        .filter_map(|f| Some((std::fs::metadata(f).ok()?.len(), f)))
+        .max_by_key(|(s, _)| *s)?;
+    (size >= BIG_TEXT).then(|| {
+        format!(
+            "{key}: {} is {:.1} GiB of text, tokenized whole in memory on every rank (a \
+             few times its size; each text file is one shard): `phalanx tokenize` it into \
+             .bin shards once, which are memory-mapped",
+            f.display(),
+            size as f64 / (1u64 << 30) as f64
+        )
+    })
+}
+
 /// A file in the fingerprint: its name (not its path: a resume from another
 /// directory, or with an absolute path, reads the same files) and size.
 fn file_print(f: &std::path::Path) -> serde_json::Value {
@@ -239,6 +263,11 @@ impl Corpus {
                     files[if kinds[0] == Kind::Bin { 0 } else { j }].display(),
                     files[if kinds[0] == Kind::Bin { j } else { 0 }].display()
                 )));
+            }
+            if kinds[0] == Kind::Text {
+                if let Some(n) = big_text_note(&spec.key, &files) {
+                    skipped.push(n);
+                }
             }
             let seed = mix64(cfg.seed.wrapping_add(mix64(i as u64 + 1)));
             let print: Vec<serde_json::Value> = files.iter().map(|f| file_print(f)).collect();
@@ -559,4 +588,29 @@ fn val_text(
         Arc::new(TextStats::default()),
     )?;
     src.whole_shard()
+}
+
+#[cfg(test)]
+mod tests {
+    /// A text file of a GiB or more is said (a sparse file: nothing read).
+    #[test]
+    fn a_big_text_file_is_said_naming_tokenize() {
+        let d = std::env::temp_dir().join(format!("phalanx-big-text-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let small = d.join("small.txt");
+        let big = d.join("big.jsonl");
+        std::fs::write(&small, "hello").unwrap();
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(super::BIG_TEXT - 1).unwrap();
+        let files = vec![small.clone(), big.clone()];
+        assert_eq!(super::big_text_note("data.path", &files), None);
+        f.set_len(3 * super::BIG_TEXT / 2).unwrap();
+        let n = super::big_text_note("data.path", &files).unwrap();
+        assert!(
+            n.starts_with(&format!("data.path: {} is 1.5 GiB of text", big.display()))
+                && n.contains("`phalanx tokenize` it"),
+            "{n}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }
