@@ -213,6 +213,26 @@ fn pet_flags(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
             }
         }
     }
+    // A pod of Kubeflow's PyTorchJob (PET_NNODES, PET_NPROC_PER_NODE) whose
+    // operator gives node 0's address only as MASTER_ADDR / MASTER_PORT
+    // (as it does for one rank per pod): taken where the PET_ spelling is
+    // missing, instead of the loopback default no other pod could reach.
+    let pod = from_env
+        .iter()
+        .any(|(_, v, _)| matches!(*v, "PET_NNODES" | "PET_NPROC_PER_NODE"));
+    for (var, pet, flag) in [
+        ("MASTER_ADDR", "PET_MASTER_ADDR", "--master-addr"),
+        ("MASTER_PORT", "PET_MASTER_PORT", "--master-port"),
+    ] {
+        let unset = |k: &str| std::env::var_os(k).is_none_or(|v| v.is_empty());
+        if pod && unset(pet) && !given.iter().any(|g| g == flag) {
+            if let Some(v) = std::env::var_os(var).filter(|v| !v.is_empty()) {
+                from_env.push((flag, var, v.to_string_lossy().into_owned()));
+                extra.push(flag.into());
+                extra.push(v);
+            }
+        }
+    }
     launch::flags_from_env(from_env);
     args.splice(2..2, extra);
     args

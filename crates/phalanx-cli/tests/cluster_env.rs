@@ -97,11 +97,21 @@ fn a_pytorchjob_with_nproc_per_node_launches_each_pods_ranks() {
                 kv("PET_NPROC_PER_NODE", 2),
                 kv("PET_NNODES", 2),
                 kv("PET_NODE_RANK", pod),
-                kv("PET_MASTER_ADDR", "127.0.0.1"),
-                kv("PET_MASTER_PORT", port),
                 kv("PHALANX_SECRET", SECRET),
             ])
             .env("PHALANX_TIMEOUT", "60");
+            // Pod 1 has node 0's address as MASTER_ADDR / MASTER_PORT
+            // only (as some operators give it): its launcher takes them,
+            // not the loopback default and port 29500.
+            if pod == 0 {
+                c.envs([
+                    kv("PET_MASTER_ADDR", "127.0.0.1"),
+                    kv("PET_MASTER_PORT", port),
+                ]);
+            } else {
+                c.env_remove("PET_MASTER_ADDR")
+                    .env_remove("PET_MASTER_PORT");
+            }
             std::thread::spawn(move || run_until(c, DEADLINE))
         })
         .collect();
