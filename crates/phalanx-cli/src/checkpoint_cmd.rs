@@ -459,6 +459,36 @@ fn from_hf(
         );
         return Ok(2);
     }
+    // OUT_DIR is neither the model read nor in its directory (a checkpoint
+    // there would be what `generate --model DIR` loads, not the weights),
+    // nor inside a checkpoint.
+    let mut io = crate::outputs::Io::new();
+    io.input("INPUT", input)
+        .checkpoint_output("OUT_DIR", out_dir);
+    let resolved = crate::outputs::resolve(out_dir);
+    let model_dir = phalanx_models::common::hf::model_dir(input);
+    let beside = (resolved == crate::outputs::resolve(&model_dir)).then(|| {
+        format!(
+            "OUT_DIR {} is INPUT's directory: `generate --model` there would load the \
+             checkpoint, not the weights; give a directory of its own",
+            out_dir.display()
+        )
+    });
+    let inside_checkpoint = resolved
+        .ancestors()
+        .find(|a| a.join("metadata.json").is_file())
+        .map(|c| {
+            format!(
+                "OUT_DIR {} is inside the checkpoint {}: give a directory of its own",
+                out_dir.display(),
+                c.display()
+            )
+        });
+    let refused = io.check().err().or(beside).or(inside_checkpoint);
+    if let Some(m) = refused {
+        eprintln!("phalanx checkpoint from-hf: {m}");
+        return Ok(2);
+    }
     // The config first: a mistake there leaves nothing behind.
     let mut sets = crate::generate::default_tokenizer_sets(input, config, set)?;
     sets.extend(set.iter().cloned());

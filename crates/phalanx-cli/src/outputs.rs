@@ -355,6 +355,14 @@ fn writable(what: &str, p: &Path) -> Result<(), String> {
     if p.is_dir() {
         return Err(format!("{what} {} is a directory, not a file", p.display()));
     }
+    // `out/` that does not exist yet: its parent would be `out`'s, and the
+    // write would fail only once the run has ended.
+    if p.as_os_str().as_encoded_bytes().last() == Some(&b'/') {
+        return Err(format!(
+            "{what} {} ends in `/`, so it names a directory, not a file: give a file's path",
+            p.display()
+        ));
+    }
     let dir = p
         .parent()
         .filter(|d| !d.as_os_str().is_empty())

@@ -214,6 +214,19 @@ fn round_trip(what: &str, extra: &[&str], zero_stage: u64) -> (ScratchDir, PathB
         "{}",
         o.all()
     );
+    // Nor into the weights' own directory (`generate --model` there would
+    // load the checkpoint), nor inside a checkpoint.
+    for (out, want) in [
+        (fin.parent().unwrap().to_path_buf(), "is INPUT's directory"),
+        (imp.join("step-00000000/x"), "is inside the checkpoint"),
+    ] {
+        let o = phalanx(&["checkpoint", "from-hf", &s(&fin), &s(&out)]);
+        assert!(
+            o.code == 2 && o.stderr.contains(want) && !out.join("latest").exists(),
+            "{}",
+            o.all()
+        );
+    }
     // A failed import leaves no directory behind: a config the weights
     // refuse, and weights that do not read.
     let none = d.join("not-made");

@@ -367,6 +367,12 @@ fn an_output_gets_its_own_directory_and_no_more() {
         "{err}"
     );
     assert!(!d.join("no").exists(), "a directory was created");
+    // A path ending in `/` names a directory: refused before the run, not
+    // when the file is written at its end.
+    let slash = PathBuf::from(format!("{}/", d.join("out").display()));
+    let (code, _, err) = run(&slash);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("ends in `/`"), "{err}");
     let one = d.join("new/log.jsonl");
     let (code, _, err) = run(&one);
     assert_eq!(code, 0, "{err}");
