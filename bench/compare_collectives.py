@@ -19,8 +19,11 @@ p.add_argument("--op", default="all_reduce")
 p.add_argument("--sizes", default="8,1M,64M")
 p.add_argument("--iters", type=int, default=20)
 p.add_argument("--rounds", type=int, default=3)
-p.add_argument("--phalanx", default=os.path.join(root, "target/release/phalanx"))
+p.add_argument("--phalanx", default=os.path.join(root, os.environ.get("CARGO_TARGET_DIR", "target"), "release/phalanx"))
+p.add_argument("--timeout", type=float, default=1800, help="seconds one run of either side may take")
 a = p.parse_args()
+if not os.access(a.phalanx, os.X_OK):
+    sys.exit(f"{a.phalanx} not found: build first (cargo build --release -p phalanx-cli) or pass --phalanx")
 
 common = ["--nproc", str(a.nproc), "--op", a.op, "--sizes", a.sizes, "--iters", str(a.iters), "--json"]
 cmds = {
@@ -30,7 +33,17 @@ cmds = {
 
 
 def run(cmd):
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    # Output is captured to parse the JSON, so on failure show the stderr
+    # ourselves (check=True would only say "returned non-zero exit status");
+    # the timeout keeps a hung rank from stalling the comparison for ever.
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        raise SystemExit(f"{' '.join(cmd)}: no result after {a.timeout:g} s (--timeout)\n{err}")
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited with {r.returncode}:\n{r.stderr}")
+    out = r.stdout
     for line in out.splitlines():
         line = line.split("] ", 1)[-1] if line.startswith("[rank") else line
         if line.startswith("["):

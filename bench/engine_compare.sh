@@ -22,10 +22,20 @@ PRECISIONS=${PRECISIONS:-fp32}
 PY=${PYTHON:-python3}
 P=${CARGO_TARGET_DIR:-target}/release/phalanx
 PRESETS=${*:-gpt-tiny gpt-10m}
+# Fail up front and say why: below, phalanx's and the peer's output go to
+# files, so a missing binary or torch would otherwise end the run silently
+# (or as a JSON traceback).
+[ -x "$P" ] || { echo "engine_compare.sh: $P not found: build first (cargo build --release -p phalanx-cli)" >&2; exit 1; }
+$PY -c 'import torch' 2>/dev/null || { echo "engine_compare.sh: PYTHON=$PY has no torch: see bench/peers/ (bench/peers/install_torch.sh, or bench/peers/README.md)" >&2; exit 1; }
+case " $PRESETS " in *" llama-"*)
+  $PY -c 'import transformers' 2>/dev/null || { echo "engine_compare.sh: PYTHON=$PY has no transformers, which llama presets need (pip install transformers; see bench/peers/README.md)" >&2; exit 1; } ;;
+esac
 grep -m1 "model name" /proc/cpuinfo
 git rev-parse --short HEAD
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
+# A step that failed: name it and show the end of its output, then stop.
+fail() { echo "engine_compare.sh: $1 failed; the end of its output:" >&2; tail -n 20 "$2" >&2; exit 1; }
 med() { python3 -c 'import sys,statistics as s; v=[float(x) for x in sys.stdin.read().split()]; print(round(s.median(v)))'; }
 # The peer's command for a preset (micro-batch $2, ranks $3, threads $4, autocast $5).
 peer() {
@@ -53,13 +63,15 @@ for r in $(seq "$ROUNDS"); do
         RAYON_NUM_THREADS=$th OMP_NUM_THREADS=$th "$P" train --nproc-per-node "$n" \
           --set model.arch="$arch" --set model.preset="$preset" --set train.micro_batch_size="$mb" \
           --set train.precision="$prec" --set train.steps="$STEPS" --set train.eval_interval=0 \
-          --set log.plot= --set log.report= --log-json "$TMP/p.json" >/dev/null 2>&1
+          --set log.plot= --set log.report= --log-json "$TMP/p.json" >"$TMP/p.log" 2>&1 || fail "phalanx train ($preset $prec ${n}x${th})" "$TMP/p.log"
         ph=$(python3 -c 'import json,sys; [print(json.loads(l)["tokens_per_s"]) for l in list(open(sys.argv[1]))[2:]]' "$TMP/p.json" | med)
         # MFU against the matmul peak phalanx probes at the start of the run.
         mfu=$(python3 -c 'import json,sys; [print(1000*json.loads(l)["mfu"]) for l in list(open(sys.argv[1]))[2:]]' "$TMP/p.json" | med)
         # shellcheck disable=SC2046
-        pt=$($PY $(peer "$preset" "$mb") --steps "$STEPS" --nproc "$n" --threads "$th" \
-          --grad-clip 1.0 --data data/corpus.txt --autocast "$ac" 2>/dev/null | tail -1 |
+        $PY $(peer "$preset" "$mb") --steps "$STEPS" --nproc "$n" --threads "$th" \
+          --grad-clip 1.0 --data data/corpus.txt --autocast "$ac" >"$TMP/t.out" 2>"$TMP/t.log" ||
+          fail "the torch peer ($preset $prec ${n}x${th})" "$TMP/t.log"
+        pt=$(tail -1 "$TMP/t.out" |
           python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print(round(d.get("tokens_per_s_median", d["tokens_per_s"])))')
         echo "$preset $prec ${n}x${th} phalanx $ph torch $pt ratio $(python3 -c "print(round($ph/$pt,2))") phalanx_mfu $(python3 -c "print($mfu/10)")%"
       done

@@ -3,6 +3,10 @@
 #
 #   bench/loader_throughput.sh [OUT_DIR]
 #
+# OUT_DIR (default $TMPDIR or /tmp) is only where to work: the script makes
+# a fresh directory inside it and removes that at exit, so nothing already
+# there is ever deleted.
+#
 # 1. `examples/loader_throughput`: tokens/s served (global batches of 32)
 #    from JSONL (tokenized while serving) and from llm.c shards of the same
 #    text, with the byte tokenizer at T=128 (gpt-tiny), T=256 (gpt-50m) and
@@ -13,8 +17,10 @@
 #    holes read as token 0) against a 64 MiB one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-/tmp/phalanx-loader-bench}
-rm -rf "$out"; mkdir -p "$out"
+base=${1:-${TMPDIR:-/tmp}}
+mkdir -p "$base"
+out=$(mktemp -d "$base/phalanx-loader-bench.XXXXXX")
+trap 'rm -rf "$out"' EXIT
 cargo build --release -q -p phalanx --example loader_throughput
 cargo build --release -q -p phalanx-cli
 lscpu | grep -E 'Model name|^CPU\(s\)'
@@ -58,4 +64,3 @@ rss() { # glob
 sparse "$out/small" 4 8388608
 sparse "$out/big" 640 8388608
 echo "{\"peak_rss_kib_64MiB\": $(rss "$out/small/train_*.bin"), \"peak_rss_kib_10GiB\": $(rss "$out/big/train_*.bin")}"
-rm -rf "$out"

@@ -11,20 +11,30 @@
 # into documents of 1-60 lines, half of them with their lines shuffled,
 # each tagged with its repetition (so no two are alike). It goes under
 # $WORK, never into the repository. tiktoken downloads its ranks from the
-# internet; here they come from the copy compiled into phalanx (the
-# tiktoken-rs crate's r50k_base.tiktoken, checked against tiktoken's sha256).
+# internet; here it reads them from a file on disk, checked against
+# tiktoken's sha256: RANKS if given, else the tiktoken-rs crate's
+# assets/r50k_base.tiktoken (the file compiled into phalanx) that cargo
+# unpacked under ${CARGO_HOME:-~/.cargo}/registry/src when it built phalanx.
 #
 # Usage: PY=~/.cache/phalanx-ci/torch-venv/bin/python SIZE_MB=300 \
-#        bench/tokenize_throughput.sh [PHALANX_BIN]
+#        [RANKS=path/to/r50k_base.tiktoken] bench/tokenize_throughput.sh [PHALANX_BIN]
 # (the Python needs `pip install tiktoken`.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=$(realpath "${1:-target/release/phalanx}")
+BIN=$(realpath -m "${1:-target/release/phalanx}")
+# phalanx's output goes to files under $WORK: say up front if the binary is missing.
+[ -x "$BIN" ] || { echo "tokenize_throughput.sh: $BIN not found: build first (cargo build --release -p phalanx-cli)" >&2; exit 1; }
 PY=${PY:-python3}
 SIZE_MB=${SIZE_MB:-300}
 THREADS=${THREADS:-$(nproc)}
 WORK=${WORK:-/tmp/phalanx-tokenize-bench}
-RANKS=${RANKS:-$(find ~/.cargo/registry/src -path '*tiktoken-rs-*/assets/r50k_base.tiktoken' | head -1)}
+REG=${CARGO_HOME:-$HOME/.cargo}/registry/src
+if [ -n "${RANKS:-}" ]; then
+  [ -f "$RANKS" ] || { echo "tokenize_throughput.sh: RANKS=$RANKS is not a file" >&2; exit 1; }
+else
+  RANKS=$(find "$REG" -path '*tiktoken-rs-*/assets/r50k_base.tiktoken' 2>/dev/null | head -1 || true)
+  [ -n "$RANKS" ] || { echo "tokenize_throughput.sh: no tiktoken-rs r50k_base.tiktoken under $REG: set RANKS=path/to/r50k_base.tiktoken" >&2; exit 1; }
+fi
 mkdir -p "$WORK"
 lscpu | grep -E "Model name|^CPU\(s\)"
 "$PY" -c "import tiktoken; print('tiktoken', tiktoken.__version__)"

@@ -12,6 +12,8 @@ STEPS=${STEPS:-6}
 MICRO=${MICRO:-4}
 PRESET=${1:-gpt-10m}
 BIN=${BIN:-${CARGO_TARGET_DIR:-target}/release/phalanx}
+# phalanx's output goes to a file the EXIT trap removes: say up front what is missing.
+[ -x "$BIN" ] || { echo "zb_compare.sh: $BIN not found: build first (cargo build --release -p phalanx-cli)" >&2; exit 1; }
 grep -m1 "model name" /proc/cpuinfo
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
@@ -21,7 +23,8 @@ for r in $(seq "$ROUNDS"); do
     RAYON_NUM_THREADS=1 "$BIN" train --nproc-per-node 2 --set model.preset="$PRESET" \
       --set parallel.pp=2 --set parallel.pp_schedule="$s" --set train.grad_accum_steps=8 \
       --set train.micro_batch_size="$MICRO" --set train.steps="$STEPS" --set train.eval_interval=0 \
-      --set log.plot= --set log.report= --log-json "$TMP/l.json" >"$TMP/out" 2>&1
+      --set log.plot= --set log.report= --log-json "$TMP/l.json" >"$TMP/out" 2>&1 ||
+      { echo "zb_compare.sh: phalanx train ($s) failed; the end of its output:" >&2; tail -n 20 "$TMP/out" >&2; exit 1; }
     bubble=$(grep -o "measured bubble per rank \[[^]]*\]" "$TMP/out" | sed 's/measured bubble per rank //')
     python3 - "$TMP/l.json" "$s" "$bubble" <<'PY'
 import json, statistics as st, sys

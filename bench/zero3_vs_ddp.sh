@@ -9,13 +9,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-gpt-10m}; steps=${2:-20}; micro=${3:-2}
 case $preset in llama-*) arch=llama ;; *) arch= ;; esac
+BIN=${CARGO_TARGET_DIR:-target}/release/phalanx
+[ -x "$BIN" ] || { echo "zero3_vs_ddp.sh: $BIN not found: build first (cargo build --release -p phalanx-cli)" >&2; exit 1; }
 out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
 lscpu | grep -E 'Model name|^CPU\(s\)'; git rev-parse --short HEAD
 run() { # name, extra sets...
   local name=$1; shift
   local sets=()
   for s in "$@"; do sets+=(--set "$s"); done
-  /usr/bin/time -f '%M' -o "$out/$name.rss" target/release/phalanx train --nproc-per-node 2 \
+  /usr/bin/time -f '%M' -o "$out/$name.rss" "$BIN" train --nproc-per-node 2 \
     --set model.preset="$preset" ${arch:+--set model.arch=$arch} --set train.steps="$steps" --set train.micro_batch_size="$micro" \
     --set train.eval_interval=0 --set log.plot='""' --set log.report='""' \
     --log-json "$out/$name.jsonl" ${sets[@]+"${sets[@]}"} > /dev/null
@@ -32,4 +35,3 @@ for round in 1 2; do
   run zero3-full zero_optimization.stage=3 'train.activation_checkpointing="full"'
   run zero3-reuse zero_optimization.stage=3 zero_optimization.stage3_max_reuse_distance=1e9
 done
-rm -rf "$out"

@@ -58,8 +58,9 @@ fi
 # The link stubs, from the cudarc sources cargo fetched: the version
 # Cargo.lock holds (else the newest fetched, in version order).
 cudarc=$(awk '/^name = "cudarc"$/ { getline; sub(/^version = /, ""); gsub(/"/, ""); print; exit }' \
-    "$(dirname "$0")/../Cargo.lock" 2>/dev/null)
-reg=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"${cudarc:-0.19.*}" 2>/dev/null | sort -V | tail -1)
+    "$(dirname "$0")/../Cargo.lock" 2>/dev/null || true)
+pat=${cudarc:-0.19.*} # (unquoted below, so that the fallback's glob expands)
+reg=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-$pat 2>/dev/null | sort -V | tail -1 || true)
 if [ -z "$reg" ]; then
     echo "cuda_toolchain: cudarc is not in cargo's registry; run \`cargo fetch\` first" >&2
     exit 1

@@ -126,9 +126,10 @@ cap() {
     [ $left -lt 0 ] && left=0
     echo $(($1 < left ? $1 : left))
 }
-skip() { # skip NAME WHY: a step not run, said and counted
-    skipped=$((skipped + 1))
-    echo "--- SKIP $1 ($2)"
+skip() { # skip NAME WHY [N]: a step (or N steps) not run, said and counted
+    local n=${3:-1}
+    skipped=$((skipped + n))
+    if [ "$n" -gt 1 ]; then echo "--- SKIP $n steps: $1 ($2)"; else echo "--- SKIP $1 ($2)"; fi
 }
 step() { # step NAME SECONDS CMD...: run CMD under a timeout and count it
     local name=$1 secs
@@ -160,6 +161,8 @@ finish() {
     local line="$passed passed, $failed failed"
     [ "$skipped" -gt 0 ] && line="$line, $skipped skipped"
     echo "$line"
+    # Nothing that ran is no pass (a DEADLINE that left no time, say).
+    [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && failed=1 && echo "nothing ran: not a pass"
     if [ -n "${OUT:-}" ]; then
         tar czf "$OUT/logs.tgz" -C "$LOG_DIR" --exclude='ck-*' . 2>/dev/null &&
             echo "logs: \$OUT/logs.tgz"
@@ -478,10 +481,10 @@ for fam in $FAMILIES; do
             parallel.sequence_parallel=true
     elif [ "$DEVICE" = cuda ]; then
         skip "$fam: DDP, ZeRO-1/2/3, pp 2 (also interleaved), tp 2 (also sequence parallel) over NCCL" \
-            "one GPU per rank: needs 2 GPUs, this machine has $gpus"
+            "one GPU per rank: needs 2 GPUs, this machine has $gpus" 15
     fi
     if [ "$DEVICE" = cuda ] && [ "$gpus" -lt 4 ]; then
-        skip "$fam: dp 2 x pp 2, ZeRO-1 over NCCL" "needs 4 GPUs, this machine has $gpus"
+        skip "$fam: dp 2 x pp 2, ZeRO-1 over NCCL" "needs 4 GPUs, this machine has $gpus" 2
     fi
     unset -n m
 done

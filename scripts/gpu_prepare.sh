@@ -20,7 +20,9 @@ command -v cargo >/dev/null || { echo "gpu_prepare: no cargo here" >&2; exit 1; 
 mkdir -p "$(dirname "$out")"
 
 cargo fetch --quiet # the link stubs are made from cudarc's sources
-eval "$(scripts/cuda_toolchain.sh)"
+# (Captured first: `eval "$(...)"` would go on after a failure.)
+tc=$(scripts/cuda_toolchain.sh) || { echo "gpu_prepare: scripts/cuda_toolchain.sh failed" >&2; exit 1; }
+eval "$tc"
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export CARGO_TARGET_DIR=${PHALANX_GPU_TARGET:-target/gpu-build}
 echo "gpu_prepare: cargo build --release -p phalanx-cli --features cuda,nccl (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP, in $CARGO_TARGET_DIR)" >&2

@@ -22,9 +22,12 @@ default max(1, cores // nproc)).
 
 Rank 0 prints the loss of every step (mean over ranks, reduced outside the
 timed region) and at the end one JSON line
-  {"tokens_per_s": ..., "step_ms": ..., "params": ..., ...}
+  {"tokens_per_s": ..., "tokens_per_s_median": ..., "step_ms": ..., "params": ..., ...}
 measured over the steps after 2 warm-up steps: step_ms = mean step time
-(slowest rank), tokens_per_s = nproc * micro_batch * block_size / step time.
+(slowest rank), tokens_per_s = nproc * micro_batch * block_size / step time;
+tokens_per_s_median the same from the median step time, each step's time
+being the slowest rank's, as in torch_ddp_llama.py (bench/engine_compare.sh
+sets it against Phalanx's median tokens/s).
 A step is: sample batch, zero grads, forward, backward (DDP's bucketed
 all-reduce overlaps it), optimizer step.
 """
@@ -34,6 +37,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -200,6 +204,7 @@ def worker(rank, args, port):
               f"data {args.data} ({len(data)} bytes)", flush=True)
 
     timed = 0.0
+    times = []  # each timed step's time, for the median
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         ix = torch.randint(len(data) - T - 1, (B,), generator=gen)
@@ -217,6 +222,7 @@ def worker(rank, args, port):
         dt = time.perf_counter() - t0
         if step > WARMUP_STEPS:
             timed += dt
+            times.append(dt)
         lv = loss.detach().clone()
         if n > 1:  # outside the timed region
             dist.all_reduce(lv)
@@ -230,8 +236,15 @@ def worker(rank, args, port):
     if n > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     step_s = t.item() / measured
+    # The slowest rank's time of each step, all-reduced once after the loop
+    # so the timed steps are as before.
+    tt = torch.tensor(times, dtype=torch.float64)
+    if n > 1:
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    med_s = statistics.median(tt.tolist())
     if rank == 0:
-        out = {"tokens_per_s": n * B * T / step_s, "step_ms": step_s * 1e3, "params": params,
+        out = {"tokens_per_s": n * B * T / step_s, "tokens_per_s_median": n * B * T / med_s,
+               "step_ms": step_s * 1e3, "params": params,
                "nproc": n, "threads": threads, "micro_batch": B, "block_size": T,
                "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
                "vocab": args.vocab, "steps_timed": measured, "final_loss": lv.item(),

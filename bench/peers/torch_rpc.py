@@ -1,5 +1,5 @@
 """rpc_sync round trip of torch.distributed.rpc (TensorPipe), the peer of
-`cargo run --release -p phalanx --example rpc_bench`.
+`cargo run --release -p phalanx-rpc --example rpc_bench`.
 
 Two processes on this host; worker0 calls `echo(tensor)` on worker1 with a
 uint8 tensor of 8 B, 64 KB and 4 MB (the payload goes there and back, as

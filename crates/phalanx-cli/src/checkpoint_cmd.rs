@@ -474,16 +474,23 @@ fn from_hf(
             out_dir.display()
         )
     });
-    let inside_checkpoint = resolved
-        .ancestors()
-        .find(|a| a.join("metadata.json").is_file())
-        .map(|c| {
-            format!(
-                "OUT_DIR {} is inside the checkpoint {}: give a directory of its own",
-                out_dir.display(),
-                c.display()
-            )
-        });
+    // (A checkpoint's metadata, not any file of that common name.)
+    let is_checkpoint = |d: &Path| {
+        phalanx::fsutil::read_text_capped(
+            "checkpoint metadata",
+            &d.join("metadata.json"),
+            phalanx::fsutil::METADATA_CAP,
+        )
+        .is_ok_and(|t| Metadata::parse_fields(&t).is_ok())
+    };
+    let inside_checkpoint = resolved.ancestors().find(|a| is_checkpoint(a)).map(|c| {
+        let how = if c == resolved { "is" } else { "is inside" };
+        format!(
+            "OUT_DIR {} {how} the checkpoint {}: give a directory of its own",
+            out_dir.display(),
+            c.display()
+        )
+    });
     let refused = io.check().err().or(beside).or(inside_checkpoint);
     if let Some(m) = refused {
         eprintln!("phalanx checkpoint from-hf: {m}");

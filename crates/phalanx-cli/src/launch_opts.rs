@@ -168,8 +168,13 @@ pub fn env_flag_note(message: &str) -> Option<String> {
             !message[i + flag.len()..].starts_with(|c: char| c == '-' || c.is_alphanumeric())
         })
     })?;
+    let whose = if var.starts_with("PET_") || var.starts_with("TORCH") {
+        "torchrun's variable for it, as Kubeflow's PyTorchJob sets them"
+    } else {
+        "taken in a Kubeflow pod where the PET_ spelling is not set"
+    };
     Some(format!(
         "note: {flag} was not on the command line: it came from {var}={value:?} in the \
-         environment (torchrun's variable for it, as Kubeflow's PyTorchJob sets them)"
+         environment ({whose})"
     ))
 }

@@ -427,7 +427,8 @@ fn test_worker(die_rank: Option<usize>, die_after_ms: u64, iters: usize) -> i32 
     0
 }
 
-/// The most actions `phalanx schedule` prints (2 per micro-batch and chunk).
+/// The most actions `phalanx schedule` prints (at most 3 per micro-batch
+/// and chunk: a forward, and a backward or zero-bubble's two halves).
 const SCHEDULE_MAX_ACTIONS: usize = 1 << 18;
 
 fn print_schedule(kind: &str, pp: usize, m: usize, comm: bool) -> i32 {
@@ -435,8 +436,9 @@ fn print_schedule(kind: &str, pp: usize, m: usize, comm: bool) -> i32 {
     let run = || -> phalanx::Result<()> {
         let kind: ScheduleKind = kind.parse()?;
         // The table holds every rank's actions: p x v chunks, each with m
-        // forwards and m backwards. Beyond a million nothing reads it.
-        let actions = [pp, kind.chunks_per_rank(), m, 2]
+        // forwards and m backwards (zero-bubble's split backward: 2m).
+        // Beyond a quarter of a million nothing reads it.
+        let actions = [pp, kind.chunks_per_rank(), m, 3]
             .iter()
             .try_fold(1usize, |a, &k| a.checked_mul(k));
         if actions.is_none_or(|a| a > SCHEDULE_MAX_ACTIONS) {

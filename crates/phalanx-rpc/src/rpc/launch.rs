@@ -141,7 +141,9 @@ pub fn max_local_ranks() -> usize {
 
 /// This process's rank and world size, when it was started as a rank.
 pub fn rank_of_job() -> Option<(usize, usize)> {
-    let env = phalanx_comm::DistEnv::from_env().ok()?;
+    // The sizes only: what the store needs (an address, a secret) is for
+    // `init_rpc` to check and say, not a reason to start ranks here.
+    let env = phalanx_comm::JobSizes::from_env().ok()?;
     (env.source != "single").then_some((env.rank, env.world_size))
 }
 

@@ -148,10 +148,10 @@ impl TrainConfig {
 
     /// Where `log.plot` or `log.report` (`value`, its setting) is written,
     /// or `None` when it is off (empty). Under fault tolerance the default
-    /// path goes in a `replica-{replica_id}` directory beside it
-    /// (`runs/replica-1/loss.svg`), as the groups' checkpoints do: groups
-    /// started with one config would otherwise write over each other's.
-    /// A path set in the config is taken as given.
+    /// path names the replica group (`runs/loss-replica-1.svg`), as the
+    /// groups' checkpoint directories do: groups started with one config
+    /// would otherwise write over each other's. Any other path is taken
+    /// as given.
     ///
     /// ```
     /// use phalanx::config::TrainConfig;
@@ -159,7 +159,8 @@ impl TrainConfig {
     /// let ft = ["fault_tolerance.lighthouse=\"h:29510\"".into(),
     ///     "fault_tolerance.replicas=2".into(), "fault_tolerance.replica_id=1".into()];
     /// let c = TrainConfig::build(None, &ft).unwrap();
-    /// assert_eq!(c.log_output(&c.log.plot), Some(PathBuf::from("runs/replica-1/loss.svg")));
+    /// assert_eq!(c.log_output(&c.log.plot), Some(PathBuf::from("runs/loss-replica-1.svg")));
+    /// assert_eq!(c.log_output(&c.log.report), Some(PathBuf::from("runs/report-replica-1.html")));
     /// assert_eq!(c.log_output("mine.svg"), Some(PathBuf::from("mine.svg")));
     /// assert_eq!(c.log_output(""), None);
     /// let plain = TrainConfig::build(None, &[]).unwrap();
@@ -174,12 +175,14 @@ impl TrainConfig {
         if !self.fault_tolerance.enabled() || (value != d.plot && value != d.report) {
             return Some(p);
         }
-        let name = p.file_name()?.to_owned();
-        let dir = p.parent().unwrap_or(std::path::Path::new(""));
-        Some(
-            dir.join(format!("replica-{}", self.fault_tolerance.replica_id))
-                .join(name),
-        )
+        // (In the same directory: only one level is made for an output.)
+        let stem = p.file_stem()?.to_string_lossy();
+        let ext = p
+            .extension()
+            .map(|e| e.to_string_lossy())
+            .unwrap_or_default();
+        let id = self.fault_tolerance.replica_id;
+        Some(p.with_file_name(format!("{stem}-replica-{id}.{ext}")))
     }
 
     /// Global batch in samples: micro_batch x dp x grad_accum.
