@@ -299,24 +299,29 @@ mod tests {
         assert_eq!(f[0].0, 2, "{f:?}");
     }
 
+    /// Rank 0's worker running `sh -c script` (its stdout piped when
+    /// `piped`), started as the launcher starts its workers.
+    fn worker(script: &str, piped: bool) -> Worker {
+        let mut c = Command::new("sh");
+        c.args(["-c", script])
+            .stdin(Stdio::null())
+            .stdout(if piped { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::null());
+        phalanx_comm::child::die_with_launcher(&mut c);
+        Worker {
+            rank: 0,
+            child: c.spawn().unwrap(),
+            exited: None,
+            tail: Arc::new(Mutex::new(VecDeque::new())),
+            pumps: Vec::new(),
+        }
+    }
+
     /// While workers finish a graceful stop, the agent's watch (its
     /// heartbeat) goes on.
     #[test]
     fn the_watch_goes_on_while_workers_finish_their_stop() {
-        let mut c = Command::new("sh");
-        c.args(["-c", "sleep 0.3; exit 75"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        phalanx_comm::child::die_with_launcher(&mut c);
-        let child = c.spawn().unwrap();
-        let mut workers = vec![Worker {
-            rank: 0,
-            child,
-            exited: None,
-            tail: Arc::new(Mutex::new(VecDeque::new())),
-            pumps: Vec::new(),
-        }];
+        let mut workers = vec![worker("sleep 0.3; exit 75", false)];
         let mut calls = 0;
         finish_stop(&mut workers, &mut |stopping| {
             assert!(stopping, "a stopping group only keeps its heartbeat");
@@ -341,25 +346,13 @@ mod tests {
     /// process group is ended as it is reaped, not when the whole group is.
     #[test]
     fn a_reaped_worker_is_marked_and_its_leftovers_ended_at_once() {
-        let mut c = Command::new("sh");
-        c.args(["-c", "sleep 30 & echo $!; exit 3"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        phalanx_comm::child::die_with_launcher(&mut c);
-        let mut child = c.spawn().unwrap();
+        let mut w = worker("sleep 30 & echo $!; exit 3", true);
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
+        BufReader::new(w.child.stdout.take().unwrap())
             .read_line(&mut line)
             .unwrap();
         let grandchild: i32 = line.trim().parse().unwrap();
-        let mut workers = vec![Worker {
-            rank: 0,
-            child,
-            exited: None,
-            tail: Arc::new(Mutex::new(VecDeque::new())),
-            pumps: Vec::new(),
-        }];
+        let mut workers = vec![w];
         let deadline = Instant::now() + Duration::from_secs(20);
         let failures = loop {
             let (running, failures) = poll(&mut workers).unwrap();
