@@ -252,8 +252,20 @@ fn inspect(path: &Path, list_tensors: bool, as_json: bool) -> Result<i32> {
         problems.push("it holds no parameters".into());
     }
     problems.extend(incomplete.iter().cloned());
-    let ok = problems.is_empty();
     let cfg_of = dcp::config_of(&meta).ok();
+    // The model config is covered by no sha256: one that contradicts the
+    // tensors would load as another model (convert and generate refuse it).
+    let described = cfg_of
+        .as_ref()
+        .and_then(|c| family::of(c).ok()?.summary(c).ok())
+        .map(|s| s.num_params);
+    if let Some(n) = described.filter(|&n| n != params) {
+        problems.push(format!(
+            "the metadata's model config describes {n} parameters, its tensors hold {params}: \
+             the config does not match the tensors"
+        ));
+    }
+    let ok = problems.is_empty();
     let model = cfg_of
         .as_ref()
         .map(|c| serde_json::to_value(&c.model).expect("serialises"));

@@ -516,6 +516,31 @@ fn inspect_checks_what_resume_needs() {
             o.all()
         );
     }
+    // A model config that contradicts the tensors (no sha256 covers it):
+    // not "verified complete".
+    let bad = d.join("config");
+    copy_dir(&ck, &bad);
+    let mp = bad.join(step).join("metadata.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+    let config: String = m["config"]
+        .as_str()
+        .unwrap()
+        .lines()
+        .map(|l| match l.starts_with("n_layer = ") {
+            true => "n_layer = 7\n".to_string(),
+            false => format!("{l}\n"),
+        })
+        .collect();
+    assert!(config.contains("n_layer = 7"), "{config}");
+    m["config"] = config.into();
+    std::fs::write(&mp, m.to_string()).unwrap();
+    let o = phalanx(&["checkpoint", "inspect", &s(&bad.join(step))]);
+    assert!(
+        o.code == 1 && o.all().contains("the config does not match the tensors"),
+        "{}",
+        o.all()
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
