@@ -140,6 +140,45 @@ fn hysteresis_keeps_the_scale_and_the_step_at_the_floor_is_logged() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// At the default floor, scale 1, the progress line still shows the scale
+/// and says what kept it (it used to drop both at 1, as under fp32).
+#[test]
+fn the_scale_at_one_is_shown_and_what_kept_it_said() {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["train", "--nproc-per-node", "1"])
+        .current_dir(repo())
+        .env_remove("RANK");
+    for s in [
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "train.micro_batch_size=4",
+        "train.steps=6",
+        "train.eval_interval=0",
+        "log.plot=\"\"",
+        "log.report=\"\"",
+        "log.interval=1",
+        "train.precision=fp16",
+        "fp16.initial_scale_power=0",
+        "optim.lr=1e30",
+        "optim.schedule=\"constant\"",
+        "optim.warmup_steps=0",
+        "optim.grad_clip=0",
+    ] {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(
+            "| scale 1 | skipped: inf/NaN gradients, scale kept (at fp16.min_loss_scale)"
+        ),
+        "{stdout}"
+    );
+}
+
 /// A compression hook with one data-parallel rank reduces nothing: said.
 #[test]
 fn a_hook_with_one_data_parallel_rank_is_noted() {

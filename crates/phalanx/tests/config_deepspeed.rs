@@ -453,6 +453,24 @@ fn auto_types_and_cosine_ratios_take_the_final_lr() {
     assert_eq!(c.optim.decay_steps, 0);
     let c = TrainConfig::build(Some(&p), &set(&["optim.lr=0.02", "optim.min_lr=0.005"])).unwrap();
     assert_eq!(c.optim.min_lr, 0.005);
+    // A ratio outside [0, 1] is refused under its own key, not as the
+    // optim.min_lr it would derive.
+    for (k, r) in [("cos_min_ratio", "-1"), ("warmup_min_ratio", "2")] {
+        let p = tmp(
+            &format!("cos_bad_{k}.json"),
+            &format!(
+                r#"{{"optimizer": {{"type": "AdamW", "params": {{"lr": 0.001}}}},
+                "scheduler": {{"type": "WarmupCosineLR", "params": {{"total_num_steps": 8, "{k}": {r}}}}}}}"#
+            ),
+        );
+        let e = TrainConfig::build(Some(&p), &[]).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!(
+                "DeepSpeed key \"scheduler.params.{k}\" must be between 0 and 1"
+            )),
+            "{e}"
+        );
+    }
 }
 
 #[test]
@@ -885,6 +903,12 @@ fn values_the_run_could_not_use_are_refused_naming_the_key() {
     for (s, key) in [
         ("optim.betas=[0.9, 0.99999999]", "optim.betas[1]"),
         ("optim.eps=1e-50", "optim.eps"),
+        // Finite in f64, infinite in the optimizer's f32.
+        ("optim.lr=1e39", "optim.lr = 1e39 is infinite in f32"),
+        (
+            "optim.weight_decay=1e39",
+            "optim.weight_decay = 1e39 is infinite in f32",
+        ),
         ("fp16.loss_scale=inf", "fp16.loss_scale"),
         ("fp16.min_loss_scale=1e300", "fp16.min_loss_scale"),
         (
@@ -1056,6 +1080,16 @@ fn settings_without_effect_get_a_note() {
         n.contains("never reaches optim.lr") && !n.contains("no warm-up"),
         "{n}"
     );
+    // A warm-up as long as the run: cosine's `(s + 1) / W` reaches optim.lr
+    // at the last step (no note), warmup_constant's `s / W` does not.
+    let n = notes(&["optim.warmup_steps=4", "train.steps=4"]);
+    assert!(!n.contains("never reaches optim.lr"), "{n}");
+    let n = notes(&[
+        "optim.warmup_steps=4",
+        "train.steps=4",
+        "optim.schedule=\"warmup_constant\"",
+    ]);
+    assert!(n.contains("never reaches optim.lr"), "{n}");
     // Validation asked for over no batches is refused.
     let e = TrainConfig::build(None, &set(&["train.eval_batches=0"]))
         .unwrap_err()

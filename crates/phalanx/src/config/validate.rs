@@ -487,6 +487,23 @@ impl TrainConfig {
                 )));
             }
         }
+        // ... and a value past f32's range is infinite there: the first
+        // step's update is inf or NaN.
+        for (k, v) in [
+            ("optim.lr", o.lr),
+            ("optim.min_lr", o.min_lr),
+            ("optim.warmup_min_lr", o.warmup_min_lr),
+            ("optim.weight_decay", o.weight_decay),
+            ("optim.momentum", o.momentum),
+            ("optim.eps", o.eps),
+        ] {
+            if (v as f32).is_infinite() {
+                return Err(ConfigError(format!(
+                    "{k} = {v:e} is infinite in f32, the precision the optimizer computes in: \
+                     use at most 3.4e38"
+                )));
+            }
+        }
         if o.eps as f32 <= 0.0 || o.lr as f32 <= 0.0 {
             let (k, v) = if o.eps as f32 <= 0.0 {
                 ("optim.eps", o.eps)

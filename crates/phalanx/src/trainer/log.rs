@@ -257,14 +257,14 @@ impl StepLog {
                 line += &format!(" | val {v:.4}");
             }
             // fp16: the loss scale, and why a step did not update.
-            if s.loss_scale != 1.0 {
+            if s.fp16 {
                 line += &format!(" | scale {}", s.loss_scale);
             }
             if s.skipped {
                 line += " | skipped: inf/NaN gradients";
                 if s.scale_after < s.loss_scale {
                     line += &format!(", scale lowered to {}", s.scale_after);
-                } else if s.loss_scale != 1.0 {
+                } else if s.fp16 {
                     line += &format!(", scale kept ({})", s.scale_kept_by);
                 }
             }

@@ -55,6 +55,9 @@ pub struct StepStats {
     pub comm_bytes_total: Option<u64>,
     /// The loss scale the step ran with (1 unless fp16).
     pub loss_scale: f64,
+    /// Whether the run computes in fp16 (its loss scale is shown, even at
+    /// 1: then a skip says what kept it there).
+    pub fp16: bool,
     /// The loss scale after the step's update: after an overflow, halved,
     /// or kept while fp16.hysteresis holds it.
     pub scale_after: f64,
@@ -504,6 +507,7 @@ impl Trainer {
             comm_bytes,
             comm_bytes_total: None,
             loss_scale: out.loss_scale,
+            fp16: self.cfg.precision() == crate::config::Precision::Fp16,
             scale_after: self.scaler.scale(),
             scale_kept_by: self.scaler.kept_by(),
             skipped: out.skipped,

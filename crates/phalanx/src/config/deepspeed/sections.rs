@@ -418,6 +418,15 @@ impl Tx<'_> {
                     Some(None) => self.auto(&path(k), Via::Key(format!("optim.{to}"))),
                     Some(Some(v)) => {
                         let r = self.float(&path(k), v)?;
+                        // A fraction of the lr: outside [0, 1] the derived
+                        // optim.{to} would be refused under a key the file
+                        // does not have.
+                        if !(0.0..=1.0).contains(&r) {
+                            return Err(self.err(
+                                &path(k),
+                                &format!("must be between 0 and 1 (a fraction of the lr), not {r}"),
+                            ));
+                        }
                         self.extra.lr_ratios.push((to, r));
                     }
                     None => self.extra.lr_ratios.push((to, d)),
