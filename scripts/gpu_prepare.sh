@@ -34,6 +34,7 @@ tmp=$(mktemp "$out.XXXXXX")
 trap 'rm -f "$tmp" "$tmp.bin"' EXIT
 strip -o "$tmp.bin" "$CARGO_TARGET_DIR/release/phalanx"
 gzip -9 -c "$tmp.bin" >"$tmp"
+chmod 644 "$tmp"
 mv "$tmp" "$out"
 ls -l "$out" >&2
 echo "gpu_prepare: carry $out to the GPU machine and run there:" >&2
