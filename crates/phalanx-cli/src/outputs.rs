@@ -347,8 +347,12 @@ pub fn create_own_dir(what: &str, p: &Path) -> Result<(), String> {
             above.display()
         ));
     }
-    std::fs::create_dir(dir)
-        .map_err(|e| format!("{what} {}: cannot create its directory: {e}", p.display()))
+    match std::fs::create_dir(dir) {
+        // Made meanwhile by another process (replica groups started
+        // together in one directory): as good as made here.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        r => r.map_err(|e| format!("{what} {}: cannot create its directory: {e}", p.display())),
+    }
 }
 
 fn writable(what: &str, p: &Path) -> Result<(), String> {

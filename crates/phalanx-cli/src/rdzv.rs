@@ -737,6 +737,12 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                                  the job stops",
                                 opts.max_restarts
                             );
+                            if _server.is_some() {
+                                // The others learn it from the store (their
+                                // next join fails naming it): serve them
+                                // until they have left or gone silent.
+                                rd.wait_done(&round);
+                            }
                             return Ok(if code == 0 { 1 } else { code });
                         }
                         eprintln!(

@@ -316,6 +316,51 @@ fn worker_failures_count_against_max_restarts() {
     }
 }
 
+/// Past --max-restarts on the node that serves the store, the other node
+/// is told so (the job failed, more than --max-restarts), not that the
+/// store was lost: the serving agent serves until it has left.
+#[test]
+fn a_serving_agent_past_max_restarts_lets_the_others_hear_it() {
+    let d = fresh_dir("phalanx-elastic", "serving-fails");
+    let port = free_port();
+    let node = |name: &str| {
+        let mut c = Command::new(BIN);
+        c.current_dir(repo()).args([
+            "run",
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            &format!("127.0.0.1:{port}"),
+            "--rdzv-id",
+            "serving-fails",
+            "--rdzv-conf",
+            "heartbeat_timeout=3,last_call_timeout=1",
+            "--max-restarts",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            // Rank 1 fails every round, on whichever node it is.
+            "sleep 1; [ \"$RANK\" = 1 ] && exit 3; sleep 20",
+        ]);
+        Node::spawn(&d, name, c, &[])
+    };
+    let mut a = node("a");
+    a.wait_for("(serving it)");
+    let mut b = node("b");
+    let (ca, cb) = (a.wait(), b.wait());
+    let all = format!("{}\n{}", a.output(), b.output());
+    assert!(ca != 0 && cb != 0, "{all}");
+    assert!(
+        all.matches("more than --max-restarts 1").count() == 2,
+        "both nodes name the limit: {all}"
+    );
+    assert!(!all.contains("lost the rendezvous store"), "{all}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn losing_the_node_that_serves_the_store_fails_the_others_fast() {
     let d = fresh_dir("phalanx-elastic", "host");
