@@ -274,8 +274,9 @@ impl Manager {
             return;
         }
         eprintln!(
-            "replica group {}: epoch {e}: {} never came to the quorum (alive by their heartbeats); \
-             reported to the lighthouse",
+            "replica group {}: epoch {e}: {} never came to the quorum (the lighthouse counted \
+             them when it formed it: stopped since, or too slow for \
+             fault_tolerance.quorum_timeout); reported to the lighthouse",
             self.id,
             absent.join(", ")
         );
