@@ -82,6 +82,31 @@ fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `phalanx train` of a tiny model in fp16 on one rank, logging every
+/// step, with `sets` beside.
+fn fp16_train(sets: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["train", "--nproc-per-node", "1"])
+        .current_dir(repo())
+        .env_remove("RANK");
+    let tiny = [
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "train.micro_batch_size=4",
+        "train.eval_interval=0",
+        "log.plot=\"\"",
+        "log.report=\"\"",
+        "log.interval=1",
+        "train.precision=fp16",
+    ];
+    for s in tiny.iter().chain(sets) {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
 /// Hysteresis keeps the scale at the first overflow (and the progress line
 /// says so, not "lowered"); a scale stuck at fp16.min_loss_scale ends the
 /// run after 3 overflows there, and the JSON log holds the third (it used
@@ -90,29 +115,16 @@ fn fp16_overflow_skips_steps_lowers_the_scale_and_logs_it() {
 fn hysteresis_keeps_the_scale_and_the_step_at_the_floor_is_logged() {
     let d = phalanx::fsutil::ScratchDir::new("phalanx", "test-fp16-floor");
     let log = d.join("log.jsonl");
-    let mut cmd = Command::new(BIN);
-    cmd.args(["train", "--nproc-per-node", "1", "--log-json"])
-        .arg(&log)
-        .current_dir(repo())
-        .env_remove("RANK");
-    for s in [
-        "model.n_layer=1",
-        "model.n_head=2",
-        "model.n_embd=32",
-        "model.block_size=32",
-        "train.micro_batch_size=4",
+    let out = fp16_train(&[
         "train.steps=12",
-        "train.eval_interval=0",
-        "log.plot=\"\"",
-        "log.interval=1",
-        "train.precision=fp16",
         "fp16.initial_scale_power=30",
         "fp16.hysteresis=2",
         "fp16.min_loss_scale=268435456",
-    ] {
-        cmd.args(["--set", s]);
-    }
-    let out = cmd.output().unwrap();
+    ])
+    .arg("--log-json")
+    .arg(&log)
+    .output()
+    .unwrap();
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -144,31 +156,16 @@ fn hysteresis_keeps_the_scale_and_the_step_at_the_floor_is_logged() {
 /// and says what kept it (it used to drop both at 1, as under fp32).
 #[test]
 fn the_scale_at_one_is_shown_and_what_kept_it_said() {
-    let mut cmd = Command::new(BIN);
-    cmd.args(["train", "--nproc-per-node", "1"])
-        .current_dir(repo())
-        .env_remove("RANK");
-    for s in [
-        "model.n_layer=1",
-        "model.n_head=2",
-        "model.n_embd=32",
-        "model.block_size=32",
-        "train.micro_batch_size=4",
+    let out = fp16_train(&[
         "train.steps=6",
-        "train.eval_interval=0",
-        "log.plot=\"\"",
-        "log.report=\"\"",
-        "log.interval=1",
-        "train.precision=fp16",
         "fp16.initial_scale_power=0",
         "optim.lr=1e30",
         "optim.schedule=\"constant\"",
         "optim.warmup_steps=0",
         "optim.grad_clip=0",
-    ] {
-        cmd.args(["--set", s]);
-    }
-    let out = cmd.output().unwrap();
+    ])
+    .output()
+    .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
     assert!(
