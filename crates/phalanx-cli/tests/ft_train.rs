@@ -563,3 +563,45 @@ fn a_group_with_other_settings_is_refused_naming_the_key() {
         "{err}"
     );
 }
+
+/// A group started right after another finished, while the lighthouse
+/// still counts the finished one (its heartbeat timeout, 4 s here, not
+/// passed), is in a quorum with it at first: it gives that quorum up as
+/// soon as the lighthouse forms the next one without the finished group,
+/// instead of waiting fault_tolerance.quorum_timeout (60 s here) for it.
+#[test]
+fn a_quorum_that_counts_a_finished_group_is_given_up_for_the_next() {
+    let d = fresh_dir("phalanx-ft-train", "finished");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut lh = Proc::start(
+        &d,
+        "lighthouse",
+        &[
+            "lighthouse",
+            "--bind",
+            &addr,
+            "--min-replicas",
+            "1",
+            "--heartbeat-timeout",
+            "4",
+            "--join-timeout",
+            "0.3",
+        ],
+    );
+    lh.wait_for("phalanx lighthouse at");
+    let grp = Group {
+        nproc: 1,
+        addr: &addr,
+        replicas: 2,
+        fault: None,
+        threads: None,
+        env: &[],
+    };
+    let slow = ["fault_tolerance.quorum_timeout=60".to_string()];
+    let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", 2, &slow));
+    assert_eq!(a.wait(), 0, "{}", a.output());
+    let mut b = grp.start(&d, "b", 1, &group_args(&d, "b", 2, &slow));
+    assert_eq!(b.wait(), 0, "{}", b.output());
+    let err = std::fs::read_to_string(&b.err).unwrap();
+    assert!(!err.contains("never published its address"), "{err}");
+}

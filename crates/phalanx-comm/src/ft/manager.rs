@@ -485,15 +485,41 @@ impl Manager {
             ..self.opts.comm.clone()
         };
         let r = self.local.as_ref().map_or(0, |l| l.rank());
-        let pg = crate::init::from_store(
-            &self.store,
-            &key(&format!("pg/{e}/{r}")),
-            rank,
-            size,
-            &self.secret,
-            cfg,
-            None,
-        )?;
+        let prefix = key(&format!("pg/{e}/{r}"));
+        // A newer epoch formed while this one's members meet (one counted
+        // in it was lost meanwhile, or a group joined) means this one may
+        // never complete: a watcher gives it up at once, as the set-up's
+        // error every waiting member reads (`Aborted`: the next epoch is
+        // tried), instead of waiting out the timeout for the lost member.
+        let (store, secret) = (&self.store, &self.secret);
+        let met = AtomicBool::new(false);
+        let pg = std::thread::scope(|s| {
+            let watcher = s.spawn(|| {
+                while !met.load(Ordering::SeqCst) {
+                    // (Woken at once when the set-up ends.)
+                    std::thread::park_timeout(Duration::from_millis(200));
+                    if met.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(later) = Self::latest_epoch(store) else {
+                        continue;
+                    };
+                    if later > e && !met.load(Ordering::SeqCst) {
+                        let why = format!(
+                            "the lighthouse formed epoch {later} while epoch {e}'s members met \
+                             (a member it counted was lost, or a group joined): epoch {e} is \
+                             given up"
+                        );
+                        let _ = store.set(&format!("{prefix}/error"), why.as_bytes());
+                        return;
+                    }
+                }
+            });
+            let pg = crate::init::from_store(store, &prefix, rank, size, secret, cfg, None);
+            met.store(true, Ordering::SeqCst);
+            watcher.thread().unpark();
+            pg
+        })?;
         self.pg = Some(pg);
         Ok(())
     }
