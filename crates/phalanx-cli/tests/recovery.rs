@@ -425,6 +425,41 @@ fn resume_auto_without_a_checkpoint_dir_starts_fresh() {
     assert!(d.join("ckpt/step-00000002/metadata.json").is_file(), "{r}");
 }
 
+/// A resume with no step left to run leaves the JSON log as it is (it
+/// used to cut the steps after the checkpoint, another run's).
+#[test]
+fn a_resume_with_nothing_to_do_leaves_the_json_log() {
+    let d = tmpdir("nothing-log");
+    let base = ["--nproc-per-node", "1", "--set", "train.micro_batch_size=4"];
+    let mut args = base.to_vec();
+    let s = [settings(&d, 2, 1), set("checkpoint.keep=2".into()).to_vec()].concat();
+    args.extend(strs(&s));
+    let log = d.join("log.jsonl");
+    let logged = [args.clone(), vec!["--log-json", log.to_str().unwrap()]].concat();
+    let r = train(&logged, None);
+    assert_eq!(r.code, 0, "{r}");
+    // Resumed from step 1 with train.steps = 1: nothing to run, and the
+    // JSON log's later steps (step 1) are left as they are, not cut.
+    let before = std::fs::read_to_string(&log).unwrap();
+    let first = d.join("ckpt/step-00000001");
+    let r = train(
+        &[
+            logged.clone(),
+            vec![
+                "--set",
+                "train.steps=1",
+                "--resume",
+                first.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+        None,
+    );
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.out.contains("nothing to do"), "{r}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), before);
+}
+
 /// Resuming at or past `train.steps` says there is nothing to do (no NaN
 /// losses, exit 0); `--resume auto` over checkpoints that all fail
 /// verification refuses, listing each, and deletes none of them (it used

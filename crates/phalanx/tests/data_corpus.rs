@@ -365,6 +365,27 @@ fn weights_are_followed_exactly_and_deterministically() {
     let seq = |m: &phalanx::data::mix::Mixer| (0..5000).map(|g| m.locate(g)).collect::<Vec<_>>();
     assert_eq!(seq(&m), seq(&again));
     assert_ne!(seq(&m), seq(&other));
+    // Weights whose sum overflows f64 mix as their ratio (equal: half and
+    // half), not all from the last source.
+    let huge = phalanx::data::mix::Mixer::new(&[1e308, 1e308], 11).unwrap();
+    assert_eq!(
+        huge.counts_before(phalanx::data::mix::BLOCK),
+        vec![2048, 2048]
+    );
+    // A share too small to ever be read is refused naming the source.
+    let e = phalanx::config::TrainConfig::build(
+        None,
+        &[
+            "data.sources=[{path = \"a.bin\", weight = 1e-10}, {path = \"b.bin\", weight = 1.0}]"
+                .into(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("data.sources[0].weight = 0.0000000001") && e.contains("never be read"),
+        "{e}"
+    );
 }
 
 #[test]

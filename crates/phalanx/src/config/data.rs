@@ -108,11 +108,14 @@ impl DataConfig {
         let mut s = if self.sources.is_empty() {
             self.path.to_string()
         } else {
-            let total: f64 = self.sources.iter().map(|s| s.weight).sum();
+            let w: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
+            let shares = crate::data::mix::shares(&w);
+            let total: f64 = shares.iter().sum();
             let each: Vec<String> = self
                 .sources
                 .iter()
-                .map(|s| format!("{} ({:.0}%)", s.path, 100.0 * s.weight / total))
+                .zip(&shares)
+                .map(|(s, w)| format!("{} ({:.0}%)", s.path, 100.0 * w / total))
                 .collect();
             format!("{} sources: {}", self.sources.len(), each.join("; "))
         };
@@ -140,6 +143,23 @@ impl DataConfig {
             if s.path.list().is_empty() {
                 return Err(ConfigError(format!("data.sources[{i}].path is empty")));
             }
+        }
+        // The mixer counts shares in 2^-32 units: a share below half of one
+        // is a source never read.
+        let w: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
+        let shares = crate::data::mix::shares(&w);
+        let total: f64 = shares.iter().sum();
+        if let Some((i, share)) = shares
+            .iter()
+            .map(|s| s / total)
+            .enumerate()
+            .find(|(_, f)| *f < 0.5 / (1u64 << 32) as f64)
+        {
+            return Err(ConfigError(format!(
+                "data.sources[{i}].weight = {} is {share:e} of the weights' sum: the source \
+                 would never be read; raise it or drop the source",
+                self.sources[i].weight
+            )));
         }
         if self.path.list().is_empty() {
             return Err(ConfigError("data.path is an empty list".into()));

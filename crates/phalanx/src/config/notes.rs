@@ -18,12 +18,15 @@ impl TrainConfig {
                  (\"warmup_constant\" warms up to optim.lr and stays there)",
                 o.warmup_steps
             ));
-        } else if o.warmup_steps > 0 && o.warmup_steps >= t.steps && t.steps > 0 && {
-            // The warm-ups of `s / W` end one step short of optim.lr
-            // at W = train.steps; those of `(s + 1) / W` (cosine's
-            // linear, the log one) reach it at the run's last step.
-            let s = crate::optim::LrSchedule::from_config(o, t.steps);
-            f64::from(s.lr(t.steps - 1)) < o.lr * (1.0 - 1e-6)
+        } else if o.warmup_steps > 0 && {
+            // The warm-ups of `s / W` end one step short of optim.lr at W =
+            // train.steps; cosine's linear `(s + 1) / W` and the log one,
+            // `ln(s + 1) / ln(W)` (W >= 2), reach it at the run's last step
+            // (optim::schedule).
+            let reaches_at_last = (o.schedule == super::LrScheduleKind::Cosine
+                && o.warmup_type == super::WarmupType::Linear)
+                || (o.warmup_type == super::WarmupType::Log && o.warmup_steps >= 2);
+            o.warmup_steps > t.steps || (o.warmup_steps == t.steps && !reaches_at_last)
         } {
             n.push(format!(
                 "optim.warmup_steps = {} is not below train.steps = {}: the learning rate never \

@@ -44,6 +44,19 @@ pub struct Mixer {
     cache: Mutex<Option<(u64, Block)>>,
 }
 
+/// The weights as they are summed: as given, or, where their sum would
+/// overflow (weights near f64's largest), relative to the largest. (As
+/// given otherwise, so that a mix is the same as before to the bit.)
+pub fn shares(weights: &[f64]) -> Vec<f64> {
+    let sum: f64 = weights.iter().sum();
+    let top = weights.iter().cloned().fold(0.0, f64::max);
+    if sum.is_finite() || top <= 0.0 {
+        weights.to_vec()
+    } else {
+        weights.iter().map(|w| w / top).collect()
+    }
+}
+
 impl Mixer {
     /// `weights` must be finite and positive (a zero weight would be a
     /// source never read: drop it instead).
@@ -60,10 +73,11 @@ impl Mixer {
                 "data.sources[{i}].weight = {w}: weights must be finite and > 0"
             )));
         }
-        let total: f64 = weights.iter().sum();
+        let shares = shares(weights);
+        let total: f64 = shares.iter().sum();
         let mut acc = 0.0;
         let mut cum = Vec::with_capacity(weights.len());
-        for (i, w) in weights.iter().enumerate() {
+        for (i, w) in shares.iter().enumerate() {
             acc += w;
             let f = if i + 1 == weights.len() {
                 ONE

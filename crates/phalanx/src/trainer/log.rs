@@ -94,7 +94,10 @@ impl StepLog {
                 let err = |e: std::io::Error| {
                     crate::error::Error::Io(format!("cannot create {}: {e}", p.display()))
                 };
-                if let Some(at) = resumed_at {
+                // (A resume with no step left to run leaves the log as it
+                // is, as it leaves the curve and the report: the steps
+                // after its checkpoint are another run's, not to be cut.)
+                if let Some(at) = resumed_at.filter(|&at| at < steps) {
                     kept = keep_steps_before(p, at).map_err(err)?;
                 }
                 let f = std::fs::OpenOptions::new()
