@@ -306,6 +306,13 @@ fn validation_files_must_be_held_out_and_not_empty() {
     );
     cfg.sources[0].paths = vec![dir.join("data_train_000000.bin").display().to_string()];
     Corpus::open(&cfg).unwrap();
+    // A hard link to a training file is that file.
+    let link = dir.join("held_out.bin");
+    std::fs::hard_link(dir.join("data_train_000000.bin"), &link).unwrap();
+    let mut linked = cfg.clone();
+    linked.val_paths = vec![link.display().to_string()];
+    let e = Corpus::open(&linked).err().unwrap().to_string();
+    assert!(e.contains("held_out.bin is also training data"), "{e}");
     write_llmc(&dir.join("data_val_000000.bin"), &[]);
     let e = Corpus::open(&cfg).err().unwrap().to_string();
     assert!(e.contains("holds no tokens"), "{e}");

@@ -165,7 +165,8 @@ fn expand_all(
         files.extend(found);
     }
     // Several patterns may name one file, spelled alike or not (`shards/`
-    // and `/abs/shards/*.bin`, `./x.bin` and `x.bin`, a link): once is
+    // and `/abs/shards/*.bin`, `./x.bin` and `x.bin`, a link, hard or
+    // symbolic): once is
     // enough, as first named (sorted order within each pattern, patterns
     // in the order given).
     let mut seen = std::collections::HashSet::new();
@@ -206,9 +207,21 @@ fn file_print(f: &std::path::Path) -> serde_json::Value {
     json!([name, std::fs::metadata(f).map(|m| m.len()).unwrap_or(0)])
 }
 
-/// A file's path with links and `..` resolved (as given when that fails).
-fn canonical(f: &std::path::Path) -> std::path::PathBuf {
-    std::fs::canonicalize(f).unwrap_or_else(|_| f.to_path_buf())
+/// Which file `f` is, whatever the name: its device and inode (a hard
+/// link, a symbolic one, `..` or another spelling is the same file), else
+/// its path with links and `..` resolved (as given when that fails).
+#[derive(PartialEq, Eq, Hash)]
+enum FileId {
+    Inode(u64, u64),
+    Path(std::path::PathBuf),
+}
+
+fn canonical(f: &std::path::Path) -> FileId {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(f) {
+        Ok(m) => FileId::Inode(m.dev(), m.ino()),
+        Err(_) => FileId::Path(std::fs::canonicalize(f).unwrap_or_else(|_| f.to_path_buf())),
+    }
 }
 
 impl Corpus {
