@@ -455,7 +455,11 @@ fn auto_types_and_cosine_ratios_take_the_final_lr() {
     assert_eq!(c.optim.min_lr, 0.005);
     // A ratio outside [0, 1] is refused under its own key, not as the
     // optim.min_lr it would derive.
-    for (k, r) in [("cos_min_ratio", "-1"), ("warmup_min_ratio", "2")] {
+    for (k, r, range) in [
+        ("cos_min_ratio", "-1", "between 0 and 1"),
+        ("cos_min_ratio", "2", "between 0 and 1"),
+        ("warmup_min_ratio", "-0.5", "at least 0"),
+    ] {
         let p = tmp(
             &format!("cos_bad_{k}.json"),
             &format!(
@@ -466,7 +470,7 @@ fn auto_types_and_cosine_ratios_take_the_final_lr() {
         let e = TrainConfig::build(Some(&p), &[]).unwrap_err().to_string();
         assert!(
             e.contains(&format!(
-                "DeepSpeed key \"scheduler.params.{k}\" must be between 0 and 1"
+                "DeepSpeed key \"scheduler.params.{k}\" must be {range}"
             )),
             "{e}"
         );

@@ -393,6 +393,16 @@ fn weights_are_followed_exactly_and_deterministically() {
         e.contains("data.sources[0].weight = 0.0000000001") && e.contains("never be read"),
         "{e}"
     );
+    // The refusal is the mixer's own arithmetic: a share of exactly half a
+    // unit that the running total rounds away is refused, a third source
+    // beside one that rounds away likewise, and ordinary weights are not.
+    use phalanx::data::mix::never_read;
+    assert_eq!(never_read(&[(1u64 << 33) as f64 - 1.0, 1.0]), Some(1));
+    assert_eq!(
+        never_read(&[6.0, 5.0, 10.0 * (1u64 << 32) as f64 - 11.0]),
+        Some(1)
+    );
+    assert_eq!(never_read(&[3.0, 1.0]), None);
 }
 
 #[test]

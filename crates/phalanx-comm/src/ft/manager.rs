@@ -430,7 +430,10 @@ impl Manager {
                 // A member gone before the group formed: the lighthouse
                 // drops it (a dead one by its heartbeats, an absent one by
                 // the members' reports); wait for the next epoch.
-                if self.lead() {
+                // (Not for an epoch given up for a newer one: the
+                // lighthouse has moved on, and nobody was timed out.)
+                let outrun = Self::latest_epoch(&self.store).is_ok_and(|l| l > e);
+                if self.lead() && !outrun {
                     self.report_absent(e, rank, &members);
                 }
                 self.suspect();
@@ -515,10 +518,17 @@ impl Manager {
                     }
                 }
             });
-            let pg = crate::init::from_store(store, &prefix, rank, size, secret, cfg, None);
-            met.store(true, Ordering::SeqCst);
-            watcher.thread().unpark();
-            pg
+            // (Set however the set-up ends, a panic too: the scope waits
+            // for the watcher.)
+            struct Met<'a>(&'a AtomicBool, std::thread::Thread);
+            impl Drop for Met<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::SeqCst);
+                    self.1.unpark();
+                }
+            }
+            let _met = Met(&met, watcher.thread().clone());
+            crate::init::from_store(store, &prefix, rank, size, secret, cfg, None)
         })?;
         self.pg = Some(pg);
         Ok(())

@@ -144,20 +144,13 @@ impl DataConfig {
                 return Err(ConfigError(format!("data.sources[{i}].path is empty")));
             }
         }
-        // The mixer counts shares in 2^-32 units: a share below half of one
-        // is a source never read.
+        // The mixer counts shares in 2^-32 units: a source whose share
+        // rounds to none would never be read.
         let w: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
-        let shares = crate::data::mix::shares(&w);
-        let total: f64 = shares.iter().sum();
-        if let Some((i, share)) = shares
-            .iter()
-            .map(|s| s / total)
-            .enumerate()
-            .find(|(_, f)| *f < 0.5 / (1u64 << 32) as f64)
-        {
+        if let Some(i) = crate::data::mix::never_read(&w) {
             return Err(ConfigError(format!(
-                "data.sources[{i}].weight = {} is {share:e} of the weights' sum: the source \
-                 would never be read; raise it or drop the source",
+                "data.sources[{i}].weight = {} is too small beside the others' (below 2^-32 of \
+                 their sum): the source would never be read; raise it or drop the source",
                 self.sources[i].weight
             )));
         }

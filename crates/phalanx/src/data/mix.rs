@@ -57,6 +57,33 @@ pub fn shares(weights: &[f64]) -> Vec<f64> {
     }
 }
 
+/// The cumulative fractions of (finite, positive) `weights` in 2^-32
+/// units, the last exactly 2^32: source `i` gets `cum[i] - cum[i - 1]`
+/// of them (`cum[0]` the first), 0 for a weight too small beside the
+/// others (see [`never_read`]).
+pub fn cum(weights: &[f64]) -> Vec<u128> {
+    let shares = shares(weights);
+    let total: f64 = shares.iter().sum();
+    let mut acc = 0.0;
+    let mut cum = Vec::with_capacity(weights.len());
+    for (i, w) in shares.iter().enumerate() {
+        acc += w;
+        let f = if i + 1 == weights.len() {
+            ONE
+        } else {
+            ((acc / total) * ONE as f64).round() as u128
+        };
+        cum.push(f.min(ONE));
+    }
+    cum
+}
+
+/// The first source the mixer would never read (no unit of [`cum`]).
+pub fn never_read(weights: &[f64]) -> Option<usize> {
+    let c = cum(weights);
+    (0..c.len()).find(|&i| c[i] == if i == 0 { 0 } else { c[i - 1] })
+}
+
 impl Mixer {
     /// `weights` must be finite and positive (a zero weight would be a
     /// source never read: drop it instead).
@@ -73,21 +100,8 @@ impl Mixer {
                 "data.sources[{i}].weight = {w}: weights must be finite and > 0"
             )));
         }
-        let shares = shares(weights);
-        let total: f64 = shares.iter().sum();
-        let mut acc = 0.0;
-        let mut cum = Vec::with_capacity(weights.len());
-        for (i, w) in shares.iter().enumerate() {
-            acc += w;
-            let f = if i + 1 == weights.len() {
-                ONE
-            } else {
-                ((acc / total) * ONE as f64).round() as u128
-            };
-            cum.push(f.min(ONE));
-        }
         Ok(Mixer {
-            cum,
+            cum: cum(weights),
             seed: mix64(seed ^ 0x6d69_7865_7200_0000),
             cache: Mutex::new(None),
         })

@@ -418,13 +418,19 @@ impl Tx<'_> {
                     Some(None) => self.auto(&path(k), Via::Key(format!("optim.{to}"))),
                     Some(Some(v)) => {
                         let r = self.float(&path(k), v)?;
-                        // A fraction of the lr: outside [0, 1] the derived
-                        // optim.{to} would be refused under a key the file
-                        // does not have.
-                        if !(0.0..=1.0).contains(&r) {
+                        // A multiple of the lr: below 0 (or, for the
+                        // floor, above 1) the derived optim.{to} would be
+                        // refused under a key the file does not have.
+                        let top = if k == "cos_min_ratio" { 1.0 } else { f64::MAX };
+                        if !(0.0..=top).contains(&r) {
+                            let range = if top == 1.0 {
+                                "between 0 and 1"
+                            } else {
+                                "at least 0"
+                            };
                             return Err(self.err(
                                 &path(k),
-                                &format!("must be between 0 and 1 (a fraction of the lr), not {r}"),
+                                &format!("must be {range} (a multiple of the lr), not {r}"),
                             ));
                         }
                         self.extra.lr_ratios.push((to, r));
