@@ -533,14 +533,7 @@ fn a_group_without_the_lighthouses_secret_is_told_to_export_it() {
 fn a_group_with_other_settings_is_refused_naming_the_key() {
     let d = fresh_dir("phalanx-ft-train", "settings");
     let (_lh, addr) = lighthouse(&d, "2");
-    let grp = Group {
-        nproc: 1,
-        addr: &addr,
-        replicas: 2,
-        fault: None,
-        threads: None,
-        env: &[],
-    };
+    let grp = Group::one_rank_of_two(&addr);
     let quick = "fault_tolerance.quorum_timeout=3".to_string();
     let mut b = grp.start(
         &d,
@@ -589,14 +582,7 @@ fn a_quorum_that_counts_a_finished_group_is_given_up_for_the_next() {
         ],
     );
     lh.wait_for("phalanx lighthouse at");
-    let grp = Group {
-        nproc: 1,
-        addr: &addr,
-        replicas: 2,
-        fault: None,
-        threads: None,
-        env: &[],
-    };
+    let grp = Group::one_rank_of_two(&addr);
     let slow = ["fault_tolerance.quorum_timeout=60".to_string()];
     let mut a = grp.start(&d, "a", 0, &group_args(&d, "a", 2, &slow));
     assert_eq!(a.wait(), 0, "{}", a.output());

@@ -157,7 +157,19 @@ pub struct Group<'a> {
     pub env: &'a [(&'a str, &'a str)],
 }
 
-impl Group<'_> {
+impl<'a> Group<'a> {
+    /// Groups of one rank, no fault, of a job of two groups.
+    pub fn one_rank_of_two(addr: &'a str) -> Group<'a> {
+        Group {
+            nproc: 1,
+            addr,
+            replicas: 2,
+            fault: None,
+            threads: None,
+            env: &[],
+        }
+    }
+
     pub fn start(&self, d: &Path, name: &str, g: usize, args: &[String]) -> Proc {
         train_group(d, name, self, g, args)
     }
