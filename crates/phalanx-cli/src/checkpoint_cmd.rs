@@ -487,14 +487,7 @@ fn from_hf(
         )
     });
     // (A checkpoint's metadata, not any file of that common name.)
-    let is_checkpoint = |d: &Path| {
-        phalanx::fsutil::read_text_capped(
-            "checkpoint metadata",
-            &d.join("metadata.json"),
-            phalanx::fsutil::METADATA_CAP,
-        )
-        .is_ok_and(|t| Metadata::parse_fields(&t).is_ok())
-    };
+    let is_checkpoint = |d: &Path| checkpoint::rotate::metadata_fields(d).is_some();
     let inside_checkpoint = resolved.ancestors().find(|a| is_checkpoint(a)).map(|c| {
         let how = if c == resolved { "is" } else { "is inside" };
         format!(

@@ -32,17 +32,23 @@ pub fn phalanx_checkpoint(dir: &Path) -> Option<usize> {
     if !md.is_dir() {
         return None;
     }
+    let meta = metadata_fields(dir)?;
+    (meta.step == step).then_some(step)
+}
+
+/// The metadata of the checkpoint `dir`, its fields checked, if it holds
+/// one that parses (whatever the directory's name). The fields only: the
+/// overlap check walks the entries' rows, which a metadata.json alone may
+/// claim by the trillion (this runs at every save, over every step
+/// directory).
+pub fn metadata_fields(dir: &Path) -> Option<super::Metadata> {
     let text = crate::fsutil::read_text_capped(
         "checkpoint metadata",
         &dir.join("metadata.json"),
         crate::fsutil::METADATA_CAP,
     )
     .ok()?;
-    // The fields only: the overlap check walks the entries' rows, which a
-    // metadata.json alone may claim by the trillion (this runs at every
-    // save, over every step directory).
-    let meta = super::Metadata::parse_fields(&text).ok()?;
-    (meta.step == step).then_some(step)
+    super::Metadata::parse_fields(&text).ok()
 }
 
 /// Remove all but the newest `keep` (at least 1) checkpoints under `root`

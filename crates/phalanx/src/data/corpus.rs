@@ -170,7 +170,7 @@ fn expand_all(
     // enough, as first named (sorted order within each pattern, patterns
     // in the order given).
     let mut seen = std::collections::HashSet::new();
-    files.retain(|f| seen.insert(canonical(f)));
+    files.retain(|f| seen.insert(file_id(f)));
     Ok(files)
 }
 
@@ -216,7 +216,7 @@ enum FileId {
     Path(std::path::PathBuf),
 }
 
-fn canonical(f: &std::path::Path) -> FileId {
+fn file_id(f: &std::path::Path) -> FileId {
     use std::os::unix::fs::MetadataExt;
     match std::fs::metadata(f) {
         Ok(m) => FileId::Inode(m.dev(), m.ino()),
@@ -261,7 +261,7 @@ impl Corpus {
                 &mut skipped,
             )?;
             for f in &files {
-                trained.insert(canonical(f), spec.key.clone());
+                trained.insert(file_id(f), spec.key.clone());
             }
             all_files.extend(files.iter().cloned());
             let mut kinds = Vec::new();
@@ -349,7 +349,7 @@ impl Corpus {
             }
         } else {
             for f in expand_all(&cfg.val_paths, "data.val_path", true, &mut skipped)? {
-                if let Some(key) = trained.get(&canonical(&f)) {
+                if let Some(key) = trained.get(&file_id(&f)) {
                     // A validation loss measured on training data looks
                     // better than it is (a `data_*.bin` glob also matches
                     // `phalanx tokenize`'s `data_val_*.bin`).
