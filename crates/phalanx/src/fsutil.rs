@@ -169,8 +169,9 @@ fn write_unnamed(_: &Path, _: &Path, _: &[u8]) -> std::io::Result<bool> {
 }
 
 /// A fresh, empty directory under the system's temporary directory
-/// (`prefix-name-pid`), removed with everything in it when dropped, also
-/// when a test panics. Tests and examples take their scratch space from it;
+/// (`prefix-name-pid-n`, n counting this process's scratch directories, so
+/// tests of different files merged into one binary never share one),
+/// removed with everything in it when dropped, also when a test panics. Tests and examples take their scratch space from it;
 /// `PHALANX_KEEP_SCRATCH=1` keeps it for a look afterwards.
 ///
 /// ```
@@ -184,7 +185,10 @@ pub struct ScratchDir(PathBuf);
 
 impl ScratchDir {
     pub fn new(prefix: &str, name: &str) -> ScratchDir {
-        let d = std::env::temp_dir().join(format!("{prefix}-{name}-{}", std::process::id()));
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = std::process::id();
+        let d = std::env::temp_dir().join(format!("{prefix}-{name}-{pid}-{n}"));
         let _ = std::fs::remove_dir_all(&d);
         if let Err(e) = std::fs::create_dir_all(&d) {
             panic!("creating {}: {e}", d.display());

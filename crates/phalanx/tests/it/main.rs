@@ -1,0 +1,50 @@
+//! The integration tests of `phalanx` that may share a process, in one
+//! binary (one link instead of one per file): each file here is a module
+//! with its own `//!` header. Tests that read process-wide state (library
+//! counters, `/proc/self`, page faults, the environment) are binaries of
+//! their own in `tests/`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod ckpt_dir;
+mod ckpt_fuzz;
+mod collective_tensor;
+mod comm_hooks;
+mod config_choices;
+mod config_deepspeed;
+mod data_batches;
+mod data_corpus;
+mod data_parquet;
+mod data_paths;
+mod data_sources;
+mod ddp_custom;
+mod engine_direct;
+mod engine_mlp;
+mod fsutil;
+mod gemm_bf16;
+mod layers;
+mod mesh;
+mod ops;
+mod ops_half;
+mod optim;
+mod optim_device;
+mod tp;
+
+/// Every file in this directory is a module of this binary: a file
+/// left out would never be compiled or run.
+#[test]
+fn every_file_here_is_a_module() {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
+    let main = include_str!("main.rs");
+    for e in std::fs::read_dir(&here).unwrap() {
+        let name = e.unwrap().file_name().into_string().unwrap();
+        if let Some(m) = name.strip_suffix(".rs").filter(|m| *m != "main") {
+            let line = format!("\nmod {m};\n");
+            assert!(
+                main.contains(&line),
+                "tests/it/{name} is not a module of tests/it/main.rs"
+            );
+        }
+    }
+}
