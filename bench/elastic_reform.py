@@ -71,6 +71,10 @@ seen = False
 for ts, l in after:
     if "resumed from" in l: seen = True
     elif seen and "step " in l and "/400" in l: step = (ts - tk, l); break
+for what, got in (("'round 1 formed'", formed), ("'resumed from'", resumed), ("a step after the resume", step)):
+    if got is None:
+        sys.exit(f"node A printed no {what} after B was killed (exit {a.returncode}); its last lines:\n"
+                 + "\n".join(l for _, l in lines[-20:]))
 print(f"heartbeat {hb}s, checkpoint every {interval}: re-formed {formed[0]:.2f}s, resumed {resumed[0]:.2f}s, first step {step[0]:.2f}s after the kill")
 print(resumed[1]); print(step[1])
 print([l for _, l in after if "lost" in l or "elastic:" in l])

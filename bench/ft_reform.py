@@ -79,12 +79,22 @@ finally:
 steps = [(ts, l) for ts, l in la if "] step " in l or "[#" in l]
 times = [ts for ts, _ in steps]
 gaps = [b - a for a, b in zip(times, times[1:])]
+def missing(what, lines):
+    sys.exit(f"{what}; its last lines:\n" + "\n".join(l for _, l in lines[-20:]))
+if len(gaps) < 1:
+    missing("group 0 printed fewer than two steps", la)
 typical = statistics.median(gaps)
 after = [ts for ts in times if ts > tk]
+if not after:
+    missing(f"group 0 printed no step after group 1 was killed (exit {a.returncode})", la)
 print(f"groups of {nproc} rank(s), checkpoint.interval {ckpt}, heartbeat {hb}s: group 0's median step {typical*1e3:.0f} ms; the step after the kill took "
       f"{(after[0]-tk)*1e3:.0f} ms from the kill (lost {(after[0]-tk-typical):.2f} s, 1 step rerun)")
-healed = next(ts for ts, l in lb2 if "healed from group 0" in l)
-first = next(ts for ts, l in lb2 if ts > healed and ("] step " in l or "[#" in l))
+healed = next((ts for ts, l in lb2 if "healed from group 0" in l), None)
+if healed is None:
+    missing(f"the restarted group 1 printed no 'healed from group 0' (exit {b2.returncode})", lb2)
+first = next((ts for ts, l in lb2 if ts > healed and ("] step " in l or "[#" in l)), None)
+if first is None:
+    missing(f"the restarted group 1 printed no step after healing (exit {b2.returncode})", lb2)
 print(f"group 1 restarted: healed {healed-tr:.2f} s after its start, first step {first-tr:.2f} s; "
       f"{[l for _, l in lb2 if 'healed' in l][0]}")
 print("exit", a.returncode, b2.returncode)

@@ -557,13 +557,15 @@ fn a_group_with_other_settings_is_refused_naming_the_key() {
     );
 }
 
-/// A group started right after another finished, while the lighthouse
-/// still counts the finished one (its heartbeat timeout, 4 s here, not
-/// passed), is in a quorum with it at first: it gives that quorum up as
-/// soon as the lighthouse forms the next one without the finished group,
-/// instead of waiting fault_tolerance.quorum_timeout (60 s here) for it.
+/// A group that finishes tells the lighthouse, which drops it at once: a
+/// group started right after it is in no quorum with it. A killed group
+/// cannot say so: the lighthouse counts it until its heartbeat timeout (4 s
+/// here), so the next group's first quorum counts it, and that group gives
+/// the quorum up as soon as the lighthouse forms the next one without the
+/// dead group, instead of waiting fault_tolerance.quorum_timeout (60 s
+/// here) for it.
 #[test]
-fn a_quorum_that_counts_a_finished_group_is_given_up_for_the_next() {
+fn a_finished_group_leaves_and_a_quorum_counting_a_killed_one_is_given_up() {
     let d = fresh_dir("phalanx-ft-train", "finished");
     let addr = format!("127.0.0.1:{}", free_port());
     let mut lh = Proc::start(
@@ -588,6 +590,23 @@ fn a_quorum_that_counts_a_finished_group_is_given_up_for_the_next() {
     assert_eq!(a.wait(), 0, "{}", a.output());
     let mut b = grp.start(&d, "b", 1, &group_args(&d, "b", 2, &slow));
     assert_eq!(b.wait(), 0, "{}", b.output());
-    let err = std::fs::read_to_string(&b.err).unwrap();
-    assert!(!err.contains("never published its address"), "{err}");
+    let out = b.output();
+    assert!(
+        !out.contains("given up") && !out.contains("never published"),
+        "{out}"
+    );
+    // Killed at step 1: it leaves no word.
+    let killed = Group {
+        fault: Some("exit-at-step:0:1"),
+        ..Group::one_rank_of_two(&addr)
+    };
+    let mut c = killed.start(&d, "c", 0, &group_args(&d, "c", 3, &slow));
+    assert_ne!(c.wait(), 0, "{}", c.output());
+    let mut e = grp.start(&d, "e", 1, &group_args(&d, "e", 2, &slow));
+    assert_eq!(e.wait(), 0, "{}", e.output());
+    let out = e.output();
+    assert!(
+        out.contains("given up") && !out.contains("never published"),
+        "{out}"
+    );
 }

@@ -426,7 +426,8 @@ fn resume_auto_without_a_checkpoint_dir_starts_fresh() {
 }
 
 /// A resume with no step left to run leaves the JSON log as it is (it
-/// used to cut the steps after the checkpoint, another run's).
+/// used to cut the steps after the checkpoint, another run's), and
+/// `latest` too (it used to point it back at the checkpoint resumed).
 #[test]
 fn a_resume_with_nothing_to_do_leaves_the_json_log() {
     let d = tmpdir("nothing-log");
@@ -441,6 +442,7 @@ fn a_resume_with_nothing_to_do_leaves_the_json_log() {
     // Resumed from step 1 with train.steps = 1: nothing to run, and the
     // JSON log's later steps (step 1) are left as they are, not cut.
     let before = std::fs::read_to_string(&log).unwrap();
+    let latest = std::fs::read_to_string(d.join("ckpt/latest")).unwrap();
     let first = d.join("ckpt/step-00000001");
     let r = train(
         &[
@@ -458,6 +460,10 @@ fn a_resume_with_nothing_to_do_leaves_the_json_log() {
     assert_eq!(r.code, 0, "{r}");
     assert!(r.out.contains("nothing to do"), "{r}");
     assert_eq!(std::fs::read_to_string(&log).unwrap(), before);
+    assert_eq!(
+        std::fs::read_to_string(d.join("ckpt/latest")).unwrap(),
+        latest
+    );
 }
 
 /// Resuming at or past `train.steps` says there is nothing to do (no NaN

@@ -82,7 +82,8 @@ impl Lighthouse {
     pub fn start(bind: &str, secret: Vec<u8>, opts: LighthouseOpts) -> Result<Lighthouse> {
         let server = StoreServer::bind(bind, secret.clone())?;
         let addr = server.addr().to_string();
-        let store = StoreClient::connect(&addr, &secret, Duration::from_secs(10))?;
+        let store =
+            StoreClient::connect_to("the lighthouse", &addr, &secret, Duration::from_secs(10))?;
         store.set(
             &key("heartbeat_timeout_ms"),
             opts.heartbeat_timeout.as_millis().to_string().as_bytes(),
@@ -223,6 +224,13 @@ impl Quorums {
         }
         let mut dead = Vec::new();
         for (id, c) in self.candidates.iter_mut() {
+            // A group that stopped said so (`left/{id}` = its incarnation):
+            // dropped now, not after its heartbeat timeout.
+            let left = store.try_get(&key(&format!("left/{id}")))?;
+            if left.is_some_and(|v| v == c.inc.to_string().as_bytes()) {
+                dead.push(id.clone());
+                continue;
+            }
             let beats = store.add(&key(&format!("hb/{id}")), 0)?;
             if beats != c.beats {
                 c.beats = beats;

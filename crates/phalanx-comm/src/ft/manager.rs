@@ -149,8 +149,7 @@ impl Manager {
         }
         let local = local.filter(|l| l.size() > 1);
         let lead = local.as_ref().is_none_or(|l| l.rank() == 0);
-        let store = StoreClient::connect(addr, secret, opts.quorum_timeout)
-            .map_err(|e| CommError::Io(format!("the lighthouse at {addr}: {e}")))?;
+        let store = StoreClient::connect_to("the lighthouse", addr, secret, opts.quorum_timeout)?;
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(AtomicU64::new(0));
         let mut beat = None;
@@ -183,7 +182,7 @@ impl Manager {
                 }
             }
             generation = store.try_get(&key("lighthouse"))?.unwrap_or_default();
-            let hb = StoreClient::connect(addr, secret, opts.quorum_timeout)?;
+            let hb = StoreClient::connect_to("the lighthouse", addr, secret, opts.quorum_timeout)?;
             // The lighthouse judges silence by its own timeout: beat 5
             // times within the shorter of the two, or a lighthouse started
             // with a shorter one drops every group as soon as it joins.
@@ -320,7 +319,7 @@ impl Manager {
                 .spawn(move || {
                     let client = match poll {
                         Some(c) => c,
-                        None => StoreClient::connect(&addr, &secret, timeout)?,
+                        None => StoreClient::connect_to("the lighthouse", &addr, &secret, timeout)?,
                     };
                     client.set(&step_key, step.to_string().as_bytes())?;
                     let e = Manager::latest_epoch(&client)?;
@@ -736,6 +735,34 @@ impl Drop for Manager {
         // The heartbeat thread sees the stop flag after its current beat;
         // not waited for: a beat to a lighthouse that does not answer may
         // take seconds, and holds nothing of this group's.
-        drop(self.beat.take());
+        if self.beat.take().is_some() {
+            self.leave();
+        }
     }
 }
+
+impl Manager {
+    /// Tell the lighthouse that this incarnation has stopped (its run
+    /// finished or failed): it drops the group at once, so the others'
+    /// next quorum forms without it instead of after the heartbeat
+    /// timeout. Waits at most [`LEAVE_WAIT`] for the lighthouse: on a
+    /// separate connection, left behind if it does not answer.
+    fn leave(&self) {
+        let (addr, secret) = (self.addr.clone(), self.secret.clone());
+        let (k, inc) = (key(&format!("left/{}", self.id)), self.inc.to_string());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sent = std::thread::Builder::new()
+            .name("phalanx-ft-leave".into())
+            .spawn(move || {
+                let r = StoreClient::connect_to("the lighthouse", &addr, &secret, LEAVE_WAIT)
+                    .and_then(|c| c.set(&k, inc.as_bytes()));
+                let _ = tx.send(r.is_ok());
+            });
+        if sent.is_ok() {
+            let _ = rx.recv_timeout(LEAVE_WAIT);
+        }
+    }
+}
+
+/// How long a stopping group waits for the lighthouse to take its leave.
+const LEAVE_WAIT: Duration = Duration::from_secs(2);

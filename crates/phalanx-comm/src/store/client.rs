@@ -26,20 +26,33 @@ pub struct StoreClient {
     secret: Option<Vec<u8>>,
     /// Which server is at the other end.
     torch: bool,
+    /// What the server is, for messages ("the rendezvous store").
+    what: &'static str,
 }
 
 impl StoreClient {
     /// Connect, retrying until `timeout` (the server may start after us,
     /// e.g. when rank 0 hosts it under mpirun), then authenticate.
     pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<StoreClient> {
-        Self::connect_retrying(addr, timeout, Some(secret))
+        Self::connect_retrying(addr, timeout, Some(secret), "the rendezvous store")
+    }
+
+    /// [`StoreClient::connect`] to a store that messages call `what` (the
+    /// fault-tolerance lighthouse serves one: "the lighthouse").
+    pub fn connect_to(
+        what: &'static str,
+        addr: &str,
+        secret: &[u8],
+        timeout: Duration,
+    ) -> Result<StoreClient> {
+        Self::connect_retrying(addr, timeout, Some(secret), what)
     }
 
     /// Connect to a PyTorch TCPStore (torchrun's agent store), retrying
     /// until `timeout`. That store has no authentication: the ranks still
     /// authenticate each other with the job secret when they connect.
     pub fn connect_torch(addr: &str, timeout: Duration) -> Result<StoreClient> {
-        Self::connect_retrying(addr, timeout, None)
+        Self::connect_retrying(addr, timeout, None, "torchrun's store")
     }
 
     /// `secret`: Phalanx's store; None: a torch TCPStore.
@@ -47,12 +60,8 @@ impl StoreClient {
         addr: &str,
         timeout: Duration,
         secret: Option<&[u8]>,
+        what: &'static str,
     ) -> Result<StoreClient> {
-        let what = if secret.is_some() {
-            "the rendezvous store"
-        } else {
-            "torchrun's store"
-        };
         let deadline = Instant::now() + timeout;
         let mut waiting = crate::patience::Waiting::until(deadline);
         let mut last_err;
@@ -65,6 +74,7 @@ impl StoreClient {
                         timeout,
                         secret: secret.map(<[u8]>::to_vec),
                         torch: secret.is_none(),
+                        what,
                     })
                 }
                 // A wrong secret, or no TCPStore at the other end: final.
@@ -98,11 +108,7 @@ impl StoreClient {
     fn with_conn<T>(&self, f: impl FnOnce(&mut TcpStream) -> Result<T>) -> Result<T> {
         let mut conn = self.conn.lock().unwrap();
         if conn.is_none() {
-            let what = if self.torch {
-                "torchrun's store"
-            } else {
-                "the rendezvous store"
-            };
+            let what = self.what;
             let s = try_connect(
                 &self.addr,
                 self.secret.as_deref(),

@@ -4,7 +4,8 @@
 //! reconnecting to it forever; two groups with one replica id are named; a
 //! lighthouse with a shorter heartbeat timeout than its groups' keeps them;
 //! a join slot its group never wrote does not block later joins; a group
-//! whose first heal failed still takes the healer's state next time.
+//! whose first heal failed still takes the healer's state next time; a
+//! group that stops leaves at once.
 
 use phalanx_comm::ft::{Lighthouse, LighthouseOpts, Manager, ManagerOpts};
 use phalanx_comm::store::StoreClient;
@@ -283,4 +284,36 @@ fn a_busy_group_whose_steps_go_on_is_not_dropped_as_hung() {
     assert!(a.all_reduce(&mut g).unwrap());
     assert_eq!(g[0], 2.0);
     assert_eq!(b.join().unwrap(), (2, 2.0));
+}
+
+/// A group that stops (its manager dropped: its run finished or failed)
+/// tells the lighthouse, which drops it at once: the other's next quorum
+/// is of one, long before the lighthouse's heartbeat timeout (300 s, past
+/// this test's hang guard) would have dropped it.
+#[test]
+fn a_group_that_stops_leaves_at_once() {
+    let lh = lighthouse(300.0);
+    let addr = lh.addr().to_string();
+    let long = || ManagerOpts {
+        quorum_timeout: Duration::from_secs(400),
+        ..opts(300.0)
+    };
+    let b = {
+        let (addr, opts) = (addr.clone(), long());
+        std::thread::spawn(move || {
+            let mut m = Manager::connect(&addr, SECRET, "b", opts).unwrap();
+            quorum_of(&mut m, 2);
+        })
+    };
+    let mut a = Manager::connect(&addr, SECRET, "a", long()).unwrap();
+    quorum_of(&mut a, 2);
+    b.join().unwrap();
+    let raw = StoreClient::connect(&addr, SECRET, Duration::from_secs(10)).unwrap();
+    assert!(
+        raw.try_get("ft/left/b").unwrap().is_some(),
+        "b did not say it left"
+    );
+    let t0 = std::time::Instant::now();
+    quorum_of(&mut a, 1);
+    assert!(t0.elapsed() < Duration::from_secs(120), "hang guard");
 }

@@ -6,8 +6,7 @@
 //! multi-head attention; SGD with Llama 3 rotary scaling), and save the
 //! same file back.
 
-#[path = "../common/fixture.rs"]
-mod fixture;
+use crate::fixture;
 use candle_core::{Device, Tensor};
 use fixture::*;
 use phalanx::engine::{Engine, EngineConfig};

@@ -6,6 +6,8 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../common/fixture.rs"]
+mod fixture;
 
 mod checkpoint;
 mod compression;

@@ -7,8 +7,7 @@
 //! save the same file and `config.json` keys back. `config.json` features
 //! not built are refused.
 
-#[path = "../common/fixture.rs"]
-mod fixture;
+use crate::fixture;
 use candle_core::{Device, Tensor};
 use fixture::*;
 use phalanx::engine::{Engine, EngineConfig};

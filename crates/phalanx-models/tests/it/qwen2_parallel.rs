@@ -10,8 +10,7 @@
 //!
 //! The fixtures: `tests/fixtures/make_qwen2_fixture.py` (see its header).
 
-#[path = "../common/fixture.rs"]
-mod fixture;
+use crate::fixture;
 use candle_core::{DType, Device, Tensor};
 use fixture::*;
 use phalanx::config::TrainConfig;

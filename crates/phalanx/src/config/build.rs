@@ -99,6 +99,7 @@ impl TrainConfig {
             merge::apply_override(&mut table, o)?;
         }
         let derive = batch::Derive::from_table(&table);
+        let data_path_given = table.get("data").and_then(|t| t.get("path")).is_some();
         let recompute_given = table
             .get("train")
             .and_then(|t| t.get("activation_checkpointing"))
@@ -120,6 +121,11 @@ impl TrainConfig {
         // range (`monitor.prometheus_port: invalid value 65536…`).
         let mut cfg: TrainConfig = serde_path_to_error::deserialize(toml::Value::Table(merged))
             .map_err(|e| ConfigError(format!("{}: {}", e.path(), e.inner().message())))?;
+        if data_path_given && !cfg.data.sources.is_empty() {
+            // Also where it names the default, which validate cannot tell
+            // from no `data.path` at all.
+            return Err(cfg.data.path_and_sources());
+        }
         cfg.derive = derive;
         cfg.ds_auto = autos;
         cfg.model_facts = schema.check(&cfg.model)?;

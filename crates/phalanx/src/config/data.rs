@@ -125,13 +125,20 @@ impl DataConfig {
         s
     }
 
-    /// Checks of the section that need no file.
+    /// The refusal of `data.path` beside `[[data.sources]]`.
+    pub(super) fn path_and_sources(&self) -> ConfigError {
+        ConfigError(format!(
+            "data.path = {:?} and [[data.sources]] both name the training data; set one",
+            self.path.to_string()
+        ))
+    }
+
+    /// Checks of the section that need no file. (`data.path` given as its
+    /// default beside sources is refused where the keys are read, by
+    /// `TrainConfig::build`.)
     pub fn validate(&self) -> Result<()> {
         if !self.sources.is_empty() && self.path != super::DEFAULT_DATA_PATH {
-            return Err(ConfigError(format!(
-                "data.path = {:?} and [[data.sources]] both name the training data; set one",
-                self.path.to_string()
-            )));
+            return Err(self.path_and_sources());
         }
         for (i, s) in self.sources.iter().enumerate() {
             if !(s.weight.is_finite() && s.weight > 0.0) {

@@ -10,6 +10,8 @@
 //!   than `monitor.straggler_factor` × the median of its peers' (the ranks
 //!   at the same pipeline stage) for
 //!   `monitor.straggler_steps` steps in a row is reported by rank and host.
+//!   It must also be [`MIN_GAP_S`] slower than that median: on steps of a
+//!   millisecond, timer and scheduler noise passes any ratio.
 //!   Compute time is what tells a slow rank apart: in a synchronous step
 //!   every rank's wall time is the slowest one's, but only the slow rank
 //!   spends it computing; the others spend it waiting. The first step of a
@@ -167,6 +169,11 @@ pub struct Health {
     pub new: Vec<Straggler>,
 }
 
+/// How much slower than its peers' median a rank must compute, besides
+/// `monitor.straggler_factor` × it, to count as slow: 10 ms, so that noise
+/// on sub-millisecond steps (0.0014 s against 0.0010 s) is not reported.
+pub const MIN_GAP_S: f64 = 0.01;
+
 /// Straggler detection over consecutive steps. Ranks are compared with
 /// their peers only, the ranks that do the same work (a pipeline's stages
 /// differ by design): `peers[r]` names rank r's group, and a rank alone in
@@ -206,7 +213,7 @@ impl Detector {
         let (mut now, mut new) = (Vec::new(), Vec::new());
         for (r, &c) in compute.iter().enumerate() {
             let m = self.peer_median(compute, r).unwrap_or(0.0);
-            let slow = m > 0.0 && c > self.factor * m;
+            let slow = m > 0.0 && c > self.factor * m && c - m >= MIN_GAP_S;
             self.streak[r] = if slow { self.streak[r] + 1 } else { 0 };
             if self.streak[r] >= self.steps {
                 now.push(r);
@@ -375,5 +382,17 @@ mod tests {
         let mut d = Detector::new(vec![0, 0], 1.3, 1);
         assert_eq!(d.feed(&[1.0, 1.5]), (vec![1], vec![1]));
         assert_eq!(d.peer_median(&[1.0, 1.5], 1), Some(1.0));
+    }
+
+    #[test]
+    fn noise_on_sub_millisecond_steps_is_not_a_straggler() {
+        // 1.4x its peer, but only 0.4 ms slower: timer noise.
+        let mut d = Detector::new(vec![0, 0], 1.3, 1);
+        assert_eq!(d.feed(&[0.0010, 0.0014]), (vec![], vec![]));
+        // A 16 ms step, 12 ms slower than its peer's 4 ms, is one.
+        assert_eq!(d.feed(&[0.004, 0.016]), (vec![1], vec![1]));
+        // 20 % slower on 10 ms steps: under the ratio, as before.
+        let mut d = Detector::new(vec![0, 0], 1.3, 1);
+        assert_eq!(d.feed(&[0.010, 0.012]), (vec![], vec![]));
     }
 }

@@ -414,7 +414,11 @@ impl Trainer {
                 reader.meta.layout.world,
                 t0.elapsed().as_secs_f64() * 1e3
             );
-            self.mark_resumed(dir);
+            // A resume with no step left to run changes nothing on disk:
+            // the newer checkpoints stay `latest`'s to take.
+            if reader.meta.step < self.cfg.train.steps {
+                self.mark_resumed(dir);
+            }
         }
         Ok(())
     }

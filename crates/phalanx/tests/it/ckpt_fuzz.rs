@@ -7,9 +7,7 @@
 //! that names the mutated field: never a panic, never a file read outside
 //! the checkpoint.
 
-#[path = "../../examples/ddp_custom_model.rs"]
-#[allow(dead_code)]
-mod example;
+use crate::example;
 
 use phalanx::trainer::{Resume, RunOptions};
 use serde_json::{json, Value};

@@ -247,3 +247,18 @@ fn a_printed_config_leaves_out_the_batch_number_still_to_derive() {
         assert_eq!(back.train.grad_accum_steps, c.train.grad_accum_steps);
     }
 }
+
+/// `data.path` beside `[[data.sources]]` is refused naming both, also where
+/// it names its default (which used to be ignored without a word).
+#[test]
+fn data_path_beside_sources_is_refused_even_as_its_default() {
+    let sources = r#"data.sources=[{path="a.bin", weight=1.0}]"#;
+    assert!(build(&[sources]).is_ok());
+    for path in [r#"data.path="b.bin""#, r#"data.path="data/corpus.txt""#] {
+        let e = build(&[sources, path]).unwrap_err();
+        assert!(
+            e.contains("and [[data.sources]] both name the training data; set one"),
+            "{path}: {e}"
+        );
+    }
+}

@@ -1,8 +1,7 @@
 //! DDP on a user's own candle model (the `ddp_custom_model` example): two
 //! ranks reproduce one rank; and the parameter check names a diverged rank.
 
-#[path = "../../examples/ddp_custom_model.rs"]
-mod example;
+use crate::example;
 
 /// Losses within 1e-5 relative, parameters within 1e-5 (norm-relative).
 fn assert_close(a: &(Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>)) {

@@ -6,6 +6,9 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+#[path = "../../examples/ddp_custom_model.rs"]
+#[allow(dead_code)] // the example's main is not run here
+mod example;
 
 mod ckpt_dir;
 mod ckpt_fuzz;
