@@ -203,7 +203,8 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     if opts.rdzv_conf.is_some() {
         eprintln!(
             "phalanx run: note: --rdzv-conf has no effect with a static rendezvous (it sets \
-             an elastic job's timeouts: --nnodes MIN:MAX or --rdzv-backend c10d)"
+             an elastic job's timeouts: --nnodes MIN:MAX with MIN < MAX, or --rdzv-backend \
+             c10d)"
         );
     }
     let nnodes = opts.nnodes_range()?.0;
@@ -218,10 +219,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     // node 0's address and port.
     let (master_host, master_port) = match &opts.rdzv_endpoint {
         Some(ep) => {
-            let (h, p) = ep
-                .rsplit_once(':')
-                .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
-                .ok_or_else(|| format!("--rdzv-endpoint {ep}: expected HOST:PORT"))?;
+            let (h, p) = crate::launch_opts::split_endpoint("--rdzv-endpoint", ep)?;
             (h, Some(p))
         }
         None => (opts.master_addr.clone(), opts.master_port),

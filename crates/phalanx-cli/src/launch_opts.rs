@@ -13,8 +13,9 @@ pub struct LaunchOpts {
         value_parser = parse_nproc
     )]
     pub nproc_per_node: Option<usize>,
-    /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job
-    /// (nodes may leave and join; see `--rdzv-endpoint`).
+    /// Number of nodes in the job: `N`, or `MIN:MAX` with MIN < MAX for an
+    /// elastic job (nodes may leave and join; see `--rdzv-endpoint`);
+    /// `N:N` is `N`, as in torchrun, unless `--rdzv-backend c10d`.
     #[arg(long, default_value = "1")]
     pub nnodes: String,
     /// This node's index, 0..nnodes.
@@ -40,7 +41,7 @@ pub struct LaunchOpts {
     pub max_restarts: usize,
     /// Rendezvous backend: `static` (fixed nodes, node 0 serves the store)
     /// or `c10d` (elastic rounds through the store at `--rdzv-endpoint`);
-    /// `--nnodes MIN:MAX` implies `c10d`.
+    /// `--nnodes MIN:MAX` with MIN < MAX implies `c10d`.
     #[arg(long = "rdzv-backend", alias = "rdzv_backend")]
     pub rdzv_backend: Option<String>,
     /// HOST:PORT of the elastic rendezvous store: the agent on that host
@@ -163,18 +164,78 @@ pub fn flags_from_env(flags: Vec<(&'static str, &'static str, String)>) {
 /// A note for an error `message` that names a flag taken from a variable:
 /// the user looks for the flag on a command line that does not have it.
 pub fn env_flag_note(message: &str) -> Option<String> {
-    let (flag, var, value) = FROM_ENV.get()?.iter().find(|(flag, ..)| {
-        message.match_indices(flag).any(|(i, _)| {
-            !message[i + flag.len()..].starts_with(|c: char| c == '-' || c.is_alphanumeric())
+    // Every such flag the message names (`--node-rank 3 must be below
+    // --nnodes 1` names two), each on its own line.
+    let notes: Vec<String> = FROM_ENV
+        .get()?
+        .iter()
+        .filter(|(flag, ..)| {
+            message.match_indices(flag).any(|(i, _)| {
+                !message[i + flag.len()..].starts_with(|c: char| c == '-' || c.is_alphanumeric())
+            })
         })
-    })?;
-    let whose = if var.starts_with("PET_") || var.starts_with("TORCH") {
-        "torchrun's variable for it, as Kubeflow's PyTorchJob sets them"
-    } else {
-        "taken in a Kubeflow pod where the PET_ spelling is not set"
-    };
-    Some(format!(
-        "note: {flag} was not on the command line: it came from {var}={value:?} in the \
-         environment ({whose})"
-    ))
+        .map(|(flag, var, value)| {
+            let whose = if var.starts_with("PET_") || var.starts_with("TORCH") {
+                "torchrun's variable for it, as Kubeflow's PyTorchJob sets them"
+            } else {
+                "taken in a Kubeflow pod where the PET_ spelling is not set"
+            };
+            format!(
+                "note: {flag} was not on the command line: it came from {var}={value:?} in the \
+                 environment ({whose})"
+            )
+        })
+        .collect();
+    (!notes.is_empty()).then(|| notes.join("\n"))
+}
+
+/// `HOST:PORT` as `what` (a flag) gives it: the host as written (an IPv6
+/// address in brackets, `[::1]`) and the port. A bare IPv6 address, an
+/// unclosed bracket or an empty host is refused rather than split at its
+/// last `:` into another host and port.
+pub fn split_endpoint(what: &str, ep: &str) -> Result<(String, u16), String> {
+    let bad = |why: &str| format!("{what} {ep}: expected HOST:PORT ({why})");
+    let (h, p) = ep.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+    let port = p
+        .parse::<u16>()
+        .map_err(|_| bad(&format!("port {p:?} is not a number from 0 to 65535")))?;
+    if h.is_empty() {
+        return Err(bad("no host"));
+    }
+    if h.starts_with('[') {
+        if !h.ends_with(']') || h.len() < 3 || h[1..h.len() - 1].contains(['[', ']']) {
+            return Err(bad("a bracketed address reads [ADDR]"));
+        }
+    } else if h.contains([':', '[', ']']) {
+        return Err(bad("an IPv6 address goes in brackets: [ADDR]:PORT"));
+    }
+    Ok((h.to_string(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_endpoint;
+
+    #[test]
+    fn endpoints_split_only_where_they_are_host_and_port() {
+        let ok = |ep: &str| split_endpoint("--rdzv-endpoint", ep).unwrap();
+        assert_eq!(ok("node0:29400"), ("node0".to_string(), 29400));
+        assert_eq!(ok("10.0.0.1:0"), ("10.0.0.1".to_string(), 0));
+        assert_eq!(ok("[fd00::1]:29400"), ("[fd00::1]".to_string(), 29400));
+        for (ep, why) in [
+            ("fd00::1", "brackets"),
+            ("[::1", "[ADDR]"),
+            ("[]:5", "[ADDR]"),
+            (":29400", "no host"),
+            ("node0", "no port"),
+            ("node0:70000", "65535"),
+        ] {
+            let e = split_endpoint("--rdzv-endpoint", ep).unwrap_err();
+            assert!(
+                e.starts_with(&format!("--rdzv-endpoint {ep}: expected HOST:PORT"))
+                    && e.contains(why),
+                "{ep}: {e}"
+            );
+        }
+    }
 }

@@ -531,7 +531,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         Ok(s) if !s.is_empty() => crate::launch::job_secret(&s)?,
         _ => {
             return Err(
-                "an elastic job (--nnodes MIN:MAX or --rdzv-backend c10d) needs the same \
+                "an elastic job (--nnodes MIN:MAX with MIN < MAX, or --rdzv-backend c10d) needs the same \
                  PHALANX_SECRET (hex) exported on every node, e.g. \
                  `export PHALANX_SECRET=$(openssl rand -hex 32)`"
                     .into(),
@@ -542,10 +542,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     let endpoint = opts.rdzv_endpoint.clone().unwrap_or_else(|| {
         phalanx_comm::init::host_port(&opts.master_addr, opts.master_port.unwrap_or(29400))
     });
-    let (host, mut port) = endpoint
-        .rsplit_once(':')
-        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
-        .ok_or_else(|| format!("--rdzv-endpoint {endpoint}: expected HOST:PORT"))?;
+    let (host, mut port) = crate::launch_opts::split_endpoint("--rdzv-endpoint", &endpoint)?;
     // Port 0 (torchrun --standalone's localhost:0): only a job of one node
     // on loopback, whose agent binds a free port and passes it on.
     let what = match &opts.rdzv_endpoint {

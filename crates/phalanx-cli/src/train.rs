@@ -148,11 +148,16 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
             )
         })
     });
-    if !own && given && std::env::var("RANK").is_ok_and(|r| r.trim() == "0") {
+    // (Said by rank 0 of whichever launcher: torchrun's RANK, mpirun's,
+    // srun's.)
+    let job = phalanx_comm::JobSizes::from_env()
+        .ok()
+        .filter(|j| j.in_job());
+    if let (false, true, Some(j)) = (own, given, job.filter(|j| j.rank == 0)) {
         eprintln!(
-            "note: phalanx train runs inside a job its launcher started (RANK is set): \
-             --nproc-per-node, --nnodes and --max-restarts are that launcher's to give, and \
-             have no effect here"
+            "note: phalanx train runs inside a job {} started: --nproc-per-node, --nnodes \
+             and --max-restarts are that launcher's to give, and have no effect here",
+            j.source
         );
     }
     match run(&cfg, hf_config.as_deref(), opts) {

@@ -169,7 +169,7 @@ impl JobSizes {
             if needs.is_some_and(|n| !n.split('|').any(|k| get(k).is_some())) {
                 continue;
             }
-            if let (Some((_, r)), Some(w)) = (first(keys[0])?, first(keys[1])?) {
+            if let (Some(r), Some(w)) = (first(keys[0])?, first(keys[1])?) {
                 all.push((name, w));
                 if found.is_some() {
                     continue;
@@ -205,7 +205,8 @@ impl JobSizes {
                 ));
             }
         }
-        let Some((source, rank, (world_var, world_size), local_rank, local)) = found else {
+        let Some((source, (rank_var, rank), (world_var, world_size), local_rank, local)) = found
+        else {
             return Ok(JobSizes {
                 rank: 0,
                 world_size: 1,
@@ -217,7 +218,8 @@ impl JobSizes {
         };
         if world_size == 0 || rank >= world_size {
             return Err(invalid!(
-                "{source}: rank {rank} is out of range for world size {world_size}"
+                "{source}: {rank_var}={rank} is out of range for {world_var}={world_size}: a \
+                 rank is at least 0 and below the world size"
             ));
         }
         if world_size > MAX_WORLD_SIZE {
@@ -236,9 +238,15 @@ impl JobSizes {
         }
         let local_world_size = local.map_or(world_size, |(_, n)| n);
         // Under srun the node's count is the first node's (see above): a
-        // node with more tasks has local ids beyond it.
-        if let (Some((k, lr)), false) = (local_rank, source == "srun") {
-            if lr >= local_world_size {
+        // node with more tasks has local ids beyond it, but none beyond the
+        // world.
+        if let Some((k, lr)) = local_rank {
+            if source == "srun" && lr >= world_size {
+                return Err(invalid!(
+                    "{source}: {k}={lr} is out of range: it must be below {world_var}={world_size}"
+                ));
+            }
+            if source != "srun" && lr >= local_world_size {
                 let bound = local.map_or(world_var, |(k, _)| k);
                 return Err(invalid!(
                     "{source}: {k}={lr} is out of range: it must be below \
@@ -918,6 +926,32 @@ mod tests {
         assert_eq!(slurm("4,2").local_world_size, 4);
         let unknown = slurm("(x2)");
         assert_eq!((unknown.local_world_size, unknown.local_known), (8, false));
+        // A local id past the whole step is refused, naming both.
+        let e = err(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_LOCALID", "5"),
+            ("SLURM_STEP_ID", "0"),
+        ]);
+        assert!(
+            e.contains("SLURM_LOCALID=5 is out of range") && e.contains("SLURM_NTASKS=1"),
+            "{e}"
+        );
+    }
+
+    /// A rank past its world names both variables.
+    #[test]
+    fn a_rank_out_of_range_names_its_variables() {
+        let e = err(&[("RANK", "1"), ("WORLD_SIZE", "1")]);
+        assert!(
+            e.contains("torchrun: RANK=1 is out of range for WORLD_SIZE=1"),
+            "{e}"
+        );
+        let e = err(&[("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+        assert!(
+            e.contains("OMPI_COMM_WORLD_RANK=3 is out of range for OMPI_COMM_WORLD_SIZE=2"),
+            "{e}"
+        );
     }
 
     /// A world size beyond any job (a typo) is refused before rank 0 sizes

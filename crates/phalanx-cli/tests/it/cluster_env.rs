@@ -274,9 +274,9 @@ fn an_sbatch_shell_is_no_srun_step() {
     assert!(step.contains("grad_accum_steps = 2\n"), "{step}");
 }
 
-/// `phalanx train` started by another launcher (RANK set) with launch
-/// flags on its command line says they are that launcher's; a `PET_*`
-/// variable the pod inherits is no such flag.
+/// `phalanx train` started by another launcher (torchrun's RANK set, or
+/// srun's variables) with launch flags on its command line says they are
+/// that launcher's; a `PET_*` variable the pod inherits is no such flag.
 #[test]
 fn launch_flags_inside_another_launchers_job_get_a_note() {
     let d = fresh_dir("phalanx-cluster-env", "flags-in-job");
@@ -290,16 +290,29 @@ fn launch_flags_inside_another_launchers_job_get_a_note() {
         for v in LAUNCHER_VARS {
             c.env_remove(v);
         }
-        c.envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")])
-            .envs(env.iter().copied());
+        c.envs(env.iter().copied());
         run_until(c, DEADLINE)
     };
-    let r = run(&["--nproc-per-node", "4"], &[]);
+    let torch = [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")];
+    let r = run(&["--nproc-per-node", "4"], &torch);
     assert_eq!(r.code, 0, "{r}");
+    assert!(r.err.contains("a job torchrun started"), "{r}");
     assert!(r.err.contains("are that launcher's to give"), "{r}");
+    // Under srun (no RANK): said as well.
+    let srun = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+        ("SLURM_STEP_ID", "0"),
+    ];
+    let r = run(&["--nproc-per-node", "4"], &srun);
+    assert_eq!(r.code, 0, "{r}");
+    assert!(r.err.contains("a job srun started"), "{r}");
     // (torchrun's "gpu", which a launching phalanx refuses, is no error
     // for a worker, which takes no launch flag.)
-    let r = run(&[], &[("PET_NPROC_PER_NODE", "gpu")]);
+    let r = run(
+        &[],
+        &[&torch[..], &[("PET_NPROC_PER_NODE", "gpu")]].concat(),
+    );
     assert_eq!(r.code, 0, "{r}");
     assert!(!r.err.contains("launcher's to give"), "{r}");
     let _ = std::fs::remove_dir_all(&d);
@@ -356,6 +369,25 @@ fn a_bad_pet_variable_is_named() {
     assert!(r.err.contains("--nnodes x: expected"), "{r}");
     assert!(r.err.contains("it came from PET_NNODES=\"x\""), "{r}");
     assert!(!r.err.contains("PET_NPROC_PER_NODE"), "{r}");
+    // Both flags of a message that names two are traced to their variables.
+    let r = run(
+        &["run", "--", "true"],
+        &[
+            ("PET_NNODES", "1"),
+            ("PET_NODE_RANK", "3"),
+            ("PET_NPROC_PER_NODE", "1"),
+        ],
+    );
+    assert_eq!(r.code, 2, "{r}");
+    assert!(
+        r.err.contains("--node-rank 3 must be below --nnodes 1"),
+        "{r}"
+    );
+    assert!(
+        r.err.contains("it came from PET_NODE_RANK=\"3\"")
+            && r.err.contains("it came from PET_NNODES=\"1\""),
+        "{r}"
+    );
     // A flag given on the command line wins, and is no variable's.
     let r = run(
         &["run", "--nnodes", "y", "--", "true"],

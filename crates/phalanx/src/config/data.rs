@@ -102,14 +102,18 @@ impl DataConfig {
             || self.path.single_file().is_none_or(records)
     }
 
+    /// The sources' weights, in order.
+    fn weights(&self) -> Vec<f64> {
+        self.sources.iter().map(|s| s.weight).collect()
+    }
+
     /// What the data is, in a line: `data.path`, or every source with its
     /// weight (and the validation files, when given).
     pub fn describe(&self) -> String {
         let mut s = if self.sources.is_empty() {
             self.path.to_string()
         } else {
-            let w: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
-            let shares = crate::data::mix::shares(&w);
+            let shares = crate::data::mix::shares(&self.weights());
             let total: f64 = shares.iter().sum();
             let each: Vec<String> = self
                 .sources
@@ -153,8 +157,7 @@ impl DataConfig {
         }
         // The mixer counts shares in 2^-32 units: a source whose share
         // rounds to none would never be read.
-        let w: Vec<f64> = self.sources.iter().map(|s| s.weight).collect();
-        if let Some(i) = crate::data::mix::never_read(&w) {
+        if let Some(i) = crate::data::mix::never_read(&self.weights()) {
             return Err(ConfigError(format!(
                 "data.sources[{i}].weight = {} is too small beside the others' (below 2^-32 of \
                  their sum): the source would never be read; raise it or drop the source",

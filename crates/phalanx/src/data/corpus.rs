@@ -200,6 +200,15 @@ fn big_text_note(key: &str, files: &[PathBuf]) -> Option<String> {
 
 /// A file in the fingerprint: its name (not its path: a resume from another
 /// directory, or with an absolute path, reads the same files) and size.
+/// A validation file (or part) too short for one sample of `seq_len`:
+/// almost surely a mistake.
+fn val_too_short(name: &str, n: usize, seq_len: usize) -> DataError {
+    DataError::TooSmall(format!(
+        "the validation file {name} has {n} tokens, fewer than seq_len + 1 = {} (data.val_path)",
+        seq_len + 1
+    ))
+}
+
 fn file_print(f: &std::path::Path) -> serde_json::Value {
     let name = f
         .file_name()
@@ -375,6 +384,14 @@ impl Corpus {
                         msg: "the validation file holds no tokens (data.val_path)".into(),
                     });
                 }
+                if d.len() < cfg.seq_len + 1 {
+                    // (A text file's tokens carry no path: named here.)
+                    return Err(val_too_short(
+                        &f.display().to_string(),
+                        d.len(),
+                        cfg.seq_len,
+                    ));
+                }
                 let n = d.len();
                 val.push((Arc::new(d), 0, n));
             }
@@ -385,13 +402,10 @@ impl Corpus {
         if let Some((d, _, n)) = val.iter().find(|(_, _, n)| *n > 0 && *n < t + 1) {
             // A validation file too short for one sample is almost surely
             // a mistake.
-            return Err(DataError::TooSmall(format!(
-                "the validation file {} has {n} tokens, fewer than seq_len + 1 = {} \
-                 (data.val_path)",
-                d.path()
-                    .map_or("a text file".into(), |p| p.display().to_string()),
-                t + 1
-            )));
+            let name = d
+                .path()
+                .map_or("(a shard's tail)".into(), |p| p.display().to_string());
+            return Err(val_too_short(&name, *n, t));
         }
         let has_bin = sources.iter().any(|s| matches!(s, Source::Bin(_)));
         if cfg.val_paths.is_empty() && cfg.val_fraction > 0.0 && has_bin && val.is_empty() {

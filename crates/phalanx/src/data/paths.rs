@@ -1,7 +1,9 @@
 //! What a `data.path` or a source's `path` names, expanded to files: a file,
 //! a directory (its files, recursively, hidden ones skipped), or a glob
 //! (`*` and `?` within a path component, `[abc]` / `[a-z]` classes, `**`
-//! for any number of directories). The result is sorted by path, so the
+//! for any number of directories; a trailing `**` is every file below). A
+//! path that exists is taken as itself, glob characters and all (a file
+//! named `shard[1].bin`). The result is sorted by path, so the
 //! shard list (and with it the sample order) does not depend on the order
 //! the file system lists entries in. Only regular files are taken (after
 //! symbolic links): a FIFO or socket in a data directory is skipped, since
@@ -188,11 +190,15 @@ pub fn skipped_note(key: &str, pattern: &str, left: &[PathBuf]) -> String {
 
 fn expand_all_kinds(pattern: &str, key: &str) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
-    if is_glob(pattern) {
+    if is_glob(pattern) && !Path::new(pattern).exists() {
         let (root, rest) = split_root(pattern);
         let mut comps: Vec<&str> = rest.split('/').filter(|c| !c.is_empty()).collect();
         // `**/**` is `**` (the walk enters each directory once).
         comps.dedup_by(|a, b| *a == "**" && *b == "**");
+        // `dir/**` is every file below dir, as `dir/**/*`.
+        if comps.last() == Some(&"**") {
+            comps.push("*");
+        }
         walk_glob(&root, &comps, &mut Vec::new(), &mut out);
     } else {
         let p = Path::new(pattern);

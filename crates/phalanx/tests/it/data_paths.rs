@@ -327,3 +327,51 @@ fn a_json_file_is_json_lines_and_an_array_is_named() {
     assert_eq!(line, 1);
     assert!(why.contains("a JSON array"), "{why}");
 }
+
+/// A file or directory whose name holds glob characters is taken as itself
+/// when it exists (it used to be read as a pattern that matched nothing);
+/// a trailing `**` is every file below, as `**/*`.
+#[test]
+fn existing_names_with_brackets_and_a_trailing_double_star() {
+    let d = ScratchDir::new("phalanx-paths", "brackets");
+    let file = d.join("sh[1].bin");
+    write_tokens(&file, 64);
+    let dir = d.join("br[x]");
+    std::fs::create_dir_all(dir.join("deep")).unwrap();
+    write_tokens(&dir.join("a.bin"), 64);
+    write_tokens(&dir.join("deep").join("b.bin"), 64);
+    assert_eq!(
+        expand(file.to_str().unwrap(), "data.path").unwrap(),
+        vec![file.clone()]
+    );
+    let below = vec![dir.join("a.bin"), dir.join("deep").join("b.bin")];
+    assert_eq!(
+        sorted(expand(dir.to_str().unwrap(), "data.path").unwrap()),
+        below
+    );
+    // Still a pattern where no such name exists.
+    let pattern = format!("{}/sh?1?.bin", d.display());
+    assert_eq!(expand(&pattern, "data.path").unwrap(), vec![file.clone()]);
+    let all = format!("{}/**", d.display());
+    let every = sorted([below, vec![file]].concat());
+    assert_eq!(sorted(expand(&all, "data.path").unwrap()), every);
+}
+
+/// A validation text file too short for one sample is named (it was "a
+/// text file", which did not say which of several).
+#[test]
+fn a_short_validation_text_file_is_named() {
+    let d = ScratchDir::new("phalanx-paths", "short-val");
+    let train = d.join("train.bin");
+    write_tokens(&train, 512);
+    let val = d.join("val.txt");
+    std::fs::write(&val, "too short").unwrap();
+    let mut cfg = CorpusConfig::new(&[train.to_str().unwrap()], 64);
+    cfg.val_paths = vec![val.display().to_string()];
+    let e = Corpus::open(&cfg).err().expect("refused").to_string();
+    assert!(
+        e.contains(&format!("the validation file {} has", val.display()))
+            && e.contains("fewer than seq_len + 1 = 65"),
+        "{e}"
+    );
+}
