@@ -16,21 +16,3 @@ mod ps;
 mod rl;
 mod rpc;
 mod rpc_examples;
-
-/// Every file in this directory is a module of this binary: a file
-/// left out would never be compiled or run.
-#[test]
-fn every_file_here_is_a_module() {
-    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it");
-    let main = include_str!("main.rs");
-    for e in std::fs::read_dir(&here).unwrap() {
-        let name = e.unwrap().file_name().into_string().unwrap();
-        if let Some(m) = name.strip_suffix(".rs").filter(|m| *m != "main") {
-            let line = format!("\nmod {m};\n");
-            assert!(
-                main.contains(&line),
-                "tests/it/{name} is not a module of tests/it/main.rs"
-            );
-        }
-    }
-}
