@@ -387,6 +387,7 @@ fn bad_inputs_are_named() {
         ("BROKEN", &bad_json),
         ("NOFIELD", &w("nofield.jsonl", b"{\"content\": \"x\"}\n")),
         ("BLANK", &w("blank.jsonl", b"\n  \n")),
+        ("EMPTYTXT", &w("empty.txt", b"")),
         ("GZ", &w("x.jsonl.gz", b"\x1f\x8b")),
         ("PARQUET", &w("x.parquet", b"PAR1\x00\xff\x00PAR1")),
         ("EMPTY", &d.join("empty")),
@@ -423,6 +424,9 @@ fn bad_inputs_are_named() {
             &["nofield.jsonl", "line 1", "no field \"text\""],
         ),
         ("--encoding byte BLANK", 1, &["no documents"]),
+        // (An empty text file is no document either: it used to be one,
+        // written as a lone separator.)
+        ("--encoding byte EMPTYTXT", 1, &["no documents"]),
         ("--encoding byte GZ", 1, &["x.jsonl.gz", "compressed"]),
         ("--encoding byte PARQUET", 1, &["x.parquet"]),
         (

@@ -50,7 +50,8 @@ pub fn is_jsonl(p: &Path) -> bool {
 }
 
 /// Every document of `path` in file order (blank JSONL lines are not
-/// documents); JSONL records are parsed on `threads` threads. `field_key`
+/// documents, and an empty text file holds none, as an empty JSONL file
+/// holds none); JSONL records are parsed on `threads` threads. `field_key`
 /// names where `field` came from, for messages.
 pub fn documents(path: &Path, field: &str, field_key: &str, threads: usize) -> Result<Vec<Doc>> {
     if is_parquet(path) {
@@ -78,6 +79,9 @@ pub fn documents_of(
     field_key: &str,
     threads: usize,
 ) -> Vec<Doc> {
+    if !jsonl && bytes.is_empty() {
+        return Vec::new();
+    }
     if !jsonl {
         return vec![match std::str::from_utf8(bytes) {
             Ok(t) => Ok(t.to_string()),
