@@ -298,15 +298,19 @@ fn a_group_that_stops_leaves_at_once() {
         quorum_timeout: Duration::from_secs(400),
         ..opts(300.0)
     };
+    let (met_tx, met_rx) = mpsc::channel::<()>();
     let b = {
         let (addr, opts) = (addr.clone(), long());
         std::thread::spawn(move || {
             let mut m = Manager::connect(&addr, SECRET, "b", opts).unwrap();
             quorum_of(&mut m, 2);
+            // Stops once a has its quorum of two as well.
+            met_rx.recv().unwrap();
         })
     };
     let mut a = Manager::connect(&addr, SECRET, "a", long()).unwrap();
     quorum_of(&mut a, 2);
+    met_tx.send(()).unwrap();
     b.join().unwrap();
     let raw = StoreClient::connect(&addr, SECRET, Duration::from_secs(10)).unwrap();
     assert!(
