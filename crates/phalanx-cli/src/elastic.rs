@@ -18,11 +18,11 @@ use std::path::Path;
 /// error file.
 pub fn fail(prefix: &str, msg: impl Display) {
     let text = format!("{prefix}: {msg}");
-    eprintln!("{text}");
+    crate::launch::say!("{text}");
     let path = std::env::var_os("TORCHELASTIC_ERROR_FILE").filter(|p| !p.is_empty());
     if let Some(path) = path {
         if let Err(e) = record(Path::new(&path), &text) {
-            eprintln!(
+            crate::launch::say!(
                 "{prefix}: cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
                 Path::new(&path).display()
             );

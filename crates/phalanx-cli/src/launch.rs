@@ -35,10 +35,38 @@ pub(crate) fn grace() -> Duration {
 }
 
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+/// Signals received so far (a second Ctrl-C ends the workers' grace).
+static SIGNALS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
     SIGNALLED.store(sig, Ordering::SeqCst);
+    SIGNALS.fetch_add(1, Ordering::SeqCst);
 }
+
+/// How many stop signals this process has received.
+pub(crate) fn signals() -> usize {
+    SIGNALS.load(Ordering::SeqCst)
+}
+
+/// A line on stderr that cannot fail: `eprintln!` panics when stderr is a
+/// pipe whose reader is gone (`phalanx run … | tee log`, both told Ctrl-C),
+/// and a launcher that panics leaves its workers' children behind.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+pub(crate) use say;
+
+/// [`say!`] on stdout.
+macro_rules! tell {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+pub(crate) use tell;
 
 /// Whether this process was started as a rank of a job (by `phalanx run`,
 /// torchrun, mpirun or srun).
@@ -134,9 +162,9 @@ pub fn run(opts: &LaunchOpts, cmd: &[String]) -> i32 {
     match run_inner(opts, cmd) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("phalanx run: error: {e}");
+            say!("phalanx run: error: {e}");
             if let Some(note) = env_flag_note(&e) {
-                eprintln!("{note}");
+                say!("{note}");
             }
             2
         }
@@ -145,7 +173,7 @@ pub fn run(opts: &LaunchOpts, cmd: &[String]) -> i32 {
 
 fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     for bad in phalanx::fault::unknown_specs() {
-        eprintln!("phalanx run: warning: PHALANX_FAULT item {bad} is no fault spec: ignored");
+        say!("phalanx run: warning: PHALANX_FAULT item {bad} is no fault spec: ignored");
     }
     if cmd.is_empty() {
         return Err(
@@ -192,7 +220,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
     if opts.elastic()? {
         if opts.node_rank != 0 {
             // (torchrun warns the same way.)
-            eprintln!(
+            say!(
                 "phalanx run: note: --node-rank {} has no effect in an elastic job: each \
                  round numbers its nodes",
                 opts.node_rank
@@ -201,7 +229,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         return crate::rdzv::run_elastic(opts, cmd);
     }
     if opts.rdzv_conf.is_some() {
-        eprintln!(
+        say!(
             "phalanx run: note: --rdzv-conf has no effect with a static rendezvous (it sets \
              an elastic job's timeouts: --nnodes MIN:MAX with MIN < MAX, or --rdzv-backend \
              c10d)"
@@ -225,7 +253,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         None => (opts.master_addr.clone(), opts.master_port),
     };
     if multi && phalanx_comm::init::is_loopback(&master_host) {
-        eprintln!(
+        say!(
             "phalanx run: note: node 0's address {master_host} is a loopback address: only nodes \
              on this host can reach it (give --master-addr or --rdzv-endpoint naming node 0's host)"
         );
@@ -306,7 +334,7 @@ fn run_inner(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             Outcome::Interrupted(why) => return Err(format!("the workers stopped: {why}")),
             Outcome::Failed(_, why) if attempt < opts.max_restarts => {
                 attempt += 1;
-                eprintln!(
+                say!(
                     "phalanx run: restarting the group (restart {attempt} of {}) because {why}; \
                      its workers get PHALANX_RESTART_COUNT={attempt}",
                     opts.max_restarts
@@ -343,13 +371,15 @@ pub(crate) fn signalled() -> i32 {
     SIGNALLED.load(Ordering::SeqCst)
 }
 
-/// Ctrl-C, SIGTERM and SIGHUP (a closed terminal) stop the job.
+/// Ctrl-C, SIGTERM, SIGHUP (a closed terminal) and SIGQUIT (Ctrl-\\) stop
+/// the job; the workers are sent the signal received, as torchrun does.
 pub(crate) fn catch_signals() {
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGHUP, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGQUIT, on_signal as *const () as libc::sighandler_t);
     }
 }
 
@@ -441,7 +471,7 @@ pub(crate) fn run_group(
         // ones already started instead of starting the rest first.
         let sig = SIGNALLED.load(Ordering::SeqCst);
         if sig != 0 {
-            eprintln!(
+            say!(
                 "phalanx run: received signal {sig} while starting the workers ({} of {nproc} \
                  started); stopping them",
                 workers.len()
@@ -464,6 +494,9 @@ pub(crate) fn run_group(
             .env("MASTER_PORT", env.port.to_string())
             .env("PHALANX_SECRET", env.secret)
             .env("PHALANX_STORE_HOSTED", "1")
+            // This launcher's store is Phalanx's, whatever an outer
+            // torchrun said of its own (its agent store is not ours).
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .env("PHALANX_RUN_ID", &env.run_id)
             // Which attempt this is (0 first): a restarted trainer resumes
             // from its latest checkpoint. torchrun's names too.
@@ -528,7 +561,7 @@ pub(crate) fn run_group(
     loop {
         let sig = SIGNALLED.load(Ordering::SeqCst);
         if sig != 0 {
-            eprintln!("phalanx run: received signal {sig}; stopping the workers");
+            say!("phalanx run: received signal {sig}; stopping the workers");
             stop_all_ticking(&mut workers, &mut || {
                 let _ = watch(true);
             });

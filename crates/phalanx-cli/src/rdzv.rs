@@ -208,7 +208,7 @@ impl Rdzv<'_> {
                 if waiting_in != Some(r) {
                     self.count(&self.rkey(r, "waiting"), 1)?;
                     waiting_in = Some(r);
-                    println!(
+                    crate::launch::tell!(
                         "phalanx run: rendezvous {}: round {r} is running; waiting to be admitted \
                          at the next round",
                         self.id
@@ -595,7 +595,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
         conf,
         max_restarts: opts.max_restarts,
     };
-    println!(
+    crate::launch::tell!(
         "phalanx run: elastic job {} at {endpoint}{serving}: --nnodes {min}:{max}, {nproc} \
          process(es) per node",
         rd.id
@@ -610,7 +610,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             // leave now (the others see this node's heartbeat stop).
             Err(e) if e == LEFT_ON_SIGNAL => {
                 let sig = crate::launch::signalled();
-                eprintln!(
+                crate::launch::say!(
                     "phalanx run: received signal {sig} while waiting in the rendezvous; leaving"
                 );
                 return Ok(128 + sig);
@@ -618,7 +618,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             Err(e) => return Err(e),
         };
         let world = round.nodes * nproc;
-        println!(
+        crate::launch::tell!(
             "phalanx run: round {} formed with {} node(s){}: this is node {} (ranks {}..{} of {world})",
             round.r,
             round.nodes,
@@ -679,7 +679,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
             Outcome::Interrupted(why) => {
                 // The reason the round ended, as posted (else what this node saw).
                 let posted = rd.get(&rd.rkey(round.r, "next"))?;
-                println!(
+                crate::launch::tell!(
                     "phalanx run: round {} ended: {}; re-forming",
                     round.r,
                     posted.unwrap_or(why)
@@ -718,7 +718,10 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                 }
                 match elsewhere {
                     Some(cause) => {
-                        println!("phalanx run: round {} ended: {cause}; re-forming", round.r)
+                        crate::launch::tell!(
+                            "phalanx run: round {} ended: {cause}; re-forming",
+                            round.r
+                        )
                     }
                     None => {
                         // The first reason posted wins: only that node's
@@ -729,7 +732,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                         }
                         let n = rd.count(&rd.key("failures"), 1)? as usize;
                         if n > opts.max_restarts {
-                            eprintln!(
+                            crate::launch::say!(
                                 "phalanx run: {why}; failure {n}, more than --max-restarts {}: \
                                  the job stops",
                                 opts.max_restarts
@@ -742,7 +745,7 @@ pub fn run_elastic(opts: &LaunchOpts, cmd: &[String]) -> Result<i32, String> {
                             }
                             return Ok(if code == 0 { 1 } else { code });
                         }
-                        eprintln!(
+                        crate::launch::say!(
                             "phalanx run: {why}; restarting (restart {n} of {})",
                             opts.max_restarts
                         );

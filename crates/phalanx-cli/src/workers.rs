@@ -2,7 +2,7 @@
 //! `[rank N]` prefixes and stderr tails, reaping, the root cause of a
 //! failure, and stopping them (SIGTERM, then SIGKILL after the grace).
 
-use crate::launch::{grace, signalled, Stop, STOPPED_EXIT, STOP_GRACE};
+use crate::launch::{grace, say, signalled, signals, Stop, STOPPED_EXIT, STOP_GRACE};
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ExitStatus};
@@ -166,15 +166,22 @@ pub(crate) fn describe(st: ExitStatus) -> (i32, String) {
     }
 }
 
-/// SIGTERM everyone still running, SIGKILL after the grace period, reap.
-/// `tick` is called while it waits (an elastic agent's heartbeat: the grace
-/// may outlast the heartbeat timeout, and a node stopping its workers is
-/// not lost).
+/// Send everyone still running the signal this launcher received (Ctrl-C
+/// reaches a worker as SIGINT, as under torchrun), else SIGTERM; SIGKILL
+/// after the grace period, or at once when another signal comes meanwhile
+/// (a second Ctrl-C); reap. `tick` is called while it waits (an elastic
+/// agent's heartbeat: the grace may outlast the heartbeat timeout, and a
+/// node stopping its workers is not lost).
 pub(crate) fn stop_all_ticking(workers: &mut [Worker], tick: &mut dyn FnMut()) {
+    let sig = match signalled() {
+        0 => libc::SIGTERM,
+        s => s,
+    };
+    let seen = signals();
     for pid in unreaped(workers) {
         // SAFETY: signalling the process group our (unreaped) child leads.
         unsafe {
-            libc::kill(-pid, libc::SIGTERM);
+            libc::kill(-pid, sig);
         }
     }
     let deadline = Instant::now() + grace();
@@ -182,7 +189,7 @@ pub(crate) fn stop_all_ticking(workers: &mut [Worker], tick: &mut dyn FnMut()) {
         loop {
             match reap(w) {
                 Ok(Some(_)) | Err(_) => break,
-                Ok(None) if Instant::now() >= deadline => {
+                Ok(None) if Instant::now() >= deadline || signals() > seen => {
                     // (std's kill never signals a reaped child.)
                     let _ = w.child.kill();
                     // A process in uninterruptible sleep (a dead NFS
@@ -192,7 +199,7 @@ pub(crate) fn stop_all_ticking(workers: &mut [Worker], tick: &mut dyn FnMut()) {
                     let until = Instant::now() + KILL_WAIT;
                     while matches!(reap(w), Ok(None)) {
                         if Instant::now() >= until {
-                            eprintln!(
+                            say!(
                                 "phalanx run: rank {} (pid {}) did not exit {:?} after SIGKILL \
                  (uninterruptible sleep?); going on without it",
                                 w.rank,

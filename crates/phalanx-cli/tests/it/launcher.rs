@@ -175,6 +175,48 @@ fn sigterm_is_forwarded_and_workers_stop() {
     wait_until("no worker left", || with_mark("61.37") == 0);
 }
 
+/// Ctrl-C (SIGINT) and Ctrl-\\ (SIGQUIT) reach the workers as themselves,
+/// as under torchrun (they used to get SIGTERM, and SIGQUIT was not
+/// caught, leaving them behind), also when the launcher's stdout and
+/// stderr are a pipe whose reader is gone (`… 2>&1 | tee log`, both told
+/// Ctrl-C: saying so used to panic the launcher, exit 101).
+#[test]
+fn ctrl_c_and_quit_reach_the_workers_as_themselves_past_a_closed_pipe() {
+    for (sig, name, mark) in [
+        (libc::SIGINT, "INT", "62.41"),
+        (libc::SIGQUIT, "QUIT", "62.43"),
+    ] {
+        let d = phalanx::fsutil::ScratchDir::new("phalanx", "ctrl-c");
+        let script = format!(
+            "d={}; trap 'echo {name} > $d/got$RANK; exit 9' {name}; touch $d/ready$RANK; \
+             sleep {mark} & wait",
+            d.display()
+        );
+        let mut child = Command::new(BIN)
+            .args(["run", "--nproc-per-node", "2", "--", "sh", "-c", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        drop(child.stderr.take());
+        wait_until("workers ready", || {
+            d.join("ready0").exists() && d.join("ready1").exists()
+        });
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(child.id() as i32, sig);
+        }
+        let st = wait_or_kill(&mut child, name);
+        assert_eq!(st.code(), Some(128 + sig), "SIG{name}: {st:?}");
+        for r in 0..2 {
+            let got = std::fs::read_to_string(d.join(format!("got{r}"))).unwrap_or_default();
+            assert_eq!(got.trim(), name, "rank {r} was not sent SIG{name}");
+        }
+        wait_until("no worker left", || with_mark(mark) == 0);
+    }
+}
+
 /// The launcher's exit after `signal`, or a failure (not a hang) if it has
 /// not exited well before its workers' 60 s sleep would end on its own.
 fn wait_or_kill(child: &mut std::process::Child, signal: &str) -> std::process::ExitStatus {
