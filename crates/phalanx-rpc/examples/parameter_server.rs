@@ -16,6 +16,7 @@
 
 use phalanx_rpc::ps::ctr::CtrSpec;
 use phalanx_rpc::ps::{Optim, PsClient, Server};
+use phalanx_rpc::rpc::launch::OrExit;
 use phalanx_rpc::rpc::{self, launch, Options, Registry};
 use std::time::{Duration, Instant};
 
@@ -105,10 +106,10 @@ fn main() {
         threads: trainers + 2,
         ..Options::default()
     };
-    let rpc = rpc::init_rpc_with(&name, rank, world, reg, opts).expect("init_rpc");
+    let rpc = rpc::init_rpc_with(&name, rank, world, reg, opts).or_exit("init_rpc");
     if rank >= servers {
         let t = rank - servers;
-        let mut c = PsClient::new(rpc.clone(), &names, cfg, t).expect("client");
+        let mut c = PsClient::new(rpc.clone(), &names, cfg, t).or_exit("client");
         let eval = spec.batch(u64::MAX, 0, 4096);
         let eval_loss = |c: &mut PsClient, last: bool| {
             let p = if last {
@@ -116,7 +117,7 @@ fn main() {
             } else {
                 c.pull(&[&eval.ids])
             }
-            .expect("pull");
+            .or_exit("pull");
             spec.loss(&eval, &p.rows[0], &p.dense[0])
         };
         // The initial model is known everywhere (rows start from their
@@ -135,14 +136,14 @@ fn main() {
                 println!("step {step:5}  eval loss {:.4}", eval_loss(&mut c, false));
             }
             let b = spec.batch(t as u64, step, batch);
-            let p = c.pull(&[&b.ids]).expect("pull");
+            let p = c.pull(&[&b.ids]).or_exit("pull");
             let g = spec.grads(&b, &p.rows[0], &p.dense[0]);
-            c.push(&[(&g.ids, &g.rows)], &[g.dense]).expect("push");
+            c.push(&[(&g.ids, &g.rows)], &[g.dense]).or_exit("push");
         }
         let secs = t0.elapsed().as_secs_f64();
         if t == 0 {
             let fin = eval_loss(&mut c, true);
-            let stats = c.server_stats().expect("stats");
+            let stats = c.server_stats().or_exit("stats");
             let ops: u64 = stats.iter().map(|s| s.pulls + s.pushes).sum();
             let rows: u64 = stats.iter().map(|s| s.rows).sum();
             println!("step {steps:5}  eval loss {fin:.4}");
@@ -159,5 +160,5 @@ fn main() {
             );
         }
     }
-    rpc.shutdown().expect("shutdown");
+    rpc.shutdown().or_exit("shutdown");
 }

@@ -16,6 +16,7 @@
 //! one of them. The learner prints progress and a final JSON line.
 
 use phalanx_rpc::rl::{self, LearnerConfig};
+use phalanx_rpc::rpc::launch::OrExit;
 use phalanx_rpc::rpc::{self, launch, Options, Registry};
 use std::time::Duration;
 
@@ -70,10 +71,10 @@ fn main() {
     } else {
         format!("observer{rank}")
     };
-    let rpc = rpc::init_rpc_with(&name, rank, world, reg, Options::default()).expect("init_rpc");
+    let rpc = rpc::init_rpc_with(&name, rank, world, reg, Options::default()).or_exit("init_rpc");
     if rank == 0 {
         let names: Vec<String> = (1..world).map(|r| format!("observer{r}")).collect();
-        let rep = rl::learn(&rpc, &names, &cfg).expect("learn");
+        let rep = rl::learn(&rpc, &names, &cfg).or_exit("learn");
         for (i, chunk) in rep.returns.chunks(100).enumerate() {
             let m = chunk.iter().sum::<f32>() / chunk.len() as f32;
             println!(
@@ -93,5 +94,5 @@ fn main() {
             rep.env_steps as f64 / rep.seconds
         );
     }
-    rpc.shutdown().expect("shutdown");
+    rpc.shutdown().or_exit("shutdown");
 }

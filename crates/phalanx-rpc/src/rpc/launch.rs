@@ -11,6 +11,7 @@
 //! SIGKILL after 3 s) before it exits with 128 + the signal.
 
 use phalanx_comm::store::StoreServer;
+use std::io::Write;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
@@ -139,6 +140,27 @@ pub fn max_local_ranks() -> usize {
     8 * std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// For a rank's program: an error ends it with a message and exit code 1
+/// instead of a panic's backtrace and 101 (a peer that died, a missing
+/// `PHALANX_SECRET`: what happened, not a bug).
+pub trait OrExit<T> {
+    /// The value, or `PROGRAM: what: error` on stderr and exit 1.
+    fn or_exit(self, what: &str) -> T;
+}
+
+impl<T, E: std::fmt::Display> OrExit<T> for std::result::Result<T, E> {
+    fn or_exit(self, what: &str) -> T {
+        self.unwrap_or_else(|e| {
+            let prog = std::env::args().next().unwrap_or_default();
+            let prog = std::path::Path::new(&prog)
+                .file_name()
+                .map_or("rank".into(), |n| n.to_string_lossy().into_owned());
+            let _ = writeln!(std::io::stderr(), "{prog}: {what}: {e}");
+            std::process::exit(1)
+        })
+    }
+}
+
 /// This process's rank and world size, when it was started as a rank.
 pub fn rank_of_job() -> Option<(usize, usize)> {
     // The sizes only: what the store needs (an address, a secret) is for
@@ -148,7 +170,8 @@ pub fn rank_of_job() -> Option<(usize, usize)> {
 }
 
 /// Run this program as `world` ranks with the same arguments; returns the
-/// job's exit code (the first failure's). If a rank fails, the others get
+/// job's exit code (the first failure's in time, 128 + the signal for a
+/// rank killed by one, named on stderr). If a rank fails, the others get
 /// `grace` to notice before they are killed.
 pub fn spawn_ranks(world: usize, grace: Duration) -> Result<i32, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -197,6 +220,8 @@ pub fn spawn_ranks_with(
     }
     let mut codes: Vec<Option<i32>> = vec![None; world];
     let mut failed_at: Option<Instant> = None;
+    // The first failure in time: the job's exit code.
+    let mut first: Option<i32> = None;
     loop {
         let sig = SIGNALLED.load(Ordering::SeqCst);
         if sig != 0 {
@@ -206,10 +231,21 @@ pub fn spawn_ranks_with(
         for (r, k) in kids.iter_mut().enumerate() {
             if codes[r].is_none() {
                 if let Ok(Some(st)) = k.try_wait() {
-                    let code = st.code().unwrap_or(1);
+                    // Killed by a signal: 128 + it, as a shell says.
+                    let sig = std::os::unix::process::ExitStatusExt::signal(&st);
+                    let code = st.code().unwrap_or(128 + sig.unwrap_or(0));
                     codes[r] = Some(code);
-                    if code != 0 && failed_at.is_none() {
+                    if code != 0 && first.is_none() {
                         failed_at = Some(Instant::now());
+                        first = Some(code);
+                        let how = match sig {
+                            Some(s) => format!("killed by signal {s}"),
+                            None => format!("exit code {code}"),
+                        };
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "rank {r} failed ({how}); the other ranks are stopped"
+                        );
                     }
                 }
             }
@@ -223,12 +259,7 @@ pub fn spawn_ranks_with(
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(server);
-    Ok(codes
-        .iter()
-        .flatten()
-        .copied()
-        .find(|&c| c != 0)
-        .unwrap_or(0))
+    Ok(first.unwrap_or(0))
 }
 
 /// SIGKILL every rank's process group, and reap the ranks.

@@ -507,6 +507,30 @@ fn calls_across_processes() {
     assert_eq!(run_as_processes("rank_calls_across_processes", 3), 0);
 }
 
+/// Rank 1 is killed at once, rank 0 fails a second later with its own
+/// code (as a rank panicking over a dead peer would).
+#[test]
+#[ignore]
+fn rank_killed_first() {
+    let (rank, _) = launch::rank_of_job().expect("started as a rank");
+    if rank == 1 {
+        // SAFETY: ending this process as SIGKILL would.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    std::process::exit(3);
+}
+
+/// The job's code is the first failure's in time, a signal's as 128 + it
+/// (it was the lowest rank's code, and a signal's was 1).
+#[test]
+fn the_first_failure_and_its_signal_give_the_exit_code() {
+    assert_eq!(
+        run_as_processes("rank_killed_first", 2),
+        128 + libc::SIGKILL
+    );
+}
+
 #[test]
 #[ignore]
 fn rank_with_workers_that_die() {
