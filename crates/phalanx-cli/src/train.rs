@@ -150,10 +150,10 @@ pub fn main(opts: &TrainOpts, launch: &crate::launch::LaunchOpts) -> i32 {
     });
     // (Said by rank 0 of whichever launcher: torchrun's RANK, mpirun's,
     // srun's.)
-    let job = phalanx_comm::JobSizes::from_env()
+    let rank0 = phalanx_comm::JobSizes::from_env()
         .ok()
-        .filter(|j| j.in_job());
-    if let (false, true, Some(j)) = (own, given, job.filter(|j| j.rank == 0)) {
+        .filter(|j| j.in_job() && j.rank == 0);
+    if let (false, true, Some(j)) = (own, given, rank0) {
         eprintln!(
             "note: phalanx train runs inside a job {} started: --nproc-per-node, --nnodes \
              and --max-restarts are that launcher's to give, and have no effect here",

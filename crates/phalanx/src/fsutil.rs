@@ -171,7 +171,8 @@ fn write_unnamed(_: &Path, _: &Path, _: &[u8]) -> std::io::Result<bool> {
 /// A fresh, empty directory under the system's temporary directory
 /// (`prefix-name-pid-n`, n counting this process's scratch directories, so
 /// tests of different files merged into one binary never share one),
-/// removed with everything in it when dropped, also when a test panics. Tests and examples take their scratch space from it;
+/// removed with everything in it when dropped, also when a test panics.
+/// Tests and examples take their scratch space from it;
 /// `PHALANX_KEEP_SCRATCH=1` keeps it for a look afterwards.
 ///
 /// ```

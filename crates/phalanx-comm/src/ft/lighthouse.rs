@@ -82,8 +82,7 @@ impl Lighthouse {
     pub fn start(bind: &str, secret: Vec<u8>, opts: LighthouseOpts) -> Result<Lighthouse> {
         let server = StoreServer::bind(bind, secret.clone())?;
         let addr = server.addr().to_string();
-        let store =
-            StoreClient::connect_to("the lighthouse", &addr, &secret, Duration::from_secs(10))?;
+        let store = super::connect(&addr, &secret, Duration::from_secs(10))?;
         store.set(
             &key("heartbeat_timeout_ms"),
             opts.heartbeat_timeout.as_millis().to_string().as_bytes(),

@@ -149,7 +149,7 @@ impl Manager {
         }
         let local = local.filter(|l| l.size() > 1);
         let lead = local.as_ref().is_none_or(|l| l.rank() == 0);
-        let store = StoreClient::connect_to("the lighthouse", addr, secret, opts.quorum_timeout)?;
+        let store = super::connect(addr, secret, opts.quorum_timeout)?;
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(AtomicU64::new(0));
         let mut beat = None;
@@ -182,7 +182,7 @@ impl Manager {
                 }
             }
             generation = store.try_get(&key("lighthouse"))?.unwrap_or_default();
-            let hb = StoreClient::connect_to("the lighthouse", addr, secret, opts.quorum_timeout)?;
+            let hb = super::connect(addr, secret, opts.quorum_timeout)?;
             // The lighthouse judges silence by its own timeout: beat 5
             // times within the shorter of the two, or a lighthouse started
             // with a shorter one drops every group as soon as it joins.
@@ -319,7 +319,7 @@ impl Manager {
                 .spawn(move || {
                     let client = match poll {
                         Some(c) => c,
-                        None => StoreClient::connect_to("the lighthouse", &addr, &secret, timeout)?,
+                        None => super::connect(&addr, &secret, timeout)?,
                     };
                     client.set(&step_key, step.to_string().as_bytes())?;
                     let e = Manager::latest_epoch(&client)?;
@@ -754,9 +754,9 @@ impl Manager {
         let sent = std::thread::Builder::new()
             .name("phalanx-ft-leave".into())
             .spawn(move || {
-                let r = StoreClient::connect_to("the lighthouse", &addr, &secret, LEAVE_WAIT)
+                let _ = super::connect(&addr, &secret, LEAVE_WAIT)
                     .and_then(|c| c.set(&k, inc.as_bytes()));
-                let _ = tx.send(r.is_ok());
+                let _ = tx.send(());
             });
         if sent.is_ok() {
             let _ = rx.recv_timeout(LEAVE_WAIT);

@@ -53,6 +53,16 @@ pub(crate) fn key(k: &str) -> String {
     format!("ft/{k}")
 }
 
+/// A connection to the lighthouse's store at `addr` (its messages say "the
+/// lighthouse", not "the rendezvous store").
+pub(crate) fn connect(
+    addr: &str,
+    secret: &[u8],
+    timeout: std::time::Duration,
+) -> crate::error::Result<crate::store::StoreClient> {
+    crate::store::StoreClient::connect_to("the lighthouse", addr, secret, timeout)
+}
+
 /// `id@inc,id@inc` → [(id, inc)].
 pub(crate) fn parse_members(list: &str) -> Vec<(String, u64)> {
     list.split(',')

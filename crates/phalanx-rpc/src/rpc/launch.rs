@@ -219,9 +219,8 @@ pub fn spawn_ranks_with(
         }
     }
     let mut codes: Vec<Option<i32>> = vec![None; world];
-    let mut failed_at: Option<Instant> = None;
-    // The first failure in time: the job's exit code.
-    let mut first: Option<i32> = None;
+    // The first failure in time (its code is the job's) and when.
+    let mut first: Option<(i32, Instant)> = None;
     loop {
         let sig = SIGNALLED.load(Ordering::SeqCst);
         if sig != 0 {
@@ -236,8 +235,7 @@ pub fn spawn_ranks_with(
                     let code = st.code().unwrap_or(128 + sig.unwrap_or(0));
                     codes[r] = Some(code);
                     if code != 0 && first.is_none() {
-                        failed_at = Some(Instant::now());
-                        first = Some(code);
+                        first = Some((code, Instant::now()));
                         let how = match sig {
                             Some(s) => format!("killed by signal {s}"),
                             None => format!("exit code {code}"),
@@ -253,13 +251,13 @@ pub fn spawn_ranks_with(
         if codes.iter().all(|c| c.is_some()) {
             break;
         }
-        if failed_at.is_some_and(|t| t.elapsed() > grace) {
+        if first.is_some_and(|(_, t)| t.elapsed() > grace) {
             kill_all(&mut kids);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(server);
-    Ok(first.unwrap_or(0))
+    Ok(first.map_or(0, |(code, _)| code))
 }
 
 /// SIGKILL every rank's process group, and reap the ranks.

@@ -198,8 +198,6 @@ fn big_text_note(key: &str, files: &[PathBuf]) -> Option<String> {
     })
 }
 
-/// A file in the fingerprint: its name (not its path: a resume from another
-/// directory, or with an absolute path, reads the same files) and size.
 /// A validation file (or part) too short for one sample of `seq_len`:
 /// almost surely a mistake.
 fn val_too_short(name: &str, n: usize, seq_len: usize) -> DataError {
@@ -209,6 +207,8 @@ fn val_too_short(name: &str, n: usize, seq_len: usize) -> DataError {
     ))
 }
 
+/// A file in the fingerprint: its name (not its path: a resume from another
+/// directory, or with an absolute path, reads the same files) and size.
 fn file_print(f: &std::path::Path) -> serde_json::Value {
     let name = f
         .file_name()

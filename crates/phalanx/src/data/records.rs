@@ -79,10 +79,10 @@ pub fn documents_of(
     field_key: &str,
     threads: usize,
 ) -> Vec<Doc> {
-    if !jsonl && bytes.is_empty() {
-        return Vec::new();
-    }
     if !jsonl {
+        if bytes.is_empty() {
+            return Vec::new();
+        }
         return vec![match std::str::from_utf8(bytes) {
             Ok(t) => Ok(t.to_string()),
             Err(e) => Err((

@@ -421,13 +421,12 @@ impl Tx<'_> {
                         // A multiple of the lr: below 0 (or, for the
                         // floor, above 1) the derived optim.{to} would be
                         // refused under a key the file does not have.
-                        let top = if k == "cos_min_ratio" { 1.0 } else { f64::MAX };
+                        let (top, range) = if k == "cos_min_ratio" {
+                            (1.0, "between 0 and 1")
+                        } else {
+                            (f64::MAX, "at least 0")
+                        };
                         if !(0.0..=top).contains(&r) {
-                            let range = if top == 1.0 {
-                                "between 0 and 1"
-                            } else {
-                                "at least 0"
-                            };
                             return Err(self.err(
                                 &path(k),
                                 &format!("must be {range} (a multiple of the lr), not {r}"),
